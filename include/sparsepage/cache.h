@@ -1,0 +1,192 @@
+// KV caches and how they become pools of rows (SPEC section 4).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "sparsepage/memory.h"
+#include "sparsepage/page_table.h"
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+
+/// Storage mode of a dense cache. Raw modes store K/V as they come; the
+/// quantized modes store symmetric per-(b, h, t) int8 or packed 4-bit values
+/// with an fp32 scale and exist on the host only.
+enum class CacheMode : int32_t { kF16, kBF16, kInt8, kInt4 };
+const char* cache_mode_name(CacheMode mode);
+
+/// Shape of a dense `[batch, heads, capacity, head_dim]` allocation.
+struct CacheShape {
+  int32_t batch = 0;
+  int32_t heads = 0;
+  int64_t capacity = 0;
+  int32_t head_dim = 0;
+  bool operator==(const CacheShape& o) const {
+    return batch == o.batch && heads == o.heads && capacity == o.capacity && head_dim == o.head_dim;
+  }
+};
+
+/// The raw K and V allocations of a dense cache plus its live length.
+struct RawKVAllocations {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType dtype = DType::kBF16;
+  Device device = Device::kCpu;
+  CacheShape k_shape;
+  CacheShape v_shape;
+  int64_t live_len = 0;
+};
+
+/// The live window an update returns: `[batch, heads, live_len, head_dim]`
+/// whose head stride is the capacity (a slice of the padded allocation).
+struct CacheWindow {
+  const void* k = nullptr;  // element (b, h, t, d) at ((b * heads + h) * capacity + t) * head_dim + d
+  const void* v = nullptr;
+  CacheShape k_shape;       // capacity here is the allocation's
+  CacheShape v_shape;
+  int64_t live_len = 0;
+};
+
+/// A dense cache `[B, H, Cap, D]` growing `Cap` in steps of `capacity_step`.
+/// K and V may differ in heads (K may carry extra heads after the attention
+/// heads) and in head_dim.
+class DenseKVCache {
+ public:
+  DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
+               int32_t k_head_dim, int32_t v_head_dim, int64_t capacity_step = 256);
+
+  /// Appends `new_tokens` tokens: `k_new` is `[B, k_heads, new_tokens, k_head_dim]`
+  /// and `v_new` `[B, v_heads, new_tokens, v_head_dim]`, contiguous, in
+  /// `input_dtype`, on the cache's device (host for quantized modes). Raw modes
+  /// need input_dtype == the storage dtype. Returns the live window (raw modes;
+  /// for quantized modes the window's pointers are null: read
+  /// `dequantized_window`).
+  CacheWindow update_and_fetch(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
+
+  /// The allocations when the rows are raw fp16/bf16 K/V; nothing for
+  /// quantized modes and head-trimmed windows.
+  std::optional<RawKVAllocations> raw_kv_allocations() const;
+
+  /// A view of the first `heads` heads of K and V (sharing storage). Its
+  /// rows are not the allocation's, so it has no raw allocations.
+  DenseKVCache head_trimmed(int32_t heads) const;
+
+  /// The live window as fp32 `[B, H, L, D]` (dequantized for quantized modes).
+  std::vector<float> dequantized_window(bool key) const;
+
+  CacheMode mode() const { return mode_; }
+  Device device() const { return device_; }
+  int64_t live_len() const { return live_len_; }
+  int64_t capacity() const { return capacity_; }
+  CacheShape k_shape() const { return {batch_, k_heads_, capacity_, k_head_dim_}; }
+  CacheShape v_shape() const { return {batch_, v_heads_, capacity_, v_head_dim_}; }
+  bool is_head_trimmed() const { return trimmed_heads_ >= 0; }
+
+ private:
+  struct Storage;
+  void grow_to(int64_t needed);
+  Device device_;
+  CacheMode mode_;
+  int32_t batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_;
+  int64_t capacity_step_;
+  int64_t capacity_ = 0;
+  int64_t live_len_ = 0;
+  int32_t trimmed_heads_ = -1;  // >= 0 for a head-trimmed view
+  std::shared_ptr<Storage> storage_;
+};
+
+/// Views a dense allocation `[B, H, Cap, D]` as a pool of rows:
+/// row(b, h, t) = (b * H + h) * Cap + t. The head stride is the capacity,
+/// never the live length.
+struct ContiguousCacheLayout {
+  int32_t batch = 0;
+  int32_t heads = 0;      // heads in the allocation
+  int64_t capacity = 0;
+  int32_t head_dim = 0;
+
+  static ContiguousCacheLayout of(const CacheShape& shape) {
+    return {shape.batch, shape.heads, shape.capacity, shape.head_dim};
+  }
+  int64_t row(int64_t b, int64_t h, int64_t t) const { return (b * heads + h) * capacity + t; }
+  int64_t num_rows() const { return int64_t{batch} * heads * capacity; }
+  /// Row stride in elements (rows are the innermost head_dim elements).
+  int64_t row_stride() const { return head_dim; }
+};
+
+/// Head folding: with `num_qo_heads` query heads over `num_kv_heads` KV heads
+/// (query head i belongs to KV head i / group_size), request r = b * num_kv_heads + h
+/// owns the query heads h * group_size .. (h + 1) * group_size - 1 of
+/// sequence b, so `[B, Hq, 1, D]` queries are `[B * Hkv, group_size, D]` by
+/// reshape. Throws when num_qo_heads is not a multiple of num_kv_heads.
+struct HeadFolding {
+  int32_t batch = 0;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  static HeadFolding make(int32_t batch, int32_t num_qo_heads, int32_t num_kv_heads);
+  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  int32_t num_requests() const { return batch * num_kv_heads; }
+  int32_t request(int32_t b, int32_t kv_head) const { return b * num_kv_heads + kv_head; }
+};
+
+/// Whether K and V allocations of these shapes put (b, h, t) at the same row
+/// for the attention heads 0 .. v_shape.heads - 1, so one index can address
+/// both. True when the shapes match in batch, heads and capacity; also at
+/// batch 1 when K has extra heads after the attention heads.
+bool shared_row_mapping(const CacheShape& k_shape, const CacheShape& v_shape);
+
+/// A paged cache: blocks of `block_size` tokens; the allocation is
+/// `[num_blocks, heads, block_size, head_dim]` for K and for V, so block id
+/// `blk` of head `h` is pool page `blk * heads + h` at page_size = block_size.
+/// Each sequence owns a block table.
+class PagedBlockPool {
+ public:
+  PagedBlockPool(Device device, DType dtype, int32_t num_blocks, int32_t heads, int32_t block_size,
+                 int32_t k_head_dim, int32_t v_head_dim);
+
+  /// Adds a sequence and returns its id.
+  int32_t add_sequence();
+  /// Appends `new_tokens` tokens of `[heads, new_tokens, head_dim]` K and V
+  /// (host memory, pool dtype) to sequence `seq`, taking blocks from the free
+  /// list. Throws when the pool is full.
+  void append(int32_t seq, const void* k_new, const void* v_new, int64_t new_tokens);
+  const std::vector<int32_t>& block_table(int32_t seq) const;
+  int64_t seq_len(int32_t seq) const;
+
+  /// Pool page of block `block_id` for head `head`.
+  int32_t page(int32_t block_id, int32_t head) const { return block_id * heads_ + head; }
+
+  /// Block-granular page table for requests (seq, head) with the given
+  /// selected block ids (indices into each sequence's block table) — no
+  /// expansion to tokens: page_size = block_size. The final partial block
+  /// must be last when selected, as for selection_from_blocks. Returns the
+  /// structure and the host indices (pool pages) to upload.
+  std::pair<PageTableStructure, std::vector<int32_t>> block_page_table(
+      const std::vector<int32_t>& seqs, const std::vector<int32_t>& heads,
+      const std::vector<std::vector<int32_t>>& selected_blocks) const;
+
+  const void* k_data() const { return k_.data(); }
+  const void* v_data() const { return v_.data(); }
+  int64_t num_pages() const { return int64_t{num_blocks_} * heads_; }
+  int32_t block_size() const { return block_size_; }
+  int32_t heads() const { return heads_; }
+  int32_t k_head_dim() const { return k_head_dim_; }
+  int32_t v_head_dim() const { return v_head_dim_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  /// A pool-backed cache never exposes raw dense allocations.
+  std::optional<RawKVAllocations> raw_kv_allocations() const { return std::nullopt; }
+
+ private:
+  Device device_;
+  DType dtype_;
+  int32_t num_blocks_, heads_, block_size_, k_head_dim_, v_head_dim_;
+  Buffer k_, v_;
+  std::vector<int32_t> free_blocks_;
+  std::vector<std::vector<int32_t>> block_tables_;
+  std::vector<int64_t> seq_lens_;
+};
+
+}  // namespace sparsepage

@@ -1,0 +1,77 @@
+// The paged decode (SPEC section 6): one params struct, two backends.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsepage/memory.h"
+#include "sparsepage/plan.h"
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+
+/// A pool of rows: element (row, d) at data + row * row_stride + d.
+struct PoolView {
+  const void* data = nullptr;  // may be null only for an absent optional stream
+  int64_t row_stride = 0;      // elements between consecutive rows (>= dim)
+  int32_t dim = 0;             // elements used per row
+};
+
+/// Everything a decode launch reads and writes. All pointers live in the
+/// memory of the backend that runs it. Pass by value.
+struct DecodeParams {
+  DType dtype = DType::kBF16;        // q, pools and o share it
+
+  // Page table (SPEC section 3).
+  const int32_t* indptr = nullptr;            // [num_requests + 1]
+  const int32_t* indices = nullptr;           // [indptr[num_requests]] pool page ids
+  const int32_t* first_page_offset = nullptr; // [num_requests]; may be null (all zero)
+  const int32_t* seq_lens = nullptr;          // [num_requests] visible tokens
+  int32_t num_requests = 0;
+  int32_t page_size = 1;
+  int64_t num_pool_pages = 0;  // page ids must lie in [0, num_pool_pages); pages cover rows page*page_size ..
+
+  int32_t group_size = 1;      // query heads per request
+  const void* q = nullptr;     // [num_requests, group_size, k.dim], contiguous
+  PoolView k;                  // K rows, dim = head_dim_qk
+  PoolView v;                  // V rows, dim = head_dim_v; may alias k's first columns
+  const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
+  PoolView k_extra;            // second K stream; data null when absent
+  float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
+
+  void* o = nullptr;           // [num_requests, group_size, v.dim]
+  float* lse = nullptr;        // [num_requests, group_size]; may be null
+};
+
+/// Throws sparsepage::Error naming the first field that is inconsistent with
+/// itself or with `plan` (null pointers, dims, strides, counts). Host-side
+/// checks only: it never reads the arrays.
+void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
+
+/// CPU reference backend: runs the plan's work items (multi-threaded), then
+/// the lse merge. Pointers are host pointers. `workspace` must hold
+/// plan.workspace.total bytes (host). Every page id is bounds-checked: an id
+/// outside the pool throws, nothing is read.
+void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
+
+/// Head dims the fused kernels are built for (CPU runs any).
+bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra);
+
+/// CUDA backend, two steps.
+/// `upload_plan` copies the plan's work list and merge lists into the device
+/// workspace (asynchronously on `stream`); do it when the plan changes, before
+/// any graph capture. `run_decode_cuda` then launches the partial kernel and,
+/// when the plan needs it, the merge kernel: no allocation, no
+/// synchronization, no host reads, so it can be captured in a CUDA graph.
+/// Page ids outside the pool are never read: the request's output becomes NaN
+/// and the workspace error flag is set (read it with `read_decode_error_flag`).
+/// `stream` is a cudaStream_t (null: the default stream).
+void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);
+void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,
+                     void* stream = nullptr);
+/// Reads and clears the error flag (synchronizes). Nonzero: some page id was outside the pool.
+uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream = nullptr);
+
+/// Device properties the plan needs.
+int32_t cuda_multiprocessor_count();
+
+}  // namespace sparsepage

@@ -1,0 +1,62 @@
+// The two dense alternatives a sparse decode replaces, kept as real paths:
+// the mask path (attention over the whole live window with an additive mask)
+// and the gather path (copy the selected rows, then attend to the copy).
+// Both are what callers fall back to and what the benchmark compares against.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparsepage/decode.h"
+#include "sparsepage/memory.h"
+#include "sparsepage/selection.h"
+
+namespace sparsepage {
+
+/// One dense `[batch, heads, capacity, row_stride]` allocation seen as rows:
+/// row(b, h, t) = (b * heads + h) * capacity + t; element d of a row at
+/// data + row * row_stride + d. Each stream has its own heads and strides, so
+/// a K allocation wider than V (extra heads) is addressed correctly at any batch.
+struct DenseStream {
+  const void* data = nullptr;  // null only for an absent optional stream
+  int32_t heads = 0;           // heads in the allocation (>= num_kv_heads)
+  int64_t capacity = 0;        // rows reserved per (b, h)
+  int64_t row_stride = 0;      // elements per row in memory (>= dim)
+  int32_t dim = 0;             // elements used per row
+};
+
+/// Dense masked decode over the live window t < live_len of every
+/// (sequence b, KV head h) request r = b * num_kv_heads + h.
+struct MaskedDecodeParams {
+  DType dtype = DType::kBF16;  // q, streams and o share it (kF32 for dequantized caches)
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;    // attention KV heads
+  int32_t group_size = 1;
+  int64_t live_len = 0;
+  const void* q = nullptr;         // [batch * num_kv_heads, group_size, k.dim]
+  DenseStream k;
+  DenseStream v;
+  const void* q_extra = nullptr;   // [batch * num_kv_heads, group_size, k_extra.dim] or null
+  DenseStream k_extra;
+  const float* mask = nullptr;     // [batch * num_kv_heads, live_len] additive (0 keeps, -inf drops); null: no mask
+  float scale = 1.0f;
+  void* o = nullptr;               // [batch * num_kv_heads, group_size, v.dim]
+  float* lse = nullptr;            // [batch * num_kv_heads, group_size] or null
+};
+
+void check_masked_decode_params(const MaskedDecodeParams& params);
+void run_masked_decode_cpu(const MaskedDecodeParams& params);
+/// CUDA mask path; `workspace` holds `masked_decode_workspace_bytes(params)`
+/// bytes of device memory. Graph-capturable like run_decode_cuda.
+size_t masked_decode_workspace_bytes(const MaskedDecodeParams& params, int32_t num_sms);
+void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, void* stream = nullptr);
+
+/// Copies the selected rows of `pool` into `dst` `[num_requests, max_rows,
+/// pool.dim]` (row stride pool.dim), zero-filling rows past each request's
+/// count. `rows`/`offsets` are the selection's device arrays. Rows outside
+/// [0, num_pool_rows) are not read: they are written as NaN.
+void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests,
+                 int64_t max_rows, DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst,
+                 void* stream = nullptr);
+
+}  // namespace sparsepage

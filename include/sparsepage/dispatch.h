@@ -1,0 +1,95 @@
+// The dispatch policy (SPEC section 7): whether a sparse decode runs the fused
+// paged kernel or declines so that the caller runs its mask or gather path.
+// `decide_sparse_decode` is a pure function of its inputs; the heuristics and
+// their reasons live in src/core/dispatch.cc.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace sparsepage {
+
+enum class OutcomeKind : int32_t {
+  kFused = 0,
+  kKillSwitch,         // SPARSEPAGE_SPARSE_DECODE pins the dense path
+  kBelowFloor,         // too few selected rows to beat the alternative kernel
+  kBelowSparsity,      // live window not enough times the selected count
+  kNonRawCache,        // quantized, pool-backed or head-trimmed cache
+  kUnsupportedHeadDim, // no fused kernel for these head dims
+  kRowMapping,         // K and V do not share a row mapping
+  kNoDevice,           // the fused path needs a GPU the process does not have
+  kCount
+};
+const char* outcome_kind_name(OutcomeKind kind);
+
+/// What a fused attempt did: fused (with its shape) or a fallback whose
+/// reason names the numbers that produced it.
+struct SparseDecodeOutcome {
+  OutcomeKind kind = OutcomeKind::kFused;
+  int64_t requests = 0;       // folded requests
+  int64_t selected_rows = 0;  // rows per request (max) for fused; total for reasons
+  int64_t chunks = 0;         // work items of the plan
+  bool merge = false;
+  std::string reason;         // fallbacks only
+  bool fused() const { return kind == OutcomeKind::kFused; }
+  /// The one-line description, e.g.
+  /// "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on)".
+  std::string describe() const;
+};
+
+/// The policy's knobs. Defaults are the measured ones (docs/PERFORMANCE.md).
+struct DispatchConfig {
+  bool enabled = true;                    // SPARSEPAGE_SPARSE_DECODE
+  int64_t min_kv_tokens = 0;              // SPARSEPAGE_MIN_KV_TOKENS (single-request launches)
+  int64_t min_kv_tokens_per_request = 0;  // SPARSEPAGE_MIN_KV_TOKENS_PER_REQUEST (batched launches)
+  int64_t min_sparsity = 2;               // SPARSEPAGE_MIN_SPARSITY; 0 disables the gate
+
+  static DispatchConfig defaults();
+  /// Defaults overridden by the environment (see the parse_* functions).
+  static DispatchConfig from_environment();
+};
+
+/// The process-wide configuration: read from the environment once, on first use.
+const DispatchConfig& process_dispatch_config();
+
+/// Kill switch: "0", "false", "off", "no" (any case, surrounding spaces
+/// ignored) disable the fused path; anything else, a typo included, keeps it.
+bool parse_enable_switch(const char* value);
+/// A non-negative integer, or `fallback` for anything else (null, empty,
+/// "2.5", "abc", negative).
+int64_t parse_count(const char* value, int64_t fallback);
+/// "1", "true", "on", "yes" (any case) turn a debug switch on.
+bool parse_debug_switch(const char* value);
+
+/// The facts a decision is made from.
+struct DispatchInput {
+  int64_t num_requests = 0;     // folded: batch * num_kv_heads
+  int64_t selected_rows = 0;    // total selected rows across requests
+  int64_t live_len = 0;         // tokens in the cache (per request)
+  bool raw_cache = true;        // raw fp16/bf16 rows
+  bool head_dims_supported = true;
+  bool shared_row_mapping = true;
+  bool device_available = true;
+  int64_t chunks = 0;           // filled into the outcome when fused
+  bool merge = false;
+};
+
+SparseDecodeOutcome decide_sparse_decode(const DispatchInput& input, const DispatchConfig& config);
+
+/// Running totals for harnesses.
+struct DispatchStats {
+  int64_t fused = 0;
+  int64_t fallbacks = 0;
+  int64_t by_kind[static_cast<int>(OutcomeKind::kCount)] = {};
+  int64_t fused_rows = 0;  // selected rows sent through the fused kernel
+};
+DispatchStats dispatch_stats();
+void reset_dispatch_stats();  // also re-arms once-per-kind announcements
+
+/// Counts the outcome in the stats and announces the first occurrence of
+/// each kind ("sparse paged decode: <describe()>") on stderr and the log sink.
+/// Returns true when this call announced.
+bool record_outcome(const SparseDecodeOutcome& outcome);
+
+}  // namespace sparsepage

@@ -1,0 +1,72 @@
+// The split-KV plan (SPEC section 6): host-only, from per-request visible
+// counts, deterministic. The same plan is reused while counts are unchanged,
+// which is what makes `run` capturable in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace sparsepage {
+
+/// One unit of partial work: tokens [token_begin, token_end) of `request`.
+/// Its partial lands in slot `partial` of the workspace, or straight in the
+/// output when the request has a single chunk (partial == -1).
+struct WorkItem {
+  int32_t request;
+  int32_t token_begin;
+  int32_t token_end;
+  int32_t partial;
+};
+
+/// What the plan needs to know about the problem and the machine.
+struct PlanShape {
+  int32_t group_size = 1;    // query heads per request
+  int32_t head_dim_v = 128;  // output width; sizes the partials
+  int32_t num_sms = 132;     // multiprocessors to fill (any value >= 1 on the CPU)
+  /// Work items per multiprocessor the plan aims for. More items mean more
+  /// bytes in flight at small batch, and more partials to merge.
+  int32_t items_per_sm = 2;
+  /// Smallest chunk; a multiple of `chunk_granule`. Chunks shorter than this
+  /// pay more in merge and per-item setup than they win in parallelism.
+  int32_t min_chunk_tokens = 64;
+  /// Chunks are multiples of this many tokens (the kernel's token tile).
+  int32_t chunk_granule = 32;
+  /// 0 lets the plan choose; otherwise every chunk has exactly this many
+  /// tokens (rounded to the granule): how tests force splits on and off.
+  int32_t fixed_chunk_tokens = 0;
+};
+
+/// Workspace layout, all offsets in bytes from the workspace base, each
+/// 256-byte aligned. Partial outputs are fp32 `[num_partials, group_size,
+/// head_dim_v]` and partial lse fp32 `[num_partials, group_size]`.
+struct WorkspaceLayout {
+  size_t partial_o = 0;
+  size_t partial_lse = 0;
+  size_t work_items = 0;     // WorkItem[num_items] (device copy for the GPU backend)
+  size_t merge_indptr = 0;   // int32 [num_merge_requests + 1] into partial slots
+  size_t merge_requests = 0; // int32 [num_merge_requests]
+  size_t error_flag = 0;     // uint32, set by kernels that met an index outside the pool
+  size_t total = 0;
+};
+
+struct DecodePlan {
+  int32_t num_requests = 0;
+  int32_t group_size = 1;
+  int32_t head_dim_v = 0;
+  int32_t chunk_tokens = 0;             // tokens per chunk (the last one of a request may be shorter)
+  std::vector<WorkItem> work;           // ordered by request, then token_begin
+  std::vector<int32_t> merge_requests;  // requests split into more than one chunk
+  std::vector<int32_t> merge_indptr;    // [merge_requests.size() + 1]: partial slots per merged request
+  int32_t num_partials = 0;
+  bool needs_merge() const { return !merge_requests.empty(); }
+  WorkspaceLayout workspace;
+  /// Per-request counts the plan was made for; `run` checks a table against them.
+  std::vector<int32_t> seq_lens;
+};
+
+/// Makes the plan. Every request gets at least one work item (an empty request
+/// still writes o = 0, lse = -inf). Throws sparsepage::Error on bad shape.
+DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape);
+
+}  // namespace sparsepage

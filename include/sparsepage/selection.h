@@ -1,0 +1,53 @@
+// Selections: which pool rows a sparse model keeps for each request
+// (SPEC section 5). The content is device data (a top-k output); the counts
+// are known on the host by construction.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparsepage/memory.h"
+
+namespace sparsepage {
+
+struct SparseSelection {
+  Buffer indices;               // int32 pool rows, requests concatenated, on `indices.device()`
+  std::vector<int32_t> counts;  // [num_requests], host
+
+  int32_t num_requests() const { return static_cast<int32_t>(counts.size()); }
+  int64_t total() const;
+  /// Per-request offsets into `indices` ([num_requests + 1]).
+  std::vector<int32_t> offsets() const;
+  /// Reads the rows back per request. Synchronizes; for tests and the dump
+  /// switch only.
+  std::vector<std::vector<int32_t>> materialize() const;
+};
+
+/// Builds a selection from host row lists, uploading to `device`.
+SparseSelection make_selection(Device device, const std::vector<std::vector<int32_t>>& rows);
+
+/// Prints each request's selected rows on stderr when SPARSEPAGE_DUMP_SELECTION
+/// is set (1, true, on, yes). Synchronizes: debugging only. Returns whether it printed.
+bool dump_selection_if_enabled(const SparseSelection& selection, const char* label);
+/// Whether SPARSEPAGE_DUMP_SELECTION is on (read once per process).
+bool dump_selection_enabled();
+
+/// Block ids to token rows. Request r selects `block_counts[r]` blocks
+/// (concatenated in `block_ids`, int32 on the selection's device); block b of
+/// request r covers rows row_base[r] + b * block_size + j for
+/// j < block_size, clipped to the live window [0, live_lens[r]).
+///
+/// Precondition that keeps the count a host fact: every listed block must be
+/// a full block inside the live window, except that when live_lens[r] is not a
+/// multiple of block_size the request's *last* entry must be the final,
+/// partial block (SPEC 8.1 appends it). Row counts are then
+/// block_counts[r] * block_size - (block_size - live_lens[r] % block_size).
+/// A block past the window, or a partial block that is not last, is an error
+/// (CPU: thrown; CUDA: the offending rows are written as -1, which the
+/// decode rejects like any index outside the pool).
+/// One O(selected) pass on the selection's device.
+SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector<int32_t>& block_counts,
+                                      int32_t block_size, const std::vector<int64_t>& row_base,
+                                      const std::vector<int64_t>& live_lens);
+
+}  // namespace sparsepage

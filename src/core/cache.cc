@@ -1,0 +1,353 @@
+#include "sparsepage/cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace sparsepage {
+namespace {
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+bool is_quantized(CacheMode mode) { return mode == CacheMode::kInt8 || mode == CacheMode::kInt4; }
+
+DType storage_dtype(CacheMode mode) { return mode == CacheMode::kF16 ? DType::kF16 : DType::kBF16; }
+
+// Bytes one row occupies in storage.
+size_t stored_row_bytes(CacheMode mode, int32_t dim) {
+  switch (mode) {
+    case CacheMode::kF16:
+    case CacheMode::kBF16: return static_cast<size_t>(dim) * 2;
+    case CacheMode::kInt8: return static_cast<size_t>(dim);
+    case CacheMode::kInt4: return static_cast<size_t>(dim + 1) / 2;  // two values a byte, low nibble first
+  }
+  return 0;
+}
+
+// Symmetric quantization with one fp32 scale per row: q = round(x / scale)
+// with scale = max|x| / qmax, so the largest magnitude maps to +-qmax.
+void quantize_row(CacheMode mode, const float* x, int32_t dim, uint8_t* out, float* scale) {
+  const int qmax = mode == CacheMode::kInt8 ? 127 : 7;
+  float absmax = 0.0f;
+  for (int32_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+  *scale = absmax > 0.0f ? absmax / static_cast<float>(qmax) : 1.0f;
+  const float inv = 1.0f / *scale;
+  for (int32_t d = 0; d < dim; ++d) {
+    const int q = std::clamp(static_cast<int>(std::lrint(x[d] * inv)), -qmax, qmax);
+    if (mode == CacheMode::kInt8) {
+      out[d] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    } else {
+      const auto nibble = static_cast<uint8_t>(q + 8);  // 1..15
+      if (d % 2 == 0) {
+        out[d / 2] = nibble;
+      } else {
+        out[d / 2] = static_cast<uint8_t>(out[d / 2] | (nibble << 4));
+      }
+    }
+  }
+}
+
+void dequantize_row(CacheMode mode, const uint8_t* in, float scale, int32_t dim, float* x) {
+  for (int32_t d = 0; d < dim; ++d) {
+    int q;
+    if (mode == CacheMode::kInt8) {
+      q = static_cast<int8_t>(in[d]);
+    } else {
+      q = static_cast<int>((in[d / 2] >> ((d % 2) * 4)) & 0xF) - 8;
+    }
+    x[d] = static_cast<float>(q) * scale;
+  }
+}
+
+}  // namespace
+
+const char* cache_mode_name(CacheMode mode) {
+  switch (mode) {
+    case CacheMode::kF16: return "f16";
+    case CacheMode::kBF16: return "bf16";
+    case CacheMode::kInt8: return "int8";
+    case CacheMode::kInt4: return "int4";
+  }
+  return "unknown";
+}
+
+// K and V storage of one cache; scales only for quantized modes.
+struct DenseKVCache::Storage {
+  Buffer k, v;
+  Buffer k_scale, v_scale;  // fp32 [B, H, Cap]
+};
+
+DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
+                           int32_t k_head_dim, int32_t v_head_dim, int64_t capacity_step)
+    : device_(device),
+      mode_(mode),
+      batch_(batch),
+      k_heads_(k_heads),
+      v_heads_(v_heads),
+      k_head_dim_(k_head_dim),
+      v_head_dim_(v_head_dim),
+      capacity_step_(capacity_step),
+      storage_(std::make_shared<Storage>()) {
+  if (batch < 1 || k_heads < 1 || v_heads < 1 || k_head_dim < 1 || v_head_dim < 1 || capacity_step < 1) {
+    throw Error("DenseKVCache: batch, heads, head dims and capacity_step must be at least 1 (got batch " +
+                std::to_string(batch) + ", heads " + std::to_string(k_heads) + "/" + std::to_string(v_heads) +
+                ", dims " + std::to_string(k_head_dim) + "/" + std::to_string(v_head_dim) + ", step " +
+                std::to_string(capacity_step) + ")");
+  }
+  if (is_quantized(mode) && device != Device::kCpu) {
+    throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
+  }
+}
+
+void DenseKVCache::grow_to(int64_t needed) {
+  if (needed <= capacity_) return;
+  const int64_t new_capacity = round_up(needed, capacity_step_);
+  auto grown = std::make_shared<Storage>();
+  auto regrow = [&](Buffer& old, Buffer& fresh, int32_t heads, size_t row_bytes) {
+    fresh = Buffer(device_, static_cast<size_t>(batch_) * heads * static_cast<size_t>(new_capacity) * row_bytes);
+    copy_2d(fresh.data(), device_, static_cast<size_t>(new_capacity) * row_bytes, old.data(), device_,
+            static_cast<size_t>(capacity_) * row_bytes, static_cast<size_t>(live_len_) * row_bytes,
+            static_cast<size_t>(batch_) * heads);
+  };
+  regrow(storage_->k, grown->k, k_heads_, stored_row_bytes(mode_, k_head_dim_));
+  regrow(storage_->v, grown->v, v_heads_, stored_row_bytes(mode_, v_head_dim_));
+  if (is_quantized(mode_)) {
+    regrow(storage_->k_scale, grown->k_scale, k_heads_, sizeof(float));
+    regrow(storage_->v_scale, grown->v_scale, v_heads_, sizeof(float));
+  }
+  storage_ = std::move(grown);  // views made earlier keep the old storage alive
+  capacity_ = new_capacity;
+}
+
+CacheWindow DenseKVCache::update_and_fetch(const void* k_new, const void* v_new, DType input_dtype,
+                                           int64_t new_tokens) {
+  if (is_head_trimmed()) throw Error("DenseKVCache::update_and_fetch: a head-trimmed view is read-only");
+  if (new_tokens < 0) throw Error("DenseKVCache::update_and_fetch: new_tokens = " + std::to_string(new_tokens) + " < 0");
+  if (new_tokens > 0 && (k_new == nullptr || v_new == nullptr)) {
+    throw Error("DenseKVCache::update_and_fetch: k_new and v_new must not be null");
+  }
+  if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
+    throw Error(std::string("DenseKVCache::update_and_fetch: input dtype ") + dtype_name(input_dtype) +
+                " does not match the " + cache_mode_name(mode_) + " cache");
+  }
+  grow_to(live_len_ + new_tokens);
+  auto append = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+    const size_t row_bytes = stored_row_bytes(mode_, dim);
+    if (!is_quantized(mode_)) {
+      copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(live_len_) * row_bytes, device_,
+              static_cast<size_t>(capacity_) * row_bytes, src, device_, static_cast<size_t>(new_tokens) * row_bytes,
+              static_cast<size_t>(new_tokens) * row_bytes, static_cast<size_t>(batch_) * heads);
+      return;
+    }
+    std::vector<float> row(static_cast<size_t>(dim));
+    const size_t in_bytes = dtype_size(input_dtype);
+    for (int64_t bh = 0; bh < int64_t{batch_} * heads; ++bh) {
+      for (int64_t t = 0; t < new_tokens; ++t) {
+        const int64_t slot = bh * capacity_ + live_len_ + t;
+        to_float(input_dtype,
+                 static_cast<const char*>(src) + static_cast<size_t>((bh * new_tokens + t) * dim) * in_bytes,
+                 row.data(), row.size());
+        quantize_row(mode_, row.data(), dim, dst.as<uint8_t>() + static_cast<size_t>(slot) * row_bytes,
+                     scales.as<float>() + slot);
+      }
+    }
+  };
+  append(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
+  append(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
+  live_len_ += new_tokens;
+  CacheWindow window;
+  window.k_shape = k_shape();
+  window.v_shape = v_shape();
+  window.live_len = live_len_;
+  if (!is_quantized(mode_)) {
+    window.k = storage_->k.data();
+    window.v = storage_->v.data();
+  }
+  return window;
+}
+
+std::optional<RawKVAllocations> DenseKVCache::raw_kv_allocations() const {
+  if (is_quantized(mode_) || is_head_trimmed() || capacity_ == 0) return std::nullopt;
+  RawKVAllocations raw;
+  raw.k = storage_->k.data();
+  raw.v = storage_->v.data();
+  raw.dtype = storage_dtype(mode_);
+  raw.device = device_;
+  raw.k_shape = k_shape();
+  raw.v_shape = v_shape();
+  raw.live_len = live_len_;
+  return raw;
+}
+
+DenseKVCache DenseKVCache::head_trimmed(int32_t heads) const {
+  if (heads < 1 || heads > std::min(k_heads_, v_heads_)) {
+    throw Error("DenseKVCache::head_trimmed: heads = " + std::to_string(heads) + " is outside [1, " +
+                std::to_string(std::min(k_heads_, v_heads_)) + "]");
+  }
+  DenseKVCache view = *this;
+  view.trimmed_heads_ = heads;
+  return view;
+}
+
+std::vector<float> DenseKVCache::dequantized_window(bool key) const {
+  const int32_t heads = key ? k_heads_ : v_heads_;
+  const int32_t dim = key ? k_head_dim_ : v_head_dim_;
+  const int32_t visible = is_head_trimmed() ? trimmed_heads_ : heads;
+  const Buffer& data = key ? storage_->k : storage_->v;
+  const Buffer& scales = key ? storage_->k_scale : storage_->v_scale;
+  const size_t row_bytes = stored_row_bytes(mode_, dim);
+  std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(live_len_) * dim);
+  if (live_len_ == 0) return out;
+  // Bring the window to the host once (raw device caches), then convert.
+  std::vector<uint8_t> host(static_cast<size_t>(batch_) * heads * static_cast<size_t>(capacity_) * row_bytes);
+  copy_bytes(host.data(), Device::kCpu, data.data(), device_, host.size());
+  for (int32_t b = 0; b < batch_; ++b) {
+    for (int32_t h = 0; h < visible; ++h) {
+      for (int64_t t = 0; t < live_len_; ++t) {
+        const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
+        float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * live_len_ + t) * dim)];
+        const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
+        if (is_quantized(mode_)) {
+          dequantize_row(mode_, src, scales.as<float>()[slot], dim, dst);
+        } else {
+          to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_kv_heads) {
+  if (batch < 0 || num_qo_heads < 1 || num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) {
+    throw Error("HeadFolding: num_qo_heads = " + std::to_string(num_qo_heads) +
+                " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads) +
+                " (batch " + std::to_string(batch) + ")");
+  }
+  return {batch, num_qo_heads, num_kv_heads};
+}
+
+bool shared_row_mapping(const CacheShape& k, const CacheShape& v) {
+  if (k.batch != v.batch || k.capacity != v.capacity) return false;
+  if (k.heads == v.heads) return true;
+  // At batch 1 row(0, h, t) = h * Cap + t in both allocations, whatever K
+  // carries after the attention heads; beyond batch 1 the sequence strides
+  // (heads * Cap) differ and one index cannot address both.
+  return k.batch == 1 && k.heads > v.heads;
+}
+
+PagedBlockPool::PagedBlockPool(Device device, DType dtype, int32_t num_blocks, int32_t heads, int32_t block_size,
+                               int32_t k_head_dim, int32_t v_head_dim)
+    : device_(device),
+      dtype_(dtype),
+      num_blocks_(num_blocks),
+      heads_(heads),
+      block_size_(block_size),
+      k_head_dim_(k_head_dim),
+      v_head_dim_(v_head_dim) {
+  if (num_blocks < 1 || heads < 1 || block_size < 1 || k_head_dim < 1 || v_head_dim < 1) {
+    throw Error("PagedBlockPool: num_blocks, heads, block_size and head dims must be at least 1");
+  }
+  if (int64_t{num_blocks} * heads * block_size > std::numeric_limits<int32_t>::max()) {
+    throw Error("PagedBlockPool: num_blocks * heads * block_size exceeds 2^31 - 1 rows");
+  }
+  const size_t rows = static_cast<size_t>(num_blocks) * heads * block_size;
+  k_ = Buffer(device, rows * k_head_dim * dtype_size(dtype));
+  v_ = Buffer(device, rows * v_head_dim * dtype_size(dtype));
+  for (int32_t b = num_blocks - 1; b >= 0; --b) free_blocks_.push_back(b);
+}
+
+int32_t PagedBlockPool::add_sequence() {
+  block_tables_.emplace_back();
+  seq_lens_.push_back(0);
+  return static_cast<int32_t>(block_tables_.size() - 1);
+}
+
+const std::vector<int32_t>& PagedBlockPool::block_table(int32_t seq) const {
+  if (seq < 0 || seq >= static_cast<int32_t>(block_tables_.size())) {
+    throw Error("PagedBlockPool: sequence " + std::to_string(seq) + " does not exist");
+  }
+  return block_tables_[static_cast<size_t>(seq)];
+}
+
+int64_t PagedBlockPool::seq_len(int32_t seq) const {
+  block_table(seq);
+  return seq_lens_[static_cast<size_t>(seq)];
+}
+
+void PagedBlockPool::append(int32_t seq, const void* k_new, const void* v_new, int64_t new_tokens) {
+  block_table(seq);
+  if (new_tokens < 0 || (new_tokens > 0 && (k_new == nullptr || v_new == nullptr))) {
+    throw Error("PagedBlockPool::append: need new_tokens >= 0 and non-null K/V");
+  }
+  auto& table = block_tables_[static_cast<size_t>(seq)];
+  int64_t& len = seq_lens_[static_cast<size_t>(seq)];
+  const size_t esize = dtype_size(dtype_);
+  int64_t t = 0;
+  while (t < new_tokens) {
+    const int64_t slot = len % block_size_;
+    if (slot == 0 && static_cast<int64_t>(table.size()) * block_size_ <= len) {
+      if (free_blocks_.empty()) {
+        throw Error("PagedBlockPool::append: the pool's " + std::to_string(num_blocks_) + " blocks are all in use");
+      }
+      table.push_back(free_blocks_.back());
+      free_blocks_.pop_back();
+    }
+    const int64_t run = std::min<int64_t>(block_size_ - slot, new_tokens - t);
+    const int64_t block = table.back();
+    // One 2-D copy per block run: each head's rows are contiguous in both.
+    auto put = [&](Buffer& dst, const void* src, int32_t dim) {
+      const size_t row_bytes = static_cast<size_t>(dim) * esize;
+      char* target = static_cast<char*>(dst.data()) +
+                     static_cast<size_t>((block * heads_ * block_size_ + slot)) * row_bytes;
+      copy_2d(target, device_, static_cast<size_t>(block_size_) * row_bytes,
+              static_cast<const char*>(src) + static_cast<size_t>(t) * row_bytes, Device::kCpu,
+              static_cast<size_t>(new_tokens) * row_bytes, static_cast<size_t>(run) * row_bytes,
+              static_cast<size_t>(heads_));
+    };
+    put(k_, k_new, k_head_dim_);
+    put(v_, v_new, v_head_dim_);
+    len += run;
+    t += run;
+  }
+}
+
+std::pair<PageTableStructure, std::vector<int32_t>> PagedBlockPool::block_page_table(
+    const std::vector<int32_t>& seqs, const std::vector<int32_t>& heads,
+    const std::vector<std::vector<int32_t>>& selected_blocks) const {
+  if (seqs.size() != heads.size() || seqs.size() != selected_blocks.size()) {
+    throw Error("PagedBlockPool::block_page_table: seqs, heads and selected_blocks need one entry per request");
+  }
+  std::vector<int32_t> seq_lens;
+  std::vector<int32_t> indices;
+  for (size_t r = 0; r < seqs.size(); ++r) {
+    const auto& table = block_table(seqs[r]);
+    const int64_t len = seq_lens_[static_cast<size_t>(seqs[r])];
+    if (heads[r] < 0 || heads[r] >= heads_) {
+      throw Error("PagedBlockPool::block_page_table: head " + std::to_string(heads[r]) + " is outside [0, " +
+                  std::to_string(heads_) + ")");
+    }
+    int64_t visible = 0;
+    const auto& blocks = selected_blocks[r];
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const int32_t b = blocks[i];
+      if (b < 0 || b >= static_cast<int32_t>(table.size())) {
+        throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) + " selects block " +
+                    std::to_string(b) + " of a sequence with " + std::to_string(table.size()) + " blocks");
+      }
+      const int64_t rows = std::min<int64_t>(block_size_, len - int64_t{b} * block_size_);
+      if (rows < block_size_ && i + 1 != blocks.size()) {
+        throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) +
+                    " lists the partial final block before its last entry");
+      }
+      visible += rows;
+      indices.push_back(page(table[static_cast<size_t>(b)], heads[r]));
+    }
+    seq_lens.push_back(static_cast<int32_t>(visible));
+  }
+  return {build_page_table_structure(seq_lens, block_size_), indices};
+}
+
+}  // namespace sparsepage

@@ -1,0 +1,37 @@
+// The few CUDA runtime services host code needs, behind plain C++
+// signatures. src/cuda/memory.cu implements them; src/core/no_cuda.cc, used
+// when the library is built without CUDA, makes each one report that.
+#pragma once
+
+#include <cstddef>
+
+namespace sparsepage::detail {
+
+bool cuda_device_present();
+void* cuda_malloc(size_t bytes);
+void cuda_free(void* ptr) noexcept;
+/// Synchronous copies; `dst_on_device` / `src_on_device` pick the direction.
+void cuda_copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes);
+void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* src, bool src_on_device,
+                  size_t src_pitch, size_t width, size_t height);
+void cuda_fill(void* dst, int value, size_t bytes);
+
+}  // namespace sparsepage::detail
+
+#include <cstdint>
+
+#include "sparsepage/decode.h"
+
+namespace sparsepage::detail {
+
+/// Device half of gather_rows (src/cuda/dense_paths.cu).
+void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
+                      DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream);
+
+/// Device half of selection_from_blocks (src/cuda/selection.cu). All arrays
+/// are device arrays; offending rows are written as -1.
+void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_offsets, const int32_t* row_offsets,
+                                const int64_t* row_base, const int64_t* live_lens, int32_t num_requests,
+                                int32_t block_size, int32_t* rows_out, void* stream);
+
+}  // namespace sparsepage::detail

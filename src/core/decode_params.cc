@@ -1,0 +1,50 @@
+// Host-side checks shared by both backends: everything that can be checked
+// without reading the arrays. Each message names the field and the bound.
+#include <cmath>
+#include <string>
+
+#include "sparsepage/decode.h"
+
+namespace sparsepage {
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error("decode: " + message);
+}
+
+void check_pool(const PoolView& pool, const char* name) {
+  const std::string n(name);
+  require(pool.data != nullptr, n + ".data is null");
+  require(pool.dim >= 1, n + ".dim = " + std::to_string(pool.dim) + " must be at least 1");
+  require(pool.row_stride >= pool.dim, n + ".row_stride = " + std::to_string(pool.row_stride) +
+                                           " is smaller than " + n + ".dim = " + std::to_string(pool.dim));
+}
+
+}  // namespace
+
+void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
+  require(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
+  require(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
+                                                   " but the plan was made for " +
+                                                   std::to_string(plan.num_requests));
+  require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
+  require(p.group_size == plan.group_size, "group_size = " + std::to_string(p.group_size) +
+                                               " but the plan was made for " + std::to_string(plan.group_size));
+  require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
+  require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
+  require(std::isfinite(p.scale), "scale is not finite");
+  if (p.num_requests == 0) return;
+  require(p.indptr != nullptr, "indptr is null");
+  require(p.seq_lens != nullptr, "seq_lens is null");
+  require(p.q != nullptr, "q is null");
+  require(p.o != nullptr, "o is null");
+  check_pool(p.k, "k");
+  check_pool(p.v, "v");
+  require(p.v.dim == plan.head_dim_v,
+          "v.dim = " + std::to_string(p.v.dim) + " but the plan was made for " + std::to_string(plan.head_dim_v));
+  const bool has_extra = p.k_extra.data != nullptr;
+  require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
+  if (has_extra) check_pool(p.k_extra, "k_extra");
+}
+
+}  // namespace sparsepage

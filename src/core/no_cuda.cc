@@ -1,0 +1,45 @@
+// Built instead of src/cuda/ when the library has no CUDA backend: every
+// CUDA entry point reports that clearly instead of failing to link.
+#include "core/cuda_hooks.h"
+#include "sparsepage/decode.h"
+#include "sparsepage/dense_paths.h"
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw Error(std::string(what) + ": sparsepage was built without CUDA");
+}
+}  // namespace
+
+namespace detail {
+bool cuda_device_present() { return false; }
+void* cuda_malloc(size_t) { no_cuda("Buffer(Device::kCuda)"); }
+void cuda_free(void*) noexcept {}
+void cuda_copy(void*, bool, const void*, bool, size_t) { no_cuda("copy_bytes"); }
+void cuda_copy_2d(void*, bool, size_t, const void*, bool, size_t, size_t, size_t) { no_cuda("copy_2d"); }
+void cuda_fill(void*, int, size_t) { no_cuda("fill_bytes"); }
+}  // namespace detail
+
+bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }
+int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }
+void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cuda"); }
+void run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }
+uint32_t read_decode_error_flag(const DecodePlan&, void*, void*) { no_cuda("read_decode_error_flag"); }
+size_t masked_decode_workspace_bytes(const MaskedDecodeParams&, int32_t) {
+  no_cuda("masked_decode_workspace_bytes");
+}
+void run_masked_decode_cuda(const MaskedDecodeParams&, void*, void*) { no_cuda("run_masked_decode_cuda"); }
+
+}  // namespace sparsepage
+
+namespace sparsepage::detail {
+void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const PoolView&, int64_t, void*,
+                      void*) {
+  throw Error("gather_rows(Device::kCuda): sparsepage was built without CUDA");
+}
+void selection_from_blocks_cuda(const int32_t*, const int32_t*, const int32_t*, const int64_t*, const int64_t*,
+                                int32_t, int32_t, int32_t*, void*) {
+  throw Error("selection_from_blocks(Device::kCuda): sparsepage was built without CUDA");
+}
+}  // namespace sparsepage::detail

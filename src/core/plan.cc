@@ -1,0 +1,94 @@
+#include "sparsepage/plan.h"
+
+#include <algorithm>
+#include <string>
+
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+namespace {
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+void require_positive(int64_t value, const char* name) {
+  if (value < 1) {
+    throw Error(std::string("plan: ") + name + " = " + std::to_string(value) + " must be at least 1");
+  }
+}
+
+// The chunk length: long enough that each work item amortizes its setup and
+// its share of the merge, short enough that the grid covers every
+// multiprocessor `items_per_sm` times over.
+int64_t choose_chunk_tokens(int64_t total_tokens, const PlanShape& shape) {
+  if (shape.fixed_chunk_tokens > 0) return round_up(shape.fixed_chunk_tokens, shape.chunk_granule);
+  const int64_t target_items = int64_t{shape.num_sms} * shape.items_per_sm;
+  const int64_t even_share = (total_tokens + target_items - 1) / target_items;
+  return round_up(std::max<int64_t>(even_share, shape.min_chunk_tokens), shape.chunk_granule);
+}
+
+}  // namespace
+
+DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape) {
+  require_positive(shape.group_size, "group_size");
+  require_positive(shape.head_dim_v, "head_dim_v");
+  require_positive(shape.num_sms, "num_sms");
+  require_positive(shape.items_per_sm, "items_per_sm");
+  require_positive(shape.chunk_granule, "chunk_granule");
+  if (shape.min_chunk_tokens < 0 || shape.fixed_chunk_tokens < 0) {
+    throw Error("plan: min_chunk_tokens and fixed_chunk_tokens must not be negative");
+  }
+  int64_t total_tokens = 0;
+  for (size_t r = 0; r < seq_lens.size(); ++r) {
+    if (seq_lens[r] < 0) {
+      throw Error("plan: seq_lens[" + std::to_string(r) + "] = " + std::to_string(seq_lens[r]) + " is negative");
+    }
+    total_tokens += seq_lens[r];
+  }
+
+  DecodePlan plan;
+  plan.num_requests = static_cast<int32_t>(seq_lens.size());
+  plan.group_size = shape.group_size;
+  plan.head_dim_v = shape.head_dim_v;
+  plan.seq_lens = seq_lens;
+  const int64_t chunk = choose_chunk_tokens(total_tokens, shape);
+  plan.chunk_tokens = static_cast<int32_t>(chunk);
+
+  int32_t next_partial = 0;
+  plan.merge_indptr.push_back(0);
+  for (int32_t r = 0; r < plan.num_requests; ++r) {
+    const int64_t len = seq_lens[r];
+    const int64_t chunks = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+    if (chunks == 1) {
+      // A single chunk writes the output directly; an empty request still
+      // gets its item so that o = 0 and lse = -inf are written.
+      plan.work.push_back({r, 0, static_cast<int32_t>(len), -1});
+      continue;
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t begin = c * chunk;
+      const int64_t end = std::min(len, begin + chunk);
+      plan.work.push_back({r, static_cast<int32_t>(begin), static_cast<int32_t>(end), next_partial++});
+    }
+    plan.merge_requests.push_back(r);
+    plan.merge_indptr.push_back(next_partial);
+  }
+  plan.num_partials = next_partial;
+
+  // Workspace: fp32 partials, then the device copies of the lists, then the flag.
+  constexpr size_t kAlign = 256;
+  auto take = [&](size_t bytes) {
+    const size_t offset = plan.workspace.total;
+    plan.workspace.total = static_cast<size_t>(round_up(static_cast<int64_t>(offset + bytes), kAlign));
+    return offset;
+  };
+  const size_t rows = static_cast<size_t>(plan.num_partials) * static_cast<size_t>(shape.group_size);
+  plan.workspace.partial_o = take(rows * static_cast<size_t>(shape.head_dim_v) * sizeof(float));
+  plan.workspace.partial_lse = take(rows * sizeof(float));
+  plan.workspace.work_items = take(plan.work.size() * sizeof(WorkItem));
+  plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
+  plan.workspace.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
+  plan.workspace.error_flag = take(sizeof(uint32_t));
+  return plan;
+}
+
+}  // namespace sparsepage

@@ -1,0 +1,113 @@
+#include "sparsepage/types.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace sparsepage {
+
+size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "unknown";
+}
+
+const char* device_name(Device device) { return device == Device::kCuda ? "cuda" : "cpu"; }
+
+uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);  // keep it a NaN
+  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = uint32_t{bits} << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+uint16_t float_to_f16(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7FFFFFFF;
+  if (abs > 0x7F800000) return static_cast<uint16_t>(sign | 0x7E00);  // NaN
+  if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to inf
+  if (abs < 0x38800000) {                                             // subnormal or zero
+    // value * 2^24 rounded to nearest even is the subnormal's mantissa.
+    float magnitude;
+    std::memcpy(&magnitude, &abs, 4);
+    const float scaled = std::nearbyint(magnitude * 16777216.0f);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(scaled));
+  }
+  const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000) >> 13));
+}
+
+float f16_to_float(uint16_t bits) {
+  const uint32_t sign = uint32_t{bits & 0x8000u} << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1F;
+  const uint32_t mantissa = bits & 0x3FF;
+  float value;
+  if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa), -24);
+    uint32_t out;
+    std::memcpy(&out, &value, 4);
+    out |= sign;
+    std::memcpy(&value, &out, 4);
+    return value;
+  }
+  uint32_t out;
+  if (exponent == 31) {
+    out = sign | 0x7F800000 | (mantissa << 13);
+  } else {
+    out = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  std::memcpy(&value, &out, 4);
+  return value;
+}
+
+void to_float(DType dtype, const void* src, float* dst, size_t count) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, count * 4);
+      return;
+    case DType::kBF16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_float(in[i]);
+      return;
+    }
+    case DType::kF16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < count; ++i) dst[i] = f16_to_float(in[i]);
+      return;
+    }
+  }
+}
+
+void from_float(DType dtype, const float* src, void* dst, size_t count) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, count * 4);
+      return;
+    case DType::kBF16: {
+      auto* out = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < count; ++i) out[i] = float_to_bf16(src[i]);
+      return;
+    }
+    case DType::kF16: {
+      auto* out = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < count; ++i) out[i] = float_to_f16(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace sparsepage

@@ -1,0 +1,116 @@
+// The CPU backend's one attention loop, shared by the paged decode, the mask
+// path and the gather path: online softmax over a token range of one request,
+// fp32 accumulation, rows converted to fp32 a tile at a time so the dot
+// products vectorize.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "sparsepage/types.h"
+
+namespace sparsepage::cpu {
+
+/// Row pointers of one token: K, V and (optional) second K stream.
+struct TokenRows {
+  const void* k;
+  const void* v;
+  const void* k_extra;  // null without a second stream
+};
+
+/// The per-request inputs of one attention chunk.
+struct ChunkQuery {
+  DType dtype;
+  int32_t group_size;
+  int32_t dim_qk, dim_v, dim_extra;
+  const float* q;        // [group_size, dim_qk] fp32
+  const float* q_extra;  // [group_size, dim_extra] fp32 or null
+  float scale;
+};
+
+/// Softmax state of one chunk: normalized output [group_size, dim_v] and the
+/// natural-log sum of exponentials per head (-inf when nothing was attended).
+struct ChunkState {
+  std::vector<float> o;
+  std::vector<float> lse;
+};
+
+constexpr int kTokenTile = 32;
+
+/// Attends tokens [begin, end); `rows(t)` resolves token t, `bias(t)` gives
+/// its additive mask term (0 when unmasked).
+template <typename Rows, typename Bias>
+ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& rows, Bias&& bias) {
+  const int g_count = q.group_size;
+  const int dk = q.dim_qk, dv = q.dim_v, de = q.dim_extra;
+  std::vector<float> k_tile(static_cast<size_t>(kTokenTile) * dk);
+  std::vector<float> e_tile(static_cast<size_t>(kTokenTile) * std::max(de, 1));
+  std::vector<float> v_tile(static_cast<size_t>(kTokenTile) * dv);
+  std::vector<float> scores(static_cast<size_t>(g_count) * kTokenTile);
+  std::vector<float> running_max(g_count, -std::numeric_limits<float>::infinity());
+  std::vector<float> running_sum(g_count, 0.0f);
+  ChunkState state;
+  state.o.assign(static_cast<size_t>(g_count) * dv, 0.0f);
+  state.lse.assign(g_count, -std::numeric_limits<float>::infinity());
+
+  for (int64_t tile = begin; tile < end; tile += kTokenTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTokenTile, end - tile));
+    for (int j = 0; j < n; ++j) {
+      const TokenRows r = rows(tile + j);
+      to_float(q.dtype, r.k, &k_tile[static_cast<size_t>(j) * dk], static_cast<size_t>(dk));
+      to_float(q.dtype, r.v, &v_tile[static_cast<size_t>(j) * dv], static_cast<size_t>(dv));
+      if (de > 0) to_float(q.dtype, r.k_extra, &e_tile[static_cast<size_t>(j) * de], static_cast<size_t>(de));
+    }
+    for (int g = 0; g < g_count; ++g) {
+      const float* qg = q.q + static_cast<size_t>(g) * dk;
+      float* s = &scores[static_cast<size_t>(g) * kTokenTile];
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < n; ++j) {
+        const float* kj = &k_tile[static_cast<size_t>(j) * dk];
+        float dot = 0.0f;
+        for (int d = 0; d < dk; ++d) dot += qg[d] * kj[d];
+        if (de > 0) {
+          const float* qe = q.q_extra + static_cast<size_t>(g) * de;
+          const float* ej = &e_tile[static_cast<size_t>(j) * de];
+          for (int d = 0; d < de; ++d) dot += qe[d] * ej[d];
+        }
+        s[j] = dot * q.scale + bias(tile + j);
+        tile_max = std::max(tile_max, s[j]);
+      }
+      const float new_max = std::max(running_max[g], tile_max);
+      if (new_max == -std::numeric_limits<float>::infinity()) continue;  // all masked so far: nothing to add
+      // exp(-inf - finite) = 0 rescales an empty accumulator harmlessly.
+      const float correction = std::exp(running_max[g] - new_max);
+      float* og = &state.o[static_cast<size_t>(g) * dv];
+      for (int d = 0; d < dv; ++d) og[d] *= correction;
+      float sum = running_sum[g] * correction;
+      for (int j = 0; j < n; ++j) {
+        const float p = std::exp(s[j] - new_max);
+        sum += p;
+        const float* vj = &v_tile[static_cast<size_t>(j) * dv];
+        for (int d = 0; d < dv; ++d) og[d] += p * vj[d];
+      }
+      running_sum[g] = sum;
+      running_max[g] = new_max;
+    }
+  }
+  for (int g = 0; g < g_count; ++g) {
+    if (running_sum[g] > 0.0f || std::isnan(running_sum[g])) {
+      float* og = &state.o[static_cast<size_t>(g) * dv];
+      const float inv = 1.0f / running_sum[g];
+      for (int d = 0; d < dv; ++d) og[d] *= inv;
+      state.lse[g] = running_max[g] + std::log(running_sum[g]);
+    }
+  }
+  return state;
+}
+
+/// Merges chunk states by their lse. Empty chunks (lse = -inf) weigh nothing;
+/// if all are empty the result is o = 0, lse = -inf.
+void merge_states(const std::vector<const float*>& o_parts, const std::vector<const float*>& lse_parts,
+                  int32_t group_size, int32_t dim_v, float* o_out, float* lse_out);
+
+}  // namespace sparsepage::cpu

@@ -1,0 +1,110 @@
+// The CPU reference backend of the paged decode: the plan's work items run
+// in parallel, each writing its chunk's partial (or the output directly),
+// then the merge combines partials by lse. Same structures as the CUDA
+// backend, so tests compare the two one to one.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "cpu/plan_runner.h"
+#include "sparsepage/decode.h"
+
+namespace sparsepage {
+namespace cpu {
+
+void merge_states(const std::vector<const float*>& o_parts, const std::vector<const float*>& lse_parts,
+                  int32_t group_size, int32_t dim_v, float* o_out, float* lse_out) {
+  for (int g = 0; g < group_size; ++g) {
+    float max_lse = -std::numeric_limits<float>::infinity();
+    bool any_nan = false;
+    for (const float* lse : lse_parts) {
+      any_nan |= std::isnan(lse[g]);
+      max_lse = std::max(max_lse, lse[g]);
+    }
+    float* og = o_out + static_cast<size_t>(g) * dim_v;
+    if (any_nan) {  // a poisoned partial poisons the result: NaN never passes
+      for (int d = 0; d < dim_v; ++d) og[d] = std::numeric_limits<float>::quiet_NaN();
+      lse_out[g] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    for (int d = 0; d < dim_v; ++d) og[d] = 0.0f;
+    if (max_lse == -std::numeric_limits<float>::infinity()) {
+      lse_out[g] = max_lse;
+      continue;
+    }
+    float weight_sum = 0.0f;
+    for (size_t p = 0; p < o_parts.size(); ++p) {
+      const float w = std::exp(lse_parts[p][g] - max_lse);
+      weight_sum += w;
+      const float* part = o_parts[p] + static_cast<size_t>(g) * dim_v;
+      for (int d = 0; d < dim_v; ++d) og[d] += w * part[d];
+    }
+    for (int d = 0; d < dim_v; ++d) og[d] /= weight_sum;
+    lse_out[g] = max_lse + std::log(weight_sum);
+  }
+}
+
+}  // namespace cpu
+
+namespace {
+
+// Page ids are checked before any thread starts, so the loops below can
+// never read outside the pool whatever the indices say.
+void check_indices_cpu(const DecodeParams& p) {
+  for (int32_t r = 0; r < p.num_requests; ++r) {
+    const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
+    const int64_t len = p.seq_lens[r];
+    const int64_t needed = len == 0 ? 0 : (offset + len + p.page_size - 1) / p.page_size;
+    const int64_t have = int64_t{p.indptr[r + 1]} - p.indptr[r];
+    if (p.indptr[r] < 0 || have < needed) {
+      throw Error("decode: request " + std::to_string(r) + " needs " + std::to_string(needed) +
+                  " pages (first_page_offset " + std::to_string(offset) + ", seq_len " + std::to_string(len) +
+                  ") but indptr gives " + std::to_string(have));
+    }
+    if (offset < 0 || offset >= p.page_size) {
+      throw Error("decode: first_page_offset[" + std::to_string(r) + "] = " + std::to_string(offset) +
+                  " is outside [0, page_size = " + std::to_string(p.page_size) + ")");
+    }
+    for (int64_t i = p.indptr[r]; i < p.indptr[r] + needed; ++i) {
+      const int32_t page = p.indices[i];
+      if (page < 0 || page >= p.num_pool_pages) {
+        throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
+                    " is outside the pool [0, " + std::to_string(p.num_pool_pages) + ")");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+  check_decode_params(p, plan);
+  if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
+  for (int32_t r = 0; r < p.num_requests; ++r) {
+    if (p.seq_lens[r] != plan.seq_lens[static_cast<size_t>(r)]) {
+      throw Error("decode: seq_lens[" + std::to_string(r) + "] = " + std::to_string(p.seq_lens[r]) +
+                  " but the plan was made for " + std::to_string(plan.seq_lens[static_cast<size_t>(r)]));
+    }
+  }
+  check_indices_cpu(p);
+  const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
+  const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
+  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
+  auto rows_of = [&](int32_t r) {
+    const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
+    const int32_t* pages = p.indices + p.indptr[r];
+    return [&p, esize, de, offset, pages](int64_t t) {
+      const int64_t slot = offset + t;
+      // 64-bit throughout: pools beyond 2^31 elements are normal.
+      const int64_t row = int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
+      return cpu::TokenRows{
+          static_cast<const char*>(p.k.data) + row * p.k.row_stride * esize,
+          static_cast<const char*>(p.v.data) + row * p.v.row_stride * esize,
+          de > 0 ? static_cast<const char*>(p.k_extra.data) + row * p.k_extra.row_stride * esize : nullptr};
+    };
+  };
+  auto no_bias = [](int32_t) { return [](int64_t) { return 0.0f; }; };
+  cpu::run_plan(plan, out, workspace, rows_of, no_bias);
+}
+
+}  // namespace sparsepage

@@ -1,0 +1,129 @@
+// The CPU mask path and the host side of the gather path.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "core/cuda_hooks.h"
+#include "cpu/plan_runner.h"
+#include "sparsepage/dense_paths.h"
+
+namespace sparsepage {
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error("masked decode: " + message);
+}
+
+void check_stream(const DenseStream& s, const char* name, int32_t batch, int32_t num_kv_heads, int64_t live_len) {
+  const std::string n(name);
+  require(s.data != nullptr, n + ".data is null");
+  require(s.dim >= 1, n + ".dim = " + std::to_string(s.dim) + " must be at least 1");
+  require(s.row_stride >= s.dim,
+          n + ".row_stride = " + std::to_string(s.row_stride) + " is smaller than dim = " + std::to_string(s.dim));
+  require(s.heads >= num_kv_heads, n + ".heads = " + std::to_string(s.heads) + " is fewer than num_kv_heads = " +
+                                       std::to_string(num_kv_heads));
+  require(s.capacity >= live_len, n + ".capacity = " + std::to_string(s.capacity) + " is smaller than live_len = " +
+                                      std::to_string(live_len));
+  (void)batch;
+}
+
+}  // namespace
+
+void check_masked_decode_params(const MaskedDecodeParams& p) {
+  require(p.batch >= 0, "batch = " + std::to_string(p.batch) + " is negative");
+  require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
+  require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
+  require(p.live_len >= 0, "live_len = " + std::to_string(p.live_len) + " is negative");
+  require(p.live_len <= std::numeric_limits<int32_t>::max(), "live_len = " + std::to_string(p.live_len) +
+                                                                 " exceeds 2^31 - 1 tokens");
+  require(std::isfinite(p.scale), "scale is not finite");
+  if (p.batch == 0) return;
+  require(p.q != nullptr, "q is null");
+  require(p.o != nullptr, "o is null");
+  check_stream(p.k, "k", p.batch, p.num_kv_heads, p.live_len);
+  check_stream(p.v, "v", p.batch, p.num_kv_heads, p.live_len);
+  require((p.k_extra.data != nullptr) == (p.q_extra != nullptr),
+          "q_extra and k_extra.data must both be set or both be null");
+  if (p.k_extra.data) check_stream(p.k_extra, "k_extra", p.batch, p.num_kv_heads, p.live_len);
+}
+
+void run_masked_decode_cpu(const MaskedDecodeParams& p) {
+  check_masked_decode_params(p);
+  const int32_t num_requests = p.batch * p.num_kv_heads;
+  if (num_requests == 0) return;
+  PlanShape shape;
+  shape.group_size = p.group_size;
+  shape.head_dim_v = p.v.dim;
+  shape.num_sms = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  shape.min_chunk_tokens = 512;
+  const DecodePlan plan =
+      make_decode_plan(std::vector<int32_t>(static_cast<size_t>(num_requests), static_cast<int32_t>(p.live_len)),
+                       shape);
+  Buffer workspace(Device::kCpu, plan.workspace.total);
+  const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
+  const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
+  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
+  auto row_start = [&](const DenseStream& s, int32_t r) {
+    const int64_t b = r / p.num_kv_heads, h = r % p.num_kv_heads;
+    return static_cast<const char*>(s.data) + (b * s.heads + h) * s.capacity * s.row_stride * esize;
+  };
+  auto rows_of = [&](int32_t r) {
+    const char* k = row_start(p.k, r);
+    const char* v = row_start(p.v, r);
+    const char* e = de > 0 ? row_start(p.k_extra, r) : nullptr;
+    return [&p, esize, k, v, e](int64_t t) {
+      return cpu::TokenRows{k + t * p.k.row_stride * esize, v + t * p.v.row_stride * esize,
+                            e ? e + t * p.k_extra.row_stride * esize : nullptr};
+    };
+  };
+  auto bias_of = [&](int32_t r) {
+    const float* mask = p.mask ? p.mask + static_cast<int64_t>(r) * p.live_len : nullptr;
+    return [mask](int64_t t) { return mask ? mask[t] : 0.0f; };
+  };
+  cpu::run_plan(plan, out, workspace.data(), rows_of, bias_of);
+}
+
+void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
+                 DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream) {
+  if (num_requests < 0 || max_rows < 0) throw Error("gather_rows: num_requests and max_rows must not be negative");
+  if (pool.data == nullptr || pool.dim < 1 || pool.row_stride < pool.dim) {
+    throw Error("gather_rows: pool needs data, dim >= 1 and row_stride >= dim");
+  }
+  if (device == Device::kCuda) {
+    detail::gather_rows_cuda(rows, offsets, num_requests, max_rows, dtype, pool, num_pool_rows, dst, stream);
+    return;
+  }
+  const size_t esize = dtype_size(dtype);
+  const size_t row_bytes = static_cast<size_t>(pool.dim) * esize;
+  std::vector<char> nan_row(row_bytes);
+  {
+    std::vector<float> nan_values(static_cast<size_t>(pool.dim), std::numeric_limits<float>::quiet_NaN());
+    from_float(dtype, nan_values.data(), nan_row.data(), nan_values.size());
+  }
+  for (int32_t r = 0; r < num_requests; ++r) {
+    const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
+    if (count < 0 || count > max_rows) {
+      throw Error("gather_rows: request " + std::to_string(r) + " has " + std::to_string(count) +
+                  " rows, outside [0, max_rows = " + std::to_string(max_rows) + "]");
+    }
+    char* out = static_cast<char*>(dst) + static_cast<size_t>(r) * static_cast<size_t>(max_rows) * row_bytes;
+    for (int64_t i = 0; i < max_rows; ++i) {
+      char* target = out + static_cast<size_t>(i) * row_bytes;
+      if (i >= count) {
+        std::fill(target, target + row_bytes, 0);
+        continue;
+      }
+      const int64_t row = rows[offsets[r] + i];
+      if (row < 0 || row >= num_pool_rows) {  // never read outside the pool
+        std::copy(nan_row.begin(), nan_row.end(), target);
+        continue;
+      }
+      const char* src = static_cast<const char*>(pool.data) + row * pool.row_stride * static_cast<int64_t>(esize);
+      std::copy(src, src + row_bytes, target);
+    }
+  }
+}
+
+}  // namespace sparsepage

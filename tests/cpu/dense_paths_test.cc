@@ -1,0 +1,276 @@
+// The mask and gather paths, and their agreement with the paged decode over
+// the same set, on dense caches whose capacity has slack.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/dense_paths.h"
+#include "support/reference.h"
+
+namespace sparsepage {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A bf16 cache [B, H(+extra K heads), Cap, D] with live length < capacity.
+struct DenseSetup {
+  int32_t batch = 2, kv_heads = 2, extra_k_heads = 1, group = 4, dim = 64;
+  int64_t live = 100;
+  DenseKVCache cache{Device::kCpu, CacheMode::kBF16, 2, 3, 2, 64, 64, 128};
+  std::vector<uint8_t> q;
+  std::vector<float> mask;  // [B * kv_heads, live]
+
+  explicit DenseSetup(std::mt19937_64& rng) {
+    const auto k = testing::random_values(DType::kBF16, size_t(batch) * 3 * live * dim, rng);
+    const auto v = testing::random_values(DType::kBF16, size_t(batch) * 2 * live * dim, rng);
+    cache.update_and_fetch(k.data(), v.data(), DType::kBF16, live);
+    q = testing::random_values(DType::kBF16, size_t(batch) * kv_heads * group * dim, rng);
+    std::bernoulli_distribution keep(0.3);
+    for (int64_t i = 0; i < int64_t{batch} * kv_heads * live; ++i) mask.push_back(keep(rng) ? 0.0f : kNegInf);
+  }
+  MaskedDecodeParams masked(void* o, float* lse) const {
+    const auto raw = *cache.raw_kv_allocations();
+    MaskedDecodeParams p;
+    p.batch = batch;
+    p.num_kv_heads = kv_heads;
+    p.group_size = group;
+    p.live_len = live;
+    p.q = q.data();
+    p.k = {raw.k, raw.k_shape.heads, raw.k_shape.capacity, dim, dim};
+    p.v = {raw.v, raw.v_shape.heads, raw.v_shape.capacity, dim, dim};
+    p.mask = mask.data();
+    p.scale = 0.125f;
+    p.o = o;
+    p.lse = lse;
+    return p;
+  }
+};
+
+std::vector<float> run_masked(const MaskedDecodeParams& p, std::vector<float>* lse) {
+  const size_t rows = size_t(p.batch) * p.num_kv_heads * p.group_size;
+  std::vector<uint8_t> o = testing::nan_values(p.dtype, rows * p.v.dim);
+  lse->assign(rows, std::nanf(""));
+  MaskedDecodeParams q = p;
+  q.o = o.data();
+  q.lse = lse->data();
+  run_masked_decode_cpu(q);
+  return testing::as_float(p.dtype, o);
+}
+
+// fp64 masked attention over the window, straight from the definition.
+std::vector<double> reference_masked(const DenseSetup& s) {
+  const auto k = s.cache.dequantized_window(true);   // [B, 3, L, D]
+  const auto v = s.cache.dequantized_window(false);  // [B, 2, L, D]
+  const auto q = testing::as_float(DType::kBF16, s.q);
+  std::vector<double> out;
+  for (int32_t r = 0; r < s.batch * s.kv_heads; ++r) {
+    const int32_t b = r / s.kv_heads, h = r % s.kv_heads;
+    for (int32_t g = 0; g < s.group; ++g) {
+      std::vector<double> w(size_t(s.live));
+      double max = -INFINITY, sum = 0;
+      for (int64_t t = 0; t < s.live; ++t) {
+        double dot = 0;
+        for (int d = 0; d < s.dim; ++d) {
+          dot += double(q[(size_t(r) * s.group + g) * s.dim + d]) * k[((size_t(b) * 3 + h) * s.live + t) * s.dim + d];
+        }
+        w[size_t(t)] = dot * 0.125 + s.mask[size_t(r) * s.live + t];
+        max = std::max(max, w[size_t(t)]);
+      }
+      std::vector<double> o(size_t(s.dim), 0.0);
+      for (int64_t t = 0; t < s.live; ++t) {
+        const double p = std::exp(w[size_t(t)] - max);
+        sum += p;
+        for (int d = 0; d < s.dim; ++d) o[size_t(d)] += p * v[((size_t(b) * 2 + h) * s.live + t) * s.dim + d];
+      }
+      for (double x : o) out.push_back(x / sum);
+    }
+  }
+  return out;
+}
+
+TEST(MaskPath, MatchesFp64ReferenceWithWiderKAtBatchTwo) {
+  std::mt19937_64 rng(21);
+  const DenseSetup s(rng);
+  std::vector<float> lse;
+  const auto o = run_masked(s.masked(nullptr, nullptr), &lse);
+  EXPECT_LT(testing::relative_l2(o, reference_masked(s)), 1e-2);
+}
+
+// The fused path over the kept columns of a [B=2, H=2, Cap, D] cache, all
+// four requests in one launch: pool rows come from the layout of the whole
+// allocation with `head_stride` between heads.
+std::vector<float> run_paged_over_kept(const DenseKVCache& cache, const std::vector<uint8_t>& q,
+                                       const std::vector<float>& mask, int64_t live, int64_t head_stride) {
+  const auto raw = *cache.raw_kv_allocations();
+  std::vector<int32_t> lens, rows;
+  for (int32_t r = 0; r < 4; ++r) {
+    int32_t kept = 0;
+    for (int64_t t = 0; t < live; ++t) {
+      if (mask[size_t(r * live + t)] != 0.0f) continue;
+      rows.push_back(int32_t(r * head_stride + t));  // r = b * H + h
+      ++kept;
+    }
+    lens.push_back(kept);
+  }
+  const auto table = build_page_table_structure(lens, 1);
+  const DecodePlan plan = make_decode_plan(lens, PlanShape{4, 64, 2, 2, 64, 32, 0});
+  std::vector<uint8_t> o = testing::nan_values(DType::kBF16, size_t(4) * 4 * 64);
+  DecodeParams p;
+  p.indptr = table.indptr.data();
+  p.indices = rows.data();
+  p.seq_lens = table.seq_lens.data();
+  p.num_requests = 4;
+  p.num_pool_pages = ContiguousCacheLayout::of(raw.k_shape).num_rows();
+  p.group_size = 4;
+  p.q = q.data();
+  p.k = {raw.k, 64, 64};
+  p.v = {raw.v, 64, 64};
+  p.scale = 0.125f;
+  p.o = o.data();
+  Buffer ws(Device::kCpu, plan.workspace.total);
+  run_decode_cpu(p, plan, ws.data());
+  return testing::as_float(DType::kBF16, o);
+}
+
+TEST(MaskPath, PagedDecodeOverKeptRowsAgreesAndHeadStrideIsCapacity) {
+  std::mt19937_64 rng(22);
+  const int64_t live = 100;
+  DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 64, 64, 128);
+  const auto k = testing::random_values(DType::kBF16, size_t(4 * live * 64), rng);
+  const auto v = testing::random_values(DType::kBF16, size_t(4 * live * 64), rng);
+  cache.update_and_fetch(k.data(), v.data(), DType::kBF16, live);
+  ASSERT_GT(cache.capacity(), live) << "the test needs slack between live length and capacity";
+  const auto q = testing::random_values(DType::kBF16, size_t(4 * 4 * 64), rng);
+  std::vector<float> mask;
+  std::bernoulli_distribution keep(0.3);
+  for (int64_t i = 0; i < 4 * live; ++i) mask.push_back(keep(rng) ? 0.0f : kNegInf);
+
+  const auto raw = *cache.raw_kv_allocations();
+  MaskedDecodeParams p;
+  p.batch = 2;
+  p.num_kv_heads = 2;
+  p.group_size = 4;
+  p.live_len = live;
+  p.q = q.data();
+  p.k = {raw.k, 2, raw.k_shape.capacity, 64, 64};
+  p.v = {raw.v, 2, raw.v_shape.capacity, 64, 64};
+  p.mask = mask.data();
+  p.scale = 0.125f;
+  std::vector<float> lse;
+  const auto masked = run_masked(p, &lse);
+  const std::vector<double> masked_d(masked.begin(), masked.end());
+  const auto layout = ContiguousCacheLayout::of(raw.k_shape);
+  EXPECT_EQ(layout.row(1, 1, 5), 3 * cache.capacity() + 5);
+  EXPECT_LT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, layout.capacity), masked_d), 1e-2);
+  // With the live length as head stride the rows alias other heads: wrong.
+  EXPECT_GT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, live), masked_d), 0.1);
+}
+
+TEST(MaskPath, QuantizedCachesDequantize) {
+  for (CacheMode mode : {CacheMode::kInt8, CacheMode::kInt4}) {
+    std::mt19937_64 rng(23);
+    DenseKVCache cache(Device::kCpu, mode, 1, 1, 1, 64, 64, 32);
+    const auto k = testing::random_values(DType::kF32, 50 * 64, rng);
+    const auto v = testing::random_values(DType::kF32, 50 * 64, rng);
+    const CacheWindow window = cache.update_and_fetch(k.data(), v.data(), DType::kF32, 50);
+    EXPECT_EQ(window.k, nullptr) << "quantized rows are not raw";
+    EXPECT_FALSE(cache.raw_kv_allocations().has_value());
+    const auto kd = cache.dequantized_window(true);
+    const auto kf = testing::as_float(DType::kF32, k);
+    const std::vector<double> kref(kf.begin(), kf.end());
+    const double err = testing::relative_l2(kd, kref);
+    EXPECT_LT(err, mode == CacheMode::kInt8 ? 0.01 : 0.15) << cache_mode_name(mode);
+    EXPECT_GT(err, 0.0) << "a quantized cache cannot be exact on random data";
+    // The mask path runs over the dequantized (f32) window.
+    const auto vd = cache.dequantized_window(false);
+    const auto q = testing::random_values(DType::kF32, 2 * 64, rng);
+    MaskedDecodeParams p;
+    p.dtype = DType::kF32;
+    p.batch = 1;
+    p.num_kv_heads = 1;
+    p.group_size = 2;
+    p.live_len = 50;
+    p.q = q.data();
+    p.k = {kd.data(), 1, 50, 64, 64};
+    p.v = {vd.data(), 1, 50, 64, 64};
+    std::vector<float> o(2 * 64, std::nanf(""));
+    p.o = o.data();
+    p.scale = 0.125f;
+    run_masked_decode_cpu(p);
+    for (float x : o) ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
+TEST(GatherPath, GatherThenDenseEqualsPagedDecode) {
+  std::mt19937_64 rng(24);
+  testing::ProblemSpec spec;
+  spec.seq_lens = {40, 7, 0};
+  spec.group_size = 4;
+  spec.dim_qk = spec.dim_v = 64;
+  spec.pool_pages = 256;
+  const testing::PagedProblem pb = testing::make_problem(spec, rng);
+  const auto ref = testing::reference_attention(pb, pb.token_rows());
+  // Gather K and V rows per request into [R, max_rows, D].
+  const std::vector<int32_t> rows = pb.indices;  // page_size 1: pages are rows
+  const std::vector<int32_t> offsets = pb.table.indptr;
+  const int64_t max_rows = 40;
+  std::vector<uint8_t> gk(3 * max_rows * 64 * 2), gv(gk.size());
+  const DecodeParams dp = pb.host_params(nullptr, nullptr);
+  gather_rows(Device::kCpu, rows.data(), offsets.data(), 3, max_rows, DType::kBF16, dp.k, pb.pool_rows(), gk.data());
+  gather_rows(Device::kCpu, rows.data(), offsets.data(), 3, max_rows, DType::kBF16, dp.v, pb.pool_rows(), gv.data());
+  std::vector<float> mask(3 * max_rows, kNegInf);
+  for (int r = 0; r < 3; ++r) {
+    for (int i = 0; i < spec.seq_lens[size_t(r)]; ++i) mask[size_t(r * max_rows + i)] = 0.0f;
+  }
+  MaskedDecodeParams p;
+  p.batch = 3;
+  p.num_kv_heads = 1;
+  p.group_size = 4;
+  p.live_len = max_rows;
+  p.q = pb.q.data();
+  p.k = {gk.data(), 1, max_rows, 64, 64};
+  p.v = {gv.data(), 1, max_rows, 64, 64};
+  p.mask = mask.data();
+  p.scale = pb.scale;
+  std::vector<float> lse;
+  const auto o = run_masked(p, &lse);
+  EXPECT_LT(testing::relative_l2(o, ref.o), 1e-2);
+  // A fully masked request: o = 0, lse = -inf, like the paged decode.
+  for (int g = 0; g < 4; ++g) EXPECT_TRUE(std::isinf(lse[size_t(8 + g)]) && lse[size_t(8 + g)] < 0);
+}
+
+TEST(GatherPath, RowsOutsideThePoolAreNotRead) {
+  std::vector<uint16_t> pool(4 * 8, float_to_bf16(1.0f));
+  const std::vector<int32_t> rows = {0, 4, -1};
+  const std::vector<int32_t> offsets = {0, 3};
+  std::vector<uint16_t> out(3 * 8);
+  gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, 3, DType::kBF16, PoolView{pool.data(), 8, 8}, 4,
+              out.data());
+  EXPECT_EQ(bf16_to_float(out[0]), 1.0f);
+  EXPECT_TRUE(std::isnan(bf16_to_float(out[8])));
+  EXPECT_TRUE(std::isnan(bf16_to_float(out[16])));
+}
+
+TEST(MaskPath, BadParamsAreNamed) {
+  std::mt19937_64 rng(25);
+  const DenseSetup s(rng);
+  MaskedDecodeParams p = s.masked(nullptr, nullptr);
+  std::vector<float> o(1000);
+  p.o = o.data();
+  p.k.capacity = 50;
+  try {
+    run_masked_decode_cpu(p);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k.capacity = 50 is smaller than live_len = 100"), std::string::npos);
+  }
+  p = s.masked(o.data(), nullptr);
+  p.v.heads = 1;
+  EXPECT_THROW(run_masked_decode_cpu(p), Error);
+}
+
+}  // namespace
+}  // namespace sparsepage

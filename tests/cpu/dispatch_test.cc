@@ -1,0 +1,148 @@
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "sparsepage/dispatch.h"
+#include "sparsepage/log.h"
+
+namespace sparsepage {
+namespace {
+
+TEST(Switches, KillSwitchParsing) {
+  for (const char* off : {"0", "false", "off", "no", "OFF", " No ", "False"}) {
+    EXPECT_FALSE(parse_enable_switch(off)) << off;
+  }
+  for (const char* on : {"1", "true", "on", "yes", "flase", "of", "", "2"}) {
+    EXPECT_TRUE(parse_enable_switch(on)) << "a typo must keep the fused path: '" << on << "'";
+  }
+  EXPECT_TRUE(parse_enable_switch(nullptr));
+}
+
+TEST(Switches, CountsAndDebugSwitches) {
+  EXPECT_EQ(parse_count("4", 2), 4);
+  EXPECT_EQ(parse_count(" 0 ", 2), 0);
+  EXPECT_EQ(parse_count("2.5", 2), 2) << "a non-integer value falls back to the default";
+  EXPECT_EQ(parse_count("-3", 2), 2);
+  EXPECT_EQ(parse_count("abc", 7), 7);
+  EXPECT_EQ(parse_count(nullptr, 7), 7);
+  EXPECT_EQ(parse_count("", 7), 7);
+  for (const char* on : {"1", "true", "on", "yes", "YES"}) EXPECT_TRUE(parse_debug_switch(on)) << on;
+  for (const char* off : {"0", "", "y", "enable"}) EXPECT_FALSE(parse_debug_switch(off)) << off;
+  EXPECT_FALSE(parse_debug_switch(nullptr));
+}
+
+DispatchInput sparse_input() {
+  DispatchInput in;
+  in.num_requests = 4;
+  in.selected_rows = 4 * 2048;
+  in.live_len = 32768;
+  in.chunks = 256;
+  in.merge = true;
+  return in;
+}
+
+TEST(Policy, FusesWhenEverythingHolds) {
+  const auto out = decide_sparse_decode(sparse_input(), DispatchConfig::defaults());
+  ASSERT_TRUE(out.fused());
+  EXPECT_EQ(out.describe(), "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on)");
+}
+
+TEST(Policy, EachDeclineNamesItsNumbers) {
+  const DispatchConfig config = DispatchConfig::defaults();
+  struct Case {
+    OutcomeKind kind;
+    void (*mutate)(DispatchInput&, DispatchConfig&);
+    const char* words;
+  };
+  const Case cases[] = {
+      {OutcomeKind::kKillSwitch, [](DispatchInput&, DispatchConfig& c) { c.enabled = false; }, "SPARSEPAGE_SPARSE_DECODE"},
+      {OutcomeKind::kNoDevice, [](DispatchInput& i, DispatchConfig&) { i.device_available = false; }, "no GPU"},
+      {OutcomeKind::kNonRawCache, [](DispatchInput& i, DispatchConfig&) { i.raw_cache = false; }, "raw fp16/bf16"},
+      {OutcomeKind::kUnsupportedHeadDim, [](DispatchInput& i, DispatchConfig&) { i.head_dims_supported = false; },
+       "head dims"},
+      {OutcomeKind::kRowMapping, [](DispatchInput& i, DispatchConfig&) { i.shared_row_mapping = false; },
+       "row mapping"},
+      {OutcomeKind::kBelowSparsity, [](DispatchInput& i, DispatchConfig&) { i.live_len = 3000; },
+       "live window of 3000 tokens is less than 2x the 2048 selected rows per request"},
+      {OutcomeKind::kBelowFloor,
+       [](DispatchInput& i, DispatchConfig& c) {
+         i.selected_rows = 128;
+         c.min_kv_tokens_per_request = 512;
+       },
+       "128 selected rows across 4 request(s) is below the 2048-row dispatch floor"},
+      {OutcomeKind::kBelowFloor,
+       [](DispatchInput& i, DispatchConfig& c) {
+         i.num_requests = 1;
+         i.selected_rows = 1000;
+         c.min_kv_tokens = 1500;
+       },
+       "1000 selected rows across 1 request(s) is below the 1500-row dispatch floor"},
+  };
+  for (const Case& c : cases) {
+    DispatchInput in = sparse_input();
+    DispatchConfig cfg = config;
+    c.mutate(in, cfg);
+    const auto out = decide_sparse_decode(in, cfg);
+    EXPECT_EQ(out.kind, c.kind) << c.words;
+    EXPECT_NE(out.describe().find(c.words), std::string::npos) << out.describe();
+    EXPECT_EQ(out.describe().rfind("fallback: ", 0), 0u) << out.describe();
+  }
+}
+
+TEST(Policy, SparsityGateZeroDisablesIt) {
+  DispatchInput in = sparse_input();
+  in.live_len = 2048;  // dense selection
+  DispatchConfig cfg = DispatchConfig::defaults();
+  EXPECT_EQ(decide_sparse_decode(in, cfg).kind, OutcomeKind::kBelowSparsity);
+  cfg.min_sparsity = 0;
+  EXPECT_TRUE(decide_sparse_decode(in, cfg).fused());
+}
+
+TEST(Policy, MlaBatchOneIsASingleRequestLaunch) {
+  DispatchInput in;
+  in.num_requests = 1;  // Hkv == 1 at batch 1
+  in.selected_rows = 2048;
+  in.live_len = 65536;
+  DispatchConfig cfg = DispatchConfig::defaults();
+  cfg.min_kv_tokens = 4096;
+  cfg.min_kv_tokens_per_request = 1;
+  EXPECT_EQ(decide_sparse_decode(in, cfg).kind, OutcomeKind::kBelowFloor) << "the single-request floor applies";
+  in.num_requests = 2;
+  in.selected_rows = 4096;
+  EXPECT_TRUE(decide_sparse_decode(in, cfg).fused()) << "batch 2 uses the per-request floor";
+}
+
+TEST(Reporting, OncePerKindWithStatsAndSink) {
+  reset_dispatch_stats();
+  std::vector<std::string> lines;
+  set_log_sink([&](LogLevel, const std::string& m) { lines.push_back(m); });
+  const DispatchConfig cfg = DispatchConfig::defaults();
+  DispatchInput warmup = sparse_input();
+  warmup.selected_rows = 4;
+  warmup.live_len = 1 << 20;
+  const auto floor = decide_sparse_decode(warmup, cfg);
+  const auto fused = decide_sparse_decode(sparse_input(), cfg);
+  DispatchInput trimmed = sparse_input();
+  trimmed.raw_cache = false;
+  const auto non_raw = decide_sparse_decode(trimmed, cfg);
+  EXPECT_TRUE(record_outcome(floor));
+  EXPECT_FALSE(record_outcome(floor)) << "same kind announced once";
+  EXPECT_TRUE(record_outcome(fused));
+  EXPECT_FALSE(record_outcome(fused));
+  EXPECT_TRUE(record_outcome(non_raw)) << "a warm-up decline must not hide a later decline of another kind";
+  set_log_sink(nullptr);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0].rfind("sparse paged decode: fallback: ", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1], "sparse paged decode: " + fused.describe());
+  const DispatchStats stats = dispatch_stats();
+  EXPECT_EQ(stats.fused, 2);
+  EXPECT_EQ(stats.fallbacks, 3);
+  EXPECT_EQ(stats.by_kind[static_cast<int>(OutcomeKind::kBelowFloor)], 2);
+  EXPECT_EQ(stats.fused_rows, 2 * 4 * 2048);
+  reset_dispatch_stats();
+  EXPECT_EQ(dispatch_stats().fused, 0);
+}
+
+}  // namespace
+}  // namespace sparsepage

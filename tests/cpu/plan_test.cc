@@ -1,0 +1,90 @@
+#include <gtest/gtest.h>
+
+#include "sparsepage/plan.h"
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+namespace {
+
+// Every token of every request is covered exactly once, in order.
+void expect_covers(const DecodePlan& plan, const std::vector<int32_t>& seq_lens) {
+  std::vector<int64_t> next(seq_lens.size(), 0);
+  std::vector<int> items(seq_lens.size(), 0);
+  for (const WorkItem& w : plan.work) {
+    EXPECT_EQ(w.token_begin, next[static_cast<size_t>(w.request)]);
+    EXPECT_LE(w.token_begin, w.token_end);
+    EXPECT_LE(w.token_end - w.token_begin, plan.chunk_tokens);
+    next[static_cast<size_t>(w.request)] = w.token_end;
+    ++items[static_cast<size_t>(w.request)];
+  }
+  for (size_t r = 0; r < seq_lens.size(); ++r) {
+    EXPECT_EQ(next[r], seq_lens[r]) << "request " << r;
+    EXPECT_GE(items[r], 1) << "every request needs an item, empty ones too";
+  }
+}
+
+TEST(Plan, SplitsToFillTheMachine) {
+  PlanShape shape;
+  shape.group_size = 16;
+  shape.head_dim_v = 128;
+  shape.num_sms = 132;
+  const std::vector<int32_t> lens(4, 2048);  // block-sparse geometry, batch 1
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  expect_covers(plan, lens);
+  EXPECT_GE(static_cast<int64_t>(plan.work.size()), 100) << "batch 1 must still fill the GPU";
+  EXPECT_TRUE(plan.needs_merge());
+  EXPECT_EQ(plan.merge_requests.size(), 4u);
+  EXPECT_EQ(plan.num_partials, static_cast<int32_t>(plan.work.size()));
+  EXPECT_EQ(plan.chunk_tokens % shape.chunk_granule, 0);
+  EXPECT_GE(plan.workspace.total, static_cast<size_t>(plan.num_partials) * 16 * 129 * 4);
+}
+
+TEST(Plan, LargeBatchesNeedNoSplit) {
+  PlanShape shape;
+  shape.num_sms = 132;
+  const std::vector<int32_t> lens(1024, 300);
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  expect_covers(plan, lens);
+  EXPECT_FALSE(plan.needs_merge());
+  EXPECT_EQ(plan.work.size(), lens.size());
+  for (const WorkItem& w : plan.work) EXPECT_EQ(w.partial, -1);
+}
+
+TEST(Plan, FixedChunksAndEmptyRequests) {
+  PlanShape shape;
+  shape.fixed_chunk_tokens = 32;
+  const std::vector<int32_t> lens = {0, 100, 32, 33};
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  expect_covers(plan, lens);
+  EXPECT_EQ(plan.chunk_tokens, 32);
+  EXPECT_EQ(plan.merge_requests, (std::vector<int32_t>{1, 3}));
+  EXPECT_EQ(plan.merge_indptr, (std::vector<int32_t>{0, 4, 6}));
+  EXPECT_EQ(plan.work.front().token_end, 0);
+}
+
+TEST(Plan, IsDeterministic) {
+  PlanShape shape;
+  const std::vector<int32_t> lens = {5000, 17, 900, 0, 4096};
+  const DecodePlan a = make_decode_plan(lens, shape);
+  const DecodePlan b = make_decode_plan(lens, shape);
+  ASSERT_EQ(a.work.size(), b.work.size());
+  for (size_t i = 0; i < a.work.size(); ++i) {
+    EXPECT_EQ(a.work[i].request, b.work[i].request);
+    EXPECT_EQ(a.work[i].token_begin, b.work[i].token_begin);
+    EXPECT_EQ(a.work[i].partial, b.work[i].partial);
+  }
+  EXPECT_EQ(a.workspace.total, b.workspace.total);
+}
+
+TEST(Plan, RejectsBadShapes) {
+  PlanShape shape;
+  shape.group_size = 0;
+  EXPECT_THROW(make_decode_plan({1}, shape), Error);
+  shape = PlanShape{};
+  shape.num_sms = 0;
+  EXPECT_THROW(make_decode_plan({1}, shape), Error);
+  EXPECT_THROW(make_decode_plan({1, -1}, PlanShape{}), Error);
+}
+
+}  // namespace
+}  // namespace sparsepage

@@ -1,0 +1,71 @@
+// Test support shared by the CPU and CUDA suites: random problems with
+// poisoned (NaN) rows everywhere a correct kernel must not read, and an fp64
+// reference that attends explicit row lists.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "sparsepage/decode.h"
+#include "sparsepage/page_table.h"
+
+namespace sparsepage::testing {
+
+/// Element bytes in `dtype` for `count` random values uniform in [-amp, amp].
+std::vector<uint8_t> random_values(DType dtype, size_t count, std::mt19937_64& rng, float amp = 1.0f);
+/// `count` NaN elements in `dtype`.
+std::vector<uint8_t> nan_values(DType dtype, size_t count);
+/// Host bytes of `dtype` as float.
+std::vector<float> as_float(DType dtype, const std::vector<uint8_t>& bytes);
+
+/// What a random paged problem looks like.
+struct ProblemSpec {
+  DType dtype = DType::kBF16;
+  std::vector<int32_t> seq_lens;
+  int32_t page_size = 1;
+  bool random_first_page_offset = false;  // offsets in [0, page_size)
+  int32_t group_size = 4;
+  int32_t dim_qk = 128;
+  int32_t dim_v = 128;
+  int32_t dim_extra = 0;        // second K stream when > 0
+  bool v_aliases_k = false;     // V = the first dim_v columns of K's rows
+  int32_t k_row_padding = 0;    // K rows carry this many extra elements
+  int64_t pool_pages = 4096;
+  bool allow_duplicates = true; // pages drawn with replacement
+  float scale = 0.0f;           // 0: 1/sqrt(dim_qk + dim_extra)
+};
+
+/// A problem in host memory; every pool row that no visible token resolves
+/// to is NaN, so a read of a wrong row shows up in the output.
+struct PagedProblem {
+  ProblemSpec spec;
+  PageTableStructure table;
+  std::vector<int32_t> indices;
+  std::vector<uint8_t> q, q_extra;       // [R, G, dim_qk], [R, G, dim_extra]
+  std::vector<uint8_t> k_pool, v_pool, e_pool;
+  int64_t k_row_stride = 0, v_row_stride = 0, e_row_stride = 0;
+  float scale = 1.0f;
+
+  int32_t num_requests() const { return table.num_requests(); }
+  int64_t pool_rows() const { return spec.pool_pages * spec.page_size; }
+  /// Pool rows each request attends, in order (duplicates included).
+  std::vector<std::vector<int64_t>> token_rows() const;
+  /// Params over host pointers (pass output buffers). v.data aliases k.data
+  /// when the spec says so.
+  DecodeParams host_params(void* o, float* lse) const;
+};
+
+PagedProblem make_problem(const ProblemSpec& spec, std::mt19937_64& rng);
+
+/// fp64 attention of each request over explicit rows.
+struct Reference {
+  std::vector<double> o;    // [R, G, dim_v]
+  std::vector<double> lse;  // [R, G]; -inf for empty requests
+};
+Reference reference_attention(const PagedProblem& problem, const std::vector<std::vector<int64_t>>& rows);
+
+/// ||got - ref|| / ||ref||; +inf when got holds a NaN or inf (NaN never passes).
+double relative_l2(const std::vector<float>& got, const std::vector<double>& ref);
+
+}  // namespace sparsepage::testing
