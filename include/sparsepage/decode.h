@@ -30,6 +30,15 @@ struct DecodeParams {
   int32_t page_size = 1;
   int64_t num_pool_pages = 0;  // page ids must lie in [0, num_pool_pages); pages cover rows page*page_size ..
 
+  // Window mode, for dense caches. When request_row_stride > 0, page ids are
+  // relative to the request's own window: token rows are
+  //   request * request_row_stride + page * page_size + slot,
+  // and every position page * page_size + slot must lie in [0, window_len)
+  // (checked per token), so no selection can reach another request's rows.
+  // 0: page ids are absolute pool pages (paged pools, explicit row lists).
+  int64_t request_row_stride = 0;
+  int64_t window_len = 0;
+
   int32_t group_size = 1;      // query heads per request
   const void* q = nullptr;     // [num_requests, group_size, k.dim], contiguous
   PoolView k;                  // K rows, dim = head_dim_qk

@@ -35,3 +35,28 @@ void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_o
                                 int32_t block_size, int32_t* rows_out, void* stream);
 
 }  // namespace sparsepage::detail
+
+namespace sparsepage::detail {
+/// Device half of build_selection_mask (src/cuda/selection.cu).
+void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32_t num_requests, int64_t live_len,
+                         float* mask, void* stream);
+}  // namespace sparsepage::detail
+
+namespace sparsepage::detail {
+/// Block-sparse indexer on the GPU (src/cuda/indexer.cu): block scores by the
+/// rule in models/block_sparse.h and the per-request top-k plus the final
+/// block, written to `block_ids` [batch * num_kv_heads, blocks_per_request].
+struct BlockTopkArgs {
+  DType dtype;
+  const void* k_alloc;   // K allocation [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
+  const void* index_q;   // [batch, num_kv_heads, head_dim]
+  int32_t batch, num_kv_heads, head_dim;
+  int64_t capacity, kv_len;
+  int32_t block_size, topk, local_blocks, blocks_per_request;
+  int32_t* block_ids;
+};
+void block_topk_cuda(const BlockTopkArgs& args, void* stream);
+/// Block mask [requests, kv_len]: 0 where the token's block is selected and t < kv_len, else -inf.
+void block_mask_cuda(const int32_t* block_ids, int32_t num_requests, int32_t blocks_per_request, int32_t block_size,
+                     int64_t kv_len, float* mask, void* stream);
+}  // namespace sparsepage::detail

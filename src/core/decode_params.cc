@@ -33,6 +33,10 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
   require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
   require(std::isfinite(p.scale), "scale is not finite");
+  require(p.request_row_stride >= 0, "request_row_stride is negative");
+  require(p.request_row_stride == 0 || (p.window_len >= 0 && p.window_len <= p.request_row_stride),
+          "window_len = " + std::to_string(p.window_len) + " must lie in [0, request_row_stride = " +
+              std::to_string(p.request_row_stride) + "]");
   if (p.num_requests == 0) return;
   require(p.indptr != nullptr, "indptr is null");
   require(p.seq_lens != nullptr, "seq_lens is null");

@@ -43,3 +43,18 @@ void selection_from_blocks_cuda(const int32_t*, const int32_t*, const int32_t*, 
   throw Error("selection_from_blocks(Device::kCuda): sparsepage was built without CUDA");
 }
 }  // namespace sparsepage::detail
+
+namespace sparsepage::detail {
+void selection_mask_cuda(const int32_t*, const int32_t*, int32_t, int64_t, float*, void*) {
+  throw Error("build_selection_mask(Device::kCuda): sparsepage was built without CUDA");
+}
+}  // namespace sparsepage::detail
+
+namespace sparsepage::detail {
+void block_topk_cuda(const BlockTopkArgs&, void*) {
+  throw Error("block-sparse indexer on Device::kCuda: sparsepage was built without CUDA");
+}
+void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int64_t, float*, void*) {
+  throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
+}
+}  // namespace sparsepage::detail

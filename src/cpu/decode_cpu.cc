@@ -67,6 +67,16 @@ void check_indices_cpu(const DecodeParams& p) {
     }
     for (int64_t i = p.indptr[r]; i < p.indptr[r] + needed; ++i) {
       const int32_t page = p.indices[i];
+      if (p.request_row_stride > 0) {
+        // Window mode: the page's last visible position must be in the window.
+        const int64_t last = std::min<int64_t>(p.page_size, offset + len - (i - p.indptr[r]) * p.page_size) - 1;
+        if (page < 0 || int64_t{page} * p.page_size + last >= p.window_len) {
+          throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
+                      " names positions outside request " + std::to_string(r) + "'s window of " +
+                      std::to_string(p.window_len) + " tokens");
+        }
+        continue;
+      }
       if (page < 0 || page >= p.num_pool_pages) {
         throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
                     " is outside the pool [0, " + std::to_string(p.num_pool_pages) + ")");
@@ -93,10 +103,11 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   auto rows_of = [&](int32_t r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
     const int32_t* pages = p.indices + p.indptr[r];
-    return [&p, esize, de, offset, pages](int64_t t) {
+    const int64_t base = p.request_row_stride * r;  // 0 outside window mode
+    return [&p, esize, de, offset, pages, base](int64_t t) {
       const int64_t slot = offset + t;
       // 64-bit throughout: pools beyond 2^31 elements are normal.
-      const int64_t row = int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
+      const int64_t row = base + int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
       return cpu::TokenRows{
           static_cast<const char*>(p.k.data) + row * p.k.row_stride * esize,
           static_cast<const char*>(p.v.data) + row * p.v.row_stride * esize,

@@ -1,0 +1,110 @@
+// Block-sparse attention (SPEC section 8.1, MiniMax-M3-style): an indexer
+// keeps the top-k key blocks per KV head, and decode attends only those
+// through the fused paged decode, falling back to the additive-mask path on
+// any decline.
+//
+// Indexer scoring rule. The index key (one head, head_dim wide) rides at head
+// num_kv_heads of the K allocation. Each KV head h has an index query
+// q_idx[b, h]. Block j of sequence b scores
+//     score(b, h, j) = max over live tokens t of block j of  q_idx[b, h] . k_idx[b, t]
+// Max-pooling keeps a block that holds one strongly matching token, which a
+// mean would dilute among its 127 neighbours. The top-k is taken over every
+// block but the final one (ties go to the lower block id); the last
+// `local_blocks - 1` full blocks before the final one are force-kept (they
+// score +inf), and the final block — the query's own, possibly partial — is
+// appended unconditionally. So the selected count is a function of kv_len
+// alone, and no selected block can name a row past the live window.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/dispatch.h"
+#include "sparsepage/selection.h"
+#include "sparsepage/sparse_decode.h"
+
+namespace sparsepage {
+
+struct BlockSparseConfig {
+  int32_t num_qo_heads = 64;
+  int32_t num_kv_heads = 4;
+  int32_t head_dim = 128;   // also the index head dim (the index key is a K head)
+  int32_t block_size = 128;
+  int32_t topk_blocks = 16;
+  int32_t local_blocks = 1;  // >= 1: the final block is always kept
+  int64_t capacity_step = 4096;
+
+  /// The sparse regime: enough context that top-k leaves something out.
+  bool sparse_regime(int64_t kv_len) const { return kv_len > int64_t{2} * topk_blocks * block_size; }
+  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+};
+
+/// One token's projected inputs, all on the layer's device, in its dtype.
+struct BlockSparseTokens {
+  const void* q = nullptr;        // [batch, num_qo_heads, head_dim]
+  const void* index_q = nullptr;  // [batch, num_kv_heads, head_dim]
+  const void* k = nullptr;        // [batch, num_kv_heads + 1, 1, head_dim]: attention keys, then the index key
+  const void* v = nullptr;        // [batch, num_kv_heads, 1, head_dim]
+  void* o = nullptr;              // [batch, num_qo_heads, head_dim]
+};
+
+/// What a decode step did.
+struct BlockSparseStep {
+  bool sparse_regime = false;
+  bool fused = false;               // the fused paged decode ran
+  SparseDecodeOutcome outcome;      // the policy's outcome (sparse regime only)
+};
+
+class BlockSparseAttention {
+ public:
+  BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
+                       DispatchConfig dispatch = process_dispatch_config());
+
+  /// Prefill keeps the mask path: appends the token and attends causally to
+  /// the whole window (dense).
+  void prefill_token(const BlockSparseTokens& tokens, void* stream = nullptr);
+
+  /// Decode: appends the token; in the sparse regime runs the indexer and
+  /// tries the fused path, falling back to the block mask over the same set.
+  BlockSparseStep decode(const BlockSparseTokens& tokens, void* stream = nullptr);
+
+  /// Selected blocks of the last sparse decode, per request (host copy).
+  std::vector<std::vector<int32_t>> last_blocks() const;
+  /// Positions the page table of the last sparse decode attends, per request.
+  std::vector<std::vector<int32_t>> last_selected_positions() const;
+  /// Columns the mask path keeps for the last sparse decode (0 entries of
+  /// its additive mask), per request — built from the blocks independently.
+  std::vector<std::vector<int32_t>> last_mask_columns();
+
+  const DenseKVCache& cache() const { return cache_; }
+  int64_t kv_len() const { return cache_.live_len(); }
+
+ private:
+  SparseAttentionInputs inputs(const BlockSparseTokens& tokens) const;
+  void select_blocks(const BlockSparseTokens& tokens, void* stream);
+  void run_block_mask_path(const SparseAttentionInputs& in, void* stream);
+
+  Device device_;
+  DType dtype_;
+  BlockSparseConfig config_;
+  int32_t batch_;
+  DenseKVCache cache_;
+  SparseDecoder decoder_;
+  SparseSelection selection_;       // positions, per request
+  Buffer block_ids_;                // int32 [requests, blocks_per_request]
+  int32_t blocks_per_request_ = 0;
+  Buffer mask_;                     // fp32 [requests, kv_len]
+  Buffer mask_workspace_;
+  Buffer scores_;                   // fp32 block scores scratch (CUDA)
+};
+
+/// Indexer block scores and top-k on the host: for request r = b * H + h,
+/// returns blocks_per_request block ids (top-k by the rule above, then the
+/// final block). `index_q` is [B, H, D] and `index_k(b, t)` the index key
+/// row; both fp32.
+std::vector<int32_t> select_top_blocks_cpu(const BlockSparseConfig& config, int32_t batch, int64_t kv_len,
+                                           const float* index_q, const std::vector<float>& index_keys_bt);
+
+}  // namespace sparsepage

@@ -1,0 +1,109 @@
+// The sparse decode entry point (SPEC sections 4, 6, 7): a selection over a
+// dense cache becomes a page table, the policy decides, and the fused paged
+// decode runs — or the decline comes back so the caller runs its mask path.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparsepage/decode.h"
+#include "sparsepage/dense_paths.h"
+#include "sparsepage/dispatch.h"
+#include "sparsepage/memory.h"
+#include "sparsepage/selection.h"
+
+namespace sparsepage {
+
+/// One decode step's attention inputs over a dense cache, on one device.
+/// Requests are folded: r = b * num_kv_heads + h owns query heads
+/// h * G .. (h + 1) * G - 1 of sequence b (G = num_qo_heads / num_kv_heads).
+struct SparseAttentionInputs {
+  Device device = Device::kCpu;
+  DType dtype = DType::kBF16;
+  int32_t batch = 0;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int64_t live_len = 0;
+  bool raw_cache = true;    // false for quantized, pool-backed or head-trimmed caches
+  DenseStream k;            // the K allocation (may carry extra heads or extra columns)
+  DenseStream v;            // the V allocation; may alias K's first columns
+  DenseStream k_extra;      // second K stream (MLA rope keys); data null when absent
+  const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
+  const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
+  float scale = 1.0f;
+  void* o = nullptr;        // [batch, num_qo_heads, v.dim]
+  float* lse = nullptr;     // [batch, num_qo_heads] or null
+};
+
+/// Runs sparse decodes on one device. It keeps the plan, the page-table
+/// structure and the workspace between calls and re-plans only when the
+/// per-request counts change, so a serving loop with fixed top-k counts
+/// plans once.
+class SparseDecoder {
+ public:
+  explicit SparseDecoder(Device device, DispatchConfig config = process_dispatch_config());
+
+  /// `selection` holds positions in each request's live window [0, live_len)
+  /// (one request per (sequence, KV head), on the inputs' device). Fused:
+  /// the output is written and the outcome says so. Declined: nothing ran;
+  /// the caller runs its mask path (see `run_mask_path`). The outcome is
+  /// counted in the stats and announced once per kind. Positions outside
+  /// the window are never read (CPU: an error; CUDA: NaN output and the
+  /// error flag, see `check_errors`).
+  SparseDecodeOutcome try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
+                                void* stream = nullptr);
+
+  /// The pure decision for these inputs, without running anything.
+  SparseDecodeOutcome decide(const SparseAttentionInputs& in, const SparseSelection& selection) const;
+
+  /// Synchronizes and throws when the last CUDA launch met a position outside a window.
+  void check_errors(void* stream = nullptr);
+
+  const DecodePlan& plan() const { return plan_; }
+  /// Device bytes held for the fused path (workspace + page-table structure).
+  size_t transient_bytes() const { return workspace_.bytes() + structure_.bytes(); }
+  const DispatchConfig& config() const { return config_; }
+
+ private:
+  void prepare(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream);
+  Device device_;
+  DispatchConfig config_;
+  DecodePlan plan_;
+  std::vector<int32_t> planned_counts_;
+  int32_t planned_group_ = 0, planned_dim_v_ = 0;
+  Buffer workspace_;
+  Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]
+};
+
+/// The mask path over the same set: an additive mask that keeps exactly the
+/// selected positions, then dense attention over the whole live window. What
+/// a caller runs when the fused path declines, and the benchmark's baseline.
+/// Duplicated positions count once here (a mask is a set).
+class MaskPath {
+ public:
+  explicit MaskPath(Device device) : device_(device) {}
+  /// Allocates the mask and workspace and uploads the selection's offsets;
+  /// call when the counts or shapes change. Not capturable.
+  void prepare(const SparseAttentionInputs& in, const SparseSelection& selection);
+  /// Builds the mask and runs the masked decode: capturable after prepare.
+  void run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream = nullptr);
+  /// Device bytes held (mask, offsets, workspace).
+  size_t transient_bytes() const { return mask_.bytes() + offsets_.bytes() + workspace_.bytes(); }
+
+ private:
+  Device device_;
+  Buffer mask_;       // fp32 [num_requests, live_len]
+  Buffer offsets_;    // int32 [num_requests + 1]
+  Buffer workspace_;
+};
+
+/// Writes the additive mask [num_requests, live_len]: 0 at each selected
+/// position, -inf elsewhere; positions outside [0, live_len) are ignored.
+/// `offsets` ([num_requests + 1]) and `positions` live on `device`.
+void build_selection_mask(Device device, const int32_t* positions, const int32_t* offsets, int32_t num_requests,
+                          int64_t live_len, float* mask, void* stream = nullptr);
+
+/// MaskedDecodeParams for these inputs (mask null).
+MaskedDecodeParams masked_params(const SparseAttentionInputs& in);
+
+}  // namespace sparsepage

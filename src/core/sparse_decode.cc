@@ -1,0 +1,209 @@
+#include "sparsepage/sparse_decode.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "core/cuda_hooks.h"
+#include "sparsepage/cache.h"
+
+namespace sparsepage {
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error("sparse decode: " + message);
+}
+
+void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
+  require(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
+  require(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
+          "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
+              std::to_string(in.num_kv_heads));
+  const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
+  require(selection.num_requests() == requests, "the selection has " + std::to_string(selection.num_requests()) +
+                                                    " requests, expected batch * num_kv_heads = " +
+                                                    std::to_string(requests));
+  require(selection.total() == 0 || selection.indices.device() == in.device,
+          std::string("the selection lives on ") + device_name(selection.indices.device()) + ", the inputs on " +
+              device_name(in.device));
+  require(static_cast<int64_t>(selection.indices.bytes()) >= selection.total() * 4,
+          "the selection's indices hold fewer entries than its counts sum to");
+  require(in.live_len >= 0 && in.live_len <= in.k.capacity && in.live_len <= in.v.capacity,
+          "live_len = " + std::to_string(in.live_len) + " must lie in [0, capacity]");
+  require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
+  require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
+}
+
+CacheShape shape_of(const DenseStream& s, int32_t batch) { return {batch, s.heads, s.capacity, s.dim}; }
+
+// One index addresses K, V and the second stream only when every allocation
+// puts (b, h, t) of the attention heads at the same row (SPEC section 4).
+bool streams_share_rows(const SparseAttentionInputs& in) {
+  if (in.v.heads != in.num_kv_heads) return false;
+  const CacheShape v = shape_of(in.v, in.batch);
+  if (!shared_row_mapping(shape_of(in.k, in.batch), v)) return false;
+  return in.k_extra.data == nullptr || shared_row_mapping(shape_of(in.k_extra, in.batch), v);
+}
+
+int32_t machine_width(Device device) {
+  if (device == Device::kCuda) return cuda_multiprocessor_count();
+  return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+SparseDecoder::SparseDecoder(Device device, DispatchConfig config) : device_(device), config_(config) {}
+
+SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const SparseSelection& selection) const {
+  check_inputs(in, selection);
+  DispatchInput d;
+  d.num_requests = int64_t{in.batch} * in.num_kv_heads;
+  d.selected_rows = selection.total();
+  d.live_len = in.live_len;
+  d.raw_cache = in.raw_cache;
+  d.device_available = device_ == Device::kCpu || cuda_available();
+  d.head_dims_supported =
+      device_ == Device::kCpu ||
+      cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
+  d.shared_row_mapping = streams_share_rows(in);
+  return decide_sparse_decode(d, config_);
+}
+
+void SparseDecoder::prepare(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
+  const int32_t group = in.num_qo_heads / in.num_kv_heads;
+  if (selection.counts == planned_counts_ && group == planned_group_ && in.v.dim == planned_dim_v_ &&
+      !workspace_.empty()) {
+    return;  // same counts: the plan, structure and workspace stand
+  }
+  PlanShape shape;
+  shape.group_size = group;
+  shape.head_dim_v = in.v.dim;
+  shape.num_sms = machine_width(device_);
+  plan_ = make_decode_plan(selection.counts, shape);
+  const PageTableStructure table = build_page_table_structure(selection.counts, 1);
+  std::vector<int32_t> packed = table.indptr;
+  packed.insert(packed.end(), table.first_page_offset.begin(), table.first_page_offset.end());
+  packed.insert(packed.end(), table.seq_lens.begin(), table.seq_lens.end());
+  structure_ = upload(device_, packed);
+  workspace_ = Buffer(device_, std::max<size_t>(plan_.workspace.total, 256));
+  if (device_ == Device::kCuda) upload_plan_cuda(plan_, workspace_.data(), stream);
+  planned_counts_ = selection.counts;
+  planned_group_ = group;
+  planned_dim_v_ = in.v.dim;
+}
+
+SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
+                                             void* stream) {
+  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
+                                    device_name(device_));
+  SparseDecodeOutcome outcome = decide(in, selection);
+  if (!outcome.fused()) {
+    record_outcome(outcome);
+    return outcome;
+  }
+  dump_selection_if_enabled(selection, "fused");
+  prepare(in, selection, stream);
+  const int32_t requests = in.batch * in.num_kv_heads;
+  const auto* structure = structure_.as<int32_t>();
+  DecodeParams p;
+  p.dtype = in.dtype;
+  p.indptr = structure;
+  p.first_page_offset = structure + requests + 1;
+  p.seq_lens = structure + 2 * requests + 1;
+  p.indices = selection.indices.as<int32_t>();
+  p.num_requests = requests;
+  p.page_size = 1;
+  p.request_row_stride = in.k.capacity;  // window mode: positions, never another request's rows
+  p.window_len = in.live_len;
+  p.num_pool_pages = in.live_len;
+  p.group_size = in.num_qo_heads / in.num_kv_heads;
+  p.q = in.q;
+  p.k = {in.k.data, in.k.row_stride, in.k.dim};
+  p.v = {in.v.data, in.v.row_stride, in.v.dim};
+  if (in.k_extra.data != nullptr) {
+    p.q_extra = in.q_extra;
+    p.k_extra = {in.k_extra.data, in.k_extra.row_stride, in.k_extra.dim};
+  }
+  p.scale = in.scale;
+  p.o = in.o;
+  p.lse = in.lse;
+  if (device_ == Device::kCuda) {
+    run_decode_cuda(p, plan_, workspace_.data(), stream);
+  } else {
+    run_decode_cpu(p, plan_, workspace_.data());
+  }
+  outcome.chunks = static_cast<int64_t>(plan_.work.size());
+  outcome.merge = plan_.needs_merge();
+  record_outcome(outcome);
+  return outcome;
+}
+
+void SparseDecoder::check_errors(void* stream) {
+  if (device_ != Device::kCuda || workspace_.empty()) return;
+  const uint32_t flag = read_decode_error_flag(plan_, workspace_.data(), stream);
+  if (flag != 0) {
+    throw Error("sparse decode: a selected position lay outside its request's live window; those requests' "
+                "outputs are NaN and nothing outside the window was read");
+  }
+}
+
+MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
+  MaskedDecodeParams m;
+  m.dtype = in.dtype;
+  m.batch = in.batch;
+  m.num_kv_heads = in.num_kv_heads;
+  m.group_size = in.num_qo_heads / in.num_kv_heads;
+  m.live_len = in.live_len;
+  m.q = in.q;
+  m.k = in.k;
+  m.v = in.v;
+  m.q_extra = in.q_extra;
+  m.k_extra = in.k_extra;
+  m.scale = in.scale;
+  m.o = in.o;
+  m.lse = in.lse;
+  return m;
+}
+
+void build_selection_mask(Device device, const int32_t* positions, const int32_t* offsets, int32_t num_requests,
+                          int64_t live_len, float* mask, void* stream) {
+  if (device == Device::kCuda) {
+    detail::selection_mask_cuda(positions, offsets, num_requests, live_len, mask, stream);
+    return;
+  }
+  std::fill(mask, mask + int64_t{num_requests} * live_len, -std::numeric_limits<float>::infinity());
+  for (int32_t r = 0; r < num_requests; ++r) {
+    for (int32_t i = offsets[r]; i < offsets[r + 1]; ++i) {
+      if (positions[i] >= 0 && positions[i] < live_len) mask[int64_t{r} * live_len + positions[i]] = 0.0f;
+    }
+  }
+}
+
+void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& selection) {
+  check_inputs(in, selection);
+  const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
+  mask_ = Buffer(device_, static_cast<size_t>(requests * std::max<int64_t>(in.live_len, 1)) * sizeof(float));
+  offsets_ = upload(device_, selection.offsets());
+  if (device_ == Device::kCuda) {
+    workspace_ = Buffer(device_, masked_decode_workspace_bytes(masked_params(in), cuda_multiprocessor_count()));
+  }
+}
+
+void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
+  const int32_t requests = in.batch * in.num_kv_heads;
+  require(offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4 &&
+              mask_.bytes() >= static_cast<size_t>(requests * in.live_len) * sizeof(float),
+          "MaskPath::run before prepare() for these shapes");
+  build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(), requests, in.live_len,
+                       mask_.as<float>(), stream);
+  MaskedDecodeParams m = masked_params(in);
+  m.mask = mask_.as<float>();
+  if (device_ == Device::kCuda) {
+    run_masked_decode_cuda(m, workspace_.data(), stream);
+  } else {
+    run_masked_decode_cpu(m);
+  }
+}
+
+}  // namespace sparsepage

@@ -1,0 +1,117 @@
+#include "support/layer_checks.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+
+#include "sparsepage/models/block_sparse.h"
+#include "support/reference.h"
+#include "support/toy_model.h"
+
+namespace sparsepage::testing {
+namespace {
+
+DispatchConfig always_fuse() {
+  DispatchConfig c = DispatchConfig::defaults();
+  c.min_kv_tokens = 0;
+  c.min_kv_tokens_per_request = 0;
+  return c;
+}
+
+DispatchConfig kill_switch() {
+  DispatchConfig c = always_fuse();
+  c.enabled = false;
+  return c;
+}
+
+struct TokenBuffers {
+  Buffer q, iq, k, v, o;
+  BlockSparseTokens view() { return {q.data(), iq.data(), k.data(), v.data(), o.data()}; }
+};
+
+TokenBuffers random_tokens(Device device, const BlockSparseConfig& c, int32_t batch, std::mt19937_64& rng) {
+  const size_t d = static_cast<size_t>(c.head_dim), b = static_cast<size_t>(batch);
+  TokenBuffers t;
+  t.q = upload(device, random_values(DType::kBF16, b * c.num_qo_heads * d, rng));
+  t.iq = upload(device, random_values(DType::kBF16, b * c.num_kv_heads * d, rng));
+  t.k = upload(device, random_values(DType::kBF16, b * (c.num_kv_heads + 1) * d, rng));
+  t.v = upload(device, random_values(DType::kBF16, b * c.num_kv_heads * d, rng));
+  t.o = upload(device, nan_values(DType::kBF16, b * c.num_qo_heads * d));
+  return t;
+}
+
+}  // namespace
+
+void check_block_sparse_set_equality(Device device) {
+  const BlockSparseConfig config{8, 2, 32, 16, 4, 2, 64};
+  // Batch 1 fuses; at batch 2 the index key riding in K breaks the shared
+  // row mapping, so the fused path must decline and the mask path answer.
+  for (const auto& [batch, context] : std::vector<std::pair<int32_t, int64_t>>{{1, 150}, {1, 160}, {1, 257}, {2, 300}}) {
+    SCOPED_TRACE("batch " + std::to_string(batch) + " context " + std::to_string(context));
+    std::mt19937_64 rng(static_cast<uint64_t>(context));
+    BlockSparseAttention fused(device, DType::kBF16, config, batch, always_fuse());
+    BlockSparseAttention masked(device, DType::kBF16, config, batch, kill_switch());
+    for (int64_t t = 0; t + 1 < context; ++t) {
+      TokenBuffers tok = random_tokens(device, config, batch, rng);
+      fused.prefill_token(tok.view());
+      masked.prefill_token(tok.view());
+    }
+    TokenBuffers tok = random_tokens(device, config, batch, rng);
+    const BlockSparseStep a = fused.decode(tok.view());
+    const auto o_fused = as_float(DType::kBF16, download<uint8_t>(device, tok.o.data(), tok.o.bytes()));
+    fill_bytes(tok.o.data(), device, 0xFF, tok.o.bytes());
+    const BlockSparseStep b = masked.decode(tok.view());
+    const auto o_masked = as_float(DType::kBF16, download<uint8_t>(device, tok.o.data(), tok.o.bytes()));
+    ASSERT_TRUE(a.sparse_regime && b.sparse_regime);
+    EXPECT_EQ(a.fused, batch == 1) << a.outcome.describe();
+    if (batch > 1) {
+      EXPECT_EQ(a.outcome.kind, OutcomeKind::kRowMapping);
+    }
+    EXPECT_FALSE(b.fused);
+    EXPECT_EQ(b.outcome.kind, OutcomeKind::kKillSwitch);
+
+    const auto positions = fused.last_selected_positions();
+    const auto columns = fused.last_mask_columns();
+    const auto blocks = fused.last_blocks();
+    EXPECT_EQ(blocks, masked.last_blocks()) << "same cache, same indexer";
+    ASSERT_EQ(positions.size(), static_cast<size_t>(batch * config.num_kv_heads));
+    const int64_t num_blocks = (context + config.block_size - 1) / config.block_size;
+    const int64_t tail = context - (num_blocks - 1) * config.block_size;
+    for (size_t r = 0; r < positions.size(); ++r) {
+      const std::set<int32_t> attended(positions[r].begin(), positions[r].end());
+      const std::set<int32_t> kept(columns[r].begin(), columns[r].end());
+      EXPECT_EQ(attended, kept) << "request " << r;
+      EXPECT_EQ(attended.size(), positions[r].size()) << "distinct blocks give distinct positions";
+      EXPECT_EQ(static_cast<int64_t>(positions[r].size()), config.topk_blocks * config.block_size + tail);
+      EXPECT_EQ(blocks[r].back(), num_blocks - 1) << "the final block is appended";
+      EXPECT_NE(std::find(blocks[r].begin(), blocks[r].end(), num_blocks - 2), blocks[r].end())
+          << "local_blocks = 2 force-keeps the block before the final one";
+      EXPECT_LT(*attended.rbegin(), context);
+    }
+    std::vector<double> ref(o_masked.begin(), o_masked.end());
+    EXPECT_LT(relative_l2(o_fused, ref), 1e-2) << "fused vs mask path over the same set";
+  }
+}
+
+void check_block_sparse_greedy_equality(Device device) {
+  ToyModelConfig config;
+  std::mt19937_64 rng(99);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab - 1);
+  std::vector<int32_t> prompt(160);
+  for (int32_t& t : prompt) t = token(rng);
+  ASSERT_TRUE(config.attention.sparse_regime(static_cast<int64_t>(prompt.size())));
+  ToyModel fused(device, config, always_fuse());
+  ToyModel masked(device, config, kill_switch());
+  const int32_t steps = 64;
+  const std::vector<int32_t> a = fused.generate(prompt, steps);
+  const std::vector<int32_t> b = masked.generate(prompt, steps);
+  EXPECT_EQ(fused.sparse_steps(), steps * config.layers);
+  EXPECT_EQ(fused.fused_steps(), steps * config.layers) << "every decode step must have run the fused path";
+  EXPECT_EQ(masked.fused_steps(), 0) << "the kill switch must pin the mask path";
+  EXPECT_EQ(a, b);
+  EXPECT_GT(std::set<int32_t>(a.begin(), a.end()).size(), 1u) << "a degenerate generation proves little";
+}
+
+}  // namespace sparsepage::testing

@@ -1,0 +1,134 @@
+#include "support/toy_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+namespace sparsepage::testing {
+
+struct ToyModel::Weights {
+  std::vector<float> embed;  // [vocab, d]
+  struct Layer {
+    std::vector<float> wq, wk, wv, wiq, wo, w1, w2;
+  };
+  std::vector<Layer> layers;
+};
+
+namespace {
+
+std::vector<float> random_matrix(std::mt19937_64& rng, size_t rows, size_t cols) {
+  std::normal_distribution<float> dist(0.0f, 1.0f / std::sqrt(static_cast<float>(rows)));
+  std::vector<float> m(rows * cols);
+  for (float& x : m) x = dist(rng);
+  return m;
+}
+
+// y = x W for x [n_in] and W [n_in, n_out].
+std::vector<float> matvec(const std::vector<float>& x, const std::vector<float>& w, size_t n_out) {
+  std::vector<float> y(n_out, 0.0f);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float xi = x[i];
+    const float* row = &w[i * n_out];
+    for (size_t j = 0; j < n_out; ++j) y[j] += xi * row[j];
+  }
+  return y;
+}
+
+std::vector<float> rms_norm(const std::vector<float>& x) {
+  double ss = 0;
+  for (float v : x) ss += double{v} * v;
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(x.size())) + 1e-6f);
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv;
+  return y;
+}
+
+// Host fp32 -> the layer's dtype on its device.
+Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
+  std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
+  from_float(dtype, x.data(), bytes.data(), x.size());
+  return upload(device, bytes);
+}
+
+}  // namespace
+
+ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig dispatch)
+    : device_(device), config_(config), weights_(std::make_unique<Weights>()) {
+  std::mt19937_64 rng(config.seed);
+  const auto& a = config.attention;
+  const size_t d = static_cast<size_t>(config.d_model), hd = static_cast<size_t>(a.head_dim);
+  weights_->embed = random_matrix(rng, static_cast<size_t>(config.vocab), d);
+  for (float& x : weights_->embed) x *= std::sqrt(static_cast<float>(config.vocab));  // unit-scale embeddings
+  for (int32_t l = 0; l < config.layers; ++l) {
+    Weights::Layer layer;
+    layer.wq = random_matrix(rng, d, static_cast<size_t>(a.num_qo_heads) * hd);
+    layer.wk = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads + 1) * hd);
+    layer.wv = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads) * hd);
+    layer.wiq = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads) * hd);
+    layer.wo = random_matrix(rng, static_cast<size_t>(a.num_qo_heads) * hd, d);
+    layer.w1 = random_matrix(rng, d, 2 * d);
+    layer.w2 = random_matrix(rng, 2 * d, d);
+    weights_->layers.push_back(std::move(layer));
+    layers_.push_back(std::make_unique<BlockSparseAttention>(device, DType::kBF16, a, 1, dispatch));
+  }
+}
+
+ToyModel::~ToyModel() = default;
+
+std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
+  const auto& a = config_.attention;
+  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(a.head_dim);
+  std::vector<float> x(weights_->embed.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(token) * d),
+                       weights_->embed.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(token) + 1) * d));
+  // Sinusoidal positions keep greedy decoding from settling on a fixed point.
+  const float pos = static_cast<float>(position_++);
+  for (size_t i = 0; i < d; ++i) x[i] += std::sin(pos / std::pow(100.0f, static_cast<float>(i) / static_cast<float>(d)) + static_cast<float>(i));
+  for (int32_t l = 0; l < config_.layers; ++l) {
+    const auto& w = weights_->layers[static_cast<size_t>(l)];
+    const std::vector<float> h = rms_norm(x);
+    const Buffer q = to_device(device_, DType::kBF16, matvec(h, w.wq, static_cast<size_t>(a.num_qo_heads) * hd));
+    const Buffer k = to_device(device_, DType::kBF16, matvec(h, w.wk, static_cast<size_t>(a.num_kv_heads + 1) * hd));
+    const Buffer v = to_device(device_, DType::kBF16, matvec(h, w.wv, static_cast<size_t>(a.num_kv_heads) * hd));
+    const Buffer iq = to_device(device_, DType::kBF16, matvec(h, w.wiq, static_cast<size_t>(a.num_kv_heads) * hd));
+    Buffer o(device_, static_cast<size_t>(a.num_qo_heads) * hd * 2);
+    BlockSparseTokens tokens{q.data(), iq.data(), k.data(), v.data(), o.data()};
+    if (prefill) {
+      layers_[static_cast<size_t>(l)]->prefill_token(tokens);
+    } else {
+      const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(tokens);
+      sparse_steps_ += step.sparse_regime ? 1 : 0;
+      fused_steps_ += step.fused ? 1 : 0;
+    }
+    std::vector<float> attn(static_cast<size_t>(a.num_qo_heads) * hd);
+    const auto o_bytes = download<uint8_t>(device_, o.data(), o.bytes());
+    to_float(DType::kBF16, o_bytes.data(), attn.data(), attn.size());
+    const std::vector<float> proj = matvec(attn, w.wo, d);
+    for (size_t i = 0; i < d; ++i) x[i] += proj[i];
+    std::vector<float> mid = matvec(rms_norm(x), w.w1, 2 * d);
+    for (float& m : mid) m = std::max(m, 0.0f);
+    const std::vector<float> out = matvec(mid, w.w2, d);
+    for (size_t i = 0; i < d; ++i) x[i] += out[i];
+  }
+  const std::vector<float> hidden = rms_norm(x);
+  std::vector<float> logits(static_cast<size_t>(config_.vocab));
+  for (size_t t = 0; t < logits.size(); ++t) {
+    float dot = 0;
+    for (size_t i = 0; i < d; ++i) dot += hidden[i] * weights_->embed[t * d + i];
+    logits[t] = dot;
+  }
+  return logits;
+}
+
+std::vector<int32_t> ToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i], /*prefill=*/true);
+  std::vector<int32_t> out;
+  int32_t token = prompt.back();
+  for (int32_t s = 0; s < steps; ++s) {
+    const std::vector<float> logits = forward(token, /*prefill=*/false);
+    token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    out.push_back(token);
+  }
+  return out;
+}
+
+}  // namespace sparsepage::testing

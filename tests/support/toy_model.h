@@ -1,0 +1,46 @@
+// A small synthetic transformer (fixed-seed random weights) whose attention
+// layers are the library's block-sparse layer. Its dense parts (embeddings,
+// projections, MLP) run in fp32 on the host; attention runs on the layer's
+// device. Used to check that the fused path and the mask path decode the
+// same greedy tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "sparsepage/models/block_sparse.h"
+
+namespace sparsepage::testing {
+
+struct ToyModelConfig {
+  int32_t vocab = 96;
+  int32_t d_model = 64;
+  int32_t layers = 2;
+  BlockSparseConfig attention{8, 2, 32, 16, 4, 1, 64};  // 8 q heads over 2 KV heads, blocks of 16, top 4
+  uint64_t seed = 1234;
+};
+
+class ToyModel {
+ public:
+  ToyModel(Device device, const ToyModelConfig& config, DispatchConfig dispatch);
+  ~ToyModel();
+  /// Feeds `prompt` (prefill keeps the mask path), then decodes `steps`
+  /// tokens greedily. Returns the generated tokens.
+  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int32_t steps);
+  /// Decode steps that ran the fused path / were in the sparse regime.
+  int32_t fused_steps() const { return fused_steps_; }
+  int32_t sparse_steps() const { return sparse_steps_; }
+
+ private:
+  struct Weights;
+  std::vector<float> forward(int32_t token, bool prefill);
+  Device device_;
+  ToyModelConfig config_;
+  std::unique_ptr<Weights> weights_;
+  std::vector<std::unique_ptr<BlockSparseAttention>> layers_;
+  int32_t fused_steps_ = 0, sparse_steps_ = 0;
+  int64_t position_ = 0;
+};
+
+}  // namespace sparsepage::testing
