@@ -27,11 +27,11 @@ struct PlanShape {
   /// Work items per multiprocessor the plan aims for. More items mean more
   /// bytes in flight at small batch, and more partials to merge.
   int32_t items_per_sm = 2;
-  /// Smallest chunk; a multiple of `chunk_granule`. Chunks shorter than this
+  /// Smallest chunk, rounded up to `chunk_granule`. Chunks shorter than this
   /// pay more in merge and per-item setup than they win in parallelism.
   int32_t min_chunk_tokens = 64;
   /// Chunks are multiples of this many tokens (the kernel's token tile).
-  int32_t chunk_granule = 32;
+  int32_t chunk_granule = 64;
   /// 0 lets the plan choose; otherwise every chunk has exactly this many
   /// tokens (rounded to the granule): how tests force splits on and off.
   int32_t fixed_chunk_tokens = 0;
@@ -54,7 +54,7 @@ struct DecodePlan {
   int32_t num_requests = 0;
   int32_t group_size = 1;
   int32_t head_dim_v = 0;
-  int32_t chunk_tokens = 0;             // tokens per chunk (the last one of a request may be shorter)
+  int32_t chunk_tokens = 0;             // most tokens in any chunk (a request's chunks are balanced)
   std::vector<WorkItem> work;           // ordered by request, then token_begin
   std::vector<int32_t> merge_requests;  // requests split into more than one chunk
   std::vector<int32_t> merge_indptr;    // [merge_requests.size() + 1]: partial slots per merged request

@@ -58,6 +58,11 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   for (int32_t r = 0; r < plan.num_requests; ++r) {
     const int64_t len = seq_lens[r];
     const int64_t chunks = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+    // Balance the request's chunks (still granule multiples), so a length
+    // just over a multiple of the chunk does not leave a tiny tail item.
+    const int64_t balanced = shape.fixed_chunk_tokens > 0
+                                 ? chunk
+                                 : round_up((len + chunks - 1) / chunks, shape.chunk_granule);
     if (chunks == 1) {
       // A single chunk writes the output directly; an empty request still
       // gets its item so that o = 0 and lse = -inf are written.
@@ -65,8 +70,8 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
       continue;
     }
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t begin = c * chunk;
-      const int64_t end = std::min(len, begin + chunk);
+      const int64_t begin = c * balanced;
+      const int64_t end = std::min(len, begin + balanced);
       plan.work.push_back({r, static_cast<int32_t>(begin), static_cast<int32_t>(end), next_partial++});
     }
     plan.merge_requests.push_back(r);

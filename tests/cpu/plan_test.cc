@@ -53,6 +53,7 @@ TEST(Plan, LargeBatchesNeedNoSplit) {
 TEST(Plan, FixedChunksAndEmptyRequests) {
   PlanShape shape;
   shape.fixed_chunk_tokens = 32;
+  shape.chunk_granule = 32;
   const std::vector<int32_t> lens = {0, 100, 32, 33};
   const DecodePlan plan = make_decode_plan(lens, shape);
   expect_covers(plan, lens);
@@ -60,6 +61,17 @@ TEST(Plan, FixedChunksAndEmptyRequests) {
   EXPECT_EQ(plan.merge_requests, (std::vector<int32_t>{1, 3}));
   EXPECT_EQ(plan.merge_indptr, (std::vector<int32_t>{0, 4, 6}));
   EXPECT_EQ(plan.work.front().token_end, 0);
+}
+
+TEST(Plan, ChunksOfARequestAreBalanced) {
+  PlanShape shape;
+  shape.num_sms = 132;
+  const std::vector<int32_t> lens(256, 4096);  // batch 64 x 4 KV heads x 4096 rows
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  expect_covers(plan, lens);
+  for (const WorkItem& w : plan.work) {
+    EXPECT_GE(w.token_end - w.token_begin, 1024) << "no tiny tail items";
+  }
 }
 
 TEST(Plan, IsDeterministic) {

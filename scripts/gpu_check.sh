@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
+# build), run the GPU tests, run them under compute-sanitizer (memcheck,
+# racecheck), benchmark, and print a short table last. Full logs go to $OUT.
+#   STAGES="tests sanitize bench kernel" (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sparsepage-gpu}
+mkdir -p "$OUT"
+BUILD=${BUILD_DIR:-build-cuda}
+STAGES=${STAGES:-"tests sanitize bench kernel"}
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+if [ ! -x "$BUILD/tests/cuda/sparsepage_cuda_tests" ]; then
+  gtest=/usr/src/googletest; [ -d .deps/googletest ] && gtest=$PWD/.deps/googletest
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSEPAGE_CUDA=ON \
+    -DSPARSEPAGE_GTEST_SOURCE="$gtest" > "$OUT/build.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" >> "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; echo "build failed"; exit 1; }
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+T="$BUILD/tests/cuda/sparsepage_cuda_tests"
+B="$BUILD/tools/sparse_paged_decode_bench"
+
+if [[ $STAGES == *tests* ]]; then
+  "$T" > "$OUT/cuda_tests.log" 2>&1; rc=$?
+  note "GPU tests: rc=$rc, $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/cuda_tests.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || grep -E "Failure|FAILED|error" -A4 "$OUT/cuda_tests.log" | head -60
+  "$BUILD/tests/sparsepage_cpu_tests" > "$OUT/cpu_tests.log" 2>&1
+  note "CPU tests on the GPU machine: rc=$?, $(grep -E '^\[  PASSED' "$OUT/cpu_tests.log")"
+fi
+if [[ $STAGES == *sanitize* ]]; then
+  # The >2^31-element pool test moves gigabytes; sanitizing it adds minutes and nothing new.
+  for tool in memcheck racecheck; do
+    timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_filter='-*Beyond2To31*:*Greedy*' \
+      > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
+    note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+  done
+fi
+if [[ $STAGES == *bench* ]]; then
+  for batch in 1 32; do
+    "$B" --contexts 16384,32768,65536 --batch $batch --json "$OUT/bench_blocks_b$batch.json" > "$OUT/bench_blocks_b$batch.log" 2>&1
+    note "bench blocks batch $batch: rc=$?"; grep -A5 "^context" "$OUT/bench_blocks_b$batch.log"
+  done
+  SPARSEPAGE_SPARSE_DECODE=0 "$B" --contexts 32768 --batch 1 > "$OUT/bench_killswitch.log" 2>&1
+  note "kill switch off: rc=$? $(grep 'sparse arm' "$OUT/bench_killswitch.log")"
+fi
+if [[ $STAGES == *kernel* ]]; then
+  for cfg in "1 2048" "8 2048" "32 2048" "64 4096"; do
+    set -- $cfg
+    "$B" --selection random --contexts 131072 --batch $1 --rows $2 --json "$OUT/kernel_b$1.json" > "$OUT/kernel_b$1.log" 2>&1
+    note "kernel batch $1 rows $2: rc=$?"; grep -A2 "^context" "$OUT/kernel_b$1.log"
+  done
+fi
+echo; echo "==== summary"; printf '%s\n' "${summary[@]}"

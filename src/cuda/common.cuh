@@ -1,0 +1,140 @@
+// Small device helpers shared by the CUDA kernels: the error check, element
+// conversions, and thin wrappers over the PTX the kernels are built from
+// (cp.async, ldmatrix, mma.sync m16n8k16). Nothing here knows about decode.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "sparsepage/types.h"
+
+namespace sparsepage {
+namespace cuda {
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
+  throw Error(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) +
+              ") in " + call + " at " + file + ":" + std::to_string(line));
+}
+
+}  // namespace cuda
+}  // namespace sparsepage
+
+/// Checks a CUDA runtime call and throws sparsepage::Error naming it.
+#define SP_CUDA_CHECK(call)                                                          \
+  do {                                                                               \
+    cudaError_t sp_err_ = (call);                                                    \
+    if (sp_err_ != cudaSuccess) ::sparsepage::cuda::throw_cuda_error(sp_err_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+/// After a launch: configuration errors surface here, not at the next sync.
+#define SP_CUDA_CHECK_LAUNCH() SP_CUDA_CHECK(cudaGetLastError())
+
+namespace sparsepage {
+namespace cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- element types --------------------------------------------------------
+
+template <typename T> struct ElemTraits;
+template <> struct ElemTraits<__nv_bfloat16> {
+  static constexpr bool kBF16 = true;
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  /// Two floats as one packed register (low half = a), the mma operand format.
+  __device__ static uint32_t pack2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct ElemTraits<__half> {
+  static constexpr bool kBF16 = false;
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ static uint32_t pack2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ float neg_inf_f32() { return __int_as_float(0xff800000); }
+
+// ---- shared memory and async copies ----------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// 16-byte global->shared copy that bypasses L1. With `fill` false nothing is
+/// read and the destination is zeroed (src-size 0), so tails and rejected rows
+/// still leave finite zeros in shared memory.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- tensor-core fragments --------------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/// D += A(16x16, row) * B(16x8, col), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// Element offset of 16-byte chunk `chunk` of `row` in a tile whose rows hold
+/// `chunks_per_row` chunks (a multiple of 8). XOR-ing the chunk with the row's
+/// low three bits puts the eight rows an ldmatrix phase reads on eight
+/// different 16-byte bank groups, so neither ldmatrix nor cp.async conflicts.
+__device__ __forceinline__ int swizzle(int row, int chunk, int chunks_per_row) {
+  return (row * chunks_per_row + (chunk ^ (row & 7))) * 8;
+}
+
+// ---- programmatic dependent launch ---------------------------------------
+
+/// Lets the next kernel in the stream (launched with programmatic stream
+/// serialization) start its prologue while this grid finishes.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+/// Waits until the preceding grid has completed and its writes are visible.
+__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+}  // namespace cuda
+}  // namespace sparsepage

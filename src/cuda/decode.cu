@@ -1,0 +1,143 @@
+// CUDA launchers of the fused paged decode (decode.h): plan upload, the
+// partial + merge launch, and the error flag. run_decode_cuda allocates
+// nothing, synchronizes nothing and reads nothing back, so it can be captured
+// in a CUDA graph; everything that touches the host happens in
+// upload_plan_cuda and read_decode_error_flag.
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/decode_merge.cuh"
+#include "cuda/launch_partial.cuh"
+#include "sparsepage/decode.h"
+
+namespace sparsepage {
+
+namespace {
+
+unsigned char* at(void* workspace, size_t offset) { return static_cast<unsigned char*>(workspace) + offset; }
+
+/// log2(page_size) when it is a power of two, else -1 (the kernel divides).
+int32_t page_shift_of(int32_t page_size) {
+  int32_t shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  return (int64_t{1} << shift) == page_size ? shift : -1;
+}
+
+void check_cuda_layout(const DecodeParams& params) {
+  const char* api = "run_decode_cuda";
+  if (params.dtype != DType::kBF16 && params.dtype != DType::kF16)
+    throw Error(std::string(api) + ": dtype " + dtype_name(params.dtype) + " is not supported on CUDA (bf16, f16)");
+  const int32_t extra_dim = params.k_extra.data ? params.k_extra.dim : 0;
+  if (cuda::select_tile_shape(params.k.dim, params.v.dim, extra_dim) == cuda::TileShape::kNone)
+    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(params.k.dim) +
+                ", v = " + std::to_string(params.v.dim) + ", extra = " + std::to_string(extra_dim) +
+                " (see cuda_supports_head_dims)");
+  cuda::check_aligned16(params.q, "q", api);
+  cuda::check_aligned16(params.q_extra, "q_extra", api);
+  cuda::check_aligned16(params.k.data, "k.data", api);
+  cuda::check_aligned16(params.v.data, "v.data", api);
+  cuda::check_aligned16(params.k_extra.data, "k_extra.data", api);
+  cuda::check_aligned16(params.o, "o", api);
+  cuda::check_stride8(params.k.row_stride, "k.row_stride", api);
+  cuda::check_stride8(params.v.row_stride, "v.row_stride", api);
+  if (params.k_extra.data) cuda::check_stride8(params.k_extra.row_stride, "k_extra.row_stride", api);
+}
+
+template <typename T>
+void run_merge(const DecodeParams& params, const DecodePlan& plan, void* workspace, cudaStream_t stream) {
+  cuda::MergeParams m;
+  m.partial_o = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_o));
+  m.partial_lse = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_lse));
+  m.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
+  m.merge_requests = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_requests));
+  m.group_size = params.group_size;
+  m.dv = params.v.dim;
+  m.partial_dv = plan.head_dim_v;
+  m.o = params.o;
+  m.lse = params.lse;
+  cuda::launch_merge<T>(m, static_cast<int32_t>(plan.merge_requests.size()), stream);
+}
+
+}  // namespace
+
+bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
+  return cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra) != cuda::TileShape::kNone;
+}
+
+void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
+  if (workspace == nullptr) throw Error("upload_plan_cuda: workspace is null");
+  auto s = static_cast<cudaStream_t>(stream);
+  const WorkspaceLayout& ws = plan.workspace;
+  if (!plan.work.empty())
+    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.work_items), plan.work.data(),
+                                  plan.work.size() * sizeof(WorkItem), cudaMemcpyHostToDevice, s));
+  if (!plan.merge_indptr.empty())
+    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_indptr), plan.merge_indptr.data(),
+                                  plan.merge_indptr.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  if (!plan.merge_requests.empty())
+    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_requests), plan.merge_requests.data(),
+                                  plan.merge_requests.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.error_flag), 0, sizeof(uint32_t), s));
+  // The copies read pageable host vectors the caller may free or change as
+  // soon as we return; waiting here keeps them out of run and out of capture.
+  SP_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream) {
+  check_decode_params(params, plan);
+  check_cuda_layout(params);
+  if (plan.work.empty()) return;
+  if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
+  auto s = static_cast<cudaStream_t>(stream);
+
+  cuda::PartialParams p;
+  p.q = params.q;
+  p.q_extra = params.k_extra.data ? params.q_extra : nullptr;
+  p.k = params.k.data;
+  p.v = params.v.data;
+  p.k_extra = params.k_extra.data;
+  p.k_stride = params.k.row_stride;
+  p.v_stride = params.v.row_stride;
+  p.e_stride = params.k_extra.data ? params.k_extra.row_stride : 0;
+  p.dqk = params.k.dim;
+  p.dv = params.v.dim;
+  p.de = params.k_extra.data ? params.k_extra.dim : 0;
+  p.group_size = params.group_size;
+  p.v_aliases_k = params.v.data == params.k.data && params.v.row_stride == params.k.row_stride;
+  p.scale_log2 = params.scale * cuda::kLog2e;
+  p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
+  p.o = params.o;
+  p.lse = params.lse;
+  p.partial_o = reinterpret_cast<float*>(at(workspace, plan.workspace.partial_o));
+  p.partial_lse = reinterpret_cast<float*>(at(workspace, plan.workspace.partial_lse));
+  p.partial_dv = plan.head_dim_v;
+  p.error_flag = reinterpret_cast<uint32_t*>(at(workspace, plan.workspace.error_flag));
+  p.paged.indptr = params.indptr;
+  p.paged.indices = params.indices;
+  p.paged.first_page_offset = params.first_page_offset;
+  p.paged.page_size = params.page_size;
+  p.paged.page_shift = page_shift_of(params.page_size);
+  p.paged.num_pool_pages = params.num_pool_pages;
+  p.paged.request_row_stride = params.request_row_stride;
+  p.paged.window_len = params.window_len;
+
+  const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
+  cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, static_cast<int32_t>(plan.work.size()), s);
+  if (plan.needs_merge()) {
+    if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, plan, workspace, s);
+    else run_merge<__half>(params, plan, workspace, s);
+  }
+}
+
+uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream) {
+  if (workspace == nullptr) throw Error("read_decode_error_flag: workspace is null");
+  auto s = static_cast<cudaStream_t>(stream);
+  uint32_t flag = 0;
+  void* device_flag = at(workspace, plan.workspace.error_flag);
+  SP_CUDA_CHECK(cudaMemcpyAsync(&flag, device_flag, sizeof(flag), cudaMemcpyDeviceToHost, s));
+  SP_CUDA_CHECK(cudaMemsetAsync(device_flag, 0, sizeof(uint32_t), s));
+  SP_CUDA_CHECK(cudaStreamSynchronize(s));
+  return flag;
+}
+
+}  // namespace sparsepage

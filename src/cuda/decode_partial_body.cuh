@@ -1,0 +1,328 @@
+// Device body of the partial kernel; included by decode_partial.cuh.
+//
+// Pipeline (S = kStages, one cp.async group per iteration):
+//   prologue   Q tile and the page ids of tiles 0 .. 2S-3, waited at once;
+//              then rows of tiles 0 .. S-2, one group each.
+//   iteration t: wait for tile t; issue rows of tile t+S-1 (its ids arrived
+//              S-1 groups earlier) and ids of tile t+2S-2; compute tile t.
+// So ids run S-1 tiles ahead of rows, rows S-1 tiles ahead of the math, and
+// one __syncthreads per tile guards both rings.
+#pragma once
+
+namespace sparsepage {
+namespace cuda {
+
+template <typename T, int DK, int DV, class Source>
+struct PartialCta {
+  using Cfg = TileConfig<DK, DV>;
+  using Tr = ElemTraits<T>;
+  static constexpr int kKChunks = DK / 8;  // 16-byte chunks per K tile row
+  static constexpr int kVChunks = DV / 8;
+  static constexpr int kS = Cfg::kStages;
+
+  const PartialParams& p;
+  Source src;
+  T* stages;      // kS x [64 x DK K rows, 64 x DV V rows], swizzled
+  T* q_tile;      // [16 x DK], swizzled, rows >= heads zero
+  int32_t* ids;   // kIdSlots x kIdSlotInts
+  const T* k_base;
+  const T* v_base;
+  const T* e_base;
+  int tid, warp, lane;
+  int32_t request, tok_begin, len, partial, head0, heads;
+  bool bad = false;  // this thread met a page id outside the pool
+
+  // Per-warp online-softmax state for query rows lane/4 and lane/4 + 8.
+  float m[2], l[2];
+  float acc[DV / 8][4];
+  uint32_t qf[Cfg::kQInRegs ? DK / 16 : 1][4];
+
+  __device__ explicit PartialCta(const PartialParams& params, unsigned char* smem) : p(params) {
+    stages = reinterpret_cast<T*>(smem);
+    q_tile = stages + kS * Cfg::kStageElems;
+    ids = reinterpret_cast<int32_t*>(q_tile + kQueryTile * DK);
+    tid = threadIdx.x;
+    warp = tid / 32;
+    lane = tid % 32;
+    if (p.work != nullptr) {
+      const WorkItem item = p.work[blockIdx.x];
+      request = item.request;
+      tok_begin = item.token_begin;
+      len = item.token_end - item.token_begin;
+      partial = item.partial;
+    } else {
+      request = blockIdx.x / p.chunks_per_request;
+      const int32_t chunk = blockIdx.x % p.chunks_per_request;
+      tok_begin = chunk * p.chunk_tokens;
+      len = max(0, min(p.chunk_tokens, p.uniform_len - tok_begin));
+      partial = p.chunks_per_request > 1 ? static_cast<int32_t>(blockIdx.x) : -1;
+    }
+    head0 = blockIdx.y * kQueryTile;
+    heads = min(kQueryTile, p.group_size - head0);
+    src.init(p, request);
+    k_base = static_cast<const T*>(p.k) + src.k_row0 * p.k_stride;
+    v_base = static_cast<const T*>(p.v) + src.v_row0 * p.v_stride;
+    e_base = p.k_extra ? static_cast<const T*>(p.k_extra) + src.e_row0 * p.e_stride : nullptr;
+  }
+
+  __device__ T* k_tile(int stage) const { return stages + stage * Cfg::kStageElems; }
+  __device__ T* v_tile(int stage) const { return p.v_aliases_k ? k_tile(stage) : k_tile(stage) + kTileRows * DK; }
+  __device__ int v_pitch() const { return p.v_aliases_k ? kKChunks : kVChunks; }
+  __device__ int32_t* id_slot(int tile) const { return ids + (tile % Cfg::kIdSlots) * kIdSlotInts; }
+  __device__ int32_t tile_tokens(int tile) const { return min(kTileRows, len - tile * kTileRows); }
+
+  /// Q (and q_extra as its trailing columns) for this CTA's heads.
+  __device__ void load_q() {
+    const int dq_chunks = p.dqk / 8;
+    for (int idx = tid; idx < kQueryTile * kKChunks; idx += kThreads) {
+      const int row = idx / kKChunks, c = idx % kKChunks;
+      T* dst = q_tile + swizzle(row, c, kKChunks);
+      if (row >= heads) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const int64_t qrow = int64_t{request} * p.group_size + head0 + row;
+      const T* g = c < dq_chunks ? static_cast<const T*>(p.q) + qrow * p.dqk + c * 8
+                                 : static_cast<const T*>(p.q_extra) + qrow * p.de + (c - dq_chunks) * 8;
+      cp_async_16(smem_u32(dst), g, true);
+    }
+  }
+
+  __device__ void prefetch_ids(int tile) {
+    src.prefetch(id_slot(tile), tok_begin + tile * kTileRows, tile_tokens(tile), tid);
+  }
+
+  /// Starts the copies of tile `tile`'s K (+ extra) and V rows. Thread t
+  /// copies chunk t % kKChunks of every (128 / kKChunks)-th row, so each of
+  /// its rows is resolved once and serves K, the extra stream and V.
+  __device__ void issue_tile(int tile) {
+    const int32_t tok0 = tok_begin + tile * kTileRows;
+    const int32_t n = tile_tokens(tile);
+    const int32_t* slot = id_slot(tile);
+    T* kt = k_tile(tile % kS);
+    T* vt = kt + kTileRows * DK;
+    const int dq_chunks = p.dqk / 8;
+    const int dv_chunks = p.v_aliases_k ? 0 : p.dv / 8;
+#pragma unroll 4
+    for (int idx = tid; idx < kTileRows * kKChunks; idx += kThreads) {
+      const int row = idx / kKChunks, c = idx % kKChunks;
+      int64_t r = -1;
+      if (row < n) {
+        r = src.row(slot, tok0, tok0 + row);
+        bad |= r < 0;
+      }
+      const bool ok = r >= 0;
+      const T* g = c < dq_chunks ? k_base + r * p.k_stride + c * 8 : e_base + r * p.e_stride + (c - dq_chunks) * 8;
+      // Rejected and tail rows are zero-filled from a harmless address.
+      cp_async_16(smem_u32(kt + swizzle(row, c, kKChunks)), ok ? g : k_base, ok);
+      if (c < dv_chunks) {
+        cp_async_16(smem_u32(vt + swizzle(row, c, kVChunks)), ok ? v_base + r * p.v_stride + c * 8 : v_base, ok);
+      }
+    }
+  }
+
+  __device__ void q_fragment(int kk, uint32_t (&a)[4]) const {
+    if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = qf[kk][i];
+    } else {
+      ldmatrix_x4(a, smem_u32(q_tile + swizzle(lane & 15, 2 * kk + (lane >> 4), kKChunks)));
+    }
+  }
+
+  /// S = Q K^T for this warp's 16 rows of the tile: s[j] covers rows 8j..8j+7.
+  __device__ void scores(int stage, float (&s)[2][4]) const {
+    const T* kt = k_tile(stage);
+    const int key = warp * 16 + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk) {
+      uint32_t a[4], b[4];
+      q_fragment(kk, a);
+      ldmatrix_x4(b, smem_u32(kt + swizzle(key, 2 * kk + ((lane >> 3) & 1), kKChunks)));
+      mma_16816<T>(s[0], a, b[0], b[1]);
+      mma_16816<T>(s[1], a, b[2], b[3]);
+    }
+  }
+
+  /// Online softmax over this warp's 16 rows, then acc += P V.
+  __device__ void softmax_pv(int tile, float (&s)[2][4]) {
+    const int32_t n = tile_tokens(tile);
+    const int32_t* slot = id_slot(tile);
+    float tile_max[2] = {neg_inf_f32(), neg_inf_f32()};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = warp * 16 + 8 * j + 2 * (lane & 3) + (e & 1);
+        float x = s[j][e] * p.scale_log2;
+        if constexpr (Source::kHasBias) x += src.bias(slot, key) * kLog2e;
+        if (key >= n) x = neg_inf_f32();
+        s[j][e] = x;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+      }
+    }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      const float m_new = fmaxf(m[i], tile_max[i]);
+      // A row that has seen only -inf keeps base 0, so exp2(-inf - 0) = 0
+      // and no (-inf) - (-inf) is ever formed.
+      base[i] = m_new == neg_inf_f32() ? 0.f : m_new;
+      alpha[i] = exp2f(m[i] - base[i]);
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(s[j][e] - base[e >> 1]);
+        l[e >> 1] += s[j][e];
+      }
+    }
+    // The two n8 score tiles are exactly the A fragment of a k16 MMA.
+    const uint32_t a[4] = {Tr::pack2(s[0][0], s[0][1]), Tr::pack2(s[0][2], s[0][3]),
+                           Tr::pack2(s[1][0], s[1][1]), Tr::pack2(s[1][2], s[1][3])};
+    const T* vt = v_tile(tile % kS);
+    const int pitch = v_pitch();
+    const int vrow = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+    for (int nn = 0; nn < DV / 16; ++nn) {
+      if (nn * 16 >= p.dv) break;  // a narrower V than the instantiation
+      acc[2 * nn][0] *= alpha[0], acc[2 * nn][1] *= alpha[0], acc[2 * nn][2] *= alpha[1], acc[2 * nn][3] *= alpha[1];
+      acc[2 * nn + 1][0] *= alpha[0], acc[2 * nn + 1][1] *= alpha[0];
+      acc[2 * nn + 1][2] *= alpha[1], acc[2 * nn + 1][3] *= alpha[1];
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
+      mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+
+  __device__ void run() {
+    m[0] = m[1] = neg_inf_f32();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+    const int num_tiles = (len + kTileRows - 1) / kTileRows;
+    load_q();
+    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) prefetch_ids(t);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+      for (int kk = 0; kk < DK / 16; ++kk)
+        ldmatrix_x4(qf[kk], smem_u32(q_tile + swizzle(lane & 15, 2 * kk + (lane >> 4), kKChunks)));
+    }
+#pragma unroll
+    for (int t = 0; t < kS - 1; ++t) {
+      if (t < num_tiles) issue_tile(t);
+      cp_async_commit();
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<kS - 2>();
+      __syncthreads();  // tile t landed; stage (t-1) % kS and its id slot are free
+      if (t + kS - 1 < num_tiles) issue_tile(t + kS - 1);
+      if (t + 2 * kS - 2 < num_tiles) prefetch_ids(t + 2 * kS - 2);
+      cp_async_commit();
+      float s[2][4] = {};
+      scores(t % kS, s);
+      softmax_pv(t, s);
+    }
+    cp_async_wait<0>();
+    finish();
+  }
+
+  /// Merges the four warps' states and writes o/lse or the partial slot.
+  __device__ void finish() {
+    __shared__ float warp_m[kWarps][kQueryTile], warp_l[kWarps][kQueryTile];
+    __shared__ float row_base[kQueryTile], row_sum[kQueryTile];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    if ((lane & 3) == 0) {
+      warp_m[warp][lane >> 2] = m[0], warp_m[warp][(lane >> 2) + 8] = m[1];
+      warp_l[warp][lane >> 2] = l[0], warp_l[warp][(lane >> 2) + 8] = l[1];
+    }
+    const bool any_bad = __syncthreads_or(bad);  // also: stages are free for the reduction
+    float* red = reinterpret_cast<float*>(stages);  // [kWarps][16][kReducePitch]
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = (lane >> 2) + 8 * i;
+      float mx = warp_m[0][row];
+      for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w][row]);
+      const float f = exp2f(m[i] - (mx == neg_inf_f32() ? 0.f : mx));  // 0 for a warp that saw nothing
+      float* dst = red + (warp * kQueryTile + row) * Cfg::kReducePitch + 2 * (lane & 3);
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) {
+        if (nt * 8 >= p.dv) break;
+        *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * i] * f, acc[nt][2 * i + 1] * f);
+      }
+    }
+    if (tid < kQueryTile) {
+      float mx = warp_m[0][tid];
+      for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w][tid]);
+      const float b = mx == neg_inf_f32() ? 0.f : mx;
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += warp_l[w][tid] * exp2f(warp_m[w][tid] - b);
+      row_base[tid] = b;
+      row_sum[tid] = sum;
+    }
+    __syncthreads();
+    write_output(red, row_base, row_sum, any_bad);
+  }
+
+  __device__ void write_output(const float* red, const float* row_base, const float* row_sum, bool any_bad) {
+    const int d4 = p.dv / 4;
+    for (int idx = tid; idx < heads * d4; idx += kThreads) {
+      const int row = idx / d4, col = (idx % d4) * 4;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(red + (w * kQueryTile + row) * Cfg::kReducePitch + col);
+        o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
+      }
+      // Nothing seen (empty chunk or fully masked): o = 0. A rejected page: NaN.
+      const float inv = row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f;
+      o = any_bad ? make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32())
+                  : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+      const int64_t head = int64_t{head0} + row;
+      if (partial < 0) {
+        T* dst = static_cast<T*>(p.o) + (int64_t{request} * p.group_size + head) * p.dv + col;
+        *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
+      } else {
+        *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + col) = o;
+      }
+    }
+    if (tid < heads) {
+      const float s = row_sum[tid];
+      const float lse = any_bad ? nan_f32() : s > 0.f ? (row_base[tid] + log2f(s)) * kLn2 : neg_inf_f32();
+      const int64_t head = int64_t{head0} + tid;
+      if (partial < 0) {
+        if (p.lse) p.lse[int64_t{request} * p.group_size + head] = lse;
+      } else {
+        p.partial_lse[int64_t{partial} * p.group_size + head] = lse;
+      }
+    }
+    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+  }
+};
+
+template <typename T, int DK, int DV, class Source>
+__global__ void __launch_bounds__(kThreads, TileConfig<DK, DV>::kMinBlocks)
+    partial_kernel(const __grid_constant__ PartialParams params) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  // The merge kernel may be scheduled now; it waits for this grid to finish.
+  pdl_launch_dependents();
+  PartialCta<T, DK, DV, Source> cta(params, smem);
+  cta.run();
+}
+
+}  // namespace cuda
+}  // namespace sparsepage

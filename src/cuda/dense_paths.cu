@@ -1,0 +1,235 @@
+// CUDA mask path (dense_paths.h) and the device half of gather_rows.
+//
+// The mask path is the baseline the fused sparse kernel is measured against,
+// so it runs the very same partial + merge kernels (DenseSource instead of
+// PagedSource): every live row is streamed through the same cp.async pipeline
+// and tensor-core tile, plus the additive mask. Its split is uniform (every
+// request has live_len tokens), so work item i is computed from blockIdx.x and
+// nothing has to be uploaded: run allocates, syncs and reads back nothing.
+#include <algorithm>
+#include <string>
+
+#include "cuda/common.cuh"
+#include "cuda/decode_merge.cuh"
+#include "cuda/launch_partial.cuh"
+#include "core/cuda_hooks.h"
+#include "sparsepage/dense_paths.h"
+
+namespace sparsepage {
+
+namespace {
+
+// Same split policy as the fused path's plan defaults: about two chunks per
+// SM (one wave at two resident CTAs per SM), chunks of whole 64-row tiles.
+constexpr int64_t kItemsPerSm = 2;
+constexpr int64_t kMinChunk = 64;
+constexpr int64_t kGranule = cuda::kTileRows;
+
+struct MaskedSplit {
+  int64_t requests = 0;
+  int64_t chunk_tokens = 0;
+  int64_t chunks_per_request = 1;
+  size_t partial_o_bytes = 0;
+  size_t partial_lse_offset = 0;
+  size_t total_bytes = 0;
+};
+
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
+  MaskedSplit s;
+  s.requests = int64_t{params.batch} * params.num_kv_heads;
+  const int64_t live = params.live_len;
+  const int64_t target = std::max<int64_t>(1, int64_t{std::max(num_sms, 1)} * kItemsPerSm);
+  int64_t chunk = std::max(kMinChunk, (s.requests * live + target - 1) / target);
+  chunk = (chunk + kGranule - 1) / kGranule * kGranule;
+  s.chunks_per_request = std::max<int64_t>(1, (live + chunk - 1) / chunk);
+  // Even out the chunks so the last one of a request is not a sliver.
+  chunk = ((live + s.chunks_per_request - 1) / s.chunks_per_request + kGranule - 1) / kGranule * kGranule;
+  s.chunk_tokens = std::max<int64_t>(chunk, kGranule);
+  if (s.chunks_per_request > 1) {
+    const size_t partials = static_cast<size_t>(s.requests * s.chunks_per_request) * params.group_size;
+    s.partial_o_bytes = align256(partials * params.v.dim * sizeof(float));
+    s.partial_lse_offset = s.partial_o_bytes;
+    s.total_bytes = s.partial_o_bytes + align256(partials * sizeof(float));
+  }
+  return s;
+}
+
+int32_t device_sms_cached() {
+  static const int32_t sms = cuda_multiprocessor_count();
+  return sms;
+}
+
+void check_masked_cuda_layout(const MaskedDecodeParams& params) {
+  const char* api = "run_masked_decode_cuda";
+  if (params.dtype == DType::kF32)
+    throw Error(std::string(api) +
+                ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
+                "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
+  const int32_t extra_dim = params.k_extra.data ? params.k_extra.dim : 0;
+  if (cuda::select_tile_shape(params.k.dim, params.v.dim, extra_dim) == cuda::TileShape::kNone)
+    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(params.k.dim) +
+                ", v = " + std::to_string(params.v.dim) + ", extra = " + std::to_string(extra_dim));
+  if (params.live_len > int64_t{INT32_MAX} - kGranule)
+    throw Error(std::string(api) + ": live_len = " + std::to_string(params.live_len) + " is too large");
+  cuda::check_aligned16(params.q, "q", api);
+  cuda::check_aligned16(params.q_extra, "q_extra", api);
+  cuda::check_aligned16(params.k.data, "k.data", api);
+  cuda::check_aligned16(params.v.data, "v.data", api);
+  cuda::check_aligned16(params.k_extra.data, "k_extra.data", api);
+  cuda::check_aligned16(params.o, "o", api);
+  cuda::check_stride8(params.k.row_stride, "k.row_stride", api);
+  cuda::check_stride8(params.v.row_stride, "v.row_stride", api);
+  if (params.k_extra.data) cuda::check_stride8(params.k_extra.row_stride, "k_extra.row_stride", api);
+}
+
+}  // namespace
+
+size_t masked_decode_workspace_bytes(const MaskedDecodeParams& params, int32_t num_sms) {
+  if (num_sms <= 0) num_sms = device_sms_cached();
+  return masked_split(params, num_sms).total_bytes;
+}
+
+void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, void* stream) {
+  check_masked_decode_params(params);
+  check_masked_cuda_layout(params);
+  const MaskedSplit split = masked_split(params, device_sms_cached());
+  if (split.requests == 0) return;
+  if (split.total_bytes > 0 && workspace == nullptr)
+    throw Error("run_masked_decode_cuda: workspace is null (size it with masked_decode_workspace_bytes)");
+  auto s = static_cast<cudaStream_t>(stream);
+  auto* ws = static_cast<unsigned char*>(workspace);
+
+  cuda::PartialParams p;
+  p.q = params.q;
+  p.q_extra = params.k_extra.data ? params.q_extra : nullptr;
+  p.k = params.k.data;
+  p.v = params.v.data;
+  p.k_extra = params.k_extra.data;
+  p.k_stride = params.k.row_stride;
+  p.v_stride = params.v.row_stride;
+  p.e_stride = params.k_extra.data ? params.k_extra.row_stride : 0;
+  p.dqk = params.k.dim;
+  p.dv = params.v.dim;
+  p.de = params.k_extra.data ? params.k_extra.dim : 0;
+  p.group_size = params.group_size;
+  p.v_aliases_k = params.v.data == params.k.data && params.v.row_stride == params.k.row_stride &&
+                  params.v.heads == params.k.heads && params.v.capacity == params.k.capacity;
+  p.scale_log2 = params.scale * cuda::kLog2e;
+  p.work = nullptr;
+  p.chunks_per_request = static_cast<int32_t>(split.chunks_per_request);
+  p.chunk_tokens = static_cast<int32_t>(split.chunk_tokens);
+  p.uniform_len = static_cast<int32_t>(params.live_len);
+  p.o = params.o;
+  p.lse = params.lse;
+  p.partial_o = split.total_bytes ? reinterpret_cast<float*>(ws) : nullptr;
+  p.partial_lse = split.total_bytes ? reinterpret_cast<float*>(ws + split.partial_lse_offset) : nullptr;
+  p.partial_dv = params.v.dim;
+  p.dense.num_kv_heads = params.num_kv_heads;
+  p.dense.k_heads = params.k.heads;
+  p.dense.v_heads = params.v.heads;
+  p.dense.e_heads = params.k_extra.data ? params.k_extra.heads : 0;
+  p.dense.k_capacity = params.k.capacity;
+  p.dense.v_capacity = params.v.capacity;
+  p.dense.e_capacity = params.k_extra.data ? params.k_extra.capacity : 0;
+  p.dense.mask = params.mask;
+  p.dense.live_len = params.live_len;
+
+  const int64_t items = split.requests * split.chunks_per_request;
+  if (items > INT32_MAX) throw Error("run_masked_decode_cuda: too many work items");
+  cuda::launch_partial<cuda::DenseSource>(p, cuda::select_tile_shape(p.dqk, p.dv, p.de), params.dtype,
+                                          static_cast<int32_t>(items), s);
+  if (split.chunks_per_request > 1) {
+    cuda::MergeParams m;
+    m.partial_o = p.partial_o;
+    m.partial_lse = p.partial_lse;
+    m.chunks_per_request = p.chunks_per_request;
+    m.group_size = params.group_size;
+    m.dv = params.v.dim;
+    m.partial_dv = params.v.dim;
+    m.o = params.o;
+    m.lse = params.lse;
+    const auto num_merge = static_cast<int32_t>(split.requests);
+    if (params.dtype == DType::kBF16) cuda::launch_merge<__nv_bfloat16>(m, num_merge, s);
+    else cuda::launch_merge<__half>(m, num_merge, s);
+  }
+}
+
+// ---- gather_rows --------------------------------------------------------------
+
+namespace {
+
+struct GatherParams {
+  const int32_t* rows = nullptr;     // selection rows
+  const int32_t* offsets = nullptr;  // [num_requests + 1]
+  const void* pool = nullptr;
+  int64_t stride_words = 0;          // pool row stride in words
+  int64_t row_words = 0;             // words per copied row
+  int64_t num_pool_rows = 0;
+  int64_t max_rows = 0;
+  void* dst = nullptr;               // [num_requests, max_rows, row_words]
+};
+
+/// Word type W is 16 bytes when every row is 16-byte aligned, else one element.
+/// All-ones bits are NaN in f32, f16 and bf16 alike.
+template <typename W>
+__global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
+  const int64_t r = blockIdx.y;
+  const int64_t begin = p.offsets[r];
+  const int64_t count = p.offsets[r + 1] - begin;
+  const W* pool = static_cast<const W*>(p.pool);
+  W* dst = static_cast<W*>(p.dst) + r * p.max_rows * p.row_words;
+  const int64_t total = p.max_rows * p.row_words;
+  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx / p.row_words, w = idx % p.row_words;
+    W value;
+    memset(&value, 0, sizeof(W));
+    if (i < count) {
+      const int64_t row = p.rows[begin + i];
+      if (row >= 0 && row < p.num_pool_rows) value = pool[row * p.stride_words + w];
+      else memset(&value, 0xFF, sizeof(W));
+    }
+    dst[idx] = value;
+  }
+}
+
+}  // namespace
+
+}  // namespace sparsepage
+
+namespace sparsepage::detail {
+
+void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
+                      DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream) {
+  // gather_rows (src/cpu/dense_paths_cpu.cc) checked the pool and the counts.
+  if (num_requests == 0 || max_rows == 0) return;
+  if (dst == nullptr || offsets == nullptr) throw Error("gather_rows: null dst or offsets");
+  const size_t elem = dtype_size(dtype);
+  if (num_requests > 65535) throw Error("gather_rows: more than 65535 requests on CUDA");
+  const size_t row_bytes = static_cast<size_t>(pool.dim) * elem;
+  const size_t stride_bytes = static_cast<size_t>(pool.row_stride) * elem;
+  const bool vec16 = row_bytes % 16 == 0 && stride_bytes % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(pool.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const size_t word = vec16 ? 16 : elem;
+  GatherParams p;
+  p.rows = rows;
+  p.offsets = offsets;
+  p.pool = pool.data;
+  p.stride_words = static_cast<int64_t>(stride_bytes / word);
+  p.row_words = static_cast<int64_t>(row_bytes / word);
+  p.num_pool_rows = num_pool_rows;
+  p.max_rows = max_rows;
+  p.dst = dst;
+  const int64_t total = max_rows * p.row_words;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024)),
+                  static_cast<unsigned>(num_requests));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (vec16) gather_rows_kernel<uint4><<<grid, 256, 0, s>>>(p);
+  else if (elem == 4) gather_rows_kernel<uint32_t><<<grid, 256, 0, s>>>(p);
+  else gather_rows_kernel<uint16_t><<<grid, 256, 0, s>>>(p);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparsepage::detail

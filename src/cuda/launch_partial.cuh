@@ -1,0 +1,90 @@
+// Host side of the partial kernel: which instantiations exist, and the launch.
+// Shared by the fused decode (decode.cu, PagedSource) and the mask path
+// (dense_paths.cu, DenseSource); each file instantiates only its own source.
+//
+// Instantiations: 4 tile shapes x 2 dtypes per source. The K tile width is the
+// concatenation of the K stream and the optional second stream (the split is
+// a run-time column offset), and a V narrower than the tile's DV runs on the
+// wider tile (its unused accumulator columns are skipped, never stored):
+//   DK  64 / DV  64 : 64
+//   DK 128 / DV 128 : 128 (V 64 or 128), 64 + 64 extra (V 64)
+//   DK 192 / DV 128 : 128 + 64 extra (V 64 or 128)
+//   DK 256 / DV 256 : 256 (V 64, 128 or 256)
+#pragma once
+
+#include <string>
+
+#include "cuda/decode_partial.cuh"
+
+namespace sparsepage {
+namespace cuda {
+
+enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256 };
+
+/// The instantiation that runs head dims (qk, v, extra), or kNone.
+inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
+  const bool dims_ok = (dqk == 64 || dqk == 128 || dqk == 256) && (dv == 64 || dv == 128 || dv == 256) &&
+                       dv <= dqk && (de == 0 || de == 64);
+  if (!dims_ok) return TileShape::kNone;
+  switch (dqk + de) {
+    case 64: return TileShape::kK64V64;
+    case 128: return TileShape::kK128V128;
+    case 192: return TileShape::kK192V128;
+    case 256: return de == 0 ? TileShape::kK256V256 : TileShape::kNone;
+    default: return TileShape::kNone;
+  }
+}
+
+/// Throws unless `ptr` is 16-byte aligned (cp.async and vector stores need it).
+inline void check_aligned16(const void* ptr, const char* what, const char* api) {
+  if (ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+    throw Error(std::string(api) + ": " + what + " must be 16-byte aligned on CUDA");
+}
+inline void check_stride8(int64_t stride, const char* what, const char* api) {
+  if (stride % 8 != 0)
+    throw Error(std::string(api) + ": " + what + " = " + std::to_string(stride) +
+                " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)");
+}
+
+template <typename T, int DK, int DV, class Source>
+void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream) {
+  using Cfg = TileConfig<DK, DV>;
+  auto kernel = partial_kernel<T, DK, DV, Source>;
+  // Opting in to > 48 KB of shared memory is a per-function attribute: once.
+  static const bool configured = [&] {
+    SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(Cfg::kSmemBytes)));
+    SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared));
+    return true;
+  }();
+  (void)configured;
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+template <class Source>
+void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_items),
+                  static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile));
+  const bool bf16 = dtype == DType::kBF16;
+  switch (shape) {
+    case TileShape::kK64V64:
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 64, 64, Source>(p, grid, stream)
+                  : launch_partial_shape<__half, 64, 64, Source>(p, grid, stream);
+    case TileShape::kK128V128:
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 128, 128, Source>(p, grid, stream)
+                  : launch_partial_shape<__half, 128, 128, Source>(p, grid, stream);
+    case TileShape::kK192V128:
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 192, 128, Source>(p, grid, stream)
+                  : launch_partial_shape<__half, 192, 128, Source>(p, grid, stream);
+    case TileShape::kK256V256:
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 256, 256, Source>(p, grid, stream)
+                  : launch_partial_shape<__half, 256, 256, Source>(p, grid, stream);
+    case TileShape::kNone: break;
+  }
+  throw Error("decode: no CUDA kernel for these head dims");
+}
+
+}  // namespace cuda
+}  // namespace sparsepage

@@ -1,0 +1,94 @@
+// The CUDA runtime services behind memory.h (core/cuda_hooks.h) and the
+// device query decode.h needs. Every call is checked and a failure throws
+// sparsepage::Error naming the call and CUDA's message. The copies and the
+// fill are synchronous, as memory.h documents. (src/core/no_cuda.cc stands in
+// for this file when the library is built without CUDA.)
+#include <string>
+
+#include "core/cuda_hooks.h"
+#include "cuda/common.cuh"
+#include "sparsepage/decode.h"
+
+namespace sparsepage {
+
+namespace {
+
+cudaMemcpyKind copy_kind(bool dst_on_device, bool src_on_device) {
+  if (dst_on_device) return src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
+  return src_on_device ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost;
+}
+
+/// cudaMemcpy between two device buffers and cudaMemset may return before the
+/// GPU is done; waiting keeps the documented synchronous behaviour and
+/// surfaces asynchronous faults at the call that caused them.
+void finish_device_work() { SP_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+}  // namespace
+
+namespace detail {
+
+bool cuda_device_present() {
+  static const bool present = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      (void)cudaGetLastError();  // no driver or no device: leave no error behind
+      return false;
+    }
+    return count > 0;
+  }();
+  return present;
+}
+
+void* cuda_malloc(size_t bytes) {
+  if (!cuda_device_present()) throw Error("Buffer(Device::kCuda): no CUDA device is available");
+  void* ptr = nullptr;
+  const cudaError_t err = cudaMalloc(&ptr, bytes);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it
+    throw Error("Buffer(Device::kCuda): cudaMalloc of " + std::to_string(bytes) +
+                " bytes failed: " + cudaGetErrorString(err));
+  }
+  return ptr;
+}
+
+void cuda_free(void* ptr) noexcept {
+  // Called from destructors: a failure (e.g. after a sticky device fault)
+  // leaks the allocation rather than terminating.
+  if (ptr != nullptr && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
+void cuda_copy(void* dst, bool dst_on_device, const void* src, bool src_on_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) throw Error("copy_bytes: null pointer");
+  SP_CUDA_CHECK(cudaMemcpy(dst, src, bytes, copy_kind(dst_on_device, src_on_device)));
+  if (dst_on_device && src_on_device) finish_device_work();
+}
+
+void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* src, bool src_on_device,
+                  size_t src_pitch, size_t width, size_t height) {
+  if (width == 0 || height == 0) return;
+  if (dst == nullptr || src == nullptr) throw Error("copy_2d: null pointer");
+  SP_CUDA_CHECK(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height,
+                             copy_kind(dst_on_device, src_on_device)));
+  if (dst_on_device && src_on_device) finish_device_work();
+}
+
+void cuda_fill(void* dst, int value, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst == nullptr) throw Error("fill_bytes: null pointer");
+  SP_CUDA_CHECK(cudaMemset(dst, value, bytes));
+  finish_device_work();
+}
+
+}  // namespace detail
+
+int32_t cuda_multiprocessor_count() {
+  if (!detail::cuda_device_present()) throw Error("cuda_multiprocessor_count: no CUDA device is available");
+  int device = 0;
+  int sms = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  SP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+}  // namespace sparsepage

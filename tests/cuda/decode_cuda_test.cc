@@ -1,0 +1,107 @@
+// The fused paged decode on the GPU against the fp64 reference and the CPU
+// backend, over a sweep of shapes: page sizes 1, 3 and 16, first-page
+// offsets, partial pages, unsorted and duplicated pages, empty requests,
+// group sizes 1..24, head dims 64/128/256, V aliasing K, the second K
+// stream, bf16 and f16; each with the plan's splits forced on and off.
+#include <random>
+
+#include "cuda/cuda_test_util.h"
+
+namespace sparsepage::testing {
+namespace {
+
+struct Case {
+  const char* name;
+  DType dtype;
+  int32_t page_size;
+  bool first_page_offset;
+  int32_t group_size;
+  int32_t dim_qk, dim_v, dim_extra;
+  bool v_aliases_k;
+  int32_t k_row_padding;
+  std::vector<int32_t> seq_lens;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+class DecodeCuda : public ::testing::TestWithParam<Case> {};
+
+PagedProblem make_case_problem(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  ProblemSpec spec;
+  spec.dtype = c.dtype;
+  spec.seq_lens = c.seq_lens;
+  spec.page_size = c.page_size;
+  spec.random_first_page_offset = c.first_page_offset;
+  spec.group_size = c.group_size;
+  spec.dim_qk = c.dim_qk;
+  spec.dim_v = c.dim_v;
+  spec.dim_extra = c.dim_extra;
+  spec.v_aliases_k = c.v_aliases_k;
+  spec.k_row_padding = c.k_row_padding;
+  // Enough pages that most pool rows stay unselected (and NaN).
+  spec.pool_pages = c.page_size == 1 ? 16384 : 2048;
+  return make_problem(spec, rng);
+}
+
+TEST_P(DecodeCuda, MatchesReferenceAndCpuWithAndWithoutSplits) {
+  SKIP_WITHOUT_CUDA();
+  const Case& c = GetParam();
+  ASSERT_TRUE(cuda_supports_head_dims(c.dim_qk, c.dim_v, c.dim_extra));
+  const PagedProblem pb = make_case_problem(c, 0x5eed0000u + static_cast<uint64_t>(c.group_size));
+  const Reference ref = reference_attention(pb, pb.token_rows());
+
+  const DecodeOutput split = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 64));
+  const DecodeOutput whole = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 1 << 20));
+  const DecodeOutput automatic = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v));
+  expect_matches_reference(pb, split, ref, "split into 64-token chunks");
+  expect_matches_reference(pb, whole, ref, "one chunk per request");
+  expect_matches_reference(pb, automatic, ref, "plan's own split");
+  EXPECT_EQ(split.error_flag, 0u);
+  EXPECT_EQ(whole.error_flag, 0u);
+  // The result does not depend on the split.
+  EXPECT_LT(relative_l2(split.o, to_double(whole.o)), 1e-2);
+
+  const DecodeOutput cpu = run_cpu(pb, cuda_plan_shape(c.group_size, c.dim_v));
+  EXPECT_LT(relative_l2(automatic.o, to_double(cpu.o)), 1e-2) << "GPU vs CPU backend";
+}
+
+const DType kBF16 = DType::kBF16;
+const DType kF16 = DType::kF16;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeCuda,
+    ::testing::Values(
+        // name, dtype, page, offset, G, qk, v, extra, alias, pad, seq_lens
+        Case{"bf16_p1_g16_d128", kBF16, 1, false, 16, 128, 128, 0, false, 0, {2048, 0, 333, 1000}},
+        Case{"f16_p1_g16_d128", kF16, 1, false, 16, 128, 128, 0, false, 0, {2048, 0, 333, 1000}},
+        Case{"bf16_p16_offset_g4_d128", kBF16, 16, true, 4, 128, 128, 0, false, 0, {500, 17, 0, 1024, 1}},
+        Case{"f16_p16_offset_g8_d256", kF16, 16, true, 8, 256, 256, 0, false, 0, {700, 0, 65}},
+        Case{"bf16_p1_g1_d64", kBF16, 1, false, 1, 64, 64, 0, false, 0, {300, 1, 0, 129}},
+        Case{"bf16_p3_offset_g16_d256_v128", kBF16, 3, true, 16, 256, 128, 0, false, 0, {400, 63, 64}},
+        Case{"f16_p1_g4_d128_v64", kF16, 1, false, 4, 128, 64, 0, false, 0, {256, 10}},
+        Case{"bf16_p16_g2_d256_v64", kBF16, 16, true, 2, 256, 64, 0, false, 0, {180, 40}},
+        Case{"bf16_alias_p1_g16_d128", kBF16, 1, false, 16, 128, 128, 0, true, 64, {1500, 0, 90}},
+        Case{"f16_alias_p16_offset_g8_d256_v128", kF16, 16, true, 8, 256, 128, 0, true, 8, {640, 3}},
+        Case{"bf16_extra_p1_g16_d64_e64", kBF16, 1, false, 16, 64, 64, 64, false, 0, {600, 5, 0}},
+        Case{"f16_extra_alias_p16_offset_g4_d128_e64", kF16, 16, true, 4, 128, 128, 64, true, 64, {777, 64}},
+        Case{"bf16_extra_p1_g8_d128_v64_e64", kBF16, 1, false, 8, 128, 64, 64, false, 8, {1200, 31}},
+        Case{"bf16_p1_g24_d128", kBF16, 1, false, 24, 128, 128, 0, false, 0, {400, 0, 129}}),
+    [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
+
+TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {
+  // Built: qk in {64, 128, 256}, v in {64, 128, 256} with v <= qk, and a
+  // 64-wide second stream with qk <= 128.
+  EXPECT_TRUE(cuda_supports_head_dims(128, 128, 0));
+  EXPECT_TRUE(cuda_supports_head_dims(256, 64, 0));
+  EXPECT_TRUE(cuda_supports_head_dims(64, 64, 64));
+  EXPECT_TRUE(cuda_supports_head_dims(128, 64, 64));
+  EXPECT_FALSE(cuda_supports_head_dims(64, 128, 0));   // v wider than qk
+  EXPECT_FALSE(cuda_supports_head_dims(96, 96, 0));
+  EXPECT_FALSE(cuda_supports_head_dims(256, 256, 64));
+  EXPECT_FALSE(cuda_supports_head_dims(512, 512, 64));  // MLA: not built yet
+  EXPECT_FALSE(cuda_supports_head_dims(128, 128, 32));
+}
+
+}  // namespace
+}  // namespace sparsepage::testing

@@ -1,0 +1,35 @@
+// What the benchmark needs from the device, behind plain C++: timing with
+// CUDA graphs and events, the measured read bandwidth, random fills. The CPU
+// variants time with the steady clock.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "sparsepage/types.h"
+
+namespace sparsepage::bench {
+
+struct DeviceFacts {
+  std::string name;           // "NVIDIA H200" or "cpu (N threads)"
+  int32_t multiprocessors = 0;
+  int64_t l2_bytes = 0;
+  int64_t memory_bytes = 0;
+};
+DeviceFacts device_facts(Device device);
+
+/// Median microseconds per launch: `launch(stream)` is captured `steps`
+/// times into one CUDA graph (or called `steps` times on the CPU), replayed
+/// after warm-up `reps` times, each replay timed with events.
+double median_us_per_launch(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps);
+
+/// Streams `bytes` of device memory through a read-only reduction and
+/// returns the median read bandwidth in GB/s (1e9 bytes per second).
+double measured_read_bandwidth_gbs(Device device, int64_t bytes);
+
+/// Fills `count` elements of `dtype` at `data` (on `device`) with values
+/// uniform in [-1, 1) from `seed`.
+void fill_random(Device device, DType dtype, void* data, int64_t count, uint64_t seed);
+
+}  // namespace sparsepage::bench

@@ -1,0 +1,131 @@
+// CUDA halves of bench_device.h: graph-replay timing with events, a
+// streaming-read bandwidth probe and a hash-based random fill.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "bench_device.h"
+#include "cuda/common.cuh"
+
+namespace sparsepage::bench {
+
+DeviceFacts device_facts_cpu();
+double median_us_cpu(const std::function<void(void*)>& launch, int32_t steps, int32_t reps);
+void fill_random_cpu(DType dtype, void* data, int64_t count, uint64_t seed);
+
+namespace {
+
+__device__ __forceinline__ float hash_uniform(uint64_t i, uint64_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+template <typename T>
+__global__ void fill_kernel(T* data, int64_t count, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = static_cast<T>(hash_uniform(static_cast<uint64_t>(i), seed));
+  }
+}
+
+// Reads every 16-byte vector once; the sum keeps the loads alive.
+__global__ void read_kernel(const int4* data, int64_t count, int* sink) {
+  int acc = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    const int4 v = __ldcs(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x7fffffff) *sink = acc;  // practically never taken
+}
+
+}  // namespace
+
+DeviceFacts device_facts(Device device) {
+  if (device == Device::kCpu) return device_facts_cpu();
+  cudaDeviceProp prop{};
+  int dev = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&dev));
+  SP_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return {prop.name, prop.multiProcessorCount, prop.l2CacheSize, static_cast<int64_t>(prop.totalGlobalMem)};
+}
+
+double median_us_per_launch(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps) {
+  if (device == Device::kCpu) return median_us_cpu(launch, steps, reps);
+  cudaStream_t stream;
+  SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  launch(stream);  // warm-up outside the graph (module load, first touch)
+  SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int32_t s = 0; s < steps; ++s) launch(stream);
+  SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  SP_CUDA_CHECK(cudaEventCreate(&start));
+  SP_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int w = 0; w < 3; ++w) SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<double> times;
+  for (int32_t r = 0; r < reps; ++r) {
+    SP_CUDA_CHECK(cudaEventRecord(start, stream));
+    SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    SP_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SP_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    SP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(1e3 * ms / steps);
+  }
+  SP_CUDA_CHECK(cudaEventDestroy(start));
+  SP_CUDA_CHECK(cudaEventDestroy(stop));
+  SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  SP_CUDA_CHECK(cudaGraphDestroy(graph));
+  SP_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  return times[times.size() / 2];
+}
+
+double measured_read_bandwidth_gbs(Device device, int64_t bytes) {
+  if (device == Device::kCpu) return 0.0;
+  void* data = nullptr;
+  int* sink = nullptr;
+  SP_CUDA_CHECK(cudaMalloc(&data, static_cast<size_t>(bytes)));
+  SP_CUDA_CHECK(cudaMalloc(&sink, sizeof(int)));
+  SP_CUDA_CHECK(cudaMemset(data, 1, static_cast<size_t>(bytes)));
+  const int64_t vectors = bytes / 16;
+  int sms = 0;
+  SP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const double us = median_us_per_launch(
+      device,
+      [&](void* stream) {
+        read_kernel<<<sms * 8, 512, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const int4*>(data), vectors,
+                                                                          sink);
+      },
+      4, 9);
+  SP_CUDA_CHECK(cudaFree(data));
+  SP_CUDA_CHECK(cudaFree(sink));
+  return static_cast<double>(vectors * 16) / (us * 1e3);
+}
+
+void fill_random(Device device, DType dtype, void* data, int64_t count, uint64_t seed) {
+  if (device == Device::kCpu) {
+    fill_random_cpu(dtype, data, count, seed);
+    return;
+  }
+  const int grid = 132 * 8;
+  if (dtype == DType::kBF16) {
+    fill_kernel<__nv_bfloat16><<<grid, 256>>>(static_cast<__nv_bfloat16*>(data), count, seed);
+  } else if (dtype == DType::kF16) {
+    fill_kernel<__half><<<grid, 256>>>(static_cast<__half*>(data), count, seed);
+  } else {
+    fill_kernel<float><<<grid, 256>>>(static_cast<float*>(data), count, seed);
+  }
+  SP_CUDA_CHECK_LAUNCH();
+  SP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace sparsepage::bench

@@ -1,0 +1,308 @@
+// sparse_paged_decode_bench (SPEC section 9): one decoder layer's attention
+// at a model's head geometry, the additive-mask arm against the fused sparse
+// arm over the same selection. It says which backend and path ran, refuses a
+// timing comparison when the sparse arm did not fuse or the arms disagree,
+// and reports bandwidth against the device's read bandwidth measured in the
+// same run.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include "bench_device.h"
+#include "sparsepage/sparse_decode.h"
+
+using namespace sparsepage;
+using json = nlohmann::json;
+
+namespace {
+
+struct Geometry {
+  std::string name;
+  int32_t num_qo_heads, num_kv_heads, dim_qk, dim_v, dim_extra;
+  int64_t k_row_stride;  // K rows may carry more (DSA: the indexer key)
+  bool v_aliases_k;
+};
+
+Geometry geometry_named(const std::string& name) {
+  if (name == "dsa") return {"dsa", 128, 1, 512, 512, 64, 640, true};
+  return {"blocksparse", 64, 4, 128, 128, 0, 128, false};
+}
+
+struct Options {
+  std::string geometry = "blocksparse";
+  std::vector<int64_t> contexts = {8192, 16384, 32768};
+  int32_t batch = 1;
+  int32_t reps = 15;
+  int32_t steps = 20;
+  int64_t min_sparsity = -1;     // -1: the policy's value
+  std::string selection = "blocks";
+  int32_t rows = 2048;           // random mode: rows per request
+  int32_t topk_blocks = 16, block_size = 128;
+  int32_t rotate = 0;            // 0: enough selections to defeat the L2
+  bool cpu = false;
+  std::string json_path;
+};
+
+struct Streams {
+  Buffer k, v, k_extra, q;
+  int64_t capacity = 0;
+};
+
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    diff += double(a[i] - b[i]) * (a[i] - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+std::vector<float> read_output(Device device, const Buffer& o) {
+  const auto bytes = download<uint8_t>(device, o.data(), o.bytes());
+  std::vector<float> out(o.bytes() / 2);
+  to_float(DType::kBF16, bytes.data(), out.data(), out.size());
+  return out;
+}
+
+// Window positions per request: top-k random full blocks + the final block
+// (the block-sparse model's shape), or distinct random rows.
+SparseSelection make_positions(Device device, const Options& opt, int32_t requests, int64_t context, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(requests));
+  for (auto& r : rows) {
+    if (opt.selection == "random") {
+      std::vector<int32_t> all(static_cast<size_t>(context));
+      std::iota(all.begin(), all.end(), 0);
+      for (int32_t i = 0; i < opt.rows; ++i) {
+        std::uniform_int_distribution<int64_t> pick(i, context - 1);
+        std::swap(all[static_cast<size_t>(i)], all[static_cast<size_t>(pick(rng))]);
+      }
+      r.assign(all.begin(), all.begin() + opt.rows);
+      continue;
+    }
+    const int64_t blocks = (context + opt.block_size - 1) / opt.block_size;
+    std::vector<int32_t> ids(static_cast<size_t>(blocks - 1));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(static_cast<size_t>(std::min<int64_t>(opt.topk_blocks, blocks - 1)));
+    ids.push_back(static_cast<int32_t>(blocks - 1));
+    for (int32_t b : ids) {
+      for (int64_t t = int64_t{b} * opt.block_size; t < std::min<int64_t>((b + 1) * int64_t{opt.block_size}, context); ++t) {
+        r.push_back(static_cast<int32_t>(t));
+      }
+    }
+  }
+  return make_selection(device, rows);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  CLI::App app{"sparse_paged_decode_bench: mask arm vs fused sparse arm over the same selection"};
+  app.add_option("--geometry", opt.geometry, "blocksparse (64/4/128) or dsa (128 heads, 512+64, V = K)")
+      ->check(CLI::IsMember({"blocksparse", "dsa"}));
+  app.add_option("--contexts", opt.contexts, "live tokens per (sequence, KV head); comma separated")->delimiter(',');
+  app.add_option("--batch", opt.batch, "sequences")->check(CLI::Range(1, 1024));
+  app.add_option("--reps", opt.reps, "timed graph replays (median reported)")->check(CLI::Range(3, 1000));
+  app.add_option("--steps", opt.steps, "launches per replay")->check(CLI::Range(1, 1000));
+  app.add_option("--min-sparsity", opt.min_sparsity, "override the policy's sparsity gate (0 disables it)");
+  app.add_option("--selection", opt.selection, "blocks (top-k blocks + final block) or random (rows per request)")
+      ->check(CLI::IsMember({"blocks", "random"}));
+  app.add_option("--rows", opt.rows, "random selection: rows per request")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--topk-blocks", opt.topk_blocks, "blocks selection: blocks kept besides the final one");
+  app.add_option("--rotate", opt.rotate, "distinct selections cycled per replay (0: enough to exceed 2x L2)");
+  app.add_flag("--cpu", opt.cpu, "use the CPU backend even when a GPU is present");
+  app.add_option("--json", opt.json_path, "also write the results as JSON");
+  CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress on stderr and results on stdout interleave in order
+
+  if (dump_selection_enabled()) {
+    std::fprintf(stderr, "refusing to time: SPARSEPAGE_DUMP_SELECTION synchronizes every step\n");
+    return 2;
+  }
+  const Device device = !opt.cpu && cuda_available() ? Device::kCuda : Device::kCpu;
+  const Geometry geo = geometry_named(opt.geometry);
+  const bench::DeviceFacts facts = bench::device_facts(device);
+  const double peak_gbs = bench::measured_read_bandwidth_gbs(device, int64_t{4} << 30);
+  DispatchConfig config = process_dispatch_config();
+  if (opt.min_sparsity >= 0) config.min_sparsity = opt.min_sparsity;
+  const int32_t requests = opt.batch * geo.num_kv_heads;
+  const int32_t group = geo.num_qo_heads / geo.num_kv_heads;
+  if (device == Device::kCpu) {
+    opt.reps = std::min(opt.reps, 5);
+    opt.steps = std::min(opt.steps, 2);
+  }
+
+  std::printf("sparse_paged_decode_bench: backend %s on %s", device_name(device), facts.name.c_str());
+  if (device == Device::kCuda) {
+    std::printf(" (%d SMs, L2 %.0f MB), measured read bandwidth %.0f GB/s", facts.multiprocessors,
+                double(facts.l2_bytes) / 1e6, peak_gbs);
+  } else {
+    std::printf(" (no GPU%s: CPU reference backend)", cuda_available() ? " used: --cpu" : " present");
+  }
+  std::printf("\ngeometry %s: %d query heads / %d KV heads, qk dim %d%s, v dim %d%s, bf16, batch %d\n",
+              geo.name.c_str(), geo.num_qo_heads, geo.num_kv_heads, geo.dim_qk,
+              geo.dim_extra ? (" + " + std::to_string(geo.dim_extra) + " (second K stream)").c_str() : "", geo.dim_v,
+              geo.v_aliases_k ? " (V = first columns of K)" : "", opt.batch);
+  if (opt.selection == "random") {
+    std::printf("selection: %d distinct random rows per request\n", opt.rows);
+  } else {
+    std::printf("selection: %d random blocks of %d + the final block per request (indexer not timed)\n",
+                opt.topk_blocks, opt.block_size);
+  }
+  std::printf("policy: kill switch %s, min sparsity %lld, floors %lld / %lld per request\n",
+              config.enabled ? "off (fused allowed)" : "ON (mask path pinned)", static_cast<long long>(config.min_sparsity),
+              static_cast<long long>(config.min_kv_tokens), static_cast<long long>(config.min_kv_tokens_per_request));
+
+  json results = json::array();
+  struct Row {
+    int64_t context;
+    std::string outcome;
+    double agreement = NAN, mask_us = NAN, fused_hot_us = NAN, fused_cold_us = NAN;
+    double mask_gbs = NAN, fused_gbs = NAN, mask_mb = 0, fused_mb = 0;
+    int64_t selected = 0;
+    int32_t rotate = 1;
+  };
+  std::vector<Row> rows;
+  int exit_code = 0;
+  const size_t esize = 2;
+  for (int64_t context : opt.contexts) {
+    std::fprintf(stderr, "[context %lld] preparing caches and selections...\n", static_cast<long long>(context));
+    Row row;
+    row.context = context;
+    Streams s;
+    s.capacity = (context + 4095) / 4096 * 4096;
+    const int64_t cache_rows = int64_t{opt.batch} * geo.num_kv_heads * s.capacity;
+    s.k = Buffer(device, static_cast<size_t>(cache_rows * geo.k_row_stride) * esize);
+    bench::fill_random(device, DType::kBF16, s.k.data(), cache_rows * geo.k_row_stride, 1);
+    if (!geo.v_aliases_k) {
+      s.v = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_v) * esize);
+      bench::fill_random(device, DType::kBF16, s.v.data(), cache_rows * geo.dim_v, 2);
+    }
+    if (geo.dim_extra) {
+      s.k_extra = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_extra) * esize);
+      bench::fill_random(device, DType::kBF16, s.k_extra.data(), cache_rows * geo.dim_extra, 3);
+    }
+    const int64_t q_elems = int64_t{requests} * group * (geo.dim_qk + geo.dim_extra);
+    s.q = Buffer(device, static_cast<size_t>(q_elems) * esize);
+    bench::fill_random(device, DType::kBF16, s.q.data(), q_elems, 4);
+    Buffer o_fused(device, static_cast<size_t>(requests) * group * geo.dim_v * esize);
+    Buffer o_mask(device, o_fused.bytes());
+    fill_bytes(o_fused.data(), device, 0xFF, o_fused.bytes());  // NaN: unwritten output fails the check
+    fill_bytes(o_mask.data(), device, 0xFF, o_mask.bytes());
+
+    SparseAttentionInputs in;
+    in.device = device;
+    in.batch = opt.batch;
+    in.num_qo_heads = geo.num_qo_heads;
+    in.num_kv_heads = geo.num_kv_heads;
+    in.live_len = context;
+    in.k = {s.k.data(), geo.num_kv_heads, s.capacity, geo.k_row_stride, geo.dim_qk};
+    in.v = geo.v_aliases_k ? DenseStream{s.k.data(), geo.num_kv_heads, s.capacity, geo.k_row_stride, geo.dim_v}
+                           : DenseStream{s.v.data(), geo.num_kv_heads, s.capacity, geo.dim_v, geo.dim_v};
+    if (geo.dim_extra) {
+      in.k_extra = {s.k_extra.data(), geo.num_kv_heads, s.capacity, geo.dim_extra, geo.dim_extra};
+      in.q_extra = static_cast<const char*>(s.q.data()) + int64_t{requests} * group * geo.dim_qk * esize;
+    }
+    in.q = s.q.data();
+    in.scale = 1.0f / std::sqrt(float(geo.dim_qk + geo.dim_extra));
+
+    const SparseSelection first = make_positions(device, opt, requests, context, 100);
+    row.selected = first.total() / requests;
+    const int64_t row_bytes = int64_t(esize) * (geo.dim_qk + geo.dim_extra + (geo.v_aliases_k ? 0 : geo.dim_v));
+    const int64_t fused_bytes = first.total() * row_bytes;
+    const int64_t mask_bytes = int64_t{requests} * context * (row_bytes + 4);  // K/V rows + the fp32 mask
+    row.rotate = opt.rotate > 0 ? opt.rotate
+                                : static_cast<int32_t>(std::clamp<int64_t>(
+                                      (2 * std::max<int64_t>(facts.l2_bytes, 1)) / std::max<int64_t>(fused_bytes, 1) + 1, 1, 64));
+    if (device == Device::kCpu) row.rotate = 1;
+    std::vector<SparseSelection> selections;
+    selections.push_back(make_positions(device, opt, requests, context, 100));
+    for (int32_t i = 1; i < row.rotate; ++i) selections.push_back(make_positions(device, opt, requests, context, 100 + i));
+
+    // Correctness first: both arms once, compared.
+    SparseDecoder decoder(device, config);
+    MaskPath mask(device);
+    const DispatchStats before = dispatch_stats();
+    in.o = o_fused.data();
+    const SparseDecodeOutcome outcome = decoder.try_fused(in, selections[0]);
+    const DispatchStats after = dispatch_stats();
+    in.o = o_mask.data();
+    mask.prepare(in, selections[0]);
+    mask.run(in, selections[0]);
+    row.outcome = outcome.describe();
+    std::printf("[context %lld] sparse arm: %s (stats delta: fused %+lld, fallbacks %+lld)\n",
+                static_cast<long long>(context), row.outcome.c_str(), static_cast<long long>(after.fused - before.fused),
+                static_cast<long long>(after.fallbacks - before.fallbacks));
+    if (outcome.fused()) {
+      decoder.check_errors();
+      row.agreement = relative_l2(read_output(device, o_fused), read_output(device, o_mask));
+      const bool agree = row.agreement < 1e-2;
+      std::printf("[context %lld] agreement fused vs mask: relative L2 %.2e (%s)\n", static_cast<long long>(context),
+                  row.agreement, agree ? "ok" : "DISAGREE: timing refused");
+      if (!agree) exit_code = 1;
+    }
+    // The mask arm is timed in every case: it is what runs when the sparse arm declines.
+    row.mask_us = bench::median_us_per_launch(device, [&](void* stream) { mask.run(in, selections[0], stream); },
+                                              opt.steps, opt.reps);
+    row.mask_mb = double(mask.transient_bytes()) / 1e6;
+    row.mask_gbs = double(mask_bytes) / (row.mask_us * 1e3);
+    if (outcome.fused() && row.agreement < 1e-2) {
+      in.o = o_fused.data();
+      row.fused_hot_us = bench::median_us_per_launch(
+          device, [&](void* stream) { decoder.try_fused(in, selections[0], stream); }, opt.steps, opt.reps);
+      size_t next = 0;
+      row.fused_cold_us = bench::median_us_per_launch(
+          device,
+          [&](void* stream) { decoder.try_fused(in, selections[next++ % selections.size()], stream); },
+          std::max<int32_t>(opt.steps, row.rotate), opt.reps);
+      row.fused_gbs = double(fused_bytes) / (row.fused_cold_us * 1e3);
+      row.fused_mb = double(decoder.transient_bytes()) / 1e6;
+    } else {
+      std::printf("[context %lld] no fused timing: the sparse arm %s\n", static_cast<long long>(context),
+                  outcome.fused() ? "disagreed with the mask arm" : "fell back to the mask path");
+    }
+    rows.push_back(row);
+    results.push_back({{"context", context},       {"batch", opt.batch},
+                       {"geometry", geo.name},     {"backend", device_name(device)},
+                       {"device", facts.name},     {"selected_per_request", row.selected},
+                       {"sparse_outcome", row.outcome},
+                       {"fused", outcome.fused()}, {"agreement_rel_l2", std::isfinite(row.agreement) ? json(row.agreement) : json(nullptr)},
+                       {"mask_us", row.mask_us},   {"mask_gbs", row.mask_gbs},
+                       {"fused_hot_us", std::isfinite(row.fused_hot_us) ? json(row.fused_hot_us) : json(nullptr)},
+                       {"fused_cold_us", std::isfinite(row.fused_cold_us) ? json(row.fused_cold_us) : json(nullptr)},
+                       {"fused_cold_gbs", std::isfinite(row.fused_gbs) ? json(row.fused_gbs) : json(nullptr)},
+                       {"rotate", row.rotate},     {"peak_read_gbs", peak_gbs},
+                       {"mask_transient_mb", row.mask_mb}, {"fused_transient_mb", row.fused_mb}});
+  }
+
+  std::printf("\n%-8s %-6s %-8s %-9s | %-10s %-8s | %-10s %-10s %-8s %-6s | %-8s | %-9s %-9s\n", "context", "batch",
+              "sel/req", "sparsity", "mask_us", "mask_GB/s", "fused_hot", "fused_cold", "GB/s", "%peak", "speedup",
+              "mask_MB", "fused_MB");
+  for (const Row& r : rows) {
+    const bool timed = std::isfinite(r.fused_cold_us);
+    std::printf("%-8lld %-6d %-8lld %-9.1f | %-10.2f %-8.0f | ", static_cast<long long>(r.context), opt.batch,
+                static_cast<long long>(r.selected), double(r.context) / double(std::max<int64_t>(r.selected, 1)),
+                r.mask_us, r.mask_gbs);
+    if (timed) {
+      std::printf("%-10.2f %-10.2f %-8.0f %-6.1f | %-8.2f | %-9.1f %-9.1f\n", r.fused_hot_us, r.fused_cold_us,
+                  r.fused_gbs, peak_gbs > 0 ? 100.0 * r.fused_gbs / peak_gbs : NAN, r.mask_us / r.fused_cold_us, r.mask_mb,
+                  r.fused_mb);
+    } else {
+      std::printf("%-10s %-10s %-8s %-6s | %-8s | %-9.1f %-9s  (%s)\n", "-", "-", "-", "-", "refused", r.mask_mb, "-",
+                  r.outcome.c_str());
+    }
+  }
+  std::printf("fused_cold rotates among %d selection(s) so the selected rows exceed 2x the L2; speedup = mask / fused_cold\n",
+              rows.empty() ? 1 : rows.front().rotate);
+  if (!opt.json_path.empty()) std::ofstream(opt.json_path) << results.dump(2) << "\n";
+  return exit_code;
+}
