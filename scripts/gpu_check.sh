@@ -5,10 +5,12 @@
 #   STAGES="tests sanitize bench kernel" (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/sparsepage-gpu}
-mkdir -p "$OUT"
+# Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
+RESULTS=${OUT:-/tmp/sparsepage-gpu}
+OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
+mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize bench kernel"}
+STAGES=${STAGES:-"tests sanitize bench kernel"}  # also: profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -52,4 +54,16 @@ if [[ $STAGES == *kernel* ]]; then
     note "kernel batch $1 rows $2: rc=$?"; grep -A2 "^context" "$OUT/kernel_b$1.log"
   done
 fi
+if [[ $STAGES == *profile* ]]; then
+  # Kernel-level view (Nsight Compute, clocks left alone): batch 1 and batch 32.
+  for batch in 1 32; do
+    timeout 300 ncu --clock-control none --kernel-name regex:partial_kernel --launch-skip 5 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      "$B" --selection random --contexts 131072 --batch $batch --rows 2048 --reps 3 --steps 2 \
+      > "$OUT/ncu_b$batch.log" 2>&1
+    note "ncu batch $batch: rc=$?"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Theoretical Occ" "$OUT/ncu_b$batch.log" | head -30
+  done
+fi
+tar czf "$RESULTS/gpu-logs.tar.gz" -C "$OUT" . 2>/dev/null
 echo; echo "==== summary"; printf '%s\n' "${summary[@]}"

@@ -45,7 +45,7 @@ TokenBuffers random_tokens(Device device, const BlockSparseConfig& c, int32_t ba
 }  // namespace
 
 void check_block_sparse_set_equality(Device device) {
-  const BlockSparseConfig config{8, 2, 32, 16, 4, 2, 64};
+  const BlockSparseConfig config{8, 2, 64, 16, 4, 2, 64};
   // Batch 1 fuses; at batch 2 the index key riding in K breaks the shared
   // row mapping, so the fused path must decline and the mask path answer.
   for (const auto& [batch, context] : std::vector<std::pair<int32_t, int64_t>>{{1, 150}, {1, 160}, {1, 257}, {2, 300}}) {

@@ -17,7 +17,7 @@ struct ToyModelConfig {
   int32_t vocab = 96;
   int32_t d_model = 64;
   int32_t layers = 2;
-  BlockSparseConfig attention{8, 2, 32, 16, 4, 1, 64};  // 8 q heads over 2 KV heads, blocks of 16, top 4
+  BlockSparseConfig attention{8, 2, 64, 16, 4, 1, 64};  // 8 q heads over 2 KV heads, head dim 64, blocks of 16, top 4
   uint64_t seed = 1234;
 };
 
