@@ -92,31 +92,45 @@ struct PartialCta {
     src.prefetch(id_slot(tile), tok_begin + tile * kTileRows, tile_tokens(tile), tid);
   }
 
-  /// Starts the copies of tile `tile`'s K (+ extra) and V rows. Thread t
-  /// copies chunk t % kKChunks of every (128 / kKChunks)-th row, so each of
-  /// its rows is resolved once and serves K, the extra stream and V.
+  /// Starts the copies of tile `tile`'s K (+ extra) and V rows. Warp w
+  /// copies its own 16 rows (the ones it computes on): lane l < 16 resolves
+  /// row l once (page-table lookup, 64-bit row), and the warp then sweeps
+  /// the rows' 16-byte chunks with the row offsets passed by shuffle, so
+  /// consecutive lanes read consecutive chunks of one row (coalesced) and
+  /// no lane repeats the address resolution per chunk.
   __device__ void issue_tile(int tile) {
+    constexpr int kRows = kTileRows / kWarps;
+    static_assert(kRows <= 32 && (kRows * kKChunks) % 32 == 0 && (kRows * kVChunks) % 32 == 0, "warp sweep");
     const int32_t tok0 = tok_begin + tile * kTileRows;
-    const int32_t n = tile_tokens(tile);
-    const int32_t* slot = id_slot(tile);
+    const int row0 = warp * kRows;
+    long long mine = -1;  // this lane's row, or -1 (tail or rejected)
+    if (lane < kRows && row0 + lane < tile_tokens(tile)) {
+      mine = src.row(id_slot(tile), tok0, tok0 + row0 + lane);
+      bad |= mine < 0;
+    }
     T* kt = k_tile(tile % kS);
-    T* vt = kt + kTileRows * DK;
     const int dq_chunks = p.dqk / 8;
-    const int dv_chunks = p.v_aliases_k ? 0 : p.dv / 8;
-#pragma unroll 4
-    for (int idx = tid; idx < kTileRows * kKChunks; idx += kThreads) {
-      const int row = idx / kKChunks, c = idx % kKChunks;
-      int64_t r = -1;
-      if (row < n) {
-        r = src.row(slot, tok0, tok0 + row);
-        bad |= r < 0;
-      }
+#pragma unroll
+    for (int i = 0; i < kRows * kKChunks / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int lr = idx / kKChunks, c = idx % kKChunks;
+      const long long r = __shfl_sync(0xffffffffu, mine, lr);
       const bool ok = r >= 0;
-      const T* g = c < dq_chunks ? k_base + r * p.k_stride + c * 8 : e_base + r * p.e_stride + (c - dq_chunks) * 8;
-      // Rejected and tail rows are zero-filled from a harmless address.
-      cp_async_16(smem_u32(kt + swizzle(row, c, kKChunks)), ok ? g : k_base, ok);
+      const int64_t safe = ok ? r : 0;  // rejected and tail rows: zero-fill, nothing read
+      const T* g = c < dq_chunks ? k_base + safe * p.k_stride + c * 8 : e_base + safe * p.e_stride + (c - dq_chunks) * 8;
+      cp_async_16(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), g, ok);
+    }
+    if (p.v_aliases_k) return;
+    T* vt = kt + kTileRows * DK;
+    const int dv_chunks = p.dv / 8;
+#pragma unroll
+    for (int i = 0; i < kRows * kVChunks / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int lr = idx / kVChunks, c = idx % kVChunks;
+      const long long r = __shfl_sync(0xffffffffu, mine, lr);
+      const bool ok = r >= 0;
       if (c < dv_chunks) {
-        cp_async_16(smem_u32(vt + swizzle(row, c, kVChunks)), ok ? v_base + r * p.v_stride + c * 8 : v_base, ok);
+        cp_async_16(smem_u32(vt + swizzle(row0 + lr, c, kVChunks)), v_base + (ok ? r : 0) * p.v_stride + c * 8, ok);
       }
     }
   }
