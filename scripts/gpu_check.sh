@@ -54,15 +54,33 @@ if [[ $STAGES == *kernel* ]]; then
     note "kernel batch $1 rows $2: rc=$?"; grep -A2 "^context" "$OUT/kernel_b$1.log"
   done
 fi
+if [[ $STAGES == *sweep* ]]; then
+  # Plan tuning at the latency-bound end: batch 1 and 8, random 2048 rows.
+  for batch in 1 8; do
+    for tune in "2 64" "1 128" "2 128" "4 64" "1 256"; do
+      set -- $tune
+      "$B" --selection random --contexts 131072 --batch $batch --rows 2048 --items-per-sm $1 --min-chunk $2 \
+        > "$OUT/sweep_b${batch}_$1_$2.log" 2>&1
+      echo "sweep batch $batch items/SM $1 min chunk $2: $(grep -A1 '^context' "$OUT/sweep_b${batch}_$1_$2.log" | tail -1 | cut -c1-110) $(grep -o '[0-9]* chunks' "$OUT/sweep_b${batch}_$1_$2.log" | head -1)"
+    done
+  done
+fi
+if [[ $STAGES == *sass* ]]; then
+  cuobjdump -sass -fun '_ZN10sparsepage4cuda14partial_kernelI13__nv_bfloat16Li128ELi128ENS0_11PagedSourceEEEvNS0_13PartialParamsE' \
+    "$B" > "$OUT/sass_partial_bf16_128.txt" 2>&1
+  note "sass: $(grep -cE '^ +/\*[0-9a-f]{4}\*/' "$OUT/sass_partial_bf16_128.txt") instructions in the bf16 128/128 paged partial kernel"
+fi
 if [[ $STAGES == *profile* ]]; then
   # Kernel-level view (Nsight Compute, clocks left alone): batch 1 and batch 32.
   for batch in 1 32; do
-    timeout 300 ncu --clock-control none --kernel-name regex:partial_kernel --launch-skip 5 --launch-count 1 \
+    timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:partial_kernel|merge_kernel" \
+      --launch-skip 0 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section SourceCounters \
       "$B" --selection random --contexts 131072 --batch $batch --rows 2048 --reps 3 --steps 2 \
       > "$OUT/ncu_b$batch.log" 2>&1
     note "ncu batch $batch: rc=$?"
-    grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Theoretical Occ" "$OUT/ncu_b$batch.log" | head -30
+    grep -E "^  [a-z].*\(|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Theoretical Occ" "$OUT/ncu_b$batch.log" | head -30
   done
 fi
 tar czf "$RESULTS/gpu-logs.tar.gz" -C "$OUT" . 2>/dev/null

@@ -45,6 +45,7 @@ struct Options {
   int32_t rows = 2048;           // random mode: rows per request
   int32_t topk_blocks = 16, block_size = 128;
   int32_t rotate = 0;            // 0: enough selections to defeat the L2
+  int32_t items_per_sm = 0, min_chunk = 0;  // plan tuning (0: defaults)
   bool cpu = false;
   std::string json_path;
 };
@@ -119,6 +120,8 @@ int main(int argc, char** argv) {
   app.add_option("--rows", opt.rows, "random selection: rows per request")->check(CLI::Range(1, 1 << 24));
   app.add_option("--topk-blocks", opt.topk_blocks, "blocks selection: blocks kept besides the final one");
   app.add_option("--rotate", opt.rotate, "distinct selections cycled per replay (0: enough to exceed 2x L2)");
+  app.add_option("--items-per-sm", opt.items_per_sm, "plan tuning: work items per multiprocessor (0: default)");
+  app.add_option("--min-chunk", opt.min_chunk, "plan tuning: smallest chunk in tokens (0: default)");
   app.add_flag("--cpu", opt.cpu, "use the CPU backend even when a GPU is present");
   app.add_option("--json", opt.json_path, "also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
@@ -230,6 +233,7 @@ int main(int argc, char** argv) {
 
     // Correctness first: both arms once, compared.
     SparseDecoder decoder(device, config);
+    decoder.set_plan_tuning(opt.items_per_sm, opt.min_chunk);
     MaskPath mask(device);
     const DispatchStats before = dispatch_stats();
     in.o = o_fused.data();

@@ -59,6 +59,10 @@ class SparseDecoder {
   /// Synchronizes and throws when the last CUDA launch met a position outside a window.
   void check_errors(void* stream = nullptr);
 
+  /// Overrides the plan's split knobs (PlanShape::items_per_sm and
+  /// min_chunk_tokens; 0 keeps the default) — for tuning sweeps.
+  void set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens);
+
   const DecodePlan& plan() const { return plan_; }
   /// Device bytes held for the fused path (workspace + page-table structure).
   size_t transient_bytes() const { return workspace_.bytes() + structure_.bytes(); }
@@ -71,6 +75,7 @@ class SparseDecoder {
   DecodePlan plan_;
   std::vector<int32_t> planned_counts_;
   int32_t planned_group_ = 0, planned_dim_v_ = 0;
+  int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]
 };

@@ -80,6 +80,8 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const SparseSelecti
   shape.group_size = group;
   shape.head_dim_v = in.v.dim;
   shape.num_sms = machine_width(device_);
+  if (items_per_sm_ > 0) shape.items_per_sm = items_per_sm_;
+  if (min_chunk_tokens_ > 0) shape.min_chunk_tokens = min_chunk_tokens_;
   plan_ = make_decode_plan(selection.counts, shape);
   const PageTableStructure table = build_page_table_structure(selection.counts, 1);
   std::vector<int32_t> packed = table.indptr;
@@ -137,6 +139,13 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
   outcome.merge = plan_.needs_merge();
   record_outcome(outcome);
   return outcome;
+}
+
+void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens) {
+  require(items_per_sm >= 0 && min_chunk_tokens >= 0, "plan tuning values must not be negative");
+  items_per_sm_ = items_per_sm;
+  min_chunk_tokens_ = min_chunk_tokens;
+  planned_counts_.clear();  // re-plan on the next call
 }
 
 void SparseDecoder::check_errors(void* stream) {

@@ -46,8 +46,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
 
   // Largest lse; a NaN partial (rejected page) poisons the request, since
   // fmaxf alone would silently drop it.
+  // Both passes are unrolled so that their loads (independent of each other)
+  // are in flight together: at batch 1 a request has tens of partials and a
+  // serial chain of L2 round trips would dominate the merge.
   float mx = neg_inf_f32();
   bool nan = false;
+#pragma unroll 8
   for (int s = begin; s < end; ++s) {
     const float x = p.partial_lse[int64_t{s} * p.group_size + head];
     nan |= isnan(x);
@@ -56,7 +60,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float sum = 0.f;
   if (mx != neg_inf_f32()) {  // otherwise every partial is empty: o = 0, lse = -inf
-#pragma unroll 4
+#pragma unroll 8
     for (int s = begin; s < end; ++s) {
       const float x = p.partial_lse[int64_t{s} * p.group_size + head];
       const float w = __expf(x - mx);  // an empty partial (-inf) weighs 0

@@ -94,31 +94,52 @@ struct PartialCta {
 
   /// Starts the copies of tile `tile`'s K (+ extra) and V rows. Warp w
   /// copies its own 16 rows (the ones it computes on): lane l < 16 resolves
-  /// row l once (page-table lookup, 64-bit row), and the warp then sweeps
-  /// the rows' 16-byte chunks with the row offsets passed by shuffle, so
-  /// consecutive lanes read consecutive chunks of one row (coalesced) and
-  /// no lane repeats the address resolution per chunk.
+  /// row l once (page-table lookup, 64-bit row address), and the warp then
+  /// sweeps the rows' 16-byte chunks with the row pointers passed by
+  /// shuffle, so consecutive lanes read consecutive chunks of one row
+  /// (coalesced) and the per-chunk work is a shuffle and a copy.
   __device__ void issue_tile(int tile) {
     constexpr int kRows = kTileRows / kWarps;
     static_assert(kRows <= 32 && (kRows * kKChunks) % 32 == 0 && (kRows * kVChunks) % 32 == 0, "warp sweep");
     const int32_t tok0 = tok_begin + tile * kTileRows;
     const int row0 = warp * kRows;
-    long long mine = -1;  // this lane's row, or -1 (tail or rejected)
+    // Rejected and tail rows copy 0 bytes (zero-fill) from a valid address.
+    const T* k_row = k_base;
+    const T* e_row = e_base;
+    const T* v_row = v_base;
+    int fill = 0;
     if (lane < kRows && row0 + lane < tile_tokens(tile)) {
-      mine = src.row(id_slot(tile), tok0, tok0 + row0 + lane);
-      bad |= mine < 0;
+      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane);
+      bad |= r < 0;
+      if (r >= 0) {
+        fill = 16;
+        k_row += r * p.k_stride;
+        v_row += r * p.v_stride;
+        if (e_base != nullptr) e_row += r * p.e_stride;
+      }
     }
     T* kt = k_tile(tile % kS);
     const int dq_chunks = p.dqk / 8;
+    // Shuffles stay out of divergent code (which would make them collective
+    // calls): the second-stream case is its own uniform loop.
+    if (e_base == nullptr) {
 #pragma unroll
-    for (int i = 0; i < kRows * kKChunks / 32; ++i) {
-      const int idx = i * 32 + lane;
-      const int lr = idx / kKChunks, c = idx % kKChunks;
-      const long long r = __shfl_sync(0xffffffffu, mine, lr);
-      const bool ok = r >= 0;
-      const int64_t safe = ok ? r : 0;  // rejected and tail rows: zero-fill, nothing read
-      const T* g = c < dq_chunks ? k_base + safe * p.k_stride + c * 8 : e_base + safe * p.e_stride + (c - dq_chunks) * 8;
-      cp_async_16(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), g, ok);
+      for (int i = 0; i < kRows * kKChunks / 32; ++i) {
+        const int idx = i * 32 + lane;
+        const int lr = idx / kKChunks, c = idx % kKChunks;
+        const int n = __shfl_sync(0xffffffffu, fill, lr);
+        cp_async_16_n(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows * kKChunks / 32; ++i) {
+        const int idx = i * 32 + lane;
+        const int lr = idx / kKChunks, c = idx % kKChunks;
+        const int n = __shfl_sync(0xffffffffu, fill, lr);
+        const T* gk = shfl_ptr(k_row, lr) + c * 8;
+        const T* ge = shfl_ptr(e_row, lr) + (c - dq_chunks) * 8;
+        cp_async_16_n(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n);
+      }
     }
     if (p.v_aliases_k) return;
     T* vt = kt + kTileRows * DK;
@@ -127,12 +148,14 @@ struct PartialCta {
     for (int i = 0; i < kRows * kVChunks / 32; ++i) {
       const int idx = i * 32 + lane;
       const int lr = idx / kVChunks, c = idx % kVChunks;
-      const long long r = __shfl_sync(0xffffffffu, mine, lr);
-      const bool ok = r >= 0;
-      if (c < dv_chunks) {
-        cp_async_16(smem_u32(vt + swizzle(row0 + lr, c, kVChunks)), v_base + (ok ? r : 0) * p.v_stride + c * 8, ok);
-      }
+      const int n = __shfl_sync(0xffffffffu, fill, lr);
+      const T* g = shfl_ptr(v_row, lr) + c * 8;
+      if (c < dv_chunks) cp_async_16_n(smem_u32(vt + swizzle(row0 + lr, c, kVChunks)), g, n);
     }
+  }
+
+  __device__ static const T* shfl_ptr(const T* ptr, int src_lane) {
+    return reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(ptr), src_lane));
   }
 
   __device__ void q_fragment(int kk, uint32_t (&a)[4]) const {
@@ -332,7 +355,10 @@ template <typename T, int DK, int DV, class Source>
 __global__ void __launch_bounds__(kThreads, TileConfig<DK, DV>::kMinBlocks)
     partial_kernel(const __grid_constant__ PartialParams params) {
   extern __shared__ __align__(128) unsigned char smem[];
-  // The merge kernel may be scheduled now; it waits for this grid to finish.
+  // Inputs may come from the previous kernel in the stream: wait for it
+  // before the first global read. Then the merge kernel may be scheduled;
+  // it waits for this grid in turn.
+  pdl_wait_primary();
   pdl_launch_dependents();
   PartialCta<T, DK, DV, Source> cta(params, smem);
   cta.run();

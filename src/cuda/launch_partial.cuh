@@ -59,8 +59,21 @@ void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream
     return true;
   }();
   (void)configured;
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
-  SP_CUDA_CHECK_LAUNCH();
+  // Programmatic stream serialization lets this grid be scheduled while the
+  // previous kernel in the stream drains; the kernel waits (griddepcontrol)
+  // for that kernel's completion before its first global read, so the
+  // overlap hides launch latency without ever reading stale inputs.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 template <class Source>
