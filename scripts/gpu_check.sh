@@ -65,6 +65,21 @@ if [[ $STAGES == *sweep* ]]; then
     done
   done
 fi
+if [[ $STAGES == *dispatch* ]]; then
+  # Crossover sweep for the policy defaults: sparsity 1.5x .. 64x of the
+  # block-sparse selection (16 blocks of 128 + final = 2176 rows), batch 1 .. 64,
+  # with the gate disabled so both arms always run.
+  for batch in 1 4 16 64; do
+    "$B" --contexts 3264,4352,8704,17408,34816,69632,139264 --batch $batch --min-sparsity 0 --reps 7 --steps 10 \
+      --json "$OUT/dispatch_b$batch.json" > "$OUT/dispatch_b$batch.log" 2>&1
+    note "dispatch sweep batch $batch: rc=$?"; grep -A8 "^context" "$OUT/dispatch_b$batch.log" | cut -c1-120
+  done
+  for topk in 1 2 4 8; do
+    "$B" --contexts 8192 --batch 1 --topk-blocks $topk --min-sparsity 0 --reps 7 --steps 10 \
+      --json "$OUT/floor_topk$topk.json" > "$OUT/floor_topk$topk.log" 2>&1
+    echo "floor topk $topk: $(grep -A1 '^context' "$OUT/floor_topk$topk.log" | tail -1 | cut -c1-120)"
+  done
+fi
 if [[ $STAGES == *sass* ]]; then
   cuobjdump -sass -fun '_ZN10sparsepage4cuda14partial_kernelI13__nv_bfloat16Li128ELi128ENS0_11PagedSourceEEEvNS0_13PartialParamsE' \
     "$B" > "$OUT/sass_partial_bf16_128.txt" 2>&1

@@ -28,8 +28,10 @@ struct PlanShape {
   /// bytes in flight at small batch, and more partials to merge.
   int32_t items_per_sm = 2;
   /// Smallest chunk, rounded up to `chunk_granule`. Chunks shorter than this
-  /// pay more in merge and per-item setup than they win in parallelism.
-  int32_t min_chunk_tokens = 64;
+  /// pay more in merge and per-item setup than they win in parallelism
+  /// (measured on the H200: at batch 1 of the block-sparse geometry, 128-token
+  /// chunks beat 64 and 256; docs/PERFORMANCE.md).
+  int32_t min_chunk_tokens = 128;
   /// Chunks are multiples of this many tokens (the kernel's token tile).
   int32_t chunk_granule = 64;
   /// 0 lets the plan choose; otherwise every chunk has exactly this many

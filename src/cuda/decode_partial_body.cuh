@@ -198,18 +198,31 @@ struct PartialCta {
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
       }
     }
-    float alpha[2], base[2];
+    // Lazy rescaling: the accumulators stay relative to the base m until a
+    // row's tile max exceeds it by more than kRescaleLog2 (a factor of 256,
+    // harmless in fp32 and for the bf16/f16 P operand). After the first
+    // tiles the max rarely moves that much, so most tiles skip the DV/2
+    // multiplies of the rescale. The decision is warp-uniform.
+    constexpr float kRescaleLog2 = 8.f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-      const float m_new = fmaxf(m[i], tile_max[i]);
-      // A row that has seen only -inf keeps base 0, so exp2(-inf - 0) = 0
-      // and no (-inf) - (-inf) is ever formed.
-      base[i] = m_new == neg_inf_f32() ? 0.f : m_new;
-      alpha[i] = exp2f(m[i] - base[i]);
-      m[i] = m_new;
-      l[i] *= alpha[i];
+    }
+    const bool rescale =
+        __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
+    float alpha[2] = {1.f, 1.f}, base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (rescale) {
+        const float m_new = fmaxf(m[i], tile_max[i]);
+        // A row that has seen only -inf keeps base 0, so exp2(-inf - 0) = 0
+        // and no (-inf) - (-inf) is ever formed.
+        alpha[i] = exp2f(m[i] - (m_new == neg_inf_f32() ? 0.f : m_new));
+        m[i] = m_new;
+        l[i] *= alpha[i];
+      }
+      base[i] = m[i] == neg_inf_f32() ? 0.f : m[i];
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -228,9 +241,11 @@ struct PartialCta {
 #pragma unroll
     for (int nn = 0; nn < DV / 16; ++nn) {
       if (nn * 16 >= p.dv) break;  // a narrower V than the instantiation
-      acc[2 * nn][0] *= alpha[0], acc[2 * nn][1] *= alpha[0], acc[2 * nn][2] *= alpha[1], acc[2 * nn][3] *= alpha[1];
-      acc[2 * nn + 1][0] *= alpha[0], acc[2 * nn + 1][1] *= alpha[0];
-      acc[2 * nn + 1][2] *= alpha[1], acc[2 * nn + 1][3] *= alpha[1];
+      if (rescale) {
+        acc[2 * nn][0] *= alpha[0], acc[2 * nn][1] *= alpha[0], acc[2 * nn][2] *= alpha[1], acc[2 * nn][3] *= alpha[1];
+        acc[2 * nn + 1][0] *= alpha[0], acc[2 * nn + 1][1] *= alpha[0];
+        acc[2 * nn + 1][2] *= alpha[1], acc[2 * nn + 1][3] *= alpha[1];
+      }
       uint32_t b[4];
       ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
       mma_16816<T>(acc[2 * nn], a, b[0], b[1]);

@@ -31,7 +31,7 @@ TEST(Plan, SplitsToFillTheMachine) {
   const std::vector<int32_t> lens(4, 2048);  // block-sparse geometry, batch 1
   const DecodePlan plan = make_decode_plan(lens, shape);
   expect_covers(plan, lens);
-  EXPECT_GE(static_cast<int64_t>(plan.work.size()), 100) << "batch 1 must still fill the GPU";
+  EXPECT_GE(static_cast<int64_t>(plan.work.size()), 64) << "batch 1 must still spread over the GPU";
   EXPECT_TRUE(plan.needs_merge());
   EXPECT_EQ(plan.merge_requests.size(), 4u);
   EXPECT_EQ(plan.num_partials, static_cast<int32_t>(plan.work.size()));
