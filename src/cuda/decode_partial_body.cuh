@@ -235,21 +235,38 @@ struct PartialCta {
     // The two n8 score tiles are exactly the A fragment of a k16 MMA.
     const uint32_t a[4] = {Tr::pack2(s[0][0], s[0][1]), Tr::pack2(s[0][2], s[0][3]),
                            Tr::pack2(s[1][0], s[1][1]), Tr::pack2(s[1][2], s[1][3])};
+    if (rescale) {
+#pragma unroll
+      for (int nt = 0; nt < DV / 8; ++nt) {
+        acc[nt][0] *= alpha[0], acc[nt][1] *= alpha[0], acc[nt][2] *= alpha[1], acc[nt][3] *= alpha[1];
+      }
+    }
+    // P.V over the tile's full DV columns, branch-free so the MMAs issue back
+    // to back. With a V narrower than DV the extra columns of the V tile were
+    // zeroed once (zero_v_tail) and their accumulators are never stored.
     const T* vt = v_tile(tile % kS);
     const int pitch = v_pitch();
     const int vrow = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
     for (int nn = 0; nn < DV / 16; ++nn) {
-      if (nn * 16 >= p.dv) break;  // a narrower V than the instantiation
-      if (rescale) {
-        acc[2 * nn][0] *= alpha[0], acc[2 * nn][1] *= alpha[0], acc[2 * nn][2] *= alpha[1], acc[2 * nn][3] *= alpha[1];
-        acc[2 * nn + 1][0] *= alpha[0], acc[2 * nn + 1][1] *= alpha[0];
-        acc[2 * nn + 1][2] *= alpha[1], acc[2 * nn + 1][3] *= alpha[1];
-      }
       uint32_t b[4];
       ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
       mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
       mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+
+  /// A separate V narrower than the tile leaves columns dv .. DV of every V
+  /// stage unwritten by the copies; zero them once so P.V reads zeros there.
+  __device__ void zero_v_tail() {
+    if (p.v_aliases_k || p.dv == DV) return;
+    const int first = p.dv / 8;
+    for (int idx = tid; idx < kS * kTileRows * kVChunks; idx += kThreads) {
+      const int stage = idx / (kTileRows * kVChunks), rest = idx % (kTileRows * kVChunks);
+      const int row = rest / kVChunks, c = rest % kVChunks;
+      if (c < first) continue;
+      T* vt = k_tile(stage) + kTileRows * DK;
+      *reinterpret_cast<uint4*>(vt + swizzle(row, c, kVChunks)) = make_uint4(0, 0, 0, 0);
     }
   }
 
@@ -260,6 +277,7 @@ struct PartialCta {
     for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     const int num_tiles = (len + kTileRows - 1) / kTileRows;
+    zero_v_tail();  // ordered before the first use by the prologue's barrier
     load_q();
     for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) prefetch_ids(t);
     cp_async_commit();
