@@ -293,20 +293,29 @@ int main(int argc, char** argv) {
               "mask_MB", "fused_MB");
   for (const Row& r : rows) {
     const bool timed = std::isfinite(r.fused_cold_us);
-    std::printf("%-8lld %-6d %-8lld %-9.1f | %-10.2f %-8.0f | ", static_cast<long long>(r.context), opt.batch,
+    std::printf("%-8lld %-6d %-8lld %-9.1f | %-10.2f %-8.1f | ", static_cast<long long>(r.context), opt.batch,
                 static_cast<long long>(r.selected), double(r.context) / double(std::max<int64_t>(r.selected, 1)),
                 r.mask_us, r.mask_gbs);
     if (timed) {
-      std::printf("%-10.2f %-10.2f %-8.0f %-6.1f | %-8.2f | %-9.1f %-9.1f\n", r.fused_hot_us, r.fused_cold_us,
-                  r.fused_gbs, peak_gbs > 0 ? 100.0 * r.fused_gbs / peak_gbs : NAN, r.mask_us / r.fused_cold_us, r.mask_mb,
-                  r.fused_mb);
+      char peak[16] = "-";
+      if (peak_gbs > 0) std::snprintf(peak, sizeof(peak), "%.1f", 100.0 * r.fused_gbs / peak_gbs);
+      std::printf("%-10.2f %-10.2f %-8.1f %-6s | %-8.2f | %-9.1f %-9.1f\n", r.fused_hot_us, r.fused_cold_us, r.fused_gbs,
+                  peak, r.mask_us / r.fused_cold_us, r.mask_mb, r.fused_mb);
     } else {
       std::printf("%-10s %-10s %-8s %-6s | %-8s | %-9.1f %-9s  (%s)\n", "-", "-", "-", "-", "refused", r.mask_mb, "-",
                   r.outcome.c_str());
     }
   }
-  std::printf("fused_cold rotates among %d selection(s) so the selected rows exceed 2x the L2; speedup = mask / fused_cold\n",
-              rows.empty() ? 1 : rows.front().rotate);
+  if (device == Device::kCuda) {
+    std::printf("times: median of %d CUDA-graph replays of %d launches each (per launch, merge included); fused_cold\n"
+                "rotates among enough selections that their rows exceed 2x the L2; speedup = mask / fused_cold;\n"
+                "GB/s counts the K/V bytes each arm must read (mask: whole window + fp32 mask)\n",
+                opt.reps, opt.steps);
+  } else {
+    std::printf("times: CPU backend, median of %d runs of %d steps (steady clock); no bandwidth peak on the CPU;\n"
+                "speedup = mask / fused\n",
+                opt.reps, opt.steps);
+  }
   if (!opt.json_path.empty()) std::ofstream(opt.json_path) << results.dump(2) << "\n";
   return exit_code;
 }

@@ -42,6 +42,14 @@ DispatchInput sparse_input() {
   return in;
 }
 
+TEST(Policy, DefaultsAreTheMeasuredOnes) {
+  const DispatchConfig d = DispatchConfig::defaults();
+  EXPECT_TRUE(d.enabled);
+  EXPECT_EQ(d.min_sparsity, 2);
+  EXPECT_EQ(d.min_kv_tokens, 0);
+  EXPECT_EQ(d.min_kv_tokens_per_request, 0);
+}
+
 TEST(Policy, FusesWhenEverythingHolds) {
   const auto out = decide_sparse_decode(sparse_input(), DispatchConfig::defaults());
   ASSERT_TRUE(out.fused());
@@ -117,7 +125,8 @@ TEST(Reporting, OncePerKindWithStatsAndSink) {
   reset_dispatch_stats();
   std::vector<std::string> lines;
   set_log_sink([&](LogLevel, const std::string& m) { lines.push_back(m); });
-  const DispatchConfig cfg = DispatchConfig::defaults();
+  DispatchConfig cfg = DispatchConfig::defaults();
+  cfg.min_kv_tokens_per_request = 64;
   DispatchInput warmup = sparse_input();
   warmup.selected_rows = 4;
   warmup.live_len = 1 << 20;
