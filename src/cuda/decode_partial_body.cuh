@@ -14,7 +14,7 @@ namespace cuda {
 
 template <typename T, int DK, int DV, class Source>
 struct PartialCta {
-  using Cfg = TileConfig<DK, DV>;
+  using Cfg = TileConfig<DK, DV, Source::kHasBias>;
   using Tr = ElemTraits<T>;
   static constexpr int kKChunks = DK / 8;  // 16-byte chunks per K tile row
   static constexpr int kVChunks = DV / 8;
@@ -385,7 +385,7 @@ struct PartialCta {
 };
 
 template <typename T, int DK, int DV, class Source>
-__global__ void __launch_bounds__(kThreads, TileConfig<DK, DV>::kMinBlocks)
+__global__ void __launch_bounds__(kThreads, TileConfig<DK, DV, Source::kHasBias>::kMinBlocks)
     partial_kernel(const __grid_constant__ PartialParams params) {
   extern __shared__ __align__(128) unsigned char smem[];
   // Inputs may come from the previous kernel in the stream: wait for it

@@ -48,7 +48,7 @@ inline void check_stride8(int64_t stride, const char* what, const char* api) {
 
 template <typename T, int DK, int DV, class Source>
 void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream) {
-  using Cfg = TileConfig<DK, DV>;
+  using Cfg = TileConfig<DK, DV, Source::kHasBias>;
   auto kernel = partial_kernel<T, DK, DV, Source>;
   // Opting in to > 48 KB of shared memory is a per-function attribute: once.
   static const bool configured = [&] {
