@@ -89,9 +89,9 @@ if [[ $STAGES == *profile* ]]; then
   # Kernel-level view (Nsight Compute, clocks left alone): batch 1 and batch 32.
   for batch in 1 32; do
     timeout 300 ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:partial_kernel|merge_kernel" \
-      --launch-skip 0 --launch-count 2 \
+      --launch-skip 0 --launch-count 2 --import-source no \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-      --section SourceCounters \
+      --section SourceCounters --section InstructionStats --metrics smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_selected,smsp__pcsamp_warps_issue_stalled_not_selected,smsp__pcsamp_warps_issue_stalled_dispatch_stall,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__inst_executed.sum \
       "$B" --selection random --contexts 131072 --batch $batch --rows 2048 --reps 3 --steps 2 \
       > "$OUT/ncu_b$batch.log" 2>&1
     note "ncu batch $batch: rc=$?"
