@@ -125,6 +125,18 @@ int main(int argc, char** argv) {
   app.add_flag("--cpu", opt.cpu, "use the CPU backend even when a GPU is present");
   app.add_option("--json", opt.json_path, "also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
+  for (int64_t context : opt.contexts) {
+    const int64_t needed = opt.selection == "random" ? opt.rows : int64_t{opt.block_size} + 1;
+    if (context < needed || context > (int64_t{1} << 30)) {
+      std::fprintf(stderr, "--contexts: %lld must lie in [%lld, 2^30] for this selection\n",
+                   static_cast<long long>(context), static_cast<long long>(needed));
+      return 2;
+    }
+  }
+  if (opt.topk_blocks < 1) {
+    std::fprintf(stderr, "--topk-blocks must be at least 1\n");
+    return 2;
+  }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress on stderr and results on stdout interleave in order
 
   if (dump_selection_enabled()) {

@@ -19,6 +19,7 @@ enum class OutcomeKind : int32_t {
   kUnsupportedHeadDim, // no fused kernel for these head dims
   kRowMapping,         // K and V do not share a row mapping
   kNoDevice,           // the fused path needs a GPU the process does not have
+  kUnsupportedLayout,  // dtype, alignment or row strides the fused kernel cannot read
   kCount
 };
 const char* outcome_kind_name(OutcomeKind kind);
@@ -71,6 +72,7 @@ struct DispatchInput {
   bool head_dims_supported = true;
   bool shared_row_mapping = true;
   bool device_available = true;
+  bool layout_supported = true;   // dtype, alignment, row strides
   int64_t chunks = 0;           // filled into the outcome when fused
   bool merge = false;
 };

@@ -45,9 +45,11 @@ bool dump_selection_enabled();
 /// A block past the window, or a partial block that is not last, is an error
 /// (CPU: thrown; CUDA: the offending rows are written as -1, which the
 /// decode rejects like any index outside the pool).
-/// One O(selected) pass on the selection's device.
+/// One O(selected) pass on the selection's device; on CUDA it runs on
+/// `stream` (a cudaStream_t, after the work already queued there, e.g. the
+/// top-k that wrote `block_ids`) and returns once the rows are written.
 SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector<int32_t>& block_counts,
                                       int32_t block_size, const std::vector<int64_t>& row_base,
-                                      const std::vector<int64_t>& live_lens);
+                                      const std::vector<int64_t>& live_lens, void* stream = nullptr);
 
 }  // namespace sparsepage

@@ -91,12 +91,16 @@ class MaskPath {
   /// call when the counts or shapes change. Not capturable.
   void prepare(const SparseAttentionInputs& in, const SparseSelection& selection);
   /// Builds the mask and runs the masked decode: capturable after prepare.
+  /// Throws if the counts or shapes differ from what prepare() saw.
   void run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream = nullptr);
   /// Device bytes held (mask, offsets, workspace).
   size_t transient_bytes() const { return mask_.bytes() + offsets_.bytes() + workspace_.bytes(); }
 
  private:
   Device device_;
+  std::vector<int32_t> prepared_counts_;
+  int64_t prepared_live_len_ = -1;
+  int32_t prepared_group_ = 0, prepared_dim_qk_ = 0, prepared_dim_v_ = 0;
   Buffer mask_;       // fp32 [num_requests, live_len]
   Buffer offsets_;    // int32 [num_requests + 1]
   Buffer workspace_;

@@ -284,6 +284,15 @@ void PagedBlockPool::append(int32_t seq, const void* k_new, const void* v_new, i
   }
   auto& table = block_tables_[static_cast<size_t>(seq)];
   int64_t& len = seq_lens_[static_cast<size_t>(seq)];
+  // Check capacity before touching anything, so a failed append leaves the
+  // sequence and the free list as they were.
+  const int64_t blocks_needed =
+      (len + new_tokens + block_size_ - 1) / block_size_ - static_cast<int64_t>(table.size());
+  if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
+    throw Error("PagedBlockPool::append: " + std::to_string(new_tokens) + " tokens need " +
+                std::to_string(blocks_needed) + " more blocks; " + std::to_string(free_blocks_.size()) + " of " +
+                std::to_string(num_blocks_) + " are free");
+  }
   const size_t esize = dtype_size(dtype_);
   int64_t t = 0;
   while (t < new_tokens) {

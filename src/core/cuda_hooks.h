@@ -15,6 +15,8 @@ void cuda_copy(void* dst, bool dst_on_device, const void* src, bool src_on_devic
 void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* src, bool src_on_device,
                   size_t src_pitch, size_t width, size_t height);
 void cuda_fill(void* dst, int value, size_t bytes);
+/// Waits for the work queued on `stream` (a cudaStream_t; null: the default stream).
+void cuda_stream_sync(void* stream);
 
 }  // namespace sparsepage::detail
 

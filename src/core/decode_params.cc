@@ -39,6 +39,14 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
               std::to_string(p.request_row_stride) + "]");
   if (p.num_requests == 0) return;
   require(p.indptr != nullptr, "indptr is null");
+  int64_t planned_tokens = 0;
+  for (int32_t len : plan.seq_lens) planned_tokens += len;
+  if (planned_tokens > 0) {
+    require(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
+    require(p.request_row_stride > 0 || p.num_pool_pages >= 1,
+            "num_pool_pages = " + std::to_string(p.num_pool_pages) +
+                ": a pool-page table needs the pool's page count (or window mode)");
+  }
   require(p.seq_lens != nullptr, "seq_lens is null");
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");

@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <sstream>
 
@@ -63,6 +64,7 @@ const char* outcome_kind_name(OutcomeKind kind) {
     case OutcomeKind::kUnsupportedHeadDim: return "unsupported_head_dim";
     case OutcomeKind::kRowMapping: return "row_mapping";
     case OutcomeKind::kNoDevice: return "no_device";
+    case OutcomeKind::kUnsupportedLayout: return "unsupported_layout";
     case OutcomeKind::kCount: break;
   }
   return "unknown";
@@ -149,19 +151,30 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   if (!in.head_dims_supported) {
     return decline(OutcomeKind::kUnsupportedHeadDim, in, "no fused kernel is built for these head dims");
   }
+  if (!in.layout_supported) {
+    return decline(OutcomeKind::kUnsupportedLayout, in,
+                   "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
+  }
   if (!in.shared_row_mapping) {
     return decline(OutcomeKind::kRowMapping, in,
                    "K and V allocations do not share a row mapping at batch > 1 (K has extra heads)");
   }
   const int64_t requests = std::max<int64_t>(in.num_requests, 1);
   const int64_t per_request = in.selected_rows / requests;
-  if (config.min_sparsity > 0 && in.live_len < config.min_sparsity * per_request) {
+  // Compared by division: config values come from the environment and a
+  // product could overflow.
+  if (config.min_sparsity > 0 && per_request > 0 && in.live_len / config.min_sparsity < per_request) {
     why << "live window of " << in.live_len << " tokens is less than " << config.min_sparsity << "x the "
         << per_request << " selected rows per request (minimum sparsity " << config.min_sparsity << ")";
     return decline(OutcomeKind::kBelowSparsity, in, why.str());
   }
-  const int64_t floor =
-      in.num_requests <= 1 ? config.min_kv_tokens : config.min_kv_tokens_per_request * in.num_requests;
+  // The batched floor is per request, times the folded request count
+  // (saturating: a huge floor from the environment must not overflow).
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  const int64_t floor = in.num_requests <= 1 ? config.min_kv_tokens
+                        : config.min_kv_tokens_per_request > max / requests
+                            ? max
+                            : config.min_kv_tokens_per_request * requests;
   if (in.selected_rows < floor) {
     why << in.selected_rows << " selected rows across " << in.num_requests << " request(s) is below the " << floor
         << "-row dispatch floor";

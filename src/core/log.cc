@@ -22,10 +22,14 @@ void set_log_sink(LogSink sink) {
 }
 
 void log_message(LogLevel level, const std::string& message) {
-  std::lock_guard<std::mutex> lock(sink_mutex());
+  LogSink sink;
+  {
+    std::lock_guard<std::mutex> lock(sink_mutex());
+    sink = sink_slot();
+  }
   std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
-  if (sink_slot()) sink_slot()(level, message);
+  if (sink) sink(level, message);  // called unlocked: a sink may log in turn
 }
 
 }  // namespace sparsepage

@@ -34,8 +34,9 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   require_positive(shape.num_sms, "num_sms");
   require_positive(shape.items_per_sm, "items_per_sm");
   require_positive(shape.chunk_granule, "chunk_granule");
-  if (shape.min_chunk_tokens < 0 || shape.fixed_chunk_tokens < 0) {
-    throw Error("plan: min_chunk_tokens and fixed_chunk_tokens must not be negative");
+  if (shape.min_chunk_tokens < 0 || shape.fixed_chunk_tokens < 0 || shape.min_chunk_tokens > (1 << 30) ||
+      shape.fixed_chunk_tokens > (1 << 30) || shape.chunk_granule > (1 << 20)) {
+    throw Error("plan: min_chunk_tokens and fixed_chunk_tokens must lie in [0, 2^30] and chunk_granule in [1, 2^20]");
   }
   int64_t total_tokens = 0;
   for (size_t r = 0; r < seq_lens.size(); ++r) {

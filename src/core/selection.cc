@@ -24,6 +24,10 @@ std::vector<int32_t> SparseSelection::offsets() const {
 }
 
 std::vector<std::vector<int32_t>> SparseSelection::materialize() const {
+  if (static_cast<int64_t>(indices.bytes() / sizeof(int32_t)) < total()) {
+    throw Error("SparseSelection::materialize: counts sum to " + std::to_string(total()) + " but indices hold " +
+                std::to_string(indices.bytes() / sizeof(int32_t)));
+  }
   const std::vector<int32_t> flat = download<int32_t>(indices.device(), indices.data(), static_cast<size_t>(total()));
   std::vector<std::vector<int32_t>> rows(counts.size());
   size_t at = 0;
@@ -63,7 +67,7 @@ bool dump_selection_if_enabled(const SparseSelection& selection, const char* lab
 
 SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector<int32_t>& block_counts,
                                       int32_t block_size, const std::vector<int64_t>& row_base,
-                                      const std::vector<int64_t>& live_lens) {
+                                      const std::vector<int64_t>& live_lens, void* stream) {
   const size_t n = block_counts.size();
   if (block_size < 1) throw Error("selection_from_blocks: block_size = " + std::to_string(block_size) + " < 1");
   if (row_base.size() != n || live_lens.size() != n) {
@@ -82,6 +86,11 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
     const int64_t tail = live % block_size;  // rows in a partial final block, 0 if none
     int64_t rows = blocks * block_size;
     if (blocks > 0 && tail != 0) rows -= block_size - tail;
+    if (block_offsets[r] + blocks > std::numeric_limits<int32_t>::max() ||
+        row_offsets[r] + rows > std::numeric_limits<int32_t>::max()) {
+      throw Error("selection_from_blocks: more than 2^31 - 1 blocks or rows in total (at request " +
+                  std::to_string(r) + ")");
+    }
     block_offsets[r + 1] = block_offsets[r] + static_cast<int32_t>(blocks);
     row_offsets[r + 1] = row_offsets[r] + static_cast<int32_t>(rows);
     selection.counts.push_back(static_cast<int32_t>(rows));
@@ -94,14 +103,15 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
   const Device device = block_ids.device();
   selection.indices = Buffer(device, static_cast<size_t>(row_offsets[n]) * 4);
   if (device == Device::kCuda) {
+    detail::cuda_stream_sync(stream);  // the ids may still be being written there
     Buffer d_block_offsets = upload(device, block_offsets);
     Buffer d_row_offsets = upload(device, row_offsets);
     Buffer d_row_base = upload(device, row_base);
     Buffer d_live = upload(device, live_lens);
     detail::selection_from_blocks_cuda(block_ids.as<int32_t>(), d_block_offsets.as<int32_t>(),
                                        d_row_offsets.as<int32_t>(), d_row_base.as<int64_t>(), d_live.as<int64_t>(),
-                                       static_cast<int32_t>(n), block_size, selection.indices.as<int32_t>(), nullptr);
-    // The temporaries are freed on return; cudaFree waits for the pass.
+                                       static_cast<int32_t>(n), block_size, selection.indices.as<int32_t>(), stream);
+    detail::cuda_stream_sync(stream);  // the temporaries are freed on return
     return selection;
   }
   const int32_t* ids = block_ids.as<int32_t>();

@@ -1,6 +1,7 @@
 #include "sparsepage/sparse_decode.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <thread>
@@ -46,6 +47,18 @@ bool streams_share_rows(const SparseAttentionInputs& in) {
   return in.k_extra.data == nullptr || shared_row_mapping(shape_of(in.k_extra, in.batch), v);
 }
 
+// What the CUDA kernels can read: f16/bf16, 16-byte aligned bases and row
+// strides in whole 16-byte pieces (rows are copied in 16-byte chunks).
+bool cuda_layout_supported(const SparseAttentionInputs& in) {
+  if (in.dtype != DType::kBF16 && in.dtype != DType::kF16) return false;
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const auto pieces = [](int64_t stride) { return stride % 8 == 0; };
+  bool ok = aligned(in.q) && aligned(in.o) && aligned(in.k.data) && aligned(in.v.data) && pieces(in.k.row_stride) &&
+            pieces(in.v.row_stride);
+  if (in.k_extra.data != nullptr) ok = ok && aligned(in.k_extra.data) && aligned(in.q_extra) && pieces(in.k_extra.row_stride);
+  return ok;
+}
+
 int32_t machine_width(Device device) {
   if (device == Device::kCuda) return cuda_multiprocessor_count();
   return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
@@ -67,6 +80,7 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
       device_ == Device::kCpu ||
       cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
   d.shared_row_mapping = streams_share_rows(in);
+  d.layout_supported = device_ == Device::kCpu || cuda_layout_supported(in);
   return decide_sparse_decode(d, config_);
 }
 
@@ -197,13 +211,21 @@ void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& s
   if (device_ == Device::kCuda) {
     workspace_ = Buffer(device_, masked_decode_workspace_bytes(masked_params(in), cuda_multiprocessor_count()));
   }
+  prepared_counts_ = selection.counts;
+  prepared_live_len_ = in.live_len;
+  prepared_group_ = in.num_qo_heads / in.num_kv_heads;
+  prepared_dim_qk_ = in.k.dim;
+  prepared_dim_v_ = in.v.dim;
 }
 
 void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
   const int32_t requests = in.batch * in.num_kv_heads;
-  require(offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4 &&
-              mask_.bytes() >= static_cast<size_t>(requests * in.live_len) * sizeof(float),
-          "MaskPath::run before prepare() for these shapes");
+  // Host-side facts only, so run stays capturable.
+  require(selection.counts == prepared_counts_ && in.live_len == prepared_live_len_ &&
+              in.num_qo_heads / std::max(in.num_kv_heads, 1) == prepared_group_ && in.k.dim == prepared_dim_qk_ &&
+              in.v.dim == prepared_dim_v_ && offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4,
+          "MaskPath::run with counts or shapes other than prepare() saw; call prepare() again");
+  check_inputs(in, selection);
   build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(), requests, in.live_len,
                        mask_.as<float>(), stream);
   MaskedDecodeParams m = masked_params(in);

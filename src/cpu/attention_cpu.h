@@ -52,6 +52,7 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
   std::vector<float> scores(static_cast<size_t>(g_count) * kTokenTile);
   std::vector<float> running_max(g_count, -std::numeric_limits<float>::infinity());
   std::vector<float> running_sum(g_count, 0.0f);
+  std::vector<bool> poisoned(g_count, false);
   ChunkState state;
   state.o.assign(static_cast<size_t>(g_count) * dv, 0.0f);
   state.lse.assign(g_count, -std::numeric_limits<float>::infinity());
@@ -77,7 +78,11 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
           const float* ej = &e_tile[static_cast<size_t>(j) * de];
           for (int d = 0; d < de; ++d) dot += qe[d] * ej[d];
         }
-        s[j] = dot * q.scale + bias(tile + j);
+        // A masked-out position is excluded whatever its score; a NaN score
+        // of a visible position poisons the row (NaN never passes).
+        const float b = bias(tile + j);
+        s[j] = b == -std::numeric_limits<float>::infinity() ? b : dot * q.scale + b;
+        poisoned[g] = poisoned[g] || std::isnan(s[j]);
         tile_max = std::max(tile_max, s[j]);
       }
       const float new_max = std::max(running_max[g], tile_max);
@@ -98,7 +103,13 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
     }
   }
   for (int g = 0; g < g_count; ++g) {
-    if (running_sum[g] > 0.0f || std::isnan(running_sum[g])) {
+    if (poisoned[g] || std::isnan(running_sum[g])) {
+      std::fill(state.o.begin() + static_cast<std::ptrdiff_t>(g) * dv,
+                state.o.begin() + static_cast<std::ptrdiff_t>(g + 1) * dv, std::numeric_limits<float>::quiet_NaN());
+      state.lse[g] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    if (running_sum[g] > 0.0f) {
       float* og = &state.o[static_cast<size_t>(g) * dv];
       const float inv = 1.0f / running_sum[g];
       for (int d = 0; d < dv; ++d) og[d] *= inv;

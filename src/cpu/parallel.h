@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 namespace sparsepage::cpu {
 
+/// Runs body(i) for i in [0, count). The first exception a worker throws is
+/// rethrown here after every thread has joined, so nothing escapes a thread.
 template <typename Body>
 void parallel_for(int64_t count, Body&& body) {
   const int64_t threads =
@@ -18,15 +22,28 @@ void parallel_for(int64_t count, Body&& body) {
     for (int64_t i = 0; i < count; ++i) body(i);
     return;
   }
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  auto worker = [&](int64_t t) {
+    try {
+      // Interleaved assignment balances requests of different lengths.
+      for (int64_t i = t; i < count; i += threads) body(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<size_t>(threads));
-  for (int64_t t = 0; t < threads; ++t) {
-    // Interleaved assignment balances requests of different lengths.
-    pool.emplace_back([&, t] {
-      for (int64_t i = t; i < count; i += threads) body(i);
-    });
+  try {
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  } catch (...) {  // could not start a thread: finish with those we have
+    for (auto& thread : pool) thread.join();
+    throw;
   }
+  worker(0);
   for (auto& thread : pool) thread.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace sparsepage::cpu

@@ -118,10 +118,14 @@ struct PagedSource {
 
   __device__ void init(const PartialParams& p, int32_t request) {
     const int32_t begin = p.paged.indptr[request];
-    pages = p.paged.indices + begin;
+    pages = p.paged.indices + max(begin, 0);
     num_pages = p.paged.indptr[request + 1] - begin;
     first_offset = p.paged.first_page_offset ? p.paged.first_page_offset[request] : 0;
     page_size = p.paged.page_size;
+    // The structure arrays are device data too: a negative start or an offset
+    // outside [0, page_size) rejects every token of the request (NaN and the
+    // error flag) instead of reading before `indices`.
+    if (begin < 0 || first_offset < 0 || first_offset >= page_size) num_pages = 0;
     page_shift = p.paged.page_shift;
     num_pool_pages = p.paged.num_pool_pages;
     window_row0 = p.paged.request_row_stride > 0 ? request * p.paged.request_row_stride : -1;

@@ -192,7 +192,12 @@ struct PartialCta {
       for (int e = 0; e < 4; ++e) {
         const int key = warp * 16 + 8 * j + 2 * (lane & 3) + (e & 1);
         float x = s[j][e] * p.scale_log2;
-        if constexpr (Source::kHasBias) x += src.bias(slot, key) * kLog2e;
+        if constexpr (Source::kHasBias) {
+          // A masked-out position is excluded whatever its score (an inf or
+          // NaN score plus -inf would otherwise poison the row).
+          const float b = src.bias(slot, key);
+          x = b == neg_inf_f32() ? b : x + b * kLog2e;
+        }
         if (key >= n) x = neg_inf_f32();
         s[j][e] = x;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
@@ -359,9 +364,11 @@ struct PartialCta {
         o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
       }
       // Nothing seen (empty chunk or fully masked): o = 0. A rejected page: NaN.
+      // A NaN sum means NaN inputs (query or rows): the row is poisoned, never
+      // mistaken for an empty one.
       const float inv = row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f;
-      o = any_bad ? make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32())
-                  : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+      o = any_bad || isnan(row_sum[row]) ? make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32())
+                                         : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       const int64_t head = int64_t{head0} + row;
       if (partial < 0) {
         T* dst = static_cast<T*>(p.o) + (int64_t{request} * p.group_size + head) * p.dv + col;
@@ -372,7 +379,7 @@ struct PartialCta {
     }
     if (tid < heads) {
       const float s = row_sum[tid];
-      const float lse = any_bad ? nan_f32() : s > 0.f ? (row_base[tid] + log2f(s)) * kLn2 : neg_inf_f32();
+      const float lse = any_bad || isnan(s) ? nan_f32() : s > 0.f ? (row_base[tid] + log2f(s)) * kLn2 : neg_inf_f32();
       const int64_t head = int64_t{head0} + tid;
       if (partial < 0) {
         if (p.lse) p.lse[int64_t{request} * p.group_size + head] = lse;

@@ -56,10 +56,9 @@ MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
   return s;
 }
 
-int32_t device_sms_cached() {
-  static const int32_t sms = cuda_multiprocessor_count();
-  return sms;
-}
+// The current device's multiprocessors (a cheap host query; not cached, so a
+// process that switches devices gets the right split).
+int32_t device_sms_cached() { return cuda_multiprocessor_count(); }
 
 void check_masked_cuda_layout(const MaskedDecodeParams& params) {
   const char* api = "run_masked_decode_cuda";

@@ -12,7 +12,10 @@
 //   DK 256 / DV 256 : 256 (V 64, 128 or 256)
 #pragma once
 
+#include <algorithm>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda/decode_partial.cuh"
 
@@ -50,15 +53,22 @@ template <typename T, int DK, int DV, class Source>
 void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream) {
   using Cfg = TileConfig<DK, DV, Source::kHasBias>;
   auto kernel = partial_kernel<T, DK, DV, Source>;
-  // Opting in to > 48 KB of shared memory is a per-function attribute: once.
-  static const bool configured = [&] {
-    SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(Cfg::kSmemBytes)));
-    SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       cudaSharedmemCarveoutMaxShared));
-    return true;
-  }();
-  (void)configured;
+  // Opting in to > 48 KB of shared memory is a per-function, per-device
+  // attribute: set once for each device this kernel is launched on.
+  static std::mutex mutex;
+  static std::vector<int> configured_devices;
+  int device = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (std::find(configured_devices.begin(), configured_devices.end(), device) == configured_devices.end()) {
+      SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(Cfg::kSmemBytes)));
+      SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
+      configured_devices.push_back(device);
+    }
+  }
   // Programmatic stream serialization lets this grid be scheduled while the
   // previous kernel in the stream drains; the kernel waits (griddepcontrol)
   // for that kernel's completion before its first global read, so the

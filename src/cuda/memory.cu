@@ -73,6 +73,8 @@ void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* s
   if (dst_on_device && src_on_device) finish_device_work();
 }
 
+void cuda_stream_sync(void* stream) { SP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
+
 void cuda_fill(void* dst, int value, size_t bytes) {
   if (bytes == 0) return;
   if (dst == nullptr) throw Error("fill_bytes: null pointer");

@@ -33,6 +33,12 @@ void block_mask_cpu(const int32_t* blocks, int32_t requests, int32_t per_request
 
 std::vector<int32_t> select_top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, int64_t kv_len,
                                            const float* index_q, const std::vector<float>& index_k) {
+  if (batch < 1 || kv_len < 1 || c.block_size < 1 || c.head_dim < 1 || c.num_kv_heads < 1 || index_q == nullptr ||
+      static_cast<int64_t>(index_k.size()) != int64_t{batch} * kv_len * c.head_dim) {
+    throw Error("select_top_blocks_cpu: need batch, kv_len, block_size, head_dim >= 1, index_q, and index_k of "
+                "batch * kv_len * head_dim = " + std::to_string(int64_t{batch} * kv_len * c.head_dim) +
+                " floats (got " + std::to_string(index_k.size()) + ")");
+  }
   const int64_t num_blocks = (kv_len + c.block_size - 1) / c.block_size;
   const int32_t per_request = blocks_per_request(c, kv_len);
   const int64_t scored = num_blocks - 1;  // the final block is appended, not scored
@@ -74,9 +80,9 @@ BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const Blo
       decoder_(device, dispatch) {
   if (dtype == DType::kF32) throw Error("BlockSparseAttention: the cache stores f16 or bf16");
   if (config.num_kv_heads < 1 || config.num_qo_heads % config.num_kv_heads != 0 || config.block_size < 1 ||
-      config.topk_blocks < 1 || config.local_blocks < 1) {
+      config.topk_blocks < 1 || config.local_blocks < 1 || config.local_blocks - 1 > config.topk_blocks) {
     throw Error("BlockSparseAttention: need num_qo_heads a multiple of num_kv_heads, block_size, topk_blocks and "
-                "local_blocks >= 1");
+                "local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit the top-k)");
   }
 }
 
@@ -182,7 +188,7 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   const int32_t requests = batch_ * config_.num_kv_heads;
   selection_ = selection_from_blocks(block_ids_, std::vector<int32_t>(static_cast<size_t>(requests), blocks_per_request_),
                                      config_.block_size, std::vector<int64_t>(static_cast<size_t>(requests), 0),
-                                     std::vector<int64_t>(static_cast<size_t>(requests), in.live_len));
+                                     std::vector<int64_t>(static_cast<size_t>(requests), in.live_len), stream);
   step.outcome = decoder_.try_fused(in, selection_, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) run_block_mask_path(in, stream);

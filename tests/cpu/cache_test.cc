@@ -138,7 +138,12 @@ TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   EXPECT_THROW(pool.block_page_table({a}, {0}, {{3}}), Error);
   EXPECT_THROW(pool.block_page_table({a}, {2}, {{0}}), Error);
   std::vector<uint8_t> big(2 * 100 * 16);
+  const auto before = pool.block_table(b);
   EXPECT_THROW(pool.append(b, big.data(), big.data(), 100), Error) << "pool exhausted";
+  EXPECT_EQ(pool.seq_len(b), 3) << "a failed append changes nothing";
+  EXPECT_EQ(pool.block_table(b), before);
+  pool.append(b, k.data(), k.data(), 1);  // the free blocks are still there
+  EXPECT_EQ(pool.seq_len(b), 4);
 }
 
 }  // namespace

@@ -193,6 +193,25 @@ TEST(DecodeCpu, ResultDoesNotDependOnTheSplit) {
   }
 }
 
+// NaN never passes: a NaN query poisons its request's output and lse,
+// whether or not the plan splits it, and never reads as an empty request.
+TEST(DecodeCpu, NanQueryPoisonsTheRequestWhateverTheSplit) {
+  std::mt19937_64 rng(16);
+  ProblemSpec spec;
+  spec.seq_lens = {300, 40};
+  PagedProblem pb = make_problem(spec, rng);
+  const auto nan = testing::nan_values(spec.dtype, static_cast<size_t>(spec.dim_qk));
+  std::copy(nan.begin(), nan.end(), pb.q.begin());  // request 0, head 0
+  for (int32_t chunk : {0, 64}) {
+    const CpuResult got = run_cpu(pb, cpu_shape(spec, chunk));
+    EXPECT_TRUE(std::isnan(got.lse[0])) << "chunk " << chunk;
+    for (int d = 0; d < spec.dim_v; ++d) ASSERT_TRUE(std::isnan(got.o[static_cast<size_t>(d)])) << "chunk " << chunk;
+    for (size_t i = static_cast<size_t>(spec.group_size) * spec.dim_v; i < got.o.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got.o[i])) << "other heads and requests stay finite";
+    }
+  }
+}
+
 TEST(DecodeCpu, IndexOutsideThePoolIsAnErrorNotARead) {
   std::mt19937_64 rng(14);
   ProblemSpec spec;
@@ -233,6 +252,12 @@ TEST(DecodeCpu, ParamsInconsistentWithThePlanAreRejected) {
   }
   bad = pb.host_params(o.data(), nullptr);
   bad.group_size = 3;
+  EXPECT_THROW(run_decode_cpu(bad, ok, workspace.data()), Error);
+  bad = pb.host_params(o.data(), nullptr);
+  bad.indices = nullptr;
+  EXPECT_THROW(run_decode_cpu(bad, ok, workspace.data()), Error) << "null indices must be named, not dereferenced";
+  bad = pb.host_params(o.data(), nullptr);
+  bad.num_pool_pages = 0;
   EXPECT_THROW(run_decode_cpu(bad, ok, workspace.data()), Error);
 }
 

@@ -254,6 +254,35 @@ TEST(GatherPath, RowsOutsideThePoolAreNotRead) {
   EXPECT_TRUE(std::isnan(bf16_to_float(out[16])));
 }
 
+// A masked-out position is excluded even when its score is not finite.
+TEST(MaskPath, MaskedOutNonFiniteRowsAreExcluded) {
+  std::mt19937_64 rng(26);
+  std::vector<float> k = testing::as_float(DType::kF32, testing::random_values(DType::kF32, 8 * 64, rng));
+  std::vector<float> v = testing::as_float(DType::kF32, testing::random_values(DType::kF32, 8 * 64, rng));
+  for (int d = 0; d < 64; ++d) k[3 * 64 + d] = INFINITY;  // row 3 scores inf (or NaN): masked, so excluded
+  std::vector<float> mask(8, 0.0f);
+  mask[3] = kNegInf;
+  const auto q = testing::as_float(DType::kF32, testing::random_values(DType::kF32, 64, rng));
+  std::vector<float> o(64, NAN);
+  float lse = NAN;
+  MaskedDecodeParams p;
+  p.dtype = DType::kF32;
+  p.batch = 1;
+  p.num_kv_heads = 1;
+  p.group_size = 1;
+  p.live_len = 8;
+  p.q = q.data();
+  p.k = {k.data(), 1, 8, 64, 64};
+  p.v = {v.data(), 1, 8, 64, 64};
+  p.mask = mask.data();
+  p.scale = 0.125f;
+  p.o = o.data();
+  p.lse = &lse;
+  run_masked_decode_cpu(p);
+  for (float x : o) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_TRUE(std::isfinite(lse));
+}
+
 TEST(MaskPath, BadParamsAreNamed) {
   std::mt19937_64 rng(25);
   const DenseSetup s(rng);

@@ -3,7 +3,11 @@
 // run on the device.
 #include <gtest/gtest.h>
 
+#include <numeric>
+#include <random>
+
 #include "cuda_test_util.h"
+#include "sparsepage/models/block_sparse.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/layer_checks.h"
 
@@ -55,6 +59,174 @@ TEST(SparseDecodeCuda, PositionOutsideTheWindowIsRejected) {
   const SparseSelection good = make_selection(Device::kCuda, {{3, 199, 7}, {1, 2, 3}});
   ASSERT_TRUE(decoder.try_fused(in, good).fused());
   EXPECT_NO_THROW(decoder.check_errors());
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+namespace sparsepage {
+namespace {
+
+// Two requests over a [1, 2, 512, 64] bf16 cache, 300 selected positions each.
+struct SmallDecode {
+  Buffer k, v, q, o_fused, o_mask;
+  SparseAttentionInputs in;
+  SparseSelection selection;
+  explicit SmallDecode(std::mt19937_64& rng) {
+    const int64_t cap = 512;
+    k = upload(Device::kCuda, testing::random_values(DType::kBF16, size_t(2 * cap * 64), rng));
+    v = upload(Device::kCuda, testing::random_values(DType::kBF16, size_t(2 * cap * 64), rng));
+    q = upload(Device::kCuda, testing::random_values(DType::kBF16, size_t(2 * 4 * 64), rng));
+    o_fused = upload(Device::kCuda, testing::nan_values(DType::kBF16, size_t(2 * 4 * 64)));
+    o_mask = upload(Device::kCuda, testing::nan_values(DType::kBF16, size_t(2 * 4 * 64)));
+    in.device = Device::kCuda;
+    in.batch = 1;
+    in.num_qo_heads = 8;
+    in.num_kv_heads = 2;
+    in.live_len = 480;
+    in.k = {k.data(), 2, cap, 64, 64};
+    in.v = {v.data(), 2, cap, 64, 64};
+    in.q = q.data();
+    in.scale = 0.125f;
+    selection = make_selection(Device::kCuda, {positions(rng), positions(rng)});
+  }
+  static std::vector<int32_t> positions(std::mt19937_64& rng) {
+    std::vector<int32_t> all(480);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(300);
+    return all;
+  }
+  std::vector<float> read(const Buffer& o) const {
+    return testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
+  }
+};
+
+DispatchConfig fuse_always() {
+  DispatchConfig c = DispatchConfig::defaults();
+  c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0;
+  return c;
+}
+
+// The entry points, not just the raw launcher, are graph-capturable: capture
+// try_fused and MaskPath::run, change the selection and queries in place,
+// replay, and both arms give the new answer.
+TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(41);
+  SmallDecode t(rng);
+  SparseDecoder decoder(Device::kCuda, fuse_always());
+  MaskPath mask(Device::kCuda);
+  SparseAttentionInputs fused_in = t.in, mask_in = t.in;
+  fused_in.o = t.o_fused.data();
+  mask_in.o = t.o_mask.data();
+  ASSERT_TRUE(decoder.try_fused(fused_in, t.selection).fused());  // plans and uploads outside capture
+  mask.prepare(mask_in, t.selection);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  decoder.try_fused(fused_in, t.selection, stream);
+  mask.run(mask_in, t.selection, stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  // New contents, same counts.
+  const SparseSelection fresh = make_selection(Device::kCuda, {SmallDecode::positions(rng), SmallDecode::positions(rng)});
+  copy_bytes(t.selection.indices.data(), Device::kCuda, fresh.indices.data(), Device::kCuda, fresh.indices.bytes());
+  const auto q_new = testing::random_values(DType::kBF16, size_t(2 * 4 * 64), rng);
+  copy_bytes(t.q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
+  fill_bytes(t.o_fused.data(), Device::kCuda, 0xFF, t.o_fused.bytes());
+  fill_bytes(t.o_mask.data(), Device::kCuda, 0xFF, t.o_mask.bytes());
+  testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  const auto from_graph = t.read(t.o_fused);
+  const auto masked = t.read(t.o_mask);
+  // The reference: the same inputs through the CPU backend.
+  std::vector<uint8_t> k_host = download<uint8_t>(Device::kCuda, t.k.data(), t.k.bytes());
+  std::vector<uint8_t> v_host = download<uint8_t>(Device::kCuda, t.v.data(), t.v.bytes());
+  std::vector<uint8_t> o_cpu(t.o_fused.bytes());
+  SparseAttentionInputs cpu_in = t.in;
+  cpu_in.device = Device::kCpu;
+  cpu_in.k.data = k_host.data();
+  cpu_in.v.data = v_host.data();
+  cpu_in.q = q_new.data();
+  cpu_in.o = o_cpu.data();
+  const SparseSelection host_sel = make_selection(Device::kCpu, fresh.materialize());
+  SparseDecoder cpu(Device::kCpu, fuse_always());
+  ASSERT_TRUE(cpu.try_fused(cpu_in, host_sel).fused());
+  const auto expected = testing::as_float(DType::kBF16, o_cpu);
+  const std::vector<double> ref(expected.begin(), expected.end());
+  EXPECT_LT(testing::relative_l2(from_graph, ref), 1e-2);
+  EXPECT_LT(testing::relative_l2(masked, ref), 1e-2);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// NaN never passes on the GPU either: a NaN query head poisons its output and
+// lse whether the plan splits the request or not; other heads stay finite.
+TEST(SparseDecodeCuda, NanQueryPoisonsItsHeadWhateverTheSplit) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(42);
+  SmallDecode t(rng);
+  const auto nan = testing::nan_values(DType::kBF16, 64);
+  copy_bytes(t.q.data(), Device::kCuda, nan.data(), Device::kCpu, nan.size());  // request 0, head 0
+  Buffer lse = upload(Device::kCuda, std::vector<float>(8, 0.0f));
+  for (int32_t min_chunk : {64, 1024}) {
+    SparseDecoder decoder(Device::kCuda, fuse_always());
+    decoder.set_plan_tuning(8, min_chunk);
+    SparseAttentionInputs in = t.in;
+    in.o = t.o_fused.data();
+    in.lse = lse.as<float>();
+    fill_bytes(t.o_fused.data(), Device::kCuda, 0, t.o_fused.bytes());
+    ASSERT_TRUE(decoder.try_fused(in, t.selection).fused());
+    EXPECT_EQ(decoder.plan().needs_merge(), min_chunk == 64);
+    const auto o = t.read(t.o_fused);
+    const auto l = download<float>(Device::kCuda, lse.data(), 8);
+    EXPECT_TRUE(std::isnan(l[0])) << "min chunk " << min_chunk;
+    for (int d = 0; d < 64; ++d) ASSERT_TRUE(std::isnan(o[size_t(d)])) << "min chunk " << min_chunk;
+    for (size_t i = 64; i < o.size(); ++i) ASSERT_TRUE(std::isfinite(o[i])) << "min chunk " << min_chunk;
+    for (int h = 1; h < 8; ++h) EXPECT_TRUE(std::isfinite(l[size_t(h)]));
+  }
+}
+
+// The GPU indexer follows the CPU rule (max-pooled scores, top-k, local
+// force-keep, final block appended) on the same cache.
+TEST(BlockSparseCuda, IndexerMatchesTheCpuRule) {
+  SKIP_WITHOUT_CUDA();
+  const BlockSparseConfig config{8, 2, 64, 16, 4, 2, 64};
+  std::mt19937_64 rng(43);
+  BlockSparseAttention layer(Device::kCuda, DType::kBF16, config, 1, fuse_always());
+  std::vector<uint8_t> iq;
+  for (int t = 0; t < 301; ++t) {
+    const auto q = testing::random_values(DType::kBF16, 8 * 64, rng);
+    iq = testing::random_values(DType::kBF16, 2 * 64, rng);
+    const auto k = testing::random_values(DType::kBF16, 3 * 64, rng);
+    const auto v = testing::random_values(DType::kBF16, 2 * 64, rng);
+    Buffer dq = upload(Device::kCuda, q), diq = upload(Device::kCuda, iq), dk = upload(Device::kCuda, k),
+           dv = upload(Device::kCuda, v), o(Device::kCuda, 8 * 64 * 2);
+    const BlockSparseTokens tok{dq.data(), diq.data(), dk.data(), dv.data(), o.data()};
+    if (t < 300) {
+      layer.prefill_token(tok);
+    } else {
+      ASSERT_TRUE(layer.decode(tok).sparse_regime);
+    }
+  }
+  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
+  const auto k_all = testing::as_float(
+      DType::kBF16, download<uint8_t>(Device::kCuda, raw.k, size_t(raw.k_shape.heads * raw.k_shape.capacity * 64 * 2)));
+  // The index key is head 2 of the K allocation.
+  std::vector<float> index_k(k_all.begin() + 2 * raw.k_shape.capacity * 64,
+                             k_all.begin() + (2 * raw.k_shape.capacity + 301) * 64);
+  const auto q_idx = testing::as_float(DType::kBF16, iq);
+  const std::vector<int32_t> expected = select_top_blocks_cpu(config, 1, 301, q_idx.data(), index_k);
+  const auto blocks = layer.last_blocks();
+  ASSERT_EQ(blocks.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) {
+    const std::vector<int32_t> want(expected.begin() + std::ptrdiff_t(r * 5), expected.begin() + std::ptrdiff_t(r * 5 + 5));
+    EXPECT_EQ(blocks[r], want) << "request " << r;
+  }
 }
 
 }  // namespace
