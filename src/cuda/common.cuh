@@ -140,5 +140,24 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 /// Waits until the preceding grid has completed and its writes are visible.
 __device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
+/// Launches `kernel(params)` with programmatic stream serialization: the grid
+/// may be scheduled while the previous kernel in the stream drains, and must
+/// call pdl_wait_primary() before reading what that kernel wrote. Capturable.
+template <typename Params>
+void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                     const Params& params) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+}
+
 }  // namespace cuda
 }  // namespace sparsepage

@@ -90,21 +90,9 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);
 
-  cuda::PartialParams p;
-  p.q = params.q;
-  p.q_extra = params.k_extra.data ? params.q_extra : nullptr;
-  p.k = params.k.data;
-  p.v = params.v.data;
-  p.k_extra = params.k_extra.data;
-  p.k_stride = params.k.row_stride;
-  p.v_stride = params.v.row_stride;
-  p.e_stride = params.k_extra.data ? params.k_extra.row_stride : 0;
-  p.dqk = params.k.dim;
-  p.dv = params.v.dim;
-  p.de = params.k_extra.data ? params.k_extra.dim : 0;
-  p.group_size = params.group_size;
+  cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
+                                              params.group_size, params.scale);
   p.v_aliases_k = params.v.data == params.k.data && params.v.row_stride == params.k.row_stride;
-  p.scale_log2 = params.scale * cuda::kLog2e;
   p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
   p.o = params.o;
   p.lse = params.lse;

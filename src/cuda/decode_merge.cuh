@@ -90,18 +90,8 @@ template <typename T>
 void launch_merge(const MergeParams& params, int32_t num_merge, cudaStream_t stream) {
   if (num_merge == 0) return;
   const int outputs = params.group_size * (params.dv / 4);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(num_merge),
-                        static_cast<unsigned>((outputs + kMergeThreads - 1) / kMergeThreads));
-  config.blockDim = dim3(kMergeThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  SP_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel<T>, params));
+  const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>((outputs + kMergeThreads - 1) / kMergeThreads));
+  launch_with_pdl(merge_kernel<T>, grid, dim3(kMergeThreads), 0, stream, params);
 }
 
 }  // namespace cuda

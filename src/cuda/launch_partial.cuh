@@ -49,6 +49,29 @@ inline void check_stride8(int64_t stride, const char* what, const char* api) {
                 " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)");
 }
 
+/// The stream fields of PartialParams, the same for both row sources
+/// (`Stream` is PoolView or DenseStream: data, row_stride, dim).
+template <class Stream>
+PartialParams stream_params(const void* q, const void* q_extra, const Stream& k, const Stream& v, const Stream& extra,
+                            int32_t group_size, float scale) {
+  PartialParams p;
+  const bool has_extra = extra.data != nullptr;
+  p.q = q;
+  p.q_extra = has_extra ? q_extra : nullptr;
+  p.k = k.data;
+  p.v = v.data;
+  p.k_extra = extra.data;
+  p.k_stride = k.row_stride;
+  p.v_stride = v.row_stride;
+  p.e_stride = has_extra ? extra.row_stride : 0;
+  p.dqk = k.dim;
+  p.dv = v.dim;
+  p.de = has_extra ? extra.dim : 0;
+  p.group_size = group_size;
+  p.scale_log2 = scale * kLog2e;
+  return p;
+}
+
 template <typename T, int DK, int DV, class Source>
 void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream) {
   using Cfg = TileConfig<DK, DV, Source::kHasBias>;
@@ -69,21 +92,9 @@ void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream
       configured_devices.push_back(device);
     }
   }
-  // Programmatic stream serialization lets this grid be scheduled while the
-  // previous kernel in the stream drains; the kernel waits (griddepcontrol)
-  // for that kernel's completion before its first global read, so the
-  // overlap hides launch latency without ever reading stale inputs.
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  // With programmatic serialization the grid is scheduled while the previous
+  // kernel drains; the kernel waits for it before its first global read.
+  launch_with_pdl(kernel, grid, dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
 template <class Source>
