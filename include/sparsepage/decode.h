@@ -71,7 +71,9 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
 /// any graph capture. `run_decode_cuda` then launches the partial kernel and,
 /// when the plan needs it, the merge kernel: no allocation, no
 /// synchronization, no host reads, so it can be captured in a CUDA graph.
-/// Page ids outside the pool are never read: the request's output becomes NaN
+/// Page ids outside the pool (or, in window mode, positions outside the
+/// window) are never read, nor is a request whose indptr start or
+/// first_page_offset is out of range: the request's output becomes NaN
 /// and the workspace error flag is set (read it with `read_decode_error_flag`).
 /// `stream` is a cudaStream_t (null: the default stream).
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);

@@ -53,8 +53,11 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
 
 /// Copies the selected rows of `pool` into `dst` `[num_requests, max_rows,
 /// pool.dim]` (row stride pool.dim), zero-filling rows past each request's
-/// count. `rows`/`offsets` are the selection's device arrays. Rows outside
-/// [0, num_pool_rows) are not read: they are written as NaN.
+/// count. `rows`/`offsets` are the selection's arrays on `device`. Rows
+/// outside [0, num_pool_rows) are not read: they are written as NaN. Every
+/// count must be at most `max_rows`: the CPU backend throws otherwise, the
+/// CUDA backend (which cannot read the counts on the host) copies the first
+/// `max_rows`.
 void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests,
                  int64_t max_rows, DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst,
                  void* stream = nullptr);

@@ -63,7 +63,9 @@ struct DecodePlan {
   int32_t num_partials = 0;
   bool needs_merge() const { return !merge_requests.empty(); }
   WorkspaceLayout workspace;
-  /// Per-request counts the plan was made for; `run` checks a table against them.
+  /// Per-request counts the plan was made for. The CPU backend checks the
+  /// table's seq_lens against them; the CUDA backend cannot read a device
+  /// table on the host, so there the caller keeps plan and table in step.
   std::vector<int32_t> seq_lens;
 };
 
