@@ -151,6 +151,13 @@ int main(int argc, char** argv) {
   if (opt.min_sparsity >= 0) config.min_sparsity = opt.min_sparsity;
   const int32_t requests = opt.batch * geo.num_kv_heads;
   const int32_t group = geo.num_qo_heads / geo.num_kv_heads;
+  if (device == Device::kCuda && !cuda_supports_head_dims(geo.dim_qk, geo.dim_v, geo.dim_extra)) {
+    // Both arms share the CUDA kernel family; neither can run this shape.
+    std::printf("backend cuda: no CUDA kernel is built for the %s geometry (qk %d + %d, v %d); neither arm can run\n"
+                "on the GPU. Run it on the CPU backend with --cpu.\n",
+                geo.name.c_str(), geo.dim_qk, geo.dim_extra, geo.dim_v);
+    return 2;
+  }
   if (device == Device::kCpu) {
     opt.reps = std::min(opt.reps, 5);
     opt.steps = std::min(opt.steps, 2);
