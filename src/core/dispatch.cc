@@ -82,16 +82,16 @@ std::string SparseDecodeOutcome::describe() const {
   return line.str();
 }
 
-// Measured on an H200 with `scripts/gpu_check.sh` (stage "dispatch"):
-// tools/sparse_paged_decode_bench --min-sparsity 0 over the block-sparse
-// geometry, batch 1, 4, 16 and 64, sparsity 1.5x to 64x, and selections of
-// 256 to 2176 rows per request at batch 1. The fused path won at every point
-// (1.14x at 1.5x sparsity and batch 4, the narrowest margin; 1.8x at 1.5x and
-// batch 1; up to 49x at 64x). So no selected-row floor is needed for this
-// geometry, and the sparsity gate sits at 2: the smallest integer above the
-// measured 1.5x crossover bound, leaving 1.0x-1.5x (unmeasured) to the mask
-// path. docs/PERFORMANCE.md has the sweep. The DSA/MLA shape (one KV head)
-// has no fused CUDA kernel yet, so its single-request floor is unmeasured.
+// Measured on an H200 with `scripts/gpu_check.sh` (stage "dispatch") and
+// tools/sparse_paged_decode_bench --min-sparsity 0 at the block-sparse
+// geometry: batch 1, 4, 16 and 64, sparsity 1.5x to 64x, selections of 256 to
+// 2176 rows per request, contexts 512 to 139264. The fused path won at every
+// point (narrowest: 1.15x at 1.5x sparsity and batch 4; up to 59x at 64x),
+// so no selected-row floor is needed for this geometry. The sparsity gate
+// sits at 2, the smallest integer whose whole range was measured as a win
+// (1.0-1.5x won too, but was measured only at short contexts).
+// docs/PERFORMANCE.md has the tables. The DSA/MLA shape (one KV head) has no
+// fused CUDA kernel yet, so its single-request floor is unmeasured.
 DispatchConfig DispatchConfig::defaults() {
   DispatchConfig config;
   config.enabled = true;
