@@ -111,7 +111,7 @@ void check_block_sparse_greedy_equality(Device device) {
   EXPECT_EQ(fused.fused_steps(), steps * config.layers) << "every decode step must have run the fused path";
   EXPECT_EQ(masked.fused_steps(), 0) << "the kill switch must pin the mask path";
   EXPECT_EQ(a, b);
-  EXPECT_GT(std::set<int32_t>(a.begin(), a.end()).size(), 1u) << "a degenerate generation proves little";
+  EXPECT_GE(std::set<int32_t>(a.begin(), a.end()).size(), 8u) << "a degenerate generation proves little";
 }
 
 }  // namespace sparsepage::testing

@@ -7,7 +7,8 @@
 namespace sparsepage::testing {
 
 struct ToyModel::Weights {
-  std::vector<float> embed;  // [vocab, d]
+  std::vector<float> embed;    // [vocab, d]
+  std::vector<float> unembed;  // [vocab, d]
   struct Layer {
     std::vector<float> wq, wk, wv, wiq, wo, w1, w2;
   };
@@ -43,6 +44,44 @@ std::vector<float> rms_norm(const std::vector<float>& x) {
   return y;
 }
 
+// The token's embedding plus sinusoidal positions (which keep greedy decoding
+// from settling on a fixed point).
+std::vector<float> embed_with_position(const std::vector<float>& embed, int32_t token, size_t d, int64_t position) {
+  std::vector<float> x(embed.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(token) * d),
+                       embed.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(token) + 1) * d));
+  const float pos = static_cast<float>(position);
+  for (size_t i = 0; i < d; ++i) {
+    x[i] += std::sin(pos / std::pow(100.0f, static_cast<float>(i) / static_cast<float>(d)) + static_cast<float>(i));
+  }
+  return x;
+}
+
+// x += attn Wo, then x += W2 relu(W1 rms(x)).
+void add_block(std::vector<float>& x, const std::vector<float>& attn, const std::vector<float>& wo,
+               const std::vector<float>& w1, const std::vector<float>& w2) {
+  const size_t d = x.size();
+  const std::vector<float> proj = matvec(attn, wo, d);
+  for (size_t i = 0; i < d; ++i) x[i] += proj[i];
+  std::vector<float> mid = matvec(rms_norm(x), w1, 2 * d);
+  for (float& m : mid) m = std::max(m, 0.0f);
+  const std::vector<float> out = matvec(mid, w2, d);
+  for (size_t i = 0; i < d; ++i) x[i] += out[i];
+}
+
+// logits = rms(x) . unembed[t]. The unembedding is its own random matrix:
+// tied embeddings would make every token predict itself.
+std::vector<float> logits_of(const std::vector<float>& x, const std::vector<float>& embed, size_t vocab) {
+  const std::vector<float> hidden = rms_norm(x);
+  const size_t d = x.size();
+  std::vector<float> logits(vocab);
+  for (size_t t = 0; t < vocab; ++t) {
+    float dot = 0;
+    for (size_t i = 0; i < d; ++i) dot += hidden[i] * embed[t * d + i];
+    logits[t] = dot;
+  }
+  return logits;
+}
+
 // Host fp32 -> the layer's dtype on its device.
 Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
   std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
@@ -59,6 +98,7 @@ ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig d
   const size_t d = static_cast<size_t>(config.d_model), hd = static_cast<size_t>(a.head_dim);
   weights_->embed = random_matrix(rng, static_cast<size_t>(config.vocab), d);
   for (float& x : weights_->embed) x *= std::sqrt(static_cast<float>(config.vocab));  // unit-scale embeddings
+  weights_->unembed = random_matrix(rng, d, static_cast<size_t>(config.vocab));
   for (int32_t l = 0; l < config.layers; ++l) {
     Weights::Layer layer;
     layer.wq = random_matrix(rng, d, static_cast<size_t>(a.num_qo_heads) * hd);
@@ -78,11 +118,7 @@ ToyModel::~ToyModel() = default;
 std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
   const auto& a = config_.attention;
   const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(a.head_dim);
-  std::vector<float> x(weights_->embed.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(token) * d),
-                       weights_->embed.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(token) + 1) * d));
-  // Sinusoidal positions keep greedy decoding from settling on a fixed point.
-  const float pos = static_cast<float>(position_++);
-  for (size_t i = 0; i < d; ++i) x[i] += std::sin(pos / std::pow(100.0f, static_cast<float>(i) / static_cast<float>(d)) + static_cast<float>(i));
+  std::vector<float> x = embed_with_position(weights_->embed, token, d, position_++);
   for (int32_t l = 0; l < config_.layers; ++l) {
     const auto& w = weights_->layers[static_cast<size_t>(l)];
     const std::vector<float> h = rms_norm(x);
@@ -102,24 +138,15 @@ std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
     std::vector<float> attn(static_cast<size_t>(a.num_qo_heads) * hd);
     const auto o_bytes = download<uint8_t>(device_, o.data(), o.bytes());
     to_float(DType::kBF16, o_bytes.data(), attn.data(), attn.size());
-    const std::vector<float> proj = matvec(attn, w.wo, d);
-    for (size_t i = 0; i < d; ++i) x[i] += proj[i];
-    std::vector<float> mid = matvec(rms_norm(x), w.w1, 2 * d);
-    for (float& m : mid) m = std::max(m, 0.0f);
-    const std::vector<float> out = matvec(mid, w.w2, d);
-    for (size_t i = 0; i < d; ++i) x[i] += out[i];
+    add_block(x, attn, w.wo, w.w1, w.w2);
   }
-  const std::vector<float> hidden = rms_norm(x);
-  std::vector<float> logits(static_cast<size_t>(config_.vocab));
-  for (size_t t = 0; t < logits.size(); ++t) {
-    float dot = 0;
-    for (size_t i = 0; i < d; ++i) dot += hidden[i] * weights_->embed[t * d + i];
-    logits[t] = dot;
-  }
-  return logits;
+  return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
 }
 
-std::vector<int32_t> ToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
+// Greedy decoding shared by both toy models: prefill all but the last prompt
+// token, then feed back the arg-max.
+template <typename Forward>
+std::vector<int32_t> greedy(const std::vector<int32_t>& prompt, int32_t steps, Forward&& forward) {
   for (size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i], /*prefill=*/true);
   std::vector<int32_t> out;
   int32_t token = prompt.back();
@@ -131,4 +158,85 @@ std::vector<int32_t> ToyModel::generate(const std::vector<int32_t>& prompt, int3
   return out;
 }
 
+std::vector<int32_t> ToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
+  return greedy(prompt, steps, [this](int32_t token, bool prefill) { return forward(token, prefill); });
+}
+
+struct DsaToyModel::Weights {
+  std::vector<float> embed;    // [vocab, d]
+  std::vector<float> unembed;  // [vocab, d]
+  struct Layer {
+    std::vector<float> w_kv, w_kr, w_ik, w_q, w_qr, w_qi, w_w, wo, w1, w2;
+  };
+  std::vector<Layer> layers;
+};
+
+DsaToyModel::DsaToyModel(const DsaToyConfig& config, DispatchConfig dispatch)
+    : config_(config), weights_(std::make_unique<Weights>()) {
+  std::mt19937_64 rng(config.seed);
+  const auto& a = config.attention;
+  const size_t d = static_cast<size_t>(config.d_model), h = static_cast<size_t>(a.num_qo_heads);
+  weights_->embed = random_matrix(rng, static_cast<size_t>(config.vocab), d);
+  for (float& x : weights_->embed) x *= std::sqrt(static_cast<float>(config.vocab));
+  weights_->unembed = random_matrix(rng, d, static_cast<size_t>(config.vocab));
+  for (int32_t l = 0; l < config.layers; ++l) {
+    Weights::Layer w;
+    w.w_kv = random_matrix(rng, d, static_cast<size_t>(a.latent_dim));
+    w.w_kr = random_matrix(rng, d, static_cast<size_t>(a.rope_dim));
+    w.w_ik = random_matrix(rng, d, static_cast<size_t>(a.index_head_dim));
+    w.w_q = random_matrix(rng, d, h * static_cast<size_t>(a.latent_dim));
+    w.w_qr = random_matrix(rng, d, h * static_cast<size_t>(a.rope_dim));
+    w.w_qi = random_matrix(rng, d, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim));
+    w.w_w = random_matrix(rng, d, static_cast<size_t>(a.index_heads));
+    w.wo = random_matrix(rng, h * static_cast<size_t>(a.latent_dim), d);
+    w.w1 = random_matrix(rng, d, 2 * d);
+    w.w2 = random_matrix(rng, 2 * d, d);
+    weights_->layers.push_back(std::move(w));
+    layers_.push_back(std::make_unique<DsaAttention>(Device::kCpu, DType::kBF16, a, 1, dispatch));
+  }
+}
+
+DsaToyModel::~DsaToyModel() = default;
+
+std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
+  const auto& a = config_.attention;
+  const size_t d = static_cast<size_t>(config_.d_model), h = static_cast<size_t>(a.num_qo_heads);
+  const auto bf16 = [](const std::vector<float>& x) {
+    std::vector<uint8_t> bytes(x.size() * 2);
+    from_float(DType::kBF16, x.data(), bytes.data(), x.size());
+    return bytes;
+  };
+  std::vector<float> x = embed_with_position(weights_->embed, token, d, position_++);
+  for (int32_t l = 0; l < config_.layers; ++l) {
+    const auto& w = weights_->layers[static_cast<size_t>(l)];
+    const std::vector<float> hn = rms_norm(x);
+    std::vector<float> k_row = matvec(hn, w.w_kv, static_cast<size_t>(a.latent_dim));
+    const std::vector<float> index_key = matvec(hn, w.w_ik, static_cast<size_t>(a.index_head_dim));
+    k_row.insert(k_row.end(), index_key.begin(), index_key.end());
+    const auto k_bytes = bf16(k_row);
+    const auto kpe_bytes = bf16(matvec(hn, w.w_kr, static_cast<size_t>(a.rope_dim)));
+    const auto q_bytes = bf16(matvec(hn, w.w_q, h * static_cast<size_t>(a.latent_dim)));
+    const auto qpe_bytes = bf16(matvec(hn, w.w_qr, h * static_cast<size_t>(a.rope_dim)));
+    const auto qi_bytes = bf16(matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
+    const std::vector<float> weights = matvec(hn, w.w_w, static_cast<size_t>(a.index_heads));
+    std::vector<uint8_t> o(h * static_cast<size_t>(a.latent_dim) * 2);
+    const DsaTokens tokens{q_bytes.data(), qpe_bytes.data(), qi_bytes.data(), weights.data(),
+                           k_bytes.data(), kpe_bytes.data(), o.data()};
+    if (prefill) {
+      layers_[static_cast<size_t>(l)]->prefill_token(tokens);
+    } else {
+      const DsaStep step = layers_[static_cast<size_t>(l)]->decode(tokens);
+      sparse_steps_ += step.sparse ? 1 : 0;
+      fused_steps_ += step.fused ? 1 : 0;
+    }
+    std::vector<float> attn(h * static_cast<size_t>(a.latent_dim));
+    to_float(DType::kBF16, o.data(), attn.data(), attn.size());
+    add_block(x, attn, w.wo, w.w1, w.w2);
+  }
+  return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
+}
+
+std::vector<int32_t> DsaToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
+  return greedy(prompt, steps, [this](int32_t token, bool prefill) { return forward(token, prefill); });
+}
 }  // namespace sparsepage::testing

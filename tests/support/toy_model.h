@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
 
 namespace sparsepage::testing {
 
@@ -39,6 +40,34 @@ class ToyModel {
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;
   std::vector<std::unique_ptr<BlockSparseAttention>> layers_;
+  int32_t fused_steps_ = 0, sparse_steps_ = 0;
+  int64_t position_ = 0;
+};
+
+/// The same kind of model over DSA (MLA + top-k token indexer) layers; runs
+/// on the CPU backend.
+struct DsaToyConfig {
+  int32_t vocab = 96;
+  int32_t d_model = 64;
+  int32_t layers = 2;
+  DsaConfig attention{8, 64, 16, 4, 32, 32, 0.0f, 64};  // 8 heads, latent 64 + rope 16, 4 index heads of 32, top 32
+  uint64_t seed = 4321;
+};
+
+class DsaToyModel {
+ public:
+  DsaToyModel(const DsaToyConfig& config, DispatchConfig dispatch);
+  ~DsaToyModel();
+  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int32_t steps);
+  int32_t fused_steps() const { return fused_steps_; }
+  int32_t sparse_steps() const { return sparse_steps_; }
+
+ private:
+  struct Weights;
+  std::vector<float> forward(int32_t token, bool prefill);
+  DsaToyConfig config_;
+  std::unique_ptr<Weights> weights_;
+  std::vector<std::unique_ptr<DsaAttention>> layers_;
   int32_t fused_steps_ = 0, sparse_steps_ = 0;
   int64_t position_ = 0;
 };

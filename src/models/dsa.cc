@@ -1,0 +1,144 @@
+#include "sparsepage/models/dsa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+namespace sparsepage {
+
+std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& c, int32_t batch, int64_t kv_len,
+                                                        const float* q_index, const float* weights,
+                                                        const std::vector<float>& index_keys) {
+  if (batch < 1 || kv_len < 0 || q_index == nullptr || weights == nullptr || c.index_topk < 1 ||
+      static_cast<int64_t>(index_keys.size()) != int64_t{batch} * kv_len * c.index_head_dim) {
+    throw Error("dsa_select_tokens_cpu: need batch >= 1, kv_len >= 0, index_topk >= 1, q_index, weights, and "
+                "index_keys of batch * kv_len * index_head_dim = " +
+                std::to_string(int64_t{batch} * kv_len * c.index_head_dim) + " floats (got " +
+                std::to_string(index_keys.size()) + ")");
+  }
+  const size_t d = static_cast<size_t>(c.index_head_dim);
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(batch));
+  std::vector<float> score(static_cast<size_t>(kv_len));
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < kv_len; ++t) {
+      const float* k = &index_keys[(static_cast<size_t>(b) * static_cast<size_t>(kv_len) + static_cast<size_t>(t)) * d];
+      float total = 0.0f;
+      for (int32_t j = 0; j < c.index_heads; ++j) {
+        const float* q = q_index + (static_cast<size_t>(b) * c.index_heads + j) * d;
+        float dot = 0.0f;
+        for (size_t i = 0; i < d; ++i) dot += q[i] * k[i];
+        total += weights[static_cast<size_t>(b) * c.index_heads + j] * std::max(dot, 0.0f);
+      }
+      score[static_cast<size_t>(t)] = total;
+    }
+    const int64_t keep = std::min<int64_t>(c.index_topk, kv_len);
+    std::vector<int32_t> order(static_cast<size_t>(kv_len));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](int32_t x, int32_t y) {
+      const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
+      return sx > sy || (sx == sy && x < y);
+    });
+    out[static_cast<size_t>(b)].assign(order.begin(), order.begin() + keep);
+  }
+  return out;
+}
+
+DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
+    : device_(device),
+      dtype_(dtype),
+      config_(config),
+      batch_(batch),
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
+             config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
+      decoder_(device, dispatch) {
+  if (device != Device::kCpu) {
+    throw Error("DsaAttention: runs on the CPU backend only for now; the CUDA indexer and a fused kernel for the "
+                "latent + rope shape are not built yet");
+  }
+  if (dtype == DType::kF32) throw Error("DsaAttention: the cache stores f16 or bf16");
+  if (config.num_qo_heads < 1 || config.latent_dim < 1 || config.rope_dim < 1 || config.index_heads < 1 ||
+      config.index_head_dim < 1 || config.index_topk < 1) {
+    throw Error("DsaAttention: heads, dims and index_topk must be at least 1");
+  }
+  if (config_.scale == 0.0f) config_.scale = 1.0f / std::sqrt(static_cast<float>(config.latent_dim + config.rope_dim));
+}
+
+SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
+  const RawKVAllocations raw = *cache_.raw_kv_allocations();
+  const int64_t cap = raw.k_shape.capacity;
+  const int64_t k_stride = config_.latent_dim + config_.index_head_dim;
+  SparseAttentionInputs in;
+  in.device = device_;
+  in.dtype = dtype_;
+  in.batch = batch_;
+  in.num_qo_heads = config_.num_qo_heads;
+  in.num_kv_heads = 1;
+  in.live_len = raw.live_len;
+  in.k = {raw.k, 1, cap, k_stride, config_.latent_dim};  // kv_latent: the K buffer's first columns
+  in.v = {raw.k, 1, cap, k_stride, config_.latent_dim};  // V = the same latent rows
+  in.k_extra = {raw.v, 1, cap, config_.rope_dim, config_.rope_dim};
+  in.q = tokens.q_latent;
+  in.q_extra = tokens.q_pe;
+  in.scale = config_.scale;
+  in.o = tokens.o;
+  return in;
+}
+
+void DsaAttention::prefill_token(const DsaTokens& tokens) {
+  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
+  run_masked_decode_cpu(masked_params(inputs(tokens)));  // the whole causal window
+}
+
+DsaStep DsaAttention::decode(const DsaTokens& tokens) {
+  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
+  const SparseAttentionInputs in = inputs(tokens);
+  const int64_t kv_len = in.live_len;
+  DsaStep step;
+  step.sparse = kv_len > config_.index_topk;
+  std::vector<std::vector<int32_t>> positions;
+  if (!step.sparse) {
+    positions.assign(static_cast<size_t>(batch_), std::vector<int32_t>(static_cast<size_t>(kv_len)));
+    for (auto& p : positions) std::iota(p.begin(), p.end(), 0);
+  } else {
+    // The indexer key is the K buffer's columns latent_dim .. latent_dim + index_head_dim.
+    const RawKVAllocations raw = *cache_.raw_kv_allocations();
+    const size_t d = static_cast<size_t>(config_.index_head_dim), stride = static_cast<size_t>(in.k.row_stride);
+    std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
+    for (int32_t b = 0; b < batch_; ++b) {
+      for (int64_t t = 0; t < kv_len; ++t) {
+        const size_t row = static_cast<size_t>(int64_t{b} * raw.k_shape.capacity + t);
+        to_float(dtype_, static_cast<const char*>(raw.k) + (row * stride + static_cast<size_t>(config_.latent_dim)) * 2,
+                 &keys[(static_cast<size_t>(b) * static_cast<size_t>(kv_len) + static_cast<size_t>(t)) * d], d);
+      }
+    }
+    std::vector<float> q(static_cast<size_t>(batch_) * config_.index_heads * d);
+    to_float(dtype_, tokens.q_index, q.data(), q.size());
+    positions = dsa_select_tokens_cpu(config_, batch_, kv_len, q.data(), tokens.index_weights, keys);
+  }
+  selection_ = make_selection(device_, positions);
+  step.outcome = decoder_.try_fused(in, selection_);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {
+    MaskPath mask(device_);
+    mask.prepare(in, selection_);
+    mask.run(in, selection_);
+  }
+  return step;
+}
+
+std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() const {
+  const int64_t kv_len = cache_.live_len();
+  const std::vector<int32_t> offsets = selection_.offsets();
+  std::vector<float> mask(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len));
+  build_selection_mask(device_, selection_.indices.as<int32_t>(), offsets.data(), batch_, kv_len, mask.data());
+  std::vector<std::vector<int32_t>> columns(static_cast<size_t>(batch_));
+  for (int32_t b = 0; b < batch_; ++b) {
+    for (int64_t t = 0; t < kv_len; ++t) {
+      if (mask[static_cast<size_t>(b * kv_len + t)] == 0.0f) columns[static_cast<size_t>(b)].push_back(static_cast<int32_t>(t));
+    }
+  }
+  return columns;
+}
+
+}  // namespace sparsepage

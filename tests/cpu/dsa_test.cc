@@ -1,0 +1,183 @@
+// The DSA layer (SPEC 8.2) on the CPU backend: the indexer rule, the fused
+// decode through the second K stream against fp64 and against the mask
+// path, set equality, all tokens kept below index_topk, greedy equality.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <set>
+
+#include "sparsepage/models/dsa.h"
+#include "support/reference.h"
+#include "support/toy_model.h"
+
+namespace sparsepage {
+namespace {
+
+DispatchConfig fuse_always() {
+  DispatchConfig c = DispatchConfig::defaults();
+  c.min_kv_tokens = c.min_kv_tokens_per_request = 0;
+  return c;
+}
+
+DispatchConfig kill_switch() {
+  DispatchConfig c = fuse_always();
+  c.enabled = false;
+  return c;
+}
+
+const DsaConfig kSmall{16, 64, 16, 4, 32, 48, 0.0f, 64};
+
+struct TokenSet {
+  std::vector<uint8_t> q, q_pe, q_index, k_row, k_pe;
+  std::vector<float> weights;
+  std::vector<uint8_t> o;
+  TokenSet(const DsaConfig& c, int32_t batch, std::mt19937_64& rng) {
+    const size_t b = static_cast<size_t>(batch);
+    q = testing::random_values(DType::kBF16, b * c.num_qo_heads * c.latent_dim, rng);
+    q_pe = testing::random_values(DType::kBF16, b * c.num_qo_heads * c.rope_dim, rng);
+    q_index = testing::random_values(DType::kBF16, b * c.index_heads * c.index_head_dim, rng);
+    k_row = testing::random_values(DType::kBF16, b * (c.latent_dim + c.index_head_dim), rng);
+    k_pe = testing::random_values(DType::kBF16, b * c.rope_dim, rng);
+    std::uniform_real_distribution<float> w(-1.0f, 1.0f);
+    for (size_t i = 0; i < b * c.index_heads; ++i) weights.push_back(w(rng));
+    o = testing::nan_values(DType::kBF16, b * c.num_qo_heads * c.latent_dim);
+  }
+  DsaTokens view() {
+    return {q.data(), q_pe.data(), q_index.data(), weights.data(), k_row.data(), k_pe.data(), o.data()};
+  }
+};
+
+// fp64 MLA attention of sequence b over `positions`, from the cache itself.
+std::vector<double> reference(const DsaAttention& layer, const DsaConfig& c, const TokenSet& tok, int32_t b,
+                              const std::vector<int32_t>& positions) {
+  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
+  const int64_t stride = c.latent_dim + c.index_head_dim;
+  const auto* k = static_cast<const uint16_t*>(raw.k);
+  const auto* pe = static_cast<const uint16_t*>(raw.v);
+  const auto q = testing::as_float(DType::kBF16, tok.q);
+  const auto qpe = testing::as_float(DType::kBF16, tok.q_pe);
+  const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
+  std::vector<double> out;
+  for (int32_t h = 0; h < c.num_qo_heads; ++h) {
+    const size_t qrow = size_t(b) * c.num_qo_heads + h;
+    std::vector<double> s;
+    for (int32_t t : positions) {
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
+      double dot = 0;
+      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
+      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
+      s.push_back(dot * scale);
+    }
+    const double mx = *std::max_element(s.begin(), s.end());
+    double sum = 0;
+    std::vector<double> o(size_t(c.latent_dim), 0.0);
+    for (size_t j = 0; j < positions.size(); ++j) {
+      const double p = std::exp(s[j] - mx);
+      sum += p;
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
+      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
+    }
+    for (double x : o) out.push_back(x / sum);
+  }
+  return out;
+}
+
+TEST(Dsa, IndexerRuleOnAHandMadeCase) {
+  DsaConfig c{1, 4, 2, 2, 2, 2, 0.0f, 8};
+  // Two index heads: q0 = (1, 0) weight 1, q1 = (0, 1) weight -2.
+  const float q[] = {1, 0, 0, 1};
+  const float w[] = {1, -2};
+  // Token keys: I(t) = relu(k.x) - 2 relu(k.y).
+  const std::vector<float> keys = {3, 0,    // I = 3
+                                   3, 1,    // I = 1
+                                   -5, -5,  // I = 0 (both ReLUs clip)
+                                   2, 0,    // I = 2
+                                   0, -1};  // I = 0
+  EXPECT_EQ(dsa_select_tokens_cpu(c, 1, 5, q, w, keys), (std::vector<std::vector<int32_t>>{{0, 3}}));
+  c.index_topk = 4;
+  EXPECT_EQ(dsa_select_tokens_cpu(c, 1, 5, q, w, keys), (std::vector<std::vector<int32_t>>{{0, 3, 1, 2}}))
+      << "ties (I = 0) go to the lower position";
+  EXPECT_THROW(dsa_select_tokens_cpu(c, 1, 6, q, w, keys), Error);
+}
+
+TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
+  const int32_t batch = 2;
+  std::mt19937_64 rng(51);
+  DsaAttention fused(Device::kCpu, DType::kBF16, kSmall, batch, fuse_always());
+  DsaAttention masked(Device::kCpu, DType::kBF16, kSmall, batch, kill_switch());
+  for (int t = 0; t < 150; ++t) {
+    TokenSet tok(kSmall, batch, rng);
+    fused.prefill_token(tok.view());
+    masked.prefill_token(tok.view());
+  }
+  TokenSet tok(kSmall, batch, rng);
+  const DsaStep a = fused.decode(tok.view());
+  const auto o_fused = testing::as_float(DType::kBF16, tok.o);
+  tok.o = testing::nan_values(DType::kBF16, tok.o.size() / 2);  // size() counts bytes
+  const DsaStep b = masked.decode(tok.view());
+  const auto o_masked = testing::as_float(DType::kBF16, tok.o);
+  ASSERT_TRUE(a.sparse);
+  EXPECT_TRUE(a.fused) << a.outcome.describe();
+  EXPECT_EQ(b.outcome.kind, OutcomeKind::kKillSwitch);
+
+  const auto positions = fused.last_selected_positions();
+  const auto columns = fused.last_mask_columns();
+  std::vector<double> ref;
+  for (int32_t s = 0; s < batch; ++s) {
+    EXPECT_EQ(positions[size_t(s)].size(), size_t(kSmall.index_topk));
+    EXPECT_EQ(std::set<int32_t>(positions[size_t(s)].begin(), positions[size_t(s)].end()),
+              std::set<int32_t>(columns[size_t(s)].begin(), columns[size_t(s)].end()));
+    const auto r = reference(fused, kSmall, tok, s, positions[size_t(s)]);
+    ref.insert(ref.end(), r.begin(), r.end());
+  }
+  EXPECT_EQ(positions, masked.last_selected_positions()) << "same cache, same indexer";
+  EXPECT_LT(testing::relative_l2(o_fused, ref), 1e-2) << "fused vs fp64";
+  EXPECT_LT(testing::relative_l2(o_masked, ref), 1e-2) << "mask path vs fp64";
+}
+
+TEST(Dsa, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
+  std::mt19937_64 rng(52);
+  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, fuse_always());
+  for (int t = 0; t < 30; ++t) {
+    TokenSet tok(kSmall, 1, rng);
+    layer.prefill_token(tok.view());
+  }
+  TokenSet tok(kSmall, 1, rng);
+  const DsaStep step = layer.decode(tok.view());
+  EXPECT_FALSE(step.sparse);
+  std::vector<int32_t> all(31);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(layer.last_selected_positions(), (std::vector<std::vector<int32_t>>{all}));
+  EXPECT_EQ(step.outcome.kind, OutcomeKind::kBelowSparsity) << "a full selection is dense work: the gate declines";
+  EXPECT_LT(testing::relative_l2(testing::as_float(DType::kBF16, tok.o), reference(layer, kSmall, tok, 0, all)), 1e-2);
+}
+
+TEST(Dsa, GreedyDecodeEquality) {
+  testing::DsaToyConfig config;
+  std::mt19937_64 rng(53);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab - 1);
+  std::vector<int32_t> prompt(100);
+  for (int32_t& t : prompt) t = token(rng);
+  testing::DsaToyModel fused(config, fuse_always());
+  testing::DsaToyModel masked(config, kill_switch());
+  const auto a = fused.generate(prompt, 64);
+  const auto b = masked.generate(prompt, 64);
+  EXPECT_EQ(fused.sparse_steps(), 64 * config.layers);
+  EXPECT_EQ(fused.fused_steps(), 64 * config.layers);
+  EXPECT_EQ(masked.fused_steps(), 0);
+  EXPECT_EQ(a, b);
+  EXPECT_GE(std::set<int32_t>(a.begin(), a.end()).size(), 8u) << "a degenerate generation proves little";
+}
+
+TEST(Dsa, CudaIsRefusedClearlyUntilItsKernelsExist) {
+  try {
+    DsaAttention layer(Device::kCuda, DType::kBF16, kSmall, 1);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CPU backend only"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
