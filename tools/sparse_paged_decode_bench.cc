@@ -325,6 +325,15 @@ int main(int argc, char** argv) {
                   r.outcome.c_str());
     }
   }
+  if (geo.name == "dsa") {
+    // Issue 5 counts 2 x (576 + 512) flops per head and selected token.
+    for (const Row& r : rows) {
+      if (!std::isfinite(r.fused_cold_us)) continue;
+      const double flops = 2.0 * (geo.dim_qk + geo.dim_extra + geo.dim_v) * geo.num_qo_heads * double(r.selected) * opt.batch;
+      std::printf("context %lld: fused %.1f TFLOP/s (cold), %.1f (hot); mask %.1f\n", static_cast<long long>(r.context),
+                  flops / (r.fused_cold_us * 1e6), flops / (r.fused_hot_us * 1e6), flops / (r.mask_us * 1e6));
+    }
+  }
   if (device == Device::kCuda) {
     std::printf("times: median of %d CUDA-graph replays of %d launches each (per launch, merge included); fused_cold\n"
                 "rotates among enough selections that their rows exceed 2x the L2; speedup = mask / fused_cold;\n"

@@ -56,6 +56,8 @@ bool cuda_layout_supported(const SparseAttentionInputs& in) {
   bool ok = aligned(in.q) && aligned(in.o) && aligned(in.k.data) && aligned(in.v.data) && pieces(in.k.row_stride) &&
             pieces(in.v.row_stride);
   if (in.k_extra.data != nullptr) ok = ok && aligned(in.k_extra.data) && aligned(in.q_extra) && pieces(in.k_extra.row_stride);
+  // A V wider than 256 (the MLA latent) is read as K's own columns.
+  if (in.v.dim > 256) ok = ok && in.v.data == in.k.data && in.v.row_stride == in.k.row_stride;
   return ok;
 }
 

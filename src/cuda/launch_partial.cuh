@@ -2,7 +2,7 @@
 // Shared by the fused decode (decode.cu, PagedSource) and the mask path
 // (dense_paths.cu, DenseSource); each file instantiates only its own source.
 //
-// Instantiations: 4 tile shapes x 2 dtypes per source. The K tile width is the
+// Instantiations: 5 tile shapes x 2 dtypes per source. The K tile width is the
 // concatenation of the K stream and the optional second stream (the split is
 // a run-time column offset), and a V narrower than the tile's DV runs on the
 // wider tile (its unused accumulator columns are skipped, never stored):
@@ -10,6 +10,8 @@
 //   DK 128 / DV 128 : 128 (V 64 or 128), 64 + 64 extra (V 64)
 //   DK 192 / DV 128 : 128 + 64 extra (V 64 or 128)
 //   DK 256 / DV 256 : 256 (V 64, 128 or 256)
+//   DK 576 / DV 128 : the MLA shape, 512 latent + 64 rope, V = the 512 latent
+//                     columns of K, split into 4 slices of 128 over grid.z
 #pragma once
 
 #include <algorithm>
@@ -22,10 +24,11 @@
 namespace sparsepage {
 namespace cuda {
 
-enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256 };
+enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256, kK576V128 };
 
 /// The instantiation that runs head dims (qk, v, extra), or kNone.
 inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
+  if (dqk == 512 && dv == 512 && de == 64) return TileShape::kK576V128;  // needs V aliasing K
   const bool dims_ok = (dqk == 64 || dqk == 128 || dqk == 256) && (dv == 64 || dv == 128 || dv == 256) &&
                        dv <= dqk && (de == 0 || de == 64);
   if (!dims_ok) return TileShape::kNone;
@@ -99,8 +102,15 @@ void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream
 
 template <class Source>
 void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
+  // A V wider than the tile's DV (only the MLA tile) is split over grid.z;
+  // its columns are K's, so V must alias K.
+  unsigned slices = 1;
+  if (shape == TileShape::kK576V128) {
+    if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
+    slices = static_cast<unsigned>(p.dv / 128);
+  }
   const dim3 grid(static_cast<unsigned>(num_items),
-                  static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile));
+                  static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile), slices);
   const bool bf16 = dtype == DType::kBF16;
   switch (shape) {
     case TileShape::kK64V64:
@@ -115,6 +125,9 @@ void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_
     case TileShape::kK256V256:
       return bf16 ? launch_partial_shape<__nv_bfloat16, 256, 256, Source>(p, grid, stream)
                   : launch_partial_shape<__half, 256, 256, Source>(p, grid, stream);
+    case TileShape::kK576V128:
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 576, 128, Source>(p, grid, stream)
+                  : launch_partial_shape<__half, 576, 128, Source>(p, grid, stream);
     case TileShape::kNone: break;
   }
   throw Error("decode: no CUDA kernel for these head dims");

@@ -86,12 +86,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_extra_p1_g16_d64_e64", kBF16, 1, false, 16, 64, 64, 64, false, 0, {600, 5, 0}},
         Case{"f16_extra_alias_p16_offset_g4_d128_e64", kF16, 16, true, 4, 128, 128, 64, true, 64, {777, 64}},
         Case{"bf16_extra_p1_g8_d128_v64_e64", kBF16, 1, false, 8, 128, 64, 64, false, 8, {1200, 31}},
-        Case{"bf16_p1_g24_d128", kBF16, 1, false, 24, 128, 128, 0, false, 0, {400, 0, 129}}),
+        Case{"bf16_p1_g24_d128", kBF16, 1, false, 24, 128, 128, 0, false, 0, {400, 0, 129}},
+        // DSA/MLA: 128 heads, 512 latent (K row stride 640) + 64 rope, V = K's latent.
+        Case{"bf16_mla_p1_g128_d512_e64", kBF16, 1, false, 128, 512, 512, 64, true, 128, {1100, 0, 77}},
+        Case{"f16_mla_p16_offset_g16_d512_e64", kF16, 16, true, 16, 512, 512, 64, true, 128, {300, 5}}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
 
 TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {
-  // Built: qk in {64, 128, 256}, v in {64, 128, 256} with v <= qk, and a
-  // 64-wide second stream with qk <= 128.
+  // Built: qk in {64, 128, 256}, v in {64, 128, 256} with v <= qk, a
+  // 64-wide second stream with qk <= 128, and the MLA shape 512 + 64 (V = K).
   EXPECT_TRUE(cuda_supports_head_dims(128, 128, 0));
   EXPECT_TRUE(cuda_supports_head_dims(256, 64, 0));
   EXPECT_TRUE(cuda_supports_head_dims(64, 64, 64));
@@ -99,7 +102,9 @@ TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {
   EXPECT_FALSE(cuda_supports_head_dims(64, 128, 0));   // v wider than qk
   EXPECT_FALSE(cuda_supports_head_dims(96, 96, 0));
   EXPECT_FALSE(cuda_supports_head_dims(256, 256, 64));
-  EXPECT_FALSE(cuda_supports_head_dims(512, 512, 64));  // MLA: not built yet
+  EXPECT_TRUE(cuda_supports_head_dims(512, 512, 64));  // MLA, V aliasing K
+  EXPECT_FALSE(cuda_supports_head_dims(512, 512, 0));
+  EXPECT_FALSE(cuda_supports_head_dims(512, 256, 64));
   EXPECT_FALSE(cuda_supports_head_dims(128, 128, 32));
 }
 
