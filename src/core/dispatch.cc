@@ -90,8 +90,10 @@ std::string SparseDecodeOutcome::describe() const {
 // so no selected-row floor is needed for this geometry. The sparsity gate
 // sits at 2, the smallest integer whose whole range was measured as a win
 // (1.0-1.5x won too, but was measured only at short contexts).
-// docs/PERFORMANCE.md has the tables. The DSA/MLA shape (one KV head) has no
-// fused CUDA kernel yet, so its single-request floor is unmeasured.
+// For the DSA/MLA shape (one KV head, so batch 1 is a single-request launch)
+// the fused path also won everywhere measured: batch 1, 2, 4 and 8, 2048
+// selected tokens out of 3072 to 131072 (docs/PERFORMANCE.md), so the
+// single-request floor is 0 as well. docs/PERFORMANCE.md has the tables.
 DispatchConfig DispatchConfig::defaults() {
   DispatchConfig config;
   config.enabled = true;

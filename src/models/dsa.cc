@@ -53,8 +53,8 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
              config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
       decoder_(device, dispatch) {
   if (device != Device::kCpu) {
-    throw Error("DsaAttention: runs on the CPU backend only for now; the CUDA indexer and a fused kernel for the "
-                "latent + rope shape are not built yet");
+    throw Error("DsaAttention: runs on the CPU backend only for now; the fused CUDA kernel for the latent + rope "
+                "shape exists, but the top-k token indexer has no CUDA pass yet");
   }
   if (dtype == DType::kF32) throw Error("DsaAttention: the cache stores f16 or bf16");
   if (config.num_qo_heads < 1 || config.latent_dim < 1 || config.rope_dim < 1 || config.index_heads < 1 ||

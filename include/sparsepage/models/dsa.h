@@ -16,8 +16,9 @@
 // lower position). While kv_len <= index_topk every token is kept.
 //
 // Backends: the layer runs on the CPU backend. On CUDA it reports a clear
-// error: neither the indexer nor a fused kernel for the 512 + 64 shape is
-// built yet (cuda_supports_head_dims(512, 512, 64) is false).
+// error: the fused kernel for the 512 + 64 shape is built (and benchmarked
+// with `sparse_paged_decode_bench --geometry dsa`), but the indexer has no
+// CUDA pass yet.
 #pragma once
 
 #include <cstdint>
