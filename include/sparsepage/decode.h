@@ -62,7 +62,9 @@ void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
 /// outside the pool throws, nothing is read.
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
 
-/// Head dims the fused kernels are built for (CPU runs any).
+/// Head dims the fused kernels are built for (CPU runs any). The MLA shape
+/// (512, 512, 64) runs only with V aliasing K's first 512 columns (same
+/// pointer and row stride); other layouts of it are refused at launch.
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra);
 
 /// CUDA backend, two steps.

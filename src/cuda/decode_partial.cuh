@@ -91,7 +91,7 @@ struct TileConfig {
   // the benchmark's baseline is as fast as this kernel can make it.
   static constexpr bool kDense128 = kDenseRows && DK + DV == 256;
   // The MLA tile (512 latent + 64 rope columns) always has V aliasing K, so it
-  // keeps no V region; 2 stages of 74 KB fit one CTA per SM.
+  // keeps no V region; 2 stages of 72 KiB fit one CTA per SM.
   static constexpr bool kMla = DK > 256;
   static constexpr int kStages = kDense128 || kMla ? 2 : (DK + DV <= 256 || DK + DV > 320) ? 3 : 2;
   static constexpr int kMinBlocks = kDense128 ? 3 : (DK + DV <= 320) ? 2 : 1;

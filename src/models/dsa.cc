@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -30,7 +31,8 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& c, int3
         for (size_t i = 0; i < d; ++i) dot += q[i] * k[i];
         total += weights[static_cast<size_t>(b) * c.index_heads + j] * std::max(dot, 0.0f);
       }
-      score[static_cast<size_t>(t)] = total;
+      // A NaN score (NaN inputs) ranks last rather than breaking the sort's ordering.
+      score[static_cast<size_t>(t)] = std::isnan(total) ? -std::numeric_limits<float>::infinity() : total;
     }
     const int64_t keep = std::min<int64_t>(c.index_topk, kv_len);
     std::vector<int32_t> order(static_cast<size_t>(kv_len));
@@ -64,6 +66,17 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
   if (config_.scale == 0.0f) config_.scale = 1.0f / std::sqrt(static_cast<float>(config.latent_dim + config.rope_dim));
 }
 
+namespace {
+// Every input is checked before the cache changes, so a bad call appends nothing.
+void check_tokens(const DsaTokens& t) {
+  if (t.q_latent == nullptr || t.q_pe == nullptr || t.q_index == nullptr || t.index_weights == nullptr ||
+      t.k_cache_row == nullptr || t.k_pe == nullptr || t.o == nullptr) {
+    throw Error("DsaAttention: every DsaTokens pointer (q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, "
+                "o) must be set");
+  }
+}
+}  // namespace
+
 SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   const RawKVAllocations raw = *cache_.raw_kv_allocations();
   const int64_t cap = raw.k_shape.capacity;
@@ -86,11 +99,13 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
 }
 
 void DsaAttention::prefill_token(const DsaTokens& tokens) {
+  check_tokens(tokens);
   cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
   run_masked_decode_cpu(masked_params(inputs(tokens)));  // the whole causal window
 }
 
 DsaStep DsaAttention::decode(const DsaTokens& tokens) {
+  check_tokens(tokens);
   cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
   const SparseAttentionInputs in = inputs(tokens);
   const int64_t kv_len = in.live_len;
@@ -128,6 +143,7 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens) {
 }
 
 std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() const {
+  if (selection_.num_requests() != batch_) throw Error("DsaAttention::last_mask_columns: no decode has run yet");
   const int64_t kv_len = cache_.live_len();
   const std::vector<int32_t> offsets = selection_.offsets();
   std::vector<float> mask(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len));

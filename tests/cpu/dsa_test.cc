@@ -106,12 +106,25 @@ TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
   std::mt19937_64 rng(51);
   DsaAttention fused(Device::kCpu, DType::kBF16, kSmall, batch, fuse_always());
   DsaAttention masked(Device::kCpu, DType::kBF16, kSmall, batch, kill_switch());
+  // An independent copy of every token's index key (the K row's columns
+  // latent_dim .. latent_dim + index_head_dim), kept by the test itself.
+  std::vector<std::vector<float>> index_keys(batch);
+  const auto keep_keys = [&](const TokenSet& tok) {
+    const auto row = testing::as_float(DType::kBF16, tok.k_row);
+    const int32_t width = kSmall.latent_dim + kSmall.index_head_dim;
+    for (int32_t s = 0; s < batch; ++s) {
+      index_keys[size_t(s)].insert(index_keys[size_t(s)].end(), row.begin() + s * width + kSmall.latent_dim,
+                                   row.begin() + (s + 1) * width);
+    }
+  };
   for (int t = 0; t < 150; ++t) {
     TokenSet tok(kSmall, batch, rng);
+    keep_keys(tok);
     fused.prefill_token(tok.view());
     masked.prefill_token(tok.view());
   }
   TokenSet tok(kSmall, batch, rng);
+  keep_keys(tok);
   const DsaStep a = fused.decode(tok.view());
   const auto o_fused = testing::as_float(DType::kBF16, tok.o);
   tok.o = testing::nan_values(DType::kBF16, tok.o.size() / 2);  // size() counts bytes
@@ -132,6 +145,11 @@ TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
     ref.insert(ref.end(), r.begin(), r.end());
   }
   EXPECT_EQ(positions, masked.last_selected_positions()) << "same cache, same indexer";
+  // The indexer saw the right columns: the rule applied to the test's own copy.
+  std::vector<float> keys_flat;
+  for (const auto& k : index_keys) keys_flat.insert(keys_flat.end(), k.begin(), k.end());
+  const auto q_index = testing::as_float(DType::kBF16, tok.q_index);
+  EXPECT_EQ(positions, dsa_select_tokens_cpu(kSmall, batch, 151, q_index.data(), tok.weights.data(), keys_flat));
   EXPECT_LT(testing::relative_l2(o_fused, ref), 1e-2) << "fused vs fp64";
   EXPECT_LT(testing::relative_l2(o_masked, ref), 1e-2) << "mask path vs fp64";
 }
@@ -168,6 +186,23 @@ TEST(Dsa, GreedyDecodeEquality) {
   EXPECT_EQ(masked.fused_steps(), 0);
   EXPECT_EQ(a, b);
   EXPECT_GE(std::set<int32_t>(a.begin(), a.end()).size(), 8u) << "a degenerate generation proves little";
+}
+
+TEST(Dsa, BadCallsAreNamedAndChangeNothing) {
+  std::mt19937_64 rng(54);
+  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, fuse_always());
+  EXPECT_THROW(layer.last_mask_columns(), Error) << "no decode yet";
+  TokenSet tok(kSmall, 1, rng);
+  DsaTokens bad = tok.view();
+  bad.q_index = nullptr;
+  EXPECT_THROW(layer.decode(bad), Error);
+  EXPECT_EQ(layer.cache().live_len(), 0) << "a refused call appends nothing";
+  // NaN index inputs rank last instead of breaking the sort.
+  const float q[] = {NAN, 1};
+  const float w[] = {1};
+  const DsaConfig c{1, 4, 2, 1, 2, 2, 0.0f, 8};
+  const std::vector<float> keys = {1, 1, 1, 0, 0, 2};
+  EXPECT_EQ(dsa_select_tokens_cpu(c, 1, 3, q, w, keys).front().size(), 2u);
 }
 
 TEST(Dsa, CudaIsRefusedClearlyUntilItsKernelsExist) {

@@ -1,5 +1,7 @@
 #include "support/toy_model.h"
 
+#include "support/reference.h"
+
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -127,6 +129,7 @@ std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
     const Buffer v = to_device(device_, DType::kBF16, matvec(h, w.wv, static_cast<size_t>(a.num_kv_heads) * hd));
     const Buffer iq = to_device(device_, DType::kBF16, matvec(h, w.wiq, static_cast<size_t>(a.num_kv_heads) * hd));
     Buffer o(device_, static_cast<size_t>(a.num_qo_heads) * hd * 2);
+    fill_bytes(o.data(), device_, 0xFF, o.bytes());  // NaN until the layer writes it
     BlockSparseTokens tokens{q.data(), iq.data(), k.data(), v.data(), o.data()};
     if (prefill) {
       layers_[static_cast<size_t>(l)]->prefill_token(tokens);
@@ -219,7 +222,8 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
     const auto qpe_bytes = bf16(matvec(hn, w.w_qr, h * static_cast<size_t>(a.rope_dim)));
     const auto qi_bytes = bf16(matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
     const std::vector<float> weights = matvec(hn, w.w_w, static_cast<size_t>(a.index_heads));
-    std::vector<uint8_t> o(h * static_cast<size_t>(a.latent_dim) * 2);
+    // NaN until the layer writes it: an unwritten output cannot pass as zero attention.
+    std::vector<uint8_t> o = nan_values(DType::kBF16, h * static_cast<size_t>(a.latent_dim));
     const DsaTokens tokens{q_bytes.data(), qpe_bytes.data(), qi_bytes.data(), weights.data(),
                            k_bytes.data(), kpe_bytes.data(), o.data()};
     if (prefill) {

@@ -38,7 +38,11 @@ struct DsaConfig {
   int32_t index_heads = 64;
   int32_t index_head_dim = 128;
   int32_t index_topk = 2048;
-  float scale = 0.0f;  // 0: 1 / sqrt(latent_dim + rope_dim)
+  // Softmax scale of q . k. Pass the model's own: DeepSeek-V3.2 uses
+  // 1 / sqrt(qk_nope_dim + qk_rope_dim) = 1 / sqrt(192), times its YaRN
+  // factor, even for absorbed queries. 0 picks 1 / sqrt(latent_dim +
+  // rope_dim), the scale for unit-variance latent dot products (the tests').
+  float scale = 0.0f;
   int64_t capacity_step = 4096;
 };
 
@@ -74,6 +78,7 @@ class DsaAttention {
   /// Positions the last decode's page table attends, per sequence.
   std::vector<std::vector<int32_t>> last_selected_positions() const { return selection_.materialize(); }
   /// Columns the mask path keeps for the last decode (its mask's 0 entries).
+  /// Throws before the first decode.
   std::vector<std::vector<int32_t>> last_mask_columns() const;
 
   const DenseKVCache& cache() const { return cache_; }
