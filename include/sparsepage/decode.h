@@ -67,6 +67,17 @@ void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* wo
 /// pointer and row stride); other layouts of it are refused at launch.
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra);
 
+/// How the CUDA kernel for these dims spreads one work item: `ctas_per_item`
+/// CTAs (query-head tiles: 16 heads each on the mma.sync tiles, 64 on the MLA
+/// kernel), of which `ctas_per_sm` are resident per multiprocessor. The plan
+/// (PlanShape) takes both, so one wave holds about the CTAs it aims for.
+struct CudaLaunchShape {
+  int32_t ctas_per_item = 1;
+  int32_t ctas_per_sm = 2;
+};
+/// Throws when cuda_supports_head_dims is false for these dims.
+CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size);
+
 /// CUDA backend, two steps.
 /// `upload_plan` copies the plan's work list and merge lists into the device
 /// workspace (asynchronously on `stream`); do it when the plan changes, before

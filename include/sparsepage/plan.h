@@ -27,6 +27,9 @@ struct PlanShape {
   /// Work items per multiprocessor the plan aims for. More items mean more
   /// bytes in flight at small batch, and more partials to merge.
   int32_t items_per_sm = 2;
+  /// CTAs the kernel launches per work item (query-head tiles); the plan aims
+  /// for num_sms * items_per_sm CTAs, so for that many / ctas_per_item items.
+  int32_t ctas_per_item = 1;
   /// Smallest chunk, rounded up to `chunk_granule`. Chunks shorter than this
   /// pay more in merge and per-item setup than they win in parallelism
   /// (measured on the H200: at batch 1 of the block-sparse geometry, 128-token

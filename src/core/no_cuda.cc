@@ -23,6 +23,9 @@ void cuda_stream_sync(void*) { no_cuda("stream synchronize"); }
 }  // namespace detail
 
 bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }
+CudaLaunchShape cuda_launch_shape(int32_t, int32_t, int32_t, int32_t) {
+  throw Error("cuda_launch_shape: sparsepage was built without CUDA");
+}
 int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }
 void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cuda"); }
 void run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }

@@ -21,7 +21,7 @@ void require_positive(int64_t value, const char* name) {
 // multiprocessor `items_per_sm` times over.
 int64_t choose_chunk_tokens(int64_t total_tokens, const PlanShape& shape) {
   if (shape.fixed_chunk_tokens > 0) return round_up(shape.fixed_chunk_tokens, shape.chunk_granule);
-  const int64_t target_items = int64_t{shape.num_sms} * shape.items_per_sm;
+  const int64_t target_items = std::max<int64_t>(1, int64_t{shape.num_sms} * shape.items_per_sm / shape.ctas_per_item);
   const int64_t even_share = (total_tokens + target_items - 1) / target_items;
   return round_up(std::max<int64_t>(even_share, shape.min_chunk_tokens), shape.chunk_granule);
 }
@@ -33,6 +33,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   require_positive(shape.head_dim_v, "head_dim_v");
   require_positive(shape.num_sms, "num_sms");
   require_positive(shape.items_per_sm, "items_per_sm");
+  require_positive(shape.ctas_per_item, "ctas_per_item");
   require_positive(shape.chunk_granule, "chunk_granule");
   if (shape.min_chunk_tokens < 0 || shape.fixed_chunk_tokens < 0 || shape.min_chunk_tokens > (1 << 30) ||
       shape.fixed_chunk_tokens > (1 << 30) || shape.chunk_granule > (1 << 20)) {

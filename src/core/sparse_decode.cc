@@ -96,6 +96,12 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const SparseSelecti
   shape.group_size = group;
   shape.head_dim_v = in.v.dim;
   shape.num_sms = machine_width(device_);
+  if (device_ == Device::kCuda) {
+    const CudaLaunchShape launch =
+        cuda_launch_shape(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0, group);
+    shape.ctas_per_item = launch.ctas_per_item;
+    shape.items_per_sm = launch.ctas_per_sm;
+  }
   if (items_per_sm_ > 0) shape.items_per_sm = items_per_sm_;
   if (min_chunk_tokens_ > 0) shape.min_chunk_tokens = min_chunk_tokens_;
   plan_ = make_decode_plan(selection.counts, shape);

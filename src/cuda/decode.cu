@@ -64,6 +64,16 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
   return cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra) != cuda::TileShape::kNone;
 }
 
+CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size) {
+  const cuda::TileShape shape = cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra);
+  if (shape == cuda::TileShape::kNone) throw Error("cuda_launch_shape: no CUDA kernel for these head dims");
+  if (group_size < 1) throw Error("cuda_launch_shape: group_size must be at least 1");
+  CudaLaunchShape s;
+  s.ctas_per_item = cuda::ctas_per_item(shape, group_size);
+  s.ctas_per_sm = cuda::resident_ctas_per_sm(shape);
+  return s;
+}
+
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
   if (workspace == nullptr) throw Error("upload_plan_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);

@@ -90,14 +90,11 @@ struct TileConfig {
   // rows do better with three stages: each source gets its best shape, so
   // the benchmark's baseline is as fast as this kernel can make it.
   static constexpr bool kDense128 = kDenseRows && DK + DV == 256;
-  // The MLA tile (512 latent + 64 rope columns) always has V aliasing K, so it
-  // keeps no V region; 2 stages of 72 KiB fit one CTA per SM.
-  static constexpr bool kMla = DK > 256;
-  static constexpr int kStages = kDense128 || kMla ? 2 : (DK + DV <= 256 || DK + DV > 320) ? 3 : 2;
+  static constexpr int kStages = kDense128 ? 2 : (DK + DV <= 256 || DK + DV > 320) ? 3 : 2;
   static constexpr int kMinBlocks = kDense128 ? 3 : (DK + DV <= 320) ? 2 : 1;
   // Page ids are fetched kStages - 1 tiles ahead of the rows they name.
   static constexpr int kIdSlots = 2 * kStages - 1;
-  static constexpr int kStageElems = kTileRows * (DK + (kMla ? 0 : DV));
+  static constexpr int kStageElems = kTileRows * (DK + DV);
   static constexpr int kReducePitch = DV + 4;  // floats; staggers rows across banks
   static constexpr size_t kStageBytes = size_t{kStages} * kStageElems * 2;
   static constexpr size_t kQBytes = size_t{kQueryTile} * DK * 2;

@@ -30,9 +30,6 @@ struct PartialCta {
   const T* e_base;
   int tid, warp, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
-  // V column slice of this CTA: a V wider than the tile (the MLA latent, V
-  // aliasing K) is split over blockIdx.z; each slice recomputes the scores.
-  int32_t dv_base, dv_cta;
   bool bad = false;  // this thread met a page id outside the pool
 
   // Per-warp online-softmax state for query rows lane/4 and lane/4 + 8.
@@ -61,8 +58,6 @@ struct PartialCta {
       partial = p.chunks_per_request > 1 ? static_cast<int32_t>(blockIdx.x) : -1;
     }
     head0 = blockIdx.y * kQueryTile;
-    dv_base = static_cast<int32_t>(blockIdx.z) * DV;
-    dv_cta = min(DV, p.dv - dv_base);
     heads = min(kQueryTile, p.group_size - head0);
     src.init(p, request);
     k_base = static_cast<const T*>(p.k) + src.k_row0 * p.k_stride;
@@ -260,7 +255,7 @@ struct PartialCta {
 #pragma unroll
     for (int nn = 0; nn < DV / 16; ++nn) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, dv_base / 8 + 2 * nn + (lane >> 4), pitch)));
+      ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
       mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
       mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
     }
@@ -341,7 +336,7 @@ struct PartialCta {
       float* dst = red + (warp * kQueryTile + row) * Cfg::kReducePitch + 2 * (lane & 3);
 #pragma unroll
       for (int nt = 0; nt < DV / 8; ++nt) {
-        if (nt * 8 >= dv_cta) break;
+        if (nt * 8 >= p.dv) break;
         *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[nt][2 * i] * f, acc[nt][2 * i + 1] * f);
       }
     }
@@ -359,9 +354,9 @@ struct PartialCta {
   }
 
   __device__ void write_output(const float* red, const float* row_base, const float* row_sum, bool any_bad) {
-    const int d4 = dv_cta / 4;
+    const int d4 = p.dv / 4;
     for (int idx = tid; idx < heads * d4; idx += kThreads) {
-      const int row = idx / d4, col = (idx % d4) * 4;  // within this CTA's V slice
+      const int row = idx / d4, col = (idx % d4) * 4;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -376,14 +371,13 @@ struct PartialCta {
                                          : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       const int64_t head = int64_t{head0} + row;
       if (partial < 0) {
-        T* dst = static_cast<T*>(p.o) + (int64_t{request} * p.group_size + head) * p.dv + dv_base + col;
+        T* dst = static_cast<T*>(p.o) + (int64_t{request} * p.group_size + head) * p.dv + col;
         *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
       } else {
-        *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + dv_base +
-                                   col) = o;
+        *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + col) = o;
       }
     }
-    if (tid < heads && blockIdx.z == 0) {  // every V slice has the same lse: one writes it
+    if (tid < heads) {
       const float s = row_sum[tid];
       const float lse = any_bad || isnan(s) ? nan_f32() : s > 0.f ? (row_base[tid] + log2f(s)) * kLn2 : neg_inf_f32();
       const int64_t head = int64_t{head0} + tid;

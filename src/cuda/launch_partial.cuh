@@ -2,33 +2,36 @@
 // Shared by the fused decode (decode.cu, PagedSource) and the mask path
 // (dense_paths.cu, DenseSource); each file instantiates only its own source.
 //
-// Instantiations: 5 tile shapes x 2 dtypes per source. The K tile width is the
-// concatenation of the K stream and the optional second stream (the split is
-// a run-time column offset), and a V narrower than the tile's DV runs on the
-// wider tile (its unused accumulator columns are skipped, never stored):
+// Instantiations: 4 mma.sync tile shapes and the MLA kernel, x 2 dtypes per
+// source. The K tile width is the concatenation of the K stream and the
+// optional second stream (the split is a run-time column offset), and a V
+// narrower than the tile's DV runs on the wider tile (its unused accumulator
+// columns are skipped, never stored):
 //   DK  64 / DV  64 : 64
 //   DK 128 / DV 128 : 128 (V 64 or 128), 64 + 64 extra (V 64)
 //   DK 192 / DV 128 : 128 + 64 extra (V 64 or 128)
 //   DK 256 / DV 256 : 256 (V 64, 128 or 256)
-//   DK 576 / DV 128 : the MLA shape, 512 latent + 64 rope, V = the 512 latent
-//                     columns of K, split into 4 slices of 128 over grid.z
+//   MLA (mla_partial.cuh): 512 latent + 64 rope, V = the 512 latent columns
+//                     of K, 64 query heads per CTA on warpgroup MMAs
 #pragma once
 
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/decode_partial.cuh"
+#include "cuda/mla_partial.cuh"
 
 namespace sparsepage {
 namespace cuda {
 
-enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256, kK576V128 };
+enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256, kMla };
 
 /// The instantiation that runs head dims (qk, v, extra), or kNone.
 inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
-  if (dqk == 512 && dv == 512 && de == 64) return TileShape::kK576V128;  // needs V aliasing K
+  if (dqk == 512 && dv == 512 && de == 64) return TileShape::kMla;  // needs V aliasing K
   const bool dims_ok = (dqk == 64 || dqk == 128 || dqk == 256) && (dv == 64 || dv == 128 || dv == 256) &&
                        dv <= dqk && (de == 0 || de == 64);
   if (!dims_ok) return TileShape::kNone;
@@ -39,6 +42,27 @@ inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
     case 256: return de == 0 ? TileShape::kK256V256 : TileShape::kNone;
     default: return TileShape::kNone;
   }
+}
+
+/// CTAs the kernel of `shape` launches per work item: query-head tiles (16
+/// heads for the mma.sync tiles, 64 for the MLA kernel). The split planners
+/// divide the machine by this, so a wave holds about the CTAs they aim for.
+inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
+  const int32_t heads = shape == TileShape::kMla ? MlaTile::kHeads : kQueryTile;
+  return (group_size + heads - 1) / heads;
+}
+
+/// CTAs of `shape` resident per multiprocessor (the kernels' min-blocks hint).
+inline int32_t resident_ctas_per_sm(TileShape shape) {
+  switch (shape) {
+    case TileShape::kK64V64:
+    case TileShape::kK128V128:
+    case TileShape::kK192V128: return 2;
+    case TileShape::kK256V256:
+    case TileShape::kMla:
+    case TileShape::kNone: break;
+  }
+  return 1;
 }
 
 /// Throws unless `ptr` is 16-byte aligned (cp.async and vector stores need it).
@@ -75,59 +99,63 @@ PartialParams stream_params(const void* q, const void* q_extra, const Stream& k,
   return p;
 }
 
-template <typename T, int DK, int DV, class Source>
-void launch_partial_shape(const PartialParams& p, dim3 grid, cudaStream_t stream) {
-  using Cfg = TileConfig<DK, DV, Source::kHasBias>;
-  auto kernel = partial_kernel<T, DK, DV, Source>;
-  // Opting in to > 48 KB of shared memory is a per-function, per-device
-  // attribute: set once for each device this kernel is launched on.
+/// Opts `kernel` in to `smem_bytes` of dynamic shared memory on the current
+/// device. The attribute is per function and per device: set once for each
+/// (kernel, device) pair.
+inline void configure_smem_once(void (*kernel)(PartialParams), size_t smem_bytes) {
   static std::mutex mutex;
-  static std::vector<int> configured_devices;
+  static std::vector<std::pair<void (*)(PartialParams), int>> configured;
   int device = 0;
   SP_CUDA_CHECK(cudaGetDevice(&device));
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (std::find(configured_devices.begin(), configured_devices.end(), device) == configured_devices.end()) {
-      SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(Cfg::kSmemBytes)));
-      SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         cudaSharedmemCarveoutMaxShared));
-      configured_devices.push_back(device);
-    }
-  }
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  if (std::find(configured.begin(), configured.end(), key) != configured.end()) return;
+  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  configured.push_back(key);
+}
+
+template <typename T, int DK, int DV, class Source>
+void launch_partial_shape(const PartialParams& p, int32_t num_items, cudaStream_t stream) {
+  using Cfg = TileConfig<DK, DV, Source::kHasBias>;
+  auto kernel = partial_kernel<T, DK, DV, Source>;
+  configure_smem_once(kernel, Cfg::kSmemBytes);
+  const dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile));
   // With programmatic serialization the grid is scheduled while the previous
   // kernel drains; the kernel waits for it before its first global read.
   launch_with_pdl(kernel, grid, dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
+template <typename T, class Source>
+void launch_mla(const PartialParams& p, int32_t num_items, cudaStream_t stream) {
+  if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
+  auto kernel = mla_partial_kernel<T, Source>;
+  configure_smem_once(kernel, MlaTile::kSmemBytes);
+  // Head tiles vary fastest, so the CTAs reading the same rows run together.
+  const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
+  if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
+}
+
 template <class Source>
 void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
-  // A V wider than the tile's DV (only the MLA tile) is split over grid.z;
-  // its columns are K's, so V must alias K.
-  unsigned slices = 1;
-  if (shape == TileShape::kK576V128) {
-    if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
-    slices = static_cast<unsigned>(p.dv / 128);
-  }
-  const dim3 grid(static_cast<unsigned>(num_items),
-                  static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile), slices);
   const bool bf16 = dtype == DType::kBF16;
   switch (shape) {
     case TileShape::kK64V64:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 64, 64, Source>(p, grid, stream)
-                  : launch_partial_shape<__half, 64, 64, Source>(p, grid, stream);
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 64, 64, Source>(p, num_items, stream)
+                  : launch_partial_shape<__half, 64, 64, Source>(p, num_items, stream);
     case TileShape::kK128V128:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 128, 128, Source>(p, grid, stream)
-                  : launch_partial_shape<__half, 128, 128, Source>(p, grid, stream);
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 128, 128, Source>(p, num_items, stream)
+                  : launch_partial_shape<__half, 128, 128, Source>(p, num_items, stream);
     case TileShape::kK192V128:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 192, 128, Source>(p, grid, stream)
-                  : launch_partial_shape<__half, 192, 128, Source>(p, grid, stream);
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 192, 128, Source>(p, num_items, stream)
+                  : launch_partial_shape<__half, 192, 128, Source>(p, num_items, stream);
     case TileShape::kK256V256:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 256, 256, Source>(p, grid, stream)
-                  : launch_partial_shape<__half, 256, 256, Source>(p, grid, stream);
-    case TileShape::kK576V128:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 576, 128, Source>(p, grid, stream)
-                  : launch_partial_shape<__half, 576, 128, Source>(p, grid, stream);
+      return bf16 ? launch_partial_shape<__nv_bfloat16, 256, 256, Source>(p, num_items, stream)
+                  : launch_partial_shape<__half, 256, 256, Source>(p, num_items, stream);
+    case TileShape::kMla:
+      return bf16 ? launch_mla<__nv_bfloat16, Source>(p, num_items, stream) : launch_mla<__half, Source>(p, num_items, stream);
     case TileShape::kNone: break;
   }
   throw Error("decode: no CUDA kernel for these head dims");

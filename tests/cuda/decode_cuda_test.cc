@@ -89,7 +89,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_p1_g24_d128", kBF16, 1, false, 24, 128, 128, 0, false, 0, {400, 0, 129}},
         // DSA/MLA: 128 heads, 512 latent (K row stride 640) + 64 rope, V = K's latent.
         Case{"bf16_mla_p1_g128_d512_e64", kBF16, 1, false, 128, 512, 512, 64, true, 128, {1100, 0, 77}},
-        Case{"f16_mla_p16_offset_g16_d512_e64", kF16, 16, true, 16, 512, 512, 64, true, 128, {300, 5}}),
+        Case{"f16_mla_p16_offset_g16_d512_e64", kF16, 16, true, 16, 512, 512, 64, true, 128, {300, 5}},
+        // A partial second head tile (80 = 64 + 16) and one exact tile.
+        Case{"f16_mla_p1_g80_d512_e64", kF16, 1, false, 80, 512, 512, 64, true, 128, {2100, 64, 1}},
+        Case{"bf16_mla_p2_offset_g64_d512_e64", kBF16, 2, true, 64, 512, 512, 64, true, 128, {129, 0, 640}}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
 
 TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {

@@ -188,7 +188,10 @@ INSTANTIATE_TEST_SUITE_P(
                   MaskKind::kRandom},
         DenseCase{"f16_g16_alias_d128", DType::kF16, 2, 2, 2, 16, 128, 128, 0, 600, 555, true, 64, MaskKind::kRandom},
         DenseCase{"bf16_g1_d128_v64_empty_window", DType::kBF16, 2, 2, 2, 1, 128, 64, 0, 64, 0, false, 0,
-                  MaskKind::kNone}),
+                  MaskKind::kNone},
+        // The MLA kernel on dense rows: 128 heads, K row stride 640, V = K's latent.
+        DenseCase{"bf16_mla_g128_alias_d512_e64", DType::kBF16, 2, 1, 1, 128, 512, 512, 64, 700, 650, true, 128,
+                  MaskKind::kRandom}),
     [](const ::testing::TestParamInfo<DenseCase>& param) { return std::string(param.param.name); });
 
 TEST(MaskedDecodeCudaErrors, F32IsRefusedClearly) {
