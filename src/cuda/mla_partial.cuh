@@ -166,8 +166,9 @@ struct MlaCta {
     }
   }
 
-  /// S_w = Q K^T over this warpgroup's 32 tokens of the stage.
-  __device__ void scores(uint32_t stage_addr, float (&s)[16]) const {
+  /// Issues S_w = Q K^T over this warpgroup's 32 tokens of the stage (the
+  /// caller waits for it).
+  __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
     const uint64_t qd = wgmma::desc_sw128(base + L::kQ, 16, 1024);
     const uint64_t kd = wgmma::desc_sw128(stage_addr + wg * 32 * 128, 16, 1024);
     wgmma::fence();
@@ -178,8 +179,6 @@ struct MlaCta {
       wgmma::mma_m64n32k16<T>(s, qd + off, kd + off, kk > 0);
     }
     wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(s);
   }
 
   /// Softmax of this warpgroup's scores against the CTA-wide running max,
@@ -276,11 +275,14 @@ struct MlaCta {
       cp_async_wait<0>();
       wgmma::fence_proxy_async();
       __syncthreads();  // tile t (and the ids of t + 1) landed; the other stage is free
+      float s[16];
+      start_scores(stage(t), s);
+      // The next tile's copies are issued while the tensor cores run S.
       if (t + 1 < num_tiles) issue_tile(t + 1);
       if (t + 2 < num_tiles) prefetch_ids(t + 2);
       cp_async_commit();
-      float s[16];
-      scores(stage(t), s);
+      wgmma::wait<0>();
+      wgmma::pin(s);
       softmax_pv(t, s);
     }
     cp_async_wait<0>();
