@@ -62,3 +62,14 @@ void block_topk_cuda(const BlockTopkArgs& args, void* stream);
 void block_mask_cuda(const int32_t* block_ids, int32_t num_requests, int32_t blocks_per_request, int32_t block_size,
                      int64_t kv_len, float* mask, void* stream);
 }  // namespace sparsepage::detail
+
+namespace sparsepage {
+struct DsaConfig;
+}  // namespace sparsepage
+
+namespace sparsepage::detail {
+/// Throws Error naming the first limit of the CUDA DSA indexer
+/// (src/cuda/dsa_indexer.cu) that `config` at `batch` breaks; without CUDA,
+/// says the library was built without it.
+void check_dsa_indexer_cuda(const DsaConfig& config, int32_t batch);
+}  // namespace sparsepage::detail

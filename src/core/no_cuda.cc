@@ -3,6 +3,7 @@
 #include "core/cuda_hooks.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/dense_paths.h"
+#include "sparsepage/models/dsa.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage {
@@ -62,3 +63,15 @@ void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int64_t, float*,
   throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
 }
 }  // namespace sparsepage::detail
+
+namespace sparsepage::detail {
+void check_dsa_indexer_cuda(const DsaConfig&, int32_t) {
+  throw Error("DSA indexer on Device::kCuda: sparsepage was built without CUDA");
+}
+}  // namespace sparsepage::detail
+
+namespace sparsepage {
+void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, void*) {
+  throw Error("dsa_select_tokens_cuda: sparsepage was built without CUDA");
+}
+}  // namespace sparsepage

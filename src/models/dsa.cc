@@ -6,6 +6,8 @@
 #include <numeric>
 #include <string>
 
+#include "core/cuda_hooks.h"
+
 namespace sparsepage {
 
 std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& c, int32_t batch, int64_t kv_len,
@@ -53,15 +55,20 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
       batch_(batch),
       cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
              config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
-      decoder_(device, dispatch) {
-  if (device != Device::kCpu) {
-    throw Error("DsaAttention: runs on the CPU backend only for now; the fused CUDA kernel for the latent + rope "
-                "shape exists, but the top-k token indexer has no CUDA pass yet");
-  }
+      decoder_(device, dispatch),
+      mask_path_(device) {
   if (dtype == DType::kF32) throw Error("DsaAttention: the cache stores f16 or bf16");
   if (config.num_qo_heads < 1 || config.latent_dim < 1 || config.rope_dim < 1 || config.index_heads < 1 ||
       config.index_head_dim < 1 || config.index_topk < 1) {
     throw Error("DsaAttention: heads, dims and index_topk must be at least 1");
+  }
+  if (device == Device::kCuda) {
+    detail::check_dsa_indexer_cuda(config, batch);
+    // The mask path and the fused path share the MLA tile; without it neither could run.
+    if (!cuda_supports_head_dims(config.latent_dim, config.latent_dim, config.rope_dim)) {
+      throw Error("DsaAttention on CUDA: no attention kernel for latent_dim " + std::to_string(config.latent_dim) +
+                  " with rope_dim " + std::to_string(config.rope_dim) + " (the MLA kernel takes 512 and 64)");
+    }
   }
   if (config_.scale == 0.0f) config_.scale = 1.0f / std::sqrt(static_cast<float>(config.latent_dim + config.rope_dim));
 }
@@ -98,27 +105,30 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   return in;
 }
 
-void DsaAttention::prefill_token(const DsaTokens& tokens) {
+void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
   check_tokens(tokens);
   cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
-  run_masked_decode_cpu(masked_params(inputs(tokens)));  // the whole causal window
+  const MaskedDecodeParams m = masked_params(inputs(tokens));  // no mask: the whole causal window
+  if (device_ == Device::kCuda) {
+    const size_t bytes = masked_decode_workspace_bytes(m, cuda_multiprocessor_count());
+    if (prefill_workspace_.bytes() < bytes) prefill_workspace_ = Buffer(device_, bytes);
+    run_masked_decode_cuda(m, prefill_workspace_.data(), stream);
+  } else {
+    run_masked_decode_cpu(m);
+  }
 }
 
-DsaStep DsaAttention::decode(const DsaTokens& tokens) {
-  check_tokens(tokens);
-  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
-  const SparseAttentionInputs in = inputs(tokens);
-  const int64_t kv_len = in.live_len;
-  DsaStep step;
-  step.sparse = kv_len > config_.index_topk;
+void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
+  const RawKVAllocations raw = *cache_.raw_kv_allocations();
+  const int64_t kv_len = raw.live_len;
   std::vector<std::vector<int32_t>> positions;
-  if (!step.sparse) {
+  if (kv_len <= config_.index_topk) {
     positions.assign(static_cast<size_t>(batch_), std::vector<int32_t>(static_cast<size_t>(kv_len)));
     for (auto& p : positions) std::iota(p.begin(), p.end(), 0);
   } else {
     // The indexer key is the K buffer's columns latent_dim .. latent_dim + index_head_dim.
-    const RawKVAllocations raw = *cache_.raw_kv_allocations();
-    const size_t d = static_cast<size_t>(config_.index_head_dim), stride = static_cast<size_t>(in.k.row_stride);
+    const size_t d = static_cast<size_t>(config_.index_head_dim);
+    const size_t stride = static_cast<size_t>(config_.latent_dim + config_.index_head_dim);
     std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
     for (int32_t b = 0; b < batch_; ++b) {
       for (int64_t t = 0; t < kv_len; ++t) {
@@ -132,12 +142,51 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens) {
     positions = dsa_select_tokens_cpu(config_, batch_, kv_len, q.data(), tokens.index_weights, keys);
   }
   selection_ = make_selection(device_, positions);
-  step.outcome = decoder_.try_fused(in, selection_);
+}
+
+void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
+  const RawKVAllocations raw = *cache_.raw_kv_allocations();
+  const int64_t kv_len = raw.live_len;
+  const int32_t keep = static_cast<int32_t>(std::min<int64_t>(config_.index_topk, kv_len));
+  // Sized for the whole allocation and the full top-k, so a decode step
+  // allocates only when the cache grows.
+  if (kv_len > config_.index_topk) {
+    const size_t score_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(raw.k_shape.capacity) * sizeof(float);
+    if (scores_.bytes() < score_bytes) scores_ = Buffer(device_, score_bytes);
+  }
+  const size_t index_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(config_.index_topk) * sizeof(int32_t);
+  if (selection_.indices.bytes() < index_bytes) selection_.indices = Buffer(device_, index_bytes);
+  selection_.counts.assign(static_cast<size_t>(batch_), keep);
+  DsaIndexerArgs args;
+  args.dtype = dtype_;
+  args.k_cache = raw.k;
+  args.capacity = raw.k_shape.capacity;
+  args.kv_len = kv_len;
+  args.q_index = tokens.q_index;
+  args.weights = tokens.index_weights;
+  args.scores = scores_.as<float>();
+  args.scores_count = static_cast<int64_t>(scores_.bytes() / sizeof(float));
+  args.positions = selection_.indices.as<int32_t>();
+  args.positions_count = static_cast<int64_t>(selection_.indices.bytes() / sizeof(int32_t));
+  dsa_select_tokens_cuda(config_, batch_, args, stream);
+}
+
+DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
+  check_tokens(tokens);
+  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
+  const SparseAttentionInputs in = inputs(tokens);
+  DsaStep step;
+  step.sparse = in.live_len > config_.index_topk;
+  if (device_ == Device::kCuda) {
+    select_tokens_cuda(tokens, stream);
+  } else {
+    select_tokens_cpu(tokens);
+  }
+  step.outcome = decoder_.try_fused(in, selection_, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {
-    MaskPath mask(device_);
-    mask.prepare(in, selection_);
-    mask.run(in, selection_);
+    mask_path_.prepare(in, selection_);
+    mask_path_.run(in, selection_, stream);
   }
   return step;
 }
@@ -145,13 +194,17 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens) {
 std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() const {
   if (selection_.num_requests() != batch_) throw Error("DsaAttention::last_mask_columns: no decode has run yet");
   const int64_t kv_len = cache_.live_len();
-  const std::vector<int32_t> offsets = selection_.offsets();
-  std::vector<float> mask(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len));
-  build_selection_mask(device_, selection_.indices.as<int32_t>(), offsets.data(), batch_, kv_len, mask.data());
+  const size_t cells = static_cast<size_t>(batch_) * static_cast<size_t>(kv_len);
+  // Built on the layer's device from the selection itself, as the mask path builds it.
+  const Buffer offsets = upload(device_, selection_.offsets());
+  Buffer mask(device_, cells * sizeof(float));
+  build_selection_mask(device_, selection_.indices.as<int32_t>(), offsets.as<int32_t>(), batch_, kv_len,
+                       mask.as<float>());
+  const std::vector<float> host = download<float>(device_, mask.data(), cells);
   std::vector<std::vector<int32_t>> columns(static_cast<size_t>(batch_));
   for (int32_t b = 0; b < batch_; ++b) {
     for (int64_t t = 0; t < kv_len; ++t) {
-      if (mask[static_cast<size_t>(b * kv_len + t)] == 0.0f) columns[static_cast<size_t>(b)].push_back(static_cast<int32_t>(t));
+      if (host[static_cast<size_t>(b * kv_len + t)] == 0.0f) columns[static_cast<size_t>(b)].push_back(static_cast<int32_t>(t));
     }
   }
   return columns;

@@ -174,8 +174,8 @@ struct DsaToyModel::Weights {
   std::vector<Layer> layers;
 };
 
-DsaToyModel::DsaToyModel(const DsaToyConfig& config, DispatchConfig dispatch)
-    : config_(config), weights_(std::make_unique<Weights>()) {
+DsaToyModel::DsaToyModel(Device device, const DsaToyConfig& config, DispatchConfig dispatch)
+    : device_(device), config_(config), weights_(std::make_unique<Weights>()) {
   std::mt19937_64 rng(config.seed);
   const auto& a = config.attention;
   const size_t d = static_cast<size_t>(config.d_model), h = static_cast<size_t>(a.num_qo_heads);
@@ -195,7 +195,7 @@ DsaToyModel::DsaToyModel(const DsaToyConfig& config, DispatchConfig dispatch)
     w.w1 = random_matrix(rng, d, 2 * d);
     w.w2 = random_matrix(rng, 2 * d, d);
     weights_->layers.push_back(std::move(w));
-    layers_.push_back(std::make_unique<DsaAttention>(Device::kCpu, DType::kBF16, a, 1, dispatch));
+    layers_.push_back(std::make_unique<DsaAttention>(device, DType::kBF16, a, 1, dispatch));
   }
 }
 
@@ -204,11 +204,6 @@ DsaToyModel::~DsaToyModel() = default;
 std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
   const auto& a = config_.attention;
   const size_t d = static_cast<size_t>(config_.d_model), h = static_cast<size_t>(a.num_qo_heads);
-  const auto bf16 = [](const std::vector<float>& x) {
-    std::vector<uint8_t> bytes(x.size() * 2);
-    from_float(DType::kBF16, x.data(), bytes.data(), x.size());
-    return bytes;
-  };
   std::vector<float> x = embed_with_position(weights_->embed, token, d, position_++);
   for (int32_t l = 0; l < config_.layers; ++l) {
     const auto& w = weights_->layers[static_cast<size_t>(l)];
@@ -216,16 +211,18 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
     std::vector<float> k_row = matvec(hn, w.w_kv, static_cast<size_t>(a.latent_dim));
     const std::vector<float> index_key = matvec(hn, w.w_ik, static_cast<size_t>(a.index_head_dim));
     k_row.insert(k_row.end(), index_key.begin(), index_key.end());
-    const auto k_bytes = bf16(k_row);
-    const auto kpe_bytes = bf16(matvec(hn, w.w_kr, static_cast<size_t>(a.rope_dim)));
-    const auto q_bytes = bf16(matvec(hn, w.w_q, h * static_cast<size_t>(a.latent_dim)));
-    const auto qpe_bytes = bf16(matvec(hn, w.w_qr, h * static_cast<size_t>(a.rope_dim)));
-    const auto qi_bytes = bf16(matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
-    const std::vector<float> weights = matvec(hn, w.w_w, static_cast<size_t>(a.index_heads));
+    const Buffer k = to_device(device_, DType::kBF16, k_row);
+    const Buffer k_pe = to_device(device_, DType::kBF16, matvec(hn, w.w_kr, static_cast<size_t>(a.rope_dim)));
+    const Buffer q = to_device(device_, DType::kBF16, matvec(hn, w.w_q, h * static_cast<size_t>(a.latent_dim)));
+    const Buffer q_pe = to_device(device_, DType::kBF16, matvec(hn, w.w_qr, h * static_cast<size_t>(a.rope_dim)));
+    const Buffer q_index = to_device(
+        device_, DType::kBF16,
+        matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
+    const Buffer weights = upload(device_, matvec(hn, w.w_w, static_cast<size_t>(a.index_heads)));
     // NaN until the layer writes it: an unwritten output cannot pass as zero attention.
-    std::vector<uint8_t> o = nan_values(DType::kBF16, h * static_cast<size_t>(a.latent_dim));
-    const DsaTokens tokens{q_bytes.data(), qpe_bytes.data(), qi_bytes.data(), weights.data(),
-                           k_bytes.data(), kpe_bytes.data(), o.data()};
+    Buffer o(device_, h * static_cast<size_t>(a.latent_dim) * 2);
+    fill_bytes(o.data(), device_, 0xFF, o.bytes());
+    const DsaTokens tokens{q.data(), q_pe.data(), q_index.data(), weights.as<float>(), k.data(), k_pe.data(), o.data()};
     if (prefill) {
       layers_[static_cast<size_t>(l)]->prefill_token(tokens);
     } else {
@@ -234,7 +231,8 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
       fused_steps_ += step.fused ? 1 : 0;
     }
     std::vector<float> attn(h * static_cast<size_t>(a.latent_dim));
-    to_float(DType::kBF16, o.data(), attn.data(), attn.size());
+    const auto o_bytes = download<uint8_t>(device_, o.data(), o.bytes());
+    to_float(DType::kBF16, o_bytes.data(), attn.data(), attn.size());
     add_block(x, attn, w.wo, w.w1, w.w2);
   }
   return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));

@@ -44,19 +44,26 @@ class ToyModel {
   int64_t position_ = 0;
 };
 
-/// The same kind of model over DSA (MLA + top-k token indexer) layers; runs
-/// on the CPU backend.
+/// The same kind of model over DSA (MLA + top-k token indexer) layers. The
+/// default attention shape is small, for the CPU backend; on CUDA use
+/// `cuda_shape()` (the MLA kernel takes latent 512 with rope 64).
 struct DsaToyConfig {
   int32_t vocab = 96;
   int32_t d_model = 64;
   int32_t layers = 2;
   DsaConfig attention{8, 64, 16, 4, 32, 32, 0.0f, 64};  // 8 heads, latent 64 + rope 16, 4 index heads of 32, top 32
   uint64_t seed = 4321;
+  /// The same model at latent 512 + rope 64 (index heads of 64), which both backends run.
+  static DsaToyConfig cuda_shape() {
+    DsaToyConfig c;
+    c.attention = {8, 512, 64, 4, 64, 32, 0.0f, 64};
+    return c;
+  }
 };
 
 class DsaToyModel {
  public:
-  DsaToyModel(const DsaToyConfig& config, DispatchConfig dispatch);
+  DsaToyModel(Device device, const DsaToyConfig& config, DispatchConfig dispatch);
   ~DsaToyModel();
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int32_t steps);
   int32_t fused_steps() const { return fused_steps_; }
@@ -65,6 +72,7 @@ class DsaToyModel {
  private:
   struct Weights;
   std::vector<float> forward(int32_t token, bool prefill);
+  Device device_;
   DsaToyConfig config_;
   std::unique_ptr<Weights> weights_;
   std::vector<std::unique_ptr<DsaAttention>> layers_;

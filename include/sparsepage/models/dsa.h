@@ -13,12 +13,14 @@
 // (j < index_heads) and weights w[b, j],
 //   I(b, t) = sum_j w[b, j] * ReLU(q_idx[b, j] . k_idx[b, t])
 // over the live window; the top `index_topk` positions are kept (ties to the
-// lower position). While kv_len <= index_topk every token is kept.
+// lower position; a NaN score ranks last). While kv_len <= index_topk every
+// token is kept.
 //
-// Backends: the layer runs on the CPU backend. On CUDA it reports a clear
-// error: the fused kernel for the 512 + 64 shape is built (and benchmarked
-// with `sparse_paged_decode_bench --geometry dsa`), but the indexer has no
-// CUDA pass yet.
+// Backends: CPU and CUDA. On CUDA the indexer runs on the device
+// (dsa_select_tokens_cuda) and its positions become the selection without a
+// host round trip (the count, min(index_topk, kv_len) per sequence, is a host
+// fact); the attention kernels take latent_dim 512 with rope_dim 64, and the
+// constructor refuses other shapes by name.
 #pragma once
 
 #include <cstdint>
@@ -46,8 +48,10 @@ struct DsaConfig {
   int64_t capacity_step = 4096;
 };
 
-/// One token's inputs, host memory for the CPU backend, in the layer's dtype
-/// except the fp32 index weights.
+/// One token's inputs, in the layer's dtype except the fp32 index weights.
+/// Every pointer lives on the layer's device: host memory for the CPU
+/// backend, device memory for CUDA (16-byte aligned there, as the attention
+/// kernels read q, q_pe and o in 16-byte pieces).
 struct DsaTokens {
   const void* q_latent = nullptr;    // [batch, num_qo_heads, latent_dim] (absorbed queries)
   const void* q_pe = nullptr;        // [batch, num_qo_heads, rope_dim]
@@ -69,29 +73,42 @@ class DsaAttention {
   DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch,
                DispatchConfig dispatch = process_dispatch_config());
 
-  /// Prefill keeps the mask path: appends the token and attends to the whole window.
-  void prefill_token(const DsaTokens& tokens);
+  /// Prefill keeps the mask path: appends the token and attends to the whole
+  /// window. On CUDA the attention runs on `stream` (a cudaStream_t; null:
+  /// the default stream).
+  void prefill_token(const DsaTokens& tokens, void* stream = nullptr);
   /// Decode: appends the token, runs the indexer, tries the fused path and
   /// falls back to the mask path over the same positions.
-  DsaStep decode(const DsaTokens& tokens);
+  DsaStep decode(const DsaTokens& tokens, void* stream = nullptr);
 
-  /// Positions the last decode's page table attends, per sequence.
+  /// Positions the last decode's page table attends, per sequence: in
+  /// descending indexer score on the CPU backend, in increasing position on
+  /// CUDA. A host copy for tests and debugging; on CUDA it reads after the
+  /// default stream, so synchronize a non-blocking decode stream first.
   std::vector<std::vector<int32_t>> last_selected_positions() const { return selection_.materialize(); }
-  /// Columns the mask path keeps for the last decode (its mask's 0 entries).
-  /// Throws before the first decode.
+  /// Columns the mask path keeps for the last decode (its mask's 0 entries),
+  /// built on the layer's device from the same selection; a host copy, as
+  /// above. Throws before the first decode.
   std::vector<std::vector<int32_t>> last_mask_columns() const;
 
   const DenseKVCache& cache() const { return cache_; }
 
  private:
   SparseAttentionInputs inputs(const DsaTokens& tokens) const;
+  void select_tokens_cpu(const DsaTokens& tokens);
+  void select_tokens_cuda(const DsaTokens& tokens, void* stream);
   Device device_;
   DType dtype_;
   DsaConfig config_;
   int32_t batch_;
   DenseKVCache cache_;
   SparseDecoder decoder_;
-  SparseSelection selection_;
+  SparseSelection selection_;  // on CUDA its indices hold batch * index_topk entries, reused every step
+  // Members rather than locals: on CUDA the work queued on the caller's
+  // stream may still read them when decode returns.
+  MaskPath mask_path_;
+  Buffer scores_;              // fp32 indexer scores [batch, capacity] (CUDA)
+  Buffer prefill_workspace_;   // masked-decode workspace of prefill (CUDA)
 };
 
 /// The indexer on the host: for each sequence, the top `topk` positions of
@@ -101,5 +118,37 @@ class DsaAttention {
 std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& config, int32_t batch, int64_t kv_len,
                                                         const float* q_index, const float* weights,
                                                         const std::vector<float>& index_keys);
+
+/// Where the CUDA indexer reads and writes; every pointer is device memory.
+struct DsaIndexerArgs {
+  DType dtype = DType::kBF16;      // of k_cache and q_index: f16 or bf16
+  const void* k_cache = nullptr;   // the layer's K buffer: [batch * capacity, latent_dim + index_head_dim], row
+                                   // b * capacity + t, index key at columns latent_dim ..; 16-byte aligned
+  int64_t capacity = 0;            // rows per sequence in k_cache
+  int64_t kv_len = 0;              // live positions per sequence, <= capacity
+  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]
+  const float* weights = nullptr;  // [batch, index_heads]
+  float* scores = nullptr;         // workspace [batch, kv_len]; may be null while kv_len <= index_topk
+  int64_t scores_count = 0;        // floats in `scores`
+  int32_t* positions = nullptr;    // out: [batch, min(index_topk, kv_len)]
+  int64_t positions_count = 0;     // int32 entries in `positions`
+};
+
+/// The indexer on the GPU, on `stream` (a cudaStream_t; null: the default
+/// stream): for each sequence the same set as dsa_select_tokens_cpu (scores
+/// accumulated in fp32, NaN last, ties at the threshold to the lower
+/// positions), written in increasing position order. Only the order of the
+/// fp32 sums differs from the CPU loop, so scores closer than its rounding
+/// may swap at the threshold. While kv_len <= index_topk it writes
+/// 0 .. kv_len - 1 without scoring. Allocates nothing, synchronizes nothing
+/// and reads nothing back (graph-capturable).
+/// Limits (Error naming the one broken): f16/bf16; index_head_dim a multiple
+/// of 8 up to 256 and latent_dim a multiple of 8 (keys are read 16 bytes at
+/// a time); index_heads * index_head_dim <= 16384 (one sequence's index
+/// queries are staged in shared memory); batch <= 65535; kv_len < 2^31.
+/// A top-k over a long window is one CTA per sequence, so its time grows
+/// linearly with kv_len.
+void dsa_select_tokens_cuda(const DsaConfig& config, int32_t batch, const DsaIndexerArgs& args,
+                            void* stream = nullptr);
 
 }  // namespace sparsepage

@@ -1,0 +1,532 @@
+// The DSA layer (SPEC 8.2) on the GPU: the CUDA indexer against the CPU rule
+// (set equality, the tie rule, NaN keys, the window-fits case, graph replay),
+// the layer against the same layer on the CPU backend and an fp64 reference
+// (fused when sparse, the kill switch's mask path giving the same answer),
+// and greedy decoding of the toy model on the GPU against the CPU.
+//
+// Index queries and keys are small integers and the weights multiples of 1/2
+// wherever sets are compared exactly: every score is then exact in fp32
+// whatever the order of the sums, so the two indexers must agree on every
+// position, ties included. The one test on real-valued inputs allows swaps
+// only between scores closer than fp32 rounding.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+
+#include "cuda/cuda_test_util.h"
+#include "sparsepage/models/dsa.h"
+#include "support/toy_model.h"
+
+namespace sparsepage {
+namespace {
+
+using Rows = std::vector<std::vector<int32_t>>;
+
+std::vector<uint8_t> bytes_of(DType dtype, const std::vector<float>& x) {
+  std::vector<uint8_t> out(x.size() * dtype_size(dtype));
+  from_float(dtype, x.data(), out.data(), x.size());
+  return out;
+}
+
+DispatchConfig fuse_always() {
+  DispatchConfig c = DispatchConfig::defaults();
+  c.min_kv_tokens = c.min_kv_tokens_per_request = 0;
+  return c;
+}
+
+DispatchConfig kill_switch() {
+  DispatchConfig c = fuse_always();
+  c.enabled = false;
+  return c;
+}
+
+// ---- the indexer ----------------------------------------------------------
+
+struct IndexerCase {
+  int32_t heads, dim, topk, batch;
+  int64_t kv_len;
+  DType dtype;
+  bool zero_weights_row1;  // sequence 1 scores every position 0: the top-k is the lowest positions
+};
+
+// One indexer call's inputs on the host, as floats exact in `dtype`. The K
+// rows carry NaN latent columns and NaN rows past the window: the indexer
+// must read neither.
+struct IndexerProblem {
+  DsaConfig config;
+  int32_t batch = 0;
+  int64_t kv_len = 0, capacity = 0;
+  DType dtype = DType::kBF16;
+  std::vector<float> k_rows;   // [batch * capacity, latent_dim + index_head_dim]
+  std::vector<float> q_index;  // [batch, index_heads, index_head_dim]
+  std::vector<float> weights;  // [batch, index_heads]
+
+  int64_t stride() const { return config.latent_dim + config.index_head_dim; }
+  float* key(int32_t b, int64_t t) { return &k_rows[size_t((b * capacity + t) * stride() + config.latent_dim)]; }
+  const float* key(int32_t b, int64_t t) const {
+    return &k_rows[size_t((b * capacity + t) * stride() + config.latent_dim)];
+  }
+  // I(b, t) in fp64 (exact for the integer inputs), NaN ranked as -inf.
+  std::vector<double> scores(int32_t b) const {
+    std::vector<double> s(static_cast<size_t>(kv_len));
+    for (int64_t t = 0; t < kv_len; ++t) {
+      double total = 0;
+      for (int32_t j = 0; j < config.index_heads; ++j) {
+        const float* q = &q_index[size_t((b * config.index_heads + j) * config.index_head_dim)];
+        double dot = 0;
+        for (int32_t d = 0; d < config.index_head_dim; ++d) dot += double(q[d]) * key(b, t)[d];
+        total += weights[size_t(b * config.index_heads + j)] * std::max(dot, 0.0);
+      }
+      s[size_t(t)] = std::isnan(total) ? -INFINITY : total;
+    }
+    return s;
+  }
+  Rows cpu() const {
+    std::vector<float> keys;
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int64_t t = 0; t < kv_len; ++t) keys.insert(keys.end(), key(b, t), key(b, t) + config.index_head_dim);
+    }
+    return dsa_select_tokens_cpu(config, batch, kv_len, q_index.data(), weights.data(), keys);
+  }
+  // The CUDA indexer with its outputs poisoned (-1) before the call.
+  Rows gpu() const {
+    const Buffer k = upload(Device::kCuda, bytes_of(dtype, k_rows));
+    const Buffer q = upload(Device::kCuda, bytes_of(dtype, q_index));
+    const Buffer w = upload(Device::kCuda, weights);
+    const int64_t keep = std::min<int64_t>(config.index_topk, kv_len);
+    Buffer scores(Device::kCuda, size_t(batch * kv_len) * sizeof(float));
+    Buffer positions(Device::kCuda, size_t(batch * keep) * sizeof(int32_t));
+    fill_bytes(positions.data(), Device::kCuda, 0xFF, positions.bytes());
+    DsaIndexerArgs a;
+    a.dtype = dtype;
+    a.k_cache = k.data();
+    a.capacity = capacity;
+    a.kv_len = kv_len;
+    a.q_index = q.data();
+    a.weights = w.as<float>();
+    a.scores = scores.as<float>();
+    a.scores_count = batch * kv_len;
+    a.positions = positions.as<int32_t>();
+    a.positions_count = batch * keep;
+    dsa_select_tokens_cuda(config, batch, a);
+    testing::cuda_ok(cudaDeviceSynchronize(), "indexer");
+    const auto flat = download<int32_t>(Device::kCuda, positions.data(), size_t(batch * keep));
+    Rows out;
+    for (int32_t b = 0; b < batch; ++b) out.emplace_back(flat.begin() + b * keep, flat.begin() + (b + 1) * keep);
+    return out;
+  }
+};
+
+IndexerProblem make_exact_problem(const IndexerCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> small(-4, 4), half_steps(-2, 4);
+  IndexerProblem pb;
+  pb.config = DsaConfig{1, 64, 64, c.heads, c.dim, c.topk, 0.0f, 64};
+  pb.batch = c.batch;
+  pb.kv_len = c.kv_len;
+  pb.capacity = c.kv_len + 37;  // rows past the window exist and are poison
+  pb.dtype = c.dtype;
+  pb.k_rows.assign(size_t(c.batch * pb.capacity * pb.stride()), NAN);
+  for (int32_t b = 0; b < c.batch; ++b) {
+    for (int64_t t = 0; t < c.kv_len; ++t) {
+      for (int32_t d = 0; d < c.dim; ++d) pb.key(b, t)[d] = float(small(rng));
+    }
+  }
+  for (size_t i = 0; i < size_t(c.batch * c.heads * c.dim); ++i) pb.q_index.push_back(float(small(rng)));
+  for (size_t i = 0; i < size_t(c.batch * c.heads); ++i) pb.weights.push_back(0.5f * float(half_steps(rng)));
+  if (c.zero_weights_row1) std::fill_n(pb.weights.begin() + c.heads, c.heads, 0.0f);
+  const int64_t keep = std::min<int64_t>(c.topk, c.kv_len);
+  for (int32_t b = 0; b < c.batch; ++b) {
+    const std::vector<double> s = pb.scores(b);
+    std::vector<int64_t> order(size_t(c.kv_len));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return s[size_t(x)] > s[size_t(y)]; });
+    // A deliberate tie block across the threshold: the k-th ranked key copied
+    // onto the dozen lowest-ranked positions, so more positions share the
+    // threshold score than the top-k keeps and the tie rule decides.
+    if (c.kv_len >= keep + 14) {
+      const float* kth = pb.key(b, order[size_t(keep - 1)]);
+      const std::vector<float> copy(kth, kth + c.dim);
+      for (size_t i = 0; i < 12; ++i) std::copy(copy.begin(), copy.end(), pb.key(b, order[order.size() - 1 - i]));
+    }
+    // A NaN in the best-ranked key: its score is NaN and must rank last.
+    pb.key(b, order[0])[c.dim / 2] = NAN;
+  }
+  return pb;
+}
+
+// The GPU rows in increasing position (the documented order), inside the
+// window, and the same set as the CPU rule.
+void expect_same_sets(const Rows& gpu, const Rows& cpu, int64_t kv_len, const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  for (size_t b = 0; b < gpu.size(); ++b) {
+    ASSERT_EQ(gpu[b].size(), cpu[b].size()) << what << " sequence " << b;
+    for (size_t i = 0; i < gpu[b].size(); ++i) {
+      ASSERT_TRUE(gpu[b][i] >= 0 && gpu[b][i] < kv_len) << what << " sequence " << b << " entry " << i;
+      if (i > 0) {
+        ASSERT_LT(gpu[b][i - 1], gpu[b][i]) << what << " sequence " << b << ": not increasing";
+      }
+    }
+    std::vector<int32_t> want = cpu[b];
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(gpu[b], want) << what << " sequence " << b;
+  }
+}
+
+TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
+  SKIP_WITHOUT_CUDA();
+  const std::vector<IndexerCase> cases = {
+      {4, 64, 64, 2, 50, DType::kBF16, false},        // the window fits the top-k: everything
+      {4, 64, 64, 2, 64, DType::kBF16, false},        // exactly fits
+      {4, 128, 256, 3, 257, DType::kBF16, false},     // one position dropped
+      {4, 128, 128, 3, 4999, DType::kBF16, true},     // several CTAs and a partial tile; an all-zero row
+      {4, 64, 200, 2, 3001, DType::kF16, false},
+      {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
+      {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const IndexerCase& c = cases[i];
+    const std::string what = "heads " + std::to_string(c.heads) + " dim " + std::to_string(c.dim) + " topk " +
+                             std::to_string(c.topk) + " kv_len " + std::to_string(c.kv_len);
+    const IndexerProblem pb = make_exact_problem(c, 600 + i);
+    const Rows cpu = pb.cpu();
+    expect_same_sets(pb.gpu(), cpu, c.kv_len, what);
+    if (c.kv_len > c.topk) {
+      for (int32_t b = 0; b < c.batch; ++b) {
+        const std::vector<double> s = pb.scores(b);
+        for (int32_t t : cpu[size_t(b)]) EXPECT_TRUE(std::isfinite(s[size_t(t)])) << what << ": a NaN key was kept";
+      }
+    }
+    if (c.zero_weights_row1) {
+      // Every score ties at 0 except position 0's NaN key: positions 1 .. topk.
+      std::vector<int32_t> want(size_t(c.topk));
+      std::iota(want.begin(), want.end(), 1);
+      EXPECT_EQ(pb.gpu()[1], want) << what;
+    }
+  }
+}
+
+// Real-valued inputs: the sets agree except where two scores are closer than
+// fp32 summation order can resolve, and any swap sits at the threshold.
+TEST(DsaIndexerCuda, MatchesTheCpuRuleOnRealScoresUpToRounding) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(77);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  IndexerProblem pb = make_exact_problem({16, 128, 512, 2, 3000, DType::kBF16, false}, 77);
+  for (float& x : pb.k_rows) x = std::isnan(x) ? x : bf16_to_float(float_to_bf16(unit(rng)));
+  for (float& x : pb.q_index) x = bf16_to_float(float_to_bf16(unit(rng)));
+  for (float& x : pb.weights) x = unit(rng);
+  // Duplicate rows score identically on both sides: exact ties survive real inputs too.
+  for (int32_t b = 0; b < pb.batch; ++b) {
+    for (int64_t t = 100; t < 110; ++t) std::copy(pb.key(b, 7), pb.key(b, 7) + 128, pb.key(b, t));
+  }
+  const Rows gpu = pb.gpu(), cpu = pb.cpu();
+  for (int32_t b = 0; b < pb.batch; ++b) {
+    const std::vector<double> s = pb.scores(b);
+    std::vector<double> sorted = s;
+    std::sort(sorted.rbegin(), sorted.rend());
+    const double threshold = sorted[511];
+    double magnitude = 0;
+    for (double x : s) magnitude = std::max(magnitude, std::fabs(x));
+    std::set<int32_t> g(gpu[size_t(b)].begin(), gpu[size_t(b)].end()), c(cpu[size_t(b)].begin(), cpu[size_t(b)].end());
+    ASSERT_EQ(g.size(), 512u);
+    std::vector<int32_t> differ;
+    std::set_symmetric_difference(g.begin(), g.end(), c.begin(), c.end(), std::back_inserter(differ));
+    for (int32_t t : differ) {
+      EXPECT_LT(std::fabs(s[size_t(t)] - threshold), 1e-5 * magnitude) << "position " << t << " swapped far from the threshold";
+    }
+    EXPECT_LE(differ.size(), 4u);
+    // The duplicated rows are all in or all out.
+    const bool in = g.count(7) != 0;
+    for (int32_t t = 100; t < 110; ++t) EXPECT_EQ(g.count(t) != 0, in) << "duplicate row " << t;
+  }
+}
+
+// The launch pair is capturable: replay with new queries gives the new answer.
+TEST(DsaIndexerCuda, ReplaysFromAGraph) {
+  SKIP_WITHOUT_CUDA();
+  IndexerProblem pb = make_exact_problem({8, 64, 96, 2, 700, DType::kBF16, false}, 91);
+  const Buffer k = upload(Device::kCuda, bytes_of(pb.dtype, pb.k_rows));
+  Buffer q = upload(Device::kCuda, bytes_of(pb.dtype, pb.q_index));
+  const Buffer w = upload(Device::kCuda, pb.weights);
+  Buffer scores(Device::kCuda, size_t(2 * 700) * sizeof(float));
+  Buffer positions(Device::kCuda, size_t(2 * 96) * sizeof(int32_t));
+  DsaIndexerArgs a;
+  a.k_cache = k.data();
+  a.capacity = pb.capacity;
+  a.kv_len = pb.kv_len;
+  a.q_index = q.data();
+  a.weights = w.as<float>();
+  a.scores = scores.as<float>();
+  a.scores_count = 2 * 700;
+  a.positions = positions.as<int32_t>();
+  a.positions_count = 2 * 96;
+  dsa_select_tokens_cuda(pb.config, 2, a);  // first use outside the capture
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  dsa_select_tokens_cuda(pb.config, 2, a, stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  std::mt19937_64 rng(92);
+  std::uniform_int_distribution<int> small(-4, 4);
+  for (float& x : pb.q_index) x = float(small(rng));
+  const auto q_new = bytes_of(pb.dtype, pb.q_index);
+  copy_bytes(q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
+  fill_bytes(positions.data(), Device::kCuda, 0xFF, positions.bytes());
+  testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  const auto flat = download<int32_t>(Device::kCuda, positions.data(), 2 * 96);
+  const Rows got = {{flat.begin(), flat.begin() + 96}, {flat.begin() + 96, flat.end()}};
+  expect_same_sets(got, pb.cpu(), pb.kv_len, "graph replay");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(DsaIndexerCuda, BadArgumentsAreNamed) {
+  SKIP_WITHOUT_CUDA();
+  const IndexerProblem pb = make_exact_problem({4, 64, 32, 1, 100, DType::kBF16, false}, 5);
+  const Buffer k = upload(Device::kCuda, bytes_of(pb.dtype, pb.k_rows));
+  const Buffer q = upload(Device::kCuda, bytes_of(pb.dtype, pb.q_index));
+  const Buffer w = upload(Device::kCuda, pb.weights);
+  Buffer scores(Device::kCuda, 100 * sizeof(float)), positions(Device::kCuda, 32 * sizeof(int32_t));
+  DsaIndexerArgs good;
+  good.k_cache = k.data();
+  good.capacity = pb.capacity;
+  good.kv_len = 100;
+  good.q_index = q.data();
+  good.weights = w.as<float>();
+  good.scores = scores.as<float>();
+  good.scores_count = 100;
+  good.positions = positions.as<int32_t>();
+  good.positions_count = 32;
+  EXPECT_NO_THROW(dsa_select_tokens_cuda(pb.config, 1, good));
+  const auto expect_error = [&](DsaConfig config, DsaIndexerArgs a, const std::string& needle) {
+    try {
+      dsa_select_tokens_cuda(config, 1, a);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  DsaIndexerArgs a = good;
+  a.k_cache = static_cast<const char*>(k.data()) + 2;
+  expect_error(pb.config, a, "aligned");
+  a = good;
+  a.kv_len = pb.capacity + 1;
+  expect_error(pb.config, a, "kv_len <= capacity");
+  a = good;
+  a.scores_count = 99;
+  expect_error(pb.config, a, "scores workspace");
+  a = good;
+  a.positions_count = 31;
+  expect_error(pb.config, a, "positions holds");
+  a = good;
+  a.dtype = DType::kF32;
+  expect_error(pb.config, a, "f16 or bf16");
+  DsaConfig c = pb.config;
+  c.index_head_dim = 36;
+  expect_error(c, good, "index_head_dim = 36");
+  c = pb.config;
+  c.index_heads = 300;  // 300 * 64 query elements do not fit the staging
+  expect_error(c, good, "index_heads * index_head_dim");
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+}
+
+// ---- the layer --------------------------------------------------------------
+
+const DsaConfig kGpuLayer{16, 512, 64, 4, 128, 64, 0.0f, 128};
+
+// One token's inputs for a batch, host bytes; index inputs exact (see the top).
+struct LayerTokens {
+  std::vector<uint8_t> q, q_pe, q_index, k_row, k_pe;
+  std::vector<float> weights;
+  LayerTokens(const DsaConfig& c, int32_t batch, std::mt19937_64& rng) {
+    const size_t b = size_t(batch);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    std::uniform_int_distribution<int> small(-4, 4), half_steps(-2, 4);
+    q = testing::random_values(DType::kBF16, b * c.num_qo_heads * c.latent_dim, rng);
+    q_pe = testing::random_values(DType::kBF16, b * c.num_qo_heads * c.rope_dim, rng);
+    k_pe = testing::random_values(DType::kBF16, b * c.rope_dim, rng);
+    std::vector<float> qi(b * c.index_heads * c.index_head_dim), row;
+    for (float& x : qi) x = float(small(rng));
+    q_index = bytes_of(DType::kBF16, qi);
+    for (size_t s = 0; s < b; ++s) {
+      for (int32_t d = 0; d < c.latent_dim; ++d) row.push_back(unit(rng));
+      for (int32_t d = 0; d < c.index_head_dim; ++d) row.push_back(float(small(rng)));
+    }
+    k_row = bytes_of(DType::kBF16, row);
+    for (size_t i = 0; i < b * c.index_heads; ++i) weights.push_back(0.5f * float(half_steps(rng)));
+  }
+};
+
+// The same token on the device, with a NaN output.
+struct DeviceTokens {
+  Buffer q, q_pe, q_index, weights, k_row, k_pe, o;
+  DeviceTokens(const LayerTokens& t, size_t o_elems)
+      : q(upload(Device::kCuda, t.q)),
+        q_pe(upload(Device::kCuda, t.q_pe)),
+        q_index(upload(Device::kCuda, t.q_index)),
+        weights(upload(Device::kCuda, t.weights)),
+        k_row(upload(Device::kCuda, t.k_row)),
+        k_pe(upload(Device::kCuda, t.k_pe)),
+        o(upload(Device::kCuda, testing::nan_values(DType::kBF16, o_elems))) {}
+  DsaTokens view() {
+    return {q.data(), q_pe.data(), q_index.data(), weights.as<float>(), k_row.data(), k_pe.data(), o.data()};
+  }
+  std::vector<float> output() const {
+    return testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
+  }
+};
+
+// fp64 MLA attention of sequence b over `positions`, from a host cache.
+std::vector<double> reference(const DsaAttention& cpu_layer, const DsaConfig& c, const LayerTokens& tok, int32_t b,
+                              const std::vector<int32_t>& positions) {
+  const RawKVAllocations raw = *cpu_layer.cache().raw_kv_allocations();
+  const int64_t stride = c.latent_dim + c.index_head_dim;
+  const auto* k = static_cast<const uint16_t*>(raw.k);
+  const auto* pe = static_cast<const uint16_t*>(raw.v);
+  const auto q = testing::as_float(DType::kBF16, tok.q);
+  const auto qpe = testing::as_float(DType::kBF16, tok.q_pe);
+  const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
+  std::vector<double> out;
+  for (int32_t h = 0; h < c.num_qo_heads; ++h) {
+    const size_t qrow = size_t(b) * c.num_qo_heads + h;
+    std::vector<double> s;
+    for (int32_t t : positions) {
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
+      double dot = 0;
+      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
+      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
+      s.push_back(dot * scale);
+    }
+    const double mx = *std::max_element(s.begin(), s.end());
+    double sum = 0;
+    std::vector<double> o(size_t(c.latent_dim), 0.0);
+    for (size_t j = 0; j < positions.size(); ++j) {
+      const double p = std::exp(s[j] - mx);
+      sum += p;
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
+      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
+    }
+    for (double x : o) out.push_back(x / sum);
+  }
+  return out;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+std::set<int32_t> as_set(const std::vector<int32_t>& v) { return {v.begin(), v.end()}; }
+
+// Feeds the same `context - 1` prefill tokens and then `steps` decode tokens
+// to a fused and a kill-switched GPU layer and to the CPU layer, comparing
+// every decode step (and the last prefill) on outputs and attended sets.
+void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint64_t seed) {
+  const DsaConfig& c = kGpuLayer;
+  const size_t o_elems = size_t(batch) * c.num_qo_heads * c.latent_dim;
+  std::mt19937_64 rng(seed);
+  DsaAttention fused(Device::kCuda, DType::kBF16, c, batch, fuse_always());
+  DsaAttention masked(Device::kCuda, DType::kBF16, c, batch, kill_switch());
+  DsaAttention cpu(Device::kCpu, DType::kBF16, c, batch, fuse_always());
+  for (int64_t t = 0; t + 1 < context; ++t) {
+    const LayerTokens tok(c, batch, rng);
+    DeviceTokens dev(tok, o_elems);
+    std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, o_elems);
+    const DsaTokens host{tok.q.data(), tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
+                         tok.k_row.data(), tok.k_pe.data(), o_cpu.data()};
+    fused.prefill_token(dev.view());
+    DeviceTokens dev_masked(tok, o_elems);
+    masked.prefill_token(dev_masked.view());
+    cpu.prefill_token(host);
+    if (t + 2 == context) {
+      const auto want = to_double(testing::as_float(DType::kBF16, o_cpu));
+      EXPECT_LT(testing::relative_l2(dev.output(), want), 1e-2) << "prefill vs the CPU layer";
+      EXPECT_LT(testing::relative_l2(dev_masked.output(), want), 1e-2) << "prefill vs the CPU layer";
+    }
+  }
+  for (int32_t step = 0; step < steps; ++step) {
+    const int64_t kv_len = context + step;
+    SCOPED_TRACE("batch " + std::to_string(batch) + " kv_len " + std::to_string(kv_len));
+    const LayerTokens tok(c, batch, rng);
+    DeviceTokens a_dev(tok, o_elems), b_dev(tok, o_elems);
+    std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, o_elems);
+    const DsaTokens host{tok.q.data(), tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
+                         tok.k_row.data(), tok.k_pe.data(), o_cpu.data()};
+    const DsaStep a = fused.decode(a_dev.view());
+    const DsaStep b = masked.decode(b_dev.view());
+    const DsaStep r = cpu.decode(host);
+    const bool sparse = kv_len > c.index_topk;
+    EXPECT_EQ(a.sparse, sparse);
+    EXPECT_EQ(r.sparse, sparse);
+    if (sparse) {
+      EXPECT_TRUE(a.fused) << a.outcome.describe();
+      EXPECT_TRUE(r.fused) << r.outcome.describe();
+    } else {
+      EXPECT_EQ(a.outcome.kind, OutcomeKind::kBelowSparsity) << "a full selection is dense work: the gate declines";
+    }
+    EXPECT_FALSE(b.fused);
+    EXPECT_EQ(b.outcome.kind, OutcomeKind::kKillSwitch);
+
+    const Rows positions = fused.last_selected_positions();
+    const Rows cpu_positions = cpu.last_selected_positions();
+    const Rows columns = fused.last_mask_columns();
+    EXPECT_EQ(masked.last_selected_positions(), positions) << "same cache, same indexer";
+    std::vector<double> ref;
+    for (int32_t s = 0; s < batch; ++s) {
+      ASSERT_EQ(positions[size_t(s)].size(), size_t(std::min<int64_t>(c.index_topk, kv_len)));
+      EXPECT_EQ(as_set(positions[size_t(s)]), as_set(cpu_positions[size_t(s)])) << "sequence " << s;
+      EXPECT_EQ(as_set(positions[size_t(s)]), as_set(columns[size_t(s)])) << "mask columns, sequence " << s;
+      const auto part = reference(cpu, c, tok, s, cpu_positions[size_t(s)]);
+      ref.insert(ref.end(), part.begin(), part.end());
+    }
+    const auto o_fused = a_dev.output(), o_masked = b_dev.output();
+    const auto o_host = to_double(testing::as_float(DType::kBF16, o_cpu));
+    EXPECT_LT(testing::relative_l2(o_fused, ref), 1e-2) << "fused vs fp64";
+    EXPECT_LT(testing::relative_l2(o_masked, ref), 1e-2) << "mask path vs fp64";
+    EXPECT_LT(testing::relative_l2(o_fused, o_host), 1e-2) << "fused vs the CPU layer";
+    EXPECT_LT(testing::relative_l2(o_masked, to_double(o_fused)), 1e-2) << "mask path vs fused";
+  }
+}
+
+TEST(DsaCuda, SparseDecodeMatchesTheCpuLayerFusedAndMasked) {
+  SKIP_WITHOUT_CUDA();
+  check_layer_against_cpu(2, 200, 3, 61);
+}
+
+TEST(DsaCuda, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
+  SKIP_WITHOUT_CUDA();
+  check_layer_against_cpu(1, 40, 2, 62);
+}
+
+// SPEC 8.4 on the GPU: the fused path and the mask path decode the same
+// greedy tokens, and so does the CPU backend.
+TEST(DsaCuda, GreedyDecodeMatchesTheMaskPathAndTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  const testing::DsaToyConfig config = testing::DsaToyConfig::cuda_shape();
+  std::mt19937_64 rng(63);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab - 1);
+  std::vector<int32_t> prompt(100);
+  for (int32_t& t : prompt) t = token(rng);
+  const int32_t steps = 32;
+  testing::DsaToyModel fused(Device::kCuda, config, fuse_always());
+  testing::DsaToyModel masked(Device::kCuda, config, kill_switch());
+  testing::DsaToyModel cpu(Device::kCpu, config, fuse_always());
+  const auto a = fused.generate(prompt, steps);
+  const auto b = masked.generate(prompt, steps);
+  const auto c = cpu.generate(prompt, steps);
+  EXPECT_EQ(fused.sparse_steps(), steps * config.layers);
+  EXPECT_EQ(fused.fused_steps(), steps * config.layers);
+  EXPECT_EQ(masked.fused_steps(), 0);
+  EXPECT_EQ(a, b) << "fused vs mask path on the GPU";
+  EXPECT_EQ(a, c) << "GPU vs CPU";
+  EXPECT_GE(std::set<int32_t>(a.begin(), a.end()).size(), 8u) << "a degenerate generation proves little";
+}
+
+}  // namespace
+}  // namespace sparsepage
