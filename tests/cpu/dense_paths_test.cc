@@ -116,7 +116,7 @@ std::vector<float> run_paged_over_kept(const DenseKVCache& cache, const std::vec
     lens.push_back(kept);
   }
   const auto table = build_page_table_structure(lens, 1);
-  const DecodePlan plan = make_decode_plan(lens, PlanShape{4, 64, 2, 2, 64, 32, 0});
+  const DecodePlan plan = make_decode_plan(lens, PlanShape{4, 64, 2, 2, 1, 64, 32, 0});
   std::vector<uint8_t> o = testing::nan_values(DType::kBF16, size_t(4) * 4 * 64);
   DecodeParams p;
   p.indptr = table.indptr.data();
