@@ -2,7 +2,7 @@
 # One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck), benchmark, and print a short table last. Full logs go to $OUT.
-#   STAGES="tests sanitize bench kernel" (default: all)
+#   STAGES="tests sanitize bench kernel dsa" (the default; also: dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -10,7 +10,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize bench kernel"}  # also: profile
+STAGES=${STAGES:-"tests sanitize bench kernel dsa"}  # also: dispatch sweep sass profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -34,7 +34,8 @@ fi
 if [[ $STAGES == *sanitize* ]]; then
   # The >2^31-element pool test moves gigabytes; sanitizing it adds minutes and nothing new.
   for tool in memcheck racecheck; do
-    timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_filter='-*Beyond2To31*:*Greedy*' \
+    timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 "$T" \
+      --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" \
       > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
     note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
   done
@@ -52,6 +53,21 @@ if [[ $STAGES == *kernel* ]]; then
     set -- $cfg
     "$B" --selection random --contexts 131072 --batch $1 --rows $2 --json "$OUT/kernel_b$1.json" > "$OUT/kernel_b$1.log" 2>&1
     note "kernel batch $1 rows $2: rc=$?"; grep -A2 "^context" "$OUT/kernel_b$1.log"
+  done
+fi
+if [[ $STAGES == *dsa* ]]; then
+  # Issue 5: the MLA shape (128 heads, 512 + 64, V = K), 2048 random tokens of 128K.
+  for batch in 1 64 128; do
+    "$B" --geometry dsa --selection random --rows 2048 --contexts 131072 --batch $batch --reps 9 --steps 10 \
+      --json "$OUT/dsa_b$batch.json" > "$OUT/dsa_b$batch.log" 2>&1
+    note "dsa batch $batch: rc=$? $(grep -o 'fused [0-9.]* TFLOP/s (cold)' "$OUT/dsa_b$batch.log")"
+    grep -A1 "^context" "$OUT/dsa_b$batch.log" | tail -1 | cut -c1-120
+  done
+  # The one-KV-head floor: where the fused launch starts to win at batch 1-8.
+  for batch in 1 2 4 8; do
+    "$B" --geometry dsa --selection random --rows 2048 --contexts 2560,3072,4096,8192,32768,131072 --batch $batch \
+      --min-sparsity 0 --reps 7 --steps 10 --json "$OUT/dsa_floor_b$batch.json" > "$OUT/dsa_floor_b$batch.log" 2>&1
+    note "dsa floor batch $batch: rc=$?"; grep -A7 "^context" "$OUT/dsa_floor_b$batch.log" | cut -c1-110
   done
 fi
 if [[ $STAGES == *sweep* ]]; then
