@@ -39,6 +39,28 @@ TEST(Plan, SplitsToFillTheMachine) {
   EXPECT_GE(plan.workspace.total, static_cast<size_t>(plan.num_partials) * 16 * 129 * 4);
 }
 
+TEST(Plan, HeadTilesShareTheMachine) {
+  // The MLA kernel's shape: 128 heads in two 64-head CTAs per item, one CTA
+  // per SM. Batch 64 of 2048 tokens fills 132 SMs with one item per request.
+  PlanShape shape;
+  shape.group_size = 128;
+  shape.head_dim_v = 512;
+  shape.num_sms = 132;
+  shape.items_per_sm = 1;
+  const std::vector<int32_t> lens(64, 2048);
+  shape.ctas_per_item = 2;
+  const DecodePlan paired = make_decode_plan(lens, shape);
+  expect_covers(paired, lens);
+  EXPECT_EQ(paired.work.size(), lens.size());
+  EXPECT_FALSE(paired.needs_merge());
+  // Counted as one CTA per item, the same batch would be split in two.
+  shape.ctas_per_item = 1;
+  const DecodePlan single = make_decode_plan(lens, shape);
+  EXPECT_EQ(single.work.size(), 2 * lens.size());
+  shape.ctas_per_item = 0;
+  EXPECT_THROW(make_decode_plan(lens, shape), Error);
+}
+
 TEST(Plan, LargeBatchesNeedNoSplit) {
   PlanShape shape;
   shape.num_sms = 132;
