@@ -37,7 +37,7 @@ if [[ $STAGES == *sanitize* ]]; then
     timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 "$T" \
       --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" \
       > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
-    note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    note "compute-sanitizer $tool: rc=$rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
   done
 fi
 if [[ $STAGES == *bench* ]]; then
