@@ -7,8 +7,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "sparsepage/types.h"
 
@@ -157,6 +161,25 @@ void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem_
   config.attrs = attribute;
   config.numAttrs = 1;
   SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+}
+
+/// Opts `kernel` in to `smem_bytes` of dynamic shared memory (and the
+/// largest shared-memory carveout) on the current device. The attributes are
+/// per function and per device, so this runs once per (kernel, device):
+/// setting them on every launch would put a driver call inside graph capture.
+template <typename Params>
+void configure_smem_once(void (*kernel)(Params), size_t smem_bytes) {
+  static std::mutex mutex;
+  static std::vector<std::pair<void (*)(Params), int>> configured;
+  int device = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  if (std::find(configured.begin(), configured.end(), key) != configured.end()) return;
+  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  configured.push_back(key);
 }
 
 }  // namespace cuda

@@ -14,10 +14,7 @@
 
 #include <algorithm>
 #include <limits>
-#include <mutex>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "core/cuda_hooks.h"
 #include "cuda/common.cuh"
@@ -387,23 +384,6 @@ __global__ void __launch_bounds__(kTopkThreads) dsa_topk_kernel(const __grid_con
   write_kept(s, p.kv_len, th, p.keep, out, warp_sums);
 }
 
-// Opts the score kernel in to the shared memory of the largest accepted
-// shape, once per (kernel, device): the attribute is per function and per
-// device, and setting it on every launch would put a driver call inside
-// graph capture.
-void configure_score_smem_once(void (*kernel)(ScoreParams)) {
-  static std::mutex mutex;
-  static std::vector<std::pair<void (*)(ScoreParams), int>> configured;
-  int device = 0;
-  SP_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  if (std::find(configured.begin(), configured.end(), key) != configured.end()) return;
-  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kMaxScoreSmemBytes)));
-  configured.push_back(key);
-}
-
 // Tiles per CTA: as many as kMaxTilesPerCta while the grid still gives every
 // multiprocessor two CTAs; a short window or a small batch gets one tile per
 // CTA, trading repeated query staging for a full GPU.
@@ -415,7 +395,7 @@ int32_t tiles_per_cta(int64_t kv_len, int32_t batch) {
 
 template <typename T>
 void launch_scores(ScoreParams p, int32_t batch, cudaStream_t stream) {
-  configure_score_smem_once(dsa_score_kernel<T>);
+  cuda::configure_smem_once(dsa_score_kernel<T>, kMaxScoreSmemBytes);
   p.tiles_per_cta = tiles_per_cta(p.kv_len, batch);
   const size_t smem = score_smem_bytes(p.heads, p.dim);
   const int64_t per_cta = int64_t{kTileTokens} * p.tiles_per_cta;

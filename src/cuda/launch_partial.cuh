@@ -15,11 +15,7 @@
 //                     of K, 64 query heads per CTA on warpgroup MMAs
 #pragma once
 
-#include <algorithm>
-#include <mutex>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "cuda/decode_partial.cuh"
 #include "cuda/mla_partial.cuh"
@@ -97,23 +93,6 @@ PartialParams stream_params(const void* q, const void* q_extra, const Stream& k,
   p.group_size = group_size;
   p.scale_log2 = scale * kLog2e;
   return p;
-}
-
-/// Opts `kernel` in to `smem_bytes` of dynamic shared memory on the current
-/// device. The attribute is per function and per device: set once for each
-/// (kernel, device) pair.
-inline void configure_smem_once(void (*kernel)(PartialParams), size_t smem_bytes) {
-  static std::mutex mutex;
-  static std::vector<std::pair<void (*)(PartialParams), int>> configured;
-  int device = 0;
-  SP_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  if (std::find(configured.begin(), configured.end(), key) != configured.end()) return;
-  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     cudaSharedmemCarveoutMaxShared));
-  configured.push_back(key);
 }
 
 template <typename T, int DK, int DV, class Source>

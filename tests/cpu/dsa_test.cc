@@ -9,22 +9,11 @@
 
 #include "sparsepage/models/dsa.h"
 #include "support/reference.h"
+#include "support/layer_checks.h"
 #include "support/toy_model.h"
 
 namespace sparsepage {
 namespace {
-
-DispatchConfig fuse_always() {
-  DispatchConfig c = DispatchConfig::defaults();
-  c.min_kv_tokens = c.min_kv_tokens_per_request = 0;
-  return c;
-}
-
-DispatchConfig kill_switch() {
-  DispatchConfig c = fuse_always();
-  c.enabled = false;
-  return c;
-}
 
 const DsaConfig kSmall{16, 64, 16, 4, 32, 48, 0.0f, 64};
 
@@ -48,41 +37,6 @@ struct TokenSet {
   }
 };
 
-// fp64 MLA attention of sequence b over `positions`, from the cache itself.
-std::vector<double> reference(const DsaAttention& layer, const DsaConfig& c, const TokenSet& tok, int32_t b,
-                              const std::vector<int32_t>& positions) {
-  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
-  const int64_t stride = c.latent_dim + c.index_head_dim;
-  const auto* k = static_cast<const uint16_t*>(raw.k);
-  const auto* pe = static_cast<const uint16_t*>(raw.v);
-  const auto q = testing::as_float(DType::kBF16, tok.q);
-  const auto qpe = testing::as_float(DType::kBF16, tok.q_pe);
-  const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
-  std::vector<double> out;
-  for (int32_t h = 0; h < c.num_qo_heads; ++h) {
-    const size_t qrow = size_t(b) * c.num_qo_heads + h;
-    std::vector<double> s;
-    for (int32_t t : positions) {
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
-      double dot = 0;
-      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
-      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
-      s.push_back(dot * scale);
-    }
-    const double mx = *std::max_element(s.begin(), s.end());
-    double sum = 0;
-    std::vector<double> o(size_t(c.latent_dim), 0.0);
-    for (size_t j = 0; j < positions.size(); ++j) {
-      const double p = std::exp(s[j] - mx);
-      sum += p;
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
-      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
-    }
-    for (double x : o) out.push_back(x / sum);
-  }
-  return out;
-}
-
 TEST(Dsa, IndexerRuleOnAHandMadeCase) {
   DsaConfig c{1, 4, 2, 2, 2, 2, 0.0f, 8};
   // Two index heads: q0 = (1, 0) weight 1, q1 = (0, 1) weight -2.
@@ -104,8 +58,8 @@ TEST(Dsa, IndexerRuleOnAHandMadeCase) {
 TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
   const int32_t batch = 2;
   std::mt19937_64 rng(51);
-  DsaAttention fused(Device::kCpu, DType::kBF16, kSmall, batch, fuse_always());
-  DsaAttention masked(Device::kCpu, DType::kBF16, kSmall, batch, kill_switch());
+  DsaAttention fused(Device::kCpu, DType::kBF16, kSmall, batch, testing::always_fuse());
+  DsaAttention masked(Device::kCpu, DType::kBF16, kSmall, batch, testing::kill_switch());
   // An independent copy of every token's index key (the K row's columns
   // latent_dim .. latent_dim + index_head_dim), kept by the test itself.
   std::vector<std::vector<float>> index_keys(batch);
@@ -141,7 +95,7 @@ TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
     EXPECT_EQ(positions[size_t(s)].size(), size_t(kSmall.index_topk));
     EXPECT_EQ(std::set<int32_t>(positions[size_t(s)].begin(), positions[size_t(s)].end()),
               std::set<int32_t>(columns[size_t(s)].begin(), columns[size_t(s)].end()));
-    const auto r = reference(fused, kSmall, tok, s, positions[size_t(s)]);
+    const auto r = testing::dsa_reference(fused, kSmall, tok.q, tok.q_pe, s, positions[size_t(s)]);
     ref.insert(ref.end(), r.begin(), r.end());
   }
   EXPECT_EQ(positions, masked.last_selected_positions()) << "same cache, same indexer";
@@ -156,7 +110,7 @@ TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
 
 TEST(Dsa, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
   std::mt19937_64 rng(52);
-  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, fuse_always());
+  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, testing::always_fuse());
   for (int t = 0; t < 30; ++t) {
     TokenSet tok(kSmall, 1, rng);
     layer.prefill_token(tok.view());
@@ -168,7 +122,7 @@ TEST(Dsa, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
   std::iota(all.begin(), all.end(), 0);
   EXPECT_EQ(layer.last_selected_positions(), (std::vector<std::vector<int32_t>>{all}));
   EXPECT_EQ(step.outcome.kind, OutcomeKind::kBelowSparsity) << "a full selection is dense work: the gate declines";
-  EXPECT_LT(testing::relative_l2(testing::as_float(DType::kBF16, tok.o), reference(layer, kSmall, tok, 0, all)), 1e-2);
+  EXPECT_LT(testing::relative_l2(testing::as_float(DType::kBF16, tok.o), testing::dsa_reference(layer, kSmall, tok.q, tok.q_pe, 0, all)), 1e-2);
 }
 
 TEST(Dsa, GreedyDecodeEquality) {
@@ -177,8 +131,8 @@ TEST(Dsa, GreedyDecodeEquality) {
   std::uniform_int_distribution<int32_t> token(0, config.vocab - 1);
   std::vector<int32_t> prompt(100);
   for (int32_t& t : prompt) t = token(rng);
-  testing::DsaToyModel fused(Device::kCpu, config, fuse_always());
-  testing::DsaToyModel masked(Device::kCpu, config, kill_switch());
+  testing::DsaToyModel fused(Device::kCpu, config, testing::always_fuse());
+  testing::DsaToyModel masked(Device::kCpu, config, testing::kill_switch());
   const auto a = fused.generate(prompt, 64);
   const auto b = masked.generate(prompt, 64);
   EXPECT_EQ(fused.sparse_steps(), 64 * config.layers);
@@ -190,7 +144,7 @@ TEST(Dsa, GreedyDecodeEquality) {
 
 TEST(Dsa, BadCallsAreNamedAndChangeNothing) {
   std::mt19937_64 rng(54);
-  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, fuse_always());
+  DsaAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, testing::always_fuse());
   EXPECT_THROW(layer.last_mask_columns(), Error) << "no decode yet";
   TokenSet tok(kSmall, 1, rng);
   DsaTokens bad = tok.view();

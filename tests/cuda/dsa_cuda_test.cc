@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "sparsepage/models/dsa.h"
+#include "support/layer_checks.h"
 #include "support/toy_model.h"
 
 namespace sparsepage {
@@ -29,18 +30,6 @@ std::vector<uint8_t> bytes_of(DType dtype, const std::vector<float>& x) {
   std::vector<uint8_t> out(x.size() * dtype_size(dtype));
   from_float(dtype, x.data(), out.data(), x.size());
   return out;
-}
-
-DispatchConfig fuse_always() {
-  DispatchConfig c = DispatchConfig::defaults();
-  c.min_kv_tokens = c.min_kv_tokens_per_request = 0;
-  return c;
-}
-
-DispatchConfig kill_switch() {
-  DispatchConfig c = fuse_always();
-  c.enabled = false;
-  return c;
 }
 
 // ---- the indexer ----------------------------------------------------------
@@ -385,41 +374,6 @@ struct DeviceTokens {
   }
 };
 
-// fp64 MLA attention of sequence b over `positions`, from a host cache.
-std::vector<double> reference(const DsaAttention& cpu_layer, const DsaConfig& c, const LayerTokens& tok, int32_t b,
-                              const std::vector<int32_t>& positions) {
-  const RawKVAllocations raw = *cpu_layer.cache().raw_kv_allocations();
-  const int64_t stride = c.latent_dim + c.index_head_dim;
-  const auto* k = static_cast<const uint16_t*>(raw.k);
-  const auto* pe = static_cast<const uint16_t*>(raw.v);
-  const auto q = testing::as_float(DType::kBF16, tok.q);
-  const auto qpe = testing::as_float(DType::kBF16, tok.q_pe);
-  const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
-  std::vector<double> out;
-  for (int32_t h = 0; h < c.num_qo_heads; ++h) {
-    const size_t qrow = size_t(b) * c.num_qo_heads + h;
-    std::vector<double> s;
-    for (int32_t t : positions) {
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
-      double dot = 0;
-      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
-      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
-      s.push_back(dot * scale);
-    }
-    const double mx = *std::max_element(s.begin(), s.end());
-    double sum = 0;
-    std::vector<double> o(size_t(c.latent_dim), 0.0);
-    for (size_t j = 0; j < positions.size(); ++j) {
-      const double p = std::exp(s[j] - mx);
-      sum += p;
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
-      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
-    }
-    for (double x : o) out.push_back(x / sum);
-  }
-  return out;
-}
-
 std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
 std::set<int32_t> as_set(const std::vector<int32_t>& v) { return {v.begin(), v.end()}; }
@@ -431,9 +385,9 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
   const DsaConfig& c = kGpuLayer;
   const size_t o_elems = size_t(batch) * c.num_qo_heads * c.latent_dim;
   std::mt19937_64 rng(seed);
-  DsaAttention fused(Device::kCuda, DType::kBF16, c, batch, fuse_always());
-  DsaAttention masked(Device::kCuda, DType::kBF16, c, batch, kill_switch());
-  DsaAttention cpu(Device::kCpu, DType::kBF16, c, batch, fuse_always());
+  DsaAttention fused(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
+  DsaAttention masked(Device::kCuda, DType::kBF16, c, batch, testing::kill_switch());
+  DsaAttention cpu(Device::kCpu, DType::kBF16, c, batch, testing::always_fuse());
   for (int64_t t = 0; t + 1 < context; ++t) {
     const LayerTokens tok(c, batch, rng);
     DeviceTokens dev(tok, o_elems);
@@ -482,7 +436,7 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
       ASSERT_EQ(positions[size_t(s)].size(), size_t(std::min<int64_t>(c.index_topk, kv_len)));
       EXPECT_EQ(as_set(positions[size_t(s)]), as_set(cpu_positions[size_t(s)])) << "sequence " << s;
       EXPECT_EQ(as_set(positions[size_t(s)]), as_set(columns[size_t(s)])) << "mask columns, sequence " << s;
-      const auto part = reference(cpu, c, tok, s, cpu_positions[size_t(s)]);
+      const auto part = testing::dsa_reference(cpu, c, tok.q, tok.q_pe, s, cpu_positions[size_t(s)]);
       ref.insert(ref.end(), part.begin(), part.end());
     }
     const auto o_fused = a_dev.output(), o_masked = b_dev.output();
@@ -514,9 +468,9 @@ TEST(DsaCuda, GreedyDecodeMatchesTheMaskPathAndTheCpu) {
   std::vector<int32_t> prompt(100);
   for (int32_t& t : prompt) t = token(rng);
   const int32_t steps = 32;
-  testing::DsaToyModel fused(Device::kCuda, config, fuse_always());
-  testing::DsaToyModel masked(Device::kCuda, config, kill_switch());
-  testing::DsaToyModel cpu(Device::kCpu, config, fuse_always());
+  testing::DsaToyModel fused(Device::kCuda, config, testing::always_fuse());
+  testing::DsaToyModel masked(Device::kCuda, config, testing::kill_switch());
+  testing::DsaToyModel cpu(Device::kCpu, config, testing::always_fuse());
   const auto a = fused.generate(prompt, steps);
   const auto b = masked.generate(prompt, steps);
   const auto c = cpu.generate(prompt, steps);

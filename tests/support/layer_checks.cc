@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <set>
 
@@ -11,7 +12,6 @@
 #include "support/toy_model.h"
 
 namespace sparsepage::testing {
-namespace {
 
 DispatchConfig always_fuse() {
   DispatchConfig c = DispatchConfig::defaults();
@@ -25,6 +25,7 @@ DispatchConfig kill_switch() {
   c.enabled = false;
   return c;
 }
+namespace {
 
 struct TokenBuffers {
   Buffer q, iq, k, v, o;
@@ -112,6 +113,40 @@ void check_block_sparse_greedy_equality(Device device) {
   EXPECT_EQ(masked.fused_steps(), 0) << "the kill switch must pin the mask path";
   EXPECT_EQ(a, b);
   EXPECT_GE(std::set<int32_t>(a.begin(), a.end()).size(), 8u) << "a degenerate generation proves little";
+}
+
+std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c, const std::vector<uint8_t>& q_bytes,
+                                  const std::vector<uint8_t>& q_pe_bytes, int32_t b, const std::vector<int32_t>& positions) {
+  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
+  const int64_t stride = c.latent_dim + c.index_head_dim;
+  const auto* k = static_cast<const uint16_t*>(raw.k);
+  const auto* pe = static_cast<const uint16_t*>(raw.v);
+  const auto q = as_float(DType::kBF16, q_bytes);
+  const auto qpe = as_float(DType::kBF16, q_pe_bytes);
+  const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
+  std::vector<double> out;
+  for (int32_t h = 0; h < c.num_qo_heads; ++h) {
+    const size_t qrow = size_t(b) * c.num_qo_heads + h;
+    std::vector<double> s;
+    for (int32_t t : positions) {
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
+      double dot = 0;
+      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
+      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
+      s.push_back(dot * scale);
+    }
+    const double mx = *std::max_element(s.begin(), s.end());
+    double sum = 0;
+    std::vector<double> o(size_t(c.latent_dim), 0.0);
+    for (size_t j = 0; j < positions.size(); ++j) {
+      const double p = std::exp(s[j] - mx);
+      sum += p;
+      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
+      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
+    }
+    for (double x : o) out.push_back(x / sum);
+  }
+  return out;
 }
 
 }  // namespace sparsepage::testing

@@ -2,9 +2,19 @@
 // and CUDA suites call them with their device.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "sparsepage/memory.h"
+#include "sparsepage/models/dsa.h"
 
 namespace sparsepage::testing {
+
+/// The default policy with the context floors at 0: the fused path is taken
+/// whenever the sparsity gate allows.
+DispatchConfig always_fuse();
+/// always_fuse() with the kill switch off: every decode takes the mask path.
+DispatchConfig kill_switch();
 
 /// Block-sparse decode at four context lengths (one with a partial final
 /// block): the positions the page table attends equal the columns the mask
@@ -15,5 +25,13 @@ void check_block_sparse_set_equality(Device device);
 /// The toy transformer decodes 64 greedy tokens identically with the fused
 /// path and with the kill switch (mask path), in the sparse regime.
 void check_block_sparse_greedy_equality(Device device);
+
+/// fp64 attention of DSA sequence b over `positions`, read from `layer`'s
+/// host (bf16) cache: scores scale * (q . latent + q_pe . k_pe) with the
+/// default scale 1 / sqrt(latent + rope), output the softmax-weighted latent
+/// rows, [num_qo_heads, latent_dim]. `q` and `q_pe` are the step's bf16
+/// queries, [batch, heads, latent] and [batch, heads, rope].
+std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c, const std::vector<uint8_t>& q,
+                                  const std::vector<uint8_t>& q_pe, int32_t b, const std::vector<int32_t>& positions);
 
 }  // namespace sparsepage::testing
