@@ -23,26 +23,6 @@ int32_t page_shift_of(int32_t page_size) {
   return (int64_t{1} << shift) == page_size ? shift : -1;
 }
 
-void check_cuda_layout(const DecodeParams& params) {
-  const char* api = "run_decode_cuda";
-  if (params.dtype != DType::kBF16 && params.dtype != DType::kF16)
-    throw Error(std::string(api) + ": dtype " + dtype_name(params.dtype) + " is not supported on CUDA (bf16, f16)");
-  const int32_t extra_dim = params.k_extra.data ? params.k_extra.dim : 0;
-  if (cuda::select_tile_shape(params.k.dim, params.v.dim, extra_dim) == cuda::TileShape::kNone)
-    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(params.k.dim) +
-                ", v = " + std::to_string(params.v.dim) + ", extra = " + std::to_string(extra_dim) +
-                " (see cuda_supports_head_dims)");
-  cuda::check_aligned16(params.q, "q", api);
-  cuda::check_aligned16(params.q_extra, "q_extra", api);
-  cuda::check_aligned16(params.k.data, "k.data", api);
-  cuda::check_aligned16(params.v.data, "v.data", api);
-  cuda::check_aligned16(params.k_extra.data, "k_extra.data", api);
-  cuda::check_aligned16(params.o, "o", api);
-  cuda::check_stride8(params.k.row_stride, "k.row_stride", api);
-  cuda::check_stride8(params.v.row_stride, "v.row_stride", api);
-  if (params.k_extra.data) cuda::check_stride8(params.k_extra.row_stride, "k_extra.row_stride", api);
-}
-
 template <typename T>
 void run_merge(const DecodeParams& params, const DecodePlan& plan, void* workspace, cudaStream_t stream) {
   cuda::MergeParams m;
@@ -95,7 +75,8 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
 
 void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream) {
   check_decode_params(params, plan);
-  check_cuda_layout(params);
+  cuda::check_stream_layout("run_decode_cuda", params.dtype, params.q, params.q_extra, params.k, params.v,
+                            params.k_extra, params.o);
   if (plan.work.empty()) return;
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);

@@ -62,44 +62,31 @@ MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
   return s;
 }
 
-// The current device's multiprocessors (a cheap host query; not cached, so a
-// process that switches devices gets the right split).
-int32_t device_sms_cached() { return cuda_multiprocessor_count(); }
-
 void check_masked_cuda_layout(const MaskedDecodeParams& params) {
   const char* api = "run_masked_decode_cuda";
   if (params.dtype == DType::kF32)
     throw Error(std::string(api) +
                 ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
                 "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
-  const int32_t extra_dim = params.k_extra.data ? params.k_extra.dim : 0;
-  if (cuda::select_tile_shape(params.k.dim, params.v.dim, extra_dim) == cuda::TileShape::kNone)
-    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(params.k.dim) +
-                ", v = " + std::to_string(params.v.dim) + ", extra = " + std::to_string(extra_dim));
+  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k, params.v, params.k_extra,
+                            params.o);
   if (params.live_len > int64_t{INT32_MAX} - kGranule)
     throw Error(std::string(api) + ": live_len = " + std::to_string(params.live_len) + " is too large");
-  cuda::check_aligned16(params.q, "q", api);
-  cuda::check_aligned16(params.q_extra, "q_extra", api);
-  cuda::check_aligned16(params.k.data, "k.data", api);
-  cuda::check_aligned16(params.v.data, "v.data", api);
-  cuda::check_aligned16(params.k_extra.data, "k_extra.data", api);
-  cuda::check_aligned16(params.o, "o", api);
-  cuda::check_stride8(params.k.row_stride, "k.row_stride", api);
-  cuda::check_stride8(params.v.row_stride, "v.row_stride", api);
-  if (params.k_extra.data) cuda::check_stride8(params.k_extra.row_stride, "k_extra.row_stride", api);
 }
 
 }  // namespace
 
 size_t masked_decode_workspace_bytes(const MaskedDecodeParams& params, int32_t num_sms) {
-  if (num_sms <= 0) num_sms = device_sms_cached();
+  if (num_sms <= 0) num_sms = cuda_multiprocessor_count();
   return masked_split(params, num_sms).total_bytes;
 }
 
 void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, void* stream) {
   check_masked_decode_params(params);
   check_masked_cuda_layout(params);
-  const MaskedSplit split = masked_split(params, device_sms_cached());
+  // The current device's multiprocessors, asked per call: a process that
+  // switches devices gets the right split.
+  const MaskedSplit split = masked_split(params, cuda_multiprocessor_count());
   if (split.requests == 0) return;
   if (split.total_bytes > 0 && workspace == nullptr)
     throw Error("run_masked_decode_cuda: workspace is null (size it with masked_decode_workspace_bytes)");

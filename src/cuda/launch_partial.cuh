@@ -72,6 +72,31 @@ inline void check_stride8(int64_t stride, const char* what, const char* api) {
                 " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)");
 }
 
+/// The layout checks both CUDA entry points share (`Stream` is PoolView or
+/// DenseStream): dtype, head dims with a built kernel, 16-byte aligned bases
+/// and row strides in whole 16-byte pieces.
+template <class Stream>
+void check_stream_layout(const char* api, DType dtype, const void* q, const void* q_extra, const Stream& k,
+                         const Stream& v, const Stream& extra, const void* o) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16)
+    throw Error(std::string(api) + ": dtype " + dtype_name(dtype) +
+                " is not supported on CUDA (the tensor-core kernels take bf16 and f16)");
+  const int32_t extra_dim = extra.data ? extra.dim : 0;
+  if (select_tile_shape(k.dim, v.dim, extra_dim) == TileShape::kNone)
+    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(k.dim) +
+                ", v = " + std::to_string(v.dim) + ", extra = " + std::to_string(extra_dim) +
+                " (see cuda_supports_head_dims)");
+  check_aligned16(q, "q", api);
+  check_aligned16(q_extra, "q_extra", api);
+  check_aligned16(k.data, "k.data", api);
+  check_aligned16(v.data, "v.data", api);
+  check_aligned16(extra.data, "k_extra.data", api);
+  check_aligned16(o, "o", api);
+  check_stride8(k.row_stride, "k.row_stride", api);
+  check_stride8(v.row_stride, "v.row_stride", api);
+  if (extra.data) check_stride8(extra.row_stride, "k_extra.row_stride", api);
+}
+
 /// The stream fields of PartialParams, the same for both row sources
 /// (`Stream` is PoolView or DenseStream: data, row_stride, dim).
 template <class Stream>
