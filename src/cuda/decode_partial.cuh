@@ -80,6 +80,19 @@ struct PartialParams {
   DenseTable dense;
 };
 
+/// Work item `item`: the request, its tokens [token_begin, token_end) and
+/// its partial slot (-1: write the output), from the plan's list or from the
+/// uniform split.
+__device__ inline WorkItem resolve_work_item(const PartialParams& p, int32_t item) {
+  if (p.work != nullptr) return p.work[item];
+  WorkItem w;
+  w.request = item / p.chunks_per_request;
+  w.token_begin = item % p.chunks_per_request * p.chunk_tokens;
+  w.token_end = w.token_begin + max(0, min(p.chunk_tokens, p.uniform_len - w.token_begin));
+  w.partial = p.chunks_per_request > 1 ? item : -1;
+  return w;
+}
+
 template <int DK, int DV, bool kDenseRows>
 struct TileConfig {
   // Three stages keep two tiles of gathered rows in flight per CTA; the

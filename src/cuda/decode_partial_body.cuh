@@ -44,19 +44,11 @@ struct PartialCta {
     tid = threadIdx.x;
     warp = tid / 32;
     lane = tid % 32;
-    if (p.work != nullptr) {
-      const WorkItem item = p.work[blockIdx.x];
-      request = item.request;
-      tok_begin = item.token_begin;
-      len = item.token_end - item.token_begin;
-      partial = item.partial;
-    } else {
-      request = blockIdx.x / p.chunks_per_request;
-      const int32_t chunk = blockIdx.x % p.chunks_per_request;
-      tok_begin = chunk * p.chunk_tokens;
-      len = max(0, min(p.chunk_tokens, p.uniform_len - tok_begin));
-      partial = p.chunks_per_request > 1 ? static_cast<int32_t>(blockIdx.x) : -1;
-    }
+    const WorkItem item = resolve_work_item(p, static_cast<int32_t>(blockIdx.x));
+    request = item.request;
+    tok_begin = item.token_begin;
+    len = item.token_end - item.token_begin;
+    partial = item.partial;
     head0 = blockIdx.y * kQueryTile;
     heads = min(kQueryTile, p.group_size - head0);
     src.init(p, request);

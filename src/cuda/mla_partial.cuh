@@ -99,19 +99,11 @@ struct MlaCta {
     const int32_t item = static_cast<int32_t>(blockIdx.x) / head_tiles;
     head0 = static_cast<int32_t>(blockIdx.x) % head_tiles * L::kHeads;
     heads = min(L::kHeads, p.group_size - head0);
-    if (p.work != nullptr) {
-      const WorkItem w = p.work[item];
-      request = w.request;
-      tok_begin = w.token_begin;
-      len = w.token_end - w.token_begin;
-      partial = w.partial;
-    } else {
-      request = item / p.chunks_per_request;
-      const int32_t chunk = item % p.chunks_per_request;
-      tok_begin = chunk * p.chunk_tokens;
-      len = max(0, min(p.chunk_tokens, p.uniform_len - tok_begin));
-      partial = p.chunks_per_request > 1 ? item : -1;
-    }
+    const WorkItem w = resolve_work_item(p, item);
+    request = w.request;
+    tok_begin = w.token_begin;
+    len = w.token_end - w.token_begin;
+    partial = w.partial;
     src.init(p, request);
     k_base = static_cast<const T*>(p.k) + src.k_row0 * p.k_stride;
     e_base = static_cast<const T*>(p.k_extra) + src.e_row0 * p.e_stride;
