@@ -142,27 +142,23 @@ void launch_mla(const PartialParams& p, int32_t num_items, cudaStream_t stream) 
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
 }
 
-template <class Source>
-void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
-  const bool bf16 = dtype == DType::kBF16;
+template <typename T, class Source>
+void launch_partial_typed(const PartialParams& p, TileShape shape, int32_t num_items, cudaStream_t stream) {
   switch (shape) {
-    case TileShape::kK64V64:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 64, 64, Source>(p, num_items, stream)
-                  : launch_partial_shape<__half, 64, 64, Source>(p, num_items, stream);
-    case TileShape::kK128V128:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 128, 128, Source>(p, num_items, stream)
-                  : launch_partial_shape<__half, 128, 128, Source>(p, num_items, stream);
-    case TileShape::kK192V128:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 192, 128, Source>(p, num_items, stream)
-                  : launch_partial_shape<__half, 192, 128, Source>(p, num_items, stream);
-    case TileShape::kK256V256:
-      return bf16 ? launch_partial_shape<__nv_bfloat16, 256, 256, Source>(p, num_items, stream)
-                  : launch_partial_shape<__half, 256, 256, Source>(p, num_items, stream);
-    case TileShape::kMla:
-      return bf16 ? launch_mla<__nv_bfloat16, Source>(p, num_items, stream) : launch_mla<__half, Source>(p, num_items, stream);
+    case TileShape::kK64V64: return launch_partial_shape<T, 64, 64, Source>(p, num_items, stream);
+    case TileShape::kK128V128: return launch_partial_shape<T, 128, 128, Source>(p, num_items, stream);
+    case TileShape::kK192V128: return launch_partial_shape<T, 192, 128, Source>(p, num_items, stream);
+    case TileShape::kK256V256: return launch_partial_shape<T, 256, 256, Source>(p, num_items, stream);
+    case TileShape::kMla: return launch_mla<T, Source>(p, num_items, stream);
     case TileShape::kNone: break;
   }
   throw Error("decode: no CUDA kernel for these head dims");
+}
+
+template <class Source>
+void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
+  if (dtype == DType::kBF16) return launch_partial_typed<__nv_bfloat16, Source>(p, shape, num_items, stream);
+  return launch_partial_typed<__half, Source>(p, shape, num_items, stream);
 }
 
 }  // namespace cuda
