@@ -112,6 +112,12 @@ class MaskPath {
 void build_selection_mask(Device device, const int32_t* positions, const int32_t* offsets, int32_t num_requests,
                           int64_t live_len, float* mask, void* stream = nullptr);
 
+/// The positions an additive mask [num_requests, live_len] on `device` keeps
+/// (its 0 entries), per request, in increasing order. Reads the mask back on
+/// the default stream: a test and debugging aid, not a decode step.
+std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* mask, int32_t num_requests,
+                                                    int64_t live_len);
+
 /// MaskedDecodeParams for these inputs (mask null).
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in);
 

@@ -211,6 +211,18 @@ void build_selection_mask(Device device, const int32_t* positions, const int32_t
   }
 }
 
+std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* mask, int32_t num_requests,
+                                                    int64_t live_len) {
+  const std::vector<float> host = download<float>(device, mask, static_cast<size_t>(num_requests * live_len));
+  std::vector<std::vector<int32_t>> columns(static_cast<size_t>(num_requests));
+  for (int32_t r = 0; r < num_requests; ++r) {
+    for (int64_t t = 0; t < live_len; ++t) {
+      if (host[static_cast<size_t>(r * live_len + t)] == 0.0f) columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
+    }
+  }
+  return columns;
+}
+
 void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& selection) {
   check_inputs(in, selection);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;

@@ -221,14 +221,7 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
     block_mask_cpu(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, kv_len,
                    mask.as<float>());
   }
-  const auto host = download<float>(device_, mask.data(), static_cast<size_t>(requests * kv_len));
-  std::vector<std::vector<int32_t>> columns(static_cast<size_t>(requests));
-  for (int32_t r = 0; r < requests; ++r) {
-    for (int64_t t = 0; t < kv_len; ++t) {
-      if (host[static_cast<size_t>(r * kv_len + t)] == 0.0f) columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
-    }
-  }
-  return columns;
+  return mask_kept_columns(device_, mask.as<float>(), requests, kv_len);
 }
 
 }  // namespace sparsepage

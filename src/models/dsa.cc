@@ -200,14 +200,7 @@ std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() const {
   Buffer mask(device_, cells * sizeof(float));
   build_selection_mask(device_, selection_.indices.as<int32_t>(), offsets.as<int32_t>(), batch_, kv_len,
                        mask.as<float>());
-  const std::vector<float> host = download<float>(device_, mask.data(), cells);
-  std::vector<std::vector<int32_t>> columns(static_cast<size_t>(batch_));
-  for (int32_t b = 0; b < batch_; ++b) {
-    for (int64_t t = 0; t < kv_len; ++t) {
-      if (host[static_cast<size_t>(b * kv_len + t)] == 0.0f) columns[static_cast<size_t>(b)].push_back(static_cast<int32_t>(t));
-    }
-  }
-  return columns;
+  return mask_kept_columns(device_, mask.as<float>(), batch_, kv_len);
 }
 
 }  // namespace sparsepage
