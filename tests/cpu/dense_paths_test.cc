@@ -187,15 +187,7 @@ TEST(MaskPath, QuantizedCachesDequantize) {
     // The mask path runs over the dequantized (f32) window.
     const auto vd = cache.dequantized_window(false);
     const auto q = testing::random_values(DType::kF32, 2 * 64, rng);
-    MaskedDecodeParams p;
-    p.dtype = DType::kF32;
-    p.batch = 1;
-    p.num_kv_heads = 1;
-    p.group_size = 2;
-    p.live_len = 50;
-    p.q = q.data();
-    p.k = {kd.data(), 1, 50, 64, 64};
-    p.v = {vd.data(), 1, 50, 64, 64};
+    MaskedDecodeParams p = testing::one_request_masked_params(DType::kF32, 2, 50, 64, q.data(), kd.data(), vd.data());
     std::vector<float> o(2 * 64, std::nanf(""));
     p.o = o.data();
     p.scale = 0.125f;
@@ -265,15 +257,7 @@ TEST(MaskPath, MaskedOutNonFiniteRowsAreExcluded) {
   const auto q = testing::as_float(DType::kF32, testing::random_values(DType::kF32, 64, rng));
   std::vector<float> o(64, NAN);
   float lse = NAN;
-  MaskedDecodeParams p;
-  p.dtype = DType::kF32;
-  p.batch = 1;
-  p.num_kv_heads = 1;
-  p.group_size = 1;
-  p.live_len = 8;
-  p.q = q.data();
-  p.k = {k.data(), 1, 8, 64, 64};
-  p.v = {v.data(), 1, 8, 64, 64};
+  MaskedDecodeParams p = testing::one_request_masked_params(DType::kF32, 1, 8, 64, q.data(), k.data(), v.data());
   p.mask = mask.data();
   p.scale = 0.125f;
   p.o = o.data();

@@ -197,15 +197,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(MaskedDecodeCudaErrors, F32IsRefusedClearly) {
   SKIP_WITHOUT_CUDA();
   Buffer buf(Device::kCuda, 1 << 16);
-  MaskedDecodeParams p;
-  p.dtype = DType::kF32;
-  p.batch = 1;
-  p.num_kv_heads = 1;
-  p.group_size = 1;
-  p.live_len = 8;
-  p.q = buf.data();
-  p.k = {buf.data(), 1, 8, 64, 64};
-  p.v = {buf.data(), 1, 8, 64, 64};
+  MaskedDecodeParams p = testing::one_request_masked_params(DType::kF32, 1, 8, 64, buf.data(), buf.data(), buf.data());
   p.o = buf.data();
   EXPECT_THROW(run_masked_decode_cuda(p, buf.data()), Error);
 }

@@ -165,4 +165,18 @@ double relative_l2(const std::vector<float>& got, const std::vector<double>& ref
   return std::sqrt(diff / norm);
 }
 
+MaskedDecodeParams one_request_masked_params(DType dtype, int32_t group_size, int64_t live_len, int32_t dim,
+                                             const void* q, const void* k, const void* v) {
+  MaskedDecodeParams p;
+  p.dtype = dtype;
+  p.batch = 1;
+  p.num_kv_heads = 1;
+  p.group_size = group_size;
+  p.live_len = live_len;
+  p.q = q;
+  p.k = {k, 1, live_len, dim, dim};
+  p.v = {v, 1, live_len, dim, dim};
+  return p;
+}
+
 }  // namespace sparsepage::testing

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
+#include "sparsepage/dense_paths.h"
 #include "sparsepage/page_table.h"
 
 namespace sparsepage::testing {
@@ -67,5 +68,11 @@ Reference reference_attention(const PagedProblem& problem, const std::vector<std
 
 /// ||got - ref|| / ||ref||; +inf when got holds a NaN or inf (NaN never passes).
 double relative_l2(const std::vector<float>& got, const std::vector<double>& ref);
+
+/// Mask-path parameters for one request of one KV head: `group_size` query
+/// rows of width `dim` over `live_len` dense K and V rows of the same width
+/// (row stride `dim`). No mask, scale 0, no outputs: the caller sets those.
+MaskedDecodeParams one_request_masked_params(DType dtype, int32_t group_size, int64_t live_len, int32_t dim,
+                                             const void* q, const void* k, const void* v);
 
 }  // namespace sparsepage::testing

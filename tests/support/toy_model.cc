@@ -84,6 +84,30 @@ std::vector<float> logits_of(const std::vector<float>& x, const std::vector<floa
   return logits;
 }
 
+// Token embeddings at unit scale and a separate random unembedding.
+void init_embeddings(std::mt19937_64& rng, int32_t vocab, int32_t d_model, std::vector<float>& embed,
+                     std::vector<float>& unembed) {
+  const size_t v = static_cast<size_t>(vocab), d = static_cast<size_t>(d_model);
+  embed = random_matrix(rng, v, d);
+  for (float& x : embed) x *= std::sqrt(static_cast<float>(vocab));
+  unembed = random_matrix(rng, d, v);
+}
+
+// A layer's bf16 output buffer, NaN until the layer writes it: an unwritten
+// output cannot pass as attention.
+Buffer poisoned_output(Device device, size_t count) {
+  Buffer o(device, count * 2);
+  fill_bytes(o.data(), device, 0xFF, o.bytes());
+  return o;
+}
+
+std::vector<float> read_output(Device device, const Buffer& o) {
+  std::vector<float> x(o.bytes() / 2);
+  const auto bytes = download<uint8_t>(device, o.data(), o.bytes());
+  to_float(DType::kBF16, bytes.data(), x.data(), x.size());
+  return x;
+}
+
 // Host fp32 -> the layer's dtype on its device.
 Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
   std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
@@ -98,9 +122,7 @@ ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig d
   std::mt19937_64 rng(config.seed);
   const auto& a = config.attention;
   const size_t d = static_cast<size_t>(config.d_model), hd = static_cast<size_t>(a.head_dim);
-  weights_->embed = random_matrix(rng, static_cast<size_t>(config.vocab), d);
-  for (float& x : weights_->embed) x *= std::sqrt(static_cast<float>(config.vocab));  // unit-scale embeddings
-  weights_->unembed = random_matrix(rng, d, static_cast<size_t>(config.vocab));
+  init_embeddings(rng, config.vocab, config.d_model, weights_->embed, weights_->unembed);
   for (int32_t l = 0; l < config.layers; ++l) {
     Weights::Layer layer;
     layer.wq = random_matrix(rng, d, static_cast<size_t>(a.num_qo_heads) * hd);
@@ -128,8 +150,7 @@ std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
     const Buffer k = to_device(device_, DType::kBF16, matvec(h, w.wk, static_cast<size_t>(a.num_kv_heads + 1) * hd));
     const Buffer v = to_device(device_, DType::kBF16, matvec(h, w.wv, static_cast<size_t>(a.num_kv_heads) * hd));
     const Buffer iq = to_device(device_, DType::kBF16, matvec(h, w.wiq, static_cast<size_t>(a.num_kv_heads) * hd));
-    Buffer o(device_, static_cast<size_t>(a.num_qo_heads) * hd * 2);
-    fill_bytes(o.data(), device_, 0xFF, o.bytes());  // NaN until the layer writes it
+    Buffer o = poisoned_output(device_, static_cast<size_t>(a.num_qo_heads) * hd);
     BlockSparseTokens tokens{q.data(), iq.data(), k.data(), v.data(), o.data()};
     if (prefill) {
       layers_[static_cast<size_t>(l)]->prefill_token(tokens);
@@ -138,10 +159,7 @@ std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
       sparse_steps_ += step.sparse_regime ? 1 : 0;
       fused_steps_ += step.fused ? 1 : 0;
     }
-    std::vector<float> attn(static_cast<size_t>(a.num_qo_heads) * hd);
-    const auto o_bytes = download<uint8_t>(device_, o.data(), o.bytes());
-    to_float(DType::kBF16, o_bytes.data(), attn.data(), attn.size());
-    add_block(x, attn, w.wo, w.w1, w.w2);
+    add_block(x, read_output(device_, o), w.wo, w.w1, w.w2);
   }
   return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
 }
@@ -179,9 +197,7 @@ DsaToyModel::DsaToyModel(Device device, const DsaToyConfig& config, DispatchConf
   std::mt19937_64 rng(config.seed);
   const auto& a = config.attention;
   const size_t d = static_cast<size_t>(config.d_model), h = static_cast<size_t>(a.num_qo_heads);
-  weights_->embed = random_matrix(rng, static_cast<size_t>(config.vocab), d);
-  for (float& x : weights_->embed) x *= std::sqrt(static_cast<float>(config.vocab));
-  weights_->unembed = random_matrix(rng, d, static_cast<size_t>(config.vocab));
+  init_embeddings(rng, config.vocab, config.d_model, weights_->embed, weights_->unembed);
   for (int32_t l = 0; l < config.layers; ++l) {
     Weights::Layer w;
     w.w_kv = random_matrix(rng, d, static_cast<size_t>(a.latent_dim));
@@ -219,9 +235,7 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
         device_, DType::kBF16,
         matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
     const Buffer weights = upload(device_, matvec(hn, w.w_w, static_cast<size_t>(a.index_heads)));
-    // NaN until the layer writes it: an unwritten output cannot pass as zero attention.
-    Buffer o(device_, h * static_cast<size_t>(a.latent_dim) * 2);
-    fill_bytes(o.data(), device_, 0xFF, o.bytes());
+    Buffer o = poisoned_output(device_, h * static_cast<size_t>(a.latent_dim));
     const DsaTokens tokens{q.data(), q_pe.data(), q_index.data(), weights.as<float>(), k.data(), k_pe.data(), o.data()};
     if (prefill) {
       layers_[static_cast<size_t>(l)]->prefill_token(tokens);
@@ -230,10 +244,7 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
       sparse_steps_ += step.sparse ? 1 : 0;
       fused_steps_ += step.fused ? 1 : 0;
     }
-    std::vector<float> attn(h * static_cast<size_t>(a.latent_dim));
-    const auto o_bytes = download<uint8_t>(device_, o.data(), o.bytes());
-    to_float(DType::kBF16, o_bytes.data(), attn.data(), attn.size());
-    add_block(x, attn, w.wo, w.w1, w.w2);
+    add_block(x, read_output(device_, o), w.wo, w.w1, w.w2);
   }
   return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
 }
