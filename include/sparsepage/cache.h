@@ -66,6 +66,29 @@ class DenseKVCache {
   /// `dequantized_window`).
   CacheWindow update_and_fetch(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
 
+  /// Makes room for `tokens` live tokens (allocates and copies only when it
+  /// must grow). A step captured in a CUDA graph keeps the allocation it
+  /// was captured with, so reserve the longest context before capturing.
+  void reserve(int64_t tokens);
+
+  /// The serving-step append of a raw-mode cache: one token per sequence,
+  /// `k_new` `[B, k_heads, 1, k_head_dim]` and `v_new` `[B, v_heads, 1,
+  /// v_head_dim]` in the storage dtype on the cache's device, written at
+  /// each sequence's device-side live length (`device_live_lens()`), which
+  /// then grows by one. On CUDA it is one kernel on `stream`: no allocation,
+  /// no synchronization, no host read, so it can be captured in a CUDA graph
+  /// and replayed while the context grows. Needs live_len() < capacity()
+  /// (reserve first; it throws otherwise). live_len() advances with it,
+  /// except while `stream` is capturing: after replaying captured steps,
+  /// call sync_live_len().
+  void append_token(const void* k_new, const void* v_new, void* stream = nullptr);
+  /// Per-sequence live lengths [batch] int32 on the cache's device: what
+  /// kernels read to know how far each sequence has grown.
+  const int32_t* device_live_lens() const;
+  /// Reads the device-side length back into live_len() (synchronizes);
+  /// needed after replaying captured append_token steps.
+  void sync_live_len(void* stream = nullptr);
+
   /// The allocations when the rows are raw fp16/bf16 K/V; nothing for
   /// quantized modes and head-trimmed windows.
   std::optional<RawKVAllocations> raw_kv_allocations() const;
@@ -88,6 +111,7 @@ class DenseKVCache {
  private:
   struct Storage;
   void grow_to(int64_t needed);
+  void write_device_lens();
   Device device_;
   CacheMode mode_;
   int32_t batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_;
@@ -130,12 +154,6 @@ struct HeadFolding {
   int32_t num_requests() const { return batch * num_kv_heads; }
   int32_t request(int32_t b, int32_t kv_head) const { return b * num_kv_heads + kv_head; }
 };
-
-/// Whether K and V allocations of these shapes put (b, h, t) at the same row
-/// for the attention heads 0 .. v_shape.heads - 1, so one index can address
-/// both. True when the shapes match in batch, heads and capacity; also at
-/// batch 1 when K has extra heads after the attention heads.
-bool shared_row_mapping(const CacheShape& k_shape, const CacheShape& v_shape);
 
 /// A paged cache: blocks of `block_size` tokens; the allocation is
 /// `[num_blocks, heads, block_size, head_dim]` for K and for V, so block id

@@ -9,46 +9,72 @@
 
 namespace sparsepage {
 
-/// A pool of rows: element (row, d) at data + row * row_stride + d.
-struct PoolView {
+/// Where one stream's rows live (K, V or the second K stream). Request
+/// r = b * num_kv_heads + h (sequence b, KV head h) finds row t of its stream at
+///   data + b * seq_stride + h * head_stride + t * row_stride   (elements),
+/// 64-bit throughout. A pool shared by every request has seq_stride =
+/// head_stride = 0; an engine's paged cache [blocks, block_size, heads, dim]
+/// has row_stride = heads * dim and head_stride = dim; a dense
+/// [B, H, Cap, D] allocation has row_stride = D, head_stride = Cap * D and
+/// seq_stride = H * Cap * D (Cap, never the live length). K, V and the
+/// second stream each carry their own strides, so a K allocation with more
+/// heads than V (an index key at head H) is addressed exactly at any batch.
+struct RowView {
   const void* data = nullptr;  // may be null only for an absent optional stream
   int64_t row_stride = 0;      // elements between consecutive rows (>= dim)
   int32_t dim = 0;             // elements used per row
+  int64_t seq_stride = 0;      // elements between sequences (0: shared by all)
+  int64_t head_stride = 0;     // elements between KV heads (0: shared by all)
+};
+
+/// What a page id names.
+enum class PageAddressing : int32_t {
+  /// Page ids are pages of the stream's pool: rows page * page_size + slot,
+  /// each id checked against num_pool_pages.
+  kPoolPages = 0,
+  /// Page ids are pages of the request's own window (a dense cache): rows
+  /// page * page_size + slot of the request's (sequence, head) rows, each
+  /// position checked against its sequence's live length, so no selection
+  /// can reach another request's rows or a row past the live window.
+  kWindow = 1,
 };
 
 /// Everything a decode launch reads and writes. All pointers live in the
 /// memory of the backend that runs it. Pass by value.
+///
+/// Plan for the step, not for the counts: `seq_lens` is read where the
+/// kernel runs (device memory on CUDA) and each request's entry may be
+/// anything from 0 up to what the plan was made for, so one plan (and one
+/// captured CUDA graph) serves steps whose counts change on the device.
 struct DecodeParams {
   DType dtype = DType::kBF16;        // q, pools and o share it
 
   // Page table (SPEC section 3).
   const int32_t* indptr = nullptr;            // [num_requests + 1]
-  const int32_t* indices = nullptr;           // [indptr[num_requests]] pool page ids
+  const int32_t* indices = nullptr;           // [indptr[num_requests]] page ids
   const int32_t* first_page_offset = nullptr; // [num_requests]; may be null (all zero)
-  const int32_t* seq_lens = nullptr;          // [num_requests] visible tokens
+  const int32_t* seq_lens = nullptr;          // [num_requests] visible tokens, <= the plan's counts
   int32_t num_requests = 0;
+  int32_t num_kv_heads = 1;    // requests per sequence: r = b * num_kv_heads + h
   int32_t page_size = 1;
-  int64_t num_pool_pages = 0;  // page ids must lie in [0, num_pool_pages); pages cover rows page*page_size ..
-
-  // Window mode, for dense caches. When request_row_stride > 0, page ids are
-  // relative to the request's own window: token rows are
-  //   request * request_row_stride + page * page_size + slot,
-  // and every position page * page_size + slot must lie in [0, window_len)
-  // (checked per token), so no selection can reach another request's rows.
-  // 0: page ids are absolute pool pages (paged pools, explicit row lists).
-  int64_t request_row_stride = 0;
+  PageAddressing addressing = PageAddressing::kPoolPages;
+  int64_t num_pool_pages = 0;  // kPoolPages: ids must lie in [0, num_pool_pages)
+  // kWindow: sequence b's live length is window_lens[b] when window_lens is
+  // set (read where the kernel runs, so it may grow between graph replays),
+  // else window_len for every sequence.
+  const int32_t* window_lens = nullptr;  // [num_requests / num_kv_heads] or null
   int64_t window_len = 0;
 
   int32_t group_size = 1;      // query heads per request
   const void* q = nullptr;     // [num_requests, group_size, k.dim], contiguous
-  PoolView k;                  // K rows, dim = head_dim_qk
-  PoolView v;                  // V rows, dim = head_dim_v; may alias k's first columns
+  RowView k;                   // K rows, dim = head_dim_qk
+  RowView v;                   // V rows, dim = head_dim_v; may alias k's first columns
   const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
-  PoolView k_extra;            // second K stream; data null when absent
+  RowView k_extra;             // second K stream; data null when absent
   float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
 
   void* o = nullptr;           // [num_requests, group_size, v.dim]
-  float* lse = nullptr;        // [num_requests, group_size]; may be null
+  float* lse = nullptr;        // [num_requests, group_size] natural log (base e); may be null
 };
 
 /// Throws sparsepage::Error naming the first field that is inconsistent with

@@ -23,6 +23,11 @@ struct DenseStream {
   int64_t capacity = 0;        // rows reserved per (b, h)
   int64_t row_stride = 0;      // elements per row in memory (>= dim)
   int32_t dim = 0;             // elements used per row
+
+  /// The same rows as the one row view the kernels take.
+  RowView rows() const {
+    return {data, row_stride, dim, int64_t{heads} * capacity * row_stride, capacity * row_stride};
+  }
 };
 
 /// Dense masked decode over the live window t < live_len of every
@@ -32,13 +37,18 @@ struct MaskedDecodeParams {
   int32_t batch = 0;
   int32_t num_kv_heads = 0;    // attention KV heads
   int32_t group_size = 1;
-  int64_t live_len = 0;
+  int64_t live_len = 0;            // live tokens (an upper bound when live_lens is set)
+  /// Per-sequence live lengths [batch], read where the kernel runs (device
+  /// memory on CUDA), each <= live_len; null: live_len for every sequence.
+  /// With them one launch (and one captured graph) serves a growing context.
+  const int32_t* live_lens = nullptr;
   const void* q = nullptr;         // [batch * num_kv_heads, group_size, k.dim]
   DenseStream k;
   DenseStream v;
   const void* q_extra = nullptr;   // [batch * num_kv_heads, group_size, k_extra.dim] or null
   DenseStream k_extra;
-  const float* mask = nullptr;     // [batch * num_kv_heads, live_len] additive (0 keeps, -inf drops); null: no mask
+  const float* mask = nullptr;     // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
+  int64_t mask_pitch = 0;          // floats per request's mask row, >= live_len; 0: live_len
   float scale = 1.0f;
   void* o = nullptr;               // [batch * num_kv_heads, group_size, v.dim]
   float* lse = nullptr;            // [batch * num_kv_heads, group_size] or null
@@ -59,7 +69,7 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
 /// CUDA backend (which cannot read the counts on the host) copies the first
 /// `max_rows`.
 void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests,
-                 int64_t max_rows, DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst,
+                 int64_t max_rows, DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst,
                  void* stream = nullptr);
 
 }  // namespace sparsepage

@@ -17,7 +17,6 @@ enum class OutcomeKind : int32_t {
   kBelowSparsity,      // live window not enough times the selected count
   kNonRawCache,        // quantized, pool-backed or head-trimmed cache
   kUnsupportedHeadDim, // no fused kernel for these head dims
-  kRowMapping,         // K and V do not share a row mapping
   kNoDevice,           // the fused path needs a GPU the process does not have
   kUnsupportedLayout,  // dtype, alignment or row strides the fused kernel cannot read
   kCount
@@ -70,7 +69,6 @@ struct DispatchInput {
   int64_t live_len = 0;         // tokens in the cache (per request)
   bool raw_cache = true;        // raw fp16/bf16 rows
   bool head_dims_supported = true;
-  bool shared_row_mapping = true;
   bool device_available = true;
   bool layout_supported = true;   // dtype, alignment, row strides
   int64_t chunks = 0;           // filled into the outcome when fused

@@ -23,7 +23,12 @@ struct SparseAttentionInputs {
   int32_t batch = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
-  int64_t live_len = 0;
+  int64_t live_len = 0;     // live tokens (an upper bound when live_lens is set)
+  /// Per-sequence live lengths [batch] on the inputs' device, each <=
+  /// live_len, read where the kernels run: a step captured in a CUDA graph
+  /// keeps checking positions against the window as it grows. Null:
+  /// live_len for every sequence.
+  const int32_t* live_lens = nullptr;
   bool raw_cache = true;    // false for quantized, pool-backed or head-trimmed caches
   DenseStream k;            // the K allocation (may carry extra heads or extra columns)
   DenseStream v;            // the V allocation; may alias K's first columns
@@ -33,6 +38,24 @@ struct SparseAttentionInputs {
   float scale = 1.0f;
   void* o = nullptr;        // [batch, num_qo_heads, v.dim]
   float* lse = nullptr;     // [batch, num_qo_heads] or null
+};
+
+/// A selection as a serving step produces it on the device: a fixed-width
+/// matrix of page ids per request and the tokens each request attends, both
+/// device data, so a step whose counts change needs no host round trip.
+/// Pages are pages of the request's own window: token positions when
+/// page_size is 1, blocks of page_size positions otherwise (a block-sparse
+/// selection feeds its block ids directly; a partial final block is the
+/// request's last page, cut by seq_lens).
+struct PagedSelection {
+  const int32_t* pages = nullptr;     // [num_requests, width]; entries past a request's pages are never read
+  const int32_t* seq_lens = nullptr;  // [num_requests] tokens attended, in [0, width * page_size]
+  int32_t num_requests = 0;
+  int32_t width = 0;                  // pages per row: the bound the plan is made for
+  int32_t page_size = 1;
+  /// Host-side upper bound on any request's seq_lens entry (<= width *
+  /// page_size): what the dispatch policy counts as selected.
+  int64_t max_selected = 0;
 };
 
 /// Runs sparse decodes on one device. It keeps the plan, the page-table
@@ -53,8 +76,19 @@ class SparseDecoder {
   SparseDecodeOutcome try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
                                 void* stream = nullptr);
 
+  /// The serving-step form: the plan is made once for the selection's
+  /// bound (width * page_size tokens per request) and reused while the
+  /// request count, width and shapes stay the same; the live counts are read
+  /// on the device. After the first call at a given shape it allocates
+  /// nothing, synchronizes nothing and reads nothing back, so a step that
+  /// calls it can be captured in a CUDA graph and replayed while the
+  /// context grows.
+  SparseDecodeOutcome try_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                void* stream = nullptr);
+
   /// The pure decision for these inputs, without running anything.
   SparseDecodeOutcome decide(const SparseAttentionInputs& in, const SparseSelection& selection) const;
+  SparseDecodeOutcome decide(const SparseAttentionInputs& in, const PagedSelection& selection) const;
 
   /// Synchronizes and throws when the last CUDA launch met a position outside a window.
   void check_errors(void* stream = nullptr);
@@ -69,12 +103,19 @@ class SparseDecoder {
   const DispatchConfig& config() const { return config_; }
 
  private:
-  void prepare(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream);
+  /// Plans for per-request `counts` and uploads the table structure
+  /// (`indptr` of `pages_per_request` pages each when > 0, else from the
+  /// counts); keeps the existing plan when nothing changed.
+  void prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts, int32_t pages_per_request,
+               int32_t page_size, void* stream);
+  SparseDecodeOutcome decide_counts(const SparseAttentionInputs& in, int64_t requests, int64_t selected) const;
+  DecodeParams base_params(const SparseAttentionInputs& in) const;
+  void launch(const DecodeParams& params, void* stream);
   Device device_;
   DispatchConfig config_;
   DecodePlan plan_;
   std::vector<int32_t> planned_counts_;
-  int32_t planned_group_ = 0, planned_dim_v_ = 0;
+  int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;
   int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]

@@ -1,5 +1,7 @@
 #include "sparsepage/cache.h"
 
+#include "core/cuda_hooks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -77,6 +79,7 @@ const char* cache_mode_name(CacheMode mode) {
 struct DenseKVCache::Storage {
   Buffer k, v;
   Buffer k_scale, v_scale;  // fp32 [B, H, Cap]
+  Buffer live_lens;         // int32 [B] on the cache's device (raw modes)
 };
 
 DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
@@ -99,6 +102,77 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
   if (is_quantized(mode) && device != Device::kCpu) {
     throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
   }
+  storage_->live_lens = Buffer(device, static_cast<size_t>(batch) * sizeof(int32_t));
+  fill_bytes(storage_->live_lens.data(), device, 0, storage_->live_lens.bytes());
+}
+
+void DenseKVCache::write_device_lens() {
+  const std::vector<int32_t> lens(static_cast<size_t>(batch_), static_cast<int32_t>(live_len_));
+  copy_bytes(storage_->live_lens.data(), device_, lens.data(), Device::kCpu, lens.size() * sizeof(int32_t));
+}
+
+void DenseKVCache::reserve(int64_t tokens) {
+  if (is_head_trimmed()) throw Error("DenseKVCache::reserve: a head-trimmed view is read-only");
+  if (tokens < 0 || tokens > INT32_MAX) {
+    throw Error("DenseKVCache::reserve: tokens = " + std::to_string(tokens) + " must lie in [0, 2^31 - 1]");
+  }
+  grow_to(tokens);
+}
+
+const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_lens.as<int32_t>(); }
+
+void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
+  if (is_head_trimmed()) throw Error("DenseKVCache::append_token: a head-trimmed view is read-only");
+  if (is_quantized(mode_)) throw Error("DenseKVCache::append_token: quantized caches append through update_and_fetch");
+  if (k_new == nullptr || v_new == nullptr) throw Error("DenseKVCache::append_token: k_new and v_new must not be null");
+  if (live_len_ >= capacity_) {
+    throw Error("DenseKVCache::append_token: live_len = " + std::to_string(live_len_) + " has reached capacity " +
+                std::to_string(capacity_) + "; reserve() before the step");
+  }
+  const size_t esize = dtype_size(storage_dtype(mode_));
+  detail::AppendTokenArgs a;
+  a.k = storage_->k.data();
+  a.v = storage_->v.data();
+  a.k_new = k_new;
+  a.v_new = v_new;
+  a.live_lens = storage_->live_lens.as<int32_t>();
+  a.batch = batch_;
+  a.k_heads = k_heads_;
+  a.v_heads = v_heads_;
+  a.k_row_bytes = static_cast<int64_t>(k_head_dim_ * esize);
+  a.v_row_bytes = static_cast<int64_t>(v_head_dim_ * esize);
+  a.capacity = capacity_;
+  if (device_ == Device::kCuda) {
+    detail::append_token_cuda(a, stream);
+    if (!detail::cuda_stream_capturing(stream)) ++live_len_;
+    return;
+  }
+  // Host: the same rule, one sequence at a time.
+  for (int32_t b = 0; b < batch_; ++b) {
+    const int64_t t = a.live_lens[b];
+    if (t < 0 || t >= capacity_) throw Error("DenseKVCache::append_token: sequence length outside the capacity");
+    auto put = [&](void* dst, const void* src, int32_t heads, int64_t row_bytes) {
+      for (int32_t h = 0; h < heads; ++h) {
+        std::memcpy(static_cast<char*>(dst) + ((int64_t{b} * heads + h) * capacity_ + t) * row_bytes,
+                    static_cast<const char*>(src) + (int64_t{b} * heads + h) * row_bytes,
+                    static_cast<size_t>(row_bytes));
+      }
+    };
+    put(a.k, k_new, k_heads_, a.k_row_bytes);
+    put(a.v, v_new, v_heads_, a.v_row_bytes);
+    a.live_lens[b] = static_cast<int32_t>(t + 1);
+  }
+  ++live_len_;
+}
+
+void DenseKVCache::sync_live_len(void* stream) {
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  const std::vector<int32_t> lens = download<int32_t>(device_, storage_->live_lens.data(), static_cast<size_t>(batch_));
+  for (int32_t len : lens) {
+    if (len != lens[0]) throw Error("DenseKVCache::sync_live_len: sequences disagree on their live length");
+  }
+  if (lens[0] < 0 || lens[0] > capacity_) throw Error("DenseKVCache::sync_live_len: device length outside the capacity");
+  live_len_ = lens[0];
 }
 
 void DenseKVCache::grow_to(int64_t needed) {
@@ -117,6 +191,7 @@ void DenseKVCache::grow_to(int64_t needed) {
     regrow(storage_->k_scale, grown->k_scale, k_heads_, sizeof(float));
     regrow(storage_->v_scale, grown->v_scale, v_heads_, sizeof(float));
   }
+  grown->live_lens = std::move(storage_->live_lens);
   storage_ = std::move(grown);  // views made earlier keep the old storage alive
   capacity_ = new_capacity;
 }
@@ -157,6 +232,7 @@ CacheWindow DenseKVCache::update_and_fetch(const void* k_new, const void* v_new,
   append(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
   append(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
   live_len_ += new_tokens;
+  write_device_lens();
   CacheWindow window;
   window.k_shape = k_shape();
   window.v_shape = v_shape();
@@ -227,15 +303,6 @@ HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_k
                 " (batch " + std::to_string(batch) + ")");
   }
   return {batch, num_qo_heads, num_kv_heads};
-}
-
-bool shared_row_mapping(const CacheShape& k, const CacheShape& v) {
-  if (k.batch != v.batch || k.capacity != v.capacity) return false;
-  if (k.heads == v.heads) return true;
-  // At batch 1 row(0, h, t) = h * Cap + t in both allocations, whatever K
-  // carries after the attention heads; beyond batch 1 the sequence strides
-  // (heads * Cap) differ and one index cannot address both.
-  return k.batch == 1 && k.heads > v.heads;
 }
 
 PagedBlockPool::PagedBlockPool(Device device, DType dtype, int32_t num_blocks, int32_t heads, int32_t block_size,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace sparsepage::detail {
 
@@ -17,6 +18,26 @@ void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* s
 void cuda_fill(void* dst, int value, size_t bytes);
 /// Waits for the work queued on `stream` (a cudaStream_t; null: the default stream).
 void cuda_stream_sync(void* stream);
+/// Whether `stream` is being captured into a CUDA graph (work queued on it
+/// is recorded, not run).
+bool cuda_stream_capturing(void* stream);
+/// Records `event` (a cudaEvent_t) on `stream`; a no-op for a null event.
+void cuda_record_event(void* event, void* stream);
+
+/// DenseKVCache::append_token on the device (src/cuda/cache_append.cu): one
+/// token per sequence b written at row live_lens[b] of each head, then
+/// live_lens[b] += 1. A sequence already at `capacity` is left unchanged.
+struct AppendTokenArgs {
+  void* k = nullptr;                // [batch, k_heads, capacity] rows of k_row_bytes
+  void* v = nullptr;                // [batch, v_heads, capacity] rows of v_row_bytes
+  const void* k_new = nullptr;      // [batch, k_heads] rows
+  const void* v_new = nullptr;      // [batch, v_heads] rows
+  int32_t* live_lens = nullptr;     // [batch]
+  int32_t batch = 0, k_heads = 0, v_heads = 0;
+  int64_t k_row_bytes = 0, v_row_bytes = 0;  // multiples of 4
+  int64_t capacity = 0;
+};
+void append_token_cuda(const AppendTokenArgs& args, void* stream);
 
 }  // namespace sparsepage::detail
 
@@ -28,7 +49,7 @@ namespace sparsepage::detail {
 
 /// Device half of gather_rows (src/cuda/dense_paths.cu).
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
-                      DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream);
+                      DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
 
 /// Device half of selection_from_blocks (src/cuda/selection.cu). All arrays
 /// are device arrays; offending rows are written as -1.
@@ -44,32 +65,3 @@ void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32
                          float* mask, void* stream);
 }  // namespace sparsepage::detail
 
-namespace sparsepage::detail {
-/// Block-sparse indexer on the GPU (src/cuda/indexer.cu): block scores by the
-/// rule in models/block_sparse.h and the per-request top-k plus the final
-/// block, written to `block_ids` [batch * num_kv_heads, blocks_per_request].
-struct BlockTopkArgs {
-  DType dtype;
-  const void* k_alloc;   // K allocation [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
-  const void* index_q;   // [batch, num_kv_heads, head_dim]
-  int32_t batch, num_kv_heads, head_dim;
-  int64_t capacity, kv_len;
-  int32_t block_size, topk, local_blocks, blocks_per_request;
-  int32_t* block_ids;
-};
-void block_topk_cuda(const BlockTopkArgs& args, void* stream);
-/// Block mask [requests, kv_len]: 0 where the token's block is selected and t < kv_len, else -inf.
-void block_mask_cuda(const int32_t* block_ids, int32_t num_requests, int32_t blocks_per_request, int32_t block_size,
-                     int64_t kv_len, float* mask, void* stream);
-}  // namespace sparsepage::detail
-
-namespace sparsepage {
-struct DsaConfig;
-}  // namespace sparsepage
-
-namespace sparsepage::detail {
-/// Throws Error naming the first limit of the CUDA DSA indexer
-/// (src/cuda/dsa_indexer.cu) that `config` at `batch` breaks; without CUDA,
-/// says the library was built without it.
-void check_dsa_indexer_cuda(const DsaConfig& config, int32_t batch);
-}  // namespace sparsepage::detail

@@ -12,12 +12,13 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("decode: " + message);
 }
 
-void check_pool(const PoolView& pool, const char* name) {
+void check_pool(const RowView& pool, const char* name) {
   const std::string n(name);
   require(pool.data != nullptr, n + ".data is null");
   require(pool.dim >= 1, n + ".dim = " + std::to_string(pool.dim) + " must be at least 1");
   require(pool.row_stride >= pool.dim, n + ".row_stride = " + std::to_string(pool.row_stride) +
                                            " is smaller than " + n + ".dim = " + std::to_string(pool.dim));
+  require(pool.seq_stride >= 0 && pool.head_stride >= 0, n + ".seq_stride and " + n + ".head_stride must not be negative");
 }
 
 }  // namespace
@@ -33,17 +34,20 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
   require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
   require(std::isfinite(p.scale), "scale is not finite");
-  require(p.request_row_stride >= 0, "request_row_stride is negative");
-  require(p.request_row_stride == 0 || (p.window_len >= 0 && p.window_len <= p.request_row_stride),
-          "window_len = " + std::to_string(p.window_len) + " must lie in [0, request_row_stride = " +
-              std::to_string(p.request_row_stride) + "]");
+  require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
+  require(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
+                                                    " is not a multiple of num_kv_heads = " +
+                                                    std::to_string(p.num_kv_heads));
+  const bool window = p.addressing == PageAddressing::kWindow;
+  require(window || p.addressing == PageAddressing::kPoolPages, "addressing is not a PageAddressing value");
+  require(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
   if (p.num_requests == 0) return;
   require(p.indptr != nullptr, "indptr is null");
   int64_t planned_tokens = 0;
   for (int32_t len : plan.seq_lens) planned_tokens += len;
   if (planned_tokens > 0) {
     require(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
-    require(p.request_row_stride > 0 || p.num_pool_pages >= 1,
+    require(window || p.num_pool_pages >= 1,
             "num_pool_pages = " + std::to_string(p.num_pool_pages) +
                 ": a pool-page table needs the pool's page count (or window mode)");
   }

@@ -62,7 +62,6 @@ const char* outcome_kind_name(OutcomeKind kind) {
     case OutcomeKind::kBelowSparsity: return "below_sparsity";
     case OutcomeKind::kNonRawCache: return "non_raw_cache";
     case OutcomeKind::kUnsupportedHeadDim: return "unsupported_head_dim";
-    case OutcomeKind::kRowMapping: return "row_mapping";
     case OutcomeKind::kNoDevice: return "no_device";
     case OutcomeKind::kUnsupportedLayout: return "unsupported_layout";
     case OutcomeKind::kCount: break;
@@ -156,10 +155,6 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   if (!in.layout_supported) {
     return decline(OutcomeKind::kUnsupportedLayout, in,
                    "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
-  }
-  if (!in.shared_row_mapping) {
-    return decline(OutcomeKind::kRowMapping, in,
-                   "K and V allocations do not share a row mapping at batch > 1 (K has extra heads)");
   }
   const int64_t requests = std::max<int64_t>(in.num_requests, 1);
   const int64_t per_request = in.selected_rows / requests;

@@ -3,7 +3,6 @@
 #include "core/cuda_hooks.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/dense_paths.h"
-#include "sparsepage/models/dsa.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage {
@@ -21,6 +20,11 @@ void cuda_copy(void*, bool, const void*, bool, size_t) { no_cuda("copy_bytes"); 
 void cuda_copy_2d(void*, bool, size_t, const void*, bool, size_t, size_t, size_t) { no_cuda("copy_2d"); }
 void cuda_fill(void*, int, size_t) { no_cuda("fill_bytes"); }
 void cuda_stream_sync(void*) { no_cuda("stream synchronize"); }
+bool cuda_stream_capturing(void*) { return false; }
+void cuda_record_event(void* event, void*) {
+  if (event != nullptr) no_cuda("cuda_record_event");
+}
+void append_token_cuda(const AppendTokenArgs&, void*) { no_cuda("DenseKVCache::append_token(Device::kCuda)"); }
 }  // namespace detail
 
 bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }
@@ -39,7 +43,7 @@ void run_masked_decode_cuda(const MaskedDecodeParams&, void*, void*) { no_cuda("
 }  // namespace sparsepage
 
 namespace sparsepage::detail {
-void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const PoolView&, int64_t, void*,
+void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const RowView&, int64_t, void*,
                       void*) {
   throw Error("gather_rows(Device::kCuda): sparsepage was built without CUDA");
 }
@@ -55,23 +59,3 @@ void selection_mask_cuda(const int32_t*, const int32_t*, int32_t, int64_t, float
 }
 }  // namespace sparsepage::detail
 
-namespace sparsepage::detail {
-void block_topk_cuda(const BlockTopkArgs&, void*) {
-  throw Error("block-sparse indexer on Device::kCuda: sparsepage was built without CUDA");
-}
-void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int64_t, float*, void*) {
-  throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
-}
-}  // namespace sparsepage::detail
-
-namespace sparsepage::detail {
-void check_dsa_indexer_cuda(const DsaConfig&, int32_t) {
-  throw Error("DSA indexer on Device::kCuda: sparsepage was built without CUDA");
-}
-}  // namespace sparsepage::detail
-
-namespace sparsepage {
-void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, void*) {
-  throw Error("dsa_select_tokens_cuda: sparsepage was built without CUDA");
-}
-}  // namespace sparsepage

@@ -16,11 +16,24 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("sparse decode: " + message);
 }
 
-void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
+void check_inputs(const SparseAttentionInputs& in) {
   require(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
   require(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
           "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
               std::to_string(in.num_kv_heads));
+  require(in.live_len >= 0 && in.live_len <= in.k.capacity && in.live_len <= in.v.capacity &&
+              (in.k_extra.data == nullptr || in.live_len <= in.k_extra.capacity),
+          "live_len = " + std::to_string(in.live_len) + " must lie in [0, capacity]");
+  require(in.live_len <= INT32_MAX, "live_len = " + std::to_string(in.live_len) + " exceeds 2^31 - 1 tokens");
+  require(in.k.heads >= in.num_kv_heads && in.v.heads >= in.num_kv_heads &&
+              (in.k_extra.data == nullptr || in.k_extra.heads >= in.num_kv_heads),
+          "every stream needs at least num_kv_heads = " + std::to_string(in.num_kv_heads) + " heads");
+  require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
+  require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
+}
+
+void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
+  check_inputs(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   require(selection.num_requests() == requests, "the selection has " + std::to_string(selection.num_requests()) +
                                                     " requests, expected batch * num_kv_heads = " +
@@ -30,21 +43,6 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
               device_name(in.device));
   require(static_cast<int64_t>(selection.indices.bytes()) >= selection.total() * 4,
           "the selection's indices hold fewer entries than its counts sum to");
-  require(in.live_len >= 0 && in.live_len <= in.k.capacity && in.live_len <= in.v.capacity,
-          "live_len = " + std::to_string(in.live_len) + " must lie in [0, capacity]");
-  require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
-  require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
-}
-
-CacheShape shape_of(const DenseStream& s, int32_t batch) { return {batch, s.heads, s.capacity, s.dim}; }
-
-// One index addresses K, V and the second stream only when every allocation
-// puts (b, h, t) of the attention heads at the same row (SPEC section 4).
-bool streams_share_rows(const SparseAttentionInputs& in) {
-  if (in.v.heads != in.num_kv_heads) return false;
-  const CacheShape v = shape_of(in.v, in.batch);
-  if (!shared_row_mapping(shape_of(in.k, in.batch), v)) return false;
-  return in.k_extra.data == nullptr || shared_row_mapping(shape_of(in.k_extra, in.batch), v);
 }
 
 // What the CUDA kernels can read: f16/bf16, 16-byte aligned bases and row
@@ -53,9 +51,12 @@ bool cuda_layout_supported(const SparseAttentionInputs& in) {
   if (in.dtype != DType::kBF16 && in.dtype != DType::kF16) return false;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const auto pieces = [](int64_t stride) { return stride % 8 == 0; };
-  bool ok = aligned(in.q) && aligned(in.o) && aligned(in.k.data) && aligned(in.v.data) && pieces(in.k.row_stride) &&
-            pieces(in.v.row_stride);
-  if (in.k_extra.data != nullptr) ok = ok && aligned(in.k_extra.data) && aligned(in.q_extra) && pieces(in.k_extra.row_stride);
+  const auto stream_ok = [&](const DenseStream& s) {
+    const RowView r = s.rows();
+    return aligned(r.data) && pieces(r.row_stride) && pieces(r.seq_stride) && pieces(r.head_stride);
+  };
+  bool ok = aligned(in.q) && aligned(in.o) && stream_ok(in.k) && stream_ok(in.v);
+  if (in.k_extra.data != nullptr) ok = ok && aligned(in.q_extra) && stream_ok(in.k_extra);
   // A V wider than 256 (the MLA latent) is read as K's own columns.
   if (in.v.dim > 256) ok = ok && in.v.data == in.k.data && in.v.row_stride == in.k.row_stride;
   return ok;
@@ -70,26 +71,49 @@ int32_t machine_width(Device device) {
 
 SparseDecoder::SparseDecoder(Device device, DispatchConfig config) : device_(device), config_(config) {}
 
-SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const SparseSelection& selection) const {
-  check_inputs(in, selection);
+SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in, int64_t requests,
+                                                 int64_t selected) const {
   DispatchInput d;
-  d.num_requests = int64_t{in.batch} * in.num_kv_heads;
-  d.selected_rows = selection.total();
+  d.num_requests = requests;
+  d.selected_rows = selected;
   d.live_len = in.live_len;
   d.raw_cache = in.raw_cache;
   d.device_available = device_ == Device::kCpu || cuda_available();
   d.head_dims_supported =
       device_ == Device::kCpu ||
       cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
-  d.shared_row_mapping = streams_share_rows(in);
   d.layout_supported = device_ == Device::kCpu || cuda_layout_supported(in);
   return decide_sparse_decode(d, config_);
 }
 
-void SparseDecoder::prepare(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
+SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const SparseSelection& selection) const {
+  check_inputs(in, selection);
+  return decide_counts(in, int64_t{in.batch} * in.num_kv_heads, selection.total());
+}
+
+SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const PagedSelection& selection) const {
+  check_inputs(in);
+  const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
+  require(selection.num_requests == requests, "the selection has " + std::to_string(selection.num_requests) +
+                                                  " requests, expected batch * num_kv_heads = " +
+                                                  std::to_string(requests));
+  require(selection.width >= 1 && selection.page_size >= 1,
+          "a paged selection needs width >= 1 and page_size >= 1 (got " + std::to_string(selection.width) + ", " +
+              std::to_string(selection.page_size) + ")");
+  require(int64_t{selection.width} * selection.page_size <= INT32_MAX,
+          "width * page_size must stay below 2^31 tokens per request");
+  require(selection.pages != nullptr && selection.seq_lens != nullptr, "the selection's pages and seq_lens must be set");
+  require(selection.max_selected >= 0 && selection.max_selected <= int64_t{selection.width} * selection.page_size,
+          "max_selected = " + std::to_string(selection.max_selected) + " must lie in [0, width * page_size = " +
+              std::to_string(int64_t{selection.width} * selection.page_size) + "]");
+  return decide_counts(in, requests, requests * selection.max_selected);
+}
+
+void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts,
+                            int32_t pages_per_request, int32_t page_size, void* stream) {
   const int32_t group = in.num_qo_heads / in.num_kv_heads;
-  if (selection.counts == planned_counts_ && group == planned_group_ && in.v.dim == planned_dim_v_ &&
-      !workspace_.empty()) {
+  if (counts == planned_counts_ && group == planned_group_ && in.v.dim == planned_dim_v_ &&
+      pages_per_request == planned_width_ && page_size == planned_page_size_ && !workspace_.empty()) {
     return;  // same counts: the plan, structure and workspace stand
   }
   PlanShape shape;
@@ -104,17 +128,62 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const SparseSelecti
   }
   if (items_per_sm_ > 0) shape.items_per_sm = items_per_sm_;
   if (min_chunk_tokens_ > 0) shape.min_chunk_tokens = min_chunk_tokens_;
-  plan_ = make_decode_plan(selection.counts, shape);
-  const PageTableStructure table = build_page_table_structure(selection.counts, 1);
+  plan_ = make_decode_plan(counts, shape);
+  // Structure: indptr [R + 1], first_page_offset [R] (zeros), seq_lens [R].
+  // A fixed-width table has row r at pages r * width; its seq_lens come
+  // with the selection (device data), so the uploaded ones go unused.
+  PageTableStructure table = build_page_table_structure(counts, page_size);
+  if (pages_per_request > 0) {
+    for (size_t r = 0; r < table.indptr.size(); ++r) table.indptr[r] = static_cast<int32_t>(r) * pages_per_request;
+  }
   std::vector<int32_t> packed = table.indptr;
   packed.insert(packed.end(), table.first_page_offset.begin(), table.first_page_offset.end());
   packed.insert(packed.end(), table.seq_lens.begin(), table.seq_lens.end());
   structure_ = upload(device_, packed);
   workspace_ = Buffer(device_, std::max<size_t>(plan_.workspace.total, 256));
   if (device_ == Device::kCuda) upload_plan_cuda(plan_, workspace_.data(), stream);
-  planned_counts_ = selection.counts;
+  planned_counts_ = counts;
   planned_group_ = group;
   planned_dim_v_ = in.v.dim;
+  planned_width_ = pages_per_request;
+  planned_page_size_ = page_size;
+}
+
+DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
+  const int32_t requests = in.batch * in.num_kv_heads;
+  const auto* structure = structure_.as<int32_t>();
+  DecodeParams p;
+  p.dtype = in.dtype;
+  p.indptr = structure;
+  p.first_page_offset = structure + requests + 1;
+  p.seq_lens = structure + 2 * requests + 1;
+  p.num_requests = requests;
+  p.num_kv_heads = in.num_kv_heads;
+  // Window mode: positions of the request's own rows, checked against its
+  // sequence's live length, never another request's rows.
+  p.addressing = PageAddressing::kWindow;
+  p.window_lens = in.live_lens;
+  p.window_len = in.live_len;
+  p.group_size = in.num_qo_heads / in.num_kv_heads;
+  p.q = in.q;
+  p.k = in.k.rows();
+  p.v = in.v.rows();
+  if (in.k_extra.data != nullptr) {
+    p.q_extra = in.q_extra;
+    p.k_extra = in.k_extra.rows();
+  }
+  p.scale = in.scale;
+  p.o = in.o;
+  p.lse = in.lse;
+  return p;
+}
+
+void SparseDecoder::launch(const DecodeParams& params, void* stream) {
+  if (device_ == Device::kCuda) {
+    run_decode_cuda(params, plan_, workspace_.data(), stream);
+  } else {
+    run_decode_cpu(params, plan_, workspace_.data());
+  }
 }
 
 SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
@@ -127,36 +196,34 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
     return outcome;
   }
   dump_selection_if_enabled(selection, "fused");
-  prepare(in, selection, stream);
-  const int32_t requests = in.batch * in.num_kv_heads;
-  const auto* structure = structure_.as<int32_t>();
-  DecodeParams p;
-  p.dtype = in.dtype;
-  p.indptr = structure;
-  p.first_page_offset = structure + requests + 1;
-  p.seq_lens = structure + 2 * requests + 1;
+  prepare(in, selection.counts, 0, 1, stream);
+  DecodeParams p = base_params(in);
   p.indices = selection.indices.as<int32_t>();
-  p.num_requests = requests;
   p.page_size = 1;
-  p.request_row_stride = in.k.capacity;  // window mode: positions, never another request's rows
-  p.window_len = in.live_len;
-  p.num_pool_pages = in.live_len;
-  p.group_size = in.num_qo_heads / in.num_kv_heads;
-  p.q = in.q;
-  p.k = {in.k.data, in.k.row_stride, in.k.dim};
-  p.v = {in.v.data, in.v.row_stride, in.v.dim};
-  if (in.k_extra.data != nullptr) {
-    p.q_extra = in.q_extra;
-    p.k_extra = {in.k_extra.data, in.k_extra.row_stride, in.k_extra.dim};
+  launch(p, stream);
+  outcome.chunks = static_cast<int64_t>(plan_.work.size());
+  outcome.merge = plan_.needs_merge();
+  record_outcome(outcome);
+  return outcome;
+}
+
+SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                             void* stream) {
+  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
+                                    device_name(device_));
+  SparseDecodeOutcome outcome = decide(in, selection);
+  if (!outcome.fused()) {
+    record_outcome(outcome);
+    return outcome;
   }
-  p.scale = in.scale;
-  p.o = in.o;
-  p.lse = in.lse;
-  if (device_ == Device::kCuda) {
-    run_decode_cuda(p, plan_, workspace_.data(), stream);
-  } else {
-    run_decode_cpu(p, plan_, workspace_.data());
-  }
+  const int32_t bound = selection.width * selection.page_size;
+  prepare(in, std::vector<int32_t>(static_cast<size_t>(selection.num_requests), bound), selection.width,
+          selection.page_size, stream);
+  DecodeParams p = base_params(in);
+  p.indices = selection.pages;
+  p.seq_lens = selection.seq_lens;
+  p.page_size = selection.page_size;
+  launch(p, stream);
   outcome.chunks = static_cast<int64_t>(plan_.work.size());
   outcome.merge = plan_.needs_merge();
   record_outcome(outcome);
@@ -186,6 +253,7 @@ MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
   m.num_kv_heads = in.num_kv_heads;
   m.group_size = in.num_qo_heads / in.num_kv_heads;
   m.live_len = in.live_len;
+  m.live_lens = in.live_lens;
   m.q = in.q;
   m.k = in.k;
   m.v = in.v;

@@ -51,6 +51,7 @@ namespace {
 // Page ids are checked before any thread starts, so the loops below can
 // never read outside the pool whatever the indices say.
 void check_indices_cpu(const DecodeParams& p) {
+  const bool window = p.addressing == PageAddressing::kWindow;
   for (int32_t r = 0; r < p.num_requests; ++r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
     const int64_t len = p.seq_lens[r];
@@ -65,15 +66,16 @@ void check_indices_cpu(const DecodeParams& p) {
       throw Error("decode: first_page_offset[" + std::to_string(r) + "] = " + std::to_string(offset) +
                   " is outside [0, page_size = " + std::to_string(p.page_size) + ")");
     }
+    const int64_t window_len = p.window_lens ? p.window_lens[r / p.num_kv_heads] : p.window_len;
     for (int64_t i = p.indptr[r]; i < p.indptr[r] + needed; ++i) {
       const int32_t page = p.indices[i];
-      if (p.request_row_stride > 0) {
+      if (window) {
         // Window mode: the page's last visible position must be in the window.
         const int64_t last = std::min<int64_t>(p.page_size, offset + len - (i - p.indptr[r]) * p.page_size) - 1;
-        if (page < 0 || int64_t{page} * p.page_size + last >= p.window_len) {
+        if (page < 0 || int64_t{page} * p.page_size + last >= window_len) {
           throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
                       " names positions outside request " + std::to_string(r) + "'s window of " +
-                      std::to_string(p.window_len) + " tokens");
+                      std::to_string(window_len) + " tokens");
         }
         continue;
       }
@@ -91,31 +93,37 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   check_decode_params(p, plan);
   if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
   for (int32_t r = 0; r < p.num_requests; ++r) {
-    if (p.seq_lens[r] != plan.seq_lens[static_cast<size_t>(r)]) {
+    if (p.seq_lens[r] < 0 || p.seq_lens[r] > plan.seq_lens[static_cast<size_t>(r)]) {
       throw Error("decode: seq_lens[" + std::to_string(r) + "] = " + std::to_string(p.seq_lens[r]) +
-                  " but the plan was made for " + std::to_string(plan.seq_lens[static_cast<size_t>(r)]));
+                  " must lie in [0, " + std::to_string(plan.seq_lens[static_cast<size_t>(r)]) +
+                  "], the count the plan was made for");
     }
   }
   check_indices_cpu(p);
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
+  // Where request r's rows start in a stream (elements -> bytes, 64-bit).
+  auto start = [&p, esize](const RowView& s, int32_t r) {
+    const int64_t seq = r / p.num_kv_heads, head = r % p.num_kv_heads;
+    return static_cast<const char*>(s.data) + (seq * s.seq_stride + head * s.head_stride) * esize;
+  };
   auto rows_of = [&](int32_t r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
     const int32_t* pages = p.indices + p.indptr[r];
-    const int64_t base = p.request_row_stride * r;  // 0 outside window mode
-    return [&p, esize, de, offset, pages, base](int64_t t) {
+    const char* k = start(p.k, r);
+    const char* v = start(p.v, r);
+    const char* e = de > 0 ? start(p.k_extra, r) : nullptr;
+    return [&p, esize, offset, pages, k, v, e](int64_t t) {
       const int64_t slot = offset + t;
-      // 64-bit throughout: pools beyond 2^31 elements are normal.
-      const int64_t row = base + int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
-      return cpu::TokenRows{
-          static_cast<const char*>(p.k.data) + row * p.k.row_stride * esize,
-          static_cast<const char*>(p.v.data) + row * p.v.row_stride * esize,
-          de > 0 ? static_cast<const char*>(p.k_extra.data) + row * p.k_extra.row_stride * esize : nullptr};
+      const int64_t row = int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
+      return cpu::TokenRows{k + row * p.k.row_stride * esize, v + row * p.v.row_stride * esize,
+                            e ? e + row * p.k_extra.row_stride * esize : nullptr};
     };
   };
   auto no_bias = [](int32_t) { return [](int64_t) { return 0.0f; }; };
-  cpu::run_plan(plan, out, workspace, rows_of, no_bias);
+  auto visible = [&p](int32_t r) { return int64_t{p.seq_lens[r]}; };
+  cpu::run_plan(plan, out, workspace, rows_of, no_bias, visible);
 }
 
 }  // namespace sparsepage

@@ -39,6 +39,9 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
   require(p.live_len <= std::numeric_limits<int32_t>::max(), "live_len = " + std::to_string(p.live_len) +
                                                                  " exceeds 2^31 - 1 tokens");
   require(std::isfinite(p.scale), "scale is not finite");
+  require(p.mask_pitch == 0 || p.mask_pitch >= p.live_len, "mask_pitch = " + std::to_string(p.mask_pitch) +
+                                                               " is smaller than live_len = " +
+                                                               std::to_string(p.live_len));
   if (p.batch == 0) return;
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");
@@ -78,15 +81,19 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
                             e ? e + t * p.k_extra.row_stride * esize : nullptr};
     };
   };
+  const int64_t pitch = p.mask_pitch > 0 ? p.mask_pitch : p.live_len;
   auto bias_of = [&](int32_t r) {
-    const float* mask = p.mask ? p.mask + static_cast<int64_t>(r) * p.live_len : nullptr;
+    const float* mask = p.mask ? p.mask + static_cast<int64_t>(r) * pitch : nullptr;
     return [mask](int64_t t) { return mask ? mask[t] : 0.0f; };
   };
-  cpu::run_plan(plan, out, workspace.data(), rows_of, bias_of);
+  auto visible = [&p](int32_t r) {
+    return p.live_lens ? std::min<int64_t>(p.live_lens[r / p.num_kv_heads], p.live_len) : p.live_len;
+  };
+  cpu::run_plan(plan, out, workspace.data(), rows_of, bias_of, visible);
 }
 
 void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
-                 DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream) {
+                 DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream) {
   if (num_requests < 0 || max_rows < 0) throw Error("gather_rows: num_requests and max_rows must not be negative");
   if (pool.data == nullptr || pool.dim < 1 || pool.row_stride < pool.dim) {
     throw Error("gather_rows: pool needs data, dim >= 1 and row_stride >= dim");

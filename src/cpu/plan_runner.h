@@ -31,9 +31,12 @@ inline std::vector<float> load_as_float(DType dtype, const void* src, size_t off
 }
 
 /// `rows_of(r)` returns a callable token -> TokenRows for request r;
-/// `bias_of(r)` a callable token -> additive mask term.
-template <typename RowsOf, typename BiasOf>
-void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, RowsOf&& rows_of, BiasOf&& bias_of) {
+/// `bias_of(r)` a callable token -> additive mask term; `visible(r)` the
+/// tokens request r sees now (work items past it are clipped: the plan may
+/// have been made for more, as the CUDA backend allows).
+template <typename RowsOf, typename BiasOf, typename Visible>
+void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, RowsOf&& rows_of, BiasOf&& bias_of,
+              Visible&& visible) {
   const size_t esize = dtype_size(out.dtype);
   const size_t g_count = static_cast<size_t>(out.group_size);
   const size_t dk = static_cast<size_t>(out.dim_qk), dv = static_cast<size_t>(out.dim_v);
@@ -55,8 +58,9 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
     if (de > 0) q_extra = load_as_float(out.dtype, out.q_extra, row * de, g_count * de);
     const ChunkQuery query{out.dtype,  out.group_size, out.dim_qk, out.dim_v, out.dim_extra, q.data(),
                            de > 0 ? q_extra.data() : nullptr, out.scale};
-    const ChunkState state =
-        attend_chunk(query, item.token_begin, item.token_end, rows_of(item.request), bias_of(item.request));
+    const int64_t end = std::min<int64_t>(item.token_end, visible(item.request));
+    const ChunkState state = attend_chunk(query, item.token_begin, std::max<int64_t>(end, item.token_begin),
+                                          rows_of(item.request), bias_of(item.request));
     if (item.partial < 0) {
       write_output(item.request, state.o.data(), state.lse.data());
     } else {

@@ -82,8 +82,7 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   auto s = static_cast<cudaStream_t>(stream);
 
   cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
-                                              params.group_size, params.scale);
-  p.v_aliases_k = params.v.data == params.k.data && params.v.row_stride == params.k.row_stride;
+                                              params.num_kv_heads, params.group_size, params.scale);
   p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
   p.o = params.o;
   p.lse = params.lse;
@@ -94,10 +93,12 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   p.paged.indptr = params.indptr;
   p.paged.indices = params.indices;
   p.paged.first_page_offset = params.first_page_offset;
+  p.paged.seq_lens = params.seq_lens;
   p.paged.page_size = params.page_size;
   p.paged.page_shift = page_shift_of(params.page_size);
   p.paged.num_pool_pages = params.num_pool_pages;
-  p.paged.request_row_stride = params.request_row_stride;
+  p.paged.window = params.addressing == PageAddressing::kWindow;
+  p.paged.window_lens = params.window_lens;
   p.paged.window_len = params.window_len;
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);

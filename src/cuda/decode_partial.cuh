@@ -27,30 +27,41 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kQueryTile = 16;   // query heads per CTA: one MMA M tile
 constexpr int kIdSlotInts = 64;  // page ids of one tile: 64 tokens span at most 64 pages
 
+// What a source's row() returns instead of a row: a rejected token (a page
+// id outside the pool or a position outside the window: the request's
+// output becomes NaN and the error flag is set), or a masked-out token (not
+// read at all: its shared-memory row is zero-filled, so whatever the cache
+// holds there, NaN included, contributes nothing).
+constexpr int64_t kRejectedRow = -1;
+constexpr int64_t kMaskedRow = -2;
+
 /// Page-table row source parameters.
 struct PagedTable {
   const int32_t* indptr = nullptr;             // [num_requests + 1]
   const int32_t* indices = nullptr;            // [indptr[num_requests]]
   const int32_t* first_page_offset = nullptr;  // [num_requests] or null (all zero)
+  const int32_t* seq_lens = nullptr;           // [num_requests] visible tokens (clip the plan's items); may be null
   int32_t page_size = 1;
   int32_t page_shift = 0;                      // log2(page_size), or -1 when not a power of two
-  int64_t num_pool_pages = 0;
-  // Window mode (decode.h): > 0 makes page ids relative to row
-  // request * request_row_stride, each position checked against window_len.
-  int64_t request_row_stride = 0;
+  int64_t num_pool_pages = 0;                  // pool mode: ids in [0, num_pool_pages)
+  // Window mode (decode.h): ids are pages of the request's own rows and
+  // every position is checked against its sequence's live length.
+  bool window = false;
+  const int32_t* window_lens = nullptr;        // [num_sequences] or null: window_len for all
   int64_t window_len = 0;
 };
 
-/// Dense-allocation row source parameters: row(b, h, t) = (b * heads + h) * capacity + t per stream.
+/// Dense-allocation row source parameters: token t of a request is row t of
+/// its (sequence, head) rows; an optional additive mask.
 struct DenseTable {
-  int32_t num_kv_heads = 1;
-  int32_t k_heads = 0, v_heads = 0, e_heads = 0;
-  int64_t k_capacity = 0, v_capacity = 0, e_capacity = 0;
-  const float* mask = nullptr;  // [num_requests, live_len] additive, or null
-  int64_t live_len = 0;
+  const float* mask = nullptr;         // [num_requests, mask_pitch] additive, or null
+  int64_t mask_pitch = 0;              // floats between requests' mask rows
+  const int32_t* live_lens = nullptr;  // [num_sequences] live tokens, or null: the uniform split's length
 };
 
 /// Everything the partial kernel reads. Pointers are device pointers.
+/// Request r is (sequence r / num_kv_heads, head r % num_kv_heads); each
+/// stream's rows for it start at base + seq * seq_stride + head * head_stride.
 struct PartialParams {
   const void* q = nullptr;        // [num_requests, group_size, dqk]
   const void* q_extra = nullptr;  // [num_requests, group_size, de] or null
@@ -58,6 +69,9 @@ struct PartialParams {
   const void* v = nullptr;        // V pool base (may equal k)
   const void* k_extra = nullptr;  // second K stream base or null
   int64_t k_stride = 0, v_stride = 0, e_stride = 0;  // elements between rows
+  int64_t k_seq = 0, v_seq = 0, e_seq = 0;           // elements between sequences
+  int64_t k_head = 0, v_head = 0, e_head = 0;        // elements between KV heads
+  int32_t num_kv_heads = 1;
   int32_t dqk = 0, dv = 0, de = 0;  // dqk + de == the instantiation's DK; dv <= DV
   int32_t group_size = 1;
   bool v_aliases_k = false;       // V is K's first dv columns at K's rows: load rows once
@@ -67,7 +81,7 @@ struct PartialParams {
   const WorkItem* work = nullptr;  // [gridDim.x] or null
   int32_t chunks_per_request = 1;  // uniform split: item i -> request i / chunks_per_request
   int32_t chunk_tokens = 0;
-  int32_t uniform_len = 0;         // tokens per request in the uniform split
+  int32_t uniform_len = 0;         // tokens per request in the uniform split (an upper bound with live_lens)
 
   void* o = nullptr;               // [num_requests, group_size, dv], input dtype
   float* lse = nullptr;            // [num_requests, group_size] or null
@@ -91,6 +105,34 @@ __device__ inline WorkItem resolve_work_item(const PartialParams& p, int32_t ite
   w.token_end = w.token_begin + max(0, min(p.chunk_tokens, p.uniform_len - w.token_begin));
   w.partial = p.chunks_per_request > 1 ? item : -1;
   return w;
+}
+
+/// One CTA's share of the work: its request, where that request's rows
+/// start in each stream, and its tokens clipped to what the request sees
+/// now (the plan may have been made for more: an empty share still writes
+/// its o = 0, lse = -inf partial, which the merge ignores).
+template <typename T>
+struct ItemShare {
+  int32_t request, tok_begin, len, partial;
+  const T* k_base;
+  const T* v_base;
+  const T* e_base;  // null without a second stream
+};
+
+template <typename T, class Source>
+__device__ inline ItemShare<T> open_item(const PartialParams& p, int32_t index, Source& src) {
+  const WorkItem w = resolve_work_item(p, index);
+  ItemShare<T> s;
+  s.request = w.request;
+  s.partial = w.partial;
+  s.tok_begin = w.token_begin;
+  const int64_t seq = w.request / p.num_kv_heads, head = w.request % p.num_kv_heads;
+  src.init(p, w.request, seq);
+  s.len = max(0, min(w.token_end, src.visible_tokens()) - w.token_begin);
+  s.k_base = static_cast<const T*>(p.k) + seq * p.k_seq + head * p.k_head;
+  s.v_base = static_cast<const T*>(p.v) + seq * p.v_seq + head * p.v_head;
+  s.e_base = p.k_extra ? static_cast<const T*>(p.k_extra) + seq * p.e_seq + head * p.e_head : nullptr;
+  return s;
 }
 
 template <int DK, int DV, bool kDenseRows>
@@ -122,14 +164,13 @@ struct TileConfig {
 /// Rows from the page table.
 struct PagedSource {
   static constexpr bool kHasBias = false;
-  static constexpr int64_t k_row0 = 0, v_row0 = 0, e_row0 = 0;  // page rows are absolute
   const int32_t* pages;  // this request's page ids
-  int32_t num_pages, first_offset, page_size, page_shift;
+  int32_t num_pages, first_offset, page_size, page_shift, seq_len;
   int64_t num_pool_pages;
-  int64_t window_row0;     // window mode: the request's first row; else -1
-  int64_t window_len;
+  bool window;
+  int64_t window_len;    // window mode: the sequence's live length
 
-  __device__ void init(const PartialParams& p, int32_t request) {
+  __device__ void init(const PartialParams& p, int32_t request, int64_t seq) {
     const int32_t begin = p.paged.indptr[request];
     pages = p.paged.indices + max(begin, 0);
     num_pages = p.paged.indptr[request + 1] - begin;
@@ -139,11 +180,14 @@ struct PagedSource {
     // outside [0, page_size) rejects every token of the request (NaN and the
     // error flag) instead of reading before `indices`.
     if (begin < 0 || first_offset < 0 || first_offset >= page_size) num_pages = 0;
+    seq_len = p.paged.seq_lens ? p.paged.seq_lens[request] : INT32_MAX;
     page_shift = p.paged.page_shift;
     num_pool_pages = p.paged.num_pool_pages;
-    window_row0 = p.paged.request_row_stride > 0 ? request * p.paged.request_row_stride : -1;
-    window_len = p.paged.window_len;
+    window = p.paged.window;
+    window_len = p.paged.window_lens ? p.paged.window_lens[seq] : p.paged.window_len;
   }
+  /// The request's visible tokens now (a plan made for more is clipped).
+  __device__ int32_t visible_tokens() const { return seq_len; }
   __device__ int32_t page_of(int32_t token) const {
     const int32_t pos = first_offset + token;
     return page_shift >= 0 ? pos >> page_shift : pos / page_size;
@@ -154,15 +198,15 @@ struct PagedSource {
     const int32_t count = min(page_of(tok0 + n - 1), num_pages - 1) - p0 + 1;
     if (tid < count) cp_async_4(smem_u32(slot + tid), pages + p0 + tid);
   }
-  /// Pool row of `token` (64-bit), or -1 when its page id is outside the
-  /// pool (or its position outside the request's window).
+  /// Row of `token` in its stream (64-bit), or -1 when its page id is
+  /// outside the pool (or its position outside the request's window).
   __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token) const {
     const int32_t page_idx = page_of(token);
-    if (page_idx >= num_pages) return -1;  // a table shorter than the plan's counts
+    if (page_idx >= num_pages) return kRejectedRow;  // a table shorter than the visible count
     const int32_t page = slot[page_idx - page_of(tok0)];
     const int64_t r = int64_t{page} * page_size + (first_offset + token - page_idx * page_size);
-    if (window_row0 >= 0) return page < 0 || r >= window_len ? -1 : window_row0 + r;
-    return page < 0 || page >= num_pool_pages ? -1 : r;
+    if (window) return page < 0 || r >= window_len ? kRejectedRow : r;
+    return page < 0 || page >= num_pool_pages ? kRejectedRow : r;
   }
   __device__ float bias(const int32_t*, int) const { return 0.f; }
 };
@@ -171,20 +215,21 @@ struct PagedSource {
 struct DenseSource {
   static constexpr bool kHasBias = true;
   const float* mask;  // this request's mask row, or null
-  int64_t k_row0, v_row0, e_row0;
+  int32_t live;       // the sequence's live tokens
 
-  __device__ void init(const PartialParams& p, int32_t request) {
-    const DenseTable& d = p.dense;
-    const int64_t b = request / d.num_kv_heads, h = request % d.num_kv_heads;
-    k_row0 = (b * d.k_heads + h) * d.k_capacity;
-    v_row0 = (b * d.v_heads + h) * d.v_capacity;
-    e_row0 = (b * d.e_heads + h) * d.e_capacity;
-    mask = d.mask ? d.mask + request * d.live_len : nullptr;
+  __device__ void init(const PartialParams& p, int32_t request, int64_t seq) {
+    mask = p.dense.mask ? p.dense.mask + request * p.dense.mask_pitch : nullptr;
+    live = p.dense.live_lens ? p.dense.live_lens[seq] : p.uniform_len;
   }
+  __device__ int32_t visible_tokens() const { return live; }
   __device__ void prefetch(int32_t* slot, int32_t tok0, int32_t n, int tid) const {
     if (mask && tid < n) cp_async_4(smem_u32(slot + tid), mask + tok0 + tid);
   }
-  __device__ int64_t row(const int32_t*, int32_t, int32_t token) const { return token; }
+  /// The mask values of the tile being issued are already in its slot
+  /// (they arrive S - 1 tiles ahead of the rows), so masked rows are skipped.
+  __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token) const {
+    return mask && __int_as_float(slot[token - tok0]) == neg_inf_f32() ? kMaskedRow : token;
+  }
   __device__ float bias(const int32_t* slot, int key) const { return mask ? __int_as_float(slot[key]) : 0.f; }
 };
 

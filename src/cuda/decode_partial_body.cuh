@@ -44,17 +44,16 @@ struct PartialCta {
     tid = threadIdx.x;
     warp = tid / 32;
     lane = tid % 32;
-    const WorkItem item = resolve_work_item(p, static_cast<int32_t>(blockIdx.x));
-    request = item.request;
-    tok_begin = item.token_begin;
-    len = item.token_end - item.token_begin;
-    partial = item.partial;
+    const ItemShare<T> share = open_item<T>(p, static_cast<int32_t>(blockIdx.x), src);
+    request = share.request;
+    tok_begin = share.tok_begin;
+    len = share.len;
+    partial = share.partial;
     head0 = blockIdx.y * kQueryTile;
     heads = min(kQueryTile, p.group_size - head0);
-    src.init(p, request);
-    k_base = static_cast<const T*>(p.k) + src.k_row0 * p.k_stride;
-    v_base = static_cast<const T*>(p.v) + src.v_row0 * p.v_stride;
-    e_base = p.k_extra ? static_cast<const T*>(p.k_extra) + src.e_row0 * p.e_stride : nullptr;
+    k_base = share.k_base;
+    v_base = share.v_base;
+    e_base = share.e_base;
   }
 
   __device__ T* k_tile(int stage) const { return stages + stage * Cfg::kStageElems; }
@@ -102,7 +101,7 @@ struct PartialCta {
     int fill = 0;
     if (lane < kRows && row0 + lane < tile_tokens(tile)) {
       const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane);
-      bad |= r < 0;
+      bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       if (r >= 0) {
         fill = 16;
         k_row += r * p.k_stride;

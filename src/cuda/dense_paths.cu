@@ -68,8 +68,8 @@ void check_masked_cuda_layout(const MaskedDecodeParams& params) {
     throw Error(std::string(api) +
                 ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
                 "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
-  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k, params.v, params.k_extra,
-                            params.o);
+  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k.rows(),
+                            params.v.rows(), params.k_extra.rows(), params.o);
   if (params.live_len > int64_t{INT32_MAX} - kGranule)
     throw Error(std::string(api) + ": live_len = " + std::to_string(params.live_len) + " is too large");
 }
@@ -93,10 +93,9 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   auto s = static_cast<cudaStream_t>(stream);
   auto* ws = static_cast<unsigned char*>(workspace);
 
-  cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
-                                              params.group_size, params.scale);
-  p.v_aliases_k = params.v.data == params.k.data && params.v.row_stride == params.k.row_stride &&
-                  params.v.heads == params.k.heads && params.v.capacity == params.k.capacity;
+  cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k.rows(), params.v.rows(),
+                                              params.k_extra.rows(), params.num_kv_heads, params.group_size,
+                                              params.scale);
   p.work = nullptr;
   p.chunks_per_request = static_cast<int32_t>(split.chunks_per_request);
   p.chunk_tokens = static_cast<int32_t>(split.chunk_tokens);
@@ -106,15 +105,9 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   p.partial_o = split.total_bytes ? reinterpret_cast<float*>(ws) : nullptr;
   p.partial_lse = split.total_bytes ? reinterpret_cast<float*>(ws + split.partial_lse_offset) : nullptr;
   p.partial_dv = params.v.dim;
-  p.dense.num_kv_heads = params.num_kv_heads;
-  p.dense.k_heads = params.k.heads;
-  p.dense.v_heads = params.v.heads;
-  p.dense.e_heads = params.k_extra.data ? params.k_extra.heads : 0;
-  p.dense.k_capacity = params.k.capacity;
-  p.dense.v_capacity = params.v.capacity;
-  p.dense.e_capacity = params.k_extra.data ? params.k_extra.capacity : 0;
   p.dense.mask = params.mask;
-  p.dense.live_len = params.live_len;
+  p.dense.mask_pitch = params.mask_pitch > 0 ? params.mask_pitch : params.live_len;
+  p.dense.live_lens = params.live_lens;
 
   const int64_t items = split.requests * split.chunks_per_request;
   if (items > INT32_MAX) throw Error("run_masked_decode_cuda: too many work items");
@@ -182,7 +175,7 @@ __global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
 namespace sparsepage::detail {
 
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
-                      DType dtype, const PoolView& pool, int64_t num_pool_rows, void* dst, void* stream) {
+                      DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream) {
   // gather_rows (src/cpu/dense_paths_cpu.cc) checked the pool and the counts.
   if (num_requests == 0 || max_rows == 0) return;
   if (dst == nullptr || offsets == nullptr) throw Error("gather_rows: null dst or offsets");

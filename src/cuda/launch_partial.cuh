@@ -19,6 +19,7 @@
 
 #include "cuda/decode_partial.cuh"
 #include "cuda/mla_partial.cuh"
+#include "sparsepage/decode.h"
 
 namespace sparsepage {
 namespace cuda {
@@ -72,12 +73,11 @@ inline void check_stride8(int64_t stride, const char* what, const char* api) {
                 " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)");
 }
 
-/// The layout checks both CUDA entry points share (`Stream` is PoolView or
-/// DenseStream): dtype, head dims with a built kernel, 16-byte aligned bases
-/// and row strides in whole 16-byte pieces.
-template <class Stream>
-void check_stream_layout(const char* api, DType dtype, const void* q, const void* q_extra, const Stream& k,
-                         const Stream& v, const Stream& extra, const void* o) {
+/// The layout checks both CUDA entry points share: dtype, head dims with a
+/// built kernel, 16-byte aligned bases and row, head and sequence strides in
+/// whole 16-byte pieces.
+inline void check_stream_layout(const char* api, DType dtype, const void* q, const void* q_extra, const RowView& k,
+                                const RowView& v, const RowView& extra, const void* o) {
   if (dtype != DType::kBF16 && dtype != DType::kF16)
     throw Error(std::string(api) + ": dtype " + dtype_name(dtype) +
                 " is not supported on CUDA (the tensor-core kernels take bf16 and f16)");
@@ -92,16 +92,19 @@ void check_stream_layout(const char* api, DType dtype, const void* q, const void
   check_aligned16(v.data, "v.data", api);
   check_aligned16(extra.data, "k_extra.data", api);
   check_aligned16(o, "o", api);
-  check_stride8(k.row_stride, "k.row_stride", api);
-  check_stride8(v.row_stride, "v.row_stride", api);
-  if (extra.data) check_stride8(extra.row_stride, "k_extra.row_stride", api);
+  const auto strides = [&](const RowView& s, const std::string& name) {
+    check_stride8(s.row_stride, (name + ".row_stride").c_str(), api);
+    check_stride8(s.seq_stride, (name + ".seq_stride").c_str(), api);
+    check_stride8(s.head_stride, (name + ".head_stride").c_str(), api);
+  };
+  strides(k, "k");
+  strides(v, "v");
+  if (extra.data) strides(extra, "k_extra");
 }
 
-/// The stream fields of PartialParams, the same for both row sources
-/// (`Stream` is PoolView or DenseStream: data, row_stride, dim).
-template <class Stream>
-PartialParams stream_params(const void* q, const void* q_extra, const Stream& k, const Stream& v, const Stream& extra,
-                            int32_t group_size, float scale) {
+/// The stream fields of PartialParams, the same for both row sources.
+inline PartialParams stream_params(const void* q, const void* q_extra, const RowView& k, const RowView& v,
+                                   const RowView& extra, int32_t num_kv_heads, int32_t group_size, float scale) {
   PartialParams p;
   const bool has_extra = extra.data != nullptr;
   p.q = q;
@@ -112,6 +115,16 @@ PartialParams stream_params(const void* q, const void* q_extra, const Stream& k,
   p.k_stride = k.row_stride;
   p.v_stride = v.row_stride;
   p.e_stride = has_extra ? extra.row_stride : 0;
+  p.k_seq = k.seq_stride;
+  p.v_seq = v.seq_stride;
+  p.e_seq = has_extra ? extra.seq_stride : 0;
+  p.k_head = k.head_stride;
+  p.v_head = v.head_stride;
+  p.e_head = has_extra ? extra.head_stride : 0;
+  p.num_kv_heads = num_kv_heads;
+  // V is read from the K tile when it is K's first columns at K's rows.
+  p.v_aliases_k = v.data == k.data && v.row_stride == k.row_stride && v.seq_stride == k.seq_stride &&
+                  v.head_stride == k.head_stride;
   p.dqk = k.dim;
   p.dv = v.dim;
   p.de = has_extra ? extra.dim : 0;

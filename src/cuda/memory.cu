@@ -75,6 +75,16 @@ void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* s
 
 void cuda_stream_sync(void* stream) { SP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
+void cuda_record_event(void* event, void* stream) {
+  if (event != nullptr) SP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+}
+
+bool cuda_stream_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  SP_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void cuda_fill(void* dst, int value, size_t bytes) {
   if (bytes == 0) return;
   if (dst == nullptr) throw Error("fill_bytes: null pointer");

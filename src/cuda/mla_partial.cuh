@@ -99,14 +99,13 @@ struct MlaCta {
     const int32_t item = static_cast<int32_t>(blockIdx.x) / head_tiles;
     head0 = static_cast<int32_t>(blockIdx.x) % head_tiles * L::kHeads;
     heads = min(L::kHeads, p.group_size - head0);
-    const WorkItem w = resolve_work_item(p, item);
-    request = w.request;
-    tok_begin = w.token_begin;
-    len = w.token_end - w.token_begin;
-    partial = w.partial;
-    src.init(p, request);
-    k_base = static_cast<const T*>(p.k) + src.k_row0 * p.k_stride;
-    e_base = static_cast<const T*>(p.k_extra) + src.e_row0 * p.e_stride;
+    const ItemShare<T> share = open_item<T>(p, item, src);
+    request = share.request;
+    tok_begin = share.tok_begin;
+    len = share.len;
+    partial = share.partial;
+    k_base = share.k_base;
+    e_base = share.e_base;
   }
 
   __device__ int32_t* id_slot(int tile) const {
@@ -142,7 +141,7 @@ struct MlaCta {
     int fill = 0;
     if (row < tile_tokens(tile)) {
       const int64_t r = src.row(id_slot(tile), tok0, tok0 + row);
-      bad |= r < 0;
+      bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       if (r >= 0) {
         fill = 16;
         k_row += r * p.k_stride;

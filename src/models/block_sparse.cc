@@ -7,6 +7,9 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
+#include "cpu/dot.h"
+#include "cpu/parallel.h"
+#include "models/block_sparse_kernels.h"
 
 namespace sparsepage {
 namespace {
@@ -18,55 +21,86 @@ int32_t blocks_per_request(const BlockSparseConfig& c, int64_t kv_len) {
   return static_cast<int32_t>(std::min<int64_t>(c.topk_blocks, num_blocks - 1) + 1);
 }
 
-void block_mask_cpu(const int32_t* blocks, int32_t requests, int32_t per_request, int32_t block_size, int64_t kv_len,
-                    float* mask) {
-  std::fill(mask, mask + int64_t{requests} * kv_len, -kInf);
+// The additive mask of a block list: 0 at the live positions of each listed
+// block (entries of -1 are unused), -inf elsewhere; rows `pitch` apart.
+void block_mask_cpu(const int32_t* blocks, int32_t requests, int32_t num_kv_heads, int32_t width,
+                    int32_t block_size, const int32_t* kv_lens, int64_t pitch, float* mask) {
+  std::fill(mask, mask + int64_t{requests} * pitch, -kInf);
   for (int32_t r = 0; r < requests; ++r) {
-    for (int32_t i = 0; i < per_request; ++i) {
-      const int64_t first = int64_t{blocks[r * per_request + i]} * block_size;
-      for (int64_t t = first; t < std::min<int64_t>(first + block_size, kv_len); ++t) mask[r * kv_len + t] = 0.0f;
+    const int64_t kv_len = kv_lens[r / num_kv_heads];
+    for (int32_t i = 0; i < width; ++i) {
+      const int32_t block = blocks[int64_t{r} * width + i];
+      if (block < 0) continue;
+      const int64_t first = int64_t{block} * block_size;
+      for (int64_t t = first; t < std::min<int64_t>(first + block_size, kv_len); ++t) mask[r * pitch + t] = 0.0f;
     }
   }
 }
 
 }  // namespace
 
-std::vector<int32_t> select_top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, int64_t kv_len,
-                                           const float* index_q, const std::vector<float>& index_k) {
-  if (batch < 1 || kv_len < 1 || c.block_size < 1 || c.head_dim < 1 || c.num_kv_heads < 1 || index_q == nullptr ||
-      static_cast<int64_t>(index_k.size()) != int64_t{batch} * kv_len * c.head_dim) {
-    throw Error("select_top_blocks_cpu: need batch, kv_len, block_size, head_dim >= 1, index_q, and index_k of "
-                "batch * kv_len * head_dim = " + std::to_string(int64_t{batch} * kv_len * c.head_dim) +
-                " floats (got " + std::to_string(index_k.size()) + ")");
-  }
+namespace {
+
+// The indexer rule on the host: max-pooled block scores (parallel over
+// sequences and blocks, each key row read once for all KV heads), then per
+// request the top-k by a stable sort (ties to the lower block id) and the
+// final block. `key_row(b, t, out)` writes position t's index key as floats.
+template <class KeyRow>
+std::vector<int32_t> top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, int64_t kv_len, const float* index_q,
+                                    KeyRow&& key_row) {
   const int64_t num_blocks = (kv_len + c.block_size - 1) / c.block_size;
   const int32_t per_request = blocks_per_request(c, kv_len);
   const int64_t scored = num_blocks - 1;  // the final block is appended, not scored
-  std::vector<int32_t> out;
-  std::vector<float> score(static_cast<size_t>(scored));
-  std::vector<int32_t> order(static_cast<size_t>(scored));
-  for (int32_t b = 0; b < batch; ++b) {
-    for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-      const float* q = index_q + (int64_t{b} * c.num_kv_heads + h) * c.head_dim;
-      for (int64_t j = 0; j < scored; ++j) {
-        float best = -kInf;
-        for (int64_t t = j * c.block_size; t < (j + 1) * c.block_size; ++t) {
-          const float* k = &index_k[static_cast<size_t>((int64_t{b} * kv_len + t) * c.head_dim)];
-          float dot = 0.0f;
-          for (int32_t d = 0; d < c.head_dim; ++d) dot += q[d] * k[d];
-          best = std::max(best, dot);
-        }
-        // Local force-keep: the last local_blocks - 1 full blocks before the final one.
-        score[static_cast<size_t>(j)] = j >= num_blocks - c.local_blocks ? kInf : best;
+  const int32_t heads = c.num_kv_heads;
+  const size_t d = static_cast<size_t>(c.head_dim);
+  // score[(b * heads + h) * scored + j]
+  std::vector<float> score(static_cast<size_t>(int64_t{batch} * heads * scored));
+  cpu::parallel_for(int64_t{batch} * scored, [&](int64_t item) {
+    const int32_t b = static_cast<int32_t>(item / scored);
+    const int64_t j = item % scored;
+    std::vector<float> key(d), best(static_cast<size_t>(heads), -kInf);
+    for (int64_t t = j * c.block_size; t < (j + 1) * c.block_size; ++t) {
+      key_row(b, t, key.data());
+      for (int32_t h = 0; h < heads; ++h) {
+        const float* q = index_q + (int64_t{b} * heads + h) * c.head_dim;
+        best[static_cast<size_t>(h)] = std::max(best[static_cast<size_t>(h)], cpu::dot(q, key.data(), d));
       }
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int32_t x, int32_t y) { return score[static_cast<size_t>(x)] > score[static_cast<size_t>(y)]; });
-      out.insert(out.end(), order.begin(), order.begin() + (per_request - 1));
-      out.push_back(static_cast<int32_t>(num_blocks - 1));
     }
+    for (int32_t h = 0; h < heads; ++h) {
+      // Local force-keep: the last local_blocks - 1 full blocks before the final one.
+      score[static_cast<size_t>((int64_t{b} * heads + h) * scored + j)] =
+          j >= num_blocks - c.local_blocks ? kInf : best[static_cast<size_t>(h)];
+    }
+  });
+  std::vector<int32_t> out;
+  std::vector<int32_t> order(static_cast<size_t>(scored));
+  for (int64_t r = 0; r < int64_t{batch} * heads; ++r) {
+    const float* s = &score[static_cast<size_t>(r * scored)];
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return s[x] > s[y]; });
+    out.insert(out.end(), order.begin(), order.begin() + (per_request - 1));
+    out.push_back(static_cast<int32_t>(num_blocks - 1));
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<int32_t> select_top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, int64_t kv_len,
+                                           const float* index_q, const std::vector<float>& index_k) {
+  if (batch < 1 || kv_len < 1 || c.block_size < 1 || c.head_dim < 1 || c.num_kv_heads < 1 || c.topk_blocks < 0 ||
+      c.local_blocks < 1 || index_q == nullptr ||
+      static_cast<int64_t>(index_k.size()) != int64_t{batch} * kv_len * c.head_dim) {
+    throw Error("select_top_blocks_cpu: need batch, kv_len, block_size, head_dim, num_kv_heads, local_blocks >= 1, "
+                "topk_blocks >= 0, index_q, and index_k of batch * kv_len * head_dim = " +
+                std::to_string(int64_t{batch} * kv_len * c.head_dim) + " floats (got " +
+                std::to_string(index_k.size()) + ")");
+  }
+  const int64_t d = c.head_dim;
+  return top_blocks_cpu(c, batch, kv_len, index_q, [&](int32_t b, int64_t t, float* out) {
+    const float* k = &index_k[static_cast<size_t>((int64_t{b} * kv_len + t) * d)];
+    std::copy(k, k + d, out);
+  });
 }
 
 BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
@@ -79,10 +113,27 @@ BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const Blo
              config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
       decoder_(device, dispatch) {
   if (dtype == DType::kF32) throw Error("BlockSparseAttention: the cache stores f16 or bf16");
-  if (config.num_kv_heads < 1 || config.num_qo_heads % config.num_kv_heads != 0 || config.block_size < 1 ||
-      config.topk_blocks < 1 || config.local_blocks < 1 || config.local_blocks - 1 > config.topk_blocks) {
-    throw Error("BlockSparseAttention: need num_qo_heads a multiple of num_kv_heads, block_size, topk_blocks and "
-                "local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit the top-k)");
+  if (config.num_kv_heads < 1 || config.num_qo_heads < 1 || config.num_qo_heads % config.num_kv_heads != 0 ||
+      config.block_size < 1 || config.topk_blocks < 1 || config.local_blocks < 1 ||
+      config.local_blocks - 1 > config.topk_blocks || config.head_dim < 1) {
+    throw Error("BlockSparseAttention: need num_qo_heads a positive multiple of num_kv_heads, head_dim, block_size, "
+                "topk_blocks and local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit "
+                "the top-k)");
+  }
+  if (int64_t{config.topk_blocks + 1} * config.block_size > INT32_MAX) {
+    throw Error("BlockSparseAttention: (topk_blocks + 1) * block_size must stay below 2^31 tokens");
+  }
+}
+
+int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
+  const int64_t num_blocks = (kv_len + config_.block_size - 1) / config_.block_size;
+  return int64_t{blocks_per_request(config_, kv_len) - 1} * config_.block_size +
+         (kv_len - (num_blocks - 1) * config_.block_size);
+}
+
+void BlockSparseAttention::check_tokens(const BlockSparseTokens& t) const {
+  if (t.q == nullptr || t.index_q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
+    throw Error("BlockSparseAttention: every BlockSparseTokens pointer (q, index_q, k, v, o) must be set");
   }
 }
 
@@ -95,6 +146,8 @@ SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& toke
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = config_.num_kv_heads;
   in.live_len = raw.live_len;
+  in.live_lens = cache_.device_live_lens();
+  // K carries the index key at head num_kv_heads: its own sequence stride.
   in.k = {raw.k, raw.k_shape.heads, raw.k_shape.capacity, config_.head_dim, config_.head_dim};
   in.v = {raw.v, raw.v_shape.heads, raw.v_shape.capacity, config_.head_dim, config_.head_dim};
   in.q = tokens.q;
@@ -103,125 +156,199 @@ SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& toke
   return in;
 }
 
-void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* stream) {
-  cache_.update_and_fetch(tokens.k, tokens.v, dtype_, 1);
-  const SparseAttentionInputs in = inputs(tokens);
-  const MaskedDecodeParams m = masked_params(in);  // no mask: the whole causal window
+void BlockSparseAttention::reserve(int64_t tokens) {
+  cache_.reserve(tokens);
+  size_step_buffers();
+}
+
+void BlockSparseAttention::append_tokens(const void* k, const void* v, int64_t tokens) {
+  if (k == nullptr || v == nullptr) throw Error("BlockSparseAttention::append_tokens: k and v must be set");
+  cache_.update_and_fetch(k, v, dtype_, tokens);
+  size_step_buffers();
+}
+
+void BlockSparseAttention::size_step_buffers() {
+  const int64_t cap = cache_.capacity();
+  if (cap == sized_capacity_) return;
+  const int32_t requests = num_requests();
+  if (block_ids_.empty()) {
+    block_ids_ = Buffer(device_, static_cast<size_t>(requests) * width() * sizeof(int32_t));
+    seq_lens_ = Buffer(device_, static_cast<size_t>(requests) * sizeof(int32_t));
+  }
   if (device_ == Device::kCuda) {
-    mask_workspace_ = Buffer(device_, masked_decode_workspace_bytes(m, cuda_multiprocessor_count()));
+    indexer_workspace_ = Buffer(
+        device_, std::max<size_t>(256, detail::block_indexer_workspace_bytes(batch_, config_.num_kv_heads, cap,
+                                                                            config_.block_size)));
+  }
+  // The mask path runs over the whole capacity with the live lengths read on
+  // the device, so its split and workspace stay fixed while the context grows.
+  mask_ = Buffer(device_, static_cast<size_t>(requests) * static_cast<size_t>(cap) * sizeof(float));
+  if (device_ == Device::kCuda) {
+    SparseAttentionInputs in;
+    in.batch = batch_;
+    in.num_qo_heads = config_.num_qo_heads;
+    in.num_kv_heads = config_.num_kv_heads;
+    in.dtype = dtype_;
+    MaskedDecodeParams m = masked_params(in);
+    m.live_len = cap;
+    m.k.dim = m.v.dim = config_.head_dim;
+    mask_workspace_ = Buffer(device_, std::max<size_t>(256, masked_decode_workspace_bytes(m, cuda_multiprocessor_count())));
+  }
+  sized_capacity_ = cap;
+}
+
+void BlockSparseAttention::run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream) {
+  MaskedDecodeParams m = masked_params(in);
+  m.live_len = cache_.capacity();  // the bound; each sequence sees its device-side length
+  m.mask = with_mask ? mask_.as<float>() : nullptr;
+  m.mask_pitch = cache_.capacity();
+  if (device_ == Device::kCuda) {
     run_masked_decode_cuda(m, mask_workspace_.data(), stream);
   } else {
     run_masked_decode_cpu(m);
   }
+}
+
+void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* stream) {
+  check_tokens(tokens);
+  cache_.reserve(cache_.live_len() + 1);
+  size_step_buffers();
+  cache_.append_token(tokens.k, tokens.v, stream);
+  run_masked(inputs(tokens), false, stream);
 }
 
 void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream) {
-  const int64_t kv_len = cache_.live_len();
-  const int32_t requests = batch_ * config_.num_kv_heads;
-  blocks_per_request_ = blocks_per_request(config_, kv_len);
-  block_ids_ = Buffer(device_, static_cast<size_t>(requests) * blocks_per_request_ * sizeof(int32_t));
   const RawKVAllocations raw = *cache_.raw_kv_allocations();
   if (device_ == Device::kCuda) {
-    detail::BlockTopkArgs args{dtype_,
-                               raw.k,
-                               tokens.index_q,
-                               batch_,
-                               config_.num_kv_heads,
-                               config_.head_dim,
-                               raw.k_shape.capacity,
-                               kv_len,
-                               config_.block_size,
-                               config_.topk_blocks,
-                               config_.local_blocks,
-                               blocks_per_request_,
-                               block_ids_.as<int32_t>()};
-    detail::block_topk_cuda(args, stream);
+    detail::BlockIndexerArgs args;
+    args.dtype = dtype_;
+    args.k_alloc = raw.k;
+    args.index_q = tokens.index_q;
+    args.batch = batch_;
+    args.num_kv_heads = config_.num_kv_heads;
+    args.head_dim = config_.head_dim;
+    args.capacity = raw.k_shape.capacity;
+    args.kv_lens = cache_.device_live_lens();
+    args.max_kv_len = raw.k_shape.capacity;
+    args.block_size = config_.block_size;
+    args.topk = config_.topk_blocks;
+    args.local_blocks = config_.local_blocks;
+    args.width = width();
+    args.block_ids = block_ids_.as<int32_t>();
+    args.seq_lens = seq_lens_.as<int32_t>();
+    args.workspace = indexer_workspace_.data();
+    args.workspace_bytes = indexer_workspace_.bytes();
+    detail::block_indexer_cuda(args, stream);
     return;
   }
-  // Host: the index key is head num_kv_heads of the K allocation.
+  // Host: the index key is head num_kv_heads of the K allocation, read in place.
+  const int64_t kv_len = raw.live_len;
   const size_t d = static_cast<size_t>(config_.head_dim);
-  std::vector<float> index_k(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
-  for (int32_t b = 0; b < batch_; ++b) {
-    const int64_t base = (int64_t{b} * raw.k_shape.heads + config_.num_kv_heads) * raw.k_shape.capacity;
-    to_float(dtype_, static_cast<const char*>(raw.k) + static_cast<size_t>(base) * d * dtype_size(dtype_),
-             &index_k[static_cast<size_t>(b) * static_cast<size_t>(kv_len) * d], static_cast<size_t>(kv_len) * d);
-  }
-  std::vector<float> q(static_cast<size_t>(requests) * d);
+  const size_t esize = dtype_size(dtype_);
+  std::vector<float> q(static_cast<size_t>(num_requests()) * d);
   to_float(dtype_, tokens.index_q, q.data(), q.size());
-  const std::vector<int32_t> ids = select_top_blocks_cpu(config_, batch_, kv_len, q.data(), index_k);
-  std::copy(ids.begin(), ids.end(), block_ids_.as<int32_t>());
-}
-
-void BlockSparseAttention::run_block_mask_path(const SparseAttentionInputs& in, void* stream) {
-  const int32_t requests = batch_ * config_.num_kv_heads;
-  mask_ = Buffer(device_, static_cast<size_t>(requests * in.live_len) * sizeof(float));
-  MaskedDecodeParams m = masked_params(in);
-  m.mask = mask_.as<float>();
-  if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, in.live_len,
-                            mask_.as<float>(), stream);
-    mask_workspace_ = Buffer(device_, masked_decode_workspace_bytes(m, cuda_multiprocessor_count()));
-    run_masked_decode_cuda(m, mask_workspace_.data(), stream);
-  } else {
-    block_mask_cpu(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, in.live_len,
-                   mask_.as<float>());
-    run_masked_decode_cpu(m);
+  const std::vector<int32_t> ids =
+      top_blocks_cpu(config_, batch_, kv_len, q.data(), [&](int32_t b, int64_t t, float* out) {
+        const int64_t row = (int64_t{b} * raw.k_shape.heads + config_.num_kv_heads) * raw.k_shape.capacity + t;
+        to_float(dtype_, static_cast<const char*>(raw.k) + static_cast<size_t>(row) * d * esize, out, d);
+      });
+  const int32_t per = blocks_per_request(config_, kv_len);
+  int32_t* out = block_ids_.as<int32_t>();
+  for (int32_t r = 0; r < num_requests(); ++r) {
+    for (int32_t i = 0; i < width(); ++i) {
+      out[int64_t{r} * width() + i] = i < per ? ids[static_cast<size_t>(r) * per + i] : -1;
+    }
+    seq_lens_.as<int32_t>()[r] = static_cast<int32_t>(selected_tokens(kv_len));
   }
 }
 
 BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, void* stream) {
-  cache_.update_and_fetch(tokens.k, tokens.v, dtype_, 1);
+  check_tokens(tokens);
+  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
+  size_step_buffers();
+  cache_.append_token(tokens.k, tokens.v, stream);
+  detail::cuda_record_event(after_append_, stream);
   const SparseAttentionInputs in = inputs(tokens);
   BlockSparseStep step;
   step.sparse_regime = config_.sparse_regime(in.live_len);
   if (!step.sparse_regime) {
-    const MaskedDecodeParams m = masked_params(in);
-    if (device_ == Device::kCuda) {
-      mask_workspace_ = Buffer(device_, masked_decode_workspace_bytes(m, cuda_multiprocessor_count()));
-      run_masked_decode_cuda(m, mask_workspace_.data(), stream);
-    } else {
-      run_masked_decode_cpu(m);
-    }
+    run_masked(in, false, stream);
     return step;
   }
   select_blocks(tokens, stream);
-  const int32_t requests = batch_ * config_.num_kv_heads;
-  selection_ = selection_from_blocks(block_ids_, std::vector<int32_t>(static_cast<size_t>(requests), blocks_per_request_),
-                                     config_.block_size, std::vector<int64_t>(static_cast<size_t>(requests), 0),
-                                     std::vector<int64_t>(static_cast<size_t>(requests), in.live_len), stream);
-  step.outcome = decoder_.try_fused(in, selection_, stream);
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  PagedSelection selection;
+  selection.pages = block_ids_.as<int32_t>();
+  selection.seq_lens = seq_lens_.as<int32_t>();
+  selection.num_requests = num_requests();
+  selection.width = width();
+  selection.page_size = config_.block_size;
+  selection.max_selected = selected_tokens(in.live_len);
+  step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
-  if (!step.fused) run_block_mask_path(in, stream);
+  if (!step.fused) {
+    if (device_ == Device::kCuda) {
+      detail::block_mask_cuda(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(),
+                              config_.block_size, cache_.device_live_lens(), cache_.capacity(), mask_.as<float>(),
+                              stream);
+    } else {
+      block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
+                     cache_.device_live_lens(), cache_.capacity(), mask_.as<float>());
+    }
+    run_masked(in, true, stream);
+  }
   return step;
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_blocks() const {
-  if (blocks_per_request_ == 0) return {};
-  const auto flat = download<int32_t>(device_, block_ids_.data(), block_ids_.bytes() / sizeof(int32_t));
-  std::vector<std::vector<int32_t>> out;
-  for (size_t i = 0; i < flat.size(); i += static_cast<size_t>(blocks_per_request_)) {
-    out.emplace_back(flat.begin() + static_cast<std::ptrdiff_t>(i),
-                     flat.begin() + static_cast<std::ptrdiff_t>(i + static_cast<size_t>(blocks_per_request_)));
+  if (!have_selection_) return {};
+  const auto flat = download<int32_t>(device_, block_ids_.data(), static_cast<size_t>(num_requests()) * width());
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_requests()));
+  for (size_t i = 0; i < flat.size(); ++i) {
+    if (flat[i] >= 0) out[i / static_cast<size_t>(width())].push_back(flat[i]);
   }
   return out;
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_selected_positions() const {
-  return selection_.materialize();
+  if (!have_selection_) return {};
+  const auto blocks = last_blocks();
+  const auto lens = download<int32_t>(device_, seq_lens_.data(), static_cast<size_t>(num_requests()));
+  std::vector<std::vector<int32_t>> out(blocks.size());
+  for (size_t r = 0; r < blocks.size(); ++r) {
+    // Page i covers tokens i * block_size .. of the request's count: the
+    // kernel's own reading of a block-granular table.
+    for (int64_t token = 0; token < lens[r]; ++token) {
+      const size_t page = static_cast<size_t>(token / config_.block_size);
+      out[r].push_back(static_cast<int32_t>(int64_t{blocks[r].at(page)} * config_.block_size +
+                                            token % config_.block_size));
+    }
+  }
+  return out;
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
+  if (!have_selection_) throw Error("BlockSparseAttention::last_mask_columns: no sparse decode has run yet");
   const int64_t kv_len = cache_.live_len();
-  const int32_t requests = batch_ * config_.num_kv_heads;
-  Buffer mask(device_, static_cast<size_t>(requests * kv_len) * sizeof(float));
+  const int64_t pitch = cache_.capacity();
   if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, kv_len,
-                            mask.as<float>(), nullptr);
+    detail::block_mask_cuda(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(),
+                            config_.block_size, cache_.device_live_lens(), pitch, mask_.as<float>(), nullptr);
   } else {
-    block_mask_cpu(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, kv_len,
-                   mask.as<float>());
+    block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
+                   cache_.device_live_lens(), pitch, mask_.as<float>());
   }
-  return mask_kept_columns(device_, mask.as<float>(), requests, kv_len);
+  const auto all = mask_kept_columns(device_, mask_.as<float>(), num_requests(), pitch);
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& row : all) {
+    std::vector<int32_t> kept;
+    for (int32_t t : row) {
+      if (t < kv_len) kept.push_back(t);
+    }
+    out.push_back(kept);
+  }
+  return out;
 }
 
 }  // namespace sparsepage

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
+#include "models/dsa_kernels.h"
 
 namespace sparsepage {
 
@@ -55,8 +56,7 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
       batch_(batch),
       cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
              config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
-      decoder_(device, dispatch),
-      mask_path_(device) {
+      decoder_(device, dispatch) {
   if (dtype == DType::kF32) throw Error("DsaAttention: the cache stores f16 or bf16");
   if (config.num_qo_heads < 1 || config.latent_dim < 1 || config.rope_dim < 1 || config.index_heads < 1 ||
       config.index_head_dim < 1 || config.index_topk < 1) {
@@ -95,6 +95,7 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = 1;
   in.live_len = raw.live_len;
+  in.live_lens = cache_.device_live_lens();
   in.k = {raw.k, 1, cap, k_stride, config_.latent_dim};  // kv_latent: the K buffer's first columns
   in.v = {raw.k, 1, cap, k_stride, config_.latent_dim};  // V = the same latent rows
   in.k_extra = {raw.v, 1, cap, config_.rope_dim, config_.rope_dim};
@@ -105,17 +106,66 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   return in;
 }
 
-void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
-  check_tokens(tokens);
-  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
-  const MaskedDecodeParams m = masked_params(inputs(tokens));  // no mask: the whole causal window
+void DsaAttention::reserve(int64_t tokens) {
+  cache_.reserve(tokens);
+  size_step_buffers();
+}
+
+void DsaAttention::append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens) {
+  if (k_cache_rows == nullptr || k_pe == nullptr) throw Error("DsaAttention::append_tokens: k_cache_rows and k_pe must be set");
+  cache_.update_and_fetch(k_cache_rows, k_pe, dtype_, tokens);
+  size_step_buffers();
+}
+
+void DsaAttention::size_step_buffers() {
+  const int64_t cap = cache_.capacity();
+  if (cap == sized_capacity_) return;
+  if (positions_.empty()) {
+    positions_ = Buffer(device_, static_cast<size_t>(batch_) * config_.index_topk * sizeof(int32_t));
+    counts_ = Buffer(device_, static_cast<size_t>(batch_) * sizeof(int32_t));
+    std::vector<int32_t> offsets(static_cast<size_t>(batch_) + 1);
+    for (size_t b = 0; b < offsets.size(); ++b) offsets[b] = static_cast<int32_t>(b) * config_.index_topk;
+    row_offsets_ = upload(device_, offsets);
+  }
   if (device_ == Device::kCuda) {
-    const size_t bytes = masked_decode_workspace_bytes(m, cuda_multiprocessor_count());
-    if (prefill_workspace_.bytes() < bytes) prefill_workspace_ = Buffer(device_, bytes);
-    run_masked_decode_cuda(m, prefill_workspace_.data(), stream);
+    index_workspace_ = Buffer(device_, std::max<size_t>(256, dsa_indexer_workspace_bytes(config_, batch_, cap)));
+  }
+  // The mask path runs over the whole capacity with the live lengths read
+  // on the device, so its split and workspace stay fixed as the context grows.
+  mask_ = Buffer(device_, static_cast<size_t>(batch_) * static_cast<size_t>(cap) * sizeof(float));
+  if (device_ == Device::kCuda) {
+    MaskedDecodeParams m;
+    m.dtype = dtype_;
+    m.batch = batch_;
+    m.num_kv_heads = 1;
+    m.group_size = config_.num_qo_heads;
+    m.live_len = cap;
+    m.k.dim = m.v.dim = config_.latent_dim;
+    m.k_extra.dim = config_.rope_dim;
+    m.k_extra.data = this;  // only its presence matters for the size
+    mask_workspace_ = Buffer(device_, std::max<size_t>(256, masked_decode_workspace_bytes(m, cuda_multiprocessor_count())));
+  }
+  sized_capacity_ = cap;
+}
+
+void DsaAttention::run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream) {
+  MaskedDecodeParams m = masked_params(in);
+  m.live_len = cache_.capacity();  // the bound; each sequence sees its device-side length
+  m.mask = with_mask ? mask_.as<float>() : nullptr;
+  m.mask_pitch = cache_.capacity();
+  if (device_ == Device::kCuda) {
+    run_masked_decode_cuda(m, mask_workspace_.data(), stream);
   } else {
     run_masked_decode_cpu(m);
   }
+}
+
+void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
+  check_tokens(tokens);
+  cache_.reserve(cache_.live_len() + 1);
+  size_step_buffers();
+  cache_.append_token(tokens.k_cache_row, tokens.k_pe, stream);
+  run_masked(inputs(tokens), false, stream);
 }
 
 void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
@@ -129,11 +179,12 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
     // The indexer key is the K buffer's columns latent_dim .. latent_dim + index_head_dim.
     const size_t d = static_cast<size_t>(config_.index_head_dim);
     const size_t stride = static_cast<size_t>(config_.latent_dim + config_.index_head_dim);
+    const size_t esize = dtype_size(dtype_);
     std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
     for (int32_t b = 0; b < batch_; ++b) {
       for (int64_t t = 0; t < kv_len; ++t) {
         const size_t row = static_cast<size_t>(int64_t{b} * raw.k_shape.capacity + t);
-        to_float(dtype_, static_cast<const char*>(raw.k) + (row * stride + static_cast<size_t>(config_.latent_dim)) * 2,
+        to_float(dtype_, static_cast<const char*>(raw.k) + (row * stride + static_cast<size_t>(config_.latent_dim)) * esize,
                  &keys[(static_cast<size_t>(b) * static_cast<size_t>(kv_len) + static_cast<size_t>(t)) * d], d);
       }
     }
@@ -141,39 +192,39 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
     to_float(dtype_, tokens.q_index, q.data(), q.size());
     positions = dsa_select_tokens_cpu(config_, batch_, kv_len, q.data(), tokens.index_weights, keys);
   }
-  selection_ = make_selection(device_, positions);
+  int32_t* out = positions_.as<int32_t>();
+  for (int32_t b = 0; b < batch_; ++b) {
+    const auto& kept = positions[static_cast<size_t>(b)];
+    for (int32_t i = 0; i < config_.index_topk; ++i) {
+      out[int64_t{b} * config_.index_topk + i] = i < static_cast<int32_t>(kept.size()) ? kept[static_cast<size_t>(i)] : -1;
+    }
+    counts_.as<int32_t>()[b] = static_cast<int32_t>(kept.size());
+  }
 }
 
 void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
   const RawKVAllocations raw = *cache_.raw_kv_allocations();
-  const int64_t kv_len = raw.live_len;
-  const int32_t keep = static_cast<int32_t>(std::min<int64_t>(config_.index_topk, kv_len));
-  // Sized for the whole allocation and the full top-k, so a decode step
-  // allocates only when the cache grows.
-  if (kv_len > config_.index_topk) {
-    const size_t score_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(raw.k_shape.capacity) * sizeof(float);
-    if (scores_.bytes() < score_bytes) scores_ = Buffer(device_, score_bytes);
-  }
-  const size_t index_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(config_.index_topk) * sizeof(int32_t);
-  if (selection_.indices.bytes() < index_bytes) selection_.indices = Buffer(device_, index_bytes);
-  selection_.counts.assign(static_cast<size_t>(batch_), keep);
   DsaIndexerArgs args;
   args.dtype = dtype_;
   args.k_cache = raw.k;
   args.capacity = raw.k_shape.capacity;
-  args.kv_len = kv_len;
+  args.kv_lens = cache_.device_live_lens();
+  args.max_kv_len = raw.k_shape.capacity;
   args.q_index = tokens.q_index;
   args.weights = tokens.index_weights;
-  args.scores = scores_.as<float>();
-  args.scores_count = static_cast<int64_t>(scores_.bytes() / sizeof(float));
-  args.positions = selection_.indices.as<int32_t>();
-  args.positions_count = static_cast<int64_t>(selection_.indices.bytes() / sizeof(int32_t));
+  args.workspace = index_workspace_.data();
+  args.workspace_bytes = index_workspace_.bytes();
+  args.positions = positions_.as<int32_t>();
+  args.counts = counts_.as<int32_t>();
   dsa_select_tokens_cuda(config_, batch_, args, stream);
 }
 
 DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   check_tokens(tokens);
-  cache_.update_and_fetch(tokens.k_cache_row, tokens.k_pe, dtype_, 1);
+  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
+  size_step_buffers();
+  cache_.append_token(tokens.k_cache_row, tokens.k_pe, stream);
+  detail::cuda_record_event(after_append_, stream);
   const SparseAttentionInputs in = inputs(tokens);
   DsaStep step;
   step.sparse = in.live_len > config_.index_topk;
@@ -182,25 +233,45 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   } else {
     select_tokens_cpu(tokens);
   }
-  step.outcome = decoder_.try_fused(in, selection_, stream);
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  PagedSelection selection;
+  selection.pages = positions_.as<int32_t>();
+  selection.seq_lens = counts_.as<int32_t>();
+  selection.num_requests = batch_;
+  selection.width = config_.index_topk;
+  selection.page_size = 1;
+  selection.max_selected = std::min<int64_t>(config_.index_topk, in.live_len);
+  step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {
-    mask_path_.prepare(in, selection_);
-    mask_path_.run(in, selection_, stream);
+    // Entries of -1 past each count fall outside the window and are ignored.
+    build_selection_mask(device_, positions_.as<int32_t>(), row_offsets_.as<int32_t>(), batch_, cache_.capacity(),
+                         mask_.as<float>(), stream);
+    run_masked(in, true, stream);
   }
   return step;
 }
 
-std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() const {
-  if (selection_.num_requests() != batch_) throw Error("DsaAttention::last_mask_columns: no decode has run yet");
+std::vector<std::vector<int32_t>> DsaAttention::last_selected_positions() const {
+  if (!have_selection_) return {};
+  const auto flat = download<int32_t>(device_, positions_.data(), static_cast<size_t>(batch_) * config_.index_topk);
+  const auto counts = download<int32_t>(device_, counts_.data(), static_cast<size_t>(batch_));
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(batch_));
+  for (int32_t b = 0; b < batch_; ++b) {
+    const auto first = flat.begin() + int64_t{b} * config_.index_topk;
+    out[static_cast<size_t>(b)].assign(first, first + counts[static_cast<size_t>(b)]);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() {
+  if (!have_selection_) throw Error("DsaAttention::last_mask_columns: no decode has run yet");
   const int64_t kv_len = cache_.live_len();
-  const size_t cells = static_cast<size_t>(batch_) * static_cast<size_t>(kv_len);
   // Built on the layer's device from the selection itself, as the mask path builds it.
-  const Buffer offsets = upload(device_, selection_.offsets());
-  Buffer mask(device_, cells * sizeof(float));
-  build_selection_mask(device_, selection_.indices.as<int32_t>(), offsets.as<int32_t>(), batch_, kv_len,
-                       mask.as<float>());
-  return mask_kept_columns(device_, mask.as<float>(), batch_, kv_len);
+  build_selection_mask(device_, positions_.as<int32_t>(), row_offsets_.as<int32_t>(), batch_, kv_len,
+                       mask_.as<float>());
+  return mask_kept_columns(device_, mask_.as<float>(), batch_, kv_len);
 }
 
 }  // namespace sparsepage

@@ -12,7 +12,9 @@ namespace {
 
 TEST(BlockSparse, SetEqualityWithTheMaskPath) { testing::check_block_sparse_set_equality(Device::kCpu); }
 
-TEST(BlockSparse, GreedyDecodeEquality) { testing::check_block_sparse_greedy_equality(Device::kCpu); }
+TEST(BlockSparse, GreedyDecodeEquality) { testing::check_block_sparse_greedy_equality(Device::kCpu, 1); }
+
+TEST(BlockSparse, GreedyDecodeEqualityAtBatch3) { testing::check_block_sparse_greedy_equality(Device::kCpu, 3); }
 
 TEST(BlockSparse, IndexerRuleOnAHandMadeCase) {
   // One sequence, one KV head, blocks of 2, top 1 over 3 scored blocks + final.

@@ -94,17 +94,6 @@ TEST(Layout, HeadFoldingReshapesQueries) {
   EXPECT_THROW(HeadFolding::make(1, 0, 1), Error);
 }
 
-TEST(Layout, SharedRowMapping) {
-  const CacheShape v{1, 4, 256, 128};
-  EXPECT_TRUE(shared_row_mapping(v, v));
-  EXPECT_TRUE(shared_row_mapping(CacheShape{1, 5, 256, 128}, v)) << "batch 1: index key rides at head H_attn";
-  EXPECT_FALSE(shared_row_mapping(CacheShape{2, 5, 256, 128}, CacheShape{2, 4, 256, 128}))
-      << "batch 2: sequence strides differ";
-  EXPECT_TRUE(shared_row_mapping(CacheShape{2, 4, 256, 640}, CacheShape{2, 4, 256, 64})) << "dims may differ";
-  EXPECT_FALSE(shared_row_mapping(CacheShape{1, 4, 512, 128}, v)) << "capacities differ";
-  EXPECT_FALSE(shared_row_mapping(CacheShape{1, 3, 256, 128}, v)) << "K narrower than V";
-}
-
 TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   std::mt19937_64 rng(32);
   PagedBlockPool pool(Device::kCpu, DType::kBF16, 8, 2, 4, 8, 8);

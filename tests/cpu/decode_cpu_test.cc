@@ -232,13 +232,42 @@ TEST(DecodeCpu, IndexOutsideThePoolIsAnErrorNotARead) {
   EXPECT_THROW(run_decode_cpu(pb.host_params(o.data(), nullptr), plan, workspace.data()), Error);
 }
 
+// The serving-step plan: made once for a bound, while each request's table
+// count (seq_lens) is anything up to it. Forced 64-token chunks put some
+// chunks wholly past the live count; those must write empty partials that
+// the merge ignores, and the result must be the exact-plan result.
+TEST(DecodeCpu, PlanForABoundServesSmallerCounts) {
+  std::mt19937_64 rng(16);
+  ProblemSpec spec;
+  spec.seq_lens = {100, 0, 257, 64};
+  spec.page_size = 16;
+  spec.random_first_page_offset = true;
+  const PagedProblem pb = make_problem(spec, rng);
+  const CpuResult exact = run_cpu(pb, cpu_shape(spec, 64));
+  expect_matches_reference(pb, exact);
+  const DecodePlan bound = make_decode_plan({512, 512, 512, 512}, cpu_shape(spec, 64));
+  ASSERT_GT(bound.work.size(), exact.plan.work.size());
+  const size_t rows = static_cast<size_t>(pb.num_requests()) * spec.group_size;
+  std::vector<uint8_t> o = testing::nan_values(spec.dtype, rows * spec.dim_v);
+  CpuResult got;
+  got.lse.assign(rows, std::numeric_limits<float>::quiet_NaN());
+  Buffer workspace(Device::kCpu, bound.workspace.total);
+  fill_bytes(workspace.data(), Device::kCpu, 0xFF, workspace.bytes());
+  run_decode_cpu(pb.host_params(o.data(), got.lse.data()), bound, workspace.data());
+  got.o = testing::as_float(spec.dtype, o);
+  expect_matches_reference(pb, got);
+  EXPECT_EQ(got.o, exact.o) << "the same 64-token chunks, merged the same way";
+}
+
 TEST(DecodeCpu, ParamsInconsistentWithThePlanAreRejected) {
   std::mt19937_64 rng(15);
   ProblemSpec spec;
   spec.seq_lens = {10, 20};
   const PagedProblem pb = make_problem(spec, rng);
   std::vector<uint8_t> o(pb.q.size());
-  const DecodePlan plan = make_decode_plan({10, 21}, cpu_shape(spec));
+  // A plan may be made for more tokens than a request sees (a step's
+  // bound), never for fewer.
+  const DecodePlan plan = make_decode_plan({10, 19}, cpu_shape(spec));
   Buffer workspace(Device::kCpu, plan.workspace.total);
   EXPECT_THROW(run_decode_cpu(pb.host_params(o.data(), nullptr), plan, workspace.data()), Error);
   const DecodePlan ok = make_decode_plan(pb.table.seq_lens, cpu_shape(spec));

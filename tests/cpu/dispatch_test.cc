@@ -69,8 +69,6 @@ TEST(Policy, EachDeclineNamesItsNumbers) {
       {OutcomeKind::kNonRawCache, [](DispatchInput& i, DispatchConfig&) { i.raw_cache = false; }, "raw fp16/bf16"},
       {OutcomeKind::kUnsupportedHeadDim, [](DispatchInput& i, DispatchConfig&) { i.head_dims_supported = false; },
        "head dims"},
-      {OutcomeKind::kRowMapping, [](DispatchInput& i, DispatchConfig&) { i.shared_row_mapping = false; },
-       "row mapping"},
       {OutcomeKind::kBelowSparsity, [](DispatchInput& i, DispatchConfig&) { i.live_len = 3000; },
        "live window of 3000 tokens is less than 2x the 2048 selected rows per request"},
       {OutcomeKind::kBelowFloor,

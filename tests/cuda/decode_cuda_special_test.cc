@@ -107,8 +107,10 @@ TEST(DecodeCudaWindow, RelativePagesStayInsideTheirRequestsWindow) {
   Buffer ws(Device::kCuda, plan.workspace.total);
   upload_plan_cuda(plan, ws.data());
   DecodeParams params = dp.params(pb, o.data(), nullptr);
-  params.request_row_stride = stride;
+  params.addressing = PageAddressing::kWindow;
   params.window_len = window;
+  params.k.seq_stride = stride * params.k.row_stride;  // request r's window starts at row r * stride
+  params.v.seq_stride = stride * params.v.row_stride;
   run_decode_cuda(params, plan, ws.data());
   EXPECT_NE(read_decode_error_flag(plan, ws.data()), 0u);
   const std::vector<float> got = as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));

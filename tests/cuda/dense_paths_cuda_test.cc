@@ -217,12 +217,12 @@ TEST(GatherRowsCuda, MatchesHostGather) {
     const size_t out_bytes = static_cast<size_t>(3 * max_rows * s.dim) * dtype_size(s.dtype);
     std::vector<uint8_t> host(out_bytes);
     gather_rows(Device::kCpu, rows.data(), offsets.data(), 3, max_rows, s.dtype,
-                PoolView{pool.data(), s.stride, s.dim}, pool_rows, host.data());
+                RowView{pool.data(), s.stride, s.dim}, pool_rows, host.data());
     Buffer d_pool = upload(Device::kCuda, pool), d_rows = upload(Device::kCuda, rows);
     Buffer d_offsets = upload(Device::kCuda, offsets), d_out(Device::kCuda, out_bytes);
     fill_bytes(d_out.data(), Device::kCuda, 0x5A, out_bytes);
     gather_rows(Device::kCuda, d_rows.as<int32_t>(), d_offsets.as<int32_t>(), 3, max_rows, s.dtype,
-                PoolView{d_pool.data(), s.stride, s.dim}, pool_rows, d_out.data());
+                RowView{d_pool.data(), s.stride, s.dim}, pool_rows, d_out.data());
     cuda_ok(cudaDeviceSynchronize(), "gather");
     const auto want = as_float(s.dtype, host);
     const auto got = as_float(s.dtype, download<uint8_t>(Device::kCuda, d_out.data(), out_bytes));

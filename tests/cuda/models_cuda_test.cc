@@ -21,7 +21,12 @@ TEST(BlockSparseCuda, SetEqualityWithTheMaskPath) {
 
 TEST(BlockSparseCuda, GreedyDecodeEquality) {
   SKIP_WITHOUT_CUDA();
-  testing::check_block_sparse_greedy_equality(Device::kCuda);
+  testing::check_block_sparse_greedy_equality(Device::kCuda, 1);
+}
+
+TEST(BlockSparseCuda, GreedyDecodeEqualityAtBatch3) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_block_sparse_greedy_equality(Device::kCuda, 3);
 }
 
 // A selection naming a position past the live window must never read another

@@ -23,8 +23,9 @@ DispatchConfig kill_switch();
 void check_block_sparse_set_equality(Device device);
 
 /// The toy transformer decodes 64 greedy tokens identically with the fused
-/// path and with the kill switch (mask path), in the sparse regime.
-void check_block_sparse_greedy_equality(Device device);
+/// path and with the kill switch (mask path), in the sparse regime, for
+/// `batch` sequences side by side.
+void check_block_sparse_greedy_equality(Device device, int32_t batch);
 
 /// fp64 attention of DSA sequence b over `positions`, read from `layer`'s
 /// host (bf16) cache: scores scale * (q . latent + q_pe . k_pe) with the

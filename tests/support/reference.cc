@@ -56,8 +56,8 @@ DecodeParams PagedProblem::host_params(void* o, float* lse) const {
   p.group_size = spec.group_size;
   p.q = q.data();
   p.k = {k_pool.data(), k_row_stride, spec.dim_qk};
-  p.v = spec.v_aliases_k ? PoolView{k_pool.data(), k_row_stride, spec.dim_v}
-                         : PoolView{v_pool.data(), v_row_stride, spec.dim_v};
+  p.v = spec.v_aliases_k ? RowView{k_pool.data(), k_row_stride, spec.dim_v}
+                         : RowView{v_pool.data(), v_row_stride, spec.dim_v};
   if (spec.dim_extra > 0) {
     p.q_extra = q_extra.data();
     p.k_extra = {e_pool.data(), e_row_stride, spec.dim_extra};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <tuple>
 
 namespace sparsepage::testing {
 
@@ -133,54 +134,81 @@ ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig d
     layer.w1 = random_matrix(rng, d, 2 * d);
     layer.w2 = random_matrix(rng, 2 * d, d);
     weights_->layers.push_back(std::move(layer));
-    layers_.push_back(std::make_unique<BlockSparseAttention>(device, DType::kBF16, a, 1, dispatch));
+    layers_.push_back(std::make_unique<BlockSparseAttention>(device, DType::kBF16, a, config.batch, dispatch));
   }
 }
 
 ToyModel::~ToyModel() = default;
 
-std::vector<float> ToyModel::forward(int32_t token, bool prefill) {
+std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& tokens, bool prefill) {
   const auto& a = config_.attention;
   const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(a.head_dim);
-  std::vector<float> x = embed_with_position(weights_->embed, token, d, position_++);
+  const size_t qo = static_cast<size_t>(a.num_qo_heads) * hd, kv = static_cast<size_t>(a.num_kv_heads) * hd;
+  std::vector<std::vector<float>> xs;
+  for (int32_t token : tokens) xs.push_back(embed_with_position(weights_->embed, token, d, position_));
+  ++position_;
   for (int32_t l = 0; l < config_.layers; ++l) {
     const auto& w = weights_->layers[static_cast<size_t>(l)];
-    const std::vector<float> h = rms_norm(x);
-    const Buffer q = to_device(device_, DType::kBF16, matvec(h, w.wq, static_cast<size_t>(a.num_qo_heads) * hd));
-    const Buffer k = to_device(device_, DType::kBF16, matvec(h, w.wk, static_cast<size_t>(a.num_kv_heads + 1) * hd));
-    const Buffer v = to_device(device_, DType::kBF16, matvec(h, w.wv, static_cast<size_t>(a.num_kv_heads) * hd));
-    const Buffer iq = to_device(device_, DType::kBF16, matvec(h, w.wiq, static_cast<size_t>(a.num_kv_heads) * hd));
-    Buffer o = poisoned_output(device_, static_cast<size_t>(a.num_qo_heads) * hd);
-    BlockSparseTokens tokens{q.data(), iq.data(), k.data(), v.data(), o.data()};
+    // Each sequence's projections, concatenated in batch order.
+    std::vector<float> q, k, v, iq;
+    for (const auto& x : xs) {
+      const std::vector<float> h = rms_norm(x);
+      for (auto [out, weight, n] : {std::make_tuple(&q, &w.wq, qo), std::make_tuple(&k, &w.wk, kv + hd),
+                                    std::make_tuple(&v, &w.wv, kv), std::make_tuple(&iq, &w.wiq, kv)}) {
+        const std::vector<float> y = matvec(h, *weight, n);
+        out->insert(out->end(), y.begin(), y.end());
+      }
+    }
+    const Buffer qd = to_device(device_, DType::kBF16, q), kd = to_device(device_, DType::kBF16, k);
+    const Buffer vd = to_device(device_, DType::kBF16, v), iqd = to_device(device_, DType::kBF16, iq);
+    Buffer o = poisoned_output(device_, xs.size() * qo);
+    BlockSparseTokens step_tokens{qd.data(), iqd.data(), kd.data(), vd.data(), o.data()};
     if (prefill) {
-      layers_[static_cast<size_t>(l)]->prefill_token(tokens);
+      layers_[static_cast<size_t>(l)]->prefill_token(step_tokens);
     } else {
-      const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(tokens);
+      const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(step_tokens);
       sparse_steps_ += step.sparse_regime ? 1 : 0;
       fused_steps_ += step.fused ? 1 : 0;
     }
-    add_block(x, read_output(device_, o), w.wo, w.w1, w.w2);
+    const std::vector<float> attn = read_output(device_, o);
+    for (size_t b = 0; b < xs.size(); ++b) {
+      add_block(xs[b], std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(b * qo),
+                                          attn.begin() + static_cast<std::ptrdiff_t>((b + 1) * qo)),
+                w.wo, w.w1, w.w2);
+    }
   }
-  return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
+  std::vector<std::vector<float>> logits;
+  for (const auto& x : xs) logits.push_back(logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab)));
+  return logits;
 }
 
-// Greedy decoding shared by both toy models: prefill all but the last prompt
-// token, then feed back the arg-max.
+// Greedy decoding shared by both toy models, one prompt per sequence (of one
+// length): prefill all but the last prompt token, then feed back each
+// sequence's arg-max.
 template <typename Forward>
-std::vector<int32_t> greedy(const std::vector<int32_t>& prompt, int32_t steps, Forward&& forward) {
-  for (size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i], /*prefill=*/true);
-  std::vector<int32_t> out;
-  int32_t token = prompt.back();
+std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>& prompts, int32_t steps,
+                                         Forward&& forward) {
+  if (prompts.empty()) throw Error("greedy: no prompts");
+  std::vector<int32_t> tokens(prompts.size());
+  for (size_t i = 0; i + 1 < prompts[0].size(); ++i) {
+    for (size_t b = 0; b < prompts.size(); ++b) tokens[b] = prompts[b].at(i);
+    forward(tokens, /*prefill=*/true);
+  }
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  for (size_t b = 0; b < prompts.size(); ++b) tokens[b] = prompts[b].back();
   for (int32_t s = 0; s < steps; ++s) {
-    const std::vector<float> logits = forward(token, /*prefill=*/false);
-    token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    out.push_back(token);
+    const std::vector<std::vector<float>> logits = forward(tokens, /*prefill=*/false);
+    for (size_t b = 0; b < prompts.size(); ++b) {
+      tokens[b] = static_cast<int32_t>(std::max_element(logits[b].begin(), logits[b].end()) - logits[b].begin());
+      out[b].push_back(tokens[b]);
+    }
   }
   return out;
 }
 
-std::vector<int32_t> ToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
-  return greedy(prompt, steps, [this](int32_t token, bool prefill) { return forward(token, prefill); });
+std::vector<std::vector<int32_t>> ToyModel::generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps) {
+  if (static_cast<int32_t>(prompts.size()) != config_.batch) throw Error("ToyModel::generate: one prompt per sequence");
+  return greedy(prompts, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); });
 }
 
 struct DsaToyModel::Weights {
@@ -250,6 +278,8 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
 }
 
 std::vector<int32_t> DsaToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
-  return greedy(prompt, steps, [this](int32_t token, bool prefill) { return forward(token, prefill); });
+  return greedy({prompt}, steps, [this](const std::vector<int32_t>& t, bool prefill) {
+           return std::vector<std::vector<float>>{forward(t[0], prefill)};
+         }).front();
 }
 }  // namespace sparsepage::testing

@@ -19,6 +19,7 @@ struct ToyModelConfig {
   int32_t d_model = 64;
   int32_t layers = 2;
   BlockSparseConfig attention{8, 2, 64, 16, 4, 1, 64};  // 8 q heads over 2 KV heads, head dim 64, blocks of 16, top 4
+  int32_t batch = 1;   // sequences decoded side by side through one layer call
   uint64_t seed = 1234;
 };
 
@@ -26,16 +27,17 @@ class ToyModel {
  public:
   ToyModel(Device device, const ToyModelConfig& config, DispatchConfig dispatch);
   ~ToyModel();
-  /// Feeds `prompt` (prefill keeps the mask path), then decodes `steps`
-  /// tokens greedily. Returns the generated tokens.
-  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int32_t steps);
+  /// Feeds one prompt per sequence (`batch` of them, of one length; prefill
+  /// keeps the mask path), then decodes `steps` tokens greedily for each.
+  /// Returns the generated tokens per sequence.
+  std::vector<std::vector<int32_t>> generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps);
   /// Decode steps that ran the fused path / were in the sparse regime.
   int32_t fused_steps() const { return fused_steps_; }
   int32_t sparse_steps() const { return sparse_steps_; }
 
  private:
   struct Weights;
-  std::vector<float> forward(int32_t token, bool prefill);
+  std::vector<std::vector<float>> forward(const std::vector<int32_t>& tokens, bool prefill);
   Device device_;
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;

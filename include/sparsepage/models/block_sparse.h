@@ -57,6 +57,14 @@ struct BlockSparseStep {
   SparseDecodeOutcome outcome;      // the policy's outcome (sparse regime only)
 };
 
+/// The block-sparse layer. A decode step is: append the token (at the
+/// device-side length), score the blocks and keep the top-k (the indexer),
+/// then attend the kept blocks as block-granular pages (page_size =
+/// block_size; the partial final block is cut by the device-side count).
+/// After the first step at a given capacity a step allocates nothing,
+/// synchronizes nothing and reads nothing back, on either backend, so it
+/// can be captured in a CUDA graph and replayed while the context grows
+/// (reserve() the longest context first; after replays, sync_live_len()).
 class BlockSparseAttention {
  public:
   BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
@@ -68,7 +76,28 @@ class BlockSparseAttention {
 
   /// Decode: appends the token; in the sparse regime runs the indexer and
   /// tries the fused path, falling back to the block mask over the same set.
+  /// Every input is checked before the cache changes: a bad call appends
+  /// nothing.
   BlockSparseStep decode(const BlockSparseTokens& tokens, void* stream = nullptr);
+
+  /// Makes room for `tokens` live tokens, and sizes the step's buffers for
+  /// them, so steps up to that length allocate nothing.
+  void reserve(int64_t tokens);
+  /// Appends `tokens` tokens per sequence to the cache without attending (a
+  /// prompt whose prefill attention ran elsewhere): `k` is [batch,
+  /// num_kv_heads + 1, tokens, head_dim] (the index key last), `v` [batch,
+  /// num_kv_heads, tokens, head_dim], contiguous, on the layer's device.
+  /// Synchronous; not a step.
+  void append_tokens(const void* k, const void* v, int64_t tokens);
+  /// Profiling: CUDA events (cudaEvent_t, or null) that each decode records
+  /// on its stream after the append and after the indexer, so a benchmark
+  /// can split a step's time. They are recorded inside captured steps too.
+  void set_phase_events(void* after_append, void* after_indexer) {
+    after_append_ = after_append;
+    after_indexer_ = after_indexer;
+  }
+  /// After replaying captured steps: reads the device-side length back (synchronizes).
+  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
 
   /// Selected blocks of the last sparse decode, per request (host copy).
   std::vector<std::vector<int32_t>> last_blocks() const;
@@ -80,11 +109,17 @@ class BlockSparseAttention {
 
   const DenseKVCache& cache() const { return cache_; }
   int64_t kv_len() const { return cache_.live_len(); }
+  /// Tokens each request attends at `kv_len` in the sparse regime.
+  int64_t selected_tokens(int64_t kv_len) const;
 
  private:
   SparseAttentionInputs inputs(const BlockSparseTokens& tokens) const;
+  void check_tokens(const BlockSparseTokens& tokens) const;
+  void size_step_buffers();
   void select_blocks(const BlockSparseTokens& tokens, void* stream);
-  void run_block_mask_path(const SparseAttentionInputs& in, void* stream);
+  void run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream);
+  int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
+  int32_t width() const { return config_.topk_blocks + 1; }
 
   Device device_;
   DType dtype_;
@@ -92,12 +127,16 @@ class BlockSparseAttention {
   int32_t batch_;
   DenseKVCache cache_;
   SparseDecoder decoder_;
-  SparseSelection selection_;       // positions, per request
-  Buffer block_ids_;                // int32 [requests, blocks_per_request]
-  int32_t blocks_per_request_ = 0;
-  Buffer mask_;                     // fp32 [requests, kv_len]
-  Buffer mask_workspace_;
-  Buffer scores_;                   // fp32 block scores scratch (CUDA)
+  // Step buffers, sized for the cache's capacity (size_step_buffers).
+  int64_t sized_capacity_ = -1;
+  Buffer block_ids_;         // int32 [requests, topk + 1]: kept blocks, the final block last, then -1
+  Buffer seq_lens_;          // int32 [requests]: tokens those blocks cover now
+  Buffer indexer_workspace_; // CUDA indexer scratch
+  Buffer mask_;              // fp32 [requests, capacity] (the mask path)
+  Buffer mask_workspace_;    // masked-decode partials
+  bool have_selection_ = false;
+  void* after_append_ = nullptr;
+  void* after_indexer_ = nullptr;
 };
 
 /// Indexer block scores and top-k on the host: for request r = b * H + h,

@@ -68,6 +68,13 @@ struct DsaStep {
   SparseDecodeOutcome outcome;
 };
 
+/// The DSA layer. A decode step is: append the token (at the device-side
+/// length), run the indexer (top-k positions and their count per sequence,
+/// both device data), then attend them through the fused paged decode. After
+/// the first step at a given capacity a step allocates nothing, synchronizes
+/// nothing and reads nothing back, so it can be captured in a CUDA graph and
+/// replayed while the context grows (reserve() the longest context first;
+/// after replays, sync_live_len()).
 class DsaAttention {
  public:
   DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch,
@@ -78,37 +85,61 @@ class DsaAttention {
   /// the default stream).
   void prefill_token(const DsaTokens& tokens, void* stream = nullptr);
   /// Decode: appends the token, runs the indexer, tries the fused path and
-  /// falls back to the mask path over the same positions.
+  /// falls back to the mask path over the same positions. Every input is
+  /// checked before the cache changes: a bad call appends nothing.
   DsaStep decode(const DsaTokens& tokens, void* stream = nullptr);
+
+  /// Makes room for `tokens` live tokens and sizes the step's buffers for them.
+  void reserve(int64_t tokens);
+  /// Appends `tokens` tokens per sequence to the cache without attending (a
+  /// prompt whose prefill attention ran elsewhere): `k_cache_rows` is
+  /// [batch, 1, tokens, latent_dim + index_head_dim], `k_pe` [batch, 1,
+  /// tokens, rope_dim], contiguous, on the layer's device. Synchronous.
+  void append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens);
+  /// Profiling: CUDA events (cudaEvent_t, or null) each decode records on
+  /// its stream after the append and after the indexer.
+  void set_phase_events(void* after_append, void* after_indexer) {
+    after_append_ = after_append;
+    after_indexer_ = after_indexer;
+  }
+  /// After replaying captured steps: reads the device-side length back (synchronizes).
+  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
 
   /// Positions the last decode's page table attends, per sequence: in
   /// descending indexer score on the CPU backend, in increasing position on
   /// CUDA. A host copy for tests and debugging; on CUDA it reads after the
   /// default stream, so synchronize a non-blocking decode stream first.
-  std::vector<std::vector<int32_t>> last_selected_positions() const { return selection_.materialize(); }
+  std::vector<std::vector<int32_t>> last_selected_positions() const;
   /// Columns the mask path keeps for the last decode (its mask's 0 entries),
   /// built on the layer's device from the same selection; a host copy, as
   /// above. Throws before the first decode.
-  std::vector<std::vector<int32_t>> last_mask_columns() const;
+  std::vector<std::vector<int32_t>> last_mask_columns();
 
   const DenseKVCache& cache() const { return cache_; }
 
  private:
   SparseAttentionInputs inputs(const DsaTokens& tokens) const;
+  void size_step_buffers();
   void select_tokens_cpu(const DsaTokens& tokens);
   void select_tokens_cuda(const DsaTokens& tokens, void* stream);
+  void run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream);
   Device device_;
   DType dtype_;
   DsaConfig config_;
   int32_t batch_;
   DenseKVCache cache_;
   SparseDecoder decoder_;
-  SparseSelection selection_;  // on CUDA its indices hold batch * index_topk entries, reused every step
-  // Members rather than locals: on CUDA the work queued on the caller's
-  // stream may still read them when decode returns.
-  MaskPath mask_path_;
-  Buffer scores_;              // fp32 indexer scores [batch, capacity] (CUDA)
-  Buffer prefill_workspace_;   // masked-decode workspace of prefill (CUDA)
+  // Step buffers, sized for the cache's capacity (size_step_buffers).
+  int64_t sized_capacity_ = -1;
+  Buffer positions_;          // int32 [batch, index_topk]: kept positions, then -1
+  Buffer counts_;             // int32 [batch]: kept positions per sequence
+  Buffer row_offsets_;        // int32 [batch + 1]: b * index_topk (the mask builder's CSR view of positions_)
+  Buffer index_workspace_;    // the CUDA indexer's scratch
+  Buffer mask_;               // fp32 [batch, capacity] (the mask path)
+  Buffer mask_workspace_;     // masked-decode partials (CUDA)
+  bool have_selection_ = false;
+  void* after_append_ = nullptr;
+  void* after_indexer_ = nullptr;
 };
 
 /// The indexer on the host: for each sequence, the top `topk` positions of
@@ -120,34 +151,42 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& config,
                                                         const std::vector<float>& index_keys);
 
 /// Where the CUDA indexer reads and writes; every pointer is device memory.
+/// The live length of each sequence is read on the device; the grids and the
+/// workspace come from the host bound max_kv_len, so a graph captured once
+/// replays correctly while the lengths grow up to that bound.
 struct DsaIndexerArgs {
   DType dtype = DType::kBF16;      // of k_cache and q_index: f16 or bf16
   const void* k_cache = nullptr;   // the layer's K buffer: [batch * capacity, latent_dim + index_head_dim], row
                                    // b * capacity + t, index key at columns latent_dim ..; 16-byte aligned
   int64_t capacity = 0;            // rows per sequence in k_cache
-  int64_t kv_len = 0;              // live positions per sequence, <= capacity
-  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]
+  const int32_t* kv_lens = nullptr;  // DEVICE [batch]: live positions per sequence, 0 <= kv_lens[b] <= max_kv_len
+  int64_t max_kv_len = 0;          // HOST bound, 1 <= max_kv_len <= capacity: sizes the grids and the workspace
+  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]; 16-byte aligned
   const float* weights = nullptr;  // [batch, index_heads]
-  float* scores = nullptr;         // workspace [batch, kv_len]; may be null while kv_len <= index_topk
-  int64_t scores_count = 0;        // floats in `scores`
-  int32_t* positions = nullptr;    // out: [batch, min(index_topk, kv_len)]
-  int64_t positions_count = 0;     // int32 entries in `positions`
+  void* workspace = nullptr;       // caller-owned scratch, >= dsa_indexer_workspace_bytes(config, batch, max_kv_len)
+  size_t workspace_bytes = 0;
+  int32_t* positions = nullptr;    // out [batch, index_topk]: the kept positions of sequence b in increasing order,
+                                   // then -1 up to index_topk
+  int32_t* counts = nullptr;       // out [batch]: min(index_topk, kv_lens[b]), written on the device
 };
+
+/// Bytes of workspace dsa_select_tokens_cuda needs for `batch` sequences of
+/// up to max_kv_len positions (about 12 bytes per position plus 16 KB per
+/// sequence).
+size_t dsa_indexer_workspace_bytes(const DsaConfig& config, int32_t batch, int64_t max_kv_len);
 
 /// The indexer on the GPU, on `stream` (a cudaStream_t; null: the default
 /// stream): for each sequence the same set as dsa_select_tokens_cpu (scores
-/// accumulated in fp32, NaN last, ties at the threshold to the lower
-/// positions), written in increasing position order. Only the order of the
-/// fp32 sums differs from the CPU loop, so scores closer than its rounding
-/// may swap at the threshold. While kv_len <= index_topk it writes
+/// accumulated in fp32 on tensor cores, NaN last, ties at the threshold to the
+/// lower positions), written in increasing position order. Only the order of
+/// the fp32 sums differs from the CPU loop, so scores closer than its rounding
+/// may swap at the threshold. A sequence whose window fits the top-k gets
 /// 0 .. kv_len - 1 without scoring. Allocates nothing, synchronizes nothing
 /// and reads nothing back (graph-capturable).
 /// Limits (Error naming the one broken): f16/bf16; index_head_dim a multiple
-/// of 8 up to 256 and latent_dim a multiple of 8 (keys are read 16 bytes at
-/// a time); index_heads * index_head_dim <= 16384 (one sequence's index
-/// queries are staged in shared memory); batch <= 65535; kv_len < 2^31.
-/// A top-k over a long window is one CTA per sequence, so its time grows
-/// linearly with kv_len.
+/// of 16 up to 256 and latent_dim a multiple of 8; index_heads *
+/// index_head_dim <= 16384 (one sequence's index queries are staged in shared
+/// memory); batch <= 65535; max_kv_len < 2^31.
 void dsa_select_tokens_cuda(const DsaConfig& config, int32_t batch, const DsaIndexerArgs& args,
                             void* stream = nullptr);
 

@@ -1,0 +1,45 @@
+// The serving-step append of a dense cache (DenseKVCache::append_token):
+// each sequence's new K and V rows land at its device-side live length,
+// which then grows by one. The length is read and advanced on the device,
+// so a captured step appends at the right row on every replay.
+#include "core/cuda_hooks.h"
+#include "cuda/common.cuh"
+
+namespace sparsepage {
+namespace {
+
+constexpr int kAppendThreads = 256;
+
+// One CTA per sequence: every thread reads the old length, the rows are
+// copied in 4-byte words, and only after the CTA-wide barrier does thread 0
+// publish the new length, so no thread reads a half-advanced value.
+__global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __grid_constant__ detail::AppendTokenArgs a) {
+  const int64_t b = blockIdx.x;
+  const int64_t t = a.live_lens[b];
+  if (t < 0 || t >= a.capacity) return;  // full: nothing is written past the allocation
+  const auto put = [&](void* base, const void* src, int32_t heads, int64_t row_bytes) {
+    const int64_t words = row_bytes / 4;
+    for (int64_t i = threadIdx.x; i < heads * words; i += blockDim.x) {
+      const int64_t h = i / words, w = i % words;
+      const uint32_t x = static_cast<const uint32_t*>(src)[(b * heads + h) * words + w];
+      static_cast<uint32_t*>(base)[((b * heads + h) * a.capacity + t) * words + w] = x;
+    }
+  };
+  put(a.k, a.k_new, a.k_heads, a.k_row_bytes);
+  put(a.v, a.v_new, a.v_heads, a.v_row_bytes);
+  __syncthreads();
+  if (threadIdx.x == 0) a.live_lens[b] = static_cast<int32_t>(t + 1);
+}
+
+}  // namespace
+
+namespace detail {
+void append_token_cuda(const AppendTokenArgs& a, void* stream) {
+  if (a.batch < 1 || a.k_row_bytes % 4 != 0 || a.v_row_bytes % 4 != 0)
+    throw Error("append_token: batch must be at least 1 and rows whole 4-byte words");
+  append_token_kernel<<<a.batch, kAppendThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  SP_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
+}  // namespace sparsepage

@@ -1,0 +1,189 @@
+// Serving steps replayed from a CUDA graph while the context grows: one
+// decode step of each layer is captured with global capture mode (so any
+// allocation, synchronization or host read inside the step fails the
+// capture), then replayed step after step across a block boundary and
+// through partial final blocks. A twin layer fed the same tokens runs the
+// same steps eagerly; the outputs must be identical bit for bit, on the
+// fused path and under the kill switch (the mask path).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+#include "support/layer_checks.h"
+#include "support/reference.h"
+
+namespace sparsepage {
+namespace {
+
+/// Device buffers of one step's inputs, refilled in place before each step.
+struct StepBuffers {
+  std::vector<Buffer> inputs;  // in the order the layer's token struct takes them
+  Buffer o;
+};
+
+/// Fresh random bf16 contents for every input buffer (fp32 buffers hold floats).
+void refill(StepBuffers& s, const std::vector<bool>& is_f32, std::mt19937_64& rng, cudaStream_t stream) {
+  for (size_t i = 0; i < s.inputs.size(); ++i) {
+    const size_t bytes = s.inputs[i].bytes();
+    std::vector<uint8_t> host;
+    if (is_f32[i]) {
+      std::uniform_real_distribution<float> u(0.0f, 1.0f);
+      std::vector<float> f(bytes / 4);
+      for (float& x : f) x = u(rng);
+      host.assign(reinterpret_cast<uint8_t*>(f.data()), reinterpret_cast<uint8_t*>(f.data()) + bytes);
+    } else {
+      host = testing::random_values(DType::kBF16, bytes / 2, rng);
+    }
+    testing::cuda_ok(cudaMemcpyAsync(s.inputs[i].data(), host.data(), bytes, cudaMemcpyHostToDevice, stream),
+                     "refill");
+    testing::cuda_ok(cudaStreamSynchronize(stream), "refill sync");
+  }
+}
+
+StepBuffers make_buffers(const std::vector<size_t>& bytes, size_t o_bytes) {
+  StepBuffers s;
+  for (size_t b : bytes) s.inputs.emplace_back(Device::kCuda, b);
+  s.o = Buffer(Device::kCuda, o_bytes);
+  return s;
+}
+
+/// The eager twin's inputs become the graphed one's, ordered on `stream`.
+void mirror(const StepBuffers& from, StepBuffers& to, cudaStream_t stream) {
+  for (size_t i = 0; i < from.inputs.size(); ++i) {
+    testing::cuda_ok(cudaMemcpyAsync(to.inputs[i].data(), from.inputs[i].data(), from.inputs[i].bytes(),
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "mirror");
+  }
+}
+
+std::vector<uint8_t> read(const Buffer& b, cudaStream_t stream) {
+  testing::cuda_ok(cudaStreamSynchronize(stream), "read sync");
+  return download<uint8_t>(Device::kCuda, b.data(), b.bytes());
+}
+
+/// Runs `steps` steps on two twin layers: `graphed` through one captured
+/// step replayed, `eager` by calling decode. `step(layer, buffers, stream)`
+/// issues one decode.
+template <class Layer, class Step>
+void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuffers& e,
+                          const std::vector<bool>& is_f32, int steps, Step&& step) {
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  std::mt19937_64 rng(2026);
+  // One eager step first: the first step at a shape plans and sizes buffers.
+  refill(g, is_f32, rng, stream);
+  mirror(g, e, stream);
+  step(graphed, g, stream);
+  step(eager, e, stream);
+  ASSERT_EQ(read(g.o, stream), read(e.o, stream));
+
+  cudaGraph_t graph;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  step(graphed, g, stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture: the step did something a graph cannot hold");
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+
+  for (int s = 0; s < steps; ++s) {
+    refill(g, is_f32, rng, stream);
+    mirror(g, e, stream);
+    fill_bytes(g.o.data(), Device::kCuda, 0xFF, g.o.bytes());  // NaN: an unwritten output fails
+    testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    step(eager, e, stream);
+    const auto got = read(g.o, stream);
+    ASSERT_EQ(got, read(e.o, stream)) << "step " << s << " differs from the eager step";
+    const auto f = testing::as_float(DType::kBF16, got);
+    ASSERT_TRUE(std::none_of(f.begin(), f.end(), [](float x) { return std::isnan(x); })) << "step " << s;
+  }
+  graphed.sync_live_len(stream);
+  EXPECT_EQ(graphed.cache().live_len(), eager.cache().live_len()) << "the device length advanced once per replay";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+class StepGraph : public ::testing::TestWithParam<bool> {};  // true: fused path; false: kill switch
+
+TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
+  SKIP_WITHOUT_CUDA();
+  const bool fused = GetParam();
+  const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
+  // Blocks of 128, top 4: the sparse regime starts past 1024 tokens. The
+  // replays run 1101 -> 1181, across the block boundary at 1152.
+  const BlockSparseConfig c{16, 2, 128, 128, 4, 2, 4096};
+  const int32_t batch = 3;
+  BlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  BlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  const size_t d = 128, b = batch;
+  const std::vector<size_t> bytes = {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2,
+                                     b * (c.num_kv_heads + 1) * d * 2, b * c.num_kv_heads * d * 2};
+  StepBuffers g = make_buffers(bytes, b * c.num_qo_heads * d * 2);
+  StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
+  const std::vector<bool> is_f32(4, false);
+  std::mt19937_64 rng(7);
+  for (int t = 0; t < 1100; ++t) {
+    refill(g, is_f32, rng, nullptr);
+    const BlockSparseTokens tok{g.inputs[0].data(), g.inputs[1].data(), g.inputs[2].data(), g.inputs[3].data(),
+                                g.o.data()};
+    graphed.prefill_token(tok);
+    eager.prefill_token(tok);
+  }
+  graphed.reserve(1300);
+  eager.reserve(1300);
+  auto step = [fused](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
+    const BlockSparseTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].data(),
+                                s.o.data()};
+    const BlockSparseStep r = layer.decode(tok, stream);
+    ASSERT_TRUE(r.sparse_regime);
+    ASSERT_EQ(r.fused, fused) << r.outcome.describe();
+  };
+  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+}
+
+TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
+  SKIP_WITHOUT_CUDA();
+  const bool fused = GetParam();
+  const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
+  // Top 32 of a window that grows 100 -> 180 (past twice the top-k, so the
+  // sparsity gate lets the fused path run).
+  const DsaConfig c{16, 512, 64, 4, 64, 32, 0.0f, 256};
+  const int32_t batch = 2;
+  DsaAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  const size_t b = batch, h = c.num_qo_heads;
+  // q_latent, q_pe, q_index, index_weights (f32), k_cache_row, k_pe
+  const std::vector<size_t> bytes = {b * h * 512 * 2, b * h * 64 * 2, b * 4 * 64 * 2, b * 4 * 4,
+                                     b * (512 + 64) * 2, b * 64 * 2};
+  const std::vector<bool> is_f32 = {false, false, false, true, false, false};
+  StepBuffers g = make_buffers(bytes, b * h * 512 * 2);
+  StepBuffers e = make_buffers(bytes, b * h * 512 * 2);
+  auto tokens = [](StepBuffers& s) {
+    return DsaTokens{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
+                     s.inputs[4].data(), s.inputs[5].data(), s.o.data()};
+  };
+  std::mt19937_64 rng(8);
+  for (int t = 0; t < 100; ++t) {
+    refill(g, is_f32, rng, nullptr);
+    graphed.prefill_token(tokens(g));
+    eager.prefill_token(tokens(g));
+  }
+  graphed.reserve(256);
+  eager.reserve(256);
+  auto step = [fused, &tokens](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
+    const DsaStep r = layer.decode(tokens(s), stream);
+    ASSERT_TRUE(r.sparse);
+    ASSERT_EQ(r.fused, fused) << r.outcome.describe();
+  };
+  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, StepGraph, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "fused" : "mask_path"; });
+
+}  // namespace
+}  // namespace sparsepage
