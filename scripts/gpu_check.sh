@@ -2,7 +2,7 @@
 # One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck), benchmark, and print a short table last. Full logs go to $OUT.
-#   STAGES="tests sanitize bench kernel dsa" (the default; also: dispatch sweep sass profile)
+#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -10,7 +10,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize bench kernel dsa"}  # also: dispatch sweep sass profile
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: dispatch sweep sass profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -23,11 +23,18 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 T="$BUILD/tests/cuda/sparsepage_cuda_tests"
 B="$BUILD/tools/sparse_paged_decode_bench"
+S="$BUILD/tools/sparse_step_bench"
+failed=0
 
 if [[ $STAGES == *tests* ]]; then
   "$T" > "$OUT/cuda_tests.log" 2>&1; rc=$?
   note "GPU tests: rc=$rc, $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/cuda_tests.log" | tr '\n' ' ')"
-  [ $rc -eq 0 ] || grep -E "Failure|FAILED|error" -A4 "$OUT/cuda_tests.log" | head -60
+  [ $rc -eq 0 ] || { failed=1; grep -E "Failure|FAILED|error" -A4 "$OUT/cuda_tests.log" | head -60; }
+  # On a machine with a GPU every GPU test must run: a skip here means the
+  # driver or the build is broken, not that the test does not apply.
+  if grep -qE '^\[  SKIPPED' "$OUT/cuda_tests.log"; then
+    failed=1; note "GPU tests SKIPPED on a GPU machine: $(grep -cE '^\[  SKIPPED \]' "$OUT/cuda_tests.log") (a failure here)"
+  fi
   "$BUILD/tests/sparsepage_cpu_tests" > "$OUT/cpu_tests.log" 2>&1
   note "CPU tests on the GPU machine: rc=$?, $(grep -E '^\[  PASSED' "$OUT/cpu_tests.log")"
 fi
@@ -38,7 +45,15 @@ if [[ $STAGES == *sanitize* ]]; then
       --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" \
       > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
     note "compute-sanitizer $tool: rc=$rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    [ $rc -eq 0 ] || failed=1
   done
+fi
+if [[ $STAGES == *steps* ]]; then
+  # Whole decode steps of both layers, eager and graph-replayed (the serving loop).
+  "$S" ${STEP_ARGS:-} --json "$RESULTS/steps.json" > "$OUT/steps.log" 2>&1; rc=$?
+  [ $rc -eq 0 ] || failed=1
+  note "step bench: rc=$rc"; grep -E "^(blocksparse|dsa)" "$OUT/steps.log" | cut -c1-230
+  cp "$OUT/steps.log" "$RESULTS/steps.log"
 fi
 if [[ $STAGES == *bench* ]]; then
   for batch in 1 32; do
@@ -116,3 +131,4 @@ if [[ $STAGES == *profile* ]]; then
 fi
 tar czf "$RESULTS/gpu-logs.tar.gz" -C "$OUT" . 2>/dev/null
 echo; echo "==== summary"; printf '%s\n' "${summary[@]}"
+exit $failed

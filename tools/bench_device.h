@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "sparsepage/types.h"
 
@@ -23,6 +24,28 @@ DeviceFacts device_facts(Device device);
 /// times into one CUDA graph (or called `steps` times on the CPU), replayed
 /// after warm-up `reps` times, each replay timed with events.
 double median_us_per_launch(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps);
+
+/// Median microseconds per eager call: each of `reps` runs calls
+/// `launch(stream)` `steps` times between two events (wall clock on the
+/// CPU), after one warm-up call; the host's launch overhead counts.
+double median_us_eager(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps);
+
+/// CUDA events for splitting a step into phases (null on the CPU).
+class Events {
+ public:
+  Events(Device device, int32_t count);
+  ~Events();
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  void* operator[](int32_t i) const { return events_[static_cast<size_t>(i)]; }
+  void record(int32_t i, void* stream);
+  /// Microseconds from event a to event b (after both completed).
+  double elapsed_us(int32_t a, int32_t b) const;
+  bool available() const { return !events_.empty() && events_[0] != nullptr; }
+
+ private:
+  std::vector<void*> events_;
+};
 
 /// Streams `bytes` of device memory through a read-only reduction and
 /// returns the median read bandwidth in GB/s (1e9 bytes per second).

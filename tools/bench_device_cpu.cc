@@ -51,6 +51,14 @@ double median_us_per_launch(Device device, const std::function<void(void*)>& lau
   if (device == Device::kCuda) throw Error("bench: built without CUDA");
   return median_us_cpu(launch, steps, reps);
 }
+double median_us_eager(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps) {
+  if (device == Device::kCuda) throw Error("bench: built without CUDA");
+  return median_us_cpu(launch, steps, reps);
+}
+Events::Events(Device, int32_t count) : events_(static_cast<size_t>(count), nullptr) {}
+Events::~Events() = default;
+void Events::record(int32_t, void*) {}
+double Events::elapsed_us(int32_t, int32_t) const { return 0.0; }
 double measured_read_bandwidth_gbs(Device, int64_t) { return 0.0; }
 void fill_random(Device device, DType dtype, void* data, int64_t count, uint64_t seed) {
   if (device == Device::kCuda) throw Error("bench: built without CUDA");

@@ -89,6 +89,59 @@ double median_us_per_launch(Device device, const std::function<void(void*)>& lau
   return times[times.size() / 2];
 }
 
+double median_us_eager(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps) {
+  if (device == Device::kCpu) return median_us_cpu(launch, steps, reps);
+  cudaStream_t stream;
+  SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  launch(stream);
+  SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t start, stop;
+  SP_CUDA_CHECK(cudaEventCreate(&start));
+  SP_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> times;
+  for (int32_t r = 0; r < reps; ++r) {
+    SP_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int32_t s = 0; s < steps; ++s) launch(stream);
+    SP_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SP_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    SP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(1e3 * ms / steps);
+  }
+  SP_CUDA_CHECK(cudaEventDestroy(start));
+  SP_CUDA_CHECK(cudaEventDestroy(stop));
+  SP_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  return times[times.size() / 2];
+}
+
+Events::Events(Device device, int32_t count) : events_(static_cast<size_t>(count), nullptr) {
+  if (device == Device::kCpu) return;
+  for (void*& e : events_) {
+    cudaEvent_t ev;
+    SP_CUDA_CHECK(cudaEventCreate(&ev));
+    e = ev;
+  }
+}
+Events::~Events() {
+  for (void* e : events_) {
+    if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  }
+}
+void Events::record(int32_t i, void* stream) {
+  if (events_[static_cast<size_t>(i)] != nullptr)
+    SP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[static_cast<size_t>(i)]),
+                                  static_cast<cudaStream_t>(stream)));
+}
+double Events::elapsed_us(int32_t a, int32_t b) const {
+  if (!available()) return 0.0;
+  SP_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[static_cast<size_t>(b)])));
+  float ms = 0;
+  SP_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[static_cast<size_t>(a)]),
+                                     static_cast<cudaEvent_t>(events_[static_cast<size_t>(b)])));
+  return 1e3 * ms;
+}
+
 double measured_read_bandwidth_gbs(Device device, int64_t bytes) {
   if (device == Device::kCpu) return 0.0;
   void* data = nullptr;

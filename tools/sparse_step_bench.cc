@@ -1,0 +1,355 @@
+// sparse_step_bench: whole decode steps of the block-sparse and DSA layers
+// as a serving loop runs them — append, indexer, attention — one step after
+// another with the context growing by one token per step, eager and
+// replayed from a CUDA graph. Beside each step it shows the attention
+// kernel alone over the same selection, the mask-path step over the same
+// cache (the fallback a user would otherwise run), and the read-time floor
+// (bytes the step must read / the device's measured read bandwidth).
+//
+// Guards: it names the path each step took; it refuses a comparison when
+// the fused step did not fuse; and before timing it checks that the fused
+// step and the mask-path step agree on a sampled step.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_device.h"
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+
+using namespace sparsepage;
+using json = nlohmann::json;
+
+namespace {
+
+struct Options {
+  std::vector<std::string> layers = {"blocksparse", "dsa"};
+  std::vector<int32_t> batches;   // empty: the backend's default set
+  std::vector<int64_t> contexts;  // empty: the backend's default set
+  int32_t steps = 16;             // steps per timed run (the context grows by this much)
+  int32_t reps = 5;               // timed runs; the median is reported
+  bool cpu = false;
+  std::string json_path;
+};
+
+/// One layer under test: how to fill it, step it and read its output.
+struct Arm {
+  std::function<void(int64_t tokens, uint64_t seed)> fill;         // append random tokens (no attention)
+  std::function<std::pair<bool, std::string>(void* stream)> step;  // one decode: fused?, outcome
+  std::function<std::vector<float>()> output;                      // the last step's output
+  std::function<void(void*, void*)> phase_events;
+  std::function<void(int64_t)> reserve;
+};
+
+std::vector<float> read_bf16(Device device, const Buffer& b) {
+  const auto bytes = download<uint8_t>(device, b.data(), b.bytes());
+  std::vector<float> out(bytes.size() / 2);
+  to_float(DType::kBF16, bytes.data(), out.data(), out.size());
+  return out;
+}
+
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+/// Random device buffers of the given byte sizes (bf16 unless f32 is set).
+std::vector<Buffer> random_buffers(Device device, const std::vector<size_t>& bytes, const std::vector<bool>& f32,
+                                   uint64_t seed) {
+  std::vector<Buffer> out;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    out.emplace_back(device, bytes[i]);
+    const DType t = f32[i] ? DType::kF32 : DType::kBF16;
+    bench::fill_random(device, t, out.back().data(), static_cast<int64_t>(bytes[i] / dtype_size(t)), seed + i);
+  }
+  return out;
+}
+
+// ---- block-sparse ---------------------------------------------------------
+
+struct BlockSparseSetup {
+  BlockSparseConfig config{64, 4, 128, 128, 16, 1, 4096};
+  std::unique_ptr<BlockSparseAttention> layer;
+  std::vector<Buffer> tokens;  // q, index_q, k, v
+  Buffer o;
+};
+
+Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch) {
+  const auto& c = s.config;
+  const size_t b = static_cast<size_t>(batch), d = static_cast<size_t>(c.head_dim);
+  s.layer = std::make_unique<BlockSparseAttention>(device, DType::kBF16, c, batch, dispatch);
+  s.tokens = random_buffers(device,
+                            {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * (c.num_kv_heads + 1) * d * 2,
+                             b * c.num_kv_heads * d * 2},
+                            {false, false, false, false}, 77);
+  s.o = Buffer(device, b * c.num_qo_heads * d * 2);
+  Arm arm;
+  arm.fill = [&s, device, b, d](int64_t tokens, uint64_t seed) {
+    const auto& cfg = s.config;
+    const int64_t chunk = 4096;
+    Buffer k(device, b * (cfg.num_kv_heads + 1) * static_cast<size_t>(chunk) * d * 2);
+    Buffer v(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
+    for (int64_t at = 0; at < tokens; at += chunk) {
+      const int64_t n = std::min(chunk, tokens - at);
+      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * (cfg.num_kv_heads + 1) * n * d),
+                         seed + static_cast<uint64_t>(2 * at));
+      bench::fill_random(device, DType::kBF16, v.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
+                         seed + static_cast<uint64_t>(2 * at + 1));
+      s.layer->append_tokens(k.data(), v.data(), n);
+    }
+  };
+  arm.step = [&s](void* stream) {
+    const BlockSparseTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].data(),
+                              s.o.data()};
+    const BlockSparseStep r = s.layer->decode(t, stream);
+    return std::make_pair(r.fused, r.sparse_regime ? r.outcome.describe() : std::string("dense (below the sparse regime)"));
+  };
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  return arm;
+}
+
+/// Bytes a block-sparse step must read: every index key of the window and
+/// the selected K and V rows of every request.
+double block_sparse_bytes(const BlockSparseConfig& c, int32_t batch, int64_t context) {
+  const double selected = double(c.topk_blocks) * c.block_size + 1;
+  return double(batch) * double(context) * c.head_dim * 2 +
+         double(batch) * c.num_kv_heads * selected * 2.0 * c.head_dim * 2;
+}
+
+// ---- DSA ------------------------------------------------------------------
+
+struct DsaSetup {
+  DsaConfig config{128, 512, 64, 64, 128, 2048, 0.0f, 4096};
+  std::unique_ptr<DsaAttention> layer;
+  std::vector<Buffer> tokens;  // q_latent, q_pe, q_index, weights, k_cache_row, k_pe
+  Buffer o;
+};
+
+Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch) {
+  const auto& c = s.config;
+  const size_t b = static_cast<size_t>(batch), h = static_cast<size_t>(c.num_qo_heads);
+  s.layer = std::make_unique<DsaAttention>(device, DType::kBF16, c, batch, dispatch);
+  const size_t row = static_cast<size_t>(c.latent_dim + c.index_head_dim);
+  s.tokens = random_buffers(device,
+                            {b * h * c.latent_dim * 2, b * h * c.rope_dim * 2,
+                             b * c.index_heads * c.index_head_dim * 2, b * c.index_heads * 4, b * row * 2,
+                             b * c.rope_dim * 2},
+                            {false, false, false, true, false, false}, 91);
+  s.o = Buffer(device, b * h * c.latent_dim * 2);
+  Arm arm;
+  arm.fill = [&s, device, b, row](int64_t tokens, uint64_t seed) {
+    const auto& cfg = s.config;
+    const int64_t chunk = 4096;
+    Buffer k(device, b * static_cast<size_t>(chunk) * row * 2);
+    Buffer pe(device, b * static_cast<size_t>(chunk) * cfg.rope_dim * 2);
+    for (int64_t at = 0; at < tokens; at += chunk) {
+      const int64_t n = std::min(chunk, tokens - at);
+      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * n * row), seed + 2 * at);
+      bench::fill_random(device, DType::kBF16, pe.data(), static_cast<int64_t>(b * n * cfg.rope_dim), seed + 2 * at + 1);
+      s.layer->append_tokens(k.data(), pe.data(), n);
+    }
+  };
+  arm.step = [&s](void* stream) {
+    const DsaTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].as<float>(),
+                      s.tokens[4].data(), s.tokens[5].data(), s.o.data()};
+    const DsaStep r = s.layer->decode(t, stream);
+    return std::make_pair(r.fused, r.outcome.describe());
+  };
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  return arm;
+}
+
+/// Bytes a DSA step must read: the index key of every position and the
+/// selected rows (latent + rope).
+double dsa_bytes(const DsaConfig& c, int32_t batch, int64_t context) {
+  const double selected = std::min<double>(c.index_topk, double(context));
+  return double(batch) * double(context) * c.index_head_dim * 2 +
+         double(batch) * selected * (c.latent_dim + c.rope_dim) * 2;
+}
+
+// ---- one configuration ------------------------------------------------------
+
+struct Result {
+  json row;
+  std::string line;
+};
+
+/// Times one (layer, batch, context): the fused step eager and from a graph,
+/// its phases, and the mask-path step from a graph.
+Result measure(const std::string& layer_name, Device device, int32_t batch, int64_t context, const Options& opt,
+               double read_gbs) {
+  Result res;
+  json& row = res.row;
+  row["layer"] = layer_name;
+  row["batch"] = batch;
+  row["context"] = context;
+  DispatchConfig mask_only = process_dispatch_config();
+  mask_only.enabled = false;
+  BlockSparseSetup bs_f, bs_m;
+  DsaSetup dsa_f, dsa_m;
+  Arm fused, masked;
+  double bytes = 0;
+  if (layer_name == "dsa") {
+    fused = dsa_arm(dsa_f, device, batch, process_dispatch_config());
+    masked = dsa_arm(dsa_m, device, batch, mask_only);
+    bytes = dsa_bytes(dsa_f.config, batch, context);
+  } else {
+    fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config());
+    masked = block_sparse_arm(bs_m, device, batch, mask_only);
+    bytes = block_sparse_bytes(bs_f.config, batch, context);
+  }
+  const bool gpu = device == Device::kCuda;
+  // Tokens every timed run appends, with slack: reserve them up front so no
+  // step grows the cache.
+  const int64_t budget = int64_t{opt.steps} * (3 * opt.reps + 8) + 16;
+  for (Arm* arm : {&fused, &masked}) {
+    arm->reserve(context + budget);
+    arm->fill(context - 1, 1234);
+  }
+
+  // The sampled step: the same tokens through both arms, then agreement.
+  const auto [did_fuse, outcome] = fused.step(nullptr);
+  const auto [mask_fused, mask_outcome] = masked.step(nullptr);
+  row["path"] = did_fuse ? "fused" : "fallback";
+  row["outcome"] = outcome;
+  const double agree = relative_l2(fused.output(), masked.output());
+  row["agreement_rel_l2"] = agree;
+  char head[256];
+  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld | ", layer_name.c_str(), batch,
+                static_cast<long long>(context));
+  res.line = head;
+  if (!did_fuse || mask_fused) {
+    res.line += std::string("REFUSED: the fused step did not fuse (") + outcome + ")";
+    row["refused"] = res.line;
+    return res;
+  }
+  if (!(agree < 1e-2)) {
+    res.line += "REFUSED: fused and mask-path steps disagree (relative L2 " + std::to_string(agree) + ")";
+    row["refused"] = res.line;
+    return res;
+  }
+
+  auto run_fused = [&](void* stream) { fused.step(stream); };
+  auto run_masked = [&](void* stream) { masked.step(stream); };
+  const double eager = bench::median_us_eager(device, run_fused, opt.steps, opt.reps);
+  row["eager_us"] = eager;
+  // Phases, from eager steps: append, indexer, attention.
+  std::vector<double> append, indexer, attention;
+  if (gpu) {
+    bench::Events ev(device, 4);
+    fused.phase_events(ev[1], ev[2]);
+    for (int32_t s = 0; s < opt.steps; ++s) {
+      ev.record(0, nullptr);
+      fused.step(nullptr);
+      ev.record(3, nullptr);
+      append.push_back(ev.elapsed_us(0, 1));
+      indexer.push_back(ev.elapsed_us(1, 2));
+      attention.push_back(ev.elapsed_us(2, 3));
+    }
+    fused.phase_events(nullptr, nullptr);
+    auto median = [](std::vector<double> v) {
+      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+      return v[v.size() / 2];
+    };
+    row["phase_append_us"] = median(append);
+    row["phase_indexer_us"] = median(indexer);
+    row["phase_attention_us"] = median(attention);
+    row["phase_selection_plan_us"] = 0.0;  // the indexer writes the page table; the plan is made once
+  }
+  char buf[512];
+  if (gpu) {
+    const double graph = bench::median_us_per_launch(device, run_fused, opt.steps, opt.reps);
+    const double mask_graph = bench::median_us_per_launch(device, run_masked, opt.steps, opt.reps);
+    const double floor_us = read_gbs > 0 ? bytes / (read_gbs * 1e3) : 0.0;
+    row["graph_us"] = graph;
+    row["mask_path_graph_us"] = mask_graph;
+    row["floor_us"] = floor_us;
+    row["bytes"] = bytes;
+    std::snprintf(buf, sizeof(buf),
+                  "graph %8.1f us  eager %8.1f us (%.2fx) | append %6.1f indexer %7.1f attention %7.1f | "
+                  "mask-path step %9.1f us (%.1fx) | floor %6.1f us | agree %.1e",
+                  graph, eager, eager / graph, row["phase_append_us"].get<double>(),
+                  row["phase_indexer_us"].get<double>(), row["phase_attention_us"].get<double>(), mask_graph,
+                  mask_graph / graph, floor_us, agree);
+  } else {
+    const double mask_eager = bench::median_us_eager(device, run_masked, opt.steps, opt.reps);
+    row["mask_path_eager_us"] = mask_eager;
+    std::snprintf(buf, sizeof(buf), "eager %9.1f us | mask-path step %9.1f us (%.1fx) | agree %.1e (CPU: no graphs)",
+                  eager, mask_eager, mask_eager / eager, agree);
+  }
+  res.line += buf;
+  return res;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparse_step_bench: whole decode steps (append + indexer + attention) of the block-sparse and DSA "
+               "layers, the context growing one token per step, eager and replayed from a CUDA graph, beside the "
+               "mask-path step and the read-time floor"};
+  Options opt;
+  app.add_option("--layers", opt.layers, "blocksparse and/or dsa")->check(CLI::IsMember({"blocksparse", "dsa"}));
+  app.add_option("--batches", opt.batches, "batch sizes (default GPU: 1 8 32; CPU: 1)");
+  app.add_option("--contexts", opt.contexts, "context lengths (default GPU: 32768 131072; CPU: 32768)");
+  app.add_option("--steps", opt.steps, "steps per timed run")->check(CLI::Range(1, 1024));
+  app.add_option("--reps", opt.reps, "timed runs (median)")->check(CLI::Range(1, 100));
+  app.add_flag("--cpu", opt.cpu, "run on the CPU backend even when a GPU is present");
+  app.add_option("--json", opt.json_path, "write every row as JSON here");
+  CLI11_PARSE(app, argc, argv);
+
+  const Device device = !opt.cpu && cuda_available() ? Device::kCuda : Device::kCpu;
+  const bench::DeviceFacts facts = bench::device_facts(device);
+  if (opt.batches.empty()) opt.batches = device == Device::kCuda ? std::vector<int32_t>{1, 8, 32} : std::vector<int32_t>{1};
+  if (opt.contexts.empty()) {
+    opt.contexts = device == Device::kCuda ? std::vector<int64_t>{32768, 131072} : std::vector<int64_t>{32768};
+  }
+  if (dump_selection_enabled()) {
+    std::printf("refusing to time: SPARSEPAGE_DUMP_SELECTION synchronizes inside every step\n");
+    return 2;
+  }
+  const double read_gbs = bench::measured_read_bandwidth_gbs(device, int64_t{4} << 30);
+  std::printf("sparse_step_bench on %s (%s backend); measured read bandwidth %.0f GB/s\n", facts.name.c_str(),
+              device_name(device), read_gbs);
+  std::printf("each step appends one token per sequence; times are medians of %d runs of %d steps\n", opt.reps,
+              opt.steps);
+  json out;
+  out["device"] = facts.name;
+  out["backend"] = device_name(device);
+  out["read_gbs"] = read_gbs;
+  out["steps"] = opt.steps;
+  out["reps"] = opt.reps;
+  int refused = 0;
+  for (const std::string& layer : opt.layers) {
+    for (int64_t context : opt.contexts) {
+      for (int32_t batch : opt.batches) {
+        Result r = measure(layer, device, batch, context, opt, read_gbs);
+        std::printf("%s\n", r.line.c_str());
+        std::fflush(stdout);
+        refused += r.row.contains("refused") ? 1 : 0;
+        out["rows"].push_back(r.row);
+      }
+    }
+  }
+  if (!opt.json_path.empty()) {
+    std::ofstream(opt.json_path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", opt.json_path.c_str());
+  }
+  return refused == 0 ? 0 : 1;
+}
