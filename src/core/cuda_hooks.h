@@ -45,22 +45,38 @@ void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32
 }  // namespace sparsepage::detail
 
 namespace sparsepage::detail {
-/// Block-sparse indexer on the GPU (src/cuda/indexer.cu): block scores by the
-/// rule in models/block_sparse.h and the per-request top-k plus the final
-/// block, written to `block_ids` [batch * num_kv_heads, blocks_per_request].
-struct BlockTopkArgs {
+/// Block-sparse indexer on the GPU (src/cuda/block_indexer.cu): block scores
+/// by the rule in models/block_sparse.h, then per request the top-k plus the
+/// final block. Live lengths are read on the device; grids and workspace are
+/// sized from the host bound max_kv_len, so one captured graph serves every
+/// length up to it. Allocates nothing, synchronizes nothing.
+/// Limits (Error naming the argument): f16/bf16; 1 <= num_kv_heads <= 8;
+/// head_dim a multiple of 8 up to 128; batch <= 65535.
+struct BlockIndexerArgs {
   DType dtype;
-  const void* k_alloc;   // K allocation [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
-  const void* index_q;   // [batch, num_kv_heads, head_dim]
+  const void* k_alloc;      // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads; 16-byte aligned
+  const void* index_q;      // [batch, num_kv_heads, head_dim]
   int32_t batch, num_kv_heads, head_dim;
-  int64_t capacity, kv_len;
-  int32_t block_size, topk, local_blocks, blocks_per_request;
-  int32_t* block_ids;
+  int64_t capacity;
+  const int32_t* kv_lens;   // DEVICE [batch]: live tokens per sequence, read on the device (1 <= kv_lens[b] <= max_kv_len)
+  int64_t max_kv_len;       // HOST bound (<= capacity) that sizes the grids and the workspace
+  int32_t block_size, topk, local_blocks;
+  int32_t width;            // entries per request row in block_ids, >= topk + 1
+  int32_t* block_ids;       // out [batch * num_kv_heads, width]: min(topk, nb - 1) top blocks (increasing id), then
+                            // the final block (nb - 1, possibly partial); entries after those are -1.
+                            // nb = ceil(kv_lens[b] / block_size)
+  int32_t* seq_lens;        // out [batch * num_kv_heads]: tokens those blocks cover
+                            // = (selected - 1) * block_size + (kv_lens[b] - (nb - 1) * block_size)
+  void* workspace;          // caller-owned, >= block_indexer_workspace_bytes(...) bytes
+  size_t workspace_bytes;
 };
-void block_topk_cuda(const BlockTopkArgs& args, void* stream);
-/// Block mask [requests, kv_len]: 0 where the token's block is selected and t < kv_len, else -inf.
-void block_mask_cuda(const int32_t* block_ids, int32_t num_requests, int32_t blocks_per_request, int32_t block_size,
-                     int64_t kv_len, float* mask, void* stream);
+size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
+void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);
+/// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0 where
+/// the token's block is one of the request's `width` entries of block_ids (-1
+/// entries match nothing) and t < kv_lens[b] (device [batch]), else -inf.
+void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_heads, int32_t width, int32_t block_size,
+                     const int32_t* kv_lens, int64_t max_kv_len, float* mask, void* stream);
 }  // namespace sparsepage::detail
 
 namespace sparsepage {

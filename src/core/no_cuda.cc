@@ -56,10 +56,13 @@ void selection_mask_cuda(const int32_t*, const int32_t*, int32_t, int64_t, float
 }  // namespace sparsepage::detail
 
 namespace sparsepage::detail {
-void block_topk_cuda(const BlockTopkArgs&, void*) {
+size_t block_indexer_workspace_bytes(int32_t, int32_t, int64_t, int32_t) {
   throw Error("block-sparse indexer on Device::kCuda: sparsepage was built without CUDA");
 }
-void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int64_t, float*, void*) {
+void block_indexer_cuda(const BlockIndexerArgs&, void*) {
+  throw Error("block-sparse indexer on Device::kCuda: sparsepage was built without CUDA");
+}
+void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int32_t, const int32_t*, int64_t, float*, void*) {
   throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
 }
 }  // namespace sparsepage::detail
@@ -71,6 +74,9 @@ void check_dsa_indexer_cuda(const DsaConfig&, int32_t) {
 }  // namespace sparsepage::detail
 
 namespace sparsepage {
+size_t dsa_indexer_workspace_bytes(const DsaConfig&, int32_t, int64_t) {
+  throw Error("dsa_indexer_workspace_bytes: sparsepage was built without CUDA");
+}
 void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, void*) {
   throw Error("dsa_select_tokens_cuda: sparsepage was built without CUDA");
 }

@@ -122,20 +122,37 @@ void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* 
   block_ids_ = Buffer(device_, static_cast<size_t>(requests) * blocks_per_request_ * sizeof(int32_t));
   const RawKVAllocations raw = *cache_.raw_kv_allocations();
   if (device_ == Device::kCuda) {
-    detail::BlockTopkArgs args{dtype_,
-                               raw.k,
-                               tokens.index_q,
-                               batch_,
-                               config_.num_kv_heads,
-                               config_.head_dim,
-                               raw.k_shape.capacity,
-                               kv_len,
-                               config_.block_size,
-                               config_.topk_blocks,
-                               config_.local_blocks,
-                               blocks_per_request_,
-                               block_ids_.as<int32_t>()};
-    detail::block_topk_cuda(args, stream);
+    // In the sparse regime every request keeps topk_blocks + the final block,
+    // which is the indexer's row width. The live length goes to the device.
+    const int32_t width = config_.topk_blocks + 1;
+    if (blocks_per_request_ != width) throw Error("BlockSparseAttention: the CUDA indexer runs in the sparse regime only");
+    const std::vector<int32_t> lens(static_cast<size_t>(batch_), static_cast<int32_t>(kv_len));
+    if (kv_lens_.bytes() < lens.size() * sizeof(int32_t)) kv_lens_ = Buffer(device_, lens.size() * sizeof(int32_t));
+    copy_bytes(kv_lens_.data(), device_, lens.data(), Device::kCpu, lens.size() * sizeof(int32_t));
+    if (seq_lens_.bytes() < static_cast<size_t>(requests) * sizeof(int32_t)) {
+      seq_lens_ = Buffer(device_, static_cast<size_t>(requests) * sizeof(int32_t));
+    }
+    const size_t ws = detail::block_indexer_workspace_bytes(batch_, config_.num_kv_heads, kv_len, config_.block_size);
+    if (scores_.bytes() < ws) scores_ = Buffer(device_, ws);
+    detail::BlockIndexerArgs args{};
+    args.dtype = dtype_;
+    args.k_alloc = raw.k;
+    args.index_q = tokens.index_q;
+    args.batch = batch_;
+    args.num_kv_heads = config_.num_kv_heads;
+    args.head_dim = config_.head_dim;
+    args.capacity = raw.k_shape.capacity;
+    args.kv_lens = kv_lens_.as<int32_t>();
+    args.max_kv_len = kv_len;
+    args.block_size = config_.block_size;
+    args.topk = config_.topk_blocks;
+    args.local_blocks = config_.local_blocks;
+    args.width = width;
+    args.block_ids = block_ids_.as<int32_t>();
+    args.seq_lens = seq_lens_.as<int32_t>();
+    args.workspace = scores_.data();
+    args.workspace_bytes = scores_.bytes();
+    detail::block_indexer_cuda(args, stream);
     return;
   }
   // Host: the index key is head num_kv_heads of the K allocation.
@@ -158,8 +175,8 @@ void BlockSparseAttention::run_block_mask_path(const SparseAttentionInputs& in, 
   MaskedDecodeParams m = masked_params(in);
   m.mask = mask_.as<float>();
   if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, in.live_len,
-                            mask_.as<float>(), stream);
+    detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, blocks_per_request_,
+                            config_.block_size, kv_lens_.as<int32_t>(), in.live_len, mask_.as<float>(), stream);
     mask_workspace_ = Buffer(device_, masked_decode_workspace_bytes(m, cuda_multiprocessor_count()));
     run_masked_decode_cuda(m, mask_workspace_.data(), stream);
   } else {
@@ -215,8 +232,8 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
   const int32_t requests = batch_ * config_.num_kv_heads;
   Buffer mask(device_, static_cast<size_t>(requests * kv_len) * sizeof(float));
   if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, kv_len,
-                            mask.as<float>(), nullptr);
+    detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, blocks_per_request_,
+                            config_.block_size, kv_lens_.as<int32_t>(), kv_len, mask.as<float>(), nullptr);
   } else {
     block_mask_cpu(block_ids_.as<int32_t>(), requests, blocks_per_request_, config_.block_size, kv_len,
                    mask.as<float>());

@@ -147,27 +147,41 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
 void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
   const RawKVAllocations raw = *cache_.raw_kv_allocations();
   const int64_t kv_len = raw.live_len;
-  const int32_t keep = static_cast<int32_t>(std::min<int64_t>(config_.index_topk, kv_len));
-  // Sized for the whole allocation and the full top-k, so a decode step
-  // allocates only when the cache grows.
-  if (kv_len > config_.index_topk) {
-    const size_t score_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(raw.k_shape.capacity) * sizeof(float);
-    if (scores_.bytes() < score_bytes) scores_ = Buffer(device_, score_bytes);
+  if (kv_len <= config_.index_topk) {
+    // The window fits the top-k: every position, packed per sequence.
+    selection_ = make_selection(device_, std::vector<std::vector<int32_t>>(
+                                             static_cast<size_t>(batch_), [&] {
+                                               std::vector<int32_t> all(static_cast<size_t>(kv_len));
+                                               std::iota(all.begin(), all.end(), 0);
+                                               return all;
+                                             }()));
+    return;
   }
+  // Sized for the whole allocation, so a decode step allocates only when the
+  // cache grows. Every sequence keeps index_topk positions: the indexer's row
+  // width, so its output is the selection's packed indices as they stand.
+  const size_t ws = dsa_indexer_workspace_bytes(config_, batch_, raw.k_shape.capacity);
+  if (index_workspace_.bytes() < ws) index_workspace_ = Buffer(device_, ws);
+  const size_t lens_bytes = static_cast<size_t>(batch_) * sizeof(int32_t);
+  if (kv_lens_.bytes() < lens_bytes) kv_lens_ = Buffer(device_, lens_bytes);
+  if (counts_.bytes() < lens_bytes) counts_ = Buffer(device_, lens_bytes);
+  const std::vector<int32_t> lens(static_cast<size_t>(batch_), static_cast<int32_t>(kv_len));
+  copy_bytes(kv_lens_.data(), device_, lens.data(), Device::kCpu, lens_bytes);
   const size_t index_bytes = static_cast<size_t>(batch_) * static_cast<size_t>(config_.index_topk) * sizeof(int32_t);
-  if (selection_.indices.bytes() < index_bytes) selection_.indices = Buffer(device_, index_bytes);
-  selection_.counts.assign(static_cast<size_t>(batch_), keep);
+  if (selection_.indices.bytes() != index_bytes) selection_.indices = Buffer(device_, index_bytes);
+  selection_.counts.assign(static_cast<size_t>(batch_), config_.index_topk);
   DsaIndexerArgs args;
   args.dtype = dtype_;
   args.k_cache = raw.k;
   args.capacity = raw.k_shape.capacity;
-  args.kv_len = kv_len;
+  args.kv_lens = kv_lens_.as<int32_t>();
+  args.max_kv_len = raw.k_shape.capacity;
   args.q_index = tokens.q_index;
   args.weights = tokens.index_weights;
-  args.scores = scores_.as<float>();
-  args.scores_count = static_cast<int64_t>(scores_.bytes() / sizeof(float));
+  args.workspace = index_workspace_.data();
+  args.workspace_bytes = index_workspace_.bytes();
   args.positions = selection_.indices.as<int32_t>();
-  args.positions_count = static_cast<int64_t>(selection_.indices.bytes() / sizeof(int32_t));
+  args.counts = counts_.as<int32_t>();
   dsa_select_tokens_cuda(config_, batch_, args, stream);
 }
 

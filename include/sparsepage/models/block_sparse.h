@@ -97,7 +97,9 @@ class BlockSparseAttention {
   int32_t blocks_per_request_ = 0;
   Buffer mask_;                     // fp32 [requests, kv_len]
   Buffer mask_workspace_;
-  Buffer scores_;                   // fp32 block scores scratch (CUDA)
+  Buffer scores_;                   // the CUDA indexer's workspace (fp32 block scores)
+  Buffer kv_lens_;                  // int32 [batch], device: live lengths the CUDA indexer and mask read
+  Buffer seq_lens_;                 // int32 [requests]: tokens the selected blocks cover (CUDA indexer output)
 };
 
 /// Indexer block scores and top-k on the host: for request r = b * H + h,

@@ -107,7 +107,9 @@ class DsaAttention {
   // Members rather than locals: on CUDA the work queued on the caller's
   // stream may still read them when decode returns.
   MaskPath mask_path_;
-  Buffer scores_;              // fp32 indexer scores [batch, capacity] (CUDA)
+  Buffer index_workspace_;     // the CUDA indexer's workspace, sized for the allocation
+  Buffer kv_lens_;             // int32 [batch], device: live lengths the CUDA indexer reads
+  Buffer counts_;              // int32 [batch], device: the CUDA indexer's counts
   Buffer prefill_workspace_;   // masked-decode workspace of prefill (CUDA)
 };
 
@@ -120,34 +122,42 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& config,
                                                         const std::vector<float>& index_keys);
 
 /// Where the CUDA indexer reads and writes; every pointer is device memory.
+/// The live length of each sequence is read on the device; the grids and the
+/// workspace come from the host bound max_kv_len, so a graph captured once
+/// replays correctly while the lengths grow up to that bound.
 struct DsaIndexerArgs {
   DType dtype = DType::kBF16;      // of k_cache and q_index: f16 or bf16
   const void* k_cache = nullptr;   // the layer's K buffer: [batch * capacity, latent_dim + index_head_dim], row
                                    // b * capacity + t, index key at columns latent_dim ..; 16-byte aligned
   int64_t capacity = 0;            // rows per sequence in k_cache
-  int64_t kv_len = 0;              // live positions per sequence, <= capacity
-  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]
+  const int32_t* kv_lens = nullptr;  // DEVICE [batch]: live positions per sequence, 0 <= kv_lens[b] <= max_kv_len
+  int64_t max_kv_len = 0;          // HOST bound, 1 <= max_kv_len <= capacity: sizes the grids and the workspace
+  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]; 16-byte aligned
   const float* weights = nullptr;  // [batch, index_heads]
-  float* scores = nullptr;         // workspace [batch, kv_len]; may be null while kv_len <= index_topk
-  int64_t scores_count = 0;        // floats in `scores`
-  int32_t* positions = nullptr;    // out: [batch, min(index_topk, kv_len)]
-  int64_t positions_count = 0;     // int32 entries in `positions`
+  void* workspace = nullptr;       // caller-owned scratch, >= dsa_indexer_workspace_bytes(config, batch, max_kv_len)
+  size_t workspace_bytes = 0;
+  int32_t* positions = nullptr;    // out [batch, index_topk]: the kept positions of sequence b in increasing order,
+                                   // then -1 up to index_topk
+  int32_t* counts = nullptr;       // out [batch]: min(index_topk, kv_lens[b]), written on the device
 };
+
+/// Bytes of workspace dsa_select_tokens_cuda needs for `batch` sequences of
+/// up to max_kv_len positions (about 12 bytes per position plus 16 KB per
+/// sequence).
+size_t dsa_indexer_workspace_bytes(const DsaConfig& config, int32_t batch, int64_t max_kv_len);
 
 /// The indexer on the GPU, on `stream` (a cudaStream_t; null: the default
 /// stream): for each sequence the same set as dsa_select_tokens_cpu (scores
-/// accumulated in fp32, NaN last, ties at the threshold to the lower
-/// positions), written in increasing position order. Only the order of the
-/// fp32 sums differs from the CPU loop, so scores closer than its rounding
-/// may swap at the threshold. While kv_len <= index_topk it writes
+/// accumulated in fp32 on tensor cores, NaN last, ties at the threshold to the
+/// lower positions), written in increasing position order. Only the order of
+/// the fp32 sums differs from the CPU loop, so scores closer than its rounding
+/// may swap at the threshold. A sequence whose window fits the top-k gets
 /// 0 .. kv_len - 1 without scoring. Allocates nothing, synchronizes nothing
 /// and reads nothing back (graph-capturable).
 /// Limits (Error naming the one broken): f16/bf16; index_head_dim a multiple
-/// of 8 up to 256 and latent_dim a multiple of 8 (keys are read 16 bytes at
-/// a time); index_heads * index_head_dim <= 16384 (one sequence's index
-/// queries are staged in shared memory); batch <= 65535; kv_len < 2^31.
-/// A top-k over a long window is one CTA per sequence, so its time grows
-/// linearly with kv_len.
+/// of 16 up to 256 and latent_dim a multiple of 8; index_heads *
+/// index_head_dim <= 16384 (one sequence's index queries are staged in shared
+/// memory); batch <= 65535; max_kv_len < 2^31.
 void dsa_select_tokens_cuda(const DsaConfig& config, int32_t batch, const DsaIndexerArgs& args,
                             void* stream = nullptr);
 
