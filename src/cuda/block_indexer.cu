@@ -24,11 +24,17 @@ namespace {
 
 constexpr int kScoreThreads = 256;
 constexpr int kScoreWarps = kScoreThreads / 32;
-// A 16-byte load carries 8 elements; 16 lanes cover a 128-dim row, so a warp
-// reads two rows per step and four steps are issued before any is used.
-constexpr int kLanesPerRow = 16;
-constexpr int kRowsInFlight = 4;
-constexpr int kMaxHeadDim = kLanesPerRow * 8;  // one 16-byte piece per lane
+// A 16-byte load carries 8 elements. Four lanes share a row, each taking
+// every fourth 16-byte piece (so a warp instruction reads eight whole 64-byte
+// row segments), and a warp keeps two 8-row steps in flight: the CTA's 128
+// rows are all requested before the first is used, and before the queries
+// are staged, so the query load overlaps the key loads.
+constexpr int kLanesPerRow = 4;
+constexpr int kChunksPerLane = 4;
+constexpr int kStepsInFlight = 2;
+constexpr int kRowsPerStep = 32 / kLanesPerRow;
+constexpr int kRowsPerGroup = kRowsPerStep * kStepsInFlight * kScoreWarps;
+constexpr int kMaxHeadDim = kLanesPerRow * kChunksPerLane * 8;
 constexpr int kMaxKvHeads = 8;
 constexpr int kTopkThreads = 256;
 // Requests with up to this many scored blocks (2M tokens at 128) rank from
@@ -67,6 +73,25 @@ __device__ __forceinline__ void dot8(const uint4& raw, const float* q, float& ac
   acc = fmaf(q1.w, cuda::ElemTraits<T>::to_float(e[7]), acc);
 }
 
+// This lane's pieces of its rows in the group of kRowsPerGroup rows at
+// `group`: row group + warp * 16 + step * 8 + lane / 4, pieces lane % 4 + 4 k.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* keys, int dim, int rows, int group,
+                                           uint4 (&raw)[kStepsInFlight][kChunksPerLane]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
+  const int chunks = dim / 8;
+#pragma unroll
+  for (int s = 0; s < kStepsInFlight; ++s) {
+    const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
+#pragma unroll
+    for (int k = 0; k < kChunksPerLane; ++k) {
+      const int c = sub + k * kLanesPerRow;
+      raw[s][k] = r < rows && c < chunks ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{r} * dim) + c)
+                                         : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // Block blockIdx.x of sequence blockIdx.y: max over its tokens of q_h . k_t
 // for every head h. fmaxf drops a NaN dot as the CPU rule's std::max does.
 template <typename T>
@@ -82,55 +107,51 @@ __global__ void __launch_bounds__(kScoreThreads) block_score_kernel(const __grid
     for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
   }
+  const T* keys = static_cast<const T*>(p.k_alloc) +
+                  ((int64_t{b} * (p.heads + 1) + p.heads) * p.capacity + int64_t{j} * p.block_size) * p.dim;
+  const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
+  uint4 raw[kStepsInFlight][kChunksPerLane];
+  load_group<T>(keys, p.dim, rows, 0, raw);
   const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * p.heads * p.dim;
   for (int i = threadIdx.x; i < p.heads * p.dim; i += kScoreThreads) q_s[i] = cuda::ElemTraits<T>::to_float(qb[i]);
   __syncthreads();
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int sub = lane % kLanesPerRow, half = lane / kLanesPerRow;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
   const int chunks = p.dim / 8;
-  const T* keys = static_cast<const T*>(p.k_alloc) +
-                  ((int64_t{b} * (p.heads + 1) + p.heads) * p.capacity + int64_t{j} * p.block_size) * p.dim;
-  const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
   float best[kMaxKvHeads];
 #pragma unroll
   for (int h = 0; h < kMaxKvHeads; ++h) best[h] = cuda::neg_inf_f32();
-  constexpr int kRowsPerStep = 32 / kLanesPerRow * kScoreWarps;
-  // The loop bound is warp-uniform (the row pair's first row), so every lane
-  // reaches the shuffles; rows past the block load zeros and are not maxed.
-  for (int pair = warp * 2; pair < rows; pair += kRowsPerStep * kRowsInFlight) {
-    const int r0 = pair + half;
-    uint4 raw[kRowsInFlight];
+  // The loop is CTA-uniform, so every lane reaches the shuffles; rows past
+  // the block loaded zeros and are not maxed.
+  for (int group = 0;;) {
 #pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      const int r = r0 + i * kRowsPerStep;
-      raw[i] = r < rows && sub < chunks ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{r} * p.dim) + sub)
-                                        : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsInFlight; ++i) {
-      // This lane's 8 dims of the row, then the sum over the row's 16 lanes.
+    for (int s = 0; s < kStepsInFlight; ++s) {
+      const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
       float acc[kMaxKvHeads];
 #pragma unroll
       for (int h = 0; h < kMaxKvHeads; ++h) {
         acc[h] = 0.0f;
-        if (h < p.heads && sub < chunks) dot8<T>(raw[i], q_s + h * p.dim + sub * 8, acc[h]);
-      }
-      const bool live = r0 + i * kRowsPerStep < rows;
-#pragma unroll
-      for (int h = 0; h < kMaxKvHeads; ++h) {
         if (h < p.heads) {
 #pragma unroll
-          for (int off = kLanesPerRow / 2; off > 0; off /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
-          if (live) best[h] = fmaxf(best[h], acc[h]);
+          for (int k = 0; k < kChunksPerLane; ++k) {
+            const int c = sub + k * kLanesPerRow;
+            if (c < chunks) dot8<T>(raw[s][k], q_s + h * p.dim + c * 8, acc[h]);
+          }
+          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
+          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
+          if (r < rows) best[h] = fmaxf(best[h], acc[h]);
         }
       }
     }
+    group += kRowsPerGroup;
+    if (group >= rows) break;
+    load_group<T>(keys, p.dim, rows, group, raw);
   }
 #pragma unroll
   for (int h = 0; h < kMaxKvHeads; ++h) {
     if (h < p.heads) {
-      best[h] = fmaxf(best[h], __shfl_xor_sync(0xffffffffu, best[h], kLanesPerRow));
+#pragma unroll
+      for (int off = kLanesPerRow; off < 32; off *= 2) best[h] = fmaxf(best[h], __shfl_xor_sync(0xffffffffu, best[h], off));
       if (lane == 0) best_s[warp][h] = best[h];
     }
   }
@@ -237,7 +258,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
           "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
   require(a.head_dim >= 8 && a.head_dim % 8 == 0 && a.head_dim <= kMaxHeadDim,
           "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 8 in [8, 128] (rows are read 16 bytes "
-          "at a time, 16 lanes per row)");
+          "at a time, four lanes per row, four pieces each)");
   require(reinterpret_cast<uintptr_t>(a.k_alloc) % 16 == 0, "k_alloc must be 16-byte aligned");
   require(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
   require(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/cuda_hooks.h"
@@ -21,6 +22,15 @@ namespace {
 constexpr size_t kL2Bytes = size_t{60} << 20;
 
 bool timing_enabled() { return std::getenv("SPARSEPAGE_INDEXER_TIMING") != nullptr; }
+
+// SPARSEPAGE_INDEXER_TIMING_SHAPES="1x32768,32x131072" restricts the shapes
+// timed (e.g. under a profiler); unset, every shape runs.
+bool shape_selected(int32_t batch, int64_t ctx) {
+  const char* env = std::getenv("SPARSEPAGE_INDEXER_TIMING_SHAPES");
+  if (env == nullptr) return true;
+  const std::string list = std::string(",") + env + ",";
+  return list.find("," + std::to_string(batch) + "x" + std::to_string(ctx) + ",") != std::string::npos;
+}
 
 // Fills `bytes` of device memory with random bf16 values in [-1, 1] by
 // repeating one random 16 MB pattern.
@@ -97,6 +107,7 @@ TEST(IndexerTiming, BlockIndexer) {
   const int32_t heads = 4, dim = 128, block = 128, topk = 16;
   for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
            {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {32, 131072}}) {
+    if (!shape_selected(batch, ctx)) continue;
     const size_t index_bytes = size_t(batch) * size_t(ctx) * dim * 2;
     const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
     const size_t alloc_bytes = size_t(batch) * (heads + 1) * size_t(ctx) * dim * 2;
@@ -148,6 +159,7 @@ TEST(IndexerTiming, DsaIndexer) {
   DsaConfig c;  // 64 index heads x 128, top-2048, latent 512
   for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
            {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}}) {
+    if (!shape_selected(batch, ctx)) continue;
     const size_t row = size_t(c.latent_dim + c.index_head_dim) * 2;
     const size_t index_bytes = size_t(batch) * size_t(ctx) * c.index_head_dim * 2;
     const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
