@@ -289,7 +289,7 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   step.fused = step.outcome.fused();
   if (!step.fused) {
     if (device_ == Device::kCuda) {
-      detail::block_mask_cuda(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(),
+      detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
                               config_.block_size, cache_.device_live_lens(), cache_.capacity(), mask_.as<float>(),
                               stream);
     } else {
@@ -333,7 +333,7 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
   const int64_t kv_len = cache_.live_len();
   const int64_t pitch = cache_.capacity();
   if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(),
+    detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
                             config_.block_size, cache_.device_live_lens(), pitch, mask_.as<float>(), nullptr);
   } else {
     block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,

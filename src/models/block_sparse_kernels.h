@@ -10,8 +10,13 @@
 
 namespace sparsepage::detail {
 
-/// The block indexer on the GPU, by the rule in models/block_sparse.h, with
-/// live lengths read on the device (graph-replayable as the context grows).
+/// The block indexer on the GPU (src/cuda/block_indexer.cu): block scores by
+/// the rule in models/block_sparse.h, then per request the top-k plus the
+/// final block. Live lengths are read on the device; grids and workspace are
+/// sized from the host bound max_kv_len, so one captured graph serves every
+/// length up to it. Allocates nothing, synchronizes nothing.
+/// Limits (Error naming the argument): f16/bf16; 1 <= num_kv_heads <= 8;
+/// head_dim a multiple of 8 up to 128; batch <= 65535.
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
   const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
@@ -22,7 +27,8 @@ struct BlockIndexerArgs {
   int64_t max_kv_len = 0;            // host bound (<= capacity) sizing the grids and the workspace
   int32_t block_size = 0, topk = 0, local_blocks = 0;
   int32_t width = 0;                 // entries per request row in block_ids, >= topk + 1
-  int32_t* block_ids = nullptr;      // out [batch * num_kv_heads, width]: kept blocks, the final block last, then -1
+  int32_t* block_ids = nullptr;      // out [batch * num_kv_heads, width]: the top blocks (increasing id), then the
+                                     // final block (possibly partial), then -1
   int32_t* seq_lens = nullptr;       // out [batch * num_kv_heads]: tokens those blocks cover
   void* workspace = nullptr;         // caller-owned scratch
   size_t workspace_bytes = 0;        // >= block_indexer_workspace_bytes(...)
@@ -30,9 +36,11 @@ struct BlockIndexerArgs {
 size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
 void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);
 
-/// Block mask [num_requests, pitch]: 0 at the live positions t < kv_lens[r /
-/// num_kv_heads] of each listed block (entries of -1 unused), else -inf.
-void block_mask_cuda(const int32_t* block_ids, int32_t num_requests, int32_t num_kv_heads, int32_t width,
-                     int32_t block_size, const int32_t* kv_lens, int64_t pitch, float* mask, void* stream);
+/// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0
+/// where the token's block is one of the request's `width` entries of
+/// block_ids (-1 entries match nothing) and t < kv_lens[b] (device [batch]),
+/// else -inf.
+void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_heads, int32_t width, int32_t block_size,
+                     const int32_t* kv_lens, int64_t max_kv_len, float* mask, void* stream);
 
 }  // namespace sparsepage::detail

@@ -80,31 +80,48 @@ struct IndexerProblem {
     }
     return dsa_select_tokens_cpu(config, batch, kv_len, q_index.data(), weights.data(), keys);
   }
-  // The CUDA indexer with its outputs poisoned (-1) before the call.
+  // The CUDA indexer with its outputs poisoned before the call; checks the
+  // device counts and the -1 padding, and returns each sequence's kept entries.
   Rows gpu() const {
     const Buffer k = upload(Device::kCuda, bytes_of(dtype, k_rows));
     const Buffer q = upload(Device::kCuda, bytes_of(dtype, q_index));
     const Buffer w = upload(Device::kCuda, weights);
-    const int64_t keep = std::min<int64_t>(config.index_topk, kv_len);
-    Buffer scores(Device::kCuda, size_t(batch * kv_len) * sizeof(float));
-    Buffer positions(Device::kCuda, size_t(batch * keep) * sizeof(int32_t));
-    fill_bytes(positions.data(), Device::kCuda, 0xFF, positions.bytes());
+    const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(kv_len)));
+    Buffer workspace(Device::kCuda, dsa_indexer_workspace_bytes(config, batch, kv_len));
+    fill_bytes(workspace.data(), Device::kCuda, 0x7F, workspace.bytes());  // stale contents must not matter
+    Buffer positions(Device::kCuda, size_t(batch * config.index_topk) * sizeof(int32_t));
+    Buffer counts(Device::kCuda, size_t(batch) * sizeof(int32_t));
+    fill_bytes(positions.data(), Device::kCuda, 0x55, positions.bytes());
+    fill_bytes(counts.data(), Device::kCuda, 0x55, counts.bytes());
     DsaIndexerArgs a;
     a.dtype = dtype;
     a.k_cache = k.data();
     a.capacity = capacity;
-    a.kv_len = kv_len;
+    a.kv_lens = lens.as<int32_t>();
+    a.max_kv_len = kv_len;
     a.q_index = q.data();
     a.weights = w.as<float>();
-    a.scores = scores.as<float>();
-    a.scores_count = batch * kv_len;
+    a.workspace = workspace.data();
+    a.workspace_bytes = workspace.bytes();
     a.positions = positions.as<int32_t>();
-    a.positions_count = batch * keep;
+    a.counts = counts.as<int32_t>();
     dsa_select_tokens_cuda(config, batch, a);
     testing::cuda_ok(cudaDeviceSynchronize(), "indexer");
-    const auto flat = download<int32_t>(Device::kCuda, positions.data(), size_t(batch * keep));
+    return read_back(positions, counts, batch, config.index_topk, kv_len);
+  }
+  // Rows of a [batch, topk] output: counts must be min(topk, kv_len) and the
+  // entries past them -1.
+  static Rows read_back(const Buffer& positions, const Buffer& counts, int32_t batch, int32_t topk,
+                        int64_t kv_len) {
+    const auto flat = download<int32_t>(Device::kCuda, positions.data(), size_t(batch) * size_t(topk));
+    const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(batch));
+    const int64_t keep = std::min<int64_t>(topk, kv_len);
     Rows out;
-    for (int32_t b = 0; b < batch; ++b) out.emplace_back(flat.begin() + b * keep, flat.begin() + (b + 1) * keep);
+    for (int32_t b = 0; b < batch; ++b) {
+      EXPECT_EQ(n[size_t(b)], keep) << "count of sequence " << b;
+      for (int64_t i = keep; i < topk; ++i) EXPECT_EQ(flat[size_t(b * topk + i)], -1) << "padding of sequence " << b;
+      out.emplace_back(flat.begin() + b * topk, flat.begin() + b * topk + keep);
+    }
     return out;
   }
 };
@@ -234,45 +251,133 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnRealScoresUpToRounding) {
   }
 }
 
-// The launch pair is capturable: replay with new queries gives the new answer.
+// One problem's device inputs with a device length array, for the tests that
+// change the length on the device between launches of the same arguments.
+struct DeviceIndexer {
+  Buffer k, q, w, lens, workspace, positions, counts;
+  DsaIndexerArgs args;
+  DeviceIndexer(const IndexerProblem& pb, int64_t max_kv_len)
+      : k(upload(Device::kCuda, bytes_of(pb.dtype, pb.k_rows))),
+        q(upload(Device::kCuda, bytes_of(pb.dtype, pb.q_index))),
+        w(upload(Device::kCuda, pb.weights)),
+        lens(Device::kCuda, size_t(pb.batch) * sizeof(int32_t)),
+        workspace(Device::kCuda, dsa_indexer_workspace_bytes(pb.config, pb.batch, max_kv_len)),
+        positions(Device::kCuda, size_t(pb.batch * pb.config.index_topk) * sizeof(int32_t)),
+        counts(Device::kCuda, size_t(pb.batch) * sizeof(int32_t)) {
+    args.dtype = pb.dtype;
+    args.k_cache = k.data();
+    args.capacity = pb.capacity;
+    args.kv_lens = lens.as<int32_t>();
+    args.max_kv_len = max_kv_len;
+    args.q_index = q.data();
+    args.weights = w.as<float>();
+    args.workspace = workspace.data();
+    args.workspace_bytes = workspace.bytes();
+    args.positions = positions.as<int32_t>();
+    args.counts = counts.as<int32_t>();
+  }
+  void set_lens(const std::vector<int32_t>& v, cudaStream_t stream) {
+    testing::cuda_ok(cudaMemcpyAsync(lens.data(), v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+                     "lens");
+    testing::cuda_ok(cudaStreamSynchronize(stream), "lens sync");
+    fill_bytes(positions.data(), Device::kCuda, 0x55, positions.bytes());
+    fill_bytes(counts.data(), Device::kCuda, 0x55, counts.bytes());
+  }
+};
+
+// The CPU rule at a shorter live length of the same cache.
+Rows cpu_at(IndexerProblem pb, int64_t kv_len) {
+  pb.kv_len = kv_len;
+  return pb.cpu();
+}
+
+// The launch sequence is capturable: replay with new queries gives the new answer.
 TEST(DsaIndexerCuda, ReplaysFromAGraph) {
   SKIP_WITHOUT_CUDA();
   IndexerProblem pb = make_exact_problem({8, 64, 96, 2, 700, DType::kBF16, false}, 91);
-  const Buffer k = upload(Device::kCuda, bytes_of(pb.dtype, pb.k_rows));
-  Buffer q = upload(Device::kCuda, bytes_of(pb.dtype, pb.q_index));
-  const Buffer w = upload(Device::kCuda, pb.weights);
-  Buffer scores(Device::kCuda, size_t(2 * 700) * sizeof(float));
-  Buffer positions(Device::kCuda, size_t(2 * 96) * sizeof(int32_t));
-  DsaIndexerArgs a;
-  a.k_cache = k.data();
-  a.capacity = pb.capacity;
-  a.kv_len = pb.kv_len;
-  a.q_index = q.data();
-  a.weights = w.as<float>();
-  a.scores = scores.as<float>();
-  a.scores_count = 2 * 700;
-  a.positions = positions.as<int32_t>();
-  a.positions_count = 2 * 96;
-  dsa_select_tokens_cuda(pb.config, 2, a);  // first use outside the capture
+  DeviceIndexer dev(pb, pb.kv_len);
   cudaStream_t stream;
   testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  dev.set_lens({700, 700}, stream);
+  dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);  // first use outside the capture
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  dsa_select_tokens_cuda(pb.config, 2, a, stream);
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);
   testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
   testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   std::mt19937_64 rng(92);
   std::uniform_int_distribution<int> small(-4, 4);
   for (float& x : pb.q_index) x = float(small(rng));
   const auto q_new = bytes_of(pb.dtype, pb.q_index);
-  copy_bytes(q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
-  fill_bytes(positions.data(), Device::kCuda, 0xFF, positions.bytes());
+  copy_bytes(dev.q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
+  dev.set_lens({700, 700}, stream);
   testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
   testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
-  const auto flat = download<int32_t>(Device::kCuda, positions.data(), 2 * 96);
-  const Rows got = {{flat.begin(), flat.begin() + 96}, {flat.begin() + 96, flat.end()}};
-  expect_same_sets(got, pb.cpu(), pb.kv_len, "graph replay");
+  expect_same_sets(IndexerProblem::read_back(dev.positions, dev.counts, 2, 96, 700), pb.cpu(), pb.kv_len,
+                   "graph replay");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The live lengths are read on the device: the same arguments launched twice
+// with different device lengths (per sequence, one of them inside the top-k)
+// give each length's answer.
+TEST(DsaIndexerCuda, ReadsTheLengthsOnTheDevice) {
+  SKIP_WITHOUT_CUDA();
+  const IndexerProblem pb = make_exact_problem({16, 128, 256, 3, 6000, DType::kBF16, false}, 93);
+  DeviceIndexer dev(pb, pb.kv_len);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const std::vector<std::vector<int32_t>> steps = {{6000, 4097, 200}, {3001, 6000, 256}, {257, 1, 5999}};
+  for (const auto& lens : steps) {
+    dev.set_lens(lens, stream);
+    dsa_select_tokens_cuda(pb.config, 3, dev.args, stream);
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const auto flat = download<int32_t>(Device::kCuda, dev.positions.data(), size_t(3 * 256));
+    const auto counts = download<int32_t>(Device::kCuda, dev.counts.data(), 3);
+    for (int32_t b = 0; b < 3; ++b) {
+      const int64_t keep = std::min<int64_t>(256, lens[size_t(b)]);
+      const std::string what = "sequence " + std::to_string(b) + " at length " + std::to_string(lens[size_t(b)]);
+      EXPECT_EQ(counts[size_t(b)], keep) << what;
+      const Rows got = {{flat.begin() + b * 256, flat.begin() + b * 256 + keep}};
+      const Rows want = {cpu_at(pb, lens[size_t(b)])[size_t(b)]};
+      expect_same_sets(got, want, lens[size_t(b)], what);
+      for (int64_t i = keep; i < 256; ++i) EXPECT_EQ(flat[size_t(b * 256 + i)], -1) << what;
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// A graph captured once (global capture mode: an allocation or a synchronize
+// inside would fail it) replays at two device lengths with the right sets.
+TEST(DsaIndexerCuda, OneGraphServesAGrowingContext) {
+  SKIP_WITHOUT_CUDA();
+  const IndexerProblem pb = make_exact_problem({64, 128, 512, 2, 9000, DType::kBF16, false}, 94);
+  DeviceIndexer dev(pb, pb.kv_len);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  dev.set_lens({5000, 5000}, stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (const std::vector<int32_t>& lens : {std::vector<int32_t>{5000, 5000}, std::vector<int32_t>{5001, 9000},
+                                           std::vector<int32_t>{8999, 300}}) {
+    dev.set_lens(lens, stream);
+    testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
+    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const auto flat = download<int32_t>(Device::kCuda, dev.positions.data(), size_t(2 * 512));
+    for (int32_t b = 0; b < 2; ++b) {
+      const int64_t keep = std::min<int64_t>(512, lens[size_t(b)]);
+      const Rows got = {{flat.begin() + b * 512, flat.begin() + b * 512 + keep}};
+      expect_same_sets(got, {cpu_at(pb, lens[size_t(b)])[size_t(b)]}, lens[size_t(b)],
+                       "replay at length " + std::to_string(lens[size_t(b)]));
+    }
+  }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -281,20 +386,9 @@ TEST(DsaIndexerCuda, ReplaysFromAGraph) {
 TEST(DsaIndexerCuda, BadArgumentsAreNamed) {
   SKIP_WITHOUT_CUDA();
   const IndexerProblem pb = make_exact_problem({4, 64, 32, 1, 100, DType::kBF16, false}, 5);
-  const Buffer k = upload(Device::kCuda, bytes_of(pb.dtype, pb.k_rows));
-  const Buffer q = upload(Device::kCuda, bytes_of(pb.dtype, pb.q_index));
-  const Buffer w = upload(Device::kCuda, pb.weights);
-  Buffer scores(Device::kCuda, 100 * sizeof(float)), positions(Device::kCuda, 32 * sizeof(int32_t));
-  DsaIndexerArgs good;
-  good.k_cache = k.data();
-  good.capacity = pb.capacity;
-  good.kv_len = 100;
-  good.q_index = q.data();
-  good.weights = w.as<float>();
-  good.scores = scores.as<float>();
-  good.scores_count = 100;
-  good.positions = positions.as<int32_t>();
-  good.positions_count = 32;
+  DeviceIndexer dev(pb, 100);
+  dev.set_lens({100}, nullptr);
+  const DsaIndexerArgs good = dev.args;
   EXPECT_NO_THROW(dsa_select_tokens_cuda(pb.config, 1, good));
   const auto expect_error = [&](DsaConfig config, DsaIndexerArgs a, const std::string& needle) {
     try {
@@ -305,17 +399,20 @@ TEST(DsaIndexerCuda, BadArgumentsAreNamed) {
     }
   };
   DsaIndexerArgs a = good;
-  a.k_cache = static_cast<const char*>(k.data()) + 2;
+  a.k_cache = static_cast<const char*>(dev.k.data()) + 2;
   expect_error(pb.config, a, "aligned");
   a = good;
-  a.kv_len = pb.capacity + 1;
-  expect_error(pb.config, a, "kv_len <= capacity");
+  a.max_kv_len = pb.capacity + 1;
+  expect_error(pb.config, a, "max_kv_len <= capacity");
   a = good;
-  a.scores_count = 99;
-  expect_error(pb.config, a, "scores workspace");
+  a.workspace_bytes -= 1;
+  expect_error(pb.config, a, "workspace");
   a = good;
-  a.positions_count = 31;
-  expect_error(pb.config, a, "positions holds");
+  a.kv_lens = nullptr;
+  expect_error(pb.config, a, "kv_lens");
+  a = good;
+  a.counts = nullptr;
+  expect_error(pb.config, a, "counts");
   a = good;
   a.dtype = DType::kF32;
   expect_error(pb.config, a, "f16 or bf16");

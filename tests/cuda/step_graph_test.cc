@@ -183,7 +183,7 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, StepGraph, ::testing::Values(true, false),
-                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "fused" : "mask_path"; });
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "fused" : "mask_path"; });
 
 }  // namespace
 }  // namespace sparsepage

@@ -1,0 +1,303 @@
+// The block-sparse indexer on the GPU (rule in include/sparsepage/models/
+// block_sparse.h). Two launches on the caller's stream, sized from the host
+// bound max_kv_len; the live length of each sequence is read on the device,
+// so one captured graph serves a growing context:
+//   1. block_score_kernel: one CTA per (scored block, sequence) reads the
+//      block's index-key rows once (16-byte loads, 16 lanes per 128-dim row)
+//      and max-pools q_idx . k_idx in fp32 for every KV head's index query
+//      at once, writing fp32 scores to the workspace;
+//   2. block_topk_kernel: one CTA per request ranks its scores by a radix
+//      select over (score, block id) composites (ties to the lower block id)
+//      and writes the kept ids, the final block and the covered token count.
+// Nothing here allocates, synchronizes or reads back.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "core/cuda_hooks.h"
+#include "models/block_sparse_kernels.h"
+#include "cuda/common.cuh"
+#include "cuda/radix_select.cuh"
+
+namespace sparsepage {
+namespace {
+
+constexpr int kScoreThreads = 256;
+constexpr int kScoreWarps = kScoreThreads / 32;
+// A 16-byte load carries 8 elements. Four lanes share a row, each taking
+// every fourth 16-byte piece (so a warp instruction reads eight whole 64-byte
+// row segments), and a warp keeps two 8-row steps in flight: the CTA's 128
+// rows are all requested before the first is used, and before the queries
+// are staged, so the query load overlaps the key loads.
+constexpr int kLanesPerRow = 4;
+constexpr int kChunksPerLane = 4;
+constexpr int kStepsInFlight = 2;
+constexpr int kRowsPerStep = 32 / kLanesPerRow;
+constexpr int kRowsPerGroup = kRowsPerStep * kStepsInFlight * kScoreWarps;
+constexpr int kMaxHeadDim = kLanesPerRow * kChunksPerLane * 8;
+constexpr int kMaxKvHeads = 8;
+constexpr int kTopkThreads = 256;
+// Requests with up to this many scored blocks (2M tokens at 128) rank from
+// shared memory; longer ones re-read their scores from global memory.
+constexpr int kSmemItems = 4096;
+
+struct ScoreParams {
+  const void* k_alloc;     // [batch, heads + 1, capacity, dim]; index key at head `heads`
+  const void* index_q;     // [batch, heads, dim]
+  const int32_t* kv_lens;  // [batch], device
+  int32_t heads, dim, block_size, local_blocks;
+  int64_t capacity;
+  int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
+  float* scores;           // [batch * heads, max_scored]
+};
+
+struct TopkParams {
+  const float* scores;     // [batch * heads, max_scored]
+  const int32_t* kv_lens;  // [batch], device
+  int32_t heads, block_size, topk, width, max_scored;
+  int32_t* block_ids;      // [batch * heads, width]
+  int32_t* seq_lens;       // [batch * heads]
+};
+
+template <typename T>
+__device__ __forceinline__ void dot8(const uint4& raw, const float* q, float& acc) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+  const float4 q0 = *reinterpret_cast<const float4*>(q), q1 = *reinterpret_cast<const float4*>(q + 4);
+  acc = fmaf(q0.x, cuda::ElemTraits<T>::to_float(e[0]), acc);
+  acc = fmaf(q0.y, cuda::ElemTraits<T>::to_float(e[1]), acc);
+  acc = fmaf(q0.z, cuda::ElemTraits<T>::to_float(e[2]), acc);
+  acc = fmaf(q0.w, cuda::ElemTraits<T>::to_float(e[3]), acc);
+  acc = fmaf(q1.x, cuda::ElemTraits<T>::to_float(e[4]), acc);
+  acc = fmaf(q1.y, cuda::ElemTraits<T>::to_float(e[5]), acc);
+  acc = fmaf(q1.z, cuda::ElemTraits<T>::to_float(e[6]), acc);
+  acc = fmaf(q1.w, cuda::ElemTraits<T>::to_float(e[7]), acc);
+}
+
+// This lane's pieces of its rows in the group of kRowsPerGroup rows at
+// `group`: row group + warp * 16 + step * 8 + lane / 4, pieces lane % 4 + 4 k.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* keys, int dim, int rows, int group,
+                                           uint4 (&raw)[kStepsInFlight][kChunksPerLane]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
+  const int chunks = dim / 8;
+#pragma unroll
+  for (int s = 0; s < kStepsInFlight; ++s) {
+    const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
+#pragma unroll
+    for (int k = 0; k < kChunksPerLane; ++k) {
+      const int c = sub + k * kLanesPerRow;
+      raw[s][k] = r < rows && c < chunks ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{r} * dim) + c)
+                                         : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Block blockIdx.x of sequence blockIdx.y: max over its tokens of q_h . k_t
+// for every head h. fmaxf drops a NaN dot as the CPU rule's std::max does.
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads) block_score_kernel(const __grid_constant__ ScoreParams p) {
+  __shared__ __align__(16) float q_s[kMaxKvHeads * kMaxHeadDim];
+  __shared__ float best_s[kScoreWarps][kMaxKvHeads];
+  const int b = blockIdx.y, j = blockIdx.x;
+  const int64_t len = p.kv_lens[b];
+  const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
+  if (j >= num_blocks - 1) return;  // past the scored blocks of this sequence
+  float* out = p.scores + int64_t{b} * p.heads * p.max_scored + j;
+  if (j >= num_blocks - p.local_blocks) {  // local force-keep: no need to read the keys
+    for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
+    return;
+  }
+  const T* keys = static_cast<const T*>(p.k_alloc) +
+                  ((int64_t{b} * (p.heads + 1) + p.heads) * p.capacity + int64_t{j} * p.block_size) * p.dim;
+  const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
+  uint4 raw[kStepsInFlight][kChunksPerLane];
+  load_group<T>(keys, p.dim, rows, 0, raw);
+  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * p.heads * p.dim;
+  for (int i = threadIdx.x; i < p.heads * p.dim; i += kScoreThreads) q_s[i] = cuda::ElemTraits<T>::to_float(qb[i]);
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
+  const int chunks = p.dim / 8;
+  float best[kMaxKvHeads];
+#pragma unroll
+  for (int h = 0; h < kMaxKvHeads; ++h) best[h] = cuda::neg_inf_f32();
+  // The loop is CTA-uniform, so every lane reaches the shuffles; rows past
+  // the block loaded zeros and are not maxed.
+  for (int group = 0;;) {
+#pragma unroll
+    for (int s = 0; s < kStepsInFlight; ++s) {
+      const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
+      float acc[kMaxKvHeads];
+#pragma unroll
+      for (int h = 0; h < kMaxKvHeads; ++h) {
+        acc[h] = 0.0f;
+        if (h < p.heads) {
+#pragma unroll
+          for (int k = 0; k < kChunksPerLane; ++k) {
+            const int c = sub + k * kLanesPerRow;
+            if (c < chunks) dot8<T>(raw[s][k], q_s + h * p.dim + c * 8, acc[h]);
+          }
+          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
+          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
+          if (r < rows) best[h] = fmaxf(best[h], acc[h]);
+        }
+      }
+    }
+    group += kRowsPerGroup;
+    if (group >= rows) break;
+    load_group<T>(keys, p.dim, rows, group, raw);
+  }
+#pragma unroll
+  for (int h = 0; h < kMaxKvHeads; ++h) {
+    if (h < p.heads) {
+#pragma unroll
+      for (int off = kLanesPerRow; off < 32; off *= 2) best[h] = fmaxf(best[h], __shfl_xor_sync(0xffffffffu, best[h], off));
+      if (lane == 0) best_s[warp][h] = best[h];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < p.heads) {
+    float m = best_s[0][threadIdx.x];
+    for (int w = 1; w < kScoreWarps; ++w) m = fmaxf(m, best_s[w][threadIdx.x]);
+    out[int64_t{threadIdx.x} * p.max_scored] = m;
+  }
+}
+
+// Composite of block `id` with score `s`: larger ranks first (radix_select.cuh).
+__device__ __forceinline__ uint64_t block_composite(float s, int32_t id, int id_bits) {
+  return (static_cast<uint64_t>(cuda::score_key(s)) << id_bits) | ((uint64_t{1} << id_bits) - 1 - id);
+}
+
+__global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_constant__ TopkParams p) {
+  using Select = cuda::RadixSelect<kTopkThreads>;
+  using Scan = cub::BlockScan<int32_t, kTopkThreads>;
+  __shared__ uint64_t items[kSmemItems];
+  __shared__ typename Select::Storage select_storage;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int r = blockIdx.x, b = r / p.heads;
+  const int64_t len = p.kv_lens[b];
+  const int32_t num_blocks = static_cast<int32_t>((len + p.block_size - 1) / p.block_size);
+  const int32_t scored = num_blocks - 1;
+  const int32_t keep = min(p.topk, scored);
+  const float* s = p.scores + int64_t{r} * p.max_scored;
+  const int id_bits = cuda::position_bits(p.max_scored);
+  int32_t* out = p.block_ids + int64_t{r} * p.width;
+
+  cuda::RadixCut cut;
+  const bool in_smem = scored <= kSmemItems;
+  if (in_smem) {
+    for (int32_t i = threadIdx.x; i < scored; i += kTopkThreads) items[i] = block_composite(s[i], i, id_bits);
+    __syncthreads();
+    cut = Select::run([&](int32_t i) { return items[i]; }, scored, keep, 32 + id_bits, select_storage);
+  } else {
+    cut = Select::run([&](int32_t i) { return block_composite(s[i], i, id_bits); }, scored, keep, 32 + id_bits,
+                      select_storage);
+  }
+  // The kept ids in increasing order: one block scan per round of kTopkThreads ids.
+  int32_t base = 0;
+  for (int32_t i0 = 0; i0 < scored; i0 += kTopkThreads) {
+    const int32_t i = i0 + threadIdx.x;
+    int32_t kept = 0;
+    if (i < scored) kept = cut.keeps(in_smem ? items[i] : block_composite(s[i], i, id_bits)) ? 1 : 0;
+    int32_t slot, total;
+    Scan(scan_storage).ExclusiveSum(kept, slot, total);
+    if (kept != 0) out[base + slot] = i;
+    base += total;
+    __syncthreads();  // scan_storage is reused next round
+  }
+  if (threadIdx.x == 0) {
+    out[keep] = num_blocks - 1;
+    p.seq_lens[r] = keep * p.block_size + static_cast<int32_t>(len - int64_t{num_blocks - 1} * p.block_size);
+  }
+  for (int32_t i = keep + 1 + threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
+}
+
+__global__ void block_mask_kernel(const int32_t* block_ids, int32_t heads, int32_t width, int32_t block_size,
+                                  const int32_t* kv_lens, int64_t pitch, int64_t total, float* mask) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / pitch, t = i % pitch;
+    const int32_t block = static_cast<int32_t>(t / block_size);
+    bool kept = false;
+    if (t < kv_lens[r / heads]) {
+      for (int32_t k = 0; k < width; ++k) kept |= block_ids[r * width + k] == block;
+    }
+    mask[i] = kept ? 0.0f : cuda::neg_inf_f32();
+  }
+}
+
+int grid_for(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16)); }
+
+int32_t max_scored_blocks(int64_t max_kv_len, int32_t block_size) {
+  return static_cast<int32_t>(std::max<int64_t>((max_kv_len + block_size - 1) / block_size - 1, 1));
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error("block_indexer_cuda: " + message);
+}
+
+}  // namespace
+
+namespace detail {
+
+size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size) {
+  if (batch < 1 || num_kv_heads < 1 || max_kv_len < 1 || block_size < 1) {
+    throw Error("block_indexer_workspace_bytes: batch, num_kv_heads, max_kv_len and block_size must be >= 1");
+  }
+  return sizeof(float) * static_cast<size_t>(batch) * static_cast<size_t>(num_kv_heads) *
+         static_cast<size_t>(max_scored_blocks(max_kv_len, block_size));
+}
+
+void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
+  require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+          std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
+  require(a.k_alloc != nullptr && a.index_q != nullptr && a.kv_lens != nullptr && a.block_ids != nullptr &&
+              a.seq_lens != nullptr && a.workspace != nullptr,
+          "k_alloc, index_q, kv_lens, block_ids, seq_lens and workspace must be set");
+  require(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
+  require(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
+          "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
+  require(a.head_dim >= 8 && a.head_dim % 8 == 0 && a.head_dim <= kMaxHeadDim,
+          "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 8 in [8, 128] (rows are read 16 bytes "
+          "at a time, four lanes per row, four pieces each)");
+  require(reinterpret_cast<uintptr_t>(a.k_alloc) % 16 == 0, "k_alloc must be 16-byte aligned");
+  require(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
+  require(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
+  require(a.local_blocks >= 1 && a.local_blocks - 1 <= a.topk,
+          "local_blocks = " + std::to_string(a.local_blocks) + " must lie in [1, topk + 1]");
+  require(a.width >= a.topk + 1, "width = " + std::to_string(a.width) + " must be >= topk + 1");
+  require(a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
+          "max_kv_len = " + std::to_string(a.max_kv_len) + " must lie in [1, capacity = " + std::to_string(a.capacity) +
+              "]");
+  require(a.max_kv_len / a.block_size < (int64_t{1} << 30),
+          "max_kv_len / block_size = " + std::to_string(a.max_kv_len / a.block_size) + " blocks is too many");
+  const size_t need = block_indexer_workspace_bytes(a.batch, a.num_kv_heads, a.max_kv_len, a.block_size);
+  require(a.workspace_bytes >= need, "workspace_bytes = " + std::to_string(a.workspace_bytes) + " is below the " +
+                                         std::to_string(need) + " block_indexer_workspace_bytes asks for");
+  auto s = static_cast<cudaStream_t>(stream);
+  ScoreParams sp{a.k_alloc, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
+                 a.capacity, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+  const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
+  if (a.dtype == DType::kBF16) {
+    block_score_kernel<__nv_bfloat16><<<grid, kScoreThreads, 0, s>>>(sp);
+  } else {
+    block_score_kernel<__half><<<grid, kScoreThreads, 0, s>>>(sp);
+  }
+  SP_CUDA_CHECK_LAUNCH();
+  const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
+                      a.width, sp.max_scored, a.block_ids, a.seq_lens};
+  block_topk_kernel<<<a.batch * a.num_kv_heads, kTopkThreads, 0, s>>>(tp);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_heads, int32_t width, int32_t block_size,
+                     const int32_t* kv_lens, int64_t max_kv_len, float* mask, void* stream) {
+  const int64_t total = int64_t{batch} * num_kv_heads * max_kv_len;
+  if (total == 0) return;
+  block_mask_kernel<<<grid_for(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      block_ids, num_kv_heads, width, block_size, kv_lens, max_kv_len, total, mask);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace detail
+}  // namespace sparsepage

@@ -1,0 +1,209 @@
+// Timing of the two CUDA indexers, replayed from CUDA graphs (median of
+// several replays, CUDA events, after a warm-up). Runs only when
+// SPARSEPAGE_INDEXER_TIMING is set, so the regular suite stays fast:
+//   SPARSEPAGE_INDEXER_TIMING=1 sparsepage_cuda_tests --gtest_filter='IndexerTiming.*'
+// "warm" replays one cache N times (its index keys may sit in the 60 MB L2);
+// "cold" rotates among enough distinct caches that the keys read in one
+// replay exceed twice the L2, as a model's layers would.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda_hooks.h"
+#include "models/block_sparse_kernels.h"
+#include "models/dsa_kernels.h"
+#include "cuda/cuda_test_util.h"
+#include "sparsepage/models/dsa.h"
+
+namespace sparsepage {
+namespace {
+
+constexpr size_t kL2Bytes = size_t{60} << 20;
+
+bool timing_enabled() { return std::getenv("SPARSEPAGE_INDEXER_TIMING") != nullptr; }
+
+// SPARSEPAGE_INDEXER_TIMING_SHAPES="1x32768,32x131072" restricts the shapes
+// timed (e.g. under a profiler); unset, every shape runs.
+bool shape_selected(int32_t batch, int64_t ctx) {
+  const char* env = std::getenv("SPARSEPAGE_INDEXER_TIMING_SHAPES");
+  if (env == nullptr) return true;
+  const std::string list = std::string(",") + env + ",";
+  return list.find("," + std::to_string(batch) + "x" + std::to_string(ctx) + ",") != std::string::npos;
+}
+
+// Fills `bytes` of device memory with random bf16 values in [-1, 1] by
+// repeating one random 16 MB pattern.
+void fill_random_bf16(void* dst, size_t bytes, uint64_t seed) {
+  static Buffer pattern;
+  constexpr size_t kPattern = size_t{16} << 20;
+  if (pattern.bytes() == 0) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    std::vector<float> f(kPattern / 2);
+    for (float& x : f) x = unit(rng);
+    std::vector<uint8_t> b(kPattern);
+    from_float(DType::kBF16, f.data(), b.data(), f.size());
+    pattern = upload(Device::kCuda, b);
+  }
+  for (size_t off = 0; off < bytes; off += kPattern) {
+    testing::cuda_ok(cudaMemcpy(static_cast<char*>(dst) + off, pattern.data(), std::min(kPattern, bytes - off),
+                                cudaMemcpyDeviceToDevice),
+                     "fill");
+  }
+}
+
+// Median microseconds per launch of `launch(i)` for i in [0, n), captured
+// once into a graph of n launches and replayed `reps` times.
+template <typename Launch>
+double median_us_per_launch(int n, Launch launch, int reps = 7) {
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  for (int i = 0; i < n; ++i) launch(i, stream);  // warm-up, outside the capture
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  for (int i = 0; i < n; ++i) launch(i, stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  testing::cuda_ok(cudaGraphLaunch(exec, stream), "warm replay");
+  std::vector<double> us;
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(start, stream);
+    testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    cudaEventRecord(stop, stream);
+    testing::cuda_ok(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    us.push_back(1000.0 * ms / n);
+  }
+  std::sort(us.begin(), us.end());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return us[us.size() / 2];
+}
+
+// Device-to-device copy bandwidth (read + write bytes per second) as the
+// run's reference for the read limit.
+double copy_gbps() {
+  const size_t bytes = size_t{1} << 30;
+  Buffer a(Device::kCuda, bytes), b(Device::kCuda, bytes);
+  const double us = median_us_per_launch(4, [&](int, cudaStream_t s) {
+    testing::cuda_ok(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s), "copy");
+  });
+  return 2.0 * double(bytes) / us / 1e3;
+}
+
+TEST(IndexerTiming, BlockIndexer) {
+  SKIP_WITHOUT_CUDA();
+  if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
+  std::printf("device copy bandwidth (read + write): %.0f GB/s\n", copy_gbps());
+  const int32_t heads = 4, dim = 128, block = 128, topk = 16;
+  for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
+           {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {32, 131072}}) {
+    if (!shape_selected(batch, ctx)) continue;
+    const size_t index_bytes = size_t(batch) * size_t(ctx) * dim * 2;
+    const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
+    const size_t alloc_bytes = size_t(batch) * (heads + 1) * size_t(ctx) * dim * 2;
+    std::vector<Buffer> k;
+    for (int c = 0; c < copies; ++c) {
+      k.emplace_back(Device::kCuda, alloc_bytes);
+      fill_random_bf16(k.back().data(), alloc_bytes, 7);
+    }
+    Buffer q(Device::kCuda, size_t(batch) * heads * dim * 2);
+    fill_random_bf16(q.data(), q.bytes(), 8);
+    const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
+    Buffer ids(Device::kCuda, size_t(batch) * heads * (topk + 1) * 4), seq(Device::kCuda, size_t(batch) * heads * 4);
+    Buffer ws(Device::kCuda, detail::block_indexer_workspace_bytes(batch, heads, ctx, block));
+    detail::BlockIndexerArgs a{};
+    a.dtype = DType::kBF16;
+    a.index_q = q.data();
+    a.batch = batch;
+    a.num_kv_heads = heads;
+    a.head_dim = dim;
+    a.capacity = ctx;
+    a.kv_lens = lens.as<int32_t>();
+    a.max_kv_len = ctx;
+    a.block_size = block;
+    a.topk = topk;
+    a.local_blocks = 1;
+    a.width = topk + 1;
+    a.block_ids = ids.as<int32_t>();
+    a.seq_lens = seq.as<int32_t>();
+    a.workspace = ws.data();
+    a.workspace_bytes = ws.bytes();
+    const auto run = [&](int i, cudaStream_t s) {
+      detail::BlockIndexerArgs x = a;
+      x.k_alloc = k[size_t(i % copies)].data();
+      detail::block_indexer_cuda(x, s);
+    };
+    const double warm = median_us_per_launch(16, [&](int, cudaStream_t s) { run(0, s); });
+    const double cold = median_us_per_launch(std::max(16, copies), run);
+    std::printf("TIMING block-indexer batch %d context %lld: warm %.1f us, cold %.1f us (%d caches), index keys %.1f MB "
+                "-> %.0f GB/s cold\n",
+                batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6, double(index_bytes) / cold / 1e3);
+    const auto got = download<int32_t>(Device::kCuda, seq.data(), 1);
+    EXPECT_EQ(got[0], topk * block + block) << "selected tokens of request 0";
+  }
+}
+
+TEST(IndexerTiming, DsaIndexer) {
+  SKIP_WITHOUT_CUDA();
+  if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
+  DsaConfig c;  // 64 index heads x 128, top-2048, latent 512
+  for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
+           {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}}) {
+    if (!shape_selected(batch, ctx)) continue;
+    const size_t row = size_t(c.latent_dim + c.index_head_dim) * 2;
+    const size_t index_bytes = size_t(batch) * size_t(ctx) * c.index_head_dim * 2;
+    const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
+    std::vector<Buffer> k;
+    for (int i = 0; i < copies; ++i) {
+      k.emplace_back(Device::kCuda, size_t(batch) * size_t(ctx) * row);
+      fill_random_bf16(k.back().data(), k.back().bytes(), 9);
+    }
+    Buffer q(Device::kCuda, size_t(batch) * c.index_heads * c.index_head_dim * 2);
+    fill_random_bf16(q.data(), q.bytes(), 10);
+    std::vector<float> wv(size_t(batch) * c.index_heads);
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    for (float& x : wv) x = unit(rng);
+    const Buffer w = upload(Device::kCuda, wv);
+    const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
+    Buffer pos(Device::kCuda, size_t(batch) * c.index_topk * 4), counts(Device::kCuda, size_t(batch) * 4);
+    Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, batch, ctx));
+    DsaIndexerArgs a;
+    a.capacity = ctx;
+    a.kv_lens = lens.as<int32_t>();
+    a.max_kv_len = ctx;
+    a.q_index = q.data();
+    a.weights = w.as<float>();
+    a.workspace = ws.data();
+    a.workspace_bytes = ws.bytes();
+    a.positions = pos.as<int32_t>();
+    a.counts = counts.as<int32_t>();
+    const auto run = [&](int i, cudaStream_t s) {
+      DsaIndexerArgs x = a;
+      x.k_cache = k[size_t(i % copies)].data();
+      dsa_select_tokens_cuda(c, batch, x, s);
+    };
+    const double warm = median_us_per_launch(16, [&](int, cudaStream_t s) { run(0, s); });
+    const double cold = median_us_per_launch(std::max(16, copies), run);
+    std::printf("TIMING dsa-indexer batch %d context %lld: warm %.1f us, cold %.1f us (%d caches), index keys %.1f MB "
+                "-> %.0f GB/s cold\n",
+                batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6, double(index_bytes) / cold / 1e3);
+    const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(batch));
+    for (int32_t b = 0; b < batch; ++b) EXPECT_EQ(n[size_t(b)], c.index_topk);
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
