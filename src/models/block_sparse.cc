@@ -103,16 +103,11 @@ std::vector<int32_t> select_top_blocks_cpu(const BlockSparseConfig& c, int32_t b
   });
 }
 
-BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
-                                           DispatchConfig dispatch)
-    : device_(device),
-      dtype_(dtype),
-      config_(config),
-      batch_(batch),
-      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads + 1,
-             config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
-      decoder_(device, dispatch) {
+namespace {
+// The layer's configuration, checked before anything is allocated.
+const BlockSparseConfig& checked_config(DType dtype, const BlockSparseConfig& config, int32_t batch) {
   if (dtype == DType::kF32) throw Error("BlockSparseAttention: the cache stores f16 or bf16");
+  if (batch < 1) throw Error("BlockSparseAttention: batch = " + std::to_string(batch) + " must be at least 1");
   if (config.num_kv_heads < 1 || config.num_qo_heads < 1 || config.num_qo_heads % config.num_kv_heads != 0 ||
       config.block_size < 1 || config.topk_blocks < 1 || config.local_blocks < 1 ||
       config.local_blocks - 1 > config.topk_blocks || config.head_dim < 1) {
@@ -123,7 +118,19 @@ BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const Blo
   if (int64_t{config.topk_blocks + 1} * config.block_size > INT32_MAX) {
     throw Error("BlockSparseAttention: (topk_blocks + 1) * block_size must stay below 2^31 tokens");
   }
+  return config;
 }
+}  // namespace
+
+BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
+                                           DispatchConfig dispatch)
+    : device_(device),
+      dtype_(dtype),
+      config_(checked_config(dtype, config, batch)),
+      batch_(batch),
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads + 1,
+             config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
+      decoder_(device, dispatch) {}
 
 int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
   const int64_t num_blocks = (kv_len + config_.block_size - 1) / config_.block_size;

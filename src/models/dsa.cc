@@ -49,29 +49,42 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& c, int3
   return out;
 }
 
-DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
-    : device_(device),
-      dtype_(dtype),
-      config_(config),
-      batch_(batch),
-      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
-             config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
-      decoder_(device, dispatch) {
+namespace {
+// The layer's configuration, checked before anything is allocated (so a
+// CUDA layer names a shape it cannot run even on a machine without a GPU),
+// with the default scale filled in.
+DsaConfig checked_config(Device device, DType dtype, const DsaConfig& config, int32_t batch) {
   if (dtype == DType::kF32) throw Error("DsaAttention: the cache stores f16 or bf16");
+  if (batch < 1) throw Error("DsaAttention: batch = " + std::to_string(batch) + " must be at least 1");
   if (config.num_qo_heads < 1 || config.latent_dim < 1 || config.rope_dim < 1 || config.index_heads < 1 ||
       config.index_head_dim < 1 || config.index_topk < 1) {
     throw Error("DsaAttention: heads, dims and index_topk must be at least 1");
   }
+  if (!std::isfinite(config.scale) || config.scale < 0.0f) {
+    throw Error("DsaAttention: scale = " + std::to_string(config.scale) + " must be finite and >= 0 (0: the default)");
+  }
   if (device == Device::kCuda) {
-    detail::check_dsa_indexer_cuda(config, batch);
     // The mask path and the fused path share the MLA tile; without it neither could run.
-    if (!cuda_supports_head_dims(config.latent_dim, config.latent_dim, config.rope_dim)) {
+    if (config.latent_dim != 512 || config.rope_dim != 64) {
       throw Error("DsaAttention on CUDA: no attention kernel for latent_dim " + std::to_string(config.latent_dim) +
                   " with rope_dim " + std::to_string(config.rope_dim) + " (the MLA kernel takes 512 and 64)");
     }
+    detail::check_dsa_indexer_cuda(config, batch);
   }
-  if (config_.scale == 0.0f) config_.scale = 1.0f / std::sqrt(static_cast<float>(config.latent_dim + config.rope_dim));
+  DsaConfig c = config;
+  if (c.scale == 0.0f) c.scale = 1.0f / std::sqrt(static_cast<float>(c.latent_dim + c.rope_dim));
+  return c;
 }
+}  // namespace
+
+DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
+    : device_(device),
+      dtype_(dtype),
+      config_(checked_config(device, dtype, config, batch)),
+      batch_(batch),
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
+             config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
+      decoder_(device, dispatch) {}
 
 namespace {
 // Every input is checked before the cache changes, so a bad call appends nothing.
