@@ -37,6 +37,7 @@ struct Options {
   int32_t steps = 16;             // steps per timed run (the context grows by this much)
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
+  bool token_pages = false;       // block-sparse: token-granular pages instead of block-granular
   std::string json_path;
 };
 
@@ -87,7 +88,8 @@ struct BlockSparseSetup {
   Buffer o;
 };
 
-Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch) {
+Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch, bool token_pages) {
+  s.config.token_pages = token_pages;
   const auto& c = s.config;
   const size_t b = static_cast<size_t>(batch), d = static_cast<size_t>(c.head_dim);
   s.layer = std::make_unique<BlockSparseAttention>(device, DType::kBF16, c, batch, dispatch);
@@ -211,8 +213,9 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
     masked = dsa_arm(dsa_m, device, batch, mask_only);
     bytes = dsa_bytes(dsa_f.config, batch, context);
   } else {
-    fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config());
-    masked = block_sparse_arm(bs_m, device, batch, mask_only);
+    fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config(), opt.token_pages);
+    masked = block_sparse_arm(bs_m, device, batch, mask_only, opt.token_pages);
+    row["pages"] = opt.token_pages ? "token" : "block";
     bytes = block_sparse_bytes(bs_f.config, batch, context);
   }
   const bool gpu = device == Device::kCuda;
@@ -311,6 +314,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "steps per timed run")->check(CLI::Range(1, 1024));
   app.add_option("--reps", opt.reps, "timed runs (median)")->check(CLI::Range(1, 100));
   app.add_flag("--cpu", opt.cpu, "run on the CPU backend even when a GPU is present");
+  app.add_flag("--token-pages", opt.token_pages,
+               "block-sparse: attend through token-granular pages (blocks expanded) instead of block-granular ones");
   app.add_option("--json", opt.json_path, "write every row as JSON here");
   CLI11_PARSE(app, argc, argv);
 

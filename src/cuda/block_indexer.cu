@@ -301,3 +301,27 @@ void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_hea
 
 }  // namespace detail
 }  // namespace sparsepage
+
+// ---- token-granular pages --------------------------------------------------
+
+namespace sparsepage::detail {
+namespace {
+__global__ void expand_block_pages_kernel(const int32_t* block_ids, int32_t width, int32_t block_size, int32_t* out) {
+  const int64_t r = blockIdx.y;
+  const int32_t total = width * block_size;
+  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const int32_t block = block_ids[r * width + i / block_size];
+    out[r * total + i] = block < 0 ? -1 : block * block_size + i % block_size;
+  }
+}
+}  // namespace
+
+void expand_block_pages_cuda(const int32_t* block_ids, int32_t num_requests, int32_t width, int32_t block_size,
+                             int32_t* out, void* stream) {
+  if (num_requests < 1 || num_requests > 65535 || width < 1 || block_size < 1)
+    throw Error("expand_block_pages: need 1 <= num_requests <= 65535, width and block_size >= 1");
+  const dim3 grid(static_cast<unsigned>((int64_t{width} * block_size + 255) / 256), static_cast<unsigned>(num_requests));
+  expand_block_pages_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(block_ids, width, block_size, out);
+  SP_CUDA_CHECK_LAUNCH();
+}
+}  // namespace sparsepage::detail

@@ -181,6 +181,9 @@ void BlockSparseAttention::size_step_buffers() {
   if (block_ids_.empty()) {
     block_ids_ = Buffer(device_, static_cast<size_t>(requests) * width() * sizeof(int32_t));
     seq_lens_ = Buffer(device_, static_cast<size_t>(requests) * sizeof(int32_t));
+    if (config_.token_pages) {
+      token_pages_ = Buffer(device_, static_cast<size_t>(requests) * width() * config_.block_size * sizeof(int32_t));
+    }
   }
   if (device_ == Device::kCuda) {
     indexer_workspace_ = Buffer(
@@ -291,6 +294,12 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   selection.num_requests = num_requests();
   selection.width = width();
   selection.page_size = config_.block_size;
+  if (config_.token_pages) {
+    expand_token_pages(stream);
+    selection.pages = token_pages_.as<int32_t>();
+    selection.width = width() * config_.block_size;
+    selection.page_size = 1;
+  }
   selection.max_selected = selected_tokens(in.live_len);
   step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
@@ -306,6 +315,23 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
     run_masked(in, true, stream);
   }
   return step;
+}
+
+void BlockSparseAttention::expand_token_pages(void* stream) {
+  if (device_ == Device::kCuda) {
+    detail::expand_block_pages_cuda(block_ids_.as<int32_t>(), num_requests(), width(), config_.block_size,
+                                    token_pages_.as<int32_t>(), stream);
+    return;
+  }
+  const int32_t* ids = block_ids_.as<int32_t>();
+  int32_t* out = token_pages_.as<int32_t>();
+  const int64_t total = int64_t{width()} * config_.block_size;
+  for (int64_t r = 0; r < num_requests(); ++r) {
+    for (int64_t i = 0; i < total; ++i) {
+      const int32_t block = ids[r * width() + i / config_.block_size];
+      out[r * total + i] = block < 0 ? -1 : static_cast<int32_t>(block * config_.block_size + i % config_.block_size);
+    }
+  }
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_blocks() const {

@@ -36,6 +36,12 @@ struct BlockIndexerArgs {
 size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
 void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);
 
+/// Block-granular pages to token-granular ones: out[r][i] = block * block_size
+/// + i % block_size for block = block_ids[r][i / block_size] (-1 stays -1),
+/// for i < width * block_size.
+void expand_block_pages_cuda(const int32_t* block_ids, int32_t num_requests, int32_t width, int32_t block_size,
+                             int32_t* out, void* stream);
+
 /// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0
 /// where the token's block is one of the request's `width` entries of
 /// block_ids (-1 entries match nothing) and t < kv_lens[b] (device [batch]),

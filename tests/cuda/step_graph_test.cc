@@ -113,8 +113,9 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   SKIP_WITHOUT_CUDA();
   const bool fused = GetParam();
   const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
-  // Blocks of 128, top 4: the sparse regime starts past 1024 tokens. The
-  // replays run 1101 -> 1181, across the block boundary at 1152.
+  // Blocks of 128, top 4: the sparse regime starts past 1024 tokens and the
+  // 2x sparsity gate passes from about 1300. The replays run 1381 -> 1461,
+  // across the block boundary at 1408.
   const BlockSparseConfig c{16, 2, 128, 128, 4, 2, 4096};
   const int32_t batch = 3;
   BlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
@@ -126,15 +127,15 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(4, false);
   std::mt19937_64 rng(7);
-  for (int t = 0; t < 1100; ++t) {
+  for (int t = 0; t < 1380; ++t) {
     refill(g, is_f32, rng, nullptr);
     const BlockSparseTokens tok{g.inputs[0].data(), g.inputs[1].data(), g.inputs[2].data(), g.inputs[3].data(),
                                 g.o.data()};
     graphed.prefill_token(tok);
     eager.prefill_token(tok);
   }
-  graphed.reserve(1300);
-  eager.reserve(1300);
+  graphed.reserve(1600);
+  eager.reserve(1600);
   auto step = [fused](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const BlockSparseTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].data(),
                                 s.o.data()};

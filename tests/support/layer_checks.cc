@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <set>
 
@@ -112,10 +113,26 @@ void check_block_sparse_greedy_equality(Device device, int32_t batch) {
   EXPECT_EQ(fused.sparse_steps(), steps * config.layers);
   EXPECT_EQ(fused.fused_steps(), steps * config.layers) << "every decode step must have run the fused path";
   EXPECT_EQ(masked.fused_steps(), 0) << "the kill switch must pin the mask path";
-  EXPECT_EQ(a, b);
-  for (const auto& seq : a) {
-    EXPECT_GE(std::set<int32_t>(seq.begin(), seq.end()).size(), 8u) << "a degenerate generation proves little";
+  // The two arms attend the same rows and differ only by bf16 rounding (in
+  // another order), so a sequence may part ways only where the mask path's
+  // top two logits nearly tie; anywhere else a different token is a bug.
+  // After parting, a sequence's later tokens are not comparable.
+  constexpr float kNearTie = 0.05f;
+  int32_t compared = 0;
+  for (size_t s = 0; s < a.size(); ++s) {
+    const auto split = std::mismatch(a[s].begin(), a[s].end(), b[s].begin());
+    const auto at = static_cast<size_t>(split.first - a[s].begin());
+    compared += static_cast<int32_t>(at);
+    if (at < a[s].size()) {
+      EXPECT_LT(masked.margins()[s][at], kNearTie)
+          << "sequence " << s << " step " << at << ": the arms chose " << a[s][at] << " and " << b[s][at]
+          << " where the top-2 logit gap is " << masked.margins()[s][at] << ", not a near-tie";
+      std::printf("greedy: sequence %zu parts at step %zu on a near-tie (top-2 gap %.4f)\n", s, at,
+                  static_cast<double>(masked.margins()[s][at]));
+    }
+    EXPECT_GE(std::set<int32_t>(a[s].begin(), a[s].end()).size(), 8u) << "a degenerate generation proves little";
   }
+  EXPECT_GE(compared, steps * batch * 3 / 4) << "too few tokens compared before near-ties";
 }
 
 std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c, const std::vector<uint8_t>& q_bytes,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <tuple>
 
@@ -187,7 +188,7 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
 // sequence's arg-max.
 template <typename Forward>
 std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>& prompts, int32_t steps,
-                                         Forward&& forward) {
+                                         Forward&& forward, std::vector<std::vector<float>>* margins = nullptr) {
   if (prompts.empty()) throw Error("greedy: no prompts");
   std::vector<int32_t> tokens(prompts.size());
   for (size_t i = 0; i + 1 < prompts[0].size(); ++i) {
@@ -201,6 +202,11 @@ std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>
     for (size_t b = 0; b < prompts.size(); ++b) {
       tokens[b] = static_cast<int32_t>(std::max_element(logits[b].begin(), logits[b].end()) - logits[b].begin());
       out[b].push_back(tokens[b]);
+      if (margins != nullptr) {
+        std::vector<float> top(logits[b]);
+        std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+        (*margins)[b].push_back(top[0] - top[1]);
+      }
     }
   }
   return out;
@@ -208,7 +214,9 @@ std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>
 
 std::vector<std::vector<int32_t>> ToyModel::generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps) {
   if (static_cast<int32_t>(prompts.size()) != config_.batch) throw Error("ToyModel::generate: one prompt per sequence");
-  return greedy(prompts, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); });
+  margins_.assign(prompts.size(), {});
+  return greedy(
+      prompts, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); }, &margins_);
 }
 
 struct DsaToyModel::Weights {

@@ -31,6 +31,9 @@ class ToyModel {
   /// keeps the mask path), then decodes `steps` tokens greedily for each.
   /// Returns the generated tokens per sequence.
   std::vector<std::vector<int32_t>> generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps);
+  /// Per sequence and generated token: the gap between the two largest
+  /// logits that chose it (logits are O(1)).
+  const std::vector<std::vector<float>>& margins() const { return margins_; }
   /// Decode steps that ran the fused path / were in the sparse regime.
   int32_t fused_steps() const { return fused_steps_; }
   int32_t sparse_steps() const { return sparse_steps_; }
@@ -42,6 +45,7 @@ class ToyModel {
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;
   std::vector<std::unique_ptr<BlockSparseAttention>> layers_;
+  std::vector<std::vector<float>> margins_;
   int32_t fused_steps_ = 0, sparse_steps_ = 0;
   int64_t position_ = 0;
 };

@@ -35,6 +35,11 @@ struct BlockSparseConfig {
   int32_t topk_blocks = 16;
   int32_t local_blocks = 1;  // >= 1: the final block is always kept
   int64_t capacity_step = 4096;
+  /// Attend through token-granular pages (each kept block expanded to its
+  /// positions, page_size 1) instead of block-granular pages (page_size =
+  /// block_size, the default). Both attend the same rows; the expansion is an
+  /// extra pass, kept for measuring the two (docs/PERFORMANCE.md).
+  bool token_pages = false;
 
   /// The sparse regime: enough context that top-k leaves something out.
   bool sparse_regime(int64_t kv_len) const { return kv_len > int64_t{2} * topk_blocks * block_size; }
@@ -118,6 +123,7 @@ class BlockSparseAttention {
   void size_step_buffers();
   void select_blocks(const BlockSparseTokens& tokens, void* stream);
   void run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream);
+  void expand_token_pages(void* stream);
   int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
   int32_t width() const { return config_.topk_blocks + 1; }
 
@@ -131,6 +137,7 @@ class BlockSparseAttention {
   int64_t sized_capacity_ = -1;
   Buffer block_ids_;         // int32 [requests, topk + 1]: kept blocks, the final block last, then -1
   Buffer seq_lens_;          // int32 [requests]: tokens those blocks cover now
+  Buffer token_pages_;       // int32 [requests, width * block_size] (config.token_pages)
   Buffer indexer_workspace_; // CUDA indexer scratch
   Buffer mask_;              // fp32 [requests, capacity] (the mask path)
   Buffer mask_workspace_;    // masked-decode partials
