@@ -29,6 +29,12 @@ struct DecodeParams {
   int32_t num_requests = 0;
   int32_t page_size = 1;
   int64_t num_pool_pages = 0;  // page ids must lie in [0, num_pool_pages); pages cover rows page*page_size ..
+  // Elements in `indices`. The CPU backend checks indptr[0] == 0, that
+  // indptr never decreases and that indptr[num_requests] <= num_indices
+  // before it reads a single index (0 with a nonempty table is an error
+  // there). The CUDA backend cannot read device indptr on the host and
+  // ignores it.
+  int64_t num_indices = 0;
 
   // Window mode, for dense caches. When request_row_stride > 0, page ids are
   // relative to the request's own window: token rows are
@@ -48,7 +54,8 @@ struct DecodeParams {
   float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
 
   void* o = nullptr;           // [num_requests, group_size, v.dim]
-  float* lse = nullptr;        // [num_requests, group_size]; may be null
+  float* lse = nullptr;        // [num_requests, group_size]; may be null. Natural log (base e) of the
+                               // sum of exp(scaled scores); -inf for an empty request
 };
 
 /// Throws sparsepage::Error naming the first field that is inconsistent with

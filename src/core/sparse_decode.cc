@@ -136,6 +136,7 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
   p.first_page_offset = structure + requests + 1;
   p.seq_lens = structure + 2 * requests + 1;
   p.indices = selection.indices.as<int32_t>();
+  p.num_indices = static_cast<int64_t>(selection.indices.bytes() / sizeof(int32_t));
   p.num_requests = requests;
   p.page_size = 1;
   p.request_row_stride = in.k.capacity;  // window mode: positions, never another request's rows
