@@ -58,7 +58,14 @@ class DenseKVCache {
   DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
                int32_t k_head_dim, int32_t v_head_dim, int64_t capacity_step = 256);
 
-  /// Appends `new_tokens` tokens: `k_new` is `[B, k_heads, new_tokens, k_head_dim]`
+  /// A copy owns a copy of the rows (device to device on CUDA): appending
+  /// to one never changes the other. Only `head_trimmed` views share rows.
+  DenseKVCache(const DenseKVCache& other);
+  DenseKVCache& operator=(const DenseKVCache& other);
+  DenseKVCache(DenseKVCache&&) noexcept = default;
+  DenseKVCache& operator=(DenseKVCache&&) noexcept = default;
+
+  /// Appends `new_tokens` tokens (the live length stays below 2^31): `k_new` is `[B, k_heads, new_tokens, k_head_dim]`
   /// and `v_new` `[B, v_heads, new_tokens, v_head_dim]`, contiguous, in
   /// `input_dtype`, on the cache's device (host for quantized modes). Raw modes
   /// need input_dtype == the storage dtype. Returns the live window (raw modes;
@@ -112,6 +119,7 @@ class DenseKVCache {
   struct Storage;
   void grow_to(int64_t needed);
   void write_device_lens();
+  DenseKVCache shallow_copy() const;  // shares storage_: for read-only views only
   Device device_;
   CacheMode mode_;
   int32_t batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_;

@@ -63,6 +63,12 @@ struct DecodeParams {
   // set (read where the kernel runs, so it may grow between graph replays),
   // else window_len for every sequence.
   const int32_t* window_lens = nullptr;  // [num_requests / num_kv_heads] or null
+  // Elements in `indices`. The CPU backend checks indptr[0] == 0, that
+  // indptr never decreases and that indptr[num_requests] <= num_indices
+  // before it reads a single index (0 with a nonempty table is an error
+  // there). The CUDA backend cannot read device indptr on the host and
+  // ignores it.
+  int64_t num_indices = 0;
   int64_t window_len = 0;
 
   int32_t group_size = 1;      // query heads per request
@@ -74,7 +80,8 @@ struct DecodeParams {
   float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
 
   void* o = nullptr;           // [num_requests, group_size, v.dim]
-  float* lse = nullptr;        // [num_requests, group_size] natural log (base e); may be null
+  float* lse = nullptr;        // [num_requests, group_size]; may be null. Natural log (base e) of the
+                               // sum of exp(scaled scores); -inf for an empty request
 };
 
 /// Throws sparsepage::Error naming the first field that is inconsistent with

@@ -72,8 +72,13 @@ struct DecodePlan {
   std::vector<int32_t> seq_lens;
 };
 
+/// Most work items a plan may hold (16 bytes each); a plan that would need
+/// more is refused by name rather than allocated.
+constexpr int64_t kMaxWorkItems = int64_t{1} << 24;
+
 /// Makes the plan. Every request gets at least one work item (an empty request
-/// still writes o = 0, lse = -inf). Throws sparsepage::Error on bad shape.
+/// still writes o = 0, lse = -inf). Throws sparsepage::Error on bad shape,
+/// negative counts, or more than kMaxWorkItems work items.
 DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape);
 
 }  // namespace sparsepage

@@ -6,12 +6,21 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 
 namespace sparsepage {
 namespace {
 
-int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+// Largest byte count any allocation here may have: pointer differences must
+// stay representable (and no machine has more).
+constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
+
+// a * b for sizes, or an Error saying what did not fit.
+uint64_t checked_mul(uint64_t a, uint64_t b, const std::string& what) {
+  if (a != 0 && b > kMaxBytes / a) throw Error(what + " overflows (more than 2^62 bytes)");
+  return a * b;
+}
 
 bool is_quantized(CacheMode mode) { return mode == CacheMode::kInt8 || mode == CacheMode::kInt4; }
 
@@ -177,10 +186,28 @@ void DenseKVCache::sync_live_len(void* stream) {
 
 void DenseKVCache::grow_to(int64_t needed) {
   if (needed <= capacity_) return;
-  const int64_t new_capacity = round_up(needed, capacity_step_);
+  // Round up without wrapping: a capacity_step near 2^60 used to wrap the
+  // capacity and then the byte size, and writes went far past the allocation.
+  const int64_t steps = needed / capacity_step_ + (needed % capacity_step_ != 0 ? 1 : 0);
+  if (steps > std::numeric_limits<int64_t>::max() / capacity_step_) {
+    throw Error("DenseKVCache: growing to " + std::to_string(needed) + " tokens in steps of capacity_step = " +
+                std::to_string(capacity_step_) + " overflows the capacity");
+  }
+  const int64_t new_capacity = steps * capacity_step_;
+  // Every byte count below, checked before anything is allocated or copied.
+  const auto bytes_of = [&](int32_t heads, size_t row_bytes) {
+    return static_cast<size_t>(checked_mul(
+        checked_mul(checked_mul(static_cast<uint64_t>(batch_), static_cast<uint64_t>(heads), "DenseKVCache size"),
+                    static_cast<uint64_t>(new_capacity),
+                    "DenseKVCache: capacity " + std::to_string(new_capacity) + " (capacity_step = " +
+                        std::to_string(capacity_step_) + ")"),
+        row_bytes, "DenseKVCache: capacity " + std::to_string(new_capacity) + " times the row size"));
+  };
+  bytes_of(k_heads_, stored_row_bytes(mode_, k_head_dim_));
+  bytes_of(v_heads_, stored_row_bytes(mode_, v_head_dim_));
   auto grown = std::make_shared<Storage>();
   auto regrow = [&](Buffer& old, Buffer& fresh, int32_t heads, size_t row_bytes) {
-    fresh = Buffer(device_, static_cast<size_t>(batch_) * heads * static_cast<size_t>(new_capacity) * row_bytes);
+    fresh = Buffer(device_, bytes_of(heads, row_bytes));
     copy_2d(fresh.data(), device_, static_cast<size_t>(new_capacity) * row_bytes, old.data(), device_,
             static_cast<size_t>(capacity_) * row_bytes, static_cast<size_t>(live_len_) * row_bytes,
             static_cast<size_t>(batch_) * heads);
@@ -206,6 +233,10 @@ CacheWindow DenseKVCache::update_and_fetch(const void* k_new, const void* v_new,
   if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
     throw Error(std::string("DenseKVCache::update_and_fetch: input dtype ") + dtype_name(input_dtype) +
                 " does not match the " + cache_mode_name(mode_) + " cache");
+  }
+  if (new_tokens > std::numeric_limits<int32_t>::max() - live_len_) {
+    throw Error("DenseKVCache::update_and_fetch: new_tokens = " + std::to_string(new_tokens) +
+                " would take the live length past 2^31 - 1 tokens");
   }
   grow_to(live_len_ + new_tokens);
   auto append = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
@@ -257,12 +288,52 @@ std::optional<RawKVAllocations> DenseKVCache::raw_kv_allocations() const {
   return raw;
 }
 
+DenseKVCache DenseKVCache::shallow_copy() const {
+  DenseKVCache view(device_, mode_, batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_, capacity_step_);
+  view.capacity_ = capacity_;
+  view.live_len_ = live_len_;
+  view.trimmed_heads_ = trimmed_heads_;
+  view.storage_ = storage_;
+  return view;
+}
+
+DenseKVCache::DenseKVCache(const DenseKVCache& other)
+    : device_(other.device_),
+      mode_(other.mode_),
+      batch_(other.batch_),
+      k_heads_(other.k_heads_),
+      v_heads_(other.v_heads_),
+      k_head_dim_(other.k_head_dim_),
+      v_head_dim_(other.v_head_dim_),
+      capacity_step_(other.capacity_step_),
+      capacity_(other.capacity_),
+      live_len_(other.live_len_),
+      trimmed_heads_(other.trimmed_heads_),
+      storage_(std::make_shared<Storage>()) {
+  // A copy owns its rows: appending to one never shows in the other.
+  if (!other.storage_) return;  // a moved-from cache: nothing to copy
+  auto clone = [&](const Buffer& from, Buffer& to) {
+    to = Buffer(from.device(), from.bytes());
+    if (from.bytes() > 0) copy_bytes(to.data(), to.device(), from.data(), from.device(), from.bytes());
+  };
+  clone(other.storage_->k, storage_->k);
+  clone(other.storage_->v, storage_->v);
+  clone(other.storage_->k_scale, storage_->k_scale);
+  clone(other.storage_->v_scale, storage_->v_scale);
+  clone(other.storage_->live_lens, storage_->live_lens);
+}
+
+DenseKVCache& DenseKVCache::operator=(const DenseKVCache& other) {
+  if (this != &other) *this = DenseKVCache(other);
+  return *this;
+}
+
 DenseKVCache DenseKVCache::head_trimmed(int32_t heads) const {
   if (heads < 1 || heads > std::min(k_heads_, v_heads_)) {
     throw Error("DenseKVCache::head_trimmed: heads = " + std::to_string(heads) + " is outside [1, " +
                 std::to_string(std::min(k_heads_, v_heads_)) + "]");
   }
-  DenseKVCache view = *this;
+  DenseKVCache view = shallow_copy();  // a read-only view shares the rows
   view.trimmed_heads_ = heads;
   return view;
 }
@@ -301,6 +372,10 @@ HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_k
     throw Error("HeadFolding: num_qo_heads = " + std::to_string(num_qo_heads) +
                 " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads) +
                 " (batch " + std::to_string(batch) + ")");
+  }
+  if (int64_t{batch} * num_kv_heads > std::numeric_limits<int32_t>::max()) {
+    throw Error("HeadFolding: batch * num_kv_heads = " + std::to_string(int64_t{batch} * num_kv_heads) +
+                " exceeds 2^31 - 1 requests");
   }
   return {batch, num_qo_heads, num_kv_heads};
 }
@@ -347,12 +422,21 @@ int64_t PagedBlockPool::seq_len(int32_t seq) const {
 void PagedBlockPool::append(int32_t seq, const void* k_new, const void* v_new, int64_t new_tokens) {
   block_table(seq);
   if (new_tokens < 0 || (new_tokens > 0 && (k_new == nullptr || v_new == nullptr))) {
-    throw Error("PagedBlockPool::append: need new_tokens >= 0 and non-null K/V");
+    throw Error("PagedBlockPool::append: need new_tokens >= 0 and non-null k_new / v_new (new_tokens = " +
+                std::to_string(new_tokens) + ")");
   }
   auto& table = block_tables_[static_cast<size_t>(seq)];
   int64_t& len = seq_lens_[static_cast<size_t>(seq)];
   // Check capacity before touching anything, so a failed append leaves the
   // sequence and the free list as they were.
+  // Room left in the sequence's blocks plus the free ones, compared without
+  // forming len + new_tokens (INT64_MAX tokens used to overflow here).
+  const int64_t room = (static_cast<int64_t>(table.size()) + static_cast<int64_t>(free_blocks_.size())) * block_size_ - len;
+  if (new_tokens > room) {
+    throw Error("PagedBlockPool::append: " + std::to_string(new_tokens) + " tokens do not fit: " +
+                std::to_string(room) + " token slots are left (" + std::to_string(free_blocks_.size()) + " of " +
+                std::to_string(num_blocks_) + " blocks free)");
+  }
   const int64_t blocks_needed =
       (len + new_tokens + block_size_ - 1) / block_size_ - static_cast<int64_t>(table.size());
   if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
@@ -420,6 +504,10 @@ std::pair<PageTableStructure, std::vector<int32_t>> PagedBlockPool::block_page_t
       }
       visible += rows;
       indices.push_back(page(table[static_cast<size_t>(b)], heads[r]));
+    }
+    if (visible > std::numeric_limits<int32_t>::max()) {
+      throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) + " selects " +
+                  std::to_string(visible) + " tokens, more than 2^31 - 1");
     }
     seq_lens.push_back(static_cast<int32_t>(visible));
   }

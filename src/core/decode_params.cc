@@ -32,6 +32,7 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.group_size == plan.group_size, "group_size = " + std::to_string(p.group_size) +
                                                " but the plan was made for " + std::to_string(plan.group_size));
   require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
+  require(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
   require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
   require(std::isfinite(p.scale), "scale is not finite");
   require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");

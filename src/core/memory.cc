@@ -1,6 +1,8 @@
 #include "sparsepage/memory.h"
 
+#include <cstddef>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <new>
 #include <string>
@@ -18,8 +20,17 @@ Buffer::Buffer(Device device, size_t bytes) : bytes_(bytes), device_(device) {
     return;
   }
   constexpr size_t kAlign = 64;
+  // Rounding up to the alignment must not wrap (SIZE_MAX - 10 would become 0
+  // bytes that "succeed"); beyond PTRDIFF_MAX no pointer arithmetic is valid.
+  if (bytes > static_cast<size_t>(std::numeric_limits<std::ptrdiff_t>::max()) - kAlign) {
+    bytes_ = 0;
+    throw Error("Buffer: bytes = " + std::to_string(bytes) + " exceeds the largest host allocation (2^63 - 1)");
+  }
   data_ = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
-  if (data_ == nullptr) throw Error("Buffer: host allocation of " + std::to_string(bytes) + " bytes failed");
+  if (data_ == nullptr) {
+    bytes_ = 0;
+    throw Error("Buffer: host allocation of " + std::to_string(bytes) + " bytes failed");
+  }
 }
 
 Buffer::~Buffer() { release(); }
@@ -55,6 +66,7 @@ void Buffer::release() {
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) throw Error("copy_bytes: dst and src must not be null");
   if (dst_device == Device::kCpu && src_device == Device::kCpu) {
     std::memcpy(dst, src, bytes);
     return;
@@ -65,6 +77,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, Device src_device,
              size_t src_pitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return;
+  if (dst == nullptr || src == nullptr) throw Error("copy_2d: dst and src must not be null");
   if (width > dst_pitch || width > src_pitch) {
     throw Error("copy_2d: width " + std::to_string(width) + " exceeds a pitch (dst " + std::to_string(dst_pitch) +
                 ", src " + std::to_string(src_pitch) + ")");
@@ -81,6 +94,7 @@ void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, De
 
 void fill_bytes(void* dst, Device device, int value, size_t bytes) {
   if (bytes == 0) return;
+  if (dst == nullptr) throw Error("fill_bytes: dst must not be null");
   if (device == Device::kCpu) {
     std::memset(dst, value, bytes);
     return;

@@ -100,6 +100,10 @@ std::optional<std::string> validate_page_table(const PageTableStructure& t, cons
           << " + seq_len " << len << ") / page_size " << t.page_size << ") = " << expected_pages;
       return why.str();
     }
+    if (len == 0 && t.last_page_len[r] != 0) {
+      why << "last_page_len[" << r << "] = " << t.last_page_len[r] << " on an empty request, expected 0";
+      return why.str();
+    }
     if (len > 0) {
       const int64_t last = t.last_page_len[r];
       if (last < 1 || last > t.page_size) {

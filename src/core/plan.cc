@@ -1,6 +1,7 @@
 #include "sparsepage/plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "sparsepage/types.h"
@@ -19,11 +20,23 @@ void require_positive(int64_t value, const char* name) {
 // The chunk length: long enough that each work item amortizes its setup and
 // its share of the merge, short enough that the grid covers every
 // multiprocessor `items_per_sm` times over.
-int64_t choose_chunk_tokens(int64_t total_tokens, const PlanShape& shape) {
+// Never 0 (min_chunk_tokens = 0 over an empty batch would divide by it) and
+// never longer than the longest request needs, so it fits int32.
+int64_t choose_chunk_tokens(int64_t total_tokens, int64_t longest, const PlanShape& shape) {
   if (shape.fixed_chunk_tokens > 0) return round_up(shape.fixed_chunk_tokens, shape.chunk_granule);
   const int64_t target_items = std::max<int64_t>(1, int64_t{shape.num_sms} * shape.items_per_sm / shape.ctas_per_item);
   const int64_t even_share = (total_tokens + target_items - 1) / target_items;
-  return round_up(std::max<int64_t>(even_share, shape.min_chunk_tokens), shape.chunk_granule);
+  const int64_t chunk = std::min(std::max<int64_t>(even_share, shape.min_chunk_tokens), longest);
+  const int64_t largest = std::numeric_limits<int32_t>::max() / shape.chunk_granule * shape.chunk_granule;
+  return std::min(std::max<int64_t>(round_up(chunk, shape.chunk_granule), shape.chunk_granule), largest);
+}
+
+// a * b, or an Error naming `what` when it does not fit a size_t.
+size_t checked_bytes(size_t a, size_t b, const char* what) {
+  if (a != 0 && b > std::numeric_limits<size_t>::max() / a) {
+    throw Error(std::string("plan: the workspace's ") + what + " do not fit in memory");
+  }
+  return a * b;
 }
 
 }  // namespace
@@ -39,12 +52,16 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
       shape.fixed_chunk_tokens > (1 << 30) || shape.chunk_granule > (1 << 20)) {
     throw Error("plan: min_chunk_tokens and fixed_chunk_tokens must lie in [0, 2^30] and chunk_granule in [1, 2^20]");
   }
-  int64_t total_tokens = 0;
+  if (seq_lens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw Error("plan: " + std::to_string(seq_lens.size()) + " requests, more than 2^31 - 1");
+  }
+  int64_t total_tokens = 0, longest = 0;
   for (size_t r = 0; r < seq_lens.size(); ++r) {
     if (seq_lens[r] < 0) {
       throw Error("plan: seq_lens[" + std::to_string(r) + "] = " + std::to_string(seq_lens[r]) + " is negative");
     }
     total_tokens += seq_lens[r];
+    longest = std::max<int64_t>(longest, seq_lens[r]);
   }
 
   DecodePlan plan;
@@ -52,8 +69,18 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.group_size = shape.group_size;
   plan.head_dim_v = shape.head_dim_v;
   plan.seq_lens = seq_lens;
-  const int64_t chunk = choose_chunk_tokens(total_tokens, shape);
+  const int64_t chunk = choose_chunk_tokens(total_tokens, longest, shape);
   plan.chunk_tokens = static_cast<int32_t>(chunk);
+  // Count the work before building it: a tiny fixed chunk over a long request
+  // would otherwise allocate gigabytes of work items before failing.
+  int64_t items = 0;
+  for (int32_t len : seq_lens) items += std::max<int64_t>(1, (int64_t{len} + chunk - 1) / chunk);
+  if (items > kMaxWorkItems) {
+    throw Error("plan: " + std::to_string(items) + " work items (chunks of " + std::to_string(chunk) +
+                " tokens) exceed the limit of " + std::to_string(kMaxWorkItems) +
+                "; use a larger fixed_chunk_tokens or min_chunk_tokens");
+  }
+  plan.work.reserve(static_cast<size_t>(items));
 
   int32_t next_partial = 0;
   plan.merge_indptr.push_back(0);
@@ -88,8 +115,16 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
     plan.workspace.total = static_cast<size_t>(round_up(static_cast<int64_t>(offset + bytes), kAlign));
     return offset;
   };
-  const size_t rows = static_cast<size_t>(plan.num_partials) * static_cast<size_t>(shape.group_size);
-  plan.workspace.partial_o = take(rows * static_cast<size_t>(shape.head_dim_v) * sizeof(float));
+  const size_t rows = checked_bytes(static_cast<size_t>(plan.num_partials), static_cast<size_t>(shape.group_size),
+                                    "partial rows");
+  const size_t partial_o_bytes =
+      checked_bytes(checked_bytes(rows, static_cast<size_t>(shape.head_dim_v), "partial outputs"), sizeof(float),
+                    "partial outputs");
+  if (partial_o_bytes > (size_t{1} << 56)) {
+    throw Error("plan: the partial outputs need " + std::to_string(partial_o_bytes) +
+                " bytes of workspace; group_size * head_dim_v is too large for this many chunks");
+  }
+  plan.workspace.partial_o = take(partial_o_bytes);
   plan.workspace.partial_lse = take(rows * sizeof(float));
   plan.workspace.work_items = take(plan.work.size() * sizeof(WorkItem));
   plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));

@@ -11,20 +11,41 @@
 
 namespace sparsepage {
 
-int64_t SparseSelection::total() const {
+namespace {
+
+// Counts are host facts every reader trusts for offsets into `indices`: a
+// negative one would make a reader index before the array (issue 13).
+int64_t checked_total(const std::vector<int32_t>& counts) {
   int64_t sum = 0;
-  for (int32_t c : counts) sum += c;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] < 0) {
+      throw Error("SparseSelection: counts[" + std::to_string(r) + "] = " + std::to_string(counts[r]) +
+                  " is negative");
+    }
+    sum += counts[r];
+  }
+  if (sum > std::numeric_limits<int32_t>::max()) {
+    throw Error("SparseSelection: counts sum to " + std::to_string(sum) + ", more than 2^31 - 1 rows");
+  }
+  if (counts.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw Error("SparseSelection: more than 2^31 - 1 requests");
+  }
   return sum;
 }
 
+}  // namespace
+
+int64_t SparseSelection::total() const { return checked_total(counts); }
+
 std::vector<int32_t> SparseSelection::offsets() const {
+  checked_total(counts);
   std::vector<int32_t> out(counts.size() + 1, 0);
   for (size_t r = 0; r < counts.size(); ++r) out[r + 1] = out[r] + counts[r];
   return out;
 }
 
 std::vector<std::vector<int32_t>> SparseSelection::materialize() const {
-  if (static_cast<int64_t>(indices.bytes() / sizeof(int32_t)) < total()) {
+  if (static_cast<int64_t>(indices.bytes() / sizeof(int32_t)) < total()) {  // total() rejects negative counts
     throw Error("SparseSelection::materialize: counts sum to " + std::to_string(total()) + " but indices hold " +
                 std::to_string(indices.bytes() / sizeof(int32_t)));
   }
@@ -42,6 +63,9 @@ SparseSelection make_selection(Device device, const std::vector<std::vector<int3
   SparseSelection selection;
   std::vector<int32_t> flat;
   for (const auto& request : rows) {
+    if (request.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()) - flat.size()) {
+      throw Error("make_selection: more than 2^31 - 1 rows in total");
+    }
     selection.counts.push_back(static_cast<int32_t>(request.size()));
     flat.insert(flat.end(), request.begin(), request.end());
   }

@@ -21,6 +21,9 @@ void check_inputs(const SparseAttentionInputs& in) {
   require(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
           "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
               std::to_string(in.num_kv_heads));
+  const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
+  require(requests <= std::numeric_limits<int32_t>::max(),
+          "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
   require(in.live_len >= 0 && in.live_len <= in.k.capacity && in.live_len <= in.v.capacity &&
               (in.k_extra.data == nullptr || in.live_len <= in.k_extra.capacity),
           "live_len = " + std::to_string(in.live_len) + " must lie in [0, capacity]");
@@ -199,6 +202,7 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
   prepare(in, selection.counts, 0, 1, stream);
   DecodeParams p = base_params(in);
   p.indices = selection.indices.as<int32_t>();
+  p.num_indices = static_cast<int64_t>(selection.indices.bytes() / sizeof(int32_t));
   p.page_size = 1;
   launch(p, stream);
   outcome.chunks = static_cast<int64_t>(plan_.work.size());
@@ -221,6 +225,7 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
           selection.page_size, stream);
   DecodeParams p = base_params(in);
   p.indices = selection.pages;
+  p.num_indices = int64_t{selection.num_requests} * selection.width;
   p.seq_lens = selection.seq_lens;
   p.page_size = selection.page_size;
   launch(p, stream);
@@ -267,10 +272,24 @@ MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
 
 void build_selection_mask(Device device, const int32_t* positions, const int32_t* offsets, int32_t num_requests,
                           int64_t live_len, float* mask, void* stream) {
+  require(num_requests >= 0 && live_len >= 0, "build_selection_mask: num_requests = " + std::to_string(num_requests) +
+                                                  " and live_len = " + std::to_string(live_len) +
+                                                  " must not be negative");
+  require(live_len <= std::numeric_limits<int32_t>::max(),
+          "build_selection_mask: live_len = " + std::to_string(live_len) + " exceeds 2^31 - 1 positions");
+  if (num_requests == 0) return;
+  require(offsets != nullptr && (live_len == 0 || mask != nullptr),
+          "build_selection_mask: offsets and mask must not be null");
   if (device == Device::kCuda) {
     detail::selection_mask_cuda(positions, offsets, num_requests, live_len, mask, stream);
     return;
   }
+  // Host offsets can be checked before any position is read.
+  require(offsets[0] == 0, "build_selection_mask: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
+  for (int32_t r = 0; r < num_requests; ++r) {
+    require(offsets[r + 1] >= offsets[r], "build_selection_mask: offsets decrease at request " + std::to_string(r));
+  }
+  require(offsets[num_requests] == 0 || positions != nullptr, "build_selection_mask: positions must not be null");
   std::fill(mask, mask + int64_t{num_requests} * live_len, -std::numeric_limits<float>::infinity());
   for (int32_t r = 0; r < num_requests; ++r) {
     for (int32_t i = offsets[r]; i < offsets[r + 1]; ++i) {
@@ -281,11 +300,16 @@ void build_selection_mask(Device device, const int32_t* positions, const int32_t
 
 std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* mask, int32_t num_requests,
                                                     int64_t live_len) {
-  const std::vector<float> host = download<float>(device, mask, static_cast<size_t>(num_requests * live_len));
+  require(num_requests >= 0 && live_len >= 0 && live_len <= std::numeric_limits<int32_t>::max(),
+          "mask_kept_columns: num_requests = " + std::to_string(num_requests) + " and live_len = " +
+              std::to_string(live_len) + " must lie in [0, 2^31 - 1]");
+  require(mask != nullptr || int64_t{num_requests} * live_len == 0, "mask_kept_columns: mask is null");
+  const std::vector<float> host =
+      download<float>(device, mask, static_cast<size_t>(int64_t{num_requests} * live_len));
   std::vector<std::vector<int32_t>> columns(static_cast<size_t>(num_requests));
   for (int32_t r = 0; r < num_requests; ++r) {
     for (int64_t t = 0; t < live_len; ++t) {
-      if (host[static_cast<size_t>(r * live_len + t)] == 0.0f) columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
+      if (host[static_cast<size_t>(int64_t{r} * live_len + t)] == 0.0f) columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
     }
   }
   return columns;
@@ -307,15 +331,15 @@ void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& s
 }
 
 void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
-  const int32_t requests = in.batch * in.num_kv_heads;
+  const int64_t requests = int64_t{in.batch} * in.num_kv_heads;  // int64: batch * heads may pass 2^31
   // Host-side facts only, so run stays capturable.
   require(selection.counts == prepared_counts_ && in.live_len == prepared_live_len_ &&
               in.num_qo_heads / std::max(in.num_kv_heads, 1) == prepared_group_ && in.k.dim == prepared_dim_qk_ &&
               in.v.dim == prepared_dim_v_ && offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4,
           "MaskPath::run with counts or shapes other than prepare() saw; call prepare() again");
   check_inputs(in, selection);
-  build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(), requests, in.live_len,
-                       mask_.as<float>(), stream);
+  build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(),
+                       static_cast<int32_t>(requests), in.live_len, mask_.as<float>(), stream);
   MaskedDecodeParams m = masked_params(in);
   m.mask = mask_.as<float>();
   if (device_ == Device::kCuda) {

@@ -1,7 +1,10 @@
 // The CPU backend's one attention loop, shared by the paged decode, the mask
 // path and the gather path: online softmax over a token range of one request,
-// fp32 accumulation, rows converted to fp32 a tile at a time so the dot
-// products vectorize.
+// rows converted to fp32 a tile at a time so the dot products vectorize.
+// Scores are fp32 (as on the GPU); the softmax sum and the weighted V sum are
+// fp64, because this backend is the oracle every GPU result is judged by: an
+// fp32 running sum over a 1M-token chunk stops absorbing small weights once
+// the sum is 2^24 times larger than they are (issue 13, defect 8).
 #pragma once
 
 #include <algorithm>
@@ -32,7 +35,8 @@ struct ChunkQuery {
 };
 
 /// Softmax state of one chunk: normalized output [group_size, dim_v] and the
-/// natural-log sum of exponentials per head (-inf when nothing was attended).
+/// natural-log (base e) sum of exponentials per head (-inf when nothing was
+/// attended).
 struct ChunkState {
   std::vector<float> o;
   std::vector<float> lse;
@@ -41,7 +45,9 @@ struct ChunkState {
 constexpr int kTokenTile = 32;
 
 /// Attends tokens [begin, end); `rows(t)` resolves token t, `bias(t)` gives
-/// its additive mask term (0 when unmasked).
+/// its additive mask term (0 when unmasked). A position whose bias is -inf
+/// contributes nothing whatever its K or V rows hold: its weight is skipped,
+/// never multiplied (0 * NaN would be NaN; issue 13, defect 1).
 template <typename Rows, typename Bias>
 ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& rows, Bias&& bias) {
   const int g_count = q.group_size;
@@ -51,7 +57,8 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
   std::vector<float> v_tile(static_cast<size_t>(kTokenTile) * dv);
   std::vector<float> scores(static_cast<size_t>(g_count) * kTokenTile);
   std::vector<float> running_max(g_count, -std::numeric_limits<float>::infinity());
-  std::vector<float> running_sum(g_count, 0.0f);
+  std::vector<double> running_sum(g_count, 0.0);
+  std::vector<double> acc(static_cast<size_t>(g_count) * dv, 0.0);  // unnormalized output
   std::vector<bool> poisoned(g_count, false);
   ChunkState state;
   state.o.assign(static_cast<size_t>(g_count) * dv, 0.0f);
@@ -88,12 +95,15 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
       const float new_max = std::max(running_max[g], tile_max);
       if (new_max == -std::numeric_limits<float>::infinity()) continue;  // all masked so far: nothing to add
       // exp(-inf - finite) = 0 rescales an empty accumulator harmlessly.
-      const float correction = std::exp(running_max[g] - new_max);
-      float* og = &state.o[static_cast<size_t>(g) * dv];
-      for (int d = 0; d < dv; ++d) og[d] *= correction;
-      float sum = running_sum[g] * correction;
+      const double correction = std::exp(static_cast<double>(running_max[g]) - new_max);
+      double* og = &acc[static_cast<size_t>(g) * dv];
+      if (correction != 1.0) {
+        for (int d = 0; d < dv; ++d) og[d] *= correction;
+      }
+      double sum = running_sum[g] * correction;
       for (int j = 0; j < n; ++j) {
-        const float p = std::exp(s[j] - new_max);
+        if (s[j] == -std::numeric_limits<float>::infinity()) continue;  // masked out: adds nothing, reads no V
+        const double p = std::exp(static_cast<double>(s[j]) - new_max);
         sum += p;
         const float* vj = &v_tile[static_cast<size_t>(j) * dv];
         for (int d = 0; d < dv; ++d) og[d] += p * vj[d];
@@ -109,11 +119,12 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
       state.lse[g] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
-    if (running_sum[g] > 0.0f) {
+    if (running_sum[g] > 0.0) {
       float* og = &state.o[static_cast<size_t>(g) * dv];
-      const float inv = 1.0f / running_sum[g];
-      for (int d = 0; d < dv; ++d) og[d] *= inv;
-      state.lse[g] = running_max[g] + std::log(running_sum[g]);
+      const double* ag = &acc[static_cast<size_t>(g) * dv];
+      const double inv = 1.0 / running_sum[g];
+      for (int d = 0; d < dv; ++d) og[d] = static_cast<float>(ag[d] * inv);
+      state.lse[g] = static_cast<float>(running_max[g] + std::log(running_sum[g]));
     }
   }
   return state;

@@ -2,9 +2,11 @@
 // in parallel, each writing its chunk's partial (or the output directly),
 // then the merge combines partials by lse. Same structures as the CUDA
 // backend, so tests compare the two one to one.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "cpu/plan_runner.h"
 #include "sparsepage/decode.h"
@@ -32,15 +34,18 @@ void merge_states(const std::vector<const float*>& o_parts, const std::vector<co
       lse_out[g] = max_lse;
       continue;
     }
-    float weight_sum = 0.0f;
+    // fp64 like attend_chunk: the oracle must not lose mass over many partials.
+    std::vector<double> acc(static_cast<size_t>(dim_v), 0.0);
+    double weight_sum = 0.0;
     for (size_t p = 0; p < o_parts.size(); ++p) {
-      const float w = std::exp(lse_parts[p][g] - max_lse);
+      if (lse_parts[p][g] == -std::numeric_limits<float>::infinity()) continue;  // empty partial: weighs nothing
+      const double w = std::exp(static_cast<double>(lse_parts[p][g]) - max_lse);
       weight_sum += w;
       const float* part = o_parts[p] + static_cast<size_t>(g) * dim_v;
-      for (int d = 0; d < dim_v; ++d) og[d] += w * part[d];
+      for (int d = 0; d < dim_v; ++d) acc[static_cast<size_t>(d)] += w * part[d];
     }
-    for (int d = 0; d < dim_v; ++d) og[d] /= weight_sum;
-    lse_out[g] = max_lse + std::log(weight_sum);
+    for (int d = 0; d < dim_v; ++d) og[d] = static_cast<float>(acc[static_cast<size_t>(d)] / weight_sum);
+    lse_out[g] = static_cast<float>(max_lse + std::log(weight_sum));
   }
 }
 
@@ -48,23 +53,37 @@ void merge_states(const std::vector<const float*>& o_parts, const std::vector<co
 
 namespace {
 
-// Page ids are checked before any thread starts, so the loops below can
-// never read outside the pool whatever the indices say.
+// The table is checked before any thread starts, and its structure before
+// any index is read, so the loops below can never read outside `indices` or
+// the pool whatever the arrays say.
 void check_indices_cpu(const DecodeParams& p) {
   const bool window = p.addressing == PageAddressing::kWindow;
+  const auto fail = [](const std::string& message) { throw Error("decode: " + message); };
+  if (p.num_requests == 0) return;  // indptr may be null then
+  if (p.num_indices < 0) fail("num_indices = " + std::to_string(p.num_indices) + " is negative");
+  if (p.indptr[0] != 0) fail("indptr[0] = " + std::to_string(p.indptr[0]) + ", expected 0");
+  for (int32_t r = 0; r < p.num_requests; ++r) {
+    if (p.indptr[r + 1] < p.indptr[r]) {
+      fail("indptr decreases at request " + std::to_string(r) + ": indptr[" + std::to_string(r) + "] = " +
+           std::to_string(p.indptr[r]) + " > indptr[" + std::to_string(r + 1) + "] = " + std::to_string(p.indptr[r + 1]));
+    }
+  }
+  if (p.indptr[p.num_requests] > p.num_indices) {
+    fail("indptr[num_requests] = " + std::to_string(p.indptr[p.num_requests]) + " is past the end of indices (" +
+         "num_indices = " + std::to_string(p.num_indices) + ")");
+  }
   for (int32_t r = 0; r < p.num_requests; ++r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
+    if (offset < 0 || offset >= p.page_size) {
+      fail("first_page_offset[" + std::to_string(r) + "] = " + std::to_string(offset) +
+           " is outside [0, page_size = " + std::to_string(p.page_size) + ")");
+    }
     const int64_t len = p.seq_lens[r];
     const int64_t needed = len == 0 ? 0 : (offset + len + p.page_size - 1) / p.page_size;
     const int64_t have = int64_t{p.indptr[r + 1]} - p.indptr[r];
-    if (p.indptr[r] < 0 || have < needed) {
-      throw Error("decode: request " + std::to_string(r) + " needs " + std::to_string(needed) +
-                  " pages (first_page_offset " + std::to_string(offset) + ", seq_len " + std::to_string(len) +
-                  ") but indptr gives " + std::to_string(have));
-    }
-    if (offset < 0 || offset >= p.page_size) {
-      throw Error("decode: first_page_offset[" + std::to_string(r) + "] = " + std::to_string(offset) +
-                  " is outside [0, page_size = " + std::to_string(p.page_size) + ")");
+    if (have < needed) {
+      fail("request " + std::to_string(r) + " needs " + std::to_string(needed) + " pages (first_page_offset " +
+           std::to_string(offset) + ", seq_len " + std::to_string(len) + ") but indptr gives " + std::to_string(have));
     }
     const int64_t window_len = p.window_lens ? p.window_lens[r / p.num_kv_heads] : p.window_len;
     for (int64_t i = p.indptr[r]; i < p.indptr[r] + needed; ++i) {
@@ -73,15 +92,14 @@ void check_indices_cpu(const DecodeParams& p) {
         // Window mode: the page's last visible position must be in the window.
         const int64_t last = std::min<int64_t>(p.page_size, offset + len - (i - p.indptr[r]) * p.page_size) - 1;
         if (page < 0 || int64_t{page} * p.page_size + last >= window_len) {
-          throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
-                      " names positions outside request " + std::to_string(r) + "'s window of " +
-                      std::to_string(window_len) + " tokens");
+          fail("indices[" + std::to_string(i) + "] = " + std::to_string(page) + " names positions outside request " +
+               std::to_string(r) + "'s window of " + std::to_string(window_len) + " tokens");
         }
         continue;
       }
       if (page < 0 || page >= p.num_pool_pages) {
-        throw Error("decode: indices[" + std::to_string(i) + "] = " + std::to_string(page) +
-                    " is outside the pool [0, " + std::to_string(p.num_pool_pages) + ")");
+        fail("indices[" + std::to_string(i) + "] = " + std::to_string(page) + " is outside the pool [0, " +
+             std::to_string(p.num_pool_pages) + ")");
       }
     }
   }

@@ -42,6 +42,8 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
   require(p.mask_pitch == 0 || p.mask_pitch >= p.live_len, "mask_pitch = " + std::to_string(p.mask_pitch) +
                                                                " is smaller than live_len = " +
                                                                std::to_string(p.live_len));
+  require(int64_t{p.batch} * p.num_kv_heads <= std::numeric_limits<int32_t>::max(),
+          "batch * num_kv_heads = " + std::to_string(int64_t{p.batch} * p.num_kv_heads) + " exceeds 2^31 - 1 requests");
   if (p.batch == 0) return;
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");
@@ -54,7 +56,7 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
 
 void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   check_masked_decode_params(p);
-  const int32_t num_requests = p.batch * p.num_kv_heads;
+  const int64_t num_requests = int64_t{p.batch} * p.num_kv_heads;  // int64: the product may pass 2^31
   if (num_requests == 0) return;
   PlanShape shape;
   shape.group_size = p.group_size;
@@ -98,6 +100,10 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
   if (pool.data == nullptr || pool.dim < 1 || pool.row_stride < pool.dim) {
     throw Error("gather_rows: pool needs data, dim >= 1 and row_stride >= dim");
   }
+  if (num_requests == 0) return;
+  if (offsets == nullptr) throw Error("gather_rows: offsets is null");
+  if (max_rows > 0 && (dst == nullptr || rows == nullptr)) throw Error("gather_rows: rows and dst must not be null");
+  if (num_pool_rows < 0) throw Error("gather_rows: num_pool_rows is negative");
   if (device == Device::kCuda) {
     detail::gather_rows_cuda(rows, offsets, num_requests, max_rows, dtype, pool, num_pool_rows, dst, stream);
     return;
@@ -109,6 +115,9 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
     std::vector<float> nan_values(static_cast<size_t>(pool.dim), std::numeric_limits<float>::quiet_NaN());
     from_float(dtype, nan_values.data(), nan_row.data(), nan_values.size());
   }
+  // Host offsets are checked before any row is read: negative or decreasing
+  // offsets would index before `rows`.
+  if (offsets[0] != 0) throw Error("gather_rows: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
   for (int32_t r = 0; r < num_requests; ++r) {
     const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
     if (count < 0 || count > max_rows) {

@@ -2,12 +2,14 @@
 // the same set, on dense caches whose capacity has slack.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
 
 #include "sparsepage/cache.h"
 #include "sparsepage/dense_paths.h"
+#include "sparsepage/sparse_decode.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -121,6 +123,7 @@ std::vector<float> run_paged_over_kept(const DenseKVCache& cache, const std::vec
   DecodeParams p;
   p.indptr = table.indptr.data();
   p.indices = rows.data();
+  p.num_indices = int64_t(rows.size());
   p.seq_lens = table.seq_lens.data();
   p.num_requests = 4;
   p.num_pool_pages = ContiguousCacheLayout::of(raw.k_shape).num_rows();
@@ -265,6 +268,82 @@ TEST(MaskPath, MaskedOutNonFiniteRowsAreExcluded) {
   run_masked_decode_cpu(p);
   for (float x : o) ASSERT_TRUE(std::isfinite(x));
   EXPECT_TRUE(std::isfinite(lse));
+}
+
+// Issue 13, defect 1: an unselected row whose V holds NaN or Inf contributes
+// nothing on the mask path (its masked weight is skipped, not multiplied by
+// 0). The fused path never reads it; both must give the same answer.
+TEST(MaskPath, MaskedOutNonFiniteValuesAreExcluded) {
+  for (const float poison : {NAN, INFINITY, -INFINITY}) {
+    std::vector<float> k(8 * 4, 0.0f), v(8 * 4, 1.0f);
+    for (int d = 0; d < 4; ++d) v[3 * 4 + d] = poison;  // row 3, masked
+    std::vector<float> mask(8, kNegInf);
+    mask[0] = mask[1] = 0.0f;
+    const std::vector<float> q(4, 1.0f);
+    std::vector<float> o(4, NAN);
+    float lse = NAN;
+    MaskedDecodeParams p = testing::one_request_masked_params(DType::kF32, 1, 8, 4, q.data(), k.data(), v.data());
+    p.mask = mask.data();
+    p.scale = 1.0f;
+    p.o = o.data();
+    p.lse = &lse;
+    run_masked_decode_cpu(p);
+    for (float x : o) EXPECT_EQ(x, 1.0f) << "poison " << poison;
+    EXPECT_NEAR(lse, std::log(2.0f), 1e-6) << "poison " << poison;
+  }
+}
+
+// The same through the public pair a layer uses: SparseDecoder (fused) and
+// MaskPath (its fallback), at batch 2 with two KV heads, NaN V rows outside
+// every selection, and a split forced on the mask path by a long window.
+TEST(MaskPath, FusedAndMaskPathAgreeWhenUnselectedRowsHoldNaN) {
+  const int32_t batch = 2, heads = 2, group = 2, dim = 8;
+  const int64_t live = 1500, cap = 1536;
+  std::mt19937_64 rng(131);
+  std::vector<uint8_t> k = testing::random_values(DType::kBF16, size_t(batch) * heads * cap * dim, rng);
+  std::vector<uint8_t> v = testing::random_values(DType::kBF16, size_t(batch) * heads * cap * dim, rng);
+  const std::vector<std::vector<int32_t>> rows = {{0, 1}, {5, 1499, 700}, {3}, {1000, 2, 1, 0}};
+  // Every V row outside the selection is NaN.
+  auto* vv = reinterpret_cast<uint16_t*>(v.data());
+  for (int32_t r = 0; r < batch * heads; ++r) {
+    for (int64_t t = 0; t < cap; ++t) {
+      if (std::find(rows[size_t(r)].begin(), rows[size_t(r)].end(), t) != rows[size_t(r)].end()) continue;
+      for (int d = 0; d < dim; ++d) vv[(size_t(r) * cap + t) * dim + d] = 0x7FC0;
+    }
+  }
+  const std::vector<uint8_t> q = testing::random_values(DType::kBF16, size_t(batch) * heads * group * dim, rng);
+  SparseAttentionInputs in;
+  in.device = Device::kCpu;
+  in.dtype = DType::kBF16;
+  in.batch = batch;
+  in.num_qo_heads = heads * group;
+  in.num_kv_heads = heads;
+  in.live_len = live;
+  in.k = {k.data(), heads, cap, dim, dim};
+  in.v = {v.data(), heads, cap, dim, dim};
+  in.q = q.data();
+  in.scale = 0.3f;
+  const SparseSelection sel = make_selection(Device::kCpu, rows);
+  const size_t out_rows = size_t(batch) * heads * group;
+  std::vector<uint8_t> fused_o = testing::nan_values(DType::kBF16, out_rows * dim), mask_o = fused_o;
+  std::vector<float> fused_lse(out_rows, NAN), mask_lse(out_rows, NAN);
+  DispatchConfig config;
+  config.min_sparsity = 0;
+  SparseDecoder decoder(Device::kCpu, config);
+  in.o = fused_o.data();
+  in.lse = fused_lse.data();
+  ASSERT_TRUE(decoder.try_fused(in, sel).fused());
+  MaskPath mask_path(Device::kCpu);
+  in.o = mask_o.data();
+  in.lse = mask_lse.data();
+  mask_path.prepare(in, sel);
+  mask_path.run(in, sel);
+  const auto a = testing::as_float(DType::kBF16, fused_o), b = testing::as_float(DType::kBF16, mask_o);
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(b[i])) << "mask path output " << i << " = " << b[i];
+    EXPECT_NEAR(a[i], b[i], 1e-2) << i;
+  }
+  for (size_t i = 0; i < out_rows; ++i) EXPECT_NEAR(fused_lse[i], mask_lse[i], 1e-4) << i;
 }
 
 TEST(MaskPath, BadParamsAreNamed) {

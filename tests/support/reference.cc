@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 namespace sparsepage::testing {
 
@@ -50,6 +51,7 @@ DecodeParams PagedProblem::host_params(void* o, float* lse) const {
   p.indices = indices.data();
   p.first_page_offset = table.first_page_offset.data();
   p.seq_lens = table.seq_lens.data();
+  p.num_indices = static_cast<int64_t>(indices.size());
   p.num_requests = num_requests();
   p.page_size = spec.page_size;
   p.num_pool_pages = spec.pool_pages;
@@ -94,8 +96,8 @@ PagedProblem make_problem(const ProblemSpec& spec, std::mt19937_64& rng) {
   const int64_t rows = pb.pool_rows();
   const size_t esize = dtype_size(spec.dtype);
   pb.k_row_stride = spec.dim_qk + spec.k_row_padding;
-  pb.v_row_stride = spec.v_aliases_k ? pb.k_row_stride : spec.dim_v;
-  pb.e_row_stride = spec.dim_extra;
+  pb.v_row_stride = spec.v_aliases_k ? pb.k_row_stride : spec.dim_v + spec.v_row_padding;
+  pb.e_row_stride = spec.dim_extra + spec.extra_row_padding;
   pb.k_pool = nan_values(spec.dtype, static_cast<size_t>(rows * pb.k_row_stride));
   if (!spec.v_aliases_k) pb.v_pool = nan_values(spec.dtype, static_cast<size_t>(rows * pb.v_row_stride));
   if (spec.dim_extra > 0) pb.e_pool = nan_values(spec.dtype, static_cast<size_t>(rows * pb.e_row_stride));
@@ -163,6 +165,33 @@ double relative_l2(const std::vector<float>& got, const std::vector<double>& ref
   }
   if (norm == 0.0) return std::sqrt(diff);
   return std::sqrt(diff / norm);
+}
+
+std::string compare_per_request(const PagedProblem& pb, const Reference& ref, const std::vector<float>& o,
+                                const std::vector<float>& lse, double o_tol, double lse_tol) {
+  const size_t heads = static_cast<size_t>(pb.num_requests()) * static_cast<size_t>(pb.spec.group_size);
+  const size_t dv = static_cast<size_t>(pb.spec.dim_v);
+  if (o.size() != heads * dv || lse.size() != heads || ref.o.size() != o.size()) return "output sizes differ";
+  for (size_t i = 0; i < heads; ++i) {
+    const std::string where = "request " + std::to_string(i / static_cast<size_t>(pb.spec.group_size)) + " head " +
+                              std::to_string(i % static_cast<size_t>(pb.spec.group_size)) + ": ";
+    const std::vector<float> got(o.begin() + static_cast<std::ptrdiff_t>(i * dv),
+                                 o.begin() + static_cast<std::ptrdiff_t>((i + 1) * dv));
+    const std::vector<double> want(ref.o.begin() + static_cast<std::ptrdiff_t>(i * dv),
+                                   ref.o.begin() + static_cast<std::ptrdiff_t>((i + 1) * dv));
+    const double err = relative_l2(got, want);
+    if (!(err <= o_tol)) return where + "o relative L2 " + std::to_string(err) + " > " + std::to_string(o_tol);
+    if (std::isinf(ref.lse[i])) {
+      if (!(std::isinf(lse[i]) && lse[i] < 0)) return where + "lse " + std::to_string(lse[i]) + ", expected -inf";
+      continue;
+    }
+    const double lse_err = std::fabs(double{lse[i]} - ref.lse[i]);
+    if (!(lse_err <= lse_tol)) {
+      return where + "lse " + std::to_string(lse[i]) + " vs fp64 " + std::to_string(ref.lse[i]) + " (off by " +
+             std::to_string(lse_err) + ")";
+    }
+  }
+  return "";
 }
 
 MaskedDecodeParams one_request_masked_params(DType dtype, int32_t group_size, int64_t live_len, int32_t dim,

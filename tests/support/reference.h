@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "sparsepage/decode.h"
@@ -32,6 +33,8 @@ struct ProblemSpec {
   int32_t dim_extra = 0;        // second K stream when > 0
   bool v_aliases_k = false;     // V = the first dim_v columns of K's rows
   int32_t k_row_padding = 0;    // K rows carry this many extra elements
+  int32_t v_row_padding = 0;    // V rows too (a separate V only), so K and V strides differ
+  int32_t extra_row_padding = 0;  // and second-stream rows
   int64_t pool_pages = 4096;
   bool allow_duplicates = true; // pages drawn with replacement
   float scale = 0.0f;           // 0: 1/sqrt(dim_qk + dim_extra)
@@ -68,6 +71,13 @@ Reference reference_attention(const PagedProblem& problem, const std::vector<std
 
 /// ||got - ref|| / ||ref||; +inf when got holds a NaN or inf (NaN never passes).
 double relative_l2(const std::vector<float>& got, const std::vector<double>& ref);
+
+/// Compares each request on its own (a concatenated L2 dilutes one bad
+/// request): per (request, head) relative L2 of o at most `o_tol`, and
+/// |lse - ref| at most `lse_tol` (natural log; -inf for an empty request must
+/// be -inf). Returns the first mismatch, described, or an empty string.
+std::string compare_per_request(const PagedProblem& problem, const Reference& ref, const std::vector<float>& o,
+                                const std::vector<float>& lse, double o_tol, double lse_tol);
 
 /// Mask-path parameters for one request of one KV head: `group_size` query
 /// rows of width `dim` over `live_len` dense K and V rows of the same width

@@ -1,0 +1,313 @@
+// Hostile input to the public host functions (issue 13, defects 2-5 and 7,
+// and beyond): negative, overflowing or inconsistent sizes and null pointers
+// come back as sparsepage::Error naming the argument, never as a crash, an
+// out-of-bounds read, a std::length_error or a silent success.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/dense_paths.h"
+#include "sparsepage/page_table.h"
+#include "sparsepage/plan.h"
+#include "sparsepage/selection.h"
+#include "sparsepage/sparse_decode.h"
+#include "support/expect_error.h"
+
+namespace sparsepage {
+namespace {
+
+using testing::throws_error_naming;
+constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// A selection whose counts were tampered with after construction.
+SparseSelection with_counts(std::vector<int32_t> counts) {
+  SparseSelection s = make_selection(Device::kCpu, {{0, 1, 2, 3}, {4, 5}});
+  s.counts = std::move(counts);
+  return s;
+}
+
+// Single-request f32 inputs over a 16-row dense window.
+struct SmallInputs {
+  std::vector<float> k = std::vector<float>(16 * 4, 0.5f), v = k, q = std::vector<float>(4, 1.0f);
+  std::vector<float> o = std::vector<float>(4, 0.0f);
+  SparseAttentionInputs in;
+  explicit SmallInputs(int32_t batch = 1) {
+    k.resize(size_t(batch) * 16 * 4, 0.5f);
+    v = k;
+    q.resize(size_t(batch) * 4, 1.0f);
+    o.resize(size_t(batch) * 4);
+    in.dtype = DType::kF32;
+    in.batch = batch;
+    in.num_qo_heads = 1;
+    in.num_kv_heads = 1;
+    in.live_len = 16;
+    in.k = {k.data(), 1, 16, 4, 4};
+    in.v = {v.data(), 1, 16, 4, 4};
+    in.q = q.data();
+    in.o = o.data();
+  }
+};
+
+// Defect 2: negative counts are refused wherever they are read.
+TEST(HostileSelection, NegativeCountsAreRefusedBeforeAnyRead) {
+  const SparseSelection bad = with_counts({8, -2});  // sums to 6 = the indices held
+  EXPECT_TRUE(throws_error_naming([&] { bad.total(); }, "counts[1] = -2 is negative"));
+  EXPECT_TRUE(throws_error_naming([&] { bad.offsets(); }, "counts[1] = -2 is negative"));
+  EXPECT_TRUE(throws_error_naming([&] { bad.materialize(); }, "counts[1] = -2 is negative"));
+  SmallInputs s(2);
+  MaskPath mask(Device::kCpu);
+  EXPECT_TRUE(throws_error_naming([&] { mask.prepare(s.in, bad); }, "counts[1] = -2"));
+  // prepare() on good counts, then run() with negative ones: still refused.
+  const SparseSelection good = make_selection(Device::kCpu, {{0, 1}, {2}});
+  mask.prepare(s.in, good);
+  SparseSelection tampered = make_selection(Device::kCpu, {{0, 1}, {2}});
+  tampered.counts = {4, -1};
+  EXPECT_THROW(mask.run(s.in, tampered), Error);
+  DispatchConfig config;
+  config.min_sparsity = 0;
+  SparseDecoder decoder(Device::kCpu, config);
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(s.in, bad); }, "counts[1] = -2"));
+  EXPECT_TRUE(throws_error_naming([&] { decoder.decide(s.in, bad); }, "counts[1] = -2"));
+}
+
+// Defect 3: plans never divide by zero and never build unbounded work lists.
+TEST(HostilePlan, ZeroMinChunkAndHugeWorkListsAreHandled) {
+  PlanShape shape;
+  shape.min_chunk_tokens = 0;  // documented as valid
+  const DecodePlan empty = make_decode_plan({0, 0}, shape);
+  EXPECT_EQ(empty.work.size(), 2u);
+  EXPECT_GE(empty.chunk_tokens, 1);
+  const DecodePlan some = make_decode_plan({0, 5, 300}, shape);
+  EXPECT_EQ(some.work.back().token_end, 300);
+  PlanShape tiny;
+  tiny.fixed_chunk_tokens = 1;
+  tiny.chunk_granule = 1;
+  EXPECT_TRUE(throws_error_naming([&] { make_decode_plan({kInt32Max}, tiny); }, "work items"));
+  tiny.chunk_granule = 64;  // 2^31 / 64 = 2^25 items: still too many
+  EXPECT_TRUE(throws_error_naming([&] { make_decode_plan({kInt32Max}, tiny); }, "exceed the limit"));
+  PlanShape wide;  // one work item per SM over a huge total: the chunk must still fit int32
+  wide.num_sms = 1;
+  wide.items_per_sm = 1;
+  const DecodePlan big = make_decode_plan({kInt32Max, kInt32Max, kInt32Max}, wide);
+  EXPECT_GT(big.chunk_tokens, 0);
+  for (const WorkItem& w : big.work) EXPECT_LE(w.token_begin, w.token_end);
+  PlanShape huge_group;
+  huge_group.group_size = kInt32Max;
+  huge_group.head_dim_v = kInt32Max;
+  huge_group.fixed_chunk_tokens = 64;
+  EXPECT_TRUE(throws_error_naming([&] { make_decode_plan({1 << 20}, huge_group); }, "workspace"));
+  EXPECT_TRUE(throws_error_naming([&] { make_decode_plan({-3}, shape); }, "seq_lens[0] = -3"));
+}
+
+// Defect 4: sizes that overflow are refused before anything is allocated or written.
+TEST(HostileSizes, BufferRefusesSizesThatWrap) {
+  EXPECT_TRUE(throws_error_naming([] { Buffer b(Device::kCpu, SIZE_MAX - 10); }, "bytes ="));
+  EXPECT_TRUE(throws_error_naming([] { Buffer b(Device::kCpu, SIZE_MAX); }, "bytes ="));
+  Buffer ok(Device::kCpu, 100);
+  EXPECT_EQ(ok.bytes(), 100u);
+}
+
+TEST(HostileSizes, DenseCacheCapacityStepNearTwoToTheSixty) {
+  for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 40) + 1}) {
+    DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 8, 8, step);
+    const std::vector<uint16_t> k(2 * 2 * 8), v = k;
+    EXPECT_THROW(cache.update_and_fetch(k.data(), v.data(), DType::kBF16, 1), Error) << step;
+    EXPECT_EQ(cache.live_len(), 0) << "a refused append leaves the cache as it was";
+    EXPECT_EQ(cache.capacity(), 0);
+  }
+  DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 8, 8, 16);
+  const std::vector<uint16_t> row(8);
+  EXPECT_TRUE(throws_error_naming(
+      [&] { cache.update_and_fetch(row.data(), row.data(), DType::kBF16, std::numeric_limits<int64_t>::max()); },
+      "new_tokens"));
+}
+
+TEST(HostileSizes, PagedPoolAppendAndBlockTable) {
+  PagedBlockPool pool(Device::kCpu, DType::kBF16, 4, 1, 4, 2, 2);
+  const int32_t seq = pool.add_sequence();
+  const std::vector<uint16_t> kv(2 * 6);
+  pool.append(seq, kv.data(), kv.data(), 6);
+  EXPECT_TRUE(throws_error_naming(
+      [&] { pool.append(seq, kv.data(), kv.data(), std::numeric_limits<int64_t>::max()); }, "do not fit"));
+  EXPECT_EQ(pool.seq_len(seq), 6);
+  EXPECT_EQ(pool.block_table(seq).size(), 2u);
+  EXPECT_TRUE(throws_error_naming([&] { pool.append(seq, nullptr, kv.data(), 1); }, "non-null"));
+  EXPECT_TRUE(throws_error_naming([&] { pool.append(7, kv.data(), kv.data(), 1); }, "sequence 7 does not exist"));
+}
+
+// A request may list a block many times; its token total must not wrap int32.
+TEST(HostileSizes, BlockPageTableRefusesMoreThanInt32Tokens) {
+  const int32_t block = 1 << 20;
+  PagedBlockPool pool(Device::kCpu, DType::kBF16, 1, 1, block, 1, 1);
+  const int32_t seq = pool.add_sequence();
+  const std::vector<uint16_t> kv(static_cast<size_t>(block));
+  pool.append(seq, kv.data(), kv.data(), block);
+  const std::vector<int32_t> fine(2047, 0), wraps(2048, 0);
+  EXPECT_EQ(pool.block_page_table({seq}, {0}, {fine}).first.seq_lens[0], 2047 * block);
+  EXPECT_TRUE(throws_error_naming([&] { pool.block_page_table({seq}, {0}, {wraps}); }, "more than 2^31 - 1"));
+}
+
+TEST(HostileSizes, BatchTimesKvHeadsIsInt64OnTheMaskPath) {
+  std::vector<float> buf(64);
+  MaskedDecodeParams p;
+  p.dtype = DType::kF32;
+  p.batch = 1 << 16;
+  p.num_kv_heads = 1 << 16;  // 2^32 requests: wrapped to 0 in int32 and "succeeded"
+  p.live_len = 1;
+  p.q = p.o = buf.data();
+  p.k = p.v = {buf.data(), 1 << 16, 1, 1, 1};
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(p); }, "batch * num_kv_heads = 4294967296"));
+  EXPECT_TRUE(throws_error_naming([] { HeadFolding::make(1 << 16, 1 << 16, 1 << 16); }, "batch * num_kv_heads"));
+  SmallInputs s;
+  s.in.batch = 1 << 16;
+  s.in.num_kv_heads = 1 << 16;
+  s.in.num_qo_heads = 1 << 16;
+  EXPECT_TRUE(throws_error_naming([&] { MaskPath(Device::kCpu).prepare(s.in, make_selection(Device::kCpu, {})); },
+                                  "exceeds 2^31 - 1 requests"));
+}
+
+// Defect 5: a copied cache owns its rows.
+TEST(HostileCache, CopiesDoNotShareStorage) {
+  DenseKVCache a(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 2, 2, 8);
+  const std::vector<uint16_t> x = {float_to_bf16(1), float_to_bf16(1)};
+  const std::vector<uint16_t> y = {float_to_bf16(2), float_to_bf16(2)};
+  const std::vector<uint16_t> z = {float_to_bf16(3), float_to_bf16(3)};
+  a.update_and_fetch(x.data(), x.data(), DType::kBF16, 1);
+  DenseKVCache b = a;
+  a.update_and_fetch(y.data(), y.data(), DType::kBF16, 1);
+  b.update_and_fetch(z.data(), z.data(), DType::kBF16, 1);
+  EXPECT_EQ(a.dequantized_window(true), (std::vector<float>{1, 1, 2, 2}));
+  EXPECT_EQ(b.dequantized_window(true), (std::vector<float>{1, 1, 3, 3}));
+  DenseKVCache c(Device::kCpu, CacheMode::kInt8, 1, 1, 1, 2, 2, 8);
+  const std::vector<float> fx = {1, -1}, fy = {4, 4};
+  c.update_and_fetch(fx.data(), fx.data(), DType::kF32, 1);
+  c = a;  // copy assignment, too
+  a.update_and_fetch(y.data(), y.data(), DType::kBF16, 1);
+  EXPECT_EQ(c.live_len(), 2);
+  EXPECT_EQ(c.dequantized_window(false), (std::vector<float>{1, 1, 2, 2}));
+  // A head-trimmed view still shares the rows it was made from (read-only).
+  const DenseKVCache view = a.head_trimmed(1);
+  EXPECT_EQ(view.dequantized_window(true), a.dequantized_window(true));
+}
+
+// Defect 7: the public helpers validate their arguments.
+TEST(HostileHelpers, BuildSelectionMaskAndKeptColumns) {
+  std::vector<float> mask(8);
+  const std::vector<int32_t> positions = {1, 2}, offsets = {0, 2};
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, positions.data(), offsets.data(), -1, 8, mask.data()); },
+      "num_requests = -1"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, positions.data(), offsets.data(), 1, -8, mask.data()); },
+      "live_len = -8"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, positions.data(), nullptr, 1, 8, mask.data()); }, "null"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, nullptr, offsets.data(), 1, 8, mask.data()); }, "positions"));
+  const std::vector<int32_t> backwards = {0, 2, 1};
+  std::vector<float> mask2(16);
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, positions.data(), backwards.data(), 2, 8, mask2.data()); },
+      "offsets decrease at request 1"));
+  const std::vector<int32_t> negative = {-2, 2};
+  EXPECT_TRUE(throws_error_naming(
+      [&] { build_selection_mask(Device::kCpu, positions.data(), negative.data(), 1, 8, mask.data()); },
+      "offsets[0] = -2"));
+  build_selection_mask(Device::kCpu, positions.data(), offsets.data(), 1, 8, mask.data());
+  EXPECT_EQ(mask_kept_columns(Device::kCpu, mask.data(), 1, 8), (std::vector<std::vector<int32_t>>{{1, 2}}));
+  EXPECT_TRUE(throws_error_naming([&] { mask_kept_columns(Device::kCpu, mask.data(), -1, 8); }, "num_requests = -1"));
+  EXPECT_TRUE(throws_error_naming([&] { mask_kept_columns(Device::kCpu, mask.data(), 1, -1); }, "live_len = -1"));
+  EXPECT_TRUE(throws_error_naming([&] { mask_kept_columns(Device::kCpu, nullptr, 1, 8); }, "mask is null"));
+}
+
+TEST(HostileHelpers, GatherRowsRefusesNegativeOffsetsAndNullPointers) {
+  std::vector<uint16_t> pool(4 * 8), out(3 * 8);
+  const std::vector<int32_t> rows = {0, 1, 2};
+  const RowView view{pool.data(), 8, 8};
+  const std::vector<int32_t> negative = {-5, 1};
+  EXPECT_TRUE(throws_error_naming(
+      [&] { gather_rows(Device::kCpu, rows.data(), negative.data(), 1, 3, DType::kBF16, view, 4, out.data()); },
+      "offsets[0] = -5"));
+  const std::vector<int32_t> dips = {0, 2, -1};
+  EXPECT_TRUE(throws_error_naming(
+      [&] { gather_rows(Device::kCpu, rows.data(), dips.data(), 2, 3, DType::kBF16, view, 4, out.data()); },
+      "request 1 has -3 rows"));
+  const std::vector<int32_t> offsets = {0, 3};
+  EXPECT_TRUE(throws_error_naming(
+      [&] { gather_rows(Device::kCpu, nullptr, offsets.data(), 1, 3, DType::kBF16, view, 4, out.data()); }, "null"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] { gather_rows(Device::kCpu, rows.data(), nullptr, 1, 3, DType::kBF16, view, 4, out.data()); },
+      "offsets is null"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] { gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, 3, DType::kBF16, view, 4, nullptr); }, "null"));
+}
+
+TEST(HostileHelpers, ValidatePageTableRefusesLastPageLenOnAnEmptyRequest) {
+  PageTableStructure t = build_page_table_structure({3, 0}, 2);
+  EXPECT_FALSE(validate_page_table(t).has_value());
+  t.last_page_len[1] = 1;
+  const auto problem = validate_page_table(t);
+  ASSERT_TRUE(problem.has_value());
+  EXPECT_NE(problem->find("last_page_len[1] = 1 on an empty request"), std::string::npos) << *problem;
+}
+
+// Beyond the list: more public functions fed null pointers and bad sizes.
+TEST(HostileHelpers, MemoryCopiesRefuseNullPointers) {
+  std::vector<char> a(8);
+  EXPECT_TRUE(throws_error_naming([&] { copy_bytes(nullptr, Device::kCpu, a.data(), Device::kCpu, 8); }, "null"));
+  EXPECT_TRUE(throws_error_naming([&] { copy_2d(a.data(), Device::kCpu, 8, nullptr, Device::kCpu, 8, 4, 1); }, "null"));
+  EXPECT_TRUE(throws_error_naming([&] { fill_bytes(nullptr, Device::kCpu, 0, 8); }, "null"));
+  copy_bytes(nullptr, Device::kCpu, nullptr, Device::kCpu, 0);  // nothing to copy: fine
+}
+
+TEST(HostileHelpers, SparseDecoderRefusesNullAndInconsistentInputs) {
+  DispatchConfig config;
+  config.min_sparsity = 0;
+  SparseDecoder decoder(Device::kCpu, config);
+  const SparseSelection sel = make_selection(Device::kCpu, {{0, 3}});
+  SmallInputs s;
+  s.in.q = nullptr;
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(s.in, sel); }, "q and o must not be null"));
+  SmallInputs t;
+  t.in.live_len = 17;  // beyond the capacity
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(t.in, sel); }, "live_len = 17"));
+  SmallInputs u;
+  u.in.num_qo_heads = 0;
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(u.in, sel); }, "num_qo_heads = 0"));
+  SmallInputs w;
+  SparseSelection short_indices = make_selection(Device::kCpu, {{0, 3}});
+  short_indices.counts = {5};
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(w.in, short_indices); }, "fewer entries"));
+}
+
+TEST(HostileHelpers, PageTableBuildersNameTheirArguments) {
+  EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({1}, 0); }, "page_size = 0"));
+  EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({-1}, 4); }, "seq_lens[0] = -1"));
+  EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({1, 2}, 4, {0}); }, "first_page_offsets has 1"));
+  EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({kInt32Max, kInt32Max}, 1); }, "2^31 - 1 pages"));
+  PageTableStructure t = build_page_table_structure({3}, 2);
+  t.indptr = {0};
+  EXPECT_TRUE(throws_error_naming([&] { check_page_table(t); }, "indptr has 1 entries"));
+  const std::vector<int32_t> pages = {0, 9};
+  const PageTableStructure u = build_page_table_structure({3}, 2);
+  EXPECT_TRUE(throws_error_naming([&] { check_page_table(u, &pages, 4); }, "indices[1] = 9"));
+}
+
+TEST(HostileHelpers, SelectionFromBlocksNamesBadCounts) {
+  const Buffer ids = upload(Device::kCpu, std::vector<int32_t>{0, 1});
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {-1}, 4, {0}, {8}); }, "negative count"));
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {3}, 4, {0}, {12}); }, "block_ids holds 2"));
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {2}, 0, {0}, {8}); }, "block_size = 0"));
+  const Buffer partial_first = upload(Device::kCpu, std::vector<int32_t>{1, 0});
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(partial_first, {2}, 4, {0}, {5}); },
+                                  "(the partial final block) before its last entry"));
+  const Buffer past = upload(Device::kCpu, std::vector<int32_t>{0, 7});
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(past, {2}, 4, {0}, {8}); }, "names block 7 outside"));
+}
+
+}  // namespace
+}  // namespace sparsepage
