@@ -175,7 +175,9 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   __shared__ typename Select::Storage select_storage;
   __shared__ typename Scan::TempStorage scan_storage;
   const int r = blockIdx.x, b = r / p.heads;
-  const int64_t len = p.kv_lens[b];
+  const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
+  cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
+  cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
   const int32_t num_blocks = static_cast<int32_t>((len + p.block_size - 1) / p.block_size);
   const int32_t scored = num_blocks - 1;
   const int32_t keep = min(p.topk, scored);
@@ -285,8 +287,10 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   SP_CUDA_CHECK_LAUNCH();
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
                       a.width, sp.max_scored, a.block_ids, a.seq_lens};
-  block_topk_kernel<<<a.batch * a.num_kv_heads, kTopkThreads, 0, s>>>(tp);
-  SP_CUDA_CHECK_LAUNCH();
+  // Programmatic dependent launch: the top-k grid is scheduled while the
+  // score grid drains, and waits for its writes inside the kernel.
+  cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,
+                        s, tp);
 }
 
 void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_heads, int32_t width, int32_t block_size,
