@@ -9,11 +9,14 @@
 //      and histograms the top 12 bits of each score's order key;
 //   2. dsa_filter_kernel (many CTAs per sequence) finds the histogram bin
 //      holding the k-th largest key, marks every position in a higher bin in
-//      a bitmap and appends the positions of that bin as candidates;
-//   3. dsa_finish_kernel (one CTA per sequence) radix-selects the missing
-//      count among the candidates by (score, position) composites (ties to the
-//      lower position), adds them to the bitmap and compacts the bitmap into
-//      increasing positions, padding with -1 and writing the count.
+//      a bitmap, appends the positions of that bin as candidates and
+//      histograms the candidates' next 12 key bits;
+//   3. dsa_finish_kernel (one CTA per sequence) keeps the candidates of the
+//      higher fine bins, radix-selects the missing count inside the fine bin
+//      by (score, position) composites (ties to the lower position), adds
+//      them to the bitmap and compacts the bitmap into increasing positions,
+//      padding with -1 and writing the count.
+// The filter and the finish are programmatic dependent launches.
 // Nothing here allocates, synchronizes or reads back.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,7 +51,7 @@ constexpr int kLowKeyBits = 32 - kBinBits;
 constexpr int kFilterThreads = 256;
 constexpr int kSlice = 2048;  // positions per filter CTA (a multiple of 32)
 constexpr int kFinishThreads = 256;
-constexpr int kSmemCandidates = 4096;  // candidates ranked from shared memory; more re-read global memory
+constexpr int kSmemCandidates = 4096;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
 // Padded shared rows: dim + 8 elements is an odd number of 16-byte units
 // (dim a multiple of 16), so the eight rows of an ldmatrix phase hit distinct banks.
@@ -68,14 +71,15 @@ size_t score_smem_bytes(int32_t heads, int32_t dim) {
 // Byte offsets inside the caller's workspace; the first `cleared` bytes are
 // zeroed by every launch.
 struct Workspace {
-  size_t hist, cand_count, cleared, bitmap, scores, candidates, total;
+  size_t hist, hist2, cand_count, cleared, bitmap, scores, candidates, total;
   int64_t words;  // bitmap words per sequence
   Workspace(int32_t batch, int64_t max_kv_len) {
     const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     const size_t b = static_cast<size_t>(batch), n = static_cast<size_t>(max_kv_len);
     words = (max_kv_len + 31) / 32;
     hist = 0;
-    cand_count = up(hist + b * kBins * sizeof(int32_t));
+    hist2 = up(hist + b * kBins * sizeof(int32_t));
+    cand_count = up(hist2 + b * kBins * sizeof(int32_t));
     cleared = up(cand_count + b * sizeof(int32_t));
     bitmap = cleared;
     scores = up(bitmap + b * static_cast<size_t>(words) * sizeof(uint32_t));
@@ -95,7 +99,8 @@ struct IndexerParams {
   int32_t key_offset, heads, dim, topk;
   int32_t tiles_per_cta;
   int32_t position_bits;   // bits of a position below max_kv_len
-  int32_t* hist;           // [batch, kBins]
+  int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
+  int32_t* hist2;          // [batch, kBins]: the next 12 bits of the threshold bin's keys
   int32_t* cand_count;     // [batch]
   uint32_t* bitmap;        // [batch, words]
   float* scores;           // [batch, pitch]
@@ -328,11 +333,17 @@ __global__ void __launch_bounds__(kFilterThreads) dsa_filter_kernel(const __grid
   if (lane == 0 && total > 0) slot = atomicAdd(&p.cand_count[b], total);
   slot = __shfl_sync(0xffffffffu, slot, 0);
   uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
+  int32_t* hist2 = p.hist2 + int64_t{b} * kBins;
 #pragma unroll
   for (int e = 0; e < kWordsPerWarp; ++e) {
     if ((cand[e] >> lane) & 1u) {
       const int64_t t = w_first + e * 32 + lane;
-      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] = candidate_composite(cuda::score_key(v[e]), t, p.position_bits);
+      const uint32_t key = cuda::score_key(v[e]);
+      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] = candidate_composite(key, t, p.position_bits);
+      // Second-level histogram of the candidates, one atomic per distinct bin among the lanes.
+      const uint32_t fine = (key >> (kLowKeyBits - kBinBits)) & (kBins - 1);
+      const uint32_t peers = __match_any_sync(__activemask(), fine);
+      if (lane == __ffs(peers) - 1) atomicAdd(&hist2[fine], __popc(peers));
     }
     slot += __popc(cand[e]);
   }
@@ -347,6 +358,7 @@ __global__ void __launch_bounds__(kFinishThreads) dsa_finish_kernel(const __grid
   __shared__ typename Select::Storage select_storage;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int32_t bin[2];
+  __shared__ int32_t fine_count;
   const int b = blockIdx.x;
   const int64_t len = p.kv_lens[b];
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
@@ -361,20 +373,41 @@ __global__ void __launch_bounds__(kFinishThreads) dsa_finish_kernel(const __grid
   find_threshold_bin<kFinishThreads>(p.hist + int64_t{b} * kBins, p.topk, scan, bin);
   const int32_t wanted = p.topk - bin[1];  // from the threshold bin, >= 1
   const uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
-  const bool in_smem = n <= kSmemCandidates;
-  if (in_smem) {
-    for (int32_t i = threadIdx.x; i < n; i += kFinishThreads) items[i] = cands[i];
-    __syncthreads();
-  }
-  const auto get = [&](int32_t i) { return in_smem ? items[i] : cands[i]; };
-  const cuda::RadixCut cut = Select::run(get, n, wanted, kLowKeyBits + p.position_bits, select_storage);
   uint32_t* words = p.bitmap + int64_t{b} * p.words;
   const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
-  for (int32_t i = threadIdx.x; i < n; i += kFinishThreads) {
-    const uint64_t x = get(i);
-    if (cut.keeps(x)) {
-      const int64_t t = static_cast<int64_t>(low - (x & low));
-      atomicOr(&words[t / 32], 1u << (t % 32));
+  const auto mark = [&](uint64_t x) {
+    const int64_t t = static_cast<int64_t>(low - (x & low));
+    atomicOr(&words[t / 32], 1u << (t % 32));
+  };
+  // Second level: the filter histogrammed the candidates' next 12 key bits.
+  // Candidates in a higher fine bin are kept outright; the fine bin of the
+  // wanted-th largest (usually a handful) is ranked in shared memory.
+  find_threshold_bin<kFinishThreads>(p.hist2 + int64_t{b} * kBins, wanted, scan, bin);
+  const uint32_t fine_bin = static_cast<uint32_t>(bin[0]);
+  const int32_t fine_wanted = wanted - bin[1];
+  const int32_t fine_n = p.hist2[int64_t{b} * kBins + fine_bin];
+  const int fine_shift = p.position_bits + (kLowKeyBits - kBinBits);  // composite bits below the fine bin
+  const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+  if (fine_n <= kSmemCandidates) {
+    if (threadIdx.x == 0) fine_count = 0;
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < n; i += kFinishThreads) {
+      const uint64_t x = cands[i];
+      const uint32_t fine = static_cast<uint32_t>(x >> fine_shift) & (kBins - 1);
+      if (fine > fine_bin) mark(x);
+      if (fine == fine_bin) items[atomicAdd(&fine_count, 1)] = x;
+    }
+    __syncthreads();
+    const cuda::RadixCut cut =
+        Select::run([&](int32_t i) { return items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, select_storage);
+    for (int32_t i = threadIdx.x; i < fine_n; i += kFinishThreads) {
+      if (cut.keeps(items[i] & fine_mask)) mark(items[i]);
+    }
+  } else {  // a wide tie (e.g. many equal scores): rank every candidate from global memory
+    const cuda::RadixCut cut =
+        Select::run([&](int32_t i) { return cands[i]; }, n, wanted, kLowKeyBits + p.position_bits, select_storage);
+    for (int32_t i = threadIdx.x; i < n; i += kFinishThreads) {
+      if (cut.keeps(cands[i])) mark(cands[i]);
     }
   }
   __syncthreads();  // every kept bit is in the bitmap (global atomics, visible to the CTA after the barrier)
@@ -521,6 +554,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.tiles_per_cta = 1;  // launch_scores sizes it
   p.position_bits = cuda::position_bits(a.max_kv_len);
   p.hist = reinterpret_cast<int32_t*>(base + ws.hist);
+  p.hist2 = reinterpret_cast<int32_t*>(base + ws.hist2);
   p.cand_count = reinterpret_cast<int32_t*>(base + ws.cand_count);
   p.bitmap = reinterpret_cast<uint32_t*>(base + ws.bitmap);
   p.scores = reinterpret_cast<float*>(base + ws.scores);
