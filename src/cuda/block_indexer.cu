@@ -3,9 +3,9 @@
 // bound max_kv_len; the live length of each sequence is read on the device,
 // so one captured graph serves a growing context:
 //   1. block_score_kernel: one CTA per (scored block, sequence) reads the
-//      block's index-key rows once (16-byte loads, 16 lanes per 128-dim row)
-//      and max-pools q_idx . k_idx in fp32 for every KV head's index query
-//      at once, writing fp32 scores to the workspace;
+//      block's index-key rows once (16-byte loads) and max-pools
+//      q_idx . k_idx for every KV head's index query at once on tensor cores
+//      (fp32 accumulation), writing fp32 scores to the workspace;
 //   2. block_topk_kernel: one CTA per request ranks its scores by a radix
 //      select over (score, block id) composites (ties to the lower block id)
 //      and writes the kept ids, the final block and the covered token count.
@@ -25,17 +25,16 @@ namespace {
 
 constexpr int kScoreThreads = 256;
 constexpr int kScoreWarps = kScoreThreads / 32;
-// A 16-byte load carries 8 elements. Four lanes share a row, each taking
-// every fourth 16-byte piece (so a warp instruction reads eight whole 64-byte
-// row segments), and a warp keeps two 8-row steps in flight: the CTA's 128
-// rows are all requested before the first is used, and before the queries
-// are staged, so the query load overlaps the key loads.
-constexpr int kLanesPerRow = 4;
-constexpr int kChunksPerLane = 4;
-constexpr int kStepsInFlight = 2;
-constexpr int kRowsPerStep = 32 / kLanesPerRow;
-constexpr int kRowsPerGroup = kRowsPerStep * kStepsInFlight * kScoreWarps;
-constexpr int kMaxHeadDim = kLanesPerRow * kChunksPerLane * 8;
+// Scores are tensor-core products (mma.sync m16n8k16, fp32 accumulation):
+// 16 tokens x 8 heads (the KV heads' index queries, zero-padded) per warp
+// step over the head dim in 32-dim segments. A warp's step is read with
+// 16-byte loads (4 lanes x 16 bytes per 64-byte row segment, 8 rows per
+// instruction) straight into the A fragments, so no shared memory is touched:
+// the k order inside a segment is permuted, identically for the keys and the
+// queries, which a dot product does not notice (see load_fragment_order).
+constexpr int kStepTokens = 16;
+constexpr int kMaxSegments = 4;
+constexpr int kMaxHeadDim = 32 * kMaxSegments;
 constexpr int kMaxKvHeads = 8;
 constexpr int kTopkThreads = 256;
 // Requests with up to this many scored blocks (2M tokens at 128) rank from
@@ -60,44 +59,23 @@ struct TopkParams {
   int32_t* seq_lens;       // [batch * heads]
 };
 
+// Fragment order. Lane (g, c) = (lane / 4, lane % 4) reads physical dims
+// 32 s + 8 c .. + 7 of its rows as one uint4 {x, y, z, w}. For k-tile 2 s it
+// passes x as a0/b0 (logical k 2c, 2c + 1) and y as a2/b1 (k 2c + 8, 2c + 9);
+// for k-tile 2 s + 1, z and w. Over the four lanes of a group every physical
+// dim of the segment meets its own query element exactly once.
 template <typename T>
-__device__ __forceinline__ void dot8(const uint4& raw, const float* q, float& acc) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-  const float4 q0 = *reinterpret_cast<const float4*>(q), q1 = *reinterpret_cast<const float4*>(q + 4);
-  acc = fmaf(q0.x, cuda::ElemTraits<T>::to_float(e[0]), acc);
-  acc = fmaf(q0.y, cuda::ElemTraits<T>::to_float(e[1]), acc);
-  acc = fmaf(q0.z, cuda::ElemTraits<T>::to_float(e[2]), acc);
-  acc = fmaf(q0.w, cuda::ElemTraits<T>::to_float(e[3]), acc);
-  acc = fmaf(q1.x, cuda::ElemTraits<T>::to_float(e[4]), acc);
-  acc = fmaf(q1.y, cuda::ElemTraits<T>::to_float(e[5]), acc);
-  acc = fmaf(q1.z, cuda::ElemTraits<T>::to_float(e[6]), acc);
-  acc = fmaf(q1.w, cuda::ElemTraits<T>::to_float(e[7]), acc);
-}
-
-// This lane's pieces of its rows in the group of kRowsPerGroup rows at
-// `group`: row group + warp * 16 + step * 8 + lane / 4, pieces lane % 4 + 4 k.
-template <typename T>
-__device__ __forceinline__ void load_group(const T* keys, int dim, int rows, int group,
-                                           uint4 (&raw)[kStepsInFlight][kChunksPerLane]) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
-  const int chunks = dim / 8;
-#pragma unroll
-  for (int s = 0; s < kStepsInFlight; ++s) {
-    const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
-#pragma unroll
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const int c = sub + k * kLanesPerRow;
-      raw[s][k] = r < rows && c < chunks ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{r} * dim) + c)
-                                         : make_uint4(0, 0, 0, 0);
-    }
-  }
+__device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g, const uint4& row_g8, const uint4& q) {
+  const uint32_t a0[4] = {row_g.x, row_g8.x, row_g.y, row_g8.y};
+  const uint32_t a1[4] = {row_g.z, row_g8.z, row_g.w, row_g8.w};
+  cuda::mma_16816<T>(acc, a0, q.x, q.y);
+  cuda::mma_16816<T>(acc, a1, q.z, q.w);
 }
 
 // Block blockIdx.x of sequence blockIdx.y: max over its tokens of q_h . k_t
 // for every head h. fmaxf drops a NaN dot as the CPU rule's std::max does.
 template <typename T>
-__global__ void __launch_bounds__(kScoreThreads) block_score_kernel(const __grid_constant__ ScoreParams p) {
-  __shared__ __align__(16) float q_s[kMaxKvHeads * kMaxHeadDim];
+__global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
   __shared__ float best_s[kScoreWarps][kMaxKvHeads];
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
@@ -108,53 +86,61 @@ __global__ void __launch_bounds__(kScoreThreads) block_score_kernel(const __grid
     for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
   }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  const int segments = p.dim / 32;
   const T* keys = static_cast<const T*>(p.k_alloc) +
                   ((int64_t{b} * (p.heads + 1) + p.heads) * p.capacity + int64_t{j} * p.block_size) * p.dim;
   const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
-  uint4 raw[kStepsInFlight][kChunksPerLane];
-  load_group<T>(keys, p.dim, rows, 0, raw);
-  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * p.heads * p.dim;
-  for (int i = threadIdx.x; i < p.heads * p.dim; i += kScoreThreads) q_s[i] = cuda::ElemTraits<T>::to_float(qb[i]);
-  __syncthreads();
-
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = lane % kLanesPerRow;
-  const int chunks = p.dim / 8;
-  float best[kMaxKvHeads];
+  const auto load = [&](int row, int s) {
+    return row < rows ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{row} * p.dim + s * 32 + c * 8))
+                      : make_uint4(0, 0, 0, 0);
+  };
+  int t0 = warp * kStepTokens;
+  uint4 kg[kMaxSegments], kg8[kMaxSegments];
 #pragma unroll
-  for (int h = 0; h < kMaxKvHeads; ++h) best[h] = cuda::neg_inf_f32();
-  // The loop is CTA-uniform, so every lane reaches the shuffles; rows past
-  // the block loaded zeros and are not maxed.
-  for (int group = 0;;) {
+  for (int s = 0; s < kMaxSegments; ++s) {
+    kg[s] = s < segments ? load(t0 + g, s) : make_uint4(0, 0, 0, 0);
+    kg8[s] = s < segments ? load(t0 + g + 8, s) : make_uint4(0, 0, 0, 0);
+  }
+  // Query of head g (B column g); heads past the last are zero and never read out.
+  uint4 q[kMaxSegments];
+  const T* qh = static_cast<const T*>(p.index_q) + (int64_t{b} * p.heads + g) * p.dim;
 #pragma unroll
-    for (int s = 0; s < kStepsInFlight; ++s) {
-      const int r = group + (warp * kStepsInFlight + s) * kRowsPerStep + lane / kLanesPerRow;
-      float acc[kMaxKvHeads];
+  for (int s = 0; s < kMaxSegments; ++s) {
+    q[s] = s < segments && g < p.heads ? *reinterpret_cast<const uint4*>(qh + s * 32 + c * 8) : make_uint4(0, 0, 0, 0);
+  }
+  float best[2] = {cuda::neg_inf_f32(), cuda::neg_inf_f32()};  // heads 2c, 2c + 1
+  // Warp-uniform loop over this warp's 16-token steps (one for 128-token blocks).
+  for (; t0 < rows; t0 += kScoreWarps * kStepTokens) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int h = 0; h < kMaxKvHeads; ++h) {
-        acc[h] = 0.0f;
-        if (h < p.heads) {
+    for (int s = 0; s < kMaxSegments; ++s) {
+      if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
+    }
+    if (t0 + g < rows) {
+      best[0] = fmaxf(best[0], acc[0]);
+      best[1] = fmaxf(best[1], acc[1]);
+    }
+    if (t0 + g + 8 < rows) {
+      best[0] = fmaxf(best[0], acc[2]);
+      best[1] = fmaxf(best[1], acc[3]);
+    }
+    const int next = t0 + kScoreWarps * kStepTokens;
+    if (next < rows) {
 #pragma unroll
-          for (int k = 0; k < kChunksPerLane; ++k) {
-            const int c = sub + k * kLanesPerRow;
-            if (c < chunks) dot8<T>(raw[s][k], q_s + h * p.dim + c * 8, acc[h]);
-          }
-          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 1);
-          acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 2);
-          if (r < rows) best[h] = fmaxf(best[h], acc[h]);
+      for (int s = 0; s < kMaxSegments; ++s) {
+        if (s < segments) {
+          kg[s] = load(next + g, s);
+          kg8[s] = load(next + g + 8, s);
         }
       }
     }
-    group += kRowsPerGroup;
-    if (group >= rows) break;
-    load_group<T>(keys, p.dim, rows, group, raw);
   }
+  // Max over the eight token rows g: lanes 0 .. 3 then hold heads 2c, 2c + 1.
 #pragma unroll
-  for (int h = 0; h < kMaxKvHeads; ++h) {
-    if (h < p.heads) {
-#pragma unroll
-      for (int off = kLanesPerRow; off < 32; off *= 2) best[h] = fmaxf(best[h], __shfl_xor_sync(0xffffffffu, best[h], off));
-      if (lane == 0) best_s[warp][h] = best[h];
-    }
+  for (int e = 0; e < 2; ++e) {
+    for (int off = 4; off < 32; off *= 2) best[e] = fmaxf(best[e], __shfl_xor_sync(0xffffffffu, best[e], off));
+    if (g == 0 && 2 * c + e < p.heads) best_s[warp][2 * c + e] = best[e];
   }
   __syncthreads();
   if (threadIdx.x < p.heads) {
@@ -176,7 +162,9 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   __shared__ typename Select::Storage select_storage;
   __shared__ typename Scan::TempStorage scan_storage;
   const int r = blockIdx.x, b = r / p.heads;
-  const int64_t len = p.kv_lens[b];
+  const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
+  cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
+  cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
   const int32_t num_blocks = static_cast<int32_t>((len + p.block_size - 1) / p.block_size);
   const int32_t scored = num_blocks - 1;
   const int32_t keep = min(p.topk, scored);
@@ -257,9 +245,9 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   require(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
   require(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
           "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
-  require(a.head_dim >= 8 && a.head_dim % 8 == 0 && a.head_dim <= kMaxHeadDim,
-          "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 8 in [8, 128] (rows are read 16 bytes "
-          "at a time, four lanes per row, four pieces each)");
+  require(a.head_dim >= 32 && a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim,
+          "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 32 in [32, " +
+              std::to_string(kMaxHeadDim) + "] (tensor-core k-tiles read in 32-dim segments)");
   require(reinterpret_cast<uintptr_t>(a.k_alloc) % 16 == 0, "k_alloc must be 16-byte aligned");
   require(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
   require(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
@@ -286,8 +274,10 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   SP_CUDA_CHECK_LAUNCH();
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
                       a.width, sp.max_scored, a.block_ids, a.seq_lens};
-  block_topk_kernel<<<a.batch * a.num_kv_heads, kTopkThreads, 0, s>>>(tp);
-  SP_CUDA_CHECK_LAUNCH();
+  // Programmatic dependent launch: the top-k grid is scheduled while the
+  // score grid drains, and waits for its writes inside the kernel.
+  cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,
+                        s, tp);
 }
 
 void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_heads, int32_t width, int32_t block_size,

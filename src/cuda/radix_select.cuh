@@ -67,7 +67,13 @@ struct RadixSelect {
       __syncthreads();
       for (int32_t i = threadIdx.x; i < n; i += kThreads) {
         const uint64_t x = get(i);
-        if ((x & cut.mask) == cut.prefix) atomicAdd(&s.hist[(x >> shift) & 0xFFu], 1);
+        if ((x & cut.mask) == cut.prefix) {
+          // Items sharing a prefix crowd few digits: one atomic per distinct
+          // digit among the converged lanes, not one per item.
+          const uint32_t digit = static_cast<uint32_t>(x >> shift) & 0xFFu;
+          const uint32_t peers = __match_any_sync(__activemask(), digit);
+          if (static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&s.hist[digit], __popc(peers));
+        }
       }
       __syncthreads();
       // Thread t holds digit 255 - t: the exclusive sum is the count in larger digits.

@@ -16,7 +16,7 @@ namespace sparsepage::detail {
 /// sized from the host bound max_kv_len, so one captured graph serves every
 /// length up to it. Allocates nothing, synchronizes nothing.
 /// Limits (Error naming the argument): f16/bf16; 1 <= num_kv_heads <= 8;
-/// head_dim a multiple of 8 up to 128; batch <= 65535.
+/// head_dim a multiple of 32 up to 128 (the tensor-core score layout); batch <= 65535.
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
   const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
