@@ -27,7 +27,8 @@ S="$BUILD/tools/sparse_step_bench"
 failed=0
 
 if [[ $STAGES == *tests* ]]; then
-  "$T" > "$OUT/cuda_tests.log" 2>&1; rc=$?
+  # The indexer timing tests run too (they skip without this switch).
+  SPARSEPAGE_INDEXER_TIMING=1 "$T" > "$OUT/cuda_tests.log" 2>&1; rc=$?
   note "GPU tests: rc=$rc, $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/cuda_tests.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || { failed=1; grep -E "Failure|FAILED|error" -A4 "$OUT/cuda_tests.log" | head -60; }
   # On a machine with a GPU every GPU test must run: a skip here means the
@@ -54,6 +55,11 @@ if [[ $STAGES == *steps* ]]; then
   [ $rc -eq 0 ] || failed=1
   note "step bench: rc=$rc"; grep -E "^(blocksparse|dsa)" "$OUT/steps.log" | cut -c1-230
   cp "$OUT/steps.log" "$RESULTS/steps.log"
+  # The block-sparse step with token-granular pages, for the page-granularity choice.
+  "$S" --layers blocksparse --token-pages ${STEP_ARGS:-} --json "$RESULTS/steps_token_pages.json" \
+    > "$OUT/steps_token_pages.log" 2>&1; rc=$?
+  [ $rc -eq 0 ] || failed=1
+  note "step bench, token pages: rc=$rc"; grep -E "^blocksparse" "$OUT/steps_token_pages.log" | cut -c1-230
 fi
 if [[ $STAGES == *bench* ]]; then
   for batch in 1 32; do
