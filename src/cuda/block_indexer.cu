@@ -77,6 +77,10 @@ __device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g,
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
   __shared__ float best_s[kScoreWarps][kMaxKvHeads];
+  // Launched as a programmatic dependent of the step's append: wait for its
+  // rows and length, then let the top-k grid be scheduled.
+  cuda::pdl_wait_primary();
+  cuda::pdl_launch_dependents();
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
@@ -267,11 +271,10 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
                  a.capacity, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   if (a.dtype == DType::kBF16) {
-    block_score_kernel<__nv_bfloat16><<<grid, kScoreThreads, 0, s>>>(sp);
+    cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16>, grid, dim3(kScoreThreads), 0, s, sp);
   } else {
-    block_score_kernel<__half><<<grid, kScoreThreads, 0, s>>>(sp);
+    cuda::launch_with_pdl(block_score_kernel<__half>, grid, dim3(kScoreThreads), 0, s, sp);
   }
-  SP_CUDA_CHECK_LAUNCH();
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
                       a.width, sp.max_scored, a.block_ids, a.seq_lens};
   // Programmatic dependent launch: the top-k grid is scheduled while the

@@ -14,6 +14,11 @@ constexpr int kAppendThreads = 256;
 // copied in 4-byte words, and only after the CTA-wide barrier does thread 0
 // publish the new length, so no thread reads a half-advanced value.
 __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __grid_constant__ detail::AppendTokenArgs a) {
+  // Launched as a programmatic dependent: wait for the previous kernel (it
+  // may have produced the new rows), then let the step's next kernel (the
+  // indexer) be scheduled while this one drains; it waits for us in turn.
+  cuda::pdl_wait_primary();
+  cuda::pdl_launch_dependents();
   const int64_t b = blockIdx.x;
   const int64_t t = a.live_lens[b];
   if (t < 0 || t >= a.capacity) return;  // full: nothing is written past the allocation
@@ -37,8 +42,8 @@ namespace detail {
 void append_token_cuda(const AppendTokenArgs& a, void* stream) {
   if (a.batch < 1 || a.k_row_bytes % 4 != 0 || a.v_row_bytes % 4 != 0)
     throw Error("append_token: batch must be at least 1 and rows whole 4-byte words");
-  append_token_kernel<<<a.batch, kAppendThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
-  SP_CUDA_CHECK_LAUNCH();
+  cuda::launch_with_pdl(append_token_kernel, dim3(static_cast<unsigned>(a.batch)), dim3(kAppendThreads), 0,
+                        static_cast<cudaStream_t>(stream), a);
 }
 }  // namespace detail
 

@@ -72,6 +72,9 @@ std::vector<uint8_t> read(const Buffer& b, cudaStream_t stream) {
 template <class Layer, class Step>
 void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuffers& e,
                           const std::vector<bool>& is_f32, int steps, Step&& step) {
+  // The prefix was written on the legacy default stream, which a
+  // non-blocking stream does not wait for.
+  testing::cuda_ok(cudaDeviceSynchronize(), "prefix");
   cudaStream_t stream;
   testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   std::mt19937_64 rng(2026);
@@ -126,14 +129,13 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   StepBuffers g = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(4, false);
+  // The same 1380-token prompt in both caches (its attention ran elsewhere).
   std::mt19937_64 rng(7);
-  for (int t = 0; t < 1380; ++t) {
-    refill(g, is_f32, rng, nullptr);
-    const BlockSparseTokens tok{g.inputs[0].data(), g.inputs[1].data(), g.inputs[2].data(), g.inputs[3].data(),
-                                g.o.data()};
-    graphed.prefill_token(tok);
-    eager.prefill_token(tok);
-  }
+  const int64_t prompt = 1380;
+  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (c.num_kv_heads + 1) * prompt * d, rng));
+  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
+  graphed.append_tokens(pk.data(), pv.data(), prompt);
+  eager.append_tokens(pk.data(), pv.data(), prompt);
   graphed.reserve(1600);
   eager.reserve(1600);
   auto step = [fused](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
@@ -167,8 +169,15 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
     return DsaTokens{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
                      s.inputs[4].data(), s.inputs[5].data(), s.o.data()};
   };
+  // The same 100-token prompt in both caches: a few tokens through prefill,
+  // the rest appended (their attention ran elsewhere).
   std::mt19937_64 rng(8);
-  for (int t = 0; t < 100; ++t) {
+  const int64_t bulk = 96;
+  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (512 + 64) * bulk, rng));
+  const Buffer pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * 64 * bulk, rng));
+  graphed.append_tokens(pk.data(), pe.data(), bulk);
+  eager.append_tokens(pk.data(), pe.data(), bulk);
+  for (int t = 0; t < 4; ++t) {
     refill(g, is_f32, rng, nullptr);
     graphed.prefill_token(tokens(g));
     eager.prefill_token(tokens(g));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "sparsepage/memory.h"
@@ -26,6 +27,15 @@ void check_block_sparse_set_equality(Device device);
 /// path and with the kill switch (mask path), in the sparse regime, for
 /// `batch` sequences side by side.
 void check_block_sparse_greedy_equality(Device device, int32_t batch);
+
+/// Greedy tokens of two arms that attend the same positions with bf16
+/// rounding in another order (`got`, `ref`: per sequence). They must agree
+/// up to the first step, if any, where the reference arm's top two logits
+/// nearly tie (`ref_margins`, ToyModel::margins()); a sequence is not
+/// compared past that step, and at least half of all tokens must be compared.
+void expect_same_greedy_tokens(const std::vector<std::vector<int32_t>>& got,
+                               const std::vector<std::vector<int32_t>>& ref,
+                               const std::vector<std::vector<float>>& ref_margins, const std::string& what);
 
 /// fp64 attention of DSA sequence b over `positions`, read from `layer`'s
 /// host (bf16) cache: scores scale * (q . latent + q_pe . k_pe) with the

@@ -286,8 +286,13 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
 }
 
 std::vector<int32_t> DsaToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
-  return greedy({prompt}, steps, [this](const std::vector<int32_t>& t, bool prefill) {
-           return std::vector<std::vector<float>>{forward(t[0], prefill)};
-         }).front();
+  margins_.assign(1, {});
+  return greedy(
+             {prompt}, steps,
+             [this](const std::vector<int32_t>& t, bool prefill) {
+               return std::vector<std::vector<float>>{forward(t[0], prefill)};
+             },
+             &margins_)
+      .front();
 }
 }  // namespace sparsepage::testing

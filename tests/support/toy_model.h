@@ -72,6 +72,8 @@ class DsaToyModel {
   DsaToyModel(Device device, const DsaToyConfig& config, DispatchConfig dispatch);
   ~DsaToyModel();
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int32_t steps);
+  /// Per generated token: the gap between the two largest logits ([1][steps]).
+  const std::vector<std::vector<float>>& margins() const { return margins_; }
   int32_t fused_steps() const { return fused_steps_; }
   int32_t sparse_steps() const { return sparse_steps_; }
 
@@ -82,6 +84,7 @@ class DsaToyModel {
   DsaToyConfig config_;
   std::unique_ptr<Weights> weights_;
   std::vector<std::unique_ptr<DsaAttention>> layers_;
+  std::vector<std::vector<float>> margins_;
   int32_t fused_steps_ = 0, sparse_steps_ = 0;
   int64_t position_ = 0;
 };
