@@ -69,6 +69,19 @@ void bind_page_table(nb::module_& m) {
                                  "Everything of the CSR page table but `indices`, derived on the host from counts.\n"
                                  "Visible token i of request r lives at pool page\n"
                                  "indices[indptr[r] + (first_page_offset[r] + i) // page_size].")
+      .def(
+          "__init__",
+          [](PageTableStructure* t, int32_t page_size, nb::handle indptr, nb::handle last_page_len,
+             nb::handle first_page_offset, nb::handle seq_lens) {
+            const std::string op = "PageTableStructure";
+            new (t) PageTableStructure{page_size, host_int32(indptr, op, "indptr"),
+                                       host_int32(last_page_len, op, "last_page_len"),
+                                       host_int32(first_page_offset, op, "first_page_offset"),
+                                       host_int32(seq_lens, op, "seq_lens")};
+          },
+          nb::kw_only(), nb::arg("page_size"), nb::arg("indptr"), nb::arg("last_page_len"),
+          nb::arg("first_page_offset"), nb::arg("seq_lens"),
+          "A structure from explicit arrays (host values), e.g. to validate one built elsewhere.")
       .def_ro("page_size", &PageTableStructure::page_size)
       .def_prop_ro("indptr", [](const PageTableStructure& t) { return numpy_int32(t.indptr, {t.indptr.size()}); },
                    "int32 [num_requests + 1]")
