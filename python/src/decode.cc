@@ -387,6 +387,20 @@ void bind_decode(nb::module_& m) {
         "(page ids relative to each request's window of window_len positions).");
 
   m.def(
+      "upload_plan",
+      [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
+        const Tensor ws = describe(workspace, "upload_plan", "workspace");
+        workspace_of(ws, plan.workspace.total);
+        if (ws.device != Device::kCuda) return;  // the CPU backend reads the plan itself
+        DeviceGuard guard(ws);
+        upload_plan_cuda(plan, ws.data, stream_ptr(stream));
+      },
+      nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
+      "Copies the plan's work and merge lists into a CUDA workspace (asynchronously on `stream`).\n"
+      "Do it when the plan changes, before capturing a graph; then call paged_decode with\n"
+      "upload_plan=False. A no-op for a CPU workspace.");
+
+  m.def(
       "read_decode_error_flag",
       [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
         const Tensor ws = describe(workspace, "read_decode_error_flag", "workspace");
