@@ -332,15 +332,15 @@ auto with_selection(const std::string& op, Device device, const In& positions, n
 
 /// Python's SparseDecoder: the C++ decoder plus the selection's buffer.
 struct PySparseDecoder {
-  PySparseDecoder(Device device, std::optional<DispatchConfig> config)
-      : device(device), decoder(device, config ? *config : process_dispatch_config()) {}
+  PySparseDecoder(Device on, std::optional<DispatchConfig> config)
+      : device(on), decoder(on, config ? *config : process_dispatch_config()) {}
   Device device;
   SparseDecoder decoder;
   Buffer selection_buffer;
 };
 
 struct PyMaskPath {
-  explicit PyMaskPath(Device device) : device(device), path(device) {}
+  explicit PyMaskPath(Device on) : device(on), path(on) {}
   Device device;
   MaskPath path;
   Buffer selection_buffer;

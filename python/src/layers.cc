@@ -38,10 +38,9 @@ std::vector<float> host_floats(const std::string& op, const In& a, const char* n
 using Rows = std::vector<std::vector<int32_t>>;
 
 struct PyBlockSparse {
-  PyBlockSparse(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
-                std::optional<DispatchConfig> dispatch)
-      : device(device), dtype(dtype), config(config), batch(batch),
-        layer(device, dtype, config, batch, dispatch ? *dispatch : process_dispatch_config()) {}
+  PyBlockSparse(Device on, DType type, const BlockSparseConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
+      : device(on), dtype(type), config(c), batch(b),
+        layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
   Device device;
   DType dtype;
   BlockSparseConfig config;
@@ -62,9 +61,8 @@ struct PyBlockSparse {
 };
 
 struct PyDsa {
-  PyDsa(Device device, DType dtype, const DsaConfig& config, int32_t batch, std::optional<DispatchConfig> dispatch)
-      : device(device), dtype(dtype), config(config), batch(batch),
-        layer(device, dtype, config, batch, dispatch ? *dispatch : process_dispatch_config()) {}
+  PyDsa(Device on, DType type, const DsaConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
+      : device(on), dtype(type), config(c), batch(b), layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
   Device device;
   DType dtype;
   DsaConfig config;
