@@ -75,9 +75,9 @@ def main():
 
             def torch_attn():
                 rows = torch.gather(kv, 1, sel["top"][:, :, None].expand(-1, -1, LAT + ROPE))
-                k = rows[:, None]
-                v = rows[:, None, :, :LAT]
-                return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
+                k = rows[:, None].expand(-1, H, -1, -1)
+                v = rows[:, None, :, :LAT].expand(-1, H, -1, -1)
+                return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)[:, :, 0]
 
             def sp_attn():
                 slots = (sel["top"] + base).to(torch.int32)
