@@ -217,6 +217,7 @@ void bind_dispatch(nb::module_& m) {
 
   nb::class_<SparseDecodeOutcome>(m, "SparseDecodeOutcome",
                                   "Fused (with its shape) or a fallback whose reason names its numbers.")
+      .def(nb::init<>())
       .def_ro("kind", &SparseDecodeOutcome::kind)
       .def_ro("requests", &SparseDecodeOutcome::requests)
       .def_ro("selected_rows", &SparseDecodeOutcome::selected_rows)
