@@ -46,7 +46,8 @@ def main():
         o_one, _ = whole(q_lat, q_pe, kv, slots, scale=scale)
         diff = (o_tp.float() - o_one.float()).abs().max().item()
         print(f"tensor parallel over {world} GPUs vs one GPU: max |diff| = {diff:.3g}")
-        assert torch.equal(o_tp, o_one), "each head's output should not depend on how heads are sharded"
+        # Plans differ with the head count (chunking, merge order), so allow bf16 rounding.
+        assert diff < 1e-2, "sharding the query heads changed the result"
     dist.barrier()
     dist.destroy_process_group()
 
