@@ -157,8 +157,8 @@ def mla_decode_positions(q_latent, q_pe, kv_cache, positions, block_table, token
     safe = np.where(pos >= 0, pos, 0)
     blocks = table[req[:, None], safe // block_size]
     slots = np.where(pos >= 0, blocks * block_size + safe % block_size, -1).astype(np.int32)
-    return mla_decode_slots(q_latent, q_pe, kv_cache, _like(slots, positions) if not _is_torch(positions) else slots,
-                            scale=scale, topk_length=topk_length, o=o, lse=lse, latent_dim=latent_dim)
+    return mla_decode_slots(q_latent, q_pe, kv_cache, slots, scale=scale, topk_length=topk_length, o=o, lse=lse,
+                            latent_dim=latent_dim)
 
 
 def paged_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, o=None, lse=None):
