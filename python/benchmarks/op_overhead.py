@@ -1,0 +1,62 @@
+"""Eager per-call overhead of the paged decode from Python, on a GPU.
+
+Times a tiny decode (launch-bound, so host time dominates) three ways: the
+binding called directly, the torch custom op, and a CUDA graph replay of the
+op; prints microseconds per call. Usage: python3 python/benchmarks/op_overhead.py
+"""
+
+import time
+
+import torch
+
+import sparsepage as sp
+from sparsepage import torch_ops as ops
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main():
+    dev = "cuda"
+    lens = [64]
+    t = sp.build_page_table_structure(lens, 1)
+    plan = ops.DecodePlan(lens, group_size=8, head_dim_qk=128, head_dim_v=128, device=dev)
+    ws = plan.new_workspace()
+    k = torch.randn(4096, 128, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, 8, 128, device=dev, dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    indptr = torch.from_numpy(t.indptr).to(dev)
+    seq = torch.from_numpy(t.seq_lens).to(dev)
+    idx = torch.randint(0, 4096, (64,), dtype=torch.int32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct():
+        sp.paged_decode(plan.plan, q, k, k, o, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws,
+                        upload_plan=False, stream=stream)
+
+    def op():
+        ops.paged_decode_out(plan, q, k, k, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws, o=o)
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        op()
+    print(f"binding call   {per_call_us(direct):8.2f} us/call")
+    print(f"torch op       {per_call_us(op):8.2f} us/call")
+    print(f"graph replay   {per_call_us(graph.replay):8.2f} us/call")
+
+
+if __name__ == "__main__":
+    main()

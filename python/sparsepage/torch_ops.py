@@ -1,0 +1,217 @@
+"""torch custom ops over sparsepage (``import sparsepage.torch_ops`` imports torch).
+
+The ops are registered with :mod:`torch.library` under the ``sparsepage``
+namespace, each with a fake (meta) implementation, so that
+
+* ``torch.compile`` traces a model that calls them (they stay opaque nodes);
+* ``torch.cuda.graphs`` captures them: a launch allocates nothing,
+  synchronizes nothing and reads nothing back, once its plan is uploaded;
+* they run on torch's current stream (``torch.cuda.current_stream()``);
+* the caller passes the workspace (``DecodePlan.new_workspace()``), so a step
+  allocates only what the caller lets it.
+
+The split-KV plan is host data made from per-request counts. A
+:class:`DecodePlan` registers it under an integer handle, which is what the
+ops take; a model keeps one plan per distinct set of counts (for fixed top-k
+counts, one for the whole run) and uploads it before capture.
+
+lse tensors are fp32 natural logarithms of the summed exponentials of the
+scaled scores; an empty request gives ``o = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import _core
+
+__all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSlotDecoder"]
+
+_PLANS: dict = {}
+_next_handle = itertools.count(1)
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+class DecodePlan:
+    """A split-KV plan for the given per-request visible counts (host values).
+
+    Args:
+        seq_lens: visible tokens per request (a list or a CPU tensor).
+        group_size: query heads per request (after GQA folding).
+        head_dim_qk, head_dim_v, head_dim_extra: the kernel's dims (extra: the second K
+            stream, 64 for MLA rope keys; 0 without one).
+        device: where the decode runs; a CUDA plan is shaped for that GPU's SM count
+            and kernel tiles.
+        fixed_chunk_tokens: 0 lets the plan choose; otherwise every chunk has this
+            many tokens (how tests force a split).
+    """
+
+    def __init__(self, seq_lens: Sequence[int], *, group_size: int, head_dim_qk: int, head_dim_v: int,
+                 head_dim_extra: int = 0, device="cpu", fixed_chunk_tokens: int = 0):
+        self.device = torch.device(device)
+        if isinstance(seq_lens, torch.Tensor):
+            seq_lens = seq_lens.cpu().tolist()
+        self.seq_lens = [int(x) for x in seq_lens]
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                launch = _core.cuda_launch_shape(head_dim_qk, head_dim_v, head_dim_extra, group_size)
+                # As SparseDecoder plans: fill the SMs with the kernel's resident CTAs.
+                shape = _core.PlanShape(group_size=group_size, head_dim_v=head_dim_v,
+                                        num_sms=_core.cuda_multiprocessor_count(), items_per_sm=launch.ctas_per_sm,
+                                        ctas_per_item=launch.ctas_per_item, fixed_chunk_tokens=fixed_chunk_tokens)
+        else:
+            shape = _core.PlanShape(group_size=group_size, head_dim_v=head_dim_v, num_sms=max(1, os.cpu_count() or 1),
+                                    fixed_chunk_tokens=fixed_chunk_tokens)
+        self.plan = _core.make_decode_plan(self.seq_lens, shape)
+        self.handle = next(_next_handle)
+        _PLANS[self.handle] = self.plan
+
+    def __del__(self):
+        _PLANS.pop(getattr(self, "handle", None), None)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.plan.workspace_bytes
+
+    def new_workspace(self) -> torch.Tensor:
+        """A uint8 workspace of the size this plan needs, on its device (uploaded on CUDA)."""
+        ws = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=self.device)
+        self.upload(ws)
+        return ws
+
+    def upload(self, workspace: torch.Tensor) -> None:
+        """Copies the work lists into `workspace` on the current stream (CUDA); before capture."""
+        _core.upload_plan(self.plan, workspace, _stream(workspace))
+
+    def structure(self, page_size: int, first_page_offsets: Optional[Sequence[int]] = None):
+        """indptr and seq_lens int32 tensors of the page table for these counts, on the plan's device."""
+        t = _core.build_page_table_structure(self.seq_lens, page_size, first_page_offsets)
+        return (torch.from_numpy(t.indptr).to(self.device), torch.from_numpy(t.seq_lens).to(self.device))
+
+
+@torch.library.custom_op("sparsepage::paged_decode_out", mutates_args=("o", "lse", "workspace"))
+def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: torch.Tensor,
+                      indices: torch.Tensor, seq_lens: torch.Tensor, first_page_offset: Optional[torch.Tensor],
+                      q_extra: Optional[torch.Tensor], k_extra: Optional[torch.Tensor], workspace: torch.Tensor,
+                      o: torch.Tensor, lse: Optional[torch.Tensor], page_size: int, scale: float,
+                      num_pool_pages: int, request_row_stride: int, window_len: int) -> None:
+    p = _PLANS.get(plan)
+    if p is None:
+        raise _core.Error(f"paged_decode: plan handle {plan} is not live (keep its DecodePlan alive)")
+    _core.paged_decode(p, q, k, v, o, indptr, indices, seq_lens, page_size=page_size, scale=scale,
+                       first_page_offset=first_page_offset, lse=lse, q_extra=q_extra, k_extra=k_extra,
+                       workspace=workspace, num_pool_pages=num_pool_pages, request_row_stride=request_row_stride,
+                       window_len=window_len, upload_plan=False, stream=_stream(q))
+
+
+@_paged_decode_out.register_fake
+def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
+      scale, num_pool_pages, request_row_stride, window_len):
+    return None
+
+
+def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_size: int, scale: float,
+                     workspace: torch.Tensor, o: torch.Tensor, lse: Optional[torch.Tensor] = None,
+                     first_page_offset=None, q_extra=None, k_extra=None, num_pool_pages: int = -1,
+                     request_row_stride: int = 0, window_len: int = 0) -> None:
+    """The paged decode into caller-owned `o` (and optional fp32 `lse`): the op to capture.
+
+    Shapes as :func:`sparsepage.paged_decode` (q [R, G, Dqk] and o [R, G, Dv] contiguous;
+    k, v, k_extra pools of rows, column slices allowed; int32 page-table tensors on q's device).
+    `workspace` comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
+    """
+    torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra,
+                                          k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
+                                          request_row_stride, window_len)
+
+
+@torch.library.custom_op("sparsepage::paged_decode", mutates_args=("workspace",))
+def _paged_decode(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: torch.Tensor,
+                  indices: torch.Tensor, seq_lens: torch.Tensor, first_page_offset: Optional[torch.Tensor],
+                  q_extra: Optional[torch.Tensor], k_extra: Optional[torch.Tensor], workspace: torch.Tensor,
+                  page_size: int, scale: float, num_pool_pages: int, request_row_stride: int,
+                  window_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    o = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    _paged_decode_out(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
+                      page_size, scale, num_pool_pages, request_row_stride, window_len)
+    return o, lse
+
+
+@_paged_decode.register_fake
+def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, page_size, scale,
+      num_pool_pages, request_row_stride, window_len):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
+            q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
+
+
+def paged_decode(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_size: int, scale: float,
+                 workspace: torch.Tensor, first_page_offset=None, q_extra=None, k_extra=None,
+                 num_pool_pages: int = -1, request_row_stride: int = 0,
+                 window_len: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Functional paged decode: returns ``(o, lse)`` (new tensors; lse fp32, natural log)."""
+    return torch.ops.sparsepage.paged_decode(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset,
+                                             q_extra, k_extra, workspace, page_size, float(scale), num_pool_pages,
+                                             request_row_stride, window_len)
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merges S partial attention states by their lse (natural log), on any device.
+
+    o ``[S, ..., D]`` and fp32 lse ``[S, ...]`` hold S states over the same rows (e.g. the
+    shared-prefix and the suffix launches of cascade attention); returns ``(o [..., D] in o's
+    dtype, lse [...] fp32)``. An empty state (lse = -inf) weighs nothing; all empty gives
+    o = 0, lse = -inf; a NaN state poisons its row. Plain torch math: traceable and capturable.
+    """
+    lse = lse.float()
+    m = lse.amax(dim=0)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - safe.unsqueeze(0))  # exp(-inf) = 0 for empty states
+    total = w.sum(dim=0)
+    merged = (w.unsqueeze(-1) * o.float()).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    has = (total > 0) | torch.isnan(total)
+    merged = torch.where(has.unsqueeze(-1), merged, torch.zeros_like(merged))
+    out_lse = torch.where(has, safe + torch.log(total), torch.full_like(total, float("-inf")))
+    return merged.to(o.dtype), out_lse
+
+
+def merge_state(o_a, lse_a, o_b, lse_b) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merges two states (o [..., D], lse [...]); see :func:`merge_states`."""
+    return merge_states(torch.stack([o_a, o_b]), torch.stack([lse_a.float(), lse_b.float()]))
+
+
+class MlaSlotDecoder:
+    """MLA decode over an engine's ``[num_blocks, block_size, 576]`` cache from a
+    ``[num_tokens, topk]`` slot-id matrix whose rows are all full (no ``-1``), on CPU or CUDA.
+
+    Each token is one request at page_size 1 whose page ids are the slot ids themselves, so
+    the cache and the index matrix are read in place. The page-table structure, the plan and
+    the workspace are made once for (num_tokens, topk) at construction; a call then launches
+    the fused kernel only (capturable). ``-1`` padding and ``topk_length`` on the device need
+    device-side live lengths in the library: use :func:`sparsepage.engine.mla_decode_slots` on
+    the CPU for those.
+    """
+
+    def __init__(self, num_tokens: int, topk: int, num_heads: int, *, device, latent_dim: int = 512,
+                 rope_dim: int = 64):
+        self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.plan = DecodePlan([topk] * num_tokens, group_size=num_heads, head_dim_qk=latent_dim,
+                               head_dim_v=latent_dim, head_dim_extra=rope_dim, device=device)
+        self.indptr, self.seq_lens = self.plan.structure(1)
+        self.workspace = self.plan.new_workspace()
+
+    def __call__(self, q_latent, q_pe, kv_cache, slot_ids, *, scale: float, o=None, lse=None):
+        rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+        if o is None:
+            o = q_latent.new_empty((q_latent.shape[0], q_latent.shape[1], self.latent_dim))
+        paged_decode_out(self.plan, q_latent, rows[:, :self.latent_dim], rows[:, :self.latent_dim], self.indptr,
+                         slot_ids.reshape(-1), self.seq_lens, page_size=1, scale=scale, workspace=self.workspace,
+                         o=o, lse=lse, q_extra=q_pe, k_extra=rows[:, self.latent_dim:])
+        return o, lse

@@ -1,0 +1,572 @@
+// Bindings of the decode entry points: the paged decode with its plan, the
+// merge of partial states, the mask path, and the sparse decode entry point
+// (SparseDecoder) with its outcome. Each function turns DLPack tensors into
+// the library's plain structs and calls the library; nothing is computed here
+// except the merge op (the library has no public merge entry point yet, so
+// it reuses the CPU backend's merge on the host).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "cpu/attention_cpu.h"
+#include "sparsepage/sparse_decode.h"
+#include "tensor.h"
+
+#ifdef SPARSEPAGE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sparsepage::py {
+namespace {
+
+using OptIn = std::optional<In>;
+using OptOut = std::optional<Out>;
+
+size_t tensor_bytes(const Tensor& t) { return static_cast<size_t>(t.numel()) * ((t.dtype.bits + 7) / 8); }
+
+void require_same_dtype(DType expected, const Tensor& t) {
+  if (t.float_dtype() != expected)
+    t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but q has " + dtype_name(expected));
+}
+
+// q and o are read and written as contiguous [rows, heads, dim] today.
+void require_dense_qo(const Tensor& t) {
+  if (!t.contiguous())
+    throw NotImplemented(t.op + ": " + t.name + " is a strided view (shape " + t.shape_str() +
+                         "); the decode kernels read q and o as contiguous [num_requests, group_size, head_dim] "
+                         "today. Strided q/o (e.g. a slice of a packed QKV tensor) need per-request q/o strides in "
+                         "DecodeParams, which the library does not have yet.");
+}
+
+void require_index_array(const Tensor& t, const char* layout) {
+  t.require_int32();
+  t.require_ndim(1, layout);
+  t.require_contiguous();
+}
+
+// Bytes of a caller-provided workspace, checked against what is needed.
+void* workspace_of(const std::optional<Tensor>& ws, size_t needed) {
+  if (!ws) return nullptr;
+  ws->require_contiguous();
+  if (tensor_bytes(*ws) < needed)
+    ws->fail("holds " + std::to_string(tensor_bytes(*ws)) + " bytes; the plan needs " + std::to_string(needed));
+  return ws->data;
+}
+
+// Host scratch for the CPU backend when the caller passed no workspace.
+struct HostScratch {
+  std::unique_ptr<float[]> data;
+  void* get(size_t bytes) {
+    data.reset(new float[bytes / sizeof(float) + 64]);
+    return data.get();
+  }
+};
+
+void sync_stream(Device device, void* stream) {
+#ifdef SPARSEPAGE_WITH_CUDA
+  if (device == Device::kCuda) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+#else
+  (void)device;
+  (void)stream;
+#endif
+}
+
+void paged_decode(const DecodePlan& plan, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
+                  const In& indptr_in, const In& indices_in, const In& seq_lens_in, int32_t page_size, float scale,
+                  const OptIn& first_page_offset_in, const OptOut& lse_in, const OptIn& q_extra_in,
+                  const OptIn& k_extra_in, const OptOut& workspace_in, int64_t num_pool_pages,
+                  int64_t request_row_stride, int64_t window_len, bool upload_plan, uintptr_t stream) {
+  const std::string op = "paged_decode";
+  const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
+               o = describe(o_in, op, "o"), indptr = describe(indptr_in, op, "indptr"),
+               indices = describe(indices_in, op, "indices"), seq_lens = describe(seq_lens_in, op, "seq_lens");
+  const auto fpo = describe(first_page_offset_in, op, "first_page_offset");
+  const auto lse = describe(lse_in, op, "lse");
+  const auto q_extra = describe(q_extra_in, op, "q_extra");
+  const auto k_extra = describe(k_extra_in, op, "k_extra");
+  const auto ws = describe(workspace_in, op, "workspace");
+  const Device device = common_device(op, {&q, &k, &v, &o, &indptr, &indices, &seq_lens, fpo ? &*fpo : nullptr,
+                                           lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr,
+                                           k_extra ? &*k_extra : nullptr, ws ? &*ws : nullptr});
+
+  q.require_ndim(3, "[num_requests, group_size, head_dim_qk]");
+  o.require_ndim(3, "[num_requests, group_size, head_dim_v]");
+  require_dense_qo(q);
+  require_dense_qo(o);
+  const DType dtype = q.float_dtype();
+  for (const Tensor* t : {&k, &v, &o}) require_same_dtype(dtype, *t);
+
+  DecodeParams p;
+  p.dtype = dtype;
+  p.num_requests = to_int32(q.shape[0], op, "q.shape[0]");
+  p.group_size = to_int32(q.shape[1], op, "q.shape[1]");
+  int64_t k_rows = 0, v_rows = 0, e_rows = -1;
+  p.k = pool_of(k, &k_rows);
+  p.v = pool_of(v, &v_rows);
+  if (q.shape[2] != p.k.dim)
+    q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(p.k.dim) + " wide");
+  o.require_shape({q.shape[0], q.shape[1], p.v.dim}, "[num_requests, group_size, v's row width]");
+
+  require_index_array(indptr, "[num_requests + 1]");
+  require_index_array(indices, "[num_pages]");
+  require_index_array(seq_lens, "[num_requests]");
+  indptr.require_shape({q.shape[0] + 1}, "[num_requests + 1]");
+  seq_lens.require_shape({q.shape[0]}, "[num_requests]");
+  p.indptr = static_cast<const int32_t*>(indptr.data);
+  p.indices = static_cast<const int32_t*>(indices.data);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data);
+  if (fpo) {
+    require_index_array(*fpo, "[num_requests]");
+    fpo->require_shape({q.shape[0]}, "[num_requests]");
+    p.first_page_offset = static_cast<const int32_t*>(fpo->data);
+  }
+  if (q_extra || k_extra) {
+    if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
+    q_extra->require_ndim(3, "[num_requests, group_size, head_dim_extra]");
+    require_dense_qo(*q_extra);
+    require_same_dtype(dtype, *q_extra);
+    require_same_dtype(dtype, *k_extra);
+    p.k_extra = pool_of(*k_extra, &e_rows);
+    q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim}, "[num_requests, group_size, k_extra's row width]");
+    p.q_extra = q_extra->data;
+  }
+  if (lse) {
+    lse->require_float32();
+    lse->require_contiguous();
+    lse->require_shape({q.shape[0], q.shape[1]}, "[num_requests, group_size]");
+    p.lse = static_cast<float*>(lse->data);
+  }
+  p.q = q.data;
+  p.o = o.data;
+  p.scale = scale;
+  p.page_size = page_size;
+  if (request_row_stride < 0) throw Error(op + ": request_row_stride must not be negative");
+  if (request_row_stride > 0) {
+    // Window mode: request r's window is the pool's rows r * request_row_stride ..
+    p.addressing = PageAddressing::kWindow;
+    p.k.seq_stride = request_row_stride * p.k.row_stride;
+    p.v.seq_stride = request_row_stride * p.v.row_stride;
+    if (p.k_extra.data) p.k_extra.seq_stride = request_row_stride * p.k_extra.row_stride;
+  }
+  p.window_len = window_len;
+  p.num_indices = indices.shape[0];
+  int64_t rows = std::min(k_rows, v_rows);
+  if (e_rows >= 0) rows = std::min(rows, e_rows);
+  if (request_row_stride > 0 && int64_t{p.num_requests} * request_row_stride > rows)
+    throw Error(op + ": window mode needs num_requests * request_row_stride = " +
+                std::to_string(int64_t{p.num_requests} * request_row_stride) + " rows but the pools hold " +
+                std::to_string(rows));
+  if (num_pool_pages < 0) {
+    p.num_pool_pages = page_size >= 1 ? rows / page_size : 0;
+  } else {
+    if (page_size >= 1 && num_pool_pages * page_size > rows)
+      throw Error(op + ": num_pool_pages = " + std::to_string(num_pool_pages) + " pages of " +
+                  std::to_string(page_size) + " rows exceed the pools' " + std::to_string(rows) + " rows");
+    p.num_pool_pages = num_pool_pages;
+  }
+  check_decode_params(p, plan);
+
+  DeviceGuard guard(q);
+  if (device == Device::kCpu) {
+    // The CPU backend reads indptr[num_requests] page ids: make sure they exist.
+    const int64_t pages = p.indptr[p.num_requests];
+    if (pages > indices.shape[0])
+      indices.fail("holds " + std::to_string(indices.shape[0]) + " page ids but indptr[num_requests] = " +
+                   std::to_string(pages));
+    HostScratch scratch;
+    void* workspace = workspace_of(ws, plan.workspace.total);
+    if (!workspace) workspace = scratch.get(plan.workspace.total);
+    nb::gil_scoped_release release;
+    run_decode_cpu(p, plan, workspace);
+  } else {
+    void* workspace = workspace_of(ws, plan.workspace.total);
+    if (!workspace)
+      throw Error(op + ": the CUDA backend needs a workspace of " + std::to_string(plan.workspace.total) +
+                  " bytes (plan.workspace_bytes) on the decode's device; the step allocates nothing");
+    if (upload_plan) upload_plan_cuda(plan, workspace, stream_ptr(stream));
+    run_decode_cuda(p, plan, workspace, stream_ptr(stream));
+  }
+}
+
+void merge_states(const In& o_in, const In& lse_in, const Out& o_out_in, const OptOut& lse_out_in) {
+  const std::string op = "merge_states";
+  const Tensor o = describe(o_in, op, "o"), lse = describe(lse_in, op, "lse"), o_out = describe(o_out_in, op, "o_out");
+  const auto lse_out = describe(lse_out_in, op, "lse_out");
+  const Device device = common_device(op, {&o, &lse, &o_out, lse_out ? &*lse_out : nullptr});
+  if (device != Device::kCpu)
+    throw NotImplemented(op + ": the library has no CUDA merge entry point yet; on CUDA use "
+                              "sparsepage.torch_ops.merge_states (torch math) or merge on the host");
+  if (o.ndim() < 2) o.fail("must be [num_states, ..., head_dim], got shape " + o.shape_str());
+  lse.require_float32();
+  for (const Tensor* t : {&o, &lse, &o_out}) t->require_contiguous();
+  if (lse.ndim() != o.ndim() - 1) lse.fail("must be o's shape without its last dim, got " + lse.shape_str());
+  for (int i = 0; i < lse.ndim(); ++i)
+    if (lse.shape[i] != o.shape[i]) lse.fail("must be o's shape without its last dim, got " + lse.shape_str());
+  if (o_out.ndim() != o.ndim() - 1) o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
+  for (int i = 0; i < o_out.ndim(); ++i)
+    if (o_out.shape[i] != o.shape[i + 1]) o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
+  const DType in_dtype = o.float_dtype(), out_dtype = o_out.float_dtype();
+  if (lse_out) {
+    lse_out->require_float32();
+    lse_out->require_contiguous();
+    if (lse_out->ndim() != lse.ndim() - 1) lse_out->fail("must be lse's shape without its first dim");
+    for (int i = 0; i < lse_out->ndim(); ++i)
+      if (lse_out->shape[i] != lse.shape[i + 1]) lse_out->fail("must be lse's shape without its first dim");
+  }
+  const int64_t parts = o.shape[0], dim = o.shape[o.ndim() - 1];
+  const int64_t rows = parts == 0 ? 0 : lse.numel() / parts;
+  std::vector<float> o_f(static_cast<size_t>(o.numel()));
+  to_float(in_dtype, o.data, o_f.data(), o_f.size());
+  std::vector<const float*> o_parts, lse_parts;
+  for (int64_t s = 0; s < parts; ++s) {
+    o_parts.push_back(o_f.data() + s * rows * dim);
+    lse_parts.push_back(static_cast<const float*>(lse.data) + s * rows);
+  }
+  std::vector<float> out(static_cast<size_t>(rows * dim)), out_lse(static_cast<size_t>(rows));
+  if (parts > 0) {
+    cpu::merge_states(o_parts, lse_parts, to_int32(rows, op, "rows"), to_int32(dim, op, "head_dim"), out.data(),
+                      out_lse.data());
+  } else {  // no state at all: the empty merge
+    std::fill(out_lse.begin(), out_lse.end(), -std::numeric_limits<float>::infinity());
+  }
+  from_float(out_dtype, out.data(), o_out.data, out.size());
+  if (lse_out) std::copy(out_lse.begin(), out_lse.end(), static_cast<float*>(lse_out->data));
+}
+
+// ---- dense caches: the mask path and the sparse decode entry point --------
+
+struct Inputs {
+  SparseAttentionInputs in;
+  Tensor q;  // for the device guard
+};
+
+// [batch, num_qo_heads, dim] q and o over [B, H, Cap, D] allocations.
+Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
+                   int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse_in,
+                   const OptIn& q_extra_in, const OptIn& k_extra_in, bool raw_cache) {
+  const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
+               o = describe(o_in, op, "o");
+  const auto lse = describe(lse_in, op, "lse");
+  const auto q_extra = describe(q_extra_in, op, "q_extra");
+  const auto k_extra = describe(k_extra_in, op, "k_extra");
+  Inputs r{{}, q};
+  SparseAttentionInputs& in = r.in;
+  in.device = common_device(op, {&q, &k, &v, &o, lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr,
+                                 k_extra ? &*k_extra : nullptr});
+  q.require_ndim(3, "[batch, num_qo_heads, head_dim_qk]");
+  o.require_ndim(3, "[batch, num_qo_heads, head_dim_v]");
+  require_dense_qo(q);
+  require_dense_qo(o);
+  in.dtype = q.float_dtype();
+  for (const Tensor* t : {&k, &v, &o}) require_same_dtype(in.dtype, *t);
+  int32_t kb = 0, vb = 0;
+  in.k = dense_of(k, &kb);
+  in.v = dense_of(v, &vb);
+  in.batch = to_int32(q.shape[0], op, "q.shape[0]");
+  in.num_qo_heads = to_int32(q.shape[1], op, "q.shape[1]");
+  in.num_kv_heads = num_kv_heads;
+  if (kb != in.batch) k.fail("has batch " + std::to_string(kb) + " but q has " + std::to_string(in.batch));
+  if (vb != in.batch) v.fail("has batch " + std::to_string(vb) + " but q has " + std::to_string(in.batch));
+  if (q.shape[2] != in.k.dim) q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(in.k.dim) + " wide");
+  o.require_shape({q.shape[0], q.shape[1], in.v.dim}, "[batch, num_qo_heads, v's head_dim]");
+  if (q_extra || k_extra) {
+    if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
+    require_dense_qo(*q_extra);
+    require_same_dtype(in.dtype, *q_extra);
+    require_same_dtype(in.dtype, *k_extra);
+    int32_t eb = 0;
+    in.k_extra = dense_of(*k_extra, &eb);
+    if (eb != in.batch) k_extra->fail("has batch " + std::to_string(eb) + " but q has " + std::to_string(in.batch));
+    q_extra->require_shape({q.shape[0], q.shape[1], in.k_extra.dim}, "[batch, num_qo_heads, k_extra's head_dim]");
+    in.q_extra = q_extra->data;
+  }
+  if (lse) {
+    lse->require_float32();
+    lse->require_contiguous();
+    lse->require_shape({q.shape[0], q.shape[1]}, "[batch, num_qo_heads]");
+    in.lse = static_cast<float*>(lse->data);
+  }
+  in.live_len = live_len;
+  in.raw_cache = raw_cache;
+  in.q = q.data;
+  in.o = o.data;
+  in.scale = scale;
+  return r;
+}
+
+// A selection from a positions tensor on the inputs' device and host counts.
+// The C++ SparseSelection owns its indices, so they are copied into `buffer`
+// (reused while the size holds); on CUDA the copy follows `stream`'s work.
+SparseSelection make_selection_from(const std::string& op, Device device, const In& positions_in, nb::handle counts_in,
+                                    Buffer& buffer, void* stream) {
+  const Tensor positions = describe(positions_in, op, "positions");
+  require_index_array(positions, "[total selected] (requests concatenated)");
+  if (positions.device != device) positions.fail(std::string("lives on ") + device_name(positions.device) + ", the inputs on " + device_name(device));
+  SparseSelection selection;
+  selection.counts = host_int32(counts_in, op, "counts");
+  int64_t total = 0;
+  for (size_t i = 0; i < selection.counts.size(); ++i) {
+    if (selection.counts[i] < 0) throw Error(op + ": counts[" + std::to_string(i) + "] is negative");
+    total += selection.counts[i];
+  }
+  if (total != positions.shape[0])
+    positions.fail("holds " + std::to_string(positions.shape[0]) + " positions but counts sum to " + std::to_string(total));
+  const size_t bytes = static_cast<size_t>(total) * sizeof(int32_t);
+  if (buffer.bytes() < bytes || buffer.device() != device) buffer = Buffer(device, std::max<size_t>(bytes, 4));
+  sync_stream(device, stream);
+  if (bytes) copy_bytes(buffer.data(), device, positions.data, device, bytes);
+  // Hand the selection a view-sized buffer of its own: Buffer is move-only, so
+  // move it in and back out after the call (see with_selection).
+  selection.indices = std::move(buffer);
+  return selection;
+}
+
+/// Runs `fn(selection)` over a selection built in `buffer`, handing the buffer back after.
+template <typename Fn>
+auto with_selection(const std::string& op, Device device, const In& positions, nb::handle counts, Buffer& buffer,
+                    void* stream, Fn&& fn) {
+  SparseSelection selection = make_selection_from(op, device, positions, counts, buffer, stream);
+  struct Restore {
+    SparseSelection& s;
+    Buffer& b;
+    ~Restore() { b = std::move(s.indices); }
+  } restore{selection, buffer};
+  return fn(selection);
+}
+
+/// Python's SparseDecoder: the C++ decoder plus the selection's buffer.
+struct PySparseDecoder {
+  PySparseDecoder(Device on, std::optional<DispatchConfig> config)
+      : device(on), decoder(on, config ? *config : process_dispatch_config()) {}
+  Device device;
+  SparseDecoder decoder;
+  Buffer selection_buffer;
+};
+
+struct PyMaskPath {
+  explicit PyMaskPath(Device on) : device(on), path(on) {}
+  Device device;
+  MaskPath path;
+  Buffer selection_buffer;
+};
+
+#define SP_DENSE_ARGS                                                                                            \
+  nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("positions"), nb::arg("counts"), nb::kw_only(), \
+      nb::arg("num_kv_heads"), nb::arg("live_len"), nb::arg("scale"), nb::arg("lse") = nb::none(),                \
+      nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("raw_cache") = true,              \
+      nb::arg("stream") = 0
+
+const std::string kDenseDoc =
+    "q: [batch, num_qo_heads, head_dim_qk] (contiguous); k, v (and k_extra): the cache's whole\n"
+    "[batch, heads, capacity, head_dim] allocations (K may carry extra heads after the attention\n"
+    "heads; V may be a column slice of K); o: [batch, num_qo_heads, head_dim_v]; lse: optional fp32\n"
+    "[batch, num_qo_heads], natural log. positions: int32 window positions per request\n"
+    "r = b * num_kv_heads + h, concatenated, on the inputs' device; counts: host list of per-request\n"
+    "counts. stream: a cudaStream_t as an int (0: the default stream).";
+
+const std::string kTryFusedDoc =
+    "Tries the fused path; returns the SparseDecodeOutcome (counted in the stats).\n" + kDenseDoc;
+const std::string kMaskRunDoc = "Prepares (when counts or shapes change) and runs the mask path.\n" + kDenseDoc;
+
+}  // namespace
+
+void bind_decode(nb::module_& m) {
+  m.def("paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+        nb::arg("indptr"), nb::arg("indices"), nb::arg("seq_lens"), nb::kw_only(), nb::arg("page_size"),
+        nb::arg("scale"), nb::arg("first_page_offset") = nb::none(), nb::arg("lse") = nb::none(),
+        nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("workspace") = nb::none(),
+        nb::arg("num_pool_pages") = -1, nb::arg("request_row_stride") = 0, nb::arg("window_len") = 0,
+        nb::arg("upload_plan") = true, nb::arg("stream") = 0,
+        "The fused paged decode over a CSR page table, on the tensors' device.\n\n"
+        "q [R, G, Dqk] and o [R, G, Dv] contiguous; k, v (and k_extra) pools of rows: the last dim is\n"
+        "the row (stride 1) and the leading dims collapse into one row index with a uniform stride,\n"
+        "so a column slice of a wider buffer works (V may alias K's first columns). indptr [R+1],\n"
+        "indices [pages], seq_lens [R] and first_page_offset [R] are int32 on the same device.\n"
+        "lse (optional) is fp32 [R, G], the natural log of the summed exponentials of the scaled\n"
+        "scores; an empty request writes o = 0, lse = -inf. workspace: plan.workspace_bytes bytes\n"
+        "(required on CUDA; on the CPU a temporary is used when None). On CUDA the plan is uploaded\n"
+        "into the workspace first unless upload_plan=False (do it once per plan, before capturing a\n"
+        "graph); then the launch allocates nothing and synchronizes nothing. num_pool_pages\n"
+        "defaults to the pools' rows // page_size. request_row_stride > 0 selects window mode\n"
+        "(page ids relative to each request's window of window_len positions).");
+
+  m.def(
+      "upload_plan",
+      [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
+        const Tensor ws = describe(workspace, "upload_plan", "workspace");
+        workspace_of(ws, plan.workspace.total);
+        if (ws.device != Device::kCuda) return;  // the CPU backend reads the plan itself
+        DeviceGuard guard(ws);
+        upload_plan_cuda(plan, ws.data, stream_ptr(stream));
+      },
+      nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
+      "Copies the plan's work and merge lists into a CUDA workspace (asynchronously on `stream`).\n"
+      "Do it when the plan changes, before capturing a graph; then call paged_decode with\n"
+      "upload_plan=False. A no-op for a CPU workspace.");
+
+  m.def(
+      "read_decode_error_flag",
+      [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
+        const Tensor ws = describe(workspace, "read_decode_error_flag", "workspace");
+        if (ws.device != Device::kCuda) return uint32_t{0};  // the CPU backend throws instead
+        DeviceGuard guard(ws);
+        return read_decode_error_flag(plan, ws.data, stream_ptr(stream));
+      },
+      nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
+      "Reads and clears the CUDA error flag (synchronizes). Nonzero: some page id was outside the pool\n"
+      "and that request's output is NaN. Always 0 on the CPU, whose backend raises instead.");
+
+  m.def("merge_states", &merge_states, nb::arg("o"), nb::arg("lse"), nb::arg("o_out"), nb::arg("lse_out") = nb::none(),
+        "Merges partial attention states by their lse (natural log): o [S, ..., D] and fp32 lse [S, ...]\n"
+        "hold S states over the same rows; o_out [..., D] (any float dtype) and lse_out [...] get the\n"
+        "merged state. An empty state (lse = -inf) weighs nothing; all empty gives o = 0, lse = -inf;\n"
+        "a NaN state poisons the row. CPU only (the library's CPU merge); see torch_ops for CUDA.");
+
+  m.def(
+      "masked_decode",
+      [](const In& q, const In& k, const In& v, const Out& o, int32_t num_kv_heads, int64_t live_len, float scale,
+         const OptIn& mask_in, const OptOut& lse, const OptIn& q_extra, const OptIn& k_extra, const OptOut& ws_in,
+         uintptr_t stream) {
+        const std::string op = "masked_decode";
+        Inputs r = make_inputs(op, q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra, true);
+        MaskedDecodeParams p = masked_params(r.in);
+        if (num_kv_heads < 1 || r.in.num_qo_heads % num_kv_heads != 0)
+          throw Error(op + ": num_qo_heads = " + std::to_string(r.in.num_qo_heads) +
+                      " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads));
+        const auto mask = describe(mask_in, op, "mask");
+        if (mask) {
+          if (mask->device != r.in.device) mask->fail("lives on another device than q");
+          mask->require_float32();
+          mask->require_contiguous();
+          mask->require_shape({int64_t{r.in.batch} * num_kv_heads, live_len}, "[batch * num_kv_heads, live_len]");
+          p.mask = static_cast<const float*>(mask->data);
+        }
+        check_masked_decode_params(p);
+        DeviceGuard guard(r.q);
+        if (r.in.device == Device::kCpu) {
+          nb::gil_scoped_release release;
+          run_masked_decode_cpu(p);
+          return size_t{0};
+        }
+        const size_t needed = masked_decode_workspace_bytes(p, cuda_multiprocessor_count());
+        const auto ws = describe(ws_in, op, "workspace");
+        if (!ws) return needed;  // a size query
+        run_masked_decode_cuda(p, workspace_of(ws, needed), stream_ptr(stream));
+        return size_t{0};
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::kw_only(), nb::arg("num_kv_heads"),
+      nb::arg("live_len"), nb::arg("scale"), nb::arg("mask") = nb::none(), nb::arg("lse") = nb::none(),
+      nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("workspace") = nb::none(),
+      nb::arg("stream") = 0,
+      "The mask path: dense decode over the live window t < live_len of every request\n"
+      "r = b * num_kv_heads + h, with an optional additive fp32 mask [batch * num_kv_heads, live_len]\n"
+      "(0 keeps, -inf drops). Shapes as for SparseDecoder.try_fused. On CUDA, a call without\n"
+      "`workspace` runs nothing and returns the workspace bytes it needs; with it, it runs and\n"
+      "returns 0 (graph-capturable). On the CPU it runs and returns 0.");
+
+  m.def(
+      "build_selection_mask",
+      [](const In& positions_in, const In& offsets_in, int64_t live_len, const Out& mask_in, uintptr_t stream) {
+        const std::string op = "build_selection_mask";
+        const Tensor positions = describe(positions_in, op, "positions"), offsets = describe(offsets_in, op, "offsets"),
+                     mask = describe(mask_in, op, "mask");
+        const Device device = common_device(op, {&positions, &offsets, &mask});
+        require_index_array(positions, "[total selected]");
+        require_index_array(offsets, "[num_requests + 1]");
+        mask.require_float32();
+        mask.require_contiguous();
+        const int64_t requests = offsets.shape[0] - 1;
+        if (requests < 0) offsets.fail("must hold num_requests + 1 entries");
+        mask.require_shape({requests, live_len}, "[num_requests, live_len]");
+        DeviceGuard guard(mask);
+        build_selection_mask(device, static_cast<const int32_t*>(positions.data),
+                             static_cast<const int32_t*>(offsets.data), to_int32(requests, op, "num_requests"),
+                             live_len, static_cast<float*>(mask.data), stream_ptr(stream));
+      },
+      nb::arg("positions"), nb::arg("offsets"), nb::arg("live_len"), nb::arg("mask"), nb::arg("stream") = 0,
+      "Writes the additive mask [num_requests, live_len]: 0 at each selected position, -inf elsewhere.");
+
+  nb::class_<PySparseDecoder>(m, "SparseDecoder",
+                              "The sparse decode entry point: a selection over a dense cache becomes a page table,\n"
+                              "the dispatch policy decides, and the fused paged decode runs, or the decline comes\n"
+                              "back (nothing ran) so the caller runs its mask path. Keeps the plan and workspace\n"
+                              "between calls and re-plans only when the counts change.\n\n"
+                              "The selection's positions are copied into a library buffer (the C++ selection owns\n"
+                              "its indices); on CUDA that copy waits for `stream`, so try_fused is not\n"
+                              "graph-capturable: use paged_decode with a plan for captured steps.")
+      .def(nb::init<Device, std::optional<DispatchConfig>>(), nb::arg("device"), nb::arg("config") = nb::none())
+      .def(
+          "try_fused",
+          [](PySparseDecoder& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
+             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
+             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
+            Inputs r = make_inputs("SparseDecoder.try_fused", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra,
+                                   k_extra, raw_cache);
+            if (r.in.device != self.device)
+              throw Error(std::string("SparseDecoder.try_fused: the decoder runs on ") + device_name(self.device) +
+                          " but the inputs live on " + device_name(r.in.device));
+            DeviceGuard guard(r.q);
+            return with_selection("SparseDecoder.try_fused", self.device, positions, counts, self.selection_buffer,
+                                  stream_ptr(stream), [&](const SparseSelection& s) {
+                                    return self.decoder.try_fused(r.in, s, stream_ptr(stream));
+                                  });
+          },
+          SP_DENSE_ARGS,
+          kTryFusedDoc.c_str())
+      .def(
+          "decide",
+          [](PySparseDecoder& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
+             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
+             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
+            Inputs r = make_inputs("SparseDecoder.decide", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra,
+                                   k_extra, raw_cache);
+            DeviceGuard guard(r.q);
+            return with_selection("SparseDecoder.decide", r.in.device, positions, counts, self.selection_buffer,
+                                  stream_ptr(stream),
+                                  [&](const SparseSelection& s) { return self.decoder.decide(r.in, s); });
+          },
+          SP_DENSE_ARGS, "The pure decision for these inputs, without running anything (not counted).")
+      .def(
+          "check_errors", [](PySparseDecoder& self, uintptr_t stream) { self.decoder.check_errors(stream_ptr(stream)); },
+          nb::arg("stream") = 0, "Synchronizes; raises when the last CUDA launch met a position outside a window.")
+      .def(
+          "set_plan_tuning",
+          [](PySparseDecoder& self, int32_t items_per_sm, int32_t min_chunk_tokens) {
+            self.decoder.set_plan_tuning(items_per_sm, min_chunk_tokens);
+          },
+          nb::arg("items_per_sm"), nb::arg("min_chunk_tokens"))
+      .def_prop_ro("plan", [](const PySparseDecoder& self) { return self.decoder.plan(); })
+      .def_prop_ro("transient_bytes", [](const PySparseDecoder& self) { return self.decoder.transient_bytes(); })
+      .def_prop_ro("config", [](const PySparseDecoder& self) { return self.decoder.config(); });
+
+  nb::class_<PyMaskPath>(m, "MaskPath",
+                         "The mask path over a selection: an additive mask keeping exactly the selected positions,\n"
+                         "then dense attention over the live window (duplicates count once).")
+      .def(nb::init<Device>(), nb::arg("device"))
+      .def(
+          "run",
+          [](PyMaskPath& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
+             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
+             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
+            Inputs r = make_inputs("MaskPath.run", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra,
+                                   raw_cache);
+            if (r.in.device != self.device)
+              throw Error(std::string("MaskPath.run: the path runs on ") + device_name(self.device) +
+                          " but the inputs live on " + device_name(r.in.device));
+            DeviceGuard guard(r.q);
+            with_selection("MaskPath.run", self.device, positions, counts, self.selection_buffer, stream_ptr(stream),
+                           [&](const SparseSelection& s) {
+                             self.path.prepare(r.in, s);
+                             self.path.run(r.in, s, stream_ptr(stream));
+                             return 0;
+                           });
+          },
+          SP_DENSE_ARGS, kMaskRunDoc.c_str())
+      .def_prop_ro("transient_bytes", [](const PyMaskPath& self) { return self.path.transient_bytes(); });
+}
+
+}  // namespace sparsepage::py

@@ -1,0 +1,307 @@
+// Bindings of the two layers (block-sparse, DSA) and their indexers. The
+// layers own their dense caches; a step takes one token's projected inputs.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+#include "tensor.h"
+
+namespace sparsepage::py {
+namespace {
+
+// A step argument: on the layer's device, in `dtype`, contiguous, of `shape`.
+const void* step_arg(const std::string& op, const In& a, const char* name, Device device, DType dtype,
+                     std::initializer_list<int64_t> shape, const char* layout, Tensor* keep = nullptr) {
+  Tensor t = describe(a, op, name);
+  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+  t.require_shape(shape, layout);
+  t.require_contiguous();
+  if (keep) *keep = t;
+  return t.data;
+}
+
+std::vector<float> host_floats(const std::string& op, const In& a, const char* name,
+                               std::initializer_list<int64_t> shape, const char* layout) {
+  Tensor t = describe(a, op, name);
+  if (t.device != Device::kCpu) t.fail("must be a host array");
+  t.require_float32();
+  t.require_shape(shape, layout);
+  t.require_contiguous();
+  const float* p = static_cast<const float*>(t.data);
+  return std::vector<float>(p, p + t.numel());
+}
+
+using Rows = std::vector<std::vector<int32_t>>;
+
+struct PyBlockSparse {
+  PyBlockSparse(Device on, DType type, const BlockSparseConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
+      : device(on), dtype(type), config(c), batch(b),
+        layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
+  Device device;
+  DType dtype;
+  BlockSparseConfig config;
+  int32_t batch;
+  BlockSparseAttention layer;
+
+  BlockSparseTokens tokens(const std::string& op, const In& q, const In& index_q, const In& k, const In& v,
+                           const Out& o) const {
+    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
+    BlockSparseTokens t;
+    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
+    t.k = step_arg(op, k, "k", device, dtype, {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
+    t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+    return t;
+  }
+};
+
+struct PyDsa {
+  PyDsa(Device on, DType type, const DsaConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
+      : device(on), dtype(type), config(c), batch(b), layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
+  Device device;
+  DType dtype;
+  DsaConfig config;
+  int32_t batch;
+  DsaAttention layer;
+
+  DsaTokens tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
+                   const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o) const {
+    const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
+                  IH = config.index_heads, ID = config.index_head_dim;
+    DsaTokens t;
+    t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
+    t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, H, R}, "[batch, num_qo_heads, rope_dim]");
+    t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, IH, ID}, "[batch, index_heads, index_head_dim]");
+    Tensor w = describe(index_weights, op, "index_weights");
+    if (w.device != device) w.fail("lives on another device than the layer");
+    w.require_float32();
+    w.require_shape({B, IH}, "[batch, index_heads]");
+    w.require_contiguous();
+    t.index_weights = static_cast<const float*>(w.data);
+    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype, {B, 1, 1, L + ID},
+                             "[batch, 1, 1, latent_dim + index_head_dim]");
+    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {B, 1, 1, R}, "[batch, 1, 1, rope_dim]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
+    return t;
+  }
+};
+
+}  // namespace
+
+void bind_layers(nb::module_& m) {
+  nb::class_<BlockSparseConfig>(m, "BlockSparseConfig", "Geometry of the block-sparse (MiniMax-M3-style) layer.")
+      .def(
+          "__init__",
+          [](BlockSparseConfig* c, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+             int32_t topk_blocks, int32_t local_blocks, int64_t capacity_step) {
+            new (c) BlockSparseConfig{num_qo_heads, num_kv_heads, head_dim, block_size, topk_blocks, local_blocks,
+                                      capacity_step};
+          },
+          nb::kw_only(), nb::arg("num_qo_heads") = 64, nb::arg("num_kv_heads") = 4, nb::arg("head_dim") = 128,
+          nb::arg("block_size") = 128, nb::arg("topk_blocks") = 16, nb::arg("local_blocks") = 1,
+          nb::arg("capacity_step") = 4096)
+      .def_rw("num_qo_heads", &BlockSparseConfig::num_qo_heads)
+      .def_rw("num_kv_heads", &BlockSparseConfig::num_kv_heads)
+      .def_rw("head_dim", &BlockSparseConfig::head_dim)
+      .def_rw("block_size", &BlockSparseConfig::block_size)
+      .def_rw("topk_blocks", &BlockSparseConfig::topk_blocks)
+      .def_rw("local_blocks", &BlockSparseConfig::local_blocks)
+      .def_rw("capacity_step", &BlockSparseConfig::capacity_step)
+      .def("sparse_regime", &BlockSparseConfig::sparse_regime, nb::arg("kv_len"));
+
+  nb::class_<BlockSparseStep>(m, "BlockSparseStep", "What a block-sparse decode step did.")
+      .def_ro("sparse_regime", &BlockSparseStep::sparse_regime)
+      .def_ro("fused", &BlockSparseStep::fused)
+      .def_ro("outcome", &BlockSparseStep::outcome);
+
+  nb::class_<PyBlockSparse>(m, "BlockSparseAttention",
+                            "The block-sparse attention layer: an indexer keeps the top-k key blocks per KV head\n"
+                            "and decode attends them through the fused paged decode, falling back to the mask\n"
+                            "path on any decline. The layer owns its dense [B, H, Cap, D] cache (f16 or bf16).\n"
+                            "Step tensors: q [B, Hq, D], index_q [B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the\n"
+                            "index key), v [B, Hkv, 1, D], o [B, Hq, D]; contiguous, on the layer's device.")
+      .def(nb::init<Device, DType, const BlockSparseConfig&, int32_t, std::optional<DispatchConfig>>(),
+           nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def(
+          "prefill_token",
+          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             uintptr_t stream) {
+            self.layer.prefill_token(self.tokens("BlockSparseAttention.prefill_token", q, index_q, k, v, o),
+                                     stream_ptr(stream));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
+          "Appends the token and attends causally to the whole window (dense).")
+      .def(
+          "decode",
+          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             uintptr_t stream) {
+            return self.layer.decode(self.tokens("BlockSparseAttention.decode", q, index_q, k, v, o), stream_ptr(stream));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
+          "Appends the token; in the sparse regime runs the indexer and tries the fused path, falling\n"
+          "back to the block mask over the same set. Returns a BlockSparseStep.")
+      .def("last_blocks", [](const PyBlockSparse& self) { return self.layer.last_blocks(); },
+           "Selected blocks of the last sparse decode, per request (host copy).")
+      .def("last_selected_positions", [](const PyBlockSparse& self) { return self.layer.last_selected_positions(); },
+           "Positions the page table of the last sparse decode attends, per request.")
+      .def("last_mask_columns", [](PyBlockSparse& self) { return self.layer.last_mask_columns(); },
+           "Columns the mask path keeps for the last sparse decode, per request.")
+      .def_prop_ro("kv_len", [](const PyBlockSparse& self) { return self.layer.kv_len(); });
+
+  nb::class_<DsaConfig>(m, "DsaConfig", "Geometry of the DSA (DeepSeek-V3.2-style MLA + top-k indexer) layer.")
+      .def(
+          "__init__",
+          [](DsaConfig* c, int32_t num_qo_heads, int32_t latent_dim, int32_t rope_dim, int32_t index_heads,
+             int32_t index_head_dim, int32_t index_topk, float scale, int64_t capacity_step) {
+            new (c) DsaConfig{num_qo_heads, latent_dim, rope_dim, index_heads, index_head_dim, index_topk, scale,
+                              capacity_step};
+          },
+          nb::kw_only(), nb::arg("num_qo_heads") = 128, nb::arg("latent_dim") = 512, nb::arg("rope_dim") = 64,
+          nb::arg("index_heads") = 64, nb::arg("index_head_dim") = 128, nb::arg("index_topk") = 2048,
+          nb::arg("scale") = 0.0f, nb::arg("capacity_step") = 4096)
+      .def_rw("num_qo_heads", &DsaConfig::num_qo_heads)
+      .def_rw("latent_dim", &DsaConfig::latent_dim)
+      .def_rw("rope_dim", &DsaConfig::rope_dim)
+      .def_rw("index_heads", &DsaConfig::index_heads)
+      .def_rw("index_head_dim", &DsaConfig::index_head_dim)
+      .def_rw("index_topk", &DsaConfig::index_topk)
+      .def_rw("scale", &DsaConfig::scale)
+      .def_rw("capacity_step", &DsaConfig::capacity_step);
+
+  nb::class_<DsaStep>(m, "DsaStep", "What a DSA decode step did.")
+      .def_ro("sparse", &DsaStep::sparse)
+      .def_ro("fused", &DsaStep::fused)
+      .def_ro("outcome", &DsaStep::outcome);
+
+  nb::class_<PyDsa>(m, "DsaAttention",
+                    "The DSA layer: MLA attention over the top-k tokens of a lightning indexer, through the\n"
+                    "fused paged decode's second K stream. Step tensors (contiguous, on the layer's device,\n"
+                    "in its dtype except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope],\n"
+                    "q_index [B, index_heads, index_head_dim], index_weights [B, index_heads],\n"
+                    "k_cache_row [B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
+      .def(nb::init<Device, DType, const DsaConfig&, int32_t, std::optional<DispatchConfig>>(), nb::arg("device"),
+           nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def(
+          "prefill_token",
+          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
+            self.layer.prefill_token(
+                self.tokens("DsaAttention.prefill_token", q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o),
+                stream_ptr(stream));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0, "Appends the token and attends to the whole window.")
+      .def(
+          "decode",
+          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
+            return self.layer.decode(
+                self.tokens("DsaAttention.decode", q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o),
+                stream_ptr(stream));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0,
+          "Appends the token, runs the indexer, tries the fused path and falls back to the mask path.")
+      .def("last_selected_positions", [](const PyDsa& self) { return self.layer.last_selected_positions(); })
+      .def("last_mask_columns", [](PyDsa& self) { return self.layer.last_mask_columns(); })
+      .def_prop_ro("kv_len", [](const PyDsa& self) { return self.layer.cache().live_len(); });
+
+  m.def(
+      "select_top_blocks_cpu",
+      [](const BlockSparseConfig& config, int32_t batch, int64_t kv_len, const In& index_q, const In& index_keys) {
+        const std::string op = "select_top_blocks_cpu";
+        const std::vector<float> q = host_floats(op, index_q, "index_q", {batch, config.num_kv_heads, config.head_dim},
+                                                 "[batch, num_kv_heads, head_dim]");
+        const std::vector<float> keys =
+            host_floats(op, index_keys, "index_keys", {batch, kv_len, config.head_dim}, "[batch, kv_len, head_dim]");
+        std::vector<int32_t> ids = select_top_blocks_cpu(config, batch, kv_len, q.data(), keys);
+        const size_t requests = static_cast<size_t>(batch) * static_cast<size_t>(config.num_kv_heads);
+        const size_t per = requests ? ids.size() / requests : 0;
+        return numpy_int32(std::move(ids), {requests, per});
+      },
+      nb::arg("config"), nb::arg("batch"), nb::arg("kv_len"), nb::arg("index_q"), nb::arg("index_keys"),
+      "The block-sparse indexer on the host: int32 [batch * num_kv_heads, blocks_per_request] block ids\n"
+      "(top-k by max-pooled index scores, then the final block). index_q fp32 [B, Hkv, D], index_keys\n"
+      "fp32 [B, kv_len, D].");
+
+  m.def(
+      "dsa_select_tokens_cpu",
+      [](const DsaConfig& config, int32_t batch, int64_t kv_len, const In& q_index, const In& weights,
+         const In& index_keys) {
+        const std::string op = "dsa_select_tokens_cpu";
+        const std::vector<float> q = host_floats(op, q_index, "q_index", {batch, config.index_heads, config.index_head_dim},
+                                                 "[batch, index_heads, index_head_dim]");
+        const std::vector<float> w = host_floats(op, weights, "weights", {batch, config.index_heads}, "[batch, index_heads]");
+        const std::vector<float> keys = host_floats(op, index_keys, "index_keys", {batch, kv_len, config.index_head_dim},
+                                                    "[batch, kv_len, index_head_dim]");
+        Rows rows = dsa_select_tokens_cpu(config, batch, kv_len, q.data(), w.data(), keys);
+        std::vector<int32_t> flat;
+        for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+        const size_t per = rows.empty() ? 0 : rows[0].size();
+        return numpy_int32(std::move(flat), {rows.size(), per});
+      },
+      nb::arg("config"), nb::arg("batch"), nb::arg("kv_len"), nb::arg("q_index"), nb::arg("weights"),
+      nb::arg("index_keys"),
+      "The DSA lightning indexer on the host: int32 [batch, min(index_topk, kv_len)] positions in\n"
+      "descending score order. q_index fp32 [B, index_heads, index_head_dim], weights fp32\n"
+      "[B, index_heads], index_keys fp32 [B, kv_len, index_head_dim].");
+
+  m.def("dsa_indexer_workspace_bytes", &dsa_indexer_workspace_bytes, nb::arg("config"), nb::arg("batch"),
+        nb::arg("max_kv_len"), "Workspace bytes dsa_select_tokens_cuda needs for windows up to max_kv_len.");
+  m.def(
+      "dsa_select_tokens_cuda",
+      [](const DsaConfig& config, const In& k_cache, const In& kv_lens, int64_t max_kv_len, const In& q_index,
+         const In& weights, const Out& workspace, const Out& positions, const Out& counts, uintptr_t stream) {
+        const std::string op = "dsa_select_tokens_cuda";
+        const Tensor k = describe(k_cache, op, "k_cache"), l = describe(kv_lens, op, "kv_lens"),
+                     q = describe(q_index, op, "q_index"), w = describe(weights, op, "weights"),
+                     ws = describe(workspace, op, "workspace"), p = describe(positions, op, "positions"),
+                     c = describe(counts, op, "counts");
+        if (common_device(op, {&k, &l, &q, &w, &ws, &p, &c}) != Device::kCuda)
+          throw Error(op + ": every tensor must be a CUDA tensor (use dsa_select_tokens_cpu on the host)");
+        k.require_ndim(4, "[batch, 1, capacity, latent_dim + index_head_dim]");
+        k.require_contiguous();
+        q.require_ndim(3, "[batch, index_heads, index_head_dim]");
+        q.require_contiguous();
+        w.require_float32();
+        w.require_contiguous();
+        ws.require_contiguous();
+        for (const Tensor* t : {&l, &p, &c}) {
+          t->require_int32();
+          t->require_contiguous();
+        }
+        DsaIndexerArgs a;
+        a.dtype = k.float_dtype();
+        if (q.float_dtype() != a.dtype) q.fail("must have k_cache's dtype");
+        const int32_t batch = to_int32(q.shape[0], op, "q_index.shape[0]");
+        if (k.shape[0] != batch) k.fail("has batch " + std::to_string(k.shape[0]) + " but q_index " + std::to_string(batch));
+        l.require_shape({batch}, "[batch]");
+        c.require_shape({batch}, "[batch]");
+        p.require_shape({batch, config.index_topk}, "[batch, index_topk]");
+        a.k_cache = k.data;
+        a.capacity = k.shape[2];
+        a.kv_lens = static_cast<const int32_t*>(l.data);
+        a.max_kv_len = max_kv_len;
+        a.q_index = q.data;
+        a.weights = static_cast<const float*>(w.data);
+        a.workspace = ws.data;
+        a.workspace_bytes = static_cast<size_t>(ws.numel()) * (ws.dtype.bits / 8);
+        a.positions = static_cast<int32_t*>(p.data);
+        a.counts = static_cast<int32_t*>(c.data);
+        DeviceGuard guard(k);
+        dsa_select_tokens_cuda(config, batch, a, stream_ptr(stream));
+      },
+      nb::arg("config"), nb::arg("k_cache"), nb::arg("kv_lens"), nb::arg("max_kv_len"), nb::arg("q_index"),
+      nb::arg("weights"), nb::arg("workspace"), nb::arg("positions"), nb::arg("counts"), nb::arg("stream") = 0,
+      "The DSA indexer on the GPU (graph-capturable): k_cache is the layer's K allocation\n"
+      "[batch, 1, capacity, latent_dim + index_head_dim]; kv_lens int32 [batch] live lengths read on\n"
+      "the device (<= max_kv_len); workspace of dsa_indexer_workspace_bytes(config, batch, max_kv_len)\n"
+      "bytes; positions int32 out [batch, index_topk], increasing, -1 past counts (int32 out [batch]).");
+}
+
+}  // namespace sparsepage::py

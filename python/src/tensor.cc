@@ -1,0 +1,262 @@
+#include "tensor.h"
+
+#include <limits>
+#include <sstream>
+
+#include <nanobind/stl/vector.h>
+
+#ifdef SPARSEPAGE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sparsepage::py {
+namespace {
+
+constexpr int kDLCPU = 1;
+constexpr int kDLCUDA = 2;
+
+template <typename A>
+Tensor describe_any(const A& a, const std::string& op, const std::string& name) {
+  Tensor t;
+  t.op = op;
+  t.name = name;
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.dtype = a.dtype();
+  t.device_id = a.device_id();
+  if (a.device_type() == kDLCPU) {
+    t.device = Device::kCpu;
+  } else if (a.device_type() == kDLCUDA) {
+    t.device = Device::kCuda;
+  } else {
+    throw Error(op + ": " + name + " lives on DLPack device type " + std::to_string(a.device_type()) +
+                "; sparsepage reads CPU and CUDA memory");
+  }
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    t.shape.push_back(static_cast<int64_t>(a.shape(i)));
+    t.strides.push_back(a.stride(i));
+  }
+  return t;
+}
+
+}  // namespace
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+bool Tensor::contiguous() const {
+  int64_t expected = 1;
+  for (int i = ndim() - 1; i >= 0; --i) {
+    if (shape[i] != 1 && strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+std::string Tensor::shape_str() const {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < ndim(); ++i) s << (i ? ", " : "") << shape[i];
+  if (ndim() == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+std::string Tensor::dtype_str() const {
+  using nb::dlpack::dtype_code;
+  const char* kind = "?";
+  switch (static_cast<dtype_code>(dtype.code)) {
+    case dtype_code::Int: kind = "int"; break;
+    case dtype_code::UInt: kind = "uint"; break;
+    case dtype_code::Float: kind = "float"; break;
+    case dtype_code::Bfloat: kind = "bfloat"; break;
+    case dtype_code::Bool: kind = "bool"; break;
+    default: break;
+  }
+  return std::string(kind) + std::to_string(dtype.bits);
+}
+
+void Tensor::fail(const std::string& what) const { throw Error(op + ": " + name + " " + what); }
+
+DType Tensor::float_dtype() const {
+  using nb::dlpack::dtype_code;
+  if (dtype.lanes == 1) {
+    if (dtype.code == static_cast<uint8_t>(dtype_code::Float) && dtype.bits == 32) return DType::kF32;
+    if (dtype.code == static_cast<uint8_t>(dtype_code::Float) && dtype.bits == 16) return DType::kF16;
+    if (dtype.code == static_cast<uint8_t>(dtype_code::Bfloat) && dtype.bits == 16) return DType::kBF16;
+  }
+  fail("has dtype " + dtype_str() + "; expected float32, float16 or bfloat16");
+}
+
+void Tensor::require_ndim(int n, const char* layout) const {
+  if (ndim() != n) fail("must be " + std::to_string(n) + "-D " + layout + ", got shape " + shape_str());
+}
+
+void Tensor::require_contiguous(const char* why) const {
+  if (!contiguous()) fail(std::string("must be contiguous") + (why ? why : ""));
+}
+
+void Tensor::require_int32() const {
+  if (!(dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int) && dtype.bits == 32 && dtype.lanes == 1))
+    fail("has dtype " + dtype_str() + "; expected int32");
+}
+
+void Tensor::require_float32() const {
+  if (!(dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dtype.bits == 32 && dtype.lanes == 1))
+    fail("has dtype " + dtype_str() + "; expected float32");
+}
+
+void Tensor::require_shape(std::initializer_list<int64_t> expected, const char* layout) const {
+  bool ok = static_cast<int>(expected.size()) == ndim();
+  int i = 0;
+  for (int64_t e : expected) {
+    if (ok && shape[i] != e) ok = false;
+    ++i;
+  }
+  if (ok) return;
+  std::ostringstream s;
+  s << "(";
+  i = 0;
+  for (int64_t e : expected) s << (i++ ? ", " : "") << e;
+  if (expected.size() == 1) s << ",";
+  s << ")";
+  fail("must have shape " + s.str() + " " + layout + ", got " + shape_str());
+}
+
+Tensor describe(const In& a, const std::string& op, const std::string& name) { return describe_any(a, op, name); }
+Tensor describe(const Out& a, const std::string& op, const std::string& name) { return describe_any(a, op, name); }
+std::optional<Tensor> describe(const std::optional<In>& a, const std::string& op, const std::string& name) {
+  if (!a) return std::nullopt;
+  return describe_any(*a, op, name);
+}
+std::optional<Tensor> describe(const std::optional<Out>& a, const std::string& op, const std::string& name) {
+  if (!a) return std::nullopt;
+  return describe_any(*a, op, name);
+}
+
+Device common_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : tensors) {
+    if (t == nullptr) continue;
+    if (first == nullptr) {
+      first = t;
+      continue;
+    }
+    if (t->device != first->device || t->device_id != first->device_id) {
+      throw Error(op + ": " + t->name + " lives on " + device_name(t->device) + ":" + std::to_string(t->device_id) +
+                  " but " + first->name + " on " + device_name(first->device) + ":" +
+                  std::to_string(first->device_id));
+    }
+  }
+  if (first == nullptr) throw Error(op + ": no tensor arguments");
+  return first->device;
+}
+
+RowView pool_of(const Tensor& t, int64_t* num_rows) {
+  if (t.ndim() < 2) t.fail("must be a pool of rows (at least 2-D, rows last), got shape " + t.shape_str());
+  const int last = t.ndim() - 1;
+  if (t.shape[last] > 1 && t.strides[last] != 1) t.fail("must have unit stride in its last dim (the row)");
+  // The leading dims must address rows uniformly: row r at r * row_stride.
+  int64_t row_stride = t.strides[last - 1];
+  int64_t expected = row_stride;
+  for (int i = last - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected)
+      t.fail("is not a uniform pool of rows: stride " + std::to_string(t.strides[i]) + " of dim " +
+             std::to_string(i) + " should be " + std::to_string(expected));
+    expected *= t.shape[i];
+  }
+  int64_t rows = 1;
+  for (int i = 0; i < last; ++i) rows *= t.shape[i];
+  if (rows <= 1 && row_stride < t.shape[last]) row_stride = t.shape[last];  // one row: any stride reads it
+  RowView pool;
+  pool.data = t.data;
+  pool.row_stride = row_stride;
+  pool.dim = to_int32(t.shape[last], t.op, t.name + "'s row width");
+  if (num_rows) *num_rows = rows;
+  return pool;
+}
+
+DenseStream dense_of(const Tensor& t, int32_t* batch) {
+  t.require_ndim(4, "[batch, heads, capacity, head_dim]");
+  if (t.shape[3] > 1 && t.strides[3] != 1) t.fail("must have unit stride in its last dim");
+  const int64_t row_stride = t.strides[2];
+  if (row_stride < t.shape[3]) t.fail("rows overlap: stride of dim 2 is " + std::to_string(row_stride));
+  if (t.shape[1] > 1 && t.strides[1] != t.shape[2] * row_stride)
+    t.fail("must be a whole [batch, heads, capacity, row] allocation: stride of dim 1 is " +
+           std::to_string(t.strides[1]) + ", expected capacity * row stride = " +
+           std::to_string(t.shape[2] * row_stride));
+  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.shape[2] * row_stride)
+    t.fail("must be a whole [batch, heads, capacity, row] allocation: stride of dim 0 is " +
+           std::to_string(t.strides[0]) + ", expected heads * capacity * row stride");
+  DenseStream s;
+  s.data = t.data;
+  s.heads = to_int32(t.shape[1], t.op, t.name + "'s heads");
+  s.capacity = t.shape[2];
+  s.row_stride = row_stride;
+  s.dim = to_int32(t.shape[3], t.op, t.name + "'s head_dim");
+  if (batch) *batch = to_int32(t.shape[0], t.op, t.name + "'s batch");
+  return s;
+}
+
+DeviceGuard::DeviceGuard(const Tensor& t) {
+#ifdef SPARSEPAGE_WITH_CUDA
+  if (t.device != Device::kCuda) return;
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) throw Error(t.op + ": cannot query the current CUDA device");
+  if (current != t.device_id) {
+    if (cudaSetDevice(t.device_id) != cudaSuccess)
+      throw Error(t.op + ": cannot make CUDA device " + std::to_string(t.device_id) + " current");
+    previous_ = current;
+  }
+#else
+  if (t.device == Device::kCuda)
+    throw Error(t.op + ": " + t.name + " is a CUDA tensor but this sparsepage build has no CUDA backend");
+#endif
+}
+
+DeviceGuard::~DeviceGuard() {
+#ifdef SPARSEPAGE_WITH_CUDA
+  if (previous_ >= 0) cudaSetDevice(previous_);
+#endif
+}
+
+std::vector<int32_t> host_int32(nb::handle values, const std::string& op, const std::string& name) {
+  In array;
+  if (nb::try_cast(values, array)) {
+    Tensor t = describe(array, op, name);
+    if (t.device != Device::kCpu) t.fail("must be host values (a list or a CPU array), not a CUDA tensor");
+    t.require_ndim(1, "of counts");
+    using nb::dlpack::dtype_code;
+    std::vector<int32_t> out(static_cast<size_t>(t.shape[0]));
+    const bool is_int = t.dtype.code == static_cast<uint8_t>(dtype_code::Int);
+    if (!(is_int && (t.dtype.bits == 32 || t.dtype.bits == 64))) t.fail("has dtype " + t.dtype_str() + "; expected int32 or int64");
+    for (size_t i = 0; i < out.size(); ++i) {
+      const char* p = static_cast<const char*>(t.data) + static_cast<int64_t>(i) * t.strides[0] * (t.dtype.bits / 8);
+      const int64_t v = t.dtype.bits == 32 ? *reinterpret_cast<const int32_t*>(p) : *reinterpret_cast<const int64_t*>(p);
+      out[i] = to_int32(v, op, name + "[" + std::to_string(i) + "]");
+    }
+    return out;
+  }
+  std::vector<int64_t> list;
+  if (!nb::try_cast(values, list)) throw Error(op + ": " + name + " must be a sequence of ints or a CPU int array");
+  std::vector<int32_t> out;
+  out.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(to_int32(list[i], op, name + "[" + std::to_string(i) + "]"));
+  return out;
+}
+
+nb::object numpy_int32(std::vector<int32_t> values, std::vector<size_t> shape) {
+  auto* heap = new std::vector<int32_t>(std::move(values));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
+  return nb::ndarray<nb::numpy, int32_t>(heap->data(), shape.size(), shape.data(), owner).cast();
+}
+
+int32_t to_int32(int64_t value, const std::string& op, const std::string& what) {
+  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max())
+    throw Error(op + ": " + what + " = " + std::to_string(value) + " does not fit in int32");
+  return static_cast<int32_t>(value);
+}
+
+}  // namespace sparsepage::py

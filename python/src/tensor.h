@@ -1,0 +1,102 @@
+// DLPack tensors (numpy, torch CPU/CUDA) seen as the library's plain inputs:
+// pointers, dtypes, devices, pools of rows and dense streams. Every check
+// here throws sparsepage::Error naming the operation and the argument, so a
+// Python caller gets a sparsepage.Error (a ValueError) with that message.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sparsepage/decode.h"
+#include "sparsepage/dense_paths.h"
+#include "sparsepage/types.h"
+
+namespace sparsepage::py {
+
+namespace nb = nanobind;
+
+/// Any DLPack tensor the bindings read (read-only arrays accepted).
+using In = nb::ndarray<nb::ro>;
+/// Any DLPack tensor the bindings write.
+using Out = nb::ndarray<>;
+
+/// Raised for what the library cannot do yet (a Python NotImplementedError).
+struct NotImplemented : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// One tensor argument, described.
+struct Tensor {
+  std::string op, name;     // for messages: "<op>: <name> ..."
+  void* data = nullptr;
+  Device device = Device::kCpu;
+  int device_id = 0;
+  nb::dlpack::dtype dtype{};
+  std::vector<int64_t> shape, strides;  // strides in elements
+
+  int ndim() const { return static_cast<int>(shape.size()); }
+  int64_t numel() const;
+  bool contiguous() const;
+  std::string shape_str() const;
+  std::string dtype_str() const;
+  [[noreturn]] void fail(const std::string& what) const;
+
+  /// The float dtype (f32, f16, bf16); anything else is an error.
+  DType float_dtype() const;
+  void require_ndim(int n, const char* layout) const;
+  void require_contiguous(const char* why = nullptr) const;
+  void require_int32() const;
+  void require_float32() const;
+  void require_shape(std::initializer_list<int64_t> expected, const char* layout) const;
+};
+
+Tensor describe(const In& a, const std::string& op, const std::string& name);
+Tensor describe(const Out& a, const std::string& op, const std::string& name);
+std::optional<Tensor> describe(const std::optional<In>& a, const std::string& op, const std::string& name);
+std::optional<Tensor> describe(const std::optional<Out>& a, const std::string& op, const std::string& name);
+
+/// The device every tensor lives on; an error when they differ.
+Device common_device(const std::string& op, std::initializer_list<const Tensor*> tensors);
+
+/// A pool of rows from a tensor whose last dim is the row (stride 1) and
+/// whose leading dims collapse into one row index with a uniform stride
+/// (e.g. a [rows, dim] view of a wider buffer, or a whole [B, H, Cap, D]
+/// allocation). `num_rows` receives the row count.
+RowView pool_of(const Tensor& t, int64_t* num_rows);
+
+/// A dense [batch, heads, capacity, dim] allocation (the last dim may be a
+/// slice of wider rows). `batch` receives the leading dim.
+DenseStream dense_of(const Tensor& t, int32_t* batch);
+
+/// Makes the tensor's CUDA device current for the lifetime of the guard
+/// (no-op on the CPU).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const Tensor& t);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+/// Host int32 values of a sequence argument given as a list or a CPU array.
+std::vector<int32_t> host_int32(nb::handle values, const std::string& op, const std::string& name);
+
+/// A new numpy array owning a copy of `values`.
+nb::object numpy_int32(std::vector<int32_t> values, std::vector<size_t> shape);
+
+inline void* stream_ptr(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
+/// Narrowing with a named error instead of a silent wrap.
+int32_t to_int32(int64_t value, const std::string& op, const std::string& what);
+
+}  // namespace sparsepage::py
