@@ -17,10 +17,12 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 echo "== toolchain: $(g++ --version | head -1); $(python3 --version); LDFLAGS='${LDFLAGS:-}' CXXFLAGS='${CXXFLAGS:-}' LD_PRELOAD='${LD_PRELOAD:-}'"
 t0=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-build-isolation --no-deps -q --target "$site" . \
-  -C cmake.define.SPARSEPAGE_CUDA=ON -C build-dir=/tmp/sparsepage-py-cmake > "$OUT/build.log" 2>&1 \
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-build-isolation --no-deps -v --target "$site" . \
+  -C cmake.define.SPARSEPAGE_CUDA=ON -C cmake.define.CMAKE_VERBOSE_MAKEFILE=ON -C build-dir=/tmp/sparsepage-py-cmake \
+  > "$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; echo "build failed"; exit 1; }
 echo "== build: $(( $(date +%s) - t0 )) s"
+echo "== link line of the extension:"; grep -E "\-o [^ ]*_core[^ ]*\.so" "$OUT/build.log" | tail -1 | cut -c1-1500
 so=$(ls "$site"/sparsepage/_core*.so)
 ldd "$so" | grep -E "stdc|gcc_s" ; echo "exported symbols: $(nm -D --defined-only "$so" | wc -l)"
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
