@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
-# The main job: builds, then runs sparse_paged_decode_bench — the mask arm
-# against the fused sparse arm over the same selection, at the block-sparse
-# geometry — on the GPU when one is present, otherwise on the CPU backend
-# (the program says which). Arguments go to the benchmark (see --help).
+# The main job, on the GPU when one is present, otherwise on the CPU backend
+# (each program says which):
+#   1. sparse_step_bench: whole decode steps of the block-sparse and DSA
+#      layers (append + indexer + attention), the context growing one token
+#      per step, eager and replayed from a CUDA graph, beside the mask-path
+#      step and the read-time floor; JSON and plots (build/bench/);
+#   2. sparse_paged_decode_bench: the attention kernel alone, the mask arm
+#      against the fused sparse arm over the same selection.
+# STEP_ARGS and KERNEL_ARGS pass options to each (see their --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
 build=${BUILD_DIR:-build}
+out=$build/bench
+mkdir -p "$out"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j "$(nproc)" --target sparse_paged_decode_bench >/dev/null
-exec "$build/tools/sparse_paged_decode_bench" "$@"
+cmake --build "$build" -j "$(nproc)" --target sparse_step_bench sparse_paged_decode_bench >/dev/null
+echo "== whole decode steps (sparse_step_bench)"
+"$build/tools/sparse_step_bench" --json "$out/steps.json" ${STEP_ARGS:-}
+if bash scripts/install-python-deps.sh --plots >/dev/null 2>&1; then
+  .venv/bin/python scripts/plot_steps.py "$out/steps.json" "$out" || echo "plots: skipped (see the message above)"
+else
+  echo "plots: skipped (could not install matplotlib into .venv)"
+fi
+echo "== the attention kernel alone (sparse_paged_decode_bench)"
+"$build/tools/sparse_paged_decode_bench" --json "$out/kernel.json" ${KERNEL_ARGS:-}

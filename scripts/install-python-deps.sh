@@ -5,6 +5,7 @@
 # and because nothing here should touch the system's site-packages.
 # Idempotent: an existing .venv with everything pinned installed is left alone.
 # torch is not installed here (it is large); the torch tests skip without it.
+# With --plots it also installs matplotlib, which scripts/plot_steps.py needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -14,6 +15,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 reqs=(scikit-build-core==0.11.6 nanobind==2.9.2 pytest==8.4.2 numpy==2.3.5)
+[ "${1:-}" = "--plots" ] && reqs+=(matplotlib==3.10.7)
 if ! "$venv/bin/python" -m pip show --quiet "${reqs[@]%%==*}" >/dev/null 2>&1 ||
    ! "$venv/bin/python" - "${reqs[@]}" <<'PY'
 import sys

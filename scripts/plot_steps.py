@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ARMS = [
     ("graph_us", "step, graph-replayed", "-", "o"),
     ("eager_us", "step, eager", "--", "s"),
-    ("phase_attention_us", "attention phase of the step", ":", "^"),
+    ("phase_attention_us", "attention phase of an eager step (events)", ":", "^"),
     ("mask_path_graph_us", "mask-path step, graph-replayed", "-.", "x"),
     ("floor_us", "read-time floor (bytes / measured peak)", "-", ""),
 ]

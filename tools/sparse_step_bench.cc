@@ -311,8 +311,9 @@ int main(int argc, char** argv) {
   app.add_option("--layers", opt.layers, "blocksparse and/or dsa")->check(CLI::IsMember({"blocksparse", "dsa"}));
   app.add_option("--batches", opt.batches, "batch sizes (default GPU: 1 8 32; CPU: 1)");
   app.add_option("--contexts", opt.contexts, "context lengths (default GPU: 32768 131072; CPU: 32768)");
-  app.add_option("--steps", opt.steps, "steps per timed run")->check(CLI::Range(1, 1024));
-  app.add_option("--reps", opt.reps, "timed runs (median)")->check(CLI::Range(1, 100));
+  app.add_option("--steps", opt.steps, "steps per timed run (default GPU 16, CPU 4)")->check(CLI::Range(1, 1024));
+  app.add_option("--reps", opt.reps, "timed runs, the median is reported (default GPU 5, CPU 3)")
+      ->check(CLI::Range(1, 100));
   app.add_flag("--cpu", opt.cpu, "run on the CPU backend even when a GPU is present");
   app.add_flag("--token-pages", opt.token_pages,
                "block-sparse: attend through token-granular pages (blocks expanded) instead of block-granular ones");
@@ -322,6 +323,10 @@ int main(int argc, char** argv) {
   const Device device = !opt.cpu && cuda_available() ? Device::kCuda : Device::kCpu;
   const bench::DeviceFacts facts = bench::device_facts(device);
   if (opt.batches.empty()) opt.batches = device == Device::kCuda ? std::vector<int32_t>{1, 8, 32} : std::vector<int32_t>{1};
+  if (device == Device::kCpu) {  // a CPU step takes milliseconds: fewer of them
+    if (app.count("--steps") == 0) opt.steps = 4;
+    if (app.count("--reps") == 0) opt.reps = 3;
+  }
   if (opt.contexts.empty()) {
     opt.contexts = device == Device::kCuda ? std::vector<int64_t>{32768, 131072} : std::vector<int64_t>{32768};
   }

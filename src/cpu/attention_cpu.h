@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/dot.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage::cpu {
@@ -77,13 +78,10 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
       float* s = &scores[static_cast<size_t>(g) * kTokenTile];
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < n; ++j) {
-        const float* kj = &k_tile[static_cast<size_t>(j) * dk];
-        float dot = 0.0f;
-        for (int d = 0; d < dk; ++d) dot += qg[d] * kj[d];
+        float dot = cpu::dot(qg, &k_tile[static_cast<size_t>(j) * dk], static_cast<size_t>(dk));
         if (de > 0) {
-          const float* qe = q.q_extra + static_cast<size_t>(g) * de;
-          const float* ej = &e_tile[static_cast<size_t>(j) * de];
-          for (int d = 0; d < de; ++d) dot += qe[d] * ej[d];
+          dot += cpu::dot(q.q_extra + static_cast<size_t>(g) * de, &e_tile[static_cast<size_t>(j) * de],
+                          static_cast<size_t>(de));
         }
         // A masked-out position is excluded whatever its score; a NaN score
         // of a visible position poisons the row (NaN never passes).
@@ -103,7 +101,9 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
       double sum = running_sum[g] * correction;
       for (int j = 0; j < n; ++j) {
         if (s[j] == -std::numeric_limits<float>::infinity()) continue;  // masked out: adds nothing, reads no V
-        const double p = std::exp(static_cast<double>(s[j]) - new_max);
+        // exp in fp32 (relative error ~1e-7 per weight); the sums are fp64,
+        // which is where long chunks lost mass.
+        const double p = std::exp(s[j] - new_max);
         sum += p;
         const float* vj = &v_tile[static_cast<size_t>(j) * dv];
         for (int d = 0; d < dv; ++d) og[d] += p * vj[d];
