@@ -75,6 +75,7 @@ float f16_to_float(uint16_t bits) {
 }
 
 void to_float(DType dtype, const void* src, float* dst, size_t count) {
+  if (count == 0) return;  // empty vectors pass null data; memcpy(null, null, 0) is undefined
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
@@ -93,6 +94,7 @@ void to_float(DType dtype, const void* src, float* dst, size_t count) {
 }
 
 void from_float(DType dtype, const float* src, void* dst, size_t count) {
+  if (count == 0) return;  // as in to_float (found by the fuzzer under UBSan)
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);

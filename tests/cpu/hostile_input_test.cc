@@ -112,7 +112,7 @@ TEST(HostileSizes, BufferRefusesSizesThatWrap) {
 }
 
 TEST(HostileSizes, DenseCacheCapacityStepNearTwoToTheSixty) {
-  for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 40) + 1}) {
+  for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 62) + 3}) {
     DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 8, 8, step);
     const std::vector<uint16_t> k(2 * 2 * 8), v = k;
     EXPECT_THROW(cache.update_and_fetch(k.data(), v.data(), DType::kBF16, 1), Error) << step;
@@ -262,6 +262,15 @@ TEST(HostileHelpers, MemoryCopiesRefuseNullPointers) {
   EXPECT_TRUE(throws_error_naming([&] { copy_2d(a.data(), Device::kCpu, 8, nullptr, Device::kCpu, 8, 4, 1); }, "null"));
   EXPECT_TRUE(throws_error_naming([&] { fill_bytes(nullptr, Device::kCpu, 0, 8); }, "null"));
   copy_bytes(nullptr, Device::kCpu, nullptr, Device::kCpu, 0);  // nothing to copy: fine
+}
+
+// Fuzzer finding (UBSan): converting zero elements through null pointers
+// (an empty std::vector's data()) called memcpy(nullptr, nullptr, 0).
+TEST(HostileHelpers, ZeroElementConversionsAcceptNullPointers) {
+  to_float(DType::kF32, nullptr, nullptr, 0);
+  from_float(DType::kF32, nullptr, nullptr, 0);
+  from_float(DType::kBF16, nullptr, nullptr, 0);
+  SUCCEED();
 }
 
 TEST(HostileHelpers, SparseDecoderRefusesNullAndInconsistentInputs) {
