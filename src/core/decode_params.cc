@@ -1,5 +1,6 @@
 // Host-side checks shared by both backends: everything that can be checked
 // without reading the arrays. Each message names the field and the bound.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -18,6 +19,15 @@ void check_pool(const PoolView& pool, const char* name) {
   require(pool.dim >= 1, n + ".dim = " + std::to_string(pool.dim) + " must be at least 1");
   require(pool.row_stride >= pool.dim, n + ".row_stride = " + std::to_string(pool.row_stride) +
                                            " is smaller than " + n + ".dim = " + std::to_string(pool.dim));
+}
+
+// The byte span `rows` rows of `pool` cover must fit a signed 64-bit offset,
+// or the backends' 64-bit address arithmetic would wrap.
+void check_extent(const PoolView& pool, int64_t rows, size_t esize, const char* name) {
+  const long double bytes = static_cast<long double>(rows) * static_cast<long double>(pool.row_stride) *
+                            static_cast<long double>(esize);
+  require(bytes < 4.6e18L, std::string(name) + ": " + std::to_string(rows) + " rows of row_stride " +
+                               std::to_string(pool.row_stride) + " span more than 2^62 bytes");
 }
 
 }  // namespace
@@ -58,6 +68,16 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   const bool has_extra = p.k_extra.data != nullptr;
   require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
   if (has_extra) check_pool(p.k_extra, "k_extra");
+  // Rows the page ids (or windows) can reach, for the address arithmetic.
+  const int64_t rows = p.request_row_stride > 0
+                           ? static_cast<int64_t>(std::min<long double>(
+                                 static_cast<long double>(p.request_row_stride) * p.num_requests, 9.2e18L))
+                           : static_cast<int64_t>(std::min<long double>(
+                                 static_cast<long double>(p.num_pool_pages) * p.page_size, 9.2e18L));
+  const size_t esize = dtype_size(p.dtype);
+  check_extent(p.k, rows, esize, "k");
+  check_extent(p.v, rows, esize, "v");
+  if (has_extra) check_extent(p.k_extra, rows, esize, "k_extra");
 }
 
 }  // namespace sparsepage

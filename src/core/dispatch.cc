@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "sparsepage/log.h"
+#include "sparsepage/types.h"
 
 namespace sparsepage {
 namespace {
@@ -203,6 +204,12 @@ void reset_dispatch_stats() {
 }
 
 bool record_outcome(const SparseDecodeOutcome& outcome) {
+  // The kind indexes the per-kind counters: a value outside the enum would
+  // write outside them.
+  if (static_cast<int32_t>(outcome.kind) < 0 || outcome.kind >= OutcomeKind::kCount) {
+    throw Error("record_outcome: outcome kind " + std::to_string(static_cast<int32_t>(outcome.kind)) +
+                " is not an OutcomeKind");
+  }
   bool first = false;
   {
     std::lock_guard<std::mutex> lock(stats_mutex());

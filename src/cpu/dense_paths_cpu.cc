@@ -26,7 +26,10 @@ void check_stream(const DenseStream& s, const char* name, int32_t batch, int32_t
                                        std::to_string(num_kv_heads));
   require(s.capacity >= live_len, n + ".capacity = " + std::to_string(s.capacity) + " is smaller than live_len = " +
                                       std::to_string(live_len));
-  (void)batch;
+  // The allocation's span must fit the 64-bit row arithmetic.
+  const long double elements = static_cast<long double>(batch) * s.heads * static_cast<long double>(s.capacity) *
+                               static_cast<long double>(s.row_stride);
+  require(elements * 4 < 4.6e18L, n + ": batch * heads * capacity * row_stride spans more than 2^62 bytes");
 }
 
 }  // namespace
@@ -97,6 +100,10 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
   if (offsets == nullptr) throw Error("gather_rows: offsets is null");
   if (max_rows > 0 && (dst == nullptr || rows == nullptr)) throw Error("gather_rows: rows and dst must not be null");
   if (num_pool_rows < 0) throw Error("gather_rows: num_pool_rows is negative");
+  if (static_cast<long double>(num_requests) * static_cast<long double>(max_rows) * pool.dim * dtype_size(dtype) >=
+      4.6e18L) {
+    throw Error("gather_rows: num_requests * max_rows * pool.dim elements span more than 2^62 bytes");
+  }
   if (device == Device::kCuda) {
     detail::gather_rows_cuda(rows, offsets, num_requests, max_rows, dtype, pool, num_pool_rows, dst, stream);
     return;

@@ -11,6 +11,7 @@
 
 #include "sparsepage/cache.h"
 #include "sparsepage/dense_paths.h"
+#include "sparsepage/dispatch.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
@@ -316,6 +317,62 @@ TEST(HostileHelpers, SelectionFromBlocksNamesBadCounts) {
                                   "(the partial final block) before its last entry"));
   const Buffer past = upload(Device::kCpu, std::vector<int32_t>{0, 7});
   EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(past, {2}, 4, {0}, {8}); }, "names block 7 outside"));
+}
+
+// Beyond the list: an outcome kind outside the enum indexed the per-kind
+// counters out of bounds.
+TEST(HostileHelpers, RecordOutcomeRefusesKindsOutsideTheEnum) {
+  SparseDecodeOutcome outcome;
+  outcome.kind = OutcomeKind::kCount;
+  EXPECT_TRUE(throws_error_naming([&] { record_outcome(outcome); }, "is not an OutcomeKind"));
+  outcome.kind = static_cast<OutcomeKind>(-1);
+  EXPECT_TRUE(throws_error_naming([&] { record_outcome(outcome); }, "outcome kind -1"));
+}
+
+// Beyond the list: sizes whose byte span wraps 64-bit address arithmetic.
+TEST(HostileSizes, PoolSpansPastTwoToTheSixtyTwoBytesAreRefused) {
+  std::vector<float> buf(64);
+  const std::vector<int32_t> lens = {1}, indptr = {0, 1}, indices = {0};
+  PlanShape shape;
+  shape.group_size = 1;
+  shape.head_dim_v = 4;
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  Buffer ws(Device::kCpu, plan.workspace.total);
+  DecodeParams p;
+  p.dtype = DType::kF32;
+  p.indptr = indptr.data();
+  p.indices = indices.data();
+  p.num_indices = 1;
+  p.seq_lens = lens.data();
+  p.num_requests = 1;
+  p.num_pool_pages = int64_t{1} << 40;
+  p.q = p.o = buf.data();
+  p.k = {buf.data(), int64_t{1} << 30, 4};
+  p.v = {buf.data(), 4, 4};
+  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "k: 1099511627776 rows"));
+  p.k.row_stride = 4;
+  p.request_row_stride = int64_t{1} << 62;
+  p.window_len = 4;
+  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "span more than 2^62 bytes"));
+
+  MaskedDecodeParams m;
+  m.dtype = DType::kF32;
+  m.batch = 1;
+  m.num_kv_heads = 1;
+  m.live_len = 1;
+  m.q = m.o = buf.data();
+  m.k = {buf.data(), 1, int64_t{1} << 61, 4, 4};
+  m.v = {buf.data(), 1, 1, 4, 4};
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "k: batch * heads * capacity * row_stride"));
+
+  std::vector<uint16_t> pool(8), out(8);
+  const std::vector<int32_t> offsets = {0, 1}, rows = {0};
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, int64_t{1} << 61, DType::kBF16,
+                    PoolView{pool.data(), 8, 8}, 1, out.data());
+      },
+      "gather_rows: num_requests * max_rows"));
 }
 
 }  // namespace
