@@ -117,6 +117,7 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
   }
   // Host offsets are checked before any row is read: negative or decreasing
   // offsets would index before `rows`.
+  // All of them first, so a refused call writes nothing.
   if (offsets[0] != 0) throw Error("gather_rows: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
   for (int32_t r = 0; r < num_requests; ++r) {
     const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
@@ -124,6 +125,9 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
       throw Error("gather_rows: request " + std::to_string(r) + " has " + std::to_string(count) +
                   " rows, outside [0, max_rows = " + std::to_string(max_rows) + "]");
     }
+  }
+  for (int32_t r = 0; r < num_requests; ++r) {
+    const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
     char* out = static_cast<char*>(dst) + static_cast<size_t>(r) * static_cast<size_t>(max_rows) * row_bytes;
     for (int64_t i = 0; i < max_rows; ++i) {
       char* target = out + static_cast<size_t>(i) * row_bytes;

@@ -234,9 +234,11 @@ TEST(HostileHelpers, GatherRowsRefusesNegativeOffsetsAndNullPointers) {
       [&] { gather_rows(Device::kCpu, rows.data(), negative.data(), 1, 3, DType::kBF16, view, 4, out.data()); },
       "offsets[0] = -5"));
   const std::vector<int32_t> dips = {0, 2, -1};
+  std::vector<uint16_t> untouched(out.size(), 0x1234);
   EXPECT_TRUE(throws_error_naming(
-      [&] { gather_rows(Device::kCpu, rows.data(), dips.data(), 2, 3, DType::kBF16, view, 4, out.data()); },
+      [&] { gather_rows(Device::kCpu, rows.data(), dips.data(), 2, 3, DType::kBF16, view, 4, untouched.data()); },
       "request 1 has -3 rows"));
+  EXPECT_EQ(untouched, std::vector<uint16_t>(out.size(), 0x1234)) << "a refused gather writes nothing";
   const std::vector<int32_t> offsets = {0, 3};
   EXPECT_TRUE(throws_error_naming(
       [&] { gather_rows(Device::kCpu, nullptr, offsets.data(), 1, 3, DType::kBF16, view, 4, out.data()); }, "null"));
