@@ -33,6 +33,8 @@ void check_extent(const PoolView& pool, int64_t rows, size_t esize, const char* 
 }  // namespace
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
+  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+          "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   require(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
   require(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
                                                    " but the plan was made for " +

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 
 namespace sparsepage {
 
@@ -91,6 +92,7 @@ void to_float(DType dtype, const void* src, float* dst, size_t count) {
       return;
     }
   }
+  throw Error("to_float: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
 }
 
 void from_float(DType dtype, const float* src, void* dst, size_t count) {
@@ -110,6 +112,7 @@ void from_float(DType dtype, const float* src, void* dst, size_t count) {
       return;
     }
   }
+  throw Error("from_float: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
 }
 
 }  // namespace sparsepage

@@ -35,6 +35,8 @@ void check_stream(const DenseStream& s, const char* name, int32_t batch, int32_t
 }  // namespace
 
 void check_masked_decode_params(const MaskedDecodeParams& p) {
+  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+          "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   require(p.batch >= 0, "batch = " + std::to_string(p.batch) + " is negative");
   require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
   require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");

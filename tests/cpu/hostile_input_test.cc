@@ -53,6 +53,17 @@ struct SmallInputs {
   }
 };
 
+MaskedDecodeParams testing_one_request(std::vector<float>& buf, DType dtype) {
+  MaskedDecodeParams m;
+  m.dtype = dtype;
+  m.batch = 1;
+  m.num_kv_heads = 1;
+  m.live_len = 1;
+  m.q = m.o = buf.data();
+  m.k = m.v = {buf.data(), 1, 1, 4, 4};
+  return m;
+}
+
 // Defect 2: negative counts are refused wherever they are read.
 TEST(HostileSelection, NegativeCountsAreRefusedBeforeAnyRead) {
   const SparseSelection bad = with_counts({8, -2});  // sums to 6 = the indices held
@@ -375,6 +386,27 @@ TEST(HostileSizes, PoolSpansPastTwoToTheSixtyTwoBytesAreRefused) {
                     PoolView{pool.data(), 8, 8}, 1, out.data());
       },
       "gather_rows: num_requests * max_rows"));
+}
+
+// Beyond the list: an enum value outside its type (a bad cast or a
+// corrupted struct) was converted as nothing, leaving outputs uninitialized.
+TEST(HostileHelpers, EnumValuesOutsideTheirTypeAreRefused) {
+  const auto bad = static_cast<DType>(7);
+  std::vector<float> x(4, 1.0f), y(4, 2.0f);
+  EXPECT_TRUE(throws_error_naming([&] { to_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
+  EXPECT_TRUE(throws_error_naming([&] { from_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
+  EXPECT_TRUE(throws_error_naming(
+      [] { DenseKVCache c(Device::kCpu, static_cast<CacheMode>(9), 1, 1, 1, 4, 4); }, "mode 9 is not a CacheMode"));
+  EXPECT_TRUE(throws_error_naming([&] { PagedBlockPool pool(Device::kCpu, bad, 1, 1, 4, 4, 4); }, "not a DType"));
+  MaskedDecodeParams m = testing_one_request(x, bad);
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "dtype 7 is not a DType"));
+  SmallInputs s;
+  s.in.dtype = bad;
+  DispatchConfig config;
+  config.min_sparsity = 0;
+  EXPECT_TRUE(throws_error_naming(
+      [&] { SparseDecoder(Device::kCpu, config).try_fused(s.in, make_selection(Device::kCpu, {{0}})); },
+      "dtype 7 is not a DType"));
 }
 
 }  // namespace
