@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "sparsepage/cache.h"
@@ -17,6 +18,7 @@
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
+#include "support/reference.h"
 
 namespace sparsepage {
 namespace {
@@ -407,6 +409,52 @@ TEST(HostileHelpers, EnumValuesOutsideTheirTypeAreRefused) {
   EXPECT_TRUE(throws_error_naming(
       [&] { SparseDecoder(Device::kCpu, config).try_fused(s.in, make_selection(Device::kCpu, {{0}})); },
       "dtype 7 is not a DType"));
+}
+
+// Beyond the list: DecodePlan's fields are public and the CPU backend
+// indexes with them; an edited plan is refused, not followed out of bounds.
+TEST(HostilePlan, EditedPlansAreRefusedByTheBackend) {
+  std::mt19937_64 rng(1303);
+  testing::ProblemSpec spec;
+  spec.dtype = DType::kF32;
+  spec.seq_lens = {300, 5, 0};
+  spec.group_size = 2;
+  spec.dim_qk = spec.dim_v = 8;
+  const testing::PagedProblem pb = testing::make_problem(spec, rng);
+  PlanShape shape;
+  shape.group_size = 2;
+  shape.head_dim_v = 8;
+  shape.fixed_chunk_tokens = 64;
+  const DecodePlan good = make_decode_plan(pb.table.seq_lens, shape);
+  ASSERT_TRUE(good.needs_merge());
+  check_decode_plan(good);
+  std::vector<float> o(size_t(3 * 2 * 8));
+  Buffer ws(Device::kCpu, good.workspace.total);
+  run_decode_cpu(pb.host_params(o.data(), nullptr), good, ws.data());
+  const auto refused = [&](DecodePlan plan, const std::string& needle) {
+    return throws_error_naming([&] { run_decode_cpu(pb.host_params(o.data(), nullptr), plan, ws.data()); }, needle);
+  };
+  DecodePlan p = good;
+  p.work[1].token_end = 400;
+  EXPECT_TRUE(refused(p, "work[1] covers [64, 400) of request 0"));
+  p = good;
+  p.work.back().request = 7;
+  EXPECT_TRUE(refused(p, "request 2 is not covered"));
+  p = good;
+  p.work[2].partial = p.work[1].partial;
+  EXPECT_TRUE(refused(p, "already used"));
+  p = good;
+  p.work[0].partial = 1000;
+  EXPECT_TRUE(refused(p, "partial slot 1000"));
+  p = good;
+  p.merge_requests[0] = 1;
+  EXPECT_TRUE(refused(p, "belongs to another"));
+  p = good;
+  p.workspace.total = 256;
+  EXPECT_TRUE(refused(p, "workspace.total = 256"));
+  p = good;
+  p.work.pop_back();
+  EXPECT_TRUE(refused(p, "request 2 is not covered"));
 }
 
 }  // namespace

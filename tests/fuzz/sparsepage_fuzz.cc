@@ -199,6 +199,7 @@ void fuzz_plan(FuzzedDataProvider& in) {
   }
   DecodePlan plan;
   if (!accepted([&] { plan = make_decode_plan(lens, shape); }, "make_decode_plan")) return;
+  FUZZ_CHECK(accepted([&] { check_decode_plan(plan); }, "check_decode_plan"), "a built plan fails check_decode_plan");
   FUZZ_CHECK(static_cast<int64_t>(plan.work.size()) <= kMaxWorkItems, "plan: more work items than the bound");
   FUZZ_CHECK(plan.chunk_tokens >= 1, "plan: chunk_tokens < 1");
   // Work items tile each request exactly, in order; partial slots are unique.
@@ -259,7 +260,7 @@ void fuzz_decode(FuzzedDataProvider& in) {
   shape.min_chunk_tokens = in.ConsumeIntegralInRange<int32_t>(0, 64);
   shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(1, 16);
   shape.fixed_chunk_tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(1, 40) : 0;
-  const DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
+  DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
 
   DecodeParams p = pb.host_params(nullptr, nullptr);
   // Hostile edits of the table and the arrays; each must be refused, or be
@@ -283,6 +284,19 @@ void fuzz_decode(FuzzedDataProvider& in) {
     case 7: p.num_pool_pages = std::min<int64_t>(value, spec.pool_pages); break;
     case 8: p.k.row_stride = std::min<int64_t>(value, pb.k_row_stride); break;
     case 9: p.group_size = value; break;
+    case 11:  // an edited plan: refused, or (if still consistent) run exactly
+      if (!plan.work.empty()) {
+        WorkItem& w = plan.work[at % plan.work.size()];
+        switch (value % 4) {
+          case 0: w.request = value; break;
+          case 1: w.token_end = value; break;
+          case 2: w.partial = value - 2; break;
+          default: w.token_begin = value; break;
+        }
+      }
+      if (value % 5 == 0 && !plan.merge_requests.empty()) plan.merge_requests[0] = value;
+      if (value % 7 == 0) plan.workspace.total = static_cast<size_t>(value);
+      break;
     case 10:
       p.request_row_stride = std::min<int64_t>(value, pool_rows / static_cast<int64_t>(std::max<size_t>(n, 1)));
       p.window_len = in.ConsumeIntegralInRange<int64_t>(-2, std::max<int64_t>(p.request_row_stride, 0) + 2);
