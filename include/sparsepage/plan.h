@@ -81,4 +81,12 @@ constexpr int64_t kMaxWorkItems = int64_t{1} << 24;
 /// negative counts, or more than kMaxWorkItems work items.
 DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape);
 
+/// Throws sparsepage::Error naming the first inconsistency of a plan that
+/// was built or edited by hand: work items outside their request, a request
+/// not covered exactly once, partial slots out of range or shared, merge
+/// lists that disagree with the work, a workspace layout that overlaps or
+/// overruns `workspace.total`. The CPU backend runs it on every call (the
+/// plan's fields are public, and the backend indexes with them).
+void check_decode_plan(const DecodePlan& plan);
+
 }  // namespace sparsepage

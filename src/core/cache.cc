@@ -108,6 +108,9 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
                 ", dims " + std::to_string(k_head_dim) + "/" + std::to_string(v_head_dim) + ", step " +
                 std::to_string(capacity_step) + ")");
   }
+  if (mode != CacheMode::kF16 && mode != CacheMode::kBF16 && !is_quantized(mode)) {
+    throw Error("DenseKVCache: mode " + std::to_string(static_cast<int32_t>(mode)) + " is not a CacheMode");
+  }
   if (is_quantized(mode) && device != Device::kCpu) {
     throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
   }
@@ -391,6 +394,9 @@ PagedBlockPool::PagedBlockPool(Device device, DType dtype, int32_t num_blocks, i
       v_head_dim_(v_head_dim) {
   if (num_blocks < 1 || heads < 1 || block_size < 1 || k_head_dim < 1 || v_head_dim < 1) {
     throw Error("PagedBlockPool: num_blocks, heads, block_size and head dims must be at least 1");
+  }
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
+    throw Error("PagedBlockPool: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
   }
   if (int64_t{num_blocks} * heads * block_size > std::numeric_limits<int32_t>::max()) {
     throw Error("PagedBlockPool: num_blocks * heads * block_size exceeds 2^31 - 1 rows");

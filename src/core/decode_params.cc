@@ -1,5 +1,6 @@
 // Host-side checks shared by both backends: everything that can be checked
 // without reading the arrays. Each message names the field and the bound.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -21,9 +22,25 @@ void check_pool(const RowView& pool, const char* name) {
   require(pool.seq_stride >= 0 && pool.head_stride >= 0, n + ".seq_stride and " + n + ".head_stride must not be negative");
 }
 
+// The byte span a stream's rows cover (every sequence and head, `rows` rows
+// each) must fit a signed 64-bit offset, or the backends' 64-bit address
+// arithmetic would wrap.
+void check_extent(const RowView& pool, int64_t sequences, int64_t heads, int64_t rows, size_t esize,
+                  const char* name) {
+  const auto ld = [](int64_t x) { return static_cast<long double>(x); };
+  const long double elements = ld(std::max<int64_t>(sequences - 1, 0)) * ld(pool.seq_stride) +
+                               ld(std::max<int64_t>(heads - 1, 0)) * ld(pool.head_stride) +
+                               ld(rows) * ld(pool.row_stride);
+  require(elements * ld(static_cast<int64_t>(esize)) < 4.6e18L,
+          std::string(name) + ": " + std::to_string(rows) + " rows of row_stride " + std::to_string(pool.row_stride) +
+              " (with its sequence and head strides) span more than 2^62 bytes");
+}
+
 }  // namespace
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
+  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+          "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   require(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
   require(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
                                                    " but the plan was made for " +
@@ -62,6 +79,31 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   const bool has_extra = p.k_extra.data != nullptr;
   require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
   if (has_extra) check_pool(p.k_extra, "k_extra");
+  // Rows the page ids (or windows) can reach, for the address arithmetic.
+  const int64_t rows = static_cast<int64_t>(std::min<long double>(
+      window ? static_cast<long double>(p.window_len) : static_cast<long double>(p.num_pool_pages) * p.page_size,
+      9.2e18L));
+  const int64_t sequences = p.num_requests / p.num_kv_heads;
+  if (window) {
+    // A request's window must not reach the next head's or sequence's rows.
+    const auto fits = [&](const RowView& s, const char* name) {
+      const long double span = static_cast<long double>(p.window_len) * static_cast<long double>(s.row_stride);
+      const auto n = std::string(name);
+      require(p.num_kv_heads == 1 || s.head_stride == 0 || span <= static_cast<long double>(s.head_stride),
+              "window_len = " + std::to_string(p.window_len) + " rows of " + n + " overrun " + n +
+                  ".head_stride = " + std::to_string(s.head_stride));
+      require(sequences <= 1 || s.seq_stride == 0 || span <= static_cast<long double>(s.seq_stride),
+              "window_len = " + std::to_string(p.window_len) + " rows of " + n + " overrun " + n +
+                  ".seq_stride = " + std::to_string(s.seq_stride));
+    };
+    fits(p.k, "k");
+    fits(p.v, "v");
+    if (has_extra) fits(p.k_extra, "k_extra");
+  }
+  const size_t esize = dtype_size(p.dtype);
+  check_extent(p.k, sequences, p.num_kv_heads, rows, esize, "k");
+  check_extent(p.v, sequences, p.num_kv_heads, rows, esize, "v");
+  if (has_extra) check_extent(p.k_extra, sequences, p.num_kv_heads, rows, esize, "k_extra");
 }
 
 }  // namespace sparsepage

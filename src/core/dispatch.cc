@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "sparsepage/log.h"
+#include "sparsepage/types.h"
 
 namespace sparsepage {
 namespace {
@@ -167,11 +168,13 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   }
   // The batched floor is per request, times the folded request count
   // (saturating: a huge floor from the environment must not overflow).
+  // A negative floor (DispatchConfig is a plain struct) means no floor; it
+  // must not reach the product, where it overflowed (found by the fuzzer).
   const int64_t max = std::numeric_limits<int64_t>::max();
+  const int64_t per_request_floor = std::max<int64_t>(config.min_kv_tokens_per_request, 0);
   const int64_t floor = in.num_requests <= 1 ? config.min_kv_tokens
-                        : config.min_kv_tokens_per_request > max / requests
-                            ? max
-                            : config.min_kv_tokens_per_request * requests;
+                        : per_request_floor > max / requests ? max
+                                                             : per_request_floor * requests;
   if (in.selected_rows < floor) {
     why << in.selected_rows << " selected rows across " << in.num_requests << " request(s) is below the " << floor
         << "-row dispatch floor";
@@ -198,6 +201,12 @@ void reset_dispatch_stats() {
 }
 
 bool record_outcome(const SparseDecodeOutcome& outcome) {
+  // The kind indexes the per-kind counters: a value outside the enum would
+  // write outside them.
+  if (static_cast<int32_t>(outcome.kind) < 0 || outcome.kind >= OutcomeKind::kCount) {
+    throw Error("record_outcome: outcome kind " + std::to_string(static_cast<int32_t>(outcome.kind)) +
+                " is not an OutcomeKind");
+  }
   bool first = false;
   {
     std::lock_guard<std::mutex> lock(stats_mutex());

@@ -133,4 +133,85 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   return plan;
 }
 
+void check_decode_plan(const DecodePlan& plan) {
+  const auto fail = [](const std::string& message) { throw Error("plan: " + message); };
+  const int64_t requests = plan.num_requests;
+  if (requests < 0 || static_cast<size_t>(requests) != plan.seq_lens.size()) {
+    fail("num_requests = " + std::to_string(requests) + " but seq_lens has " + std::to_string(plan.seq_lens.size()) +
+         " entries");
+  }
+  if (plan.group_size < 1 || plan.head_dim_v < 1 || plan.num_partials < 0) {
+    fail("group_size, head_dim_v must be at least 1 and num_partials not negative");
+  }
+  // Work items: ordered by request, each request tiled exactly from 0 to its
+  // length; a request with one item writes directly (partial -1), one with
+  // several writes distinct partial slots.
+  std::vector<int32_t> partial_owner(static_cast<size_t>(plan.num_partials), -1);
+  size_t i = 0;
+  for (int32_t r = 0; r < requests; ++r) {
+    const int64_t len = plan.seq_lens[static_cast<size_t>(r)];
+    if (len < 0) fail("seq_lens[" + std::to_string(r) + "] is negative");
+    int64_t covered = 0;
+    const size_t first = i;
+    for (; i < plan.work.size() && plan.work[i].request == r; ++i) {
+      const WorkItem& w = plan.work[i];
+      if (w.token_begin != covered || w.token_end < w.token_begin || w.token_end > len) {
+        fail("work[" + std::to_string(i) + "] covers [" + std::to_string(w.token_begin) + ", " +
+             std::to_string(w.token_end) + ") of request " + std::to_string(r) + " (" + std::to_string(len) +
+             " tokens, " + std::to_string(covered) + " covered so far)");
+      }
+      covered = w.token_end;
+      if (w.partial >= plan.num_partials || w.partial < -1 ||
+          (w.partial >= 0 && partial_owner[static_cast<size_t>(w.partial)] != -1)) {
+        fail("work[" + std::to_string(i) + "] has partial slot " + std::to_string(w.partial) + " (of " +
+             std::to_string(plan.num_partials) + "), out of range or already used");
+      }
+      if (w.partial >= 0) partial_owner[static_cast<size_t>(w.partial)] = r;
+    }
+    const size_t items = i - first;
+    if (items == 0 || covered != len) {
+      fail("request " + std::to_string(r) + " is not covered by its work items (" + std::to_string(covered) + " of " +
+           std::to_string(len) + " tokens)");
+    }
+    const bool direct = plan.work[first].partial < 0;
+    if (direct != (items == 1)) fail("request " + std::to_string(r) + " mixes direct output and partial slots");
+  }
+  if (i != plan.work.size()) fail("work[" + std::to_string(i) + "] names request " + std::to_string(plan.work[i].request) +
+                                  " out of order or out of range");
+  // Merge lists: one entry per split request, its slots exactly its partials.
+  const bool no_merge_lists = plan.merge_indptr.empty() && plan.merge_requests.empty() && plan.num_partials == 0;
+  if (!no_merge_lists && (plan.merge_indptr.size() != plan.merge_requests.size() + 1 ||
+                          plan.merge_indptr.front() != 0 || plan.merge_indptr.back() != plan.num_partials)) {
+    fail("merge_indptr must have merge_requests + 1 entries from 0 to num_partials");
+  }
+  for (size_t m = 0; m < plan.merge_requests.size(); ++m) {
+    const int32_t r = plan.merge_requests[m];
+    if (plan.merge_indptr[m + 1] < plan.merge_indptr[m]) fail("merge_indptr decreases at " + std::to_string(m));
+    for (int32_t slot = plan.merge_indptr[m]; slot < plan.merge_indptr[m + 1]; ++slot) {
+      if (partial_owner[static_cast<size_t>(slot)] != r) {
+        fail("merge slot " + std::to_string(slot) + " is listed for request " + std::to_string(r) +
+             " but belongs to another");
+      }
+    }
+  }
+  // Workspace: each region in order, none past the next or past the total.
+  const WorkspaceLayout& ws = plan.workspace;
+  const size_t rows = static_cast<size_t>(plan.num_partials) * static_cast<size_t>(plan.group_size);
+  const size_t ends[][2] = {
+      {ws.partial_o, checked_bytes(checked_bytes(rows, static_cast<size_t>(plan.head_dim_v), "partial outputs"),
+                                   sizeof(float), "partial outputs")},
+      {ws.partial_lse, rows * sizeof(float)},
+      {ws.work_items, plan.work.size() * sizeof(WorkItem)},
+      {ws.merge_indptr, plan.merge_indptr.size() * sizeof(int32_t)},
+      {ws.merge_requests, plan.merge_requests.size() * sizeof(int32_t)},
+      {ws.error_flag, sizeof(uint32_t)}};
+  size_t previous_end = 0;
+  for (const auto& region : ends) {
+    if (region[0] < previous_end || region[0] > ws.total || region[1] > ws.total - region[0]) {
+      fail("the workspace layout overlaps or runs past workspace.total = " + std::to_string(ws.total));
+    }
+    previous_end = region[0] + region[1];
+  }
+}
+
 }  // namespace sparsepage

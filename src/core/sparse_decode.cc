@@ -17,6 +17,8 @@ void require(bool ok, const std::string& message) {
 }
 
 void check_inputs(const SparseAttentionInputs& in) {
+  require(in.dtype == DType::kF32 || in.dtype == DType::kF16 || in.dtype == DType::kBF16,
+          "dtype " + std::to_string(static_cast<int32_t>(in.dtype)) + " is not a DType");
   require(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
   require(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
           "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +

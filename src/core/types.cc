@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 
 namespace sparsepage {
 
@@ -75,6 +76,7 @@ float f16_to_float(uint16_t bits) {
 }
 
 void to_float(DType dtype, const void* src, float* dst, size_t count) {
+  if (count == 0) return;  // empty vectors pass null data; memcpy(null, null, 0) is undefined
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
@@ -95,9 +97,11 @@ void to_float(DType dtype, const void* src, float* dst, size_t count) {
       return;
     }
   }
+  throw Error("to_float: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
 }
 
 void from_float(DType dtype, const float* src, void* dst, size_t count) {
+  if (count == 0) return;  // as in to_float (found by the fuzzer under UBSan)
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
@@ -113,6 +117,7 @@ void from_float(DType dtype, const float* src, void* dst, size_t count) {
       return;
     }
   }
+  throw Error("from_float: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
 }
 
 }  // namespace sparsepage

@@ -108,6 +108,7 @@ void check_indices_cpu(const DecodeParams& p) {
 }  // namespace
 
 void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+  check_decode_plan(plan);  // its fields are public; the loops below index with them
   check_decode_params(p, plan);
   if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
   for (int32_t r = 0; r < p.num_requests; ++r) {

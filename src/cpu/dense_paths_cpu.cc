@@ -26,12 +26,17 @@ void check_stream(const DenseStream& s, const char* name, int32_t batch, int32_t
                                        std::to_string(num_kv_heads));
   require(s.capacity >= live_len, n + ".capacity = " + std::to_string(s.capacity) + " is smaller than live_len = " +
                                       std::to_string(live_len));
-  (void)batch;
+  // The allocation's span must fit the 64-bit row arithmetic.
+  const long double elements = static_cast<long double>(batch) * s.heads * static_cast<long double>(s.capacity) *
+                               static_cast<long double>(s.row_stride);
+  require(elements * 4 < 4.6e18L, n + ": batch * heads * capacity * row_stride spans more than 2^62 bytes");
 }
 
 }  // namespace
 
 void check_masked_decode_params(const MaskedDecodeParams& p) {
+  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+          "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   require(p.batch >= 0, "batch = " + std::to_string(p.batch) + " is negative");
   require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
   require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
@@ -104,6 +109,10 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
   if (offsets == nullptr) throw Error("gather_rows: offsets is null");
   if (max_rows > 0 && (dst == nullptr || rows == nullptr)) throw Error("gather_rows: rows and dst must not be null");
   if (num_pool_rows < 0) throw Error("gather_rows: num_pool_rows is negative");
+  if (static_cast<long double>(num_requests) * static_cast<long double>(max_rows) * pool.dim * dtype_size(dtype) >=
+      4.6e18L) {
+    throw Error("gather_rows: num_requests * max_rows * pool.dim elements span more than 2^62 bytes");
+  }
   if (device == Device::kCuda) {
     detail::gather_rows_cuda(rows, offsets, num_requests, max_rows, dtype, pool, num_pool_rows, dst, stream);
     return;
@@ -117,6 +126,7 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
   }
   // Host offsets are checked before any row is read: negative or decreasing
   // offsets would index before `rows`.
+  // All of them first, so a refused call writes nothing.
   if (offsets[0] != 0) throw Error("gather_rows: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
   for (int32_t r = 0; r < num_requests; ++r) {
     const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
@@ -124,6 +134,9 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
       throw Error("gather_rows: request " + std::to_string(r) + " has " + std::to_string(count) +
                   " rows, outside [0, max_rows = " + std::to_string(max_rows) + "]");
     }
+  }
+  for (int32_t r = 0; r < num_requests; ++r) {
+    const int64_t count = int64_t{offsets[r + 1]} - offsets[r];
     char* out = static_cast<char*>(dst) + static_cast<size_t>(r) * static_cast<size_t>(max_rows) * row_bytes;
     for (int64_t i = 0; i < max_rows; ++i) {
       char* target = out + static_cast<size_t>(i) * row_bytes;

@@ -140,9 +140,9 @@ TEST(DecodeOracle, OneMillionRandomTokensMatchFp64) {
   ProblemSpec spec;
   spec.dtype = DType::kF32;
   spec.seq_lens = {1 << 20};
-  spec.group_size = 2;
-  spec.dim_qk = 4;
-  spec.dim_v = 4;
+  spec.group_size = 1;
+  spec.dim_qk = 2;
+  spec.dim_v = 2;
   spec.pool_pages = 1 << 20;
   spec.allow_duplicates = false;
   spec.scale = 2.0f;
@@ -238,6 +238,16 @@ TEST(DecodeTableChecks, WindowModeRejectsPositionsAtOrPastTheWindow) {
     EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan4, ws.data()); }, "indices[2] = 2 names positions"));
     p.window_len = 9;
     EXPECT_NO_THROW(run_decode_cpu(p, plan4, ws.data()));
+    // A window longer than the rows between two requests' windows would
+    // reach the next request's rows: refused before anything is read.
+    p.indptr = table.indptr.data();
+    p.first_page_offset = nullptr;
+    p.seq_lens = table.seq_lens.data();
+    p.indices = indices.data();
+    p.num_requests = 2;
+    p.page_size = 1;
+    p.window_len = cap + 1;
+    EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "overrun k.seq_stride"));
     p.first_page_offset = nullptr;
     p.page_size = 1;
   }

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,21 @@ TEST(Policy, SparsityGateZeroDisablesIt) {
   EXPECT_EQ(decide_sparse_decode(in, cfg).kind, OutcomeKind::kBelowSparsity);
   cfg.min_sparsity = 0;
   EXPECT_TRUE(decide_sparse_decode(in, cfg).fused());
+}
+
+// Fuzzer finding (UBSan): a negative per-request floor times the request
+// count overflowed int64; a negative floor now means no floor.
+TEST(Policy, NegativeFloorsMeanNoFloorWithoutOverflow) {
+  DispatchInput in;
+  in.num_requests = 3;
+  in.selected_rows = 3000;
+  in.live_len = 100000;
+  DispatchConfig config = DispatchConfig::defaults();
+  config.min_kv_tokens_per_request = -(int64_t{1} << 62);  // -3 * 2^62 wrapped to +2^62
+  EXPECT_TRUE(decide_sparse_decode(in, config).fused()) << decide_sparse_decode(in, config).describe();
+  config.min_kv_tokens_per_request = std::numeric_limits<int64_t>::min();
+  in.num_requests = std::numeric_limits<int64_t>::max();
+  EXPECT_NO_THROW(decide_sparse_decode(in, config));
 }
 
 TEST(Policy, MlaBatchOneIsASingleRequestLaunch) {

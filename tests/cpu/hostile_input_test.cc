@@ -7,15 +7,18 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "sparsepage/cache.h"
 #include "sparsepage/dense_paths.h"
+#include "sparsepage/dispatch.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
+#include "support/reference.h"
 
 namespace sparsepage {
 namespace {
@@ -51,6 +54,17 @@ struct SmallInputs {
     in.o = o.data();
   }
 };
+
+MaskedDecodeParams testing_one_request(std::vector<float>& buf, DType dtype) {
+  MaskedDecodeParams m;
+  m.dtype = dtype;
+  m.batch = 1;
+  m.num_kv_heads = 1;
+  m.live_len = 1;
+  m.q = m.o = buf.data();
+  m.k = m.v = {buf.data(), 1, 1, 4, 4};
+  return m;
+}
 
 // Defect 2: negative counts are refused wherever they are read.
 TEST(HostileSelection, NegativeCountsAreRefusedBeforeAnyRead) {
@@ -112,7 +126,7 @@ TEST(HostileSizes, BufferRefusesSizesThatWrap) {
 }
 
 TEST(HostileSizes, DenseCacheCapacityStepNearTwoToTheSixty) {
-  for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 40) + 1}) {
+  for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 62) + 3}) {
     DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 8, 8, step);
     const std::vector<uint16_t> k(2 * 2 * 8), v = k;
     EXPECT_THROW(cache.update_and_fetch(k.data(), v.data(), DType::kBF16, 1), Error) << step;
@@ -233,9 +247,11 @@ TEST(HostileHelpers, GatherRowsRefusesNegativeOffsetsAndNullPointers) {
       [&] { gather_rows(Device::kCpu, rows.data(), negative.data(), 1, 3, DType::kBF16, view, 4, out.data()); },
       "offsets[0] = -5"));
   const std::vector<int32_t> dips = {0, 2, -1};
+  std::vector<uint16_t> untouched(out.size(), 0x1234);
   EXPECT_TRUE(throws_error_naming(
-      [&] { gather_rows(Device::kCpu, rows.data(), dips.data(), 2, 3, DType::kBF16, view, 4, out.data()); },
+      [&] { gather_rows(Device::kCpu, rows.data(), dips.data(), 2, 3, DType::kBF16, view, 4, untouched.data()); },
       "request 1 has -3 rows"));
+  EXPECT_EQ(untouched, std::vector<uint16_t>(out.size(), 0x1234)) << "a refused gather writes nothing";
   const std::vector<int32_t> offsets = {0, 3};
   EXPECT_TRUE(throws_error_naming(
       [&] { gather_rows(Device::kCpu, nullptr, offsets.data(), 1, 3, DType::kBF16, view, 4, out.data()); }, "null"));
@@ -262,6 +278,15 @@ TEST(HostileHelpers, MemoryCopiesRefuseNullPointers) {
   EXPECT_TRUE(throws_error_naming([&] { copy_2d(a.data(), Device::kCpu, 8, nullptr, Device::kCpu, 8, 4, 1); }, "null"));
   EXPECT_TRUE(throws_error_naming([&] { fill_bytes(nullptr, Device::kCpu, 0, 8); }, "null"));
   copy_bytes(nullptr, Device::kCpu, nullptr, Device::kCpu, 0);  // nothing to copy: fine
+}
+
+// Fuzzer finding (UBSan): converting zero elements through null pointers
+// (an empty std::vector's data()) called memcpy(nullptr, nullptr, 0).
+TEST(HostileHelpers, ZeroElementConversionsAcceptNullPointers) {
+  to_float(DType::kF32, nullptr, nullptr, 0);
+  from_float(DType::kF32, nullptr, nullptr, 0);
+  from_float(DType::kBF16, nullptr, nullptr, 0);
+  SUCCEED();
 }
 
 TEST(HostileHelpers, SparseDecoderRefusesNullAndInconsistentInputs) {
@@ -307,6 +332,129 @@ TEST(HostileHelpers, SelectionFromBlocksNamesBadCounts) {
                                   "(the partial final block) before its last entry"));
   const Buffer past = upload(Device::kCpu, std::vector<int32_t>{0, 7});
   EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(past, {2}, 4, {0}, {8}); }, "names block 7 outside"));
+}
+
+// Beyond the list: an outcome kind outside the enum indexed the per-kind
+// counters out of bounds.
+TEST(HostileHelpers, RecordOutcomeRefusesKindsOutsideTheEnum) {
+  SparseDecodeOutcome outcome;
+  outcome.kind = OutcomeKind::kCount;
+  EXPECT_TRUE(throws_error_naming([&] { record_outcome(outcome); }, "is not an OutcomeKind"));
+  outcome.kind = static_cast<OutcomeKind>(-1);
+  EXPECT_TRUE(throws_error_naming([&] { record_outcome(outcome); }, "outcome kind -1"));
+}
+
+// Beyond the list: sizes whose byte span wraps 64-bit address arithmetic.
+TEST(HostileSizes, PoolSpansPastTwoToTheSixtyTwoBytesAreRefused) {
+  std::vector<float> buf(64);
+  const std::vector<int32_t> lens = {1}, indptr = {0, 1}, indices = {0};
+  PlanShape shape;
+  shape.group_size = 1;
+  shape.head_dim_v = 4;
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  Buffer ws(Device::kCpu, plan.workspace.total);
+  DecodeParams p;
+  p.dtype = DType::kF32;
+  p.indptr = indptr.data();
+  p.indices = indices.data();
+  p.num_indices = 1;
+  p.seq_lens = lens.data();
+  p.num_requests = 1;
+  p.num_pool_pages = int64_t{1} << 40;
+  p.q = p.o = buf.data();
+  p.k = {buf.data(), int64_t{1} << 30, 4};
+  p.v = {buf.data(), 4, 4};
+  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "k: 1099511627776 rows"));
+  p.k.row_stride = 4;
+  p.addressing = PageAddressing::kWindow;  // a window of 2^60 rows of 16 bytes
+  p.window_len = int64_t{1} << 60;
+  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "span more than 2^62 bytes"));
+
+  MaskedDecodeParams m;
+  m.dtype = DType::kF32;
+  m.batch = 1;
+  m.num_kv_heads = 1;
+  m.live_len = 1;
+  m.q = m.o = buf.data();
+  m.k = {buf.data(), 1, int64_t{1} << 61, 4, 4};
+  m.v = {buf.data(), 1, 1, 4, 4};
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "k: batch * heads * capacity * row_stride"));
+
+  std::vector<uint16_t> pool(8), out(8);
+  const std::vector<int32_t> offsets = {0, 1}, rows = {0};
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, int64_t{1} << 61, DType::kBF16,
+                    RowView{pool.data(), 8, 8}, 1, out.data());
+      },
+      "gather_rows: num_requests * max_rows"));
+}
+
+// Beyond the list: an enum value outside its type (a bad cast or a
+// corrupted struct) was converted as nothing, leaving outputs uninitialized.
+TEST(HostileHelpers, EnumValuesOutsideTheirTypeAreRefused) {
+  const auto bad = static_cast<DType>(7);
+  std::vector<float> x(4, 1.0f), y(4, 2.0f);
+  EXPECT_TRUE(throws_error_naming([&] { to_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
+  EXPECT_TRUE(throws_error_naming([&] { from_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
+  EXPECT_TRUE(throws_error_naming(
+      [] { DenseKVCache c(Device::kCpu, static_cast<CacheMode>(9), 1, 1, 1, 4, 4); }, "mode 9 is not a CacheMode"));
+  EXPECT_TRUE(throws_error_naming([&] { PagedBlockPool pool(Device::kCpu, bad, 1, 1, 4, 4, 4); }, "not a DType"));
+  MaskedDecodeParams m = testing_one_request(x, bad);
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "dtype 7 is not a DType"));
+  SmallInputs s;
+  s.in.dtype = bad;
+  DispatchConfig config;
+  config.min_sparsity = 0;
+  EXPECT_TRUE(throws_error_naming(
+      [&] { SparseDecoder(Device::kCpu, config).try_fused(s.in, make_selection(Device::kCpu, {{0}})); },
+      "dtype 7 is not a DType"));
+}
+
+// Beyond the list: DecodePlan's fields are public and the CPU backend
+// indexes with them; an edited plan is refused, not followed out of bounds.
+TEST(HostilePlan, EditedPlansAreRefusedByTheBackend) {
+  std::mt19937_64 rng(1303);
+  testing::ProblemSpec spec;
+  spec.dtype = DType::kF32;
+  spec.seq_lens = {300, 5, 0};
+  spec.group_size = 2;
+  spec.dim_qk = spec.dim_v = 8;
+  const testing::PagedProblem pb = testing::make_problem(spec, rng);
+  PlanShape shape;
+  shape.group_size = 2;
+  shape.head_dim_v = 8;
+  shape.fixed_chunk_tokens = 64;
+  const DecodePlan good = make_decode_plan(pb.table.seq_lens, shape);
+  ASSERT_TRUE(good.needs_merge());
+  check_decode_plan(good);
+  std::vector<float> o(size_t(3 * 2 * 8));
+  Buffer ws(Device::kCpu, good.workspace.total);
+  run_decode_cpu(pb.host_params(o.data(), nullptr), good, ws.data());
+  const auto refused = [&](DecodePlan plan, const std::string& needle) {
+    return throws_error_naming([&] { run_decode_cpu(pb.host_params(o.data(), nullptr), plan, ws.data()); }, needle);
+  };
+  DecodePlan p = good;
+  p.work[1].token_end = 400;
+  EXPECT_TRUE(refused(p, "work[1] covers [64, 400) of request 0"));
+  p = good;
+  p.work.back().request = 7;
+  EXPECT_TRUE(refused(p, "request 2 is not covered"));
+  p = good;
+  p.work[2].partial = p.work[1].partial;
+  EXPECT_TRUE(refused(p, "already used"));
+  p = good;
+  p.work[0].partial = 1000;
+  EXPECT_TRUE(refused(p, "partial slot 1000"));
+  p = good;
+  p.merge_requests[0] = 1;
+  EXPECT_TRUE(refused(p, "belongs to another"));
+  p = good;
+  p.workspace.total = 256;
+  EXPECT_TRUE(refused(p, "workspace.total = 256"));
+  p = good;
+  p.work.pop_back();
+  EXPECT_TRUE(refused(p, "request 2 is not covered"));
 }
 
 }  // namespace

@@ -1,0 +1,693 @@
+// libFuzzer target over the host-visible surface of sparsepage's CPU backend
+// (issue 13): page tables, plans, the paged decode, selections with the mask
+// path and the fused path, and the caches. The first input byte picks the
+// target; the rest drives its structure, and a seed taken from the input
+// fills values, so short inputs reach deep states.
+//
+// What every target asserts, besides "no crash, no sanitizer report":
+// - a refusal is a sparsepage::Error (any other exception aborts), and a
+//   refused call writes nothing: its output buffers are unchanged;
+// - output buffers are guarded by canaries on both sides, checked after every
+//   call, accepted or not;
+// - an accepted decode matches the fp64 reference (tests/support/reference.h)
+//   per request, lse included, and unselected rows (NaN-poisoned) never show.
+//
+// Build: cmake -DSPARSEPAGE_FUZZ=ON with clang (see docs/RELIABILITY.md).
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/decode.h"
+#include "sparsepage/dispatch.h"
+#include "sparsepage/dense_paths.h"
+#include "sparsepage/page_table.h"
+#include "sparsepage/plan.h"
+#include "sparsepage/selection.h"
+#include "sparsepage/sparse_decode.h"
+#include "support/reference.h"
+
+namespace sparsepage {
+namespace {
+
+[[noreturn]] void finding(const std::string& what) {
+  std::fprintf(stderr, "sparsepage_fuzz finding: %s\n", what.c_str());
+  std::abort();
+}
+
+// The message is built only on failure: plans may hold millions of items.
+#define FUZZ_CHECK(ok, what)   \
+  do {                         \
+    if (!(ok)) finding(what);  \
+  } while (0)
+
+// Runs `call`; returns whether it was accepted. Any exception other than
+// sparsepage::Error is a finding (std::length_error, bad_alloc, ...).
+template <typename Call>
+bool accepted(Call&& call, const char* what) {
+  try {
+    call();
+    return true;
+  } catch (const Error&) {
+    return false;
+  } catch (const std::exception& e) {
+    finding(std::string(what) + " threw a non-sparsepage exception: " + e.what());
+  }
+}
+
+// A byte buffer with canaries on both sides of its payload.
+class Guarded {
+ public:
+  static constexpr size_t kGuard = 64;
+  static constexpr uint8_t kCanary = 0xA5;
+  explicit Guarded(size_t bytes, uint8_t fill = 0xFF) : bytes_(bytes), data_(bytes + 2 * kGuard, kCanary) {
+    std::fill(data_.begin() + kGuard, data_.begin() + static_cast<std::ptrdiff_t>(kGuard + bytes), fill);
+  }
+  void* data() { return data_.data() + kGuard; }
+  const uint8_t* begin() const { return data_.data() + kGuard; }
+  size_t bytes() const { return bytes_; }
+  void check_canaries(const char* what) const {
+    for (size_t i = 0; i < kGuard; ++i) {
+      FUZZ_CHECK(data_[i] == kCanary && data_[kGuard + bytes_ + i] == kCanary, std::string(what) + ": canary overwritten");
+    }
+  }
+  std::vector<uint8_t> payload() const { return {begin(), begin() + bytes_}; }
+
+ private:
+  size_t bytes_;
+  std::vector<uint8_t> data_;
+};
+
+// Tolerances against fp64: f32 outputs carry fp32 score rounding; bf16 and
+// f16 outputs are rounded to 8 / 11 mantissa bits. lse is fp32 either way.
+double o_tolerance(DType dtype) { return dtype == DType::kF32 ? 1e-4 : dtype == DType::kF16 ? 4e-3 : 2e-2; }
+constexpr double kLseTolerance = 1e-3;
+
+DType pick_dtype(FuzzedDataProvider& in) {
+  const DType all[] = {DType::kF32, DType::kBF16, DType::kF16};
+  return all[in.ConsumeIntegralInRange<int>(0, 2)];
+}
+
+std::string sci(double x) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g", x);
+  return text;
+}
+
+// Per (request, head): NaN where and only where fp64 has NaN (a poisoned row
+// the table names poisons exactly what it would in exact arithmetic), and a
+// relative L2 within `o_tol` over the rest; lse within kLseTolerance.
+void compare_allowing_nan(const testing::Reference& ref, const std::vector<float>& o, const std::vector<float>& lse,
+                          int32_t dim_v, double o_tol, const char* what) {
+  const size_t dv = static_cast<size_t>(dim_v);
+  FUZZ_CHECK(o.size() == ref.o.size() && lse.size() == ref.lse.size(), std::string(what) + ": output sizes");
+  for (size_t h = 0; h < lse.size(); ++h) {
+    const std::string where = std::string(what) + " head " + std::to_string(h) + ": ";
+    if (std::isnan(ref.lse[h])) {
+      FUZZ_CHECK(std::isnan(lse[h]), where + "lse should be NaN");
+    } else if (std::isinf(ref.lse[h])) {
+      FUZZ_CHECK(std::isinf(lse[h]) && lse[h] < 0, where + "lse should be -inf");
+    } else {
+      FUZZ_CHECK(std::fabs(double{lse[h]} - ref.lse[h]) <= kLseTolerance,
+            where + "lse " + sci(lse[h]) + " vs fp64 " + sci(ref.lse[h]));
+    }
+    double diff = 0.0, norm = 0.0;
+    for (size_t d = h * dv; d < (h + 1) * dv; ++d) {
+      FUZZ_CHECK(std::isnan(o[d]) == std::isnan(ref.o[d]), where + "NaN where fp64 has none, or the reverse");
+      if (std::isnan(ref.o[d])) continue;
+      FUZZ_CHECK(std::isfinite(o[d]), where + "infinite output");
+      diff += (o[d] - ref.o[d]) * (o[d] - ref.o[d]);
+      norm += ref.o[d] * ref.o[d];
+    }
+    // Relative to the output, but never to less than a tenth of the size of
+    // one V row (values are in [-1, 1]): an output that cancels to nearly 0
+    // still carries the fp32 score error times |V|.
+    FUZZ_CHECK(std::sqrt(diff) <= o_tol * std::max(std::sqrt(norm), 0.1 * std::sqrt(static_cast<double>(dim_v))),
+          where + "o off by " + sci(std::sqrt(diff)) + " (norm " + sci(std::sqrt(norm)) + ")");
+  }
+}
+
+// ---- page tables ---------------------------------------------------------
+void fuzz_page_table(FuzzedDataProvider& in) {
+  const int32_t page_size = in.ConsumeIntegralInRange<int32_t>(-2, 70000);
+  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 12);
+  std::vector<int32_t> lens, offsets;
+  const bool with_offsets = in.ConsumeBool();
+  for (size_t r = 0; r < n; ++r) {
+    lens.push_back(in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-3, 5000) : in.ConsumeIntegral<int32_t>());
+    if (with_offsets) offsets.push_back(in.ConsumeIntegralInRange<int32_t>(-2, std::max(page_size, 1) + 1));
+  }
+  if (with_offsets && in.ConsumeBool() && !offsets.empty()) offsets.pop_back();
+  PageTableStructure table;
+  if (!accepted([&] { table = build_page_table_structure(lens, page_size, offsets); }, "build_page_table_structure")) {
+    return;
+  }
+  FUZZ_CHECK(!validate_page_table(table).has_value(), "a built table fails its own validator");
+  FUZZ_CHECK(table.num_pages() >= 0 && table.num_requests() == static_cast<int32_t>(n), "table sizes");
+  // Tamper with one field: the validator must describe it or accept it, never crash.
+  PageTableStructure bad = table;
+  const int which = in.ConsumeIntegralInRange<int>(0, 6);
+  const int32_t value = in.ConsumeIntegral<int32_t>();
+  const size_t at = n == 0 ? 0 : in.ConsumeIntegralInRange<size_t>(0, n - 1);
+  switch (which) {
+    case 0: if (!bad.indptr.empty()) bad.indptr[std::min(at, bad.indptr.size() - 1)] = value; break;
+    case 1: if (n) bad.last_page_len[at] = value; break;
+    case 2: if (n) bad.first_page_offset[at] = value; break;
+    case 3: if (n) bad.seq_lens[at] = value; break;
+    case 4: bad.page_size = value; break;
+    case 5: if (!bad.indptr.empty()) bad.indptr.pop_back(); break;
+    default: bad.last_page_len.push_back(value); break;
+  }
+  (void)validate_page_table(bad);
+  // Indices against a pool.
+  if (table.num_pages() <= 4096) {
+    std::vector<int32_t> indices(static_cast<size_t>(table.num_pages()));
+    for (int32_t& page : indices) page = in.ConsumeIntegralInRange<int32_t>(-1, 100);
+    if (in.ConsumeBool() && !indices.empty()) indices.pop_back();
+    const auto problem = validate_page_table(table, &indices, 100);
+    bool in_pool = static_cast<int64_t>(indices.size()) == table.num_pages();
+    for (int32_t page : indices) in_pool = in_pool && page >= 0 && page < 100;
+    FUZZ_CHECK(problem.has_value() != in_pool, "validate_page_table disagrees about the indices");
+  }
+}
+
+// ---- plans ---------------------------------------------------------------
+void fuzz_plan(FuzzedDataProvider& in) {
+  PlanShape shape;
+  shape.group_size = in.ConsumeIntegralInRange<int32_t>(-1, 130);
+  shape.head_dim_v = in.ConsumeIntegralInRange<int32_t>(-1, 600);
+  shape.num_sms = in.ConsumeIntegralInRange<int32_t>(-1, 200);
+  shape.items_per_sm = in.ConsumeIntegralInRange<int32_t>(-1, 16);
+  shape.ctas_per_item = in.ConsumeIntegralInRange<int32_t>(-1, 8);
+  shape.min_chunk_tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-1, 4096) : in.ConsumeIntegral<int32_t>();
+  shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(-1, 256);
+  shape.fixed_chunk_tokens = in.ConsumeBool() ? 0 : in.ConsumeIntegralInRange<int32_t>(-1, 4096);
+  std::vector<int32_t> lens;
+  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 64);
+  for (size_t r = 0; r < n; ++r) {
+    lens.push_back(in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-1, 20000) : in.ConsumeIntegral<int32_t>());
+  }
+  DecodePlan plan;
+  if (!accepted([&] { plan = make_decode_plan(lens, shape); }, "make_decode_plan")) return;
+  FUZZ_CHECK(accepted([&] { check_decode_plan(plan); }, "check_decode_plan"), "a built plan fails check_decode_plan");
+  FUZZ_CHECK(static_cast<int64_t>(plan.work.size()) <= kMaxWorkItems, "plan: more work items than the bound");
+  FUZZ_CHECK(plan.chunk_tokens >= 1, "plan: chunk_tokens < 1");
+  // Work items tile each request exactly, in order; partial slots are unique.
+  std::vector<int64_t> covered(n, 0);
+  std::vector<int32_t> items_of(n, 0);
+  std::vector<bool> slot_used(static_cast<size_t>(std::max(plan.num_partials, 0)), false);
+  for (const WorkItem& w : plan.work) {
+    FUZZ_CHECK(w.request >= 0 && w.request < static_cast<int32_t>(n), "plan: request out of range");
+    const size_t r = static_cast<size_t>(w.request);
+    FUZZ_CHECK(w.token_begin == covered[r] && w.token_end >= w.token_begin && w.token_end <= lens[r], "plan: gap or overlap");
+    FUZZ_CHECK(w.token_end - w.token_begin <= plan.chunk_tokens, "plan: chunk longer than chunk_tokens");
+    covered[r] = w.token_end;
+    ++items_of[r];
+    if (w.partial >= 0) {
+      FUZZ_CHECK(w.partial < plan.num_partials && !slot_used[static_cast<size_t>(w.partial)],
+            "plan: partial slot reused or out of range");
+      slot_used[static_cast<size_t>(w.partial)] = true;
+    }
+  }
+  for (size_t r = 0; r < n; ++r) FUZZ_CHECK(covered[r] == lens[r] && items_of[r] >= 1, "plan: request not covered");
+  FUZZ_CHECK(plan.merge_indptr.size() == plan.merge_requests.size() + 1, "plan: merge lists");
+  FUZZ_CHECK(plan.merge_indptr.back() == plan.num_partials, "plan: merge_indptr does not end at num_partials");
+  const WorkspaceLayout& ws = plan.workspace;
+  for (size_t offset : {ws.partial_o, ws.partial_lse, ws.work_items, ws.merge_indptr, ws.merge_requests, ws.error_flag}) {
+    FUZZ_CHECK(offset % 256 == 0 && offset <= ws.total, "plan: workspace offset");
+  }
+}
+
+// ---- the paged decode ------------------------------------------------------
+// A random problem from the fuzzer's structure, then hostile edits; accepted
+// runs must match fp64.
+void fuzz_decode(FuzzedDataProvider& in) {
+  testing::ProblemSpec spec;
+  spec.dtype = pick_dtype(in);
+  spec.page_size = in.ConsumeIntegralInRange<int32_t>(1, 9);
+  spec.random_first_page_offset = in.ConsumeBool();
+  spec.group_size = in.ConsumeIntegralInRange<int32_t>(1, 5);
+  spec.dim_qk = in.ConsumeIntegralInRange<int32_t>(1, 24);
+  spec.v_aliases_k = in.ConsumeBool();
+  spec.dim_v = spec.v_aliases_k ? in.ConsumeIntegralInRange<int32_t>(1, spec.dim_qk)
+                                : in.ConsumeIntegralInRange<int32_t>(1, 24);
+  spec.dim_extra = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(1, 8) : 0;
+  spec.k_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
+  spec.v_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
+  spec.extra_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
+  spec.pool_pages = in.ConsumeIntegralInRange<int64_t>(1, 64);
+  spec.allow_duplicates = true;
+  spec.scale = static_cast<float>(in.ConsumeIntegralInRange<int>(1, 40)) / 16.0f;
+  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 6);
+  for (size_t r = 0; r < n; ++r) spec.seq_lens.push_back(in.ConsumeIntegralInRange<int32_t>(0, 80));
+  std::mt19937_64 rng(in.ConsumeIntegral<uint64_t>());
+  testing::PagedProblem pb = testing::make_problem(spec, rng);
+
+  PlanShape shape;
+  shape.group_size = spec.group_size;
+  shape.head_dim_v = spec.dim_v;
+  shape.num_sms = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  shape.min_chunk_tokens = in.ConsumeIntegralInRange<int32_t>(0, 64);
+  shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(1, 16);
+  shape.fixed_chunk_tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(1, 40) : 0;
+  DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
+
+  DecodeParams p = pb.host_params(nullptr, nullptr);
+  // Hostile edits of the table and the arrays; each must be refused, or be
+  // run exactly as stated. Edits never lie about the memory behind a pointer
+  // (a larger row stride or page size than the pool has is the caller's
+  // contract, not something a host check can see).
+  std::vector<int32_t> indptr = pb.table.indptr;
+  std::vector<int32_t> first = pb.table.first_page_offset;
+  std::vector<int32_t> lens = pb.table.seq_lens;
+  const int edit = in.ConsumeIntegralInRange<int>(0, 12);
+  const int32_t value = in.ConsumeIntegralInRange<int32_t>(-3, 100);
+  const size_t at = in.ConsumeIntegralInRange<size_t>(0, n);
+  const int64_t pool_rows = pb.pool_rows();
+  int64_t window_stride = 0;  // rows between requests' windows (edit 10)
+  switch (edit) {
+    case 1: indptr[at] = value; break;
+    case 2: if (!pb.indices.empty()) pb.indices[at % pb.indices.size()] = value; break;
+    case 3: if (n) first[at % n] = value; break;
+    case 4: if (n) lens[at % n] = value; break;
+    case 5: p.num_indices = value; break;
+    case 6: p.page_size = std::min(value, spec.page_size); break;
+    case 7: p.num_pool_pages = std::min<int64_t>(value, spec.pool_pages); break;
+    case 8: p.k.row_stride = std::min<int64_t>(value, pb.k_row_stride); break;
+    case 9: p.group_size = value; break;
+    case 11:  // an edited plan: refused, or (if still consistent) run exactly
+      if (!plan.work.empty()) {
+        WorkItem& w = plan.work[at % plan.work.size()];
+        switch (value % 4) {
+          case 0: w.request = value; break;
+          case 1: w.token_end = value; break;
+          case 2: w.partial = value - 2; break;
+          default: w.token_begin = value; break;
+        }
+      }
+      if (value % 5 == 0 && !plan.merge_requests.empty()) plan.merge_requests[0] = value;
+      if (value % 7 == 0) plan.workspace.total = static_cast<size_t>(value);
+      break;
+    case 10:  // window mode: request r's rows start window_stride rows into each stream
+      window_stride = std::max<int64_t>(
+          0, std::min<int64_t>(value, pool_rows / static_cast<int64_t>(std::max<size_t>(n, 1))));
+      p.addressing = PageAddressing::kWindow;
+      p.k.seq_stride = window_stride * p.k.row_stride;
+      p.v.seq_stride = window_stride * p.v.row_stride;
+      if (p.k_extra.data) p.k_extra.seq_stride = window_stride * p.k_extra.row_stride;
+      // The window fits the caller's memory (a longer one would lie about it);
+      // longer windows than the sequence stride are refused by the host check.
+      p.window_len = in.ConsumeIntegralInRange<int64_t>(-2, window_stride);
+      break;
+    default: break;  // untouched: must be accepted
+  }
+  p.indptr = indptr.data();
+  p.first_page_offset = first.data();
+  p.seq_lens = lens.data();
+  p.indices = pb.indices.data();
+  if (edit != 5) p.num_indices = static_cast<int64_t>(pb.indices.size());
+  const size_t heads = n * static_cast<size_t>(spec.group_size);
+  const size_t esize = dtype_size(spec.dtype);
+  Guarded o(heads * static_cast<size_t>(spec.dim_v) * esize), lse(heads * sizeof(float));
+  Guarded workspace(plan.workspace.total, 0xFF);
+  p.o = o.data();
+  p.lse = static_cast<float*>(lse.data());
+  const std::vector<uint8_t> o_before = o.payload(), lse_before = lse.payload();
+  const bool ok = accepted([&] { run_decode_cpu(p, plan, workspace.data()); }, "run_decode_cpu");
+  o.check_canaries("decode o");
+  lse.check_canaries("decode lse");
+  workspace.check_canaries("decode workspace");
+  if (!ok) {
+    FUZZ_CHECK(o.payload() == o_before && lse.payload() == lse_before, "a refused decode wrote its output");
+    return;
+  }
+  // Accepted: resolve every visible token through the arrays exactly as
+  // given, and compare with fp64 over those rows (NaN-poisoned rows the
+  // table really names must come out NaN, the rest must match).
+  std::vector<std::vector<int64_t>> rows(n);
+  for (size_t r = 0; r < n; ++r) {
+    const int64_t offset = first[r];
+    for (int64_t t = 0; t < lens[r]; ++t) {
+      const int64_t slot = offset + t;
+      const int64_t page = p.indices[indptr[r] + slot / p.page_size];
+      const int64_t row = window_stride * static_cast<int64_t>(r) + page * p.page_size + slot % p.page_size;
+      FUZZ_CHECK(row >= 0 && row < pool_rows, "an accepted decode resolves a row outside the pool");
+      if (p.addressing == PageAddressing::kWindow) {
+        FUZZ_CHECK(page * p.page_size + slot % p.page_size < p.window_len, "window escaped");
+      }
+      rows[r].push_back(row);
+    }
+  }
+  testing::PagedProblem seen = pb;
+  seen.k_row_stride = p.k.row_stride;
+  const auto ref = testing::reference_attention(seen, rows);
+  std::vector<float> got_lse(heads);
+  if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
+  compare_allowing_nan(ref, testing::as_float(spec.dtype, o.payload()), got_lse, spec.dim_v, o_tolerance(spec.dtype),
+                       "decode");
+}
+
+// ---- selections, the mask path and the fused path ------------------------
+void fuzz_selection_paths(FuzzedDataProvider& in) {
+  const DType dtype = pick_dtype(in);
+  const int32_t batch = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  const int32_t kv_heads = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  const int32_t group = in.ConsumeIntegralInRange<int32_t>(1, 4);
+  const int32_t dim = in.ConsumeIntegralInRange<int32_t>(1, 16);
+  const int32_t dim_v = in.ConsumeIntegralInRange<int32_t>(1, 16);
+  const int64_t live = in.ConsumeIntegralInRange<int64_t>(0, 700);
+  const int64_t cap = live + in.ConsumeIntegralInRange<int64_t>(0, 9);
+  const int32_t pad_k = in.ConsumeIntegralInRange<int32_t>(0, 3), pad_v = in.ConsumeIntegralInRange<int32_t>(0, 3);
+  const int32_t requests = batch * kv_heads;
+  std::mt19937_64 rng(in.ConsumeIntegral<uint64_t>());
+
+  // Selection: positions mostly inside the window, sometimes outside or repeated.
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(requests));
+  bool in_window = true;
+  for (auto& r : rows) {
+    const size_t count = in.ConsumeIntegralInRange<size_t>(0, 40);
+    for (size_t i = 0; i < count; ++i) {
+      int32_t pos = live > 0 ? in.ConsumeIntegralInRange<int32_t>(0, static_cast<int32_t>(live - 1)) : 0;
+      if (in.ConsumeIntegralInRange<int>(0, 15) == 0) pos = in.ConsumeIntegralInRange<int32_t>(-2, static_cast<int32_t>(cap) + 2);
+      in_window = in_window && pos >= 0 && pos < live;
+      r.push_back(pos);
+    }
+  }
+  SparseSelection selection = make_selection(Device::kCpu, rows);
+  const int tamper = in.ConsumeIntegralInRange<int>(0, 7);
+  if (tamper == 1 && requests > 0) {
+    // Other counts over the same indices: legal when non-negative and within
+    // the indices, and then each request's rows are what the counts say.
+    selection.counts[0] = in.ConsumeIntegralInRange<int32_t>(-3, 3);
+    int64_t total = 0;
+    bool valid = true;
+    for (int32_t c : selection.counts) {
+      valid = valid && c >= 0;
+      total += c;
+    }
+    if (valid && total * 4 <= static_cast<int64_t>(selection.indices.bytes())) {
+      const int32_t* flat = selection.indices.as<int32_t>();
+      size_t at = 0;
+      in_window = true;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        rows[r].assign(flat + at, flat + at + selection.counts[r]);
+        at += static_cast<size_t>(selection.counts[r]);
+        for (int32_t pos : rows[r]) in_window = in_window && pos >= 0 && pos < live;
+      }
+    }
+  }
+
+  // Pools [requests, cap, stride] (K heads == V heads): every row outside the
+  // in-window selection is NaN, so any read of one shows.
+  testing::PagedProblem pb;  // used as the fp64 reference's description of the pools
+  pb.spec.dtype = dtype;
+  pb.spec.group_size = group;
+  pb.spec.dim_qk = dim;
+  pb.spec.dim_v = dim_v;
+  pb.k_row_stride = dim + pad_k;
+  pb.v_row_stride = dim_v + pad_v;
+  pb.scale = static_cast<float>(in.ConsumeIntegralInRange<int>(1, 40)) / 16.0f;
+  const size_t pool_rows = static_cast<size_t>(requests) * static_cast<size_t>(cap);
+  pb.k_pool = testing::nan_values(dtype, pool_rows * static_cast<size_t>(pb.k_row_stride));
+  pb.v_pool = testing::nan_values(dtype, pool_rows * static_cast<size_t>(pb.v_row_stride));
+  const size_t esize = dtype_size(dtype);
+  std::vector<std::vector<int64_t>> kept_set(static_cast<size_t>(requests)), kept_all(static_cast<size_t>(requests));
+  for (int32_t r = 0; r < requests; ++r) {
+    std::set<int32_t> seen;
+    for (int32_t pos : rows[static_cast<size_t>(r)]) {
+      if (pos < 0 || pos >= live) continue;
+      const int64_t row = int64_t{r} * cap + pos;
+      kept_all[static_cast<size_t>(r)].push_back(row);
+      if (!seen.insert(pos).second) continue;
+      kept_set[static_cast<size_t>(r)].push_back(row);
+      const auto k = testing::random_values(dtype, static_cast<size_t>(dim), rng);
+      const auto v = testing::random_values(dtype, static_cast<size_t>(dim_v), rng);
+      std::copy(k.begin(), k.end(), pb.k_pool.begin() + static_cast<std::ptrdiff_t>(row * pb.k_row_stride * esize));
+      std::copy(v.begin(), v.end(), pb.v_pool.begin() + static_cast<std::ptrdiff_t>(row * pb.v_row_stride * esize));
+    }
+  }
+  pb.q = testing::random_values(dtype, static_cast<size_t>(requests) * group * dim, rng);
+  pb.table.seq_lens.assign(static_cast<size_t>(requests), 0);  // sizes the reference's outputs
+
+  SparseAttentionInputs inputs;
+  inputs.dtype = dtype;
+  inputs.batch = batch;
+  inputs.num_qo_heads = kv_heads * group;
+  inputs.num_kv_heads = kv_heads;
+  inputs.live_len = live;
+  inputs.k = {pb.k_pool.data(), kv_heads, cap, pb.k_row_stride, dim};
+  inputs.v = {pb.v_pool.data(), kv_heads, cap, pb.v_row_stride, dim_v};
+  inputs.q = pb.q.data();
+  inputs.scale = pb.scale;
+  if (tamper == 2) inputs.live_len = cap + 1;
+  if (tamper == 3) inputs.num_qo_heads = kv_heads > 1 ? kv_heads * group + 1 : 0;  // never a valid shape
+  const size_t heads = static_cast<size_t>(requests) * group;
+  auto run_path = [&](bool fused, const std::vector<std::vector<int64_t>>& expected) {
+    Guarded o(heads * static_cast<size_t>(dim_v) * esize), lse(heads * sizeof(float));
+    SparseAttentionInputs call = inputs;
+    call.o = o.data();
+    call.lse = static_cast<float*>(lse.data());
+    const std::vector<uint8_t> o_before = o.payload();
+    bool ran = false;
+    const bool ok = accepted(
+        [&] {
+          if (fused) {
+            DispatchConfig config;
+            config.min_sparsity = 0;
+            SparseDecoder decoder(Device::kCpu, config);
+            ran = decoder.try_fused(call, selection).fused();
+          } else {
+            MaskPath mask(Device::kCpu);
+            mask.prepare(call, selection);
+            mask.run(call, selection);
+            ran = true;
+          }
+        },
+        fused ? "SparseDecoder::try_fused" : "MaskPath");
+    o.check_canaries(fused ? "fused o" : "mask o");
+    lse.check_canaries(fused ? "fused lse" : "mask lse");
+    if (!ok || !ran) {
+      FUZZ_CHECK(o.payload() == o_before, "a refused or declined call wrote its output");
+      return ok;
+    }
+    FUZZ_CHECK(tamper != 1 || selection.counts.empty() || selection.counts[0] >= 0, "negative count accepted");
+    FUZZ_CHECK(!fused || in_window, "the fused path accepted a position outside the window");
+    const auto ref = testing::reference_attention(pb, expected);
+    std::vector<float> got_lse(heads);
+    if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
+    compare_allowing_nan(ref, testing::as_float(dtype, o.payload()), got_lse, dim_v, o_tolerance(dtype),
+                         fused ? "fused" : "mask path");
+    return ok;
+  };
+  // A mask is a set (duplicates once, positions outside the window ignored);
+  // the fused path counts each occurrence and refuses outside positions.
+  run_path(false, kept_set);
+  run_path(true, kept_all);
+}
+
+// ---- caches ----------------------------------------------------------------
+void fuzz_caches(FuzzedDataProvider& in) {
+  const int32_t batch = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  const int32_t k_heads = in.ConsumeIntegralInRange<int32_t>(1, 3), v_heads = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  const int32_t dk = in.ConsumeIntegralInRange<int32_t>(1, 8), dv = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  // Steps are small, or so large that the size checks must refuse them (a
+  // step in between asks the allocator for terabytes, which is honest and
+  // fails cleanly, but trips the fuzzer's malloc limit).
+  const int64_t huge_steps[] = {int64_t{1} << 62, std::numeric_limits<int64_t>::max(), (int64_t{1} << 62) + 12345};
+  const int64_t step = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(-1, 40)
+                                        : huge_steps[in.ConsumeIntegralInRange<int>(0, 2)];
+  // Token counts are what the buffers hold, or ones that must be refused.
+  const int64_t hostile_tokens[] = {-1, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+                                    int64_t{1} << 40};
+  DenseKVCache* cache = nullptr;
+  std::vector<DenseKVCache> holder;
+  if (!accepted([&] { holder.emplace_back(Device::kCpu, CacheMode::kBF16, batch, k_heads, v_heads, dk, dv, step); },
+                "DenseKVCache")) {
+    return;
+  }
+  cache = &holder.back();
+  // Shadow model: per (b, h) the appended K rows in order (bf16 bits).
+  std::vector<std::vector<uint16_t>> shadow(static_cast<size_t>(batch) * k_heads);
+  std::vector<DenseKVCache> copies;
+  std::vector<size_t> copy_len;
+  for (int steps = in.ConsumeIntegralInRange<int>(0, 6); steps > 0; --steps) {
+    const int64_t tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(0, 20)
+                                            : hostile_tokens[in.ConsumeIntegralInRange<int>(0, 3)];
+    const int64_t sane = std::clamp<int64_t>(tokens, 0, 20);
+    std::vector<uint16_t> k(static_cast<size_t>(batch * k_heads * sane * dk)), v(static_cast<size_t>(batch * v_heads * sane * dv));
+    for (size_t i = 0; i < k.size(); ++i) k[i] = float_to_bf16(static_cast<float>(in.ConsumeIntegralInRange<int>(-8, 8)));
+    const int64_t live_before = cache->live_len();
+    const bool ok = accepted([&] { cache->update_and_fetch(k.data(), v.data(), DType::kBF16, tokens); }, "update_and_fetch");
+    if (!ok) {
+      FUZZ_CHECK(cache->live_len() == live_before, "a refused append changed the live length");
+      continue;
+    }
+    FUZZ_CHECK(tokens == sane, "an append of more tokens than were passed was accepted");
+    for (size_t bh = 0; bh < shadow.size(); ++bh) {
+      shadow[bh].insert(shadow[bh].end(), k.begin() + static_cast<std::ptrdiff_t>(bh * sane * dk),
+                        k.begin() + static_cast<std::ptrdiff_t>((bh + 1) * sane * dk));
+    }
+    if (in.ConsumeBool()) {  // a copy must keep what it had, whatever the original does next
+      copies.push_back(*cache);
+      copy_len.push_back(shadow[0].size());
+    }
+  }
+  const std::vector<float> window = cache->dequantized_window(true);
+  const int64_t live = cache->live_len();
+  for (size_t bh = 0; bh < shadow.size(); ++bh) {
+    for (int64_t i = 0; i < live * dk; ++i) {
+      FUZZ_CHECK(window[bh * static_cast<size_t>(live * dk) + static_cast<size_t>(i)] == bf16_to_float(shadow[bh][static_cast<size_t>(i)]),
+            "dense cache window differs from what was appended");
+    }
+  }
+  for (size_t c = 0; c < copies.size(); ++c) {
+    const std::vector<float> w = copies[c].dequantized_window(true);
+    const size_t len = copy_len[c];
+    for (size_t i = 0; i < len; ++i) {
+      FUZZ_CHECK(w[i] == bf16_to_float(shadow[0][i]), "a copied cache changed when the original appended");
+    }
+  }
+
+  // A paged pool: appends and block-granular tables against a shadow.
+  const int32_t blocks = in.ConsumeIntegralInRange<int32_t>(1, 8), block_size = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  PagedBlockPool pool(Device::kCpu, DType::kBF16, blocks, 1, block_size, 1, 1);
+  const int32_t seq = pool.add_sequence();
+  for (int steps = in.ConsumeIntegralInRange<int>(0, 4); steps > 0; --steps) {
+    const int64_t tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(0, 30)
+                                            : hostile_tokens[in.ConsumeIntegralInRange<int>(0, 3)];
+    const std::vector<uint16_t> kv(static_cast<size_t>(std::clamp<int64_t>(tokens, 0, 30)));
+    const int64_t before = pool.seq_len(seq);
+    const size_t blocks_before = pool.block_table(seq).size();
+    if (!accepted([&] { pool.append(seq, kv.data(), kv.data(), tokens); }, "PagedBlockPool::append")) {
+      FUZZ_CHECK(pool.seq_len(seq) == before && pool.block_table(seq).size() == blocks_before,
+            "a refused append changed the sequence");
+      continue;
+    }
+    FUZZ_CHECK(tokens >= 0 && tokens <= 30, "an append larger than the buffer was accepted");
+  }
+  std::vector<int32_t> picks;
+  for (int i = in.ConsumeIntegralInRange<int>(0, 5); i > 0; --i) picks.push_back(in.ConsumeIntegralInRange<int32_t>(-1, blocks));
+  std::pair<PageTableStructure, std::vector<int32_t>> table;
+  if (accepted([&] { table = pool.block_page_table({seq}, {0}, {picks}); }, "block_page_table")) {
+    FUZZ_CHECK(!validate_page_table(table.first, &table.second, pool.num_pages()).has_value(),
+          "block_page_table made an invalid table");
+  }
+}
+
+// ---- dispatch, block selections and the gather path -----------------------
+void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
+  // The policy is a pure function of counts that may come from the environment.
+  DispatchInput d;
+  d.num_requests = in.ConsumeIntegral<int64_t>();
+  d.selected_rows = in.ConsumeIntegral<int64_t>();
+  d.live_len = in.ConsumeIntegral<int64_t>();
+  d.raw_cache = in.ConsumeBool();
+  d.head_dims_supported = in.ConsumeBool();
+  d.shared_row_mapping = in.ConsumeBool();
+  d.device_available = in.ConsumeBool();
+  d.layout_supported = in.ConsumeBool();
+  DispatchConfig config;
+  config.enabled = in.ConsumeBool();
+  config.min_kv_tokens = in.ConsumeIntegral<int64_t>();
+  config.min_kv_tokens_per_request = in.ConsumeIntegral<int64_t>();
+  config.min_sparsity = in.ConsumeIntegral<int64_t>();
+  const SparseDecodeOutcome outcome = decide_sparse_decode(d, config);
+  FUZZ_CHECK(outcome.kind >= OutcomeKind::kFused && outcome.kind < OutcomeKind::kCount, "decide: kind");
+  (void)outcome.describe();
+  const std::string text = in.ConsumeRandomLengthString(24);
+  (void)parse_count(text.c_str(), 7);
+  (void)parse_enable_switch(text.c_str());
+
+  // Block ids to rows: accepted selections must match the definition.
+  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 4);
+  const int32_t block_size = in.ConsumeIntegralInRange<int32_t>(-1, 9);
+  std::vector<int32_t> counts, ids;
+  std::vector<int64_t> bases, lives;
+  for (size_t r = 0; r < n; ++r) {
+    counts.push_back(in.ConsumeIntegralInRange<int32_t>(-1, 5));
+    bases.push_back(in.ConsumeIntegralInRange<int64_t>(-2, 1000));
+    lives.push_back(in.ConsumeIntegralInRange<int64_t>(-1, 60));
+    for (int32_t i = 0; i < std::max(counts.back(), 0); ++i) ids.push_back(in.ConsumeIntegralInRange<int32_t>(-1, 8));
+  }
+  if (in.ConsumeBool() && !ids.empty()) ids.pop_back();
+  const Buffer block_ids = upload(Device::kCpu, ids);
+  SparseSelection sel;
+  if (accepted([&] { sel = selection_from_blocks(block_ids, counts, block_size, bases, lives); },
+               "selection_from_blocks")) {
+    const auto rows = sel.materialize();
+    size_t at = 0;
+    for (size_t r = 0; r < n; ++r) {
+      std::vector<int32_t> expected;
+      for (int32_t i = 0; i < counts[r]; ++i, ++at) {
+        for (int64_t j = 0; j < block_size && int64_t{ids[at]} * block_size + j < lives[r]; ++j) {
+          expected.push_back(static_cast<int32_t>(bases[r] + int64_t{ids[at]} * block_size + j));
+        }
+      }
+      FUZZ_CHECK(rows[r] == expected, "selection_from_blocks rows differ from the definition");
+    }
+  }
+
+  // The gather path over a small pool: rows outside it come back NaN.
+  const int32_t dim = in.ConsumeIntegralInRange<int32_t>(1, 6);
+  const int64_t pool_rows = in.ConsumeIntegralInRange<int64_t>(0, 12);
+  const int32_t requests = in.ConsumeIntegralInRange<int32_t>(-1, 3);
+  const int64_t max_rows = in.ConsumeIntegralInRange<int64_t>(-1, 5);
+  std::vector<int32_t> offsets(static_cast<size_t>(std::max(requests, 0)) + 1, 0), rows;
+  for (size_t r = 1; r < offsets.size(); ++r) {
+    offsets[r] = offsets[r - 1] + in.ConsumeIntegralInRange<int32_t>(-1, 6);
+  }
+  if (in.ConsumeBool()) offsets[0] = in.ConsumeIntegralInRange<int32_t>(-2, 2);
+  const int32_t listed = std::max(0, std::max(offsets.back(), *std::max_element(offsets.begin(), offsets.end())));
+  for (int32_t i = 0; i < listed; ++i) rows.push_back(in.ConsumeIntegralInRange<int32_t>(-1, 14));
+  std::vector<float> pool(static_cast<size_t>(std::max<int64_t>(pool_rows, 1) * dim), 1.5f);
+  Guarded out(static_cast<size_t>(std::max(requests, 0)) * static_cast<size_t>(std::max<int64_t>(max_rows, 0)) *
+              static_cast<size_t>(dim) * sizeof(float));
+  const std::vector<uint8_t> before = out.payload();
+  const bool ok = accepted(
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), offsets.data(), requests, max_rows, DType::kF32,
+                    RowView{pool.data(), dim, dim}, pool_rows, out.data());
+      },
+      "gather_rows");
+  out.check_canaries("gather_rows dst");
+  FUZZ_CHECK(ok || out.payload() == before, "a refused gather_rows wrote its output");
+  if (ok && requests > 0) {
+    std::vector<float> got(out.bytes() / sizeof(float));
+    if (!got.empty()) std::memcpy(got.data(), out.begin(), out.bytes());
+    for (int32_t r = 0; r < requests; ++r) {
+      for (int64_t i = 0; i < max_rows; ++i) {
+        const float x = got[(static_cast<size_t>(r) * static_cast<size_t>(max_rows) + static_cast<size_t>(i)) * dim];
+        const int64_t count = offsets[r + 1] - offsets[r];
+        const bool inside = i < count && rows[static_cast<size_t>(offsets[r] + i)] >= 0 &&
+                            rows[static_cast<size_t>(offsets[r] + i)] < pool_rows;
+        FUZZ_CHECK(i >= count ? x == 0.0f : inside ? x == 1.5f : std::isnan(x), "gather_rows wrote a wrong row");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 0: sparsepage::fuzz_page_table(in); break;
+    case 1: sparsepage::fuzz_plan(in); break;
+    case 2: sparsepage::fuzz_decode(in); break;
+    case 3: sparsepage::fuzz_selection_paths(in); break;
+    case 4: sparsepage::fuzz_caches(in); break;
+    default: sparsepage::fuzz_dispatch_blocks_gather(in); break;
+  }
+  return 0;
+}
