@@ -65,6 +65,29 @@ double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
+/// The largest relative L2 over requests (each request's [group, dv] block
+/// on its own, so an error in one request is not diluted by the others).
+double worst_request_l2(const std::vector<float>& a, const std::vector<float>& b, int64_t requests) {
+  const size_t per = a.size() / static_cast<size_t>(std::max<int64_t>(requests, 1));
+  double worst = 0;
+  for (int64_t r = 0; r < requests; ++r) {
+    const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(r) * per);
+    worst = std::max(worst, relative_l2(std::vector<float>(a.begin() + at, a.begin() + at + static_cast<std::ptrdiff_t>(per)),
+                                        std::vector<float>(b.begin() + at, b.begin() + at + static_cast<std::ptrdiff_t>(per))));
+  }
+  return worst;
+}
+
+/// The largest |a - b| of two lse arrays (natural log); inf on a non-finite entry.
+double worst_lse_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
+  }
+  return worst;
+}
+
 std::vector<float> read_output(Device device, const Buffer& o) {
   const auto bytes = download<uint8_t>(device, o.data(), o.bytes());
   std::vector<float> out(o.bytes() / 2);
@@ -220,6 +243,10 @@ int main(int argc, char** argv) {
     Buffer o_mask(device, o_fused.bytes());
     fill_bytes(o_fused.data(), device, 0xFF, o_fused.bytes());  // NaN: unwritten output fails the check
     fill_bytes(o_mask.data(), device, 0xFF, o_mask.bytes());
+    Buffer lse_fused(device, static_cast<size_t>(requests) * group * sizeof(float));
+    Buffer lse_mask(device, lse_fused.bytes());
+    fill_bytes(lse_fused.data(), device, 0xFF, lse_fused.bytes());
+    fill_bytes(lse_mask.data(), device, 0xFF, lse_mask.bytes());
 
     SparseAttentionInputs in;
     in.device = device;
@@ -256,21 +283,28 @@ int main(int argc, char** argv) {
     MaskPath mask(device);
     const DispatchStats before = dispatch_stats();
     in.o = o_fused.data();
+    in.lse = lse_fused.as<float>();
     const SparseDecodeOutcome outcome = decoder.try_fused(in, selections[0]);
     const DispatchStats after = dispatch_stats();
     in.o = o_mask.data();
+    in.lse = lse_mask.as<float>();
     mask.prepare(in, selections[0]);
     mask.run(in, selections[0]);
+    in.lse = nullptr;  // the timed launches write o only
     row.outcome = outcome.describe();
     std::printf("[context %lld] sparse arm: %s (stats delta: fused %+lld, fallbacks %+lld)\n",
                 static_cast<long long>(context), row.outcome.c_str(), static_cast<long long>(after.fused - before.fused),
                 static_cast<long long>(after.fallbacks - before.fallbacks));
     if (outcome.fused()) {
       decoder.check_errors();
-      row.agreement = relative_l2(read_output(device, o_fused), read_output(device, o_mask));
-      const bool agree = row.agreement < 1e-2;
-      std::printf("[context %lld] agreement fused vs mask: relative L2 %.2e (%s)\n", static_cast<long long>(context),
-                  row.agreement, agree ? "ok" : "DISAGREE: timing refused");
+      // Per request (an error in one request is not diluted by the rest),
+      // and the lse too (a missing term there would not show in o alone).
+      row.agreement = worst_request_l2(read_output(device, o_fused), read_output(device, o_mask), requests);
+      const double lse_diff = worst_lse_diff(download<float>(device, lse_fused.data(), lse_fused.bytes() / 4),
+                                             download<float>(device, lse_mask.data(), lse_mask.bytes() / 4));
+      const bool agree = row.agreement < 1e-2 && lse_diff < 1e-2;
+      std::printf("[context %lld] agreement fused vs mask: relative L2 %.2e (worst request), lse %.2e (%s)\n",
+                  static_cast<long long>(context), row.agreement, lse_diff, agree ? "ok" : "DISAGREE: timing refused");
       if (!agree) exit_code = 1;
     }
     // The mask arm is timed in every case: it is what runs when the sparse arm declines.

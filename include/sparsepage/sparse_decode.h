@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/selection.h"

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage::py {

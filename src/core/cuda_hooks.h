@@ -47,7 +47,7 @@ void append_token_cuda(const AppendTokenArgs& args, void* stream);
 
 namespace sparsepage::detail {
 
-/// Device half of gather_rows (src/cuda/dense_paths.cu).
+/// Device half of gather_rows (src/cuda/mask_path.cu).
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
                       DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
 

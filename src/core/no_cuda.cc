@@ -2,7 +2,7 @@
 // CUDA entry point reports that clearly instead of failing to link.
 #include "core/cuda_hooks.h"
 #include "sparsepage/decode.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage {

@@ -4,7 +4,7 @@
 // softmax. Where a token's row comes from is a policy:
 //   PagedSource - the page table (the fused sparse path, decode.cu);
 //   DenseSource - a dense [B, H, Cap, D] allocation plus an additive mask
-//                 (the mask-path baseline, dense_paths.cu).
+//                 (the mask-path baseline, mask_path.cu).
 // Both share every other line, so the benchmark compares like with like.
 //
 // Tile: 64 gathered rows per pipeline stage, 4 warps, each warp owning 16 of

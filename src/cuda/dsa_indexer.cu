@@ -41,9 +41,8 @@ constexpr int kScoreWarps = kScoreThreads / 32;
 constexpr int kTileTokens = 64;     // index keys per pipeline stage
 constexpr int kStages = 3;          // two tiles in flight while one is scored
 constexpr int kMaxTilesPerCta = 8;  // queries loaded once serve up to 512 positions
-constexpr int kMaxIndexHeadDim = 256;
-constexpr int kMaxQueryElements = 16384;
-constexpr int kMaxGridY = 65535;
+// The limits check_dsa_indexer_cuda enforces (models/dsa_kernels.h).
+constexpr int kMaxIndexHeadDim = detail::kDsaMaxIndexHeadDim;
 // Coarse histogram of the score keys' top 12 bits (sign, exponent, 3
 // mantissa bits): the bin of the k-th largest holds the only ambiguous keys.
 constexpr int kBinBits = 12;
@@ -484,29 +483,6 @@ void require(bool ok, const std::string& message) {
 }  // namespace
 
 namespace detail {
-
-void check_dsa_indexer_cuda(const DsaConfig& c, int32_t batch) {
-  const std::string what = "DSA indexer (CUDA): ";
-  if (batch < 1 || batch > kMaxGridY) {
-    throw Error(what + "batch = " + std::to_string(batch) + " must lie in [1, " + std::to_string(kMaxGridY) + "]");
-  }
-  if (c.index_topk < 1 || c.index_heads < 1 || c.latent_dim < 0) {
-    throw Error(what + "index_topk and index_heads must be at least 1 and latent_dim not negative");
-  }
-  if (c.index_head_dim < 16 || c.index_head_dim % 16 != 0 || c.index_head_dim > kMaxIndexHeadDim) {
-    throw Error(what + "index_head_dim = " + std::to_string(c.index_head_dim) + " must be a multiple of 16 in [16, " +
-                std::to_string(kMaxIndexHeadDim) + "] (the scores are m16n8k16 tensor-core products)");
-  }
-  if (c.latent_dim % 8 != 0) {
-    throw Error(what + "latent_dim = " + std::to_string(c.latent_dim) +
-                " must be a multiple of 8 (the index key starts at that column and is read 16 bytes at a time)");
-  }
-  if (int64_t{c.index_heads} * c.index_head_dim > kMaxQueryElements) {
-    throw Error(what + "index_heads * index_head_dim = " + std::to_string(int64_t{c.index_heads} * c.index_head_dim) +
-                " exceeds " + std::to_string(kMaxQueryElements) + " (one sequence's index queries are staged in "
-                "shared memory)");
-  }
-}
 
 }  // namespace detail
 

@@ -1,6 +1,6 @@
 // Host side of the partial kernel: which instantiations exist, and the launch.
 // Shared by the fused decode (decode.cu, PagedSource) and the mask path
-// (dense_paths.cu, DenseSource); each file instantiates only its own source.
+// (mask_path.cu, DenseSource); each file instantiates only its own source.
 //
 // Instantiations: 4 mma.sync tile shapes and the MLA kernel, x 2 dtypes per
 // source. The K tile width is the concatenation of the K stream and the

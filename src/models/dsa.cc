@@ -49,6 +49,33 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& c, int3
   return out;
 }
 
+namespace detail {
+
+void check_dsa_indexer_cuda(const DsaConfig& c, int32_t batch) {
+  const std::string what = "DSA indexer (CUDA): ";
+  if (batch < 1 || batch > kDsaMaxBatch) {
+    throw Error(what + "batch = " + std::to_string(batch) + " must lie in [1, " + std::to_string(kDsaMaxBatch) + "]");
+  }
+  if (c.index_topk < 1 || c.index_heads < 1 || c.latent_dim < 0) {
+    throw Error(what + "index_topk and index_heads must be at least 1 and latent_dim not negative");
+  }
+  if (c.index_head_dim < 16 || c.index_head_dim % 16 != 0 || c.index_head_dim > kDsaMaxIndexHeadDim) {
+    throw Error(what + "index_head_dim = " + std::to_string(c.index_head_dim) + " must be a multiple of 16 in [16, " +
+                std::to_string(kDsaMaxIndexHeadDim) + "] (the scores are m16n8k16 tensor-core products)");
+  }
+  if (c.latent_dim % 8 != 0) {
+    throw Error(what + "latent_dim = " + std::to_string(c.latent_dim) +
+                " must be a multiple of 8 (the index key starts at that column and is read 16 bytes at a time)");
+  }
+  if (int64_t{c.index_heads} * c.index_head_dim > kDsaMaxQueryElements) {
+    throw Error(what + "index_heads * index_head_dim = " + std::to_string(int64_t{c.index_heads} * c.index_head_dim) +
+                " exceeds " + std::to_string(kDsaMaxQueryElements) + " (one sequence's index queries are staged in "
+                "shared memory)");
+  }
+}
+
+}  // namespace detail
+
 namespace {
 // The layer's configuration, checked before anything is allocated (so a
 // CUDA layer names a shape it cannot run even on a machine without a GPU),

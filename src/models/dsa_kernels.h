@@ -10,8 +10,15 @@ struct DsaConfig;
 }  // namespace sparsepage
 
 namespace sparsepage::detail {
-/// Throws Error naming the first limit of the CUDA DSA indexer
-/// (src/cuda/dsa_indexer.cu) that `config` at `batch` breaks; without CUDA,
-/// says the library was built without it.
+/// Limits of the CUDA DSA indexer (src/cuda/dsa_indexer.cu): index keys are
+/// m16n8k16 tensor-core operands, one sequence's index queries are staged in
+/// shared memory, and sequences are a grid dimension.
+inline constexpr int kDsaMaxIndexHeadDim = 256;
+inline constexpr int kDsaMaxQueryElements = 16384;
+inline constexpr int kDsaMaxBatch = 65535;
+
+/// Throws Error naming the first limit of the CUDA DSA indexer that `config`
+/// at `batch` breaks. Host code (src/models/dsa.cc), so it is the same check
+/// with or without a CUDA build.
 void check_dsa_indexer_cuda(const DsaConfig& config, int32_t batch);
 }  // namespace sparsepage::detail

@@ -3,12 +3,6 @@
 #include "models/dsa_kernels.h"
 #include "sparsepage/models/dsa.h"
 
-namespace sparsepage::detail {
-void check_dsa_indexer_cuda(const DsaConfig&, int32_t) {
-  throw Error("DSA indexer on Device::kCuda: sparsepage was built without CUDA");
-}
-}  // namespace sparsepage::detail
-
 namespace sparsepage {
 size_t dsa_indexer_workspace_bytes(const DsaConfig&, int32_t, int64_t) { return 0; }
 void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, void*) {

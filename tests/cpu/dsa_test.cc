@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 
+#include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "support/reference.h"
 #include "support/layer_checks.h"
@@ -163,10 +164,9 @@ TEST(Dsa, BadCallsAreNamedAndChangeNothing) {
 // device work. No GPU needed, but a CUDA build: the check lives in
 // src/cuda/dsa_indexer.cu, so a CPU-only build cannot test it and says so by
 // skipping (it used to pass on "built without CUDA", so it could not fail).
+// The CUDA layer's shape checks are host code that runs before anything is
+// allocated, so they name the limit in any build, with or without a GPU.
 TEST(Dsa, CudaRefusesShapesItCannotRunByName) {
-  if (!cuda_supports_head_dims(512, 512, 64)) {
-    GTEST_SKIP() << "built without CUDA: the DSA CUDA shape check is not compiled in";
-  }
   const auto refusal = [](const DsaConfig& c) -> std::string {
     try {
       DsaAttention layer(Device::kCuda, DType::kBF16, c, 1);
@@ -186,6 +186,33 @@ TEST(Dsa, CudaRefusesShapesItCannotRunByName) {
   odd_key.index_head_dim = 36;  // keys are read 16 bytes at a time
   const std::string odd = refusal(odd_key);
   EXPECT_TRUE(names(odd, "index_head_dim = 36")) << odd;
+  DsaConfig nan_scale = odd_key;
+  nan_scale.index_head_dim = 64;
+  nan_scale.scale = std::nanf("");
+  const std::string nan = refusal(nan_scale);
+  EXPECT_TRUE(names(nan, "scale = nan")) << nan;
+}
+
+// A bad decode call changes nothing: every input is checked before the
+// token is appended (both layers, both kinds of bad input).
+TEST(Layers, ABadDecodeAppendsNothing) {
+  std::mt19937_64 rng(5);
+  BlockSparseAttention bs(Device::kCpu, DType::kBF16, BlockSparseConfig{8, 2, 64, 16, 4, 1, 64}, 1);
+  const auto q = testing::random_values(DType::kBF16, 8 * 64, rng);
+  const auto iq = testing::random_values(DType::kBF16, 2 * 64, rng);
+  const auto k = testing::random_values(DType::kBF16, 3 * 64, rng);
+  const auto v = testing::random_values(DType::kBF16, 2 * 64, rng);
+  std::vector<uint8_t> o(8 * 64 * 2);
+  bs.prefill_token({q.data(), iq.data(), k.data(), v.data(), o.data()});
+  EXPECT_THROW(bs.decode({q.data(), nullptr, k.data(), v.data(), o.data()}), Error);
+  EXPECT_THROW(bs.decode({nullptr, iq.data(), k.data(), v.data(), o.data()}), Error);
+  EXPECT_THROW(bs.decode({q.data(), iq.data(), k.data(), v.data(), nullptr}), Error);
+  EXPECT_EQ(bs.kv_len(), 1) << "a refused decode appended its token";
+  EXPECT_THROW(BlockSparseAttention(Device::kCpu, DType::kBF16, BlockSparseConfig{0, 2, 64, 16, 4, 1, 64}, 1), Error);
+
+  DsaAttention dsa(Device::kCpu, DType::kBF16, kSmall, 1);
+  EXPECT_THROW(dsa.decode(DsaTokens{}), Error);
+  EXPECT_EQ(dsa.cache().live_len(), 0) << "a refused decode appended its token";
 }
 
 }  // namespace

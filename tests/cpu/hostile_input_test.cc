@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "sparsepage/cache.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"

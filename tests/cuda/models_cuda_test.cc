@@ -5,6 +5,7 @@
 
 #include <numeric>
 #include <random>
+#include <set>
 
 #include "cuda_test_util.h"
 #include "sparsepage/models/block_sparse.h"
@@ -167,6 +168,46 @@ TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// Unselected rows contribute nothing on the GPU mask path, whatever they
+// hold: with every unselected K and V row (and the rows past the live
+// window) NaN, the mask path's output is finite and matches the fused path,
+// which never reads them.
+TEST(MaskPathCuda, NanInUnselectedRowsIsNeverRead) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(43);
+  SmallDecode t(rng);
+  const auto picks = t.selection.materialize();
+  const int64_t cap = 512;
+  auto k_host = download<uint8_t>(Device::kCuda, t.k.data(), t.k.bytes());
+  auto v_host = download<uint8_t>(Device::kCuda, t.v.data(), t.v.bytes());
+  const auto nan_row = testing::nan_values(DType::kBF16, 64);
+  for (int32_t r = 0; r < 2; ++r) {
+    const std::set<int32_t> kept(picks[size_t(r)].begin(), picks[size_t(r)].end());
+    for (int64_t row = 0; row < cap; ++row) {
+      if (kept.count(static_cast<int32_t>(row))) continue;
+      const size_t at = size_t((r * cap + row) * 64 * 2);
+      std::copy(nan_row.begin(), nan_row.end(), k_host.begin() + static_cast<std::ptrdiff_t>(at));
+      std::copy(nan_row.begin(), nan_row.end(), v_host.begin() + static_cast<std::ptrdiff_t>(at));
+    }
+  }
+  copy_bytes(t.k.data(), Device::kCuda, k_host.data(), Device::kCpu, k_host.size());
+  copy_bytes(t.v.data(), Device::kCuda, v_host.data(), Device::kCpu, v_host.size());
+  SparseAttentionInputs fused_in = t.in, mask_in = t.in;
+  fused_in.o = t.o_fused.data();
+  mask_in.o = t.o_mask.data();
+  SparseDecoder decoder(Device::kCuda, fuse_always());
+  ASSERT_TRUE(decoder.try_fused(fused_in, t.selection).fused());
+  MaskPath mask(Device::kCuda);
+  mask.prepare(mask_in, t.selection);
+  mask.run(mask_in, t.selection);
+  testing::cuda_ok(cudaDeviceSynchronize(), "sync");
+  const auto fused = t.read(t.o_fused);
+  const auto masked = t.read(t.o_mask);
+  ASSERT_TRUE(std::none_of(masked.begin(), masked.end(), [](float x) { return std::isnan(x); }))
+      << "a NaN in an unselected row reached the mask path's output";
+  EXPECT_LT(testing::relative_l2(masked, std::vector<double>(fused.begin(), fused.end())), 1e-2);
 }
 
 // NaN never passes on the GPU either: a NaN query head poisons its output and

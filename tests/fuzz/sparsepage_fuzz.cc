@@ -30,7 +30,7 @@
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/dispatch.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
@@ -593,7 +593,6 @@ void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
   d.live_len = in.ConsumeIntegral<int64_t>();
   d.raw_cache = in.ConsumeBool();
   d.head_dims_supported = in.ConsumeBool();
-  d.shared_row_mapping = in.ConsumeBool();
   d.device_available = in.ConsumeBool();
   d.layout_supported = in.ConsumeBool();
   DispatchConfig config;

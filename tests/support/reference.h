@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/page_table.h"
 
 namespace sparsepage::testing {

@@ -4,7 +4,7 @@
 #include <random>
 
 #include "cuda/cuda_test_util.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/selection.h"
 
 namespace sparsepage::testing {

@@ -7,7 +7,7 @@
 
 #include "core/cuda_hooks.h"
 #include "cpu/plan_runner.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 
 namespace sparsepage {
 namespace {

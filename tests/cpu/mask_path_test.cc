@@ -8,7 +8,7 @@
 #include <random>
 
 #include "sparsepage/cache.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/reference.h"
 

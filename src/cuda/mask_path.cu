@@ -1,4 +1,4 @@
-// CUDA mask path (dense_paths.h) and the device half of gather_rows.
+// CUDA mask path (mask_path.h) and the device half of gather_rows.
 //
 // The mask path is the baseline the fused sparse kernel is measured against,
 // so it runs the very same partial + merge kernels (DenseSource instead of
@@ -13,7 +13,7 @@
 #include "cuda/decode_merge.cuh"
 #include "cuda/launch_partial.cuh"
 #include "core/cuda_hooks.h"
-#include "sparsepage/dense_paths.h"
+#include "sparsepage/mask_path.h"
 
 namespace sparsepage {
 
@@ -176,7 +176,7 @@ namespace sparsepage::detail {
 
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
                       DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream) {
-  // gather_rows (src/cpu/dense_paths_cpu.cc) checked the pool and the counts.
+  // gather_rows (src/cpu/mask_path_cpu.cc) checked the pool and the counts.
   if (num_requests == 0 || max_rows == 0) return;
   if (dst == nullptr || offsets == nullptr) throw Error("gather_rows: null dst or offsets");
   const size_t elem = dtype_size(dtype);
