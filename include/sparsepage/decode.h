@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "sparsepage/memory.h"
 #include "sparsepage/plan.h"
@@ -94,6 +95,15 @@ void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
 /// plan.workspace.total bytes (host). Every page id is bounds-checked: an id
 /// outside the pool throws, nothing is read.
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
+
+/// Why the CUDA kernels cannot read these streams as laid out, or "" when they
+/// can: f16/bf16 elements, 16-byte aligned bases, row, head and sequence
+/// strides in whole 16-byte pieces (rows are copied 16 bytes at a time), and a
+/// V wider than 256 (the MLA latent) read as K's own columns. Host-only. The
+/// CUDA entry points throw it and the dispatch policy declines with it, so a
+/// layout the policy accepts always launches.
+std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
+                                const RowView& k_extra, const void* o);
 
 /// Head dims the fused kernels are built for (CPU runs any). The MLA shape
 /// (512, 512, 64) runs only with V aliasing K's first 512 columns (same

@@ -2,7 +2,9 @@
 // without reading the arrays. Each message names the field and the bound.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
+#include <utility>
 
 #include "sparsepage/decode.h"
 
@@ -37,6 +39,33 @@ void check_extent(const RowView& pool, int64_t sequences, int64_t heads, int64_t
 }
 
 }  // namespace
+
+std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
+                                const RowView& k_extra, const void* o) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16)
+    return std::string("dtype ") + dtype_name(dtype) + " is not supported on CUDA (the tensor-core kernels take bf16 and f16)";
+  const std::pair<const void*, const char*> bases[] = {{q, "q"},           {q_extra, "q_extra"}, {k.data, "k.data"},
+                                                       {v.data, "v.data"}, {k_extra.data, "k_extra.data"}, {o, "o"}};
+  for (const auto& [ptr, name] : bases) {
+    if (ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+      return std::string(name) + " must be 16-byte aligned on CUDA";
+  }
+  const std::pair<const RowView*, const char*> streams[] = {{&k, "k"}, {&v, "v"}, {&k_extra, "k_extra"}};
+  for (const auto& [s, name] : streams) {
+    if (s->data == nullptr) continue;
+    const std::pair<int64_t, const char*> strides[] = {
+        {s->row_stride, ".row_stride"}, {s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
+    for (const auto& [stride, field] : strides) {
+      if (stride % 8 != 0)
+        return std::string(name) + field + " = " + std::to_string(stride) +
+               " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)";
+    }
+  }
+  if (v.dim > 256 && (v.data != k.data || v.row_stride != k.row_stride || v.seq_stride != k.seq_stride ||
+                      v.head_stride != k.head_stride))
+    return "a V wider than 256 (the MLA latent) must be the first columns of K's rows on CUDA";
+  return {};
+}
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,

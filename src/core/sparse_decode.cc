@@ -50,21 +50,9 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
           "the selection's indices hold fewer entries than its counts sum to");
 }
 
-// What the CUDA kernels can read: f16/bf16, 16-byte aligned bases and row
-// strides in whole 16-byte pieces (rows are copied in 16-byte chunks).
+// What the CUDA kernels can read: the launchers' own check (decode.h).
 bool cuda_layout_supported(const SparseAttentionInputs& in) {
-  if (in.dtype != DType::kBF16 && in.dtype != DType::kF16) return false;
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const auto pieces = [](int64_t stride) { return stride % 8 == 0; };
-  const auto stream_ok = [&](const DenseStream& s) {
-    const RowView r = s.rows();
-    return aligned(r.data) && pieces(r.row_stride) && pieces(r.seq_stride) && pieces(r.head_stride);
-  };
-  bool ok = aligned(in.q) && aligned(in.o) && stream_ok(in.k) && stream_ok(in.v);
-  if (in.k_extra.data != nullptr) ok = ok && aligned(in.q_extra) && stream_ok(in.k_extra);
-  // A V wider than 256 (the MLA latent) is read as K's own columns.
-  if (in.v.dim > 256) ok = ok && in.v.data == in.k.data && in.v.row_stride == in.k.row_stride;
-  return ok;
+  return cuda_layout_problem(in.dtype, in.q, in.q_extra, in.k.rows(), in.v.rows(), in.k_extra.rows(), in.o).empty();
 }
 
 int32_t machine_width(Device device) {

@@ -62,44 +62,18 @@ inline int32_t resident_ctas_per_sm(TileShape shape) {
   return 1;
 }
 
-/// Throws unless `ptr` is 16-byte aligned (cp.async and vector stores need it).
-inline void check_aligned16(const void* ptr, const char* what, const char* api) {
-  if (ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
-    throw Error(std::string(api) + ": " + what + " must be 16-byte aligned on CUDA");
-}
-inline void check_stride8(int64_t stride, const char* what, const char* api) {
-  if (stride % 8 != 0)
-    throw Error(std::string(api) + ": " + what + " = " + std::to_string(stride) +
-                " must be a multiple of 8 elements on CUDA (rows are copied in 16-byte pieces)");
-}
-
-/// The layout checks both CUDA entry points share: dtype, head dims with a
-/// built kernel, 16-byte aligned bases and row, head and sequence strides in
-/// whole 16-byte pieces.
+/// The layout checks both CUDA entry points share: head dims with a built
+/// kernel, then cuda_layout_problem (decode.h) — the same function the
+/// dispatch policy declines with, so a layout it accepts always launches.
 inline void check_stream_layout(const char* api, DType dtype, const void* q, const void* q_extra, const RowView& k,
                                 const RowView& v, const RowView& extra, const void* o) {
-  if (dtype != DType::kBF16 && dtype != DType::kF16)
-    throw Error(std::string(api) + ": dtype " + dtype_name(dtype) +
-                " is not supported on CUDA (the tensor-core kernels take bf16 and f16)");
   const int32_t extra_dim = extra.data ? extra.dim : 0;
   if (select_tile_shape(k.dim, v.dim, extra_dim) == TileShape::kNone)
     throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(k.dim) +
                 ", v = " + std::to_string(v.dim) + ", extra = " + std::to_string(extra_dim) +
                 " (see cuda_supports_head_dims)");
-  check_aligned16(q, "q", api);
-  check_aligned16(q_extra, "q_extra", api);
-  check_aligned16(k.data, "k.data", api);
-  check_aligned16(v.data, "v.data", api);
-  check_aligned16(extra.data, "k_extra.data", api);
-  check_aligned16(o, "o", api);
-  const auto strides = [&](const RowView& s, const std::string& name) {
-    check_stride8(s.row_stride, (name + ".row_stride").c_str(), api);
-    check_stride8(s.seq_stride, (name + ".seq_stride").c_str(), api);
-    check_stride8(s.head_stride, (name + ".head_stride").c_str(), api);
-  };
-  strides(k, "k");
-  strides(v, "v");
-  if (extra.data) strides(extra, "k_extra");
+  const std::string problem = cuda_layout_problem(dtype, q, q_extra, k, v, extra, o);
+  if (!problem.empty()) throw Error(std::string(api) + ": " + problem);
 }
 
 /// The stream fields of PartialParams, the same for both row sources.

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/decode.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/log.h"
 
@@ -165,6 +166,33 @@ TEST(Reporting, OncePerKindWithStatsAndSink) {
   EXPECT_EQ(stats.fused_rows, 2 * 4 * 2048);
   reset_dispatch_stats();
   EXPECT_EQ(dispatch_stats().fused, 0);
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+namespace sparsepage {
+namespace {
+
+// The one layout check the CUDA launchers throw and the policy declines
+// with: it is host code, so it is tested here in any build.
+TEST(CudaLayout, NamesTheFirstProblem) {
+  alignas(16) static uint16_t buf[4096];
+  const RowView k{buf, 128, 128, 0, 0};
+  const RowView none{};
+  EXPECT_EQ(cuda_layout_problem(DType::kBF16, buf, nullptr, k, k, none, buf), "");
+  EXPECT_NE(cuda_layout_problem(DType::kF32, buf, nullptr, k, k, none, buf).find("dtype f32"), std::string::npos);
+  EXPECT_NE(cuda_layout_problem(DType::kBF16, buf + 1, nullptr, k, k, none, buf).find("q must be 16-byte aligned"),
+            std::string::npos);
+  RowView padded = k;
+  padded.head_stride = 1028;  // not whole 16-byte pieces
+  EXPECT_NE(cuda_layout_problem(DType::kBF16, buf, nullptr, padded, k, none, buf).find("k.head_stride = 1028"),
+            std::string::npos);
+  const RowView wide_k{buf, 640, 512, 0, 0};
+  const RowView wide_v{buf + 8, 640, 512, 0, 0};  // not K's own columns
+  EXPECT_NE(cuda_layout_problem(DType::kBF16, buf, nullptr, wide_k, wide_v, none, buf).find("MLA latent"),
+            std::string::npos);
+  EXPECT_EQ(cuda_layout_problem(DType::kBF16, buf, nullptr, wide_k, wide_k, none, buf), "");
 }
 
 }  // namespace
