@@ -81,7 +81,8 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);
 
-  cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
+  cuda::PagedSource::Params p;
+  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
                                               params.num_kv_heads, params.group_size, params.scale);
   p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
   p.o = params.o;
@@ -90,16 +91,16 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   p.partial_lse = reinterpret_cast<float*>(at(workspace, plan.workspace.partial_lse));
   p.partial_dv = plan.head_dim_v;
   p.error_flag = reinterpret_cast<uint32_t*>(at(workspace, plan.workspace.error_flag));
-  p.paged.indptr = params.indptr;
-  p.paged.indices = params.indices;
-  p.paged.first_page_offset = params.first_page_offset;
-  p.paged.seq_lens = params.seq_lens;
-  p.paged.page_size = params.page_size;
-  p.paged.page_shift = page_shift_of(params.page_size);
-  p.paged.num_pool_pages = params.num_pool_pages;
-  p.paged.window = params.addressing == PageAddressing::kWindow;
-  p.paged.window_lens = params.window_lens;
-  p.paged.window_len = params.window_len;
+  p.table.indptr = params.indptr;
+  p.table.indices = params.indices;
+  p.table.first_page_offset = params.first_page_offset;
+  p.table.seq_lens = params.seq_lens;
+  p.table.page_size = params.page_size;
+  p.table.page_shift = page_shift_of(params.page_size);
+  p.table.num_pool_pages = params.num_pool_pages;
+  p.table.window = params.addressing == PageAddressing::kWindow;
+  p.table.window_lens = params.window_lens;
+  p.table.window_len = params.window_len;
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
   cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, static_cast<int32_t>(plan.work.size()), s);

@@ -59,10 +59,10 @@ struct DenseTable {
   const int32_t* live_lens = nullptr;  // [num_sequences] live tokens, or null: the uniform split's length
 };
 
-/// Everything the partial kernel reads. Pointers are device pointers.
-/// Request r is (sequence r / num_kv_heads, head r % num_kv_heads); each
-/// stream's rows for it start at base + seq * seq_stride + head * head_stride.
-struct PartialParams {
+/// What the partial kernel reads whatever its row source. Pointers are device
+/// pointers. Request r is (sequence r / num_kv_heads, head r % num_kv_heads);
+/// each stream's rows for it start at base + seq * seq_stride + head * head_stride.
+struct PartialCommon {
   const void* q = nullptr;        // [num_requests, group_size, dqk]
   const void* q_extra = nullptr;  // [num_requests, group_size, de] or null
   const void* k = nullptr;        // K pool base
@@ -89,15 +89,19 @@ struct PartialParams {
   float* partial_lse = nullptr;    // [num_partials, group_size]
   int32_t partial_dv = 0;
   uint32_t* error_flag = nullptr;  // set when a page id lies outside the pool; may be null
+};
 
-  PagedTable paged;
-  DenseTable dense;
+/// The partial kernel's params for one row source: the common fields and
+/// that source's table (PagedTable or DenseTable), one struct per kernel.
+template <class Table>
+struct PartialParams : PartialCommon {
+  Table table;
 };
 
 /// Work item `item`: the request, its tokens [token_begin, token_end) and
 /// its partial slot (-1: write the output), from the plan's list or from the
 /// uniform split.
-__device__ inline WorkItem resolve_work_item(const PartialParams& p, int32_t item) {
+__device__ inline WorkItem resolve_work_item(const PartialCommon& p, int32_t item) {
   if (p.work != nullptr) return p.work[item];
   WorkItem w;
   w.request = item / p.chunks_per_request;
@@ -120,7 +124,7 @@ struct ItemShare {
 };
 
 template <typename T, class Source>
-__device__ inline ItemShare<T> open_item(const PartialParams& p, int32_t index, Source& src) {
+__device__ inline ItemShare<T> open_item(const typename Source::Params& p, int32_t index, Source& src) {
   const WorkItem w = resolve_work_item(p, index);
   ItemShare<T> s;
   s.request = w.request;
@@ -163,6 +167,7 @@ struct TileConfig {
 
 /// Rows from the page table.
 struct PagedSource {
+  using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
   const int32_t* pages;  // this request's page ids
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
@@ -170,21 +175,22 @@ struct PagedSource {
   bool window;
   int64_t window_len;    // window mode: the sequence's live length
 
-  __device__ void init(const PartialParams& p, int32_t request, int64_t seq) {
-    const int32_t begin = p.paged.indptr[request];
-    pages = p.paged.indices + max(begin, 0);
-    num_pages = p.paged.indptr[request + 1] - begin;
-    first_offset = p.paged.first_page_offset ? p.paged.first_page_offset[request] : 0;
-    page_size = p.paged.page_size;
+  __device__ void init(const Params& p, int32_t request, int64_t seq) {
+    const PagedTable& t = p.table;
+    const int32_t begin = t.indptr[request];
+    pages = t.indices + max(begin, 0);
+    num_pages = t.indptr[request + 1] - begin;
+    first_offset = t.first_page_offset ? t.first_page_offset[request] : 0;
+    page_size = t.page_size;
     // The structure arrays are device data too: a negative start or an offset
     // outside [0, page_size) rejects every token of the request (NaN and the
     // error flag) instead of reading before `indices`.
     if (begin < 0 || first_offset < 0 || first_offset >= page_size) num_pages = 0;
-    seq_len = p.paged.seq_lens ? p.paged.seq_lens[request] : INT32_MAX;
-    page_shift = p.paged.page_shift;
-    num_pool_pages = p.paged.num_pool_pages;
-    window = p.paged.window;
-    window_len = p.paged.window_lens ? p.paged.window_lens[seq] : p.paged.window_len;
+    seq_len = t.seq_lens ? t.seq_lens[request] : INT32_MAX;
+    page_shift = t.page_shift;
+    num_pool_pages = t.num_pool_pages;
+    window = t.window;
+    window_len = t.window_lens ? t.window_lens[seq] : t.window_len;
   }
   /// The request's visible tokens now (a plan made for more is clipped).
   __device__ int32_t visible_tokens() const { return seq_len; }
@@ -213,13 +219,15 @@ struct PagedSource {
 
 /// Rows from a dense allocation; the slot carries the tile's mask values.
 struct DenseSource {
+  using Params = PartialParams<DenseTable>;
   static constexpr bool kHasBias = true;
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens
 
-  __device__ void init(const PartialParams& p, int32_t request, int64_t seq) {
-    mask = p.dense.mask ? p.dense.mask + request * p.dense.mask_pitch : nullptr;
-    live = p.dense.live_lens ? p.dense.live_lens[seq] : p.uniform_len;
+  __device__ void init(const Params& p, int32_t request, int64_t seq) {
+    const DenseTable& t = p.table;
+    mask = t.mask ? t.mask + request * t.mask_pitch : nullptr;
+    live = t.live_lens ? t.live_lens[seq] : p.uniform_len;
   }
   __device__ int32_t visible_tokens() const { return live; }
   __device__ void prefetch(int32_t* slot, int32_t tok0, int32_t n, int tid) const {

@@ -20,7 +20,8 @@ struct PartialCta {
   static constexpr int kVChunks = DV / 8;
   static constexpr int kS = Cfg::kStages;
 
-  const PartialParams& p;
+  using Params = typename Source::Params;
+  const Params& p;
   Source src;
   T* stages;      // kS x [64 x DK K rows, 64 x DV V rows], swizzled
   T* q_tile;      // [16 x DK], swizzled, rows >= heads zero
@@ -37,7 +38,7 @@ struct PartialCta {
   float acc[DV / 8][4];
   uint32_t qf[Cfg::kQInRegs ? DK / 16 : 1][4];
 
-  __device__ explicit PartialCta(const PartialParams& params, unsigned char* smem) : p(params) {
+  __device__ explicit PartialCta(const Params& params, unsigned char* smem) : p(params) {
     stages = reinterpret_cast<T*>(smem);
     q_tile = stages + kS * Cfg::kStageElems;
     ids = reinterpret_cast<int32_t*>(q_tile + kQueryTile * DK);
@@ -384,7 +385,7 @@ struct PartialCta {
 
 template <typename T, int DK, int DV, class Source>
 __global__ void __launch_bounds__(kThreads, TileConfig<DK, DV, Source::kHasBias>::kMinBlocks)
-    partial_kernel(const __grid_constant__ PartialParams params) {
+    partial_kernel(const __grid_constant__ typename Source::Params params) {
   extern __shared__ __align__(128) unsigned char smem[];
   // Inputs may come from the previous kernel in the stream: wait for it
   // before the first global read. Then the merge kernel may be scheduled;

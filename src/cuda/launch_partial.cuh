@@ -76,10 +76,10 @@ inline void check_stream_layout(const char* api, DType dtype, const void* q, con
   if (!problem.empty()) throw Error(std::string(api) + ": " + problem);
 }
 
-/// The stream fields of PartialParams, the same for both row sources.
-inline PartialParams stream_params(const void* q, const void* q_extra, const RowView& k, const RowView& v,
+/// The stream fields of the partial kernel's params, the same for both row sources.
+inline PartialCommon stream_params(const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                    const RowView& extra, int32_t num_kv_heads, int32_t group_size, float scale) {
-  PartialParams p;
+  PartialCommon p;
   const bool has_extra = extra.data != nullptr;
   p.q = q;
   p.q_extra = has_extra ? q_extra : nullptr;
@@ -108,7 +108,7 @@ inline PartialParams stream_params(const void* q, const void* q_extra, const Row
 }
 
 template <typename T, int DK, int DV, class Source>
-void launch_partial_shape(const PartialParams& p, int32_t num_items, cudaStream_t stream) {
+void launch_partial_shape(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
   using Cfg = TileConfig<DK, DV, Source::kHasBias>;
   auto kernel = partial_kernel<T, DK, DV, Source>;
   configure_smem_once(kernel, Cfg::kSmemBytes);
@@ -119,7 +119,7 @@ void launch_partial_shape(const PartialParams& p, int32_t num_items, cudaStream_
 }
 
 template <typename T, class Source>
-void launch_mla(const PartialParams& p, int32_t num_items, cudaStream_t stream) {
+void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
   if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
   auto kernel = mla_partial_kernel<T, Source>;
   configure_smem_once(kernel, MlaTile::kSmemBytes);
@@ -130,7 +130,7 @@ void launch_mla(const PartialParams& p, int32_t num_items, cudaStream_t stream) 
 }
 
 template <typename T, class Source>
-void launch_partial_typed(const PartialParams& p, TileShape shape, int32_t num_items, cudaStream_t stream) {
+void launch_partial_typed(const typename Source::Params& p, TileShape shape, int32_t num_items, cudaStream_t stream) {
   switch (shape) {
     case TileShape::kK64V64: return launch_partial_shape<T, 64, 64, Source>(p, num_items, stream);
     case TileShape::kK128V128: return launch_partial_shape<T, 128, 128, Source>(p, num_items, stream);
@@ -143,7 +143,7 @@ void launch_partial_typed(const PartialParams& p, TileShape shape, int32_t num_i
 }
 
 template <class Source>
-void launch_partial(const PartialParams& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
+void launch_partial(const typename Source::Params& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
   if (dtype == DType::kBF16) return launch_partial_typed<__nv_bfloat16, Source>(p, shape, num_items, stream);
   return launch_partial_typed<__half, Source>(p, shape, num_items, stream);
 }

@@ -93,7 +93,8 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   auto s = static_cast<cudaStream_t>(stream);
   auto* ws = static_cast<unsigned char*>(workspace);
 
-  cuda::PartialParams p = cuda::stream_params(params.q, params.q_extra, params.k.rows(), params.v.rows(),
+  cuda::DenseSource::Params p;
+  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k.rows(), params.v.rows(),
                                               params.k_extra.rows(), params.num_kv_heads, params.group_size,
                                               params.scale);
   p.work = nullptr;
@@ -105,9 +106,9 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   p.partial_o = split.total_bytes ? reinterpret_cast<float*>(ws) : nullptr;
   p.partial_lse = split.total_bytes ? reinterpret_cast<float*>(ws + split.partial_lse_offset) : nullptr;
   p.partial_dv = params.v.dim;
-  p.dense.mask = params.mask;
-  p.dense.mask_pitch = params.mask_pitch > 0 ? params.mask_pitch : params.live_len;
-  p.dense.live_lens = params.live_lens;
+  p.table.mask = params.mask;
+  p.table.mask_pitch = params.mask_pitch > 0 ? params.mask_pitch : params.live_len;
+  p.table.live_lens = params.live_lens;
 
   const int64_t items = split.requests * split.chunks_per_request;
   if (items > INT32_MAX) throw Error("run_masked_decode_cuda: too many work items");

@@ -71,7 +71,8 @@ struct MlaCta {
   using Tr = ElemTraits<T>;
   using L = MlaTile;
 
-  const PartialParams& p;
+  using Params = typename Source::Params;
+  const Params& p;
   Source src;
   uint32_t base;       // shared address of the aligned tile area
   unsigned char* gen;  // generic pointer to the same
@@ -86,7 +87,7 @@ struct MlaCta {
   float m[2], l[2];
   float acc[128];      // O_w: rows as above, columns 256 wg + 8 j + 2 (lane % 4) + {0, 1}
 
-  __device__ MlaCta(const PartialParams& params, unsigned char* smem) : p(params) {
+  __device__ MlaCta(const Params& params, unsigned char* smem) : p(params) {
     const uint32_t raw = smem_u32(smem);
     const uint32_t aligned = (raw + 1023u) & ~1023u;
     base = aligned;
@@ -329,7 +330,7 @@ struct MlaCta {
 };
 
 template <typename T, class Source>
-__global__ void __launch_bounds__(MlaTile::kThreads, 1) mla_partial_kernel(const __grid_constant__ PartialParams params) {
+__global__ void __launch_bounds__(MlaTile::kThreads, 1) mla_partial_kernel(const __grid_constant__ typename Source::Params params) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();
