@@ -161,11 +161,9 @@ TEST(Dsa, BadCallsAreNamedAndChangeNothing) {
 }
 
 // On CUDA the constructor names a shape its kernels cannot run, before any
-// device work. No GPU needed, but a CUDA build: the check lives in
-// src/cuda/dsa_indexer.cu, so a CPU-only build cannot test it and says so by
-// skipping (it used to pass on "built without CUDA", so it could not fail).
-// The CUDA layer's shape checks are host code that runs before anything is
-// allocated, so they name the limit in any build, with or without a GPU.
+// device work. The checks are host code (src/models/dsa.cc), so they name
+// the limit in any build, with or without CUDA or a GPU (the test once
+// accepted "built without CUDA", so it could not fail).
 TEST(Dsa, CudaRefusesShapesItCannotRunByName) {
   const auto refusal = [](const DsaConfig& c) -> std::string {
     try {

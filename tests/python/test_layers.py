@@ -48,7 +48,7 @@ def test_dsa_select_tokens_cpu_keeps_the_top_scores(rng):
 def test_block_sparse_layer_fused_equals_mask_path_and_sets_match(rng):
     config = sp.BlockSparseConfig(num_qo_heads=4, num_kv_heads=2, head_dim=16, block_size=8, topk_blocks=2,
                                   local_blocks=1, capacity_step=32)
-    B = 1  # batch > 1 with the index key in K's extra head declines (row mapping) until per-stream strides land
+    B = 3  # K carries the index key in an extra head: per-stream strides fuse at any batch
     layers = [sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config, B, fused_and_mask(on)) for on in (True, False)]
     outs = []
     for step in range(45):
@@ -66,6 +66,7 @@ def test_block_sparse_layer_fused_equals_mask_path_and_sets_match(rng):
     np.testing.assert_allclose(outs[-1][0].astype(np.float32), outs[-1][1].astype(np.float32), atol=2e-3, rtol=2e-3)
     positions = layers[0].last_selected_positions()
     columns = layers[0].last_mask_columns()
+    assert len(positions) == B * 2
     assert [sorted(set(p)) for p in positions] == [sorted(c) for c in columns]
     assert len(layers[0].last_blocks()) == B * 2
 
