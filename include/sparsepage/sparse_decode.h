@@ -103,14 +103,18 @@ class SparseDecoder {
   const DispatchConfig& config() const { return config_; }
 
  private:
+  /// Whether the current plan, structure and workspace serve these shapes
+  /// and table width (the callers compare the counts themselves).
+  bool plan_stands(const SparseAttentionInputs& in, int32_t pages_per_request, int32_t page_size) const;
   /// Plans for per-request `counts` and uploads the table structure
-  /// (`indptr` of `pages_per_request` pages each when > 0, else from the
-  /// counts); keeps the existing plan when nothing changed.
+  /// (`indptr` of `pages_per_request` pages each when > 0, else from the counts).
   void prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts, int32_t pages_per_request,
                int32_t page_size, void* stream);
   SparseDecodeOutcome decide_counts(const SparseAttentionInputs& in, int64_t requests, int64_t selected) const;
+  void require_device(const SparseAttentionInputs& in) const;
   DecodeParams base_params(const SparseAttentionInputs& in) const;
-  void launch(const DecodeParams& params, void* stream);
+  /// Runs the planned decode and completes and records the fused outcome.
+  SparseDecodeOutcome launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream);
   Device device_;
   DispatchConfig config_;
   DecodePlan plan_;

@@ -102,13 +102,14 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
   return decide_counts(in, requests, requests * selection.max_selected);
 }
 
+bool SparseDecoder::plan_stands(const SparseAttentionInputs& in, int32_t pages_per_request, int32_t page_size) const {
+  return !workspace_.empty() && in.num_qo_heads / in.num_kv_heads == planned_group_ && in.v.dim == planned_dim_v_ &&
+         pages_per_request == planned_width_ && page_size == planned_page_size_;
+}
+
 void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts,
                             int32_t pages_per_request, int32_t page_size, void* stream) {
   const int32_t group = in.num_qo_heads / in.num_kv_heads;
-  if (counts == planned_counts_ && group == planned_group_ && in.v.dim == planned_dim_v_ &&
-      pages_per_request == planned_width_ && page_size == planned_page_size_ && !workspace_.empty()) {
-    return;  // same counts: the plan, structure and workspace stand
-  }
   PlanShape shape;
   shape.group_size = group;
   shape.head_dim_v = in.v.dim;
@@ -171,58 +172,63 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   return p;
 }
 
-void SparseDecoder::launch(const DecodeParams& params, void* stream) {
+void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
+  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
+                                    device_name(device_));
+}
+
+SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream) {
   if (device_ == Device::kCuda) {
     run_decode_cuda(params, plan_, workspace_.data(), stream);
   } else {
     run_decode_cpu(params, plan_, workspace_.data());
   }
+  outcome.chunks = static_cast<int64_t>(plan_.work.size());
+  outcome.merge = plan_.needs_merge();
+  record_outcome(outcome);
+  return outcome;
 }
 
 SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
                                              void* stream) {
-  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
-                                    device_name(device_));
-  SparseDecodeOutcome outcome = decide(in, selection);
+  require_device(in);
+  const SparseDecodeOutcome outcome = decide(in, selection);
   if (!outcome.fused()) {
     record_outcome(outcome);
     return outcome;
   }
   dump_selection_if_enabled(selection, "fused");
-  prepare(in, selection.counts, 0, 1, stream);
+  if (!plan_stands(in, 0, 1) || selection.counts != planned_counts_) prepare(in, selection.counts, 0, 1, stream);
   DecodeParams p = base_params(in);
   p.indices = selection.indices.as<int32_t>();
   p.num_indices = static_cast<int64_t>(selection.indices.bytes() / sizeof(int32_t));
   p.page_size = 1;
-  launch(p, stream);
-  outcome.chunks = static_cast<int64_t>(plan_.work.size());
-  outcome.merge = plan_.needs_merge();
-  record_outcome(outcome);
-  return outcome;
+  return launch(p, outcome, stream);
 }
 
 SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
                                              void* stream) {
-  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
-                                    device_name(device_));
-  SparseDecodeOutcome outcome = decide(in, selection);
+  require_device(in);
+  const SparseDecodeOutcome outcome = decide(in, selection);
   if (!outcome.fused()) {
     record_outcome(outcome);
     return outcome;
   }
+  // Planned once for the bound; compared in place, so a step allocates nothing.
   const int32_t bound = selection.width * selection.page_size;
-  prepare(in, std::vector<int32_t>(static_cast<size_t>(selection.num_requests), bound), selection.width,
-          selection.page_size, stream);
+  const bool same_bound = planned_counts_.size() == static_cast<size_t>(selection.num_requests) &&
+                          std::all_of(planned_counts_.begin(), planned_counts_.end(),
+                                      [bound](int32_t c) { return c == bound; });
+  if (!plan_stands(in, selection.width, selection.page_size) || !same_bound) {
+    prepare(in, std::vector<int32_t>(static_cast<size_t>(selection.num_requests), bound), selection.width,
+            selection.page_size, stream);
+  }
   DecodeParams p = base_params(in);
   p.indices = selection.pages;
   p.num_indices = int64_t{selection.num_requests} * selection.width;
   p.seq_lens = selection.seq_lens;
   p.page_size = selection.page_size;
-  launch(p, stream);
-  outcome.chunks = static_cast<int64_t>(plan_.work.size());
-  outcome.merge = plan_.needs_merge();
-  record_outcome(outcome);
-  return outcome;
+  return launch(p, outcome, stream);
 }
 
 void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens) {
