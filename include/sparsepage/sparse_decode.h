@@ -151,6 +151,33 @@ class MaskPath {
   Buffer workspace_;
 };
 
+/// The mask path of a serving step over a growing dense cache: an additive
+/// mask over the cache's capacity and the masked decode's workspace, sized
+/// when the capacity grows, then run over the whole capacity with each
+/// sequence at its device-side length (`live_lens`). So a step that falls
+/// back allocates nothing and is capturable, like the fused step. Both
+/// layers use it; a caller that builds its own mask can too.
+class StepMaskPath {
+ public:
+  /// Sizes the mask [batch * num_kv_heads, capacity] and the workspace for
+  /// steps shaped like `shape` (its dims, heads, batch and dtype; its data
+  /// pointers only say which streams exist). Allocates: not in a step.
+  void size(Device device, const SparseAttentionInputs& shape, int64_t capacity);
+  /// The mask a caller fills before `run(..., true, ...)`; row pitch = capacity().
+  float* mask() { return mask_.as<float>(); }
+  int64_t capacity() const { return capacity_; }
+  /// The masked decode over the capacity (`in.live_lens` gives each
+  /// sequence's length; without them every sequence sees `capacity()`
+  /// rows). Without the mask it attends each whole window. Capturable.
+  void run(const SparseAttentionInputs& in, bool with_mask, void* stream = nullptr);
+
+ private:
+  Device device_ = Device::kCpu;
+  int64_t capacity_ = 0;
+  Buffer mask_;
+  Buffer workspace_;  // masked-decode partials (CUDA)
+};
+
 /// Writes the additive mask [num_requests, live_len]: 0 at each selected
 /// position, -inf elsewhere; positions outside [0, live_len) are ignored.
 /// `offsets` ([num_requests + 1]) and `positions` live on `device`.

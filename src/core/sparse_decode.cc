@@ -345,4 +345,28 @@ void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selec
   }
 }
 
+void StepMaskPath::size(Device device, const SparseAttentionInputs& shape, int64_t capacity) {
+  device_ = device;
+  capacity_ = capacity;
+  const int64_t requests = int64_t{shape.batch} * shape.num_kv_heads;
+  mask_ = Buffer(device, static_cast<size_t>(requests) * static_cast<size_t>(capacity) * sizeof(float));
+  if (device == Device::kCuda) {
+    MaskedDecodeParams m = masked_params(shape);
+    m.live_len = capacity;
+    workspace_ = Buffer(device, std::max<size_t>(256, masked_decode_workspace_bytes(m, cuda_multiprocessor_count())));
+  }
+}
+
+void StepMaskPath::run(const SparseAttentionInputs& in, bool with_mask, void* stream) {
+  MaskedDecodeParams m = masked_params(in);
+  m.live_len = capacity_;  // the bound; each sequence sees its device-side length
+  m.mask = with_mask ? mask() : nullptr;
+  m.mask_pitch = capacity_;
+  if (device_ == Device::kCuda) {
+    run_masked_decode_cuda(m, workspace_.data(), stream);
+  } else {
+    run_masked_decode_cpu(m);
+  }
+}
+
 }  // namespace sparsepage

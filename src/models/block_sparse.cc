@@ -176,7 +176,7 @@ void BlockSparseAttention::append_tokens(const void* k, const void* v, int64_t t
 
 void BlockSparseAttention::size_step_buffers() {
   const int64_t cap = cache_.capacity();
-  if (cap == sized_capacity_) return;
+  if (cap == 0 || cap == sized_capacity_) return;  // nothing to size yet, or sized
   const int32_t requests = num_requests();
   if (block_ids_.empty()) {
     block_ids_ = Buffer(device_, static_cast<size_t>(requests) * width() * sizeof(int32_t));
@@ -190,33 +190,8 @@ void BlockSparseAttention::size_step_buffers() {
         device_, std::max<size_t>(256, detail::block_indexer_workspace_bytes(batch_, config_.num_kv_heads, cap,
                                                                             config_.block_size)));
   }
-  // The mask path runs over the whole capacity with the live lengths read on
-  // the device, so its split and workspace stay fixed while the context grows.
-  mask_ = Buffer(device_, static_cast<size_t>(requests) * static_cast<size_t>(cap) * sizeof(float));
-  if (device_ == Device::kCuda) {
-    SparseAttentionInputs in;
-    in.batch = batch_;
-    in.num_qo_heads = config_.num_qo_heads;
-    in.num_kv_heads = config_.num_kv_heads;
-    in.dtype = dtype_;
-    MaskedDecodeParams m = masked_params(in);
-    m.live_len = cap;
-    m.k.dim = m.v.dim = config_.head_dim;
-    mask_workspace_ = Buffer(device_, std::max<size_t>(256, masked_decode_workspace_bytes(m, cuda_multiprocessor_count())));
-  }
+  fallback_.size(device_, inputs(BlockSparseTokens{}), cap);
   sized_capacity_ = cap;
-}
-
-void BlockSparseAttention::run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream) {
-  MaskedDecodeParams m = masked_params(in);
-  m.live_len = cache_.capacity();  // the bound; each sequence sees its device-side length
-  m.mask = with_mask ? mask_.as<float>() : nullptr;
-  m.mask_pitch = cache_.capacity();
-  if (device_ == Device::kCuda) {
-    run_masked_decode_cuda(m, mask_workspace_.data(), stream);
-  } else {
-    run_masked_decode_cpu(m);
-  }
 }
 
 void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* stream) {
@@ -224,7 +199,7 @@ void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* 
   cache_.reserve(cache_.live_len() + 1);
   size_step_buffers();
   cache_.append_token(tokens.k, tokens.v, stream);
-  run_masked(inputs(tokens), false, stream);
+  fallback_.run(inputs(tokens), false, stream);
 }
 
 void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream) {
@@ -282,7 +257,7 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   BlockSparseStep step;
   step.sparse_regime = config_.sparse_regime(in.live_len);
   if (!step.sparse_regime) {
-    run_masked(in, false, stream);
+    fallback_.run(in, false, stream);
     return step;
   }
   select_blocks(tokens, stream);
@@ -306,13 +281,13 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   if (!step.fused) {
     if (device_ == Device::kCuda) {
       detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
-                              config_.block_size, cache_.device_live_lens(), cache_.capacity(), mask_.as<float>(),
+                              config_.block_size, cache_.device_live_lens(), cache_.capacity(), fallback_.mask(),
                               stream);
     } else {
       block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
-                     cache_.device_live_lens(), cache_.capacity(), mask_.as<float>());
+                     cache_.device_live_lens(), cache_.capacity(), fallback_.mask());
     }
-    run_masked(in, true, stream);
+    fallback_.run(in, true, stream);
   }
   return step;
 }
@@ -367,12 +342,12 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
   const int64_t pitch = cache_.capacity();
   if (device_ == Device::kCuda) {
     detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
-                            config_.block_size, cache_.device_live_lens(), pitch, mask_.as<float>(), nullptr);
+                            config_.block_size, cache_.device_live_lens(), pitch, fallback_.mask(), nullptr);
   } else {
     block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
-                   cache_.device_live_lens(), pitch, mask_.as<float>());
+                   cache_.device_live_lens(), pitch, fallback_.mask());
   }
-  const auto all = mask_kept_columns(device_, mask_.as<float>(), num_requests(), pitch);
+  const auto all = mask_kept_columns(device_, fallback_.mask(), num_requests(), pitch);
   std::vector<std::vector<int32_t>> out;
   for (const auto& row : all) {
     std::vector<int32_t> kept;

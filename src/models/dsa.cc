@@ -159,7 +159,7 @@ void DsaAttention::append_tokens(const void* k_cache_rows, const void* k_pe, int
 
 void DsaAttention::size_step_buffers() {
   const int64_t cap = cache_.capacity();
-  if (cap == sized_capacity_) return;
+  if (cap == 0 || cap == sized_capacity_) return;  // nothing to size yet, or sized
   if (positions_.empty()) {
     positions_ = Buffer(device_, static_cast<size_t>(batch_) * config_.index_topk * sizeof(int32_t));
     counts_ = Buffer(device_, static_cast<size_t>(batch_) * sizeof(int32_t));
@@ -170,34 +170,8 @@ void DsaAttention::size_step_buffers() {
   if (device_ == Device::kCuda) {
     index_workspace_ = Buffer(device_, std::max<size_t>(256, dsa_indexer_workspace_bytes(config_, batch_, cap)));
   }
-  // The mask path runs over the whole capacity with the live lengths read
-  // on the device, so its split and workspace stay fixed as the context grows.
-  mask_ = Buffer(device_, static_cast<size_t>(batch_) * static_cast<size_t>(cap) * sizeof(float));
-  if (device_ == Device::kCuda) {
-    MaskedDecodeParams m;
-    m.dtype = dtype_;
-    m.batch = batch_;
-    m.num_kv_heads = 1;
-    m.group_size = config_.num_qo_heads;
-    m.live_len = cap;
-    m.k.dim = m.v.dim = config_.latent_dim;
-    m.k_extra.dim = config_.rope_dim;
-    m.k_extra.data = this;  // only its presence matters for the size
-    mask_workspace_ = Buffer(device_, std::max<size_t>(256, masked_decode_workspace_bytes(m, cuda_multiprocessor_count())));
-  }
+  fallback_.size(device_, inputs(DsaTokens{}), cap);
   sized_capacity_ = cap;
-}
-
-void DsaAttention::run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream) {
-  MaskedDecodeParams m = masked_params(in);
-  m.live_len = cache_.capacity();  // the bound; each sequence sees its device-side length
-  m.mask = with_mask ? mask_.as<float>() : nullptr;
-  m.mask_pitch = cache_.capacity();
-  if (device_ == Device::kCuda) {
-    run_masked_decode_cuda(m, mask_workspace_.data(), stream);
-  } else {
-    run_masked_decode_cpu(m);
-  }
 }
 
 void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
@@ -205,7 +179,7 @@ void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
   cache_.reserve(cache_.live_len() + 1);
   size_step_buffers();
   cache_.append_token(tokens.k_cache_row, tokens.k_pe, stream);
-  run_masked(inputs(tokens), false, stream);
+  fallback_.run(inputs(tokens), false, stream);
 }
 
 void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
@@ -287,8 +261,8 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   if (!step.fused) {
     // Entries of -1 past each count fall outside the window and are ignored.
     build_selection_mask(device_, positions_.as<int32_t>(), row_offsets_.as<int32_t>(), batch_, cache_.capacity(),
-                         mask_.as<float>(), stream);
-    run_masked(in, true, stream);
+                         fallback_.mask(), stream);
+    fallback_.run(in, true, stream);
   }
   return step;
 }
@@ -310,8 +284,8 @@ std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() {
   const int64_t kv_len = cache_.live_len();
   // Built on the layer's device from the selection itself, as the mask path builds it.
   build_selection_mask(device_, positions_.as<int32_t>(), row_offsets_.as<int32_t>(), batch_, kv_len,
-                       mask_.as<float>());
-  return mask_kept_columns(device_, mask_.as<float>(), batch_, kv_len);
+                       fallback_.mask());
+  return mask_kept_columns(device_, fallback_.mask(), batch_, kv_len);
 }
 
 }  // namespace sparsepage

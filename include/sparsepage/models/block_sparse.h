@@ -122,7 +122,6 @@ class BlockSparseAttention {
   void check_tokens(const BlockSparseTokens& tokens) const;
   void size_step_buffers();
   void select_blocks(const BlockSparseTokens& tokens, void* stream);
-  void run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream);
   void expand_token_pages(void* stream);
   int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
   int32_t width() const { return config_.topk_blocks + 1; }
@@ -139,8 +138,7 @@ class BlockSparseAttention {
   Buffer seq_lens_;          // int32 [requests]: tokens those blocks cover now
   Buffer token_pages_;       // int32 [requests, width * block_size] (config.token_pages)
   Buffer indexer_workspace_; // CUDA indexer scratch
-  Buffer mask_;              // fp32 [requests, capacity] (the mask path)
-  Buffer mask_workspace_;    // masked-decode partials
+  StepMaskPath fallback_;     // the mask path over the capacity
   bool have_selection_ = false;
   void* after_append_ = nullptr;
   void* after_indexer_ = nullptr;

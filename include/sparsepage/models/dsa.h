@@ -122,7 +122,6 @@ class DsaAttention {
   void size_step_buffers();
   void select_tokens_cpu(const DsaTokens& tokens);
   void select_tokens_cuda(const DsaTokens& tokens, void* stream);
-  void run_masked(const SparseAttentionInputs& in, bool with_mask, void* stream);
   Device device_;
   DType dtype_;
   DsaConfig config_;
@@ -135,8 +134,7 @@ class DsaAttention {
   Buffer counts_;             // int32 [batch]: kept positions per sequence
   Buffer row_offsets_;        // int32 [batch + 1]: b * index_topk (the mask builder's CSR view of positions_)
   Buffer index_workspace_;    // the CUDA indexer's scratch
-  Buffer mask_;               // fp32 [batch, capacity] (the mask path)
-  Buffer mask_workspace_;     // masked-decode partials (CUDA)
+  StepMaskPath fallback_;     // the mask path over the capacity
   bool have_selection_ = false;
   void* after_append_ = nullptr;
   void* after_indexer_ = nullptr;
