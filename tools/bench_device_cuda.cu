@@ -54,6 +54,32 @@ DeviceFacts device_facts(Device device) {
   return {prop.name, prop.multiProcessorCount, prop.l2CacheSize, static_cast<int64_t>(prop.totalGlobalMem)};
 }
 
+namespace {
+
+// Median microseconds per step: each of `reps` runs of `run(stream)` (which
+// issues `steps` steps) is timed between two events on `stream`.
+double median_us_of_runs(cudaStream_t stream, int32_t steps, int32_t reps, const std::function<void()>& run) {
+  cudaEvent_t start, stop;
+  SP_CUDA_CHECK(cudaEventCreate(&start));
+  SP_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> times;
+  for (int32_t r = 0; r < reps; ++r) {
+    SP_CUDA_CHECK(cudaEventRecord(start, stream));
+    run();
+    SP_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SP_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    SP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(1e3 * ms / steps);
+  }
+  SP_CUDA_CHECK(cudaEventDestroy(start));
+  SP_CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
 double median_us_per_launch(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps) {
   if (device == Device::kCpu) return median_us_cpu(launch, steps, reps);
   cudaStream_t stream;
@@ -66,27 +92,12 @@ double median_us_per_launch(Device device, const std::function<void(void*)>& lau
   for (int32_t s = 0; s < steps; ++s) launch(stream);
   SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  SP_CUDA_CHECK(cudaEventCreate(&start));
-  SP_CUDA_CHECK(cudaEventCreate(&stop));
   for (int w = 0; w < 3; ++w) SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<double> times;
-  for (int32_t r = 0; r < reps; ++r) {
-    SP_CUDA_CHECK(cudaEventRecord(start, stream));
-    SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    SP_CUDA_CHECK(cudaEventRecord(stop, stream));
-    SP_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    SP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(1e3 * ms / steps);
-  }
-  SP_CUDA_CHECK(cudaEventDestroy(start));
-  SP_CUDA_CHECK(cudaEventDestroy(stop));
+  const double us = median_us_of_runs(stream, steps, reps, [&] { SP_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
   SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
   SP_CUDA_CHECK(cudaGraphDestroy(graph));
   SP_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
-  return times[times.size() / 2];
+  return us;
 }
 
 double median_us_eager(Device device, const std::function<void(void*)>& launch, int32_t steps, int32_t reps) {
@@ -95,24 +106,11 @@ double median_us_eager(Device device, const std::function<void(void*)>& launch, 
   SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   launch(stream);
   SP_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  SP_CUDA_CHECK(cudaEventCreate(&start));
-  SP_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> times;
-  for (int32_t r = 0; r < reps; ++r) {
-    SP_CUDA_CHECK(cudaEventRecord(start, stream));
+  const double us = median_us_of_runs(stream, steps, reps, [&] {
     for (int32_t s = 0; s < steps; ++s) launch(stream);
-    SP_CUDA_CHECK(cudaEventRecord(stop, stream));
-    SP_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    SP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(1e3 * ms / steps);
-  }
-  SP_CUDA_CHECK(cudaEventDestroy(start));
-  SP_CUDA_CHECK(cudaEventDestroy(stop));
+  });
   SP_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
-  return times[times.size() / 2];
+  return us;
 }
 
 Events::Events(Device device, int32_t count) : events_(static_cast<size_t>(count), nullptr) {
