@@ -279,17 +279,22 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {
-    if (device_ == Device::kCuda) {
-      detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
-                              config_.block_size, cache_.device_live_lens(), cache_.capacity(), fallback_.mask(),
-                              stream);
-    } else {
-      block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
-                     cache_.device_live_lens(), cache_.capacity(), fallback_.mask());
-    }
+    build_block_mask(stream);
     fallback_.run(in, true, stream);
   }
   return step;
+}
+
+// The additive mask of the kept blocks over the capacity, positions past
+// each sequence's device-side length excluded: what the mask path attends.
+void BlockSparseAttention::build_block_mask(void* stream) {
+  if (device_ == Device::kCuda) {
+    detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(), config_.block_size,
+                            cache_.device_live_lens(), fallback_.capacity(), fallback_.mask(), stream);
+  } else {
+    block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
+                   cache_.device_live_lens(), fallback_.capacity(), fallback_.mask());
+  }
 }
 
 void BlockSparseAttention::expand_token_pages(void* stream) {
@@ -338,25 +343,8 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_selected_positions(
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
   if (!have_selection_) throw Error("BlockSparseAttention::last_mask_columns: no sparse decode has run yet");
-  const int64_t kv_len = cache_.live_len();
-  const int64_t pitch = cache_.capacity();
-  if (device_ == Device::kCuda) {
-    detail::block_mask_cuda(block_ids_.as<int32_t>(), batch_, config_.num_kv_heads, width(),
-                            config_.block_size, cache_.device_live_lens(), pitch, fallback_.mask(), nullptr);
-  } else {
-    block_mask_cpu(block_ids_.as<int32_t>(), num_requests(), config_.num_kv_heads, width(), config_.block_size,
-                   cache_.device_live_lens(), pitch, fallback_.mask());
-  }
-  const auto all = mask_kept_columns(device_, fallback_.mask(), num_requests(), pitch);
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& row : all) {
-    std::vector<int32_t> kept;
-    for (int32_t t : row) {
-      if (t < kv_len) kept.push_back(t);
-    }
-    out.push_back(kept);
-  }
-  return out;
+  build_block_mask(nullptr);
+  return mask_kept_columns(device_, fallback_.mask(), num_requests(), fallback_.capacity());
 }
 
 }  // namespace sparsepage

@@ -123,6 +123,7 @@ class BlockSparseAttention {
   void size_step_buffers();
   void select_blocks(const BlockSparseTokens& tokens, void* stream);
   void expand_token_pages(void* stream);
+  void build_block_mask(void* stream);
   int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
   int32_t width() const { return config_.topk_blocks + 1; }
 
