@@ -81,6 +81,18 @@ constexpr int64_t kMaxWorkItems = int64_t{1} << 24;
 /// negative counts, or more than kMaxWorkItems work items.
 DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape);
 
+/// The chunking make_decode_plan gives a batch whose `requests` requests all
+/// have `tokens` tokens: each request in `chunks_per_request` chunks of
+/// `chunk_tokens` (the last one may be shorter). No work list: a kernel
+/// derives work item i from its index alone, which is how the mask path
+/// splits (its requests all span the live window). Same checks and same
+/// choices as make_decode_plan: one split policy for both.
+struct UniformSplit {
+  int64_t chunk_tokens = 0;        // >= shape.chunk_granule, a multiple of it
+  int64_t chunks_per_request = 1;
+};
+UniformSplit make_uniform_split(int64_t requests, int64_t tokens, const PlanShape& shape);
+
 /// Throws sparsepage::Error naming the first inconsistency of a plan that
 /// was built or edited by hand: work items outside their request, a request
 /// not covered exactly once, partial slots out of range or shared, merge

@@ -31,17 +31,21 @@ int64_t choose_chunk_tokens(int64_t total_tokens, int64_t longest, const PlanSha
   return std::min(std::max<int64_t>(round_up(chunk, shape.chunk_granule), shape.chunk_granule), largest);
 }
 
-// a * b, or an Error naming `what` when it does not fit a size_t.
-size_t checked_bytes(size_t a, size_t b, const char* what) {
-  if (a != 0 && b > std::numeric_limits<size_t>::max() / a) {
-    throw Error(std::string("plan: the workspace's ") + what + " do not fit in memory");
-  }
-  return a * b;
+// How many chunks a request of `len` tokens gets, and their balanced length
+// (still granule multiples), so a length just over a multiple of the chunk
+// does not leave a tiny tail item.
+struct RequestChunks {
+  int64_t count;
+  int64_t tokens;
+};
+RequestChunks request_chunks(int64_t len, int64_t chunk, const PlanShape& shape) {
+  const int64_t count = std::max<int64_t>(1, (len + chunk - 1) / chunk);
+  const int64_t tokens =
+      shape.fixed_chunk_tokens > 0 ? chunk : round_up((len + count - 1) / count, shape.chunk_granule);
+  return {count, tokens};
 }
 
-}  // namespace
-
-DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape) {
+void check_shape(const PlanShape& shape) {
   require_positive(shape.group_size, "group_size");
   require_positive(shape.head_dim_v, "head_dim_v");
   require_positive(shape.num_sms, "num_sms");
@@ -52,6 +56,31 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
       shape.fixed_chunk_tokens > (1 << 30) || shape.chunk_granule > (1 << 20)) {
     throw Error("plan: min_chunk_tokens and fixed_chunk_tokens must lie in [0, 2^30] and chunk_granule in [1, 2^20]");
   }
+}
+
+// a * b, or an Error naming `what` when it does not fit a size_t.
+size_t checked_bytes(size_t a, size_t b, const char* what) {
+  if (a != 0 && b > std::numeric_limits<size_t>::max() / a) {
+    throw Error(std::string("plan: the workspace's ") + what + " do not fit in memory");
+  }
+  return a * b;
+}
+
+}  // namespace
+
+UniformSplit make_uniform_split(int64_t requests, int64_t tokens, const PlanShape& shape) {
+  check_shape(shape);
+  if (requests < 0 || tokens < 0 || tokens > std::numeric_limits<int32_t>::max()) {
+    throw Error("plan: a uniform split needs requests >= 0 and tokens in [0, 2^31 - 1] (got " +
+                std::to_string(requests) + ", " + std::to_string(tokens) + ")");
+  }
+  const auto total = static_cast<int64_t>(std::min<long double>(static_cast<long double>(requests) * tokens, 9e18L));
+  const RequestChunks chunks = request_chunks(tokens, choose_chunk_tokens(total, tokens, shape), shape);
+  return {std::max<int64_t>(chunks.tokens, shape.chunk_granule), chunks.count};
+}
+
+DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShape& shape) {
+  check_shape(shape);
   if (seq_lens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     throw Error("plan: " + std::to_string(seq_lens.size()) + " requests, more than 2^31 - 1");
   }
@@ -86,12 +115,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.merge_indptr.push_back(0);
   for (int32_t r = 0; r < plan.num_requests; ++r) {
     const int64_t len = seq_lens[r];
-    const int64_t chunks = std::max<int64_t>(1, (len + chunk - 1) / chunk);
-    // Balance the request's chunks (still granule multiples), so a length
-    // just over a multiple of the chunk does not leave a tiny tail item.
-    const int64_t balanced = shape.fixed_chunk_tokens > 0
-                                 ? chunk
-                                 : round_up((len + chunks - 1) / chunks, shape.chunk_granule);
+    const auto [chunks, balanced] = request_chunks(len, chunk, shape);
     if (chunks == 1) {
       // A single chunk writes the output directly; an empty request still
       // gets its item so that o = 0 and lse = -inf are written.
