@@ -254,11 +254,11 @@ int main(int argc, char** argv) {
     in.num_qo_heads = geo.num_qo_heads;
     in.num_kv_heads = geo.num_kv_heads;
     in.live_len = context;
-    in.k = {s.k.data(), geo.num_kv_heads, s.capacity, geo.k_row_stride, geo.dim_qk};
-    in.v = geo.v_aliases_k ? DenseStream{s.k.data(), geo.num_kv_heads, s.capacity, geo.k_row_stride, geo.dim_v}
-                           : DenseStream{s.v.data(), geo.num_kv_heads, s.capacity, geo.dim_v, geo.dim_v};
+    in.k = RowView::dense(s.k.data(), geo.num_kv_heads, s.capacity, geo.dim_qk, geo.k_row_stride);
+    in.v = geo.v_aliases_k ? RowView::dense(s.k.data(), geo.num_kv_heads, s.capacity, geo.dim_v, geo.k_row_stride)
+                           : RowView::dense(s.v.data(), geo.num_kv_heads, s.capacity, geo.dim_v);
     if (geo.dim_extra) {
-      in.k_extra = {s.k_extra.data(), geo.num_kv_heads, s.capacity, geo.dim_extra, geo.dim_extra};
+      in.k_extra = RowView::dense(s.k_extra.data(), geo.num_kv_heads, s.capacity, geo.dim_extra);
       in.q_extra = static_cast<const char*>(s.q.data()) + int64_t{requests} * group * geo.dim_qk * esize;
     }
     in.q = s.q.data();

@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include "sparsepage/decode.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/types.h"
@@ -17,38 +18,6 @@ namespace sparsepage {
 /// with an fp32 scale and exist on the host only.
 enum class CacheMode : int32_t { kF16, kBF16, kInt8, kInt4 };
 const char* cache_mode_name(CacheMode mode);
-
-/// Shape of a dense `[batch, heads, capacity, head_dim]` allocation.
-struct CacheShape {
-  int32_t batch = 0;
-  int32_t heads = 0;
-  int64_t capacity = 0;
-  int32_t head_dim = 0;
-  bool operator==(const CacheShape& o) const {
-    return batch == o.batch && heads == o.heads && capacity == o.capacity && head_dim == o.head_dim;
-  }
-};
-
-/// The raw K and V allocations of a dense cache plus its live length.
-struct RawKVAllocations {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  DType dtype = DType::kBF16;
-  Device device = Device::kCpu;
-  CacheShape k_shape;
-  CacheShape v_shape;
-  int64_t live_len = 0;
-};
-
-/// The live window an update returns: `[batch, heads, live_len, head_dim]`
-/// whose head stride is the capacity (a slice of the padded allocation).
-struct CacheWindow {
-  const void* k = nullptr;  // element (b, h, t, d) at ((b * heads + h) * capacity + t) * head_dim + d
-  const void* v = nullptr;
-  CacheShape k_shape;       // capacity here is the allocation's
-  CacheShape v_shape;
-  int64_t live_len = 0;
-};
 
 /// A dense cache `[B, H, Cap, D]` growing `Cap` in steps of `capacity_step`.
 /// K and V may differ in heads (K may carry extra heads after the attention
@@ -68,10 +37,9 @@ class DenseKVCache {
   /// Appends `new_tokens` tokens (the live length stays below 2^31): `k_new` is `[B, k_heads, new_tokens, k_head_dim]`
   /// and `v_new` `[B, v_heads, new_tokens, v_head_dim]`, contiguous, in
   /// `input_dtype`, on the cache's device (host for quantized modes). Raw modes
-  /// need input_dtype == the storage dtype. Returns the live window (raw modes;
-  /// for quantized modes the window's pointers are null: read
-  /// `dequantized_window`).
-  CacheWindow update_and_fetch(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
+  /// need input_dtype == the storage dtype. Read the rows back through
+  /// `k_rows()`/`v_rows()` (raw modes) or `dequantized_window`.
+  void append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
 
   /// Makes room for `tokens` live tokens (allocates and copies only when it
   /// must grow). A step captured in a CUDA graph keeps the allocation it
@@ -96,12 +64,17 @@ class DenseKVCache {
   /// needed after replaying captured append_token steps.
   void sync_live_len(void* stream = nullptr);
 
-  /// The allocations when the rows are raw fp16/bf16 K/V; nothing for
-  /// quantized modes and head-trimmed windows.
-  std::optional<RawKVAllocations> raw_kv_allocations() const;
+  /// Where the rows live, as the kernels read them: `RowView::dense` over
+  /// the `[batch, k_heads, capacity, k_head_dim]` (or V's) allocation, so
+  /// row t of (sequence b, head h) is at `offset(b, h, t)`; the head stride
+  /// is the capacity, never the live length. A head-trimmed view gives the
+  /// same rows (its heads are the first ones). Nothing for quantized modes,
+  /// whose rows are not raw fp16/bf16 (read `dequantized_window`), or before
+  /// the first allocation. The view stays valid until the cache grows.
+  std::optional<RowView> k_rows() const;
+  std::optional<RowView> v_rows() const;
 
-  /// A view of the first `heads` heads of K and V (sharing storage). Its
-  /// rows are not the allocation's, so it has no raw allocations.
+  /// A read-only view of the first `heads` heads of K and V (sharing storage).
   DenseKVCache head_trimmed(int32_t heads) const;
 
   /// The live window as fp32 `[B, H, L, D]` (dequantized for quantized modes).
@@ -111,8 +84,14 @@ class DenseKVCache {
   Device device() const { return device_; }
   int64_t live_len() const { return live_len_; }
   int64_t capacity() const { return capacity_; }
-  CacheShape k_shape() const { return {batch_, k_heads_, capacity_, k_head_dim_}; }
-  CacheShape v_shape() const { return {batch_, v_heads_, capacity_, v_head_dim_}; }
+  /// Element type of the rows: the storage dtype of raw modes, kF32 (what
+  /// dequantized_window gives) for quantized ones.
+  DType dtype() const;
+  int32_t batch() const { return batch_; }
+  int32_t k_heads() const { return k_heads_; }  // heads of the allocation (also in a head-trimmed view)
+  int32_t v_heads() const { return v_heads_; }
+  int32_t k_head_dim() const { return k_head_dim_; }
+  int32_t v_head_dim() const { return v_head_dim_; }
   bool is_head_trimmed() const { return trimmed_heads_ >= 0; }
 
  private:
@@ -128,24 +107,6 @@ class DenseKVCache {
   int64_t live_len_ = 0;
   int32_t trimmed_heads_ = -1;  // >= 0 for a head-trimmed view
   std::shared_ptr<Storage> storage_;
-};
-
-/// Views a dense allocation `[B, H, Cap, D]` as a pool of rows:
-/// row(b, h, t) = (b * H + h) * Cap + t. The head stride is the capacity,
-/// never the live length.
-struct ContiguousCacheLayout {
-  int32_t batch = 0;
-  int32_t heads = 0;      // heads in the allocation
-  int64_t capacity = 0;
-  int32_t head_dim = 0;
-
-  static ContiguousCacheLayout of(const CacheShape& shape) {
-    return {shape.batch, shape.heads, shape.capacity, shape.head_dim};
-  }
-  int64_t row(int64_t b, int64_t h, int64_t t) const { return (b * heads + h) * capacity + t; }
-  int64_t num_rows() const { return int64_t{batch} * heads * capacity; }
-  /// Row stride in elements (rows are the innermost head_dim elements).
-  int64_t row_stride() const { return head_dim; }
 };
 
 /// Head folding: with `num_qo_heads` query heads over `num_kv_heads` KV heads
@@ -202,8 +163,6 @@ class PagedBlockPool {
   int32_t v_head_dim() const { return v_head_dim_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
-  /// A pool-backed cache never exposes raw dense allocations.
-  std::optional<RawKVAllocations> raw_kv_allocations() const { return std::nullopt; }
 
  private:
   Device device_;

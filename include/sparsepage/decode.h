@@ -20,13 +20,42 @@ namespace sparsepage {
 /// seq_stride = H * Cap * D (Cap, never the live length). K, V and the
 /// second stream each carry their own strides, so a K allocation with more
 /// heads than V (an index key at head H) is addressed exactly at any batch.
+///
+/// It is the library's one description of where rows live: the kernels, the
+/// mask path, the layers' caches and the Python bindings all speak it.
 struct RowView {
   const void* data = nullptr;  // may be null only for an absent optional stream
   int64_t row_stride = 0;      // elements between consecutive rows (>= dim)
   int32_t dim = 0;             // elements used per row
   int64_t seq_stride = 0;      // elements between sequences (0: shared by all)
   int64_t head_stride = 0;     // elements between KV heads (0: shared by all)
+  /// Rows each (sequence, head) holds: a dense cache's capacity, a pool's
+  /// rows. Reading more is refused by name. 0: unknown, and the caller
+  /// vouches that every row read lies inside its allocation.
+  int64_t capacity = 0;
+
+  /// The rows of a dense `[batch, heads, capacity, row_stride]` allocation,
+  /// of which each row uses the first `dim` elements (row_stride 0: dim).
+  static RowView dense(const void* data, int32_t heads, int64_t capacity, int32_t dim, int64_t row_stride = 0) {
+    const int64_t stride = row_stride > 0 ? row_stride : dim;
+    return {data, stride, dim, int64_t{heads} * capacity * stride, capacity * stride, capacity};
+  }
+  /// Element offset of row t of (sequence seq, KV head head).
+  int64_t offset(int64_t seq, int64_t head, int64_t t) const {
+    return seq * seq_stride + head * head_stride + t * row_stride;
+  }
 };
+
+/// Why `rows` rows of each of `sequences` x `heads` (sequence, head) pairs
+/// of `view` cannot be read as distinct rows, or "" when they can: a null
+/// base, dim < 1, a row stride below dim, a negative stride or capacity,
+/// more rows than a known capacity, strides under
+/// which two different rows overlap (a head's rows running into the next
+/// head's, say), or a span past 2^62 bytes. Zero sequence and head strides
+/// mean shared rows and are fine. `name` prefixes the message. Host-only;
+/// every entry point that takes a RowView runs it.
+std::string row_view_problem(const RowView& view, const char* name, int64_t sequences, int64_t heads, int64_t rows,
+                             size_t element_size);
 
 /// What a page id names.
 enum class PageAddressing : int32_t {

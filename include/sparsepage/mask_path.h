@@ -13,25 +13,10 @@
 
 namespace sparsepage {
 
-/// One dense `[batch, heads, capacity, row_stride]` allocation seen as rows:
-/// row(b, h, t) = (b * heads + h) * capacity + t; element d of a row at
-/// data + row * row_stride + d. Each stream has its own heads and strides, so
-/// a K allocation wider than V (extra heads) is addressed correctly at any batch.
-struct DenseStream {
-  const void* data = nullptr;  // null only for an absent optional stream
-  int32_t heads = 0;           // heads in the allocation (>= num_kv_heads)
-  int64_t capacity = 0;        // rows reserved per (b, h)
-  int64_t row_stride = 0;      // elements per row in memory (>= dim)
-  int32_t dim = 0;             // elements used per row
-
-  /// The same rows as the one row view the kernels take.
-  RowView rows() const {
-    return {data, row_stride, dim, int64_t{heads} * capacity * row_stride, capacity * row_stride};
-  }
-};
-
 /// Dense masked decode over the live window t < live_len of every
-/// (sequence b, KV head h) request r = b * num_kv_heads + h.
+/// (sequence b, KV head h) request r = b * num_kv_heads + h, whose row t of
+/// each stream is at `RowView::offset(b, h, t)` (a dense `[B, H, Cap, D]`
+/// allocation: `RowView::dense`).
 struct MaskedDecodeParams {
   DType dtype = DType::kBF16;  // q, streams and o share it (kF32 for dequantized caches)
   int32_t batch = 0;
@@ -43,10 +28,10 @@ struct MaskedDecodeParams {
   /// With them one launch (and one captured graph) serves a growing context.
   const int32_t* live_lens = nullptr;
   const void* q = nullptr;         // [batch * num_kv_heads, group_size, k.dim]
-  DenseStream k;
-  DenseStream v;
+  RowView k;
+  RowView v;
   const void* q_extra = nullptr;   // [batch * num_kv_heads, group_size, k_extra.dim] or null
-  DenseStream k_extra;
+  RowView k_extra;                 // data null when absent
   const float* mask = nullptr;     // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
   int64_t mask_pitch = 0;          // floats per request's mask row, >= live_len; 0: live_len
   float scale = 1.0f;

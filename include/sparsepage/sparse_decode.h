@@ -30,9 +30,12 @@ struct SparseAttentionInputs {
   /// live_len for every sequence.
   const int32_t* live_lens = nullptr;
   bool raw_cache = true;    // false for quantized, pool-backed or head-trimmed caches
-  DenseStream k;            // the K allocation (may carry extra heads or extra columns)
-  DenseStream v;            // the V allocation; may alias K's first columns
-  DenseStream k_extra;      // second K stream (MLA rope keys); data null when absent
+  /// Where request r = b * num_kv_heads + h finds row t of each stream:
+  /// `RowView::offset(b, h, t)`; a dense `[B, H, Cap, D]` cache gives
+  /// `RowView::dense(data, H, Cap, D)`. K may carry extra heads or columns.
+  RowView k;
+  RowView v;                // may alias K's first columns
+  RowView k_extra;          // second K stream (MLA rope keys); data null when absent
   const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
   const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
   float scale = 1.0f;

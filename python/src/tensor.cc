@@ -178,24 +178,24 @@ RowView pool_of(const Tensor& t, int64_t* num_rows) {
   return pool;
 }
 
-DenseStream dense_of(const Tensor& t, int32_t* batch) {
+RowView dense_of(const Tensor& t, int32_t* batch) {
   t.require_ndim(4, "[batch, heads, capacity, head_dim]");
   if (t.shape[3] > 1 && t.strides[3] != 1) t.fail("must have unit stride in its last dim");
-  const int64_t row_stride = t.strides[2];
-  if (row_stride < t.shape[3]) t.fail("rows overlap: stride of dim 2 is " + std::to_string(row_stride));
-  if (t.shape[1] > 1 && t.strides[1] != t.shape[2] * row_stride)
-    t.fail("must be a whole [batch, heads, capacity, row] allocation: stride of dim 1 is " +
-           std::to_string(t.strides[1]) + ", expected capacity * row stride = " +
-           std::to_string(t.shape[2] * row_stride));
-  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.shape[2] * row_stride)
-    t.fail("must be a whole [batch, heads, capacity, row] allocation: stride of dim 0 is " +
-           std::to_string(t.strides[0]) + ", expected heads * capacity * row stride");
-  DenseStream s;
+  // Any strides over batch, heads and positions: RowView carries all three
+  // (a dim of size 1 has no second entry to reach, so its stride is moot).
+  RowView s;
   s.data = t.data;
-  s.heads = to_int32(t.shape[1], t.op, t.name + "'s heads");
-  s.capacity = t.shape[2];
-  s.row_stride = row_stride;
+  s.seq_stride = t.shape[0] > 1 ? t.strides[0] : 0;
+  s.head_stride = t.shape[1] > 1 ? t.strides[1] : 0;
+  s.row_stride = t.shape[2] > 1 ? t.strides[2] : t.shape[3];
   s.dim = to_int32(t.shape[3], t.op, t.name + "'s head_dim");
+  s.capacity = t.shape[2];
+  for (const int64_t stride : {s.seq_stride, s.head_stride, s.row_stride}) {
+    if (stride < 0) t.fail("has a negative stride");
+  }
+  const std::string problem = row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2],
+                                               dtype_size(t.float_dtype()));
+  if (!problem.empty()) throw Error(t.op + ": " + problem);
   if (batch) *batch = to_int32(t.shape[0], t.op, t.name + "'s batch");
   return s;
 }

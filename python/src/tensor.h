@@ -71,9 +71,11 @@ Device common_device(const std::string& op, std::initializer_list<const Tensor*>
 /// allocation). `num_rows` receives the row count.
 RowView pool_of(const Tensor& t, int64_t* num_rows);
 
-/// A dense [batch, heads, capacity, dim] allocation (the last dim may be a
-/// slice of wider rows). `batch` receives the leading dim.
-DenseStream dense_of(const Tensor& t, int32_t* batch);
+/// The rows of a [batch, heads, capacity, dim] tensor with any strides over
+/// its first three dims (a whole allocation, or a slice of one: the last dim
+/// may be a slice of wider rows); rows must not overlap. `batch` receives
+/// the leading dim.
+RowView dense_of(const Tensor& t, int32_t* batch);
 
 /// Makes the tensor's CUDA device current for the lifetime of the guard
 /// (no-op on the CPU).

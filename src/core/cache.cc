@@ -135,7 +135,7 @@ const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_le
 
 void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
   if (is_head_trimmed()) throw Error("DenseKVCache::append_token: a head-trimmed view is read-only");
-  if (is_quantized(mode_)) throw Error("DenseKVCache::append_token: quantized caches append through update_and_fetch");
+  if (is_quantized(mode_)) throw Error("DenseKVCache::append_token: quantized caches append through append()");
   if (k_new == nullptr || v_new == nullptr) throw Error("DenseKVCache::append_token: k_new and v_new must not be null");
   if (live_len_ >= capacity_) {
     throw Error("DenseKVCache::append_token: live_len = " + std::to_string(live_len_) + " has reached capacity " +
@@ -226,23 +226,22 @@ void DenseKVCache::grow_to(int64_t needed) {
   capacity_ = new_capacity;
 }
 
-CacheWindow DenseKVCache::update_and_fetch(const void* k_new, const void* v_new, DType input_dtype,
-                                           int64_t new_tokens) {
-  if (is_head_trimmed()) throw Error("DenseKVCache::update_and_fetch: a head-trimmed view is read-only");
-  if (new_tokens < 0) throw Error("DenseKVCache::update_and_fetch: new_tokens = " + std::to_string(new_tokens) + " < 0");
+void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens) {
+  if (is_head_trimmed()) throw Error("DenseKVCache::append: a head-trimmed view is read-only");
+  if (new_tokens < 0) throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) + " < 0");
   if (new_tokens > 0 && (k_new == nullptr || v_new == nullptr)) {
-    throw Error("DenseKVCache::update_and_fetch: k_new and v_new must not be null");
+    throw Error("DenseKVCache::append: k_new and v_new must not be null");
   }
   if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
-    throw Error(std::string("DenseKVCache::update_and_fetch: input dtype ") + dtype_name(input_dtype) +
+    throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) +
                 " does not match the " + cache_mode_name(mode_) + " cache");
   }
   if (new_tokens > std::numeric_limits<int32_t>::max() - live_len_) {
-    throw Error("DenseKVCache::update_and_fetch: new_tokens = " + std::to_string(new_tokens) +
+    throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) +
                 " would take the live length past 2^31 - 1 tokens");
   }
   grow_to(live_len_ + new_tokens);
-  auto append = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+  auto write = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
     const size_t row_bytes = stored_row_bytes(mode_, dim);
     if (!is_quantized(mode_)) {
       copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(live_len_) * row_bytes, device_,
@@ -263,32 +262,22 @@ CacheWindow DenseKVCache::update_and_fetch(const void* k_new, const void* v_new,
       }
     }
   };
-  append(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
-  append(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
+  write(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
+  write(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
   live_len_ += new_tokens;
   write_device_lens();
-  CacheWindow window;
-  window.k_shape = k_shape();
-  window.v_shape = v_shape();
-  window.live_len = live_len_;
-  if (!is_quantized(mode_)) {
-    window.k = storage_->k.data();
-    window.v = storage_->v.data();
-  }
-  return window;
 }
 
-std::optional<RawKVAllocations> DenseKVCache::raw_kv_allocations() const {
-  if (is_quantized(mode_) || is_head_trimmed() || capacity_ == 0) return std::nullopt;
-  RawKVAllocations raw;
-  raw.k = storage_->k.data();
-  raw.v = storage_->v.data();
-  raw.dtype = storage_dtype(mode_);
-  raw.device = device_;
-  raw.k_shape = k_shape();
-  raw.v_shape = v_shape();
-  raw.live_len = live_len_;
-  return raw;
+DType DenseKVCache::dtype() const { return is_quantized(mode_) ? DType::kF32 : storage_dtype(mode_); }
+
+std::optional<RowView> DenseKVCache::k_rows() const {
+  if (is_quantized(mode_) || capacity_ == 0) return std::nullopt;
+  return RowView::dense(storage_->k.data(), k_heads_, capacity_, k_head_dim_);
+}
+
+std::optional<RowView> DenseKVCache::v_rows() const {
+  if (is_quantized(mode_) || capacity_ == 0) return std::nullopt;
+  return RowView::dense(storage_->v.data(), v_heads_, capacity_, v_head_dim_);
 }
 
 DenseKVCache DenseKVCache::shallow_copy() const {

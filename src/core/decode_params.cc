@@ -15,30 +15,47 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("decode: " + message);
 }
 
-void check_pool(const RowView& pool, const char* name) {
-  const std::string n(name);
-  require(pool.data != nullptr, n + ".data is null");
-  require(pool.dim >= 1, n + ".dim = " + std::to_string(pool.dim) + " must be at least 1");
-  require(pool.row_stride >= pool.dim, n + ".row_stride = " + std::to_string(pool.row_stride) +
-                                           " is smaller than " + n + ".dim = " + std::to_string(pool.dim));
-  require(pool.seq_stride >= 0 && pool.head_stride >= 0, n + ".seq_stride and " + n + ".head_stride must not be negative");
-}
-
-// The byte span a stream's rows cover (every sequence and head, `rows` rows
-// each) must fit a signed 64-bit offset, or the backends' 64-bit address
-// arithmetic would wrap.
-void check_extent(const RowView& pool, int64_t sequences, int64_t heads, int64_t rows, size_t esize,
-                  const char* name) {
-  const auto ld = [](int64_t x) { return static_cast<long double>(x); };
-  const long double elements = ld(std::max<int64_t>(sequences - 1, 0)) * ld(pool.seq_stride) +
-                               ld(std::max<int64_t>(heads - 1, 0)) * ld(pool.head_stride) +
-                               ld(rows) * ld(pool.row_stride);
-  require(elements * ld(static_cast<int64_t>(esize)) < 4.6e18L,
-          std::string(name) + ": " + std::to_string(rows) + " rows of row_stride " + std::to_string(pool.row_stride) +
-              " (with its sequence and head strides) span more than 2^62 bytes");
-}
-
 }  // namespace
+
+std::string row_view_problem(const RowView& view, const char* name, int64_t sequences, int64_t heads, int64_t rows,
+                             size_t element_size) {
+  const std::string n(name);
+  if (view.data == nullptr) return n + ".data is null";
+  if (view.dim < 1) return n + ".dim = " + std::to_string(view.dim) + " must be at least 1";
+  if (view.row_stride < view.dim)
+    return n + ".row_stride = " + std::to_string(view.row_stride) + " is smaller than " + n +
+           ".dim = " + std::to_string(view.dim);
+  if (view.seq_stride < 0 || view.head_stride < 0 || view.capacity < 0)
+    return n + ".seq_stride, " + n + ".head_stride and " + n + ".capacity must not be negative";
+  if (view.capacity > 0 && rows > view.capacity)
+    return n + ": " + std::to_string(rows) + " rows per head exceed " + n + ".capacity = " + std::to_string(view.capacity);
+  if (rows <= 0 || sequences <= 0 || heads <= 0) return {};
+  // Distinct rows must not overlap: taking the levels (row, head, sequence)
+  // from the smallest stride up, each stride must clear everything the
+  // smaller levels span. Levels of one entry or stride 0 (shared) are skipped.
+  struct Level {
+    int64_t stride, extent;
+    const char* field;
+    const char* what;
+  };
+  Level levels[] = {{view.row_stride, rows, ".row_stride", "positions"},
+                    {view.head_stride, heads, ".head_stride", "heads"},
+                    {view.seq_stride, sequences, ".seq_stride", "sequences"}};
+  std::sort(std::begin(levels), std::end(levels), [](const Level& a, const Level& b) { return a.stride < b.stride; });
+  long double span = view.dim;  // elements the levels so far cover
+  for (const Level& level : levels) {
+    if (level.extent <= 1 || level.stride == 0) continue;
+    if (static_cast<long double>(level.stride) < span)
+      return n + level.field + " = " + std::to_string(level.stride) + " is smaller than the " +
+             std::to_string(static_cast<int64_t>(std::min(span, 9.2e18L))) + " elements the smaller strides span (" +
+             std::to_string(rows) + " rows per head): rows of different " + level.what + " would overlap";
+    span += static_cast<long double>(level.extent - 1) * static_cast<long double>(level.stride);
+  }
+  if (span * static_cast<long double>(element_size) >= 4.6e18L)
+    return n + ": " + std::to_string(rows) + " rows of row_stride " + std::to_string(view.row_stride) +
+           " (with its sequence and head strides) span more than 2^62 bytes";
+  return {};
+}
 
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o) {
@@ -101,38 +118,23 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.seq_lens != nullptr, "seq_lens is null");
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");
-  check_pool(p.k, "k");
-  check_pool(p.v, "v");
   require(p.v.dim == plan.head_dim_v,
           "v.dim = " + std::to_string(p.v.dim) + " but the plan was made for " + std::to_string(plan.head_dim_v));
   const bool has_extra = p.k_extra.data != nullptr;
   require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
-  if (has_extra) check_pool(p.k_extra, "k_extra");
-  // Rows the page ids (or windows) can reach, for the address arithmetic.
+  // Rows the page ids (or windows) can reach: each request's window, or the
+  // pool's rows, which must stay distinct under the address arithmetic.
   const int64_t rows = static_cast<int64_t>(std::min<long double>(
       window ? static_cast<long double>(p.window_len) : static_cast<long double>(p.num_pool_pages) * p.page_size,
       9.2e18L));
   const int64_t sequences = p.num_requests / p.num_kv_heads;
-  if (window) {
-    // A request's window must not reach the next head's or sequence's rows.
-    const auto fits = [&](const RowView& s, const char* name) {
-      const long double span = static_cast<long double>(p.window_len) * static_cast<long double>(s.row_stride);
-      const auto n = std::string(name);
-      require(p.num_kv_heads == 1 || s.head_stride == 0 || span <= static_cast<long double>(s.head_stride),
-              "window_len = " + std::to_string(p.window_len) + " rows of " + n + " overrun " + n +
-                  ".head_stride = " + std::to_string(s.head_stride));
-      require(sequences <= 1 || s.seq_stride == 0 || span <= static_cast<long double>(s.seq_stride),
-              "window_len = " + std::to_string(p.window_len) + " rows of " + n + " overrun " + n +
-                  ".seq_stride = " + std::to_string(s.seq_stride));
-    };
-    fits(p.k, "k");
-    fits(p.v, "v");
-    if (has_extra) fits(p.k_extra, "k_extra");
-  }
   const size_t esize = dtype_size(p.dtype);
-  check_extent(p.k, sequences, p.num_kv_heads, rows, esize, "k");
-  check_extent(p.v, sequences, p.num_kv_heads, rows, esize, "v");
-  if (has_extra) check_extent(p.k_extra, sequences, p.num_kv_heads, rows, esize, "k_extra");
+  const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
+  for (const auto& [stream, name] : streams) {
+    if (stream == &p.k_extra && !has_extra) continue;
+    const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, esize);
+    require(problem.empty(), problem);
+  }
 }
 
 }  // namespace sparsepage

@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "core/cuda_hooks.h"
 #include "sparsepage/cache.h"
@@ -26,13 +27,15 @@ void check_inputs(const SparseAttentionInputs& in) {
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   require(requests <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
-  require(in.live_len >= 0 && in.live_len <= in.k.capacity && in.live_len <= in.v.capacity &&
-              (in.k_extra.data == nullptr || in.live_len <= in.k_extra.capacity),
-          "live_len = " + std::to_string(in.live_len) + " must lie in [0, capacity]");
-  require(in.live_len <= INT32_MAX, "live_len = " + std::to_string(in.live_len) + " exceeds 2^31 - 1 tokens");
-  require(in.k.heads >= in.num_kv_heads && in.v.heads >= in.num_kv_heads &&
-              (in.k_extra.data == nullptr || in.k_extra.heads >= in.num_kv_heads),
-          "every stream needs at least num_kv_heads = " + std::to_string(in.num_kv_heads) + " heads");
+  require(in.live_len >= 0 && in.live_len <= INT32_MAX,
+          "live_len = " + std::to_string(in.live_len) + " must lie in [0, 2^31 - 1]");
+  const std::pair<const RowView*, const char*> streams[] = {{&in.k, "k"}, {&in.v, "v"}, {&in.k_extra, "k_extra"}};
+  for (const auto& [stream, name] : streams) {
+    if (stream == &in.k_extra && in.k_extra.data == nullptr) continue;
+    const std::string problem =
+        row_view_problem(*stream, name, in.batch, in.num_kv_heads, in.live_len, dtype_size(in.dtype));
+    require(problem.empty(), problem);
+  }
   require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
   require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
 }
@@ -52,7 +55,7 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
 
 // What the CUDA kernels can read: the launchers' own check (decode.h).
 bool cuda_layout_supported(const SparseAttentionInputs& in) {
-  return cuda_layout_problem(in.dtype, in.q, in.q_extra, in.k.rows(), in.v.rows(), in.k_extra.rows(), in.o).empty();
+  return cuda_layout_problem(in.dtype, in.q, in.q_extra, in.k, in.v, in.k_extra, in.o).empty();
 }
 
 int32_t machine_width(Device device) {
@@ -160,11 +163,11 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   p.window_len = in.live_len;
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q = in.q;
-  p.k = in.k.rows();
-  p.v = in.v.rows();
+  p.k = in.k;
+  p.v = in.v;
   if (in.k_extra.data != nullptr) {
     p.q_extra = in.q_extra;
-    p.k_extra = in.k_extra.rows();
+    p.k_extra = in.k_extra;
   }
   p.scale = in.scale;
   p.o = in.o;

@@ -16,20 +16,9 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("masked decode: " + message);
 }
 
-void check_stream(const DenseStream& s, const char* name, int32_t batch, int32_t num_kv_heads, int64_t live_len) {
-  const std::string n(name);
-  require(s.data != nullptr, n + ".data is null");
-  require(s.dim >= 1, n + ".dim = " + std::to_string(s.dim) + " must be at least 1");
-  require(s.row_stride >= s.dim,
-          n + ".row_stride = " + std::to_string(s.row_stride) + " is smaller than dim = " + std::to_string(s.dim));
-  require(s.heads >= num_kv_heads, n + ".heads = " + std::to_string(s.heads) + " is fewer than num_kv_heads = " +
-                                       std::to_string(num_kv_heads));
-  require(s.capacity >= live_len, n + ".capacity = " + std::to_string(s.capacity) + " is smaller than live_len = " +
-                                      std::to_string(live_len));
-  // The allocation's span must fit the 64-bit row arithmetic.
-  const long double elements = static_cast<long double>(batch) * s.heads * static_cast<long double>(s.capacity) *
-                               static_cast<long double>(s.row_stride);
-  require(elements * 4 < 4.6e18L, n + ": batch * heads * capacity * row_stride spans more than 2^62 bytes");
+void check_stream(const RowView& s, const char* name, const MaskedDecodeParams& p) {
+  const std::string problem = row_view_problem(s, name, p.batch, p.num_kv_heads, p.live_len, dtype_size(p.dtype));
+  require(problem.empty(), problem);
 }
 
 }  // namespace
@@ -52,11 +41,11 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
   if (p.batch == 0) return;
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");
-  check_stream(p.k, "k", p.batch, p.num_kv_heads, p.live_len);
-  check_stream(p.v, "v", p.batch, p.num_kv_heads, p.live_len);
+  check_stream(p.k, "k", p);
+  check_stream(p.v, "v", p);
   require((p.k_extra.data != nullptr) == (p.q_extra != nullptr),
           "q_extra and k_extra.data must both be set or both be null");
-  if (p.k_extra.data) check_stream(p.k_extra, "k_extra", p.batch, p.num_kv_heads, p.live_len);
+  if (p.k_extra.data) check_stream(p.k_extra, "k_extra", p);
 }
 
 void run_masked_decode_cpu(const MaskedDecodeParams& p) {
@@ -75,9 +64,8 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
   const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
-  auto row_start = [&](const DenseStream& s, int32_t r) {
-    const int64_t b = r / p.num_kv_heads, h = r % p.num_kv_heads;
-    return static_cast<const char*>(s.data) + (b * s.heads + h) * s.capacity * s.row_stride * esize;
+  auto row_start = [&](const RowView& s, int32_t r) {
+    return static_cast<const char*>(s.data) + s.offset(r / p.num_kv_heads, r % p.num_kv_heads, 0) * esize;
   };
   auto rows_of = [&](int32_t r) {
     const char* k = row_start(p.k, r);

@@ -19,17 +19,13 @@ namespace sparsepage {
 
 namespace {
 
-// Same split policy as the fused path's plan defaults: about two chunks per
-// SM (one wave at two resident CTAs per SM), chunks of whole 64-row tiles.
-constexpr int64_t kItemsPerSm = 2;
-constexpr int64_t kMinChunk = 64;
-constexpr int64_t kGranule = cuda::kTileRows;
-
+// The split comes from the plan's own chunking (make_uniform_split), with
+// the mask path's knobs: at most two CTAs per SM and chunks of at least one
+// 64-row tile (every request spans the whole window, so short chunks still
+// fill the machine at small batch).
 struct MaskedSplit {
   int64_t requests = 0;
-  int64_t chunk_tokens = 0;
-  int64_t chunks_per_request = 1;
-  size_t partial_o_bytes = 0;
+  UniformSplit split;
   size_t partial_lse_offset = 0;
   size_t total_bytes = 0;
 };
@@ -39,25 +35,21 @@ size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
   MaskedSplit s;
   s.requests = int64_t{params.batch} * params.num_kv_heads;
-  const int64_t live = params.live_len;
-  // CTAs per work item (head tiles) share the machine: aim for about
-  // kItemsPerSm CTAs per SM (one per SM for the MLA kernel, which fills one).
-  const cuda::TileShape shape =
-      cuda::select_tile_shape(params.k.dim, params.v.dim, params.k_extra.data ? params.k_extra.dim : 0);
-  const int64_t per_sm = std::min<int64_t>(kItemsPerSm, cuda::resident_ctas_per_sm(shape));
-  const int64_t target = std::max<int64_t>(
-      1, int64_t{std::max(num_sms, 1)} * per_sm / cuda::ctas_per_item(shape, params.group_size));
-  int64_t chunk = std::max(kMinChunk, (s.requests * live + target - 1) / target);
-  chunk = (chunk + kGranule - 1) / kGranule * kGranule;
-  s.chunks_per_request = std::max<int64_t>(1, (live + chunk - 1) / chunk);
-  // Even out the chunks so the last one of a request is not a sliver.
-  chunk = ((live + s.chunks_per_request - 1) / s.chunks_per_request + kGranule - 1) / kGranule * kGranule;
-  s.chunk_tokens = std::max<int64_t>(chunk, kGranule);
-  if (s.chunks_per_request > 1) {
-    const size_t partials = static_cast<size_t>(s.requests * s.chunks_per_request) * params.group_size;
-    s.partial_o_bytes = align256(partials * params.v.dim * sizeof(float));
-    s.partial_lse_offset = s.partial_o_bytes;
-    s.total_bytes = s.partial_o_bytes + align256(partials * sizeof(float));
+  const CudaLaunchShape launch = cuda_launch_shape(params.k.dim, params.v.dim,
+                                                   params.k_extra.data ? params.k_extra.dim : 0, params.group_size);
+  PlanShape shape;
+  shape.group_size = params.group_size;
+  shape.head_dim_v = params.v.dim;
+  shape.num_sms = std::max(num_sms, 1);
+  shape.items_per_sm = std::min(2, launch.ctas_per_sm);
+  shape.ctas_per_item = launch.ctas_per_item;
+  shape.min_chunk_tokens = cuda::kTileRows;
+  shape.chunk_granule = cuda::kTileRows;
+  s.split = make_uniform_split(s.requests, params.live_len, shape);
+  if (s.split.chunks_per_request > 1) {
+    const size_t partials = static_cast<size_t>(s.requests * s.split.chunks_per_request) * params.group_size;
+    s.partial_lse_offset = align256(partials * params.v.dim * sizeof(float));
+    s.total_bytes = s.partial_lse_offset + align256(partials * sizeof(float));
   }
   return s;
 }
@@ -68,9 +60,9 @@ void check_masked_cuda_layout(const MaskedDecodeParams& params) {
     throw Error(std::string(api) +
                 ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
                 "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
-  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k.rows(),
-                            params.v.rows(), params.k_extra.rows(), params.o);
-  if (params.live_len > int64_t{INT32_MAX} - kGranule)
+  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k, params.v,
+                            params.k_extra, params.o);
+  if (params.live_len > int64_t{INT32_MAX} - cuda::kTileRows)
     throw Error(std::string(api) + ": live_len = " + std::to_string(params.live_len) + " is too large");
 }
 
@@ -94,12 +86,11 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   auto* ws = static_cast<unsigned char*>(workspace);
 
   cuda::DenseSource::Params p;
-  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k.rows(), params.v.rows(),
-                                              params.k_extra.rows(), params.num_kv_heads, params.group_size,
+  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra, params.num_kv_heads, params.group_size,
                                               params.scale);
   p.work = nullptr;
-  p.chunks_per_request = static_cast<int32_t>(split.chunks_per_request);
-  p.chunk_tokens = static_cast<int32_t>(split.chunk_tokens);
+  p.chunks_per_request = static_cast<int32_t>(split.split.chunks_per_request);
+  p.chunk_tokens = static_cast<int32_t>(split.split.chunk_tokens);
   p.uniform_len = static_cast<int32_t>(params.live_len);
   p.o = params.o;
   p.lse = params.lse;
@@ -110,11 +101,11 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   p.table.mask_pitch = params.mask_pitch > 0 ? params.mask_pitch : params.live_len;
   p.table.live_lens = params.live_lens;
 
-  const int64_t items = split.requests * split.chunks_per_request;
+  const int64_t items = split.requests * split.split.chunks_per_request;
   if (items > INT32_MAX) throw Error("run_masked_decode_cuda: too many work items");
   cuda::launch_partial<cuda::DenseSource>(p, cuda::select_tile_shape(p.dqk, p.dv, p.de), params.dtype,
                                           static_cast<int32_t>(items), s);
-  if (split.chunks_per_request > 1) {
+  if (split.split.chunks_per_request > 1) {
     cuda::MergeParams m;
     m.partial_o = p.partial_o;
     m.partial_lse = p.partial_lse;

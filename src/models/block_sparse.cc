@@ -145,18 +145,17 @@ void BlockSparseAttention::check_tokens(const BlockSparseTokens& t) const {
 }
 
 SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& tokens) const {
-  const RawKVAllocations raw = *cache_.raw_kv_allocations();
   SparseAttentionInputs in;
   in.device = device_;
   in.dtype = dtype_;
   in.batch = batch_;
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = config_.num_kv_heads;
-  in.live_len = raw.live_len;
+  in.live_len = cache_.live_len();
   in.live_lens = cache_.device_live_lens();
   // K carries the index key at head num_kv_heads: its own sequence stride.
-  in.k = {raw.k, raw.k_shape.heads, raw.k_shape.capacity, config_.head_dim, config_.head_dim};
-  in.v = {raw.v, raw.v_shape.heads, raw.v_shape.capacity, config_.head_dim, config_.head_dim};
+  in.k = cache_.k_rows().value();
+  in.v = cache_.v_rows().value();
   in.q = tokens.q;
   in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   in.o = tokens.o;
@@ -170,7 +169,7 @@ void BlockSparseAttention::reserve(int64_t tokens) {
 
 void BlockSparseAttention::append_tokens(const void* k, const void* v, int64_t tokens) {
   if (k == nullptr || v == nullptr) throw Error("BlockSparseAttention::append_tokens: k and v must be set");
-  cache_.update_and_fetch(k, v, dtype_, tokens);
+  cache_.append(k, v, dtype_, tokens);
   size_step_buffers();
 }
 
@@ -203,18 +202,18 @@ void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* 
 }
 
 void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream) {
-  const RawKVAllocations raw = *cache_.raw_kv_allocations();
+  const RowView k_rows = cache_.k_rows().value();
   if (device_ == Device::kCuda) {
     detail::BlockIndexerArgs args;
     args.dtype = dtype_;
-    args.k_alloc = raw.k;
+    args.k_alloc = k_rows.data;
     args.index_q = tokens.index_q;
     args.batch = batch_;
     args.num_kv_heads = config_.num_kv_heads;
     args.head_dim = config_.head_dim;
-    args.capacity = raw.k_shape.capacity;
+    args.capacity = cache_.capacity();
     args.kv_lens = cache_.device_live_lens();
-    args.max_kv_len = raw.k_shape.capacity;
+    args.max_kv_len = cache_.capacity();
     args.block_size = config_.block_size;
     args.topk = config_.topk_blocks;
     args.local_blocks = config_.local_blocks;
@@ -227,15 +226,15 @@ void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* 
     return;
   }
   // Host: the index key is head num_kv_heads of the K allocation, read in place.
-  const int64_t kv_len = raw.live_len;
+  const int64_t kv_len = cache_.live_len();
   const size_t d = static_cast<size_t>(config_.head_dim);
   const size_t esize = dtype_size(dtype_);
   std::vector<float> q(static_cast<size_t>(num_requests()) * d);
   to_float(dtype_, tokens.index_q, q.data(), q.size());
   const std::vector<int32_t> ids =
       top_blocks_cpu(config_, batch_, kv_len, q.data(), [&](int32_t b, int64_t t, float* out) {
-        const int64_t row = (int64_t{b} * raw.k_shape.heads + config_.num_kv_heads) * raw.k_shape.capacity + t;
-        to_float(dtype_, static_cast<const char*>(raw.k) + static_cast<size_t>(row) * d * esize, out, d);
+        const int64_t element = k_rows.offset(b, config_.num_kv_heads, t);
+        to_float(dtype_, static_cast<const char*>(k_rows.data) + static_cast<size_t>(element) * esize, out, d);
       });
   const int32_t per = blocks_per_request(config_, kv_len);
   int32_t* out = block_ids_.as<int32_t>();

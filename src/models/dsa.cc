@@ -125,20 +125,19 @@ void check_tokens(const DsaTokens& t) {
 }  // namespace
 
 SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
-  const RawKVAllocations raw = *cache_.raw_kv_allocations();
-  const int64_t cap = raw.k_shape.capacity;
-  const int64_t k_stride = config_.latent_dim + config_.index_head_dim;
+  RowView latent = cache_.k_rows().value();  // kv_latent: the first latent_dim columns of the K rows
+  latent.dim = config_.latent_dim;
   SparseAttentionInputs in;
   in.device = device_;
   in.dtype = dtype_;
   in.batch = batch_;
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = 1;
-  in.live_len = raw.live_len;
+  in.live_len = cache_.live_len();
   in.live_lens = cache_.device_live_lens();
-  in.k = {raw.k, 1, cap, k_stride, config_.latent_dim};  // kv_latent: the K buffer's first columns
-  in.v = {raw.k, 1, cap, k_stride, config_.latent_dim};  // V = the same latent rows
-  in.k_extra = {raw.v, 1, cap, config_.rope_dim, config_.rope_dim};
+  in.k = latent;
+  in.v = latent;  // V = the same latent rows
+  in.k_extra = cache_.v_rows().value();
   in.q = tokens.q_latent;
   in.q_extra = tokens.q_pe;
   in.scale = config_.scale;
@@ -153,7 +152,7 @@ void DsaAttention::reserve(int64_t tokens) {
 
 void DsaAttention::append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens) {
   if (k_cache_rows == nullptr || k_pe == nullptr) throw Error("DsaAttention::append_tokens: k_cache_rows and k_pe must be set");
-  cache_.update_and_fetch(k_cache_rows, k_pe, dtype_, tokens);
+  cache_.append(k_cache_rows, k_pe, dtype_, tokens);
   size_step_buffers();
 }
 
@@ -183,8 +182,8 @@ void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
 }
 
 void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
-  const RawKVAllocations raw = *cache_.raw_kv_allocations();
-  const int64_t kv_len = raw.live_len;
+  const RowView k_rows = cache_.k_rows().value();
+  const int64_t kv_len = cache_.live_len();
   std::vector<std::vector<int32_t>> positions;
   if (kv_len <= config_.index_topk) {
     positions.assign(static_cast<size_t>(batch_), std::vector<int32_t>(static_cast<size_t>(kv_len)));
@@ -192,13 +191,12 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
   } else {
     // The indexer key is the K buffer's columns latent_dim .. latent_dim + index_head_dim.
     const size_t d = static_cast<size_t>(config_.index_head_dim);
-    const size_t stride = static_cast<size_t>(config_.latent_dim + config_.index_head_dim);
     const size_t esize = dtype_size(dtype_);
     std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
     for (int32_t b = 0; b < batch_; ++b) {
       for (int64_t t = 0; t < kv_len; ++t) {
-        const size_t row = static_cast<size_t>(int64_t{b} * raw.k_shape.capacity + t);
-        to_float(dtype_, static_cast<const char*>(raw.k) + (row * stride + static_cast<size_t>(config_.latent_dim)) * esize,
+        const auto element = static_cast<size_t>(k_rows.offset(b, 0, t) + config_.latent_dim);
+        to_float(dtype_, static_cast<const char*>(k_rows.data) + element * esize,
                  &keys[(static_cast<size_t>(b) * static_cast<size_t>(kv_len) + static_cast<size_t>(t)) * d], d);
       }
     }
@@ -217,13 +215,12 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
 }
 
 void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
-  const RawKVAllocations raw = *cache_.raw_kv_allocations();
   DsaIndexerArgs args;
   args.dtype = dtype_;
-  args.k_cache = raw.k;
-  args.capacity = raw.k_shape.capacity;
+  args.k_cache = cache_.k_rows().value().data;
+  args.capacity = cache_.capacity();
   args.kv_lens = cache_.device_live_lens();
-  args.max_kv_len = raw.k_shape.capacity;
+  args.max_kv_len = cache_.capacity();
   args.q_index = tokens.q_index;
   args.weights = tokens.index_weights;
   args.workspace = index_workspace_.data();

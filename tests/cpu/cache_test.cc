@@ -17,10 +17,9 @@ TEST(DenseCache, GrowsInStepsAndKeepsRows) {
   for (int64_t n : steps) {
     ks.push_back(testing::random_values(DType::kBF16, size_t(2 * 3 * n * 8), rng));
     vs.push_back(testing::random_values(DType::kBF16, size_t(2 * 2 * n * 4), rng));
-    const CacheWindow w = cache.update_and_fetch(ks.back().data(), vs.back().data(), DType::kBF16, n);
-    EXPECT_EQ(w.live_len, cache.live_len());
-    EXPECT_EQ(w.k_shape.capacity % 16, 0);
-    EXPECT_GE(w.k_shape.capacity, w.live_len);
+    cache.append(ks.back().data(), vs.back().data(), DType::kBF16, n);
+    EXPECT_EQ(cache.capacity() % 16, 0);
+    EXPECT_GE(cache.capacity(), cache.live_len());
   }
   EXPECT_EQ(cache.live_len(), 37);
   EXPECT_EQ(cache.capacity(), 48);
@@ -41,48 +40,95 @@ TEST(DenseCache, GrowsInStepsAndKeepsRows) {
     }
     start += steps[u];
   }
-  const auto raw = cache.raw_kv_allocations();
-  ASSERT_TRUE(raw.has_value());
-  EXPECT_EQ(raw->k_shape, (CacheShape{2, 3, 48, 8}));
-  EXPECT_EQ(raw->v_shape, (CacheShape{2, 2, 48, 4}));
-  EXPECT_EQ(raw->live_len, 37);
+  // The rows as the kernels read them: [B, H, Cap, D] with the capacity as
+  // the head stride, and K's extra head in its own sequence stride.
+  const auto k = cache.k_rows(), v = cache.v_rows();
+  ASSERT_TRUE(k.has_value() && v.has_value());
+  EXPECT_EQ(k->dim, 8);
+  EXPECT_EQ(k->row_stride, 8);
+  EXPECT_EQ(k->head_stride, 48 * 8);
+  EXPECT_EQ(k->seq_stride, 3 * 48 * 8);
+  EXPECT_EQ(v->head_stride, 48 * 4);
+  EXPECT_EQ(v->seq_stride, 2 * 48 * 4);
+  EXPECT_EQ(cache.dtype(), DType::kBF16);
+  // Row t of (b, h) through the view holds what the window says.
+  const auto* rows = static_cast<const uint16_t*>(k->data);
+  for (int b = 0; b < 2; ++b) {
+    for (int h = 0; h < 3; ++h) {
+      for (int64_t t = 0; t < 37; t += 6) {
+        ASSERT_EQ(bf16_to_float(rows[k->offset(b, h, t) + 5]), window[size_t(((b * 3 + h) * 37 + t) * 8 + 5)]);
+      }
+    }
+  }
 }
 
-TEST(DenseCache, RawAllocationsOnlyForRawRows) {
+TEST(DenseCache, RowsOnlyForRawRows) {
   DenseKVCache raw(Device::kCpu, CacheMode::kF16, 1, 2, 2, 8, 8);
+  EXPECT_FALSE(raw.k_rows().has_value()) << "nothing is allocated before the first append";
   std::vector<uint16_t> kv(2 * 3 * 8, float_to_f16(0.5f));
-  raw.update_and_fetch(kv.data(), kv.data(), DType::kF16, 3);
-  ASSERT_TRUE(raw.raw_kv_allocations().has_value());
-  EXPECT_EQ(raw.raw_kv_allocations()->dtype, DType::kF16);
+  raw.append(kv.data(), kv.data(), DType::kF16, 3);
+  ASSERT_TRUE(raw.k_rows().has_value());
+  EXPECT_EQ(raw.dtype(), DType::kF16);
+  // A head-trimmed view reads the same rows: its heads are the first ones.
   const DenseKVCache trimmed = raw.head_trimmed(1);
-  EXPECT_FALSE(trimmed.raw_kv_allocations().has_value()) << "a head-trimmed window is not the allocation";
+  ASSERT_TRUE(trimmed.k_rows().has_value());
+  EXPECT_EQ(trimmed.k_rows()->data, raw.k_rows()->data);
+  EXPECT_EQ(trimmed.k_rows()->seq_stride, raw.k_rows()->seq_stride);
   EXPECT_EQ(trimmed.dequantized_window(true).size(), 3u * 8u);
   EXPECT_THROW(raw.head_trimmed(3), Error);
   for (CacheMode mode : {CacheMode::kInt8, CacheMode::kInt4}) {
     DenseKVCache q(Device::kCpu, mode, 1, 2, 2, 8, 8);
     std::vector<float> x(2 * 3 * 8, 0.25f);
-    q.update_and_fetch(x.data(), x.data(), DType::kF32, 3);
-    EXPECT_FALSE(q.raw_kv_allocations().has_value()) << cache_mode_name(mode);
+    q.append(x.data(), x.data(), DType::kF32, 3);
+    EXPECT_FALSE(q.k_rows().has_value()) << cache_mode_name(mode);
+    EXPECT_FALSE(q.v_rows().has_value()) << cache_mode_name(mode);
+    EXPECT_EQ(q.dtype(), DType::kF32) << cache_mode_name(mode);
   }
-  PagedBlockPool pool(Device::kCpu, DType::kBF16, 4, 1, 16, 8, 8);
-  EXPECT_FALSE(pool.raw_kv_allocations().has_value());
 }
 
 TEST(DenseCache, RejectsBadInput) {
   EXPECT_THROW(DenseKVCache(Device::kCpu, CacheMode::kBF16, 0, 1, 1, 8, 8), Error);
   DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 8, 8);
   std::vector<uint16_t> kv(8);
-  EXPECT_THROW(cache.update_and_fetch(kv.data(), kv.data(), DType::kF16, 1), Error);
-  EXPECT_THROW(cache.update_and_fetch(nullptr, kv.data(), DType::kBF16, 1), Error);
-  EXPECT_THROW(cache.update_and_fetch(kv.data(), kv.data(), DType::kBF16, -1), Error);
+  EXPECT_THROW(cache.append(kv.data(), kv.data(), DType::kF16, 1), Error);
+  EXPECT_THROW(cache.append(nullptr, kv.data(), DType::kBF16, 1), Error);
+  EXPECT_THROW(cache.append(kv.data(), kv.data(), DType::kBF16, -1), Error);
 }
 
-TEST(Layout, RowsUseCapacityAsHeadStride) {
-  const auto layout = ContiguousCacheLayout::of(CacheShape{2, 4, 1000, 128});
-  EXPECT_EQ(layout.row(0, 0, 0), 0);
-  EXPECT_EQ(layout.row(0, 1, 0), 1000);
-  EXPECT_EQ(layout.row(1, 2, 7), (1 * 4 + 2) * 1000 + 7);
-  EXPECT_EQ(layout.num_rows(), 8000);
+TEST(Layout, DenseRowsUseCapacityAsHeadStride) {
+  const RowView rows = RowView::dense(nullptr, 4, 1000, 128);
+  EXPECT_EQ(rows.offset(0, 0, 0), 0);
+  EXPECT_EQ(rows.offset(0, 1, 0), 1000 * 128);
+  EXPECT_EQ(rows.offset(1, 2, 7), ((1 * 4 + 2) * 1000 + 7) * 128);
+  const RowView wide = RowView::dense(nullptr, 1, 10, 512, 576);  // the first 512 columns of 576-wide rows
+  EXPECT_EQ(wide.offset(0, 0, 3), 3 * 576);
+  EXPECT_EQ(wide.dim, 512);
+}
+
+TEST(Layout, RowViewProblemNamesOverlappingRows) {
+  const int x = 0;
+  const RowView dense = RowView::dense(&x, 4, 1000, 128);
+  EXPECT_EQ(row_view_problem(dense, "k", 2, 4, 1000, 2), "");
+  // More positions than the capacity: refused by the capacity, and without
+  // one by the strides (head h's rows would run into head h + 1's).
+  EXPECT_EQ(row_view_problem(dense, "k", 2, 4, 1001, 2), "k: 1001 rows per head exceed k.capacity = 1000");
+  RowView unknown = dense;
+  unknown.capacity = 0;
+  const std::string long_window = row_view_problem(unknown, "k", 2, 4, 1001, 2);
+  EXPECT_NE(long_window.find("k.head_stride"), std::string::npos) << long_window;
+  EXPECT_NE(long_window.find("heads would overlap"), std::string::npos) << long_window;
+  // More heads than the allocation: sequence b's heads run into b + 1's.
+  const std::string many_heads = row_view_problem(dense, "v", 2, 5, 10, 2);
+  EXPECT_NE(many_heads.find("v.seq_stride"), std::string::npos) << many_heads;
+  // An engine's paged layout [blocks, block_size, heads, dim] interleaves heads: fine.
+  const RowView paged{&x, 4 * 128, 128, 0, 128};
+  EXPECT_EQ(row_view_problem(paged, "k", 1, 4, 1 << 20, 2), "");
+  EXPECT_NE(row_view_problem({&x, 4 * 128, 128, 0, 64}, "k", 1, 4, 8, 2).find("heads would overlap"),
+            std::string::npos);
+  EXPECT_NE(row_view_problem({&x, 64, 128, 0, 0}, "k", 1, 1, 8, 2).find("row_stride"), std::string::npos);
+  EXPECT_NE(row_view_problem({nullptr, 128, 128, 0, 0}, "q", 1, 1, 8, 2).find("q.data is null"), std::string::npos);
+  EXPECT_NE(row_view_problem({&x, 1 << 30, 128, 0, 0}, "k", 1, 1, int64_t{1} << 33, 2).find("2^62"),
+            std::string::npos);
 }
 
 TEST(Layout, HeadFoldingReshapesQueries) {

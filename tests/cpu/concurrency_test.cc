@@ -48,8 +48,8 @@ struct SharedInputs {
     in.num_qo_heads = kv_heads * group;
     in.num_kv_heads = kv_heads;
     in.live_len = live;
-    in.k = {k.data(), kv_heads, cap, dim, dim};
-    in.v = {v.data(), kv_heads, cap, dim, dim};
+    in.k = RowView::dense(k.data(), kv_heads, cap, dim);
+    in.v = RowView::dense(v.data(), kv_heads, cap, dim);
     in.q = q.data();
     in.scale = 0.25f;
     in.o = o;

@@ -247,7 +247,7 @@ TEST(DecodeTableChecks, WindowModeRejectsPositionsAtOrPastTheWindow) {
     p.num_requests = 2;
     p.page_size = 1;
     p.window_len = cap + 1;
-    EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "overrun k.seq_stride"));
+    EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "rows of different sequences would overlap"));
     p.first_page_offset = nullptr;
     p.page_size = 1;
   }
@@ -264,8 +264,8 @@ TEST(DecodeTableChecks, SparseDecoderRejectsASelectedPositionAtLiveLen) {
   in.num_qo_heads = 1;
   in.num_kv_heads = 1;
   in.live_len = live;
-  in.k = {k.data(), 1, cap, dim, dim};
-  in.v = {v.data(), 1, cap, dim, dim};
+  in.k = RowView::dense(k.data(), 1, cap, dim);
+  in.v = RowView::dense(v.data(), 1, cap, dim);
   in.q = q.data();
   in.o = o.data();
   DispatchConfig config;

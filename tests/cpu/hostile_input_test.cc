@@ -48,8 +48,8 @@ struct SmallInputs {
     in.num_qo_heads = 1;
     in.num_kv_heads = 1;
     in.live_len = 16;
-    in.k = {k.data(), 1, 16, 4, 4};
-    in.v = {v.data(), 1, 16, 4, 4};
+    in.k = RowView::dense(k.data(), 1, 16, 4);
+    in.v = RowView::dense(v.data(), 1, 16, 4);
     in.q = q.data();
     in.o = o.data();
   }
@@ -62,7 +62,7 @@ MaskedDecodeParams testing_one_request(std::vector<float>& buf, DType dtype) {
   m.num_kv_heads = 1;
   m.live_len = 1;
   m.q = m.o = buf.data();
-  m.k = m.v = {buf.data(), 1, 1, 4, 4};
+  m.k = m.v = RowView::dense(buf.data(), 1, 1, 4);
   return m;
 }
 
@@ -129,14 +129,14 @@ TEST(HostileSizes, DenseCacheCapacityStepNearTwoToTheSixty) {
   for (int64_t step : {int64_t{1} << 60, std::numeric_limits<int64_t>::max(), (int64_t{1} << 62) + 3}) {
     DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 8, 8, step);
     const std::vector<uint16_t> k(2 * 2 * 8), v = k;
-    EXPECT_THROW(cache.update_and_fetch(k.data(), v.data(), DType::kBF16, 1), Error) << step;
+    EXPECT_THROW(cache.append(k.data(), v.data(), DType::kBF16, 1), Error) << step;
     EXPECT_EQ(cache.live_len(), 0) << "a refused append leaves the cache as it was";
     EXPECT_EQ(cache.capacity(), 0);
   }
   DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 8, 8, 16);
   const std::vector<uint16_t> row(8);
   EXPECT_TRUE(throws_error_naming(
-      [&] { cache.update_and_fetch(row.data(), row.data(), DType::kBF16, std::numeric_limits<int64_t>::max()); },
+      [&] { cache.append(row.data(), row.data(), DType::kBF16, std::numeric_limits<int64_t>::max()); },
       "new_tokens"));
 }
 
@@ -173,7 +173,7 @@ TEST(HostileSizes, BatchTimesKvHeadsIsInt64OnTheMaskPath) {
   p.num_kv_heads = 1 << 16;  // 2^32 requests: wrapped to 0 in int32 and "succeeded"
   p.live_len = 1;
   p.q = p.o = buf.data();
-  p.k = p.v = {buf.data(), 1 << 16, 1, 1, 1};
+  p.k = p.v = RowView::dense(buf.data(), 1 << 16, 1, 1);
   EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(p); }, "batch * num_kv_heads = 4294967296"));
   EXPECT_TRUE(throws_error_naming([] { HeadFolding::make(1 << 16, 1 << 16, 1 << 16); }, "batch * num_kv_heads"));
   SmallInputs s;
@@ -190,17 +190,17 @@ TEST(HostileCache, CopiesDoNotShareStorage) {
   const std::vector<uint16_t> x = {float_to_bf16(1), float_to_bf16(1)};
   const std::vector<uint16_t> y = {float_to_bf16(2), float_to_bf16(2)};
   const std::vector<uint16_t> z = {float_to_bf16(3), float_to_bf16(3)};
-  a.update_and_fetch(x.data(), x.data(), DType::kBF16, 1);
+  a.append(x.data(), x.data(), DType::kBF16, 1);
   DenseKVCache b = a;
-  a.update_and_fetch(y.data(), y.data(), DType::kBF16, 1);
-  b.update_and_fetch(z.data(), z.data(), DType::kBF16, 1);
+  a.append(y.data(), y.data(), DType::kBF16, 1);
+  b.append(z.data(), z.data(), DType::kBF16, 1);
   EXPECT_EQ(a.dequantized_window(true), (std::vector<float>{1, 1, 2, 2}));
   EXPECT_EQ(b.dequantized_window(true), (std::vector<float>{1, 1, 3, 3}));
   DenseKVCache c(Device::kCpu, CacheMode::kInt8, 1, 1, 1, 2, 2, 8);
   const std::vector<float> fx = {1, -1}, fy = {4, 4};
-  c.update_and_fetch(fx.data(), fx.data(), DType::kF32, 1);
+  c.append(fx.data(), fx.data(), DType::kF32, 1);
   c = a;  // copy assignment, too
-  a.update_and_fetch(y.data(), y.data(), DType::kBF16, 1);
+  a.append(y.data(), y.data(), DType::kBF16, 1);
   EXPECT_EQ(c.live_len(), 2);
   EXPECT_EQ(c.dequantized_window(false), (std::vector<float>{1, 1, 2, 2}));
   // A head-trimmed view still shares the rows it was made from (read-only).
@@ -299,7 +299,7 @@ TEST(HostileHelpers, SparseDecoderRefusesNullAndInconsistentInputs) {
   EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(s.in, sel); }, "q and o must not be null"));
   SmallInputs t;
   t.in.live_len = 17;  // beyond the capacity
-  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(t.in, sel); }, "live_len = 17"));
+  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(t.in, sel); }, "17 rows per head exceed k.capacity = 16"));
   SmallInputs u;
   u.in.num_qo_heads = 0;
   EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(u.in, sel); }, "num_qo_heads = 0"));
@@ -374,11 +374,11 @@ TEST(HostileSizes, PoolSpansPastTwoToTheSixtyTwoBytesAreRefused) {
   m.dtype = DType::kF32;
   m.batch = 1;
   m.num_kv_heads = 1;
-  m.live_len = 1;
+  m.live_len = 2;  // two rows 2^61 elements apart: 2^63 bytes
   m.q = m.o = buf.data();
-  m.k = {buf.data(), 1, int64_t{1} << 61, 4, 4};
-  m.v = {buf.data(), 1, 1, 4, 4};
-  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "k: batch * heads * capacity * row_stride"));
+  m.k = {buf.data(), int64_t{1} << 61, 4};
+  m.v = RowView::dense(buf.data(), 1, 1, 4);
+  EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "k: 2 rows of row_stride 2305843009213693952"));
 
   std::vector<uint16_t> pool(8), out(8);
   const std::vector<int32_t> offsets = {0, 1}, rows = {0};

@@ -28,21 +28,20 @@ struct DenseSetup {
   explicit DenseSetup(std::mt19937_64& rng) {
     const auto k = testing::random_values(DType::kBF16, size_t(batch) * 3 * live * dim, rng);
     const auto v = testing::random_values(DType::kBF16, size_t(batch) * 2 * live * dim, rng);
-    cache.update_and_fetch(k.data(), v.data(), DType::kBF16, live);
+    cache.append(k.data(), v.data(), DType::kBF16, live);
     q = testing::random_values(DType::kBF16, size_t(batch) * kv_heads * group * dim, rng);
     std::bernoulli_distribution keep(0.3);
     for (int64_t i = 0; i < int64_t{batch} * kv_heads * live; ++i) mask.push_back(keep(rng) ? 0.0f : kNegInf);
   }
   MaskedDecodeParams masked(void* o, float* lse) const {
-    const auto raw = *cache.raw_kv_allocations();
     MaskedDecodeParams p;
     p.batch = batch;
     p.num_kv_heads = kv_heads;
     p.group_size = group;
     p.live_len = live;
     p.q = q.data();
-    p.k = {raw.k, raw.k_shape.heads, raw.k_shape.capacity, dim, dim};
-    p.v = {raw.v, raw.v_shape.heads, raw.v_shape.capacity, dim, dim};
+    p.k = cache.k_rows().value();
+    p.v = cache.v_rows().value();
     p.mask = mask.data();
     p.scale = 0.125f;
     p.o = o;
@@ -106,7 +105,7 @@ TEST(MaskPath, MatchesFp64ReferenceWithWiderKAtBatchTwo) {
 // allocation with `head_stride` between heads.
 std::vector<float> run_paged_over_kept(const DenseKVCache& cache, const std::vector<uint8_t>& q,
                                        const std::vector<float>& mask, int64_t live, int64_t head_stride) {
-  const auto raw = *cache.raw_kv_allocations();
+  const RowView k_rows = cache.k_rows().value(), v_rows = cache.v_rows().value();
   std::vector<int32_t> lens, rows;
   for (int32_t r = 0; r < 4; ++r) {
     int32_t kept = 0;
@@ -126,11 +125,11 @@ std::vector<float> run_paged_over_kept(const DenseKVCache& cache, const std::vec
   p.num_indices = int64_t(rows.size());
   p.seq_lens = table.seq_lens.data();
   p.num_requests = 4;
-  p.num_pool_pages = ContiguousCacheLayout::of(raw.k_shape).num_rows();
+  p.num_pool_pages = int64_t{cache.batch()} * cache.k_heads() * cache.capacity();
   p.group_size = 4;
   p.q = q.data();
-  p.k = {raw.k, 64, 64};
-  p.v = {raw.v, 64, 64};
+  p.k = {k_rows.data, 64, 64};  // one pool of rows shared by every request
+  p.v = {v_rows.data, 64, 64};
   p.scale = 0.125f;
   p.o = o.data();
   Buffer ws(Device::kCpu, plan.workspace.total);
@@ -144,30 +143,28 @@ TEST(MaskPath, PagedDecodeOverKeptRowsAgreesAndHeadStrideIsCapacity) {
   DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 2, 2, 64, 64, 128);
   const auto k = testing::random_values(DType::kBF16, size_t(4 * live * 64), rng);
   const auto v = testing::random_values(DType::kBF16, size_t(4 * live * 64), rng);
-  cache.update_and_fetch(k.data(), v.data(), DType::kBF16, live);
+  cache.append(k.data(), v.data(), DType::kBF16, live);
   ASSERT_GT(cache.capacity(), live) << "the test needs slack between live length and capacity";
   const auto q = testing::random_values(DType::kBF16, size_t(4 * 4 * 64), rng);
   std::vector<float> mask;
   std::bernoulli_distribution keep(0.3);
   for (int64_t i = 0; i < 4 * live; ++i) mask.push_back(keep(rng) ? 0.0f : kNegInf);
 
-  const auto raw = *cache.raw_kv_allocations();
   MaskedDecodeParams p;
   p.batch = 2;
   p.num_kv_heads = 2;
   p.group_size = 4;
   p.live_len = live;
   p.q = q.data();
-  p.k = {raw.k, 2, raw.k_shape.capacity, 64, 64};
-  p.v = {raw.v, 2, raw.v_shape.capacity, 64, 64};
+  p.k = cache.k_rows().value();
+  p.v = cache.v_rows().value();
   p.mask = mask.data();
   p.scale = 0.125f;
   std::vector<float> lse;
   const auto masked = run_masked(p, &lse);
   const std::vector<double> masked_d(masked.begin(), masked.end());
-  const auto layout = ContiguousCacheLayout::of(raw.k_shape);
-  EXPECT_EQ(layout.row(1, 1, 5), 3 * cache.capacity() + 5);
-  EXPECT_LT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, layout.capacity), masked_d), 1e-2);
+  EXPECT_EQ(p.k.offset(1, 1, 5), (3 * cache.capacity() + 5) * 64);
+  EXPECT_LT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, cache.capacity()), masked_d), 1e-2);
   // With the live length as head stride the rows alias other heads: wrong.
   EXPECT_GT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, live), masked_d), 0.1);
 }
@@ -178,9 +175,8 @@ TEST(MaskPath, QuantizedCachesDequantize) {
     DenseKVCache cache(Device::kCpu, mode, 1, 1, 1, 64, 64, 32);
     const auto k = testing::random_values(DType::kF32, 50 * 64, rng);
     const auto v = testing::random_values(DType::kF32, 50 * 64, rng);
-    const CacheWindow window = cache.update_and_fetch(k.data(), v.data(), DType::kF32, 50);
-    EXPECT_EQ(window.k, nullptr) << "quantized rows are not raw";
-    EXPECT_FALSE(cache.raw_kv_allocations().has_value());
+    cache.append(k.data(), v.data(), DType::kF32, 50);
+    EXPECT_FALSE(cache.k_rows().has_value()) << "quantized rows are not raw";
     const auto kd = cache.dequantized_window(true);
     const auto kf = testing::as_float(DType::kF32, k);
     const std::vector<double> kref(kf.begin(), kf.end());
@@ -226,8 +222,8 @@ TEST(GatherPath, GatherThenDenseEqualsPagedDecode) {
   p.group_size = 4;
   p.live_len = max_rows;
   p.q = pb.q.data();
-  p.k = {gk.data(), 1, max_rows, 64, 64};
-  p.v = {gv.data(), 1, max_rows, 64, 64};
+  p.k = RowView::dense(gk.data(), 1, max_rows, 64);
+  p.v = RowView::dense(gv.data(), 1, max_rows, 64);
   p.mask = mask.data();
   p.scale = pb.scale;
   std::vector<float> lse;
@@ -319,8 +315,8 @@ TEST(MaskPath, FusedAndMaskPathAgreeWhenUnselectedRowsHoldNaN) {
   in.num_qo_heads = heads * group;
   in.num_kv_heads = heads;
   in.live_len = live;
-  in.k = {k.data(), heads, cap, dim, dim};
-  in.v = {v.data(), heads, cap, dim, dim};
+  in.k = RowView::dense(k.data(), heads, cap, dim);
+  in.v = RowView::dense(v.data(), heads, cap, dim);
   in.q = q.data();
   in.scale = 0.3f;
   const SparseSelection sel = make_selection(Device::kCpu, rows);
@@ -352,16 +348,25 @@ TEST(MaskPath, BadParamsAreNamed) {
   MaskedDecodeParams p = s.masked(nullptr, nullptr);
   std::vector<float> o(1000);
   p.o = o.data();
-  p.k.capacity = 50;
+  // A capacity of 50 rows per head for a live length of 100: each head's
+  // window would run into the next head's rows.
+  p.k.head_stride = 50 * p.k.row_stride;
   try {
     run_masked_decode_cpu(p);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("k.capacity = 50 is smaller than live_len = 100"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("k.head_stride = 3200 is smaller than"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rows of different heads would overlap"), std::string::npos) << e.what();
   }
+  // V with one head's worth of sequence stride for two heads.
   p = s.masked(o.data(), nullptr);
-  p.v.heads = 1;
-  EXPECT_THROW(run_masked_decode_cpu(p), Error);
+  p.v.seq_stride = p.v.head_stride;
+  try {
+    run_masked_decode_cpu(p);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows of different sequences would overlap"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

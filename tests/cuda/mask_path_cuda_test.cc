@@ -42,12 +42,12 @@ struct DenseProblem {
     p.group_size = c.group_size;
     p.live_len = c.live_len;
     p.q = dq;
-    p.k = {dk, c.k_heads, c.capacity, k_stride, c.dim_qk};
-    p.v = c.v_aliases_k ? DenseStream{dk, c.k_heads, c.capacity, k_stride, c.dim_v}
-                        : DenseStream{dv, c.heads, c.capacity, c.dim_v, c.dim_v};
+    p.k = RowView::dense(dk, c.k_heads, c.capacity, c.dim_qk, k_stride);
+    p.v = c.v_aliases_k ? RowView::dense(dk, c.k_heads, c.capacity, c.dim_v, k_stride)
+                        : RowView::dense(dv, c.heads, c.capacity, c.dim_v);
     if (c.dim_extra > 0) {
       p.q_extra = dqe;
-      p.k_extra = {de, c.heads, c.capacity, c.dim_extra, c.dim_extra};
+      p.k_extra = RowView::dense(de, c.heads, c.capacity, c.dim_extra);
     }
     p.mask = c.mask == MaskKind::kNone ? nullptr : dmask;
     p.scale = scale;

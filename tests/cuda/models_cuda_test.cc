@@ -46,8 +46,8 @@ TEST(SparseDecodeCuda, PositionOutsideTheWindowIsRejected) {
   in.num_qo_heads = 8;
   in.num_kv_heads = 2;
   in.live_len = live;
-  in.k = {k.data(), 2, cap, 64, 64};
-  in.v = {v.data(), 2, cap, 64, 64};
+  in.k = RowView::dense(k.data(), 2, cap, 64);
+  in.v = RowView::dense(v.data(), 2, cap, 64);
   in.q = q.data();
   in.o = o.data();
   in.scale = 0.125f;
@@ -90,8 +90,8 @@ struct SmallDecode {
     in.num_qo_heads = 8;
     in.num_kv_heads = 2;
     in.live_len = 480;
-    in.k = {k.data(), 2, cap, 64, 64};
-    in.v = {v.data(), 2, cap, 64, 64};
+    in.k = RowView::dense(k.data(), 2, cap, 64);
+    in.v = RowView::dense(v.data(), 2, cap, 64);
     in.q = q.data();
     in.scale = 0.125f;
     selection = make_selection(Device::kCuda, {positions(rng), positions(rng)});
@@ -259,12 +259,12 @@ TEST(BlockSparseCuda, IndexerMatchesTheCpuRule) {
       ASSERT_TRUE(layer.decode(tok).sparse_regime);
     }
   }
-  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
+  const DenseKVCache& cache = layer.cache();
+  const RowView k_rows = cache.k_rows().value();
   const auto k_all = testing::as_float(
-      DType::kBF16, download<uint8_t>(Device::kCuda, raw.k, size_t(raw.k_shape.heads * raw.k_shape.capacity * 64 * 2)));
+      DType::kBF16, download<uint8_t>(Device::kCuda, k_rows.data, size_t(cache.k_heads() * cache.capacity() * 64 * 2)));
   // The index key is head 2 of the K allocation.
-  std::vector<float> index_k(k_all.begin() + 2 * raw.k_shape.capacity * 64,
-                             k_all.begin() + (2 * raw.k_shape.capacity + 301) * 64);
+  std::vector<float> index_k(k_all.begin() + k_rows.offset(0, 2, 0), k_all.begin() + k_rows.offset(0, 2, 301));
   const auto q_idx = testing::as_float(DType::kBF16, iq);
   const std::vector<int32_t> expected = select_top_blocks_cpu(config, 1, 301, q_idx.data(), index_k);
   const auto blocks = layer.last_blocks();

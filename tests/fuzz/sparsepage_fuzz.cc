@@ -445,8 +445,8 @@ void fuzz_selection_paths(FuzzedDataProvider& in) {
   inputs.num_qo_heads = kv_heads * group;
   inputs.num_kv_heads = kv_heads;
   inputs.live_len = live;
-  inputs.k = {pb.k_pool.data(), kv_heads, cap, pb.k_row_stride, dim};
-  inputs.v = {pb.v_pool.data(), kv_heads, cap, pb.v_row_stride, dim_v};
+  inputs.k = RowView::dense(pb.k_pool.data(), kv_heads, cap, dim, pb.k_row_stride);
+  inputs.v = RowView::dense(pb.v_pool.data(), kv_heads, cap, dim_v, pb.v_row_stride);
   inputs.q = pb.q.data();
   inputs.scale = pb.scale;
   if (tamper == 2) inputs.live_len = cap + 1;
@@ -527,7 +527,7 @@ void fuzz_caches(FuzzedDataProvider& in) {
     std::vector<uint16_t> k(static_cast<size_t>(batch * k_heads * sane * dk)), v(static_cast<size_t>(batch * v_heads * sane * dv));
     for (size_t i = 0; i < k.size(); ++i) k[i] = float_to_bf16(static_cast<float>(in.ConsumeIntegralInRange<int>(-8, 8)));
     const int64_t live_before = cache->live_len();
-    const bool ok = accepted([&] { cache->update_and_fetch(k.data(), v.data(), DType::kBF16, tokens); }, "update_and_fetch");
+    const bool ok = accepted([&] { cache->append(k.data(), v.data(), DType::kBF16, tokens); }, "append");
     if (!ok) {
       FUZZ_CHECK(cache->live_len() == live_before, "a refused append changed the live length");
       continue;

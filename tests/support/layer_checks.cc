@@ -145,10 +145,9 @@ void check_block_sparse_greedy_equality(Device device, int32_t batch) {
 
 std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c, const std::vector<uint8_t>& q_bytes,
                                   const std::vector<uint8_t>& q_pe_bytes, int32_t b, const std::vector<int32_t>& positions) {
-  const RawKVAllocations raw = *layer.cache().raw_kv_allocations();
-  const int64_t stride = c.latent_dim + c.index_head_dim;
-  const auto* k = static_cast<const uint16_t*>(raw.k);
-  const auto* pe = static_cast<const uint16_t*>(raw.v);
+  const RowView k_rows = layer.cache().k_rows().value(), pe_rows = layer.cache().v_rows().value();
+  const auto* k = static_cast<const uint16_t*>(k_rows.data);
+  const auto* pe = static_cast<const uint16_t*>(pe_rows.data);
   const auto q = as_float(DType::kBF16, q_bytes);
   const auto qpe = as_float(DType::kBF16, q_pe_bytes);
   const double scale = 1.0 / std::sqrt(double(c.latent_dim + c.rope_dim));
@@ -157,10 +156,10 @@ std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c,
     const size_t qrow = size_t(b) * c.num_qo_heads + h;
     std::vector<double> s;
     for (int32_t t : positions) {
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + t;
+      const int64_t kk = k_rows.offset(b, 0, t), ee = pe_rows.offset(b, 0, t);
       double dot = 0;
-      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[row * stride + d]);
-      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[row * c.rope_dim + d]);
+      for (int d = 0; d < c.latent_dim; ++d) dot += double(q[qrow * c.latent_dim + d]) * bf16_to_float(k[kk + d]);
+      for (int d = 0; d < c.rope_dim; ++d) dot += double(qpe[qrow * c.rope_dim + d]) * bf16_to_float(pe[ee + d]);
       s.push_back(dot * scale);
     }
     const double mx = *std::max_element(s.begin(), s.end());
@@ -169,8 +168,8 @@ std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c,
     for (size_t j = 0; j < positions.size(); ++j) {
       const double p = std::exp(s[j] - mx);
       sum += p;
-      const int64_t row = int64_t{b} * raw.k_shape.capacity + positions[j];
-      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[row * stride + d]);
+      const int64_t kk = k_rows.offset(b, 0, positions[j]);
+      for (int d = 0; d < c.latent_dim; ++d) o[size_t(d)] += p * bf16_to_float(k[kk + d]);
     }
     for (double x : o) out.push_back(x / sum);
   }

@@ -203,8 +203,8 @@ MaskedDecodeParams one_request_masked_params(DType dtype, int32_t group_size, in
   p.group_size = group_size;
   p.live_len = live_len;
   p.q = q;
-  p.k = {k, 1, live_len, dim, dim};
-  p.v = {v, 1, live_len, dim, dim};
+  p.k = RowView::dense(k, 1, live_len, dim);
+  p.v = RowView::dense(v, 1, live_len, dim);
   return p;
 }
 
