@@ -139,6 +139,26 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
 /// pointer and row stride); other layouts of it are refused at launch.
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra);
 
+/// Why a GPU of compute capability `sm` (major * 10 + minor: 80, 90, 100)
+/// has no fused kernel for these head dims in this build, or "" when it has
+/// one. The wgmma MLA kernel (512, 512, 64) needs sm_90a code and an sm_90
+/// device ("no fused kernel for sm_80 at the MLA shape"); the mma.sync
+/// kernels need sm_80 or newer and an architecture this build includes
+/// (CMake option SPARSEPAGE_CUDA_ARCHS: a plain entry such as 80 also runs
+/// on newer GPUs through its PTX, an `a` entry such as 90a only on its own).
+/// Host-only and pure: the dispatch asks it about the current device (or
+/// the one DispatchConfig::assume_sm names) and the launchers refuse by it.
+/// `built` names the architectures to judge by (as cuda_built_architectures
+/// gives them); null: this build's.
+std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
+                              const char* built = nullptr);
+/// The architectures this build's kernels were compiled for, as CMake had
+/// them ("90a", "80,90a,100"); empty without the CUDA backend.
+const char* cuda_built_architectures();
+/// Compute capability (major * 10 + minor) of the current CUDA device; 0
+/// without one.
+int32_t cuda_device_sm();
+
 /// How the CUDA kernel for these dims spreads one work item: `ctas_per_item`
 /// CTAs (query-head tiles: 16 heads each on the mma.sync tiles, 64 on the MLA
 /// kernel), of which `ctas_per_sm` are resident per multiprocessor. The plan

@@ -19,6 +19,7 @@ enum class OutcomeKind : int32_t {
   kUnsupportedHeadDim, // no fused kernel for these head dims
   kNoDevice,           // the fused path needs a GPU the process does not have
   kUnsupportedLayout,  // dtype, alignment or row strides the fused kernel cannot read
+  kUnsupportedArch,    // no kernel for this GPU architecture in this build (cuda_arch_problem)
   kCount
 };
 const char* outcome_kind_name(OutcomeKind kind);
@@ -44,6 +45,10 @@ struct DispatchConfig {
   int64_t min_kv_tokens = 0;              // SPARSEPAGE_MIN_KV_TOKENS (single-request launches)
   int64_t min_kv_tokens_per_request = 0;  // SPARSEPAGE_MIN_KV_TOKENS_PER_REQUEST (batched launches)
   int64_t min_sparsity = 2;               // SPARSEPAGE_MIN_SPARSITY; 0 disables the gate
+  /// 0: decide for the current GPU. Otherwise decide as if it were
+  /// sm_<assume_sm> (80, 90, 100): what another card would get, and how the
+  /// tests see a non-Hopper decline on a Hopper machine.
+  int32_t assume_sm = 0;
 
   static DispatchConfig defaults();
   /// Defaults overridden by the environment (see the parse_* functions).
@@ -71,6 +76,7 @@ struct DispatchInput {
   bool head_dims_supported = true;
   bool device_available = true;
   bool layout_supported = true;   // dtype, alignment, row strides
+  std::string arch_problem;       // cuda_arch_problem for the device; empty: a kernel exists
   int64_t chunks = 0;           // filled into the outcome when fused
   bool merge = false;
 };

@@ -212,7 +212,8 @@ void bind_dispatch(nb::module_& m) {
       .value("non_raw_cache", OutcomeKind::kNonRawCache)
       .value("unsupported_head_dim", OutcomeKind::kUnsupportedHeadDim)
       .value("no_device", OutcomeKind::kNoDevice)
-      .value("unsupported_layout", OutcomeKind::kUnsupportedLayout);
+      .value("unsupported_layout", OutcomeKind::kUnsupportedLayout)
+      .value("unsupported_arch", OutcomeKind::kUnsupportedArch);
 
   nb::class_<SparseDecodeOutcome>(m, "SparseDecodeOutcome",
                                   "Fused (with its shape) or a fallback whose reason names its numbers.")
@@ -233,6 +234,7 @@ void bind_dispatch(nb::module_& m) {
       .def_rw("min_kv_tokens", &DispatchConfig::min_kv_tokens)
       .def_rw("min_kv_tokens_per_request", &DispatchConfig::min_kv_tokens_per_request)
       .def_rw("min_sparsity", &DispatchConfig::min_sparsity)
+      .def_rw("assume_sm", &DispatchConfig::assume_sm)
       .def_static("defaults", &DispatchConfig::defaults)
       .def_static("from_environment", &DispatchConfig::from_environment);
   m.def("process_dispatch_config", &process_dispatch_config, nb::rv_policy::copy,
@@ -244,6 +246,7 @@ void bind_dispatch(nb::module_& m) {
       .def_rw("selected_rows", &DispatchInput::selected_rows)
       .def_rw("live_len", &DispatchInput::live_len)
       .def_rw("raw_cache", &DispatchInput::raw_cache)
+      .def_rw("arch_problem", &DispatchInput::arch_problem)
       .def_rw("head_dims_supported", &DispatchInput::head_dims_supported)
       .def_rw("device_available", &DispatchInput::device_available)
       .def_rw("layout_supported", &DispatchInput::layout_supported)

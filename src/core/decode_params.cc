@@ -57,6 +57,51 @@ std::string row_view_problem(const RowView& view, const char* name, int64_t sequ
   return {};
 }
 
+const char* cuda_built_architectures() { return SPARSEPAGE_CUDA_ARCH_LIST; }
+
+std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
+                              const char* built_list) {
+  const std::string device = "sm_" + std::to_string(sm);
+  const std::string built = built_list != nullptr ? built_list : cuda_built_architectures();
+  if (built.empty()) return "this sparsepage build has no CUDA kernels";
+  if (sm < 80) return "no fused kernel for " + device + ": the kernels need sm_80 or newer (cp.async and mma.sync)";
+  // Which entries of the build run here. "90a" (arch-specific) runs on sm_90
+  // only; "80" carries PTX too, so it runs on anything from sm_80 up;
+  // "80-real" (SASS only) on the same major version from sm_80 up.
+  bool runs = false, has_sm90a = false;
+  size_t begin = 0;
+  while (begin <= built.size()) {
+    const size_t end = std::min(built.find(',', begin), built.size());
+    const std::string entry = built.substr(begin, end - begin);
+    begin = end + 1;
+    size_t digits = 0;
+    while (digits < entry.size() && entry[digits] >= '0' && entry[digits] <= '9') ++digits;
+    if (digits == 0) continue;
+    const int arch = std::stoi(entry.substr(0, digits));
+    const bool specific = digits < entry.size() && (entry[digits] == 'a' || entry[digits] == 'f');
+    const bool sass_only = entry.find("-real") != std::string::npos;
+    if (specific) {
+      runs = runs || sm == arch;
+      has_sm90a = has_sm90a || (arch == 90 && entry[digits] == 'a');
+    } else if (sass_only) {
+      runs = runs || (sm / 10 == arch / 10 && sm >= arch);
+    } else {
+      runs = runs || sm >= arch;
+    }
+  }
+  if (head_dim_qk == 512 && head_dim_v == 512 && head_dim_extra == 64) {
+    if (sm != 90) return "no fused kernel for " + device + " at the MLA shape (its wgmma kernel runs on sm_90 only)";
+    if (!has_sm90a)
+      return "no fused kernel for sm_90 at the MLA shape: this build has no sm_90a code (built for " + built +
+             "; add 90a to SPARSEPAGE_CUDA_ARCHS)";
+    return {};
+  }
+  if (!runs)
+    return "no fused kernel for " + device + " in this build (built for " + built +
+           "; add it to SPARSEPAGE_CUDA_ARCHS)";
+  return {};
+}
+
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o) {
   if (dtype != DType::kBF16 && dtype != DType::kF16)

@@ -65,6 +65,7 @@ const char* outcome_kind_name(OutcomeKind kind) {
     case OutcomeKind::kUnsupportedHeadDim: return "unsupported_head_dim";
     case OutcomeKind::kNoDevice: return "no_device";
     case OutcomeKind::kUnsupportedLayout: return "unsupported_layout";
+    case OutcomeKind::kUnsupportedArch: return "unsupported_arch";
     case OutcomeKind::kCount: break;
   }
   return "unknown";
@@ -153,6 +154,7 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   if (!in.head_dims_supported) {
     return decline(OutcomeKind::kUnsupportedHeadDim, in, "no fused kernel is built for these head dims");
   }
+  if (!in.arch_problem.empty()) return decline(OutcomeKind::kUnsupportedArch, in, in.arch_problem);
   if (!in.layout_supported) {
     return decline(OutcomeKind::kUnsupportedLayout, in,
                    "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");

@@ -32,6 +32,7 @@ CudaLaunchShape cuda_launch_shape(int32_t, int32_t, int32_t, int32_t) {
   throw Error("cuda_launch_shape: sparsepage was built without CUDA");
 }
 int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }
+int32_t cuda_device_sm() { return 0; }
 void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cuda"); }
 void run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }
 uint32_t read_decode_error_flag(const DecodePlan&, void*, void*) { no_cuda("read_decode_error_flag"); }

@@ -79,6 +79,10 @@ SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in
       device_ == Device::kCpu ||
       cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
   d.layout_supported = device_ == Device::kCpu || cuda_layout_supported(in);
+  if (device_ == Device::kCuda && d.device_available && d.head_dims_supported) {
+    d.arch_problem = cuda_arch_problem(config_.assume_sm > 0 ? config_.assume_sm : cuda_device_sm(), in.k.dim, in.v.dim,
+                                       in.k_extra.data != nullptr ? in.k_extra.dim : 0);
+  }
   return decide_sparse_decode(d, config_);
 }
 

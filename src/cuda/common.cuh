@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "sparsepage/decode.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage {
@@ -138,11 +139,19 @@ __device__ __forceinline__ int swizzle(int row, int chunk, int chunks_per_row) {
 
 /// Lets the next kernel in the stream (launched with programmatic stream
 /// serialization) start its prologue while this grid finishes.
+/// (sm_90 and newer; before that every launch waits for the previous one
+/// and both calls are no-ops.)
 __device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 /// Waits until the preceding grid has completed and its writes are visible.
-__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait_primary() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 /// Launches `kernel(params)` with programmatic stream serialization: the grid
 /// may be scheduled while the previous kernel in the stream drains, and must
@@ -159,7 +168,7 @@ void launch_with_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem_
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cuda_device_sm() >= 90 ? 1 : 0;  // programmatic launch exists from sm_90
   SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
 }
 

@@ -74,6 +74,8 @@ inline void check_stream_layout(const char* api, DType dtype, const void* q, con
                 " (see cuda_supports_head_dims)");
   const std::string problem = cuda_layout_problem(dtype, q, q_extra, k, v, extra, o);
   if (!problem.empty()) throw Error(std::string(api) + ": " + problem);
+  const std::string arch = cuda_arch_problem(cuda_device_sm(), k.dim, v.dim, extra_dim);
+  if (!arch.empty()) throw Error(std::string(api) + ": " + arch);
 }
 
 /// The stream fields of the partial kernel's params, the same for both row sources.

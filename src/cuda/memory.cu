@@ -3,6 +3,7 @@
 // sparsepage::Error naming the call and CUDA's message. The copies and the
 // fill are synchronous, as memory.h documents. (src/core/no_cuda.cc stands in
 // for this file when the library is built without CUDA.)
+#include <atomic>
 #include <string>
 
 #include "core/cuda_hooks.h"
@@ -93,6 +94,25 @@ void cuda_fill(void* dst, int value, size_t bytes) {
 }
 
 }  // namespace detail
+
+int32_t cuda_device_sm() {
+  if (!detail::cuda_device_present()) return 0;
+  // Per device, asked once: launchers ask on every launch, graph capture included.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int32_t> known[kMaxDevices] = {};
+  int device = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) throw Error("cuda_device_sm: device ordinal out of range");
+  int32_t sm = known[device].load(std::memory_order_relaxed);
+  if (sm == 0) {
+    int major = 0, minor = 0;
+    SP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    SP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    sm = major * 10 + minor;
+    known[device].store(sm, std::memory_order_relaxed);
+  }
+  return sm;
+}
 
 int32_t cuda_multiprocessor_count() {
   if (!detail::cuda_device_present()) throw Error("cuda_multiprocessor_count: no CUDA device is available");

@@ -331,11 +331,17 @@ struct MlaCta {
 
 template <typename T, class Source>
 __global__ void __launch_bounds__(MlaTile::kThreads, 1) mla_partial_kernel(const __grid_constant__ typename Source::Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();
   MlaCta<T, Source> cta(params, smem);
   cta.run();
+#else
+  // wgmma exists on sm_90a only; the launchers refuse other GPUs first
+  // (cuda_arch_problem), so this is never reached.
+  __trap();
+#endif
 }
 
 }  // namespace cuda

@@ -71,6 +71,9 @@ TEST(Policy, EachDeclineNamesItsNumbers) {
       {OutcomeKind::kNonRawCache, [](DispatchInput& i, DispatchConfig&) { i.raw_cache = false; }, "raw fp16/bf16"},
       {OutcomeKind::kUnsupportedHeadDim, [](DispatchInput& i, DispatchConfig&) { i.head_dims_supported = false; },
        "head dims"},
+      {OutcomeKind::kUnsupportedArch,
+       [](DispatchInput& i, DispatchConfig&) { i.arch_problem = "no fused kernel for sm_80 at the MLA shape"; },
+       "no fused kernel for sm_80 at the MLA shape"},
       {OutcomeKind::kBelowSparsity, [](DispatchInput& i, DispatchConfig&) { i.live_len = 3000; },
        "live window of 3000 tokens is less than 2x the 2048 selected rows per request"},
       {OutcomeKind::kBelowFloor,
@@ -193,6 +196,42 @@ TEST(CudaLayout, NamesTheFirstProblem) {
   EXPECT_NE(cuda_layout_problem(DType::kBF16, buf, nullptr, wide_k, wide_v, none, buf).find("MLA latent"),
             std::string::npos);
   EXPECT_EQ(cuda_layout_problem(DType::kBF16, buf, nullptr, wide_k, wide_k, none, buf), "");
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+namespace sparsepage {
+namespace {
+
+// Which GPUs a build runs on, judged from the architecture list CMake had
+// (SPARSEPAGE_CUDA_ARCHS): pure host logic, so every case runs on the CPU.
+TEST(Arch, TheMlaShapeNeedsSm90aCodeOnAnSm90) {
+  EXPECT_EQ(cuda_arch_problem(90, 512, 512, 64, "90a"), "");
+  EXPECT_EQ(cuda_arch_problem(80, 512, 512, 64, "80,90a"),
+            "no fused kernel for sm_80 at the MLA shape (its wgmma kernel runs on sm_90 only)");
+  EXPECT_NE(cuda_arch_problem(100, 512, 512, 64, "90a,100").find("sm_100 at the MLA shape"), std::string::npos);
+  EXPECT_NE(cuda_arch_problem(90, 512, 512, 64, "80").find("no sm_90a code"), std::string::npos)
+      << "PTX of sm_80 runs the mma.sync kernels on an sm_90, not the wgmma one";
+}
+
+TEST(Arch, TheMmaKernelsRunWhereTheBuildReaches) {
+  EXPECT_EQ(cuda_arch_problem(90, 128, 128, 0, "90a"), "");
+  EXPECT_EQ(cuda_arch_problem(80, 128, 128, 0, "90a"),
+            "no fused kernel for sm_80 in this build (built for 90a; add it to SPARSEPAGE_CUDA_ARCHS)");
+  EXPECT_EQ(cuda_arch_problem(86, 128, 128, 0, "80,90a"), "") << "sm_80 code runs on an sm_86";
+  EXPECT_EQ(cuda_arch_problem(89, 128, 128, 0, "80-real"), "") << "same major version: the SASS runs";
+  EXPECT_NE(cuda_arch_problem(90, 128, 128, 0, "80-real"), "") << "SASS of sm_80 does not run on sm_90";
+  EXPECT_EQ(cuda_arch_problem(100, 128, 128, 0, "80,90a"), "") << "sm_80 PTX is compiled for an sm_100 at load";
+  EXPECT_NE(cuda_arch_problem(100, 128, 128, 0, "90a"), "") << "sm_90a code runs on sm_90 only";
+  EXPECT_EQ(cuda_arch_problem(100, 128, 128, 0, "90a,100"), "");
+  EXPECT_NE(cuda_arch_problem(75, 128, 128, 0, "80").find("need sm_80 or newer"), std::string::npos);
+  EXPECT_EQ(cuda_arch_problem(90, 128, 128, 0, ""), "this sparsepage build has no CUDA kernels");
+}
+
+TEST(Arch, TheBuildNamesItsArchitectures) {
+  // Whatever the build, the answer for this build is the answer for its list.
+  EXPECT_EQ(cuda_arch_problem(80, 512, 512, 64), cuda_arch_problem(80, 512, 512, 64, cuda_built_architectures()));
 }
 
 }  // namespace
