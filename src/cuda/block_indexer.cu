@@ -6,10 +6,9 @@
 //      block's index-key rows once (16-byte loads) and max-pools
 //      q_idx . k_idx for every KV head's index query at once on tensor cores
 //      (fp32 accumulation), writing fp32 scores to the workspace;
-//   2. block_topk_kernel: one CTA per request ranks its scores over
-//      (score, block id) composites (ties to the lower block id): by counting
-//      when a thread holds one block, else by a radix select; it writes the
-//      kept ids, the final block and the covered token count.
+//   2. block_topk_kernel: one CTA per request ranks its scores by a radix
+//      select over (score, block id) composites (ties to the lower block id)
+//      and writes the kept ids, the final block and the covered token count.
 // Nothing here allocates, synchronizes or reads back.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -160,16 +159,6 @@ __device__ __forceinline__ uint64_t block_composite(float s, int32_t id, int id_
   return (static_cast<uint64_t>(cuda::score_key(s)) << id_bits) | ((uint64_t{1} << id_bits) - 1 - id);
 }
 
-// After the kept ids: the final (partial) block, the covered token count and -1 padding.
-__device__ __forceinline__ void finish_request(const TopkParams& p, int r, int64_t len, int32_t num_blocks,
-                                               int32_t keep, int32_t* out) {
-  if (threadIdx.x == 0) {
-    out[keep] = num_blocks - 1;
-    p.seq_lens[r] = keep * p.block_size + static_cast<int32_t>(len - int64_t{num_blocks - 1} * p.block_size);
-  }
-  for (int32_t i = keep + 1 + threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
-}
-
 __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_constant__ TopkParams p) {
   using Select = cuda::RadixSelect<kTopkThreads>;
   using Scan = cub::BlockScan<int32_t, kTopkThreads>;
@@ -187,25 +176,6 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   const int id_bits = cuda::position_bits(p.max_scored);
   int32_t* out = p.block_ids + int64_t{r} * p.width;
 
-  if (scored <= kTopkThreads) {
-    // Up to one block per thread (contexts up to 32K at 128-token blocks):
-    // rank each composite by counting the larger ones (composites are
-    // unique), one broadcast shared read per item, instead of the radix
-    // select's passes of histograms and barriers. Then one scan places the
-    // kept ids in increasing order.
-    const int32_t i = threadIdx.x;
-    const uint64_t mine = i < scored ? block_composite(s[i], i, id_bits) : 0;
-    if (i < scored) items[i] = mine;
-    __syncthreads();
-    int32_t larger = 0;
-    for (int32_t j = 0; j < scored; ++j) larger += items[j] > mine ? 1 : 0;
-    const int32_t kept = i < scored && larger < keep ? 1 : 0;
-    int32_t slot, total;
-    Scan(scan_storage).ExclusiveSum(kept, slot, total);
-    if (kept != 0) out[slot] = i;
-    finish_request(p, r, len, num_blocks, keep, out);
-    return;
-  }
   cuda::RadixCut cut;
   const bool in_smem = scored <= kSmemItems;
   if (in_smem) {
@@ -228,7 +198,11 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
     base += total;
     __syncthreads();  // scan_storage is reused next round
   }
-  finish_request(p, r, len, num_blocks, keep, out);
+  if (threadIdx.x == 0) {
+    out[keep] = num_blocks - 1;
+    p.seq_lens[r] = keep * p.block_size + static_cast<int32_t>(len - int64_t{num_blocks - 1} * p.block_size);
+  }
+  for (int32_t i = keep + 1 + threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
 }
 
 __global__ void block_mask_kernel(const int32_t* block_ids, int32_t heads, int32_t width, int32_t block_size,

@@ -147,8 +147,7 @@ TEST(BlockIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       {{8, 2, 64, 16, 4, 3, 64}, 1, {1}},                   // a single token
       {{8, 1, 32, 16, 8, 2, 64}, 1, {16 * 5000 + 3}},       // more scored blocks than shared memory ranks
       {{8, 8, 128, 64, 32, 4, 64}, 2, {9000, 8999}},        // eight KV heads, wider top-k
-      // Around the switch from ranking by counting (a block per thread) to
-      // the radix select: 256, 257 and 1000 scored blocks.
+      // 256, 257 and 1000 scored blocks: one per top-k thread, one more, many.
       {{8, 2, 64, 16, 8, 2, 64}, 3, {16 * 256 + 1, 16 * 257 + 1, 16 * 1000 + 5}},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
