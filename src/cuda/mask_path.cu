@@ -44,7 +44,7 @@ MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
   // kItemsPerSm CTAs per SM (one per SM for the MLA kernel, which fills one).
   const cuda::TileShape shape =
       cuda::select_tile_shape(params.k.dim, params.v.dim, params.k_extra.data ? params.k_extra.dim : 0);
-  const int64_t per_sm = std::min<int64_t>(kItemsPerSm, cuda::resident_ctas_per_sm(shape));
+  const int64_t per_sm = std::min<int64_t>(kItemsPerSm, cuda::resident_ctas_per_sm<cuda::DenseSource>(shape));
   const int64_t target = std::max<int64_t>(
       1, int64_t{std::max(num_sms, 1)} * per_sm / cuda::ctas_per_item(shape, params.group_size));
   int64_t chunk = std::max(kMinChunk, (s.requests * live + target - 1) / target);
