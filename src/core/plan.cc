@@ -98,6 +98,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.group_size = shape.group_size;
   plan.head_dim_v = shape.head_dim_v;
   plan.seq_lens = seq_lens;
+  plan.merge_in_place = shape.merge_in_place;
   const int64_t chunk = choose_chunk_tokens(total_tokens, longest, shape);
   plan.chunk_tokens = static_cast<int32_t>(chunk);
   // Count the work before building it: a tiny fixed chunk over a long request
@@ -131,8 +132,15 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
     plan.merge_indptr.push_back(next_partial);
   }
   plan.num_partials = next_partial;
+  // Uniform when every request has the same count (so the same chunks): the
+  // items above are then exactly r * chunks + c with partial slots in order.
+  if (!seq_lens.empty() && std::all_of(seq_lens.begin(), seq_lens.end(), [&](int32_t len) { return len == seq_lens[0]; })) {
+    plan.uniform_chunks = static_cast<int32_t>(plan.work.size() / seq_lens.size());
+    plan.uniform_chunk_tokens = plan.work[0].token_end;  // the first chunk is a whole one
+  }
 
-  // Workspace: fp32 partials, then the device copies of the lists, then the flag.
+  // Workspace: fp32 partials, the device copies of the lists, the error flag,
+  // then the GPU's merge-in-place arrival counters and request -> merge map.
   constexpr size_t kAlign = 256;
   auto take = [&](size_t bytes) {
     const size_t offset = plan.workspace.total;
@@ -154,6 +162,8 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
   plan.workspace.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
   plan.workspace.error_flag = take(sizeof(uint32_t));
+  plan.workspace.merge_counters = take(plan.merge_requests.size() * sizeof(uint32_t));
+  plan.workspace.request_merge = take(static_cast<size_t>(plan.num_requests) * sizeof(int32_t));
   return plan;
 }
 
@@ -202,6 +212,23 @@ void check_decode_plan(const DecodePlan& plan) {
   }
   if (i != plan.work.size()) fail("work[" + std::to_string(i) + "] names request " + std::to_string(plan.work[i].request) +
                                   " out of order or out of range");
+  // A uniform split must be exactly what its two numbers describe.
+  if (plan.uniform_chunks < 0 || plan.uniform_chunk_tokens < 0) fail("uniform_chunks and uniform_chunk_tokens must not be negative");
+  if (plan.uniform_chunks > 0) {
+    const int64_t chunks = plan.uniform_chunks, chunk = plan.uniform_chunk_tokens;
+    if (static_cast<int64_t>(plan.work.size()) != requests * chunks) fail("uniform_chunks disagrees with the work list's size");
+    for (size_t w = 0; w < plan.work.size(); ++w) {
+      const WorkItem& item = plan.work[w];
+      const int64_t r = static_cast<int64_t>(w) / chunks, c = static_cast<int64_t>(w) % chunks;
+      const int64_t len = plan.seq_lens[static_cast<size_t>(r)];
+      const int64_t begin = c * chunk;
+      if (item.request != r || item.token_begin != begin || item.token_end != std::min(len, begin + chunk) ||
+          item.partial != (chunks > 1 ? static_cast<int64_t>(w) : -1) || (c + 1 == chunks && begin + chunk < len)) {
+        fail("work[" + std::to_string(w) + "] is not the uniform split's item (uniform_chunks = " +
+             std::to_string(chunks) + ", uniform_chunk_tokens = " + std::to_string(chunk) + ")");
+      }
+    }
+  }
   // Merge lists: one entry per split request, its slots exactly its partials.
   const bool no_merge_lists = plan.merge_indptr.empty() && plan.merge_requests.empty() && plan.num_partials == 0;
   if (!no_merge_lists && (plan.merge_indptr.size() != plan.merge_requests.size() + 1 ||
@@ -228,7 +255,9 @@ void check_decode_plan(const DecodePlan& plan) {
       {ws.work_items, plan.work.size() * sizeof(WorkItem)},
       {ws.merge_indptr, plan.merge_indptr.size() * sizeof(int32_t)},
       {ws.merge_requests, plan.merge_requests.size() * sizeof(int32_t)},
-      {ws.error_flag, sizeof(uint32_t)}};
+      {ws.error_flag, sizeof(uint32_t)},
+      {ws.merge_counters, plan.merge_requests.size() * sizeof(uint32_t)},
+      {ws.request_merge, static_cast<size_t>(requests) * sizeof(int32_t)}};
   size_t previous_end = 0;
   for (const auto& region : ends) {
     if (region[0] < previous_end || region[0] > ws.total || region[1] > ws.total - region[0]) {

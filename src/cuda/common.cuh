@@ -191,5 +191,27 @@ void configure_smem_once(void (*kernel)(Params), size_t smem_bytes) {
   configured.push_back(key);
 }
 
+/// CTAs of `kernel` (with `threads` threads and `smem_bytes` of dynamic
+/// shared memory) resident per multiprocessor of the current device, from
+/// the occupancy API, so that registers, shared memory and the kernel's
+/// min-blocks hint all count. At least 1. Asked once per (kernel, device).
+template <typename Params>
+int32_t resident_ctas_once(void (*kernel)(Params), int threads, size_t smem_bytes) {
+  configure_smem_once(kernel, smem_bytes);
+  static std::mutex mutex;
+  static std::vector<std::pair<std::pair<void (*)(Params), int>, int32_t>> known;
+  int device = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  for (const auto& entry : known) {
+    if (entry.first == key) return entry.second;
+  }
+  int blocks = 0;
+  SP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
+  known.emplace_back(key, std::max(blocks, 1));
+  return known.back().second;
+}
+
 }  // namespace cuda
 }  // namespace sparsepage

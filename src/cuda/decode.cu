@@ -3,7 +3,9 @@
 // nothing, synchronizes nothing and reads nothing back, so it can be captured
 // in a CUDA graph; everything that touches the host happens in
 // upload_plan_cuda and read_decode_error_flag.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_merge.cuh"
@@ -38,6 +40,15 @@ void run_merge(const DecodeParams& params, const DecodePlan& plan, void* workspa
   cuda::launch_merge<T>(m, static_cast<int32_t>(plan.merge_requests.size()), stream);
 }
 
+/// The most partial slots any one request of the plan merges.
+int32_t most_slots(const DecodePlan& plan) {
+  if (plan.uniform_chunks > 0) return plan.uniform_chunks;
+  int32_t most = 0;
+  for (size_t m = 0; m + 1 < plan.merge_indptr.size(); ++m)
+    most = std::max(most, plan.merge_indptr[m + 1] - plan.merge_indptr[m]);
+  return most;
+}
+
 }  // namespace
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
@@ -50,7 +61,7 @@ CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32
   if (group_size < 1) throw Error("cuda_launch_shape: group_size must be at least 1");
   CudaLaunchShape s;
   s.ctas_per_item = cuda::ctas_per_item(shape, group_size);
-  s.ctas_per_sm = cuda::resident_ctas_per_sm(shape);
+  s.ctas_per_sm = cuda::resident_ctas_per_sm<cuda::PagedSource>(shape);
   return s;
 }
 
@@ -68,6 +79,16 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
     SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_requests), plan.merge_requests.data(),
                                   plan.merge_requests.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.error_flag), 0, sizeof(uint32_t), s));
+  // Merge in place: counters start at zero (each launch leaves them so), and
+  // each request finds its merge index here.
+  std::vector<int32_t> request_merge(static_cast<size_t>(plan.num_requests), -1);
+  for (size_t m = 0; m < plan.merge_requests.size(); ++m)
+    request_merge[static_cast<size_t>(plan.merge_requests[m])] = static_cast<int32_t>(m);
+  if (!plan.merge_requests.empty())
+    SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.merge_counters), 0, plan.merge_requests.size() * sizeof(uint32_t), s));
+  if (!request_merge.empty())
+    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.request_merge), request_merge.data(),
+                                  request_merge.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   // The copies read pageable host vectors the caller may free or change as
   // soon as we return; waiting here keeps them out of run and out of capture.
   SP_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -84,7 +105,15 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   cuda::PagedSource::Params p;
   static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
                                               params.num_kv_heads, params.group_size, params.scale);
-  p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
+  if (plan.uniform_chunks > 0) {
+    // Each CTA computes its item from its index: no list to read first.
+    p.work = nullptr;
+    p.chunks_per_request = plan.uniform_chunks;
+    p.chunk_tokens = plan.uniform_chunk_tokens;
+    p.uniform_len = plan.seq_lens.empty() ? 0 : plan.seq_lens[0];
+  } else {
+    p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
+  }
   p.o = params.o;
   p.lse = params.lse;
   p.partial_o = reinterpret_cast<float*>(at(workspace, plan.workspace.partial_o));
@@ -103,8 +132,15 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   p.table.window_len = params.window_len;
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
+  const bool in_place = plan.needs_merge() && plan.merge_in_place &&
+                        cuda::can_merge_in_place(shape, params.group_size, most_slots(plan));
+  if (in_place) {
+    p.merge_counters = reinterpret_cast<uint32_t*>(at(workspace, plan.workspace.merge_counters));
+    p.request_merge = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.request_merge));
+    p.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
+  }
   cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, static_cast<int32_t>(plan.work.size()), s);
-  if (plan.needs_merge()) {
+  if (plan.needs_merge() && !in_place) {
     if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, plan, workspace, s);
     else run_merge<__half>(params, plan, workspace, s);
   }

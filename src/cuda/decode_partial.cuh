@@ -16,6 +16,7 @@
 #pragma once
 
 #include "cuda/common.cuh"
+#include "cuda/decode_merge.cuh"
 #include "sparsepage/plan.h"
 
 namespace sparsepage {
@@ -89,6 +90,12 @@ struct PartialCommon {
   float* partial_lse = nullptr;    // [num_partials, group_size]
   int32_t partial_dv = 0;
   uint32_t* error_flag = nullptr;  // set when a page id lies outside the pool; may be null
+
+  // Merge in place (decode_merge.cuh): the last CTA of each split request to
+  // arrive merges its partials into o / lse. All null: a merge kernel follows.
+  uint32_t* merge_counters = nullptr;      // [num merged requests] arrivals; zero before and after each launch
+  const int32_t* request_merge = nullptr;  // [num_requests] merge index of a split request, -1 otherwise
+  const int32_t* merge_indptr = nullptr;   // [num merged requests + 1] each one's partial slots
 };
 
 /// The partial kernel's params for one row source: the common fields and
@@ -169,6 +176,7 @@ struct TileConfig {
 struct PagedSource {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
+  static constexpr bool kMergesInPlace = true;  // the fused decode's partial kernel may merge in place
   const int32_t* pages;  // this request's page ids
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
   int64_t num_pool_pages;
@@ -221,6 +229,7 @@ struct PagedSource {
 struct DenseSource {
   using Params = PartialParams<DenseTable>;
   static constexpr bool kHasBias = true;
+  static constexpr bool kMergesInPlace = false;  // the mask path keeps the merge kernel
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens
 

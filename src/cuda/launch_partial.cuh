@@ -49,17 +49,45 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
   return (group_size + heads - 1) / heads;
 }
 
-/// CTAs of `shape` resident per multiprocessor (the kernels' min-blocks hint).
-inline int32_t resident_ctas_per_sm(TileShape shape) {
+template <typename T, class Source>
+int32_t resident_ctas_typed(TileShape shape) {
   switch (shape) {
     case TileShape::kK64V64:
+      return resident_ctas_once(partial_kernel<T, 64, 64, Source>, kThreads, TileConfig<64, 64, Source::kHasBias>::kSmemBytes);
     case TileShape::kK128V128:
-    case TileShape::kK192V128: return 2;
+      return resident_ctas_once(partial_kernel<T, 128, 128, Source>, kThreads,
+                                TileConfig<128, 128, Source::kHasBias>::kSmemBytes);
+    case TileShape::kK192V128:
+      return resident_ctas_once(partial_kernel<T, 192, 128, Source>, kThreads,
+                                TileConfig<192, 128, Source::kHasBias>::kSmemBytes);
     case TileShape::kK256V256:
-    case TileShape::kMla:
+      return resident_ctas_once(partial_kernel<T, 256, 256, Source>, kThreads,
+                                TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
+    case TileShape::kMla: return resident_ctas_once(mla_partial_kernel<T, Source>, MlaTile::kThreads, MlaTile::kSmemBytes);
     case TileShape::kNone: break;
   }
   return 1;
+}
+
+/// CTAs of `shape`'s kernel for `Source` resident per multiprocessor of the
+/// current device, from the occupancy API (registers, shared memory and the
+/// min-blocks hint). The split planners aim for this many CTAs per SM, so a
+/// grid fills one wave. The bf16 and f16 kernels use the same resources.
+template <class Source>
+int32_t resident_ctas_per_sm(TileShape shape) {
+  return resident_ctas_typed<__nv_bfloat16, Source>(shape);
+}
+
+/// Whether a plan that asks for it (PlanShape::merge_in_place) can merge its
+/// split requests inside the partial kernel (the last CTA; decode_merge.cuh):
+/// the mma.sync tiles can, the MLA kernel cannot, and a request of more slots
+/// than the freed stage memory holds the lse of (merge_in_place_floats) goes
+/// to the merge kernel.
+inline bool can_merge_in_place(TileShape shape, int32_t group_size, int32_t max_slots) {
+  // The smallest tile's stages (64 + 64 columns, three stages: 48 KiB).
+  constexpr int64_t kScratchFloats = static_cast<int64_t>(TileConfig<64, 64, false>::kStageBytes / sizeof(float));
+  return shape != TileShape::kMla && shape != TileShape::kNone &&
+         merge_in_place_floats(max_slots, group_size) <= kScratchFloats;
 }
 
 /// The layout checks both CUDA entry points share: head dims with a built

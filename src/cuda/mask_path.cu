@@ -35,14 +35,14 @@ size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
   MaskedSplit s;
   s.requests = int64_t{params.batch} * params.num_kv_heads;
-  const CudaLaunchShape launch = cuda_launch_shape(params.k.dim, params.v.dim,
-                                                   params.k_extra.data ? params.k_extra.dim : 0, params.group_size);
+  const cuda::TileShape tile =
+      cuda::select_tile_shape(params.k.dim, params.v.dim, params.k_extra.data ? params.k_extra.dim : 0);
   PlanShape shape;
   shape.group_size = params.group_size;
   shape.head_dim_v = params.v.dim;
   shape.num_sms = std::max(num_sms, 1);
-  shape.items_per_sm = std::min(2, launch.ctas_per_sm);
-  shape.ctas_per_item = launch.ctas_per_item;
+  shape.items_per_sm = std::min(2, cuda::resident_ctas_per_sm<cuda::DenseSource>(tile));
+  shape.ctas_per_item = cuda::ctas_per_item(tile, params.group_size);
   shape.min_chunk_tokens = cuda::kTileRows;
   shape.chunk_granule = cuda::kTileRows;
   s.split = make_uniform_split(s.requests, params.live_len, shape);

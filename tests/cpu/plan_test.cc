@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "sparsepage/plan.h"
 #include "sparsepage/types.h"
 
@@ -108,6 +110,41 @@ TEST(Plan, IsDeterministic) {
     EXPECT_EQ(a.work[i].partial, b.work[i].partial);
   }
   EXPECT_EQ(a.workspace.total, b.workspace.total);
+}
+
+TEST(Plan, EqualCountsMakeAUniformSplit) {
+  PlanShape shape;
+  shape.group_size = 16;
+  shape.head_dim_v = 128;
+  shape.num_sms = 132;
+  const std::vector<int32_t> lens(4, 2000);  // 2000 is no multiple of the chunk: the last chunks are short
+  const DecodePlan plan = make_decode_plan(lens, shape);
+  ASSERT_GT(plan.uniform_chunks, 1);
+  EXPECT_EQ(static_cast<int64_t>(plan.work.size()), 4 * int64_t{plan.uniform_chunks});
+  for (size_t w = 0; w < plan.work.size(); ++w) {
+    const int32_t r = static_cast<int32_t>(w) / plan.uniform_chunks, c = static_cast<int32_t>(w) % plan.uniform_chunks;
+    EXPECT_EQ(plan.work[w].request, r);
+    EXPECT_EQ(plan.work[w].token_begin, c * plan.uniform_chunk_tokens);
+    EXPECT_EQ(plan.work[w].token_end, std::min(2000, (c + 1) * plan.uniform_chunk_tokens));
+    EXPECT_EQ(plan.work[w].partial, static_cast<int32_t>(w));
+  }
+  check_decode_plan(plan);
+  // One chunk per request: uniform, written directly.
+  shape.fixed_chunk_tokens = 4096;
+  const DecodePlan whole = make_decode_plan(lens, shape);
+  EXPECT_EQ(whole.uniform_chunks, 1);
+  EXPECT_EQ(whole.uniform_chunk_tokens, 2000);
+  EXPECT_FALSE(whole.needs_merge());
+  // Different counts: a list, not a formula.
+  EXPECT_EQ(make_decode_plan({2000, 1999, 2000}, PlanShape{}).uniform_chunks, 0);
+  EXPECT_EQ(make_decode_plan({}, PlanShape{}).uniform_chunks, 0);
+  // An edited uniform claim is refused.
+  DecodePlan edited = plan;
+  edited.uniform_chunk_tokens += 64;
+  EXPECT_THROW(check_decode_plan(edited), Error);
+  edited = plan;
+  edited.uniform_chunks = 2 * plan.uniform_chunks;
+  EXPECT_THROW(check_decode_plan(edited), Error);
 }
 
 TEST(Plan, RejectsBadShapes) {

@@ -2,7 +2,8 @@
 // backend, over a sweep of shapes: page sizes 1, 3 and 16, first-page
 // offsets, partial pages, unsorted and duplicated pages, empty requests,
 // group sizes 1..24, head dims 64/128/256, V aliasing K, the second K
-// stream, bf16 and f16; each with the plan's splits forced on and off.
+// stream, bf16 and f16; each with the plan's splits forced on and off, and
+// split requests merged by the merge kernel and in place.
 #include <random>
 
 #include "cuda/cuda_test_util.h"
@@ -54,6 +55,12 @@ TEST_P(DecodeCuda, MatchesReferenceAndCpuWithAndWithoutSplits) {
   const DecodeOutput split = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 64));
   const DecodeOutput whole = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 1 << 20));
   const DecodeOutput automatic = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v));
+  // The same splits merged by each request's last CTA (the MLA kernel keeps the merge kernel).
+  const DecodeOutput split_in_place = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 64, true));
+  const DecodeOutput automatic_in_place = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 0, true));
+  expect_matches_reference(pb, split_in_place, ref, "split into 64-token chunks, merged in place");
+  expect_matches_reference(pb, automatic_in_place, ref, "plan's own split, merged in place");
+  EXPECT_EQ(split_in_place.error_flag, 0u);
   expect_matches_reference(pb, split, ref, "split into 64-token chunks");
   expect_matches_reference(pb, whole, ref, "one chunk per request");
   expect_matches_reference(pb, automatic, ref, "plan's own split");
@@ -87,6 +94,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_extra_alias_p16_offset_g4_d128_e64", kF16, 16, true, 4, 128, 128, 64, true, 64, {777, 64}},
         Case{"bf16_extra_p1_g8_d128_v64_e64", kBF16, 1, false, 8, 128, 64, 64, false, 8, {1200, 31}},
         Case{"bf16_p1_g24_d128", kBF16, 1, false, 24, 128, 128, 0, false, 0, {400, 0, 129}},
+        // Equal counts: the uniform split (items computed from the CTA index).
+        Case{"bf16_uniform_p16_offset_g16_d128", kBF16, 16, true, 16, 128, 128, 0, false, 0, {1000, 1000, 1000}},
+        Case{"f16_uniform_p1_g8_d256_v128", kF16, 1, false, 8, 256, 128, 0, false, 0, {333, 333}},
+        Case{"bf16_uniform_mla_p1_g128_d512_e64", kBF16, 1, false, 128, 512, 512, 64, true, 128, {700, 700}},
         // DSA/MLA: 128 heads, 512 latent (K row stride 640) + 64 rope, V = K's latent.
         Case{"bf16_mla_p1_g128_d512_e64", kBF16, 1, false, 128, 512, 512, 64, true, 128, {1100, 0, 77}},
         Case{"f16_mla_p16_offset_g16_d512_e64", kF16, 16, true, 16, 512, 512, 64, true, 128, {300, 5}},

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# sparsepage side by side with its peers (FlashInfer, FlashMLA) on the same
+# shapes in one run, one table with the ratios. Not part of the library's
+# build or tests, and no peer source ever enters this repository: the peer
+# drivers (peers-bench, ours, kept outside the repo) are copied to PEERS_DIR,
+# the peers' sources are fetched there at pinned commits and extracted with
+# `git archive`, and everything is built there.
+#
+#   scripts/peers.sh prepare        sources + build of the peer drivers in $PEERS_DIR (any machine with nvcc 13)
+#   scripts/peers.sh ship DIR       copies the peer binaries, our kernel bench and this script to DIR/peers/
+#   DIR/peers/peers.sh run          on the GPU machine: peers and ours, cold, then the table (logs under $OUT)
+#
+# Environment:
+#   PEERS_DIR     writable work folder outside the repository (default: <repo>/../peers)
+#   PEERS_BENCH   the peer drivers (default: <repo>/../shared/peers-bench; see its README.md)
+#   PEERS_MIRROR  a folder of bare mirrors named <owner>+<name>/repo to read the sources from;
+#                 unset: clone them from https://github.com into $PEERS_DIR/git
+#   BUILD_DIR     our CUDA build (default: build) for `ship`
+#   GQA_CONFIGS   batch:rows list (default "1:2048 8:2048 32:2048 64:4096")
+#   MLA_BATCHES   (default "1 64 128"); SKIP_MLA=1 runs the GQA rows only
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+# The peers' pinned sources (peers-bench/README.md): dir, repository, commit, paths to extract.
+SOURCES=(
+  "flashinfer flashinfer-ai/flashinfer fb28d7242b3506a2348265962041acc1fb56cca4 include"
+  "cccl_fi NVIDIA/cccl 876867684f7fac130e0f5911236e0a92a970d4fd libcudacxx cub thrust"
+  "cutlass_fi NVIDIA/cutlass b46b16d003484063bca4ed365e44095c4c6ed633 include tools/util/include"
+  "FlashMLA deepseek-ai/FlashMLA 9241ae3ef9bac614dd25e45e507e089f888280e0 csrc"
+  "cutlass_fm NVIDIA/cutlass 147f5673d0c1c3dcf66f78d677fd647e4a020219 include tools/util/include"
+)
+
+prepare() {
+  local repo; repo=$(cd "$here/.." && pwd)
+  local dir=${PEERS_DIR:-$repo/../peers} bench=${PEERS_BENCH:-$repo/../shared/peers-bench}
+  case "$(cd "$dir" 2>/dev/null && pwd || echo "$dir")/" in
+    "$repo"/*) echo "peers.sh: PEERS_DIR must lie outside the repository ($repo)" >&2; exit 2 ;;
+  esac
+  [ -f "$bench/build.sh" ] || { echo "peers.sh: no peer drivers at $bench (set PEERS_BENCH)" >&2; exit 2; }
+  mkdir -p "$dir"
+  rm -rf "$dir/peers-bench.new" && cp -a "$bench" "$dir/peers-bench.new" && chmod -R u+w "$dir/peers-bench.new"
+  # Keep what an earlier prepare built (build.sh's make redoes only what changed).
+  if [ -d "$dir/peers-bench" ]; then
+    cp -a "$dir/peers-bench.new/." "$dir/peers-bench/" && rm -rf "$dir/peers-bench.new"
+  else
+    mv "$dir/peers-bench.new" "$dir/peers-bench"
+  fi
+  local tp=$dir/peers-bench/third_party
+  mkdir -p "$tp"
+  for spec in "${SOURCES[@]}"; do
+    set -- $spec
+    local name=$1 slug=$2 commit=$3; shift 3
+    local git_dir
+    if [ -n "${PEERS_MIRROR:-}" ] && [ -d "$PEERS_MIRROR/${slug/\//+}/repo" ]; then
+      git_dir=$PEERS_MIRROR/${slug/\//+}/repo
+    else
+      git_dir=$dir/git/${slug/\//+}.git
+      [ -d "$git_dir" ] || git clone --bare --filter=blob:none "https://github.com/$slug" "$git_dir"
+      git --git-dir="$git_dir" cat-file -e "$commit^{commit}" 2>/dev/null || git --git-dir="$git_dir" fetch origin "$commit"
+    fi
+    if [ -f "$tp/$name/.commit" ] && [ "$(cat "$tp/$name/.commit")" = "$commit" ]; then continue; fi
+    echo "extracting $slug@${commit:0:12} ($*) -> $tp/$name"
+    rm -rf "$tp/$name" && mkdir -p "$tp/$name"
+    git --git-dir="$git_dir" archive "$commit" "$@" | tar x -C "$tp/$name"
+    echo "$commit" > "$tp/$name/.commit"
+  done
+  (cd "$dir/peers-bench" && ./build.sh -j "${JOBS:-2}")
+}
+
+ship() {
+  local dest=${1:?usage: peers.sh ship DIR}
+  local repo; repo=$(cd "$here/.." && pwd)
+  local dir=${PEERS_DIR:-$repo/../peers} build=${BUILD_DIR:-$repo/build}
+  [ -x "$dir/peers-bench/bin/fi_decode_bench" ] || { echo "peers.sh: run 'peers.sh prepare' first" >&2; exit 2; }
+  [ -x "$build/tools/sparse_paged_decode_bench" ] || { echo "peers.sh: no $build/tools/sparse_paged_decode_bench" >&2; exit 2; }
+  mkdir -p "$dest/peers/bin"
+  cp "$dir/peers-bench/bin/"* "$dest/peers/bin/"
+  cp "$build/tools/sparse_paged_decode_bench" "$dest/peers/"
+  cp "$here/peers.sh" "$dest/peers/peers.sh"
+  echo "shipped to $dest/peers: $(ls "$dest/peers" "$dest/peers/bin" | tr '\n' ' ')"
+}
+
+run() {
+  local bin=${PEERS_BIN:-$here/bin} ours=${OURS_BENCH:-$here/sparse_paged_decode_bench}
+  local out=${OUT:-/tmp/sparsepage-peers}
+  mkdir -p "$out"
+  local csv=$out/peers.csv log=$out/peers.log
+  : > "$log"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | tee -a "$log" || true
+  printf '%s\n' "lib,kernel,mode,pool,B,S,hq_per_req,requests,d_qk,d_v,launches,selections,us_median,us_min,us_max,GBps,TFLOPs,rel_l2_first,rel_l2_graph,max_abs_err,nonfinite,check,notes" > "$csv"
+  local rc=0
+  peer() { echo "== $*" >> "$log"; "$@" >> "$csv" 2>> "$log" || { echo "   failed ($?): $*" | tee -a "$log"; rc=1; }; }
+  ours() { echo "== ours $*" >> "$log"; "$ours" "$@" >> "$log" 2>&1 || { echo "   failed ($?): ours $*" | tee -a "$log"; rc=1; }; }
+  for cfg in ${GQA_CONFIGS:-1:2048 8:2048 32:2048 64:4096}; do
+    local b=${cfg%%:*} s=${cfg##*:}
+    peer "$bin/fi_decode_bench" --configs "$cfg" --rotate
+    ours --selection random --contexts 131072 --batch "$b" --rows "$s" --fused-only --json "$out/ours_gqa_${b}_${s}.json"
+  done
+  if [ -z "${SKIP_MLA:-}" ]; then
+    for b in ${MLA_BATCHES:-1 64 128}; do
+      # Batch 1 reads one shared pool; larger batches a pool per sequence (every selected byte distinct), as ours does.
+      local pool=(); [ "$b" -gt 1 ] && pool=(--perseq)
+      peer "$bin/fi_mla_bench" "${pool[@]}" --configs "$b" --rotate
+      peer "$bin/fm_sparse_bench" "${pool[@]}" --kernels sfwd --configs "$b" --rotate
+      peer "$bin/fm_sparse_bench" "${pool[@]}" --kernels fp8 --configs "$b" --rotate
+      ours --geometry dsa --selection random --rows 2048 --contexts 131072 --batch "$b" --fused-only --json "$out/ours_mla_${b}.json"
+    done
+  fi
+  python3 - "$out" "$csv" <<'PY'
+import csv, glob, json, math, os, sys
+out, path = sys.argv[1], sys.argv[2]
+peers = [r for r in csv.DictReader(l for l in open(path) if not l.startswith("#"))]
+def peer(kernel, B, S, pool=None):
+    for r in peers:
+        if r["kernel"] == kernel and int(r["B"]) == B and int(r["S"]) == S and (pool is None or r["pool"] == pool):
+            return float(r["us_median"]) if r["check"] == "ok" else math.nan
+    return math.nan
+def ours(name):
+    try:
+        rows = json.load(open(os.path.join(out, name)))
+    except (OSError, ValueError):
+        return math.nan
+    v = rows[0].get("fused_cold_us") if rows else None
+    return float(v) if v is not None else math.nan
+def f(x, d=2): return "-" if math.isnan(x) else f"{x:.{d}f}"
+print("\nGQA: 64 query heads / 4 KV heads, head dim 128, bf16, page_size 1, random rows of a 131072-row pool per (sequence, KV head), cold")
+print("| batch x rows | ours us | FlashInfer us | FlashInfer / ours | ours GB/s |")
+print("| --- | --- | --- | --- | --- |")
+for cfg in os.environ.get("GQA_CONFIGS", "1:2048 8:2048 32:2048 64:4096").split():
+    b, s = map(int, cfg.split(":"))
+    o, p = ours(f"ours_gqa_{b}_{s}.json"), peer("ps1_tc_decode", b, s)
+    gbs = b * 4 * s * 512 / (o * 1e3) if not math.isnan(o) else math.nan
+    print(f"| {b} x {s} | {f(o)} | {f(p)} | {f(p / o if o else math.nan)}x | {f(gbs, 0)} |")
+if not os.environ.get("SKIP_MLA"):
+    print("\nMLA (DSA): 128 heads, 512 latent + 64 rope, V = K, top-2048 of 131072, cold; us and TFLOP/s (2 x 1088 x 128 x 2048 x B)")
+    print("| batch | ours | FlashMLA sparse bf16 | FlashInfer MLA | FlashMLA FP8 sparse | ours / FlashMLA bf16 (speed) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for b in map(int, os.environ.get("MLA_BATCHES", "1 64 128").split()):
+        fl = 2 * 1088 * 128 * 2048 * b
+        cell = lambda us: "-" if math.isnan(us) else f"{us:.1f} us, {fl / (us * 1e6):.0f} TF/s"
+        o = ours(f"ours_mla_{b}.json")
+        fm, fi, f8 = peer("sparse_fwd_bf16", b, 2048), peer("mla_sm90", b, 2048), peer("sparse_decode_fp8", b, 2048)
+        print(f"| {b} | {cell(o)} | {cell(fm)} | {cell(fi)} | {cell(f8)} | {f(fm / o if o else math.nan)}x |")
+print("\nratios > 1: ours is faster. Peers: median of 20 graph replays, one distinct selection per launch until 150 MB")
+print("of distinct rows per replay; ours: median of graph replays rotating among enough selections to exceed 2x the L2.")
+print("Same shapes and pool sizes, independent random selections (each side checks its own output against a reference).")
+PY
+  return $rc
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  ship) shift; ship "$@" ;;
+  run) run ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
+esac
