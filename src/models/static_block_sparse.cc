@@ -62,7 +62,8 @@ int64_t StaticBlockSparseConfig::kept_tokens(int32_t head, int64_t kv_len) const
 
 namespace {
 // The layer's configuration, checked before anything is allocated.
-const StaticBlockSparseConfig& checked_config(DType dtype, const StaticBlockSparseConfig& c, int32_t batch) {
+const StaticBlockSparseConfig& checked_config(Device device, DType dtype, const StaticBlockSparseConfig& c,
+                                              int32_t batch) {
   if (dtype == DType::kF32) throw Error("StaticBlockSparseAttention: the cache stores f16 or bf16");
   if (batch < 1) throw Error("StaticBlockSparseAttention: batch = " + std::to_string(batch) + " must be at least 1");
   if (c.num_kv_heads < 1 || c.num_qo_heads < 1 || c.num_qo_heads % c.num_kv_heads != 0 || c.head_dim < 1 ||
@@ -73,6 +74,13 @@ const StaticBlockSparseConfig& checked_config(DType dtype, const StaticBlockSpar
                 ", head_dim " + std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size) +
                 ", local_blocks " + std::to_string(c.local_blocks) + ", vert_stride " + std::to_string(c.vert_stride) +
                 ")");
+  }
+  // Both CUDA paths (fused and mask) run the same tile instantiations; a
+  // build without CUDA says so at the first allocation instead.
+  const bool cuda_built = cuda_built_architectures()[0] != '\0';
+  if (device == Device::kCuda && cuda_built && !cuda_supports_head_dims(c.head_dim, c.head_dim, 0)) {
+    throw Error("StaticBlockSparseAttention: no CUDA kernel for head_dim " + std::to_string(c.head_dim) +
+                " (the kernels take 64, 128 or 256)");
   }
   if (int64_t{batch} * c.num_qo_heads > INT32_MAX) {
     throw Error("StaticBlockSparseAttention: batch * num_qo_heads = " + std::to_string(int64_t{batch} * c.num_qo_heads) +
@@ -86,7 +94,7 @@ StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtyp
                                                        int32_t batch, DispatchConfig dispatch)
     : device_(device),
       dtype_(dtype),
-      config_(checked_config(dtype, config, batch)),
+      config_(checked_config(device, dtype, config, batch)),
       batch_(batch),
       cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads,
              config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),

@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "sparsepage/models/static_block_sparse.h"
+#include "support/expect_error.h"
 #include "support/layer_checks.h"
 #include "support/reference.h"
 
@@ -72,6 +73,14 @@ TEST(StaticBlockSparseCuda, DevicePagesEqualTheCpuTwin) {
     const auto o_ref = testing::as_float(DType::kBF16, o_cpu);
     EXPECT_LT(testing::relative_l2(o_gpu, std::vector<double>(o_ref.begin(), o_ref.end())), 1e-2) << "step " << step;
   }
+}
+
+// Host-side: refused by name before anything is allocated (no GPU needed).
+TEST(StaticBlockSparseCuda, RefusesAHeadDimWithoutAKernel) {
+  StaticBlockSparseConfig c;
+  c.head_dim = 96;
+  EXPECT_TRUE(testing::throws_error_naming(
+      [&] { StaticBlockSparseAttention(Device::kCuda, DType::kBF16, c, 1); }, "no CUDA kernel for head_dim 96"));
 }
 
 }  // namespace
