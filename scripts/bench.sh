@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, on the GPU when one is present, otherwise on the CPU backend
 # (each program says which):
-#   1. sparse_step_bench: whole decode steps of the block-sparse and DSA
-#      layers (append + indexer + attention), the context growing one token
+#   1. sparse_step_bench: whole decode steps of the block-sparse, DSA and
+#      static block-sparse layers (append + indexer or page matrix +
+#      attention), the context growing one token
 #      per step, eager and replayed from a CUDA graph, beside the mask-path
 #      step and the read-time floor; JSON and plots (build/bench/);
 #   2. sparse_paged_decode_bench: the attention kernel alone, the mask arm

@@ -50,10 +50,10 @@ if [[ $STAGES == *sanitize* ]]; then
   done
 fi
 if [[ $STAGES == *steps* ]]; then
-  # Whole decode steps of both layers, eager and graph-replayed (the serving loop).
+  # Whole decode steps of the three layers, eager and graph-replayed (the serving loop).
   "$S" ${STEP_ARGS:-} --json "$RESULTS/steps.json" > "$OUT/steps.log" 2>&1; rc=$?
   [ $rc -eq 0 ] || failed=1
-  note "step bench: rc=$rc"; grep -E "^(blocksparse|dsa)" "$OUT/steps.log" | cut -c1-230
+  note "step bench: rc=$rc"; grep -E "^(blocksparse|dsa|static)" "$OUT/steps.log" | cut -c1-300
   cp "$OUT/steps.log" "$RESULTS/steps.log"
   # The block-sparse step with token-granular pages, for the page-granularity choice.
   "$S" --layers blocksparse --token-pages ${STEP_ARGS:-} --json "$RESULTS/steps_token_pages.json" \

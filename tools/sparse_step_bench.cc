@@ -1,5 +1,6 @@
-// sparse_step_bench: whole decode steps of the block-sparse and DSA layers
-// as a serving loop runs them — append, indexer, attention — one step after
+// sparse_step_bench: whole decode steps of the block-sparse, DSA and static
+// block-sparse layers as a serving loop runs them — append, indexer (or the
+// static pattern's page matrix), attention — one step after
 // another with the context growing by one token per step, eager and
 // replayed from a CUDA graph. Beside each step it shows the attention
 // kernel alone over the same selection, the mask-path step over the same
@@ -18,12 +19,15 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_device.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 
 using namespace sparsepage;
 using json = nlohmann::json;
@@ -31,7 +35,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Options {
-  std::vector<std::string> layers = {"blocksparse", "dsa"};
+  std::vector<std::string> layers = {"blocksparse", "dsa", "static"};
   std::vector<int32_t> batches;   // empty: the backend's default set
   std::vector<int64_t> contexts;  // empty: the backend's default set
   int32_t steps = 16;             // steps per timed run (the context grows by this much)
@@ -57,6 +61,8 @@ std::vector<float> read_bf16(Device device, const Buffer& b) {
   return out;
 }
 
+/// ||a - b|| / ||b||; +inf when either holds a NaN or inf, or when b is all
+/// zero (an output that was never written must not pass as agreement).
 double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
   double diff = 0, norm = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -64,7 +70,7 @@ double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
     diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
     norm += double(b[i]) * b[i];
   }
-  return std::sqrt(diff / std::max(norm, 1e-30));
+  return norm > 0 ? std::sqrt(diff / norm) : INFINITY;
 }
 
 /// Random device buffers of the given byte sizes (bf16 unless f32 is set).
@@ -186,6 +192,68 @@ double dsa_bytes(const DsaConfig& c, int32_t batch, int64_t context) {
          double(batch) * selected * (c.latent_dim + c.rope_dim) * 2;
 }
 
+// ---- static per-query-head block-sparse (Phi-3-small) -------------------------
+
+struct StaticSetup {
+  StaticBlockSparseConfig config;  // Phi-3-small: 32 query heads over 8, head dim 128, blocks of 64, 16 local, stride 8
+  std::unique_ptr<StaticBlockSparseAttention> layer;
+  std::vector<Buffer> tokens;  // q, k, v
+  Buffer o;
+};
+
+Arm static_arm(StaticSetup& s, Device device, int32_t batch, DispatchConfig dispatch) {
+  const auto& c = s.config;
+  const size_t b = static_cast<size_t>(batch), d = static_cast<size_t>(c.head_dim);
+  s.layer = std::make_unique<StaticBlockSparseAttention>(device, DType::kBF16, c, batch, dispatch);
+  s.tokens = random_buffers(device, {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * c.num_kv_heads * d * 2},
+                            {false, false, false}, 55);
+  s.o = Buffer(device, b * c.num_qo_heads * d * 2);
+  Arm arm;
+  arm.fill = [&s, device, b, d](int64_t tokens, uint64_t seed) {
+    const auto& cfg = s.config;
+    const int64_t chunk = 4096;
+    Buffer k(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
+    Buffer v(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
+    for (int64_t at = 0; at < tokens; at += chunk) {
+      const int64_t n = std::min(chunk, tokens - at);
+      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
+                         seed + static_cast<uint64_t>(2 * at));
+      bench::fill_random(device, DType::kBF16, v.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
+                         seed + static_cast<uint64_t>(2 * at + 1));
+      s.layer->append_tokens(k.data(), v.data(), n);
+    }
+  };
+  arm.step = [&s](void* stream) {
+    const StaticBlockSparseStep r =
+        s.layer->decode({s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.o.data()}, stream);
+    return std::make_pair(r.fused, r.outcome.describe());
+  };
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  return arm;
+}
+
+/// K and V bytes of a static step at `context`: what the fused step asks
+/// for (each query head its own kept rows, G = 1 requests) and the union of
+/// the kept rows over the query heads of each KV head (what a step must read
+/// at least).
+std::pair<double, double> static_bytes(const StaticBlockSparseConfig& c, int32_t batch, int64_t context) {
+  const double row_bytes = 2.0 * c.head_dim * 2;  // K + V, bf16
+  const int64_t query_block = (context - 1) / c.block_size;
+  const int64_t tail = context - query_block * c.block_size;
+  double requested = 0, united = 0;
+  for (int32_t h = 0; h < c.num_qo_heads; ++h) requested += double(c.kept_tokens(h, context));
+  for (int32_t kv = 0; kv < c.num_kv_heads; ++kv) {
+    for (int64_t j = 0; j <= query_block; ++j) {
+      bool any = false;
+      for (int32_t g = 0; g < c.group_size(); ++g) any |= c.keeps(kv * c.group_size() + g, query_block, j);
+      if (any) united += double(j == query_block ? tail : c.block_size);
+    }
+  }
+  return {requested * batch * row_bytes, united * batch * row_bytes};
+}
+
 // ---- one configuration ------------------------------------------------------
 
 struct Result {
@@ -206,12 +274,21 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
   mask_only.enabled = false;
   BlockSparseSetup bs_f, bs_m;
   DsaSetup dsa_f, dsa_m;
+  StaticSetup st_f, st_m;
   Arm fused, masked;
   double bytes = 0;
+  double requested_bytes = 0;  // static: K/V bytes the fused step asks for (bytes: their union)
   if (layer_name == "dsa") {
     fused = dsa_arm(dsa_f, device, batch, process_dispatch_config());
     masked = dsa_arm(dsa_m, device, batch, mask_only);
     bytes = dsa_bytes(dsa_f.config, batch, context);
+  } else if (layer_name == "static") {
+    fused = static_arm(st_f, device, batch, process_dispatch_config());
+    masked = static_arm(st_m, device, batch, mask_only);
+    std::tie(requested_bytes, bytes) = static_bytes(st_f.config, batch, context);
+    row["requested_bytes"] = requested_bytes;
+    row["union_bytes"] = bytes;
+    row["requested_over_union"] = requested_bytes / bytes;
   } else {
     fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config(), opt.token_pages);
     masked = block_sparse_arm(bs_m, device, batch, mask_only, opt.token_pages);
@@ -291,6 +368,12 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
                   graph, eager, eager / graph, row["phase_append_us"].get<double>(),
                   row["phase_indexer_us"].get<double>(), row["phase_attention_us"].get<double>(), mask_graph,
                   mask_graph / graph, floor_us, agree);
+    if (requested_bytes > 0) {
+      char more[160];
+      std::snprintf(more, sizeof(more), " | K/V %.0f MB requested, %.2fx their union; %.0f GB/s of the union",
+                    requested_bytes / 1e6, requested_bytes / bytes, bytes / (graph * 1e3));
+      std::strncat(buf, more, sizeof(buf) - std::strlen(buf) - 1);
+    }
   } else {
     const double mask_eager = bench::median_us_eager(device, run_masked, opt.steps, opt.reps);
     row["mask_path_eager_us"] = mask_eager;
@@ -304,11 +387,12 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"sparse_step_bench: whole decode steps (append + indexer + attention) of the block-sparse and DSA "
-               "layers, the context growing one token per step, eager and replayed from a CUDA graph, beside the "
+  CLI::App app{"sparse_step_bench: whole decode steps (append + indexer + attention) of the block-sparse, DSA and "
+               "static block-sparse layers, the context growing one token per step, eager and replayed from a CUDA graph, beside the "
                "mask-path step and the read-time floor"};
   Options opt;
-  app.add_option("--layers", opt.layers, "blocksparse and/or dsa")->check(CLI::IsMember({"blocksparse", "dsa"}));
+  app.add_option("--layers", opt.layers, "blocksparse, dsa and/or static (Phi-3-small's per-query-head pattern)")
+      ->check(CLI::IsMember({"blocksparse", "dsa", "static"}));
   app.add_option("--batches", opt.batches, "batch sizes (default GPU: 1 8 32; CPU: 1)");
   app.add_option("--contexts", opt.contexts, "context lengths (default GPU: 32768 131072; CPU: 32768)");
   app.add_option("--steps", opt.steps, "steps per timed run (default GPU 16, CPU 4)")->check(CLI::Range(1, 1024));

@@ -14,6 +14,7 @@
 #include "cuda/cuda_test_util.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 #include "support/layer_checks.h"
 #include "support/reference.h"
 
@@ -187,6 +188,39 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
   auto step = [fused, &tokens](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const DsaStep r = layer.decode(tokens(s), stream);
     ASSERT_TRUE(r.sparse);
+    ASSERT_EQ(r.fused, fused) << r.outcome.describe();
+  };
+  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+}
+
+TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
+  SKIP_WITHOUT_CUDA();
+  const bool fused = GetParam();
+  const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
+  // Phi-3-small's pattern (blocks of 64, 16 local, vertical stride 8, 32
+  // query heads over 8): the replays run 4001 -> 4081, across the block
+  // boundary at 4032 (a new query block moves the local run and the
+  // vertical blocks) and through partial final blocks.
+  const StaticBlockSparseConfig c;
+  const int32_t batch = 3;
+  StaticBlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  StaticBlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
+  const size_t d = 128, b = batch;
+  const std::vector<size_t> bytes = {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * c.num_kv_heads * d * 2};
+  StepBuffers g = make_buffers(bytes, b * c.num_qo_heads * d * 2);
+  StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
+  const std::vector<bool> is_f32(3, false);
+  std::mt19937_64 rng(9);
+  const int64_t prompt = 4000;
+  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
+  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
+  graphed.append_tokens(pk.data(), pv.data(), prompt);
+  eager.append_tokens(pk.data(), pv.data(), prompt);
+  graphed.reserve(4200);
+  eager.reserve(4200);
+  auto step = [fused](StaticBlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
+    const StaticBlockSparseStep r =
+        layer.decode({s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.o.data()}, stream);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
   replay_against_eager(graphed, eager, g, e, is_f32, 80, step);

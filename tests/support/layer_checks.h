@@ -8,6 +8,7 @@
 
 #include "sparsepage/memory.h"
 #include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 
 namespace sparsepage::testing {
 
@@ -27,6 +28,27 @@ void check_block_sparse_set_equality(Device device);
 /// path and with the kill switch (mask path), in the sparse regime, for
 /// `batch` sequences side by side.
 void check_block_sparse_greedy_equality(Device device, int32_t batch);
+
+/// Static per-query-head block-sparse decode (tests/support/static_layer_checks.cc)
+/// at each (batch, context): per query head, the positions the page table
+/// attends equal the columns the mask path keeps and the rule's blocks
+/// (scanned block by block), the count is config.kept_tokens, heads sharing
+/// a KV head keep different blocks once the pattern has vertical blocks, the
+/// step fuses exactly when the sparsity gate allows, and a fused output
+/// matches the mask path's.
+void check_static_set_equality(Device device, const StaticBlockSparseConfig& config,
+                               const std::vector<std::pair<int32_t, int64_t>>& batch_contexts);
+
+/// One static block-sparse decode at `context` against an fp64 reference per
+/// query head over exactly its kept positions, on the fused path and on the
+/// mask path, with every prompt row that no query head of its KV head keeps
+/// set to NaN and the outputs NaN-poisoned before the step.
+void check_static_against_reference(Device device, const StaticBlockSparseConfig& config, int32_t batch,
+                                    int64_t context);
+
+/// The toy transformer over static block-sparse layers decodes 64 greedy
+/// tokens identically with the fused path and with the kill switch.
+void check_static_greedy_equality(Device device, int32_t batch);
 
 /// Greedy tokens of two arms that attend the same positions with bf16
 /// rounding in another order (`got`, `ref`: per sequence). They must agree

@@ -122,29 +122,42 @@ Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
 ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig dispatch)
     : device_(device), config_(config), weights_(std::make_unique<Weights>()) {
   std::mt19937_64 rng(config.seed);
+  const bool is_static = config.kind == ToyAttention::kStaticBlockSparse;
   const auto& a = config.attention;
-  const size_t d = static_cast<size_t>(config.d_model), hd = static_cast<size_t>(a.head_dim);
+  const auto& sa = config.static_attention;
+  const size_t qo_heads = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads);
+  const size_t kv_heads = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads);
+  const size_t d = static_cast<size_t>(config.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
   init_embeddings(rng, config.vocab, config.d_model, weights_->embed, weights_->unembed);
   for (int32_t l = 0; l < config.layers; ++l) {
     Weights::Layer layer;
-    layer.wq = random_matrix(rng, d, static_cast<size_t>(a.num_qo_heads) * hd);
-    layer.wk = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads + 1) * hd);
-    layer.wv = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads) * hd);
-    layer.wiq = random_matrix(rng, d, static_cast<size_t>(a.num_kv_heads) * hd);
-    layer.wo = random_matrix(rng, static_cast<size_t>(a.num_qo_heads) * hd, d);
+    layer.wq = random_matrix(rng, d, qo_heads * hd);
+    // The block-sparse layer's K carries the index key as one more head.
+    layer.wk = random_matrix(rng, d, (kv_heads + (is_static ? 0 : 1)) * hd);
+    layer.wv = random_matrix(rng, d, kv_heads * hd);
+    if (!is_static) layer.wiq = random_matrix(rng, d, kv_heads * hd);
+    layer.wo = random_matrix(rng, qo_heads * hd, d);
     layer.w1 = random_matrix(rng, d, 2 * d);
     layer.w2 = random_matrix(rng, 2 * d, d);
     weights_->layers.push_back(std::move(layer));
-    layers_.push_back(std::make_unique<BlockSparseAttention>(device, DType::kBF16, a, config.batch, dispatch));
+    if (is_static) {
+      static_layers_.push_back(
+          std::make_unique<StaticBlockSparseAttention>(device, DType::kBF16, sa, config.batch, dispatch));
+    } else {
+      layers_.push_back(std::make_unique<BlockSparseAttention>(device, DType::kBF16, a, config.batch, dispatch));
+    }
   }
 }
 
 ToyModel::~ToyModel() = default;
 
 std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& tokens, bool prefill) {
+  const bool is_static = config_.kind == ToyAttention::kStaticBlockSparse;
   const auto& a = config_.attention;
-  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(a.head_dim);
-  const size_t qo = static_cast<size_t>(a.num_qo_heads) * hd, kv = static_cast<size_t>(a.num_kv_heads) * hd;
+  const auto& sa = config_.static_attention;
+  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
+  const size_t qo = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd;
+  const size_t kv = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd;
   std::vector<std::vector<float>> xs;
   for (int32_t token : tokens) xs.push_back(embed_with_position(weights_->embed, token, d, position_));
   ++position_;
@@ -154,22 +167,34 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
     std::vector<float> q, k, v, iq;
     for (const auto& x : xs) {
       const std::vector<float> h = rms_norm(x);
-      for (auto [out, weight, n] : {std::make_tuple(&q, &w.wq, qo), std::make_tuple(&k, &w.wk, kv + hd),
-                                    std::make_tuple(&v, &w.wv, kv), std::make_tuple(&iq, &w.wiq, kv)}) {
+      for (auto [out, weight, n] : {std::make_tuple(&q, &w.wq, qo), std::make_tuple(&k, &w.wk, kv + (is_static ? 0 : hd)),
+                                    std::make_tuple(&v, &w.wv, kv), std::make_tuple(&iq, &w.wiq, is_static ? 0 : kv)}) {
+        if (n == 0) continue;
         const std::vector<float> y = matvec(h, *weight, n);
         out->insert(out->end(), y.begin(), y.end());
       }
     }
     const Buffer qd = to_device(device_, DType::kBF16, q), kd = to_device(device_, DType::kBF16, k);
-    const Buffer vd = to_device(device_, DType::kBF16, v), iqd = to_device(device_, DType::kBF16, iq);
+    const Buffer vd = to_device(device_, DType::kBF16, v);
     Buffer o = poisoned_output(device_, xs.size() * qo);
-    BlockSparseTokens step_tokens{qd.data(), iqd.data(), kd.data(), vd.data(), o.data()};
-    if (prefill) {
-      layers_[static_cast<size_t>(l)]->prefill_token(step_tokens);
+    if (is_static) {
+      // The prompt runs through decode too: the pattern holds at every position.
+      auto& layer = *static_layers_[static_cast<size_t>(l)];
+      const StaticBlockSparseStep step = layer.decode({qd.data(), kd.data(), vd.data(), o.data()});
+      if (!prefill) {
+        sparse_steps_ += layer.max_kept_tokens(layer.kv_len()) < layer.kv_len() ? 1 : 0;
+        fused_steps_ += step.fused ? 1 : 0;
+      }
     } else {
-      const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(step_tokens);
-      sparse_steps_ += step.sparse_regime ? 1 : 0;
-      fused_steps_ += step.fused ? 1 : 0;
+      const Buffer iqd = to_device(device_, DType::kBF16, iq);
+      BlockSparseTokens step_tokens{qd.data(), iqd.data(), kd.data(), vd.data(), o.data()};
+      if (prefill) {
+        layers_[static_cast<size_t>(l)]->prefill_token(step_tokens);
+      } else {
+        const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(step_tokens);
+        sparse_steps_ += step.sparse_regime ? 1 : 0;
+        fused_steps_ += step.fused ? 1 : 0;
+      }
     }
     const std::vector<float> attn = read_output(device_, o);
     for (size_t b = 0; b < xs.size(); ++b) {

@@ -1,5 +1,6 @@
 // A small synthetic transformer (fixed-seed random weights) whose attention
-// layers are the library's block-sparse layer. Its dense parts (embeddings,
+// layers are the library's block-sparse layer (or, with
+// ToyAttention::kStaticBlockSparse, its static per-query-head layer). Its dense parts (embeddings,
 // projections, MLP) run in fp32 on the host; attention runs on the layer's
 // device. Used to check that the fused path and the mask path decode the
 // same greedy tokens.
@@ -11,14 +12,21 @@
 
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 
 namespace sparsepage::testing {
+
+enum class ToyAttention { kBlockSparse, kStaticBlockSparse };
 
 struct ToyModelConfig {
   int32_t vocab = 96;
   int32_t d_model = 64;
   int32_t layers = 2;
+  ToyAttention kind = ToyAttention::kBlockSparse;
   BlockSparseConfig attention{8, 2, 64, 16, 4, 1, 64};  // 8 q heads over 2 KV heads, head dim 64, blocks of 16, top 4
+  // kStaticBlockSparse: 8 q heads over 2 KV heads, head dim 64, blocks of 16, 2 local blocks, vertical stride 4.
+  // Its prompt runs through decode too (the pattern holds at every position).
+  StaticBlockSparseConfig static_attention{8, 2, 64, 16, 2, 4, 64};
   int32_t batch = 1;   // sequences decoded side by side through one layer call
   uint64_t seed = 1234;
 };
@@ -34,7 +42,8 @@ class ToyModel {
   /// Per sequence and generated token: the gap between the two largest
   /// logits that chose it (logits are O(1)).
   const std::vector<std::vector<float>>& margins() const { return margins_; }
-  /// Decode steps that ran the fused path / were in the sparse regime.
+  /// Decode steps that ran the fused path / were in the sparse regime (for
+  /// the static layer: kept fewer tokens than the window holds).
   int32_t fused_steps() const { return fused_steps_; }
   int32_t sparse_steps() const { return sparse_steps_; }
 
@@ -45,6 +54,7 @@ class ToyModel {
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;
   std::vector<std::unique_ptr<BlockSparseAttention>> layers_;
+  std::vector<std::unique_ptr<StaticBlockSparseAttention>> static_layers_;
   std::vector<std::vector<float>> margins_;
   int32_t fused_steps_ = 0, sparse_steps_ = 0;
   int64_t position_ = 0;

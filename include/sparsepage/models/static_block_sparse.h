@@ -1,0 +1,148 @@
+// Static per-query-head block-sparse attention (SPEC section 8.3,
+// Phi-3-small-style): a fixed pattern of key blocks, different for each query
+// head, no indexer. Decode attends exactly the pattern's blocks through the
+// fused paged decode and falls back to the additive-mask path on any decline.
+//
+// The rule. With the query in block i (at decode, the window's last block),
+// key block j <= i is kept for query head h when
+//     i - j < local_blocks   or   (j + h * head_sliding_step + 1) % vert_stride == 0,
+// head_sliding_step = max(1, vert_stride / num_qo_heads) (integer division).
+// So the query heads that share a KV head keep different vertical blocks and
+// one page list per KV head cannot express the pattern.
+//
+// How it runs. Each query head is its own request (G = 1): request
+// r = b * num_qo_heads + h attends its kept blocks as block-granular pages
+// (page_size = block_size) of its KV head's rows, the partial final block
+// last and cut by the request's token count. The dense cache [B, Hkv, Cap, D]
+// is viewed as B * Hkv row ranges ("sequences" of the view), each read by its
+// G query heads (head stride 0), so the page ids stay positions of the
+// request's own window and every position is checked against that window's
+// live length (window addressing, decode.h). A small kernel (and its CPU
+// twin) writes the page matrix and the counts from the device-side lengths
+// each step; the mask path runs on the same G = 1 requests, one mask row per
+// query head, built from the same rule.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/dispatch.h"
+#include "sparsepage/sparse_decode.h"
+
+namespace sparsepage {
+
+/// Phi-3-small's published geometry is the default.
+struct StaticBlockSparseConfig {
+  int32_t num_qo_heads = 32;
+  int32_t num_kv_heads = 8;
+  int32_t head_dim = 128;
+  int32_t block_size = 64;
+  int32_t local_blocks = 16;  // >= 1: the query's own block is always kept
+  int32_t vert_stride = 8;    // >= 1
+  int64_t capacity_step = 4096;
+
+  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  int32_t head_sliding_step() const;
+  /// The rule: whether query head `head` in query block `query_block` keeps key block `key_block`.
+  bool keeps(int32_t head, int64_t query_block, int64_t key_block) const;
+  /// Key blocks / tokens query head `head` attends at decode with `kv_len` tokens in the cache.
+  int64_t kept_blocks(int32_t head, int64_t kv_len) const;
+  int64_t kept_tokens(int32_t head, int64_t kv_len) const;
+};
+
+/// One token's projected inputs, all on the layer's device, in its dtype.
+struct StaticBlockSparseTokens {
+  const void* q = nullptr;  // [batch, num_qo_heads, head_dim]
+  const void* k = nullptr;  // [batch, num_kv_heads, 1, head_dim]
+  const void* v = nullptr;  // [batch, num_kv_heads, 1, head_dim]
+  void* o = nullptr;        // [batch, num_qo_heads, head_dim]
+};
+
+/// What a decode step did.
+struct StaticBlockSparseStep {
+  bool fused = false;           // the fused paged decode ran
+  SparseDecodeOutcome outcome;  // the policy's outcome
+};
+
+/// The layer. A decode step is: append the token (at the device-side
+/// length), write each query head's kept blocks and token count (a small
+/// kernel reading the device-side lengths), then attend them through the
+/// fused paged decode, or the mask path over the same set on a decline.
+/// After the first step at a given capacity a step allocates nothing,
+/// synchronizes nothing and reads nothing back, on either backend, so it can
+/// be captured in a CUDA graph and replayed while the context grows
+/// (reserve() the longest context first; after replays, sync_live_len()).
+/// Every context length runs the pattern: while the window is within the
+/// local run it keeps everything, and the dispatch's sparsity gate sends
+/// such steps to the mask path.
+class StaticBlockSparseAttention {
+ public:
+  StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config, int32_t batch,
+                             DispatchConfig dispatch = process_dispatch_config());
+
+  /// Appends the token and attends the pattern. Every input is checked
+  /// before the cache changes: a bad call appends nothing.
+  StaticBlockSparseStep decode(const StaticBlockSparseTokens& tokens, void* stream = nullptr);
+
+  /// Makes room for `tokens` live tokens and sizes the step's buffers for
+  /// them, so steps up to that length allocate nothing.
+  void reserve(int64_t tokens);
+  /// Appends `tokens` tokens per sequence without attending (a prompt whose
+  /// prefill ran elsewhere): `k` and `v` are [batch, num_kv_heads, tokens,
+  /// head_dim], contiguous, on the layer's device. Synchronous; not a step.
+  void append_tokens(const void* k, const void* v, int64_t tokens);
+  /// Profiling: CUDA events (cudaEvent_t, or null) each decode records on
+  /// its stream after the append and after the page matrix is written.
+  void set_phase_events(void* after_append, void* after_pattern) {
+    after_append_ = after_append;
+    after_pattern_ = after_pattern;
+  }
+  /// After replaying captured steps: reads the device-side length back (synchronizes).
+  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
+
+  /// Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).
+  std::vector<std::vector<int32_t>> last_blocks() const;
+  /// Positions the page table of the last decode attends, per request.
+  std::vector<std::vector<int32_t>> last_selected_positions() const;
+  /// Columns the mask path keeps for the last decode (0 entries of its
+  /// additive mask), per request: built from the rule independently of the
+  /// page matrix.
+  std::vector<std::vector<int32_t>> last_mask_columns();
+
+  const DenseKVCache& cache() const { return cache_; }
+  const StaticBlockSparseConfig& config() const { return config_; }
+  int64_t kv_len() const { return cache_.live_len(); }
+  /// The most tokens any query head attends at `kv_len`.
+  int64_t max_kept_tokens(int64_t kv_len) const;
+  /// Kept blocks per request the step's page matrix holds (its width): the
+  /// most any query head keeps at the sized capacity.
+  int32_t width() const { return width_; }
+
+ private:
+  SparseAttentionInputs inputs(const StaticBlockSparseTokens& tokens) const;
+  void check_tokens(const StaticBlockSparseTokens& tokens) const;
+  void size_step_buffers();
+  void write_pages(void* stream);
+  void build_mask(void* stream);
+  int32_t num_requests() const { return batch_ * config_.num_qo_heads; }
+
+  Device device_;
+  DType dtype_;
+  StaticBlockSparseConfig config_;
+  int32_t batch_;
+  DenseKVCache cache_;
+  SparseDecoder decoder_;
+  // Step buffers, sized for the cache's capacity (size_step_buffers).
+  int64_t sized_capacity_ = -1;
+  int32_t width_ = 0;
+  Buffer pages_;        // int32 [requests, width]: kept blocks increasing (the final block last), then -1
+  Buffer seq_lens_;     // int32 [requests]: tokens those blocks cover now
+  Buffer window_lens_;  // int32 [batch * num_kv_heads]: each (sequence, KV head) range's live length
+  StepMaskPath fallback_;
+  bool have_step_ = false;
+  void* after_append_ = nullptr;
+  void* after_pattern_ = nullptr;
+};
+
+}  // namespace sparsepage

@@ -1,0 +1,274 @@
+#include "sparsepage/models/static_block_sparse.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "core/cuda_hooks.h"
+#include "models/static_block_sparse_kernels.h"
+
+namespace sparsepage {
+namespace detail {
+namespace {
+StaticPattern pattern_of(const StaticBlockSparseConfig& c) {
+  return {c.block_size, c.local_blocks, c.vert_stride, c.head_sliding_step()};
+}
+}  // namespace
+
+// The CPU twins of src/cuda/static_block_sparse.cu, line for line.
+void static_pages_cpu(const StaticPagesArgs& a) {
+  const int32_t group = a.num_qo_heads / a.num_kv_heads;
+  for (int64_t r = 0; r < int64_t{a.batch} * a.num_qo_heads; ++r) {
+    const int32_t b = static_cast<int32_t>(r / a.num_qo_heads), h = static_cast<int32_t>(r % a.num_qo_heads);
+    const int64_t len = a.kv_lens[b];
+    const StaticKeptBlocks kept = static_kept_blocks(a.pattern, h, len);
+    for (int64_t slot = 0; slot < a.width; ++slot) {
+      a.pages[r * a.width + slot] = slot < kept.count() ? static_cast<int32_t>(kept.at(slot)) : -1;
+    }
+    a.seq_lens[r] = static_cast<int32_t>(static_kept_tokens(a.pattern, h, len));
+    if (h % group == 0) a.window_lens[int64_t{b} * a.num_kv_heads + h / group] = static_cast<int32_t>(len);
+  }
+}
+
+void static_mask_cpu(const StaticMaskArgs& a) {
+  for (int64_t r = 0; r < int64_t{a.batch} * a.num_qo_heads; ++r) {
+    const int32_t b = static_cast<int32_t>(r / a.num_qo_heads), h = static_cast<int32_t>(r % a.num_qo_heads);
+    const int64_t len = a.kv_lens[b];
+    for (int64_t t = 0; t < a.pitch; ++t) {
+      const bool kept =
+          t < len && static_block_kept(a.pattern, h, (len - 1) / a.pattern.block_size, t / a.pattern.block_size);
+      a.mask[r * a.pitch + t] = kept ? 0.0f : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+}  // namespace detail
+
+int32_t StaticBlockSparseConfig::head_sliding_step() const {
+  return std::max(1, num_qo_heads > 0 ? vert_stride / num_qo_heads : 1);
+}
+
+bool StaticBlockSparseConfig::keeps(int32_t head, int64_t query_block, int64_t key_block) const {
+  return detail::static_block_kept(detail::pattern_of(*this), head, query_block, key_block);
+}
+
+int64_t StaticBlockSparseConfig::kept_blocks(int32_t head, int64_t kv_len) const {
+  return detail::static_kept_blocks(detail::pattern_of(*this), head, kv_len).count();
+}
+
+int64_t StaticBlockSparseConfig::kept_tokens(int32_t head, int64_t kv_len) const {
+  return detail::static_kept_tokens(detail::pattern_of(*this), head, kv_len);
+}
+
+namespace {
+// The layer's configuration, checked before anything is allocated.
+const StaticBlockSparseConfig& checked_config(Device device, DType dtype, const StaticBlockSparseConfig& c,
+                                              int32_t batch) {
+  if (dtype == DType::kF32) throw Error("StaticBlockSparseAttention: the cache stores f16 or bf16");
+  if (batch < 1) throw Error("StaticBlockSparseAttention: batch = " + std::to_string(batch) + " must be at least 1");
+  if (c.num_kv_heads < 1 || c.num_qo_heads < 1 || c.num_qo_heads % c.num_kv_heads != 0 || c.head_dim < 1 ||
+      c.block_size < 1 || c.local_blocks < 1 || c.vert_stride < 1 || c.capacity_step < 1) {
+    throw Error("StaticBlockSparseAttention: need num_qo_heads a positive multiple of num_kv_heads, and head_dim, "
+                "block_size, local_blocks, vert_stride and capacity_step >= 1 (got " +
+                std::to_string(c.num_qo_heads) + " query heads over " + std::to_string(c.num_kv_heads) +
+                ", head_dim " + std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size) +
+                ", local_blocks " + std::to_string(c.local_blocks) + ", vert_stride " + std::to_string(c.vert_stride) +
+                ")");
+  }
+  // Both CUDA paths (fused and mask) run the same tile instantiations; a
+  // build without CUDA says so at the first allocation instead.
+  const bool cuda_built = cuda_built_architectures()[0] != '\0';
+  if (device == Device::kCuda && cuda_built && !cuda_supports_head_dims(c.head_dim, c.head_dim, 0)) {
+    throw Error("StaticBlockSparseAttention: no CUDA kernel for head_dim " + std::to_string(c.head_dim) +
+                " (the kernels take 64, 128 or 256)");
+  }
+  if (int64_t{batch} * c.num_qo_heads > INT32_MAX) {
+    throw Error("StaticBlockSparseAttention: batch * num_qo_heads = " + std::to_string(int64_t{batch} * c.num_qo_heads) +
+                " requests exceed 2^31 - 1");
+  }
+  return c;
+}
+}  // namespace
+
+StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config,
+                                                       int32_t batch, DispatchConfig dispatch)
+    : device_(device),
+      dtype_(dtype),
+      config_(checked_config(device, dtype, config, batch)),
+      batch_(batch),
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads,
+             config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
+      decoder_(device, dispatch) {}
+
+int64_t StaticBlockSparseAttention::max_kept_tokens(int64_t kv_len) const {
+  int64_t most = 0;
+  for (int32_t h = 0; h < config_.num_qo_heads; ++h) most = std::max(most, config_.kept_tokens(h, kv_len));
+  return most;
+}
+
+void StaticBlockSparseAttention::check_tokens(const StaticBlockSparseTokens& t) const {
+  if (t.q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
+    throw Error("StaticBlockSparseAttention: every StaticBlockSparseTokens pointer (q, k, v, o) must be set");
+  }
+}
+
+// The G = 1 view of the dense cache: "sequence" s = b * num_kv_heads + k is
+// the rows of (sequence b, KV head k), read by its G query heads as G
+// requests with head stride 0. So request s * G + g = b * num_qo_heads + h
+// (h = k * G + g), q [B, Hq, D] and o are that order already, and window
+// addressing checks each position against window_lens_[s].
+SparseAttentionInputs StaticBlockSparseAttention::inputs(const StaticBlockSparseTokens& tokens) const {
+  const int32_t group = config_.group_size();
+  auto per_kv_head = [this](RowView rows) {
+    if (rows.seq_stride != int64_t{config_.num_kv_heads} * rows.head_stride) {
+      throw Error("StaticBlockSparseAttention: the cache's rows are not [batch, num_kv_heads, capacity, head_dim]");
+    }
+    rows.seq_stride = rows.head_stride;
+    rows.head_stride = 0;
+    return rows;
+  };
+  SparseAttentionInputs in;
+  in.device = device_;
+  in.dtype = dtype_;
+  in.batch = batch_ * config_.num_kv_heads;
+  in.num_kv_heads = group;
+  in.num_qo_heads = group;
+  in.live_len = cache_.live_len();
+  in.live_lens = window_lens_.as<int32_t>();
+  in.k = per_kv_head(cache_.k_rows().value());
+  in.v = per_kv_head(cache_.v_rows().value());
+  in.q = tokens.q;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  in.o = tokens.o;
+  return in;
+}
+
+void StaticBlockSparseAttention::reserve(int64_t tokens) {
+  cache_.reserve(tokens);
+  size_step_buffers();
+}
+
+void StaticBlockSparseAttention::append_tokens(const void* k, const void* v, int64_t tokens) {
+  if (k == nullptr || v == nullptr) throw Error("StaticBlockSparseAttention::append_tokens: k and v must be set");
+  cache_.append(k, v, dtype_, tokens);
+  size_step_buffers();
+}
+
+void StaticBlockSparseAttention::size_step_buffers() {
+  const int64_t cap = cache_.capacity();
+  if (cap == 0 || cap == sized_capacity_) return;  // nothing to size yet, or sized
+  // The kept count never shrinks as the window grows, so the count at the
+  // capacity bounds every step until the cache grows again.
+  int64_t width = 0;
+  for (int32_t h = 0; h < config_.num_qo_heads; ++h) width = std::max(width, config_.kept_blocks(h, cap));
+  if (width * config_.block_size > INT32_MAX) {
+    throw Error("StaticBlockSparseAttention: " + std::to_string(width) + " kept blocks of " +
+                std::to_string(config_.block_size) + " tokens at capacity " + std::to_string(cap) +
+                " exceed 2^31 tokens per request");
+  }
+  width_ = static_cast<int32_t>(width);
+  pages_ = Buffer(device_, static_cast<size_t>(num_requests()) * static_cast<size_t>(width_) * sizeof(int32_t));
+  if (seq_lens_.empty()) {
+    seq_lens_ = Buffer(device_, static_cast<size_t>(num_requests()) * sizeof(int32_t));
+    window_lens_ = Buffer(device_, static_cast<size_t>(batch_) * config_.num_kv_heads * sizeof(int32_t));
+  }
+  fallback_.size(device_, inputs(StaticBlockSparseTokens{}), cap);
+  sized_capacity_ = cap;
+}
+
+void StaticBlockSparseAttention::write_pages(void* stream) {
+  detail::StaticPagesArgs a;
+  a.pattern = detail::pattern_of(config_);
+  a.kv_lens = cache_.device_live_lens();
+  a.batch = batch_;
+  a.num_qo_heads = config_.num_qo_heads;
+  a.num_kv_heads = config_.num_kv_heads;
+  a.width = width_;
+  a.pages = pages_.as<int32_t>();
+  a.seq_lens = seq_lens_.as<int32_t>();
+  a.window_lens = window_lens_.as<int32_t>();
+  if (device_ == Device::kCuda) {
+    detail::static_pages_cuda(a, stream);
+  } else {
+    detail::static_pages_cpu(a);
+  }
+}
+
+// The additive mask of the pattern over the capacity, from the rule and the
+// device-side lengths: what the mask path attends.
+void StaticBlockSparseAttention::build_mask(void* stream) {
+  detail::StaticMaskArgs a;
+  a.pattern = detail::pattern_of(config_);
+  a.kv_lens = cache_.device_live_lens();
+  a.batch = batch_;
+  a.num_qo_heads = config_.num_qo_heads;
+  a.pitch = fallback_.capacity();
+  a.mask = fallback_.mask();
+  if (device_ == Device::kCuda) {
+    detail::static_mask_cuda(a, stream);
+  } else {
+    detail::static_mask_cpu(a);
+  }
+}
+
+StaticBlockSparseStep StaticBlockSparseAttention::decode(const StaticBlockSparseTokens& tokens, void* stream) {
+  check_tokens(tokens);
+  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
+  size_step_buffers();
+  cache_.append_token(tokens.k, tokens.v, stream);
+  detail::cuda_record_event(after_append_, stream);
+  write_pages(stream);
+  detail::cuda_record_event(after_pattern_, stream);
+  have_step_ = true;
+  const SparseAttentionInputs in = inputs(tokens);
+  PagedSelection selection;
+  selection.pages = pages_.as<int32_t>();
+  selection.seq_lens = seq_lens_.as<int32_t>();
+  selection.num_requests = num_requests();
+  selection.width = width_;
+  selection.page_size = config_.block_size;
+  selection.max_selected = max_kept_tokens(in.live_len);
+  StaticBlockSparseStep step;
+  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {
+    build_mask(stream);
+    fallback_.run(in, true, stream);
+  }
+  return step;
+}
+
+std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_blocks() const {
+  if (!have_step_) return {};
+  const auto flat = download<int32_t>(device_, pages_.data(), static_cast<size_t>(num_requests()) * width_);
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_requests()));
+  for (size_t i = 0; i < flat.size(); ++i) {
+    if (flat[i] >= 0) out[i / static_cast<size_t>(width_)].push_back(flat[i]);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_selected_positions() const {
+  if (!have_step_) return {};
+  const auto blocks = last_blocks();
+  const auto lens = download<int32_t>(device_, seq_lens_.data(), static_cast<size_t>(num_requests()));
+  std::vector<std::vector<int32_t>> out(blocks.size());
+  for (size_t r = 0; r < blocks.size(); ++r) {
+    // Page i covers tokens i * block_size .. of the request's count: the
+    // kernel's own reading of a block-granular table.
+    for (int64_t token = 0; token < lens[r]; ++token) {
+      const size_t page = static_cast<size_t>(token / config_.block_size);
+      out[r].push_back(
+          static_cast<int32_t>(int64_t{blocks[r].at(page)} * config_.block_size + token % config_.block_size));
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_mask_columns() {
+  if (!have_step_) throw Error("StaticBlockSparseAttention::last_mask_columns: no decode has run yet");
+  build_mask(nullptr);
+  return mask_kept_columns(device_, fallback_.mask(), num_requests(), fallback_.capacity());
+}
+
+}  // namespace sparsepage
