@@ -2,33 +2,38 @@
 // dsa.h). Grids and the workspace are sized from the host bound max_kv_len;
 // each sequence's live length is read on the device, so one captured graph
 // serves a growing context. On the caller's stream:
-//   0. a memset clears the coarse histograms and candidate counters;
-//   1. dsa_score_kernel scores a slice of positions per CTA on tensor cores
-//      (mma.sync m16n8k16, fp32 accumulation: index heads x tokens x dim),
-//      applies the ReLU and the weighted sum over heads, writes fp32 scores
-//      and histograms the top 12 bits of each score's order key;
-//   2. dsa_filter_kernel (many CTAs per sequence) finds the histogram bin
-//      holding the k-th largest key, marks every position in a higher bin in
-//      a bitmap, appends the positions of that bin as candidates and
-//      histograms the candidates' next 12 key bits;
-//   3. dsa_finish_kernel (one CTA per sequence) keeps the candidates of the
-//      higher fine bins, radix-selects the missing count inside the fine bin
-//      by (score, position) composites (ties to the lower position), adds
-//      them to the bitmap and compacts the bitmap into increasing positions,
-//      padding with -1 and writing the count.
-// The filter and the finish are programmatic dependent launches.
+//   0. a memset clears the coarse histograms and the counters;
+//   1. scores: fp32 scores and a histogram of the top 12 bits of each
+//      score's order key, by dsa_score_kernel (mma.sync m16n8k16) or
+//      dsa_score_wgmma_kernel (warpgroup MMAs, one wave of CTAs);
+//   2-3. the top-k, either
+//      dsa_filter_kernel (many CTAs per sequence: threshold bin, bitmap of
+//      the higher bins, candidates and their next 12 bits' histogram) and
+//      dsa_finish_kernel (one CTA per sequence: the select inside the fine
+//      bin and the bitmap's compaction), or
+//      dsa_classify_kernel (many CTAs: threshold bin, per-slice counts and
+//      candidates; the last CTA of a sequence picks the k-th composite) and
+//      dsa_compact_kernel (many CTAs: each writes its slice's kept positions
+//      at the offset of the earlier slices).
+// MEASUREMENT BUILD: both score kernels and both top-k paths are here so one
+// binary compares them (see variant()); the slower ones go once measured.
+// The top-k kernels are programmatic dependent launches.
 // Nothing here allocates, synchronizes or reads back.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
 #include "core/cuda_hooks.h"
 #include "models/dsa_kernels.h"
+#include <cub/block/block_reduce.cuh>
+
 #include "cuda/common.cuh"
 #include "cuda/radix_select.cuh"
+#include "cuda/wgmma.cuh"
 #include "sparsepage/models/dsa.h"
 
 namespace sparsepage {
@@ -69,19 +74,28 @@ size_t score_smem_bytes(int32_t heads, int32_t dim) {
 // ---- workspace --------------------------------------------------------------
 
 // Byte offsets inside the caller's workspace; the first `cleared` bytes are
-// zeroed by every launch.
+// zeroed by every launch. Scores and candidates have a row pitch of whole
+// slices, so a slice is always inside its row.
 struct Workspace {
-  size_t hist, hist2, cand_count, cleared, bitmap, scores, candidates, total;
-  int64_t words;  // bitmap words per sequence
+  size_t hist, hist2, cand_count, done, slice_kept, cleared, cut, bitmap, scores, candidates, total;
+  int64_t words;   // bitmap words per sequence
+  int64_t slices;  // kSlice-position slices per sequence
+  int64_t pitch;   // slices * kSlice
   Workspace(int32_t batch, int64_t max_kv_len) {
     const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t b = static_cast<size_t>(batch), n = static_cast<size_t>(max_kv_len);
+    const size_t b = static_cast<size_t>(batch);
     words = (max_kv_len + 31) / 32;
+    slices = (max_kv_len + kSlice - 1) / kSlice;
+    pitch = slices * kSlice;
+    const size_t n = static_cast<size_t>(pitch);
     hist = 0;
     hist2 = up(hist + b * kBins * sizeof(int32_t));
     cand_count = up(hist2 + b * kBins * sizeof(int32_t));
-    cleared = up(cand_count + b * sizeof(int32_t));
-    bitmap = cleared;
+    done = up(cand_count + b * sizeof(int32_t));
+    slice_kept = up(done + b * sizeof(int32_t));
+    cleared = up(slice_kept + b * static_cast<size_t>(slices) * sizeof(int32_t));
+    cut = cleared;
+    bitmap = up(cut + b * sizeof(uint64_t));
     scores = up(bitmap + b * static_cast<size_t>(words) * sizeof(uint32_t));
     candidates = up(scores + b * n * sizeof(float));
     total = candidates + b * n * sizeof(uint64_t);
@@ -94,8 +108,10 @@ struct IndexerParams {
   const float* weights;    // [batch, heads]
   const int32_t* kv_lens;  // [batch], device
   int64_t row_stride, capacity;
-  int64_t pitch;           // max_kv_len: row pitch of scores and candidates
+  int64_t max_kv_len;      // the host bound the grids are sized for
+  int64_t pitch;           // row pitch of scores and candidates (whole slices)
   int64_t words;           // bitmap words per sequence
+  int64_t slices;          // kSlice-position slices per sequence
   int32_t key_offset, heads, dim, topk;
   int32_t tiles_per_cta;
   int32_t position_bits;   // bits of a position below max_kv_len
@@ -105,6 +121,9 @@ struct IndexerParams {
   uint32_t* bitmap;        // [batch, words]
   float* scores;           // [batch, pitch]
   uint64_t* candidates;    // [batch, pitch]
+  int32_t* done;           // [batch]: classify CTAs finished (the last one picks the cut)
+  int32_t* slice_kept;     // [batch, slices]: kept positions per slice
+  uint64_t* cut;           // [batch]: the smallest kept (score key, position) composite
   int32_t* positions;      // out [batch, topk]
   int32_t* counts;         // out [batch]
 };
@@ -254,6 +273,197 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     }
   }
   cuda::cp_async_wait<0>();  // no copy may still target shared memory at exit
+}
+
+// ---- 1b. scores on warpgroup MMAs -------------------------------------------
+
+// One warpgroup per CTA computes S = K Q^T for 64 positions x 64 index heads
+// per wgmma chain (M = positions, N = heads, K = the index head dim), both
+// operands K-major in 128-byte swizzled shared tiles: a slab holds 64 rows x
+// 64 columns, row r at bytes [128 r, 128 r + 128) with its 16-byte pieces
+// permuted by piece ^ (r % 8). Each thread's accumulator rows are two
+// positions and its columns 16 heads, so the weighted ReLU sum over heads is
+// 32 fused multiply-adds and two quad shuffles: no cross-warp reduction.
+// The CTAs of a sequence split its live tiles evenly (read on the device),
+// the grid is one wave, and each CTA keeps a shared histogram that it adds
+// to the sequence's histogram once at the end.
+constexpr int kWgThreads = 128;
+constexpr int kWgTokens = 64;     // wgmma M
+constexpr int kWgHeads = 64;      // wgmma N: heads per chunk
+constexpr int kWgStages = 4;      // three tiles in flight while one is scored
+constexpr int kSlabBytes = 64 * 128;
+
+struct WgLayout {  // byte offsets from the 1024-aligned base
+  int slabs, chunks;
+  size_t q, keys, weights, hist, bytes;
+  __host__ __device__ WgLayout(int heads, int dim) {
+    slabs = (dim + 63) / 64;
+    chunks = (heads + kWgHeads - 1) / kWgHeads;
+    q = 0;
+    keys = q + static_cast<size_t>(chunks) * slabs * kSlabBytes;
+    weights = keys + static_cast<size_t>(kWgStages) * slabs * kSlabBytes;
+    hist = weights + static_cast<size_t>(chunks) * kWgHeads * sizeof(float);
+    bytes = hist + kBins * sizeof(int32_t);
+  }
+  size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
+};
+
+// Shared byte offset of 16-byte piece `piece` (columns 8 piece ..) of row r
+// in a stack of swizzled slabs.
+__device__ __forceinline__ uint32_t slab_offset(int r, int piece) {
+  return static_cast<uint32_t>((piece >> 3) * kSlabBytes + r * 128 + (((piece & 7) ^ (r & 7)) << 4));
+}
+
+#define DSA_WGMMA_N64_OUTS \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define DSA_WGMMA_N64(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+
+// D[64x64] (+)= A[64x16] B[64x16]^T, A and B K-major.
+template <typename T>
+__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (cuda::ElemTraits<T>::kBF16) {
+    asm volatile(DSA_WGMMA_N64("bf16") : DSA_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(DSA_WGMMA_N64("f16") : DSA_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  }
+}
+#undef DSA_WGMMA_N64_OUTS
+#undef DSA_WGMMA_N64
+
+// d = keys (64 positions) . queries (64 heads) over the k-steps of 16
+// columns: kKSteps of them, or `ksteps` when kKSteps is 0 (a head dim other
+// than 128; the runtime loop makes ptxas serialize the chain).
+template <typename T, int kKSteps>
+__device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int ksteps, float (&d)[32]) {
+  const uint64_t kd = cuda::wgmma::desc_sw128(keys, 16, 1024);
+  const uint64_t qd = cuda::wgmma::desc_sw128(queries, 16, 1024);
+  cuda::wgmma::fence();
+  if constexpr (kKSteps > 0) {
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      // k-step kk: slab kk / 4, 32 bytes per step inside the 128-byte row.
+      const uint64_t off = static_cast<uint64_t>(((kk >> 2) * kSlabBytes + (kk & 3) * 32) >> 4);
+      mma_m64n64k16<T>(d, kd + off, qd + off, kk > 0);
+    }
+  } else {
+    for (int kk = 0; kk < ksteps; ++kk) {
+      const uint64_t off = static_cast<uint64_t>(((kk >> 2) * kSlabBytes + (kk & 3) * 32) >> 4);
+      mma_m64n64k16<T>(d, kd + off, qd + off, kk > 0);
+    }
+  }
+  cuda::wgmma::commit();
+  cuda::wgmma::wait<0>();
+  cuda::wgmma::pin(d);
+}
+
+template <typename T, int kKSteps>
+__global__ void __launch_bounds__(kWgThreads) dsa_score_wgmma_kernel(const __grid_constant__ IndexerParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.y;
+  const int64_t len = p.kv_lens[b];
+  if (len <= p.topk) return;  // the window fits the top-k: nothing to score
+  const int64_t tiles = (len + kWgTokens - 1) / kWgTokens;
+  const int64_t per = (tiles + gridDim.x - 1) / gridDim.x;
+  const int64_t tile0 = int64_t{blockIdx.x} * per;
+  const int64_t ntiles = min(per, tiles - tile0);
+  if (ntiles <= 0) return;
+  const WgLayout L(p.heads, p.dim);
+  const uint32_t raw = cuda::smem_u32(smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* gen = smem + (base - raw);
+  float* w_s = reinterpret_cast<float*>(gen + L.weights);
+  int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L.hist);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int pieces = p.dim / 8;  // 16-byte pieces per key or query row
+
+  // The queries of every head chunk (padded heads zero), in the first copy group.
+  const T* q = static_cast<const T*>(p.q_index) + int64_t{b} * p.heads * p.dim;
+  for (int i = tid; i < L.chunks * kWgHeads * pieces; i += kWgThreads) {
+    const int h = i / pieces, piece = i % pieces;
+    const bool live = h < p.heads;
+    cuda::cp_async_16(base + L.q + (h / kWgHeads) * L.slabs * kSlabBytes + slab_offset(h % kWgHeads, piece),
+                      live ? q + h * p.dim + piece * 8 : q, live);
+  }
+  for (int h = tid; h < L.chunks * kWgHeads; h += kWgThreads) {
+    w_s[h] = h < p.heads ? p.weights[int64_t{b} * p.heads + h] : 0.0f;
+  }
+  for (int i = tid; i < kBins; i += kWgThreads) hist_s[i] = 0;
+
+  const T* seq = static_cast<const T*>(p.k_cache) + int64_t{b} * p.capacity * p.row_stride + p.key_offset;
+  const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L.keys + (i % kWgStages) * L.slabs * kSlabBytes); };
+  // The index keys of this CTA's tile i into its stage (one copy group per
+  // call, empty past the CTA's tiles); positions past the window are zeros.
+  const auto load_tile = [&](int64_t i) {
+    if (i < ntiles) {
+      const int64_t t0 = (tile0 + i) * kWgTokens;
+      const uint32_t stage = stage_of(i);
+      for (int idx = tid; idx < kWgTokens * pieces; idx += kWgThreads) {
+        const int r = idx / pieces, piece = idx % pieces;
+        const bool live = t0 + r < len;
+        cuda::cp_async_16(stage + slab_offset(r, piece), seq + (live ? (t0 + r) * p.row_stride : 0) + piece * 8, live);
+      }
+    }
+    cuda::cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kWgStages - 1; ++s) load_tile(s);
+
+  float* out = p.scores + int64_t{b} * p.pitch;
+  for (int64_t i = 0; i < ntiles; ++i) {
+    cuda::cp_async_wait<kWgStages - 2>();  // tile i (and the queries) landed for this thread
+    cuda::wgmma::fence_proxy_async();      // ... and is visible to the tensor cores' reads
+    __syncthreads();                       // for every thread; the stage of tile i - 1 is free
+    load_tile(i + kWgStages - 1);
+    float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
+    for (int c = 0; c < L.chunks; ++c) {
+      float d[32];
+      score_chunk<T, kKSteps>(stage_of(i), base + static_cast<uint32_t>(L.q + c * L.slabs * kSlabBytes), p.dim / 16, d);
+      // d[4j + e] is head 8j + 2 (lane % 4) + e at the first row, d[4j + 2 + e] at the second.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int h = c * kWgHeads + 8 * j + 2 * (lane % 4) + e;
+          // Padded heads are never added: a zero query against an inf key
+          // is NaN, which the CPU rule (which has no such head) would not see.
+          if (h < p.heads) {
+            const float w = w_s[h];
+            part[0] += w * relu_keep_nan(d[4 * j + e]);
+            part[1] += w * relu_keep_nan(d[4 * j + 2 + e]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
+    }
+    // Lane 4g writes the first row of group g, lane 4g + 1 the second.
+    const int q4 = lane % 4;
+    const int64_t t = (tile0 + i) * kWgTokens + warp * 16 + lane / 4 + (q4 == 1 ? 8 : 0);
+    const bool live = q4 < 2 && t < len;
+    const float s = q4 == 1 ? part[1] : part[0];
+    if (live) out[t] = s;
+    const uint32_t bin = live ? cuda::score_key(s) >> kLowKeyBits : 0xFFFFFFFFu;
+    const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+    if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[bin], __popc(peers));
+  }
+  cuda::cp_async_wait<0>();  // no copy may still target shared memory at exit
+  __syncthreads();           // every position is in the shared histogram
+  int32_t* hist = p.hist + int64_t{b} * kBins;
+  for (int i = tid; i < kBins; i += kWgThreads) {
+    const int32_t v = hist_s[i];
+    if (v != 0) atomicAdd(&hist[i], v);
+  }
 }
 
 // ---- 2. the threshold bin and the filter ------------------------------------
@@ -441,6 +651,217 @@ __global__ void __launch_bounds__(kFinishThreads) dsa_finish_kernel(const __grid
   if (threadIdx.x == 0) p.counts[b] = p.topk;
 }
 
+// ---- 2b/3b. classify, cut and compact ---------------------------------------
+
+// The rule "keep the top k of (score key, position), ties to the lower
+// position" is one comparison once the k-th largest composite C is known:
+// position t is kept iff (key(t) << P | (2^P - 1 - t)) >= C. So:
+//   classify (kSlice positions per CTA): finds the threshold bin T of the
+//     coarse histogram, adds the slice's count of keys above T to
+//     slice_kept, and appends the keys in T as candidates. The last CTA of a
+//     sequence to finish (an arrival counter) picks C from the candidates:
+//     a histogram of their next 12 key bits in shared memory, the fine bin
+//     holding the wanted-th largest, a radix select inside it; it adds the
+//     kept candidates to their slices' counts.
+//   compact (kSlice positions per CTA): offset = the kept count of the
+//     earlier slices; each thread tests its 8 consecutive positions against
+//     C, and a block scan gives every kept position its slot.
+constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
+constexpr int kCompactThreads = kSlice / 8;
+
+struct CutStorage {
+  int32_t hist[kBins];  // the candidates' fine histogram
+  uint64_t items[kCutItems];
+  cuda::RadixSelect<kFilterThreads>::Storage select;
+  typename cub::BlockScan<int32_t, kFilterThreads>::TempStorage scan;
+  int32_t bin[2];
+  int32_t fine_count;
+  unsigned long long min_kept;
+};
+
+// Adds one kept candidate to its slice's count: one atomic per distinct slice
+// among the converged lanes (a classify CTA's candidates are contiguous in
+// the list, so neighbours mostly share a slice).
+__device__ __forceinline__ void count_in_slice(int32_t* slice_kept, int64_t t) {
+  const int64_t s = t / kSlice;
+  const uint32_t peers = __match_any_sync(__activemask(), static_cast<uint32_t>(s));
+  if (static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&slice_kept[s], __popc(peers));
+}
+
+// The last classify CTA of sequence b: the cut C and the candidates' slice
+// counts. `above` keys lie in bins above the threshold bin `threshold`.
+__device__ void pick_cut(const IndexerParams& p, int b, uint32_t threshold, int32_t above, CutStorage& sh) {
+  using Select = cuda::RadixSelect<kFilterThreads>;
+  const int tid = threadIdx.x;
+  const int32_t n = __ldcg(&p.cand_count[b]);
+  const int32_t wanted = p.topk - above;  // from the threshold bin: 1 <= wanted <= n
+  const uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
+  int32_t* slice_kept = p.slice_kept + int64_t{b} * p.slices;
+  const int fine_shift = p.position_bits + (kLowKeyBits - kBinBits);  // composite bits below the fine bin
+  const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+  const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
+  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
+  const auto position_of = [&](uint64_t x) { return static_cast<int64_t>(low - (x & low)); };
+
+  for (int i = tid; i < kBins; i += kFilterThreads) sh.hist[i] = 0;
+  if (tid == 0) {
+    sh.fine_count = 0;
+    sh.min_kept = ~0ull;
+  }
+  __syncthreads();
+  for (int32_t i = tid; i < n; i += kFilterThreads) atomicAdd(&sh.hist[fine_of(__ldcg(&cands[i]))], 1);
+  __syncthreads();
+  find_threshold_bin<kFilterThreads>(sh.hist, wanted, sh.scan, sh.bin);
+  const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
+  const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
+  const int32_t fine_n = sh.hist[fine_bin];
+  const bool in_smem = fine_n <= kCutItems;
+  // Candidates of higher fine bins are kept outright; the fine bin's are gathered.
+  for (int32_t i = tid; i < n; i += kFilterThreads) {
+    const uint64_t x = __ldcg(&cands[i]);
+    const uint32_t fine = fine_of(x);
+    if (fine > fine_bin) count_in_slice(slice_kept, position_of(x));
+    if (fine == fine_bin && in_smem) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
+  }
+  __syncthreads();
+  const auto keep = [&](uint64_t x) {
+    count_in_slice(slice_kept, position_of(x));
+    atomicMin(&sh.min_kept, static_cast<unsigned long long>(x));
+  };
+  if (in_smem) {
+    const cuda::RadixCut cut =
+        Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
+    for (int32_t i = tid; i < fine_n; i += kFilterThreads) {
+      if (cut.keeps(sh.items[i] & fine_mask)) keep(sh.items[i]);
+    }
+  } else {  // a wide tie (e.g. many equal scores): rank every candidate from global memory
+    const cuda::RadixCut cut = Select::run([&](int32_t i) { return __ldcg(&cands[i]); }, n, wanted,
+                                           kLowKeyBits + p.position_bits, sh.select);
+    for (int32_t i = tid; i < n; i += kFilterThreads) {
+      const uint64_t x = __ldcg(&cands[i]);
+      if (fine_of(x) == fine_bin && cut.keeps(x)) keep(x);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) p.cut[b] = (static_cast<uint64_t>(threshold) << (kLowKeyBits + p.position_bits)) | sh.min_kept;
+}
+
+__global__ void __launch_bounds__(kFilterThreads) dsa_classify_kernel(const __grid_constant__ IndexerParams p) {
+  using Reduce = cub::BlockReduce<int32_t, kFilterThreads>;
+  constexpr int kWordsPerWarp = kSlice / 32 / (kFilterThreads / 32);
+  __shared__ CutStorage sh;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ int32_t bin[2];
+  __shared__ int32_t last;
+  const int b = blockIdx.y;
+  const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
+  const int64_t first = int64_t{blockIdx.x} * kSlice;
+  if (len <= p.topk || first >= len) return;
+  cuda::pdl_launch_dependents();  // the compaction may be scheduled; it waits for this grid
+  cuda::pdl_wait_primary();       // the scores and the histogram are complete and visible
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t w_first = first + int64_t{warp} * kWordsPerWarp * 32;
+  const float* s = p.scores + int64_t{b} * p.pitch;
+  float v[kWordsPerWarp];
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    const int64_t t = w_first + e * 32 + lane;
+    v[e] = t < len ? s[t] : 0.0f;
+  }
+  find_threshold_bin<kFilterThreads>(p.hist + int64_t{b} * kBins, p.topk, sh.scan, bin);
+  const uint32_t threshold = static_cast<uint32_t>(bin[0]);
+  uint32_t cand[kWordsPerWarp];
+  int32_t above = 0, total = 0;
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    const int64_t t = w_first + e * 32 + lane;
+    const uint32_t key_bin = cuda::score_key(v[e]) >> kLowKeyBits;
+    const bool live = t < len;
+    above += __popc(__ballot_sync(0xffffffffu, live && key_bin > threshold));
+    cand[e] = __ballot_sync(0xffffffffu, live && key_bin == threshold);
+    total += __popc(cand[e]);
+  }
+  // One atomic per warp reserves its candidates' slots.
+  int32_t slot = 0;
+  if (lane == 0 && total > 0) slot = atomicAdd(&p.cand_count[b], total);
+  slot = __shfl_sync(0xffffffffu, slot, 0);
+  uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    if ((cand[e] >> lane) & 1u) {
+      const int64_t t = w_first + e * 32 + lane;
+      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] = candidate_composite(cuda::score_key(v[e]), t, p.position_bits);
+    }
+    slot += __popc(cand[e]);
+  }
+  const int32_t slice_above = Reduce(reduce).Sum(lane == 0 ? above : 0);
+  if (threadIdx.x == 0 && slice_above > 0) atomicAdd(&p.slice_kept[int64_t{b} * p.slices + blockIdx.x], slice_above);
+  // Arrival: the last CTA of the sequence sees every other CTA's candidates.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int32_t active = static_cast<int32_t>((len + kSlice - 1) / kSlice);
+    last = atomicAdd(&p.done[b], 1) == active - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  pick_cut(p, b, threshold, bin[1], sh);
+}
+
+__global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __grid_constant__ IndexerParams p) {
+  using Scan = cub::BlockScan<int32_t, kCompactThreads>;
+  using Reduce = cub::BlockReduce<int32_t, kCompactThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } tmp;
+  __shared__ int32_t offset;
+  const int b = blockIdx.y;
+  const int64_t len = p.kv_lens[b];
+  cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
+  int32_t* out = p.positions + int64_t{b} * p.topk;
+  if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
+    if (blockIdx.x == 0) {
+      for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = i < len ? i : -1;
+      if (threadIdx.x == 0) p.counts[b] = static_cast<int32_t>(len);
+    }
+    return;
+  }
+  const int64_t first = int64_t{blockIdx.x} * kSlice;
+  if (first >= len) return;
+  cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
+  const uint64_t cut = p.cut[b];
+  int32_t before = 0;
+  for (int64_t s = threadIdx.x; s < blockIdx.x; s += kCompactThreads) before += p.slice_kept[int64_t{b} * p.slices + s];
+  before = Reduce(tmp.reduce).Sum(before);
+  if (threadIdx.x == 0) offset = before;
+  __syncthreads();  // the reduce storage is free for the scan
+  const int64_t t0 = first + 8 * int64_t{threadIdx.x};
+  const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // inside the row: whole slices
+  const float4 lo = src[0], hi = src[1];
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
+  uint32_t keep = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t t = t0 + j;
+    const uint64_t x = (static_cast<uint64_t>(cuda::score_key(v[j])) << p.position_bits) | (low - static_cast<uint64_t>(t));
+    if (t < len && x >= cut) keep |= 1u << j;
+  }
+  int32_t slot;
+  Scan(tmp.scan).ExclusiveSum(__popc(keep), slot);
+  slot += offset;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if ((keep >> j) & 1u) {
+      if (slot < p.topk) out[slot] = static_cast<int32_t>(t0 + j);
+      ++slot;
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.counts[b] = p.topk;
+}
+
 // ---- launch -----------------------------------------------------------------
 
 // Tiles per CTA: the grid is about one wave of resident CTAs (shared
@@ -458,9 +879,9 @@ template <typename T, int kKTiles>
 void launch_scores(IndexerParams p, int32_t batch, cudaStream_t stream) {
   const size_t smem = score_smem_bytes(p.heads, p.dim);
   cuda::configure_smem_once(dsa_score_kernel<T, kKTiles>, 227 * 1024);
-  p.tiles_per_cta = tiles_per_cta(p.pitch, batch, smem);
+  p.tiles_per_cta = tiles_per_cta(p.max_kv_len, batch, smem);
   const int64_t per_cta = int64_t{kTileTokens} * p.tiles_per_cta;
-  const dim3 grid(static_cast<unsigned>((p.pitch + per_cta - 1) / per_cta), static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>((p.max_kv_len + per_cta - 1) / per_cta), static_cast<unsigned>(batch));
   dsa_score_kernel<T, kKTiles><<<grid, kScoreThreads, smem, stream>>>(p);
   SP_CUDA_CHECK_LAUNCH();
 }
@@ -474,6 +895,51 @@ void launch_scores(const IndexerParams& p, int32_t batch, cudaStream_t stream) {
   } else {
     launch_scores<T, kMaxIndexHeadDim / 16>(p, batch, stream);
   }
+}
+
+// The wgmma score grid: per sequence, an equal share of one wave of
+// resident CTAs (at least one), never more CTAs than tiles.
+template <typename T, int kKSteps>
+void launch_scores_wgmma(const IndexerParams& p, int32_t batch, int32_t ctas_per_sm, cudaStream_t stream) {
+  const size_t smem = WgLayout(p.heads, p.dim).smem_bytes();
+  cuda::configure_smem_once(dsa_score_wgmma_kernel<T, kKSteps>, 227 * 1024);
+  const int64_t fit = std::clamp<int64_t>(static_cast<int64_t>((228 * 1024) / (smem + 1024)), 1, 4);
+  const int64_t wave = std::min<int64_t>(fit, ctas_per_sm) * cuda_multiprocessor_count();
+  const int64_t tiles = (p.max_kv_len + kWgTokens - 1) / kWgTokens;
+  const int64_t per_sequence = std::clamp<int64_t>(wave / batch, 1, tiles);
+  const dim3 grid(static_cast<unsigned>(per_sequence), static_cast<unsigned>(batch));
+  dsa_score_wgmma_kernel<T, kKSteps><<<grid, kWgThreads, smem, stream>>>(p);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_scores_wgmma(const IndexerParams& p, int32_t batch, int32_t ctas_per_sm, cudaStream_t stream) {
+  // The production head dim (128) gets an unrolled k-chain; others loop.
+  if (p.dim == 128) {
+    launch_scores_wgmma<T, 8>(p, batch, ctas_per_sm, stream);
+  } else {
+    launch_scores_wgmma<T, 0>(p, batch, ctas_per_sm, stream);
+  }
+}
+
+// MEASUREMENT ONLY (removed once a variant is chosen): which score kernel
+// and which top-k run, from SPARSEPAGE_DSA_INDEXER_VARIANT = 0 (mma.sync
+// scores, filter + finish), 1 (wgmma scores, filter + finish), 2 (mma.sync
+// scores, classify + compact), 3 (wgmma scores, classify + compact; the
+// default), and the wgmma grid's CTAs per SM from SPARSEPAGE_DSA_SCORE_CTAS_PER_SM.
+struct Variant {
+  bool wgmma = true, compact = true;
+  int32_t ctas_per_sm = 2;
+};
+Variant variant() {
+  Variant v;
+  if (const char* e = std::getenv("SPARSEPAGE_DSA_INDEXER_VARIANT")) {
+    const int x = std::atoi(e);
+    v.wgmma = (x & 1) != 0;
+    v.compact = (x & 2) != 0;
+  }
+  if (const char* e = std::getenv("SPARSEPAGE_DSA_SCORE_CTAS_PER_SM")) v.ctas_per_sm = std::max(1, std::atoi(e));
+  return v;
 }
 
 void require(bool ok, const std::string& message) {
@@ -510,7 +976,8 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   require(a.workspace != nullptr && a.workspace_bytes >= ws.total,
           "the workspace holds " + std::to_string(a.workspace_bytes) + " bytes, dsa_indexer_workspace_bytes asks for " +
               std::to_string(ws.total));
-  const size_t smem = score_smem_bytes(c.index_heads, c.index_head_dim);
+  const size_t smem = std::max(score_smem_bytes(c.index_heads, c.index_head_dim),
+                               WgLayout(c.index_heads, c.index_head_dim).smem_bytes());
   require(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) + " with index_head_dim = " +
                                   std::to_string(c.index_head_dim) + " needs " + std::to_string(smem) +
                                   " bytes of shared memory (max 232448)");
@@ -522,8 +989,10 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.kv_lens = a.kv_lens;
   p.row_stride = int64_t{c.latent_dim} + c.index_head_dim;
   p.capacity = a.capacity;
-  p.pitch = a.max_kv_len;
+  p.max_kv_len = a.max_kv_len;
+  p.pitch = ws.pitch;
   p.words = ws.words;
+  p.slices = ws.slices;
   p.key_offset = c.latent_dim;
   p.heads = c.index_heads;
   p.dim = c.index_head_dim;
@@ -536,23 +1005,41 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.bitmap = reinterpret_cast<uint32_t*>(base + ws.bitmap);
   p.scores = reinterpret_cast<float*>(base + ws.scores);
   p.candidates = reinterpret_cast<uint64_t*>(base + ws.candidates);
+  p.done = reinterpret_cast<int32_t*>(base + ws.done);
+  p.slice_kept = reinterpret_cast<int32_t*>(base + ws.slice_kept);
+  p.cut = reinterpret_cast<uint64_t*>(base + ws.cut);
   p.positions = a.positions;
   p.counts = a.counts;
   auto s = static_cast<cudaStream_t>(stream);
+  const Variant v = variant();
+  const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
     SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
-    if (a.dtype == DType::kBF16) {
+    if (v.wgmma) {
+      if (a.dtype == DType::kBF16) {
+        launch_scores_wgmma<__nv_bfloat16>(p, batch, v.ctas_per_sm, s);
+      } else {
+        launch_scores_wgmma<__half>(p, batch, v.ctas_per_sm, s);
+      }
+    } else if (a.dtype == DType::kBF16) {
       launch_scores<__nv_bfloat16>(p, batch, s);
     } else {
       launch_scores<__half>(p, batch, s);
     }
-    // The filter and the finish are programmatic dependent launches: each
-    // grid is scheduled while the one before drains and waits for its writes.
-    const dim3 grid(static_cast<unsigned>((a.max_kv_len + kSlice - 1) / kSlice), static_cast<unsigned>(batch));
-    cuda::launch_with_pdl(dsa_filter_kernel, grid, dim3(kFilterThreads), 0, s, p);
-    cuda::launch_with_pdl(dsa_finish_kernel, dim3(static_cast<unsigned>(batch)), dim3(kFinishThreads), 0, s, p);
-  } else {
+    // The top-k kernels are programmatic dependent launches: each grid is
+    // scheduled while the one before drains and waits for its writes.
+    if (v.compact) {
+      cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kFilterThreads), 0, s, p);
+      cuda::launch_with_pdl(dsa_compact_kernel, slices, dim3(kCompactThreads), 0, s, p);
+    } else {
+      cuda::launch_with_pdl(dsa_filter_kernel, slices, dim3(kFilterThreads), 0, s, p);
+      cuda::launch_with_pdl(dsa_finish_kernel, dim3(static_cast<unsigned>(batch)), dim3(kFinishThreads), 0, s, p);
+    }
+  } else if (v.compact) {
     // Nothing of ours ran before: a plain launch, ordered after all earlier work.
+    dsa_compact_kernel<<<slices, kCompactThreads, 0, s>>>(p);
+    SP_CUDA_CHECK_LAUNCH();
+  } else {
     dsa_finish_kernel<<<batch, kFinishThreads, 0, s>>>(p);
     SP_CUDA_CHECK_LAUNCH();
   }
