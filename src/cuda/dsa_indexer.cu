@@ -18,10 +18,12 @@
 // Ties go to the lower position and NaN ranks last through the composite
 // (radix_select.cuh). The classify and compact kernels are programmatic
 // dependent launches. Nothing here allocates, synchronizes or reads back.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -63,7 +65,7 @@ constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory;
 // queries of every head chunk, the key stages, the weights, the histogram.
 struct ScoreLayout {
   int slabs, chunks;
-  size_t q, keys, weights, hist, bytes;
+  size_t q, keys, weights, hist, barriers, bytes;
   __host__ __device__ ScoreLayout(int heads, int dim) {
     slabs = (dim + 63) / 64;
     chunks = (heads + kHeadChunk - 1) / kHeadChunk;
@@ -71,7 +73,8 @@ struct ScoreLayout {
     keys = q + static_cast<size_t>(chunks) * slabs * kSlabBytes;
     weights = keys + static_cast<size_t>(kStages) * slabs * kSlabBytes;
     hist = weights + static_cast<size_t>(chunks) * kHeadChunk * sizeof(float);
-    bytes = hist + kBins * sizeof(int32_t);
+    barriers = hist + kBins * sizeof(int32_t);
+    bytes = barriers + kStages * sizeof(uint64_t);
   }
   size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
 };
@@ -104,6 +107,7 @@ struct Workspace {
 };
 
 struct IndexerParams {
+  CUtensorMap keys;        // the index keys for TMA (key_tensor_map); unset when loaded by cp.async
   const void* k_cache;     // [batch * capacity, row_stride]; index key at columns key_offset .. key_offset + dim
   const void* q_index;     // [batch, heads, dim]
   const float* weights;    // [batch, heads]
@@ -111,7 +115,7 @@ struct IndexerParams {
   int64_t row_stride, capacity;
   int64_t pitch;           // row pitch of scores and candidates (whole slices)
   int64_t slices;          // kSlice-position slices per sequence
-  int32_t key_offset, heads, dim, topk;
+  int32_t batch, key_offset, heads, dim, topk;
   int32_t position_bits;   // bits of a position below max_kv_len
   int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
   int32_t* cand_count;     // [batch]
@@ -123,6 +127,40 @@ struct IndexerParams {
   int32_t* positions;      // out [batch, topk]
   int32_t* counts;         // out [batch]
 };
+
+// ---- tensor-memory-access copies ---------------------------------------------
+
+// A CTA's key tiles can arrive by the tensor memory accelerator: one thread
+// issues a 64-row x 64-column box per slab, the hardware writes it in the
+// 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until phase `parity` of the barrier has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
+// complete on `bar`. Out-of-bounds elements arrive as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
 
 // ---- 1. scores on warpgroup MMAs --------------------------------------------
 
@@ -185,8 +223,9 @@ __device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int
 // shuffles, with no cross-warp reduction. The CTAs of a sequence split its
 // live tiles evenly (the length is read on the device) and each CTA keeps a
 // shared histogram that it adds to the sequence's once, at the end.
-template <typename T, int kKSteps>
-__global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_constant__ IndexerParams p) {
+template <typename T, int kKSteps, bool kTma>
+__global__ void __launch_bounds__(kScoreThreads)
+    dsa_score_kernel(const __grid_constant__ IndexerParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.y;
   const int64_t len = p.kv_lens[b];
@@ -203,7 +242,12 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   float* w_s = reinterpret_cast<float*>(gen + L.weights);
   int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L.hist);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int pieces = p.dim / 8;  // 16-byte pieces per key or query row
+  const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
+  const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
+  if (kTma && tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(bars + 8 * s);
+    mbarrier_init_fence();
+  }
 
   // The queries of every head chunk (padded heads zero), in the first copy group.
   const T* q = static_cast<const T*>(p.q_index) + int64_t{b} * p.heads * p.dim;
@@ -224,26 +268,50 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   };
   // The index keys of this CTA's tile i into its stage (one copy group per
   // call, empty past the CTA's tiles); positions past the window are zeros.
+  // With TMA, thread 0 issues one box per slab (rows past the capacity are
+  // zeros; rows past the window are read but never scored).
   const auto load_tile = [&](int64_t i) {
-    if (i < ntiles) {
-      const int64_t t0 = (tile0 + i) * kTileTokens;
-      const uint32_t stage = stage_of(i);
-      for (int idx = tid; idx < kTileTokens * pieces; idx += kScoreThreads) {
-        const int r = idx / pieces, piece = idx % pieces;
-        const bool live = t0 + r < len;
-        cuda::cp_async_16(stage + slab_offset(r, piece), seq + (live ? (t0 + r) * p.row_stride : 0) + piece * 8, live);
+    if constexpr (kTma) {
+      if (tid == 0 && i < ntiles) {
+        const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
+        mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
+        for (int sl = 0; sl < L.slabs; ++sl) {
+          tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), b);
+        }
       }
+    } else {
+      if (i < ntiles) {
+        const int64_t t0 = (tile0 + i) * kTileTokens;
+        const uint32_t stage = stage_of(i);
+        for (int idx = tid; idx < kTileTokens * pieces; idx += kScoreThreads) {
+          const int r = idx / pieces, piece = idx % pieces;
+          const bool live = t0 + r < len;
+          cuda::cp_async_16(stage + slab_offset(r, piece), seq + (live ? (t0 + r) * p.row_stride : 0) + piece * 8, live);
+        }
+      }
+      cuda::cp_async_commit();
     }
-    cuda::cp_async_commit();
   };
+  if (kTma) {
+    cuda::cp_async_commit();  // the queries' group
+    __syncthreads();          // the barriers are initialised before any copy counts on them
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) load_tile(s);
+  if (kTma) {
+    cuda::cp_async_wait<0>();          // the queries landed for this thread
+    cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores (the loop's barrier: for all)
+  }
 
   float* out = p.scores + int64_t{b} * p.pitch;
   for (int64_t i = 0; i < ntiles; ++i) {
-    cuda::cp_async_wait<kStages - 2>();  // tile i (and the queries) landed for this thread
-    cuda::wgmma::fence_proxy_async();    // ... and is visible to the tensor cores' reads
-    __syncthreads();                     // for every thread; the stage of tile i - 1 is free
+    if constexpr (kTma) {
+      mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
+    } else {
+      cuda::cp_async_wait<kStages - 2>();  // tile i (and the queries) landed for this thread
+      cuda::wgmma::fence_proxy_async();    // ... and is visible to the tensor cores' reads
+    }
+    __syncthreads();  // for every thread; the stage of tile i - 1 is free
     load_tile(i + kStages - 1);
     float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
     for (int c = 0; c < L.chunks; ++c) {
@@ -281,8 +349,8 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     const uint32_t peers = __match_any_sync(0xffffffffu, bin);
     if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[bin], __popc(peers));
   }
-  cuda::cp_async_wait<0>();  // no copy may still target shared memory at exit
-  __syncthreads();           // every position is in the shared histogram
+  if (!kTma) cuda::cp_async_wait<0>();  // no copy may still target shared memory at exit
+  __syncthreads();                      // every position is in the shared histogram
   int32_t* hist = p.hist + int64_t{b} * kBins;
   for (int i = tid; i < kBins; i += kScoreThreads) {
     const int32_t v = hist_s[i];
@@ -352,6 +420,26 @@ __device__ __forceinline__ void count_in_slice(int32_t* slice_kept, int64_t t) {
   if (static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&slice_kept[s], __popc(peers));
 }
 
+// Calls f(x) for every candidate x of the list, kCandBatch loads per thread
+// in flight at a time: a loop of one load each would wait an L2 round trip
+// per iteration.
+constexpr int kCandBatch = 8;
+template <typename F>
+__device__ __forceinline__ void for_each_candidate(const uint64_t* cands, int32_t n, F f) {
+  for (int32_t first = 0; first < n; first += kClassifyThreads * kCandBatch) {
+    uint64_t x[kCandBatch];
+#pragma unroll
+    for (int u = 0; u < kCandBatch; ++u) {
+      const int32_t i = first + u * kClassifyThreads + static_cast<int32_t>(threadIdx.x);
+      x[u] = i < n ? __ldcg(&cands[i]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kCandBatch; ++u) {
+      if (first + u * kClassifyThreads + static_cast<int32_t>(threadIdx.x) < n) f(x[u]);
+    }
+  }
+}
+
 // The last classify CTA of sequence b: the cut C and the candidates' slice
 // counts. `above` keys lie in bins above the threshold bin `threshold`.
 // Second level: a histogram of the candidates' next 12 key bits; those in a
@@ -376,19 +464,18 @@ __device__ void pick_cut(const IndexerParams& p, int b, uint32_t threshold, int3
     sh.min_kept = ~0ull;
   }
   __syncthreads();
-  for (int32_t i = tid; i < n; i += kClassifyThreads) atomicAdd(&sh.hist[fine_of(__ldcg(&cands[i]))], 1);
+  for_each_candidate(cands, n, [&](uint64_t x) { atomicAdd(&sh.hist[fine_of(x)], 1); });
   __syncthreads();
   find_threshold_bin<kClassifyThreads>(sh.hist, wanted, sh.scan, sh.bin);
   const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
   const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
   const int32_t fine_n = sh.hist[fine_bin];
   const bool in_smem = fine_n <= kCutItems;
-  for (int32_t i = tid; i < n; i += kClassifyThreads) {
-    const uint64_t x = __ldcg(&cands[i]);
+  for_each_candidate(cands, n, [&](uint64_t x) {
     const uint32_t fine = fine_of(x);
     if (fine > fine_bin) count_in_slice(slice_kept, position_of(x));
     if (fine == fine_bin && in_smem) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
-  }
+  });
   __syncthreads();
   const auto keep = [&](uint64_t x) {
     count_in_slice(slice_kept, position_of(x));
@@ -403,10 +490,9 @@ __device__ void pick_cut(const IndexerParams& p, int b, uint32_t threshold, int3
   } else {  // a wide tie (e.g. many equal scores): rank every candidate from global memory
     const cuda::RadixCut cut = Select::run([&](int32_t i) { return __ldcg(&cands[i]); }, n, wanted,
                                            kLowKeyBits + p.position_bits, sh.select);
-    for (int32_t i = tid; i < n; i += kClassifyThreads) {
-      const uint64_t x = __ldcg(&cands[i]);
+    for_each_candidate(cands, n, [&](uint64_t x) {
       if (fine_of(x) == fine_bin && cut.keeps(x)) keep(x);
-    }
+    });
   }
   __syncthreads();
   if (tid == 0) p.cut[b] = (static_cast<uint64_t>(threshold) << (kLowKeyBits + p.position_bits)) | sh.min_kept;
@@ -503,6 +589,10 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   const int64_t first = int64_t{blockIdx.x} * kSlice;
   if (first >= len) return;
   cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
+  // Every read is requested before any is used: one round trip.
+  const int64_t t0 = first + 8 * int64_t{threadIdx.x};
+  const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
+  const float4 lo = src[0], hi = src[1];
   const uint64_t cut = p.cut[b];
   int32_t before = 0;
   for (int64_t s = threadIdx.x; s < int64_t{blockIdx.x}; s += kCompactThreads) {
@@ -511,9 +601,6 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   before = Reduce(tmp.reduce).Sum(before);
   if (threadIdx.x == 0) offset = before;
   __syncthreads();  // the reduce storage is free for the scan
-  const int64_t t0 = first + 8 * int64_t{threadIdx.x};
-  const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
-  const float4 lo = src[0], hi = src[1];
   const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
   const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
   uint32_t keep = 0;
@@ -538,29 +625,73 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
 
 // ---- launch -----------------------------------------------------------------
 
+// The keys as a 3-d tensor for TMA: (column, position, sequence), boxes of
+// 64 x 64 x 1 in the 128-byte swizzle. Encoded on the host at each call
+// (the pointer may change); no device work.
+CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    SP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+    if (fn == nullptr || status != cudaDriverEntryPointSuccess) throw Error("dsa_select_tokens_cuda: no cuTensorMapEncodeTiled");
+    return reinterpret_cast<Encode>(fn);
+  }();
+  const size_t row_bytes = static_cast<size_t>(p.row_stride) * 2;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.capacity),
+                              static_cast<cuuint64_t>(p.batch)};
+  const cuuint64_t strides[2] = {row_bytes, row_bytes * static_cast<cuuint64_t>(p.capacity)};
+  const cuuint32_t box[3] = {64, kTileTokens, 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  CUtensorMap map{};
+  void* start = static_cast<unsigned char*>(const_cast<void*>(p.k_cache)) + static_cast<size_t>(p.key_offset) * 2;
+  const CUresult r = encode(&map, dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            3, start, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw Error("dsa_select_tokens_cuda: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")");
+  return map;
+}
+
 // The score grid: per sequence, an equal share of one wave of resident CTAs
 // (at least one), never more CTAs than tiles. Each CTA loads the queries
 // once and streams its tiles.
-template <typename T, int kKSteps>
+template <typename T, int kKSteps, bool kTma>
 void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cudaStream_t stream) {
   const size_t smem = ScoreLayout(p.heads, p.dim).smem_bytes();
-  cuda::configure_smem_once(dsa_score_kernel<T, kKSteps>, 227 * 1024);
+  cuda::configure_smem_once(dsa_score_kernel<T, kKSteps, kTma>, 227 * 1024);
   const int64_t fit = std::clamp<int64_t>(static_cast<int64_t>((228 * 1024) / (smem + 1024)), 1, kScoreCtasPerSm);
   const int64_t wave = fit * cuda_multiprocessor_count();
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_sequence = std::clamp<int64_t>(wave / batch, 1, tiles);
   const dim3 grid(static_cast<unsigned>(per_sequence), static_cast<unsigned>(batch));
-  dsa_score_kernel<T, kKSteps><<<grid, kScoreThreads, smem, stream>>>(p);
+  dsa_score_kernel<T, kKSteps, kTma><<<grid, kScoreThreads, smem, stream>>>(p);
   SP_CUDA_CHECK_LAUNCH();
 }
 
+// MEASUREMENT ONLY: SPARSEPAGE_DSA_SCORE_TMA=0 loads the keys by cp.async
+// instead of TMA.
+bool use_tma() {
+  const char* e = std::getenv("SPARSEPAGE_DSA_SCORE_TMA");
+  return e == nullptr || std::atoi(e) != 0;
+}
+
 template <typename T>
-void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cudaStream_t stream) {
+void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
   // The production head dim (128) gets an unrolled k-chain; others loop.
-  if (p.dim == 128) {
-    launch_scores<T, 8>(p, batch, max_kv_len, stream);
+  if (use_tma()) {
+    p.keys = key_tensor_map(p, dtype);
+    if (p.dim == 128) {
+      launch_scores<T, 8, true>(p, batch, max_kv_len, stream);
+    } else {
+      launch_scores<T, 0, true>(p, batch, max_kv_len, stream);
+    }
+  } else if (p.dim == 128) {
+    launch_scores<T, 8, false>(p, batch, max_kv_len, stream);
   } else {
-    launch_scores<T, 0>(p, batch, max_kv_len, stream);
+    launch_scores<T, 0, false>(p, batch, max_kv_len, stream);
   }
 }
 
@@ -599,7 +730,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
                                   std::to_string(c.index_head_dim) + " needs " + std::to_string(smem) +
                                   " bytes of shared memory (max 232448)");
   auto* base = static_cast<unsigned char*>(a.workspace);
-  IndexerParams p;
+  IndexerParams p{};
   p.k_cache = a.k_cache;
   p.q_index = a.q_index;
   p.weights = a.weights;
@@ -608,6 +739,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.capacity = a.capacity;
   p.pitch = ws.pitch;
   p.slices = ws.slices;
+  p.batch = batch;
   p.key_offset = c.latent_dim;
   p.heads = c.index_heads;
   p.dim = c.index_head_dim;
@@ -627,9 +759,9 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
     SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
     if (a.dtype == DType::kBF16) {
-      launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, s);
+      launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, a.dtype, s);
     } else {
-      launch_scores<__half>(p, batch, a.max_kv_len, s);
+      launch_scores<__half>(p, batch, a.max_kv_len, a.dtype, s);
     }
     // Each grid is scheduled while the one before drains and waits for its writes.
     cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kClassifyThreads), 0, s, p);
