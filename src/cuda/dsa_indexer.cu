@@ -23,7 +23,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -107,7 +106,7 @@ struct Workspace {
 };
 
 struct IndexerParams {
-  CUtensorMap keys;        // the index keys for TMA (key_tensor_map); unset when loaded by cp.async
+  CUtensorMap keys;        // the index keys for TMA (key_tensor_map)
   const void* k_cache;     // [batch * capacity, row_stride]; index key at columns key_offset .. key_offset + dim
   const void* q_index;     // [batch, heads, dim]
   const float* weights;    // [batch, heads]
@@ -223,9 +222,8 @@ __device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int
 // shuffles, with no cross-warp reduction. The CTAs of a sequence split its
 // live tiles evenly (the length is read on the device) and each CTA keeps a
 // shared histogram that it adds to the sequence's once, at the end.
-template <typename T, int kKSteps, bool kTma>
-__global__ void __launch_bounds__(kScoreThreads)
-    dsa_score_kernel(const __grid_constant__ IndexerParams p) {
+template <typename T, int kKSteps>
+__global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_constant__ IndexerParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.y;
   const int64_t len = p.kv_lens[b];
@@ -244,12 +242,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
   const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
-  if (kTma && tid == 0) {
+  if (tid == 0) {
     for (int s = 0; s < kStages; ++s) mbarrier_init(bars + 8 * s);
     mbarrier_init_fence();
   }
 
-  // The queries of every head chunk (padded heads zero), in the first copy group.
+  // The queries of every head chunk (padded heads zero), by cp.async.
   const T* q = static_cast<const T*>(p.q_index) + int64_t{b} * p.heads * p.dim;
   for (int i = tid; i < L.chunks * kHeadChunk * pieces; i += kScoreThreads) {
     const int h = i / pieces, piece = i % pieces;
@@ -257,61 +255,37 @@ __global__ void __launch_bounds__(kScoreThreads)
     cuda::cp_async_16(base + L.q + (h / kHeadChunk) * L.slabs * kSlabBytes + slab_offset(h % kHeadChunk, piece),
                       live ? q + h * p.dim + piece * 8 : q, live);
   }
+  cuda::cp_async_commit();
   for (int h = tid; h < L.chunks * kHeadChunk; h += kScoreThreads) {
     w_s[h] = h < p.heads ? p.weights[int64_t{b} * p.heads + h] : 0.0f;
   }
   for (int i = tid; i < kBins; i += kScoreThreads) hist_s[i] = 0;
+  __syncthreads();  // the barriers are initialised before any copy counts on them
 
-  const T* seq = static_cast<const T*>(p.k_cache) + int64_t{b} * p.capacity * p.row_stride + p.key_offset;
   const auto stage_of = [&](int64_t i) {
     return base + static_cast<uint32_t>(L.keys + (i % kStages) * L.slabs * kSlabBytes);
   };
-  // The index keys of this CTA's tile i into its stage (one copy group per
-  // call, empty past the CTA's tiles); positions past the window are zeros.
-  // With TMA, thread 0 issues one box per slab (rows past the capacity are
-  // zeros; rows past the window are read but never scored).
+  // The index keys of this CTA's tile i: thread 0 issues one box per slab
+  // onto the stage's barrier. Rows past the capacity arrive as zeros; rows
+  // past the window are read but never scored.
   const auto load_tile = [&](int64_t i) {
-    if constexpr (kTma) {
-      if (tid == 0 && i < ntiles) {
-        const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
-        mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
-        for (int sl = 0; sl < L.slabs; ++sl) {
-          tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), b);
-        }
+    if (tid == 0 && i < ntiles) {
+      const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
+      mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
+      for (int sl = 0; sl < L.slabs; ++sl) {
+        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), b);
       }
-    } else {
-      if (i < ntiles) {
-        const int64_t t0 = (tile0 + i) * kTileTokens;
-        const uint32_t stage = stage_of(i);
-        for (int idx = tid; idx < kTileTokens * pieces; idx += kScoreThreads) {
-          const int r = idx / pieces, piece = idx % pieces;
-          const bool live = t0 + r < len;
-          cuda::cp_async_16(stage + slab_offset(r, piece), seq + (live ? (t0 + r) * p.row_stride : 0) + piece * 8, live);
-        }
-      }
-      cuda::cp_async_commit();
     }
   };
-  if (kTma) {
-    cuda::cp_async_commit();  // the queries' group
-    __syncthreads();          // the barriers are initialised before any copy counts on them
-  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) load_tile(s);
-  if (kTma) {
-    cuda::cp_async_wait<0>();          // the queries landed for this thread
-    cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores (the loop's barrier: for all)
-  }
+  cuda::cp_async_wait<0>();          // the queries landed for this thread
+  cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores (the loop's barrier: for all)
 
   float* out = p.scores + int64_t{b} * p.pitch;
   for (int64_t i = 0; i < ntiles; ++i) {
-    if constexpr (kTma) {
-      mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
-    } else {
-      cuda::cp_async_wait<kStages - 2>();  // tile i (and the queries) landed for this thread
-      cuda::wgmma::fence_proxy_async();    // ... and is visible to the tensor cores' reads
-    }
-    __syncthreads();  // for every thread; the stage of tile i - 1 is free
+    mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
+    __syncthreads();  // every thread is past tile i - 1: its stage is free
     load_tile(i + kStages - 1);
     float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
     for (int c = 0; c < L.chunks; ++c) {
@@ -349,8 +323,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     const uint32_t peers = __match_any_sync(0xffffffffu, bin);
     if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[bin], __popc(peers));
   }
-  if (!kTma) cuda::cp_async_wait<0>();  // no copy may still target shared memory at exit
-  __syncthreads();                      // every position is in the shared histogram
+  __syncthreads();  // every position is in the shared histogram (every issued tile was waited for)
   int32_t* hist = p.hist + int64_t{b} * kBins;
   for (int i = tid; i < kBins; i += kScoreThreads) {
     const int32_t v = hist_s[i];
@@ -658,40 +631,27 @@ CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype) {
 // The score grid: per sequence, an equal share of one wave of resident CTAs
 // (at least one), never more CTAs than tiles. Each CTA loads the queries
 // once and streams its tiles.
-template <typename T, int kKSteps, bool kTma>
+template <typename T, int kKSteps>
 void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cudaStream_t stream) {
   const size_t smem = ScoreLayout(p.heads, p.dim).smem_bytes();
-  cuda::configure_smem_once(dsa_score_kernel<T, kKSteps, kTma>, 227 * 1024);
+  cuda::configure_smem_once(dsa_score_kernel<T, kKSteps>, 227 * 1024);
   const int64_t fit = std::clamp<int64_t>(static_cast<int64_t>((228 * 1024) / (smem + 1024)), 1, kScoreCtasPerSm);
   const int64_t wave = fit * cuda_multiprocessor_count();
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_sequence = std::clamp<int64_t>(wave / batch, 1, tiles);
   const dim3 grid(static_cast<unsigned>(per_sequence), static_cast<unsigned>(batch));
-  dsa_score_kernel<T, kKSteps, kTma><<<grid, kScoreThreads, smem, stream>>>(p);
+  dsa_score_kernel<T, kKSteps><<<grid, kScoreThreads, smem, stream>>>(p);
   SP_CUDA_CHECK_LAUNCH();
-}
-
-// MEASUREMENT ONLY: SPARSEPAGE_DSA_SCORE_TMA=0 loads the keys by cp.async
-// instead of TMA.
-bool use_tma() {
-  const char* e = std::getenv("SPARSEPAGE_DSA_SCORE_TMA");
-  return e == nullptr || std::atoi(e) != 0;
 }
 
 template <typename T>
 void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
+  p.keys = key_tensor_map(p, dtype);
   // The production head dim (128) gets an unrolled k-chain; others loop.
-  if (use_tma()) {
-    p.keys = key_tensor_map(p, dtype);
-    if (p.dim == 128) {
-      launch_scores<T, 8, true>(p, batch, max_kv_len, stream);
-    } else {
-      launch_scores<T, 0, true>(p, batch, max_kv_len, stream);
-    }
-  } else if (p.dim == 128) {
-    launch_scores<T, 8, false>(p, batch, max_kv_len, stream);
+  if (p.dim == 128) {
+    launch_scores<T, 8>(p, batch, max_kv_len, stream);
   } else {
-    launch_scores<T, 0, false>(p, batch, max_kv_len, stream);
+    launch_scores<T, 0>(p, batch, max_kv_len, stream);
   }
 }
 
