@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -596,6 +597,182 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   if (blockIdx.x == 0 && threadIdx.x == 0) p.counts[b] = p.topk;
 }
 
+// ---- 2-3'. the whole top-k on one CTA per sequence ---------------------------
+
+// After the scores, the top-k of a sequence is a chain of dependent steps
+// (threshold bin, candidates, cut, ordered output); spread over many CTAs
+// each step costs a grid-wide round trip. One CTA of 1024 threads per
+// sequence keeps everything between the steps in shared memory:
+//   the threshold bin T from the coarse histogram;
+//   pass 1 over the scores: the keys in T become candidates (shared list)
+//     and are histogrammed by their next 12 key bits;
+//   the fine bin of the wanted-th candidate; its items (usually a handful)
+//     radix-selected; C = the smallest kept (key, position) composite;
+//   pass 2 over the scores: position t is kept iff its composite >= C; a
+//     block scan per chunk gives the kept positions their slots in order.
+// A wide tie (more than kCutItems candidates in the fine bin) selects C over
+// every position's composite instead.
+constexpr int kSelectThreads = 1024;
+constexpr int kSelectPer = 16;                               // positions per thread per chunk
+constexpr int kSelectChunk = kSelectThreads * kSelectPer;    // 16384
+constexpr int kSelectCands = 8192;                           // candidates kept in shared memory
+
+struct SelectShared {
+  int32_t fine_hist[kBins];
+  uint64_t cands[kSelectCands];
+  uint64_t items[kCutItems];
+  cuda::RadixSelect<kSelectThreads>::Storage select;
+  typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
+  int32_t bin[2];
+  int32_t n;  // candidates seen (the list holds the first kSelectCands)
+  int32_t fine_count;
+  unsigned long long min_kept;
+};
+
+// Scores of positions c0 + kSelectPer * tid .. + 15 (zeros past len; every
+// float4 that starts below len lies inside the row's whole slices).
+__device__ __forceinline__ void load_select_chunk(const float* s, int64_t c0, int64_t len, float (&v)[kSelectPer]) {
+  const int64_t t0 = c0 + int64_t{kSelectPer} * threadIdx.x;
+#pragma unroll
+  for (int q = 0; q < kSelectPer / 4; ++q) {
+    const float4 x = t0 + 4 * q < len ? *reinterpret_cast<const float4*>(s + t0 + 4 * q) : make_float4(0, 0, 0, 0);
+    v[4 * q] = x.x;
+    v[4 * q + 1] = x.y;
+    v[4 * q + 2] = x.z;
+    v[4 * q + 3] = x.w;
+  }
+}
+
+__device__ __forceinline__ uint64_t full_composite(float score, int64_t t, int bits) {
+  return (static_cast<uint64_t>(cuda::score_key(score)) << bits) | ((uint64_t{1} << bits) - 1 - t);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const __grid_constant__ IndexerParams p) {
+  using Scan = cub::BlockScan<int32_t, kSelectThreads>;
+  using Select = cuda::RadixSelect<kSelectThreads>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  SelectShared& sh = *reinterpret_cast<SelectShared*>(smem);
+  const int b = blockIdx.x, tid = threadIdx.x, lane = tid % 32;
+  const int64_t len = p.kv_lens[b];
+  cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
+  int32_t* out = p.positions + int64_t{b} * p.topk;
+  if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
+    for (int32_t i = tid; i < p.topk; i += kSelectThreads) out[i] = i < len ? i : -1;
+    if (tid == 0) p.counts[b] = static_cast<int32_t>(len);
+    return;
+  }
+  for (int i = tid; i < kBins; i += kSelectThreads) sh.fine_hist[i] = 0;
+  if (tid == 0) {
+    sh.n = 0;
+    sh.fine_count = 0;
+    sh.min_kept = ~0ull;
+  }
+  cuda::pdl_wait_primary();  // the scores and the histogram are complete and visible
+  const float* s = p.scores + int64_t{b} * p.pitch;
+  const int bits = p.position_bits;
+  const int fine_shift = bits + (kLowKeyBits - kBinBits);  // candidate bits below the fine bin
+  find_threshold_bin<kSelectThreads>(p.hist + int64_t{b} * kBins, p.topk, sh.scan, sh.bin);
+  const uint32_t threshold = static_cast<uint32_t>(sh.bin[0]);
+  const int32_t wanted = p.topk - sh.bin[1];  // from the threshold bin: >= 1
+
+  // Pass 1: the candidates, one shared atomic per warp for their slots.
+  for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
+    float v[kSelectPer];
+    load_select_chunk(s, c0, len, v);
+    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < kSelectPer; ++j) {
+      if (t0 + j < len && cuda::score_key(v[j]) >> kLowKeyBits == threshold) mine |= 1u << j;
+    }
+    const int32_t count = __popc(mine);
+    int32_t before = count;  // inclusive scan over the warp
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t x = __shfl_up_sync(0xffffffffu, before, d);
+      if (lane >= d) before += x;
+    }
+    int32_t slot = 0;
+    if (lane == 31 && before > 0) slot = atomicAdd(&sh.n, before);
+    slot = __shfl_sync(0xffffffffu, slot, 31) + before - count;
+    for (uint32_t m = mine; m != 0; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const uint64_t x = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
+      atomicAdd(&sh.fine_hist[static_cast<uint32_t>(x >> fine_shift) & (kBins - 1)], 1);
+      if (slot < kSelectCands) sh.cands[slot] = x;
+      ++slot;
+    }
+  }
+  __syncthreads();
+  const int32_t n = sh.n;
+  find_threshold_bin<kSelectThreads>(sh.fine_hist, wanted, sh.scan, sh.bin);
+  const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
+  const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
+  const int32_t fine_n = sh.fine_hist[fine_bin];
+  const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
+  uint64_t cut;  // the k-th largest composite (key << bits | 2^bits - 1 - t)
+  if (fine_n <= kCutItems) {
+    if (n <= kSelectCands) {
+      for (int32_t i = tid; i < n; i += kSelectThreads) {
+        const uint64_t x = sh.cands[i];
+        if (fine_of(x) == fine_bin) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
+      }
+    } else {  // the list overflowed: find the fine bin's candidates in the scores again
+      for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
+        float v[kSelectPer];
+        load_select_chunk(s, c0, len, v);
+        const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+#pragma unroll
+        for (int j = 0; j < kSelectPer; ++j) {
+          const uint32_t key = cuda::score_key(v[j]);
+          if (t0 + j < len && key >> kLowKeyBits == threshold) {
+            const uint64_t x = candidate_composite(key, t0 + j, bits);
+            if (fine_of(x) == fine_bin) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const cuda::RadixCut fine_cut =
+        Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
+    for (int32_t i = tid; i < fine_n; i += kSelectThreads) {
+      if (fine_cut.keeps(sh.items[i] & fine_mask)) atomicMin(&sh.min_kept, static_cast<unsigned long long>(sh.items[i]));
+    }
+    __syncthreads();
+    cut = (static_cast<uint64_t>(threshold) << (kLowKeyBits + bits)) | sh.min_kept;
+  } else {
+    // A wide tie: select over every position's composite. The cut keeps
+    // (x & mask) >= prefix with mask a run of high bits, i.e. x >= prefix.
+    const cuda::RadixCut all = Select::run([&](int32_t i) { return full_composite(s[i], i, bits); },
+                                           static_cast<int32_t>(len), p.topk, 32 + bits, sh.select);
+    cut = all.prefix;
+  }
+
+  // Pass 2: the kept positions in increasing order.
+  int32_t base = 0;
+  for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
+    float v[kSelectPer];
+    load_select_chunk(s, c0, len, v);
+    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+    uint32_t keep = 0;
+#pragma unroll
+    for (int j = 0; j < kSelectPer; ++j) {
+      if (t0 + j < len && full_composite(v[j], t0 + j, bits) >= cut) keep |= 1u << j;
+    }
+    int32_t slot, total;
+    Scan(sh.scan).ExclusiveSum(__popc(keep), slot, total);
+    slot += base;
+    for (uint32_t m = keep; m != 0; m &= m - 1) {
+      if (slot < p.topk) out[slot] = static_cast<int32_t>(t0 + __ffs(m) - 1);
+      ++slot;
+    }
+    base += total;
+    __syncthreads();  // the scan storage is reused next chunk
+  }
+  if (tid == 0) p.counts[b] = p.topk;
+}
+
 // ---- launch -----------------------------------------------------------------
 
 // The keys as a 3-d tensor for TMA: (column, position, sequence), boxes of
@@ -715,6 +892,10 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.positions = a.positions;
   p.counts = a.counts;
   auto s = static_cast<cudaStream_t>(stream);
+  // MEASUREMENT ONLY: SPARSEPAGE_DSA_TOPK=classify runs the multi-CTA top-k.
+  const char* topk_env = std::getenv("SPARSEPAGE_DSA_TOPK");
+  const bool one_cta = topk_env == nullptr || std::string(topk_env) != "classify";
+  if (one_cta) cuda::configure_smem_once(dsa_select_kernel, sizeof(SelectShared));
   const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
     SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
@@ -724,10 +905,18 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
       launch_scores<__half>(p, batch, a.max_kv_len, a.dtype, s);
     }
     // Each grid is scheduled while the one before drains and waits for its writes.
-    cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kClassifyThreads), 0, s, p);
-    cuda::launch_with_pdl(dsa_compact_kernel, slices, dim3(kCompactThreads), 0, s, p);
-  } else {
+    if (one_cta) {
+      cuda::launch_with_pdl(dsa_select_kernel, dim3(static_cast<unsigned>(batch)), dim3(kSelectThreads),
+                            sizeof(SelectShared), s, p);
+    } else {
+      cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kClassifyThreads), 0, s, p);
+      cuda::launch_with_pdl(dsa_compact_kernel, slices, dim3(kCompactThreads), 0, s, p);
+    }
+  } else if (one_cta) {
     // Nothing of ours ran before: a plain launch, ordered after all earlier work.
+    dsa_select_kernel<<<batch, kSelectThreads, sizeof(SelectShared), s>>>(p);
+    SP_CUDA_CHECK_LAUNCH();
+  } else {
     dsa_compact_kernel<<<slices, kCompactThreads, 0, s>>>(p);
     SP_CUDA_CHECK_LAUNCH();
   }

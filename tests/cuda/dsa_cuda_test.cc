@@ -271,6 +271,38 @@ TEST(DsaIndexerCuda, KeepsNaNLastNegativeScoresAndTiesAcrossSlices) {
   }
 }
 
+// More candidates share the threshold's coarse histogram bin than the
+// indexer keeps on chip (20000 positions, 4096 distinct scores in one bin,
+// each on four or five positions), over more than one 16384-position chunk:
+// the fine bin of the cut is found in the scores again, and ties at the cut
+// go to the lower positions.
+TEST(DsaIndexerCuda, ManyCandidatesInTheThresholdBin) {
+  SKIP_WITHOUT_CUDA();
+  IndexerProblem pb = make_exact_problem({4, 64, 98, 1, 20000, DType::kBF16, false}, 97);
+  std::fill(pb.q_index.begin(), pb.q_index.end(), 0.0f);
+  pb.q_index[0] = 256.0f;  // head 0: score = 256 k0 + k1, exact in bf16 and fp32
+  pb.q_index[1] = 1.0f;
+  std::fill(pb.weights.begin(), pb.weights.end(), 1.0f);
+  for (int64_t t = 0; t < pb.kv_len; ++t) {
+    const int32_t v = 32768 + int32_t(t / 2) % 4096;  // one octave, one coarse bin of 4096 values
+    std::fill_n(pb.key(0, t), 64, 0.0f);
+    pb.key(0, t)[0] = float(v / 256);
+    pb.key(0, t)[1] = float(v % 256);
+  }
+  const Rows cpu = pb.cpu();
+  expect_same_sets(pb.gpu(), cpu, pb.kv_len, "many candidates");
+  // The top 98: the 24 highest values on four positions each (t / 2 = 4095 - i
+  // and 8191 - i), then the two lowest of the 25th value's 8142, 8143, 16334, 16335.
+  std::vector<int32_t> want;
+  for (int32_t t = 0; t < 20000; ++t) {
+    if (t / 2 % 4096 >= 4096 - 24 || t == 8142 || t == 8143) want.push_back(t);
+  }
+  std::vector<int32_t> got = cpu[0];
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(want.size(), 98u);
+  EXPECT_EQ(got, want);
+}
+
 // Real-valued inputs: the sets agree except where two scores are closer than
 // fp32 summation order can resolve, and any swap sits at the threshold.
 TEST(DsaIndexerCuda, MatchesTheCpuRuleOnRealScoresUpToRounding) {
