@@ -14,6 +14,7 @@
 //      positions, padded with -1, and the count.
 // Ties go to the lower position and NaN ranks last through the composite
 // (radix_select.cuh). Nothing here allocates, synchronizes or reads back.
+#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,11 +50,13 @@ constexpr int kSlabBytes = 64 * 128;
 constexpr int kBinBits = 12;
 constexpr int kBins = 1 << kBinBits;
 constexpr int kLowKeyBits = 32 - kBinBits;
-// The top-k CTA: 1024 threads, 16 consecutive positions each per chunk.
-constexpr int kSelectThreads = 1024;
+// The top-k: one cluster of kClusterCtas CTAs per sequence, each CTA a
+// contiguous range of positions, 16 consecutive positions per thread per chunk.
+constexpr int kClusterCtas = 8;
+constexpr int kSelectThreads = 512;
 constexpr int kSelectPer = 16;
 constexpr int kSelectChunk = kSelectThreads * kSelectPer;
-constexpr int kSelectCands = 8192;  // threshold-bin candidates kept in shared memory
+constexpr int kSelectCands = 2048;  // threshold-bin candidates a CTA keeps in shared memory
 constexpr int kCutItems = 2048;     // fine-bin candidates ranked in shared memory; more: a wide tie
 constexpr int kRowAlign = 16;       // score rows start at multiples of 16 floats (float4 reads)
 
@@ -321,20 +324,17 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 // histogram narrows C to one bin; only the keys in that bin (the
 // candidates) are ranked.
 
-// The bin holding the keep-th largest key and how many keys lie in higher
-// bins, into bin_out[0], bin_out[1]. Thread t sums kBins / kThreads bins in descending
-// order; CUB's block scan gives each thread the count above it.
-template <int kThreads>
-__device__ void find_threshold_bin(const int32_t* hist, int32_t keep,
+// The bin holding the keep-th largest count and how many lie in higher
+// bins, into bin_out[0], bin_out[1], and that bin's count into bin_out[2].
+// Thread t holds the counts c of bins kBins - 1 - (t kPer + e), e < kPer
+// (descending); CUB's block scan gives each thread the count above it.
+template <int kThreads, int kPer>
+__device__ void find_threshold_bin(const int32_t (&c)[kPer], int32_t keep,
                                    typename cub::BlockScan<int32_t, kThreads>::TempStorage& scan, int32_t* bin_out) {
-  constexpr int kPer = kBins / kThreads;
-  int32_t c[kPer];
+  static_assert(kPer * kThreads == kBins, "every bin on one thread");
   int32_t sum = 0;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    c[e] = hist[kBins - 1 - (threadIdx.x * kPer + e)];
-    sum += c[e];
-  }
+  for (int e = 0; e < kPer; ++e) sum += c[e];
   int32_t before;
   cub::BlockScan<int32_t, kThreads>(scan).ExclusiveSum(sum, before);
   if (before < keep && keep <= before + sum) {
@@ -344,6 +344,7 @@ __device__ void find_threshold_bin(const int32_t* hist, int32_t keep,
       if (run < keep && keep <= run + c[e]) {
         bin_out[0] = kBins - 1 - (threadIdx.x * kPer + e);
         bin_out[1] = run;
+        bin_out[2] = c[e];
       }
       run += c[e];
     }
@@ -357,38 +358,45 @@ __device__ __forceinline__ uint64_t candidate_composite(uint32_t key, int64_t t,
 }
 
 // After the scores, the top-k of a sequence is a chain of dependent steps
-// (threshold bin, candidates, cut, ordered output). Spread over many CTAs,
-// each step would cost a grid-wide round trip; one CTA of 1024 threads per
-// sequence keeps everything between the steps in shared memory:
-//   the threshold bin T from the coarse histogram;
-//   pass 1 over the scores: the keys in T become candidates (a shared list)
-//     and are histogrammed by their next 12 key bits;
-//   the fine bin of the wanted-th candidate; its items (usually a handful)
-//     radix-selected; C = the smallest kept composite;
-//   pass 2 over the scores: position t is kept iff its composite >= C; a
-//     block scan per chunk gives the kept positions their slots in order.
-// More candidates than the list holds: the fine bin's are found in the
-// scores again. A wide tie (more than kCutItems candidates in the fine bin)
-// selects C over every position's composite instead.
+// (threshold bin, candidates, cut, ordered output). Spread over a grid,
+// each step costs a grid-wide round trip through global memory; on one CTA
+// the passes over the scores are issue-bound on one SM. A cluster of
+// kClusterCtas CTAs per sequence shares the steps through distributed shared
+// memory and hardware cluster barriers:
+//   every CTA: the threshold bin T from the coarse histogram; pass 1 over
+//     its range: the keys in T become candidates (its shared list) and are
+//     histogrammed by their next 12 key bits;                     [sync 1]
+//   every CTA: the fine bin F of the wanted-th candidate from the summed
+//     histograms; it sends its candidates in F to CTA 0            [sync 2]
+//   CTA 0: radix-selects them: C = the smallest kept composite    [sync 3]
+//   every CTA: pass 2a counts its positions whose composite >= C  [sync 4]
+//   every CTA: its offset is the count of the ranks before it; pass 2b
+//     writes its kept positions in order (a block scan per chunk).
+// A CTA whose list overflowed finds its F candidates in its scores again; a
+// wide tie (more than kCutItems candidates in F) makes CTA 0 select C over
+// every position's composite instead.
 struct SelectShared {
-  int32_t fine_hist[kBins];
-  uint64_t cands[kSelectCands];
-  uint64_t items[kCutItems];
+  int32_t fine_hist[kBins];        // this CTA's candidates' next 12 key bits
+  uint64_t cands[kSelectCands];    // this CTA's candidates (the first kSelectCands)
+  uint64_t items[kCutItems];       // CTA 0: every candidate in the fine bin F
   cuda::RadixSelect<kSelectThreads>::Storage select;
   typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
-  int32_t bin[2];
-  int32_t n;  // candidates seen (the list holds the first kSelectCands)
-  int32_t fine_count;
-  unsigned long long min_kept;
+  int32_t bin[3];
+  int32_t n;           // this CTA's candidates (may exceed kSelectCands)
+  int32_t item_count;  // CTA 0: items received
+  int32_t kept;        // this CTA's kept positions
+  int32_t offset;      // kept positions of the ranks before this CTA
+  unsigned long long min_kept;  // CTA 0
+  unsigned long long cut;       // CTA 0: the k-th largest composite
 };
 
-// Scores of positions c0 + kSelectPer * tid .. + 15 (zeros past len; a
-// float4 that starts below len lies inside the row: the pitch is a multiple of 4).
-__device__ __forceinline__ void load_select_chunk(const float* s, int64_t c0, int64_t len, float (&v)[kSelectPer]) {
-  const int64_t t0 = c0 + int64_t{kSelectPer} * threadIdx.x;
+// Scores of positions t0 .. t0 + 15, t0 = c0 + kSelectPer * tid (zeros from
+// `valid` on; a float4 that starts below len lies inside the row, whose
+// pitch is a multiple of 4).
+__device__ __forceinline__ void load_select_chunk(const float* s, int64_t t0, int valid, float (&v)[kSelectPer]) {
 #pragma unroll
   for (int q = 0; q < kSelectPer / 4; ++q) {
-    const float4 x = t0 + 4 * q < len ? *reinterpret_cast<const float4*>(s + t0 + 4 * q) : make_float4(0, 0, 0, 0);
+    const float4 x = 4 * q < valid ? *reinterpret_cast<const float4*>(s + t0 + 4 * q) : make_float4(0, 0, 0, 0);
     v[4 * q] = x.x;
     v[4 * q + 1] = x.y;
     v[4 * q + 2] = x.z;
@@ -396,48 +404,71 @@ __device__ __forceinline__ void load_select_chunk(const float* s, int64_t c0, in
   }
 }
 
-__device__ __forceinline__ uint64_t full_composite(float score, int64_t t, int bits) {
-  return (static_cast<uint64_t>(cuda::score_key(score)) << bits) | ((uint64_t{1} << bits) - 1 - t);
-}
+// The composite order as two compares: (key, position) ranks at or above
+// (cut_key, cut_t) iff the key is larger, or equal at a position no later.
+struct Cut {
+  uint32_t key;
+  int64_t t;
+  __device__ bool keeps(uint32_t k, int64_t pos) const { return k > key || (k == key && pos <= t); }
+};
 
-__global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const __grid_constant__ IndexerParams p) {
+__global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kSelectThreads, 2)
+    dsa_select_kernel(const __grid_constant__ IndexerParams p) {
+  namespace cg = cooperative_groups;
   using Scan = cub::BlockScan<int32_t, kSelectThreads>;
   using Select = cuda::RadixSelect<kSelectThreads>;
+  constexpr int kPer = kBins / kSelectThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   SelectShared& sh = *reinterpret_cast<SelectShared*>(smem);
-  const int b = blockIdx.x, tid = threadIdx.x, lane = tid % 32;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int b = blockIdx.y, tid = threadIdx.x, lane = tid % 32;
   const int64_t len = p.kv_lens[b];
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
   int32_t* out = p.positions + int64_t{b} * p.topk;
-  if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
-    for (int32_t i = tid; i < p.topk; i += kSelectThreads) out[i] = i < len ? i : -1;
-    if (tid == 0) p.counts[b] = static_cast<int32_t>(len);
+  if (len <= p.topk) {  // the window fits the top-k (the whole cluster returns): every position
+    if (rank == 0) {
+      for (int32_t i = tid; i < p.topk; i += kSelectThreads) out[i] = i < len ? i : -1;
+      if (tid == 0) p.counts[b] = static_cast<int32_t>(len);
+    }
     return;
   }
   for (int i = tid; i < kBins; i += kSelectThreads) sh.fine_hist[i] = 0;
   if (tid == 0) {
     sh.n = 0;
-    sh.fine_count = 0;
+    sh.item_count = 0;
     sh.min_kept = ~0ull;
   }
+  // This CTA's positions: [first, last), a multiple of 16 long except at the end.
+  const int64_t span = ((len + kClusterCtas - 1) / kClusterCtas + kSelectPer - 1) / kSelectPer * kSelectPer;
+  const int64_t first = min(len, int64_t{rank} * span), last = min(len, first + span);
+  const auto valid_of = [&](int64_t t0) {
+    const int64_t left = last - t0;
+    return static_cast<int>(left < 0 ? 0 : left > kSelectPer ? kSelectPer : left);
+  };
   cuda::pdl_wait_primary();  // the scores and the histogram are complete and visible
   const float* s = p.scores + int64_t{b} * p.pitch;
   const int bits = p.position_bits;
   const int fine_shift = bits + (kLowKeyBits - kBinBits);  // candidate bits below the fine bin
-  find_threshold_bin<kSelectThreads>(p.hist + int64_t{b} * kBins, p.topk, sh.scan, sh.bin);
+  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
+  int32_t c[kPer];
+  const int32_t* hist = p.hist + int64_t{b} * kBins;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) c[e] = hist[kBins - 1 - (tid * kPer + e)];
+  find_threshold_bin<kSelectThreads>(c, p.topk, sh.scan, sh.bin);
   const uint32_t threshold = static_cast<uint32_t>(sh.bin[0]);
   const int32_t wanted = p.topk - sh.bin[1];  // from the threshold bin: >= 1
 
   // Pass 1: the candidates, one shared atomic per warp for their slots.
-  for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
-    float v[kSelectPer];
-    load_select_chunk(s, c0, len, v);
+  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
     const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+    const int valid = valid_of(t0);
+    float v[kSelectPer];
+    load_select_chunk(s, t0, valid, v);
     uint32_t mine = 0;
 #pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) {
-      if (t0 + j < len && cuda::score_key(v[j]) >> kLowKeyBits == threshold) mine |= 1u << j;
-    }
+    for (int j = 0; j < kSelectPer; ++j) mine |= (cuda::score_key(v[j]) >> kLowKeyBits == threshold ? 1u : 0u) << j;
+    mine &= (1u << valid) - 1;  // valid <= 16
     const int32_t count = __popc(mine);
     int32_t before = count;  // inclusive scan over the warp
 #pragma unroll
@@ -448,72 +479,118 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const __grid
     int32_t slot = 0;
     if (lane == 31 && before > 0) slot = atomicAdd(&sh.n, before);
     slot = __shfl_sync(0xffffffffu, slot, 31) + before - count;
-    for (uint32_t m = mine; m != 0; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      const uint64_t x = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
-      atomicAdd(&sh.fine_hist[static_cast<uint32_t>(x >> fine_shift) & (kBins - 1)], 1);
-      if (slot < kSelectCands) sh.cands[slot] = x;
-      ++slot;
+#pragma unroll
+    for (int j = 0; j < kSelectPer; ++j) {
+      if ((mine >> j) & 1u) {
+        const uint64_t x = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
+        atomicAdd(&sh.fine_hist[fine_of(x)], 1);
+        if (slot < kSelectCands) sh.cands[slot] = x;
+        ++slot;
+      }
     }
   }
-  __syncthreads();
-  const int32_t n = sh.n;
-  find_threshold_bin<kSelectThreads>(sh.fine_hist, wanted, sh.scan, sh.bin);
+  cluster.sync();  // 1: every CTA's candidates and fine histogram are in place
+
+  // The fine bin, from the histograms of every CTA (each CTA finds it).
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int bin = kBins - 1 - (tid * kPer + e);
+    c[e] = 0;
+    for (int r = 0; r < kClusterCtas; ++r) c[e] += cluster.map_shared_rank(sh.fine_hist, r)[bin];
+  }
+  find_threshold_bin<kSelectThreads>(c, wanted, sh.scan, sh.bin);
   const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
   const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
-  const int32_t fine_n = sh.fine_hist[fine_bin];
-  const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
-  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
-  uint64_t cut;  // the k-th largest composite (key << bits | 2^bits - 1 - t)
-  if (fine_n <= kCutItems) {
+  const int32_t fine_n = sh.bin[2];
+  const bool wide_tie = fine_n > kCutItems;
+  if (!wide_tie) {  // this CTA's candidates in F go to CTA 0
+    uint64_t* items = cluster.map_shared_rank(sh.items, 0);
+    int32_t* item_count = cluster.map_shared_rank(&sh.item_count, 0);
+    const auto send = [&](uint64_t x) { items[atomicAdd(item_count, 1)] = x; };
+    const int32_t n = sh.n;
     if (n <= kSelectCands) {
       for (int32_t i = tid; i < n; i += kSelectThreads) {
-        const uint64_t x = sh.cands[i];
-        if (fine_of(x) == fine_bin) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
+        if (fine_of(sh.cands[i]) == fine_bin) send(sh.cands[i]);
       }
-    } else {  // the list overflowed: find the fine bin's candidates in the scores again
-      for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
-        float v[kSelectPer];
-        load_select_chunk(s, c0, len, v);
+    } else {  // the list overflowed: find them in the scores again
+      for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
         const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+        const int valid = valid_of(t0);
+        float v[kSelectPer];
+        load_select_chunk(s, t0, valid, v);
 #pragma unroll
         for (int j = 0; j < kSelectPer; ++j) {
           const uint32_t key = cuda::score_key(v[j]);
-          if (t0 + j < len && key >> kLowKeyBits == threshold) {
-            const uint64_t x = candidate_composite(key, t0 + j, bits);
-            if (fine_of(x) == fine_bin) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
-          }
+          const uint64_t x = candidate_composite(key, t0 + j, bits);
+          if (j < valid && key >> kLowKeyBits == threshold && fine_of(x) == fine_bin) send(x);
         }
       }
     }
-    __syncthreads();
-    const cuda::RadixCut fine_cut =
-        Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
-    for (int32_t i = tid; i < fine_n; i += kSelectThreads) {
-      if (fine_cut.keeps(sh.items[i] & fine_mask)) atomicMin(&sh.min_kept, static_cast<unsigned long long>(sh.items[i]));
-    }
-    __syncthreads();
-    cut = (static_cast<uint64_t>(threshold) << (kLowKeyBits + bits)) | sh.min_kept;
-  } else {
-    // A wide tie: select over every position's composite. The cut keeps
-    // (x & mask) >= prefix with mask a run of high bits, i.e. x >= prefix.
-    const cuda::RadixCut all = Select::run([&](int32_t i) { return full_composite(s[i], i, bits); },
-                                           static_cast<int32_t>(len), p.topk, 32 + bits, sh.select);
-    cut = all.prefix;
   }
+  cluster.sync();  // 2: CTA 0 holds the fine bin's candidates
 
-  // Pass 2: the kept positions in increasing order.
-  int32_t base = 0;
-  for (int64_t c0 = 0; c0 < len; c0 += kSelectChunk) {
-    float v[kSelectPer];
-    load_select_chunk(s, c0, len, v);
-    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+  if (rank == 0) {
+    if (!wide_tie) {
+      const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+      const cuda::RadixCut fine_cut =
+          Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
+      for (int32_t i = tid; i < fine_n; i += kSelectThreads) {
+        if (fine_cut.keeps(sh.items[i] & fine_mask)) atomicMin(&sh.min_kept, static_cast<unsigned long long>(sh.items[i]));
+      }
+      __syncthreads();
+      if (tid == 0) sh.cut = (static_cast<uint64_t>(threshold) << (kLowKeyBits + bits)) | sh.min_kept;
+    } else {
+      // Every position's composite (key << bits | 2^bits - 1 - t); the cut
+      // keeps (x & mask) >= prefix with mask a run of high bits: x >= prefix.
+      const uint64_t low = (uint64_t{1} << bits) - 1;
+      const cuda::RadixCut all = Select::run(
+          [&](int32_t i) { return (static_cast<uint64_t>(cuda::score_key(s[i])) << bits) | (low - static_cast<uint64_t>(i)); },
+          static_cast<int32_t>(len), p.topk, 32 + bits, sh.select);
+      if (tid == 0) sh.cut = all.prefix;
+    }
+  }
+  cluster.sync();  // 3: the cut is known
+
+  const uint64_t cut64 = *cluster.map_shared_rank(&sh.cut, 0);
+  const uint64_t low = (uint64_t{1} << bits) - 1;
+  const Cut cut{static_cast<uint32_t>(cut64 >> bits), static_cast<int64_t>(low - (cut64 & low))};
+  const auto keep_mask = [&](int64_t t0, int valid, const float (&v)[kSelectPer]) {
     uint32_t keep = 0;
 #pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) {
-      if (t0 + j < len && full_composite(v[j], t0 + j, bits) >= cut) keep |= 1u << j;
-    }
+    for (int j = 0; j < kSelectPer; ++j) keep |= (cut.keeps(cuda::score_key(v[j]), t0 + j) ? 1u : 0u) << j;
+    return keep & ((1u << valid) - 1);
+  };
+  // Pass 2a: this CTA's kept count.
+  int32_t mine = 0;
+  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
+    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+    const int valid = valid_of(t0);
+    float v[kSelectPer];
+    load_select_chunk(s, t0, valid, v);
+    mine += __popc(keep_mask(t0, valid, v));
+  }
+  int32_t ignore, kept;
+  Scan(sh.scan).ExclusiveSum(mine, ignore, kept);
+  if (tid == 0) sh.kept = kept;
+  cluster.sync();  // 4: every CTA's count is in place
+
+  if (tid == 0) {
+    int32_t offset = 0;
+    for (int r = 0; r < rank; ++r) offset += *cluster.map_shared_rank(&sh.kept, r);
+    sh.offset = offset;
+  }
+  cluster.barrier_arrive();  // done with the other CTAs' shared memory (waited for before exit)
+  __syncthreads();
+  // Pass 2b: the kept positions, in order.
+  int32_t base = sh.offset;
+  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
+    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
+    const int valid = valid_of(t0);
+    float v[kSelectPer];
+    load_select_chunk(s, t0, valid, v);
+    const uint32_t keep = keep_mask(t0, valid, v);
     int32_t slot, total;
+    __syncthreads();  // the scan storage is free
     Scan(sh.scan).ExclusiveSum(__popc(keep), slot, total);
     slot += base;
     for (uint32_t m = keep; m != 0; m &= m - 1) {
@@ -521,10 +598,11 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const __grid
       ++slot;
     }
     base += total;
-    __syncthreads();  // the scan storage is reused next chunk
   }
-  if (tid == 0) p.counts[b] = p.topk;
+  if (rank == 0 && tid == 0) p.counts[b] = p.topk;
+  cluster.barrier_wait();  // no CTA leaves while another may read its shared memory
 }
+
 // ---- launch -----------------------------------------------------------------
 
 // The keys as a 3-d tensor for TMA: (column, position, sequence), boxes of
@@ -639,6 +717,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.counts = a.counts;
   auto s = static_cast<cudaStream_t>(stream);
   cuda::configure_smem_once(dsa_select_kernel, sizeof(SelectShared));
+  const dim3 select_grid(kClusterCtas, static_cast<unsigned>(batch));  // one cluster per sequence
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
     SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
     if (a.dtype == DType::kBF16) {
@@ -647,11 +726,10 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
       launch_scores<__half>(p, batch, a.max_kv_len, a.dtype, s);
     }
     // Scheduled while the score grid drains; it waits for the scores.
-    cuda::launch_with_pdl(dsa_select_kernel, dim3(static_cast<unsigned>(batch)), dim3(kSelectThreads),
-                          sizeof(SelectShared), s, p);
+    cuda::launch_with_pdl(dsa_select_kernel, select_grid, dim3(kSelectThreads), sizeof(SelectShared), s, p);
   } else {
     // Nothing of ours ran before: a plain launch, ordered after all earlier work.
-    dsa_select_kernel<<<batch, kSelectThreads, sizeof(SelectShared), s>>>(p);
+    dsa_select_kernel<<<select_grid, kSelectThreads, sizeof(SelectShared), s>>>(p);
     SP_CUDA_CHECK_LAUNCH();
   }
 }

@@ -192,6 +192,7 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       {4, 64, 200, 2, 3001, DType::kF16, false},
       {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
       {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
+      {4, 64, 3000, 1, 70000, DType::kBF16, false},   // several chunks per CTA of the top-k cluster
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const IndexerCase& c = cases[i];
