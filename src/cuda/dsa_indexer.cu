@@ -56,7 +56,7 @@ constexpr int kClusterCtas = 8;
 constexpr int kSelectThreads = 512;
 constexpr int kSelectPer = 16;
 constexpr int kSelectChunk = kSelectThreads * kSelectPer;
-constexpr int kSelectCands = 2048;  // threshold-bin candidates a CTA keeps in shared memory
+constexpr int kSelectCands = 8192;  // threshold-bin candidates CTA 0 collects in shared memory
 constexpr int kCutItems = 2048;     // fine-bin candidates ranked in shared memory; more: a wide tie
 constexpr int kRowAlign = 16;       // score rows start at multiples of 16 floats (float4 reads)
 
@@ -361,33 +361,36 @@ __device__ __forceinline__ uint64_t candidate_composite(uint32_t key, int64_t t,
 // (threshold bin, candidates, cut, ordered output). Spread over a grid,
 // each step costs a grid-wide round trip through global memory; on one CTA
 // the passes over the scores are issue-bound on one SM. A cluster of
-// kClusterCtas CTAs per sequence shares the steps through distributed shared
-// memory and hardware cluster barriers:
-//   every CTA: the threshold bin T from the coarse histogram; pass 1 over
-//     its range: the keys in T become candidates (its shared list) and are
-//     histogrammed by their next 12 key bits;                     [sync 1]
-//   every CTA: the fine bin F of the wanted-th candidate from the summed
-//     histograms; it sends its candidates in F to CTA 0            [sync 2]
-//   CTA 0: radix-selects them: C = the smallest kept composite    [sync 3]
-//   every CTA: pass 2a counts its positions whose composite >= C  [sync 4]
-//   every CTA: its offset is the count of the ranks before it; pass 2b
-//     writes its kept positions in order (a block scan per chunk).
-// A CTA whose list overflowed finds its F candidates in its scores again; a
-// wide tie (more than kCutItems candidates in F) makes CTA 0 select C over
-// every position's composite instead.
+// kClusterCtas CTAs per sequence, each over a contiguous range of
+// positions, shares the steps through distributed shared memory:
+//   every CTA: the threshold bin T from the coarse histogram (while the
+//     cluster barrier that publishes CTA 0's zeroed counters completes);
+//     pass 1 over its range counts its keys above T and sends its keys in T
+//     (the candidates) to CTA 0's list;                             [sync 1]
+//   CTA 0: a histogram of the candidates' next 12 key bits, the fine bin
+//     of the wanted-th, its items radix-selected: C = the smallest kept
+//     composite; each CTA's kept count (its keys above T plus its kept
+//     candidates) gives the CTAs' output offsets;                   [sync 2]
+//   every CTA: pass 2 over its range keeps the positions whose composite
+//     reaches C and writes them from its offset, in order (a block scan
+//     per chunk).
+// When the candidates overflow CTA 0's list, or more than kCutItems of them
+// share the fine bin (a wide tie), CTA 0 finds C and the counts from every
+// position's score in global memory instead (correct, slow).
 struct SelectShared {
-  int32_t fine_hist[kBins];        // this CTA's candidates' next 12 key bits
-  uint64_t cands[kSelectCands];    // this CTA's candidates (the first kSelectCands)
-  uint64_t items[kCutItems];       // CTA 0: every candidate in the fine bin F
+  uint64_t cands[kSelectCands];  // CTA 0: the candidates (the first kSelectCands)
+  uint64_t items[kCutItems];     // CTA 0: the candidates in the fine bin
+  int32_t fine_hist[kBins];      // CTA 0: the candidates' next 12 key bits
   cuda::RadixSelect<kSelectThreads>::Storage select;
   typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
   int32_t bin[3];
-  int32_t n;           // this CTA's candidates (may exceed kSelectCands)
-  int32_t item_count;  // CTA 0: items received
-  int32_t kept;        // this CTA's kept positions
-  int32_t offset;      // kept positions of the ranks before this CTA
+  int32_t n;                    // CTA 0: candidates sent (may exceed kSelectCands)
+  int32_t item_count;           // CTA 0
+  int32_t above[kClusterCtas];  // CTA 0: each CTA's keys above T, then its kept count
+  int32_t offset[kClusterCtas]; // CTA 0: each CTA's first output slot
   unsigned long long min_kept;  // CTA 0
   unsigned long long cut;       // CTA 0: the k-th largest composite
+  int32_t my_offset;
 };
 
 // Scores of positions t0 .. t0 + 15, t0 = c0 + kSelectPer * tid (zeros from
@@ -405,10 +408,15 @@ __device__ __forceinline__ void load_select_chunk(const float* s, int64_t t0, in
 }
 
 // The composite order as two compares: (key, position) ranks at or above
-// (cut_key, cut_t) iff the key is larger, or equal at a position no later.
+// the cut iff its key is larger, or equal at a position no later.
 struct Cut {
   uint32_t key;
   int64_t t;
+  __device__ Cut(uint64_t composite, int bits) {
+    const uint64_t low = (uint64_t{1} << bits) - 1;
+    key = static_cast<uint32_t>(composite >> bits);
+    t = static_cast<int64_t>(low - (composite & low));
+  }
   __device__ bool keeps(uint32_t k, int64_t pos) const { return k > key || (k == key && pos <= t); }
 };
 
@@ -433,13 +441,13 @@ __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kSelectTh
     }
     return;
   }
-  for (int i = tid; i < kBins; i += kSelectThreads) sh.fine_hist[i] = 0;
   if (tid == 0) {
     sh.n = 0;
     sh.item_count = 0;
     sh.min_kept = ~0ull;
   }
-  // This CTA's positions: [first, last), a multiple of 16 long except at the end.
+  cluster.barrier_arrive();  // 0: CTA 0's counters are set (waited for before the first remote write)
+  // CTA r's positions: [first, last), span a multiple of 16.
   const int64_t span = ((len + kClusterCtas - 1) / kClusterCtas + kSelectPer - 1) / kSelectPer * kSelectPer;
   const int64_t first = min(len, int64_t{rank} * span), last = min(len, first + span);
   const auto valid_of = [&](int64_t t0) {
@@ -449,26 +457,34 @@ __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kSelectTh
   cuda::pdl_wait_primary();  // the scores and the histogram are complete and visible
   const float* s = p.scores + int64_t{b} * p.pitch;
   const int bits = p.position_bits;
-  const int fine_shift = bits + (kLowKeyBits - kBinBits);  // candidate bits below the fine bin
-  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
   int32_t c[kPer];
   const int32_t* hist = p.hist + int64_t{b} * kBins;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) c[e] = hist[kBins - 1 - (tid * kPer + e)];
-  find_threshold_bin<kSelectThreads>(c, p.topk, sh.scan, sh.bin);
+  find_threshold_bin<kSelectThreads>(c, p.topk, sh.scan, sh.bin);  // its barrier also orders the setup above
   const uint32_t threshold = static_cast<uint32_t>(sh.bin[0]);
   const int32_t wanted = p.topk - sh.bin[1];  // from the threshold bin: >= 1
 
-  // Pass 1: the candidates, one shared atomic per warp for their slots.
+  // Pass 1: keys above T counted, keys in T sent to CTA 0 (one remote
+  // atomic per warp and chunk reserves their slots).
+  uint64_t* cands0 = cluster.map_shared_rank(sh.cands, 0);
+  int32_t* n0 = cluster.map_shared_rank(&sh.n, 0);
+  int32_t above = 0;
+  cluster.barrier_wait();  // 0
   for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
     const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
     const int valid = valid_of(t0);
     float v[kSelectPer];
     load_select_chunk(s, t0, valid, v);
-    uint32_t mine = 0;
+    uint32_t mine = 0, high = 0;
 #pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) mine |= (cuda::score_key(v[j]) >> kLowKeyBits == threshold ? 1u : 0u) << j;
+    for (int j = 0; j < kSelectPer; ++j) {
+      const uint32_t bin = cuda::score_key(v[j]) >> kLowKeyBits;
+      mine |= (bin == threshold ? 1u : 0u) << j;
+      high |= (bin > threshold ? 1u : 0u) << j;
+    }
     mine &= (1u << valid) - 1;  // valid <= 16
+    above += __popc(high & ((1u << valid) - 1));
     const int32_t count = __popc(mine);
     int32_t before = count;  // inclusive scan over the warp
 #pragma unroll
@@ -477,118 +493,108 @@ __global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kSelectTh
       if (lane >= d) before += x;
     }
     int32_t slot = 0;
-    if (lane == 31 && before > 0) slot = atomicAdd(&sh.n, before);
+    if (lane == 31 && before > 0) slot = atomicAdd(n0, before);
     slot = __shfl_sync(0xffffffffu, slot, 31) + before - count;
 #pragma unroll
     for (int j = 0; j < kSelectPer; ++j) {
       if ((mine >> j) & 1u) {
-        const uint64_t x = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
-        atomicAdd(&sh.fine_hist[fine_of(x)], 1);
-        if (slot < kSelectCands) sh.cands[slot] = x;
+        if (slot < kSelectCands) cands0[slot] = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
         ++slot;
       }
     }
   }
-  cluster.sync();  // 1: every CTA's candidates and fine histogram are in place
-
-  // The fine bin, from the histograms of every CTA (each CTA finds it).
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int bin = kBins - 1 - (tid * kPer + e);
-    c[e] = 0;
-    for (int r = 0; r < kClusterCtas; ++r) c[e] += cluster.map_shared_rank(sh.fine_hist, r)[bin];
-  }
-  find_threshold_bin<kSelectThreads>(c, wanted, sh.scan, sh.bin);
-  const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
-  const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
-  const int32_t fine_n = sh.bin[2];
-  const bool wide_tie = fine_n > kCutItems;
-  if (!wide_tie) {  // this CTA's candidates in F go to CTA 0
-    uint64_t* items = cluster.map_shared_rank(sh.items, 0);
-    int32_t* item_count = cluster.map_shared_rank(&sh.item_count, 0);
-    const auto send = [&](uint64_t x) { items[atomicAdd(item_count, 1)] = x; };
-    const int32_t n = sh.n;
-    if (n <= kSelectCands) {
-      for (int32_t i = tid; i < n; i += kSelectThreads) {
-        if (fine_of(sh.cands[i]) == fine_bin) send(sh.cands[i]);
-      }
-    } else {  // the list overflowed: find them in the scores again
-      for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
-        const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
-        const int valid = valid_of(t0);
-        float v[kSelectPer];
-        load_select_chunk(s, t0, valid, v);
-#pragma unroll
-        for (int j = 0; j < kSelectPer; ++j) {
-          const uint32_t key = cuda::score_key(v[j]);
-          const uint64_t x = candidate_composite(key, t0 + j, bits);
-          if (j < valid && key >> kLowKeyBits == threshold && fine_of(x) == fine_bin) send(x);
-        }
-      }
-    }
-  }
-  cluster.sync();  // 2: CTA 0 holds the fine bin's candidates
+  int32_t ignore, cta_above;
+  Scan(sh.scan).ExclusiveSum(above, ignore, cta_above);
+  if (tid == 0) cluster.map_shared_rank(sh.above, 0)[rank] = cta_above;
+  cluster.sync();  // 1: CTA 0 holds every candidate and every CTA's count above T
 
   if (rank == 0) {
-    if (!wide_tie) {
-      const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+    const int32_t n = sh.n;
+    const int fine_shift = bits + (kLowKeyBits - kBinBits);  // candidate bits below the fine bin
+    const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+    const uint64_t low = (uint64_t{1} << bits) - 1;
+    const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
+    const auto owner = [&](int64_t t) { return static_cast<int>(t / span); };
+    bool exact = n <= kSelectCands;  // every candidate is in the list
+    int32_t fine_n = 0;
+    uint32_t fine_bin = 0;
+    int32_t fine_wanted = 0;
+    if (exact) {
+      for (int i = tid; i < kBins; i += kSelectThreads) sh.fine_hist[i] = 0;
+      __syncthreads();
+      for (int32_t i = tid; i < n; i += kSelectThreads) atomicAdd(&sh.fine_hist[fine_of(sh.cands[i])], 1);
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) c[e] = sh.fine_hist[kBins - 1 - (tid * kPer + e)];
+      find_threshold_bin<kSelectThreads>(c, wanted, sh.scan, sh.bin);
+      fine_bin = static_cast<uint32_t>(sh.bin[0]);
+      fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
+      fine_n = sh.bin[2];
+      exact = fine_n <= kCutItems;
+    }
+    if (exact) {
+      // Candidates of higher fine bins are kept outright; the fine bin's are ranked.
+      for (int32_t i = tid; i < n; i += kSelectThreads) {
+        const uint64_t x = sh.cands[i];
+        const uint32_t fine = fine_of(x);
+        if (fine > fine_bin) atomicAdd(&sh.above[owner(static_cast<int64_t>(low - (x & low)))], 1);
+        if (fine == fine_bin) sh.items[atomicAdd(&sh.item_count, 1)] = x;
+      }
+      __syncthreads();
       const cuda::RadixCut fine_cut =
           Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
       for (int32_t i = tid; i < fine_n; i += kSelectThreads) {
-        if (fine_cut.keeps(sh.items[i] & fine_mask)) atomicMin(&sh.min_kept, static_cast<unsigned long long>(sh.items[i]));
+        const uint64_t x = sh.items[i];
+        if (fine_cut.keeps(x & fine_mask)) {
+          atomicAdd(&sh.above[owner(static_cast<int64_t>(low - (x & low)))], 1);
+          atomicMin(&sh.min_kept, static_cast<unsigned long long>(x));
+        }
       }
       __syncthreads();
       if (tid == 0) sh.cut = (static_cast<uint64_t>(threshold) << (kLowKeyBits + bits)) | sh.min_kept;
     } else {
       // Every position's composite (key << bits | 2^bits - 1 - t); the cut
       // keeps (x & mask) >= prefix with mask a run of high bits: x >= prefix.
-      const uint64_t low = (uint64_t{1} << bits) - 1;
       const cuda::RadixCut all = Select::run(
           [&](int32_t i) { return (static_cast<uint64_t>(cuda::score_key(s[i])) << bits) | (low - static_cast<uint64_t>(i)); },
           static_cast<int32_t>(len), p.topk, 32 + bits, sh.select);
+      const Cut cut(all.prefix, bits);
+      if (tid < kClusterCtas) sh.above[tid] = 0;
+      __syncthreads();
+      for (int64_t t = tid; t < len; t += kSelectThreads) {
+        if (cut.keeps(cuda::score_key(s[t]), t)) atomicAdd(&sh.above[owner(t)], 1);
+      }
       if (tid == 0) sh.cut = all.prefix;
     }
+    __syncthreads();
+    if (tid == 0) {
+      int32_t run = 0;
+      for (int r = 0; r < kClusterCtas; ++r) {
+        sh.offset[r] = run;
+        run += sh.above[r];
+      }
+    }
   }
-  cluster.sync();  // 3: the cut is known
-
-  const uint64_t cut64 = *cluster.map_shared_rank(&sh.cut, 0);
-  const uint64_t low = (uint64_t{1} << bits) - 1;
-  const Cut cut{static_cast<uint32_t>(cut64 >> bits), static_cast<int64_t>(low - (cut64 & low))};
-  const auto keep_mask = [&](int64_t t0, int valid, const float (&v)[kSelectPer]) {
-    uint32_t keep = 0;
-#pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) keep |= (cut.keeps(cuda::score_key(v[j]), t0 + j) ? 1u : 0u) << j;
-    return keep & ((1u << valid) - 1);
-  };
-  // Pass 2a: this CTA's kept count.
-  int32_t mine = 0;
-  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
-    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
-    const int valid = valid_of(t0);
-    float v[kSelectPer];
-    load_select_chunk(s, t0, valid, v);
-    mine += __popc(keep_mask(t0, valid, v));
-  }
-  int32_t ignore, kept;
-  Scan(sh.scan).ExclusiveSum(mine, ignore, kept);
-  if (tid == 0) sh.kept = kept;
-  cluster.sync();  // 4: every CTA's count is in place
+  cluster.sync();  // 2: the cut and every CTA's offset are known
 
   if (tid == 0) {
-    int32_t offset = 0;
-    for (int r = 0; r < rank; ++r) offset += *cluster.map_shared_rank(&sh.kept, r);
-    sh.offset = offset;
+    sh.cut = *cluster.map_shared_rank(&sh.cut, 0);
+    sh.my_offset = cluster.map_shared_rank(sh.offset, 0)[rank];
   }
   cluster.barrier_arrive();  // done with the other CTAs' shared memory (waited for before exit)
   __syncthreads();
-  // Pass 2b: the kept positions, in order.
-  int32_t base = sh.offset;
+  const Cut cut(sh.cut, bits);
+  // Pass 2: the kept positions, in order.
+  int32_t base = sh.my_offset;
   for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
     const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
     const int valid = valid_of(t0);
     float v[kSelectPer];
     load_select_chunk(s, t0, valid, v);
-    const uint32_t keep = keep_mask(t0, valid, v);
+    uint32_t keep = 0;
+#pragma unroll
+    for (int j = 0; j < kSelectPer; ++j) keep |= (cut.keeps(cuda::score_key(v[j]), t0 + j) ? 1u : 0u) << j;
+    keep &= (1u << valid) - 1;
     int32_t slot, total;
     __syncthreads();  // the scan storage is free
     Scan(sh.scan).ExclusiveSum(__popc(keep), slot, total);
