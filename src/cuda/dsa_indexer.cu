@@ -2,19 +2,22 @@
 // dsa.h). Grids and the workspace are sized from the host bound max_kv_len;
 // each sequence's live length is read on the device, so one captured graph
 // serves a growing context. On the caller's stream:
-//   0. a memset clears the coarse histograms;
+//   0. a memset clears the coarse histograms and the counters;
 //   1. dsa_score_kernel scores positions on warpgroup MMAs (fp32
-//      accumulation: positions x index heads x dim), the index keys arriving
-//      by TMA; it applies the ReLU and the weighted sum over heads, writes
-//      fp32 scores and histograms the top 12 bits of each score's order key;
-//   2. dsa_select_kernel (one CTA per sequence, a programmatic dependent
-//      launch) finds the histogram bin holding the k-th largest key, ranks
-//      that bin's keys to find the k-th largest (key, position) composite and
-//      writes every position whose composite reaches it: increasing
-//      positions, padded with -1, and the count.
+//      accumulation: positions x index heads x dim), applies the ReLU and
+//      the weighted sum over heads, writes fp32 scores and histograms the
+//      top 12 bits of each score's order key;
+//   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
+//      histogram bin holding the k-th largest key, counts the slice's keys in
+//      higher bins and appends the keys of that bin as candidates; the last
+//      CTA of a sequence to finish picks the k-th largest (key, position)
+//      composite among the candidates and counts the kept ones per slice;
+//   3. dsa_compact_kernel (one CTA per slice) writes the slice's positions
+//      whose composite reaches the k-th, at the offset of the earlier slices:
+//      increasing positions, padded with -1, and the count.
 // Ties go to the lower position and NaN ranks last through the composite
-// (radix_select.cuh). Nothing here allocates, synchronizes or reads back.
-#include <cooperative_groups.h>
+// (radix_select.cuh). The classify and compact kernels are programmatic
+// dependent launches. Nothing here allocates, synchronizes or reads back.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -22,6 +25,8 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+
+#include <cub/block/block_reduce.cuh>
 
 #include "core/cuda_hooks.h"
 #include "models/dsa_kernels.h"
@@ -50,15 +55,10 @@ constexpr int kSlabBytes = 64 * 128;
 constexpr int kBinBits = 12;
 constexpr int kBins = 1 << kBinBits;
 constexpr int kLowKeyBits = 32 - kBinBits;
-// The top-k: one cluster of kClusterCtas CTAs per sequence, each CTA a
-// contiguous range of positions, 16 consecutive positions per thread per chunk.
-constexpr int kClusterCtas = 8;
-constexpr int kSelectThreads = 512;
-constexpr int kSelectPer = 16;
-constexpr int kSelectChunk = kSelectThreads * kSelectPer;
-constexpr int kSelectCands = 8192;  // threshold-bin candidates CTA 0 collects in shared memory
-constexpr int kCutItems = 2048;     // fine-bin candidates ranked in shared memory; more: a wide tie
-constexpr int kRowAlign = 16;       // score rows start at multiples of 16 floats (float4 reads)
+constexpr int kSlice = 2048;  // positions per classify and compact CTA
+constexpr int kClassifyThreads = 256;
+constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
+constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
 // Shared memory of a score CTA, byte offsets from its 1024-aligned base: the
 // queries of every head chunk, the key stages, the weights, the histogram.
@@ -80,19 +80,28 @@ struct ScoreLayout {
 
 // ---- workspace --------------------------------------------------------------
 
-// Byte offsets inside the caller's workspace; the first `cleared` bytes (the
-// histograms) are zeroed by every launch.
+// Byte offsets inside the caller's workspace; the first `cleared` bytes are
+// zeroed by every launch. Scores and candidates have a row pitch of whole
+// slices, so a slice never leaves its row.
 struct Workspace {
-  size_t hist, cleared, scores, total;
-  int64_t pitch;  // max_kv_len rounded up to kRowAlign
+  size_t hist, cand_count, done, slice_kept, cleared, cut, scores, candidates, total;
+  int64_t slices;  // kSlice-position slices per sequence
+  int64_t pitch;   // slices * kSlice
   Workspace(int32_t batch, int64_t max_kv_len) {
     const auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     const size_t b = static_cast<size_t>(batch);
-    pitch = (max_kv_len + kRowAlign - 1) / kRowAlign * kRowAlign;
+    slices = (max_kv_len + kSlice - 1) / kSlice;
+    pitch = slices * kSlice;
+    const size_t n = static_cast<size_t>(pitch);
     hist = 0;
-    cleared = up(hist + b * kBins * sizeof(int32_t));
-    scores = cleared;
-    total = scores + b * static_cast<size_t>(pitch) * sizeof(float);
+    cand_count = up(hist + b * kBins * sizeof(int32_t));
+    done = up(cand_count + b * sizeof(int32_t));
+    slice_kept = up(done + b * sizeof(int32_t));
+    cleared = up(slice_kept + b * static_cast<size_t>(slices) * sizeof(int32_t));
+    cut = cleared;
+    scores = up(cut + b * sizeof(uint64_t));
+    candidates = up(scores + b * n * sizeof(float));
+    total = candidates + b * n * sizeof(uint64_t);
   }
 };
 
@@ -103,20 +112,26 @@ struct IndexerParams {
   const float* weights;    // [batch, heads]
   const int32_t* kv_lens;  // [batch], device
   int64_t row_stride, capacity;
-  int64_t pitch;           // row pitch of scores
+  int64_t pitch;           // row pitch of scores and candidates (whole slices)
+  int64_t slices;          // kSlice-position slices per sequence
   int32_t batch, key_offset, heads, dim, topk;
   int32_t position_bits;   // bits of a position below max_kv_len
   int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
+  int32_t* cand_count;     // [batch]
+  int32_t* done;           // [batch]: classify CTAs finished (the last one picks the cut)
+  int32_t* slice_kept;     // [batch, slices]: kept positions per slice
+  uint64_t* cut;           // [batch]: the smallest kept (score key, position) composite
   float* scores;           // [batch, pitch]
+  uint64_t* candidates;    // [batch, pitch]: threshold-bin composites, in arrival order
   int32_t* positions;      // out [batch, topk]
   int32_t* counts;         // out [batch]
 };
 
 // ---- tensor-memory-access copies ---------------------------------------------
 
-// A score CTA's key tiles arrive by the tensor memory accelerator: one
-// thread issues a 64-row x 64-column box per slab, the hardware writes it in
-// the 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
+// A CTA's key tiles can arrive by the tensor memory accelerator: one thread
+// issues a 64-row x 64-column box per slab, the hardware writes it in the
+// 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
@@ -316,25 +331,28 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   }
 }
 
-// ---- 2. the top-k on one CTA per sequence ------------------------------------
+// ---- 2. classify and the cut ------------------------------------------------
 
 // The rule "keep the top k of (score key, position), ties to the lower
 // position" is one comparison once the k-th largest composite C is known:
 // position t is kept iff (key(t) << P | (2^P - 1 - t)) >= C. The coarse
 // histogram narrows C to one bin; only the keys in that bin (the
-// candidates) are ranked.
+// candidates) are ranked, and only by the last classify CTA of a sequence.
 
-// The bin holding the keep-th largest count and how many lie in higher
-// bins, into bin_out[0], bin_out[1], and that bin's count into bin_out[2].
-// Thread t holds the counts c of bins kBins - 1 - (t kPer + e), e < kPer
-// (descending); CUB's block scan gives each thread the count above it.
-template <int kThreads, int kPer>
-__device__ void find_threshold_bin(const int32_t (&c)[kPer], int32_t keep,
+// The bin holding the keep-th largest key and how many keys lie in higher
+// bins, into bin_out[0], bin_out[1]. Thread t sums 16 bins in descending
+// order; CUB's block scan gives each thread the count above it.
+template <int kThreads>
+__device__ void find_threshold_bin(const int32_t* hist, int32_t keep,
                                    typename cub::BlockScan<int32_t, kThreads>::TempStorage& scan, int32_t* bin_out) {
-  static_assert(kPer * kThreads == kBins, "every bin on one thread");
+  constexpr int kPer = kBins / kThreads;
+  int32_t c[kPer];
   int32_t sum = 0;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) sum += c[e];
+  for (int e = 0; e < kPer; ++e) {
+    c[e] = hist[kBins - 1 - (threadIdx.x * kPer + e)];
+    sum += c[e];
+  }
   int32_t before;
   cub::BlockScan<int32_t, kThreads>(scan).ExclusiveSum(sum, before);
   if (before < keep && keep <= before + sum) {
@@ -344,7 +362,6 @@ __device__ void find_threshold_bin(const int32_t (&c)[kPer], int32_t keep,
       if (run < keep && keep <= run + c[e]) {
         bin_out[0] = kBins - 1 - (threadIdx.x * kPer + e);
         bin_out[1] = run;
-        bin_out[2] = c[e];
       }
       run += c[e];
     }
@@ -357,256 +374,226 @@ __device__ __forceinline__ uint64_t candidate_composite(uint32_t key, int64_t t,
   return (static_cast<uint64_t>(key & ((1u << kLowKeyBits) - 1)) << bits) | ((uint64_t{1} << bits) - 1 - t);
 }
 
-// After the scores, the top-k of a sequence is a chain of dependent steps
-// (threshold bin, candidates, cut, ordered output). Spread over a grid,
-// each step costs a grid-wide round trip through global memory; on one CTA
-// the passes over the scores are issue-bound on one SM. A cluster of
-// kClusterCtas CTAs per sequence, each over a contiguous range of
-// positions, shares the steps through distributed shared memory:
-//   every CTA: the threshold bin T from the coarse histogram (while the
-//     cluster barrier that publishes CTA 0's zeroed counters completes);
-//     pass 1 over its range counts its keys above T and sends its keys in T
-//     (the candidates) to CTA 0's list;                             [sync 1]
-//   CTA 0: a histogram of the candidates' next 12 key bits, the fine bin
-//     of the wanted-th, its items radix-selected: C = the smallest kept
-//     composite; each CTA's kept count (its keys above T plus its kept
-//     candidates) gives the CTAs' output offsets;                   [sync 2]
-//   every CTA: pass 2 over its range keeps the positions whose composite
-//     reaches C and writes them from its offset, in order (a block scan
-//     per chunk).
-// When the candidates overflow CTA 0's list, or more than kCutItems of them
-// share the fine bin (a wide tie), CTA 0 finds C and the counts from every
-// position's score in global memory instead (correct, slow).
-struct SelectShared {
-  uint64_t cands[kSelectCands];  // CTA 0: the candidates (the first kSelectCands)
-  uint64_t items[kCutItems];     // CTA 0: the candidates in the fine bin
-  int32_t fine_hist[kBins];      // CTA 0: the candidates' next 12 key bits
-  cuda::RadixSelect<kSelectThreads>::Storage select;
-  typename cub::BlockScan<int32_t, kSelectThreads>::TempStorage scan;
-  int32_t bin[3];
-  int32_t n;                    // CTA 0: candidates sent (may exceed kSelectCands)
-  int32_t item_count;           // CTA 0
-  int32_t above[kClusterCtas];  // CTA 0: each CTA's keys above T, then its kept count
-  int32_t offset[kClusterCtas]; // CTA 0: each CTA's first output slot
-  unsigned long long min_kept;  // CTA 0
-  unsigned long long cut;       // CTA 0: the k-th largest composite
-  int32_t my_offset;
+struct CutStorage {
+  int32_t hist[kBins];  // the candidates' next 12 key bits
+  uint64_t items[kCutItems];
+  cuda::RadixSelect<kClassifyThreads>::Storage select;
+  typename cub::BlockScan<int32_t, kClassifyThreads>::TempStorage scan;
+  int32_t bin[2];
+  int32_t fine_count;
+  unsigned long long min_kept;
 };
 
-// Scores of positions t0 .. t0 + 15, t0 = c0 + kSelectPer * tid (zeros from
-// `valid` on; a float4 that starts below len lies inside the row, whose
-// pitch is a multiple of 4).
-__device__ __forceinline__ void load_select_chunk(const float* s, int64_t t0, int valid, float (&v)[kSelectPer]) {
+// Adds one kept candidate to its slice's count: one atomic per distinct slice
+// among the converged lanes (a classify CTA's candidates are contiguous in
+// the list, so neighbours mostly share a slice).
+__device__ __forceinline__ void count_in_slice(int32_t* slice_kept, int64_t t) {
+  const int64_t s = t / kSlice;
+  const uint32_t peers = __match_any_sync(__activemask(), static_cast<uint32_t>(s));
+  if (static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&slice_kept[s], __popc(peers));
+}
+
+// Calls f(x) for every candidate x of the list, kCandBatch loads per thread
+// in flight at a time: a loop of one load each would wait an L2 round trip
+// per iteration.
+constexpr int kCandBatch = 8;
+template <typename F>
+__device__ __forceinline__ void for_each_candidate(const uint64_t* cands, int32_t n, F f) {
+  for (int32_t first = 0; first < n; first += kClassifyThreads * kCandBatch) {
+    uint64_t x[kCandBatch];
 #pragma unroll
-  for (int q = 0; q < kSelectPer / 4; ++q) {
-    const float4 x = 4 * q < valid ? *reinterpret_cast<const float4*>(s + t0 + 4 * q) : make_float4(0, 0, 0, 0);
-    v[4 * q] = x.x;
-    v[4 * q + 1] = x.y;
-    v[4 * q + 2] = x.z;
-    v[4 * q + 3] = x.w;
+    for (int u = 0; u < kCandBatch; ++u) {
+      const int32_t i = first + u * kClassifyThreads + static_cast<int32_t>(threadIdx.x);
+      x[u] = i < n ? __ldcg(&cands[i]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kCandBatch; ++u) {
+      if (first + u * kClassifyThreads + static_cast<int32_t>(threadIdx.x) < n) f(x[u]);
+    }
   }
 }
 
-// The composite order as two compares: (key, position) ranks at or above
-// the cut iff its key is larger, or equal at a position no later.
-struct Cut {
-  uint32_t key;
-  int64_t t;
-  __device__ Cut(uint64_t composite, int bits) {
-    const uint64_t low = (uint64_t{1} << bits) - 1;
-    key = static_cast<uint32_t>(composite >> bits);
-    t = static_cast<int64_t>(low - (composite & low));
-  }
-  __device__ bool keeps(uint32_t k, int64_t pos) const { return k > key || (k == key && pos <= t); }
-};
+// The last classify CTA of sequence b: the cut C and the candidates' slice
+// counts. `above` keys lie in bins above the threshold bin `threshold`.
+// Second level: a histogram of the candidates' next 12 key bits; those in a
+// higher fine bin are kept outright, and the fine bin of the wanted-th
+// largest (usually a handful) is radix-selected in shared memory.
+__device__ void pick_cut(const IndexerParams& p, int b, uint32_t threshold, int32_t above, CutStorage& sh) {
+  using Select = cuda::RadixSelect<kClassifyThreads>;
+  const int tid = threadIdx.x;
+  const int32_t n = __ldcg(&p.cand_count[b]);
+  const int32_t wanted = p.topk - above;  // from the threshold bin: 1 <= wanted <= n
+  const uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
+  int32_t* slice_kept = p.slice_kept + int64_t{b} * p.slices;
+  const int fine_shift = p.position_bits + (kLowKeyBits - kBinBits);  // composite bits below the fine bin
+  const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
+  const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
+  const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
+  const auto position_of = [&](uint64_t x) { return static_cast<int64_t>(low - (x & low)); };
 
-__global__ void __cluster_dims__(kClusterCtas, 1, 1) __launch_bounds__(kSelectThreads, 2)
-    dsa_select_kernel(const __grid_constant__ IndexerParams p) {
-  namespace cg = cooperative_groups;
-  using Scan = cub::BlockScan<int32_t, kSelectThreads>;
-  using Select = cuda::RadixSelect<kSelectThreads>;
-  constexpr int kPer = kBins / kSelectThreads;
-  extern __shared__ __align__(16) unsigned char smem[];
-  SelectShared& sh = *reinterpret_cast<SelectShared*>(smem);
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int b = blockIdx.y, tid = threadIdx.x, lane = tid % 32;
+  for (int i = tid; i < kBins; i += kClassifyThreads) sh.hist[i] = 0;
+  if (tid == 0) {
+    sh.fine_count = 0;
+    sh.min_kept = ~0ull;
+  }
+  __syncthreads();
+  for_each_candidate(cands, n, [&](uint64_t x) { atomicAdd(&sh.hist[fine_of(x)], 1); });
+  __syncthreads();
+  find_threshold_bin<kClassifyThreads>(sh.hist, wanted, sh.scan, sh.bin);
+  const uint32_t fine_bin = static_cast<uint32_t>(sh.bin[0]);
+  const int32_t fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
+  const int32_t fine_n = sh.hist[fine_bin];
+  const bool in_smem = fine_n <= kCutItems;
+  for_each_candidate(cands, n, [&](uint64_t x) {
+    const uint32_t fine = fine_of(x);
+    if (fine > fine_bin) count_in_slice(slice_kept, position_of(x));
+    if (fine == fine_bin && in_smem) sh.items[atomicAdd(&sh.fine_count, 1)] = x;
+  });
+  __syncthreads();
+  const auto keep = [&](uint64_t x) {
+    count_in_slice(slice_kept, position_of(x));
+    atomicMin(&sh.min_kept, static_cast<unsigned long long>(x));
+  };
+  if (in_smem) {
+    const cuda::RadixCut cut =
+        Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
+    for (int32_t i = tid; i < fine_n; i += kClassifyThreads) {
+      if (cut.keeps(sh.items[i] & fine_mask)) keep(sh.items[i]);
+    }
+  } else {  // a wide tie (e.g. many equal scores): rank every candidate from global memory
+    const cuda::RadixCut cut = Select::run([&](int32_t i) { return __ldcg(&cands[i]); }, n, wanted,
+                                           kLowKeyBits + p.position_bits, sh.select);
+    for_each_candidate(cands, n, [&](uint64_t x) {
+      if (fine_of(x) == fine_bin && cut.keeps(x)) keep(x);
+    });
+  }
+  __syncthreads();
+  if (tid == 0) p.cut[b] = (static_cast<uint64_t>(threshold) << (kLowKeyBits + p.position_bits)) | sh.min_kept;
+}
+
+// One CTA per slice: lanes read consecutive positions, each warp 8 words of 32.
+__global__ void __launch_bounds__(kClassifyThreads) dsa_classify_kernel(const __grid_constant__ IndexerParams p) {
+  using Reduce = cub::BlockReduce<int32_t, kClassifyThreads>;
+  constexpr int kWordsPerWarp = kSlice / 32 / (kClassifyThreads / 32);
+  __shared__ CutStorage sh;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ int32_t bin[2];
+  __shared__ int32_t last;
+  const int b = blockIdx.y;
+  const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
+  const int64_t first = int64_t{blockIdx.x} * kSlice;
+  if (len <= p.topk || first >= len) return;
+  cuda::pdl_launch_dependents();  // the compaction may be scheduled; it waits for this grid
+  cuda::pdl_wait_primary();       // the scores and the histogram are complete and visible
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t w_first = first + int64_t{warp} * kWordsPerWarp * 32;
+  const float* s = p.scores + int64_t{b} * p.pitch;
+  float v[kWordsPerWarp];  // requested before the histogram is scanned
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    const int64_t t = w_first + e * 32 + lane;
+    v[e] = t < len ? s[t] : 0.0f;
+  }
+  find_threshold_bin<kClassifyThreads>(p.hist + int64_t{b} * kBins, p.topk, sh.scan, bin);
+  const uint32_t threshold = static_cast<uint32_t>(bin[0]);
+  uint32_t cand[kWordsPerWarp];
+  int32_t above = 0, total = 0;
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    const int64_t t = w_first + e * 32 + lane;
+    const uint32_t key_bin = cuda::score_key(v[e]) >> kLowKeyBits;
+    const bool live = t < len;
+    above += __popc(__ballot_sync(0xffffffffu, live && key_bin > threshold));
+    cand[e] = __ballot_sync(0xffffffffu, live && key_bin == threshold);
+    total += __popc(cand[e]);
+  }
+  // One atomic per warp reserves its candidates' slots.
+  int32_t slot = 0;
+  if (lane == 0 && total > 0) slot = atomicAdd(&p.cand_count[b], total);
+  slot = __shfl_sync(0xffffffffu, slot, 0);
+  uint64_t* cands = p.candidates + int64_t{b} * p.pitch;
+#pragma unroll
+  for (int e = 0; e < kWordsPerWarp; ++e) {
+    if ((cand[e] >> lane) & 1u) {
+      const int64_t t = w_first + e * 32 + lane;
+      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] = candidate_composite(cuda::score_key(v[e]), t, p.position_bits);
+    }
+    slot += __popc(cand[e]);
+  }
+  const int32_t slice_above = Reduce(reduce).Sum(lane == 0 ? above : 0);
+  if (threadIdx.x == 0 && slice_above > 0) atomicAdd(&p.slice_kept[int64_t{b} * p.slices + blockIdx.x], slice_above);
+  // Arrival: the last CTA of the sequence sees every other CTA's candidates.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int32_t active = static_cast<int32_t>((len + kSlice - 1) / kSlice);
+    last = atomicAdd(&p.done[b], 1) == active - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  pick_cut(p, b, threshold, bin[1], sh);
+}
+
+// ---- 3. the ordered output --------------------------------------------------
+
+// One CTA per slice: the kept count of the earlier slices is its offset;
+// each thread tests its 8 consecutive positions against the cut, and a block
+// scan gives every kept position its slot.
+__global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __grid_constant__ IndexerParams p) {
+  using Scan = cub::BlockScan<int32_t, kCompactThreads>;
+  using Reduce = cub::BlockReduce<int32_t, kCompactThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } tmp;
+  __shared__ int32_t offset;
+  const int b = blockIdx.y;
   const int64_t len = p.kv_lens[b];
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
   int32_t* out = p.positions + int64_t{b} * p.topk;
-  if (len <= p.topk) {  // the window fits the top-k (the whole cluster returns): every position
-    if (rank == 0) {
-      for (int32_t i = tid; i < p.topk; i += kSelectThreads) out[i] = i < len ? i : -1;
-      if (tid == 0) p.counts[b] = static_cast<int32_t>(len);
+  if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
+    if (blockIdx.x == 0) {
+      for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = i < len ? i : -1;
+      if (threadIdx.x == 0) p.counts[b] = static_cast<int32_t>(len);
     }
     return;
   }
-  if (tid == 0) {
-    sh.n = 0;
-    sh.item_count = 0;
-    sh.min_kept = ~0ull;
+  const int64_t first = int64_t{blockIdx.x} * kSlice;
+  if (first >= len) return;
+  cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
+  // Every read is requested before any is used: one round trip.
+  const int64_t t0 = first + 8 * int64_t{threadIdx.x};
+  const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
+  const float4 lo = src[0], hi = src[1];
+  const uint64_t cut = p.cut[b];
+  int32_t before = 0;
+  for (int64_t s = threadIdx.x; s < int64_t{blockIdx.x}; s += kCompactThreads) {
+    before += p.slice_kept[int64_t{b} * p.slices + s];
   }
-  cluster.barrier_arrive();  // 0: CTA 0's counters are set (waited for before the first remote write)
-  // CTA r's positions: [first, last), span a multiple of 16.
-  const int64_t span = ((len + kClusterCtas - 1) / kClusterCtas + kSelectPer - 1) / kSelectPer * kSelectPer;
-  const int64_t first = min(len, int64_t{rank} * span), last = min(len, first + span);
-  const auto valid_of = [&](int64_t t0) {
-    const int64_t left = last - t0;
-    return static_cast<int>(left < 0 ? 0 : left > kSelectPer ? kSelectPer : left);
-  };
-  cuda::pdl_wait_primary();  // the scores and the histogram are complete and visible
-  const float* s = p.scores + int64_t{b} * p.pitch;
-  const int bits = p.position_bits;
-  int32_t c[kPer];
-  const int32_t* hist = p.hist + int64_t{b} * kBins;
+  before = Reduce(tmp.reduce).Sum(before);
+  if (threadIdx.x == 0) offset = before;
+  __syncthreads();  // the reduce storage is free for the scan
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint64_t low = (uint64_t{1} << p.position_bits) - 1;
+  uint32_t keep = 0;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) c[e] = hist[kBins - 1 - (tid * kPer + e)];
-  find_threshold_bin<kSelectThreads>(c, p.topk, sh.scan, sh.bin);  // its barrier also orders the setup above
-  const uint32_t threshold = static_cast<uint32_t>(sh.bin[0]);
-  const int32_t wanted = p.topk - sh.bin[1];  // from the threshold bin: >= 1
-
-  // Pass 1: keys above T counted, keys in T sent to CTA 0 (one remote
-  // atomic per warp and chunk reserves their slots).
-  uint64_t* cands0 = cluster.map_shared_rank(sh.cands, 0);
-  int32_t* n0 = cluster.map_shared_rank(&sh.n, 0);
-  int32_t above = 0;
-  cluster.barrier_wait();  // 0
-  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
-    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
-    const int valid = valid_of(t0);
-    float v[kSelectPer];
-    load_select_chunk(s, t0, valid, v);
-    uint32_t mine = 0, high = 0;
-#pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) {
-      const uint32_t bin = cuda::score_key(v[j]) >> kLowKeyBits;
-      mine |= (bin == threshold ? 1u : 0u) << j;
-      high |= (bin > threshold ? 1u : 0u) << j;
-    }
-    mine &= (1u << valid) - 1;  // valid <= 16
-    above += __popc(high & ((1u << valid) - 1));
-    const int32_t count = __popc(mine);
-    int32_t before = count;  // inclusive scan over the warp
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int32_t x = __shfl_up_sync(0xffffffffu, before, d);
-      if (lane >= d) before += x;
-    }
-    int32_t slot = 0;
-    if (lane == 31 && before > 0) slot = atomicAdd(n0, before);
-    slot = __shfl_sync(0xffffffffu, slot, 31) + before - count;
-#pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) {
-      if ((mine >> j) & 1u) {
-        if (slot < kSelectCands) cands0[slot] = candidate_composite(cuda::score_key(v[j]), t0 + j, bits);
-        ++slot;
-      }
-    }
+  for (int j = 0; j < 8; ++j) {
+    const int64_t t = t0 + j;
+    const uint64_t x = (static_cast<uint64_t>(cuda::score_key(v[j])) << p.position_bits) | (low - static_cast<uint64_t>(t));
+    if (t < len && x >= cut) keep |= 1u << j;
   }
-  int32_t ignore, cta_above;
-  Scan(sh.scan).ExclusiveSum(above, ignore, cta_above);
-  if (tid == 0) cluster.map_shared_rank(sh.above, 0)[rank] = cta_above;
-  cluster.sync();  // 1: CTA 0 holds every candidate and every CTA's count above T
-
-  if (rank == 0) {
-    const int32_t n = sh.n;
-    const int fine_shift = bits + (kLowKeyBits - kBinBits);  // candidate bits below the fine bin
-    const uint64_t fine_mask = (uint64_t{1} << fine_shift) - 1;
-    const uint64_t low = (uint64_t{1} << bits) - 1;
-    const auto fine_of = [&](uint64_t x) { return static_cast<uint32_t>(x >> fine_shift) & (kBins - 1); };
-    const auto owner = [&](int64_t t) { return static_cast<int>(t / span); };
-    bool exact = n <= kSelectCands;  // every candidate is in the list
-    int32_t fine_n = 0;
-    uint32_t fine_bin = 0;
-    int32_t fine_wanted = 0;
-    if (exact) {
-      for (int i = tid; i < kBins; i += kSelectThreads) sh.fine_hist[i] = 0;
-      __syncthreads();
-      for (int32_t i = tid; i < n; i += kSelectThreads) atomicAdd(&sh.fine_hist[fine_of(sh.cands[i])], 1);
-      __syncthreads();
+  int32_t slot;
+  Scan(tmp.scan).ExclusiveSum(__popc(keep), slot);
+  slot += offset;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) c[e] = sh.fine_hist[kBins - 1 - (tid * kPer + e)];
-      find_threshold_bin<kSelectThreads>(c, wanted, sh.scan, sh.bin);
-      fine_bin = static_cast<uint32_t>(sh.bin[0]);
-      fine_wanted = wanted - sh.bin[1];  // from the fine bin: 1 <= fine_wanted <= fine_n
-      fine_n = sh.bin[2];
-      exact = fine_n <= kCutItems;
-    }
-    if (exact) {
-      // Candidates of higher fine bins are kept outright; the fine bin's are ranked.
-      for (int32_t i = tid; i < n; i += kSelectThreads) {
-        const uint64_t x = sh.cands[i];
-        const uint32_t fine = fine_of(x);
-        if (fine > fine_bin) atomicAdd(&sh.above[owner(static_cast<int64_t>(low - (x & low)))], 1);
-        if (fine == fine_bin) sh.items[atomicAdd(&sh.item_count, 1)] = x;
-      }
-      __syncthreads();
-      const cuda::RadixCut fine_cut =
-          Select::run([&](int32_t i) { return sh.items[i] & fine_mask; }, fine_n, fine_wanted, fine_shift, sh.select);
-      for (int32_t i = tid; i < fine_n; i += kSelectThreads) {
-        const uint64_t x = sh.items[i];
-        if (fine_cut.keeps(x & fine_mask)) {
-          atomicAdd(&sh.above[owner(static_cast<int64_t>(low - (x & low)))], 1);
-          atomicMin(&sh.min_kept, static_cast<unsigned long long>(x));
-        }
-      }
-      __syncthreads();
-      if (tid == 0) sh.cut = (static_cast<uint64_t>(threshold) << (kLowKeyBits + bits)) | sh.min_kept;
-    } else {
-      // Every position's composite (key << bits | 2^bits - 1 - t); the cut
-      // keeps (x & mask) >= prefix with mask a run of high bits: x >= prefix.
-      const cuda::RadixCut all = Select::run(
-          [&](int32_t i) { return (static_cast<uint64_t>(cuda::score_key(s[i])) << bits) | (low - static_cast<uint64_t>(i)); },
-          static_cast<int32_t>(len), p.topk, 32 + bits, sh.select);
-      const Cut cut(all.prefix, bits);
-      if (tid < kClusterCtas) sh.above[tid] = 0;
-      __syncthreads();
-      for (int64_t t = tid; t < len; t += kSelectThreads) {
-        if (cut.keeps(cuda::score_key(s[t]), t)) atomicAdd(&sh.above[owner(t)], 1);
-      }
-      if (tid == 0) sh.cut = all.prefix;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      int32_t run = 0;
-      for (int r = 0; r < kClusterCtas; ++r) {
-        sh.offset[r] = run;
-        run += sh.above[r];
-      }
-    }
-  }
-  cluster.sync();  // 2: the cut and every CTA's offset are known
-
-  if (tid == 0) {
-    sh.cut = *cluster.map_shared_rank(&sh.cut, 0);
-    sh.my_offset = cluster.map_shared_rank(sh.offset, 0)[rank];
-  }
-  cluster.barrier_arrive();  // done with the other CTAs' shared memory (waited for before exit)
-  __syncthreads();
-  const Cut cut(sh.cut, bits);
-  // Pass 2: the kept positions, in order.
-  int32_t base = sh.my_offset;
-  for (int64_t c0 = first; c0 < last; c0 += kSelectChunk) {
-    const int64_t t0 = c0 + int64_t{kSelectPer} * tid;
-    const int valid = valid_of(t0);
-    float v[kSelectPer];
-    load_select_chunk(s, t0, valid, v);
-    uint32_t keep = 0;
-#pragma unroll
-    for (int j = 0; j < kSelectPer; ++j) keep |= (cut.keeps(cuda::score_key(v[j]), t0 + j) ? 1u : 0u) << j;
-    keep &= (1u << valid) - 1;
-    int32_t slot, total;
-    __syncthreads();  // the scan storage is free
-    Scan(sh.scan).ExclusiveSum(__popc(keep), slot, total);
-    slot += base;
-    for (uint32_t m = keep; m != 0; m &= m - 1) {
-      if (slot < p.topk) out[slot] = static_cast<int32_t>(t0 + __ffs(m) - 1);
+  for (int j = 0; j < 8; ++j) {
+    if ((keep >> j) & 1u) {
+      if (slot < p.topk) out[slot] = static_cast<int32_t>(t0 + j);
       ++slot;
     }
-    base += total;
   }
-  if (rank == 0 && tid == 0) p.counts[b] = p.topk;
-  cluster.barrier_wait();  // no CTA leaves while another may read its shared memory
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.counts[b] = p.topk;
 }
 
 // ---- launch -----------------------------------------------------------------
@@ -711,6 +698,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.row_stride = int64_t{c.latent_dim} + c.index_head_dim;
   p.capacity = a.capacity;
   p.pitch = ws.pitch;
+  p.slices = ws.slices;
   p.batch = batch;
   p.key_offset = c.latent_dim;
   p.heads = c.index_heads;
@@ -718,12 +706,16 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.topk = c.index_topk;
   p.position_bits = cuda::position_bits(a.max_kv_len);
   p.hist = reinterpret_cast<int32_t*>(base + ws.hist);
+  p.cand_count = reinterpret_cast<int32_t*>(base + ws.cand_count);
+  p.done = reinterpret_cast<int32_t*>(base + ws.done);
+  p.slice_kept = reinterpret_cast<int32_t*>(base + ws.slice_kept);
+  p.cut = reinterpret_cast<uint64_t*>(base + ws.cut);
   p.scores = reinterpret_cast<float*>(base + ws.scores);
+  p.candidates = reinterpret_cast<uint64_t*>(base + ws.candidates);
   p.positions = a.positions;
   p.counts = a.counts;
   auto s = static_cast<cudaStream_t>(stream);
-  cuda::configure_smem_once(dsa_select_kernel, sizeof(SelectShared));
-  const dim3 select_grid(kClusterCtas, static_cast<unsigned>(batch));  // one cluster per sequence
+  const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
     SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
     if (a.dtype == DType::kBF16) {
@@ -731,11 +723,12 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
     } else {
       launch_scores<__half>(p, batch, a.max_kv_len, a.dtype, s);
     }
-    // Scheduled while the score grid drains; it waits for the scores.
-    cuda::launch_with_pdl(dsa_select_kernel, select_grid, dim3(kSelectThreads), sizeof(SelectShared), s, p);
+    // Each grid is scheduled while the one before drains and waits for its writes.
+    cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kClassifyThreads), 0, s, p);
+    cuda::launch_with_pdl(dsa_compact_kernel, slices, dim3(kCompactThreads), 0, s, p);
   } else {
     // Nothing of ours ran before: a plain launch, ordered after all earlier work.
-    dsa_select_kernel<<<select_grid, kSelectThreads, sizeof(SelectShared), s>>>(p);
+    dsa_compact_kernel<<<slices, kCompactThreads, 0, s>>>(p);
     SP_CUDA_CHECK_LAUNCH();
   }
 }

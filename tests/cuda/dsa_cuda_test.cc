@@ -192,7 +192,7 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       {4, 64, 200, 2, 3001, DType::kF16, false},
       {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
       {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
-      {4, 64, 3000, 1, 70000, DType::kBF16, false},   // several chunks per CTA of the top-k cluster
+      {4, 64, 3000, 1, 70000, DType::kBF16, false},   // 35 slices, a long list of candidates
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const IndexerCase& c = cases[i];
@@ -272,11 +272,10 @@ TEST(DsaIndexerCuda, KeepsNaNLastNegativeScoresAndTiesAcrossSlices) {
   }
 }
 
-// More candidates share the threshold's coarse histogram bin than the
-// indexer keeps on chip (20000 positions, 4096 distinct scores in one bin,
-// each on four or five positions), over more than one 16384-position chunk:
-// the fine bin of the cut is found in the scores again, and ties at the cut
-// go to the lower positions.
+// Every position's score in the threshold's coarse histogram bin (20000
+// positions over ten slices, 4096 distinct scores, each on four or five
+// positions): the last classify CTA ranks 20000 candidates by their fine
+// bins, and ties at the cut go to the lower positions.
 TEST(DsaIndexerCuda, ManyCandidatesInTheThresholdBin) {
   SKIP_WITHOUT_CUDA();
   IndexerProblem pb = make_exact_problem({4, 64, 98, 1, 20000, DType::kBF16, false}, 97);
