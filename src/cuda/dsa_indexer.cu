@@ -4,9 +4,9 @@
 // serves a growing context. On the caller's stream:
 //   0. a memset clears the coarse histograms and the counters;
 //   1. dsa_score_kernel scores positions on warpgroup MMAs (fp32
-//      accumulation: positions x index heads x dim), applies the ReLU and
-//      the weighted sum over heads, writes fp32 scores and histograms the
-//      top 12 bits of each score's order key;
+//      accumulation: positions x index heads x dim), the index keys arriving
+//      by TMA; it applies the ReLU and the weighted sum over heads, writes
+//      fp32 scores and histograms the top 12 bits of each score's order key;
 //   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
 //      histogram bin holding the k-th largest key, counts the slice's keys in
 //      higher bins and appends the keys of that bin as candidates; the last
@@ -129,7 +129,7 @@ struct IndexerParams {
 
 // ---- tensor-memory-access copies ---------------------------------------------
 
-// A CTA's key tiles can arrive by the tensor memory accelerator: one thread
+// A score CTA's key tiles arrive by the tensor memory accelerator: one thread
 // issues a 64-row x 64-column box per slab, the hardware writes it in the
 // 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar) {
@@ -156,7 +156,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 // complete on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
       : "memory");
 }
