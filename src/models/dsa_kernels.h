@@ -11,8 +11,8 @@ struct DsaConfig;
 
 namespace sparsepage::detail {
 /// Limits of the CUDA DSA indexer (src/cuda/dsa_indexer.cu): index keys are
-/// m16n8k16 tensor-core operands, one sequence's index queries are staged in
-/// shared memory, and sequences are a grid dimension.
+/// warpgroup-MMA operands in k-steps of 16 columns, one sequence's index
+/// queries are staged in shared memory, and sequences are a grid dimension.
 inline constexpr int kDsaMaxIndexHeadDim = 256;
 inline constexpr int kDsaMaxQueryElements = 16384;
 inline constexpr int kDsaMaxBatch = 65535;

@@ -192,6 +192,7 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       {4, 64, 200, 2, 3001, DType::kF16, false},
       {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
       {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
+      {4, 64, 3000, 1, 70000, DType::kBF16, false},   // 35 slices, a long list of candidates
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const IndexerCase& c = cases[i];
@@ -213,6 +214,93 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       EXPECT_EQ(pb.gpu()[1], want) << what;
     }
   }
+}
+
+// The rule's corners, one per sequence, over several 2048-position slices
+// of the selection: (0) every kept position in the last slice, with a tie
+// block straddling the threshold; (1) fewer finite scores than the top-k, so
+// NaN scores (ranked last, as -inf) fill the rest from the lowest positions;
+// (2) negative weights, so every score is <= 0 and zeros of either sign tie.
+TEST(DsaIndexerCuda, KeepsNaNLastNegativeScoresAndTiesAcrossSlices) {
+  SKIP_WITHOUT_CUDA();
+  IndexerProblem pb = make_exact_problem({8, 64, 300, 3, 5000, DType::kBF16, false}, 95);
+  for (int32_t b = 0; b < 3; ++b) {
+    for (int64_t t = 0; t < pb.kv_len; ++t) std::fill_n(pb.key(b, t), 64, 0.0f);
+  }
+  // (0) score = 0.5 * 8 * (t / 40): blocks of 40 equal scores, rising with t.
+  for (int32_t j = 0; j < 8; ++j) {
+    std::fill_n(&pb.q_index[size_t(j * 64)], 64, 0.0f);
+    pb.q_index[size_t(j * 64)] = 1.0f;
+    pb.weights[size_t(j)] = 0.5f;
+  }
+  for (int64_t t = 0; t < pb.kv_len; ++t) pb.key(0, t)[0] = float(t / 40);
+  // (1) NaN everywhere but 100 scattered positions with small-integer keys.
+  std::mt19937_64 rng(96);
+  std::uniform_int_distribution<int> small(-4, 4);
+  for (int64_t t = 0; t < pb.kv_len; ++t) {
+    if (t % 50 == 7) {
+      for (int32_t d = 0; d < 64; ++d) pb.key(1, t)[d] = float(small(rng));
+    } else {
+      pb.key(1, t)[3] = NAN;
+    }
+  }
+  // (2) all weights negative.
+  for (int64_t t = 0; t < pb.kv_len; ++t) {
+    for (int32_t d = 0; d < 64; ++d) pb.key(2, t)[d] = float(small(rng));
+  }
+  for (int32_t j = 0; j < 8; ++j) pb.weights[size_t(2 * 8 + j)] = -0.5f * float(1 + j % 3);
+  const Rows cpu = pb.cpu();
+  expect_same_sets(pb.gpu(), cpu, pb.kv_len, "corner cases");
+  // The expectations the rule implies, checked on the CPU rule's own answer.
+  std::vector<int32_t> want0;
+  for (int32_t t = 4720; t < 5000; ++t) want0.push_back(t);  // 7 whole blocks of 40
+  for (int32_t t = 4680; t < 4700; ++t) want0.push_back(t);  // the 20 lowest of the tie block 4680 .. 4719
+  std::sort(want0.begin(), want0.end());
+  std::vector<int32_t> got0 = cpu[0];
+  std::sort(got0.begin(), got0.end());
+  EXPECT_EQ(got0, want0);
+  std::vector<int32_t> got1 = cpu[1];
+  std::sort(got1.begin(), got1.end());
+  int32_t finite = 0;
+  for (int32_t t : got1) finite += t % 50 == 7;
+  EXPECT_EQ(finite, 100) << "every finite score ranks above every NaN";
+  int32_t nan_count = 0;
+  for (int32_t t = 0; nan_count < 200; ++t) {
+    if (t % 50 == 7) continue;
+    EXPECT_TRUE(std::binary_search(got1.begin(), got1.end(), t)) << "NaN position " << t << " ranks by position";
+    ++nan_count;
+  }
+}
+
+// Every position's score in the threshold's coarse histogram bin (20000
+// positions over ten slices, 4096 distinct scores, each on four or five
+// positions): the last classify CTA ranks 20000 candidates by their fine
+// bins, and ties at the cut go to the lower positions.
+TEST(DsaIndexerCuda, ManyCandidatesInTheThresholdBin) {
+  SKIP_WITHOUT_CUDA();
+  IndexerProblem pb = make_exact_problem({4, 64, 98, 1, 20000, DType::kBF16, false}, 97);
+  std::fill(pb.q_index.begin(), pb.q_index.end(), 0.0f);
+  pb.q_index[0] = 256.0f;  // head 0: score = 256 k0 + k1, exact in bf16 and fp32
+  pb.q_index[1] = 1.0f;
+  std::fill(pb.weights.begin(), pb.weights.end(), 1.0f);
+  for (int64_t t = 0; t < pb.kv_len; ++t) {
+    const int32_t v = 32768 + int32_t(t / 2) % 4096;  // one octave, one coarse bin of 4096 values
+    std::fill_n(pb.key(0, t), 64, 0.0f);
+    pb.key(0, t)[0] = float(v / 256);
+    pb.key(0, t)[1] = float(v % 256);
+  }
+  const Rows cpu = pb.cpu();
+  expect_same_sets(pb.gpu(), cpu, pb.kv_len, "many candidates");
+  // The top 98: the 24 highest values on four positions each (t / 2 = 4095 - i
+  // and 8191 - i), then the two lowest of the 25th value's 8142, 8143, 16334, 16335.
+  std::vector<int32_t> want;
+  for (int32_t t = 0; t < 20000; ++t) {
+    if (t / 2 % 4096 >= 4096 - 24 || t == 8142 || t == 8143) want.push_back(t);
+  }
+  std::vector<int32_t> got = cpu[0];
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(want.size(), 98u);
+  EXPECT_EQ(got, want);
 }
 
 // Real-valued inputs: the sets agree except where two scores are closer than

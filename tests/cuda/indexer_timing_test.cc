@@ -201,7 +201,19 @@ TEST(IndexerTiming, DsaIndexer) {
                 "-> %.0f GB/s cold\n",
                 batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6, double(index_bytes) / cold / 1e3);
     const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(batch));
-    for (int32_t b = 0; b < batch; ++b) EXPECT_EQ(n[size_t(b)], c.index_topk);
+    const auto kept = download<int32_t>(Device::kCuda, pos.data(), size_t(batch) * c.index_topk);
+    for (int32_t b = 0; b < batch; ++b) {
+      EXPECT_EQ(n[size_t(b)], c.index_topk);
+      // Each sequence's positions: increasing, inside the window.
+      const int32_t* got = &kept[size_t(b) * c.index_topk];
+      EXPECT_TRUE(got[0] >= 0 && got[c.index_topk - 1] < ctx) << "sequence " << b;
+      for (int32_t i = 1; i < c.index_topk; ++i) {
+        if (got[i - 1] >= got[i]) {
+          ADD_FAILURE() << "sequence " << b << ": positions not increasing at entry " << i;
+          break;
+        }
+      }
+    }
   }
 }
 
