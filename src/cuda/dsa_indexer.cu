@@ -225,6 +225,7 @@ __device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int
 // shared histogram that it adds to the sequence's once, at the end.
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_constant__ IndexerParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.y;
   const int64_t len = p.kv_lens[b];
@@ -330,6 +331,9 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     const int32_t v = hist_s[i];
     if (v != 0) atomicAdd(&hist[i], v);
   }
+#else
+  __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
+#endif
 }
 
 // ---- 2. classify and the cut ------------------------------------------------
@@ -669,6 +673,9 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t ma
 }
 
 void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerArgs& a, void* stream) {
+  require(cuda_device_sm() == 90 && std::string(cuda_built_architectures()).find("90a") != std::string::npos,
+          "the DSA indexer scores with warpgroup MMAs and TMA, which need an sm_90 GPU and sm_90a code (this device "
+          "is sm_" + std::to_string(cuda_device_sm()) + ", the build has " + cuda_built_architectures() + ")");
   detail::check_dsa_indexer_cuda(c, batch);
   require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));

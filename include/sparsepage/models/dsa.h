@@ -169,7 +169,7 @@ struct DsaIndexerArgs {
 };
 
 /// Bytes of workspace dsa_select_tokens_cuda needs for `batch` sequences of
-/// up to max_kv_len positions (about 12 bytes per position plus 32 KB per
+/// up to max_kv_len positions (about 12 bytes per position plus 16 KB per
 /// sequence).
 size_t dsa_indexer_workspace_bytes(const DsaConfig& config, int32_t batch, int64_t max_kv_len);
 
