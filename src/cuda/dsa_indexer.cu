@@ -129,6 +129,10 @@ struct IndexerParams {
 
 // ---- tensor-memory-access copies ---------------------------------------------
 
+// Everything from here to the score kernel uses sm_90a instructions (TMA,
+// mbarrier transactions, warpgroup MMAs); other device passes skip it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+
 // A score CTA's key tiles arrive by the tensor memory accelerator: one thread
 // issues a 64-row x 64-column box per slab, the hardware writes it in the
 // 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
@@ -217,6 +221,7 @@ __device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int
   cuda::wgmma::wait<0>();
   cuda::wgmma::pin(d);
 }
+#endif  // sm_90a
 
 // Each thread's accumulator rows are two positions and its columns 16 heads,
 // so the weighted ReLU sum over heads is 32 multiply-adds and two quad
