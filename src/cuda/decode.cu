@@ -165,7 +165,15 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
     p.request_merge = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.request_merge));
     p.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
   }
-  cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, static_cast<int32_t>(plan.work.size()), s);
+  // The engines' index forms take their own instantiation; the library's CSR
+  // tables keep the lean row lookup.
+  const bool engine_inputs = params.index_layout == IndexLayout::kMatrix ||
+                             params.padding == IndexPadding::kMinusOneSkips ||
+                             params.addressing == PageAddressing::kBlockTable ||
+                             params.seq_lens_index == SeqLensIndex::kPerSequence;
+  const auto items = static_cast<int32_t>(plan.work.size());
+  if (engine_inputs) cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
+  else cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, items, s);
   if (plan.needs_merge() && !in_place) {
     if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
     else run_merge<__half>(params, qo, plan, workspace, s);

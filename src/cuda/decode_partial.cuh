@@ -194,12 +194,17 @@ struct TileConfig {
   static constexpr bool kQInRegs = DK <= 128;
 };
 
-/// Rows from the page table.
-struct PagedSource {
+/// Rows from the page table. `kEngineInputs` adds the engines' own index
+/// forms (decode.h): an index matrix, -1 padding that is skipped, block-table
+/// addressing and per-sequence lengths. They are a separate instantiation so
+/// that the CSR table over a pool or a window, the library's own step, keeps
+/// a row lookup with none of their branches or registers.
+template <bool kEngineInputs>
+struct PagedSourceT {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
   static constexpr bool kMergesInPlace = true;  // the fused decode's partial kernel may merge in place
-  static constexpr bool kMaySkip = true;  // -1 padding (IndexPadding::kMinusOneSkips)
+  static constexpr bool kMaySkip = kEngineInputs;  // -1 padding (IndexPadding::kMinusOneSkips)
   const int32_t* pages;  // this request's page ids
   const int32_t* table_row;  // block-table mode: this sequence's row (null: reject every token)
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
@@ -212,7 +217,9 @@ struct PagedSource {
     const PagedTable& t = p.table;
     first_offset = t.first_page_offset ? t.first_page_offset[request] : 0;
     page_size = t.page_size;
-    if (t.matrix) {
+    bool matrix = false;
+    if constexpr (kEngineInputs) matrix = t.matrix;
+    if (matrix) {
       pages = t.indices + seq * t.index_seq_stride + head * t.index_head_stride;
       num_pages = t.index_width;
     } else {
@@ -225,17 +232,21 @@ struct PagedSource {
     // outside [0, page_size) rejects every token of the request (NaN and the
     // error flag) instead of reading before `indices`.
     if (first_offset < 0 || first_offset >= page_size) num_pages = 0;
-    seq_len = t.seq_lens ? t.seq_lens[t.lens_per_sequence ? seq : request] : INT32_MAX;
+    bool per_sequence = false;
+    if constexpr (kEngineInputs) per_sequence = t.lens_per_sequence;
+    seq_len = t.seq_lens ? t.seq_lens[per_sequence ? seq : request] : INT32_MAX;
     page_shift = t.page_shift;
     num_pool_pages = t.num_pool_pages;
     addressing = t.addressing;
-    skip_minus_one = t.skip_minus_one;
+    skip_minus_one = kEngineInputs && t.skip_minus_one;
     window_len = t.window_lens ? t.window_lens[seq] : t.window_len;
     table_row = nullptr;
-    if (addressing == PageAddressing::kBlockTable) {
-      const BlockTable& bt = t.block_table;
-      const int32_t row = bt.row_of_sequence ? bt.row_of_sequence[seq] : static_cast<int32_t>(seq);
-      if (row >= 0 && row < bt.num_rows) table_row = bt.data + row * bt.row_stride;
+    if constexpr (kEngineInputs) {
+      if (addressing == PageAddressing::kBlockTable) {
+        const BlockTable& bt = t.block_table;
+        const int32_t row = bt.row_of_sequence ? bt.row_of_sequence[seq] : static_cast<int32_t>(seq);
+        if (row >= 0 && row < bt.num_rows) table_row = bt.data + row * bt.row_stride;
+      }
     }
   }
   /// The request's visible tokens now (a plan made for more is clipped).
@@ -258,28 +269,36 @@ struct PagedSource {
     const int32_t page_idx = page_of(token);
     if (page_idx >= num_pages) return kRejectedRow;  // a table shorter than the visible count
     const int32_t page = slot[page_idx - page_of(tok0)];
-    if (page == -1 && skip_minus_one) return kMaskedRow;
+    if constexpr (kEngineInputs) {
+      if (page == -1 && skip_minus_one) return kMaskedRow;
+    }
     const int64_t pos = int64_t{page} * page_size + (first_offset + token - page_idx * page_size);
     if (addressing == PageAddressing::kWindow) return page < 0 || pos >= window_len ? kRejectedRow : pos;
-    if (addressing == PageAddressing::kBlockTable) {
-      // The engine's conversion launch, done here: position -> block -> pool row.
-      const BlockTable& bt = p.table.block_table;
-      if (page < 0 || table_row == nullptr || pos >= int64_t{bt.max_blocks} * bt.block_size) return kRejectedRow;
-      const int32_t shift = p.table.block_shift;
-      const int64_t entry = shift >= 0 ? pos >> shift : pos / bt.block_size;
-      const int32_t block = __ldg(table_row + entry);
-      if (block < 0 || block >= bt.num_blocks) return kRejectedRow;
-      return int64_t{block} * bt.block_size + (pos - entry * bt.block_size);
+    if constexpr (kEngineInputs) {
+      if (addressing == PageAddressing::kBlockTable) {
+        // The engine's conversion launch, done here: position -> block -> pool row.
+        const BlockTable& bt = p.table.block_table;
+        if (page < 0 || table_row == nullptr || pos >= int64_t{bt.max_blocks} * bt.block_size) return kRejectedRow;
+        const int32_t shift = p.table.block_shift;
+        const int64_t entry = shift >= 0 ? pos >> shift : pos / bt.block_size;
+        const int32_t block = __ldg(table_row + entry);
+        if (block < 0 || block >= bt.num_blocks) return kRejectedRow;
+        return int64_t{block} * bt.block_size + (pos - entry * bt.block_size);
+      }
     }
     return page < 0 || page >= num_pool_pages ? kRejectedRow : pos;
   }
   /// Whether `token` of the tile at tok0 (its ids in `slot`) is padding and
   /// stays out of the softmax. Only for tokens the tile holds.
   __device__ bool skipped(const int32_t* slot, int32_t tok0, int32_t token) const {
-    return skip_minus_one && slot[page_of(token) - page_of(tok0)] == -1;
+    return kEngineInputs && skip_minus_one && slot[page_of(token) - page_of(tok0)] == -1;
   }
   __device__ float bias(const int32_t*, int) const { return 0.f; }
 };
+/// The library's own tables: CSR over a pool or a window.
+using PagedSource = PagedSourceT<false>;
+/// The engines' index forms as well (decode.h: IndexLayout, IndexPadding, kBlockTable, SeqLensIndex).
+using EnginePagedSource = PagedSourceT<true>;
 
 /// Rows from a dense allocation; the slot carries the tile's mask values.
 struct DenseSource {
