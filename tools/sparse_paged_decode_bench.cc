@@ -46,7 +46,6 @@ struct Options {
   int32_t topk_blocks = 16, block_size = 128;
   int32_t rotate = 0;            // 0: enough selections to defeat the L2
   int32_t items_per_sm = 0, min_chunk = 0;  // plan tuning (0: defaults)
-  bool merge_in_place = false;
   bool cpu = false;
   bool fused_only = false;       // check against the mask arm once, time only the fused arm
   std::string json_path;
@@ -147,8 +146,6 @@ int main(int argc, char** argv) {
   app.add_option("--rotate", opt.rotate, "distinct selections cycled per replay (0: enough to exceed 2x L2)");
   app.add_option("--items-per-sm", opt.items_per_sm, "plan tuning: work items per multiprocessor (0: default)");
   app.add_option("--min-chunk", opt.min_chunk, "plan tuning: smallest chunk in tokens (0: default)");
-  app.add_flag("--merge-in-place", opt.merge_in_place,
-               "plan tuning: merge split requests in the partial kernel's last CTA (default: the merge kernel)");
   app.add_flag("--cpu", opt.cpu, "use the CPU backend even when a GPU is present");
   app.add_flag("--fused-only", opt.fused_only,
                "run the mask arm once for the agreement check but time only the fused arm (peer comparisons)");
@@ -285,7 +282,7 @@ int main(int argc, char** argv) {
 
     // Correctness first: both arms once, compared.
     SparseDecoder decoder(device, config);
-    decoder.set_plan_tuning(opt.items_per_sm, opt.min_chunk, opt.merge_in_place);
+    decoder.set_plan_tuning(opt.items_per_sm, opt.min_chunk);
     MaskPath mask(device);
     const DispatchStats before = dispatch_stats();
     in.o = o_fused.data();

@@ -40,13 +40,6 @@ struct PlanShape {
   /// 0 lets the plan choose; otherwise every chunk has exactly this many
   /// tokens (rounded to the granule): how tests force splits on and off.
   int32_t fixed_chunk_tokens = 0;
-  /// The GPU backend merges a split request inside its partial kernel (the
-  /// request's last CTA to finish merges, found with an arrival counter in
-  /// the workspace) instead of launching a merge kernel. The mma.sync tiles
-  /// honour it; the MLA kernel always uses the merge kernel. Off by default:
-  /// on the H200 it measured slower than the merge kernel at every measured
-  /// shape (docs/PERFORMANCE.md, "Merging split requests").
-  bool merge_in_place = false;
 };
 
 /// Workspace layout, all offsets in bytes from the workspace base, each
@@ -59,9 +52,6 @@ struct WorkspaceLayout {
   size_t merge_indptr = 0;   // int32 [num_merge_requests + 1] into partial slots
   size_t merge_requests = 0; // int32 [num_merge_requests]
   size_t error_flag = 0;     // uint32, set by kernels that met an index outside the pool
-  // The GPU backend's merge in place (the last CTA of a split request merges):
-  size_t merge_counters = 0; // uint32 [num_merge_requests] arrivals, zeroed by the plan upload, reset by the kernel
-  size_t request_merge = 0;  // int32 [num_requests] index into merge_requests, -1 for a request not split
   size_t total = 0;
 };
 
@@ -82,7 +72,6 @@ struct DecodePlan {
   /// The GPU backend then computes each item from its index and reads no list.
   int32_t uniform_chunks = 0;
   int32_t uniform_chunk_tokens = 0;
-  bool merge_in_place = false;  // PlanShape::merge_in_place
   bool needs_merge() const { return !merge_requests.empty(); }
   WorkspaceLayout workspace;
   /// Per-request counts the plan was made for. The CPU backend checks the

@@ -97,9 +97,8 @@ class SparseDecoder {
   void check_errors(void* stream = nullptr);
 
   /// Overrides the plan's split knobs (PlanShape::items_per_sm and
-  /// min_chunk_tokens; 0 keeps the default) and PlanShape::merge_in_place —
-  /// for tuning sweeps.
-  void set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens, bool merge_in_place = false);
+  /// min_chunk_tokens; 0 keeps the default), for tuning sweeps.
+  void set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens);
 
   const DecodePlan& plan() const { return plan_; }
   /// Device bytes held for the fused path (workspace + page-table structure).
@@ -125,7 +124,6 @@ class SparseDecoder {
   std::vector<int32_t> planned_counts_;
   int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;
   int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
-  bool merge_in_place_ = false;
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]
 };

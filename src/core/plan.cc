@@ -98,7 +98,6 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.group_size = shape.group_size;
   plan.head_dim_v = shape.head_dim_v;
   plan.seq_lens = seq_lens;
-  plan.merge_in_place = shape.merge_in_place;
   const int64_t chunk = choose_chunk_tokens(total_tokens, longest, shape);
   plan.chunk_tokens = static_cast<int32_t>(chunk);
   // Count the work before building it: a tiny fixed chunk over a long request
@@ -139,8 +138,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
     plan.uniform_chunk_tokens = plan.work[0].token_end;  // the first chunk is a whole one
   }
 
-  // Workspace: fp32 partials, the device copies of the lists, the error flag,
-  // then the GPU's merge-in-place arrival counters and request -> merge map.
+  // Workspace: fp32 partials, then the device copies of the lists, then the flag.
   constexpr size_t kAlign = 256;
   auto take = [&](size_t bytes) {
     const size_t offset = plan.workspace.total;
@@ -162,8 +160,6 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
   plan.workspace.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
   plan.workspace.error_flag = take(sizeof(uint32_t));
-  plan.workspace.merge_counters = take(plan.merge_requests.size() * sizeof(uint32_t));
-  plan.workspace.request_merge = take(static_cast<size_t>(plan.num_requests) * sizeof(int32_t));
   return plan;
 }
 
@@ -255,9 +251,7 @@ void check_decode_plan(const DecodePlan& plan) {
       {ws.work_items, plan.work.size() * sizeof(WorkItem)},
       {ws.merge_indptr, plan.merge_indptr.size() * sizeof(int32_t)},
       {ws.merge_requests, plan.merge_requests.size() * sizeof(int32_t)},
-      {ws.error_flag, sizeof(uint32_t)},
-      {ws.merge_counters, plan.merge_requests.size() * sizeof(uint32_t)},
-      {ws.request_merge, static_cast<size_t>(requests) * sizeof(int32_t)}};
+      {ws.error_flag, sizeof(uint32_t)}};
   size_t previous_end = 0;
   for (const auto& region : ends) {
     if (region[0] < previous_end || region[0] > ws.total || region[1] > ws.total - region[0]) {

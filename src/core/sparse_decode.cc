@@ -129,7 +129,6 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<i
   }
   if (items_per_sm_ > 0) shape.items_per_sm = items_per_sm_;
   if (min_chunk_tokens_ > 0) shape.min_chunk_tokens = min_chunk_tokens_;
-  shape.merge_in_place = merge_in_place_;
   plan_ = make_decode_plan(counts, shape);
   // Structure: indptr [R + 1], first_page_offset [R] (zeros), seq_lens [R].
   // A fixed-width table has row r at pages r * width; its seq_lens come
@@ -239,11 +238,10 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
   return launch(p, outcome, stream);
 }
 
-void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens, bool merge_in_place) {
+void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens) {
   require(items_per_sm >= 0 && min_chunk_tokens >= 0, "plan tuning values must not be negative");
   items_per_sm_ = items_per_sm;
   min_chunk_tokens_ = min_chunk_tokens;
-  merge_in_place_ = merge_in_place;
   planned_counts_.clear();  // re-plan on the next call
 }
 

@@ -44,15 +44,6 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   cuda::launch_merge<T>(m, static_cast<int32_t>(plan.merge_requests.size()), stream);
 }
 
-/// The most partial slots any one request of the plan merges.
-int32_t most_slots(const DecodePlan& plan) {
-  if (plan.uniform_chunks > 0) return plan.uniform_chunks;
-  int32_t most = 0;
-  for (size_t m = 0; m + 1 < plan.merge_indptr.size(); ++m)
-    most = std::max(most, plan.merge_indptr[m + 1] - plan.merge_indptr[m]);
-  return most;
-}
-
 }  // namespace
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
@@ -83,16 +74,6 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
     SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_requests), plan.merge_requests.data(),
                                   plan.merge_requests.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.error_flag), 0, sizeof(uint32_t), s));
-  // Merge in place: counters start at zero (each launch leaves them so), and
-  // each request finds its merge index here.
-  std::vector<int32_t> request_merge(static_cast<size_t>(plan.num_requests), -1);
-  for (size_t m = 0; m < plan.merge_requests.size(); ++m)
-    request_merge[static_cast<size_t>(plan.merge_requests[m])] = static_cast<int32_t>(m);
-  if (!plan.merge_requests.empty())
-    SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.merge_counters), 0, plan.merge_requests.size() * sizeof(uint32_t), s));
-  if (!request_merge.empty())
-    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.request_merge), request_merge.data(),
-                                  request_merge.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
   // The copies read pageable host vectors the caller may free or change as
   // soon as we return; waiting here keeps them out of run and out of capture.
   SP_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -157,14 +138,6 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   }
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
-  // The in-place merge writes packed o: a strided o takes the merge kernel.
-  const bool in_place = plan.needs_merge() && plan.merge_in_place && params.qo_layout == QueryLayout::kPacked &&
-                        cuda::can_merge_in_place(shape, params.group_size, most_slots(plan));
-  if (in_place) {
-    p.merge_counters = reinterpret_cast<uint32_t*>(at(workspace, plan.workspace.merge_counters));
-    p.request_merge = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.request_merge));
-    p.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
-  }
   // The engines' index forms take their own instantiation; the library's CSR
   // tables keep the lean row lookup.
   const bool engine_inputs = params.index_layout == IndexLayout::kMatrix ||
@@ -174,7 +147,7 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   const auto items = static_cast<int32_t>(plan.work.size());
   if (engine_inputs) cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
   else cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, items, s);
-  if (plan.needs_merge() && !in_place) {
+  if (plan.needs_merge()) {
     if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
     else run_merge<__half>(params, qo, plan, workspace, s);
   }

@@ -1,15 +1,11 @@
 // The merge (SPEC section 6): combines a request's chunk partials by their
-// lse into o (input dtype) and lse. Two ways to run it:
-//   merge_kernel      a second kernel, launched right behind the partial
-//                     kernel with programmatic dependent launch (its CTAs
-//                     are resident and waiting when the last partial CTA
-//                     retires); the MLA kernel and the mask path use it;
-//   merge_in_place    called by the last CTA of a split request inside the
-//                     mma.sync partial kernel (decode_partial_body.cuh), which
-//                     finds out it is last from an arrival counter in the
-//                     workspace; no second launch and no grid-wide wait.
-// Both follow the same rules: a NaN partial lse (a rejected page) poisons the
-// request, empty partials (lse -inf) weigh nothing, all empty: o = 0, lse = -inf.
+// lse into o (input dtype) and lse, in a second kernel launched right behind
+// the partial kernel with programmatic dependent launch (its CTAs are
+// resident and waiting when the last partial CTA retires). A NaN partial lse
+// (a rejected page) poisons the request, empty partials (lse -inf) weigh
+// nothing, all empty: o = 0, lse = -inf. (Merging inside the partial kernel,
+// by the last CTA of each request, was built and measured slower at every
+// shape: docs/PERFORMANCE.md.)
 #pragma once
 
 #include "cuda/common.cuh"
@@ -96,100 +92,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   *reinterpret_cast<uint2*>(dst) =
       make_uint2(ElemTraits<T>::pack2(o.x, o.y), ElemTraits<T>::pack2(o.z, o.w));
   if (col == 0 && p.lse != nullptr) p.lse[out_row] = lse;
-}
-
-/// Shared floats merge_in_place needs for `slots` partials of `group_size`
-/// heads (the caller lends it freed stage memory and checks this on the host).
-constexpr int64_t merge_in_place_floats(int64_t slots, int64_t group_size) { return (slots + 1) * group_size; }
-
-/// One request's merge by a whole CTA of `threads` threads (tid = its
-/// thread), over partial slots [begin, end) of `group_size` heads, with
-/// merge_in_place_floats() floats of shared `scratch`. Partials written by
-/// other CTAs of the running grid are read through L2 (ld.cg), never from a
-/// stale L1 line; the caller has acquired the last arrival. Three phases, two
-/// of them global round trips at most a few deep:
-///   1. every thread loads its share of the [slots x heads] lse at once;
-///   2. one warp per head reduces its column in shared memory (max, NaN,
-///      sum) and turns it into weights exp(lse - max) / sum;
-///   3. each thread owns up to kOuts float4 outputs and sweeps the slots with
-///      all its loads independent of each other.
-template <typename T, int kThreadsN>
-__device__ void merge_in_place(const float* partial_o, const float* partial_lse, int32_t begin, int32_t end,
-                               int32_t group_size, int32_t dv, int32_t partial_dv, int32_t request, void* o_out,
-                               float* lse_out, float* scratch, int tid) {
-  constexpr int kOuts = 4;
-  const int slots = end - begin;
-  float* weight = scratch;                            // [slots][group_size]: lse, then weights
-  float* head_lse = scratch + slots * group_size;     // [group_size]
-  const int n = slots * group_size;
-  const float* lse_src = partial_lse + int64_t{begin} * group_size;  // the request's slots are consecutive
-#pragma unroll 4
-  for (int i = tid; i < n; i += kThreadsN) weight[i] = __ldcg(lse_src + i);
-  __syncthreads();
-  const int warp = tid / 32, lane = tid % 32;
-  for (int h = warp; h < group_size; h += kThreadsN / 32) {
-    float mx = neg_inf_f32();
-    bool nan = false;
-    for (int s = lane; s < slots; s += 32) {
-      const float x = weight[s * group_size + h];
-      nan |= isnan(x);
-      mx = fmaxf(mx, x);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0.f;
-    for (int s = lane; s < slots; s += 32) {
-      // An empty partial (-inf) weighs 0; so does every partial of an
-      // all-empty request (max -inf), which then writes o = 0, lse = -inf.
-      const float w = mx == neg_inf_f32() ? 0.f : __expf(weight[s * group_size + h] - mx);
-      weight[s * group_size + h] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    // A NaN partial (a rejected page, NaN inputs) poisons the request.
-    const float inv = nan ? nan_f32() : sum > 0.f ? 1.f / sum : 0.f;
-    for (int s = lane; s < slots; s += 32) weight[s * group_size + h] *= inv;
-    if (lane == 0) head_lse[h] = nan ? nan_f32() : mx == neg_inf_f32() ? mx : mx + __logf(sum);
-  }
-  __syncthreads();
-  const int d4 = dv / 4;
-  const int total = group_size * d4;
-  for (int first = 0; first < total; first += kOuts * kThreadsN) {
-    float4 acc[kOuts];
-    int head[kOuts], col[kOuts];
-    bool live[kOuts];
-#pragma unroll
-    for (int j = 0; j < kOuts; ++j) {
-      const int idx = first + j * kThreadsN + tid;
-      live[j] = idx < total;
-      head[j] = live[j] ? idx / d4 : 0;
-      col[j] = live[j] ? (idx % d4) * 4 : 0;
-      acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll 8
-    for (int s = 0; s < slots; ++s) {
-#pragma unroll
-      for (int j = 0; j < kOuts; ++j) {
-        if (!live[j]) continue;
-        const int64_t row = int64_t{begin + s} * group_size + head[j];
-        const float4 po = __ldcg(reinterpret_cast<const float4*>(partial_o + row * partial_dv + col[j]));
-        const float w = weight[s * group_size + head[j]];
-        acc[j].x += w * po.x, acc[j].y += w * po.y, acc[j].z += w * po.z, acc[j].w += w * po.w;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kOuts; ++j) {
-      if (!live[j]) continue;
-      T* dst = static_cast<T*>(o_out) + (int64_t{request} * group_size + head[j]) * dv + col[j];
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(ElemTraits<T>::pack2(acc[j].x, acc[j].y), ElemTraits<T>::pack2(acc[j].z, acc[j].w));
-    }
-  }
-  if (lse_out != nullptr) {
-    for (int h = tid; h < group_size; h += kThreadsN) lse_out[int64_t{request} * group_size + h] = head_lse[h];
-  }
 }
 
 /// Launches the merge behind the preceding kernel on `stream` with

@@ -105,12 +105,6 @@ struct PartialCommon {
   float* partial_lse = nullptr;    // [num_partials, group_size]
   int32_t partial_dv = 0;
   uint32_t* error_flag = nullptr;  // set when a page id lies outside the pool; may be null
-
-  // Merge in place (decode_merge.cuh): the last CTA of each split request to
-  // arrive merges its partials into o / lse. All null: a merge kernel follows.
-  uint32_t* merge_counters = nullptr;      // [num merged requests] arrivals; zero before and after each launch
-  const int32_t* request_merge = nullptr;  // [num_requests] merge index of a split request, -1 otherwise
-  const int32_t* merge_indptr = nullptr;   // [num merged requests + 1] each one's partial slots
 };
 
 /// The partial kernel's params for one row source: the common fields and
@@ -203,7 +197,6 @@ template <bool kEngineInputs>
 struct PagedSourceT {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
-  static constexpr bool kMergesInPlace = true;  // the fused decode's partial kernel may merge in place
   static constexpr bool kMaySkip = kEngineInputs;  // -1 padding (IndexPadding::kMinusOneSkips)
   const int32_t* pages;  // this request's page ids
   const int32_t* table_row;  // block-table mode: this sequence's row (null: reject every token)
@@ -304,7 +297,6 @@ using EnginePagedSource = PagedSourceT<true>;
 struct DenseSource {
   using Params = PartialParams<DenseTable>;
   static constexpr bool kHasBias = true;
-  static constexpr bool kMergesInPlace = false;  // the mask path keeps the merge kernel
   static constexpr bool kMaySkip = false;  // masked rows leave the softmax through bias()
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens

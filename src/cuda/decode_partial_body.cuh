@@ -32,9 +32,6 @@ struct PartialCta {
   int tid, warp, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
   bool bad = false;  // this thread met a page id outside the pool
-  // Merge in place, thread 0 only: this item's request's merge index and
-  // partial slots, loaded at the start so that they are at hand at the end.
-  int32_t merge_index = -1, merge_begin = 0, merge_end = 0;
   uint32_t skip_stages = 0;  // bit s: the tile in stage s holds padding (-1) rows of this warp's 16
 
   // Per-warp online-softmax state for query rows lane/4 and lane/4 + 8.
@@ -308,17 +305,6 @@ struct PartialCta {
     for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     const int num_tiles = (len + kTileRows - 1) / kTileRows;
-    if (merges_in_place() && tid == 0) {
-      if (p.work == nullptr) {  // uniform split: every request is split, in order
-        merge_index = request;
-        merge_begin = request * p.chunks_per_request;
-        merge_end = merge_begin + p.chunks_per_request;
-      } else {
-        merge_index = p.request_merge[request];
-        merge_begin = p.merge_indptr[merge_index];
-        merge_end = p.merge_indptr[merge_index + 1];
-      }
-    }
     zero_v_tail();  // ordered before the first use by the prologue's barrier
     load_q();
     for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) prefetch_ids(t);
@@ -388,13 +374,6 @@ struct PartialCta {
     }
     __syncthreads();
     write_output(red, row_base, row_sum, any_bad);
-    if (merges_in_place()) merge_if_last();
-  }
-
-  /// Whether this CTA writes a partial that it or a sibling merges in place.
-  __device__ bool merges_in_place() const {
-    if constexpr (Source::kMergesInPlace) return partial >= 0 && p.merge_counters != nullptr;
-    return false;
   }
 
   __device__ void write_output(const float* red, const float* row_base, const float* row_sum, bool any_bad) {
@@ -435,33 +414,6 @@ struct PartialCta {
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
   }
 
-  /// Arrives at the request's counter; the CTA that arrives last (of the
-  /// request's chunks x head tiles) merges all of the request's partials and
-  /// resets the counter to zero, so the next launch (or graph replay) starts
-  /// from zero without a memset. The barrier orders every thread's partial
-  /// writes before thread 0's fence and arrival (the pattern of a grid-wide
-  /// barrier: one fenced thread per CTA); the last arrival fences again so
-  /// that the whole CTA's reads of the siblings' partials come after it.
-  __device__ void merge_if_last() {
-    __shared__ int32_t last[3];  // merge index (-1: not last), slot begin, slot end
-    __syncthreads();  // every thread's partial writes are done; red is free
-    if (tid == 0) {
-      __threadfence();
-      const uint32_t arrivals = static_cast<uint32_t>(merge_end - merge_begin) * gridDim.y;
-      const bool is_last = atomicAdd(p.merge_counters + merge_index, 1u) + 1u == arrivals;
-      if (is_last) {
-        atomicExch(p.merge_counters + merge_index, 0u);
-        __threadfence();
-      }
-      last[0] = is_last ? merge_index : -1;
-      last[1] = merge_begin;
-      last[2] = merge_end;
-    }
-    __syncthreads();
-    if (last[0] < 0) return;
-    merge_in_place<T, kThreads>(p.partial_o, p.partial_lse, last[1], last[2], p.group_size, p.dv, p.partial_dv,
-                                request, p.o, p.lse, reinterpret_cast<float*>(stages), tid);
-  }
 };
 
 template <typename T, int DK, int DV, class Source>

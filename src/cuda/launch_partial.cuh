@@ -78,18 +78,6 @@ int32_t resident_ctas_per_sm(TileShape shape) {
   return resident_ctas_typed<__nv_bfloat16, Source>(shape);
 }
 
-/// Whether a plan that asks for it (PlanShape::merge_in_place) can merge its
-/// split requests inside the partial kernel (the last CTA; decode_merge.cuh):
-/// the mma.sync tiles can, the MLA kernel cannot, and a request of more slots
-/// than the freed stage memory holds the lse of (merge_in_place_floats) goes
-/// to the merge kernel.
-inline bool can_merge_in_place(TileShape shape, int32_t group_size, int32_t max_slots) {
-  // The smallest tile's stages (64 + 64 columns, three stages: 48 KiB).
-  constexpr int64_t kScratchFloats = static_cast<int64_t>(TileConfig<64, 64, false>::kStageBytes / sizeof(float));
-  return shape != TileShape::kMla && shape != TileShape::kNone &&
-         merge_in_place_floats(max_slots, group_size) <= kScratchFloats;
-}
-
 /// The layout checks both CUDA entry points share: head dims with a built
 /// kernel, then cuda_layout_problem (decode.h) — the same function the
 /// dispatch policy declines with, so a layout it accepts always launches.

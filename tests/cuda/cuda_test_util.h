@@ -30,8 +30,7 @@ inline void cuda_ok(cudaError_t err, const char* what) {
 }
 
 /// The plan shape the CUDA backend is tuned for (see docs in decode_partial.cuh).
-inline PlanShape cuda_plan_shape(int32_t group_size, int32_t head_dim_v, int32_t fixed_chunk_tokens = 0,
-                                 bool merge_in_place = false) {
+inline PlanShape cuda_plan_shape(int32_t group_size, int32_t head_dim_v, int32_t fixed_chunk_tokens = 0) {
   PlanShape shape;
   shape.group_size = group_size;
   shape.head_dim_v = head_dim_v;
@@ -40,7 +39,6 @@ inline PlanShape cuda_plan_shape(int32_t group_size, int32_t head_dim_v, int32_t
   shape.min_chunk_tokens = 64;
   shape.chunk_granule = 64;
   shape.fixed_chunk_tokens = fixed_chunk_tokens;
-  shape.merge_in_place = merge_in_place;
   return shape;
 }
 

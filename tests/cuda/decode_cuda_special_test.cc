@@ -27,7 +27,7 @@ bool all_nan(const std::vector<float>& v, size_t begin, size_t count) {
   return true;
 }
 
-void expect_bad_index_poisons_request(int32_t page_size, int32_t bad_page, int32_t fixed_chunk, bool in_place) {
+void expect_bad_index_poisons_request(int32_t page_size, int32_t bad_page, int32_t fixed_chunk) {
   std::mt19937_64 rng(0xbad0 + static_cast<uint64_t>(page_size));
   PagedProblem pb = make_problem(small_spec(page_size, {300, 300, 300}), rng);
   // Request 1's rows before the bad page are still real; the reference skips it.
@@ -36,9 +36,8 @@ void expect_bad_index_poisons_request(int32_t page_size, int32_t bad_page, int32
   const Reference ref = reference_attention(pb, rows);
   pb.indices[static_cast<size_t>(pb.table.indptr[1] + 2)] = bad_page;
 
-  const DecodeOutput got = run_gpu(pb, cuda_plan_shape(16, 128, fixed_chunk, in_place));
-  const std::string what = "page " + std::to_string(bad_page) + ", chunk " + std::to_string(fixed_chunk) +
-                           (in_place ? ", merged in place" : "");
+  const DecodeOutput got = run_gpu(pb, cuda_plan_shape(16, 128, fixed_chunk));
+  const std::string what = "page " + std::to_string(bad_page) + ", chunk " + std::to_string(fixed_chunk);
   EXPECT_NE(got.error_flag, 0u) << what;
   const size_t per_request = 16 * 128;
   EXPECT_TRUE(all_nan(got.o, per_request, per_request)) << what;
@@ -56,8 +55,7 @@ TEST(DecodeCudaErrors, IndexOutsideThePoolGivesNaNForThatRequestOnly) {
     const int32_t pages = page_size == 1 ? 8192 : 1024;
     for (int32_t bad : {pages, -3}) {
       for (int32_t chunk : {64, 1 << 20}) {
-        expect_bad_index_poisons_request(page_size, bad, chunk, false);
-        expect_bad_index_poisons_request(page_size, bad, chunk, true);
+        expect_bad_index_poisons_request(page_size, bad, chunk);
       }
     }
   }
@@ -171,14 +169,11 @@ TEST(DecodeCudaGraph, ReplayAfterChangingQueriesAndIndicesInPlace) {
   cudaStreamDestroy(stream);
 }
 
-// Asked to (PlanShape::merge_in_place), the mma.sync tiles merge a split
-// request in place: the last CTA to arrive
-// at the request's counter merges and resets the counter. Counters that did
-// not return to zero would make a later launch merge early (or never), so a
-// captured graph of back-to-back launches (each scheduled while the previous
-// drains) is replayed many times and must equal the eager result bit for bit
-// every time; the counters are zero afterwards. Group 24 runs two head tiles
-// per work item, so each counter collects chunks x 2 arrivals.
+// A captured graph of back-to-back split launches (each partial kernel and
+// its merge scheduled while the previous drains, by programmatic dependent
+// launch) is replayed many times and must equal the eager result bit for bit
+// every time: uniform splits (items from the CTA index) and listed ones, one
+// and two head tiles (group 24) per work item.
 void expect_replays_equal_eager(int32_t group_size, std::vector<int32_t> seq_lens, int32_t fixed_chunk) {
   ProblemSpec spec = small_spec(1, std::move(seq_lens));
   spec.group_size = group_size;
@@ -188,10 +183,10 @@ void expect_replays_equal_eager(int32_t group_size, std::vector<int32_t> seq_len
   DeviceProblem dp(pb);
   const size_t o_bytes = o_count(pb) * 2, lse_bytes = lse_count(pb) * 4;
   Buffer o(Device::kCuda, o_bytes), lse(Device::kCuda, lse_bytes);
-  const DecodePlan plan = make_decode_plan(pb.table.seq_lens, cuda_plan_shape(group_size, 128, fixed_chunk, true));
-  ASSERT_TRUE(plan.needs_merge() && plan.merge_in_place) << what;
+  const DecodePlan plan = make_decode_plan(pb.table.seq_lens, cuda_plan_shape(group_size, 128, fixed_chunk));
+  ASSERT_TRUE(plan.needs_merge()) << what;
   Buffer ws(Device::kCuda, plan.workspace.total);
-  fill_bytes(ws.data(), Device::kCuda, 0xFF, ws.bytes());  // the upload must zero the counters itself
+  fill_bytes(ws.data(), Device::kCuda, 0xFF, ws.bytes());  // stale partials must not matter
   cudaStream_t stream = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   upload_plan_cuda(plan, ws.data(), stream);
@@ -230,16 +225,13 @@ void expect_replays_equal_eager(int32_t group_size, std::vector<int32_t> seq_len
     cuda_ok(cudaStreamSynchronize(stream), "sync");
     ASSERT_TRUE(read() == eager) << what << ": replay " << replay << " differs from the eager launch";
   }
-  const auto counters = download<uint32_t>(Device::kCuda, static_cast<const char*>(ws.data()) + plan.workspace.merge_counters,
-                                           plan.merge_requests.size());
-  for (size_t m = 0; m < counters.size(); ++m) EXPECT_EQ(counters[m], 0u) << what << ": counter " << m;
   EXPECT_EQ(read_decode_error_flag(plan, ws.data(), stream), 0u);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
-TEST(DecodeCudaGraph, ManyReplaysOfTheInPlaceMergeEqualTheEagerLaunch) {
+TEST(DecodeCudaGraph, ManyReplaysOfSplitLaunchesEqualTheEagerLaunch) {
   SKIP_WITHOUT_CUDA();
   expect_replays_equal_eager(16, {2048, 2048, 2048, 2048}, 0);  // uniform split: items from the CTA index
   expect_replays_equal_eager(24, {1000, 1000, 1000}, 64);       // uniform, two head tiles, short last chunks
@@ -248,7 +240,7 @@ TEST(DecodeCudaGraph, ManyReplaysOfTheInPlaceMergeEqualTheEagerLaunch) {
   expect_replays_equal_eager(24, {700, 129, 64, 1000}, 64);   // two head tiles; a single-chunk request
   std::vector<int32_t> many(96);
   for (size_t r = 0; r < many.size(); ++r) many[r] = 100 + static_cast<int32_t>(r * 37 % 900);
-  expect_replays_equal_eager(16, many, 128);                   // 96 counters
+  expect_replays_equal_eager(16, many, 128);                   // 96 split requests
 }
 
 TEST(DecodeCudaAddressing, PoolBeyond2To31ElementsIsAddressedIn64Bits) {

@@ -55,12 +55,6 @@ TEST_P(DecodeCuda, MatchesReferenceAndCpuWithAndWithoutSplits) {
   const DecodeOutput split = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 64));
   const DecodeOutput whole = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 1 << 20));
   const DecodeOutput automatic = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v));
-  // The same splits merged by each request's last CTA (the MLA kernel keeps the merge kernel).
-  const DecodeOutput split_in_place = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 64, true));
-  const DecodeOutput automatic_in_place = run_gpu(pb, cuda_plan_shape(c.group_size, c.dim_v, 0, true));
-  expect_matches_reference(pb, split_in_place, ref, "split into 64-token chunks, merged in place");
-  expect_matches_reference(pb, automatic_in_place, ref, "plan's own split, merged in place");
-  EXPECT_EQ(split_in_place.error_flag, 0u);
   expect_matches_reference(pb, split, ref, "split into 64-token chunks");
   expect_matches_reference(pb, whole, ref, "one chunk per request");
   expect_matches_reference(pb, automatic, ref, "plan's own split");
