@@ -7,6 +7,7 @@
 
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 #include "tensor.h"
 
 namespace sparsepage::py {
@@ -54,6 +55,28 @@ struct PyBlockSparse {
     t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
     t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
     t.k = step_arg(op, k, "k", device, dtype, {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
+    t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+    return t;
+  }
+};
+
+struct PyStaticBlockSparse {
+  PyStaticBlockSparse(Device on, DType type, const StaticBlockSparseConfig& c, int32_t b,
+                      std::optional<DispatchConfig> dispatch)
+      : device(on), dtype(type), config(c), batch(b),
+        layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
+  Device device;
+  DType dtype;
+  StaticBlockSparseConfig config;
+  int32_t batch;
+  StaticBlockSparseAttention layer;
+
+  StaticBlockSparseTokens tokens(const std::string& op, const In& q, const In& k, const In& v, const Out& o) const {
+    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
+    StaticBlockSparseTokens t;
+    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.k = step_arg(op, k, "k", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
     t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
     t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
     return t;
@@ -176,6 +199,83 @@ void bind_layers(nb::module_& m) {
           "sync_live_len", [](PyBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
           nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
       .def_prop_ro("kv_len", [](const PyBlockSparse& self) { return self.layer.kv_len(); });
+
+  nb::class_<StaticBlockSparseConfig>(m, "StaticBlockSparseConfig",
+                                      "Geometry of the static per-query-head block pattern (Phi-3-small's by default):\n"
+                                      "query head h in query block i keeps key block j <= i when i - j < local_blocks\n"
+                                      "or (j + h * head_sliding_step + 1) % vert_stride == 0.")
+      .def(
+          "__init__",
+          [](StaticBlockSparseConfig* c, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim,
+             int32_t block_size, int32_t local_blocks, int32_t vert_stride, int64_t capacity_step) {
+            new (c) StaticBlockSparseConfig{num_qo_heads, num_kv_heads, head_dim, block_size,
+                                            local_blocks, vert_stride, capacity_step};
+          },
+          nb::arg("num_qo_heads") = 32, nb::arg("num_kv_heads") = 8, nb::arg("head_dim") = 128,
+          nb::arg("block_size") = 64, nb::arg("local_blocks") = 16, nb::arg("vert_stride") = 8,
+          nb::arg("capacity_step") = 4096)
+      .def_rw("num_qo_heads", &StaticBlockSparseConfig::num_qo_heads)
+      .def_rw("num_kv_heads", &StaticBlockSparseConfig::num_kv_heads)
+      .def_rw("head_dim", &StaticBlockSparseConfig::head_dim)
+      .def_rw("block_size", &StaticBlockSparseConfig::block_size)
+      .def_rw("local_blocks", &StaticBlockSparseConfig::local_blocks)
+      .def_rw("vert_stride", &StaticBlockSparseConfig::vert_stride)
+      .def_rw("capacity_step", &StaticBlockSparseConfig::capacity_step)
+      .def("keeps", &StaticBlockSparseConfig::keeps, nb::arg("head"), nb::arg("query_block"), nb::arg("key_block"),
+           "The rule: whether query head `head` in query block `query_block` keeps key block `key_block`.")
+      .def("kept_tokens", &StaticBlockSparseConfig::kept_tokens, nb::arg("head"), nb::arg("kv_len"),
+           "Tokens query head `head` attends at decode with `kv_len` tokens in the cache.");
+
+  nb::class_<StaticBlockSparseStep>(m, "StaticBlockSparseStep", "What a static-pattern decode step did.")
+      .def_ro("fused", &StaticBlockSparseStep::fused)
+      .def_ro("outcome", &StaticBlockSparseStep::outcome);
+
+  nb::class_<PyStaticBlockSparse>(
+      m, "StaticBlockSparseAttention",
+      "Static per-query-head block-sparse attention (Phi-3-small-style): each query head attends its\n"
+      "pattern's key blocks through the fused paged decode (one request per query head), falling back\n"
+      "to the mask path over the same set on any decline. The layer owns its dense [B, Hkv, Cap, D]\n"
+      "cache (f16 or bf16). Step tensors: q [B, Hq, D], k and v [B, Hkv, 1, D], o [B, Hq, D];\n"
+      "contiguous, on the layer's device.")
+      .def(nb::init<Device, DType, const StaticBlockSparseConfig&, int32_t, std::optional<DispatchConfig>>(),
+           nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def(
+          "decode",
+          [](PyStaticBlockSparse& self, const In& q, const In& k, const In& v, const Out& o, uintptr_t stream) {
+            return self.layer.decode(self.tokens("StaticBlockSparseAttention.decode", q, k, v, o), stream_ptr(stream));
+          },
+          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
+          "Appends the token and attends each query head's pattern. Returns a StaticBlockSparseStep.")
+      .def("last_blocks", [](const PyStaticBlockSparse& self) { return self.layer.last_blocks(); },
+           "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).")
+      .def("last_selected_positions",
+           [](const PyStaticBlockSparse& self) { return self.layer.last_selected_positions(); },
+           "Positions the page table of the last decode attends, per request.")
+      .def("last_mask_columns", [](PyStaticBlockSparse& self) { return self.layer.last_mask_columns(); },
+           "Columns the mask path keeps for the last decode, per request (built from the rule).")
+      .def(
+          "reserve", [](PyStaticBlockSparse& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
+          "Makes room for `tokens` live tokens and sizes the step's buffers (before capturing steps).")
+      .def(
+          "append_tokens",
+          [](PyStaticBlockSparse& self, const In& k, const In& v) {
+            const std::string op = "StaticBlockSparseAttention.append_tokens";
+            const Tensor kt = describe(k, op, "k");
+            kt.require_ndim(4, "[batch, num_kv_heads, tokens, head_dim]");
+            const int64_t B = self.batch, Hk = self.config.num_kv_heads, D = self.config.head_dim, n = kt.shape[2];
+            const void* kp = step_arg(op, k, "k", self.device, self.dtype, {B, Hk, n, D},
+                                      "[batch, num_kv_heads, tokens, head_dim]");
+            const void* vp = step_arg(op, v, "v", self.device, self.dtype, {B, Hk, n, D},
+                                      "[batch, num_kv_heads, tokens, head_dim]");
+            self.layer.append_tokens(kp, vp, n);
+          },
+          nb::arg("k"), nb::arg("v"),
+          "Appends a prompt's tokens without attending: k and v [batch, num_kv_heads, tokens, head_dim].")
+      .def(
+          "sync_live_len",
+          [](PyStaticBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
+          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
+      .def_prop_ro("kv_len", [](const PyStaticBlockSparse& self) { return self.layer.kv_len(); });
 
   nb::class_<DsaConfig>(m, "DsaConfig", "Geometry of the DSA (DeepSeek-V3.2-style MLA + top-k indexer) layer.")
       .def(

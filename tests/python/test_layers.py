@@ -1,4 +1,4 @@
-"""Both layers and both indexers on the CPU backend."""
+"""The layers (block-sparse, DSA, static pattern) and both indexers on the CPU backend."""
 
 import numpy as np
 import pytest
@@ -143,3 +143,61 @@ def test_append_tokens_equals_stepping_the_prompt(rng):
     for layer, o in zip((a, s), outs):
         layer.decode(*args, o)
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_static_layer_attends_each_heads_pattern(rng):
+    # 4 query heads over 2 KV heads, blocks of 4, 2 local blocks, vertical stride 4:
+    # the two query heads of a KV head keep different vertical blocks.
+    config = sp.StaticBlockSparseConfig(num_qo_heads=4, num_kv_heads=2, head_dim=16, block_size=4, local_blocks=2,
+                                        vert_stride=4, capacity_step=32)
+    B, steps = 2, 43  # 43 tokens: a partial final block
+    layers = [sp.StaticBlockSparseAttention(sp.Device.cpu, sp.DType.f16, config, B, fused_and_mask(on))
+              for on in (True, False)]
+    ks, vs = [], []
+    for step in range(steps):
+        q = rng.standard_normal((B, 4, 16)).astype(np.float16)
+        k = rng.standard_normal((B, 2, 1, 16)).astype(np.float16)
+        v = rng.standard_normal((B, 2, 1, 16)).astype(np.float16)
+        ks.append(k)
+        vs.append(v)
+        outs = [np.full((B, 4, 16), np.nan, np.float16) for _ in layers]
+        results = [layer.decode(q, k, v, o) for layer, o in zip(layers, outs)]
+    assert layers[0].kv_len == steps
+    assert results[0].fused and not results[1].fused
+    assert results[1].outcome.kind == sp.OutcomeKind.kill_switch
+    # Each query head attends exactly the blocks the rule keeps, and the mask path the same set.
+    positions = layers[0].last_selected_positions()
+    columns = layers[0].last_mask_columns()
+    assert len(positions) == B * 4
+    last_block = (steps - 1) // 4
+    for r in range(B * 4):
+        h = r % 4
+        want = [t for t in range(steps) if config.keeps(h, last_block, t // 4)]
+        assert sorted(positions[r]) == want, r
+        assert sorted(columns[r]) == want, r
+        assert len(want) == config.kept_tokens(h, steps)
+    assert positions[0] != positions[1], "the query heads of one KV head keep different blocks"
+    # Both paths against fp64 over the pattern's rows.
+    K = np.concatenate(ks, axis=2)[:, :, :, :].astype(np.float64)  # [B, Hkv, T, D]
+    V = np.concatenate(vs, axis=2).astype(np.float64)
+    for b in range(B):
+        for h in range(4):
+            rows = positions[b * 4 + h]
+            s = K[b, h // 2, rows] @ q[b, h].astype(np.float64) / np.sqrt(16)
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ V[b, h // 2, rows]
+            for o in outs:
+                np.testing.assert_allclose(o[b, h].astype(np.float64), ref, atol=3e-3, rtol=3e-3)
+
+
+def test_static_layer_arguments_are_checked(rng):
+    config = sp.StaticBlockSparseConfig(num_qo_heads=4, num_kv_heads=2, head_dim=16, block_size=4, local_blocks=2,
+                                        vert_stride=4, capacity_step=32)
+    layer = sp.StaticBlockSparseAttention(sp.Device.cpu, sp.DType.f16, config, 2)
+    q = np.zeros((2, 4, 16), np.float16)
+    k = np.zeros((2, 3, 1, 16), np.float16)  # one KV head too many
+    v = np.zeros((2, 2, 1, 16), np.float16)
+    o = np.zeros((2, 4, 16), np.float16)
+    with pytest.raises(sp.Error, match=r"^StaticBlockSparseAttention.decode: k .*\[batch, num_kv_heads, 1, head_dim\]"):
+        layer.decode(q, k, v, o)
+    assert layer.kv_len == 0, "a refused step appends nothing"
