@@ -35,6 +35,7 @@
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
+#include "support/engine_problem.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -355,6 +356,139 @@ void fuzz_decode(FuzzedDataProvider& in) {
   if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
   compare_allowing_nan(ref, testing::as_float(spec.dtype, o.payload()), got_lse, spec.dim_v, o_tolerance(spec.dtype),
                        "decode");
+}
+
+// ---- the engines' own inputs ----------------------------------------------
+// A random problem in an engine's layout (DecodeParams' index matrix: DSA
+// slot ids with -1 padding, indexer positions resolved through a block table,
+// or the block table itself as pages; paged pools whose unread rows are NaN;
+// packed or strided q / o), then at most one hostile edit. Untouched, it must
+// be accepted and match fp64; each edit below must be refused with o and lse
+// left as they were, except the free-form one, which may also run (it must
+// then stay inside its buffers, which ASan and the canaries watch).
+void fuzz_engine_inputs(FuzzedDataProvider& in) {
+  testing::EngineSpec spec;
+  spec.dtype = in.ConsumeBool() ? DType::kBF16 : DType::kF16;
+  spec.mla = in.ConsumeIntegralInRange<int>(0, 3) == 0;  // 576-wide rows: fewer of them
+  spec.num_seqs = in.ConsumeIntegralInRange<int32_t>(1, 4);
+  spec.num_kv_heads = spec.mla ? 1 : in.ConsumeIntegralInRange<int32_t>(1, 2);
+  spec.group_size = in.ConsumeIntegralInRange<int32_t>(1, 4);
+  spec.head_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 4);
+  spec.block_size = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  spec.index = static_cast<testing::EngineIndex>(in.ConsumeIntegralInRange<int>(0, 2));
+  spec.topk = in.ConsumeIntegralInRange<int32_t>(1, 12);
+  spec.context = in.ConsumeIntegralInRange<int32_t>(1, 40);
+  // Block tables hold distinct blocks per row: the pool must have enough.
+  const int32_t need = (spec.context + spec.block_size - 1) / spec.block_size;
+  spec.num_blocks = need + in.ConsumeIntegralInRange<int32_t>(1, 6);
+  spec.per_head_indices = in.ConsumeBool();
+  spec.pad_fraction = in.ConsumeBool() ? 0.3 : 0.0;
+  spec.lengths = in.ConsumeBool();
+  spec.strided_qo = in.ConsumeBool();
+  testing::EngineProblem pb = testing::make_engine_problem(spec, in.ConsumeIntegral<uint64_t>());
+
+  PlanShape shape;
+  shape.group_size = spec.group_size;
+  shape.head_dim_v = pb.dim_v;
+  shape.num_sms = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  shape.min_chunk_tokens = in.ConsumeIntegralInRange<int32_t>(0, 32);
+  shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  const DecodePlan plan = pb.plan(shape);
+
+  const size_t esize = dtype_size(spec.dtype);
+  const size_t heads = static_cast<size_t>(pb.num_requests()) * static_cast<size_t>(spec.group_size);
+  Guarded o(static_cast<size_t>(pb.o_elements) * esize), lse(heads * sizeof(float)), ws(plan.workspace.total, 0xFF);
+  DecodeParams p = pb.params(pb.host_arrays(o.data(), static_cast<float*>(lse.data())));
+
+  // A visible id: one that some request's first `len` ids hold and that is not padding.
+  auto visible_id = [&]() -> int64_t {
+    for (int32_t r = 0; r < pb.num_requests(); ++r) {
+      const int32_t b = r / spec.num_kv_heads, h = r % spec.num_kv_heads;
+      const int64_t row = int64_t{b} * p.index_seq_stride + int64_t{h} * p.index_head_stride;
+      const int32_t len = spec.index == testing::EngineIndex::kBlockPages
+                              ? (pb.lens[static_cast<size_t>(b)] + spec.block_size - 1) / spec.block_size
+                          : pb.lens.empty() ? spec.topk
+                                            : pb.lens[static_cast<size_t>(r)];
+      for (int32_t i = 0; i < len; ++i) {
+        if (pb.indices[static_cast<size_t>(row + i)] != -1) return row + i;
+      }
+    }
+    return -1;
+  };
+  // What the edit leaves: the problem as made (exact), one that must be
+  // refused, or (free form) anything but a crash or a write out of bounds.
+  enum class Expect { kExact, kRefused, kAnything };
+  Expect expect = Expect::kExact;
+  const int64_t first_visible = visible_id();
+  const int32_t hq = spec.num_kv_heads * spec.group_size;
+  switch (in.ConsumeIntegralInRange<int>(0, 6)) {
+    case 1:  // a visible id out of range: past the pool, the table's positions or the blocks; or -2
+      if (first_visible < 0) break;
+      pb.indices[static_cast<size_t>(first_visible)] =
+          in.ConsumeBool() ? -2
+          : spec.index == testing::EngineIndex::kSlotIds   ? static_cast<int32_t>(pb.pool_slots())
+          : spec.index == testing::EngineIndex::kPositions ? pb.max_blocks * spec.block_size
+                                                           : spec.num_blocks;
+      expect = Expect::kRefused;
+      break;
+    case 2:  // a length past what the plan was made for
+      if (pb.lens.empty()) break;
+      pb.lens[in.ConsumeIntegralInRange<size_t>(0, pb.lens.size() - 1)] =
+          (spec.index == testing::EngineIndex::kBlockPages ? pb.max_blocks * spec.block_size : spec.topk) + 1;
+      expect = Expect::kRefused;
+      break;
+    case 3:  // a matrix that runs past its elements
+      p.num_indices = static_cast<int64_t>(pb.indices.size()) - in.ConsumeIntegralInRange<int64_t>(1, 3);
+      expect = Expect::kRefused;
+      break;
+    case 4:  // a negative o stride, or o heads that overlap (when a sequence has several)
+      p.qo_layout = QueryLayout::kStrided;
+      p.q_strides = pb.q_strides;
+      p.q_extra_strides = pb.q_extra_strides;
+      if (in.ConsumeBool()) {
+        p.o_strides = {pb.o_strides.seq_stride, -pb.o_strides.head_stride};
+        expect = Expect::kRefused;
+      } else if (hq > 1) {
+        p.o_strides = {pb.o_strides.seq_stride, pb.dim_v - 1};
+        expect = Expect::kRefused;
+      }
+      break;
+    case 5:  // sequence 0's table row, or the block of its first visible position, out of range
+      if (spec.index != testing::EngineIndex::kPositions || first_visible < 0 || first_visible >= pb.width) break;
+      if (in.ConsumeBool()) {
+        pb.row_of_sequence[0] = pb.table_rows;
+      } else {
+        const int32_t pos = pb.indices[static_cast<size_t>(first_visible)];
+        pb.block_table[static_cast<size_t>(pb.row_of_sequence[0] * pb.max_blocks + pos / spec.block_size)] =
+            spec.num_blocks;
+      }
+      expect = Expect::kRefused;
+      break;
+    case 6:  // free form: any id, any value
+      pb.indices[in.ConsumeIntegralInRange<size_t>(0, pb.indices.size() - 1)] = in.ConsumeIntegral<int32_t>();
+      expect = Expect::kAnything;
+      break;
+    default: break;  // untouched
+  }
+  const std::vector<uint8_t> o_before = o.payload(), lse_before = lse.payload();
+  const bool ok = accepted([&] { run_decode_cpu(p, plan, ws.data()); }, "run_decode_cpu (engine inputs)");
+  o.check_canaries("engine o");
+  lse.check_canaries("engine lse");
+  ws.check_canaries("engine workspace");
+  FUZZ_CHECK(ok || expect != Expect::kExact, "an untouched engine-input problem was refused");
+  FUZZ_CHECK(!ok || expect != Expect::kRefused, "an engine-input edit that must be refused ran");
+  if (!ok) {
+    FUZZ_CHECK(o.payload() == o_before && lse.payload() == lse_before, "a refused engine decode wrote its output");
+    return;
+  }
+  if (expect != Expect::kExact) return;
+  std::vector<float> got_lse(heads);
+  if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
+  const testing::EngineOutput got = testing::unpack_output(pb, o.payload(), got_lse);
+  const std::string mismatch = testing::compare_engine(pb, testing::engine_reference(pb), got,
+                                                       o_tolerance(spec.dtype), kLseTolerance);
+  FUZZ_CHECK(mismatch.empty(), "engine inputs: " + mismatch);
+  FUZZ_CHECK(got.gaps_untouched, "engine inputs: a strided o's gaps were written");
 }
 
 // ---- selections, the mask path and the fused path ------------------------
@@ -680,7 +814,8 @@ void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+  switch (in.ConsumeIntegralInRange<int>(0, 6)) {
+    case 6: sparsepage::fuzz_engine_inputs(in); break;
     case 0: sparsepage::fuzz_page_table(in); break;
     case 1: sparsepage::fuzz_plan(in); break;
     case 2: sparsepage::fuzz_decode(in); break;
