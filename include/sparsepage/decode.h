@@ -67,6 +67,77 @@ enum class PageAddressing : int32_t {
   /// position checked against its sequence's live length, so no selection
   /// can reach another request's rows or a row past the live window.
   kWindow = 1,
+  /// Page ids are pages of the sequence's own token positions, resolved to
+  /// pool rows through the engine's block table inside the kernel (what
+  /// vLLM and SGLang run a separate conversion launch for): position
+  /// p = page * page_size + slot lives at pool row
+  ///   block_table[row, p / block_size] * block_size + p % block_size.
+  /// Positions are checked against the table's width and block ids against
+  /// its num_blocks.
+  kBlockTable = 2,
+};
+
+/// How a request finds its page ids in `indices`.
+enum class IndexLayout : int32_t {
+  /// The CSR page table (SPEC section 3): request r's ids are
+  /// indices[indptr[r] .. indptr[r + 1]).
+  kCsr = 0,
+  /// A uniform-width matrix, as engines hand indices over (the DSA
+  /// [num_tokens, topk] slot ids, an indexer's [num_tokens, topk] positions,
+  /// a [num_seqs, max_blocks] block table used as page ids): request
+  /// r = (sequence b, KV head h) reads `index_width` ids starting at
+  /// indices + b * index_seq_stride + h * index_head_stride. indptr is not
+  /// read and may be null.
+  kMatrix = 1,
+};
+
+/// What a negative page id means.
+enum class IndexPadding : int32_t {
+  /// Every id names a page; -1 is out of range like any other bad id.
+  kNone = 0,
+  /// -1 means "no token here" (the engines' padding): the tokens of such a
+  /// page are skipped, never read, and contribute nothing (a request whose
+  /// ids are all -1 writes o = 0, lse = -inf). Any other id outside the
+  /// pool, -2 included, keeps the error semantics.
+  kMinusOneSkips = 1,
+};
+
+/// Which entry of `seq_lens` a request reads.
+enum class SeqLensIndex : int32_t {
+  kPerRequest = 0,   // seq_lens[r], r = b * num_kv_heads + h
+  kPerSequence = 1,  // seq_lens[b]: one length for all KV heads of a sequence (an engine's seq_lens)
+};
+
+/// The engine's block table (PageAddressing::kBlockTable). Device data on CUDA.
+struct BlockTable {
+  const int32_t* data = nullptr;  // [num_rows, row_stride] pool block ids
+  int64_t row_stride = 0;         // entries between rows (>= max_blocks)
+  int32_t max_blocks = 0;         // entries of a row that positions may reach
+  int32_t num_rows = 0;           // rows of the table
+  int32_t block_size = 0;         // pool rows per block
+  int64_t num_blocks = 0;         // block ids must lie in [0, num_blocks)
+  // The table row of each sequence (an engine's token -> request map, e.g.
+  // several query tokens of one request), or null: sequence b reads row b.
+  const int32_t* row_of_sequence = nullptr;  // [num_requests / num_kv_heads] or null
+};
+
+/// Where q, q_extra or o keeps query head g of request r (sequence
+/// b = r / num_kv_heads, KV head h = r % num_kv_heads):
+///   data + b * seq_stride + (h * group_size + g) * head_stride   (elements),
+/// i.e. a [num_sequences, num_kv_heads * group_size, dim] view whose last
+/// dim has unit stride: a slice of a packed QKV tensor, or an output that is
+/// a column slice of a wider buffer.
+struct QueryStrides {
+  int64_t seq_stride = 0;
+  int64_t head_stride = 0;
+};
+
+/// How q, q_extra and o are laid out.
+enum class QueryLayout : int32_t {
+  /// Contiguous [num_requests, group_size, dim] (q_strides and friends unused).
+  kPacked = 0,
+  /// The views q_strides, q_extra_strides and o_strides describe.
+  kStrided = 1,
 };
 
 /// Everything a decode launch reads and writes. All pointers live in the
@@ -80,39 +151,63 @@ struct DecodeParams {
   DType dtype = DType::kBF16;        // q, pools and o share it
 
   // Page table (SPEC section 3).
-  const int32_t* indptr = nullptr;            // [num_requests + 1]
-  const int32_t* indices = nullptr;           // [indptr[num_requests]] page ids
+  IndexLayout index_layout = IndexLayout::kCsr;
+  const int32_t* indptr = nullptr;            // kCsr: [num_requests + 1]; kMatrix: unused
+  const int32_t* indices = nullptr;           // page ids (kCsr: [indptr[num_requests]])
   const int32_t* first_page_offset = nullptr; // [num_requests]; may be null (all zero)
-  const int32_t* seq_lens = nullptr;          // [num_requests] visible tokens, <= the plan's counts
+  // Visible tokens, at most the plan's counts; may be null: every request
+  // sees the count the plan was made for (e.g. full top-k rows).
+  const int32_t* seq_lens = nullptr;          // [num_requests] or [num_sequences] (seq_lens_index)
+  SeqLensIndex seq_lens_index = SeqLensIndex::kPerRequest;
   int32_t num_requests = 0;
   int32_t num_kv_heads = 1;    // requests per sequence: r = b * num_kv_heads + h
   int32_t page_size = 1;
   PageAddressing addressing = PageAddressing::kPoolPages;
+  IndexPadding padding = IndexPadding::kNone;
   int64_t num_pool_pages = 0;  // kPoolPages: ids must lie in [0, num_pool_pages)
   // kWindow: sequence b's live length is window_lens[b] when window_lens is
   // set (read where the kernel runs, so it may grow between graph replays),
   // else window_len for every sequence.
   const int32_t* window_lens = nullptr;  // [num_requests / num_kv_heads] or null
-  // Elements in `indices`. The CPU backend checks indptr[0] == 0, that
+  // Elements in `indices`. kCsr: the CPU backend checks indptr[0] == 0, that
   // indptr never decreases and that indptr[num_requests] <= num_indices
   // before it reads a single index (0 with a nonempty table is an error
-  // there). The CUDA backend cannot read device indptr on the host and
-  // ignores it.
+  // there); the CUDA backend cannot read device indptr on the host and
+  // ignores it. kMatrix: both backends check on the host that the matrix
+  // (every sequence's and head's index_width ids) lies inside num_indices.
   int64_t num_indices = 0;
   int64_t window_len = 0;
+  // kMatrix: ids per request and the strides (elements) between sequences'
+  // and KV heads' rows of the matrix (0: shared).
+  int32_t index_width = 0;
+  int64_t index_seq_stride = 0;
+  int64_t index_head_stride = 0;
+  BlockTable block_table;      // kBlockTable only
 
   int32_t group_size = 1;      // query heads per request
-  const void* q = nullptr;     // [num_requests, group_size, k.dim], contiguous
+  QueryLayout qo_layout = QueryLayout::kPacked;
+  const void* q = nullptr;     // [num_requests, group_size, k.dim] (kPacked) or q_strides
+  QueryStrides q_strides;      // kStrided only
   RowView k;                   // K rows, dim = head_dim_qk
   RowView v;                   // V rows, dim = head_dim_v; may alias k's first columns
   const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
+  QueryStrides q_extra_strides;   // kStrided only
   RowView k_extra;             // second K stream; data null when absent
   float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
 
-  void* o = nullptr;           // [num_requests, group_size, v.dim]
-  float* lse = nullptr;        // [num_requests, group_size]; may be null. Natural log (base e) of the
-                               // sum of exp(scaled scores); -inf for an empty request
+  void* o = nullptr;           // [num_requests, group_size, v.dim] (kPacked) or o_strides
+  QueryStrides o_strides;      // kStrided only; heads and sequences must not overlap
+  float* lse = nullptr;        // [num_requests, group_size], packed; may be null. Natural log (base e)
+                               // of the sum of exp(scaled scores); -inf for an empty request
 };
+
+/// The strides q, q_extra and o are addressed with: the packed
+/// [num_requests, group_size, dim] ones for QueryLayout::kPacked, the
+/// params' own for kStrided.
+struct QoStrides {
+  QueryStrides q, q_extra, o;
+};
+QoStrides qo_strides(const DecodeParams& params);
 
 /// Throws sparsepage::Error naming the first field that is inconsistent with
 /// itself or with `plan` (null pointers, dims, strides, counts). Host-side
@@ -121,8 +216,10 @@ void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
 
 /// CPU reference backend: runs the plan's work items (multi-threaded), then
 /// the lse merge. Pointers are host pointers. `workspace` must hold
-/// plan.workspace.total bytes (host). Every page id is bounds-checked: an id
-/// outside the pool throws, nothing is read.
+/// plan.workspace.total bytes (host). Every page id (and, with a block
+/// table, every position, table row and block id) is bounds-checked before
+/// anything is read: a bad one throws naming it. A -1 under
+/// IndexPadding::kMinusOneSkips is skipped, not read.
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
 
 /// Why the CUDA kernels cannot read these streams as laid out, or "" when they
@@ -133,6 +230,10 @@ void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* wo
 /// layout the policy accepts always launches.
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o);
+/// The same for a whole launch: the streams above, and strided q, q_extra and
+/// o views (QueryLayout::kStrided) whose sequence and head strides are whole
+/// 16-byte pieces (q rows are copied, and o rows written, 16 bytes at a time).
+std::string cuda_layout_problem(const DecodeParams& params);
 
 /// Head dims the fused kernels are built for (CPU runs any). The MLA shape
 /// (512, 512, 64) runs only with V aliasing K's first 512 columns (same
@@ -157,9 +258,12 @@ CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32
 /// when the plan needs it, the merge kernel: no allocation, no
 /// synchronization, no host reads, so it can be captured in a CUDA graph.
 /// Page ids outside the pool (or, in window mode, positions outside the
-/// window) are never read, nor is a request whose indptr start or
-/// first_page_offset is out of range: the request's output becomes NaN
-/// and the workspace error flag is set (read it with `read_decode_error_flag`).
+/// window; with a block table, positions past its width, block ids outside
+/// the pool or a table row out of range) are never read, nor is a request
+/// whose indptr start or first_page_offset is out of range: the request's
+/// output becomes NaN and the workspace error flag is set (read it with
+/// `read_decode_error_flag`). A -1 under IndexPadding::kMinusOneSkips is no
+/// error: its tokens are skipped.
 /// `stream` is a cudaStream_t (null: the default stream).
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);
 void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,

@@ -15,6 +15,23 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("decode: " + message);
 }
 
+// The output rows of o (num_sequences x num_kv_heads * group_size heads of
+// dim elements) must not overlap, or two CTAs would write the same elements.
+// Sufficient: taken from the smaller stride up, each dimension steps over the
+// whole extent of the ones inside it.
+void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t heads, int32_t dim) {
+  std::pair<int64_t, int64_t> dims[] = {{s.seq_stride, sequences}, {s.head_stride, heads}};  // (stride, count)
+  if (dims[1].first < dims[0].first) std::swap(dims[0], dims[1]);
+  long double extent = dim;  // elements the inner dimensions cover
+  for (const auto& [stride, count] : dims) {
+    if (count <= 1) continue;
+    require(static_cast<long double>(stride) >= extent,
+            "o_strides (seq_stride " + std::to_string(s.seq_stride) + ", head_stride " + std::to_string(s.head_stride) +
+                ") make the output rows of " + std::to_string(dim) + " elements overlap");
+    extent += static_cast<long double>(stride) * static_cast<long double>(count - 1);
+  }
+}
+
 }  // namespace
 
 std::string row_view_problem(const RowView& view, const char* name, int64_t sequences, int64_t heads, int64_t rows,
@@ -57,6 +74,13 @@ std::string row_view_problem(const RowView& view, const char* name, int64_t sequ
   return {};
 }
 
+QoStrides qo_strides(const DecodeParams& p) {
+  if (p.qo_layout == QueryLayout::kStrided) return {p.q_strides, p.q_extra_strides, p.o_strides};
+  const int64_t heads = int64_t{p.num_kv_heads} * p.group_size;
+  const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
+  return {{heads * p.k.dim, p.k.dim}, {heads * de, de}, {heads * p.v.dim, p.v.dim}};
+}
+
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o) {
   if (dtype != DType::kBF16 && dtype != DType::kF16)
@@ -84,6 +108,23 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
   return {};
 }
 
+std::string cuda_layout_problem(const DecodeParams& p) {
+  std::string problem = cuda_layout_problem(p.dtype, p.q, p.q_extra, p.k, p.v, p.k_extra, p.o);
+  if (!problem.empty() || p.qo_layout != QueryLayout::kStrided) return problem;
+  const std::pair<const QueryStrides*, const char*> views[] = {
+      {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
+  for (const auto& [s, name] : views) {
+    if (s == &p.q_extra_strides && p.q_extra == nullptr) continue;
+    const std::pair<int64_t, const char*> strides[] = {{s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
+    for (const auto& [stride, field] : strides) {
+      if (stride % 8 != 0)
+        return std::string(name) + field + " = " + std::to_string(stride) +
+               " must be a multiple of 8 elements on CUDA (q rows are read, and o rows written, in 16-byte pieces)";
+    }
+  }
+  return {};
+}
+
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
@@ -103,31 +144,81 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                                                     " is not a multiple of num_kv_heads = " +
                                                     std::to_string(p.num_kv_heads));
   const bool window = p.addressing == PageAddressing::kWindow;
-  require(window || p.addressing == PageAddressing::kPoolPages, "addressing is not a PageAddressing value");
+  const bool block_table = p.addressing == PageAddressing::kBlockTable;
+  require(window || block_table || p.addressing == PageAddressing::kPoolPages,
+          "addressing is not a PageAddressing value");
+  require(p.index_layout == IndexLayout::kCsr || p.index_layout == IndexLayout::kMatrix,
+          "index_layout is not an IndexLayout value");
+  require(p.padding == IndexPadding::kNone || p.padding == IndexPadding::kMinusOneSkips,
+          "padding is not an IndexPadding value");
+  require(p.seq_lens_index == SeqLensIndex::kPerRequest || p.seq_lens_index == SeqLensIndex::kPerSequence,
+          "seq_lens_index is not a SeqLensIndex value");
+  require(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
+          "qo_layout is not a QueryLayout value");
   require(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
   if (p.num_requests == 0) return;
-  require(p.indptr != nullptr, "indptr is null");
+  const bool matrix = p.index_layout == IndexLayout::kMatrix;
+  const int64_t sequences = p.num_requests / p.num_kv_heads;
+  require(matrix || p.indptr != nullptr, "indptr is null");
+  if (matrix) {
+    require(p.index_width >= 0, "index_width = " + std::to_string(p.index_width) + " is negative");
+    require(p.index_seq_stride >= 0 && p.index_head_stride >= 0,
+            "index_seq_stride and index_head_stride must not be negative");
+    if (p.index_width > 0) {
+      // The last id any request can read, in 64-bit (and long double against overflow).
+      const long double last = static_cast<long double>(sequences - 1) * p.index_seq_stride +
+                               static_cast<long double>(p.num_kv_heads - 1) * p.index_head_stride + p.index_width;
+      require(last <= static_cast<long double>(p.num_indices),
+              "the index matrix (" + std::to_string(sequences) + " sequence(s) x " + std::to_string(p.num_kv_heads) +
+                  " head(s) of index_width " + std::to_string(p.index_width) + ", index_seq_stride " +
+                  std::to_string(p.index_seq_stride) + ", index_head_stride " + std::to_string(p.index_head_stride) +
+                  ") reaches past num_indices = " + std::to_string(p.num_indices));
+    }
+  }
   int64_t planned_tokens = 0;
   for (int32_t len : plan.seq_lens) planned_tokens += len;
   if (planned_tokens > 0) {
     require(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
-    require(window || p.num_pool_pages >= 1,
+    require(window || block_table || p.num_pool_pages >= 1,
             "num_pool_pages = " + std::to_string(p.num_pool_pages) +
-                ": a pool-page table needs the pool's page count (or window mode)");
+                ": a pool-page table needs the pool's page count (or window or block-table addressing)");
   }
-  require(p.seq_lens != nullptr, "seq_lens is null");
+  if (block_table) {
+    const BlockTable& t = p.block_table;
+    require(t.data != nullptr, "block_table.data is null (block-table addressing)");
+    require(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
+    require(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
+    require(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
+                                              " is smaller than block_table.max_blocks = " +
+                                              std::to_string(t.max_blocks));
+    require(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
+    require(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
+    require(t.row_of_sequence != nullptr || t.num_rows >= sequences,
+            "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the " +
+                std::to_string(sequences) + " sequences (and row_of_sequence is null)");
+  }
   require(p.q != nullptr, "q is null");
   require(p.o != nullptr, "o is null");
   require(p.v.dim == plan.head_dim_v,
           "v.dim = " + std::to_string(p.v.dim) + " but the plan was made for " + std::to_string(plan.head_dim_v));
   const bool has_extra = p.k_extra.data != nullptr;
   require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
-  // Rows the page ids (or windows) can reach: each request's window, or the
-  // pool's rows, which must stay distinct under the address arithmetic.
-  const int64_t rows = static_cast<int64_t>(std::min<long double>(
-      window ? static_cast<long double>(p.window_len) : static_cast<long double>(p.num_pool_pages) * p.page_size,
-      9.2e18L));
-  const int64_t sequences = p.num_requests / p.num_kv_heads;
+  if (p.qo_layout == QueryLayout::kStrided) {
+    const std::pair<const QueryStrides*, const char*> views[] = {
+        {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
+    for (const auto& [s, name] : views) {
+      require(s->seq_stride >= 0 && s->head_stride >= 0,
+              std::string(name) + ".seq_stride and " + name + ".head_stride must not be negative");
+    }
+    check_output_strides(p.o_strides, sequences, int64_t{p.num_kv_heads} * p.group_size, p.v.dim);
+  }
+  // Rows the page ids (or windows, or block ids) can reach: each request's
+  // window, or the pool's rows, which must stay distinct under the address
+  // arithmetic.
+  const long double reach = window        ? static_cast<long double>(p.window_len)
+                            : block_table ? static_cast<long double>(p.block_table.num_blocks) * p.block_table.block_size
+                                          : static_cast<long double>(p.num_pool_pages) * p.page_size;
+  const int64_t rows = static_cast<int64_t>(std::min<long double>(reach, 9.2e18L));
   const size_t esize = dtype_size(p.dtype);
   const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {

@@ -53,24 +53,69 @@ void merge_states(const std::vector<const float*>& o_parts, const std::vector<co
 
 namespace {
 
+// Request r's page ids: its CSR range or its row of the index matrix.
+struct RequestPages {
+  const int32_t* ids;
+  int64_t count;
+  int64_t first;  // position of ids[0] in `indices`, for messages
+};
+
+RequestPages pages_of(const DecodeParams& p, int32_t r) {
+  if (p.index_layout == IndexLayout::kMatrix) {
+    const int64_t start = int64_t{r / p.num_kv_heads} * p.index_seq_stride + int64_t{r % p.num_kv_heads} * p.index_head_stride;
+    return {p.indices + start, p.index_width, start};
+  }
+  return {p.indices + p.indptr[r], int64_t{p.indptr[r + 1]} - p.indptr[r], p.indptr[r]};
+}
+
+// Tokens request r sees: its seq_lens entry, or the plan's count without seq_lens.
+int64_t visible_tokens(const DecodeParams& p, const DecodePlan& plan, int32_t r) {
+  if (p.seq_lens == nullptr) return plan.seq_lens[static_cast<size_t>(r)];
+  return p.seq_lens[p.seq_lens_index == SeqLensIndex::kPerSequence ? r / p.num_kv_heads : r];
+}
+
+// The block-table row sequence `seq` reads.
+const int32_t* block_table_row(const DecodeParams& p, int64_t seq) {
+  const BlockTable& t = p.block_table;
+  const int64_t row = t.row_of_sequence ? t.row_of_sequence[seq] : seq;
+  return t.data + row * t.row_stride;
+}
+
+bool skipped_page(const DecodeParams& p, int32_t page) {
+  return page == -1 && p.padding == IndexPadding::kMinusOneSkips;
+}
+
 // The table is checked before any thread starts, and its structure before
 // any index is read, so the loops below can never read outside `indices` or
 // the pool whatever the arrays say.
-void check_indices_cpu(const DecodeParams& p) {
+void check_indices_cpu(const DecodeParams& p, const DecodePlan& plan) {
   const bool window = p.addressing == PageAddressing::kWindow;
+  const bool block_table = p.addressing == PageAddressing::kBlockTable;
   const auto fail = [](const std::string& message) { throw Error("decode: " + message); };
   if (p.num_requests == 0) return;  // indptr may be null then
   if (p.num_indices < 0) fail("num_indices = " + std::to_string(p.num_indices) + " is negative");
-  if (p.indptr[0] != 0) fail("indptr[0] = " + std::to_string(p.indptr[0]) + ", expected 0");
-  for (int32_t r = 0; r < p.num_requests; ++r) {
-    if (p.indptr[r + 1] < p.indptr[r]) {
-      fail("indptr decreases at request " + std::to_string(r) + ": indptr[" + std::to_string(r) + "] = " +
-           std::to_string(p.indptr[r]) + " > indptr[" + std::to_string(r + 1) + "] = " + std::to_string(p.indptr[r + 1]));
+  if (p.index_layout == IndexLayout::kCsr) {
+    if (p.indptr[0] != 0) fail("indptr[0] = " + std::to_string(p.indptr[0]) + ", expected 0");
+    for (int32_t r = 0; r < p.num_requests; ++r) {
+      if (p.indptr[r + 1] < p.indptr[r]) {
+        fail("indptr decreases at request " + std::to_string(r) + ": indptr[" + std::to_string(r) + "] = " +
+             std::to_string(p.indptr[r]) + " > indptr[" + std::to_string(r + 1) + "] = " +
+             std::to_string(p.indptr[r + 1]));
+      }
     }
-  }
-  if (p.indptr[p.num_requests] > p.num_indices) {
-    fail("indptr[num_requests] = " + std::to_string(p.indptr[p.num_requests]) + " is past the end of indices (" +
-         "num_indices = " + std::to_string(p.num_indices) + ")");
+    if (p.indptr[p.num_requests] > p.num_indices) {
+      fail("indptr[num_requests] = " + std::to_string(p.indptr[p.num_requests]) + " is past the end of indices (" +
+           "num_indices = " + std::to_string(p.num_indices) + ")");
+    }
+  }  // kMatrix: check_decode_params checked the matrix against num_indices
+  if (block_table && p.block_table.row_of_sequence != nullptr) {
+    for (int32_t b = 0; b < p.num_requests / p.num_kv_heads; ++b) {
+      const int32_t row = p.block_table.row_of_sequence[b];
+      if (row < 0 || row >= p.block_table.num_rows) {
+        fail("block_table.row_of_sequence[" + std::to_string(b) + "] = " + std::to_string(row) +
+             " is outside the table's " + std::to_string(p.block_table.num_rows) + " rows");
+      }
+    }
   }
   for (int32_t r = 0; r < p.num_requests; ++r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
@@ -78,28 +123,48 @@ void check_indices_cpu(const DecodeParams& p) {
       fail("first_page_offset[" + std::to_string(r) + "] = " + std::to_string(offset) +
            " is outside [0, page_size = " + std::to_string(p.page_size) + ")");
     }
-    const int64_t len = p.seq_lens[r];
+    const int64_t len = visible_tokens(p, plan, r);
     const int64_t needed = len == 0 ? 0 : (offset + len + p.page_size - 1) / p.page_size;
-    const int64_t have = int64_t{p.indptr[r + 1]} - p.indptr[r];
-    if (have < needed) {
+    const RequestPages pages = pages_of(p, r);
+    if (pages.count < needed) {
       fail("request " + std::to_string(r) + " needs " + std::to_string(needed) + " pages (first_page_offset " +
-           std::to_string(offset) + ", seq_len " + std::to_string(len) + ") but indptr gives " + std::to_string(have));
+           std::to_string(offset) + ", seq_len " + std::to_string(len) + ") but " +
+           (p.index_layout == IndexLayout::kMatrix ? "index_width is " : "indptr gives ") +
+           std::to_string(pages.count));
     }
-    const int64_t window_len = p.window_lens ? p.window_lens[r / p.num_kv_heads] : p.window_len;
-    for (int64_t i = p.indptr[r]; i < p.indptr[r] + needed; ++i) {
-      const int32_t page = p.indices[i];
+    const int64_t seq = r / p.num_kv_heads;
+    const int64_t window_len = p.window_lens ? p.window_lens[seq] : p.window_len;
+    for (int64_t i = 0; i < needed; ++i) {
+      const int32_t page = pages.ids[i];
+      const std::string where = "indices[" + std::to_string(pages.first + i) + "] = " + std::to_string(page);
+      if (skipped_page(p, page)) continue;  // padding: nothing of it is read
+      // The page's visible slots: [first, last].
+      const int64_t first = i == 0 ? offset : 0;
+      const int64_t last = std::min<int64_t>(p.page_size, offset + len - i * p.page_size) - 1;
       if (window) {
         // Window mode: the page's last visible position must be in the window.
-        const int64_t last = std::min<int64_t>(p.page_size, offset + len - (i - p.indptr[r]) * p.page_size) - 1;
         if (page < 0 || int64_t{page} * p.page_size + last >= window_len) {
-          fail("indices[" + std::to_string(i) + "] = " + std::to_string(page) + " names positions outside request " +
-               std::to_string(r) + "'s window of " + std::to_string(window_len) + " tokens");
+          fail(where + " names positions outside request " + std::to_string(r) + "'s window of " +
+               std::to_string(window_len) + " tokens");
         }
-        continue;
-      }
-      if (page < 0 || page >= p.num_pool_pages) {
-        fail("indices[" + std::to_string(i) + "] = " + std::to_string(page) + " is outside the pool [0, " +
-             std::to_string(p.num_pool_pages) + ")");
+      } else if (block_table) {
+        const BlockTable& t = p.block_table;
+        const int64_t positions = int64_t{t.max_blocks} * t.block_size;
+        if (page < 0 || int64_t{page} * p.page_size + last >= positions) {
+          fail(where + " names positions of request " + std::to_string(r) + " outside its block table row of " +
+               std::to_string(t.max_blocks) + " blocks x " + std::to_string(t.block_size) + " positions");
+        }
+        const int32_t* row = block_table_row(p, seq);
+        for (int64_t pos = int64_t{page} * p.page_size + first; pos <= int64_t{page} * p.page_size + last; ++pos) {
+          const int32_t block = row[pos / t.block_size];
+          if (block < 0 || block >= t.num_blocks) {
+            fail("block " + std::to_string(block) + " (block table entry " + std::to_string(pos / t.block_size) +
+                 " of request " + std::to_string(r) + "'s row, reached through " + where +
+                 ") is outside the pool's " + std::to_string(t.num_blocks) + " blocks");
+          }
+        }
+      } else if (page < 0 || page >= p.num_pool_pages) {
+        fail(where + " is outside the pool [0, " + std::to_string(p.num_pool_pages) + ")");
       }
     }
   }
@@ -112,37 +177,62 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   check_decode_params(p, plan);
   if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
   for (int32_t r = 0; r < p.num_requests; ++r) {
-    if (p.seq_lens[r] < 0 || p.seq_lens[r] > plan.seq_lens[static_cast<size_t>(r)]) {
-      throw Error("decode: seq_lens[" + std::to_string(r) + "] = " + std::to_string(p.seq_lens[r]) +
-                  " must lie in [0, " + std::to_string(plan.seq_lens[static_cast<size_t>(r)]) +
-                  "], the count the plan was made for");
+    const int64_t len = visible_tokens(p, plan, r);
+    if (len < 0 || len > plan.seq_lens[static_cast<size_t>(r)]) {
+      const int32_t entry = p.seq_lens_index == SeqLensIndex::kPerSequence ? r / p.num_kv_heads : r;
+      throw Error("decode: seq_lens[" + std::to_string(entry) + "] = " + std::to_string(len) + " must lie in [0, " +
+                  std::to_string(plan.seq_lens[static_cast<size_t>(r)]) + "], the count the plan was made for" +
+                  (entry != r ? " (request " + std::to_string(r) + ")" : std::string()));
     }
   }
-  check_indices_cpu(p);
+  check_indices_cpu(p, plan);
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
-  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
+  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
+                             p.o, p.lse, qo_strides(p)};
+  // What a skipped (-1) token "reads": zeros, never the pool; its bias of
+  // -inf keeps it out of the softmax whatever the row holds.
+  const std::vector<char> zeros(static_cast<size_t>(std::max({p.k.dim, p.v.dim, de}) * esize), 0);
+  const bool block_table = p.addressing == PageAddressing::kBlockTable;
   // Where request r's rows start in a stream (elements -> bytes, 64-bit).
   auto start = [&p, esize](const RowView& s, int32_t r) {
     const int64_t seq = r / p.num_kv_heads, head = r % p.num_kv_heads;
     return static_cast<const char*>(s.data) + (seq * s.seq_stride + head * s.head_stride) * esize;
   };
-  auto rows_of = [&](int32_t r) {
+  // Request r's token t -> its row in the streams, or -1 for a skipped token.
+  auto resolver = [&p, block_table](int32_t r) {
     const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
-    const int32_t* pages = p.indices + p.indptr[r];
+    const int32_t* pages = pages_of(p, r).ids;
+    const int32_t* table_row = block_table ? block_table_row(p, r / p.num_kv_heads) : nullptr;
+    return [&p, offset, pages, table_row](int64_t t) -> int64_t {
+      const int64_t slot = offset + t;
+      const int32_t page = pages[slot / p.page_size];
+      if (skipped_page(p, page)) return -1;
+      const int64_t pos = int64_t{page} * p.page_size + slot % p.page_size;
+      if (table_row == nullptr) return pos;
+      const int64_t bs = p.block_table.block_size;
+      return int64_t{table_row[pos / bs]} * bs + pos % bs;
+    };
+  };
+  auto rows_of = [&](int32_t r) {
     const char* k = start(p.k, r);
     const char* v = start(p.v, r);
     const char* e = de > 0 ? start(p.k_extra, r) : nullptr;
-    return [&p, esize, offset, pages, k, v, e](int64_t t) {
-      const int64_t slot = offset + t;
-      const int64_t row = int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
+    const char* zero = zeros.data();
+    return [&p, esize, k, v, e, zero, row_of = resolver(r)](int64_t t) {
+      const int64_t row = row_of(t);
+      if (row < 0) return cpu::TokenRows{zero, zero, e ? zero : nullptr};
       return cpu::TokenRows{k + row * p.k.row_stride * esize, v + row * p.v.row_stride * esize,
                             e ? e + row * p.k_extra.row_stride * esize : nullptr};
     };
   };
-  auto no_bias = [](int32_t) { return [](int64_t) { return 0.0f; }; };
-  auto visible = [&p](int32_t r) { return int64_t{p.seq_lens[r]}; };
-  cpu::run_plan(plan, out, workspace, rows_of, no_bias, visible);
+  auto bias_of = [&](int32_t r) {
+    return [skip = p.padding == IndexPadding::kMinusOneSkips, row_of = resolver(r)](int64_t t) {
+      return skip && row_of(t) < 0 ? -std::numeric_limits<float>::infinity() : 0.0f;
+    };
+  };
+  auto visible = [&p, &plan](int32_t r) { return visible_tokens(p, plan, r); };
+  cpu::run_plan(plan, out, workspace, rows_of, bias_of, visible);
 }
 
 }  // namespace sparsepage

@@ -63,7 +63,8 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   Buffer workspace(Device::kCpu, plan.workspace.total);
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
-  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.q, p.q_extra, p.scale, p.o, p.lse};
+  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
+                             p.o, p.lse, cpu::packed_qo_strides(p.num_kv_heads, p.group_size, p.k.dim, de, p.v.dim)};
   auto row_start = [&](const RowView& s, int32_t r) {
     return static_cast<const char*>(s.data) + s.offset(r / p.num_kv_heads, r % p.num_kv_heads, 0) * esize;
   };

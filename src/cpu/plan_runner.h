@@ -8,26 +8,50 @@
 
 #include "cpu/attention_cpu.h"
 #include "cpu/parallel.h"
+#include "sparsepage/decode.h"
 #include "sparsepage/plan.h"
 
 namespace sparsepage::cpu {
 
-/// Per-launch constants of a CPU decode.
+/// Per-launch constants of a CPU decode. q, q_extra and o are addressed by
+/// `strides` (decode.h's QueryStrides): head g of request r at
+/// (r / num_kv_heads) * seq_stride + ((r % num_kv_heads) * group_size + g) * head_stride.
 struct PlanOutputs {
   DType dtype;
   int32_t group_size;
   int32_t dim_qk, dim_v, dim_extra;  // dim_extra 0 without a second stream
-  const void* q;                     // [num_requests, group_size, dim_qk]
-  const void* q_extra;               // [num_requests, group_size, dim_extra] or null
+  int32_t num_kv_heads;
+  const void* q;                     // dim_qk per head
+  const void* q_extra;               // dim_extra per head, or null
   float scale;
-  void* o;                           // [num_requests, group_size, dim_v]
-  float* lse;                        // [num_requests, group_size] or null
+  void* o;                           // dim_v per head
+  float* lse;                        // [num_requests, group_size] (packed) or null
+  QoStrides strides;
 };
 
-inline std::vector<float> load_as_float(DType dtype, const void* src, size_t offset_elems, size_t count) {
-  std::vector<float> out(count);
-  to_float(dtype, static_cast<const char*>(src) + offset_elems * dtype_size(dtype), out.data(), count);
-  return out;
+/// The strides of packed [num_requests, group_size, dim] q, q_extra and o.
+inline QoStrides packed_qo_strides(int32_t num_kv_heads, int32_t group_size, int32_t dim_qk, int32_t dim_extra,
+                                   int32_t dim_v) {
+  const int64_t heads = int64_t{num_kv_heads} * group_size;
+  return {{heads * dim_qk, dim_qk}, {heads * dim_extra, dim_extra}, {heads * dim_v, dim_v}};
+}
+
+/// Element offset of query head g of request r in a view with strides `s`.
+inline int64_t head_offset(const PlanOutputs& out, const QueryStrides& s, int32_t r, int32_t g) {
+  return int64_t{r / out.num_kv_heads} * s.seq_stride +
+         (int64_t{r % out.num_kv_heads} * out.group_size + g) * s.head_stride;
+}
+
+/// Request r's `dim`-wide head rows of a q-shaped view, as fp32 [group_size, dim].
+inline std::vector<float> load_heads(const PlanOutputs& out, const void* src, const QueryStrides& s, int32_t r,
+                                     int32_t dim) {
+  std::vector<float> rows(static_cast<size_t>(out.group_size) * dim);
+  const size_t esize = dtype_size(out.dtype);
+  for (int32_t g = 0; g < out.group_size; ++g) {
+    to_float(out.dtype, static_cast<const char*>(src) + static_cast<size_t>(head_offset(out, s, r, g)) * esize,
+             rows.data() + static_cast<size_t>(g) * dim, static_cast<size_t>(dim));
+  }
+  return rows;
 }
 
 /// `rows_of(r)` returns a callable token -> TokenRows for request r;
@@ -39,23 +63,25 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
               Visible&& visible) {
   const size_t esize = dtype_size(out.dtype);
   const size_t g_count = static_cast<size_t>(out.group_size);
-  const size_t dk = static_cast<size_t>(out.dim_qk), dv = static_cast<size_t>(out.dim_v);
+  const size_t dv = static_cast<size_t>(out.dim_v);
   const size_t de = static_cast<size_t>(out.dim_extra);
   auto* base = static_cast<char*>(workspace);
   auto* partial_o = reinterpret_cast<float*>(base + plan.workspace.partial_o);
   auto* partial_lse = reinterpret_cast<float*>(base + plan.workspace.partial_lse);
   auto write_output = [&](int32_t r, const float* o, const float* lse) {
+    for (int32_t g = 0; g < out.group_size; ++g) {
+      const auto offset = static_cast<size_t>(head_offset(out, out.strides.o, r, g));
+      from_float(out.dtype, o + static_cast<size_t>(g) * dv, static_cast<char*>(out.o) + offset * esize, dv);
+    }
     const size_t row = static_cast<size_t>(r) * g_count;
-    from_float(out.dtype, o, static_cast<char*>(out.o) + row * dv * esize, g_count * dv);
     if (out.lse) std::copy(lse, lse + g_count, out.lse + row);
   };
 
   parallel_for(static_cast<int64_t>(plan.work.size()), [&](int64_t index) {
     const WorkItem& item = plan.work[static_cast<size_t>(index)];
-    const size_t row = static_cast<size_t>(item.request) * g_count;
-    const std::vector<float> q = load_as_float(out.dtype, out.q, row * dk, g_count * dk);
+    const std::vector<float> q = load_heads(out, out.q, out.strides.q, item.request, out.dim_qk);
     std::vector<float> q_extra;
-    if (de > 0) q_extra = load_as_float(out.dtype, out.q_extra, row * de, g_count * de);
+    if (de > 0) q_extra = load_heads(out, out.q_extra, out.strides.q_extra, item.request, out.dim_extra);
     const ChunkQuery query{out.dtype,  out.group_size, out.dim_qk, out.dim_v, out.dim_extra, q.data(),
                            de > 0 ? q_extra.data() : nullptr, out.scale};
     const int64_t end = std::min<int64_t>(item.token_end, visible(item.request));

@@ -24,7 +24,8 @@ int32_t page_shift_of(int32_t page_size) {
 }
 
 template <typename T>
-void run_merge(const DecodeParams& params, const DecodePlan& plan, void* workspace, cudaStream_t stream) {
+void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan& plan, void* workspace,
+               cudaStream_t stream) {
   cuda::MergeParams m;
   m.partial_o = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_o));
   m.partial_lse = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_lse));
@@ -33,6 +34,9 @@ void run_merge(const DecodeParams& params, const DecodePlan& plan, void* workspa
   m.group_size = params.group_size;
   m.dv = params.v.dim;
   m.partial_dv = plan.head_dim_v;
+  m.num_kv_heads = params.num_kv_heads;
+  m.o_seq = qo.o.seq_stride;
+  m.o_head = qo.o.head_stride;
   m.o = params.o;
   m.lse = params.lse;
   cuda::launch_merge<T>(m, static_cast<int32_t>(plan.merge_requests.size()), stream);
@@ -77,6 +81,8 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   check_decode_params(params, plan);
   cuda::check_stream_layout("run_decode_cuda", params.dtype, params.q, params.q_extra, params.k, params.v,
                             params.k_extra, params.o);
+  const std::string qo_problem = cuda_layout_problem(params);
+  if (!qo_problem.empty()) throw Error("run_decode_cuda: " + qo_problem);
   if (plan.work.empty()) return;
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);
@@ -91,22 +97,41 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   p.partial_lse = reinterpret_cast<float*>(at(workspace, plan.workspace.partial_lse));
   p.partial_dv = plan.head_dim_v;
   p.error_flag = reinterpret_cast<uint32_t*>(at(workspace, plan.workspace.error_flag));
+  const QoStrides qo = qo_strides(params);
+  p.q_seq = qo.q.seq_stride;
+  p.q_head = qo.q.head_stride;
+  if (p.q_extra != nullptr) {
+    p.qe_seq = qo.q_extra.seq_stride;
+    p.qe_head = qo.q_extra.head_stride;
+  }
+  p.o_seq = qo.o.seq_stride;
+  p.o_head = qo.o.head_stride;
   p.table.indptr = params.indptr;
   p.table.indices = params.indices;
   p.table.first_page_offset = params.first_page_offset;
   p.table.seq_lens = params.seq_lens;
+  p.table.lens_per_sequence = params.seq_lens_index == SeqLensIndex::kPerSequence;
   p.table.page_size = params.page_size;
   p.table.page_shift = page_shift_of(params.page_size);
   p.table.num_pool_pages = params.num_pool_pages;
-  p.table.window = params.addressing == PageAddressing::kWindow;
+  p.table.addressing = params.addressing;
+  p.table.skip_minus_one = params.padding == IndexPadding::kMinusOneSkips;
+  p.table.matrix = params.index_layout == IndexLayout::kMatrix;
+  p.table.index_width = params.index_width;
+  p.table.index_seq_stride = params.index_seq_stride;
+  p.table.index_head_stride = params.index_head_stride;
   p.table.window_lens = params.window_lens;
   p.table.window_len = params.window_len;
+  if (params.addressing == PageAddressing::kBlockTable) {
+    p.table.block_table = params.block_table;
+    p.table.block_shift = page_shift_of(params.block_table.block_size);
+  }
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
   cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, static_cast<int32_t>(plan.work.size()), s);
   if (plan.needs_merge()) {
-    if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, plan, workspace, s);
-    else run_merge<__half>(params, plan, workspace, s);
+    if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
+    else run_merge<__half>(params, qo, plan, workspace, s);
   }
 }
 

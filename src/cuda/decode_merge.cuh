@@ -20,7 +20,11 @@ struct MergeParams {
   int32_t group_size = 1;
   int32_t dv = 0;
   int32_t partial_dv = 0;
-  void* o = nullptr;                      // [num_requests, group_size, dv]
+  // o's strides (decode.h's QueryStrides): head g of request r at
+  // (r / num_kv_heads) * o_seq + ((r % num_kv_heads) * group_size + g) * o_head.
+  int32_t num_kv_heads = 1;
+  int64_t o_seq = 0, o_head = 0;
+  void* o = nullptr;
   float* lse = nullptr;                   // [num_requests, group_size] or null
 };
 
@@ -78,7 +82,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
     lse = nan_f32();
   }
   const int64_t out_row = int64_t{request} * p.group_size + head;
-  T* dst = static_cast<T*>(p.o) + out_row * p.dv + col;
+  const int32_t seq = request / p.num_kv_heads;
+  T* dst = static_cast<T*>(p.o) + seq * p.o_seq +
+           (int64_t{request - seq * p.num_kv_heads} * p.group_size + head) * p.o_head + col;
   *reinterpret_cast<uint2*>(dst) =
       make_uint2(ElemTraits<T>::pack2(o.x, o.y), ElemTraits<T>::pack2(o.z, o.w));
   if (col == 0 && p.lse != nullptr) p.lse[out_row] = lse;

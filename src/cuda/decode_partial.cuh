@@ -16,6 +16,7 @@
 #pragma once
 
 #include "cuda/common.cuh"
+#include "sparsepage/decode.h"
 #include "sparsepage/plan.h"
 
 namespace sparsepage {
@@ -35,20 +36,31 @@ constexpr int kIdSlotInts = 64;  // page ids of one tile: 64 tokens span at most
 constexpr int64_t kRejectedRow = -1;
 constexpr int64_t kMaskedRow = -2;
 
-/// Page-table row source parameters.
+/// Page-table row source parameters (decode.h's DecodeParams, device side).
 struct PagedTable {
-  const int32_t* indptr = nullptr;             // [num_requests + 1]
-  const int32_t* indices = nullptr;            // [indptr[num_requests]]
+  const int32_t* indptr = nullptr;             // kCsr: [num_requests + 1]
+  const int32_t* indices = nullptr;            // kCsr: [indptr[num_requests]]; kMatrix: the matrix
   const int32_t* first_page_offset = nullptr;  // [num_requests] or null (all zero)
-  const int32_t* seq_lens = nullptr;           // [num_requests] visible tokens (clip the plan's items); may be null
+  const int32_t* seq_lens = nullptr;           // visible tokens (clip the plan's items); may be null
+  bool lens_per_sequence = false;              // seq_lens[b] instead of seq_lens[r]
   int32_t page_size = 1;
   int32_t page_shift = 0;                      // log2(page_size), or -1 when not a power of two
   int64_t num_pool_pages = 0;                  // pool mode: ids in [0, num_pool_pages)
+  PageAddressing addressing = PageAddressing::kPoolPages;
+  // -1 ids are padding: their tokens are skipped (IndexPadding::kMinusOneSkips).
+  bool skip_minus_one = false;
+  // kMatrix (decode.h): request (b, h) reads index_width ids at
+  // indices + b * index_seq_stride + h * index_head_stride.
+  bool matrix = false;
+  int32_t index_width = 0;
+  int64_t index_seq_stride = 0, index_head_stride = 0;
   // Window mode (decode.h): ids are pages of the request's own rows and
   // every position is checked against its sequence's live length.
-  bool window = false;
   const int32_t* window_lens = nullptr;        // [num_sequences] or null: window_len for all
   int64_t window_len = 0;
+  // Block-table mode (decode.h): ids are pages of the sequence's positions.
+  BlockTable block_table;
+  int32_t block_shift = 0;                     // log2(block_size), or -1
 };
 
 /// Dense-allocation row source parameters: token t of a request is row t of
@@ -74,6 +86,9 @@ struct PartialCommon {
   int32_t num_kv_heads = 1;
   int32_t dqk = 0, dv = 0, de = 0;  // dqk + de == the instantiation's DK; dv <= DV
   int32_t group_size = 1;
+  // q, q_extra and o (decode.h's QueryStrides, elements): query head g of
+  // request r at (r / num_kv_heads) * *_seq + ((r % num_kv_heads) * group_size + g) * *_head.
+  int64_t q_seq = 0, q_head = 0, qe_seq = 0, qe_head = 0, o_seq = 0, o_head = 0;
   bool v_aliases_k = false;       // V is K's first dv columns at K's rows: load rows once
   float scale_log2 = 0.f;         // scale * log2(e)
 
@@ -97,6 +112,13 @@ template <class Table>
 struct PartialParams : PartialCommon {
   Table table;
 };
+
+/// Element offset of query head `head` of `request` in a q-shaped view.
+__device__ inline int64_t head_offset(const PartialCommon& p, int64_t seq_stride, int64_t head_stride,
+                                      int32_t request, int32_t head) {
+  const int32_t seq = request / p.num_kv_heads;
+  return seq * seq_stride + (int64_t{request - seq * p.num_kv_heads} * p.group_size + head) * head_stride;
+}
 
 /// Work item `item`: the request, its tokens [token_begin, token_end) and
 /// its partial slot (-1: write the output), from the plan's list or from the
@@ -131,7 +153,7 @@ __device__ inline ItemShare<T> open_item(const typename Source::Params& p, int32
   s.partial = w.partial;
   s.tok_begin = w.token_begin;
   const int64_t seq = w.request / p.num_kv_heads, head = w.request % p.num_kv_heads;
-  src.init(p, w.request, seq);
+  src.init(p, w.request, seq, head);
   s.len = max(0, min(w.token_end, src.visible_tokens()) - w.token_begin);
   s.k_base = static_cast<const T*>(p.k) + seq * p.k_seq + head * p.k_head;
   s.v_base = static_cast<const T*>(p.v) + seq * p.v_seq + head * p.v_head;
@@ -170,27 +192,42 @@ struct PagedSource {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
   const int32_t* pages;  // this request's page ids
+  const int32_t* table_row;  // block-table mode: this sequence's row (null: reject every token)
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
   int64_t num_pool_pages;
-  bool window;
+  PageAddressing addressing;
+  bool skip_minus_one;
   int64_t window_len;    // window mode: the sequence's live length
 
-  __device__ void init(const Params& p, int32_t request, int64_t seq) {
+  __device__ void init(const Params& p, int32_t request, int64_t seq, int64_t head) {
     const PagedTable& t = p.table;
-    const int32_t begin = t.indptr[request];
-    pages = t.indices + max(begin, 0);
-    num_pages = t.indptr[request + 1] - begin;
     first_offset = t.first_page_offset ? t.first_page_offset[request] : 0;
     page_size = t.page_size;
+    if (t.matrix) {
+      pages = t.indices + seq * t.index_seq_stride + head * t.index_head_stride;
+      num_pages = t.index_width;
+    } else {
+      const int32_t begin = t.indptr[request];
+      pages = t.indices + max(begin, 0);
+      num_pages = t.indptr[request + 1] - begin;
+      if (begin < 0) num_pages = 0;
+    }
     // The structure arrays are device data too: a negative start or an offset
     // outside [0, page_size) rejects every token of the request (NaN and the
     // error flag) instead of reading before `indices`.
-    if (begin < 0 || first_offset < 0 || first_offset >= page_size) num_pages = 0;
-    seq_len = t.seq_lens ? t.seq_lens[request] : INT32_MAX;
+    if (first_offset < 0 || first_offset >= page_size) num_pages = 0;
+    seq_len = t.seq_lens ? t.seq_lens[t.lens_per_sequence ? seq : request] : INT32_MAX;
     page_shift = t.page_shift;
     num_pool_pages = t.num_pool_pages;
-    window = t.window;
+    addressing = t.addressing;
+    skip_minus_one = t.skip_minus_one;
     window_len = t.window_lens ? t.window_lens[seq] : t.window_len;
+    table_row = nullptr;
+    if (addressing == PageAddressing::kBlockTable) {
+      const BlockTable& bt = t.block_table;
+      const int32_t row = bt.row_of_sequence ? bt.row_of_sequence[seq] : static_cast<int32_t>(seq);
+      if (row >= 0 && row < bt.num_rows) table_row = bt.data + row * bt.row_stride;
+    }
   }
   /// The request's visible tokens now (a plan made for more is clipped).
   __device__ int32_t visible_tokens() const { return seq_len; }
@@ -204,15 +241,33 @@ struct PagedSource {
     const int32_t count = min(page_of(tok0 + n - 1), num_pages - 1) - p0 + 1;
     if (tid < count) cp_async_4(smem_u32(slot + tid), pages + p0 + tid);
   }
-  /// Row of `token` in its stream (64-bit), or -1 when its page id is
-  /// outside the pool (or its position outside the request's window).
-  __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token) const {
+  /// Row of `token` in its stream (64-bit); kRejectedRow when its page id is
+  /// outside the pool (or its position outside the request's window or
+  /// block-table row, or its block outside the pool); kMaskedRow for a
+  /// padding (-1) id that is skipped.
+  __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token, const Params& p) const {
     const int32_t page_idx = page_of(token);
     if (page_idx >= num_pages) return kRejectedRow;  // a table shorter than the visible count
     const int32_t page = slot[page_idx - page_of(tok0)];
-    const int64_t r = int64_t{page} * page_size + (first_offset + token - page_idx * page_size);
-    if (window) return page < 0 || r >= window_len ? kRejectedRow : r;
-    return page < 0 || page >= num_pool_pages ? kRejectedRow : r;
+    if (page == -1 && skip_minus_one) return kMaskedRow;
+    const int64_t pos = int64_t{page} * page_size + (first_offset + token - page_idx * page_size);
+    if (addressing == PageAddressing::kWindow) return page < 0 || pos >= window_len ? kRejectedRow : pos;
+    if (addressing == PageAddressing::kBlockTable) {
+      // The engine's conversion launch, done here: position -> block -> pool row.
+      const BlockTable& bt = p.table.block_table;
+      if (page < 0 || table_row == nullptr || pos >= int64_t{bt.max_blocks} * bt.block_size) return kRejectedRow;
+      const int32_t shift = p.table.block_shift;
+      const int64_t entry = shift >= 0 ? pos >> shift : pos / bt.block_size;
+      const int32_t block = __ldg(table_row + entry);
+      if (block < 0 || block >= bt.num_blocks) return kRejectedRow;
+      return int64_t{block} * bt.block_size + (pos - entry * bt.block_size);
+    }
+    return page < 0 || page >= num_pool_pages ? kRejectedRow : pos;
+  }
+  /// Whether `token` of the tile at tok0 (its ids in `slot`) is padding and
+  /// stays out of the softmax. Only for tokens the tile holds.
+  __device__ bool skipped(const int32_t* slot, int32_t tok0, int32_t token) const {
+    return skip_minus_one && slot[page_of(token) - page_of(tok0)] == -1;
   }
   __device__ float bias(const int32_t*, int) const { return 0.f; }
 };
@@ -224,7 +279,7 @@ struct DenseSource {
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens
 
-  __device__ void init(const Params& p, int32_t request, int64_t seq) {
+  __device__ void init(const Params& p, int32_t request, int64_t seq, int64_t) {
     const DenseTable& t = p.table;
     mask = t.mask ? t.mask + request * t.mask_pitch : nullptr;
     live = t.live_lens ? t.live_lens[seq] : p.uniform_len;
@@ -235,9 +290,11 @@ struct DenseSource {
   }
   /// The mask values of the tile being issued are already in its slot
   /// (they arrive S - 1 tiles ahead of the rows), so masked rows are skipped.
-  __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token) const {
+  __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token, const Params&) const {
     return mask && __int_as_float(slot[token - tok0]) == neg_inf_f32() ? kMaskedRow : token;
   }
+  /// Masked tokens leave the softmax through bias() instead.
+  __device__ bool skipped(const int32_t*, int32_t, int32_t) const { return false; }
   __device__ float bias(const int32_t* slot, int key) const { return mask ? __int_as_float(slot[key]) : 0.f; }
 };
 

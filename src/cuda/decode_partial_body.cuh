@@ -73,9 +73,11 @@ struct PartialCta {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
         continue;
       }
-      const int64_t qrow = int64_t{request} * p.group_size + head0 + row;
-      const T* g = c < dq_chunks ? static_cast<const T*>(p.q) + qrow * p.dqk + c * 8
-                                 : static_cast<const T*>(p.q_extra) + qrow * p.de + (c - dq_chunks) * 8;
+      const int32_t head = head0 + row;
+      const T* g = c < dq_chunks
+                       ? static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head) + c * 8
+                       : static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head) +
+                             (c - dq_chunks) * 8;
       cp_async_16(smem_u32(dst), g, true);
     }
   }
@@ -101,7 +103,7 @@ struct PartialCta {
     const T* v_row = v_base;
     int fill = 0;
     if (lane < kRows && row0 + lane < tile_tokens(tile)) {
-      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane);
+      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane, p);
       bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       if (r >= 0) {
         fill = 16;
@@ -177,6 +179,7 @@ struct PartialCta {
   __device__ void softmax_pv(int tile, float (&s)[2][4]) {
     const int32_t n = tile_tokens(tile);
     const int32_t* slot = id_slot(tile);
+    const int32_t tok0 = tok_begin + tile * kTileRows;
     float tile_max[2] = {neg_inf_f32(), neg_inf_f32()};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -190,7 +193,8 @@ struct PartialCta {
           const float b = src.bias(slot, key);
           x = b == neg_inf_f32() ? b : x + b * kLog2e;
         }
-        if (key >= n) x = neg_inf_f32();
+        // Past the tile's tokens, or a skipped padding id (its row was not read).
+        if (key >= n || src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
         s[j][e] = x;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
       }
@@ -363,7 +367,7 @@ struct PartialCta {
                                          : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       const int64_t head = int64_t{head0} + row;
       if (partial < 0) {
-        T* dst = static_cast<T*>(p.o) + (int64_t{request} * p.group_size + head) * p.dv + col;
+        T* dst = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, static_cast<int32_t>(head)) + col;
         *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
       } else {
         *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + col) = o;

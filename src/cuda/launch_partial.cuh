@@ -103,6 +103,14 @@ inline PartialCommon stream_params(const void* q, const void* q_extra, const Row
   p.dv = v.dim;
   p.de = has_extra ? extra.dim : 0;
   p.group_size = group_size;
+  // Packed [num_requests, group_size, dim] q, q_extra and o; a strided launch overrides these.
+  const int64_t heads = int64_t{num_kv_heads} * group_size;
+  p.q_seq = heads * p.dqk;
+  p.q_head = p.dqk;
+  p.qe_seq = heads * p.de;
+  p.qe_head = p.de;
+  p.o_seq = heads * p.dv;
+  p.o_head = p.dv;
   p.scale_log2 = scale * kLog2e;
   return p;
 }

@@ -113,6 +113,9 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
     m.group_size = params.group_size;
     m.dv = params.v.dim;
     m.partial_dv = params.v.dim;
+    m.num_kv_heads = p.num_kv_heads;  // o is packed [batch, num_qo_heads, dv]
+    m.o_seq = p.o_seq;
+    m.o_head = p.o_head;
     m.o = params.o;
     m.lse = params.lse;
     const auto num_merge = static_cast<int32_t>(split.requests);

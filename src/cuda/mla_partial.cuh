@@ -120,9 +120,11 @@ struct MlaCta {
   __device__ void load_q() {
     for (int idx = tid; idx < L::kHeads * L::kPieces; idx += L::kThreads) {
       const int row = idx / L::kPieces, piece = idx % L::kPieces;
-      const int64_t qrow = int64_t{request} * p.group_size + head0 + row;
-      const T* g = piece < L::kLatent / 8 ? static_cast<const T*>(p.q) + qrow * p.dqk + piece * 8
-                                          : static_cast<const T*>(p.q_extra) + qrow * p.de + (piece - 64) * 8;
+      const int32_t head = head0 + row;
+      const T* g = piece < L::kLatent / 8
+                       ? static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head) + piece * 8
+                       : static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head) +
+                             (piece - 64) * 8;
       cp_async_16(base + L::kQ + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
     }
   }
@@ -141,7 +143,7 @@ struct MlaCta {
     const T* e_row = e_base;
     int fill = 0;
     if (row < tile_tokens(tile)) {
-      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row);
+      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row, p);
       bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       if (r >= 0) {
         fill = 16;
@@ -178,6 +180,7 @@ struct MlaCta {
   __device__ void softmax_pv(int tile, float (&s)[16]) {
     const int32_t n = tile_tokens(tile);
     const int32_t* slot = id_slot(tile);
+    const int32_t tok0 = tok_begin + tile * L::kTokens;
     const int wrow = (wt / 32) * 16 + lane / 4;  // rows wrow and wrow + 8
     float tmax[2] = {neg_inf_f32(), neg_inf_f32()};
 #pragma unroll
@@ -188,7 +191,8 @@ struct MlaCta {
         const float b = src.bias(slot, key);
         x = b == neg_inf_f32() ? b : x + b * kLog2e;
       }
-      if (key >= n) x = neg_inf_f32();
+      // Past the tile's tokens, or a skipped padding id (its row was not read).
+      if (key >= n || src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
       s[i] = x;
       tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], x);
     }
@@ -305,13 +309,14 @@ struct MlaCta {
       const bool poison = any_bad || isnan(sum[r]);
       const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
       const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
+      T* o_row = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0 + row);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int col = wg * 256 + j * 8 + 2 * (lane & 3);
         float o0 = acc[4 * j + 2 * r] * inv, o1 = acc[4 * j + 2 * r + 1] * inv;
         if (poison) o0 = o1 = nan_f32();
         if (partial < 0) {
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.o) + out_row * p.dv + col) = Tr::pack2(o0, o1);
+          *reinterpret_cast<uint32_t*>(o_row + col) = Tr::pack2(o0, o1);
         } else {
           *reinterpret_cast<float2*>(p.partial_o + out_row * p.partial_dv + col) = make_float2(o0, o1);
         }
