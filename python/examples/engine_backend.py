@@ -12,11 +12,13 @@ for the two shapes sparsepage serves:
 * ``PagedGqaBackend``: a GQA decode over ``[num_blocks, block_size,
   num_kv_heads, head_dim]`` K and V pools and block tables.
 
-Inputs are numpy arrays or torch tensors. On the CPU everything runs through
-:mod:`sparsepage.engine`. On CUDA the MLA forward runs the torch op
-(:class:`sparsepage.torch_ops.MlaSlotDecoder`) when every row holds topk valid
-slots; the rest raises NotImplementedError until the library has device-side
-lengths and per-head strides (docs/ENGINES.md says which is which).
+Inputs are numpy arrays or torch tensors. numpy runs through
+:mod:`sparsepage.engine`; torch tensors (CPU or CUDA) through the torch ops,
+with the plan and workspace made once in the metadata builder
+(:class:`sparsepage.torch_ops.MlaSparseDecoder`,
+:class:`sparsepage.torch_ops.PagedKVDecoder`), so the forward launches the
+fused kernel only and a decode step can be captured in a CUDA graph. The
+``-1`` padding and per-token ``topk_length`` are read on the device.
 
 tests/python/test_engine_backend.py runs this file's ``demo()`` on the CPU.
 """
@@ -46,7 +48,7 @@ class DsaMetadata:
     """Per-step metadata: built once on the host, read by every layer's forward."""
     slot_ids: Any                   # int32 [num_tokens, topk], -1 padded
     topk_length: Optional[Any]      # int32 [num_tokens] or None
-    decoder: Any = None             # torch_ops.MlaSlotDecoder on CUDA (plan + workspace, made once)
+    decoder: Any = None             # torch_ops.MlaSparseDecoder for torch tensors (plan + workspace, made once)
 
 
 class DsaMlaBackend:
@@ -58,20 +60,21 @@ class DsaMlaBackend:
 
     def build_metadata(self, slot_ids, topk_length=None) -> DsaMetadata:
         meta = DsaMetadata(slot_ids, topk_length)
-        if type(slot_ids).__module__.startswith("torch") and slot_ids.is_cuda:
+        if type(slot_ids).__module__.startswith("torch"):
             from sparsepage import torch_ops
 
-            # Rows full of valid slots: the plan depends on (num_tokens, topk) only, so a
-            # captured decode graph reuses it; -1 padding on CUDA needs device-side lengths.
-            meta.decoder = torch_ops.MlaSlotDecoder(slot_ids.shape[0], slot_ids.shape[1], self.num_heads,
-                                                    device=slot_ids.device, latent_dim=self.latent_dim,
-                                                    rope_dim=self.rope_dim)
+            # The plan depends on (num_tokens, topk) only: -1 entries and topk_length are read
+            # on the device, so a captured decode graph reuses it while they change.
+            meta.decoder = torch_ops.MlaSparseDecoder(slot_ids.shape[0], slot_ids.shape[1], self.num_heads,
+                                                      device=slot_ids.device, latent_dim=self.latent_dim,
+                                                      rope_dim=self.rope_dim)
         return meta
 
     def forward(self, q_latent, q_pe, kv_cache, meta: DsaMetadata, lse=None):
         """q_latent [T, H, 512], q_pe [T, H, 64], kv_cache [num_blocks, block_size, 576] -> o [T, H, 512]."""
         if meta.decoder is not None:
-            o, _ = meta.decoder(q_latent, q_pe, kv_cache, meta.slot_ids, scale=self.scale, lse=lse)
+            o, _ = meta.decoder(q_latent, q_pe, kv_cache, meta.slot_ids, scale=self.scale,
+                                topk_length=meta.topk_length, lse=lse)
             return o
         o, _ = sp.engine.mla_decode_slots(q_latent, q_pe, kv_cache, meta.slot_ids, scale=self.scale,
                                           topk_length=meta.topk_length, lse=lse, latent_dim=self.latent_dim)
@@ -82,10 +85,24 @@ class PagedGqaBackend:
     """Decode over the engine's paged K/V pools and block tables (GQA folded per KV head)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, head_dim ** -0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
 
-    def forward(self, q, k_cache, v_cache, block_tables, seq_lens, lse=None):
-        """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks]."""
+    def build_metadata(self, block_tables, block_size: int):
+        """torch: a PagedKVDecoder planned for (batch, max_blocks * block_size), made once."""
+        if not type(block_tables).__module__.startswith("torch"):
+            return None
+        from sparsepage import torch_ops
+
+        return torch_ops.PagedKVDecoder(block_tables.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
+                                        max_blocks=block_tables.shape[1], block_size=block_size,
+                                        device=block_tables.device)
+
+    def forward(self, q, k_cache, v_cache, block_tables, seq_lens, lse=None, decoder=None):
+        """q [B, Hq, D] (a slice of a packed QKV tensor is fine); caches [num_blocks, block_size, Hkv, D];
+        block_tables int32 [B, max_blocks]; seq_lens int32 [B] on q's device."""
+        if decoder is not None:
+            return decoder(q, k_cache, v_cache, block_tables, seq_lens, scale=self.scale, lse=lse)[0]
         o, _ = sp.engine.paged_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=self.scale, lse=lse)
         return o
 

@@ -29,7 +29,8 @@ import torch
 
 from . import _core
 
-__all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSlotDecoder"]
+__all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSparseDecoder",
+           "MlaSlotDecoder", "PagedKVDecoder"]
 
 _PLANS: dict = {}
 _next_handle = itertools.count(1)
@@ -97,69 +98,87 @@ class DecodePlan:
 
 
 @torch.library.custom_op("sparsepage::paged_decode_out", mutates_args=("o", "lse", "workspace"))
-def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: torch.Tensor,
-                      indices: torch.Tensor, seq_lens: torch.Tensor, first_page_offset: Optional[torch.Tensor],
-                      q_extra: Optional[torch.Tensor], k_extra: Optional[torch.Tensor], workspace: torch.Tensor,
-                      o: torch.Tensor, lse: Optional[torch.Tensor], page_size: int, scale: float,
-                      num_pool_pages: int, request_row_stride: int, window_len: int) -> None:
+def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: Optional[torch.Tensor],
+                      indices: torch.Tensor, seq_lens: Optional[torch.Tensor],
+                      first_page_offset: Optional[torch.Tensor], q_extra: Optional[torch.Tensor],
+                      k_extra: Optional[torch.Tensor], workspace: torch.Tensor, o: torch.Tensor,
+                      lse: Optional[torch.Tensor], page_size: int, scale: float, num_pool_pages: int,
+                      request_row_stride: int, window_len: int, num_kv_heads: int, skip_minus_one: bool,
+                      block_table: Optional[torch.Tensor], block_table_rows: Optional[torch.Tensor],
+                      block_size: int) -> None:
     p = _PLANS.get(plan)
     if p is None:
         raise _core.Error(f"paged_decode: plan handle {plan} is not live (keep its DecodePlan alive)")
     _core.paged_decode(p, q, k, v, o, indptr, indices, seq_lens, page_size=page_size, scale=scale,
                        first_page_offset=first_page_offset, lse=lse, q_extra=q_extra, k_extra=k_extra,
                        workspace=workspace, num_pool_pages=num_pool_pages, request_row_stride=request_row_stride,
-                       window_len=window_len, upload_plan=False, stream=_stream(q))
+                       window_len=window_len, num_kv_heads=num_kv_heads, skip_minus_one=skip_minus_one,
+                       block_table=block_table, block_table_rows=block_table_rows, block_size=block_size,
+                       upload_plan=False, stream=_stream(q))
 
 
 @_paged_decode_out.register_fake
 def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
-      scale, num_pool_pages, request_row_stride, window_len):
+      scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+      block_table_rows, block_size):
     return None
 
 
 def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_size: int, scale: float,
                      workspace: torch.Tensor, o: torch.Tensor, lse: Optional[torch.Tensor] = None,
                      first_page_offset=None, q_extra=None, k_extra=None, num_pool_pages: int = -1,
-                     request_row_stride: int = 0, window_len: int = 0) -> None:
+                     request_row_stride: int = 0, window_len: int = 0, num_kv_heads: int = 1,
+                     skip_minus_one: bool = False, block_table=None, block_table_rows=None,
+                     block_size: int = 0) -> None:
     """The paged decode into caller-owned `o` (and optional fp32 `lse`): the op to capture.
 
-    Shapes as :func:`sparsepage.paged_decode` (q [R, G, Dqk] and o [R, G, Dv] contiguous;
-    k, v, k_extra pools of rows, column slices allowed; int32 page-table tensors on q's device).
-    `workspace` comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
+    Arguments as :func:`sparsepage.paged_decode`: q ``[S, Hkv * G, Dqk]`` and o
+    ``[S, Hkv * G, Dv]`` may be strided views (unit stride in the last dim); k, v, k_extra are
+    pools of rows (``[..., Hkv, dim]`` when ``num_kv_heads > 1``); page ids are a CSR table
+    (``indptr``) or, with ``indptr=None``, an index matrix ``[S, width]`` (``skip_minus_one``:
+    ``-1`` is padding; ``block_table``: ids are positions resolved through it). `workspace`
+    comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
     """
     torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra,
                                           k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
-                                          request_row_stride, window_len)
+                                          request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+                                          block_table_rows, block_size)
 
 
 @torch.library.custom_op("sparsepage::paged_decode", mutates_args=("workspace",))
-def _paged_decode(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: torch.Tensor,
-                  indices: torch.Tensor, seq_lens: torch.Tensor, first_page_offset: Optional[torch.Tensor],
+def _paged_decode(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: Optional[torch.Tensor],
+                  indices: torch.Tensor, seq_lens: Optional[torch.Tensor], first_page_offset: Optional[torch.Tensor],
                   q_extra: Optional[torch.Tensor], k_extra: Optional[torch.Tensor], workspace: torch.Tensor,
-                  page_size: int, scale: float, num_pool_pages: int, request_row_stride: int,
-                  window_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  page_size: int, scale: float, num_pool_pages: int, request_row_stride: int, window_len: int,
+                  num_kv_heads: int, skip_minus_one: bool, block_table: Optional[torch.Tensor],
+                  block_table_rows: Optional[torch.Tensor], block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     o = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     _paged_decode_out(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
-                      page_size, scale, num_pool_pages, request_row_stride, window_len)
+                      page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
+                      block_table, block_table_rows, block_size)
     return o, lse
 
 
 @_paged_decode.register_fake
 def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, page_size, scale,
-      num_pool_pages, request_row_stride, window_len):
+      num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table, block_table_rows,
+      block_size):
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
             q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
 
 
 def paged_decode(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_size: int, scale: float,
                  workspace: torch.Tensor, first_page_offset=None, q_extra=None, k_extra=None,
-                 num_pool_pages: int = -1, request_row_stride: int = 0,
-                 window_len: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Functional paged decode: returns ``(o, lse)`` (new tensors; lse fp32, natural log)."""
+                 num_pool_pages: int = -1, request_row_stride: int = 0, window_len: int = 0,
+                 num_kv_heads: int = 1, skip_minus_one: bool = False, block_table=None, block_table_rows=None,
+                 block_size: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Functional paged decode: returns ``(o, lse)`` (new tensors; o ``[S, Hkv * G, Dv]``, lse fp32
+    ``[S, Hkv * G]``, natural log). Arguments as :func:`paged_decode_out`."""
     return torch.ops.sparsepage.paged_decode(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset,
                                              q_extra, k_extra, workspace, page_size, float(scale), num_pool_pages,
-                                             request_row_stride, window_len)
+                                             request_row_stride, window_len, num_kv_heads, skip_minus_one,
+                                             block_table, block_table_rows, block_size)
 
 
 def merge_states(o: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,16 +206,24 @@ def merge_state(o_a, lse_a, o_b, lse_b) -> Tuple[torch.Tensor, torch.Tensor]:
     return merge_states(torch.stack([o_a, o_b]), torch.stack([lse_a.float(), lse_b.float()]))
 
 
-class MlaSlotDecoder:
-    """MLA decode over an engine's ``[num_blocks, block_size, 576]`` cache from a
-    ``[num_tokens, topk]`` slot-id matrix whose rows are all full (no ``-1``), on CPU or CUDA.
+class MlaSparseDecoder:
+    """DSA / MLA decode over an engine's ``[num_blocks, block_size, latent + rope]`` cache (latent
+    512 then rope 64 in one row), from the engines' own index conventions, on CPU or CUDA.
 
-    Each token is one request at page_size 1 whose page ids are the slot ids themselves, so
-    the cache and the index matrix are read in place. The page-table structure, the plan and
-    the workspace are made once for (num_tokens, topk) at construction; a call then launches
-    the fused kernel only (capturable). ``-1`` padding and ``topk_length`` on the device need
-    device-side live lengths in the library: use :func:`sparsepage.engine.mla_decode_slots` on
-    the CPU for those.
+    * ``decoder(q_latent, q_pe, kv_cache, slot_ids, ...)``: vLLM / SGLang's ``[num_tokens, topk]``
+      int32 global slot ids ``block_id * block_size + offset``; ``-1`` is "no token here" and is
+      skipped (never read); an optional int32 ``topk_length [num_tokens]`` limits each row.
+    * ``decoder.from_positions(q_latent, q_pe, kv_cache, positions, block_table, ...)``: the
+      indexer's request-local positions ``[num_tokens, topk]`` (``-1`` skipped) and the engine's
+      block table ``[num_requests, max_blocks]``; the kernel resolves each position to its slot
+      (``token_to_request [num_tokens]`` picks a token's table row; default: row t).
+
+    Each token is one request at page_size 1; the cache and the index matrix are read in place.
+    The plan and workspace are made once for ``(num_tokens, topk)`` at construction (the counts'
+    bound: ``topk_length`` may change on the device between graph replays), so a call launches
+    the fused kernel only and can be captured in a CUDA graph. q and o may be strided views
+    (e.g. q_latent and q_pe as column slices of one ``[num_tokens, heads, 576]`` tensor).
+    ``lse`` (fp32 ``[num_tokens, num_heads]``, natural log) is written when given.
     """
 
     def __init__(self, num_tokens: int, topk: int, num_heads: int, *, device, latent_dim: int = 512,
@@ -204,14 +231,59 @@ class MlaSlotDecoder:
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
         self.plan = DecodePlan([topk] * num_tokens, group_size=num_heads, head_dim_qk=latent_dim,
                                head_dim_v=latent_dim, head_dim_extra=rope_dim, device=device)
-        self.indptr, self.seq_lens = self.plan.structure(1)
         self.workspace = self.plan.new_workspace()
 
-    def __call__(self, q_latent, q_pe, kv_cache, slot_ids, *, scale: float, o=None, lse=None):
-        rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    def _run(self, q_latent, q_pe, kv_cache, indices, *, scale, topk_length, o, lse, **mode):
         if o is None:
             o = q_latent.new_empty((q_latent.shape[0], q_latent.shape[1], self.latent_dim))
-        paged_decode_out(self.plan, q_latent, rows[:, :self.latent_dim], rows[:, :self.latent_dim], self.indptr,
-                         slot_ids.reshape(-1), self.seq_lens, page_size=1, scale=scale, workspace=self.workspace,
-                         o=o, lse=lse, q_extra=q_pe, k_extra=rows[:, self.latent_dim:])
+        latent = kv_cache[..., :self.latent_dim]
+        paged_decode_out(self.plan, q_latent, latent, latent, None, indices, topk_length, page_size=1, scale=scale,
+                         workspace=self.workspace, o=o, lse=lse, q_extra=q_pe,
+                         k_extra=kv_cache[..., self.latent_dim:], skip_minus_one=True, **mode)
+        return o, lse
+
+    def __call__(self, q_latent, q_pe, kv_cache, slot_ids, *, scale: float, topk_length=None, o=None, lse=None):
+        return self._run(q_latent, q_pe, kv_cache, slot_ids, scale=scale, topk_length=topk_length, o=o, lse=lse)
+
+    def from_positions(self, q_latent, q_pe, kv_cache, positions, block_table, *, scale: float,
+                       token_to_request=None, topk_length=None, o=None, lse=None):
+        return self._run(q_latent, q_pe, kv_cache, positions, scale=scale, topk_length=topk_length, o=o, lse=lse,
+                         block_table=block_table, block_table_rows=token_to_request,
+                         block_size=kv_cache.shape[1])
+
+
+#: The earlier name of :class:`MlaSparseDecoder`.
+MlaSlotDecoder = MlaSparseDecoder
+
+
+class PagedKVDecoder:
+    """Decode over an engine's paged K/V caches ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (block sizes 16, 32, 64, ...) through its block tables, with GQA folding, on CPU or CUDA.
+
+    ``decoder(q, k_cache, v_cache, block_tables, seq_lens, ...)``: q ``[num_seqs, num_qo_heads,
+    head_dim]`` (may be a slice of a packed QKV tensor); block_tables int32 ``[num_seqs,
+    max_blocks]`` are the page ids (page size = block size), read in place; seq_lens int32
+    ``[num_seqs]`` on the device (the tokens each sequence attends now). Query head i reads KV head
+    ``i // (num_qo_heads // num_kv_heads)``. The plan is made once for ``max_blocks * block_size``
+    tokens per sequence, so seq_lens may change on the device between graph replays.
+    """
+
+    def __init__(self, num_seqs: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_blocks: int,
+                 block_size: int, device, head_dim_v: Optional[int] = None):
+        if num_qo_heads % num_kv_heads:
+            raise _core.Error(f"PagedKVDecoder: num_qo_heads = {num_qo_heads} is not a multiple of "
+                              f"num_kv_heads = {num_kv_heads}")
+        self.num_kv_heads, self.block_size = num_kv_heads, block_size
+        self.head_dim_v = head_dim_v or head_dim
+        self.plan = DecodePlan([max_blocks * block_size] * (num_seqs * num_kv_heads),
+                               group_size=num_qo_heads // num_kv_heads, head_dim_qk=head_dim,
+                               head_dim_v=self.head_dim_v, device=device)
+        self.workspace = self.plan.new_workspace()
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, o=None, lse=None):
+        if o is None:
+            o = q.new_empty((q.shape[0], q.shape[1], self.head_dim_v))
+        paged_decode_out(self.plan, q, k_cache, v_cache, None, block_tables, seq_lens, page_size=self.block_size,
+                         scale=scale, workspace=self.workspace, o=o, lse=lse, num_kv_heads=self.num_kv_heads,
+                         num_pool_pages=k_cache.shape[0])
         return o, lse

@@ -33,13 +33,44 @@ void require_same_dtype(DType expected, const Tensor& t) {
     t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but q has " + dtype_name(expected));
 }
 
-// q and o are read and written as contiguous [rows, heads, dim] today.
+// The dense-cache entry points (SparseDecoder, the mask path) take packed q
+// and o: SparseAttentionInputs has no q / o strides.
 void require_dense_qo(const Tensor& t) {
   if (!t.contiguous())
     throw NotImplemented(t.op + ": " + t.name + " is a strided view (shape " + t.shape_str() +
-                         "); the decode kernels read q and o as contiguous [num_requests, group_size, head_dim] "
-                         "today. Strided q/o (e.g. a slice of a packed QKV tensor) need per-request q/o strides in "
-                         "DecodeParams, which the library does not have yet.");
+                         "); SparseDecoder and the mask path read q and o as contiguous [batch, num_qo_heads, "
+                         "head_dim]. paged_decode (and the torch ops) take strided q and o.");
+}
+
+// A query-shaped view [num_sequences, num_kv_heads * group_size, dim] (q,
+// q_extra, o): unit stride in dim, any sequence and head strides. A dim of
+// extent 1 gets its packed stride (torch reports any stride there).
+QueryStrides query_strides_of(const Tensor& t, const char* layout) {
+  t.require_ndim(3, layout);
+  if (t.shape[2] > 1 && t.strides[2] != 1) t.fail("must have unit stride in its last dim (the head's values)");
+  QueryStrides s;
+  s.head_stride = t.shape[1] == 1 ? t.shape[2] : t.strides[1];
+  s.seq_stride = t.shape[0] == 1 ? t.shape[1] * s.head_stride : t.strides[0];
+  if (s.seq_stride < 0 || s.head_stride < 0) t.fail("has a negative stride");
+  return s;
+}
+
+// A pool for num_kv_heads > 1: [..., num_kv_heads, dim] (an engine's paged
+// [num_blocks, block_size, num_kv_heads, head_dim] cache), rows are the
+// leading dims collapsed, heads the second-to-last dim.
+RowView pool_of_heads(const Tensor& t, int32_t num_kv_heads, int64_t* num_rows) {
+  if (num_kv_heads == 1) return pool_of(t, num_rows);
+  if (t.ndim() < 3 || t.shape[t.ndim() - 2] != num_kv_heads)
+    t.fail("must be [..., num_kv_heads = " + std::to_string(num_kv_heads) +
+           ", head_dim] (e.g. [num_blocks, block_size, num_kv_heads, head_dim]), got shape " + t.shape_str());
+  // The pool of rows without the head dim, then the head dim's stride.
+  Tensor rows = t;
+  rows.shape.erase(rows.shape.end() - 2);
+  rows.strides.erase(rows.strides.end() - 2);
+  RowView pool = pool_of(rows, num_rows);
+  pool.head_stride = t.strides[t.ndim() - 2];
+  if (pool.head_stride < pool.dim) t.fail("has overlapping heads: stride " + std::to_string(pool.head_stride));
+  return pool;
 }
 
 void require_index_array(const Tensor& t, const char* layout) {
@@ -76,107 +107,183 @@ void sync_stream(Device device, void* stream) {
 }
 
 void paged_decode(const DecodePlan& plan, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
-                  const In& indptr_in, const In& indices_in, const In& seq_lens_in, int32_t page_size, float scale,
-                  const OptIn& first_page_offset_in, const OptOut& lse_in, const OptIn& q_extra_in,
+                  const OptIn& indptr_in, const In& indices_in, const OptIn& seq_lens_in, int32_t page_size,
+                  float scale, const OptIn& first_page_offset_in, const OptOut& lse_in, const OptIn& q_extra_in,
                   const OptIn& k_extra_in, const OptOut& workspace_in, int64_t num_pool_pages,
-                  int64_t request_row_stride, int64_t window_len, bool upload_plan, uintptr_t stream) {
+                  int64_t request_row_stride, int64_t window_len, int32_t num_kv_heads, bool skip_minus_one,
+                  const OptIn& block_table_in, const OptIn& block_table_rows_in, int32_t block_size,
+                  bool upload_plan, uintptr_t stream) {
   const std::string op = "paged_decode";
   const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
-               o = describe(o_in, op, "o"), indptr = describe(indptr_in, op, "indptr"),
-               indices = describe(indices_in, op, "indices"), seq_lens = describe(seq_lens_in, op, "seq_lens");
+               o = describe(o_in, op, "o"), indices = describe(indices_in, op, "indices");
+  const auto indptr = describe(indptr_in, op, "indptr");
+  const auto seq_lens = describe(seq_lens_in, op, "seq_lens");
   const auto fpo = describe(first_page_offset_in, op, "first_page_offset");
   const auto lse = describe(lse_in, op, "lse");
   const auto q_extra = describe(q_extra_in, op, "q_extra");
   const auto k_extra = describe(k_extra_in, op, "k_extra");
   const auto ws = describe(workspace_in, op, "workspace");
-  const Device device = common_device(op, {&q, &k, &v, &o, &indptr, &indices, &seq_lens, fpo ? &*fpo : nullptr,
-                                           lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr,
-                                           k_extra ? &*k_extra : nullptr, ws ? &*ws : nullptr});
+  const auto table = describe(block_table_in, op, "block_table");
+  const auto table_rows = describe(block_table_rows_in, op, "block_table_rows");
+  const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
+  const Device device = common_device(op, {&q, &k, &v, &o, &indices, opt(indptr), opt(seq_lens), opt(fpo), opt(lse),
+                                           opt(q_extra), opt(k_extra), opt(ws), opt(table), opt(table_rows)});
 
-  q.require_ndim(3, "[num_requests, group_size, head_dim_qk]");
-  o.require_ndim(3, "[num_requests, group_size, head_dim_v]");
-  require_dense_qo(q);
-  require_dense_qo(o);
+  if (num_kv_heads < 1) throw Error(op + ": num_kv_heads = " + std::to_string(num_kv_heads) + " must be at least 1");
+  const char* q_layout = "[num_sequences, num_kv_heads * group_size, head_dim_qk]";
   const DType dtype = q.float_dtype();
   for (const Tensor* t : {&k, &v, &o}) require_same_dtype(dtype, *t);
 
   DecodeParams p;
   p.dtype = dtype;
-  p.num_requests = to_int32(q.shape[0], op, "q.shape[0]");
-  p.group_size = to_int32(q.shape[1], op, "q.shape[1]");
+  p.qo_layout = QueryLayout::kStrided;
+  p.q_strides = query_strides_of(q, q_layout);
+  p.o_strides = query_strides_of(o, "[num_sequences, num_kv_heads * group_size, head_dim_v]");
+  const int64_t sequences = q.shape[0];
+  if (q.shape[1] % num_kv_heads != 0)
+    q.fail("has " + std::to_string(q.shape[1]) + " heads, not a multiple of num_kv_heads = " +
+           std::to_string(num_kv_heads));
+  p.num_kv_heads = num_kv_heads;
+  p.num_requests = to_int32(sequences * num_kv_heads, op, "num_requests");
+  p.group_size = to_int32(q.shape[1] / num_kv_heads, op, "group_size");
   int64_t k_rows = 0, v_rows = 0, e_rows = -1;
-  p.k = pool_of(k, &k_rows);
-  p.v = pool_of(v, &v_rows);
+  p.k = pool_of_heads(k, num_kv_heads, &k_rows);
+  p.v = pool_of_heads(v, num_kv_heads, &v_rows);
   if (q.shape[2] != p.k.dim)
     q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(p.k.dim) + " wide");
-  o.require_shape({q.shape[0], q.shape[1], p.v.dim}, "[num_requests, group_size, v's row width]");
+  o.require_shape({q.shape[0], q.shape[1], p.v.dim}, "[num_sequences, num_qo_heads, v's row width]");
 
-  require_index_array(indptr, "[num_requests + 1]");
-  require_index_array(indices, "[num_pages]");
-  require_index_array(seq_lens, "[num_requests]");
-  indptr.require_shape({q.shape[0] + 1}, "[num_requests + 1]");
-  seq_lens.require_shape({q.shape[0]}, "[num_requests]");
-  p.indptr = static_cast<const int32_t*>(indptr.data);
+  // Page ids: a CSR table (indptr given) or an index matrix (indptr None).
+  indices.require_int32();
+  if (indptr) {
+    require_index_array(*indptr, "[num_requests + 1]");
+    require_index_array(indices, "[num_pages]");
+    indptr->require_shape({p.num_requests + 1}, "[num_requests + 1]");
+    p.indptr = static_cast<const int32_t*>(indptr->data);
+    p.num_indices = indices.shape[0];
+  } else {
+    p.index_layout = IndexLayout::kMatrix;
+    if (indices.ndim() != 2 && indices.ndim() != 3)
+      indices.fail("must be an index matrix [num_sequences, width] or [num_sequences, num_kv_heads, width] "
+                   "when indptr is None, got shape " + indices.shape_str());
+    const int last = indices.ndim() - 1;
+    if (indices.shape[last] > 1 && indices.strides[last] != 1) indices.fail("must have unit stride in its last dim");
+    if (indices.shape[0] != sequences)
+      indices.fail("has " + std::to_string(indices.shape[0]) + " rows but q has " + std::to_string(sequences) +
+                   " sequences");
+    if (indices.ndim() == 3 && indices.shape[1] != num_kv_heads)
+      indices.fail("must be [num_sequences, num_kv_heads = " + std::to_string(num_kv_heads) + ", width], got " +
+                   indices.shape_str());
+    p.index_width = to_int32(indices.shape[last], op, "indices' width");
+    p.index_seq_stride = sequences > 1 ? indices.strides[0] : 0;
+    p.index_head_stride = indices.ndim() == 3 && num_kv_heads > 1 ? indices.strides[1] : 0;
+    // The span the matrix covers, in elements.
+    p.num_indices = (sequences - 1) * p.index_seq_stride + (num_kv_heads - 1) * p.index_head_stride + p.index_width;
+  }
   p.indices = static_cast<const int32_t*>(indices.data);
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.data);
+  if (skip_minus_one) p.padding = IndexPadding::kMinusOneSkips;
+  if (seq_lens) {
+    require_index_array(*seq_lens, "[num_requests] or [num_sequences]");
+    if (seq_lens->shape[0] == p.num_requests) {
+      p.seq_lens_index = SeqLensIndex::kPerRequest;
+    } else if (seq_lens->shape[0] == sequences) {
+      p.seq_lens_index = SeqLensIndex::kPerSequence;
+    } else {
+      seq_lens->fail("must have shape (" + std::to_string(p.num_requests) + ",) [num_requests] or (" +
+                     std::to_string(sequences) + ",) [num_sequences], got " + seq_lens->shape_str());
+    }
+    p.seq_lens = static_cast<const int32_t*>(seq_lens->data);
+  }
   if (fpo) {
     require_index_array(*fpo, "[num_requests]");
-    fpo->require_shape({q.shape[0]}, "[num_requests]");
+    fpo->require_shape({p.num_requests}, "[num_requests]");
     p.first_page_offset = static_cast<const int32_t*>(fpo->data);
   }
   if (q_extra || k_extra) {
     if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
-    q_extra->require_ndim(3, "[num_requests, group_size, head_dim_extra]");
-    require_dense_qo(*q_extra);
     require_same_dtype(dtype, *q_extra);
     require_same_dtype(dtype, *k_extra);
-    p.k_extra = pool_of(*k_extra, &e_rows);
-    q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim}, "[num_requests, group_size, k_extra's row width]");
+    p.k_extra = pool_of_heads(*k_extra, num_kv_heads, &e_rows);
+    q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim}, "[num_sequences, num_qo_heads, k_extra's row width]");
+    p.q_extra_strides = query_strides_of(*q_extra, "[num_sequences, num_qo_heads, head_dim_extra]");
     p.q_extra = q_extra->data;
   }
   if (lse) {
     lse->require_float32();
     lse->require_contiguous();
-    lse->require_shape({q.shape[0], q.shape[1]}, "[num_requests, group_size]");
+    if (lse->numel() != int64_t{p.num_requests} * p.group_size || lse->ndim() != 2 ||
+        !(lse->shape[0] == sequences || lse->shape[0] == p.num_requests))
+      lse->fail("must have shape (" + std::to_string(sequences) + ", " + std::to_string(q.shape[1]) +
+                ") [num_sequences, num_qo_heads] (or [num_requests, group_size]), got " + lse->shape_str());
     p.lse = static_cast<float*>(lse->data);
   }
   p.q = q.data;
   p.o = o.data;
   p.scale = scale;
   p.page_size = page_size;
+  int64_t rows = std::min(k_rows, v_rows);
+  if (e_rows >= 0) rows = std::min(rows, e_rows);
   if (request_row_stride < 0) throw Error(op + ": request_row_stride must not be negative");
   if (request_row_stride > 0) {
     // Window mode: request r's window is the pool's rows r * request_row_stride ..
+    if (num_kv_heads != 1 || table)
+      throw Error(op + ": window mode (request_row_stride > 0) takes num_kv_heads = 1 and no block_table");
     p.addressing = PageAddressing::kWindow;
     p.k.seq_stride = request_row_stride * p.k.row_stride;
     p.v.seq_stride = request_row_stride * p.v.row_stride;
     if (p.k_extra.data) p.k_extra.seq_stride = request_row_stride * p.k_extra.row_stride;
+    if (int64_t{p.num_requests} * request_row_stride > rows)
+      throw Error(op + ": window mode needs num_requests * request_row_stride = " +
+                  std::to_string(int64_t{p.num_requests} * request_row_stride) + " rows but the pools hold " +
+                  std::to_string(rows));
   }
   p.window_len = window_len;
-  p.num_indices = indices.shape[0];
-  int64_t rows = std::min(k_rows, v_rows);
-  if (e_rows >= 0) rows = std::min(rows, e_rows);
-  if (request_row_stride > 0 && int64_t{p.num_requests} * request_row_stride > rows)
-    throw Error(op + ": window mode needs num_requests * request_row_stride = " +
-                std::to_string(int64_t{p.num_requests} * request_row_stride) + " rows but the pools hold " +
-                std::to_string(rows));
-  if (num_pool_pages < 0) {
-    p.num_pool_pages = page_size >= 1 ? rows / page_size : 0;
-  } else {
-    if (page_size >= 1 && num_pool_pages * page_size > rows)
-      throw Error(op + ": num_pool_pages = " + std::to_string(num_pool_pages) + " pages of " +
-                  std::to_string(page_size) + " rows exceed the pools' " + std::to_string(rows) + " rows");
-    p.num_pool_pages = num_pool_pages;
+  if (table) {
+    // Block-table mode: ids are positions of each sequence, resolved through the table.
+    table->require_int32();
+    table->require_ndim(2, "[num_rows, max_blocks]");
+    if (table->shape[1] > 1 && table->strides[1] != 1) table->fail("must have unit stride in its last dim");
+    if (block_size < 1) throw Error(op + ": block_table needs block_size >= 1 (pool rows per block)");
+    p.addressing = PageAddressing::kBlockTable;
+    p.block_table.data = static_cast<const int32_t*>(table->data);
+    p.block_table.num_rows = to_int32(table->shape[0], op, "block_table's rows");
+    p.block_table.max_blocks = to_int32(table->shape[1], op, "block_table's width");
+    p.block_table.row_stride = table->shape[0] > 1 ? table->strides[0] : table->shape[1];
+    p.block_table.block_size = block_size;
+    const int64_t blocks = rows / block_size;
+    if (num_pool_pages > blocks)
+      throw Error(op + ": num_pool_pages = " + std::to_string(num_pool_pages) + " blocks of " +
+                  std::to_string(block_size) + " rows exceed the pools' " + std::to_string(rows) + " rows");
+    p.block_table.num_blocks = num_pool_pages >= 0 ? num_pool_pages : blocks;
+    if (table_rows) {
+      require_index_array(*table_rows, "[num_sequences]");
+      table_rows->require_shape({sequences}, "[num_sequences]");
+      p.block_table.row_of_sequence = static_cast<const int32_t*>(table_rows->data);
+    }
+  } else if (table_rows) {
+    throw Error(op + ": block_table_rows needs a block_table");
+  }
+  if (!table && request_row_stride == 0) {
+    if (num_pool_pages < 0) {
+      p.num_pool_pages = page_size >= 1 ? rows / page_size : 0;
+    } else {
+      if (page_size >= 1 && num_pool_pages * page_size > rows)
+        throw Error(op + ": num_pool_pages = " + std::to_string(num_pool_pages) + " pages of " +
+                    std::to_string(page_size) + " rows exceed the pools' " + std::to_string(rows) + " rows");
+      p.num_pool_pages = num_pool_pages;
+    }
   }
   check_decode_params(p, plan);
 
   DeviceGuard guard(q);
   if (device == Device::kCpu) {
-    // The CPU backend reads indptr[num_requests] page ids: make sure they exist.
-    const int64_t pages = p.indptr[p.num_requests];
-    if (pages > indices.shape[0])
-      indices.fail("holds " + std::to_string(indices.shape[0]) + " page ids but indptr[num_requests] = " +
-                   std::to_string(pages));
+    if (p.index_layout == IndexLayout::kCsr) {
+      // The CPU backend reads indptr[num_requests] page ids: make sure they exist.
+      const int64_t pages = p.num_requests > 0 ? p.indptr[p.num_requests] : 0;
+      if (pages > indices.shape[0])
+        indices.fail("holds " + std::to_string(indices.shape[0]) + " page ids but indptr[num_requests] = " +
+                     std::to_string(pages));
+    }
     HostScratch scratch;
     void* workspace = workspace_of(ws, plan.workspace.total);
     if (!workspace) workspace = scratch.get(plan.workspace.total);
@@ -387,23 +494,38 @@ const std::string kMaskRunDoc = "Prepares (when counts or shapes change) and run
 
 void bind_decode(nb::module_& m) {
   m.def("paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-        nb::arg("indptr"), nb::arg("indices"), nb::arg("seq_lens"), nb::kw_only(), nb::arg("page_size"),
+        nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::kw_only(), nb::arg("page_size"),
         nb::arg("scale"), nb::arg("first_page_offset") = nb::none(), nb::arg("lse") = nb::none(),
         nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("workspace") = nb::none(),
         nb::arg("num_pool_pages") = -1, nb::arg("request_row_stride") = 0, nb::arg("window_len") = 0,
-        nb::arg("upload_plan") = true, nb::arg("stream") = 0,
-        "The fused paged decode over a CSR page table, on the tensors' device.\n\n"
-        "q [R, G, Dqk] and o [R, G, Dv] contiguous; k, v (and k_extra) pools of rows: the last dim is\n"
-        "the row (stride 1) and the leading dims collapse into one row index with a uniform stride,\n"
-        "so a column slice of a wider buffer works (V may alias K's first columns). indptr [R+1],\n"
-        "indices [pages], seq_lens [R] and first_page_offset [R] are int32 on the same device.\n"
-        "lse (optional) is fp32 [R, G], the natural log of the summed exponentials of the scaled\n"
-        "scores; an empty request writes o = 0, lse = -inf. workspace: plan.workspace_bytes bytes\n"
-        "(required on CUDA; on the CPU a temporary is used when None). On CUDA the plan is uploaded\n"
-        "into the workspace first unless upload_plan=False (do it once per plan, before capturing a\n"
-        "graph); then the launch allocates nothing and synchronizes nothing. num_pool_pages\n"
-        "defaults to the pools' rows // page_size. request_row_stride > 0 selects window mode\n"
-        "(page ids relative to each request's window of window_len positions).");
+        nb::arg("num_kv_heads") = 1, nb::arg("skip_minus_one") = false, nb::arg("block_table") = nb::none(),
+        nb::arg("block_table_rows") = nb::none(), nb::arg("block_size") = 0, nb::arg("upload_plan") = true,
+        nb::arg("stream") = 0,
+        "The fused paged decode, on the tensors' device.\n\n"
+        "q [S, Hkv * G, Dqk] and o [S, Hkv * G, Dv] are views with unit stride in the last dim (a slice of\n"
+        "a packed QKV tensor, a column slice of a wider output); request r = b * Hkv + h owns query heads\n"
+        "h * G .. h * G + G - 1 of sequence b (GQA folding; num_kv_heads = 1 gives [R, G, D]). k, v (and\n"
+        "k_extra) are pools of rows: the last dim is the row (stride 1) and the leading dims collapse into\n"
+        "one row index with a uniform stride (a column slice of wider rows works; V may alias K's first\n"
+        "columns). With num_kv_heads > 1 a pool is [..., num_kv_heads, dim], e.g. an engine's paged\n"
+        "[num_blocks, block_size, num_kv_heads, head_dim] cache, and each head reads its own column.\n\n"
+        "Page ids: with indptr, a CSR table (indices [pages]); with indptr None, an index matrix\n"
+        "indices [S, width] (shared by the KV heads) or [S, Hkv, width], e.g. vLLM / SGLang's\n"
+        "[num_tokens, topk] slot ids, or a block table [S, max_blocks] at page_size = block_size.\n"
+        "skip_minus_one: -1 ids are padding, skipped and never read (o = 0, lse = -inf for a request with\n"
+        "nothing else); other bad ids raise on the CPU and give NaN plus the error flag on CUDA.\n"
+        "block_table [rows, max_blocks] (with block_size): ids are positions of each sequence, resolved to\n"
+        "pool row block_table[row, p // block_size] * block_size + p % block_size inside the kernel; row b\n"
+        "for sequence b, or block_table_rows[b]; num_pool_pages then counts blocks.\n"
+        "seq_lens [R] or [S] (per sequence): visible tokens now, at most the plan's counts; None: the\n"
+        "plan's counts. first_page_offset [R]. All int32 on the tensors' device.\n\n"
+        "lse (optional) is fp32 [S, Hkv * G] (= [R, G]), the natural log of the summed exponentials of the\n"
+        "scaled scores; an empty request writes o = 0, lse = -inf. workspace: plan.workspace_bytes bytes\n"
+        "(required on CUDA; on the CPU a temporary is used when None). On CUDA the plan is uploaded into\n"
+        "the workspace first unless upload_plan=False (do it once per plan, before capturing a graph);\n"
+        "then the launch allocates nothing and synchronizes nothing. num_pool_pages defaults to the pools'\n"
+        "rows // page_size. request_row_stride > 0 selects window mode (page ids relative to each\n"
+        "request's window of window_len positions).");
 
   m.def(
       "upload_plan",

@@ -89,14 +89,23 @@ def test_dense_cache_window_mode(rng):
         np.testing.assert_allclose(o[r], ref, rtol=2e-5, atol=2e-5)
 
 
-def test_strided_q_is_refused_by_name(rng):
-    t = sp.build_page_table_structure([4], 1)
-    plan = sp.make_decode_plan([4], sp.PlanShape(group_size=2, head_dim_v=8, num_sms=1))
-    packed = np.zeros((1, 2, 3 * 8), np.float32)  # a packed QKV row: q is a strided slice
-    k = np.zeros((8, 8), np.float32)
-    with pytest.raises(NotImplementedError, match=r"^paged_decode: q is a strided view"):
-        sp.paged_decode(plan, packed[:, :, :8], k, k, np.zeros((1, 2, 8), np.float32), t.indptr,
-                        np.arange(4, dtype=np.int32), t.seq_lens, page_size=1, scale=1.0)
+def test_strided_q_and_o(rng):
+    # q is a slice of a packed QKV tensor [R, G * 3 * 8] seen as [R, G, 3 * 8]; o a column slice
+    # of a wider buffer whose other columns must stay untouched.
+    lens = [9, 0, 30]
+    t = sp.build_page_table_structure(lens, 1)
+    plan = sp.make_decode_plan(lens, sp.PlanShape(group_size=2, head_dim_v=8, num_sms=2))
+    packed = rng.standard_normal((3, 2, 3 * 8)).astype(np.float32)
+    q = packed[:, :, :8]
+    k = rng.standard_normal((40, 8)).astype(np.float32)
+    v = rng.standard_normal((40, 8)).astype(np.float32)
+    indices = rng.integers(0, 40, size=t.num_pages).astype(np.int32)
+    wide = np.full((3, 2, 12), np.nan, np.float32)
+    sp.paged_decode(plan, q, k, v, wide[:, :, 2:10], t.indptr, indices, t.seq_lens, page_size=1, scale=0.3)
+    for r, rows in enumerate(paged_rows(t.indptr, indices, lens, 1)):
+        ref, _ = attend(q[r], k[rows], v[rows], 0.3)
+        np.testing.assert_allclose(wide[r, :, 2:10], ref, rtol=2e-5, atol=2e-5)
+    assert np.isnan(wide[:, :, :2]).all() and np.isnan(wide[:, :, 10:]).all()
 
 
 def bad_call(**overrides):

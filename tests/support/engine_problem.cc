@@ -263,6 +263,12 @@ EngineReference engine_reference(const EngineProblem& pb) {
     const int32_t h = r % Hkv;
     const auto& slots = pb.slots[static_cast<size_t>(r)];
     if (slots.empty()) continue;
+    // The request's rows, converted once for all its query heads.
+    std::vector<std::vector<float>> keys, values;
+    for (int64_t slot : slots) {
+      keys.push_back(read_values(pb.k_pool, dt, slot * pb.k_row_stride + h * pb.k_head_stride, pb.dim_qk + pb.dim_extra));
+      values.push_back(read_values(v_pool, dt, slot * pb.v_row_stride + h * pb.v_head_stride, pb.dim_v));
+    }
     for (int32_t g = 0; g < G; ++g) {
       const auto q = read_values(pb.q_buf, dt, head_at(pb, pb.q_strides, r, g), pb.dim_qk);
       const auto qe = pb.dim_extra > 0 ? read_values(pb.q_buf, dt, pb.q_offset_extra + head_at(pb, pb.q_extra_strides, r, g),
@@ -270,9 +276,7 @@ EngineReference engine_reference(const EngineProblem& pb) {
                                        : std::vector<float>{};
       std::vector<double> scores;
       double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t slot : slots) {
-        const int64_t k_at = slot * pb.k_row_stride + h * pb.k_head_stride;
-        const auto k = read_values(pb.k_pool, dt, k_at, pb.dim_qk + pb.dim_extra);
+      for (const auto& k : keys) {
         double dot = 0.0;
         for (int32_t d = 0; d < pb.dim_qk; ++d) dot += double{q[d]} * k[d];
         for (int32_t d = 0; d < pb.dim_extra; ++d) dot += double{qe[d]} * k[pb.dim_qk + d];
@@ -284,8 +288,7 @@ EngineReference engine_reference(const EngineProblem& pb) {
       for (size_t i = 0; i < slots.size(); ++i) {
         const double w = std::exp(scores[i] - mx);
         total += w;
-        const auto v = read_values(v_pool, dt, slots[i] * pb.v_row_stride + h * pb.v_head_stride, pb.dim_v);
-        for (int32_t d = 0; d < pb.dim_v; ++d) acc[static_cast<size_t>(d)] += w * v[d];
+        for (int32_t d = 0; d < pb.dim_v; ++d) acc[static_cast<size_t>(d)] += w * values[i][d];
       }
       const size_t row = static_cast<size_t>(r) * G + g;
       for (int32_t d = 0; d < pb.dim_v; ++d) ref.o[row * pb.dim_v + d] = acc[static_cast<size_t>(d)] / total;
