@@ -191,6 +191,7 @@ struct TileConfig {
 struct PagedSource {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
+  static constexpr bool kMaySkip = true;  // -1 padding (IndexPadding::kMinusOneSkips)
   const int32_t* pages;  // this request's page ids
   const int32_t* table_row;  // block-table mode: this sequence's row (null: reject every token)
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
@@ -276,6 +277,7 @@ struct PagedSource {
 struct DenseSource {
   using Params = PartialParams<DenseTable>;
   static constexpr bool kHasBias = true;
+  static constexpr bool kMaySkip = false;  // masked rows leave the softmax through bias()
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens
 

@@ -32,6 +32,7 @@ struct PartialCta {
   int tid, warp, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
   bool bad = false;  // this thread met a page id outside the pool
+  uint32_t skip_stages = 0;  // bit s: the tile in stage s holds padding (-1) rows of this warp's 16
 
   // Per-warp online-softmax state for query rows lane/4 and lane/4 + 8.
   float m[2], l[2];
@@ -66,6 +67,10 @@ struct PartialCta {
   /// Q (and q_extra as its trailing columns) for this CTA's heads.
   __device__ void load_q() {
     const int dq_chunks = p.dqk / 8;
+    // This CTA's first head in q and q_extra (one division per CTA, not per chunk).
+    const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
+    const T* e0 = p.q_extra ? static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0)
+                            : nullptr;
     for (int idx = tid; idx < kQueryTile * kKChunks; idx += kThreads) {
       const int row = idx / kKChunks, c = idx % kKChunks;
       T* dst = q_tile + swizzle(row, c, kKChunks);
@@ -73,11 +78,7 @@ struct PartialCta {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
         continue;
       }
-      const int32_t head = head0 + row;
-      const T* g = c < dq_chunks
-                       ? static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head) + c * 8
-                       : static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head) +
-                             (c - dq_chunks) * 8;
+      const T* g = c < dq_chunks ? q0 + row * p.q_head + c * 8 : e0 + row * p.qe_head + (c - dq_chunks) * 8;
       cp_async_16(smem_u32(dst), g, true);
     }
   }
@@ -102,14 +103,25 @@ struct PartialCta {
     const T* e_row = e_base;
     const T* v_row = v_base;
     int fill = 0;
+    bool masked = false;
     if (lane < kRows && row0 + lane < tile_tokens(tile)) {
       const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane, p);
       bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
+      masked = r == kMaskedRow;
       if (r >= 0) {
         fill = 16;
         k_row += r * p.k_stride;
         v_row += r * p.v_stride;
         if (e_base != nullptr) e_row += r * p.e_stride;
+      }
+    }
+    if constexpr (Source::kMaySkip) {
+      // Whether this warp's rows of the tile hold padding, so that softmax_pv
+      // looks the ids up only for such tiles (a uniform bit per stage; never
+      // set without the padding mode, which then costs nothing).
+      if (src.skip_minus_one) {
+        const uint32_t bit = 1u << (tile % kS);
+        skip_stages = __any_sync(0xffffffffu, masked) ? skip_stages | bit : skip_stages & ~bit;
       }
     }
     T* kt = k_tile(tile % kS);
@@ -193,11 +205,26 @@ struct PartialCta {
           const float b = src.bias(slot, key);
           x = b == neg_inf_f32() ? b : x + b * kLog2e;
         }
-        // Past the tile's tokens, or a skipped padding id (its row was not read).
-        if (key >= n || src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
+        if (key >= n) x = neg_inf_f32();
         s[j][e] = x;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
       }
+    }
+    if constexpr (Source::kMaySkip) {
+      if ((skip_stages >> (tile % kS)) & 1u) {  // padding ids: their rows were not read and weigh nothing
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = warp * 16 + 8 * j + 2 * (lane & 3) + (e & 1);
+            if (key < n && src.skipped(slot, tok0, tok0 + key)) s[j][e] = neg_inf_f32();
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[j][e]);
     }
     // Lazy rescaling: the accumulators stay relative to the base m until a
     // row's tile max exceeds it by more than kRescaleLog2 (a factor of 256,
@@ -351,6 +378,7 @@ struct PartialCta {
 
   __device__ void write_output(const float* red, const float* row_base, const float* row_sum, bool any_bad) {
     const int d4 = p.dv / 4;
+    T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);  // this CTA's first head
     for (int idx = tid; idx < heads * d4; idx += kThreads) {
       const int row = idx / d4, col = (idx % d4) * 4;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -367,7 +395,7 @@ struct PartialCta {
                                          : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       const int64_t head = int64_t{head0} + row;
       if (partial < 0) {
-        T* dst = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, static_cast<int32_t>(head)) + col;
+        T* dst = o0 + row * p.o_head + col;
         *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
       } else {
         *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + col) = o;

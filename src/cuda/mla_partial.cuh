@@ -54,7 +54,8 @@ struct MlaTile {
   static constexpr int kP = kStage0 + 2 * kTileBytes;
   static constexpr int kIds = kP + kHeads * 128;
   static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2][64] floats
-  static constexpr int kBytes = kExchange + 2 * kHeads * 4;
+  static constexpr int kSkipFlags = kExchange + 2 * kHeads * 4;          // [2 stages][8 warps] bytes
+  static constexpr int kBytes = kSkipFlags + 2 * 8;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(kTokens <= kIdSlotInts, "a tile's page ids fit a slot");
@@ -118,13 +119,12 @@ struct MlaCta {
   /// Q rows of this CTA's heads (q, then q_extra as columns 512..575);
   /// heads past the group are zero.
   __device__ void load_q() {
+    // This CTA's first head in q and q_extra (one division per CTA, not per piece).
+    const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
+    const T* e0 = static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0);
     for (int idx = tid; idx < L::kHeads * L::kPieces; idx += L::kThreads) {
       const int row = idx / L::kPieces, piece = idx % L::kPieces;
-      const int32_t head = head0 + row;
-      const T* g = piece < L::kLatent / 8
-                       ? static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head) + piece * 8
-                       : static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head) +
-                             (piece - 64) * 8;
+      const T* g = piece < L::kLatent / 8 ? q0 + row * p.q_head + piece * 8 : e0 + row * p.qe_head + (piece - 64) * 8;
       cp_async_16(base + L::kQ + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
     }
   }
@@ -142,13 +142,24 @@ struct MlaCta {
     const T* k_row = k_base;
     const T* e_row = e_base;
     int fill = 0;
+    bool masked = false;
     if (row < tile_tokens(tile)) {
       const int64_t r = src.row(id_slot(tile), tok0, tok0 + row, p);
       bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
+      masked = r == kMaskedRow;
       if (r >= 0) {
         fill = 16;
         k_row += r * p.k_stride;
         e_row += r * p.e_stride;
+      }
+    }
+    if constexpr (Source::kMaySkip) {
+      // Per warp: whether its rows of the tile hold padding; softmax_pv reads
+      // its warpgroup's four flags (after the next tile barrier) and looks the
+      // ids up only for such tiles. Nothing of this runs without the padding mode.
+      if (src.skip_minus_one) {
+        const bool any = __any_sync(0xffffffffu, masked);
+        if (lane == 0) gen[L::kSkipFlags + (tile & 1) * 8 + tid / 32] = any ? 1 : 0;
       }
     }
     const uint32_t dst = stage(tile) + row * 128;
@@ -191,11 +202,23 @@ struct MlaCta {
         const float b = src.bias(slot, key);
         x = b == neg_inf_f32() ? b : x + b * kLog2e;
       }
-      // Past the tile's tokens, or a skipped padding id (its row was not read).
-      if (key >= n || src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
+      if (key >= n) x = neg_inf_f32();
       s[i] = x;
-      tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], x);
     }
+    if constexpr (Source::kMaySkip) {
+      // Padding ids: their rows were not read and weigh nothing. The flags of
+      // this warpgroup's four warps (rows wg * 32 .. wg * 32 + 31), one word.
+      if (src.skip_minus_one &&
+          *reinterpret_cast<const uint32_t*>(gen + L::kSkipFlags + (tile & 1) * 8 + wg * 4) != 0u) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int key = wg * 32 + (i / 4) * 8 + 2 * (lane & 3) + (i & 1);
+          if (key < n && src.skipped(slot, tok0, tok0 + key)) s[i] = neg_inf_f32();
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
@@ -294,6 +317,7 @@ struct MlaCta {
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
     float* xchg = reinterpret_cast<float*>(gen + L::kExchange);
+    T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);  // this CTA's first head
     __syncthreads();  // the last tile's max exchange is read
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = l[0], xchg[wg * L::kHeads + wrow + 8] = l[1];
     const bool any_bad = __syncthreads_or(bad);
@@ -309,7 +333,7 @@ struct MlaCta {
       const bool poison = any_bad || isnan(sum[r]);
       const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
       const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
-      T* o_row = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0 + row);
+      T* o_row = o0 + row * p.o_head;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int col = wg * 256 + j * 8 + 2 * (lane & 3);
