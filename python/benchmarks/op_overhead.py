@@ -1,8 +1,13 @@
 """Eager per-call overhead of the paged decode from Python, on a GPU.
 
-Times a tiny decode (launch-bound, so host time dominates) three ways: the
-binding called directly, the torch custom op, and a CUDA graph replay of the
-op; prints microseconds per call. Usage: python3 python/benchmarks/op_overhead.py
+Times a tiny decode (launch-bound, so host time dominates) several ways: the
+binding called directly with torch tensors (nanobind calls each tensor's
+``__dlpack__``) and with DLPack capsules (``torch.utils.dlpack.to_dlpack``),
+``torch_ops.paged_decode_out`` (eager: the binding over capsules, no
+dispatcher), the registered op through torch's dispatcher (what
+``torch.compile`` calls), and a CUDA graph replay; prints microseconds per
+call. tools/decode_call_overhead times the same call from C++.
+Usage: python3 python/benchmarks/op_overhead.py
 """
 
 import time
@@ -42,8 +47,18 @@ def main():
         sp.paged_decode(plan.plan, q, k, k, o, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws,
                         upload_plan=False, stream=stream)
 
+    dl = torch.utils.dlpack.to_dlpack
+
+    def capsules():
+        sp.paged_decode(plan.plan, dl(q), dl(k), dl(k), dl(o), dl(indptr), dl(idx), dl(seq), page_size=1, scale=0.1,
+                        workspace=dl(ws), upload_plan=False, stream=stream)
+
     def op():
         ops.paged_decode_out(plan, q, k, k, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws, o=o)
+
+    def dispatcher():
+        torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, k, indptr, idx, seq, None, None, None, ws, o, None,
+                                              1, 0.1, -1, 0, 0, 1, False, None, None, 0)
 
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -53,9 +68,11 @@ def main():
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         op()
-    print(f"binding call   {per_call_us(direct):8.2f} us/call")
-    print(f"torch op       {per_call_us(op):8.2f} us/call")
-    print(f"graph replay   {per_call_us(graph.replay):8.2f} us/call")
+    print(f"binding, torch tensors   {per_call_us(direct):8.2f} us/call")
+    print(f"binding, DLPack capsules {per_call_us(capsules):8.2f} us/call")
+    print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call")
+    print(f"torch.ops dispatcher     {per_call_us(dispatcher):8.2f} us/call")
+    print(f"graph replay             {per_call_us(graph.replay):8.2f} us/call")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,17 @@ _PLANS: dict = {}
 _next_handle = itertools.count(1)
 
 
+# torch's current raw stream in one C call (the public torch.cuda.current_stream(device)
+# builds Python objects and costs microseconds a call); the public call where it is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 class DecodePlan:
@@ -97,6 +106,36 @@ class DecodePlan:
         return (torch.from_numpy(t.indptr).to(self.device), torch.from_numpy(t.seq_lens).to(self.device))
 
 
+_to_dlpack = torch.utils.dlpack.to_dlpack
+
+
+def _dl(t):
+    """A DLPack capsule of `t` (None stays None). torch's ``Tensor.__dlpack__`` is Python code
+    that costs several microseconds a tensor; ``to_dlpack`` is one C call, and nanobind takes
+    the capsule as it is."""
+    return None if t is None else _to_dlpack(t)
+
+
+def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
+         page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+         block_table_rows, block_size):
+    """The launch itself: the binding over capsules, on q's current stream."""
+    _core.paged_decode(plan, _dl(q), _dl(k), _dl(v), _dl(o), _dl(indptr), _dl(indices), _dl(seq_lens),
+                       page_size=page_size, scale=scale, first_page_offset=_dl(first_page_offset), lse=_dl(lse),
+                       q_extra=_dl(q_extra), k_extra=_dl(k_extra), workspace=_dl(workspace),
+                       num_pool_pages=num_pool_pages, request_row_stride=request_row_stride, window_len=window_len,
+                       num_kv_heads=num_kv_heads, skip_minus_one=skip_minus_one, block_table=_dl(block_table),
+                       block_table_rows=_dl(block_table_rows), block_size=block_size, upload_plan=False,
+                       stream=_stream(q))
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call can skip the custom-op dispatcher: not under torch.compile, and plain
+    tensors (no fake or functional tensor subclasses, as tracers pass). The dispatcher adds tens
+    of microseconds a call and is only needed for tracing; graph capture works either way."""
+    return not torch.compiler.is_compiling() and all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
 @torch.library.custom_op("sparsepage::paged_decode_out", mutates_args=("o", "lse", "workspace"))
 def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: Optional[torch.Tensor],
                       indices: torch.Tensor, seq_lens: Optional[torch.Tensor],
@@ -109,12 +148,9 @@ def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     p = _PLANS.get(plan)
     if p is None:
         raise _core.Error(f"paged_decode: plan handle {plan} is not live (keep its DecodePlan alive)")
-    _core.paged_decode(p, q, k, v, o, indptr, indices, seq_lens, page_size=page_size, scale=scale,
-                       first_page_offset=first_page_offset, lse=lse, q_extra=q_extra, k_extra=k_extra,
-                       workspace=workspace, num_pool_pages=num_pool_pages, request_row_stride=request_row_stride,
-                       window_len=window_len, num_kv_heads=num_kv_heads, skip_minus_one=skip_minus_one,
-                       block_table=block_table, block_table_rows=block_table_rows, block_size=block_size,
-                       upload_plan=False, stream=_stream(q))
+    _run(p, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
+         scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+         block_table_rows, block_size)
 
 
 @_paged_decode_out.register_fake
@@ -138,7 +174,15 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
     (``indptr``) or, with ``indptr=None``, an index matrix ``[S, width]`` (``skip_minus_one``:
     ``-1`` is padding; ``block_table``: ids are positions resolved through it). `workspace`
     comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
+
+    In eager mode the launch skips torch's custom-op dispatcher (the same launch, without its
+    per-call cost); under ``torch.compile`` it is the registered op ``sparsepage::paged_decode_out``.
     """
+    if _eager(q, o):
+        _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
+             page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
+             block_table, block_table_rows, block_size)
+        return
     torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra,
                                           k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
                                           request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
@@ -175,6 +219,13 @@ def paged_decode(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_s
                  block_size: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Functional paged decode: returns ``(o, lse)`` (new tensors; o ``[S, Hkv * G, Dv]``, lse fp32
     ``[S, Hkv * G]``, natural log). Arguments as :func:`paged_decode_out`."""
+    if _eager(q):
+        o = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
+             page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
+             block_table, block_table_rows, block_size)
+        return o, lse
     return torch.ops.sparsepage.paged_decode(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset,
                                              q_extra, k_extra, workspace, page_size, float(scale), num_pool_pages,
                                              request_row_stride, window_len, num_kv_heads, skip_minus_one,

@@ -151,6 +151,30 @@ void bind_layers(nb::module_& m) {
            "Positions the page table of the last sparse decode attends, per request.")
       .def("last_mask_columns", [](PyBlockSparse& self) { return self.layer.last_mask_columns(); },
            "Columns the mask path keeps for the last sparse decode, per request.")
+      .def(
+          "reserve", [](PyBlockSparse& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
+          "Makes room for `tokens` live tokens and sizes the step's buffers, so steps up to that length\n"
+          "allocate nothing (do it before capturing steps in a graph).")
+      .def(
+          "append_tokens",
+          [](PyBlockSparse& self, const In& k, const In& v) {
+            const std::string op = "BlockSparseAttention.append_tokens";
+            const Tensor kt = describe(k, op, "k");
+            kt.require_ndim(4, "[batch, num_kv_heads + 1, tokens, head_dim]");
+            const int64_t B = self.batch, Hk = self.config.num_kv_heads, D = self.config.head_dim, n = kt.shape[2];
+            const void* kp = step_arg(op, k, "k", self.device, self.dtype, {B, Hk + 1, n, D},
+                                      "[batch, num_kv_heads + 1, tokens, head_dim] (keys, then the index key)");
+            const void* vp = step_arg(op, v, "v", self.device, self.dtype, {B, Hk, n, D},
+                                      "[batch, num_kv_heads, tokens, head_dim]");
+            self.layer.append_tokens(kp, vp, n);
+          },
+          nb::arg("k"), nb::arg("v"),
+          "Appends a prompt's tokens to the cache without attending (its prefill ran elsewhere): k\n"
+          "[batch, num_kv_heads + 1, tokens, head_dim] (the index key last), v [batch, num_kv_heads,\n"
+          "tokens, head_dim]. Synchronous; not a step.")
+      .def(
+          "sync_live_len", [](PyBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
+          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
       .def_prop_ro("kv_len", [](const PyBlockSparse& self) { return self.layer.kv_len(); });
 
   nb::class_<DsaConfig>(m, "DsaConfig", "Geometry of the DSA (DeepSeek-V3.2-style MLA + top-k indexer) layer.")
@@ -209,6 +233,30 @@ void bind_layers(nb::module_& m) {
           "Appends the token, runs the indexer, tries the fused path and falls back to the mask path.")
       .def("last_selected_positions", [](const PyDsa& self) { return self.layer.last_selected_positions(); })
       .def("last_mask_columns", [](PyDsa& self) { return self.layer.last_mask_columns(); })
+      .def(
+          "reserve", [](PyDsa& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
+          "Makes room for `tokens` live tokens and sizes the step's buffers, so steps up to that length\n"
+          "allocate nothing (do it before capturing steps in a graph).")
+      .def(
+          "append_tokens",
+          [](PyDsa& self, const In& k_cache_rows, const In& k_pe) {
+            const std::string op = "DsaAttention.append_tokens";
+            const Tensor kt = describe(k_cache_rows, op, "k_cache_rows");
+            kt.require_ndim(4, "[batch, 1, tokens, latent_dim + index_head_dim]");
+            const int64_t B = self.batch, n = kt.shape[2];
+            const void* kp = step_arg(op, k_cache_rows, "k_cache_rows", self.device, self.dtype,
+                                      {B, 1, n, self.config.latent_dim + self.config.index_head_dim},
+                                      "[batch, 1, tokens, latent_dim + index_head_dim]");
+            const void* pe = step_arg(op, k_pe, "k_pe", self.device, self.dtype, {B, 1, n, self.config.rope_dim},
+                                      "[batch, 1, tokens, rope_dim]");
+            self.layer.append_tokens(kp, pe, n);
+          },
+          nb::arg("k_cache_rows"), nb::arg("k_pe"),
+          "Appends a prompt's tokens to the cache without attending: k_cache_rows [batch, 1, tokens,\n"
+          "latent_dim + index_head_dim], k_pe [batch, 1, tokens, rope_dim]. Synchronous; not a step.")
+      .def(
+          "sync_live_len", [](PyDsa& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
+          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
       .def_prop_ro("kv_len", [](const PyDsa& self) { return self.layer.cache().live_len(); });
 
   m.def(

@@ -98,3 +98,48 @@ def test_layer_step_arguments_are_checked(rng):
         layer.decode(np.zeros((1, 4, 16), np.float32), f(1, 2, 16), f(1, 3, 1, 16), f(1, 2, 1, 16), f(1, 4, 16))
     with pytest.raises(sp.Error, match=r"^BlockSparseAttention: the cache stores f16 or bf16$"):
         sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f32, config, 1)
+
+
+def test_append_tokens_equals_stepping_the_prompt(rng):
+    """A prompt appended in one call (its prefill ran elsewhere) leaves the layers where decoding
+    it token by token does: the next step's output is the same, and so is kv_len."""
+    bs = sp.BlockSparseConfig(num_qo_heads=4, num_kv_heads=2, head_dim=16, block_size=8, topk_blocks=2,
+                              local_blocks=1, capacity_step=32)
+    B, L = 2, 40
+    k = rng.standard_normal((B, 3, L, 16)).astype(np.float16)
+    v = rng.standard_normal((B, 2, L, 16)).astype(np.float16)
+    appended, stepped = (sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, bs, B, fused_and_mask(True))
+                         for _ in range(2))
+    appended.reserve(64)
+    appended.append_tokens(k, v)
+    for t in range(L):
+        stepped.decode(np.zeros((B, 4, 16), np.float16), np.zeros((B, 2, 16), np.float16),
+                       np.ascontiguousarray(k[:, :, t:t + 1]), np.ascontiguousarray(v[:, :, t:t + 1]),
+                       np.empty((B, 4, 16), np.float16))
+    assert appended.kv_len == stepped.kv_len == L
+    args = [rng.standard_normal(s).astype(np.float16) for s in ((B, 4, 16), (B, 2, 16), (B, 3, 1, 16), (B, 2, 1, 16))]
+    outs = [np.full((B, 4, 16), np.nan, np.float16) for _ in range(2)]
+    for layer, o in zip((appended, stepped), outs):
+        layer.decode(*args, o)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(sp.Error, match=r"^BlockSparseAttention.append_tokens: v must have shape \(2, 2, 40, 16\) "):
+        appended.append_tokens(k, v[:, :, :39].copy())
+
+    dsa = sp.DsaConfig(num_qo_heads=4, latent_dim=32, rope_dim=8, index_heads=3, index_head_dim=8, index_topk=10,
+                       capacity_step=32)
+    rows = rng.standard_normal((B, 1, L, 40)).astype(np.float16)
+    pe = rng.standard_normal((B, 1, L, 8)).astype(np.float16)
+    a, s = (sp.DsaAttention(sp.Device.cpu, sp.DType.f16, dsa, B, fused_and_mask(True)) for _ in range(2))
+    a.append_tokens(rows, pe)
+    for t in range(L):
+        s.decode(np.zeros((B, 4, 32), np.float16), np.zeros((B, 4, 8), np.float16), np.zeros((B, 3, 8), np.float16),
+                 np.zeros((B, 3), np.float32), np.ascontiguousarray(rows[:, :, t:t + 1]),
+                 np.ascontiguousarray(pe[:, :, t:t + 1]), np.empty((B, 4, 32), np.float16))
+    assert a.kv_len == s.kv_len == L
+    args = [rng.standard_normal(sh).astype(np.float16) for sh in ((B, 4, 32), (B, 4, 8), (B, 3, 8))]
+    args += [rng.random((B, 3)).astype(np.float32), rng.standard_normal((B, 1, 1, 40)).astype(np.float16),
+             rng.standard_normal((B, 1, 1, 8)).astype(np.float16)]
+    outs = [np.full((B, 4, 32), np.nan, np.float16) for _ in range(2)]
+    for layer, o in zip((a, s), outs):
+        layer.decode(*args, o)
+    np.testing.assert_array_equal(outs[0], outs[1])
