@@ -2,7 +2,8 @@
 # The Python package on a GPU machine (torch installed, no network): build it
 # with the CUDA backend into a scratch target, print what the build linked,
 # probe exceptions and iostreams in a subprocess, run tests/python (numpy and
-# torch suites), then the op-overhead and DSA-vs-PyTorch benchmarks.
+# torch suites), then the op-overhead, DSA-vs-PyTorch, engine-input and
+# layer-step-vs-PyTorch benchmarks.
 # Logs go to $OUT. Wheels of the pinned build backends may be passed in WHEELS
 # (a folder); otherwise the machine's scikit-build-core and nanobind are used.
 set -uo pipefail
@@ -37,3 +38,5 @@ print("describe probe ok:", sp.SparseDecodeOutcome().describe())' || echo "PROBE
 python3 -m pytest -p no:cacheprovider -q -rs tests/python 2>&1 | tee "$OUT/pytest.log" | tail -30
 python3 python/benchmarks/op_overhead.py 2>&1 | tee "$OUT/overhead.log"
 python3 python/benchmarks/dsa_vs_torch.py 2>&1 | tee "$OUT/dsa_vs_torch.log"
+python3 python/benchmarks/engine_decode.py 2>&1 | tee "$OUT/engine_decode.log"
+python3 python/benchmarks/layer_steps_vs_torch.py 2>&1 | tee "$OUT/layer_steps.log"
