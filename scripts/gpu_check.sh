@@ -77,7 +77,7 @@ if [[ $STAGES == *kernel* ]]; then
   done
 fi
 if [[ $STAGES == *dsa* ]]; then
-  # Issue 5: the MLA shape (128 heads, 512 + 64, V = K), 2048 random tokens of 128K.
+  # The MLA shape (128 heads, 512 + 64, V = K), 2048 random tokens of 128K.
   for batch in 1 64 128; do
     "$B" --geometry dsa --selection random --rows 2048 --contexts 131072 --batch $batch --reps 9 --steps 10 \
       --json "$OUT/dsa_b$batch.json" > "$OUT/dsa_b$batch.log" 2>&1

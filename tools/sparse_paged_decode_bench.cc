@@ -365,7 +365,7 @@ int main(int argc, char** argv) {
     }
   }
   if (geo.name == "dsa") {
-    // Issue 5 counts 2 x (576 + 512) flops per head and selected token.
+    // TFLOP/s counts 2 x (576 + 512) flops per head and selected token (the peers' convention).
     for (const Row& r : rows) {
       if (!std::isfinite(r.fused_cold_us)) continue;
       const double flops = 2.0 * (geo.dim_qk + geo.dim_extra + geo.dim_v) * geo.num_qo_heads * double(r.selected) * opt.batch;

@@ -14,7 +14,7 @@ namespace sparsepage {
 namespace {
 
 // Counts are host facts every reader trusts for offsets into `indices`: a
-// negative one would make a reader index before the array (issue 13).
+// negative one would make a reader index before the array.
 int64_t checked_total(const std::vector<int32_t>& counts) {
   int64_t sum = 0;
   for (size_t r = 0; r < counts.size(); ++r) {

@@ -4,7 +4,7 @@
 // Scores are fp32 (as on the GPU); the softmax sum and the weighted V sum are
 // fp64, because this backend is the oracle every GPU result is judged by: an
 // fp32 running sum over a 1M-token chunk stops absorbing small weights once
-// the sum is 2^24 times larger than they are (issue 13, defect 8).
+// the sum is 2^24 times larger than they are.
 #pragma once
 
 #include <algorithm>
@@ -48,7 +48,7 @@ constexpr int kTokenTile = 32;
 /// Attends tokens [begin, end); `rows(t)` resolves token t, `bias(t)` gives
 /// its additive mask term (0 when unmasked). A position whose bias is -inf
 /// contributes nothing whatever its K or V rows hold: its weight is skipped,
-/// never multiplied (0 * NaN would be NaN; issue 13, defect 1).
+/// never multiplied (0 * NaN would be NaN).
 template <typename Rows, typename Bias>
 ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& rows, Bias&& bias) {
   const int g_count = q.group_size;

@@ -1,4 +1,4 @@
-// The CPU decode as the oracle (issue 13): fp64 comparisons per request with
+// The CPU decode as the oracle: fp64 comparisons per request with
 // lse, distinct K / V / second-stream row strides, page sizes above 1 with
 // offsets, forced splits, softmax mass over a 1M-token chunk, and the page
 // table checked before any index is read.
@@ -87,7 +87,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, DistinctStrides,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16), ::testing::Values(1, 3, 16),
                                             ::testing::Values(0, 7)));
 
-// Issue 13, defect 8: one 1M-token chunk whose first token dominates and
+// Softmax mass in a long chunk: one 1M-token chunk whose first token dominates and
 // whose other 2^20 - 1 tokens each weigh 2^-25 of it. Together they hold
 // about 3% of the softmax mass; an fp32 running sum absorbs none of them.
 TEST(DecodeOracle, NoSoftmaxMassIsLostOverAOneMillionTokenChunk) {
@@ -153,7 +153,7 @@ TEST(DecodeOracle, OneMillionRandomTokensMatchFp64) {
   EXPECT_EQ(testing::compare_per_request(pb, ref, got.o, got.lse, 1e-5, 1e-5), "");
 }
 
-// Issue 13, defect 2: the structure of the table is checked before any index
+// The structure of the table is checked before any index
 // is read. These tables would read `indices` past its end.
 TEST(DecodeTableChecks, BadIndptrIsNamedBeforeAnyIndexIsRead) {
   std::mt19937_64 rng(1302);

@@ -1,5 +1,4 @@
-// Hostile input to the public host functions (issue 13, defects 2-5 and 7,
-// and beyond): negative, overflowing or inconsistent sizes and null pointers
+// Hostile input to the public host functions: negative, overflowing or inconsistent sizes and null pointers
 // come back as sparsepage::Error naming the argument, never as a crash, an
 // out-of-bounds read, a std::length_error or a silent success.
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
-// libFuzzer target over the host-visible surface of sparsepage's CPU backend
-// (issue 13): page tables, plans, the paged decode, selections with the mask
+// libFuzzer target over the host-visible surface of sparsepage's CPU backend:
+// page tables, plans, the paged decode, selections with the mask
 // path and the fused path, and the caches. The first input byte picks the
 // target; the rest drives its structure, and a seed taken from the input
 // fills values, so short inputs reach deep states.
