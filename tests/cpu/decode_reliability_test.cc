@@ -189,7 +189,7 @@ TEST(DecodeTableChecks, BadIndptrIsNamedBeforeAnyIndexIsRead) {
   EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "num_indices = -1 is negative"));
 }
 
-// Issue 13, test gap: in window mode a page naming a position at or beyond
+// In window mode a page naming a position at or beyond
 // the live window is rejected on the CPU, never read (it would be another
 // request's row, or the slack past live_len).
 TEST(DecodeTableChecks, WindowModeRejectsPositionsAtOrPastTheWindow) {

@@ -266,7 +266,7 @@ TEST(MaskPath, MaskedOutNonFiniteRowsAreExcluded) {
   EXPECT_TRUE(std::isfinite(lse));
 }
 
-// Issue 13, defect 1: an unselected row whose V holds NaN or Inf contributes
+// An unselected row whose V holds NaN or Inf contributes
 // nothing on the mask path (its masked weight is skipped, not multiplied by
 // 0). The fused path never reads it; both must give the same answer.
 TEST(MaskPath, MaskedOutNonFiniteValuesAreExcluded) {
