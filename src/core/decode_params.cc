@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "sparsepage/decode.h"
@@ -78,10 +79,12 @@ const char* cuda_built_architectures() { return SPARSEPAGE_CUDA_ARCH_LIST; }
 
 std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
                               const char* built_list) {
-  const std::string device = "sm_" + std::to_string(sm);
-  const std::string built = built_list != nullptr ? built_list : cuda_built_architectures();
+  // The launchers ask on every launch: the answer "" is reached without
+  // building a string; the messages are built only for a problem.
+  const std::string_view built = built_list != nullptr ? built_list : cuda_built_architectures();
+  const auto device = [sm] { return "sm_" + std::to_string(sm); };
   if (built.empty()) return "this sparsepage build has no CUDA kernels";
-  if (sm < 80) return "no fused kernel for " + device + ": the kernels need sm_80 or newer (cp.async and mma.sync)";
+  if (sm < 80) return "no fused kernel for " + device() + ": the kernels need sm_80 or newer (cp.async and mma.sync)";
   // Which entries of the build run here. "90a" (arch-specific) runs on sm_90
   // only; "80" carries PTX too, so it runs on anything from sm_80 up;
   // "80-real" (SASS only) on the same major version from sm_80 up.
@@ -89,14 +92,15 @@ std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_
   size_t begin = 0;
   while (begin <= built.size()) {
     const size_t end = std::min(built.find(',', begin), built.size());
-    const std::string entry = built.substr(begin, end - begin);
+    const std::string_view entry = built.substr(begin, end - begin);
     begin = end + 1;
     size_t digits = 0;
-    while (digits < entry.size() && entry[digits] >= '0' && entry[digits] <= '9') ++digits;
+    int arch = 0;
+    while (digits < entry.size() && entry[digits] >= '0' && entry[digits] <= '9' && arch < 100000)
+      arch = arch * 10 + (entry[digits++] - '0');
     if (digits == 0) continue;
-    const int arch = std::stoi(entry.substr(0, digits));
     const bool specific = digits < entry.size() && (entry[digits] == 'a' || entry[digits] == 'f');
-    const bool sass_only = entry.find("-real") != std::string::npos;
+    const bool sass_only = entry.find("-real") != std::string_view::npos;
     if (specific) {
       runs = runs || sm == arch;
       has_sm90a = has_sm90a || (arch == 90 && entry[digits] == 'a');
@@ -107,14 +111,14 @@ std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_
     }
   }
   if (head_dim_qk == 512 && head_dim_v == 512 && head_dim_extra == 64) {
-    if (sm != 90) return "no fused kernel for " + device + " at the MLA shape (its wgmma kernel runs on sm_90 only)";
+    if (sm != 90) return "no fused kernel for " + device() + " at the MLA shape (its wgmma kernel runs on sm_90 only)";
     if (!has_sm90a)
-      return "no fused kernel for sm_90 at the MLA shape: this build has no sm_90a code (built for " + built +
-             "; add 90a to SPARSEPAGE_CUDA_ARCHS)";
+      return "no fused kernel for sm_90 at the MLA shape: this build has no sm_90a code (built for " +
+             std::string(built) + "; add 90a to SPARSEPAGE_CUDA_ARCHS)";
     return {};
   }
   if (!runs)
-    return "no fused kernel for " + device + " in this build (built for " + built +
+    return "no fused kernel for " + device() + " in this build (built for " + std::string(built) +
            "; add it to SPARSEPAGE_CUDA_ARCHS)";
   return {};
 }
