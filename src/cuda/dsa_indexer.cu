@@ -678,9 +678,9 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t ma
 }
 
 void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerArgs& a, void* stream) {
-  require(cuda_device_sm() == 90 && std::string(cuda_built_architectures()).find("90a") != std::string::npos,
-          "the DSA indexer scores with warpgroup MMAs and TMA, which need an sm_90 GPU and sm_90a code (this device "
-          "is sm_" + std::to_string(cuda_device_sm()) + ", the build has " + cuda_built_architectures() + ")");
+  // Warpgroup MMAs and TMA: the MLA kernel's requirement (an sm_90 GPU and sm_90a code), asked of the same rule.
+  const std::string arch = cuda_arch_problem(cuda_device_sm(), 512, 512, 64);
+  require(arch.empty(), "the DSA indexer scores with warpgroup MMAs and TMA, as the MLA kernel does: " + arch);
   detail::check_dsa_indexer_cuda(c, batch);
   require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
