@@ -378,14 +378,13 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
   in.num_kv_heads = num_kv_heads;
   if (kb != in.batch) k.fail("has batch " + std::to_string(kb) + " but q has " + std::to_string(in.batch));
   if (vb != in.batch) v.fail("has batch " + std::to_string(vb) + " but q has " + std::to_string(in.batch));
-  // RowView cannot know a tensor's head count: check it here (after the
-  // core has named a bad head ratio, which it does first).
+  // RowView carries the positions (its capacity, which the core checks
+  // live_len against) but not a tensor's head count: check that here (after
+  // the core has named a bad head ratio, which it does first).
   const bool heads_ok = num_kv_heads >= 1 && in.num_qo_heads % num_kv_heads == 0;
   for (const Tensor* t : {&k, &v}) {
     if (heads_ok && t->shape[1] < num_kv_heads)
       t->fail("has " + std::to_string(t->shape[1]) + " heads, fewer than num_kv_heads = " + std::to_string(num_kv_heads));
-    if (t->shape[2] < live_len)
-      t->fail("holds " + std::to_string(t->shape[2]) + " positions, fewer than live_len = " + std::to_string(live_len));
   }
   if (q.shape[2] != in.k.dim) q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(in.k.dim) + " wide");
   o.require_shape({q.shape[0], q.shape[1], in.v.dim}, "[batch, num_qo_heads, v's head_dim]");
@@ -397,8 +396,9 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
     int32_t eb = 0;
     in.k_extra = dense_of(*k_extra, &eb);
     if (eb != in.batch) k_extra->fail("has batch " + std::to_string(eb) + " but q has " + std::to_string(in.batch));
-    if ((heads_ok && k_extra->shape[1] < num_kv_heads) || k_extra->shape[2] < live_len)
-      k_extra->fail("has fewer heads than num_kv_heads or fewer positions than live_len");
+    if (heads_ok && k_extra->shape[1] < num_kv_heads)
+      k_extra->fail("has " + std::to_string(k_extra->shape[1]) + " heads, fewer than num_kv_heads = " +
+                    std::to_string(num_kv_heads));
     q_extra->require_shape({q.shape[0], q.shape[1], in.k_extra.dim}, "[batch, num_qo_heads, k_extra's head_dim]");
     in.q_extra = q_extra->data;
   }

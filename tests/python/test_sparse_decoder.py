@@ -110,6 +110,14 @@ def test_entry_point_errors_name_the_argument(rng):
         dec.try_fused(q, k, v, o, np.concatenate(picks), [12, 12, 12, 11], num_kv_heads=2, live_len=80, scale=0.25)
     with pytest.raises(sp.Error, match=r"^sparse decode: num_qo_heads = 8 must be a positive multiple of num_kv_heads = 3$"):
         dec.try_fused(q, k, v, o, np.concatenate(picks)[:36], [12, 12, 12], num_kv_heads=3, live_len=80, scale=0.25)
+    # A live window longer than the cache tensors hold: the core refuses it by the rows' capacity.
+    for fn in (lambda: dec.try_fused(q, k, v, o, np.concatenate(picks), [12] * 4, num_kv_heads=2, live_len=97,
+                                     scale=0.25),
+               lambda: sp.masked_decode(q, k, v, o, num_kv_heads=2, live_len=97, scale=0.25)):
+        with pytest.raises(sp.Error, match=r": k: 97 rows per head exceed k.capacity = 96$"):
+            fn()
+    with pytest.raises(sp.Error, match=r"^SparseDecoder.try_fused: v has 1 heads, fewer than num_kv_heads = 2$"):
+        dec.try_fused(q, k, v[:, :1], o, np.concatenate(picks), [12] * 4, num_kv_heads=2, live_len=80, scale=0.25)
     with pytest.raises(sp.Error, match=r"^decode: indices\[0\] = 85 names positions outside request 0's window of 80 tokens$"):
         bad = np.concatenate(picks)
         bad[0] = 85
