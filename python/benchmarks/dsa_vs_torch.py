@@ -17,32 +17,9 @@ import torch.nn.functional as F
 
 from sparsepage import torch_ops as ops
 
+from cuda_timing import graphed, time_ms
+
 H, LAT, ROPE, TOPK, IH, ID = 128, 512, 64, 2048, 64, 128
-
-
-def time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():

@@ -27,28 +27,14 @@ import torch
 
 from sparsepage import torch_ops as ops
 
+from cuda_timing import graphed, time_ms
+
 H, LAT, ROPE, TOPK, BS = 128, 512, 64, 2048, 64
 
 
 def replay_ms(fn, iters=50):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """Mean milliseconds per replay of `fn` captured in a CUDA graph."""
+    return time_ms(graphed(fn), iters=iters, warmup=5)
 
 
 def mla(B, L, dev):
