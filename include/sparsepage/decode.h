@@ -127,14 +127,21 @@ struct BlockTable {
 /// i.e. a [num_sequences, num_kv_heads * group_size, dim] view whose last
 /// dim has unit stride: a slice of a packed QKV tensor, or an output that is
 /// a column slice of a wider buffer.
+///
+/// With q_len > 1 (multi-token steps) query token t of the sequence adds
+/// t * token_stride: [num_sequences, q_len, num_kv_heads * group_size, dim],
+/// a sequence's tokens consecutive, as engines lay out [num_tokens, heads, dim].
 struct QueryStrides {
   int64_t seq_stride = 0;
   int64_t head_stride = 0;
+  int64_t token_stride = 0;  // elements between a sequence's query tokens (read only when q_len > 1)
 };
 
 /// How q, q_extra and o are laid out.
 enum class QueryLayout : int32_t {
-  /// Contiguous [num_requests, group_size, dim] (q_strides and friends unused).
+  /// Contiguous [num_requests, group_size, dim] (q_strides and friends
+  /// unused); with q_len > 1, contiguous [num_sequences, q_len,
+  /// num_kv_heads * group_size, dim].
   kPacked = 0,
   /// The views q_strides, q_extra_strides and o_strides describe.
   kStrided = 1,
@@ -185,6 +192,17 @@ struct DecodeParams {
   BlockTable block_table;      // kBlockTable only
 
   int32_t group_size = 1;      // query heads per request
+  // Query tokens per request (multi-token steps: speculative verification,
+  // MTP). A request's query rows are q_len tokens x group_size heads, and the
+  // plan is made for group_size * q_len rows (PlanShape::group_size). Token t
+  // (0-based) of sequence b sees only positions p < L_b - (q_len - 1 - t),
+  // L_b its live length (window_lens[b], else window_len): causal among the
+  // new tokens, which occupy positions L_b - q_len .. L_b - 1. Positions are
+  // what page ids name under kWindow and kBlockTable addressing (position =
+  // page * page_size + slot); kPoolPages ids are not positions, so q_len > 1
+  // is refused there by name. 1 .. kMaxQueryTokens; the MLA shape (512, 512,
+  // 64) takes q_len = 1 on CUDA (make each token a request, as DSA does).
+  int32_t q_len = 1;
   QueryLayout qo_layout = QueryLayout::kPacked;
   const void* q = nullptr;     // [num_requests, group_size, k.dim] (kPacked) or q_strides
   QueryStrides q_strides;      // kStrided only
@@ -198,12 +216,17 @@ struct DecodeParams {
   void* o = nullptr;           // [num_requests, group_size, v.dim] (kPacked) or o_strides
   QueryStrides o_strides;      // kStrided only; heads and sequences must not overlap
   float* lse = nullptr;        // [num_requests, group_size], packed; may be null. Natural log (base e)
-                               // of the sum of exp(scaled scores); -inf for an empty request
+                               // of the sum of exp(scaled scores); -inf for an empty request.
+                               // q_len > 1: [num_sequences, q_len, num_kv_heads, group_size]
 };
 
+/// Most query tokens one request may carry (DecodeParams::q_len): speculative
+/// verification and MTP run 2 to 8.
+constexpr int32_t kMaxQueryTokens = 16;
+
 /// The strides q, q_extra and o are addressed with: the packed
-/// [num_requests, group_size, dim] ones for QueryLayout::kPacked, the
-/// params' own for kStrided.
+/// [num_sequences, q_len, num_kv_heads * group_size, dim] ones for
+/// QueryLayout::kPacked, the params' own for kStrided.
 struct QoStrides {
   QueryStrides q, q_extra, o;
 };

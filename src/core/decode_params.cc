@@ -16,18 +16,20 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw Error("decode: " + message);
 }
 
-// The output rows of o (num_sequences x num_kv_heads * group_size heads of
-// dim elements) must not overlap, or two CTAs would write the same elements.
-// Sufficient: taken from the smaller stride up, each dimension steps over the
-// whole extent of the ones inside it.
-void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t heads, int32_t dim) {
-  std::pair<int64_t, int64_t> dims[] = {{s.seq_stride, sequences}, {s.head_stride, heads}};  // (stride, count)
-  if (dims[1].first < dims[0].first) std::swap(dims[0], dims[1]);
+// The output rows of o (num_sequences x q_len tokens x num_kv_heads *
+// group_size heads of dim elements) must not overlap, or two CTAs would write
+// the same elements. Sufficient: taken from the smaller stride up, each
+// dimension steps over the whole extent of the ones inside it.
+void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t tokens, int64_t heads, int32_t dim) {
+  std::pair<int64_t, int64_t> dims[] = {
+      {s.seq_stride, sequences}, {s.token_stride, tokens}, {s.head_stride, heads}};  // (stride, count)
+  std::sort(std::begin(dims), std::end(dims));
   long double extent = dim;  // elements the inner dimensions cover
   for (const auto& [stride, count] : dims) {
     if (count <= 1) continue;
     require(static_cast<long double>(stride) >= extent,
-            "o_strides (seq_stride " + std::to_string(s.seq_stride) + ", head_stride " + std::to_string(s.head_stride) +
+            "o_strides (seq_stride " + std::to_string(s.seq_stride) + ", token_stride " +
+                std::to_string(s.token_stride) + ", head_stride " + std::to_string(s.head_stride) +
                 ") make the output rows of " + std::to_string(dim) + " elements overlap");
     extent += static_cast<long double>(stride) * static_cast<long double>(count - 1);
   }
@@ -125,9 +127,13 @@ std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_
 
 QoStrides qo_strides(const DecodeParams& p) {
   if (p.qo_layout == QueryLayout::kStrided) return {p.q_strides, p.q_extra_strides, p.o_strides};
+  // [num_sequences, q_len, num_kv_heads * group_size, dim]
   const int64_t heads = int64_t{p.num_kv_heads} * p.group_size;
+  const int64_t tokens = std::max(p.q_len, 1);
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
-  return {{heads * p.k.dim, p.k.dim}, {heads * de, de}, {heads * p.v.dim, p.v.dim}};
+  return {{tokens * heads * p.k.dim, p.k.dim, heads * p.k.dim},
+          {tokens * heads * de, de, heads * de},
+          {tokens * heads * p.v.dim, p.v.dim, heads * p.v.dim}};
 }
 
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
@@ -164,7 +170,10 @@ std::string cuda_layout_problem(const DecodeParams& p) {
       {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
   for (const auto& [s, name] : views) {
     if (s == &p.q_extra_strides && p.q_extra == nullptr) continue;
-    const std::pair<int64_t, const char*> strides[] = {{s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
+    // token_stride is read only by multi-token steps.
+    const std::pair<int64_t, const char*> strides[] = {{s->seq_stride, ".seq_stride"},
+                                                       {s->head_stride, ".head_stride"},
+                                                       {p.q_len > 1 ? s->token_stride : 0, ".token_stride"}};
     for (const auto& [stride, field] : strides) {
       if (stride % 8 != 0)
         return std::string(name) + field + " = " + std::to_string(stride) +
@@ -182,8 +191,13 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                                                    " but the plan was made for " +
                                                    std::to_string(plan.num_requests));
   require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  require(p.group_size == plan.group_size, "group_size = " + std::to_string(p.group_size) +
-                                               " but the plan was made for " + std::to_string(plan.group_size));
+  require(p.q_len >= 1 && p.q_len <= kMaxQueryTokens, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
+                                                          std::to_string(kMaxQueryTokens) + "]");
+  require(int64_t{p.group_size} * p.q_len == plan.group_size, p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) +
+                                                      " but the plan was made for " + std::to_string(plan.group_size)
+                                                : "group_size * q_len = " + std::to_string(p.group_size) + " * " +
+                                                      std::to_string(p.q_len) + " query rows per request but the "
+                                                      "plan was made for " + std::to_string(plan.group_size));
   require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
   require(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
   require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
@@ -205,6 +219,14 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   require(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
           "qo_layout is not a QueryLayout value");
   require(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
+  // The causal limit among a step's tokens is a position limit: it needs
+  // page ids that are positions, and each sequence's live length.
+  require(p.q_len == 1 || window || block_table,
+          "q_len = " + std::to_string(p.q_len) + " needs positions: kPoolPages page ids are not positions, so a "
+          "multi-token step's causal limit cannot be applied (use kWindow or kBlockTable addressing)");
+  require(p.q_len == 1 || !block_table || p.window_lens != nullptr || p.window_len > 0,
+          "q_len = " + std::to_string(p.q_len) + " with block-table addressing needs each sequence's live length "
+          "(window_lens, or window_len > 0) for the causal limit");
   if (p.num_requests == 0) return;
   const bool matrix = p.index_layout == IndexLayout::kMatrix;
   const int64_t sequences = p.num_requests / p.num_kv_heads;
@@ -258,8 +280,9 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
     for (const auto& [s, name] : views) {
       require(s->seq_stride >= 0 && s->head_stride >= 0,
               std::string(name) + ".seq_stride and " + name + ".head_stride must not be negative");
+      require(s->token_stride >= 0, std::string(name) + ".token_stride must not be negative");
     }
-    check_output_strides(p.o_strides, sequences, int64_t{p.num_kv_heads} * p.group_size, p.v.dim);
+    check_output_strides(p.o_strides, sequences, p.q_len, int64_t{p.num_kv_heads} * p.group_size, p.v.dim);
   }
   // Rows the page ids (or windows, or block ids) can reach: each request's
   // window, or the pool's rows, which must stay distinct under the address

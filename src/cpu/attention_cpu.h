@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/dot.h"
@@ -46,7 +47,8 @@ struct ChunkState {
 constexpr int kTokenTile = 32;
 
 /// Attends tokens [begin, end); `rows(t)` resolves token t, `bias(t)` gives
-/// its additive mask term (0 when unmasked). A position whose bias is -inf
+/// its additive mask term (0 when unmasked), or `bias(t, g)` query row g's
+/// when the rows differ (a multi-token step's causal limit). A position whose bias is -inf
 /// contributes nothing whatever its K or V rows hold: its weight is skipped,
 /// never multiplied (0 * NaN would be NaN).
 template <typename Rows, typename Bias>
@@ -85,7 +87,9 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
         }
         // A masked-out position is excluded whatever its score; a NaN score
         // of a visible position poisons the row (NaN never passes).
-        const float b = bias(tile + j);
+        float b;
+        if constexpr (std::is_invocable_v<Bias&, int64_t, int>) b = bias(tile + j, g);  // per query row
+        else b = bias(tile + j);
         s[j] = b == -std::numeric_limits<float>::infinity() ? b : dot * q.scale + b;
         poisoned[g] = poisoned[g] || std::isnan(s[j]);
         tile_max = std::max(tile_max, s[j]);

@@ -189,7 +189,7 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
-                             p.o, p.lse, qo_strides(p)};
+                             p.o, p.lse, qo_strides(p), p.q_len};
   // What a skipped (-1) token "reads": zeros, never the pool; its bias of
   // -inf keeps it out of the softmax whatever the row holds.
   const std::vector<char> zeros(static_cast<size_t>(std::max({p.k.dim, p.v.dim, de}) * esize), 0);
@@ -232,7 +232,28 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
     };
   };
   auto visible = [&p, &plan](int32_t r) { return visible_tokens(p, plan, r); };
-  cpu::run_plan(plan, out, workspace, rows_of, bias_of, visible);
+  if (p.q_len == 1) {
+    cpu::run_plan(plan, out, workspace, rows_of, bias_of, visible);
+    return;
+  }
+  // A multi-token step: query row i is token i / group_size, which sees
+  // positions below L - (q_len - 1 - token) (decode.h). Page ids are
+  // positions here (check_decode_params refused pool pages).
+  auto causal_bias_of = [&](int32_t r) {
+    const int64_t seq = r / p.num_kv_heads;
+    const int64_t live = p.window_lens ? p.window_lens[seq] : p.window_len;
+    const int64_t offset = p.first_page_offset ? p.first_page_offset[r] : 0;
+    const int32_t* pages = pages_of(p, r).ids;
+    return [&p, live, offset, pages, padding = bias_of(r)](int64_t t, int g) {
+      const float pad = padding(t);
+      if (pad != 0.0f) return pad;
+      const int64_t slot = offset + t;
+      const int64_t pos = int64_t{pages[slot / p.page_size]} * p.page_size + slot % p.page_size;
+      const int64_t limit = live - (p.q_len - 1 - g / p.group_size);
+      return pos < limit ? 0.0f : -std::numeric_limits<float>::infinity();
+    };
+  };
+  cpu::run_plan(plan, out, workspace, rows_of, causal_bias_of, visible);
 }
 
 }  // namespace sparsepage

@@ -14,8 +14,10 @@
 namespace sparsepage::cpu {
 
 /// Per-launch constants of a CPU decode. q, q_extra and o are addressed by
-/// `strides` (decode.h's QueryStrides): head g of request r at
-/// (r / num_kv_heads) * seq_stride + ((r % num_kv_heads) * group_size + g) * head_stride.
+/// `strides` (decode.h's QueryStrides): head g of token t of request r at
+/// (r / num_kv_heads) * seq_stride + t * token_stride +
+/// ((r % num_kv_heads) * group_size + g) * head_stride. A request's query
+/// rows are its q_len tokens x group_size heads, row i = t * group_size + g.
 struct PlanOutputs {
   DType dtype;
   int32_t group_size;
@@ -25,8 +27,10 @@ struct PlanOutputs {
   const void* q_extra;               // dim_extra per head, or null
   float scale;
   void* o;                           // dim_v per head
-  float* lse;                        // [num_requests, group_size] (packed) or null
+  float* lse;                        // [num_sequences, q_len, num_kv_heads, group_size] (packed) or null
   QoStrides strides;
+  int32_t q_len = 1;                 // query tokens per request
+  int32_t rows() const { return group_size * q_len; }
 };
 
 /// The strides of packed [num_requests, group_size, dim] q, q_extra and o.
@@ -36,18 +40,28 @@ inline QoStrides packed_qo_strides(int32_t num_kv_heads, int32_t group_size, int
   return {{heads * dim_qk, dim_qk}, {heads * dim_extra, dim_extra}, {heads * dim_v, dim_v}};
 }
 
-/// Element offset of query head g of request r in a view with strides `s`.
-inline int64_t head_offset(const PlanOutputs& out, const QueryStrides& s, int32_t r, int32_t g) {
-  return int64_t{r / out.num_kv_heads} * s.seq_stride +
+/// Element offset of query row i (token i / group_size, head i % group_size)
+/// of request r in a view with strides `s`.
+inline int64_t head_offset(const PlanOutputs& out, const QueryStrides& s, int32_t r, int32_t i) {
+  const int32_t t = i / out.group_size, g = i % out.group_size;
+  return int64_t{r / out.num_kv_heads} * s.seq_stride + (t > 0 ? int64_t{t} * s.token_stride : 0) +
          (int64_t{r % out.num_kv_heads} * out.group_size + g) * s.head_stride;
 }
 
-/// Request r's `dim`-wide head rows of a q-shaped view, as fp32 [group_size, dim].
+/// Where query row i of request r keeps its lse: [num_sequences, q_len,
+/// num_kv_heads, group_size] (for q_len = 1, r * group_size + i).
+inline int64_t lse_offset(const PlanOutputs& out, int32_t r, int32_t i) {
+  const int32_t t = i / out.group_size, g = i % out.group_size;
+  const int64_t seq = r / out.num_kv_heads;
+  return ((seq * out.q_len + t) * out.num_kv_heads + r % out.num_kv_heads) * out.group_size + g;
+}
+
+/// Request r's `dim`-wide query rows of a q-shaped view, as fp32 [q_len * group_size, dim].
 inline std::vector<float> load_heads(const PlanOutputs& out, const void* src, const QueryStrides& s, int32_t r,
                                      int32_t dim) {
-  std::vector<float> rows(static_cast<size_t>(out.group_size) * dim);
+  std::vector<float> rows(static_cast<size_t>(out.rows()) * dim);
   const size_t esize = dtype_size(out.dtype);
-  for (int32_t g = 0; g < out.group_size; ++g) {
+  for (int32_t g = 0; g < out.rows(); ++g) {
     to_float(out.dtype, static_cast<const char*>(src) + static_cast<size_t>(head_offset(out, s, r, g)) * esize,
              rows.data() + static_cast<size_t>(g) * dim, static_cast<size_t>(dim));
   }
@@ -55,26 +69,27 @@ inline std::vector<float> load_heads(const PlanOutputs& out, const void* src, co
 }
 
 /// `rows_of(r)` returns a callable token -> TokenRows for request r;
-/// `bias_of(r)` a callable token -> additive mask term; `visible(r)` the
+/// `bias_of(r)` a callable token -> additive mask term, or (token, query
+/// row) -> term where rows differ (a multi-token step's causal limit);
+/// `visible(r)` the
 /// tokens request r sees now (work items past it are clipped: the plan may
 /// have been made for more, as the CUDA backend allows).
 template <typename RowsOf, typename BiasOf, typename Visible>
 void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, RowsOf&& rows_of, BiasOf&& bias_of,
               Visible&& visible) {
   const size_t esize = dtype_size(out.dtype);
-  const size_t g_count = static_cast<size_t>(out.group_size);
+  const size_t g_count = static_cast<size_t>(out.rows());
   const size_t dv = static_cast<size_t>(out.dim_v);
   const size_t de = static_cast<size_t>(out.dim_extra);
   auto* base = static_cast<char*>(workspace);
   auto* partial_o = reinterpret_cast<float*>(base + plan.workspace.partial_o);
   auto* partial_lse = reinterpret_cast<float*>(base + plan.workspace.partial_lse);
   auto write_output = [&](int32_t r, const float* o, const float* lse) {
-    for (int32_t g = 0; g < out.group_size; ++g) {
+    for (int32_t g = 0; g < out.rows(); ++g) {
       const auto offset = static_cast<size_t>(head_offset(out, out.strides.o, r, g));
       from_float(out.dtype, o + static_cast<size_t>(g) * dv, static_cast<char*>(out.o) + offset * esize, dv);
+      if (out.lse) out.lse[lse_offset(out, r, g)] = lse[g];
     }
-    const size_t row = static_cast<size_t>(r) * g_count;
-    if (out.lse) std::copy(lse, lse + g_count, out.lse + row);
   };
 
   parallel_for(static_cast<int64_t>(plan.work.size()), [&](int64_t index) {
@@ -82,7 +97,7 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
     const std::vector<float> q = load_heads(out, out.q, out.strides.q, item.request, out.dim_qk);
     std::vector<float> q_extra;
     if (de > 0) q_extra = load_heads(out, out.q_extra, out.strides.q_extra, item.request, out.dim_extra);
-    const ChunkQuery query{out.dtype,  out.group_size, out.dim_qk, out.dim_v, out.dim_extra, q.data(),
+    const ChunkQuery query{out.dtype,  out.rows(), out.dim_qk, out.dim_v, out.dim_extra, q.data(),
                            de > 0 ? q_extra.data() : nullptr, out.scale};
     const int64_t end = std::min<int64_t>(item.token_end, visible(item.request));
     const ChunkState state = attend_chunk(query, item.token_begin, std::max<int64_t>(end, item.token_begin),
@@ -104,7 +119,7 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
       lse_parts.push_back(partial_lse + static_cast<size_t>(s) * g_count);
     }
     std::vector<float> o(g_count * dv), lse(g_count);
-    merge_states(o_parts, lse_parts, out.group_size, out.dim_v, o.data(), lse.data());
+    merge_states(o_parts, lse_parts, out.rows(), out.dim_v, o.data(), lse.data());
     write_output(plan.merge_requests[static_cast<size_t>(m)], o.data(), lse.data());
   });
 }

@@ -33,7 +33,10 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   m.partial_lse = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_lse));
   m.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
   m.merge_requests = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_requests));
-  m.group_size = params.group_size;
+  m.group_size = params.group_size * params.q_len;
+  m.heads = params.group_size;
+  m.q_len = params.q_len;
+  m.o_tok = params.q_len > 1 ? qo.o.token_stride : 0;
   m.dv = params.v.dim;
   m.partial_dv = plan.head_dim_v;
   m.num_kv_heads = params.num_kv_heads;
@@ -116,6 +119,12 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   }
   p.o_seq = qo.o.seq_stride;
   p.o_head = qo.o.head_stride;
+  if (params.q_len > 1) {
+    p.q_len = params.q_len;
+    p.q_tok = qo.q.token_stride;
+    p.qe_tok = p.q_extra != nullptr ? qo.q_extra.token_stride : 0;
+    p.o_tok = qo.o.token_stride;
+  }
   p.table.indptr = params.indptr;
   p.table.indices = params.indices;
   p.table.first_page_offset = params.first_page_offset;
@@ -138,6 +147,10 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   }
 
   const cuda::TileShape shape = cuda::select_tile_shape(p.dqk, p.dv, p.de);
+  if (shape == cuda::TileShape::kMla && params.q_len > 1)
+    throw Error("run_decode_cuda: q_len = " + std::to_string(params.q_len) +
+                " at the MLA shape: its kernel takes one query token per request (make each token a request, "
+                "as the DSA layer does)");
   // The engines' index forms take their own instantiation; the library's CSR
   // tables keep the lean row lookup.
   const bool engine_inputs = params.index_layout == IndexLayout::kMatrix ||

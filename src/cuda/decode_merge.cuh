@@ -21,7 +21,10 @@ struct MergeParams {
   const int32_t* merge_indptr = nullptr;  // [num_merge + 1] slots, or null: uniform
   const int32_t* merge_requests = nullptr;  // [num_merge] requests, or null: uniform
   int32_t chunks_per_request = 1;         // uniform: merge i owns slots [i * c, (i + 1) * c)
-  int32_t group_size = 1;
+  int32_t group_size = 1;                 // query rows per request: heads x q_len tokens
+  int32_t heads = 0;                      // query heads per request (decode.h's group_size); 0: group_size
+  int32_t q_len = 1;                      // query tokens per request; row i = token i / heads
+  int64_t o_tok = 0;                      // o's elements between a sequence's tokens (q_len > 1)
   int32_t dv = 0;
   int32_t partial_dv = 0;
   // o's strides (decode.h's QueryStrides): head g of request r at
@@ -29,7 +32,7 @@ struct MergeParams {
   int32_t num_kv_heads = 1;
   int64_t o_seq = 0, o_head = 0;
   void* o = nullptr;
-  float* lse = nullptr;                   // [num_requests, group_size] or null
+  float* lse = nullptr;                   // [num_sequences, q_len, num_kv_heads, heads] or null
 };
 
 /// Grid: (merged requests, ceil(group_size * dv / 4 / kMergeThreads)).
@@ -85,10 +88,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
     o = make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32());
     lse = nan_f32();
   }
-  const int64_t out_row = int64_t{request} * p.group_size + head;
-  const int32_t seq = request / p.num_kv_heads;
-  T* dst = static_cast<T*>(p.o) + seq * p.o_seq +
-           (int64_t{request - seq * p.num_kv_heads} * p.group_size + head) * p.o_head + col;
+  const int32_t seq = request / p.num_kv_heads, kv_head = request - seq * p.num_kv_heads;
+  const int32_t heads = p.heads > 0 ? p.heads : p.group_size;
+  const int32_t token = head / heads, g = head - token * heads;
+  const int64_t out_row = ((int64_t{seq} * p.q_len + token) * p.num_kv_heads + kv_head) * heads + g;
+  T* dst = static_cast<T*>(p.o) + seq * p.o_seq + int64_t{token} * p.o_tok +
+           (int64_t{kv_head} * heads + g) * p.o_head + col;
   *reinterpret_cast<uint2*>(dst) =
       make_uint2(ElemTraits<T>::pack2(o.x, o.y), ElemTraits<T>::pack2(o.z, o.w));
   if (col == 0 && p.lse != nullptr) p.lse[out_row] = lse;

@@ -92,6 +92,12 @@ struct PartialCommon {
   int64_t q_seq = 0, q_head = 0, qe_seq = 0, qe_head = 0, o_seq = 0, o_head = 0;
   bool v_aliases_k = false;       // V is K's first dv columns at K's rows: load rows once
   float scale_log2 = 0.f;         // scale * log2(e)
+  // Multi-token steps (decode.h's q_len): a request's query rows are q_len
+  // tokens x group_size heads, row i = token i / group_size, head i %
+  // group_size; token t adds t * *_tok to its q, q_extra and o addresses and
+  // sees positions below the sequence's live length - (q_len - 1 - t).
+  int32_t q_len = 1;
+  int64_t q_tok = 0, qe_tok = 0, o_tok = 0;
 
   // Work: either the plan's list or a uniform split computed from blockIdx.x.
   const WorkItem* work = nullptr;  // [gridDim.x] or null
@@ -119,6 +125,22 @@ __device__ inline int64_t head_offset(const PartialCommon& p, int64_t seq_stride
                                       int32_t request, int32_t head) {
   const int32_t seq = request / p.num_kv_heads;
   return seq * seq_stride + (int64_t{request - seq * p.num_kv_heads} * p.group_size + head) * head_stride;
+}
+
+/// Element offset of query row `row` (token row / group_size, head row %
+/// group_size) of `request` in a q-shaped view with a token stride.
+__device__ inline int64_t query_row_offset(const PartialCommon& p, int64_t seq_stride, int64_t token_stride,
+                                           int64_t head_stride, int32_t request, int32_t row) {
+  const int32_t token = row / p.group_size;
+  return head_offset(p, seq_stride, head_stride, request, row - token * p.group_size) + token * token_stride;
+}
+
+/// Where query row `row` of `request` keeps its lse: [num_sequences, q_len,
+/// num_kv_heads, group_size] (request * group_size + row when q_len = 1).
+__device__ inline int64_t lse_row(const PartialCommon& p, int32_t request, int32_t row) {
+  const int32_t seq = request / p.num_kv_heads, token = row / p.group_size;
+  return ((int64_t{seq} * p.q_len + token) * p.num_kv_heads + (request - seq * p.num_kv_heads)) * p.group_size +
+         (row - token * p.group_size);
 }
 
 /// Work item `item`: the request, its tokens [token_begin, token_end) and
@@ -281,6 +303,16 @@ struct PagedSourceT {
     }
     return page < 0 || page >= num_pool_pages ? kRejectedRow : pos;
   }
+  /// The position (in its sequence) of `token` of the tile at tok0, its
+  /// page ids in `slot`: what a multi-token step's causal limit compares.
+  /// Window and block-table ids are positions. Only for tokens the tile holds.
+  __device__ int64_t position(const int32_t* slot, int32_t tok0, int32_t token) const {
+    const int32_t page_idx = page_of(token);
+    const int32_t page = slot[page_idx - page_of(tok0)];
+    return int64_t{page} * page_size + (first_offset + token - page_idx * page_size);
+  }
+  /// The sequence's live length, against which the causal limit is taken.
+  __device__ int64_t live_len() const { return window_len; }
   /// Whether `token` of the tile at tok0 (its ids in `slot`) is padding and
   /// stays out of the softmax. Only for tokens the tile holds.
   __device__ bool skipped(const int32_t* slot, int32_t tok0, int32_t token) const {

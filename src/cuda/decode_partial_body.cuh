@@ -46,13 +46,18 @@ struct PartialCta {
     tid = threadIdx.x;
     warp = tid / 32;
     lane = tid % 32;
-    const ItemShare<T> share = open_item<T>(p, static_cast<int32_t>(blockIdx.x), src);
+    // Query-row tiles of one item are adjacent in the grid (tile fastest),
+    // so the CTAs that read the same rows run together and share them in L2.
+    const int32_t rows = p.group_size * p.q_len;
+    const int32_t tiles = (rows + kQueryTile - 1) / kQueryTile;
+    const int32_t item = static_cast<int32_t>(blockIdx.x) / tiles;
+    const ItemShare<T> share = open_item<T>(p, item, src);
     request = share.request;
     tok_begin = share.tok_begin;
     len = share.len;
     partial = share.partial;
-    head0 = blockIdx.y * kQueryTile;
-    heads = min(kQueryTile, p.group_size - head0);
+    head0 = (static_cast<int32_t>(blockIdx.x) - item * tiles) * kQueryTile;
+    heads = min(kQueryTile, rows - head0);
     k_base = share.k_base;
     v_base = share.v_base;
     e_base = share.e_base;
@@ -79,6 +84,12 @@ struct PartialCta {
         continue;
       }
       const T* g = c < dq_chunks ? q0 + row * p.q_head + c * 8 : e0 + row * p.qe_head + (c - dq_chunks) * 8;
+      if (p.q_len > 1) {  // rows of several tokens: each row finds its own token
+        g = c < dq_chunks
+                ? static_cast<const T*>(p.q) + query_row_offset(p, p.q_seq, p.q_tok, p.q_head, request, head0 + row) + c * 8
+                : static_cast<const T*>(p.q_extra) +
+                      query_row_offset(p, p.qe_seq, p.qe_tok, p.qe_head, request, head0 + row) + (c - dq_chunks) * 8;
+      }
       cp_async_16(smem_u32(dst), g, true);
     }
   }
@@ -187,6 +198,29 @@ struct PartialCta {
     }
   }
 
+  /// A multi-token step: query row i (token i / group_size) sees positions
+  /// below live_len - (q_len - 1 - token); later positions leave its
+  /// softmax. The row is loaded once for every token; only the scores differ.
+  __device__ void causal_limit(const int32_t* slot, int32_t tok0, int32_t n, float (&s)[2][4]) const {
+    int64_t limit[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int32_t row = head0 + (lane >> 2) + 8 * i;
+      limit[i] = src.live_len() - (p.q_len - 1 - row / p.group_size);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = warp * 16 + 8 * j + 2 * (lane & 3) + c;
+        if (key >= n) continue;  // already -inf
+        const int64_t pos = src.position(slot, tok0, tok0 + key);
+        if (pos >= limit[0]) s[j][c] = neg_inf_f32();
+        if (pos >= limit[1]) s[j][c + 2] = neg_inf_f32();
+      }
+    }
+  }
+
   /// Online softmax over this warp's 16 rows, then acc += P V.
   __device__ void softmax_pv(int tile, float (&s)[2][4]) {
     const int32_t n = tile_tokens(tile);
@@ -208,6 +242,9 @@ struct PartialCta {
         if (key >= n) x = neg_inf_f32();
         s[j][e] = x;
       }
+    }
+    if constexpr (!Source::kHasBias) {
+      if (p.q_len > 1) causal_limit(slot, tok0, n, s);
     }
     if constexpr (Source::kMaySkip) {
       if ((skip_stages >> (tile % kS)) & 1u) {  // padding ids: their rows were not read and weigh nothing
@@ -395,10 +432,13 @@ struct PartialCta {
                                          : make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       const int64_t head = int64_t{head0} + row;
       if (partial < 0) {
-        T* dst = o0 + row * p.o_head + col;
+        T* dst = p.q_len > 1 ? static_cast<T*>(p.o) +
+                                   query_row_offset(p, p.o_seq, p.o_tok, p.o_head, request, head0 + row) + col
+                             : o0 + row * p.o_head + col;
         *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
       } else {
-        *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size + head) * p.partial_dv + col) = o;
+        *reinterpret_cast<float4*>(p.partial_o + (int64_t{partial} * p.group_size * p.q_len + head) * p.partial_dv +
+                                   col) = o;
       }
     }
     if (tid < heads) {
@@ -406,9 +446,9 @@ struct PartialCta {
       const float lse = any_bad || isnan(s) ? nan_f32() : s > 0.f ? (row_base[tid] + log2f(s)) * kLn2 : neg_inf_f32();
       const int64_t head = int64_t{head0} + tid;
       if (partial < 0) {
-        if (p.lse) p.lse[int64_t{request} * p.group_size + head] = lse;
+        if (p.lse) p.lse[lse_row(p, request, head0 + tid)] = lse;
       } else {
-        p.partial_lse[int64_t{partial} * p.group_size + head] = lse;
+        p.partial_lse[int64_t{partial} * p.group_size * p.q_len + head] = lse;
       }
     }
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);

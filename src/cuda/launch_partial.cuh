@@ -138,7 +138,11 @@ void launch_partial_shape(const typename Source::Params& p, int32_t num_items, c
   using Cfg = TileConfig<DK, DV, Source::kHasBias>;
   auto kernel = partial_kernel<T, DK, DV, Source>;
   configure_smem_once(kernel, Cfg::kSmemBytes);
-  const dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>((p.group_size + kQueryTile - 1) / kQueryTile));
+  // Query-row tiles (16 rows: heads, or heads x tokens of a multi-token
+  // step) vary fastest, so the CTAs of one item read its rows together.
+  const int64_t ctas = int64_t{num_items} * ((int64_t{p.group_size} * p.q_len + kQueryTile - 1) / kQueryTile);
+  if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+  const dim3 grid(static_cast<unsigned>(ctas));
   // With programmatic serialization the grid is scheduled while the previous
   // kernel drains; the kernel waits for it before its first global read.
   launch_with_pdl(kernel, grid, dim3(kThreads), Cfg::kSmemBytes, stream, p);
