@@ -41,6 +41,12 @@ struct SparseAttentionInputs {
   float scale = 1.0f;
   void* o = nullptr;        // [batch, num_qo_heads, v.dim]
   float* lse = nullptr;     // [batch, num_qo_heads] or null
+  /// Query tokens per sequence (a multi-token step, decode.h's q_len): q and
+  /// o are then [batch, q_len, num_qo_heads, dim], lse [batch, q_len,
+  /// num_qo_heads], and token t sees the selected positions below its
+  /// sequence's live length - (q_len - 1 - t). The fused path only: the mask
+  /// path takes one token (MaskPath and StepMaskPath refuse q_len > 1).
+  int32_t q_len = 1;
 };
 
 /// A selection as a serving step produces it on the device: a fixed-width
@@ -122,7 +128,7 @@ class SparseDecoder {
   DispatchConfig config_;
   DecodePlan plan_;
   std::vector<int32_t> planned_counts_;
-  int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;
+  int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;  // group: query rows
   int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]

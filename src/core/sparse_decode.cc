@@ -37,6 +37,10 @@ void check_inputs(const SparseAttentionInputs& in) {
     require(problem.empty(), problem);
   }
   require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
+  require(in.q_len >= 1 && in.q_len <= kMaxQueryTokens,
+          "q_len = " + std::to_string(in.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
+  require(int64_t{in.q_len} * in.num_qo_heads <= std::numeric_limits<int32_t>::max(),
+          "q_len * num_qo_heads exceeds 2^31 - 1 query rows");
   require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
 }
 
@@ -110,13 +114,14 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
 }
 
 bool SparseDecoder::plan_stands(const SparseAttentionInputs& in, int32_t pages_per_request, int32_t page_size) const {
-  return !workspace_.empty() && in.num_qo_heads / in.num_kv_heads == planned_group_ && in.v.dim == planned_dim_v_ &&
+  return !workspace_.empty() && in.num_qo_heads / in.num_kv_heads * in.q_len == planned_group_ &&
+         in.v.dim == planned_dim_v_ &&
          pages_per_request == planned_width_ && page_size == planned_page_size_;
 }
 
 void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts,
                             int32_t pages_per_request, int32_t page_size, void* stream) {
-  const int32_t group = in.num_qo_heads / in.num_kv_heads;
+  const int32_t group = in.num_qo_heads / in.num_kv_heads * in.q_len;  // query rows per request
   PlanShape shape;
   shape.group_size = group;
   shape.head_dim_v = in.v.dim;
@@ -166,6 +171,7 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   p.window_lens = in.live_lens;
   p.window_len = in.live_len;
   p.group_size = in.num_qo_heads / in.num_kv_heads;
+  p.q_len = in.q_len;
   p.q = in.q;
   p.k = in.k;
   p.v = in.v;
@@ -255,6 +261,8 @@ void SparseDecoder::check_errors(void* stream) {
 }
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
+  require(in.q_len == 1, "the mask path takes one query token per sequence (q_len = " + std::to_string(in.q_len) +
+                             "); a multi-token step runs on the fused path");
   MaskedDecodeParams m;
   m.dtype = in.dtype;
   m.batch = in.batch;

@@ -36,6 +36,10 @@ constexpr int kStepTokens = 16;
 constexpr int kMaxSegments = 4;
 constexpr int kMaxHeadDim = 32 * kMaxSegments;
 constexpr int kMaxKvHeads = 8;
+// A multi-token step scores every (token, KV head) index query: columns
+// t * heads + h of the B operand, in up to kMaxTokenTiles n8 tiles.
+constexpr int kMaxTokenTiles = 4;
+constexpr int kMaxColumns = 8 * kMaxTokenTiles;
 constexpr int kTopkThreads = 256;
 // Requests with up to this many scored blocks (2M tokens at 128) rank from
 // shared memory; longer ones re-read their scores from global memory.
@@ -43,9 +47,10 @@ constexpr int kSmemItems = 4096;
 
 struct ScoreParams {
   const void* k_alloc;     // [batch, heads + 1, capacity, dim]; index key at head `heads`
-  const void* index_q;     // [batch, heads, dim]
+  const void* index_q;     // [batch, q_len, heads, dim]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, dim, block_size, local_blocks;
+  int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
   int64_t capacity;
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
   float* scores;           // [batch * heads, max_scored]
@@ -73,10 +78,12 @@ __device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g,
 }
 
 // Block blockIdx.x of sequence blockIdx.y: max over its tokens of q_h . k_t
-// for every head h. fmaxf drops a NaN dot as the CPU rule's std::max does.
-template <typename T>
+// for every head h (and, in a multi-token step, every query token: NT n8
+// tiles of (token, head) columns). fmaxf drops a NaN dot as the CPU rule's
+// std::max does. NT = 1 is the one-token step.
+template <typename T, int NT>
 __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
-  __shared__ float best_s[kScoreWarps][kMaxKvHeads];
+  __shared__ float best_s[kScoreWarps][8 * NT];
   // Launched as a programmatic dependent of the step's append: wait for its
   // rows and length, then let the top-k grid be scheduled.
   cuda::pdl_wait_primary();
@@ -86,7 +93,11 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   if (j >= num_blocks - 1) return;  // past the scored blocks of this sequence
   float* out = p.scores + int64_t{b} * p.heads * p.max_scored + j;
-  if (j >= num_blocks - p.local_blocks) {  // local force-keep: no need to read the keys
+  // Local force-keep, and in a multi-token step the block of the first new
+  // token too (the new tokens may straddle a block boundary): no need to
+  // read the keys. For q_len = 1 the second bound is the final block.
+  const int64_t forced = min(num_blocks - p.local_blocks, max(len - p.q_len, int64_t{0}) / p.block_size);
+  if (j >= forced) {
     for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
   }
@@ -106,28 +117,43 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
     kg[s] = s < segments ? load(t0 + g, s) : make_uint4(0, 0, 0, 0);
     kg8[s] = s < segments ? load(t0 + g + 8, s) : make_uint4(0, 0, 0, 0);
   }
-  // Query of head g (B column g); heads past the last are zero and never read out.
+  // Query of column (token, head) = (col / heads, col % heads) as B column
+  // g of its n8 tile; columns past the last are zero and never read out.
+  const int columns = p.heads * p.q_len;
+  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * columns * p.dim;
   uint4 q[kMaxSegments];
-  const T* qh = static_cast<const T*>(p.index_q) + (int64_t{b} * p.heads + g) * p.dim;
-#pragma unroll
-  for (int s = 0; s < kMaxSegments; ++s) {
-    q[s] = s < segments && g < p.heads ? *reinterpret_cast<const uint4*>(qh + s * 32 + c * 8) : make_uint4(0, 0, 0, 0);
-  }
-  float best[2] = {cuda::neg_inf_f32(), cuda::neg_inf_f32()};  // heads 2c, 2c + 1
-  // Warp-uniform loop over this warp's 16-token steps (one for 128-token blocks).
-  for (; t0 < rows; t0 += kScoreWarps * kStepTokens) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const auto load_q = [&](int col) {
 #pragma unroll
     for (int s = 0; s < kMaxSegments; ++s) {
-      if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
+      q[s] = s < segments && col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
+                                           : make_uint4(0, 0, 0, 0);
     }
-    if (t0 + g < rows) {
-      best[0] = fmaxf(best[0], acc[0]);
-      best[1] = fmaxf(best[1], acc[1]);
-    }
-    if (t0 + g + 8 < rows) {
-      best[0] = fmaxf(best[0], acc[2]);
-      best[1] = fmaxf(best[1], acc[3]);
+  };
+  if constexpr (NT == 1) load_q(g);  // one tile: the queries stay in registers
+  float best[NT][2];  // columns 8 nt + 2c, 8 nt + 2c + 1
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) best[nt][0] = best[nt][1] = cuda::neg_inf_f32();
+  // Warp-uniform loop over this warp's 16-token steps (one for 128-token blocks).
+  for (; t0 < rows; t0 += kScoreWarps * kStepTokens) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt * 8 >= columns) break;
+      // Several tiles: each tile's queries are re-read (L1) rather than
+      // held, which would cost 16 registers per tile.
+      if constexpr (NT > 1) load_q(nt * 8 + g);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < kMaxSegments; ++s) {
+        if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
+      }
+      if (t0 + g < rows) {
+        best[nt][0] = fmaxf(best[nt][0], acc[0]);
+        best[nt][1] = fmaxf(best[nt][1], acc[1]);
+      }
+      if (t0 + g + 8 < rows) {
+        best[nt][0] = fmaxf(best[nt][0], acc[2]);
+        best[nt][1] = fmaxf(best[nt][1], acc[3]);
+      }
     }
     const int next = t0 + kScoreWarps * kStepTokens;
     if (next < rows) {
@@ -140,16 +166,23 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       }
     }
   }
-  // Max over the eight token rows g: lanes 0 .. 3 then hold heads 2c, 2c + 1.
+  // Max over the eight token rows g: lanes 0 .. 3 then hold columns 2c, 2c + 1.
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    for (int off = 4; off < 32; off *= 2) best[e] = fmaxf(best[e], __shfl_xor_sync(0xffffffffu, best[e], off));
-    if (g == 0 && 2 * c + e < p.heads) best_s[warp][2 * c + e] = best[e];
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      for (int off = 4; off < 32; off *= 2)
+        best[nt][e] = fmaxf(best[nt][e], __shfl_xor_sync(0xffffffffu, best[nt][e], off));
+      const int col = 8 * nt + 2 * c + e;
+      if (g == 0 && col < columns) best_s[warp][col] = best[nt][e];
+    }
   }
   __syncthreads();
-  if (threadIdx.x < p.heads) {
+  if (threadIdx.x < p.heads) {  // max over the warps and the query tokens
     float m = best_s[0][threadIdx.x];
-    for (int w = 1; w < kScoreWarps; ++w) m = fmaxf(m, best_s[w][threadIdx.x]);
+    for (int w = 0; w < kScoreWarps; ++w) {
+      for (int col = threadIdx.x; col < columns; col += p.heads) m = fmaxf(m, best_s[w][col]);
+    }
     out[int64_t{threadIdx.x} * p.max_scored] = m;
   }
 }
@@ -267,13 +300,20 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   require(a.workspace_bytes >= need, "workspace_bytes = " + std::to_string(a.workspace_bytes) + " is below the " +
                                          std::to_string(need) + " block_indexer_workspace_bytes asks for");
   auto s = static_cast<cudaStream_t>(stream);
+  require(a.q_len >= 1 && int64_t{a.q_len} * a.num_kv_heads <= kMaxColumns,
+          "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
+              std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
   ScoreParams sp{a.k_alloc, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.capacity, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+                 a.q_len, a.capacity, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
-  if (a.dtype == DType::kBF16) {
-    cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16>, grid, dim3(kScoreThreads), 0, s, sp);
+  const dim3 threads(kScoreThreads);
+  if (a.q_len == 1) {
+    if (a.dtype == DType::kBF16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, 1>, grid, threads, 0, s, sp);
   } else {
-    cuda::launch_with_pdl(block_score_kernel<__half>, grid, dim3(kScoreThreads), 0, s, sp);
+    if (a.dtype == DType::kBF16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
                       a.width, sp.max_scored, a.block_ids, a.seq_lens};

@@ -45,14 +45,18 @@ namespace {
 // sequences and blocks, each key row read once for all KV heads), then per
 // request the top-k by a stable sort (ties to the lower block id) and the
 // final block. `key_row(b, t, out)` writes position t's index key as floats.
+// A multi-token step (q_len > 1, index_q [batch, q_len, heads, dim]) scores
+// a block by the max over every token's query and force-keeps the block of
+// the first new token as well (models/block_sparse.h).
 template <class KeyRow>
 std::vector<int32_t> top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, int64_t kv_len, const float* index_q,
-                                    KeyRow&& key_row) {
+                                    KeyRow&& key_row, int32_t q_len = 1) {
   const int64_t num_blocks = (kv_len + c.block_size - 1) / c.block_size;
   const int32_t per_request = blocks_per_request(c, kv_len);
   const int64_t scored = num_blocks - 1;  // the final block is appended, not scored
   const int32_t heads = c.num_kv_heads;
   const size_t d = static_cast<size_t>(c.head_dim);
+  const int64_t forced = std::min<int64_t>(num_blocks - c.local_blocks, std::max<int64_t>(kv_len - q_len, 0) / c.block_size);
   // score[(b * heads + h) * scored + j]
   std::vector<float> score(static_cast<size_t>(int64_t{batch} * heads * scored));
   cpu::parallel_for(int64_t{batch} * scored, [&](int64_t item) {
@@ -61,15 +65,18 @@ std::vector<int32_t> top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, i
     std::vector<float> key(d), best(static_cast<size_t>(heads), -kInf);
     for (int64_t t = j * c.block_size; t < (j + 1) * c.block_size; ++t) {
       key_row(b, t, key.data());
-      for (int32_t h = 0; h < heads; ++h) {
-        const float* q = index_q + (int64_t{b} * heads + h) * c.head_dim;
-        best[static_cast<size_t>(h)] = std::max(best[static_cast<size_t>(h)], cpu::dot(q, key.data(), d));
+      for (int32_t token = 0; token < q_len; ++token) {
+        for (int32_t h = 0; h < heads; ++h) {
+          const float* q = index_q + ((int64_t{b} * q_len + token) * heads + h) * c.head_dim;
+          best[static_cast<size_t>(h)] = std::max(best[static_cast<size_t>(h)], cpu::dot(q, key.data(), d));
+        }
       }
     }
     for (int32_t h = 0; h < heads; ++h) {
-      // Local force-keep: the last local_blocks - 1 full blocks before the final one.
+      // Local force-keep: the last local_blocks - 1 full blocks before the
+      // final one (and the first new token's block in a multi-token step).
       score[static_cast<size_t>((int64_t{b} * heads + h) * scored + j)] =
-          j >= num_blocks - c.local_blocks ? kInf : best[static_cast<size_t>(h)];
+          j >= forced ? kInf : best[static_cast<size_t>(h)];
     }
   });
   std::vector<int32_t> out;
@@ -201,13 +208,14 @@ void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* 
   fallback_.run(inputs(tokens), false, stream);
 }
 
-void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream) {
+void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream, int32_t q_len) {
   const RowView k_rows = cache_.k_rows().value();
   if (device_ == Device::kCuda) {
     detail::BlockIndexerArgs args;
     args.dtype = dtype_;
     args.k_alloc = k_rows.data;
     args.index_q = tokens.index_q;
+    args.q_len = q_len;
     args.batch = batch_;
     args.num_kv_heads = config_.num_kv_heads;
     args.head_dim = config_.head_dim;
@@ -229,13 +237,15 @@ void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* 
   const int64_t kv_len = cache_.live_len();
   const size_t d = static_cast<size_t>(config_.head_dim);
   const size_t esize = dtype_size(dtype_);
-  std::vector<float> q(static_cast<size_t>(num_requests()) * d);
+  std::vector<float> q(static_cast<size_t>(num_requests()) * static_cast<size_t>(q_len) * d);
   to_float(dtype_, tokens.index_q, q.data(), q.size());
-  const std::vector<int32_t> ids =
-      top_blocks_cpu(config_, batch_, kv_len, q.data(), [&](int32_t b, int64_t t, float* out) {
+  const std::vector<int32_t> ids = top_blocks_cpu(
+      config_, batch_, kv_len, q.data(),
+      [&](int32_t b, int64_t t, float* out) {
         const int64_t element = k_rows.offset(b, config_.num_kv_heads, t);
         to_float(dtype_, static_cast<const char*>(k_rows.data) + static_cast<size_t>(element) * esize, out, d);
-      });
+      },
+      q_len);
   const int32_t per = blocks_per_request(config_, kv_len);
   int32_t* out = block_ids_.as<int32_t>();
   for (int32_t r = 0; r < num_requests(); ++r) {
@@ -280,6 +290,110 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   if (!step.fused) {
     build_block_mask(stream);
     fallback_.run(in, true, stream);
+  }
+  return step;
+}
+
+BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream) {
+  if (q_len < 1 || q_len > kMaxQueryTokens) {
+    throw Error("BlockSparseAttention::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " +
+                std::to_string(kMaxQueryTokens) + "]");
+  }
+  if (q_len == 1) return decode(tokens, stream);
+  check_tokens(tokens);
+  if (device_ == Device::kCuda && int64_t{q_len} * config_.num_kv_heads > 32) {
+    throw Error("BlockSparseAttention::decode: q_len * num_kv_heads = " + std::to_string(q_len) + " * " +
+                std::to_string(config_.num_kv_heads) + " exceeds the CUDA indexer's 32 (token, head) index queries");
+  }
+  cache_.reserve(cache_.live_len() + q_len);  // allocates only when the capacity must grow
+  size_step_buffers();
+  // Decided before the cache changes, at the length the step will have: a
+  // declined step runs token by token instead.
+  const int64_t live_after = cache_.live_len() + q_len;
+  SparseAttentionInputs in = inputs(tokens);
+  in.live_len = live_after;
+  in.q_len = q_len;
+  PagedSelection shape;
+  shape.pages = block_ids_.as<int32_t>();
+  shape.seq_lens = seq_lens_.as<int32_t>();
+  shape.num_requests = num_requests();
+  shape.width = config_.token_pages ? width() * config_.block_size : width();
+  shape.page_size = config_.token_pages ? 1 : config_.block_size;
+  shape.max_selected = selected_tokens(live_after);
+  if (config_.sparse_regime(live_after) && decoder_.decide(in, shape).fused()) {
+    return decode_fused_tokens(tokens, q_len, stream);
+  }
+  return decode_token_by_token(tokens, q_len, stream);
+}
+
+BlockSparseStep BlockSparseAttention::decode_fused_tokens(const BlockSparseTokens& tokens, int32_t q_len,
+                                                          void* stream) {
+  const size_t esize = dtype_size(dtype_);
+  const size_t k_slice = static_cast<size_t>(batch_) * (config_.num_kv_heads + 1) * config_.head_dim * esize;
+  const size_t v_slice = static_cast<size_t>(batch_) * config_.num_kv_heads * config_.head_dim * esize;
+  for (int32_t t = 0; t < q_len; ++t) {
+    cache_.append_token(static_cast<const char*>(tokens.k) + t * k_slice,
+                        static_cast<const char*>(tokens.v) + t * v_slice, stream);
+  }
+  detail::cuda_record_event(after_append_, stream);
+  SparseAttentionInputs in = inputs(tokens);
+  in.q_len = q_len;
+  BlockSparseStep step;
+  step.sparse_regime = true;
+  select_blocks(tokens, stream, q_len);
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  PagedSelection selection;
+  selection.pages = block_ids_.as<int32_t>();
+  selection.seq_lens = seq_lens_.as<int32_t>();
+  selection.num_requests = num_requests();
+  selection.width = width();
+  selection.page_size = config_.block_size;
+  if (config_.token_pages) {
+    expand_token_pages(stream);
+    selection.pages = token_pages_.as<int32_t>();
+    selection.width = width() * config_.block_size;
+    selection.page_size = 1;
+  }
+  selection.max_selected = selected_tokens(in.live_len);
+  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
+    throw Error("BlockSparseAttention::decode: the multi-token step was declined after its tokens were appended: " +
+                step.outcome.reason);
+  }
+  return step;
+}
+
+BlockSparseStep BlockSparseAttention::decode_token_by_token(const BlockSparseTokens& tokens, int32_t q_len,
+                                                            void* stream) {
+  const size_t esize = dtype_size(dtype_);
+  const size_t d = static_cast<size_t>(config_.head_dim) * esize;  // bytes per head row
+  const size_t hq = static_cast<size_t>(config_.num_qo_heads), hkv = static_cast<size_t>(config_.num_kv_heads);
+  if (stage_q_.empty()) {
+    stage_q_ = Buffer(device_, static_cast<size_t>(batch_) * hq * d);
+    stage_index_q_ = Buffer(device_, static_cast<size_t>(batch_) * hkv * d);
+    stage_o_ = Buffer(device_, static_cast<size_t>(batch_) * hq * d);
+  }
+  // The copies below are synchronous, on the default stream: order them after the caller's stream.
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  BlockSparseStep step;
+  for (int32_t t = 0; t < q_len; ++t) {
+    // Token t's rows of each sequence: [batch, heads, dim] from [batch, q_len, heads, dim].
+    copy_2d(stage_q_.data(), device_, hq * d, static_cast<const char*>(tokens.q) + t * hq * d, device_,
+            q_len * hq * d, hq * d, static_cast<size_t>(batch_));
+    copy_2d(stage_index_q_.data(), device_, hkv * d, static_cast<const char*>(tokens.index_q) + t * hkv * d,
+            device_, q_len * hkv * d, hkv * d, static_cast<size_t>(batch_));
+    BlockSparseTokens one;
+    one.q = stage_q_.data();
+    one.index_q = stage_index_q_.data();
+    one.k = static_cast<const char*>(tokens.k) + t * static_cast<size_t>(batch_) * (hkv + 1) * d;
+    one.v = static_cast<const char*>(tokens.v) + t * static_cast<size_t>(batch_) * hkv * d;
+    one.o = stage_o_.data();
+    step = decode(one, stream);
+    if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+    copy_2d(static_cast<char*>(tokens.o) + t * hq * d, device_, q_len * hq * d, stage_o_.data(), device_, hq * d,
+            hq * d, static_cast<size_t>(batch_));
   }
   return step;
 }

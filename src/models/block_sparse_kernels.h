@@ -20,7 +20,11 @@ namespace sparsepage::detail {
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
   const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
-  const void* index_q = nullptr;   // [batch, num_kv_heads, head_dim]
+  const void* index_q = nullptr;   // [batch, q_len, num_kv_heads, head_dim]
+  /// Query tokens per sequence (a multi-token step, models/block_sparse.h):
+  /// a block scores the max over every token's index query, and the block of
+  /// the first new token is force-kept. q_len * num_kv_heads <= 32.
+  int32_t q_len = 1;
   int32_t batch = 0, num_kv_heads = 0, head_dim = 0;
   int64_t capacity = 0;
   const int32_t* kv_lens = nullptr;  // device [batch]: live tokens per sequence, 1 <= kv_lens[b] <= max_kv_len

@@ -14,6 +14,7 @@
 #include "sparsepage/plan.h"
 #include "support/expect_error.h"
 #include "support/multi_token.h"
+#include "support/multi_token_layers.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -193,6 +194,29 @@ TEST(MultiTokenCpu, StridedViewsMatchPacked) {
   const std::vector<float> got = testing::as_float(pb.spec.dtype, o);
   const std::vector<double> want(packed.o.begin(), packed.o.end()), want_lse(packed.lse.begin(), packed.lse.end());
   EXPECT_EQ(testing::compare_multi_token(pb, got, lse, want, want_lse, 5e-3, 1e-4), "");
+}
+
+// The block-sparse layer's multi-token step: new tokens straddling a block
+// boundary (638 + 4 crosses 640), inside one block, and 8 tokens.
+TEST(MultiTokenCpu, BlockSparseLayerFusedStep) {
+  const BlockSparseConfig c = testing::small_block_sparse_config();
+  testing::check_block_sparse_multi_token(Device::kCpu, c, 2, 638, 4);
+  testing::check_block_sparse_multi_token(Device::kCpu, c, 3, 700, 2);
+  testing::check_block_sparse_multi_token(Device::kCpu, c, 1, 1000, 8);
+}
+
+TEST(MultiTokenCpu, BlockSparseLayerTokenByToken) {
+  const BlockSparseConfig c = testing::small_block_sparse_config();
+  testing::check_block_sparse_multi_token_dense(Device::kCpu, c, 2, 100, 4, false);
+  testing::check_block_sparse_multi_token_dense(Device::kCpu, c, 2, 638, 4, true);
+}
+
+TEST(MultiTokenCpu, BlockSparseLayerRefusesBadQLen) {
+  BlockSparseAttention layer(Device::kCpu, DType::kBF16, testing::small_block_sparse_config(), 1);
+  BlockSparseTokens tokens;
+  EXPECT_TRUE(testing::throws_error_naming([&] { layer.decode(tokens, 0); }, "q_len = 0 must lie in [1, 16]"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { layer.decode(tokens, 17); }, "q_len = 17 must lie in [1, 16]"));
+  EXPECT_EQ(layer.kv_len(), 0);
 }
 
 }  // namespace

@@ -85,6 +85,29 @@ class BlockSparseAttention {
   /// nothing.
   BlockSparseStep decode(const BlockSparseTokens& tokens, void* stream = nullptr);
 
+  /// A multi-token step (speculative verification, MTP): appends q_len
+  /// tokens per sequence (1 .. kMaxQueryTokens; 1 is decode() above) and
+  /// attends them, token t seeing the context up to its own position.
+  /// Layout, as engines lay out [tokens, heads, dim] with a sequence's tokens
+  /// consecutive: q and o [batch, q_len, num_qo_heads, head_dim], index_q
+  /// [batch, q_len, num_kv_heads, head_dim]; k and v are q_len one-token
+  /// slices, token-major, each what decode() takes: k [q_len, batch,
+  /// num_kv_heads + 1, head_dim], v [q_len, batch, num_kv_heads, head_dim].
+  ///
+  /// In the sparse regime (after the step) one selection serves the q_len
+  /// tokens: a block scores the max over the tokens' index queries, and the
+  /// block of the first new token is force-kept besides the final one (the
+  /// new tokens may straddle a block boundary), so the count still depends
+  /// on the length alone. The fused kernel reads each selected row once per
+  /// query-row tile, the tiles of a request side by side, and applies each
+  /// token's causal limit by position. The mask path takes one token, so
+  /// outside the sparse regime, or when the policy declines, the step runs
+  /// as q_len one-token decode() calls (each token appended, then attended,
+  /// with its own selection): exact causal attention, but copies through
+  /// staging buffers that synchronize, so only the fused step is capturable.
+  /// The returned step describes the fused step, or the last one-token step.
+  BlockSparseStep decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream = nullptr);
+
   /// Makes room for `tokens` live tokens, and sizes the step's buffers for
   /// them, so steps up to that length allocate nothing.
   void reserve(int64_t tokens);
@@ -121,7 +144,9 @@ class BlockSparseAttention {
   SparseAttentionInputs inputs(const BlockSparseTokens& tokens) const;
   void check_tokens(const BlockSparseTokens& tokens) const;
   void size_step_buffers();
-  void select_blocks(const BlockSparseTokens& tokens, void* stream);
+  void select_blocks(const BlockSparseTokens& tokens, void* stream, int32_t q_len = 1);
+  BlockSparseStep decode_fused_tokens(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
+  BlockSparseStep decode_token_by_token(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
   void expand_token_pages(void* stream);
   void build_block_mask(void* stream);
   int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
@@ -143,6 +168,8 @@ class BlockSparseAttention {
   bool have_selection_ = false;
   void* after_append_ = nullptr;
   void* after_indexer_ = nullptr;
+  // Multi-token steps run token by token: one token's q, index_q and o.
+  Buffer stage_q_, stage_index_q_, stage_o_;
 };
 
 /// Indexer block scores and top-k on the host: for request r = b * H + h,

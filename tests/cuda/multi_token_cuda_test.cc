@@ -1,0 +1,134 @@
+// Multi-token decode steps (DecodeParams::q_len > 1) on the GPU: the
+// mma.sync kernel against the fp64 reference with each token's causal
+// limit, against q_len single-token steps on the GPU, and against the CPU
+// backend; tokens whose causal limit cuts a selected page; query-row tiles
+// that hold several tokens (G * q_len <= 16) and tokens spread over several
+// tiles (G * q_len > 16, G not a divisor of 16); forced splits and merges.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "sparsepage/decode.h"
+#include "support/expect_error.h"
+#include "support/multi_token.h"
+#include "support/reference.h"
+
+namespace sparsepage {
+namespace {
+
+struct Case {
+  DType dtype;
+  int32_t group_size, q_len, page_size, pages;
+  std::vector<int32_t> live_lens;
+  int32_t fixed_chunk;
+  int32_t head_dim;
+};
+
+std::vector<Case> cases() {
+  return {
+      {DType::kBF16, 4, 4, 64, 3, {130, 200, 64}, 0, 128},      // one 16-row tile: 4 tokens x 4 heads
+      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 0, 128},      // the block-sparse geometry: 4 tiles per item
+      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 128, 128},    // the same, split and merged
+      {DType::kF16, 3, 3, 16, 5, {33, 47, 80}, 0, 128},         // 9 rows, tokens unaligned to tiles
+      {DType::kBF16, 6, 3, 16, 12, {190, 161}, 64, 64},         // 18 rows over 2 tiles, split
+      {DType::kBF16, 1, 8, 1, 300, {400, 17}, 64, 128},         // token pages, 8 tokens, split
+      {DType::kBF16, 32, 2, 64, 6, {300}, 0, 256},              // 2 tiles per token, wide head
+  };
+}
+
+std::string describe(const Case& c) {
+  return "G " + std::to_string(c.group_size) + " q_len " + std::to_string(c.q_len) + " page " +
+         std::to_string(c.page_size) + " dim " + std::to_string(c.head_dim) + " chunk " +
+         std::to_string(c.fixed_chunk);
+}
+
+testing::MultiTokenProblem problem_of(const Case& c, uint64_t seed) {
+  testing::MultiTokenSpec spec;
+  spec.dtype = c.dtype;
+  spec.live_lens = c.live_lens;
+  spec.group_size = c.group_size;
+  spec.q_len = c.q_len;
+  spec.page_size = c.page_size;
+  spec.pages_per_request = c.pages;
+  spec.head_dim = c.head_dim;
+  spec.seed = seed;
+  return testing::make_multi_token_problem(spec);
+}
+
+TEST(MultiTokenCuda, MatchesFp64AndSingleTokenSteps) {
+  SKIP_WITHOUT_CUDA();
+  uint64_t seed = 1;
+  for (const Case& c : cases()) {
+    const auto pb = problem_of(c, seed++);
+    const auto ref = testing::multi_token_reference(pb);
+    const auto gpu = testing::run_multi_token(pb, Device::kCuda, c.fixed_chunk);
+    EXPECT_EQ(testing::compare_multi_token(pb, gpu.o, gpu.lse, ref.o, ref.lse, 1e-2, 2e-3), "") << describe(c);
+    const auto single = testing::run_as_single_tokens(pb, Device::kCuda);
+    const std::vector<double> o(single.o.begin(), single.o.end()), lse(single.lse.begin(), single.lse.end());
+    EXPECT_EQ(testing::compare_multi_token(pb, gpu.o, gpu.lse, o, lse, 1e-2, 2e-3), "") << describe(c);
+    const auto cpu = testing::run_multi_token(pb, Device::kCpu, c.fixed_chunk);
+    const std::vector<double> co(cpu.o.begin(), cpu.o.end()), cl(cpu.lse.begin(), cpu.lse.end());
+    EXPECT_EQ(testing::compare_multi_token(pb, gpu.o, gpu.lse, co, cl, 1e-2, 2e-3), "") << describe(c);
+  }
+}
+
+// Without the limit the earlier tokens would see later positions: the GPU
+// result must differ from that for every earlier token.
+TEST(MultiTokenCuda, TheCausalLimitChangesTheEarlierTokens) {
+  SKIP_WITHOUT_CUDA();
+  const auto pb = problem_of(cases()[1], 9);
+  auto unlimited = pb;
+  for (int32_t& live : unlimited.spec.live_lens) live += pb.spec.q_len - 1;
+  const auto without_limit = testing::multi_token_reference(unlimited);
+  const auto gpu = testing::run_multi_token(pb, Device::kCuda);
+  const size_t hq = static_cast<size_t>(pb.num_qo_heads()), d = static_cast<size_t>(pb.spec.head_dim);
+  int differing = 0, earlier = 0;
+  for (size_t row = 0; row < gpu.lse.size(); ++row) {
+    if (static_cast<int32_t>(row / hq % static_cast<size_t>(pb.spec.q_len)) == pb.spec.q_len - 1) continue;
+    ++earlier;
+    const std::vector<float> o(gpu.o.begin() + static_cast<std::ptrdiff_t>(row * d),
+                               gpu.o.begin() + static_cast<std::ptrdiff_t>((row + 1) * d));
+    const std::vector<double> all(without_limit.o.begin() + static_cast<std::ptrdiff_t>(row * d),
+                                  without_limit.o.begin() + static_cast<std::ptrdiff_t>((row + 1) * d));
+    differing += testing::relative_l2(o, all) > 5e-2;
+  }
+  EXPECT_EQ(differing, earlier);
+}
+
+TEST(MultiTokenCuda, RefusedByName) {
+  SKIP_WITHOUT_CUDA();
+  const auto pb = problem_of(cases()[0], 3);
+  Buffer o(Device::kCuda, 1 << 20), lse(Device::kCuda, 1 << 16), ws(Device::kCuda, 1 << 20);
+  DecodeParams p = pb.params(o.data(), o.data(), o.data(), lse.as<int32_t>(), lse.as<int32_t>(), lse.as<int32_t>(),
+                             lse.as<int32_t>(), o.data(), lse.as<float>());
+  PlanShape shape = testing::cuda_plan_shape(p.group_size * p.q_len, p.v.dim);
+  const DecodePlan plan = make_decode_plan(pb.seq_lens, shape);
+  DecodeParams pool = p;
+  pool.addressing = PageAddressing::kPoolPages;
+  pool.num_pool_pages = 1;
+  EXPECT_TRUE(testing::throws_error_naming([&] { run_decode_cuda(pool, plan, ws.data()); },
+                                           "kPoolPages page ids are not positions"));
+  DecodeParams many = p;
+  many.q_len = 99;
+  EXPECT_TRUE(testing::throws_error_naming([&] { run_decode_cuda(many, plan, ws.data()); },
+                                           "q_len = 99 must lie in [1, 16]"));
+  // The MLA kernel takes one token per request.
+  DecodeParams mla = p;
+  mla.group_size = 1;
+  mla.q_len = 4;
+  mla.k = RowView::dense(o.data(), 2, 8, 512, 576);
+  mla.v = mla.k;
+  mla.k_extra = RowView::dense(o.data(), 2, 8, 64);
+  mla.q_extra = o.data();
+  mla.window_len = 8;
+  PlanShape mla_shape = testing::cuda_plan_shape(4, 512);
+  const DecodePlan mla_plan = make_decode_plan(std::vector<int32_t>(pb.seq_lens.size(), 8), mla_shape);
+  Buffer mla_ws(Device::kCuda, mla_plan.workspace.total + 256);
+  EXPECT_TRUE(testing::throws_error_naming([&] { run_decode_cuda(mla, mla_plan, mla_ws.data()); },
+                                           "its kernel takes one query token per request"));
+}
+
+}  // namespace
+}  // namespace sparsepage

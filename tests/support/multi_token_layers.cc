@@ -1,0 +1,284 @@
+// Multi-token steps of the layers, checked on either backend
+// (tests/support/multi_token_layers.h).
+#include "support/multi_token_layers.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "sparsepage/memory.h"
+#include "support/layer_checks.h"
+#include "support/reference.h"
+
+namespace sparsepage::testing {
+namespace {
+
+// Values k / 8 with |k| <= 8: exact in bf16, and every dot product of up to
+// 256 of them is exact in fp32 whatever the order, so the GPU indexer's
+// choices (ties to the lower block id) equal the rule computed here.
+std::vector<float> grid_values(size_t count, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> pick(-8, 8);
+  std::vector<float> out(count);
+  for (float& x : out) x = static_cast<float>(pick(rng)) / 8.0f;
+  return out;
+}
+
+std::vector<uint8_t> to_dtype(DType dtype, const std::vector<float>& values) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+  from_float(dtype, values.data(), bytes.data(), values.size());
+  return bytes;
+}
+
+struct Scenario {
+  BlockSparseConfig config;
+  int32_t batch = 2, q_len = 4;
+  int64_t prompt = 0;
+  // Host copies: keys/values per (b, h, pos) for positions < prompt + q_len.
+  std::vector<float> k, v, index_k;  // [b][h][pos][d], [b][h][pos][d], [b][pos][d]
+  std::vector<float> q, index_q;     // [b][t][hq][d], [b][t][hkv][d]
+  std::vector<float> k_new, v_new;   // [t][b][hkv + 1][d], [t][b][hkv][d]
+  int64_t len() const { return prompt + q_len; }
+};
+
+Scenario make_scenario(const BlockSparseConfig& config, int32_t batch, int64_t prompt, int32_t q_len, uint64_t seed) {
+  Scenario s;
+  s.config = config;
+  s.batch = batch;
+  s.prompt = prompt;
+  s.q_len = q_len;
+  std::mt19937_64 rng(seed);
+  const size_t d = static_cast<size_t>(config.head_dim), hkv = static_cast<size_t>(config.num_kv_heads);
+  const size_t hq = static_cast<size_t>(config.num_qo_heads), len = static_cast<size_t>(s.len());
+  s.k = grid_values(static_cast<size_t>(batch) * hkv * len * d, rng);
+  s.v = grid_values(static_cast<size_t>(batch) * hkv * len * d, rng);
+  s.index_k = grid_values(static_cast<size_t>(batch) * len * d, rng);
+  s.q = grid_values(static_cast<size_t>(batch) * q_len * hq * d, rng);
+  s.index_q = grid_values(static_cast<size_t>(batch) * q_len * hkv * d, rng);
+  // The new tokens' rows, token-major as decode(tokens, q_len) takes them.
+  for (int32_t t = 0; t < q_len; ++t) {
+    const size_t pos = static_cast<size_t>(prompt + t);
+    for (size_t b = 0; b < static_cast<size_t>(batch); ++b) {
+      for (size_t h = 0; h <= hkv; ++h) {
+        const float* src = h < hkv ? &s.k[((b * hkv + h) * len + pos) * d] : &s.index_k[(b * len + pos) * d];
+        s.k_new.insert(s.k_new.end(), src, src + d);
+      }
+      for (size_t h = 0; h < hkv; ++h) {
+        const float* src = &s.v[((b * hkv + h) * len + pos) * d];
+        s.v_new.insert(s.v_new.end(), src, src + d);
+      }
+    }
+  }
+  return s;
+}
+
+// Loads the prompt into `layer` ([batch, heads, prompt, dim] contiguous, index key last).
+template <class Layer>
+void load_prompt(Layer& layer, const Scenario& s, DType dtype, Device device) {
+  const size_t d = static_cast<size_t>(s.config.head_dim), hkv = static_cast<size_t>(s.config.num_kv_heads);
+  const size_t len = static_cast<size_t>(s.len()), prompt = static_cast<size_t>(s.prompt);
+  std::vector<float> k, v;
+  for (size_t b = 0; b < static_cast<size_t>(s.batch); ++b) {
+    for (size_t h = 0; h <= hkv; ++h) {
+      for (size_t pos = 0; pos < prompt; ++pos) {
+        const float* src = h < hkv ? &s.k[((b * hkv + h) * len + pos) * d] : &s.index_k[(b * len + pos) * d];
+        k.insert(k.end(), src, src + d);
+      }
+    }
+    for (size_t h = 0; h < hkv; ++h) {
+      for (size_t pos = 0; pos < prompt; ++pos) {
+        const float* src = &s.v[((b * hkv + h) * len + pos) * d];
+        v.insert(v.end(), src, src + d);
+      }
+    }
+  }
+  const Buffer kb = upload(device, to_dtype(dtype, k)), vb = upload(device, to_dtype(dtype, v));
+  layer.append_tokens(kb.data(), vb.data(), s.prompt);
+}
+
+// The rule for a multi-token step, in fp64 (exact for grid values): the
+// blocks a request keeps, as a set.
+std::set<int32_t> expected_blocks(const Scenario& s, int32_t r) {
+  const auto& c = s.config;
+  const int32_t b = r / c.num_kv_heads, h = r % c.num_kv_heads;
+  const int64_t len = s.len(), num_blocks = (len + c.block_size - 1) / c.block_size;
+  const int64_t forced = std::min<int64_t>(num_blocks - c.local_blocks, (len - s.q_len) / c.block_size);
+  const size_t d = static_cast<size_t>(c.head_dim);
+  std::vector<std::pair<double, int32_t>> scored;  // (-score, block): sorts best first, ties to the lower id
+  std::set<int32_t> kept = {static_cast<int32_t>(num_blocks - 1)};
+  for (int64_t j = 0; j < num_blocks - 1; ++j) {
+    if (j >= forced) {
+      kept.insert(static_cast<int32_t>(j));
+      continue;
+    }
+    double best = -std::numeric_limits<double>::infinity();
+    for (int64_t pos = j * c.block_size; pos < (j + 1) * c.block_size; ++pos) {
+      for (int32_t t = 0; t < s.q_len; ++t) {
+        double dot = 0.0;
+        for (size_t i = 0; i < d; ++i) {
+          dot += double{s.index_q[((static_cast<size_t>(b) * s.q_len + t) * c.num_kv_heads + h) * d + i]} *
+                 s.index_k[(static_cast<size_t>(b) * len + pos) * d + i];
+        }
+        best = std::max(best, dot);
+      }
+    }
+    scored.push_back({-best, static_cast<int32_t>(j)});
+  }
+  std::sort(scored.begin(), scored.end());
+  const size_t free_slots = static_cast<size_t>(c.topk_blocks) - (kept.size() - 1);
+  for (size_t i = 0; i < std::min(free_slots, scored.size()); ++i) kept.insert(scored[i].second);
+  return kept;
+}
+
+// fp64 attention of (sequence b, token t, query head) over `positions` cut at
+// the token's causal limit; [hq, d] for sequence b, token t.
+std::vector<double> reference_rows(const Scenario& s, int32_t b, int32_t t,
+                                   const std::vector<std::vector<int32_t>>& positions_per_request) {
+  const auto& c = s.config;
+  const size_t d = static_cast<size_t>(c.head_dim), len = static_cast<size_t>(s.len());
+  const int32_t g_count = c.group_size();
+  const int64_t limit = s.len() - (s.q_len - 1 - t);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(static_cast<float>(c.head_dim)));
+  std::vector<double> out(static_cast<size_t>(c.num_qo_heads) * d, 0.0);
+  for (int32_t hq = 0; hq < c.num_qo_heads; ++hq) {
+    const int32_t h = hq / g_count;
+    const auto& positions = positions_per_request[static_cast<size_t>(b * c.num_kv_heads + h)];
+    const float* q = &s.q[((static_cast<size_t>(b) * s.q_len + t) * c.num_qo_heads + hq) * d];
+    std::vector<double> scores;
+    std::vector<int32_t> kept;
+    for (int32_t pos : positions) {
+      if (pos >= limit) continue;
+      const float* k = &s.k[((static_cast<size_t>(b) * c.num_kv_heads + h) * len + pos) * d];
+      double dot = 0.0;
+      for (size_t i = 0; i < d; ++i) dot += double{q[i]} * k[i];
+      scores.push_back(dot * static_cast<double>(static_cast<float>(scale)));
+      kept.push_back(pos);
+    }
+    if (scores.empty()) continue;
+    const double mx = *std::max_element(scores.begin(), scores.end());
+    double sum = 0.0;
+    for (size_t j = 0; j < scores.size(); ++j) {
+      const double w = std::exp(scores[j] - mx);
+      sum += w;
+      const float* v = &s.v[((static_cast<size_t>(b) * c.num_kv_heads + h) * len + kept[j]) * d];
+      for (size_t i = 0; i < d; ++i) out[static_cast<size_t>(hq) * d + i] += w * v[i];
+    }
+    for (size_t i = 0; i < d; ++i) out[static_cast<size_t>(hq) * d + i] /= sum;
+  }
+  return out;
+}
+
+// Runs one multi-token step; returns o as float [b][t][hq][d].
+std::vector<float> run_step(BlockSparseAttention& layer, const Scenario& s, DType dtype, Device device,
+                            BlockSparseStep* step) {
+  const Buffer q = upload(device, to_dtype(dtype, s.q)), iq = upload(device, to_dtype(dtype, s.index_q));
+  const Buffer k = upload(device, to_dtype(dtype, s.k_new)), v = upload(device, to_dtype(dtype, s.v_new));
+  const size_t o_elems = s.q.size();
+  Buffer o = upload(device, nan_values(dtype, o_elems));  // every element must be written
+  BlockSparseTokens tokens;
+  tokens.q = q.data();
+  tokens.index_q = iq.data();
+  tokens.k = k.data();
+  tokens.v = v.data();
+  tokens.o = o.data();
+  *step = layer.decode(tokens, s.q_len);
+  return as_float(dtype, download<uint8_t>(device, o.data(), o_elems * dtype_size(dtype)));
+}
+
+void expect_matches_reference(const Scenario& s, const std::vector<float>& o,
+                              const std::vector<std::vector<int32_t>>& positions, const std::string& what) {
+  const size_t d = static_cast<size_t>(s.config.head_dim), hq = static_cast<size_t>(s.config.num_qo_heads);
+  for (int32_t b = 0; b < s.batch; ++b) {
+    for (int32_t t = 0; t < s.q_len; ++t) {
+      const std::vector<double> want = reference_rows(s, b, t, positions);
+      const size_t row0 = (static_cast<size_t>(b) * s.q_len + t) * hq;
+      for (size_t h = 0; h < hq; ++h) {
+        const std::vector<float> got(o.begin() + static_cast<std::ptrdiff_t>((row0 + h) * d),
+                                     o.begin() + static_cast<std::ptrdiff_t>((row0 + h + 1) * d));
+        const std::vector<double> ref(want.begin() + static_cast<std::ptrdiff_t>(h * d),
+                                      want.begin() + static_cast<std::ptrdiff_t>((h + 1) * d));
+        EXPECT_LE(relative_l2(got, ref), 1e-2) << what << ": sequence " << b << " token " << t << " head " << h;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+BlockSparseConfig small_block_sparse_config() {
+  BlockSparseConfig c;
+  c.num_qo_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.block_size = 32;
+  c.topk_blocks = 4;
+  c.local_blocks = 1;
+  c.capacity_step = 256;
+  return c;
+}
+
+void check_block_sparse_multi_token(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
+                                    int32_t q_len) {
+  const DType dtype = DType::kBF16;
+  const Scenario s = make_scenario(config, batch, prompt, q_len, 1234 + static_cast<uint64_t>(prompt));
+  BlockSparseAttention layer(device, dtype, config, batch, always_fuse());
+  load_prompt(layer, s, dtype, device);
+  BlockSparseStep step;
+  const std::vector<float> o = run_step(layer, s, dtype, device, &step);
+  ASSERT_EQ(layer.kv_len(), s.len());
+  ASSERT_TRUE(step.sparse_regime);
+  ASSERT_TRUE(step.fused) << step.outcome.reason;
+  const auto blocks = layer.last_blocks();
+  ASSERT_EQ(blocks.size(), static_cast<size_t>(batch * config.num_kv_heads));
+  const int64_t first_new_block = prompt / config.block_size, final_block = (s.len() - 1) / config.block_size;
+  for (int32_t r = 0; r < batch * config.num_kv_heads; ++r) {
+    const std::set<int32_t> got(blocks[static_cast<size_t>(r)].begin(), blocks[static_cast<size_t>(r)].end());
+    EXPECT_EQ(blocks[static_cast<size_t>(r)].size(), static_cast<size_t>(config.topk_blocks + 1)) << "request " << r;
+    EXPECT_EQ(got, expected_blocks(s, r)) << "request " << r;
+    EXPECT_TRUE(got.count(static_cast<int32_t>(first_new_block)) && got.count(static_cast<int32_t>(final_block)))
+        << "request " << r << " keeps the blocks of every new token";
+  }
+  expect_matches_reference(s, o, layer.last_selected_positions(), "fused multi-token step");
+}
+
+void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch,
+                                          int64_t prompt, int32_t q_len, bool kill) {
+  const DType dtype = DType::kBF16;
+  const Scenario s = make_scenario(config, batch, prompt, q_len, 99 + static_cast<uint64_t>(prompt));
+  ASSERT_FALSE(config.sparse_regime(s.len()) && !kill) << "pick a context below the sparse regime";
+  BlockSparseAttention layer(device, dtype, config, batch, kill ? kill_switch() : always_fuse());
+  load_prompt(layer, s, dtype, device);
+  BlockSparseStep step;
+  const std::vector<float> o = run_step(layer, s, dtype, device, &step);
+  ASSERT_EQ(layer.kv_len(), s.len());
+  EXPECT_FALSE(step.fused);
+  // Token by token, each token attends everything up to its own position
+  // (below the sparse regime) or its own selection (kill switch, checked
+  // for the last token, whose selection the layer keeps).
+  if (!kill) {
+    std::vector<std::vector<int32_t>> all(static_cast<size_t>(batch * config.num_kv_heads));
+    for (auto& positions : all) {
+      positions.resize(static_cast<size_t>(s.len()));
+      std::iota(positions.begin(), positions.end(), 0);
+    }
+    expect_matches_reference(s, o, all, "token-by-token step below the sparse regime");
+  } else {
+    ASSERT_TRUE(step.sparse_regime);
+    const auto positions = layer.last_selected_positions();
+    const size_t d = static_cast<size_t>(config.head_dim), hq = static_cast<size_t>(config.num_qo_heads);
+    for (int32_t b = 0; b < batch; ++b) {
+      const std::vector<double> want = reference_rows(s, b, q_len - 1, positions);
+      const size_t row0 = (static_cast<size_t>(b) * q_len + q_len - 1) * hq;
+      const std::vector<float> got(o.begin() + static_cast<std::ptrdiff_t>(row0 * d),
+                                   o.begin() + static_cast<std::ptrdiff_t>((row0 + hq) * d));
+      EXPECT_LE(relative_l2(got, want), 1e-2) << "kill switch, sequence " << b << ", last token";
+    }
+    for (float x : o) ASSERT_FALSE(std::isnan(x)) << "every token's output is written";
+  }
+}
+
+}  // namespace sparsepage::testing
