@@ -125,7 +125,18 @@ struct IndexerParams {
   uint64_t* candidates;    // [batch, pitch]: threshold-bin composites, in arrival order
   int32_t* positions;      // out [batch, topk]
   int32_t* counts;         // out [batch]
+  // Multi-token steps: `batch` rows are (sequence, token) pairs, row b =
+  // sequence b / q_len, token b % q_len, which reads its sequence's keys
+  // below kv_lens[sequence] - (q_len - 1 - token): its own causal window.
+  int32_t q_len;
 };
+
+// Row b's live positions: its sequence's length, less the later new tokens.
+__device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
+  if (p.q_len == 1) return p.kv_lens[b];
+  const int seq = b / p.q_len;
+  return max(int64_t{0}, int64_t{p.kv_lens[seq]} - (p.q_len - 1 - (b - seq * p.q_len)));
+}
 
 // ---- tensor-memory-access copies ---------------------------------------------
 
@@ -233,7 +244,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.y;
-  const int64_t len = p.kv_lens[b];
+  const int64_t len = row_len(p, b);
   if (len <= p.topk) return;  // the window fits the top-k: nothing to score
   const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
   const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
@@ -280,7 +291,8 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
       const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
       mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
       for (int sl = 0; sl < L.slabs; ++sl) {
-        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), b);
+        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens),
+                    b / p.q_len);
       }
     }
   };
@@ -490,7 +502,7 @@ __global__ void __launch_bounds__(kClassifyThreads) dsa_classify_kernel(const __
   __shared__ int32_t bin[2];
   __shared__ int32_t last;
   const int b = blockIdx.y;
-  const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
+  const int64_t len = row_len(p, b);  // written before the score kernel started: safe before the wait
   const int64_t first = int64_t{blockIdx.x} * kSlice;
   if (len <= p.topk || first >= len) return;
   cuda::pdl_launch_dependents();  // the compaction may be scheduled; it waits for this grid
@@ -559,7 +571,7 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   } tmp;
   __shared__ int32_t offset;
   const int b = blockIdx.y;
-  const int64_t len = p.kv_lens[b];
+  const int64_t len = row_len(p, b);
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
   int32_t* out = p.positions + int64_t{b} * p.topk;
   if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
@@ -624,7 +636,7 @@ CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype) {
   }();
   const size_t row_bytes = static_cast<size_t>(p.row_stride) * 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.capacity),
-                              static_cast<cuuint64_t>(p.batch)};
+                              static_cast<cuuint64_t>(p.batch / p.q_len)};  // key sequences
   const cuuint64_t strides[2] = {row_bytes, row_bytes * static_cast<cuuint64_t>(p.capacity)};
   const cuuint32_t box[3] = {64, kTileTokens, 1};
   const cuuint32_t unit[3] = {1, 1, 1};
@@ -677,10 +689,15 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t ma
   return Workspace(batch, max_kv_len).total;
 }
 
-void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerArgs& a, void* stream) {
+void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaIndexerArgs& a, void* stream) {
   // Warpgroup MMAs and TMA: the MLA kernel's requirement (an sm_90 GPU and sm_90a code), asked of the same rule.
   const std::string arch = cuda_arch_problem(cuda_device_sm(), 512, 512, 64);
   require(arch.empty(), "the DSA indexer scores with warpgroup MMAs and TMA, as the MLA kernel does: " + arch);
+  require(a.q_len >= 1 && a.q_len <= kMaxQueryTokens,
+          "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
+  require(int64_t{sequences} * a.q_len <= 65535,
+          "batch * q_len = " + std::to_string(int64_t{sequences} * a.q_len) + " rows exceed 65535");
+  const int32_t batch = sequences * a.q_len;  // (sequence, token) rows
   detail::check_dsa_indexer_cuda(c, batch);
   require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
@@ -713,6 +730,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t batch, const DsaIndexerA
   p.pitch = ws.pitch;
   p.slices = ws.slices;
   p.batch = batch;
+  p.q_len = a.q_len;
   p.key_offset = c.latent_dim;
   p.heads = c.index_heads;
   p.dim = c.index_head_dim;

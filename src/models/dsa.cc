@@ -111,7 +111,8 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
       batch_(batch),
       cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
              config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
-      decoder_(device, dispatch) {}
+      decoder_(device, dispatch),
+      token_decoder_(device, dispatch) {}
 
 namespace {
 // Every input is checked before the cache changes, so a bad call appends nothing.
@@ -232,6 +233,7 @@ void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
 
 DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   check_tokens(tokens);
+  last_q_len_ = 1;
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers();
   cache_.append_token(tokens.k_cache_row, tokens.k_pe, stream);
@@ -264,8 +266,211 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   return step;
 }
 
+DsaStep DsaAttention::decode(const DsaTokens& tokens, int32_t q_len, void* stream) {
+  if (q_len < 1 || q_len > kMaxQueryTokens) {
+    throw Error("DsaAttention::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " +
+                std::to_string(kMaxQueryTokens) + "]");
+  }
+  if (q_len == 1) {
+    last_q_len_ = 1;
+    return decode(tokens, stream);
+  }
+  check_tokens(tokens);
+  if (int64_t{batch_} * q_len > 65535) {
+    throw Error("DsaAttention::decode: batch * q_len = " + std::to_string(int64_t{batch_} * q_len) +
+                " (sequence, token) rows exceed 65535");
+  }
+  cache_.reserve(cache_.live_len() + q_len);  // allocates only when the capacity must grow
+  size_step_buffers();
+  size_token_buffers(q_len);
+  // Decided before the cache changes, at the length the step will have.
+  SparseAttentionInputs in = token_inputs(tokens, q_len);
+  in.live_len = cache_.live_len() + q_len;
+  PagedSelection shape;
+  shape.pages = token_positions_.as<int32_t>();
+  shape.seq_lens = token_counts_.as<int32_t>();
+  shape.num_requests = batch_ * q_len;
+  shape.width = config_.index_topk;
+  shape.page_size = 1;
+  shape.max_selected = std::min<int64_t>(config_.index_topk, in.live_len);
+  if (token_decoder_.decide(in, shape).fused()) return decode_fused_tokens(tokens, q_len, stream);
+  return decode_token_by_token(tokens, q_len, stream);
+}
+
+// The step's attention inputs with each (sequence, token) a request: the
+// tokens fold as the sequence's "KV heads", whose rows are the sequence's
+// own (head stride 0), so q [batch, q_len * heads, dim] is the packed
+// [batch, q_len, heads, dim] and the window is still per sequence.
+SparseAttentionInputs DsaAttention::token_inputs(const DsaTokens& tokens, int32_t q_len) const {
+  SparseAttentionInputs in = inputs(tokens);
+  in.num_qo_heads = config_.num_qo_heads * q_len;
+  in.num_kv_heads = q_len;
+  in.k.head_stride = 0;
+  in.v.head_stride = 0;
+  in.k_extra.head_stride = 0;
+  return in;
+}
+
+void DsaAttention::size_token_buffers(int32_t q_len) {
+  const int64_t cap = cache_.capacity();
+  const int64_t rows = int64_t{batch_} * q_len;
+  if (q_len > sized_q_len_) {
+    token_positions_ = Buffer(device_, static_cast<size_t>(rows) * config_.index_topk * sizeof(int32_t));
+    token_counts_ = Buffer(device_, static_cast<size_t>(rows) * sizeof(int32_t));
+    sized_q_len_ = q_len;
+    token_sized_capacity_ = -1;
+  }
+  if (device_ == Device::kCuda && cap != token_sized_capacity_) {
+    token_index_workspace_ = Buffer(
+        device_, std::max<size_t>(256, dsa_indexer_workspace_bytes(config_, batch_ * sized_q_len_, cap)));
+  }
+  token_sized_capacity_ = cap;
+}
+
+DsaStep DsaAttention::decode_fused_tokens(const DsaTokens& tokens, int32_t q_len, void* stream) {
+  const size_t esize = dtype_size(dtype_);
+  const size_t k_slice = static_cast<size_t>(batch_) * (config_.latent_dim + config_.index_head_dim) * esize;
+  const size_t pe_slice = static_cast<size_t>(batch_) * config_.rope_dim * esize;
+  for (int32_t t = 0; t < q_len; ++t) {
+    cache_.append_token(static_cast<const char*>(tokens.k_cache_row) + t * k_slice,
+                        static_cast<const char*>(tokens.k_pe) + t * pe_slice, stream);
+  }
+  detail::cuda_record_event(after_append_, stream);
+  const SparseAttentionInputs in = token_inputs(tokens, q_len);
+  const int32_t rows = batch_ * q_len;
+  DsaStep step;
+  step.sparse = in.live_len - (q_len - 1) > config_.index_topk;  // the first token's window exceeds the top-k
+  if (device_ == Device::kCuda) {
+    DsaIndexerArgs args;
+    args.dtype = dtype_;
+    args.k_cache = cache_.k_rows().value().data;
+    args.capacity = cache_.capacity();
+    args.kv_lens = cache_.device_live_lens();
+    args.max_kv_len = cache_.capacity();
+    args.q_index = tokens.q_index;
+    args.weights = tokens.index_weights;
+    args.workspace = token_index_workspace_.data();
+    args.workspace_bytes = token_index_workspace_.bytes();
+    args.positions = token_positions_.as<int32_t>();
+    args.counts = token_counts_.as<int32_t>();
+    args.q_len = q_len;
+    dsa_select_tokens_cuda(config_, batch_, args, stream);
+  } else {
+    // Token t of every sequence: the one-token rule over its own window.
+    const RowView k_rows = cache_.k_rows().value();
+    const size_t d = static_cast<size_t>(config_.index_head_dim), esize_k = dtype_size(dtype_);
+    const size_t heads = static_cast<size_t>(config_.index_heads);
+    std::vector<float> q_all(static_cast<size_t>(rows) * heads * d);
+    to_float(dtype_, tokens.q_index, q_all.data(), q_all.size());
+    for (int32_t t = 0; t < q_len; ++t) {
+      const int64_t window = in.live_len - (q_len - 1 - t);
+      std::vector<std::vector<int32_t>> kept;
+      if (window <= config_.index_topk) {
+        kept.assign(static_cast<size_t>(batch_), std::vector<int32_t>(static_cast<size_t>(window)));
+        for (auto& p : kept) std::iota(p.begin(), p.end(), 0);
+      } else {
+        std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(window) * d);
+        std::vector<float> q(static_cast<size_t>(batch_) * heads * d), w(static_cast<size_t>(batch_) * heads);
+        for (int32_t b = 0; b < batch_; ++b) {
+          for (int64_t pos = 0; pos < window; ++pos) {
+            const auto element = static_cast<size_t>(k_rows.offset(b, 0, pos) + config_.latent_dim);
+            to_float(dtype_, static_cast<const char*>(k_rows.data) + element * esize_k,
+                     &keys[(static_cast<size_t>(b) * static_cast<size_t>(window) + static_cast<size_t>(pos)) * d], d);
+          }
+          const size_t row = static_cast<size_t>(b) * q_len + static_cast<size_t>(t);
+          std::copy(q_all.begin() + static_cast<std::ptrdiff_t>(row * heads * d),
+                    q_all.begin() + static_cast<std::ptrdiff_t>((row + 1) * heads * d),
+                    q.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(b) * heads * d));
+          std::copy(tokens.index_weights + row * heads, tokens.index_weights + (row + 1) * heads,
+                    w.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(b) * heads));
+        }
+        kept = dsa_select_tokens_cpu(config_, batch_, window, q.data(), w.data(), keys);
+      }
+      for (int32_t b = 0; b < batch_; ++b) {
+        const int64_t row = int64_t{b} * q_len + t;
+        const auto& k = kept[static_cast<size_t>(b)];
+        int32_t* out = token_positions_.as<int32_t>() + row * config_.index_topk;
+        for (int32_t i = 0; i < config_.index_topk; ++i) out[i] = i < static_cast<int32_t>(k.size()) ? k[static_cast<size_t>(i)] : -1;
+        token_counts_.as<int32_t>()[row] = static_cast<int32_t>(k.size());
+      }
+    }
+  }
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  last_q_len_ = q_len;
+  PagedSelection selection;
+  selection.pages = token_positions_.as<int32_t>();
+  selection.seq_lens = token_counts_.as<int32_t>();
+  selection.num_requests = rows;
+  selection.width = config_.index_topk;
+  selection.page_size = 1;
+  selection.max_selected = std::min<int64_t>(config_.index_topk, in.live_len);
+  step.outcome = token_decoder_.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
+    throw Error("DsaAttention::decode: the multi-token step was declined after its tokens were appended: " +
+                step.outcome.reason);
+  }
+  return step;
+}
+
+DsaStep DsaAttention::decode_token_by_token(const DsaTokens& tokens, int32_t q_len, void* stream) {
+  const size_t esize = dtype_size(dtype_);
+  const size_t b_count = static_cast<size_t>(batch_), hq = static_cast<size_t>(config_.num_qo_heads);
+  const size_t lat = static_cast<size_t>(config_.latent_dim) * esize, rope = static_cast<size_t>(config_.rope_dim) * esize;
+  const size_t iq = static_cast<size_t>(config_.index_heads) * config_.index_head_dim * esize;
+  const size_t iw = static_cast<size_t>(config_.index_heads) * sizeof(float);
+  if (stage_q_.empty()) {
+    stage_q_ = Buffer(device_, b_count * hq * lat);
+    stage_q_pe_ = Buffer(device_, b_count * hq * rope);
+    stage_q_index_ = Buffer(device_, b_count * iq);
+    stage_weights_ = Buffer(device_, b_count * iw);
+    stage_o_ = Buffer(device_, b_count * hq * lat);
+  }
+  // The copies below are synchronous, on the default stream: order them after the caller's stream.
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  const size_t k_slice = b_count * (static_cast<size_t>(config_.latent_dim) + config_.index_head_dim) * esize;
+  const size_t pe_slice = b_count * rope;
+  const auto slice = [&](Buffer& dst, const void* src, size_t row_bytes, int32_t t) {
+    copy_2d(dst.data(), device_, row_bytes, static_cast<const char*>(src) + t * row_bytes, device_, q_len * row_bytes,
+            row_bytes, b_count);
+  };
+  DsaStep step;
+  for (int32_t t = 0; t < q_len; ++t) {
+    slice(stage_q_, tokens.q_latent, hq * lat, t);
+    slice(stage_q_pe_, tokens.q_pe, hq * rope, t);
+    slice(stage_q_index_, tokens.q_index, iq, t);
+    slice(stage_weights_, tokens.index_weights, iw, t);
+    DsaTokens one;
+    one.q_latent = stage_q_.data();
+    one.q_pe = stage_q_pe_.data();
+    one.q_index = stage_q_index_.data();
+    one.index_weights = stage_weights_.as<float>();
+    one.k_cache_row = static_cast<const char*>(tokens.k_cache_row) + t * k_slice;
+    one.k_pe = static_cast<const char*>(tokens.k_pe) + t * pe_slice;
+    one.o = stage_o_.data();
+    step = decode(one, stream);
+    if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+    copy_2d(static_cast<char*>(tokens.o) + t * hq * lat, device_, q_len * hq * lat, stage_o_.data(), device_,
+            hq * lat, hq * lat, b_count);
+  }
+  last_q_len_ = 1;
+  return step;
+}
+
 std::vector<std::vector<int32_t>> DsaAttention::last_selected_positions() const {
   if (!have_selection_) return {};
+  if (last_q_len_ > 1) {  // one row per (sequence, token)
+    const int32_t rows = batch_ * last_q_len_;
+    const auto flat = download<int32_t>(device_, token_positions_.data(), static_cast<size_t>(rows) * config_.index_topk);
+    const auto counts = download<int32_t>(device_, token_counts_.data(), static_cast<size_t>(rows));
+    std::vector<std::vector<int32_t>> out(static_cast<size_t>(rows));
+    for (int32_t r = 0; r < rows; ++r) {
+      const auto first = flat.begin() + int64_t{r} * config_.index_topk;
+      out[static_cast<size_t>(r)].assign(first, first + counts[static_cast<size_t>(r)]);
+    }
+    return out;
+  }
   const auto flat = download<int32_t>(device_, positions_.data(), static_cast<size_t>(batch_) * config_.index_topk);
   const auto counts = download<int32_t>(device_, counts_.data(), static_cast<size_t>(batch_));
   std::vector<std::vector<int32_t>> out(static_cast<size_t>(batch_));

@@ -211,6 +211,18 @@ TEST(MultiTokenCpu, BlockSparseLayerTokenByToken) {
   testing::check_block_sparse_multi_token_dense(Device::kCpu, c, 2, 638, 4, true);
 }
 
+// DSA: one top-k per token over its own window (300 + 4 > 64: every window
+// is sparse; 62 + 4 straddles the top-k, the early tokens keep everything).
+TEST(MultiTokenCpu, DsaLayerFusedStep) {
+  const DsaConfig c = testing::small_dsa_config();
+  testing::check_dsa_multi_token(Device::kCpu, c, 2, 300, 4, false);
+  testing::check_dsa_multi_token(Device::kCpu, c, 1, 62, 4, false);
+}
+
+TEST(MultiTokenCpu, DsaLayerTokenByToken) {
+  testing::check_dsa_multi_token(Device::kCpu, testing::small_dsa_config(), 2, 300, 3, true);
+}
+
 TEST(MultiTokenCpu, BlockSparseLayerRefusesBadQLen) {
   BlockSparseAttention layer(Device::kCpu, DType::kBF16, testing::small_block_sparse_config(), 1);
   BlockSparseTokens tokens;

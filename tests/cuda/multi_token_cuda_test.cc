@@ -13,6 +13,7 @@
 #include "sparsepage/decode.h"
 #include "support/expect_error.h"
 #include "support/multi_token.h"
+#include "support/multi_token_layers.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -128,6 +129,41 @@ TEST(MultiTokenCuda, RefusedByName) {
   Buffer mla_ws(Device::kCuda, mla_plan.workspace.total + 256);
   EXPECT_TRUE(testing::throws_error_naming([&] { run_decode_cuda(mla, mla_plan, mla_ws.data()); },
                                            "its kernel takes one query token per request"));
+}
+
+// The block-sparse layer on the GPU: the CUDA indexer's multi-token scores
+// (max over the tokens' index queries) give the rule's blocks exactly, and
+// the fused step matches fp64 per token.
+TEST(MultiTokenCuda, BlockSparseLayerFusedStep) {
+  SKIP_WITHOUT_CUDA();
+  const BlockSparseConfig c = testing::small_block_sparse_config();
+  testing::check_block_sparse_multi_token(Device::kCuda, c, 2, 638, 4);
+  testing::check_block_sparse_multi_token(Device::kCuda, c, 3, 700, 2);
+  testing::check_block_sparse_multi_token(Device::kCuda, c, 1, 1000, 8);
+  BlockSparseConfig wide = c;  // 4 KV heads x 8 tokens: all 32 (token, head) index queries
+  wide.num_kv_heads = 4;
+  wide.num_qo_heads = 64;
+  testing::check_block_sparse_multi_token(Device::kCuda, wide, 2, 900, 8);
+}
+
+TEST(MultiTokenCuda, BlockSparseLayerTokenByToken) {
+  SKIP_WITHOUT_CUDA();
+  const BlockSparseConfig c = testing::small_block_sparse_config();
+  testing::check_block_sparse_multi_token_dense(Device::kCuda, c, 2, 100, 4, false);
+  testing::check_block_sparse_multi_token_dense(Device::kCuda, c, 2, 638, 4, true);
+}
+
+TEST(MultiTokenCuda, DsaLayerFusedStep) {
+  SKIP_WITHOUT_CUDA();
+  const DsaConfig c = testing::small_dsa_config();
+  testing::check_dsa_multi_token(Device::kCuda, c, 2, 300, 4, false);
+  testing::check_dsa_multi_token(Device::kCuda, c, 1, 62, 4, false);
+  testing::check_dsa_multi_token(Device::kCuda, c, 3, 1000, 8, false);
+}
+
+TEST(MultiTokenCuda, DsaLayerTokenByToken) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_dsa_multi_token(Device::kCuda, testing::small_dsa_config(), 2, 300, 3, true);
 }
 
 }  // namespace

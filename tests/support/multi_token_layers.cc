@@ -281,4 +281,183 @@ void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig
   }
 }
 
+namespace {
+
+// A DSA scenario on grid values: host copies of the cache rows (latent +
+// index key, and k_pe) per (b, pos), and the step's inputs.
+struct DsaScenario {
+  DsaConfig config;
+  int32_t batch = 2, q_len = 4;
+  int64_t prompt = 0;
+  std::vector<float> k_rows, pe;       // [b][pos][latent + index], [b][pos][rope]
+  std::vector<float> q, q_pe, q_index, weights;  // [b][t][...]
+  int64_t len() const { return prompt + q_len; }
+  size_t k_width() const { return static_cast<size_t>(config.latent_dim + config.index_head_dim); }
+};
+
+DsaScenario make_dsa_scenario(const DsaConfig& c, int32_t batch, int64_t prompt, int32_t q_len, uint64_t seed) {
+  DsaScenario s;
+  s.config = c;
+  s.batch = batch;
+  s.prompt = prompt;
+  s.q_len = q_len;
+  std::mt19937_64 rng(seed);
+  const size_t b = static_cast<size_t>(batch), len = static_cast<size_t>(s.len()), tq = b * q_len;
+  s.k_rows = grid_values(b * len * s.k_width(), rng);
+  s.pe = grid_values(b * len * c.rope_dim, rng);
+  s.q = grid_values(tq * c.num_qo_heads * c.latent_dim, rng);
+  s.q_pe = grid_values(tq * c.num_qo_heads * c.rope_dim, rng);
+  s.q_index = grid_values(tq * c.index_heads * c.index_head_dim, rng);
+  s.weights = grid_values(tq * c.index_heads, rng);
+  return s;
+}
+
+// Rows [from, to) of every sequence, [batch, 1, to - from, width] or token-major [to - from, batch, 1, 1, width].
+std::vector<float> dsa_rows(const std::vector<float>& all, const DsaScenario& s, size_t width, int64_t from, int64_t to,
+                            bool token_major) {
+  std::vector<float> out;
+  const size_t len = static_cast<size_t>(s.len());
+  if (token_major) {
+    for (int64_t pos = from; pos < to; ++pos) {
+      for (size_t b = 0; b < static_cast<size_t>(s.batch); ++b) {
+        const float* src = &all[(b * len + static_cast<size_t>(pos)) * width];
+        out.insert(out.end(), src, src + width);
+      }
+    }
+  } else {
+    for (size_t b = 0; b < static_cast<size_t>(s.batch); ++b) {
+      for (int64_t pos = from; pos < to; ++pos) {
+        const float* src = &all[(b * len + static_cast<size_t>(pos)) * width];
+        out.insert(out.end(), src, src + width);
+      }
+    }
+  }
+  return out;
+}
+
+// The rule for (sequence b, token t): the one-token indexer over the window
+// below the token's own position.
+std::vector<int32_t> dsa_expected(const DsaScenario& s, int32_t b, int32_t t) {
+  const auto& c = s.config;
+  const int64_t window = s.len() - (s.q_len - 1 - t);
+  std::vector<int32_t> kept;
+  if (window <= c.index_topk) {
+    kept.resize(static_cast<size_t>(window));
+    std::iota(kept.begin(), kept.end(), 0);
+    return kept;
+  }
+  const size_t d = static_cast<size_t>(c.index_head_dim), len = static_cast<size_t>(s.len());
+  std::vector<float> keys;
+  for (int64_t pos = 0; pos < window; ++pos) {
+    const float* src = &s.k_rows[(static_cast<size_t>(b) * len + static_cast<size_t>(pos)) * s.k_width() + c.latent_dim];
+    keys.insert(keys.end(), src, src + d);
+  }
+  const size_t row = static_cast<size_t>(b) * s.q_len + t;
+  const float* q = &s.q_index[row * c.index_heads * d];
+  const float* w = &s.weights[row * c.index_heads];
+  auto out = dsa_select_tokens_cpu(c, 1, window, q, w, keys)[0];
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// fp64 MLA attention of (b, t) over `positions`: [heads, latent].
+std::vector<double> dsa_rows_reference(const DsaScenario& s, int32_t b, int32_t t, const std::vector<int32_t>& positions) {
+  const auto& c = s.config;
+  const size_t len = static_cast<size_t>(s.len()), lat = static_cast<size_t>(c.latent_dim), rope = static_cast<size_t>(c.rope_dim);
+  const double scale = static_cast<double>(1.0f / std::sqrt(static_cast<float>(c.latent_dim + c.rope_dim)));
+  std::vector<double> out(static_cast<size_t>(c.num_qo_heads) * lat, 0.0);
+  for (size_t h = 0; h < static_cast<size_t>(c.num_qo_heads); ++h) {
+    const size_t qrow = (static_cast<size_t>(b) * s.q_len + t) * c.num_qo_heads + h;
+    std::vector<double> sc;
+    for (int32_t pos : positions) {
+      const float* k = &s.k_rows[(static_cast<size_t>(b) * len + pos) * s.k_width()];
+      const float* pe = &s.pe[(static_cast<size_t>(b) * len + pos) * rope];
+      double dot = 0.0;
+      for (size_t i = 0; i < lat; ++i) dot += double{s.q[qrow * lat + i]} * k[i];
+      for (size_t i = 0; i < rope; ++i) dot += double{s.q_pe[qrow * rope + i]} * pe[i];
+      sc.push_back(dot * scale);
+    }
+    const double mx = *std::max_element(sc.begin(), sc.end());
+    double sum = 0.0;
+    for (size_t j = 0; j < sc.size(); ++j) {
+      const double w = std::exp(sc[j] - mx);
+      sum += w;
+      const float* k = &s.k_rows[(static_cast<size_t>(b) * len + positions[j]) * s.k_width()];
+      for (size_t i = 0; i < lat; ++i) out[h * lat + i] += w * k[i];
+    }
+    for (size_t i = 0; i < lat; ++i) out[h * lat + i] /= sum;
+  }
+  return out;
+}
+
+}  // namespace
+
+DsaConfig small_dsa_config() {
+  DsaConfig c;
+  c.num_qo_heads = 16;
+  c.latent_dim = 512;
+  c.rope_dim = 64;
+  c.index_heads = 8;
+  c.index_head_dim = 64;
+  c.index_topk = 64;
+  c.capacity_step = 256;
+  return c;
+}
+
+void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch, int64_t prompt, int32_t q_len,
+                           bool kill) {
+  const DType dtype = DType::kBF16;
+  const DsaScenario s = make_dsa_scenario(config, batch, prompt, q_len, 77 + static_cast<uint64_t>(prompt));
+  DispatchConfig dispatch = kill ? kill_switch() : always_fuse();
+  dispatch.min_sparsity = 0;  // short windows too: the early tokens' windows may fit the top-k
+  DsaAttention layer(device, dtype, config, batch, dispatch);
+  {
+    const Buffer k = upload(device, to_dtype(dtype, dsa_rows(s.k_rows, s, s.k_width(), 0, prompt, false)));
+    const Buffer pe = upload(device, to_dtype(dtype, dsa_rows(s.pe, s, static_cast<size_t>(config.rope_dim), 0, prompt, false)));
+    layer.append_tokens(k.data(), pe.data(), prompt);
+  }
+  const Buffer q = upload(device, to_dtype(dtype, s.q)), q_pe = upload(device, to_dtype(dtype, s.q_pe));
+  const Buffer q_index = upload(device, to_dtype(dtype, s.q_index)), weights = upload(device, s.weights);
+  const Buffer k_new = upload(device, to_dtype(dtype, dsa_rows(s.k_rows, s, s.k_width(), prompt, s.len(), true)));
+  const Buffer pe_new =
+      upload(device, to_dtype(dtype, dsa_rows(s.pe, s, static_cast<size_t>(config.rope_dim), prompt, s.len(), true)));
+  const size_t o_elems = static_cast<size_t>(batch) * q_len * config.num_qo_heads * config.latent_dim;
+  Buffer o = upload(device, nan_values(dtype, o_elems));
+  DsaTokens tokens;
+  tokens.q_latent = q.data();
+  tokens.q_pe = q_pe.data();
+  tokens.q_index = q_index.data();
+  tokens.index_weights = weights.as<float>();
+  tokens.k_cache_row = k_new.data();
+  tokens.k_pe = pe_new.data();
+  tokens.o = o.data();
+  const DsaStep step = layer.decode(tokens, q_len);
+  EXPECT_EQ(layer.cache().live_len(), s.len());
+  EXPECT_EQ(step.fused, !kill) << step.outcome.reason;
+  const std::vector<float> got = as_float(dtype, download<uint8_t>(device, o.data(), o_elems * dtype_size(dtype)));
+  const auto selected = layer.last_selected_positions();
+  const size_t rows_per_token = static_cast<size_t>(config.num_qo_heads) * config.latent_dim;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < q_len; ++t) {
+      // Fused: row (b, t) of the step's selection; token by token: the last
+      // one-token step's selection is kept (one row per sequence), the
+      // earlier tokens are checked against the rule's selection.
+      const std::vector<int32_t> want = dsa_expected(s, b, t);
+      const bool kept = !kill || t == q_len - 1;
+      std::vector<int32_t> positions(want);
+      if (kept) {
+        const auto& row = selected.at(kill ? static_cast<size_t>(b) : static_cast<size_t>(b) * q_len + t);
+        positions.assign(row.begin(), row.end());
+        std::sort(positions.begin(), positions.end());
+        EXPECT_EQ(positions, want) << "sequence " << b << " token " << t << ": its own top-k over its own window";
+      }
+      const std::vector<double> ref = dsa_rows_reference(s, b, t, positions);
+      const size_t row0 = (static_cast<size_t>(b) * q_len + t) * rows_per_token;
+      const std::vector<float> o_bt(got.begin() + static_cast<std::ptrdiff_t>(row0),
+                                    got.begin() + static_cast<std::ptrdiff_t>(row0 + rows_per_token));
+      EXPECT_LE(relative_l2(o_bt, ref), 1e-2) << (kill ? "kill switch" : "fused") << ", sequence " << b << " token " << t;
+    }
+  }
+}
+
 }  // namespace sparsepage::testing

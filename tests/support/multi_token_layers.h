@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage::testing {
@@ -28,5 +29,18 @@ void check_block_sparse_multi_token(Device device, const BlockSparseConfig& conf
 /// selection, and no output left unwritten).
 void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch,
                                           int64_t prompt, int32_t q_len, bool kill);
+
+/// A small DSA geometry on the MLA shape (16 query heads, latent 512 + rope
+/// 64; 8 index heads of 64; top-64).
+DsaConfig small_dsa_config();
+
+/// One DSA multi-token step after a `prompt`-token prompt, on exactly
+/// representable inputs: each (sequence, token) keeps the one-token rule's
+/// top-k over its own causal window (fused), and each token's output
+/// matches fp64 over its selection with the output NaN-poisoned first.
+/// `kill`: under the kill switch the step runs token by token; every token
+/// is checked against fp64 over the rule's selection for its window.
+void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch, int64_t prompt, int32_t q_len,
+                           bool kill);
 
 }  // namespace sparsepage::testing

@@ -89,6 +89,25 @@ class DsaAttention {
   /// checked before the cache changes: a bad call appends nothing.
   DsaStep decode(const DsaTokens& tokens, void* stream = nullptr);
 
+  /// A multi-token step (speculative verification, MTP): appends q_len
+  /// tokens per sequence (1 .. kMaxQueryTokens; 1 is decode() above) and
+  /// attends them with one top-k per token, each token's indexer limited to
+  /// the context up to its own position. Layout, as engines lay out
+  /// [tokens, heads, dim] with a sequence's tokens consecutive: q_latent,
+  /// q_pe and o [batch, q_len, num_qo_heads, dim], q_index [batch, q_len,
+  /// index_heads, index_head_dim], index_weights [batch, q_len,
+  /// index_heads]; k_cache_row and k_pe are q_len one-token slices,
+  /// token-major, each what decode() takes ([q_len, batch, 1, 1, dim]).
+  /// Each token becomes a request of the fused decode (tokens fold as the
+  /// "KV heads" of their sequence, sharing its rows), so the MLA kernel
+  /// runs unchanged and requests of one sequence, adjacent in the grid, read
+  /// the rows their selections share from L2. A decline (the mask path takes
+  /// one token) runs the step as q_len one-token decode() calls through
+  /// staging copies that synchronize; only the fused step is capturable.
+  /// The selection of a fused step is read with last_selected_positions(),
+  /// one row per (sequence, token).
+  DsaStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
+
   /// Makes room for `tokens` live tokens and sizes the step's buffers for them.
   void reserve(int64_t tokens);
   /// Appends `tokens` tokens per sequence to the cache without attending (a
@@ -122,6 +141,10 @@ class DsaAttention {
   void size_step_buffers();
   void select_tokens_cpu(const DsaTokens& tokens);
   void select_tokens_cuda(const DsaTokens& tokens, void* stream);
+  DsaStep decode_fused_tokens(const DsaTokens& tokens, int32_t q_len, void* stream);
+  DsaStep decode_token_by_token(const DsaTokens& tokens, int32_t q_len, void* stream);
+  SparseAttentionInputs token_inputs(const DsaTokens& tokens, int32_t q_len) const;
+  void size_token_buffers(int32_t q_len);
   Device device_;
   DType dtype_;
   DsaConfig config_;
@@ -138,6 +161,14 @@ class DsaAttention {
   bool have_selection_ = false;
   void* after_append_ = nullptr;
   void* after_indexer_ = nullptr;
+  // Multi-token steps: one row per (sequence, token), sized for the capacity
+  // and q_len (size_token_buffers); their own decoder keeps their plan.
+  SparseDecoder token_decoder_;
+  int32_t sized_q_len_ = 0;
+  int64_t token_sized_capacity_ = -1;
+  Buffer token_positions_, token_counts_, token_index_workspace_;
+  int32_t last_q_len_ = 1;  // rows of the last selection per sequence
+  Buffer stage_q_, stage_q_pe_, stage_q_index_, stage_weights_, stage_o_;
 };
 
 /// The indexer on the host: for each sequence, the top `topk` positions of
@@ -166,6 +197,13 @@ struct DsaIndexerArgs {
   int32_t* positions = nullptr;    // out [batch, index_topk]: the kept positions of sequence b in increasing order,
                                    // then -1 up to index_topk
   int32_t* counts = nullptr;       // out [batch]: min(index_topk, kv_lens[b]), written on the device
+  /// Multi-token steps: each sequence has q_len query tokens, each with its
+  /// own top-k over its own causal window. q_index is then [batch, q_len,
+  /// index_heads, index_head_dim], weights [batch, q_len, index_heads],
+  /// positions [batch * q_len, index_topk] and counts [batch * q_len]; row
+  /// b * q_len + t keeps positions below kv_lens[b] - (q_len - 1 - t), and
+  /// the workspace is sized for batch * q_len rows.
+  int32_t q_len = 1;
 };
 
 /// Bytes of workspace dsa_select_tokens_cuda needs for `batch` sequences of
