@@ -84,6 +84,11 @@ __device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g,
 template <typename T, int NT>
 __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
   __shared__ float best_s[kScoreWarps][8 * NT];
+  // NT > 1: every (token, head) query staged once per CTA (copied while the
+  // keys load), rows padded by 16 bytes so the 8 rows g of a fragment load
+  // fall in different banks.
+  constexpr int kQPitch = kMaxHeadDim / 8 + 1;  // uint4 per staged query row
+  __shared__ uint4 q_s[NT > 1 ? kMaxColumns * kQPitch : 1];
   // Launched as a programmatic dependent of the step's append: wait for its
   // rows and length, then let the top-k grid be scheduled.
   cuda::pdl_wait_primary();
@@ -96,7 +101,8 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   // Local force-keep, and in a multi-token step the block of the first new
   // token too (the new tokens may straddle a block boundary): no need to
   // read the keys. For q_len = 1 the second bound is the final block.
-  const int64_t forced = min(num_blocks - p.local_blocks, max(len - p.q_len, int64_t{0}) / p.block_size);
+  int64_t forced = num_blocks - p.local_blocks;
+  if constexpr (NT > 1) forced = min(forced, max(len - p.q_len, int64_t{0}) / p.block_size);
   if (j >= forced) {
     for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
@@ -125,11 +131,23 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   const auto load_q = [&](int col) {
 #pragma unroll
     for (int s = 0; s < kMaxSegments; ++s) {
-      q[s] = s < segments && col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
-                                           : make_uint4(0, 0, 0, 0);
+      if constexpr (NT == 1) {
+        q[s] = s < segments && col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
+                                             : make_uint4(0, 0, 0, 0);
+      } else {
+        q[s] = s < segments && col < columns ? q_s[col * kQPitch + s * 4 + c] : make_uint4(0, 0, 0, 0);
+      }
     }
   };
-  if constexpr (NT == 1) load_q(g);  // one tile: the queries stay in registers
+  if constexpr (NT == 1) {
+    load_q(g);  // one tile: the queries stay in registers
+  } else {
+    const int pieces = p.dim / 8;
+    for (int i = threadIdx.x; i < columns * pieces; i += kScoreThreads) {
+      q_s[(i / pieces) * kQPitch + i % pieces] = *reinterpret_cast<const uint4*>(qb + int64_t{i} * 8);
+    }
+    __syncthreads();
+  }
   float best[NT][2];  // columns 8 nt + 2c, 8 nt + 2c + 1
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) best[nt][0] = best[nt][1] = cuda::neg_inf_f32();
@@ -138,8 +156,8 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (nt * 8 >= columns) break;
-      // Several tiles: each tile's queries are re-read (L1) rather than
-      // held, which would cost 16 registers per tile.
+      // Several tiles: each tile's queries are read from shared memory
+      // rather than held, which would cost 16 registers per tile.
       if constexpr (NT > 1) load_q(nt * 8 + g);
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -178,10 +196,14 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
     }
   }
   __syncthreads();
-  if (threadIdx.x < p.heads) {  // max over the warps and the query tokens
+  if (threadIdx.x < p.heads) {  // max over the warps (and the query tokens)
     float m = best_s[0][threadIdx.x];
-    for (int w = 0; w < kScoreWarps; ++w) {
-      for (int col = threadIdx.x; col < columns; col += p.heads) m = fmaxf(m, best_s[w][col]);
+    if constexpr (NT == 1) {
+      for (int w = 1; w < kScoreWarps; ++w) m = fmaxf(m, best_s[w][threadIdx.x]);
+    } else {
+      for (int w = 0; w < kScoreWarps; ++w) {
+        for (int col = threadIdx.x; col < columns; col += p.heads) m = fmaxf(m, best_s[w][col]);
+      }
     }
     out[int64_t{threadIdx.x} * p.max_scored] = m;
   }

@@ -79,7 +79,9 @@ TEST(MultiTokenCuda, MatchesFp64AndSingleTokenSteps) {
 // result must differ from that for every earlier token.
 TEST(MultiTokenCuda, TheCausalLimitChangesTheEarlierTokens) {
   SKIP_WITHOUT_CUDA();
-  const auto pb = problem_of(cases()[1], 9);
+  // Few selected positions (3 pages of 64), so that the 1 to 3 positions a
+  // limit removes move every earlier token's output by more than 5%.
+  const auto pb = problem_of(cases()[0], 7);
   auto unlimited = pb;
   for (int32_t& live : unlimited.spec.live_lens) live += pb.spec.q_len - 1;
   const auto without_limit = testing::multi_token_reference(unlimited);
