@@ -31,6 +31,9 @@ bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }
 CudaLaunchShape cuda_launch_shape(int32_t, int32_t, int32_t, int32_t) {
   throw Error("cuda_launch_shape: sparsepage was built without CUDA");
 }
+CudaLaunchShape cuda_launch_shape_tokens(int32_t, int32_t, int32_t, int32_t, int32_t) {
+  throw Error("cuda_launch_shape: sparsepage was built without CUDA");
+}
 int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }
 int32_t cuda_device_sm() { return 0; }
 void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cuda"); }

@@ -127,8 +127,8 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<i
   shape.head_dim_v = in.v.dim;
   shape.num_sms = machine_width(device_);
   if (device_ == Device::kCuda) {
-    const CudaLaunchShape launch =
-        cuda_launch_shape(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0, group);
+    const CudaLaunchShape launch = cuda_launch_shape_tokens(
+        in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0, in.num_qo_heads / in.num_kv_heads, in.q_len);
     shape.ctas_per_item = launch.ctas_per_item;
     shape.items_per_sm = launch.ctas_per_sm;
   }

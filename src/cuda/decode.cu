@@ -54,10 +54,22 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
 }
 
 CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size) {
+  return cuda_launch_shape_tokens(head_dim_qk, head_dim_v, head_dim_extra, group_size, 1);
+}
+
+CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
+                                         int32_t group_size, int32_t q_len) {
   const cuda::TileShape shape = cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra);
   if (shape == cuda::TileShape::kNone) throw Error("cuda_launch_shape: no CUDA kernel for these head dims");
   if (group_size < 1) throw Error("cuda_launch_shape: group_size must be at least 1");
+  if (q_len < 1) throw Error("cuda_launch_shape: q_len must be at least 1");
   CudaLaunchShape s;
+  if (cuda::uses_multi_token_cta(shape, group_size, q_len)) {
+    s.ctas_per_item = cuda::multi_token_ctas_per_item(group_size, q_len);
+    s.ctas_per_sm = cuda::multi_token_resident_ctas();
+    return s;
+  }
+  group_size *= q_len;  // the 16-row CTA: query rows
   s.ctas_per_item = cuda::ctas_per_item(shape, group_size);
   s.ctas_per_sm = cuda::resident_ctas_per_sm<cuda::PagedSource>(shape);
   return s;

@@ -12,9 +12,9 @@
 namespace sparsepage {
 namespace cuda {
 
-template <typename T, int DK, int DV, class Source>
+template <typename T, int DK, int DV, class Source, class Config = TileConfig<DK, DV, Source::kHasBias>>
 struct PartialCta {
-  using Cfg = TileConfig<DK, DV, Source::kHasBias>;
+  using Cfg = Config;  // the multi-token CTA (decode_partial_multi.cuh) brings its own stages
   using Tr = ElemTraits<T>;
   static constexpr int kKChunks = DK / 8;  // 16-byte chunks per K tile row
   static constexpr int kVChunks = DV / 8;
@@ -31,6 +31,7 @@ struct PartialCta {
   const T* e_base;
   int tid, warp, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
+  int tile_rows;  // query rows per CTA: kQueryTile, or kMultiRows for the multi-token CTA
   bool bad = false;  // this thread met a page id outside the pool
   uint32_t skip_stages = 0;  // bit s: the tile in stage s holds padding (-1) rows of this warp's 16
 
@@ -39,25 +40,26 @@ struct PartialCta {
   float acc[DV / 8][4];
   uint32_t qf[Cfg::kQInRegs ? DK / 16 : 1][4];
 
-  __device__ explicit PartialCta(const Params& params, unsigned char* smem) : p(params) {
+  __device__ explicit PartialCta(const Params& params, unsigned char* smem, int rows_per_cta = kQueryTile)
+      : p(params), tile_rows(rows_per_cta) {
     stages = reinterpret_cast<T*>(smem);
     q_tile = stages + kS * Cfg::kStageElems;
-    ids = reinterpret_cast<int32_t*>(q_tile + kQueryTile * DK);
+    ids = reinterpret_cast<int32_t*>(q_tile + tile_rows * DK);
     tid = threadIdx.x;
     warp = tid / 32;
     lane = tid % 32;
     // Query-row tiles of one item are adjacent in the grid (tile fastest),
     // so the CTAs that read the same rows run together and share them in L2.
     const int32_t rows = p.group_size * p.q_len;
-    const int32_t tiles = (rows + kQueryTile - 1) / kQueryTile;
+    const int32_t tiles = (rows + tile_rows - 1) / tile_rows;
     const int32_t item = static_cast<int32_t>(blockIdx.x) / tiles;
     const ItemShare<T> share = open_item<T>(p, item, src);
     request = share.request;
     tok_begin = share.tok_begin;
     len = share.len;
     partial = share.partial;
-    head0 = (static_cast<int32_t>(blockIdx.x) - item * tiles) * kQueryTile;
-    heads = min(kQueryTile, rows - head0);
+    head0 = (static_cast<int32_t>(blockIdx.x) - item * tiles) * tile_rows;
+    heads = min(tile_rows, rows - head0);
     k_base = share.k_base;
     v_base = share.v_base;
     e_base = share.e_base;
@@ -76,7 +78,7 @@ struct PartialCta {
     const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
     const T* e0 = p.q_extra ? static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0)
                             : nullptr;
-    for (int idx = tid; idx < kQueryTile * kKChunks; idx += kThreads) {
+    for (int idx = tid; idx < tile_rows * kKChunks; idx += kThreads) {
       const int row = idx / kKChunks, c = idx % kKChunks;
       T* dst = q_tile + swizzle(row, c, kKChunks);
       if (row >= heads) {

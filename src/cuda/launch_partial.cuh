@@ -15,9 +15,13 @@
 //                     of K, 64 query heads per CTA on warpgroup MMAs
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda/decode_partial.cuh"
+#include "cuda/decode_partial_multi.cuh"
 #include "cuda/mla_partial.cuh"
 #include "sparsepage/decode.h"
 
@@ -47,6 +51,29 @@ inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
 inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
   const int32_t heads = shape == TileShape::kMla ? MlaTile::kHeads : kQueryTile;
   return (group_size + heads - 1) / heads;
+}
+
+/// Whether a launch runs the multi-token CTA (decode_partial_multi.cuh): a
+/// multi-token step with more query rows than one 16-row tile, at head dim
+/// 128, over the library's own page tables (PagedSource). Everything else
+/// runs the 16-row CTA.
+/// SPARSEPAGE_MULTI_TOKEN_CTA=0 runs those steps on the 16-row CTA instead,
+/// for measuring the two (read once per process).
+inline bool uses_multi_token_cta(TileShape shape, int32_t group_size, int32_t q_len) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled && q_len > 1 && int64_t{group_size} * q_len > kQueryTile && shape == TileShape::kK128V128;
+}
+
+/// CTAs per work item and resident CTAs per SM of the multi-token CTA.
+inline int32_t multi_token_ctas_per_item(int32_t group_size, int32_t q_len) {
+  return static_cast<int32_t>((int64_t{group_size} * q_len + kMultiRows - 1) / kMultiRows);
+}
+inline int32_t multi_token_resident_ctas() {
+  using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, PagedSource>;
+  return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, PagedSource>, kThreads, Cta::kSmemBytes);
 }
 
 template <typename T, class Source>
@@ -160,7 +187,20 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
 }
 
 template <typename T, class Source>
+void launch_multi_token(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
+  using Cta = MultiTokenCta<T, 128, 128, Source>;
+  auto kernel = multi_token_kernel<T, 128, 128, Source>;
+  configure_smem_once(kernel, Cta::kSmemBytes);
+  const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
+  if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cta::kSmemBytes, stream, p);
+}
+
+template <typename T, class Source>
 void launch_partial_typed(const typename Source::Params& p, TileShape shape, int32_t num_items, cudaStream_t stream) {
+  if constexpr (std::is_same_v<Source, PagedSource>) {
+    if (uses_multi_token_cta(shape, p.group_size, p.q_len)) return launch_multi_token<T, Source>(p, num_items, stream);
+  }
   switch (shape) {
     case TileShape::kK64V64: return launch_partial_shape<T, 64, 64, Source>(p, num_items, stream);
     case TileShape::kK128V128: return launch_partial_shape<T, 128, 128, Source>(p, num_items, stream);
