@@ -54,17 +54,20 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
 }
 
 /// Whether a launch runs the multi-token CTA (decode_partial_multi.cuh): a
-/// multi-token step with more query rows than one 16-row tile, at head dim
-/// 128, over the library's own page tables (PagedSource). Everything else
-/// runs the 16-row CTA.
-/// SPARSEPAGE_MULTI_TOKEN_CTA=0 runs those steps on the 16-row CTA instead,
-/// for measuring the two (read once per process).
+/// multi-token step with more than 32 query rows (three 16-row tiles or
+/// more), at head dim 128, over the library's own page tables (PagedSource).
+/// Everything else runs the 16-row CTA. Measured on the H200 (block-sparse
+/// step, batch 32, 32K, 16 heads per KV head; docs/PERFORMANCE.md): at 2
+/// tokens (32 rows) the 16-row tiles are faster (172.7 against 183.1 us), at
+/// 4 and 8 tokens the 64-row CTA (199.4 against 242.7 us, 325.9 against
+/// 421.9 us). SPARSEPAGE_MULTI_TOKEN_CTA=0 runs every step on the 16-row
+/// CTA, for measuring the two (read once per process).
 inline bool uses_multi_token_cta(TileShape shape, int32_t group_size, int32_t q_len) {
   static const bool enabled = [] {
     const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  return enabled && q_len > 1 && int64_t{group_size} * q_len > kQueryTile && shape == TileShape::kK128V128;
+  return enabled && q_len > 1 && int64_t{group_size} * q_len > 2 * kQueryTile && shape == TileShape::kK128V128;
 }
 
 /// CTAs per work item and resident CTAs per SM of the multi-token CTA.

@@ -36,8 +36,8 @@ std::vector<Case> cases() {
       {DType::kBF16, 6, 3, 16, 12, {190, 161}, 64, 64},         // 18 rows over 2 tiles, split
       {DType::kBF16, 1, 8, 1, 300, {400, 17}, 64, 128},         // token pages, 8 tokens, split
       {DType::kBF16, 32, 2, 64, 6, {300}, 0, 256},              // 2 tiles per token, wide head
-      // The 64-row multi-token CTA (head dim 128, more than 16 rows):
-      {DType::kBF16, 6, 3, 16, 9, {150, 97}, 0, 128},           // 18 rows, 46 of the 64 padding
+      // The 64-row multi-token CTA (head dim 128, more than 32 rows):
+      {DType::kBF16, 6, 6, 16, 9, {150, 97}, 0, 128},           // 36 rows, 28 of the 64 padding
       {DType::kF16, 8, 8, 32, 7, {230, 180, 41}, 64, 128},      // 64 rows, split and merged
       {DType::kBF16, 12, 8, 1, 200, {260, 300}, 64, 128},       // 96 rows: two CTAs, a token across them
       {DType::kBF16, 16, 8, 128, 5, {1000}, 0, 128},            // 128 rows: two CTAs
