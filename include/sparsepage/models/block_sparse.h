@@ -104,7 +104,8 @@ class BlockSparseAttention {
   /// outside the sparse regime, or when the policy declines, the step runs
   /// as q_len one-token decode() calls (each token appended, then attended,
   /// with its own selection): exact causal attention, but copies through
-  /// staging buffers that synchronize, so only the fused step is capturable.
+  /// staging buffers that synchronize, so only the fused step can be captured
+  /// (it allocates nothing after the first step at a capacity; no test captures it yet).
   /// The returned step describes the fused step, or the last one-token step.
   BlockSparseStep decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream = nullptr);
 

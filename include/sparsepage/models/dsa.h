@@ -103,7 +103,8 @@ class DsaAttention {
   /// runs unchanged and requests of one sequence, adjacent in the grid, read
   /// the rows their selections share from L2. A decline (the mask path takes
   /// one token) runs the step as q_len one-token decode() calls through
-  /// staging copies that synchronize; only the fused step is capturable.
+  /// staging copies that synchronize; only the fused step can be captured
+  /// (it allocates nothing after the first step at a capacity; no test captures it yet).
   /// The selection of a fused step is read with last_selected_positions(),
   /// one row per (sequence, token).
   DsaStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
