@@ -28,9 +28,10 @@ void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t toke
   for (const auto& [stride, count] : dims) {
     if (count <= 1) continue;
     require(static_cast<long double>(stride) >= extent,
-            "o_strides (seq_stride " + std::to_string(s.seq_stride) + ", token_stride " +
-                std::to_string(s.token_stride) + ", head_stride " + std::to_string(s.head_stride) +
-                ") make the output rows of " + std::to_string(dim) + " elements overlap");
+            "o_strides (seq_stride " + std::to_string(s.seq_stride) +
+                (tokens > 1 ? ", token_stride " + std::to_string(s.token_stride) : std::string()) + ", head_stride " +
+                std::to_string(s.head_stride) + ") make the output rows of " + std::to_string(dim) +
+                " elements overlap");
     extent += static_cast<long double>(stride) * static_cast<long double>(count - 1);
   }
 }
