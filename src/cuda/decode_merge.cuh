@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   }
   const int32_t seq = request / p.num_kv_heads, kv_head = request - seq * p.num_kv_heads;
   const int32_t heads = p.heads > 0 ? p.heads : p.group_size;
-  const int32_t token = head / heads, g = head - token * heads;
+  const int32_t token = p.q_len == 1 ? 0 : head / heads, g = head - token * heads;  // one token: row = head
   const int64_t out_row = ((int64_t{seq} * p.q_len + token) * p.num_kv_heads + kv_head) * heads + g;
   T* dst = static_cast<T*>(p.o) + seq * p.o_seq + int64_t{token} * p.o_tok +
            (int64_t{kv_head} * heads + g) * p.o_head + col;

@@ -246,6 +246,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   const int b = blockIdx.y;
   const int64_t len = row_len(p, b);
   if (len <= p.topk) return;  // the window fits the top-k: nothing to score
+  const int key_seq = p.q_len == 1 ? b : b / p.q_len;  // whose keys this row scores
   const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
   const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
   const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
       mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
       for (int sl = 0; sl < L.slabs; ++sl) {
         tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens),
-                    b / p.q_len);
+                    key_seq);
       }
     }
   };
