@@ -36,6 +36,11 @@ struct SparseAttentionInputs {
   RowView k;
   RowView v;                // may alias K's first columns
   RowView k_extra;          // second K stream (MLA rope keys); data null when absent
+  /// How K and V are stored (decode.h); the fp8 forms count K and V strides
+  /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
+  KvFormat kv_format = KvFormat::kNative;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
   const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
   float scale = 1.0f;
