@@ -85,13 +85,21 @@ Fp8Problem make_fp8_mla(const PagedProblem& base, int64_t row_bytes) {
   return f;
 }
 
-Reference reference_attention(const Fp8Problem& f) {
+Reference reference_attention(const Fp8Problem& f) { return reference_attention(f, f.base->token_rows()); }
+
+Reference reference_attention(const Fp8Problem& f, const std::vector<std::vector<int64_t>>& all_rows) {
   const PagedProblem& pb = *f.base;
+  std::vector<std::vector<int64_t>> rows;
+  for (const auto& request : all_rows) {
+    rows.emplace_back();
+    for (int64_t row : request) {
+      if (row >= 0) rows.back().push_back(row);
+    }
+  }
   const auto& s = pb.spec;
   const std::vector<float> q = as_float(s.dtype, pb.q);
   const std::vector<float> qe = s.dim_extra > 0 ? as_float(s.dtype, pb.q_extra) : std::vector<float>{};
   const std::vector<float> e = s.dim_extra > 0 ? as_float(s.dtype, pb.e_pool) : std::vector<float>{};
-  const auto rows = pb.token_rows();
   Reference ref;
   ref.o.assign(rows.size() * s.group_size * s.dim_v, 0.0);
   ref.lse.assign(rows.size() * s.group_size, -std::numeric_limits<double>::infinity());

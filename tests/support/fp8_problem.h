@@ -37,7 +37,10 @@ Fp8Problem make_fp8_per_head(const PagedProblem& base, int32_t num_kv_heads);
 /// (second stream) pools; base must be the MLA shape with V aliasing K.
 Fp8Problem make_fp8_mla(const PagedProblem& base, int64_t row_bytes = 656);
 
-/// fp64 attention over the dequantized values.
+/// fp64 attention over the dequantized values of each request's rows
+/// (default: the base problem's token_rows(); negative rows are skipped,
+/// as -1 padding is).
 Reference reference_attention(const Fp8Problem& problem);
+Reference reference_attention(const Fp8Problem& problem, const std::vector<std::vector<int64_t>>& rows);
 
 }  // namespace sparsepage::testing
