@@ -77,8 +77,10 @@ float f16_to_float(uint16_t bits) {
 }
 
 uint8_t float_to_e4m3(float value) {
+  // NaN: 0x7F whatever its sign bit, as the CUDA conversion writes it (an
+  // inf / inf on the host is a negative NaN).
+  if (std::isnan(value)) return 0x7F;
   const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
-  if (std::isnan(value)) return static_cast<uint8_t>(sign | 0x7F);
   const float magnitude = std::fabs(value);
   if (magnitude >= kE4m3Max) return static_cast<uint8_t>(sign | 0x7E);  // saturate (infinity included)
   if (magnitude < 0.015625f) {

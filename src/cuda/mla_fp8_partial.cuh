@@ -18,6 +18,12 @@
 // The stage written is the one P V of the tile before last read, which the
 // loop's barrier has already released; the bf16 kernel's two stages and
 // its shared-memory map are unchanged.
+//
+// Measured on the H200 (docs/PERFORMANCE.md, "FP8 caches"): this order is
+// the faster of the two tried. Storing tile t+1 while the tensor cores run
+// S of tile t (registers two tiles ahead, ids three) measured 242 TFLOP/s at
+// batch 128 against 260 for this one: the stores and the wgmma operand reads
+// share the shared-memory pipe, so the overlap cost more than it hid.
 #pragma once
 
 #include "cuda/fp8_convert.cuh"

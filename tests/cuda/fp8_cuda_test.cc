@@ -35,9 +35,12 @@ TEST(QuantizeMlaFp8Cuda, SameBytesAsTheCpuQuantizer) {
   fill_bytes(ddst.data(), Device::kCuda, 0xAB, ddst.bytes());
   quantize_mla_fp8_cuda(DType::kBF16, dsrc.data(), rows, 576, ddst.data(), 672);
   const std::vector<uint8_t> gpu = download<uint8_t>(Device::kCuda, ddst.data(), ddst.bytes());
-  size_t differ = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) differ += cpu[i] != gpu[i];
-  EXPECT_EQ(differ, 0u) << "bytes differ between the CPU and CUDA quantizers";
+  size_t differ = 0, first = 0;
+  for (size_t i = cpu.size(); i-- > 0;) {
+    if (cpu[i] != gpu[i]) ++differ, first = i;
+  }
+  EXPECT_EQ(differ, 0u) << "bytes differ between the CPU and CUDA quantizers; the first: row " << first / 672
+                        << ", byte " << first % 672 << ": cpu " << int{cpu[first]} << ", gpu " << int{gpu[first]};
   EXPECT_TRUE(testing::throws_error_naming(
       [&] { quantize_mla_fp8_cuda(DType::kBF16, dsrc.data(), rows, 572, ddst.data(), 672); }, "src_row_stride = 572"));
 }
