@@ -32,16 +32,18 @@ struct MlaFp8Views {
 };
 MlaFp8Views mla_fp8_views(const void* data, int64_t rows, int64_t row_bytes = MlaFp8Row::kBytes);
 
-/// Quantizes `rows` rows of [512 latent | 64 rope] values (`dtype` bf16 or
-/// f16, `src_row_stride` elements apart) into 656-byte rows at `dst`,
-/// `dst_row_bytes` apart: per 128 latent values scale = amax / 448 (1 for an
-/// all-zero block), value = e4m3(x / scale) rounded to nearest even and
-/// saturated; the rope is copied as bf16. A NaN in a block makes its scale
-/// NaN (NaN never passes silently). The CPU and CUDA versions give the same
-/// bytes. Throws sparsepage::Error naming a bad argument.
+/// Quantizes `rows` rows of [512 latent | 64 rope] bf16 values (`dtype` must
+/// be bf16; `src_row_stride` elements apart) into 656-byte rows at `dst`,
+/// `dst_row_bytes` apart (>= 656, a multiple of 16): per 128 latent values
+/// scale = amax / 448 (1 for an all-zero block), value = e4m3(x / scale)
+/// rounded to nearest even and saturated; the rope is copied. A NaN in a
+/// block makes its scale NaN (NaN never passes silently). The CPU and CUDA
+/// versions give the same bytes. Throws sparsepage::Error naming a bad
+/// argument. Bytes of a row past 656 are not written.
 void quantize_mla_fp8_cpu(DType dtype, const void* src, int64_t rows, int64_t src_row_stride, void* dst,
                           int64_t dst_row_bytes = MlaFp8Row::kBytes);
-/// The CUDA kernel (device pointers, asynchronous on `stream`, a cudaStream_t).
+/// The CUDA kernel (device pointers, asynchronous on `stream`, a cudaStream_t;
+/// src and dst 16-byte aligned and src_row_stride a multiple of 8).
 void quantize_mla_fp8_cuda(DType dtype, const void* src, int64_t rows, int64_t src_row_stride, void* dst,
                            int64_t dst_row_bytes = MlaFp8Row::kBytes, void* stream = nullptr);
 
