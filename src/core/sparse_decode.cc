@@ -29,11 +29,26 @@ void check_inputs(const SparseAttentionInputs& in) {
           "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
   require(in.live_len >= 0 && in.live_len <= INT32_MAX,
           "live_len = " + std::to_string(in.live_len) + " must lie in [0, 2^31 - 1]");
+  // Rows each stream must hold distinct: the live window of a dense cache,
+  // every row of an engine's pool.
+  int64_t rows = in.live_len;
+  if (in.block_table.data != nullptr) {
+    const BlockTable& t = in.block_table;
+    require(t.block_size >= 1 && t.num_blocks >= 0 && t.max_blocks >= 0 && t.row_stride >= t.max_blocks,
+            "block_table: need block_size >= 1, num_blocks and max_blocks >= 0, row_stride >= max_blocks");
+    require(t.num_rows >= in.batch || t.row_of_sequence != nullptr,
+            "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the batch's " +
+                std::to_string(in.batch) + " sequences");
+    require(int64_t{t.max_blocks} * t.block_size >= in.live_len,
+            "block_table: " + std::to_string(t.max_blocks) + " blocks of " + std::to_string(t.block_size) +
+                " rows cannot hold live_len = " + std::to_string(in.live_len) + " positions");
+    require(t.num_blocks <= (int64_t{1} << 62) / t.block_size, "block_table.num_blocks * block_size overflows");
+    rows = t.num_blocks * t.block_size;
+  }
   const std::pair<const RowView*, const char*> streams[] = {{&in.k, "k"}, {&in.v, "v"}, {&in.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {
     if (stream == &in.k_extra && in.k_extra.data == nullptr) continue;
-    const std::string problem =
-        row_view_problem(*stream, name, in.batch, in.num_kv_heads, in.live_len, dtype_size(in.dtype));
+    const std::string problem = row_view_problem(*stream, name, in.batch, in.num_kv_heads, rows, dtype_size(in.dtype));
     require(problem.empty(), problem);
   }
   require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
@@ -165,6 +180,11 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   p.addressing = PageAddressing::kWindow;
   p.window_lens = in.live_lens;
   p.window_len = in.live_len;
+  if (in.block_table.data != nullptr) {
+    // An engine's pool: positions (the same page ids) resolved through its table.
+    p.addressing = PageAddressing::kBlockTable;
+    p.block_table = in.block_table;
+  }
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q = in.q;
   p.k = in.k;
@@ -255,6 +275,8 @@ void SparseDecoder::check_errors(void* stream) {
 }
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
+  require(in.block_table.data == nullptr,
+          "the mask path reads dense caches; an engine's paged pool (block_table set) has only the fused path");
   MaskedDecodeParams m;
   m.dtype = in.dtype;
   m.batch = in.batch;
