@@ -4,7 +4,7 @@ Times a tiny decode (launch-bound, so host time dominates) several ways: the
 binding called directly with torch tensors (nanobind calls each tensor's
 ``__dlpack__``) and with DLPack capsules (``torch.utils.dlpack.to_dlpack``),
 ``torch_ops.paged_decode_out`` (eager: the binding over capsules, no
-dispatcher), the registered op through torch's dispatcher (what
+dispatcher), the engine-facing ``PagedKVDecoder`` (eager), the registered op through torch's dispatcher (what
 ``torch.compile`` calls), and a CUDA graph replay; prints microseconds per
 call. tools/decode_call_overhead times the same call from C++.
 Usage: python3 python/benchmarks/op_overhead.py
@@ -60,6 +60,16 @@ def main():
         torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, k, indptr, idx, seq, None, None, None, ws, o, None,
                                               1, 0.1, -1, 0, 0, 1, False, None, None, 0)
 
+    # The engine-facing op over a paged [num_blocks, 16, 1, 128] cache and its block table (the same
+    # 64 rows, 8 query heads): what a vLLM-style backend calls each step.
+    engine = ops.PagedKVDecoder(1, 8, 1, 128, max_blocks=4, block_size=16, device=dev)
+    k_cache = torch.randn(8, 16, 1, 128, device=dev, dtype=torch.bfloat16)
+    tables = torch.arange(4, dtype=torch.int32, device=dev).reshape(1, 4)
+    engine_lens = torch.tensor([64], dtype=torch.int32, device=dev)
+
+    def engine_op():
+        engine(q, k_cache, k_cache, tables, engine_lens, scale=0.1, o=o)
+
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -71,6 +81,7 @@ def main():
     print(f"binding, torch tensors   {per_call_us(direct):8.2f} us/call")
     print(f"binding, DLPack capsules {per_call_us(capsules):8.2f} us/call")
     print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call")
+    print(f"PagedKVDecoder (eager)   {per_call_us(engine_op):8.2f} us/call")
     print(f"torch.ops dispatcher     {per_call_us(dispatcher):8.2f} us/call")
     print(f"graph replay             {per_call_us(graph.replay):8.2f} us/call")
 

@@ -493,6 +493,15 @@ const std::string kMaskRunDoc = "Prepares (when counts or shapes change) and run
 }  // namespace
 
 void bind_decode(nb::module_& m) {
+  // The same entry with every argument positional: what the torch ops' eager
+  // path calls (keyword matching costs microseconds a call there).
+  m.def("_paged_decode_positional", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("o"), nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"),
+        nb::arg("scale"), nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
+        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
+        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
+        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
+        nb::arg("upload_plan"), nb::arg("stream"), "Internal: paged_decode with positional arguments.");
   m.def("paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::kw_only(), nb::arg("page_size"),
         nb::arg("scale"), nb::arg("first_page_offset") = nb::none(), nb::arg("lse") = nb::none(),
