@@ -255,7 +255,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   const bool own_keys = a.index_keys != nullptr;
   const void* keys = own_keys ? a.index_keys
                               : static_cast<const char*>(a.k_alloc) +
-                                    int64_t{a.num_kv_heads} * a.capacity * a.head_dim * int64_t{dtype_size(a.dtype)};
+                                    int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
   require(reinterpret_cast<uintptr_t>(keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
   require(key_seq_stride >= a.capacity * a.head_dim && key_seq_stride % 8 == 0,
