@@ -2,7 +2,8 @@
 
 Times a tiny decode (launch-bound, so host time dominates) several ways: the
 binding called directly with torch tensors (nanobind calls each tensor's
-``__dlpack__``) and with DLPack capsules (``torch.utils.dlpack.to_dlpack``),
+``__dlpack__``), with DLPack capsules (``torch.utils.dlpack.to_dlpack``) and
+through DLPack's C exchange table (torch >= 2.11),
 ``torch_ops.paged_decode_out`` (eager: the binding over capsules, no
 dispatcher), the engine-facing ``PagedKVDecoder`` (eager), the registered op through torch's dispatcher (what
 ``torch.compile`` calls), and a CUDA graph replay; prints microseconds per
@@ -53,6 +54,10 @@ def main():
         sp.paged_decode(plan.plan, dl(q), dl(k), dl(k), dl(o), dl(indptr), dl(idx), dl(seq), page_size=1, scale=0.1,
                         workspace=dl(ws), upload_plan=False, stream=stream)
 
+    def exchange():  # the binding over the tensors themselves, through DLPack's C exchange table
+        sp._core._paged_decode_exchange(plan.plan, q, k, k, o, indptr, idx, seq, 1, 0.1, None, None, None, None, ws, -1, 0, 0,
+                                  1, False, None, None, 0)
+
     def op():
         ops.paged_decode_out(plan, q, k, k, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws, o=o)
 
@@ -80,7 +85,10 @@ def main():
         op()
     print(f"binding, torch tensors   {per_call_us(direct):8.2f} us/call")
     print(f"binding, DLPack capsules {per_call_us(capsules):8.2f} us/call")
-    print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call")
+    if ops._exchange:
+        print(f"binding, exchange table  {per_call_us(exchange):8.2f} us/call")
+    print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call"
+          f"  [path: {'exchange table' if ops._exchange else 'DLPack capsules'}]")
     print(f"PagedKVDecoder (eager)   {per_call_us(engine_op):8.2f} us/call")
     print(f"torch.ops dispatcher     {per_call_us(dispatcher):8.2f} us/call")
     print(f"graph replay             {per_call_us(graph.replay):8.2f} us/call")

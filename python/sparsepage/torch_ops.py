@@ -116,11 +116,22 @@ def _dl(t):
     return None if t is None else _to_dlpack(t)
 
 
+# torch >= 2.11 publishes DLPack's C exchange table on torch.Tensor: the binding then describes each
+# tensor with one C call and launches on torch's current stream, with no capsule.
+_exchange = _core._has_exchange_api(torch.empty(0))
+
+
 def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
          page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
          block_table_rows, block_size):
-    """The launch itself: the binding over capsules, on q's current stream, every argument
-    positional (the eager path's per-call cost is mostly Python; see docs/PERFORMANCE.md)."""
+    """The launch itself, on q's current stream, every argument positional (the eager path's
+    per-call cost is mostly Python; see docs/PERFORMANCE.md)."""
+    if _exchange:
+        _core._paged_decode_exchange(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale,
+                                     first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages,
+                                     request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+                                     block_table_rows, block_size)
+        return
     dl = _to_dlpack
     _core._paged_decode_positional(
         plan, dl(q), dl(k), dl(v), dl(o), None if indptr is None else dl(indptr), dl(indices),
@@ -129,7 +140,7 @@ def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k
         None if q_extra is None else dl(q_extra), None if k_extra is None else dl(k_extra), dl(workspace),
         num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
         None if block_table is None else dl(block_table), None if block_table_rows is None else dl(block_table_rows),
-        block_size, False, _raw_stream(q.get_device()) if (q.is_cuda and _raw_stream is not None) else _stream(q))
+        block_size, False, _stream(q))
 
 
 _is_compiling = torch.compiler.is_compiling
