@@ -18,6 +18,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 echo "== toolchain: $(g++ --version | head -1); $(python3 --version); LDFLAGS='${LDFLAGS:-}' CXXFLAGS='${CXXFLAGS:-}' LD_PRELOAD='${LD_PRELOAD:-}'"
 t0=$(date +%s)
+rm -rf "$site"  # pip --target leaves an existing package in place: start clean, so this tree's code is what runs
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-build-isolation --no-deps -v --target "$site" . \
   -C cmake.define.SPARSEPAGE_CUDA=ON -C cmake.define.CMAKE_VERBOSE_MAKEFILE=ON -C build-dir=/tmp/sparsepage-py-cmake \
   > "$OUT/build.log" 2>&1 \
