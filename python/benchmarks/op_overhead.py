@@ -7,7 +7,8 @@ through DLPack's C exchange table (torch >= 2.11),
 ``torch_ops.paged_decode_out`` (eager: the binding over capsules, no
 dispatcher), the engine-facing ``PagedKVDecoder`` (eager), the registered op through torch's dispatcher (what
 ``torch.compile`` calls), and a CUDA graph replay; prints microseconds per
-call. tools/decode_call_overhead times the same call from C++.
+call (median of five interleaved rounds). tools/decode_call_overhead times the
+same call from C++.
 Usage: python3 python/benchmarks/op_overhead.py
 """
 
@@ -83,16 +84,20 @@ def main():
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         op()
-    print(f"binding, torch tensors   {per_call_us(direct):8.2f} us/call")
-    print(f"binding, DLPack capsules {per_call_us(capsules):8.2f} us/call")
+    arms = [("binding, torch tensors", direct), ("binding, DLPack capsules", capsules)]
     if ops._exchange:
-        print(f"binding, exchange table  {per_call_us(exchange):8.2f} us/call")
-    print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call"
-          f"  [path: {'exchange table' if ops._exchange else 'DLPack capsules'}]")
-    print(f"PagedKVDecoder (eager)   {per_call_us(engine_op):8.2f} us/call")
-    print(f"torch.ops dispatcher     {per_call_us(dispatcher):8.2f} us/call")
-    print(f"graph replay             {per_call_us(graph.replay):8.2f} us/call")
-
+        arms.append(("binding, exchange table", exchange))
+    arms += [(f"torch_ops (eager) [{'exchange table' if ops._exchange else 'DLPack capsules'}]", op),
+             ("PagedKVDecoder (eager)", engine_op), ("torch.ops dispatcher", dispatcher), ("graph replay", graph.replay)]
+    # Five rounds, the arms interleaved in each, so drift on the machine hits every arm alike; the
+    # median round per arm is printed.
+    times = {name: [] for name, _ in arms}
+    for _ in range(5):
+        for name, fn in arms:
+            times[name].append(per_call_us(fn))
+    for name, _ in arms:
+        runs = sorted(times[name])
+        print(f"{name:46s} {runs[2]:8.2f} us/call  (min {runs[0]:.2f}, max {runs[-1]:.2f})")
 
 if __name__ == "__main__":
     main()
