@@ -119,6 +119,7 @@ def _dl(t):
 # torch >= 2.11 publishes DLPack's C exchange table on torch.Tensor: the binding then describes each
 # tensor with one C call and launches on torch's current stream, with no capsule.
 _exchange = _core._has_exchange_api(torch.empty(0))
+_exchange_decode = _core._paged_decode_exchange
 
 
 def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
@@ -127,7 +128,7 @@ def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k
     """The launch itself, on q's current stream, every argument positional (the eager path's
     per-call cost is mostly Python; see docs/PERFORMANCE.md)."""
     if _exchange:
-        _core._paged_decode_exchange(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale,
+        _exchange_decode(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale,
                                      first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages,
                                      request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
                                      block_table_rows, block_size)
@@ -197,6 +198,11 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
     per-call cost); under ``torch.compile`` it is the registered op ``sparsepage::paged_decode_out``.
     """
     if _eager(q, o):
+        if _exchange:  # the binding itself, one Python call (each frame costs a fraction of a microsecond)
+            _exchange_decode(plan.plan, q, k, v, o, indptr, indices, seq_lens, page_size, float(scale),
+                             first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages, request_row_stride,
+                             window_len, num_kv_heads, skip_minus_one, block_table, block_table_rows, block_size)
+            return
         _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
              page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
              block_table, block_table_rows, block_size)
@@ -317,6 +323,11 @@ class MlaSparseDecoder:
             o = q_latent.new_empty((q_latent.shape[0], q_latent.shape[1], self.latent_dim))
         latent, rope = self._columns(kv_cache)
         if _eager(q_latent, o):  # the binding directly (see paged_decode_out)
+            if _exchange:
+                _exchange_decode(self.plan.plan, q_latent, latent, latent, o, None, indices, topk_length, 1,
+                                 float(scale), None, lse, q_pe, rope, self.workspace, -1, 0, 0, 1, True, block_table,
+                                 block_table_rows, block_size)
+                return o, lse
             _run(self.plan.plan, q_latent, latent, latent, None, indices, topk_length, None, q_pe, rope,
                  self.workspace, o, lse, 1, float(scale), -1, 0, 0, 1, True, block_table, block_table_rows, block_size)
             return o, lse
@@ -366,9 +377,14 @@ class PagedKVDecoder:
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, o=None, lse=None):
         if o is None:
             o = q.new_empty((q.shape[0], q.shape[1], self.head_dim_v))
-        if _eager(q, o):  # the binding directly (see paged_decode_out)
+        if _eager(q, o):  # the binding directly (see paged_decode_out); -1: every block of the pools
+            if _exchange:
+                _exchange_decode(self.plan.plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, self.block_size,
+                                 float(scale), None, lse, None, None, self.workspace, -1, 0, 0, self.num_kv_heads,
+                                 False, None, None, 0)
+                return o, lse
             _run(self.plan.plan, q, k_cache, v_cache, None, block_tables, seq_lens, None, None, None, self.workspace, o,
-                 lse, self.block_size, float(scale), k_cache.shape[0], 0, 0, self.num_kv_heads, False, None, None, 0)
+                 lse, self.block_size, float(scale), -1, 0, 0, self.num_kv_heads, False, None, None, 0)
             return o, lse
         paged_decode_out(self.plan, q, k_cache, v_cache, None, block_tables, seq_lens, page_size=self.block_size,
                          scale=scale, workspace=self.workspace, o=o, lse=lse, num_kv_heads=self.num_kv_heads,
