@@ -7,14 +7,10 @@
 #include <string_view>
 #include <utility>
 
+#include "core/require.h"
 #include "sparsepage/decode.h"
 
-// The checks run on every launch, so a message is built only when its check
-// fails (a std::string per check would cost microseconds per launch).
-#define REQUIRE(ok, ...)                                                      \
-  do {                                                                        \
-    if (!(ok)) throw ::sparsepage::Error("decode: " + std::string(__VA_ARGS__)); \
-  } while (0)
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
