@@ -50,6 +50,18 @@ struct DispatchConfig {
   /// tests see a non-Hopper decline on a Hopper machine.
   int32_t assume_sm = 0;
 
+  /// This configuration with the performance gates (min_kv_tokens,
+  /// min_kv_tokens_per_request, min_sparsity) off: what a caller with no
+  /// mask path to prefer uses (a layer over an engine's paged pool). The
+  /// kill switch and assume_sm stay.
+  DispatchConfig without_performance_gates() const {
+    DispatchConfig c = *this;
+    c.min_kv_tokens = 0;
+    c.min_kv_tokens_per_request = 0;
+    c.min_sparsity = 0;
+    return c;
+  }
+
   static DispatchConfig defaults();
   /// Defaults overridden by the environment (see the parse_* functions).
   static DispatchConfig from_environment();

@@ -7,14 +7,14 @@
 #include <string_view>
 #include <utility>
 
+#include "core/require.h"
 #include "sparsepage/decode.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("decode: " + message);
-}
 
 // The output rows of o (num_sequences x num_kv_heads * group_size heads of
 // dim elements) must not overlap, or two CTAs would write the same elements.
@@ -26,39 +26,39 @@ void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t head
   long double extent = dim;  // elements the inner dimensions cover
   for (const auto& [stride, count] : dims) {
     if (count <= 1) continue;
-    require(static_cast<long double>(stride) >= extent,
+    REQUIRE(static_cast<long double>(stride) >= extent,
             "o_strides (seq_stride " + std::to_string(s.seq_stride) + ", head_stride " + std::to_string(s.head_stride) +
                 ") make the output rows of " + std::to_string(dim) + " elements overlap");
     extent += static_cast<long double>(stride) * static_cast<long double>(count - 1);
   }
 }
 
-// The fp8 formats' own fields, before any stream is judged.
+// The fp8 formats' own fields, before any stream is judged. Messages are
+// built only for a failed check (this runs on every launch).
 void check_kv_format(const DecodeParams& p) {
   const KvFormat f = p.kv_format;
-  require(f == KvFormat::kNative || f == KvFormat::kE4m3PerHead || f == KvFormat::kE4m3Mla,
+  REQUIRE(f == KvFormat::kNative || f == KvFormat::kE4m3PerHead || f == KvFormat::kE4m3Mla,
           "kv_format " + std::to_string(static_cast<int32_t>(f)) + " is not a KvFormat");
-  const std::string name = std::string("kv_format ") + kv_format_name(f);
+  const auto name = [f] { return std::string("kv_format ") + kv_format_name(f); };
   if (f == KvFormat::kE4m3PerHead) {
-    require(p.k_scale != nullptr && p.v_scale != nullptr,
-            name + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null");
+    REQUIRE(p.k_scale != nullptr && p.v_scale != nullptr,
+            name() + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null");
   } else {
-    require(p.k_scale == nullptr && p.v_scale == nullptr,
-            "k_scale / v_scale are set but " + name + " has no per-head scales");
+    REQUIRE(p.k_scale == nullptr && p.v_scale == nullptr,
+            "k_scale / v_scale are set but " + name() + " has no per-head scales");
   }
   if (f != KvFormat::kE4m3Mla) return;
-  require(p.dtype == DType::kBF16, name + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype));
-  require(p.k.dim == 512 && p.v.dim == 512,
-          name + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
+  REQUIRE(p.dtype == DType::kBF16, name() + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype));
+  REQUIRE(p.k.dim == 512 && p.v.dim == 512,
+          name() + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
               std::to_string(p.v.dim));
-  require(p.v.data == p.k.data && p.v.row_stride == p.k.row_stride && p.v.seq_stride == p.k.seq_stride &&
+  REQUIRE(p.v.data == p.k.data && p.v.row_stride == p.k.row_stride && p.v.seq_stride == p.k.seq_stride &&
               p.v.head_stride == p.k.head_stride,
-          name + ": V is the latent of K's rows, so v must be the same view as k");
-  require(p.k_extra.data != nullptr && p.k_extra.dim == 64,
-          name + " needs the rope as k_extra (64 values; mla_fp8_views builds it)");
-  require(p.k.row_stride >= 528,
-          name + ": k.row_stride = " + std::to_string(p.k.row_stride) +
-              " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)");
+          name() + ": V is the latent of K's rows, so v must be the same view as k");
+  REQUIRE(p.k_extra.data != nullptr && p.k_extra.dim == 64,
+          name() + " needs the rope as k_extra (64 values; mla_fp8_views builds it)");
+  REQUIRE(p.k.row_stride >= 528, name() + ": k.row_stride = " + std::to_string(p.k.row_stride) +
+                                     " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)");
 }
 
 }  // namespace
@@ -240,50 +240,50 @@ const char* kv_format_name(KvFormat format) {
 }
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
-  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+  REQUIRE(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   check_kv_format(p);
-  require(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
-  require(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
+  REQUIRE(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
+  REQUIRE(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
                                                    " but the plan was made for " +
                                                    std::to_string(plan.num_requests));
-  require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  require(p.group_size == plan.group_size, "group_size = " + std::to_string(p.group_size) +
+  REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
+  REQUIRE(p.group_size == plan.group_size, "group_size = " + std::to_string(p.group_size) +
                                                " but the plan was made for " + std::to_string(plan.group_size));
-  require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
-  require(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
-  require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
-  require(std::isfinite(p.scale), "scale is not finite");
-  require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
-  require(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
+  REQUIRE(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
+  REQUIRE(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
+  REQUIRE(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
+  REQUIRE(std::isfinite(p.scale), "scale is not finite");
+  REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
+  REQUIRE(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
                                                     " is not a multiple of num_kv_heads = " +
                                                     std::to_string(p.num_kv_heads));
   const bool window = p.addressing == PageAddressing::kWindow;
   const bool block_table = p.addressing == PageAddressing::kBlockTable;
-  require(window || block_table || p.addressing == PageAddressing::kPoolPages,
+  REQUIRE(window || block_table || p.addressing == PageAddressing::kPoolPages,
           "addressing is not a PageAddressing value");
-  require(p.index_layout == IndexLayout::kCsr || p.index_layout == IndexLayout::kMatrix,
+  REQUIRE(p.index_layout == IndexLayout::kCsr || p.index_layout == IndexLayout::kMatrix,
           "index_layout is not an IndexLayout value");
-  require(p.padding == IndexPadding::kNone || p.padding == IndexPadding::kMinusOneSkips,
+  REQUIRE(p.padding == IndexPadding::kNone || p.padding == IndexPadding::kMinusOneSkips,
           "padding is not an IndexPadding value");
-  require(p.seq_lens_index == SeqLensIndex::kPerRequest || p.seq_lens_index == SeqLensIndex::kPerSequence,
+  REQUIRE(p.seq_lens_index == SeqLensIndex::kPerRequest || p.seq_lens_index == SeqLensIndex::kPerSequence,
           "seq_lens_index is not a SeqLensIndex value");
-  require(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
+  REQUIRE(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
           "qo_layout is not a QueryLayout value");
-  require(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
+  REQUIRE(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
   if (p.num_requests == 0) return;
   const bool matrix = p.index_layout == IndexLayout::kMatrix;
   const int64_t sequences = p.num_requests / p.num_kv_heads;
-  require(matrix || p.indptr != nullptr, "indptr is null");
+  REQUIRE(matrix || p.indptr != nullptr, "indptr is null");
   if (matrix) {
-    require(p.index_width >= 0, "index_width = " + std::to_string(p.index_width) + " is negative");
-    require(p.index_seq_stride >= 0 && p.index_head_stride >= 0,
+    REQUIRE(p.index_width >= 0, "index_width = " + std::to_string(p.index_width) + " is negative");
+    REQUIRE(p.index_seq_stride >= 0 && p.index_head_stride >= 0,
             "index_seq_stride and index_head_stride must not be negative");
     if (p.index_width > 0) {
       // The last id any request can read, in 64-bit (and long double against overflow).
       const long double last = static_cast<long double>(sequences - 1) * p.index_seq_stride +
                                static_cast<long double>(p.num_kv_heads - 1) * p.index_head_stride + p.index_width;
-      require(last <= static_cast<long double>(p.num_indices),
+      REQUIRE(last <= static_cast<long double>(p.num_indices),
               "the index matrix (" + std::to_string(sequences) + " sequence(s) x " + std::to_string(p.num_kv_heads) +
                   " head(s) of index_width " + std::to_string(p.index_width) + ", index_seq_stride " +
                   std::to_string(p.index_seq_stride) + ", index_head_stride " + std::to_string(p.index_head_stride) +
@@ -293,36 +293,36 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   int64_t planned_tokens = 0;
   for (int32_t len : plan.seq_lens) planned_tokens += len;
   if (planned_tokens > 0) {
-    require(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
-    require(window || block_table || p.num_pool_pages >= 1,
+    REQUIRE(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
+    REQUIRE(window || block_table || p.num_pool_pages >= 1,
             "num_pool_pages = " + std::to_string(p.num_pool_pages) +
                 ": a pool-page table needs the pool's page count (or window or block-table addressing)");
   }
   if (block_table) {
     const BlockTable& t = p.block_table;
-    require(t.data != nullptr, "block_table.data is null (block-table addressing)");
-    require(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
-    require(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
-    require(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
+    REQUIRE(t.data != nullptr, "block_table.data is null (block-table addressing)");
+    REQUIRE(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
+    REQUIRE(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
+    REQUIRE(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
                                               " is smaller than block_table.max_blocks = " +
                                               std::to_string(t.max_blocks));
-    require(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
-    require(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
-    require(t.row_of_sequence != nullptr || t.num_rows >= sequences,
+    REQUIRE(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
+    REQUIRE(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
+    REQUIRE(t.row_of_sequence != nullptr || t.num_rows >= sequences,
             "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the " +
                 std::to_string(sequences) + " sequences (and row_of_sequence is null)");
   }
-  require(p.q != nullptr, "q is null");
-  require(p.o != nullptr, "o is null");
-  require(p.v.dim == plan.head_dim_v,
+  REQUIRE(p.q != nullptr, "q is null");
+  REQUIRE(p.o != nullptr, "o is null");
+  REQUIRE(p.v.dim == plan.head_dim_v,
           "v.dim = " + std::to_string(p.v.dim) + " but the plan was made for " + std::to_string(plan.head_dim_v));
   const bool has_extra = p.k_extra.data != nullptr;
-  require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
+  REQUIRE(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
   if (p.qo_layout == QueryLayout::kStrided) {
     const std::pair<const QueryStrides*, const char*> views[] = {
         {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
     for (const auto& [s, name] : views) {
-      require(s->seq_stride >= 0 && s->head_stride >= 0,
+      REQUIRE(s->seq_stride >= 0 && s->head_stride >= 0,
               std::string(name) + ".seq_stride and " + name + ".head_stride must not be negative");
     }
     check_output_strides(p.o_strides, sequences, int64_t{p.num_kv_heads} * p.group_size, p.v.dim);
@@ -344,8 +344,10 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
     if (stream == &p.k_extra && !has_extra) continue;
     const size_t size = fp8 && stream != &p.k_extra ? 1 : esize;  // fp8 K and V: one byte per element
     const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, size);
-    require(problem.empty(), problem);
+    REQUIRE(problem.empty(), problem);
   }
 }
 
 }  // namespace sparsepage
+
+#undef REQUIRE

@@ -20,6 +20,10 @@ namespace sparsepage::detail {
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
   const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
+  // Or the index keys in a cache of their own: sequence b's rows (head_dim
+  // apart) start at index_keys + b * key_seq_stride elements. Set: k_alloc is not read.
+  const void* index_keys = nullptr;
+  int64_t key_seq_stride = 0;
   const void* index_q = nullptr;   // [batch, num_kv_heads, head_dim]
   int32_t batch = 0, num_kv_heads = 0, head_dim = 0;
   int64_t capacity = 0;

@@ -3,6 +3,7 @@
 // fp64 reference over the dequantized values, and the refusals by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,6 +12,7 @@
 
 #include "sparsepage/dispatch.h"
 #include "sparsepage/fp8.h"
+#include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
 #include "support/fp8_problem.h"
 #include "support/reference.h"
@@ -270,6 +272,71 @@ TEST(DecodeCpuFp8, BadCombinationsAreRefusedByName) {
   EXPECT_NE(cuda_layout_problem(p).find("head dim 128 only"), std::string::npos) << cuda_layout_problem(p);
   p = mla();
   EXPECT_EQ(cuda_layout_problem(p), "");
+}
+
+TEST(SparseDecoderFp8, FusesOnTheCpuAndTheMaskPathRefusesByName) {
+  // One sequence, 2 KV heads of 8 query heads, e4m3 K and V of 64 over a
+  // dense [1, 2, 256, 64] allocation; 40 selected positions of 256 per head.
+  std::mt19937_64 rng(51);
+  const int32_t heads = 2, group = 8, dim = 64, cap = 256;
+  std::vector<uint8_t> k(static_cast<size_t>(heads * cap * dim)), v(k.size());
+  std::uniform_int_distribution<int> byte(0, 0x7E);
+  for (auto& x : k) x = static_cast<uint8_t>(byte(rng));
+  for (auto& x : v) x = static_cast<uint8_t>(byte(rng));
+  const std::vector<float> k_scale = {0.01f, 0.02f}, v_scale = {0.03f, 0.005f};
+  const auto q = testing::random_values(DType::kBF16, static_cast<size_t>(heads * group * dim), rng);
+  std::vector<uint8_t> o = testing::nan_values(DType::kBF16, static_cast<size_t>(heads * group * dim));
+  SparseAttentionInputs in;
+  in.device = Device::kCpu;
+  in.batch = 1;
+  in.num_qo_heads = heads * group;
+  in.num_kv_heads = heads;
+  in.live_len = cap;
+  in.kv_format = KvFormat::kE4m3PerHead;
+  in.k = RowView::dense(k.data(), heads, cap, dim);
+  in.v = RowView::dense(v.data(), heads, cap, dim);
+  in.k_scale = k_scale.data();
+  in.v_scale = v_scale.data();
+  in.q = q.data();
+  in.scale = 0.125f;
+  in.o = o.data();
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(heads));
+  for (auto& r : rows) {
+    for (int32_t t = 0; t < 40; ++t) r.push_back(t * 6 + 1);
+  }
+  const SparseSelection selection = make_selection(Device::kCpu, rows);
+  SparseDecoder decoder(Device::kCpu, DispatchConfig::defaults());
+  const SparseDecodeOutcome outcome = decoder.try_fused(in, selection);
+  ASSERT_TRUE(outcome.fused()) << outcome.describe();
+  // fp64 reference over the dequantized rows, per KV head.
+  const std::vector<float> qf = testing::as_float(DType::kBF16, q), of = testing::as_float(DType::kBF16, o);
+  double err = 0, norm = 0;
+  for (int32_t h = 0; h < heads; ++h) {
+    for (int32_t g = 0; g < group; ++g) {
+      const float* qg = &qf[static_cast<size_t>((h * group + g) * dim)];
+      std::vector<double> w;
+      for (int32_t t : rows[static_cast<size_t>(h)]) {
+        double dot = 0;
+        for (int32_t d = 0; d < dim; ++d)
+          dot += double{qg[d]} * e4m3_to_float(k[static_cast<size_t>((h * cap + t) * dim + d)]) * k_scale[h];
+        w.push_back(dot * 0.125);
+      }
+      const double mx = *std::max_element(w.begin(), w.end());
+      double sum = 0;
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (int32_t d = 0; d < dim; ++d) {
+        double ref = 0;
+        for (size_t j = 0; j < w.size(); ++j)
+          ref += w[j] / sum * e4m3_to_float(v[static_cast<size_t>((h * cap + rows[h][j]) * dim + d)]) * v_scale[h];
+        const double got = of[static_cast<size_t>((h * group + g) * dim + d)];
+        err += (got - ref) * (got - ref);
+        norm += ref * ref;
+      }
+    }
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-2);
+  MaskPath mask(Device::kCpu);
+  EXPECT_TRUE(throws_error_naming([&] { mask.prepare(in, selection); }, "kv_format e4m3 per head has only the fused path"));
 }
 
 TEST(DispatchFp8, DeclinesByTheLayoutProblemItIsGiven) {
