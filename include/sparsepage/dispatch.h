@@ -87,7 +87,8 @@ struct DispatchInput {
   bool raw_cache = true;        // raw fp16/bf16 rows
   bool head_dims_supported = true;
   bool device_available = true;
-  bool layout_supported = true;   // dtype, alignment, row strides
+  bool layout_supported = true;   // dtype, KV format, alignment, row strides
+  std::string layout_problem;     // why not (cuda_layout_problem), named in the decline; may be empty
   std::string arch_problem;       // cuda_arch_problem for the device; empty: a kernel exists
   int64_t chunks = 0;           // filled into the outcome when fused
   bool merge = false;

@@ -36,6 +36,11 @@ struct SparseAttentionInputs {
   RowView k;
   RowView v;                // may alias K's first columns
   RowView k_extra;          // second K stream (MLA rope keys); data null when absent
+  /// How K and V are stored (decode.h); the fp8 forms count K and V strides
+  /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
+  KvFormat kv_format = KvFormat::kNative;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   /// Set (data non-null): the streams are an engine's paged pool, and
   /// position p of sequence b lives at pool row
   /// `block_table[b, p / block_size] * block_size + p % block_size` of its

@@ -33,6 +33,34 @@ void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t head
   }
 }
 
+// The fp8 formats' own fields, before any stream is judged. Messages are
+// built only for a failed check (this runs on every launch).
+void check_kv_format(const DecodeParams& p) {
+  const KvFormat f = p.kv_format;
+  REQUIRE(f == KvFormat::kNative || f == KvFormat::kE4m3PerHead || f == KvFormat::kE4m3Mla,
+          "kv_format " + std::to_string(static_cast<int32_t>(f)) + " is not a KvFormat");
+  const auto name = [f] { return std::string("kv_format ") + kv_format_name(f); };
+  if (f == KvFormat::kE4m3PerHead) {
+    REQUIRE(p.k_scale != nullptr && p.v_scale != nullptr,
+            name() + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null");
+  } else {
+    REQUIRE(p.k_scale == nullptr && p.v_scale == nullptr,
+            "k_scale / v_scale are set but " + name() + " has no per-head scales");
+  }
+  if (f != KvFormat::kE4m3Mla) return;
+  REQUIRE(p.dtype == DType::kBF16, name() + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype));
+  REQUIRE(p.k.dim == 512 && p.v.dim == 512,
+          name() + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
+              std::to_string(p.v.dim));
+  REQUIRE(p.v.data == p.k.data && p.v.row_stride == p.k.row_stride && p.v.seq_stride == p.k.seq_stride &&
+              p.v.head_stride == p.k.head_stride,
+          name() + ": V is the latent of K's rows, so v must be the same view as k");
+  REQUIRE(p.k_extra.data != nullptr && p.k_extra.dim == 64,
+          name() + " needs the rope as k_extra (64 values; mla_fp8_views builds it)");
+  REQUIRE(p.k.row_stride >= 528, name() + ": k.row_stride = " + std::to_string(p.k.row_stride) +
+                                     " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)");
+}
+
 }  // namespace
 
 std::string row_view_problem(const RowView& view, const char* name, int64_t sequences, int64_t heads, int64_t rows,
@@ -157,8 +185,36 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
   return {};
 }
 
+namespace {
+
+// The fp8 formats on CUDA: the two shapes with kernels, and byte strides in
+// whole 16-byte pieces (rows are copied 16 bytes at a time).
+std::string cuda_fp8_problem(const DecodeParams& p) {
+  const std::string name = std::string("kv_format ") + kv_format_name(p.kv_format);
+  const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
+  if (p.kv_format == KvFormat::kE4m3PerHead && !(p.k.dim == 128 && p.v.dim == 128 && de == 0))
+    return name + " runs on CUDA at head dim 128 only (K and V 128, no second stream), not qk = " +
+           std::to_string(p.k.dim) + ", v = " + std::to_string(p.v.dim) + ", extra = " + std::to_string(de);
+  if (p.kv_format == KvFormat::kE4m3Mla && !(p.dtype == DType::kBF16 && p.k.dim == 512 && p.v.dim == 512 && de == 64))
+    return name + " runs on CUDA at the MLA shape (512 + 64, bf16) only";
+  const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}};
+  for (const auto& [s, n] : streams) {
+    const std::pair<int64_t, const char*> strides[] = {
+        {s->row_stride, ".row_stride"}, {s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
+    for (const auto& [stride, field] : strides) {
+      if (stride % 16 != 0)
+        return std::string(n) + field + " = " + std::to_string(stride) + " must be a multiple of 16 bytes for " +
+               name + " on CUDA (rows are copied in 16-byte pieces)";
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 std::string cuda_layout_problem(const DecodeParams& p) {
   std::string problem = cuda_layout_problem(p.dtype, p.q, p.q_extra, p.k, p.v, p.k_extra, p.o);
+  if (problem.empty() && p.kv_format != KvFormat::kNative) problem = cuda_fp8_problem(p);
   if (!problem.empty() || p.qo_layout != QueryLayout::kStrided) return problem;
   const std::pair<const QueryStrides*, const char*> views[] = {
       {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
@@ -174,9 +230,19 @@ std::string cuda_layout_problem(const DecodeParams& p) {
   return {};
 }
 
+const char* kv_format_name(KvFormat format) {
+  switch (format) {
+    case KvFormat::kNative: return "native";
+    case KvFormat::kE4m3PerHead: return "e4m3 per head";
+    case KvFormat::kE4m3Mla: return "e4m3 mla";
+  }
+  return "unknown";
+}
+
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   REQUIRE(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
+  check_kv_format(p);
   REQUIRE(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
   REQUIRE(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
                                                    " but the plan was made for " +
@@ -269,10 +335,15 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                                           : static_cast<long double>(p.num_pool_pages) * p.page_size;
   const int64_t rows = static_cast<int64_t>(std::min<long double>(reach, 9.2e18L));
   const size_t esize = dtype_size(p.dtype);
-  const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
+  const bool fp8 = p.kv_format != KvFormat::kNative;
+  RowView k = p.k;
+  // The MLA rows' scales follow the latent: the row uses 528 bytes.
+  if (p.kv_format == KvFormat::kE4m3Mla) k.dim = 528;
+  const std::pair<const RowView*, const char*> streams[] = {{&k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {
     if (stream == &p.k_extra && !has_extra) continue;
-    const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, esize);
+    const size_t size = fp8 && stream != &p.k_extra ? 1 : esize;  // fp8 K and V: one byte per element
+    const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, size);
     REQUIRE(problem.empty(), problem);
   }
 }

@@ -47,7 +47,9 @@ void check_inputs(const SparseAttentionInputs& in) {
   const std::pair<const RowView*, const char*> streams[] = {{&in.k, "k"}, {&in.v, "v"}, {&in.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {
     if (stream == &in.k_extra && in.k_extra.data == nullptr) continue;
-    const std::string problem = row_view_problem(*stream, name, in.batch, in.num_kv_heads, rows, dtype_size(in.dtype));
+    // fp8 K and V count bytes (the second stream stays dtype).
+    const size_t size = in.kv_format != KvFormat::kNative && stream != &in.k_extra ? 1 : dtype_size(in.dtype);
+    const std::string problem = row_view_problem(*stream, name, in.batch, in.num_kv_heads, rows, size);
     REQUIRE(problem.empty(), problem);
   }
   REQUIRE(in.q != nullptr && in.o != nullptr, "q and o must not be null");
@@ -67,9 +69,21 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
           "the selection's indices hold fewer entries than its counts sum to");
 }
 
-// What the CUDA kernels can read: the launchers' own check (decode.h).
-bool cuda_layout_supported(const SparseAttentionInputs& in) {
-  return cuda_layout_problem(in.dtype, in.q, in.q_extra, in.k, in.v, in.k_extra, in.o).empty();
+// What the CUDA kernels cannot read, or "": the launchers' own check
+// (decode.h) over the fields of a launch that the layout depends on.
+std::string cuda_layout_problem_of(const SparseAttentionInputs& in) {
+  DecodeParams p;
+  p.dtype = in.dtype;
+  p.kv_format = in.kv_format;
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
+  if (in.k_extra.data != nullptr) {
+    p.q_extra = in.q_extra;
+    p.k_extra = in.k_extra;
+  }
+  p.o = in.o;
+  return cuda_layout_problem(p);
 }
 
 int32_t machine_width(Device device) {
@@ -92,7 +106,8 @@ SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in
   d.head_dims_supported =
       device_ == Device::kCpu ||
       cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
-  d.layout_supported = device_ == Device::kCpu || cuda_layout_supported(in);
+  if (device_ == Device::kCuda) d.layout_problem = cuda_layout_problem_of(in);
+  d.layout_supported = d.layout_problem.empty();
   if (device_ == Device::kCuda && d.device_available && d.head_dims_supported) {
     d.arch_problem = cuda_arch_problem(config_.assume_sm > 0 ? config_.assume_sm : cuda_device_sm(), in.k.dim, in.v.dim,
                                        in.k_extra.data != nullptr ? in.k_extra.dim : 0);
@@ -192,6 +207,9 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
     p.q_extra = in.q_extra;
     p.k_extra = in.k_extra;
   }
+  p.kv_format = in.kv_format;
+  p.k_scale = in.k_scale;
+  p.v_scale = in.v_scale;
   p.scale = in.scale;
   p.o = in.o;
   p.lse = in.lse;
@@ -276,6 +294,8 @@ void SparseDecoder::check_errors(void* stream) {
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
   REQUIRE(in.block_table.data == nullptr,
           "the mask path reads dense caches; an engine's paged pool (block_table set) has only the fused path");
+  REQUIRE(in.kv_format == KvFormat::kNative, std::string("the mask path reads bf16/f16 K and V; kv_format ") +
+                                                 kv_format_name(in.kv_format) + " has only the fused path");
   MaskedDecodeParams m;
   m.dtype = in.dtype;
   m.batch = in.batch;
@@ -341,6 +361,7 @@ std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* 
 
 void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& selection) {
   check_inputs(in, selection);
+  (void)masked_params(in);  // its refusals (paged pools, fp8 caches) before anything is allocated
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   mask_ = Buffer(device_, static_cast<size_t>(requests * std::max<int64_t>(in.live_len, 1)) * sizeof(float));
   offsets_ = upload(device_, selection.offsets());
