@@ -55,4 +55,14 @@ double measured_read_bandwidth_gbs(Device device, int64_t bytes);
 /// uniform in [-1, 1) from `seed`.
 void fill_random(Device device, DType dtype, void* data, int64_t count, uint64_t seed);
 
+/// Fills `count` bf16 values at `data` with numbers that FP8 caches hold
+/// exactly: e4m3 values times 2^-8 (magnitudes up to 1.75), every 128th one
+/// 1.75. Quantized with a per-head scale of 2^-8, or into MLA rows (each
+/// 128-value block's amax is 1.75, so its scale is 2^-8), they lose nothing,
+/// so an fp8 arm and a bf16 arm over them attend the same numbers.
+void fill_e4m3_exact(Device device, void* data, int64_t count, uint64_t seed);
+/// dst[i] = e4m3(src[i] * 256) for `count` bf16 values (exact for the values
+/// fill_e4m3_exact writes).
+void to_e4m3_times_256(Device device, const void* src, void* dst, int64_t count);
+
 }  // namespace sparsepage::bench

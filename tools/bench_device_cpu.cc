@@ -42,7 +42,36 @@ void fill_random_cpu(DType dtype, void* data, int64_t count, uint64_t seed) {
   }
 }
 
+static uint8_t e4m3_exact_byte(int64_t i, uint64_t seed) {
+  if (i % 128 == 0) return 0x7E;  // 448: the block's amax
+  uint64_t x = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull + seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  const auto b = static_cast<uint8_t>(x >> 40);
+  return (b & 0x7F) == 0x7F ? 0 : b;  // no NaN
+}
+
+void fill_e4m3_exact_cpu(void* data, int64_t count, uint64_t seed) {
+  auto* out = static_cast<uint16_t*>(data);
+  for (int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(e4m3_to_float(e4m3_exact_byte(i, seed)) / 256.0f);
+}
+
+void to_e4m3_times_256_cpu(const void* src, void* dst, int64_t count) {
+  const auto* in = static_cast<const uint16_t*>(src);
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < count; ++i) out[i] = float_to_e4m3(bf16_to_float(in[i]) * 256.0f);
+}
+
 #ifndef SPARSEPAGE_BENCH_CUDA
+void fill_e4m3_exact(Device device, void* data, int64_t count, uint64_t seed) {
+  if (device == Device::kCuda) throw Error("bench: built without CUDA");
+  fill_e4m3_exact_cpu(data, count, seed);
+}
+void to_e4m3_times_256(Device device, const void* src, void* dst, int64_t count) {
+  if (device == Device::kCuda) throw Error("bench: built without CUDA");
+  to_e4m3_times_256_cpu(src, dst, count);
+}
 DeviceFacts device_facts(Device device) {
   if (device == Device::kCuda) throw Error("bench: built without CUDA");
   return device_facts_cpu();

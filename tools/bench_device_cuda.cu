@@ -2,6 +2,7 @@
 // streaming-read bandwidth probe and a hash-based random fill.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +16,8 @@ namespace sparsepage::bench {
 DeviceFacts device_facts_cpu();
 double median_us_cpu(const std::function<void(void*)>& launch, int32_t steps, int32_t reps);
 void fill_random_cpu(DType dtype, void* data, int64_t count, uint64_t seed);
+void fill_e4m3_exact_cpu(void* data, int64_t count, uint64_t seed);
+void to_e4m3_times_256_cpu(const void* src, void* dst, int64_t count);
 
 namespace {
 
@@ -31,6 +34,26 @@ __global__ void fill_kernel(T* data, int64_t count, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
     data[i] = static_cast<T>(hash_uniform(static_cast<uint64_t>(i), seed));
   }
+}
+
+// The CPU twin's values (bench_device_cpu.cc, e4m3_exact_byte): the same hash.
+__global__ void fill_e4m3_exact_kernel(__nv_bfloat16* data, int64_t count, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull + seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    unsigned b = static_cast<unsigned>(x >> 40) & 0xFFu;
+    if ((b & 0x7Fu) == 0x7Fu) b = 0;
+    if (i % 128 == 0) b = 0x7E;
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+    data[i] = __float2bfloat16_rn(__half2float(__half(h)) * (1.0f / 256.0f));
+  }
+}
+
+__global__ void to_e4m3_kernel(const __nv_bfloat16* src, unsigned char* dst, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = __nv_cvt_float_to_fp8(__bfloat162float(src[i]) * 256.0f, __NV_SATFINITE, __NV_E4M3);
 }
 
 // Reads every 16-byte vector once; the sum keeps the loads alive.
@@ -175,6 +198,20 @@ void fill_random(Device device, DType dtype, void* data, int64_t count, uint64_t
   } else {
     fill_kernel<float><<<grid, 256>>>(static_cast<float*>(data), count, seed);
   }
+  SP_CUDA_CHECK_LAUNCH();
+  SP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void fill_e4m3_exact(Device device, void* data, int64_t count, uint64_t seed) {
+  if (device == Device::kCpu) return fill_e4m3_exact_cpu(data, count, seed);
+  fill_e4m3_exact_kernel<<<132 * 8, 256>>>(static_cast<__nv_bfloat16*>(data), count, seed);
+  SP_CUDA_CHECK_LAUNCH();
+  SP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void to_e4m3_times_256(Device device, const void* src, void* dst, int64_t count) {
+  if (device == Device::kCpu) return to_e4m3_times_256_cpu(src, dst, count);
+  to_e4m3_kernel<<<132 * 8, 256>>>(static_cast<const __nv_bfloat16*>(src), static_cast<unsigned char*>(dst), count);
   SP_CUDA_CHECK_LAUNCH();
   SP_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -15,6 +15,7 @@
 #include <random>
 
 #include "bench_device.h"
+#include "sparsepage/fp8.h"
 #include "sparsepage/sparse_decode.h"
 
 using namespace sparsepage;
@@ -48,11 +49,14 @@ struct Options {
   int32_t items_per_sm = 0, min_chunk = 0;  // plan tuning (0: defaults)
   bool cpu = false;
   bool fused_only = false;       // check against the mask arm once, time only the fused arm
+  std::string kv_dtype = "bf16"; // fp8: the fused arm reads an FP8 cache (dsa: the 656-byte MLA rows;
+                                 // blocksparse: e4m3 K and V with per-head scales)
   std::string json_path;
 };
 
 struct Streams {
   Buffer k, v, k_extra, q;
+  Buffer k8, v8, scales;  // --kv-dtype fp8: the fused arm's cache
   int64_t capacity = 0;
 };
 
@@ -149,6 +153,10 @@ int main(int argc, char** argv) {
   app.add_flag("--cpu", opt.cpu, "use the CPU backend even when a GPU is present");
   app.add_flag("--fused-only", opt.fused_only,
                "run the mask arm once for the agreement check but time only the fused arm (peer comparisons)");
+  app.add_option("--kv-dtype", opt.kv_dtype,
+                 "bf16, or fp8: the fused arm reads an FP8 cache (dsa: the 656-byte MLA rows; blocksparse: e4m3 K "
+                 "and V, one scale per KV head) holding exactly the bf16 values the mask arm reads")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   app.add_option("--json", opt.json_path, "also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
   for (int64_t context : opt.contexts) {
@@ -196,10 +204,15 @@ int main(int argc, char** argv) {
   } else {
     std::printf(" (no GPU%s: CPU reference backend)", cuda_available() ? " used: --cpu" : " present");
   }
+  const bool fp8 = opt.kv_dtype == "fp8";
   std::printf("\ngeometry %s: %d query heads / %d KV heads, qk dim %d%s, v dim %d%s, bf16, batch %d\n",
               geo.name.c_str(), geo.num_qo_heads, geo.num_kv_heads, geo.dim_qk,
               geo.dim_extra ? (" + " + std::to_string(geo.dim_extra) + " (second K stream)").c_str() : "", geo.dim_v,
               geo.v_aliases_k ? " (V = first columns of K)" : "", opt.batch);
+  if (fp8) {
+    std::printf("kv cache: fp8 for the fused arm (%s), holding exactly the bf16 values the mask arm reads\n",
+                geo.v_aliases_k ? "656-byte MLA rows: 512 e4m3 + 4 fp32 scales + 64 bf16 rope" : "e4m3 K and V, per-KV-head scales");
+  }
   if (opt.selection == "random") {
     std::printf("selection: %d distinct random rows per request\n", opt.rows);
   } else {
@@ -230,12 +243,15 @@ int main(int argc, char** argv) {
     s.capacity = (context + 4095) / 4096 * 4096;
     const int64_t cache_rows = int64_t{opt.batch} * geo.num_kv_heads * s.capacity;
     s.k = Buffer(device, static_cast<size_t>(cache_rows * geo.k_row_stride) * esize);
-    bench::fill_random(device, DType::kBF16, s.k.data(), cache_rows * geo.k_row_stride, 1);
+    // fp8: values the FP8 cache holds exactly, so both arms attend the same numbers.
+    if (fp8) bench::fill_e4m3_exact(device, s.k.data(), cache_rows * geo.k_row_stride, 1);
+    else bench::fill_random(device, DType::kBF16, s.k.data(), cache_rows * geo.k_row_stride, 1);
     if (!geo.v_aliases_k) {
       s.v = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_v) * esize);
-      bench::fill_random(device, DType::kBF16, s.v.data(), cache_rows * geo.dim_v, 2);
+      if (fp8) bench::fill_e4m3_exact(device, s.v.data(), cache_rows * geo.dim_v, 2);
+      else bench::fill_random(device, DType::kBF16, s.v.data(), cache_rows * geo.dim_v, 2);
     }
-    if (geo.dim_extra) {
+    if (geo.dim_extra && !fp8) {
       s.k_extra = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_extra) * esize);
       bench::fill_random(device, DType::kBF16, s.k_extra.data(), cache_rows * geo.dim_extra, 3);
     }
@@ -261,16 +277,49 @@ int main(int argc, char** argv) {
     in.v = geo.v_aliases_k ? RowView::dense(s.k.data(), geo.num_kv_heads, s.capacity, geo.dim_v, geo.k_row_stride)
                            : RowView::dense(s.v.data(), geo.num_kv_heads, s.capacity, geo.dim_v);
     if (geo.dim_extra) {
-      in.k_extra = RowView::dense(s.k_extra.data(), geo.num_kv_heads, s.capacity, geo.dim_extra);
+      // fp8 (the MLA rows): the rope rides in K's columns 512..575, where the
+      // quantizer reads it beside the latent.
+      in.k_extra = fp8 ? RowView::dense(static_cast<const char*>(s.k.data()) + geo.dim_qk * esize, geo.num_kv_heads,
+                                        s.capacity, geo.dim_extra, geo.k_row_stride)
+                       : RowView::dense(s.k_extra.data(), geo.num_kv_heads, s.capacity, geo.dim_extra);
       in.q_extra = static_cast<const char*>(s.q.data()) + int64_t{requests} * group * geo.dim_qk * esize;
     }
     in.q = s.q.data();
     in.scale = 1.0f / std::sqrt(float(geo.dim_qk + geo.dim_extra));
+    // The fused arm's inputs: the same, or the FP8 copy of the cache.
+    SparseAttentionInputs in8 = in;
+    if (fp8 && geo.v_aliases_k) {
+      const int64_t row_bytes = 656;
+      s.k8 = Buffer(device, static_cast<size_t>(cache_rows * row_bytes));
+      if (device == Device::kCuda) {
+        quantize_mla_fp8_cuda(DType::kBF16, s.k.data(), cache_rows, geo.k_row_stride, s.k8.data(), row_bytes);
+      } else {
+        quantize_mla_fp8_cpu(DType::kBF16, s.k.data(), cache_rows, geo.k_row_stride, s.k8.data(), row_bytes);
+      }
+      in8.kv_format = KvFormat::kE4m3Mla;
+      in8.k = RowView::dense(s.k8.data(), geo.num_kv_heads, s.capacity, geo.dim_qk, row_bytes);
+      in8.v = in8.k;
+      in8.k_extra = RowView::dense(static_cast<const char*>(s.k8.data()) + 528, geo.num_kv_heads, s.capacity,
+                                   geo.dim_extra, row_bytes / 2);
+    } else if (fp8) {
+      s.k8 = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_qk));
+      s.v8 = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_v));
+      bench::to_e4m3_times_256(device, s.k.data(), s.k8.data(), cache_rows * geo.dim_qk);
+      bench::to_e4m3_times_256(device, s.v.data(), s.v8.data(), cache_rows * geo.dim_v);
+      s.scales = upload(device, std::vector<float>(static_cast<size_t>(geo.num_kv_heads), 1.0f / 256.0f));
+      in8.kv_format = KvFormat::kE4m3PerHead;
+      in8.k = RowView::dense(s.k8.data(), geo.num_kv_heads, s.capacity, geo.dim_qk);
+      in8.v = RowView::dense(s.v8.data(), geo.num_kv_heads, s.capacity, geo.dim_v);
+      in8.k_scale = s.scales.as<float>();
+      in8.v_scale = s.scales.as<float>();
+    }
 
     const SparseSelection first = make_positions(device, opt, requests, context, 100);
     row.selected = first.total() / requests;
     const int64_t row_bytes = int64_t(esize) * (geo.dim_qk + geo.dim_extra + (geo.v_aliases_k ? 0 : geo.dim_v));
-    const int64_t fused_bytes = first.total() * row_bytes;
+    // The fused arm's rows: 656 bytes (MLA rows) or 256 (e4m3 K + V of 128) in fp8.
+    const int64_t fused_row_bytes = !fp8 ? row_bytes : geo.v_aliases_k ? 656 : geo.dim_qk + geo.dim_v;
+    const int64_t fused_bytes = first.total() * fused_row_bytes;
     const int64_t mask_bytes = int64_t{requests} * context * (row_bytes + 4);  // K/V rows + the fp32 mask
     row.rotate = opt.rotate > 0 ? opt.rotate
                                 : static_cast<int32_t>(std::clamp<int64_t>(
@@ -285,9 +334,9 @@ int main(int argc, char** argv) {
     decoder.set_plan_tuning(opt.items_per_sm, opt.min_chunk);
     MaskPath mask(device);
     const DispatchStats before = dispatch_stats();
-    in.o = o_fused.data();
-    in.lse = lse_fused.as<float>();
-    const SparseDecodeOutcome outcome = decoder.try_fused(in, selections[0]);
+    in8.o = o_fused.data();
+    in8.lse = lse_fused.as<float>();
+    const SparseDecodeOutcome outcome = decoder.try_fused(in8, selections[0]);
     const DispatchStats after = dispatch_stats();
     in.o = o_mask.data();
     in.lse = lse_mask.as<float>();
@@ -318,13 +367,13 @@ int main(int argc, char** argv) {
     row.mask_mb = double(mask.transient_bytes()) / 1e6;
     row.mask_gbs = double(mask_bytes) / (row.mask_us * 1e3);
     if (outcome.fused() && row.agreement < 1e-2) {
-      in.o = o_fused.data();
+      in8.lse = nullptr;  // the timed launches write o only
       row.fused_hot_us = bench::median_us_per_launch(
-          device, [&](void* stream) { decoder.try_fused(in, selections[0], stream); }, opt.steps, opt.reps);
+          device, [&](void* stream) { decoder.try_fused(in8, selections[0], stream); }, opt.steps, opt.reps);
       size_t next = 0;
       row.fused_cold_us = bench::median_us_per_launch(
           device,
-          [&](void* stream) { decoder.try_fused(in, selections[next++ % selections.size()], stream); },
+          [&](void* stream) { decoder.try_fused(in8, selections[next++ % selections.size()], stream); },
           std::max<int32_t>(opt.steps, row.rotate), opt.reps);
       row.fused_gbs = double(fused_bytes) / (row.fused_cold_us * 1e3);
       row.fused_mb = double(decoder.transient_bytes()) / 1e6;
@@ -335,6 +384,7 @@ int main(int argc, char** argv) {
     rows.push_back(row);
     results.push_back({{"context", context},       {"batch", opt.batch},
                        {"geometry", geo.name},     {"backend", device_name(device)},
+                       {"kv_dtype", opt.kv_dtype},
                        {"device", facts.name},     {"selected_per_request", row.selected},
                        {"sparse_outcome", row.outcome},
                        {"fused", outcome.fused()}, {"agreement_rel_l2", std::isfinite(row.agreement) ? json(row.agreement) : json(nullptr)},

@@ -21,7 +21,9 @@ const char* cache_mode_name(CacheMode mode);
 
 /// A dense cache `[B, H, Cap, D]` growing `Cap` in steps of `capacity_step`.
 /// K and V may differ in heads (K may carry extra heads after the attention
-/// heads) and in head_dim.
+/// heads) and in head_dim. `v_heads` = 0 makes a key-only cache (what a layer
+/// keeps for its indexer when an engine's pool holds the attention rows):
+/// V arguments are ignored and may be null, and `v_rows()` is empty.
 class DenseKVCache {
  public:
   DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,

@@ -121,6 +121,25 @@ struct BlockTable {
   const int32_t* row_of_sequence = nullptr;  // [num_requests / num_kv_heads] or null
 };
 
+/// How the K and V rows are stored. q, q_extra, o and the second K stream are
+/// always `dtype`. The fp8 forms address K and V in bytes: their RowView
+/// strides and dims count e4m3 elements (one byte each).
+enum class KvFormat : int32_t {
+  /// K and V are `dtype` elements.
+  kNative = 0,
+  /// K and V are e4m3 with one fp32 scale per KV head: K of head h is
+  /// k * k_scale[h], V is v * v_scale[h] (vLLM's fp8 KV cache).
+  kE4m3PerHead = 1,
+  /// The DSA / MLA engines' 656-byte rows (sparsepage/fp8.h): 512 e4m3 latent
+  /// values, at byte 512 four fp32 scales (one per 128 values), at byte 528
+  /// 64 rope values in `dtype` (bf16). K is the latent (k.dim = 512, k.row_stride
+  /// >= 528 bytes), V is the same bytes (v = k), and k_extra is the rope, a
+  /// `dtype` view of the same rows (mla_fp8_views builds all three).
+  kE4m3Mla = 2,
+};
+/// "native", "e4m3 per head" or "e4m3 mla".
+const char* kv_format_name(KvFormat format);
+
 /// Where q, q_extra or o keeps query head g of request r (sequence
 /// b = r / num_kv_heads, KV head h = r % num_kv_heads):
 ///   data + b * seq_stride + (h * group_size + g) * head_stride   (elements),
@@ -155,7 +174,12 @@ enum class QueryLayout : int32_t {
 /// anything from 0 up to what the plan was made for, so one plan (and one
 /// captured CUDA graph) serves steps whose counts change on the device.
 struct DecodeParams {
-  DType dtype = DType::kBF16;        // q, pools and o share it
+  DType dtype = DType::kBF16;        // q, pools and o share it (K and V: see kv_format)
+  KvFormat kv_format = KvFormat::kNative;
+  // kE4m3PerHead: the per-KV-head scales of K and V (device memory on CUDA);
+  // null otherwise.
+  const float* k_scale = nullptr;  // [num_kv_heads]
+  const float* v_scale = nullptr;  // [num_kv_heads]
 
   // Page table (SPEC section 3).
   IndexLayout index_layout = IndexLayout::kCsr;
@@ -246,7 +270,7 @@ void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
 
 /// Why the CUDA kernels cannot read these streams as laid out, or "" when they
-/// can: f16/bf16 elements, 16-byte aligned bases, row, head and sequence
+/// can (native K and V; the launch overload below judges the fp8 formats): f16/bf16 elements, 16-byte aligned bases, row, head and sequence
 /// strides in whole 16-byte pieces (rows are copied 16 bytes at a time), and a
 /// V wider than 256 (the MLA latent) read as K's own columns. Host-only. The
 /// CUDA entry points throw it and the dispatch policy declines with it, so a
@@ -256,6 +280,9 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
 /// The same for a whole launch: the streams above, and strided q, q_extra and
 /// o views (QueryLayout::kStrided) whose sequence and head strides are whole
 /// 16-byte pieces (q rows are copied, and o rows written, 16 bytes at a time).
+/// FP8 caches have kernels for two shapes only: kE4m3PerHead at head dim 128
+/// (K and V 128, no second stream), kE4m3Mla at the MLA shape with bf16 q,
+/// rope and o; byte strides in whole 16-byte pieces.
 std::string cuda_layout_problem(const DecodeParams& params);
 
 /// Head dims the fused kernels are built for (CPU runs any). The MLA shape

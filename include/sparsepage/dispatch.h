@@ -50,6 +50,18 @@ struct DispatchConfig {
   /// tests see a non-Hopper decline on a Hopper machine.
   int32_t assume_sm = 0;
 
+  /// This configuration with the performance gates (min_kv_tokens,
+  /// min_kv_tokens_per_request, min_sparsity) off: what a caller with no
+  /// mask path to prefer uses (a layer over an engine's paged pool). The
+  /// kill switch and assume_sm stay.
+  DispatchConfig without_performance_gates() const {
+    DispatchConfig c = *this;
+    c.min_kv_tokens = 0;
+    c.min_kv_tokens_per_request = 0;
+    c.min_sparsity = 0;
+    return c;
+  }
+
   static DispatchConfig defaults();
   /// Defaults overridden by the environment (see the parse_* functions).
   static DispatchConfig from_environment();
@@ -75,7 +87,8 @@ struct DispatchInput {
   bool raw_cache = true;        // raw fp16/bf16 rows
   bool head_dims_supported = true;
   bool device_available = true;
-  bool layout_supported = true;   // dtype, alignment, row strides
+  bool layout_supported = true;   // dtype, KV format, alignment, row strides
+  std::string layout_problem;     // why not (cuda_layout_problem), named in the decline; may be empty
   std::string arch_problem;       // cuda_arch_problem for the device; empty: a kernel exists
   int64_t chunks = 0;           // filled into the outcome when fused
   bool merge = false;

@@ -36,6 +36,17 @@ struct SparseAttentionInputs {
   RowView k;
   RowView v;                // may alias K's first columns
   RowView k_extra;          // second K stream (MLA rope keys); data null when absent
+  /// How K and V are stored (decode.h); the fp8 forms count K and V strides
+  /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
+  KvFormat kv_format = KvFormat::kNative;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  /// Set (data non-null): the streams are an engine's paged pool, and
+  /// position p of sequence b lives at pool row
+  /// `block_table[b, p / block_size] * block_size + p % block_size` of its
+  /// head (PageAddressing::kBlockTable); positions stay below live_lens.
+  /// The fused path only: the mask path reads dense caches.
+  BlockTable block_table;
   const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
   const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
   float scale = 1.0f;
@@ -47,6 +58,33 @@ struct SparseAttentionInputs {
   /// sequence's live length - (q_len - 1 - t). The fused path only: the mask
   /// path takes one token (MaskPath and StepMaskPath refuse q_len > 1).
   int32_t q_len = 1;
+};
+
+/// Where a layer's attention rows live.
+enum class KVStorage : int32_t {
+  /// The layer's own dense `[B, H, Cap, D]` cache, which each step appends
+  /// to (the default).
+  kLayerCache = 0,
+  /// An engine's paged pool (`EnginePagedKV`), attended in place through its
+  /// block table. The engine writes each token's attention rows before the
+  /// step, as vLLM's and SGLang's cache writes do; the layer keeps only its
+  /// indexer's keys. The fused path only: a step the dispatch would decline
+  /// is refused by name before anything changes (the mask path reads dense
+  /// caches).
+  kEnginePaged = 1,
+};
+
+/// An engine's paged KV pool, as a KVStorage::kEnginePaged layer reads it:
+/// rows of `[num_blocks, block_size, heads, dim]` allocations (RowView with
+/// row_stride = heads * dim, head_stride = dim, seq_stride = 0; for MLA one
+/// `[num_blocks, block_size, 576]` allocation gives K = V = the latent
+/// columns and k_extra = the rope columns), and the table whose row b lists
+/// sequence b's blocks. Device memory on CUDA.
+struct EnginePagedKV {
+  RowView k;
+  RowView v;
+  RowView k_extra;  // the MLA rope columns; data null without a second K stream
+  BlockTable block_table;
 };
 
 /// A selection as a serving step produces it on the device: a fixed-width

@@ -36,6 +36,16 @@ float bf16_to_float(uint16_t bits);
 uint16_t float_to_f16(float value);
 float f16_to_float(uint16_t bits);
 
+/// FP8 e4m3 ("e4m3fn": 4 exponent bits of bias 7, 3 mantissa bits, no
+/// infinities, 0x7F / 0xFF are NaN, largest finite 448). float_to_e4m3 rounds
+/// to nearest even and saturates to +-448 (an infinity too); NaN stays NaN.
+/// The same conversion as CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+/// __NV_E4M3), so the CPU and CUDA quantizers agree bit for bit (a NaN of
+/// either sign becomes 0x7F).
+uint8_t float_to_e4m3(float value);
+float e4m3_to_float(uint8_t bits);
+constexpr float kE4m3Max = 448.0f;
+
 /// Converts `count` elements of `dtype` at `src` to float.
 void to_float(DType dtype, const void* src, float* dst, size_t count);
 /// Converts `count` floats to `dtype` at `dst`.

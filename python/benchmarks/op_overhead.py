@@ -2,11 +2,13 @@
 
 Times a tiny decode (launch-bound, so host time dominates) several ways: the
 binding called directly with torch tensors (nanobind calls each tensor's
-``__dlpack__``) and with DLPack capsules (``torch.utils.dlpack.to_dlpack``),
+``__dlpack__``), with DLPack capsules (``torch.utils.dlpack.to_dlpack``) and
+through DLPack's C exchange table (torch >= 2.11),
 ``torch_ops.paged_decode_out`` (eager: the binding over capsules, no
-dispatcher), the registered op through torch's dispatcher (what
+dispatcher), the engine-facing ``PagedKVDecoder`` (eager), the registered op through torch's dispatcher (what
 ``torch.compile`` calls), and a CUDA graph replay; prints microseconds per
-call. tools/decode_call_overhead times the same call from C++.
+call (median of five interleaved rounds). tools/decode_call_overhead times the
+same call from C++.
 Usage: python3 python/benchmarks/op_overhead.py
 """
 
@@ -53,12 +55,26 @@ def main():
         sp.paged_decode(plan.plan, dl(q), dl(k), dl(k), dl(o), dl(indptr), dl(idx), dl(seq), page_size=1, scale=0.1,
                         workspace=dl(ws), upload_plan=False, stream=stream)
 
+    def exchange():  # the binding over the tensors themselves, through DLPack's C exchange table
+        sp._core._paged_decode_exchange(plan.plan, q, k, k, o, indptr, idx, seq, 1, 0.1, None, None, None, None, ws, -1, 0, 0,
+                                  1, False, None, None, 0)
+
     def op():
         ops.paged_decode_out(plan, q, k, k, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws, o=o)
 
     def dispatcher():
         torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, k, indptr, idx, seq, None, None, None, ws, o, None,
                                               1, 0.1, -1, 0, 0, 1, False, None, None, 0)
+
+    # The engine-facing op over a paged [num_blocks, 16, 1, 128] cache and its block table (the same
+    # 64 rows, 8 query heads): what a vLLM-style backend calls each step.
+    engine = ops.PagedKVDecoder(1, 8, 1, 128, max_blocks=4, block_size=16, device=dev)
+    k_cache = torch.randn(8, 16, 1, 128, device=dev, dtype=torch.bfloat16)
+    tables = torch.arange(4, dtype=torch.int32, device=dev).reshape(1, 4)
+    engine_lens = torch.tensor([64], dtype=torch.int32, device=dev)
+
+    def engine_op():
+        engine(q, k_cache, k_cache, tables, engine_lens, scale=0.1, o=o)
 
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -68,12 +84,20 @@ def main():
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         op()
-    print(f"binding, torch tensors   {per_call_us(direct):8.2f} us/call")
-    print(f"binding, DLPack capsules {per_call_us(capsules):8.2f} us/call")
-    print(f"torch_ops (eager)        {per_call_us(op):8.2f} us/call")
-    print(f"torch.ops dispatcher     {per_call_us(dispatcher):8.2f} us/call")
-    print(f"graph replay             {per_call_us(graph.replay):8.2f} us/call")
-
+    arms = [("binding, torch tensors", direct), ("binding, DLPack capsules", capsules)]
+    if ops._exchange:
+        arms.append(("binding, exchange table", exchange))
+    arms += [(f"torch_ops (eager) [{'exchange table' if ops._exchange else 'DLPack capsules'}]", op),
+             ("PagedKVDecoder (eager)", engine_op), ("torch.ops dispatcher", dispatcher), ("graph replay", graph.replay)]
+    # Five rounds, the arms interleaved in each, so drift on the machine hits every arm alike; the
+    # median round per arm is printed.
+    times = {name: [] for name, _ in arms}
+    for _ in range(5):
+        for name, fn in arms:
+            times[name].append(per_call_us(fn))
+    for name, _ in arms:
+        runs = sorted(times[name])
+        print(f"{name:46s} {runs[2]:8.2f} us/call  (min {runs[0]:.2f}, max {runs[-1]:.2f})")
 
 if __name__ == "__main__":
     main()

@@ -116,24 +116,43 @@ def _dl(t):
     return None if t is None else _to_dlpack(t)
 
 
+# torch >= 2.11 publishes DLPack's C exchange table on torch.Tensor: the binding then describes each
+# tensor with one C call and launches on torch's current stream, with no capsule.
+_exchange = _core._has_exchange_api(torch.empty(0))
+_exchange_decode = _core._paged_decode_exchange
+
+
 def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
          page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
          block_table_rows, block_size):
-    """The launch itself: the binding over capsules, on q's current stream."""
-    _core.paged_decode(plan, _dl(q), _dl(k), _dl(v), _dl(o), _dl(indptr), _dl(indices), _dl(seq_lens),
-                       page_size=page_size, scale=scale, first_page_offset=_dl(first_page_offset), lse=_dl(lse),
-                       q_extra=_dl(q_extra), k_extra=_dl(k_extra), workspace=_dl(workspace),
-                       num_pool_pages=num_pool_pages, request_row_stride=request_row_stride, window_len=window_len,
-                       num_kv_heads=num_kv_heads, skip_minus_one=skip_minus_one, block_table=_dl(block_table),
-                       block_table_rows=_dl(block_table_rows), block_size=block_size, upload_plan=False,
-                       stream=_stream(q))
+    """The launch itself, on q's current stream, every argument positional (the eager path's
+    per-call cost is mostly Python; see docs/PERFORMANCE.md)."""
+    if _exchange:
+        _exchange_decode(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale,
+                                     first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages,
+                                     request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+                                     block_table_rows, block_size)
+        return
+    dl = _to_dlpack
+    _core._paged_decode_positional(
+        plan, dl(q), dl(k), dl(v), dl(o), None if indptr is None else dl(indptr), dl(indices),
+        None if seq_lens is None else dl(seq_lens), page_size, scale,
+        None if first_page_offset is None else dl(first_page_offset), None if lse is None else dl(lse),
+        None if q_extra is None else dl(q_extra), None if k_extra is None else dl(k_extra), dl(workspace),
+        num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
+        None if block_table is None else dl(block_table), None if block_table_rows is None else dl(block_table_rows),
+        block_size, False, _stream(q))
+
+
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
 
 
 def _eager(*tensors) -> bool:
     """Whether a call can skip the custom-op dispatcher: not under torch.compile, and plain
     tensors (no fake or functional tensor subclasses, as tracers pass). The dispatcher adds tens
     of microseconds a call and is only needed for tracing; graph capture works either way."""
-    return not torch.compiler.is_compiling() and all(t is None or type(t) is torch.Tensor for t in tensors)
+    return not _is_compiling() and all(t is None or type(t) is _Tensor for t in tensors)
 
 
 @torch.library.custom_op("sparsepage::paged_decode_out", mutates_args=("o", "lse", "workspace"))
@@ -179,6 +198,11 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
     per-call cost); under ``torch.compile`` it is the registered op ``sparsepage::paged_decode_out``.
     """
     if _eager(q, o):
+        if _exchange:  # the binding itself, one Python call (each frame costs a fraction of a microsecond)
+            _exchange_decode(plan.plan, q, k, v, o, indptr, indices, seq_lens, page_size, float(scale),
+                             first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages, request_row_stride,
+                             window_len, num_kv_heads, skip_minus_one, block_table, block_table_rows, block_size)
+            return
         _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
              page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
              block_table, block_table_rows, block_size)
@@ -284,13 +308,32 @@ class MlaSparseDecoder:
                                head_dim_v=latent_dim, head_dim_extra=rope_dim, device=device)
         self.workspace = self.plan.new_workspace()
 
-    def _run(self, q_latent, q_pe, kv_cache, indices, *, scale, topk_length, o, lse, **mode):
+    def _columns(self, kv_cache):
+        """The latent and rope column views of `kv_cache`, made once per cache (slicing costs
+        microseconds a call); remade when the tensor, its storage, shape or strides change."""
+        key = (id(kv_cache), kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride())
+        if key != getattr(self, "_columns_key", None):
+            self._columns_views = (kv_cache[..., :self.latent_dim], kv_cache[..., self.latent_dim:])
+            self._columns_key = key
+        return self._columns_views
+
+    def _run(self, q_latent, q_pe, kv_cache, indices, *, scale, topk_length, o, lse, block_table=None,
+             block_table_rows=None, block_size=0):
         if o is None:
             o = q_latent.new_empty((q_latent.shape[0], q_latent.shape[1], self.latent_dim))
-        latent = kv_cache[..., :self.latent_dim]
+        latent, rope = self._columns(kv_cache)
+        if _eager(q_latent, o):  # the binding directly (see paged_decode_out)
+            if _exchange:
+                _exchange_decode(self.plan.plan, q_latent, latent, latent, o, None, indices, topk_length, 1,
+                                 float(scale), None, lse, q_pe, rope, self.workspace, -1, 0, 0, 1, True, block_table,
+                                 block_table_rows, block_size)
+                return o, lse
+            _run(self.plan.plan, q_latent, latent, latent, None, indices, topk_length, None, q_pe, rope,
+                 self.workspace, o, lse, 1, float(scale), -1, 0, 0, 1, True, block_table, block_table_rows, block_size)
+            return o, lse
         paged_decode_out(self.plan, q_latent, latent, latent, None, indices, topk_length, page_size=1, scale=scale,
-                         workspace=self.workspace, o=o, lse=lse, q_extra=q_pe,
-                         k_extra=kv_cache[..., self.latent_dim:], skip_minus_one=True, **mode)
+                         workspace=self.workspace, o=o, lse=lse, q_extra=q_pe, k_extra=rope, skip_minus_one=True,
+                         block_table=block_table, block_table_rows=block_table_rows, block_size=block_size)
         return o, lse
 
     def __call__(self, q_latent, q_pe, kv_cache, slot_ids, *, scale: float, topk_length=None, o=None, lse=None):
@@ -334,6 +377,15 @@ class PagedKVDecoder:
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale: float, o=None, lse=None):
         if o is None:
             o = q.new_empty((q.shape[0], q.shape[1], self.head_dim_v))
+        if _eager(q, o):  # the binding directly (see paged_decode_out); -1: every block of the pools
+            if _exchange:
+                _exchange_decode(self.plan.plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, self.block_size,
+                                 float(scale), None, lse, None, None, self.workspace, -1, 0, 0, self.num_kv_heads,
+                                 False, None, None, 0)
+                return o, lse
+            _run(self.plan.plan, q, k_cache, v_cache, None, block_tables, seq_lens, None, None, None, self.workspace, o,
+                 lse, self.block_size, float(scale), -1, 0, 0, self.num_kv_heads, False, None, None, 0)
+            return o, lse
         paged_decode_out(self.plan, q, k_cache, v_cache, None, block_tables, seq_lens, page_size=self.block_size,
                          scale=scale, workspace=self.workspace, o=o, lse=lse, num_kv_heads=self.num_kv_heads,
                          num_pool_pages=k_cache.shape[0])

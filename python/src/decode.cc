@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "cpu/attention_cpu.h"
+#include "dlpack_exchange.h"
 #include "sparsepage/sparse_decode.h"
 #include "tensor.h"
 
@@ -106,25 +107,21 @@ void sync_stream(Device device, void* stream) {
 #endif
 }
 
-void paged_decode(const DecodePlan& plan, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
-                  const OptIn& indptr_in, const In& indices_in, const OptIn& seq_lens_in, int32_t page_size,
-                  float scale, const OptIn& first_page_offset_in, const OptOut& lse_in, const OptIn& q_extra_in,
-                  const OptIn& k_extra_in, const OptOut& workspace_in, int64_t num_pool_pages,
-                  int64_t request_row_stride, int64_t window_len, int32_t num_kv_heads, bool skip_minus_one,
-                  const OptIn& block_table_in, const OptIn& block_table_rows_in, int32_t block_size,
-                  bool upload_plan, uintptr_t stream) {
-  const std::string op = "paged_decode";
-  const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
-               o = describe(o_in, op, "o"), indices = describe(indices_in, op, "indices");
-  const auto indptr = describe(indptr_in, op, "indptr");
-  const auto seq_lens = describe(seq_lens_in, op, "seq_lens");
-  const auto fpo = describe(first_page_offset_in, op, "first_page_offset");
-  const auto lse = describe(lse_in, op, "lse");
-  const auto q_extra = describe(q_extra_in, op, "q_extra");
-  const auto k_extra = describe(k_extra_in, op, "k_extra");
-  const auto ws = describe(workspace_in, op, "workspace");
-  const auto table = describe(block_table_in, op, "block_table");
-  const auto table_rows = describe(block_table_rows_in, op, "block_table_rows");
+// Every tensor argument of paged_decode, described.
+struct DecodeTensors {
+  Tensor q, k, v, o, indices;
+  std::optional<Tensor> indptr, seq_lens, fpo, lse, q_extra, k_extra, ws, table, table_rows;
+};
+
+// The decode over described tensors: both entries (DLPack capsules or
+// ndarrays, and the exchange table) end here.
+void run_paged_decode(const DecodePlan& plan, const std::string& op, const DecodeTensors& in, int32_t page_size,
+                      float scale, int64_t num_pool_pages, int64_t request_row_stride, int64_t window_len,
+                      int32_t num_kv_heads, bool skip_minus_one, int32_t block_size, bool upload_plan,
+                      uintptr_t stream) {
+  const Tensor &q = in.q, &k = in.k, &v = in.v, &o = in.o, &indices = in.indices;
+  const auto &indptr = in.indptr, &seq_lens = in.seq_lens, &fpo = in.fpo, &lse = in.lse, &q_extra = in.q_extra,
+             &k_extra = in.k_extra, &ws = in.ws, &table = in.table, &table_rows = in.table_rows;
   const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   const Device device = common_device(op, {&q, &k, &v, &o, &indices, opt(indptr), opt(seq_lens), opt(fpo), opt(lse),
                                            opt(q_extra), opt(k_extra), opt(ws), opt(table), opt(table_rows)});
@@ -297,6 +294,78 @@ void paged_decode(const DecodePlan& plan, const In& q_in, const In& k_in, const 
     if (upload_plan) upload_plan_cuda(plan, workspace, stream_ptr(stream));
     run_decode_cuda(p, plan, workspace, stream_ptr(stream));
   }
+}
+
+void paged_decode(const DecodePlan& plan, const In& q, const In& k, const In& v, const Out& o, const OptIn& indptr,
+                  const In& indices, const OptIn& seq_lens, int32_t page_size, float scale,
+                  const OptIn& first_page_offset, const OptOut& lse, const OptIn& q_extra, const OptIn& k_extra,
+                  const OptOut& workspace, int64_t num_pool_pages, int64_t request_row_stride, int64_t window_len,
+                  int32_t num_kv_heads, bool skip_minus_one, const OptIn& block_table, const OptIn& block_table_rows,
+                  int32_t block_size, bool upload_plan, uintptr_t stream) {
+  const std::string op = "paged_decode";
+  const DecodeTensors in{describe(q, op, "q"),
+                         describe(k, op, "k"),
+                         describe(v, op, "v"),
+                         describe(o, op, "o"),
+                         describe(indices, op, "indices"),
+                         describe(indptr, op, "indptr"),
+                         describe(seq_lens, op, "seq_lens"),
+                         describe(first_page_offset, op, "first_page_offset"),
+                         describe(lse, op, "lse"),
+                         describe(q_extra, op, "q_extra"),
+                         describe(k_extra, op, "k_extra"),
+                         describe(workspace, op, "workspace"),
+                         describe(block_table, op, "block_table"),
+                         describe(block_table_rows, op, "block_table_rows")};
+  run_paged_decode(plan, op, in, page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads,
+                   skip_minus_one, block_size, upload_plan, stream);
+}
+
+// The torch ops' eager entry: tensors described through DLPack's C exchange
+// table (exchange_api is true), on the producer's current stream; no capsule, no
+// keyword matching. Without the table it is the capsule path's twin.
+void paged_decode_exchange(const DecodePlan& plan, nb::handle q, nb::handle k, nb::handle v, nb::handle o,
+                           nb::handle indptr, nb::handle indices, nb::handle seq_lens, int32_t page_size, float scale,
+                           nb::handle first_page_offset, nb::handle lse, nb::handle q_extra, nb::handle k_extra,
+                           nb::handle workspace, int64_t num_pool_pages, int64_t request_row_stride,
+                           int64_t window_len, int32_t num_kv_heads, bool skip_minus_one, nb::handle block_table,
+                           nb::handle block_table_rows, int32_t block_size) {
+  const std::string op = "paged_decode";
+  const dlpack_abi::ExchangeApi* api = exchange_api_of(q);
+  if (api == nullptr) {
+    throw Error(op + ": q's type publishes no DLPack exchange table (__dlpack_c_exchange_api__); pass DLPack "
+                     "capsules to paged_decode instead");
+  }
+  const auto one = [&](nb::handle h, const char* name) {
+    if (exchange_api_of(h) != api) {
+      throw Error(op + ": " + name + " is not a tensor of q's type (the exchange entry takes one tensor type)");
+    }
+    return describe_exchange(api, h, op, name);
+  };
+  const auto maybe = [&](nb::handle h, const char* name) -> std::optional<Tensor> {
+    if (h.is_none()) return std::nullopt;
+    return one(h, name);
+  };
+  const DecodeTensors in{one(q, "q"),
+                         one(k, "k"),
+                         one(v, "v"),
+                         one(o, "o"),
+                         one(indices, "indices"),
+                         maybe(indptr, "indptr"),
+                         maybe(seq_lens, "seq_lens"),
+                         maybe(first_page_offset, "first_page_offset"),
+                         maybe(lse, "lse"),
+                         maybe(q_extra, "q_extra"),
+                         maybe(k_extra, "k_extra"),
+                         maybe(workspace, "workspace"),
+                         maybe(block_table, "block_table"),
+                         maybe(block_table_rows, "block_table_rows")};
+  void* stream = nullptr;
+  if (in.q.device == Device::kCuda && api->current_work_stream(2, in.q.device_id, &stream) != 0) {
+    nb::raise_python_error();
+  }
+  run_paged_decode(plan, op, in, page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads,
+                   skip_minus_one, block_size, false, reinterpret_cast<uintptr_t>(stream));
 }
 
 void merge_states(const In& o_in, const In& lse_in, const Out& o_out_in, const OptOut& lse_out_in) {
@@ -493,6 +562,26 @@ const std::string kMaskRunDoc = "Prepares (when counts or shapes change) and run
 }  // namespace
 
 void bind_decode(nb::module_& m) {
+  // The torch ops' eager entries, every argument positional (keyword
+  // matching costs microseconds a call there): over DLPack capsules, and over
+  // tensors whose type publishes DLPack's C exchange table (torch >= 2.11).
+  m.def("_paged_decode_positional", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("o"), nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"),
+        nb::arg("scale"), nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
+        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
+        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
+        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
+        nb::arg("upload_plan"), nb::arg("stream"), "Internal: paged_decode with positional arguments.");
+  m.def("_paged_decode_exchange", &paged_decode_exchange, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("o"), nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"),
+        nb::arg("scale"), nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
+        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
+        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
+        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
+        "Internal: paged_decode over tensors described through their type's DLPack exchange table, on its\n"
+        "current stream.");
+  m.def("_has_exchange_api", [](nb::handle t) { return exchange_api_of(t) != nullptr; }, nb::arg("tensor"),
+        "Internal: whether the tensor's type publishes DLPack's C exchange table (major version 1).");
   m.def("paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::kw_only(), nb::arg("page_size"),
         nb::arg("scale"), nb::arg("first_page_offset") = nb::none(), nb::arg("lse") = nb::none(),

@@ -38,6 +38,54 @@ std::vector<float> host_floats(const std::string& op, const In& a, const char* n
 
 using Rows = std::vector<std::vector<int32_t>>;
 
+// An engine's paged pool `[num_blocks, block_size, heads, dim]` (heads = 0:
+// `[num_blocks, block_size, width]`, an MLA pool) on the layer's device, in
+// its dtype: rows are (block, slot) pairs collapsed, which needs whole
+// blocks `block_size` rows apart, and the last dim of unit stride. Returns
+// columns [column, column + dim) of each head's rows; `block_size` receives
+// the pool's block size.
+RowView engine_pool(const std::string& op, const In& a, const char* name, Device device, DType dtype, int64_t heads,
+                    int64_t width, int64_t column, int32_t dim, const char* layout, int32_t* block_size) {
+  Tensor t = describe(a, op, name);
+  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+  t.require_ndim(heads > 0 ? 4 : 3, layout);
+  const int last = t.ndim() - 1;
+  if (heads > 0 && t.shape[2] != heads) t.fail("has " + std::to_string(t.shape[2]) + " heads; the layer has " + std::to_string(heads) + " " + layout);
+  if (t.shape[last] != width) t.fail("rows are " + std::to_string(t.shape[last]) + " wide, expected " + std::to_string(width) + " " + layout);
+  if (t.shape[last] > 1 && t.strides[last] != 1) t.fail("must have unit stride in its last dim");
+  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1]) {
+    t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
+  }
+  RowView v;
+  v.data = static_cast<const char*>(t.data) + column * static_cast<int64_t>(dtype_size(dtype));
+  v.row_stride = t.strides[1];
+  v.dim = dim;
+  v.head_stride = heads > 1 ? t.strides[2] : 0;
+  v.capacity = t.shape[0] * t.shape[1];
+  *block_size = to_int32(t.shape[1], op, std::string(name) + "'s block size");
+  return v;
+}
+
+// The engine's block table: int32 [batch, max_blocks] on the layer's device, unit stride in its last dim.
+BlockTable engine_table(const std::string& op, const In& a, Device device, int32_t batch, int32_t block_size,
+                        int64_t num_blocks) {
+  Tensor t = describe(a, op, "block_table");
+  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+  t.require_int32();
+  t.require_ndim(2, "[batch, max_blocks]");
+  if (t.shape[0] != batch) t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
+  if (t.shape[1] > 1 && t.strides[1] != 1) t.fail("must have unit stride in its last dim");
+  BlockTable b;
+  b.data = static_cast<const int32_t*>(t.data);
+  b.num_rows = batch;
+  b.max_blocks = to_int32(t.shape[1], op, "block_table's width");
+  b.row_stride = t.shape[0] > 1 ? t.strides[0] : t.shape[1];
+  b.block_size = block_size;
+  b.num_blocks = num_blocks;
+  return b;
+}
+
 struct PyBlockSparse {
   PyBlockSparse(Device on, DType type, const BlockSparseConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
       : device(on), dtype(type), config(c), batch(b),
@@ -58,6 +106,30 @@ struct PyBlockSparse {
     t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
     t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
     return t;
+  }
+  // An engine-paged step: the index key instead of k and v.
+  BlockSparseTokens engine_tokens(const std::string& op, const In& q, const In& index_q, const In& index_k,
+                                  const Out& o) const {
+    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
+    BlockSparseTokens t;
+    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
+    t.index_k = step_arg(op, index_k, "index_k", device, dtype, {B, 1, 1, D}, "[batch, 1, 1, head_dim]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+    return t;
+  }
+  EnginePagedKV engine_kv(const std::string& op, const In& k_cache, const In& v_cache, const In& block_table) const {
+    const int32_t Hk = config.num_kv_heads, D = config.head_dim;
+    const char* layout = "[num_blocks, block_size, num_kv_heads, head_dim]";
+    int32_t kb = 0, vb = 0;
+    EnginePagedKV kv;
+    kv.k = engine_pool(op, k_cache, "k_cache", device, dtype, Hk, D, 0, D, layout, &kb);
+    kv.v = engine_pool(op, v_cache, "v_cache", device, dtype, Hk, D, 0, D, layout, &vb);
+    if (kb != vb || kv.k.capacity != kv.v.capacity) {
+      throw Error(op + ": k_cache and v_cache must have the same num_blocks and block_size");
+    }
+    kv.block_table = engine_table(op, block_table, device, batch, kb, kv.k.capacity / kb);
+    return kv;
   }
 };
 
@@ -92,8 +164,9 @@ struct PyDsa {
   int32_t batch;
   DsaAttention layer;
 
-  DsaTokens tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
-                   const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o) const {
+  // The queries, index weights and output of a step (both forms).
+  DsaTokens queries(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
+                    const In& index_weights, const Out& o) const {
     const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
                   IH = config.index_heads, ID = config.index_head_dim;
     DsaTokens t;
@@ -106,28 +179,61 @@ struct PyDsa {
     w.require_shape({B, IH}, "[batch, index_heads]");
     w.require_contiguous();
     t.index_weights = static_cast<const float*>(w.data);
-    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype, {B, 1, 1, L + ID},
-                             "[batch, 1, 1, latent_dim + index_head_dim]");
-    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {B, 1, 1, R}, "[batch, 1, 1, rope_dim]");
     t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
     return t;
+  }
+  DsaTokens tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
+                   const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o) const {
+    DsaTokens t = queries(op, q_latent, q_pe, q_index, index_weights, o);
+    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype,
+                             {batch, 1, 1, config.latent_dim + config.index_head_dim},
+                             "[batch, 1, 1, latent_dim + index_head_dim]");
+    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {batch, 1, 1, config.rope_dim}, "[batch, 1, 1, rope_dim]");
+    return t;
+  }
+  // An engine-paged step: the indexer key instead of the cache rows.
+  DsaTokens engine_tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
+                          const In& index_weights, const In& index_k, const Out& o) const {
+    DsaTokens t = queries(op, q_latent, q_pe, q_index, index_weights, o);
+    t.index_k = step_arg(op, index_k, "index_k", device, dtype, {batch, 1, 1, config.index_head_dim},
+                         "[batch, 1, 1, index_head_dim]");
+    return t;
+  }
+  EnginePagedKV engine_kv(const std::string& op, const In& kv_cache, const In& block_table) const {
+    const int32_t L = config.latent_dim, R = config.rope_dim;
+    const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
+    int32_t bs = 0;
+    EnginePagedKV kv;
+    kv.k = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, 0, L, layout, &bs);
+    kv.v = kv.k;  // V = the latent columns
+    kv.k_extra = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, L, R, layout, &bs);
+    kv.block_table = engine_table(op, block_table, device, batch, bs, kv.k.capacity / bs);
+    return kv;
   }
 };
 
 }  // namespace
 
 void bind_layers(nb::module_& m) {
+  nb::enum_<KVStorage>(m, "KVStorage", "Where a layer's attention rows live.")
+      .value("LAYER_CACHE", KVStorage::kLayerCache, "The layer's own dense [B, H, Cap, D] cache (the default).")
+      .value("ENGINE_PAGED", KVStorage::kEnginePaged,
+             "An engine's paged pool, read in place through its block table (decode_paged); the engine\n"
+             "writes each token's rows, the layer keeps only its indexer's keys. Fused path only.");
+
   nb::class_<BlockSparseConfig>(m, "BlockSparseConfig", "Geometry of the block-sparse (MiniMax-M3-style) layer.")
       .def(
           "__init__",
           [](BlockSparseConfig* c, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-             int32_t topk_blocks, int32_t local_blocks, int64_t capacity_step) {
+             int32_t topk_blocks, int32_t local_blocks, int64_t capacity_step, KVStorage kv_storage) {
             new (c) BlockSparseConfig{num_qo_heads, num_kv_heads, head_dim, block_size, topk_blocks, local_blocks,
                                       capacity_step};
+            c->kv_storage = kv_storage;
           },
           nb::kw_only(), nb::arg("num_qo_heads") = 64, nb::arg("num_kv_heads") = 4, nb::arg("head_dim") = 128,
           nb::arg("block_size") = 128, nb::arg("topk_blocks") = 16, nb::arg("local_blocks") = 1,
-          nb::arg("capacity_step") = 4096)
+          nb::arg("capacity_step") = 4096, nb::arg("kv_storage") = KVStorage::kLayerCache)
+      .def_rw("kv_storage", &BlockSparseConfig::kv_storage)
       .def_rw("num_qo_heads", &BlockSparseConfig::num_qo_heads)
       .def_rw("num_kv_heads", &BlockSparseConfig::num_kv_heads)
       .def_rw("head_dim", &BlockSparseConfig::head_dim)
@@ -168,6 +274,22 @@ void bind_layers(nb::module_& m) {
           nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
           "Appends the token; in the sparse regime runs the indexer and tries the fused path, falling\n"
           "back to the block mask over the same set. Returns a BlockSparseStep.")
+      .def(
+          "decode_paged",
+          [](PyBlockSparse& self, const In& q, const In& index_q, const In& index_k, const Out& o, const In& k_cache,
+             const In& v_cache, const In& block_table, uintptr_t stream) {
+            const std::string op = "BlockSparseAttention.decode_paged";
+            return self.layer.decode(self.engine_tokens(op, q, index_q, index_k, o),
+                                     self.engine_kv(op, k_cache, v_cache, block_table), stream_ptr(stream));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_table"), nb::arg("stream") = 0,
+          "Decode over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): appends the index key\n"
+          "index_k [B, 1, 1, D], runs the indexer, and attends the kept blocks of k_cache / v_cache\n"
+          "[num_blocks, block_size, Hkv, D] in place through block_table int32 [B, max_blocks] (row b:\n"
+          "sequence b's blocks). The engine must already have written this token's K and V at position\n"
+          "kv_len (the length before the call). In the dense regime every block is attended. No mask\n"
+          "path: a step the dispatch would decline raises, and nothing is appended.")
       .def("last_blocks", [](const PyBlockSparse& self) { return self.layer.last_blocks(); },
            "Selected blocks of the last sparse decode, per request (host copy).")
       .def("last_selected_positions", [](const PyBlockSparse& self) { return self.layer.last_selected_positions(); },
@@ -180,21 +302,32 @@ void bind_layers(nb::module_& m) {
           "allocate nothing (do it before capturing steps in a graph).")
       .def(
           "append_tokens",
-          [](PyBlockSparse& self, const In& k, const In& v) {
+          [](PyBlockSparse& self, const In& k, const std::optional<In>& v) {
             const std::string op = "BlockSparseAttention.append_tokens";
             const Tensor kt = describe(k, op, "k");
+            if (self.config.kv_storage == KVStorage::kEnginePaged) {
+              kt.require_ndim(4, "[batch, 1, tokens, head_dim] (the index keys)");
+              const int64_t n = kt.shape[2];
+              const void* kp = step_arg(op, k, "k", self.device, self.dtype, {self.batch, 1, n, self.config.head_dim},
+                                        "[batch, 1, tokens, head_dim] (the index keys)");
+              if (v) throw Error(op + ": v must be None for an engine-paged layer (the engine holds the values)");
+              self.layer.append_tokens(kp, nullptr, n);
+              return;
+            }
+            if (!v) throw Error(op + ": v must be given");
             kt.require_ndim(4, "[batch, num_kv_heads + 1, tokens, head_dim]");
             const int64_t B = self.batch, Hk = self.config.num_kv_heads, D = self.config.head_dim, n = kt.shape[2];
             const void* kp = step_arg(op, k, "k", self.device, self.dtype, {B, Hk + 1, n, D},
                                       "[batch, num_kv_heads + 1, tokens, head_dim] (keys, then the index key)");
-            const void* vp = step_arg(op, v, "v", self.device, self.dtype, {B, Hk, n, D},
+            const void* vp = step_arg(op, *v, "v", self.device, self.dtype, {B, Hk, n, D},
                                       "[batch, num_kv_heads, tokens, head_dim]");
             self.layer.append_tokens(kp, vp, n);
           },
-          nb::arg("k"), nb::arg("v"),
+          nb::arg("k"), nb::arg("v").none(),
           "Appends a prompt's tokens to the cache without attending (its prefill ran elsewhere): k\n"
           "[batch, num_kv_heads + 1, tokens, head_dim] (the index key last), v [batch, num_kv_heads,\n"
-          "tokens, head_dim]. Synchronous; not a step.")
+          "tokens, head_dim]. Engine-paged layers: k is the index keys [batch, 1, tokens, head_dim] and\n"
+          "v is None. Synchronous; not a step.")
       .def(
           "sync_live_len", [](PyBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
           nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
@@ -281,13 +414,14 @@ void bind_layers(nb::module_& m) {
       .def(
           "__init__",
           [](DsaConfig* c, int32_t num_qo_heads, int32_t latent_dim, int32_t rope_dim, int32_t index_heads,
-             int32_t index_head_dim, int32_t index_topk, float scale, int64_t capacity_step) {
+             int32_t index_head_dim, int32_t index_topk, float scale, int64_t capacity_step, KVStorage kv_storage) {
             new (c) DsaConfig{num_qo_heads, latent_dim, rope_dim, index_heads, index_head_dim, index_topk, scale,
-                              capacity_step};
+                              capacity_step, kv_storage};
           },
           nb::kw_only(), nb::arg("num_qo_heads") = 128, nb::arg("latent_dim") = 512, nb::arg("rope_dim") = 64,
           nb::arg("index_heads") = 64, nb::arg("index_head_dim") = 128, nb::arg("index_topk") = 2048,
-          nb::arg("scale") = 0.0f, nb::arg("capacity_step") = 4096)
+          nb::arg("scale") = 0.0f, nb::arg("capacity_step") = 4096, nb::arg("kv_storage") = KVStorage::kLayerCache)
+      .def_rw("kv_storage", &DsaConfig::kv_storage)
       .def_rw("num_qo_heads", &DsaConfig::num_qo_heads)
       .def_rw("latent_dim", &DsaConfig::latent_dim)
       .def_rw("rope_dim", &DsaConfig::rope_dim)
@@ -331,6 +465,21 @@ void bind_layers(nb::module_& m) {
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
           nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0,
           "Appends the token, runs the indexer, tries the fused path and falls back to the mask path.")
+      .def(
+          "decode_paged",
+          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& index_k, const Out& o, const In& kv_cache, const In& block_table, uintptr_t stream) {
+            const std::string op = "DsaAttention.decode_paged";
+            return self.layer.decode(self.engine_tokens(op, q_latent, q_pe, q_index, index_weights, index_k, o),
+                                     self.engine_kv(op, kv_cache, block_table), stream_ptr(stream));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
+          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream") = 0,
+          "Decode over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): appends the\n"
+          "indexer key index_k [B, 1, 1, index_head_dim], runs the indexer, and attends the kept\n"
+          "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
+          "row) in place through block_table int32 [B, max_blocks]. The engine must already have written\n"
+          "this token's row at position kv_len. No mask path: a declined step raises, appending nothing.")
       .def("last_selected_positions", [](const PyDsa& self) { return self.layer.last_selected_positions(); })
       .def("last_mask_columns", [](PyDsa& self) { return self.layer.last_mask_columns(); })
       .def(
@@ -339,25 +488,38 @@ void bind_layers(nb::module_& m) {
           "allocate nothing (do it before capturing steps in a graph).")
       .def(
           "append_tokens",
-          [](PyDsa& self, const In& k_cache_rows, const In& k_pe) {
+          [](PyDsa& self, const In& k_cache_rows, const std::optional<In>& k_pe) {
             const std::string op = "DsaAttention.append_tokens";
             const Tensor kt = describe(k_cache_rows, op, "k_cache_rows");
+            if (self.config.kv_storage == KVStorage::kEnginePaged) {
+              kt.require_ndim(4, "[batch, 1, tokens, index_head_dim] (the indexer keys)");
+              const int64_t n = kt.shape[2];
+              const void* kp = step_arg(op, k_cache_rows, "k_cache_rows", self.device, self.dtype,
+                                        {self.batch, 1, n, self.config.index_head_dim},
+                                        "[batch, 1, tokens, index_head_dim] (the indexer keys)");
+              if (k_pe) throw Error(op + ": k_pe must be None for an engine-paged layer (the engine holds the rows)");
+              self.layer.append_tokens(kp, nullptr, n);
+              return;
+            }
+            if (!k_pe) throw Error(op + ": k_pe must be given");
             kt.require_ndim(4, "[batch, 1, tokens, latent_dim + index_head_dim]");
             const int64_t B = self.batch, n = kt.shape[2];
             const void* kp = step_arg(op, k_cache_rows, "k_cache_rows", self.device, self.dtype,
                                       {B, 1, n, self.config.latent_dim + self.config.index_head_dim},
                                       "[batch, 1, tokens, latent_dim + index_head_dim]");
-            const void* pe = step_arg(op, k_pe, "k_pe", self.device, self.dtype, {B, 1, n, self.config.rope_dim},
+            const void* pe = step_arg(op, *k_pe, "k_pe", self.device, self.dtype, {B, 1, n, self.config.rope_dim},
                                       "[batch, 1, tokens, rope_dim]");
             self.layer.append_tokens(kp, pe, n);
           },
-          nb::arg("k_cache_rows"), nb::arg("k_pe"),
+          nb::arg("k_cache_rows"), nb::arg("k_pe").none(),
           "Appends a prompt's tokens to the cache without attending: k_cache_rows [batch, 1, tokens,\n"
-          "latent_dim + index_head_dim], k_pe [batch, 1, tokens, rope_dim]. Synchronous; not a step.")
+          "latent_dim + index_head_dim], k_pe [batch, 1, tokens, rope_dim]. Engine-paged layers:\n"
+          "k_cache_rows is the indexer keys [batch, 1, tokens, index_head_dim] and k_pe is None.\n"
+          "Synchronous; not a step.")
       .def(
           "sync_live_len", [](PyDsa& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
           nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
-      .def_prop_ro("kv_len", [](const PyDsa& self) { return self.layer.cache().live_len(); });
+      .def_prop_ro("kv_len", [](const PyDsa& self) { return self.layer.kv_len(); });
 
   m.def(
       "select_top_blocks_cpu",

@@ -1,5 +1,7 @@
 #include "tensor.h"
 
+#include "dlpack_exchange.h"
+
 #include <limits>
 #include <sstream>
 
@@ -134,6 +136,68 @@ std::optional<Tensor> describe(const std::optional<In>& a, const std::string& op
 std::optional<Tensor> describe(const std::optional<Out>& a, const std::string& op, const std::string& name) {
   if (!a) return std::nullopt;
   return describe_any(*a, op, name);
+}
+
+const dlpack_abi::ExchangeApi* exchange_api_of(nb::handle obj) {
+  // One type at a time in practice (torch.Tensor): a one-entry cache.
+  static PyTypeObject* cached_type = nullptr;
+  static const dlpack_abi::ExchangeApi* cached_api = nullptr;
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type == cached_type) return cached_api;
+  const dlpack_abi::ExchangeApi* api = nullptr;
+  PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (PyCapsule_CheckExact(capsule) && PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
+      api = static_cast<const dlpack_abi::ExchangeApi*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+      // Walk to a table of the major version this binding reads.
+      while (api != nullptr && api->header.version.major != 1) {
+        api = reinterpret_cast<const dlpack_abi::ExchangeApi*>(api->header.prev_api);
+      }
+      if (api != nullptr && api->managed_tensor_from_py_object_no_sync == nullptr) api = nullptr;
+    }
+    Py_DECREF(capsule);  // the type keeps the table alive for the process
+  }
+  cached_type = type;
+  cached_api = api;
+  return api;
+}
+
+Tensor describe_exchange(const dlpack_abi::ExchangeApi* api, nb::handle obj, const std::string& op,
+                         const std::string& name) {
+  dlpack_abi::DLTensor dl{};
+  dlpack_abi::ManagedTensorVersioned* managed = nullptr;
+  if (api->dltensor_from_py_object_no_sync != nullptr) {
+    if (api->dltensor_from_py_object_no_sync(obj.ptr(), &dl) != 0) nb::raise_python_error();
+  } else {
+    if (api->managed_tensor_from_py_object_no_sync(obj.ptr(), &managed) != 0) nb::raise_python_error();
+    dl = managed->dl_tensor;
+  }
+  Tensor t;
+  t.op = op;
+  t.name = name;
+  t.data = static_cast<char*>(dl.data) + dl.byte_offset;
+  t.dtype = nb::dlpack::dtype{dl.dtype.code, dl.dtype.bits, dl.dtype.lanes};
+  t.device_id = dl.device.device_id;
+  t.shape.assign(dl.shape, dl.shape + dl.ndim);
+  t.strides.resize(static_cast<size_t>(dl.ndim));
+  int64_t packed = 1;  // null strides: compact row-major
+  for (int32_t i = dl.ndim - 1; i >= 0; --i) {
+    t.strides[static_cast<size_t>(i)] = dl.strides != nullptr ? dl.strides[i] : packed;
+    packed *= dl.shape[i];
+  }
+  const int32_t device_type = dl.device.device_type;
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);  // the tensor itself stays alive
+  if (device_type == kDLCPU) {
+    t.device = Device::kCpu;
+  } else if (device_type == kDLCUDA) {
+    t.device = Device::kCuda;
+  } else {
+    throw Error(op + ": " + name + " lives on DLPack device type " + std::to_string(device_type) +
+                "; sparsepage reads CPU and CUDA memory");
+  }
+  return t;
 }
 
 Device common_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {

@@ -102,8 +102,9 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
       v_head_dim_(v_head_dim),
       capacity_step_(capacity_step),
       storage_(std::make_shared<Storage>()) {
-  if (batch < 1 || k_heads < 1 || v_heads < 1 || k_head_dim < 1 || v_head_dim < 1 || capacity_step < 1) {
-    throw Error("DenseKVCache: batch, heads, head dims and capacity_step must be at least 1 (got batch " +
+  if (batch < 1 || k_heads < 1 || v_heads < 0 || k_head_dim < 1 || v_head_dim < 1 || capacity_step < 1) {
+    throw Error("DenseKVCache: batch, K heads, head dims and capacity_step must be at least 1 and V heads at least 0 "
+                "(got batch " +
                 std::to_string(batch) + ", heads " + std::to_string(k_heads) + "/" + std::to_string(v_heads) +
                 ", dims " + std::to_string(k_head_dim) + "/" + std::to_string(v_head_dim) + ", step " +
                 std::to_string(capacity_step) + ")");
@@ -136,7 +137,9 @@ const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_le
 void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
   if (is_head_trimmed()) throw Error("DenseKVCache::append_token: a head-trimmed view is read-only");
   if (is_quantized(mode_)) throw Error("DenseKVCache::append_token: quantized caches append through append()");
-  if (k_new == nullptr || v_new == nullptr) throw Error("DenseKVCache::append_token: k_new and v_new must not be null");
+  if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
+    throw Error("DenseKVCache::append_token: k_new and v_new must not be null");
+  }
   if (live_len_ >= capacity_) {
     throw Error("DenseKVCache::append_token: live_len = " + std::to_string(live_len_) + " has reached capacity " +
                 std::to_string(capacity_) + "; reserve() before the step");
@@ -229,7 +232,7 @@ void DenseKVCache::grow_to(int64_t needed) {
 void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens) {
   if (is_head_trimmed()) throw Error("DenseKVCache::append: a head-trimmed view is read-only");
   if (new_tokens < 0) throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) + " < 0");
-  if (new_tokens > 0 && (k_new == nullptr || v_new == nullptr)) {
+  if (new_tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
     throw Error("DenseKVCache::append: k_new and v_new must not be null");
   }
   if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
@@ -276,7 +279,7 @@ std::optional<RowView> DenseKVCache::k_rows() const {
 }
 
 std::optional<RowView> DenseKVCache::v_rows() const {
-  if (is_quantized(mode_) || capacity_ == 0) return std::nullopt;
+  if (is_quantized(mode_) || capacity_ == 0 || v_heads_ == 0) return std::nullopt;
   return RowView::dense(storage_->v.data(), v_heads_, capacity_, v_head_dim_);
 }
 
@@ -331,6 +334,7 @@ DenseKVCache DenseKVCache::head_trimmed(int32_t heads) const {
 }
 
 std::vector<float> DenseKVCache::dequantized_window(bool key) const {
+  if (!key && v_heads_ == 0) return {};  // a key-only cache
   const int32_t heads = key ? k_heads_ : v_heads_;
   const int32_t dim = key ? k_head_dim_ : v_head_dim_;
   const int32_t visible = is_head_trimmed() ? trimmed_heads_ : heads;

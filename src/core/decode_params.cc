@@ -7,14 +7,14 @@
 #include <string_view>
 #include <utility>
 
+#include "core/require.h"
 #include "sparsepage/decode.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("decode: " + message);
-}
 
 // The output rows of o (num_sequences x q_len tokens x num_kv_heads *
 // group_size heads of dim elements) must not overlap, or two CTAs would write
@@ -27,13 +27,41 @@ void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t toke
   long double extent = dim;  // elements the inner dimensions cover
   for (const auto& [stride, count] : dims) {
     if (count <= 1) continue;
-    require(static_cast<long double>(stride) >= extent,
+    REQUIRE(static_cast<long double>(stride) >= extent,
             "o_strides (seq_stride " + std::to_string(s.seq_stride) +
                 (tokens > 1 ? ", token_stride " + std::to_string(s.token_stride) : std::string()) + ", head_stride " +
                 std::to_string(s.head_stride) + ") make the output rows of " + std::to_string(dim) +
                 " elements overlap");
     extent += static_cast<long double>(stride) * static_cast<long double>(count - 1);
   }
+}
+
+// The fp8 formats' own fields, before any stream is judged. Messages are
+// built only for a failed check (this runs on every launch).
+void check_kv_format(const DecodeParams& p) {
+  const KvFormat f = p.kv_format;
+  REQUIRE(f == KvFormat::kNative || f == KvFormat::kE4m3PerHead || f == KvFormat::kE4m3Mla,
+          "kv_format " + std::to_string(static_cast<int32_t>(f)) + " is not a KvFormat");
+  const auto name = [f] { return std::string("kv_format ") + kv_format_name(f); };
+  if (f == KvFormat::kE4m3PerHead) {
+    REQUIRE(p.k_scale != nullptr && p.v_scale != nullptr,
+            name() + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null");
+  } else {
+    REQUIRE(p.k_scale == nullptr && p.v_scale == nullptr,
+            "k_scale / v_scale are set but " + name() + " has no per-head scales");
+  }
+  if (f != KvFormat::kE4m3Mla) return;
+  REQUIRE(p.dtype == DType::kBF16, name() + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype));
+  REQUIRE(p.k.dim == 512 && p.v.dim == 512,
+          name() + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
+              std::to_string(p.v.dim));
+  REQUIRE(p.v.data == p.k.data && p.v.row_stride == p.k.row_stride && p.v.seq_stride == p.k.seq_stride &&
+              p.v.head_stride == p.k.head_stride,
+          name() + ": V is the latent of K's rows, so v must be the same view as k");
+  REQUIRE(p.k_extra.data != nullptr && p.k_extra.dim == 64,
+          name() + " needs the rope as k_extra (64 values; mla_fp8_views builds it)");
+  REQUIRE(p.k.row_stride >= 528, name() + ": k.row_stride = " + std::to_string(p.k.row_stride) +
+                                     " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)");
 }
 
 }  // namespace
@@ -164,8 +192,36 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
   return {};
 }
 
+namespace {
+
+// The fp8 formats on CUDA: the two shapes with kernels, and byte strides in
+// whole 16-byte pieces (rows are copied 16 bytes at a time).
+std::string cuda_fp8_problem(const DecodeParams& p) {
+  const std::string name = std::string("kv_format ") + kv_format_name(p.kv_format);
+  const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
+  if (p.kv_format == KvFormat::kE4m3PerHead && !(p.k.dim == 128 && p.v.dim == 128 && de == 0))
+    return name + " runs on CUDA at head dim 128 only (K and V 128, no second stream), not qk = " +
+           std::to_string(p.k.dim) + ", v = " + std::to_string(p.v.dim) + ", extra = " + std::to_string(de);
+  if (p.kv_format == KvFormat::kE4m3Mla && !(p.dtype == DType::kBF16 && p.k.dim == 512 && p.v.dim == 512 && de == 64))
+    return name + " runs on CUDA at the MLA shape (512 + 64, bf16) only";
+  const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}};
+  for (const auto& [s, n] : streams) {
+    const std::pair<int64_t, const char*> strides[] = {
+        {s->row_stride, ".row_stride"}, {s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
+    for (const auto& [stride, field] : strides) {
+      if (stride % 16 != 0)
+        return std::string(n) + field + " = " + std::to_string(stride) + " must be a multiple of 16 bytes for " +
+               name + " on CUDA (rows are copied in 16-byte pieces)";
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 std::string cuda_layout_problem(const DecodeParams& p) {
   std::string problem = cuda_layout_problem(p.dtype, p.q, p.q_extra, p.k, p.v, p.k_extra, p.o);
+  if (problem.empty() && p.kv_format != KvFormat::kNative) problem = cuda_fp8_problem(p);
   if (!problem.empty() || p.qo_layout != QueryLayout::kStrided) return problem;
   const std::pair<const QueryStrides*, const char*> views[] = {
       {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
@@ -184,63 +240,76 @@ std::string cuda_layout_problem(const DecodeParams& p) {
   return {};
 }
 
+const char* kv_format_name(KvFormat format) {
+  switch (format) {
+    case KvFormat::kNative: return "native";
+    case KvFormat::kE4m3PerHead: return "e4m3 per head";
+    case KvFormat::kE4m3Mla: return "e4m3 mla";
+  }
+  return "unknown";
+}
+
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
-  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+  REQUIRE(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
-  require(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
-  require(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
+  check_kv_format(p);
+  REQUIRE(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
+  REQUIRE(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
                                                    " but the plan was made for " +
                                                    std::to_string(plan.num_requests));
-  require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  require(p.q_len >= 1 && p.q_len <= kMaxQueryTokens, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
+  REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
+  REQUIRE(p.q_len >= 1 && p.q_len <= kMaxQueryTokens, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
                                                           std::to_string(kMaxQueryTokens) + "]");
-  require(int64_t{p.group_size} * p.q_len == plan.group_size, p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) +
+  REQUIRE(int64_t{p.group_size} * p.q_len == plan.group_size, p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) +
                                                       " but the plan was made for " + std::to_string(plan.group_size)
                                                 : "group_size * q_len = " + std::to_string(p.group_size) + " * " +
                                                       std::to_string(p.q_len) + " query rows per request but the "
                                                       "plan was made for " + std::to_string(plan.group_size));
-  require(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
-  require(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
-  require(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
-  require(std::isfinite(p.scale), "scale is not finite");
-  require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
-  require(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
+  REQUIRE(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
+  REQUIRE(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
+  REQUIRE(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
+  REQUIRE(std::isfinite(p.scale), "scale is not finite");
+  REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
+  REQUIRE(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
                                                     " is not a multiple of num_kv_heads = " +
                                                     std::to_string(p.num_kv_heads));
   const bool window = p.addressing == PageAddressing::kWindow;
   const bool block_table = p.addressing == PageAddressing::kBlockTable;
-  require(window || block_table || p.addressing == PageAddressing::kPoolPages,
+  REQUIRE(window || block_table || p.addressing == PageAddressing::kPoolPages,
           "addressing is not a PageAddressing value");
-  require(p.index_layout == IndexLayout::kCsr || p.index_layout == IndexLayout::kMatrix,
+  REQUIRE(p.index_layout == IndexLayout::kCsr || p.index_layout == IndexLayout::kMatrix,
           "index_layout is not an IndexLayout value");
-  require(p.padding == IndexPadding::kNone || p.padding == IndexPadding::kMinusOneSkips,
+  REQUIRE(p.padding == IndexPadding::kNone || p.padding == IndexPadding::kMinusOneSkips,
           "padding is not an IndexPadding value");
-  require(p.seq_lens_index == SeqLensIndex::kPerRequest || p.seq_lens_index == SeqLensIndex::kPerSequence,
+  REQUIRE(p.seq_lens_index == SeqLensIndex::kPerRequest || p.seq_lens_index == SeqLensIndex::kPerSequence,
           "seq_lens_index is not a SeqLensIndex value");
-  require(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
+  REQUIRE(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
           "qo_layout is not a QueryLayout value");
-  require(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
+  REQUIRE(!window || p.window_len >= 0, "window_len = " + std::to_string(p.window_len) + " is negative");
   // The causal limit among a step's tokens is a position limit: it needs
   // page ids that are positions, and each sequence's live length.
-  require(p.q_len == 1 || window || block_table,
+  REQUIRE(p.q_len == 1 || window || block_table,
           "q_len = " + std::to_string(p.q_len) + " needs positions: kPoolPages page ids are not positions, so a "
           "multi-token step's causal limit cannot be applied (use kWindow or kBlockTable addressing)");
-  require(p.q_len == 1 || !block_table || p.window_lens != nullptr || p.window_len > 0,
+  REQUIRE(p.q_len == 1 || p.kv_format == KvFormat::kNative,
+          "q_len = " + std::to_string(p.q_len) + " with kv_format " + kv_format_name(p.kv_format) +
+              ": multi-token steps read bf16/f16 K and V (FP8 caches take one query token per request)");
+  REQUIRE(p.q_len == 1 || !block_table || p.window_lens != nullptr || p.window_len > 0,
           "q_len = " + std::to_string(p.q_len) + " with block-table addressing needs each sequence's live length "
           "(window_lens, or window_len > 0) for the causal limit");
   if (p.num_requests == 0) return;
   const bool matrix = p.index_layout == IndexLayout::kMatrix;
   const int64_t sequences = p.num_requests / p.num_kv_heads;
-  require(matrix || p.indptr != nullptr, "indptr is null");
+  REQUIRE(matrix || p.indptr != nullptr, "indptr is null");
   if (matrix) {
-    require(p.index_width >= 0, "index_width = " + std::to_string(p.index_width) + " is negative");
-    require(p.index_seq_stride >= 0 && p.index_head_stride >= 0,
+    REQUIRE(p.index_width >= 0, "index_width = " + std::to_string(p.index_width) + " is negative");
+    REQUIRE(p.index_seq_stride >= 0 && p.index_head_stride >= 0,
             "index_seq_stride and index_head_stride must not be negative");
     if (p.index_width > 0) {
       // The last id any request can read, in 64-bit (and long double against overflow).
       const long double last = static_cast<long double>(sequences - 1) * p.index_seq_stride +
                                static_cast<long double>(p.num_kv_heads - 1) * p.index_head_stride + p.index_width;
-      require(last <= static_cast<long double>(p.num_indices),
+      REQUIRE(last <= static_cast<long double>(p.num_indices),
               "the index matrix (" + std::to_string(sequences) + " sequence(s) x " + std::to_string(p.num_kv_heads) +
                   " head(s) of index_width " + std::to_string(p.index_width) + ", index_seq_stride " +
                   std::to_string(p.index_seq_stride) + ", index_head_stride " + std::to_string(p.index_head_stride) +
@@ -250,38 +319,38 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   int64_t planned_tokens = 0;
   for (int32_t len : plan.seq_lens) planned_tokens += len;
   if (planned_tokens > 0) {
-    require(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
-    require(window || block_table || p.num_pool_pages >= 1,
+    REQUIRE(p.indices != nullptr, "indices is null but the plan has " + std::to_string(planned_tokens) + " tokens");
+    REQUIRE(window || block_table || p.num_pool_pages >= 1,
             "num_pool_pages = " + std::to_string(p.num_pool_pages) +
                 ": a pool-page table needs the pool's page count (or window or block-table addressing)");
   }
   if (block_table) {
     const BlockTable& t = p.block_table;
-    require(t.data != nullptr, "block_table.data is null (block-table addressing)");
-    require(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
-    require(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
-    require(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
+    REQUIRE(t.data != nullptr, "block_table.data is null (block-table addressing)");
+    REQUIRE(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
+    REQUIRE(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
+    REQUIRE(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
                                               " is smaller than block_table.max_blocks = " +
                                               std::to_string(t.max_blocks));
-    require(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
-    require(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
-    require(t.row_of_sequence != nullptr || t.num_rows >= sequences,
+    REQUIRE(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
+    REQUIRE(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
+    REQUIRE(t.row_of_sequence != nullptr || t.num_rows >= sequences,
             "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the " +
                 std::to_string(sequences) + " sequences (and row_of_sequence is null)");
   }
-  require(p.q != nullptr, "q is null");
-  require(p.o != nullptr, "o is null");
-  require(p.v.dim == plan.head_dim_v,
+  REQUIRE(p.q != nullptr, "q is null");
+  REQUIRE(p.o != nullptr, "o is null");
+  REQUIRE(p.v.dim == plan.head_dim_v,
           "v.dim = " + std::to_string(p.v.dim) + " but the plan was made for " + std::to_string(plan.head_dim_v));
   const bool has_extra = p.k_extra.data != nullptr;
-  require(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
+  REQUIRE(has_extra == (p.q_extra != nullptr), "q_extra and k_extra.data must both be set or both be null");
   if (p.qo_layout == QueryLayout::kStrided) {
     const std::pair<const QueryStrides*, const char*> views[] = {
         {&p.q_strides, "q_strides"}, {&p.q_extra_strides, "q_extra_strides"}, {&p.o_strides, "o_strides"}};
     for (const auto& [s, name] : views) {
-      require(s->seq_stride >= 0 && s->head_stride >= 0,
+      REQUIRE(s->seq_stride >= 0 && s->head_stride >= 0,
               std::string(name) + ".seq_stride and " + name + ".head_stride must not be negative");
-      require(s->token_stride >= 0, std::string(name) + ".token_stride must not be negative");
+      REQUIRE(s->token_stride >= 0, std::string(name) + ".token_stride must not be negative");
     }
     check_output_strides(p.o_strides, sequences, p.q_len, int64_t{p.num_kv_heads} * p.group_size, p.v.dim);
   }
@@ -293,12 +362,19 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                                           : static_cast<long double>(p.num_pool_pages) * p.page_size;
   const int64_t rows = static_cast<int64_t>(std::min<long double>(reach, 9.2e18L));
   const size_t esize = dtype_size(p.dtype);
-  const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
+  const bool fp8 = p.kv_format != KvFormat::kNative;
+  RowView k = p.k;
+  // The MLA rows' scales follow the latent: the row uses 528 bytes.
+  if (p.kv_format == KvFormat::kE4m3Mla) k.dim = 528;
+  const std::pair<const RowView*, const char*> streams[] = {{&k, "k"}, {&p.v, "v"}, {&p.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {
     if (stream == &p.k_extra && !has_extra) continue;
-    const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, esize);
-    require(problem.empty(), problem);
+    const size_t size = fp8 && stream != &p.k_extra ? 1 : esize;  // fp8 K and V: one byte per element
+    const std::string problem = row_view_problem(*stream, name, sequences, p.num_kv_heads, rows, size);
+    REQUIRE(problem.empty(), problem);
   }
 }
 
 }  // namespace sparsepage
+
+#undef REQUIRE

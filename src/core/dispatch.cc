@@ -156,8 +156,12 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   }
   if (!in.arch_problem.empty()) return decline(OutcomeKind::kUnsupportedArch, in, in.arch_problem);
   if (!in.layout_supported) {
+    // The launchers' own reason when the caller has it (an fp8 cache at a
+    // shape without an fp8 kernel, say), else the general requirement.
     return decline(OutcomeKind::kUnsupportedLayout, in,
-                   "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
+                   !in.layout_problem.empty()
+                       ? "the fused kernel cannot read this layout: " + in.layout_problem
+                       : "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
   }
   const int64_t requests = std::max<int64_t>(in.num_requests, 1);
   const int64_t per_request = in.selected_rows / requests;

@@ -2,6 +2,7 @@
 // CUDA entry point reports that clearly instead of failing to link.
 #include "core/cuda_hooks.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/fp8.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/types.h"
 
@@ -43,6 +44,9 @@ size_t masked_decode_workspace_bytes(const MaskedDecodeParams&, int32_t) {
   no_cuda("masked_decode_workspace_bytes");
 }
 void run_masked_decode_cuda(const MaskedDecodeParams&, void*, void*) { no_cuda("run_masked_decode_cuda"); }
+void quantize_mla_fp8_cuda(DType, const void*, int64_t, int64_t, void*, int64_t, void*) {
+  no_cuda("quantize_mla_fp8_cuda");
+}
 
 }  // namespace sparsepage
 

@@ -8,58 +8,86 @@
 #include <utility>
 
 #include "core/cuda_hooks.h"
+#include "core/require.h"
 #include "sparsepage/cache.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "sparse decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("sparse decode: " + message);
-}
-
 void check_inputs(const SparseAttentionInputs& in) {
-  require(in.dtype == DType::kF32 || in.dtype == DType::kF16 || in.dtype == DType::kBF16,
+  REQUIRE(in.dtype == DType::kF32 || in.dtype == DType::kF16 || in.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(in.dtype)) + " is not a DType");
-  require(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
-  require(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
+  REQUIRE(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
+  REQUIRE(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
           "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
               std::to_string(in.num_kv_heads));
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
-  require(requests <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(requests <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
-  require(in.live_len >= 0 && in.live_len <= INT32_MAX,
+  REQUIRE(in.live_len >= 0 && in.live_len <= INT32_MAX,
           "live_len = " + std::to_string(in.live_len) + " must lie in [0, 2^31 - 1]");
+  // Rows each stream must hold distinct: the live window of a dense cache,
+  // every row of an engine's pool.
+  int64_t rows = in.live_len;
+  if (in.block_table.data != nullptr) {
+    const BlockTable& t = in.block_table;
+    REQUIRE(t.block_size >= 1 && t.num_blocks >= 0 && t.max_blocks >= 0 && t.row_stride >= t.max_blocks,
+            "block_table: need block_size >= 1, num_blocks and max_blocks >= 0, row_stride >= max_blocks");
+    REQUIRE(t.num_rows >= in.batch || t.row_of_sequence != nullptr,
+            "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the batch's " +
+                std::to_string(in.batch) + " sequences");
+    REQUIRE(int64_t{t.max_blocks} * t.block_size >= in.live_len,
+            "block_table: " + std::to_string(t.max_blocks) + " blocks of " + std::to_string(t.block_size) +
+                " rows cannot hold live_len = " + std::to_string(in.live_len) + " positions");
+    REQUIRE(t.num_blocks <= (int64_t{1} << 62) / t.block_size, "block_table.num_blocks * block_size overflows");
+    rows = t.num_blocks * t.block_size;
+  }
   const std::pair<const RowView*, const char*> streams[] = {{&in.k, "k"}, {&in.v, "v"}, {&in.k_extra, "k_extra"}};
   for (const auto& [stream, name] : streams) {
     if (stream == &in.k_extra && in.k_extra.data == nullptr) continue;
-    const std::string problem =
-        row_view_problem(*stream, name, in.batch, in.num_kv_heads, in.live_len, dtype_size(in.dtype));
-    require(problem.empty(), problem);
+    // fp8 K and V count bytes (the second stream stays dtype).
+    const size_t size = in.kv_format != KvFormat::kNative && stream != &in.k_extra ? 1 : dtype_size(in.dtype);
+    const std::string problem = row_view_problem(*stream, name, in.batch, in.num_kv_heads, rows, size);
+    REQUIRE(problem.empty(), problem);
   }
-  require(in.q != nullptr && in.o != nullptr, "q and o must not be null");
-  require(in.q_len >= 1 && in.q_len <= kMaxQueryTokens,
+  REQUIRE(in.q != nullptr && in.o != nullptr, "q and o must not be null");
+  REQUIRE(in.q_len >= 1 && in.q_len <= kMaxQueryTokens,
           "q_len = " + std::to_string(in.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
-  require(int64_t{in.q_len} * in.num_qo_heads <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(int64_t{in.q_len} * in.num_qo_heads <= std::numeric_limits<int32_t>::max(),
           "q_len * num_qo_heads exceeds 2^31 - 1 query rows");
-  require((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
+  REQUIRE((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
 }
 
 void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
   check_inputs(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
-  require(selection.num_requests() == requests, "the selection has " + std::to_string(selection.num_requests()) +
+  REQUIRE(selection.num_requests() == requests, "the selection has " + std::to_string(selection.num_requests()) +
                                                     " requests, expected batch * num_kv_heads = " +
                                                     std::to_string(requests));
-  require(selection.total() == 0 || selection.indices.device() == in.device,
+  REQUIRE(selection.total() == 0 || selection.indices.device() == in.device,
           std::string("the selection lives on ") + device_name(selection.indices.device()) + ", the inputs on " +
               device_name(in.device));
-  require(static_cast<int64_t>(selection.indices.bytes()) >= selection.total() * 4,
+  REQUIRE(static_cast<int64_t>(selection.indices.bytes()) >= selection.total() * 4,
           "the selection's indices hold fewer entries than its counts sum to");
 }
 
-// What the CUDA kernels can read: the launchers' own check (decode.h).
-bool cuda_layout_supported(const SparseAttentionInputs& in) {
-  return cuda_layout_problem(in.dtype, in.q, in.q_extra, in.k, in.v, in.k_extra, in.o).empty();
+// What the CUDA kernels cannot read, or "": the launchers' own check
+// (decode.h) over the fields of a launch that the layout depends on.
+std::string cuda_layout_problem_of(const SparseAttentionInputs& in) {
+  DecodeParams p;
+  p.dtype = in.dtype;
+  p.kv_format = in.kv_format;
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
+  if (in.k_extra.data != nullptr) {
+    p.q_extra = in.q_extra;
+    p.k_extra = in.k_extra;
+  }
+  p.o = in.o;
+  return cuda_layout_problem(p);
 }
 
 int32_t machine_width(Device device) {
@@ -82,7 +110,8 @@ SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in
   d.head_dims_supported =
       device_ == Device::kCpu ||
       cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
-  d.layout_supported = device_ == Device::kCpu || cuda_layout_supported(in);
+  if (device_ == Device::kCuda) d.layout_problem = cuda_layout_problem_of(in);
+  d.layout_supported = d.layout_problem.empty();
   if (device_ == Device::kCuda && d.device_available && d.head_dims_supported) {
     d.arch_problem = cuda_arch_problem(config_.assume_sm > 0 ? config_.assume_sm : cuda_device_sm(), in.k.dim, in.v.dim,
                                        in.k_extra.data != nullptr ? in.k_extra.dim : 0);
@@ -98,16 +127,16 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
 SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const PagedSelection& selection) const {
   check_inputs(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
-  require(selection.num_requests == requests, "the selection has " + std::to_string(selection.num_requests) +
+  REQUIRE(selection.num_requests == requests, "the selection has " + std::to_string(selection.num_requests) +
                                                   " requests, expected batch * num_kv_heads = " +
                                                   std::to_string(requests));
-  require(selection.width >= 1 && selection.page_size >= 1,
+  REQUIRE(selection.width >= 1 && selection.page_size >= 1,
           "a paged selection needs width >= 1 and page_size >= 1 (got " + std::to_string(selection.width) + ", " +
               std::to_string(selection.page_size) + ")");
-  require(int64_t{selection.width} * selection.page_size <= INT32_MAX,
+  REQUIRE(int64_t{selection.width} * selection.page_size <= INT32_MAX,
           "width * page_size must stay below 2^31 tokens per request");
-  require(selection.pages != nullptr && selection.seq_lens != nullptr, "the selection's pages and seq_lens must be set");
-  require(selection.max_selected >= 0 && selection.max_selected <= int64_t{selection.width} * selection.page_size,
+  REQUIRE(selection.pages != nullptr && selection.seq_lens != nullptr, "the selection's pages and seq_lens must be set");
+  REQUIRE(selection.max_selected >= 0 && selection.max_selected <= int64_t{selection.width} * selection.page_size,
           "max_selected = " + std::to_string(selection.max_selected) + " must lie in [0, width * page_size = " +
               std::to_string(int64_t{selection.width} * selection.page_size) + "]");
   return decide_counts(in, requests, requests * selection.max_selected);
@@ -170,6 +199,11 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   p.addressing = PageAddressing::kWindow;
   p.window_lens = in.live_lens;
   p.window_len = in.live_len;
+  if (in.block_table.data != nullptr) {
+    // An engine's pool: positions (the same page ids) resolved through its table.
+    p.addressing = PageAddressing::kBlockTable;
+    p.block_table = in.block_table;
+  }
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q_len = in.q_len;
   p.q = in.q;
@@ -179,6 +213,9 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
     p.q_extra = in.q_extra;
     p.k_extra = in.k_extra;
   }
+  p.kv_format = in.kv_format;
+  p.k_scale = in.k_scale;
+  p.v_scale = in.v_scale;
   p.scale = in.scale;
   p.o = in.o;
   p.lse = in.lse;
@@ -186,7 +223,7 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
 }
 
 void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
-  require(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
+  REQUIRE(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
                                     device_name(device_));
 }
 
@@ -245,7 +282,7 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
 }
 
 void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_tokens) {
-  require(items_per_sm >= 0 && min_chunk_tokens >= 0, "plan tuning values must not be negative");
+  REQUIRE(items_per_sm >= 0 && min_chunk_tokens >= 0, "plan tuning values must not be negative");
   items_per_sm_ = items_per_sm;
   min_chunk_tokens_ = min_chunk_tokens;
   planned_counts_.clear();  // re-plan on the next call
@@ -261,8 +298,12 @@ void SparseDecoder::check_errors(void* stream) {
 }
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
-  require(in.q_len == 1, "the mask path takes one query token per sequence (q_len = " + std::to_string(in.q_len) +
-                             "); a multi-token step runs on the fused path");
+  REQUIRE(in.q_len == 1, "the mask path takes one query token per sequence (q_len = " + std::to_string(in.q_len) +
+                            "); a multi-token step runs on the fused path");
+  REQUIRE(in.block_table.data == nullptr,
+          "the mask path reads dense caches; an engine's paged pool (block_table set) has only the fused path");
+  REQUIRE(in.kv_format == KvFormat::kNative, std::string("the mask path reads bf16/f16 K and V; kv_format ") +
+                                                 kv_format_name(in.kv_format) + " has only the fused path");
   MaskedDecodeParams m;
   m.dtype = in.dtype;
   m.batch = in.batch;
@@ -283,24 +324,24 @@ MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
 
 void build_selection_mask(Device device, const int32_t* positions, const int32_t* offsets, int32_t num_requests,
                           int64_t live_len, float* mask, void* stream) {
-  require(num_requests >= 0 && live_len >= 0, "build_selection_mask: num_requests = " + std::to_string(num_requests) +
+  REQUIRE(num_requests >= 0 && live_len >= 0, "build_selection_mask: num_requests = " + std::to_string(num_requests) +
                                                   " and live_len = " + std::to_string(live_len) +
                                                   " must not be negative");
-  require(live_len <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(live_len <= std::numeric_limits<int32_t>::max(),
           "build_selection_mask: live_len = " + std::to_string(live_len) + " exceeds 2^31 - 1 positions");
   if (num_requests == 0) return;
-  require(offsets != nullptr && (live_len == 0 || mask != nullptr),
+  REQUIRE(offsets != nullptr && (live_len == 0 || mask != nullptr),
           "build_selection_mask: offsets and mask must not be null");
   if (device == Device::kCuda) {
     detail::selection_mask_cuda(positions, offsets, num_requests, live_len, mask, stream);
     return;
   }
   // Host offsets can be checked before any position is read.
-  require(offsets[0] == 0, "build_selection_mask: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
+  REQUIRE(offsets[0] == 0, "build_selection_mask: offsets[0] = " + std::to_string(offsets[0]) + ", expected 0");
   for (int32_t r = 0; r < num_requests; ++r) {
-    require(offsets[r + 1] >= offsets[r], "build_selection_mask: offsets decrease at request " + std::to_string(r));
+    REQUIRE(offsets[r + 1] >= offsets[r], "build_selection_mask: offsets decrease at request " + std::to_string(r));
   }
-  require(offsets[num_requests] == 0 || positions != nullptr, "build_selection_mask: positions must not be null");
+  REQUIRE(offsets[num_requests] == 0 || positions != nullptr, "build_selection_mask: positions must not be null");
   std::fill(mask, mask + int64_t{num_requests} * live_len, -std::numeric_limits<float>::infinity());
   for (int32_t r = 0; r < num_requests; ++r) {
     for (int32_t i = offsets[r]; i < offsets[r + 1]; ++i) {
@@ -311,10 +352,10 @@ void build_selection_mask(Device device, const int32_t* positions, const int32_t
 
 std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* mask, int32_t num_requests,
                                                     int64_t live_len) {
-  require(num_requests >= 0 && live_len >= 0 && live_len <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(num_requests >= 0 && live_len >= 0 && live_len <= std::numeric_limits<int32_t>::max(),
           "mask_kept_columns: num_requests = " + std::to_string(num_requests) + " and live_len = " +
               std::to_string(live_len) + " must lie in [0, 2^31 - 1]");
-  require(mask != nullptr || int64_t{num_requests} * live_len == 0, "mask_kept_columns: mask is null");
+  REQUIRE(mask != nullptr || int64_t{num_requests} * live_len == 0, "mask_kept_columns: mask is null");
   const std::vector<float> host =
       download<float>(device, mask, static_cast<size_t>(int64_t{num_requests} * live_len));
   std::vector<std::vector<int32_t>> columns(static_cast<size_t>(num_requests));
@@ -328,6 +369,7 @@ std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* 
 
 void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& selection) {
   check_inputs(in, selection);
+  (void)masked_params(in);  // its refusals (paged pools, fp8 caches) before anything is allocated
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   mask_ = Buffer(device_, static_cast<size_t>(requests * std::max<int64_t>(in.live_len, 1)) * sizeof(float));
   offsets_ = upload(device_, selection.offsets());
@@ -344,7 +386,7 @@ void MaskPath::prepare(const SparseAttentionInputs& in, const SparseSelection& s
 void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream) {
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;  // int64: batch * heads may pass 2^31
   // Host-side facts only, so run stays capturable.
-  require(selection.counts == prepared_counts_ && in.live_len == prepared_live_len_ &&
+  REQUIRE(selection.counts == prepared_counts_ && in.live_len == prepared_live_len_ &&
               in.num_qo_heads / std::max(in.num_kv_heads, 1) == prepared_group_ && in.k.dim == prepared_dim_qk_ &&
               in.v.dim == prepared_dim_v_ && offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4,
           "MaskPath::run with counts or shapes other than prepare() saw; call prepare() again");
@@ -385,3 +427,5 @@ void StepMaskPath::run(const SparseAttentionInputs& in, bool with_mask, void* st
 }
 
 }  // namespace sparsepage
+
+#undef REQUIRE

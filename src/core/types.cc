@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 namespace sparsepage {
@@ -73,6 +74,38 @@ float f16_to_float(uint16_t bits) {
   }
   std::memcpy(&value, &out, 4);
   return value;
+}
+
+uint8_t float_to_e4m3(float value) {
+  // NaN: 0x7F whatever its sign bit, as the CUDA conversion writes it (an
+  // inf / inf on the host is a negative NaN).
+  if (std::isnan(value)) return 0x7F;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const float magnitude = std::fabs(value);
+  if (magnitude >= kE4m3Max) return static_cast<uint8_t>(sign | 0x7E);  // saturate (infinity included)
+  if (magnitude < 0.015625f) {
+    // Below the smallest normal 2^-6: multiples of 2^-9. The product is exact
+    // and nearbyint rounds to nearest even; 8 * 2^-9 is the smallest normal,
+    // whose encoding is 8 as well.
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(std::nearbyint(magnitude * 512.0f)));
+  }
+  int exponent = 0;
+  const float fraction = std::frexp(magnitude, &exponent);  // magnitude = fraction * 2^exponent, fraction in [0.5, 1)
+  // Mantissa steps of 1/8 above 1: (2 * fraction - 1) * 8, exact in fp32.
+  auto mantissa = static_cast<uint32_t>(std::nearbyint((2.0f * fraction - 1.0f) * 8.0f));
+  int biased = exponent - 1 + 7;
+  if (mantissa == 8) mantissa = 0, ++biased;  // rounded up into the next binade
+  const uint32_t bits = (static_cast<uint32_t>(biased) << 3) | mantissa;
+  return static_cast<uint8_t>(sign | (bits > 0x7E ? 0x7Eu : bits));
+}
+
+float e4m3_to_float(uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const int exponent = (bits >> 3) & 0xF;
+  const int mantissa = bits & 7;
+  if (exponent == 15 && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+  return sign * std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
 }
 
 void to_float(DType dtype, const void* src, float* dst, size_t count) {

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "cpu/dot.h"
+#include "sparsepage/decode.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage::cpu {
@@ -34,7 +36,32 @@ struct ChunkQuery {
   const float* q;        // [group_size, dim_qk] fp32
   const float* q_extra;  // [group_size, dim_extra] fp32 or null
   float scale;
+  // How K and V rows are stored (decode.h's KvFormat) and, for
+  // kE4m3PerHead, this request's head scales.
+  KvFormat kv_format = KvFormat::kNative;
+  float k_scale = 1.0f, v_scale = 1.0f;
 };
+
+/// One K or V row as fp32: `dtype` elements, or e4m3 times the head's
+/// scale, or the MLA rows' e4m3 latent times its per-128 scales (which sit
+/// at byte 512 of the row).
+inline void load_kv_row(const ChunkQuery& q, const void* row, float* dst, int dim, float head_scale) {
+  const auto* bytes = static_cast<const uint8_t*>(row);
+  switch (q.kv_format) {
+    case KvFormat::kNative:
+      to_float(q.dtype, row, dst, static_cast<size_t>(dim));
+      return;
+    case KvFormat::kE4m3PerHead:
+      for (int i = 0; i < dim; ++i) dst[i] = e4m3_to_float(bytes[i]) * head_scale;
+      return;
+    case KvFormat::kE4m3Mla: {
+      float scales[4];
+      std::memcpy(scales, bytes + 512, sizeof(scales));
+      for (int i = 0; i < dim; ++i) dst[i] = e4m3_to_float(bytes[i]) * scales[i / 128];
+      return;
+    }
+  }
+}
 
 /// Softmax state of one chunk: normalized output [group_size, dim_v] and the
 /// natural-log (base e) sum of exponentials per head (-inf when nothing was
@@ -71,8 +98,8 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
     const int n = static_cast<int>(std::min<int64_t>(kTokenTile, end - tile));
     for (int j = 0; j < n; ++j) {
       const TokenRows r = rows(tile + j);
-      to_float(q.dtype, r.k, &k_tile[static_cast<size_t>(j) * dk], static_cast<size_t>(dk));
-      to_float(q.dtype, r.v, &v_tile[static_cast<size_t>(j) * dv], static_cast<size_t>(dv));
+      load_kv_row(q, r.k, &k_tile[static_cast<size_t>(j) * dk], dk, q.k_scale);
+      load_kv_row(q, r.v, &v_tile[static_cast<size_t>(j) * dv], dv, q.v_scale);
       if (de > 0) to_float(q.dtype, r.k_extra, &e_tile[static_cast<size_t>(j) * de], static_cast<size_t>(de));
     }
     for (int g = 0; g < g_count; ++g) {

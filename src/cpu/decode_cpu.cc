@@ -187,17 +187,23 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   }
   check_indices_cpu(p, plan);
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
+  // K and V elements: one byte in the fp8 formats (the second stream stays dtype).
+  const int64_t kv_size = p.kv_format == KvFormat::kNative ? esize : 1;
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
-  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
-                             p.o, p.lse, qo_strides(p), p.q_len};
+  cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
+                       p.o, p.lse, qo_strides(p), p.q_len};
+  out.kv_format = p.kv_format;
+  out.k_scale = p.k_scale;
+  out.v_scale = p.v_scale;
   // What a skipped (-1) token "reads": zeros, never the pool; its bias of
   // -inf keeps it out of the softmax whatever the row holds.
-  const std::vector<char> zeros(static_cast<size_t>(std::max({p.k.dim, p.v.dim, de}) * esize), 0);
+  // (An MLA row's zeros include its scales: 528 bytes.)
+  const std::vector<char> zeros(static_cast<size_t>(std::max<int64_t>({p.k.dim, p.v.dim, de, 528}) * esize), 0);
   const bool block_table = p.addressing == PageAddressing::kBlockTable;
   // Where request r's rows start in a stream (elements -> bytes, 64-bit).
-  auto start = [&p, esize](const RowView& s, int32_t r) {
+  auto start = [&p](const RowView& s, int32_t r, int64_t size) {
     const int64_t seq = r / p.num_kv_heads, head = r % p.num_kv_heads;
-    return static_cast<const char*>(s.data) + (seq * s.seq_stride + head * s.head_stride) * esize;
+    return static_cast<const char*>(s.data) + (seq * s.seq_stride + head * s.head_stride) * size;
   };
   // Request r's token t -> its row in the streams, or -1 for a skipped token.
   auto resolver = [&p, block_table](int32_t r) {
@@ -215,14 +221,14 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
     };
   };
   auto rows_of = [&](int32_t r) {
-    const char* k = start(p.k, r);
-    const char* v = start(p.v, r);
-    const char* e = de > 0 ? start(p.k_extra, r) : nullptr;
+    const char* k = start(p.k, r, kv_size);
+    const char* v = start(p.v, r, kv_size);
+    const char* e = de > 0 ? start(p.k_extra, r, esize) : nullptr;
     const char* zero = zeros.data();
-    return [&p, esize, k, v, e, zero, row_of = resolver(r)](int64_t t) {
+    return [&p, esize, kv_size, k, v, e, zero, row_of = resolver(r)](int64_t t) {
       const int64_t row = row_of(t);
       if (row < 0) return cpu::TokenRows{zero, zero, e ? zero : nullptr};
-      return cpu::TokenRows{k + row * p.k.row_stride * esize, v + row * p.v.row_stride * esize,
+      return cpu::TokenRows{k + row * p.k.row_stride * kv_size, v + row * p.v.row_stride * kv_size,
                             e ? e + row * p.k_extra.row_stride * esize : nullptr};
     };
   };

@@ -31,6 +31,9 @@ struct PlanOutputs {
   QoStrides strides;
   int32_t q_len = 1;                 // query tokens per request
   int32_t rows() const { return group_size * q_len; }
+  KvFormat kv_format = KvFormat::kNative;  // how K and V rows are stored
+  const float* k_scale = nullptr;          // kE4m3PerHead: [num_kv_heads]
+  const float* v_scale = nullptr;
 };
 
 /// The strides of packed [num_requests, group_size, dim] q, q_extra and o.
@@ -97,8 +100,14 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
     const std::vector<float> q = load_heads(out, out.q, out.strides.q, item.request, out.dim_qk);
     std::vector<float> q_extra;
     if (de > 0) q_extra = load_heads(out, out.q_extra, out.strides.q_extra, item.request, out.dim_extra);
-    const ChunkQuery query{out.dtype,  out.rows(), out.dim_qk, out.dim_v, out.dim_extra, q.data(),
-                           de > 0 ? q_extra.data() : nullptr, out.scale};
+    ChunkQuery query{out.dtype,  out.rows(), out.dim_qk, out.dim_v, out.dim_extra, q.data(),
+                     de > 0 ? q_extra.data() : nullptr, out.scale};
+    query.kv_format = out.kv_format;
+    if (out.kv_format == KvFormat::kE4m3PerHead) {
+      const int32_t head = item.request % out.num_kv_heads;
+      query.k_scale = out.k_scale[head];
+      query.v_scale = out.v_scale[head];
+    }
     const int64_t end = std::min<int64_t>(item.token_end, visible(item.request));
     const ChunkState state = attend_chunk(query, item.token_begin, std::max<int64_t>(end, item.token_begin),
                                           rows_of(item.request), bias_of(item.request));

@@ -46,12 +46,12 @@ constexpr int kTopkThreads = 256;
 constexpr int kSmemItems = 4096;
 
 struct ScoreParams {
-  const void* k_alloc;     // [batch, heads + 1, capacity, dim]; index key at head `heads`
+  const void* keys;        // sequence b's index key rows at keys + b * key_seq_stride, dim apart
+  int64_t key_seq_stride;  // elements
   const void* index_q;     // [batch, q_len, heads, dim]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, dim, block_size, local_blocks;
   int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
-  int64_t capacity;
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
   float* scores;           // [batch * heads, max_scored]
 };
@@ -109,8 +109,7 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const int segments = p.dim / 32;
-  const T* keys = static_cast<const T*>(p.k_alloc) +
-                  ((int64_t{b} * (p.heads + 1) + p.heads) * p.capacity + int64_t{j} * p.block_size) * p.dim;
+  const T* keys = static_cast<const T*>(p.keys) + int64_t{b} * p.key_seq_stride + int64_t{j} * p.block_size * p.dim;
   const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
   const auto load = [&](int row, int s) {
     return row < rows ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{row} * p.dim + s * 32 + c * 8))
@@ -298,16 +297,25 @@ size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_
 void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
-  require(a.k_alloc != nullptr && a.index_q != nullptr && a.kv_lens != nullptr && a.block_ids != nullptr &&
-              a.seq_lens != nullptr && a.workspace != nullptr,
-          "k_alloc, index_q, kv_lens, block_ids, seq_lens and workspace must be set");
+  require((a.k_alloc != nullptr || a.index_keys != nullptr) && a.index_q != nullptr && a.kv_lens != nullptr &&
+              a.block_ids != nullptr && a.seq_lens != nullptr && a.workspace != nullptr,
+          "k_alloc (or index_keys), index_q, kv_lens, block_ids, seq_lens and workspace must be set");
   require(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
   require(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
           "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
   require(a.head_dim >= 32 && a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim,
           "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 32 in [32, " +
               std::to_string(kMaxHeadDim) + "] (tensor-core k-tiles read in 32-dim segments)");
-  require(reinterpret_cast<uintptr_t>(a.k_alloc) % 16 == 0, "k_alloc must be 16-byte aligned");
+  // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
+  const bool own_keys = a.index_keys != nullptr;
+  const void* keys = own_keys ? a.index_keys
+                              : static_cast<const char*>(a.k_alloc) +
+                                    int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
+  const int64_t key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
+  require(reinterpret_cast<uintptr_t>(keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
+  require(key_seq_stride >= a.capacity * a.head_dim && key_seq_stride % 8 == 0,
+          "key_seq_stride = " + std::to_string(key_seq_stride) + " must hold capacity * head_dim = " +
+              std::to_string(a.capacity * a.head_dim) + " elements and be a multiple of 8 (16-byte rows)");
   require(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
   require(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
   require(a.local_blocks >= 1 && a.local_blocks - 1 <= a.topk,
@@ -325,8 +333,8 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   require(a.q_len >= 1 && int64_t{a.q_len} * a.num_kv_heads <= kMaxColumns,
           "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
-  ScoreParams sp{a.k_alloc, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.q_len, a.capacity, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+  ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
+                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
   if (a.q_len == 1) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/decode_fp8.h"
 #include "cuda/decode_merge.cuh"
 #include "cuda/launch_partial.cuh"
 #include "sparsepage/decode.h"
@@ -170,8 +171,13 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
                              params.addressing == PageAddressing::kBlockTable ||
                              params.seq_lens_index == SeqLensIndex::kPerSequence;
   const auto items = static_cast<int32_t>(plan.work.size());
-  if (engine_inputs) cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
-  else cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, items, s);
+  if (params.kv_format != KvFormat::kNative) {
+    cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items, s);
+  } else if (engine_inputs) {
+    cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
+  } else {
+    cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, items, s);
+  }
   if (plan.needs_merge()) {
     if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
     else run_merge<__half>(params, qo, plan, workspace, s);

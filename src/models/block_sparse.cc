@@ -122,8 +122,15 @@ const BlockSparseConfig& checked_config(DType dtype, const BlockSparseConfig& co
                 "topk_blocks and local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit "
                 "the top-k)");
   }
-  if (int64_t{config.topk_blocks + 1} * config.block_size > INT32_MAX) {
-    throw Error("BlockSparseAttention: (topk_blocks + 1) * block_size must stay below 2^31 tokens");
+  if (int64_t{config.topk_blocks + 1} * config.block_size > INT32_MAX / 2) {
+    throw Error("BlockSparseAttention: (topk_blocks + 1) * block_size must stay below 2^30 tokens");
+  }
+  if (config.kv_storage != KVStorage::kLayerCache && config.kv_storage != KVStorage::kEnginePaged) {
+    throw Error("BlockSparseAttention: kv_storage is not a KVStorage value");
+  }
+  if (config.kv_storage == KVStorage::kEnginePaged && config.token_pages) {
+    throw Error("BlockSparseAttention: token_pages is a layer-cache measurement mode; an engine-paged layer attends "
+                "block-granular pages");
   }
   return config;
 }
@@ -135,9 +142,13 @@ BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const Blo
       dtype_(dtype),
       config_(checked_config(dtype, config, batch)),
       batch_(batch),
-      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads + 1,
-             config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
-      decoder_(device, dispatch) {}
+      // Engine-paged: the engine's pool holds K and V, the layer only the index keys.
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch,
+             config.kv_storage == KVStorage::kEnginePaged ? 1 : config.num_kv_heads + 1,
+             config.kv_storage == KVStorage::kEnginePaged ? 0 : config.num_kv_heads, config.head_dim,
+             config.head_dim, config.capacity_step),
+      // No mask path behind an engine's pool: only what the fused path cannot do declines.
+      decoder_(device, config.kv_storage == KVStorage::kEnginePaged ? dispatch.without_performance_gates() : dispatch) {}
 
 int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
   const int64_t num_blocks = (kv_len + config_.block_size - 1) / config_.block_size;
@@ -146,6 +157,16 @@ int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
 }
 
 void BlockSparseAttention::check_tokens(const BlockSparseTokens& t) const {
+  if (engine_paged()) {
+    if (t.q == nullptr || t.index_q == nullptr || t.index_k == nullptr || t.o == nullptr) {
+      throw Error("BlockSparseAttention (engine-paged): q, index_q, index_k and o must be set");
+    }
+    if (t.k != nullptr || t.v != nullptr) {
+      throw Error("BlockSparseAttention (engine-paged): k and v must be null (the engine writes the token's rows "
+                  "into its pool; pass the index key as index_k)");
+    }
+    return;
+  }
   if (t.q == nullptr || t.index_q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
     throw Error("BlockSparseAttention: every BlockSparseTokens pointer (q, index_q, k, v, o) must be set");
   }
@@ -174,7 +195,34 @@ void BlockSparseAttention::reserve(int64_t tokens) {
   size_step_buffers();
 }
 
+SparseAttentionInputs BlockSparseAttention::engine_inputs(const BlockSparseTokens& tokens, const EnginePagedKV& kv,
+                                                          int64_t kv_len) const {
+  SparseAttentionInputs in;
+  in.device = device_;
+  in.dtype = dtype_;
+  in.batch = batch_;
+  in.num_qo_heads = config_.num_qo_heads;
+  in.num_kv_heads = config_.num_kv_heads;
+  in.live_len = kv_len;
+  in.live_lens = cache_.device_live_lens();  // the index keys' lengths: the same positions
+  in.k = kv.k;
+  in.v = kv.v;
+  in.block_table = kv.block_table;
+  in.q = tokens.q;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  in.o = tokens.o;
+  return in;
+}
+
 void BlockSparseAttention::append_tokens(const void* k, const void* v, int64_t tokens) {
+  if (engine_paged()) {
+    if (k == nullptr || v != nullptr) {
+      throw Error("BlockSparseAttention::append_tokens (engine-paged): k (the index keys) must be set and v null");
+    }
+    cache_.append(k, nullptr, dtype_, tokens);
+    size_step_buffers();
+    return;
+  }
   if (k == nullptr || v == nullptr) throw Error("BlockSparseAttention::append_tokens: k and v must be set");
   cache_.append(k, v, dtype_, tokens);
   size_step_buffers();
@@ -185,7 +233,7 @@ void BlockSparseAttention::size_step_buffers() {
   if (cap == 0 || cap == sized_capacity_) return;  // nothing to size yet, or sized
   const int32_t requests = num_requests();
   if (block_ids_.empty()) {
-    block_ids_ = Buffer(device_, static_cast<size_t>(requests) * width() * sizeof(int32_t));
+    block_ids_ = Buffer(device_, static_cast<size_t>(requests) * max_width() * sizeof(int32_t));
     seq_lens_ = Buffer(device_, static_cast<size_t>(requests) * sizeof(int32_t));
     if (config_.token_pages) {
       token_pages_ = Buffer(device_, static_cast<size_t>(requests) * width() * config_.block_size * sizeof(int32_t));
@@ -196,11 +244,15 @@ void BlockSparseAttention::size_step_buffers() {
         device_, std::max<size_t>(256, detail::block_indexer_workspace_bytes(batch_, config_.num_kv_heads, cap,
                                                                             config_.block_size)));
   }
-  fallback_.size(device_, inputs(BlockSparseTokens{}), cap);
+  if (!engine_paged()) fallback_.size(device_, inputs(BlockSparseTokens{}), cap);
   sized_capacity_ = cap;
 }
 
 void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error("BlockSparseAttention::prefill_token: an engine-paged layer has no mask path; the engine prefills "
+                "and append_tokens() takes the prompt's index keys");
+  }
   check_tokens(tokens);
   cache_.reserve(cache_.live_len() + 1);
   size_step_buffers();
@@ -208,12 +260,23 @@ void BlockSparseAttention::prefill_token(const BlockSparseTokens& tokens, void* 
   fallback_.run(inputs(tokens), false, stream);
 }
 
-void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* stream, int32_t q_len) {
+void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, int32_t topk, int32_t width, void* stream,
+                                         int32_t q_len) {
   const RowView k_rows = cache_.k_rows().value();
+  // The index key: head num_kv_heads of the K allocation, or the engine-paged layer's key-only cache.
+  const int32_t key_head = engine_paged() ? 0 : config_.num_kv_heads;
+  BlockSparseConfig rule = config_;
+  rule.topk_blocks = topk;
+  selection_width_ = width;
   if (device_ == Device::kCuda) {
     detail::BlockIndexerArgs args;
     args.dtype = dtype_;
-    args.k_alloc = k_rows.data;
+    if (engine_paged()) {
+      args.index_keys = k_rows.data;
+      args.key_seq_stride = k_rows.seq_stride;
+    } else {
+      args.k_alloc = k_rows.data;
+    }
     args.index_q = tokens.index_q;
     args.q_len = q_len;
     args.batch = batch_;
@@ -223,9 +286,9 @@ void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* 
     args.kv_lens = cache_.device_live_lens();
     args.max_kv_len = cache_.capacity();
     args.block_size = config_.block_size;
-    args.topk = config_.topk_blocks;
+    args.topk = topk;
     args.local_blocks = config_.local_blocks;
-    args.width = width();
+    args.width = width;
     args.block_ids = block_ids_.as<int32_t>();
     args.seq_lens = seq_lens_.as<int32_t>();
     args.workspace = indexer_workspace_.data();
@@ -233,30 +296,36 @@ void BlockSparseAttention::select_blocks(const BlockSparseTokens& tokens, void* 
     detail::block_indexer_cuda(args, stream);
     return;
   }
-  // Host: the index key is head num_kv_heads of the K allocation, read in place.
+  // Host: the index keys read in place.
   const int64_t kv_len = cache_.live_len();
   const size_t d = static_cast<size_t>(config_.head_dim);
   const size_t esize = dtype_size(dtype_);
   std::vector<float> q(static_cast<size_t>(num_requests()) * static_cast<size_t>(q_len) * d);
   to_float(dtype_, tokens.index_q, q.data(), q.size());
   const std::vector<int32_t> ids = top_blocks_cpu(
-      config_, batch_, kv_len, q.data(),
+      rule, batch_, kv_len, q.data(),
       [&](int32_t b, int64_t t, float* out) {
-        const int64_t element = k_rows.offset(b, config_.num_kv_heads, t);
+        const int64_t element = k_rows.offset(b, key_head, t);
         to_float(dtype_, static_cast<const char*>(k_rows.data) + static_cast<size_t>(element) * esize, out, d);
       },
       q_len);
-  const int32_t per = blocks_per_request(config_, kv_len);
+  const int32_t per = blocks_per_request(rule, kv_len);
+  const int64_t num_blocks = (kv_len + config_.block_size - 1) / config_.block_size;
+  const int64_t covered = int64_t{per - 1} * config_.block_size + (kv_len - (num_blocks - 1) * config_.block_size);
   int32_t* out = block_ids_.as<int32_t>();
   for (int32_t r = 0; r < num_requests(); ++r) {
-    for (int32_t i = 0; i < width(); ++i) {
-      out[int64_t{r} * width() + i] = i < per ? ids[static_cast<size_t>(r) * per + i] : -1;
+    for (int32_t i = 0; i < width; ++i) {
+      out[int64_t{r} * width + i] = i < per ? ids[static_cast<size_t>(r) * per + i] : -1;
     }
-    seq_lens_.as<int32_t>()[r] = static_cast<int32_t>(selected_tokens(kv_len));
+    seq_lens_.as<int32_t>()[r] = static_cast<int32_t>(covered);
   }
 }
 
 BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error("BlockSparseAttention::decode: an engine-paged layer reads the engine's pool; call "
+                "decode(tokens, kv)");
+  }
   check_tokens(tokens);
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers();
@@ -269,7 +338,7 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
     fallback_.run(in, false, stream);
     return step;
   }
-  select_blocks(tokens, stream);
+  select_blocks(tokens, config_.topk_blocks, width(), stream);
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
   PagedSelection selection;
@@ -300,6 +369,10 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, in
                 std::to_string(kMaxQueryTokens) + "]");
   }
   if (q_len == 1) return decode(tokens, stream);
+  if (engine_paged()) {
+    throw Error("BlockSparseAttention::decode: multi-token steps read the layer's own cache; an engine-paged layer "
+                "takes one token per step (decode(tokens, kv))");
+  }
   check_tokens(tokens);
   if (device_ == Device::kCuda && int64_t{q_len} * config_.num_kv_heads > 32) {
     throw Error("BlockSparseAttention::decode: q_len * num_kv_heads = " + std::to_string(q_len) + " * " +
@@ -340,7 +413,7 @@ BlockSparseStep BlockSparseAttention::decode_fused_tokens(const BlockSparseToken
   in.q_len = q_len;
   BlockSparseStep step;
   step.sparse_regime = true;
-  select_blocks(tokens, stream, q_len);
+  select_blocks(tokens, config_.topk_blocks, width(), stream, q_len);
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
   PagedSelection selection;
@@ -398,6 +471,49 @@ BlockSparseStep BlockSparseAttention::decode_token_by_token(const BlockSparseTok
   return step;
 }
 
+BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, const EnginePagedKV& kv, void* stream) {
+  if (!engine_paged()) {
+    throw Error("BlockSparseAttention::decode(tokens, kv): the layer keeps its own cache; construct it with "
+                "kv_storage = KVStorage::kEnginePaged to read an engine's pool");
+  }
+  check_tokens(tokens);
+  const int64_t kv_len = cache_.live_len() + 1;  // with this step's token
+  cache_.reserve(kv_len);                        // allocates only when the capacity must grow
+  size_step_buffers();
+  BlockSparseStep step;
+  step.sparse_regime = config_.sparse_regime(kv_len);
+  // The dense regime keeps every block: top-k over all of them.
+  const int32_t topk = step.sparse_regime ? config_.topk_blocks : max_width() - 1;
+  const int32_t width = topk + 1;
+  PagedSelection selection;
+  selection.pages = block_ids_.as<int32_t>();
+  selection.seq_lens = seq_lens_.as<int32_t>();
+  selection.num_requests = num_requests();
+  selection.width = width;
+  selection.page_size = config_.block_size;
+  selection.max_selected = step.sparse_regime ? selected_tokens(kv_len) : kv_len;
+  // Decided before anything changes: there is no mask path to fall back to.
+  const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
+  const SparseDecodeOutcome decision = decoder_.decide(in, selection);
+  if (!decision.fused()) {
+    throw Error(std::string("BlockSparseAttention (engine-paged): the fused path declined (") +
+                outcome_kind_name(decision.kind) + ": " + decision.reason +
+                ") and an engine's pool has no mask path; nothing was appended");
+  }
+  cache_.append_token(tokens.index_k, nullptr, stream);
+  detail::cuda_record_event(after_append_, stream);
+  select_blocks(tokens, topk, width, stream);
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {  // decide() said fused a moment ago; only a broken invariant lands here
+    throw Error(std::string("BlockSparseAttention (engine-paged): the fused path declined after deciding to run: ") +
+                step.outcome.reason);
+  }
+  return step;
+}
+
 // The additive mask of the kept blocks over the capacity, positions past
 // each sequence's device-side length excluded: what the mask path attends.
 void BlockSparseAttention::build_block_mask(void* stream) {
@@ -429,10 +545,11 @@ void BlockSparseAttention::expand_token_pages(void* stream) {
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_blocks() const {
   if (!have_selection_) return {};
-  const auto flat = download<int32_t>(device_, block_ids_.data(), static_cast<size_t>(num_requests()) * width());
+  const auto flat =
+      download<int32_t>(device_, block_ids_.data(), static_cast<size_t>(num_requests()) * selection_width_);
   std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_requests()));
   for (size_t i = 0; i < flat.size(); ++i) {
-    if (flat[i] >= 0) out[i / static_cast<size_t>(width())].push_back(flat[i]);
+    if (flat[i] >= 0) out[i / static_cast<size_t>(selection_width_)].push_back(flat[i]);
   }
   return out;
 }
@@ -456,6 +573,7 @@ std::vector<std::vector<int32_t>> BlockSparseAttention::last_selected_positions(
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {
   if (!have_selection_) throw Error("BlockSparseAttention::last_mask_columns: no sparse decode has run yet");
+  if (engine_paged()) throw Error("BlockSparseAttention::last_mask_columns: an engine-paged layer has no mask path");
   build_block_mask(nullptr);
   return mask_kept_columns(device_, fallback_.mask(), num_requests(), fallback_.capacity());
 }

@@ -20,6 +20,10 @@ namespace sparsepage::detail {
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
   const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
+  // Or the index keys in a cache of their own: sequence b's rows (head_dim
+  // apart) start at index_keys + b * key_seq_stride elements. Set: k_alloc is not read.
+  const void* index_keys = nullptr;
+  int64_t key_seq_stride = 0;
   const void* index_q = nullptr;   // [batch, q_len, num_kv_heads, head_dim]
   /// Query tokens per sequence (a multi-token step, models/block_sparse.h):
   /// a block scores the max over every token's index query, and the block of

@@ -87,6 +87,9 @@ DsaConfig checked_config(Device device, DType dtype, const DsaConfig& config, in
       config.index_head_dim < 1 || config.index_topk < 1) {
     throw Error("DsaAttention: heads, dims and index_topk must be at least 1");
   }
+  if (config.kv_storage != KVStorage::kLayerCache && config.kv_storage != KVStorage::kEnginePaged) {
+    throw Error("DsaAttention: kv_storage is not a KVStorage value");
+  }
   if (!std::isfinite(config.scale) || config.scale < 0.0f) {
     throw Error("DsaAttention: scale = " + std::to_string(config.scale) + " must be finite and >= 0 (0: the default)");
   }
@@ -109,21 +112,35 @@ DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, 
       dtype_(dtype),
       config_(checked_config(device, dtype, config, batch)),
       batch_(batch),
-      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1, 1,
-             config.latent_dim + config.index_head_dim, config.rope_dim, config.capacity_step),
-      decoder_(device, dispatch),
+      // Engine-paged: the engine's pool holds the MLA rows, the layer only the indexer keys.
+      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, 1,
+             config.kv_storage == KVStorage::kEnginePaged ? 0 : 1,
+             config.kv_storage == KVStorage::kEnginePaged ? config.index_head_dim
+                                                         : config.latent_dim + config.index_head_dim,
+             config.rope_dim, config.capacity_step),
+      // No mask path behind an engine's pool: only what the fused path cannot do declines.
+      decoder_(device, config.kv_storage == KVStorage::kEnginePaged ? dispatch.without_performance_gates() : dispatch),
       token_decoder_(device, dispatch) {}
 
-namespace {
 // Every input is checked before the cache changes, so a bad call appends nothing.
-void check_tokens(const DsaTokens& t) {
+void DsaAttention::check_tokens(const DsaTokens& t) const {
+  if (engine_paged()) {
+    if (t.q_latent == nullptr || t.q_pe == nullptr || t.q_index == nullptr || t.index_weights == nullptr ||
+        t.index_k == nullptr || t.o == nullptr) {
+      throw Error("DsaAttention (engine-paged): q_latent, q_pe, q_index, index_weights, index_k and o must be set");
+    }
+    if (t.k_cache_row != nullptr || t.k_pe != nullptr) {
+      throw Error("DsaAttention (engine-paged): k_cache_row and k_pe must be null (the engine writes the token's "
+                  "MLA row into its pool; pass the indexer key as index_k)");
+    }
+    return;
+  }
   if (t.q_latent == nullptr || t.q_pe == nullptr || t.q_index == nullptr || t.index_weights == nullptr ||
       t.k_cache_row == nullptr || t.k_pe == nullptr || t.o == nullptr) {
     throw Error("DsaAttention: every DsaTokens pointer (q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, "
                 "o) must be set");
   }
 }
-}  // namespace
 
 SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   RowView latent = cache_.k_rows().value();  // kv_latent: the first latent_dim columns of the K rows
@@ -146,13 +163,39 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   return in;
 }
 
+SparseAttentionInputs DsaAttention::engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv,
+                                                  int64_t kv_len) const {
+  SparseAttentionInputs in;
+  in.device = device_;
+  in.dtype = dtype_;
+  in.batch = batch_;
+  in.num_qo_heads = config_.num_qo_heads;
+  in.num_kv_heads = 1;
+  in.live_len = kv_len;
+  in.live_lens = cache_.device_live_lens();  // the indexer keys' lengths: the same positions
+  in.k = kv.k;
+  in.v = kv.v;
+  in.k_extra = kv.k_extra;
+  in.block_table = kv.block_table;
+  in.q = tokens.q_latent;
+  in.q_extra = tokens.q_pe;
+  in.scale = config_.scale;
+  in.o = tokens.o;
+  return in;
+}
+
 void DsaAttention::reserve(int64_t tokens) {
   cache_.reserve(tokens);
   size_step_buffers();
 }
 
 void DsaAttention::append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens) {
-  if (k_cache_rows == nullptr || k_pe == nullptr) throw Error("DsaAttention::append_tokens: k_cache_rows and k_pe must be set");
+  if (engine_paged() && (k_cache_rows == nullptr || k_pe != nullptr)) {
+    throw Error("DsaAttention::append_tokens (engine-paged): k_cache_rows (the indexer keys) must be set and k_pe null");
+  }
+  if (!engine_paged() && (k_cache_rows == nullptr || k_pe == nullptr)) {
+    throw Error("DsaAttention::append_tokens: k_cache_rows and k_pe must be set");
+  }
   cache_.append(k_cache_rows, k_pe, dtype_, tokens);
   size_step_buffers();
 }
@@ -170,11 +213,15 @@ void DsaAttention::size_step_buffers() {
   if (device_ == Device::kCuda) {
     index_workspace_ = Buffer(device_, std::max<size_t>(256, dsa_indexer_workspace_bytes(config_, batch_, cap)));
   }
-  fallback_.size(device_, inputs(DsaTokens{}), cap);
+  if (!engine_paged()) fallback_.size(device_, inputs(DsaTokens{}), cap);
   sized_capacity_ = cap;
 }
 
 void DsaAttention::prefill_token(const DsaTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error("DsaAttention::prefill_token: an engine-paged layer has no mask path; the engine prefills and "
+                "append_tokens() takes the prompt's indexer keys");
+  }
   check_tokens(tokens);
   cache_.reserve(cache_.live_len() + 1);
   size_step_buffers();
@@ -196,7 +243,7 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
     std::vector<float> keys(static_cast<size_t>(batch_) * static_cast<size_t>(kv_len) * d);
     for (int32_t b = 0; b < batch_; ++b) {
       for (int64_t t = 0; t < kv_len; ++t) {
-        const auto element = static_cast<size_t>(k_rows.offset(b, 0, t) + config_.latent_dim);
+        const auto element = static_cast<size_t>(k_rows.offset(b, 0, t) + index_key_column());
         to_float(dtype_, static_cast<const char*>(k_rows.data) + element * esize,
                  &keys[(static_cast<size_t>(b) * static_cast<size_t>(kv_len) + static_cast<size_t>(t)) * d], d);
       }
@@ -228,10 +275,16 @@ void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
   args.workspace_bytes = index_workspace_.bytes();
   args.positions = positions_.as<int32_t>();
   args.counts = counts_.as<int32_t>();
-  dsa_select_tokens_cuda(config_, batch_, args, stream);
+  // The indexer finds its key latent_dim columns into each K row: none in a key-only cache.
+  DsaConfig rule = config_;
+  rule.latent_dim = index_key_column();
+  dsa_select_tokens_cuda(rule, batch_, args, stream);
 }
 
 DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error("DsaAttention::decode: an engine-paged layer reads the engine's pool; call decode(tokens, kv)");
+  }
   check_tokens(tokens);
   last_q_len_ = 1;
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
@@ -274,6 +327,10 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, int32_t q_len, void* strea
   if (q_len == 1) {
     last_q_len_ = 1;
     return decode(tokens, stream);
+  }
+  if (engine_paged()) {
+    throw Error("DsaAttention::decode: multi-token steps read the layer's own cache; an engine-paged layer takes one "
+                "token per step (decode(tokens, kv))");
   }
   check_tokens(tokens);
   if (int64_t{batch_} * q_len > 65535) {
@@ -458,6 +515,50 @@ DsaStep DsaAttention::decode_token_by_token(const DsaTokens& tokens, int32_t q_l
   return step;
 }
 
+DsaStep DsaAttention::decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream) {
+  if (!engine_paged()) {
+    throw Error("DsaAttention::decode(tokens, kv): the layer keeps its own cache; construct it with kv_storage = "
+                "KVStorage::kEnginePaged to read an engine's pool");
+  }
+  check_tokens(tokens);
+  const int64_t kv_len = cache_.live_len() + 1;  // with this step's token
+  cache_.reserve(kv_len);                        // allocates only when the capacity must grow
+  size_step_buffers();
+  PagedSelection selection;
+  selection.pages = positions_.as<int32_t>();
+  selection.seq_lens = counts_.as<int32_t>();
+  selection.num_requests = batch_;
+  selection.width = config_.index_topk;
+  selection.page_size = 1;
+  selection.max_selected = std::min<int64_t>(config_.index_topk, kv_len);
+  // Decided before anything changes: there is no mask path to fall back to.
+  const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
+  const SparseDecodeOutcome decision = decoder_.decide(in, selection);
+  if (!decision.fused()) {
+    throw Error(std::string("DsaAttention (engine-paged): the fused path declined (") +
+                outcome_kind_name(decision.kind) + ": " + decision.reason +
+                ") and an engine's pool has no mask path; nothing was appended");
+  }
+  cache_.append_token(tokens.index_k, nullptr, stream);
+  detail::cuda_record_event(after_append_, stream);
+  DsaStep step;
+  step.sparse = kv_len > config_.index_topk;
+  if (device_ == Device::kCuda) {
+    select_tokens_cuda(tokens, stream);
+  } else {
+    select_tokens_cpu(tokens);
+  }
+  detail::cuda_record_event(after_indexer_, stream);
+  have_selection_ = true;
+  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {  // decide() said fused a moment ago; only a broken invariant lands here
+    throw Error(std::string("DsaAttention (engine-paged): the fused path declined after deciding to run: ") +
+                step.outcome.reason);
+  }
+  return step;
+}
+
 std::vector<std::vector<int32_t>> DsaAttention::last_selected_positions() const {
   if (!have_selection_) return {};
   if (last_q_len_ > 1) {  // one row per (sequence, token)
@@ -483,6 +584,7 @@ std::vector<std::vector<int32_t>> DsaAttention::last_selected_positions() const 
 
 std::vector<std::vector<int32_t>> DsaAttention::last_mask_columns() {
   if (!have_selection_) throw Error("DsaAttention::last_mask_columns: no decode has run yet");
+  if (engine_paged()) throw Error("DsaAttention::last_mask_columns: an engine-paged layer has no mask path");
   const int64_t kv_len = cache_.live_len();
   // Built on the layer's device from the selection itself, as the mask path builds it.
   build_selection_mask(device_, positions_.as<int32_t>(), row_offsets_.as<int32_t>(), batch_, kv_len,

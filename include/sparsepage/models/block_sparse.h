@@ -16,6 +16,7 @@
 // alone, and no selected block can name a row past the live window.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -40,6 +41,11 @@ struct BlockSparseConfig {
   /// block_size, the default). Both attend the same rows; the expansion is an
   /// extra pass, kept for measuring the two (docs/PERFORMANCE.md).
   bool token_pages = false;
+  /// Where the attention rows live. KVStorage::kEnginePaged: in an engine's
+  /// paged pool that each step reads in place through its block table (see
+  /// decode(tokens, kv)); the layer keeps only the index keys. The dense
+  /// regime then attends every block through the fused path too.
+  KVStorage kv_storage = KVStorage::kLayerCache;
 
   /// The sparse regime: enough context that top-k leaves something out.
   bool sparse_regime(int64_t kv_len) const { return kv_len > int64_t{2} * topk_blocks * block_size; }
@@ -53,6 +59,10 @@ struct BlockSparseTokens {
   const void* k = nullptr;        // [batch, num_kv_heads + 1, 1, head_dim]: attention keys, then the index key
   const void* v = nullptr;        // [batch, num_kv_heads, 1, head_dim]
   void* o = nullptr;              // [batch, num_qo_heads, head_dim]
+  /// KVStorage::kEnginePaged only, instead of k and v (which stay null: the
+  /// engine has written the token's K and V rows into its pool): the
+  /// token's index key [batch, 1, 1, head_dim].
+  const void* index_k = nullptr;
 };
 
 /// What a decode step did.
@@ -84,6 +94,16 @@ class BlockSparseAttention {
   /// Every input is checked before the cache changes: a bad call appends
   /// nothing.
   BlockSparseStep decode(const BlockSparseTokens& tokens, void* stream = nullptr);
+  /// Decode over an engine's paged pool (KVStorage::kEnginePaged): appends
+  /// the index key, runs the indexer, and attends the kept blocks of
+  /// `kv` in place, position p of sequence b at its table row
+  /// `kv.block_table[b, p / block_size] * block_size + p % block_size`. The
+  /// engine must already have written this token's K and V rows at position
+  /// kv_len() (the length before the call). In the dense regime every block
+  /// is attended. There is no mask path here: a step the dispatch would
+  /// decline is refused by name before anything changes. Capturable like
+  /// decode().
+  BlockSparseStep decode(const BlockSparseTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr);
 
   /// A multi-token step (speculative verification, MTP): appends q_len
   /// tokens per sequence (1 .. kMaxQueryTokens; 1 is decode() above) and
@@ -116,6 +136,8 @@ class BlockSparseAttention {
   /// prompt whose prefill attention ran elsewhere): `k` is [batch,
   /// num_kv_heads + 1, tokens, head_dim] (the index key last), `v` [batch,
   /// num_kv_heads, tokens, head_dim], contiguous, on the layer's device.
+  /// With KVStorage::kEnginePaged `k` is the index keys [batch, 1, tokens,
+  /// head_dim] and `v` is null (the engine holds the attention rows).
   /// Synchronous; not a step.
   void append_tokens(const void* k, const void* v, int64_t tokens);
   /// Profiling: CUDA events (cudaEvent_t, or null) that each decode records
@@ -143,15 +165,23 @@ class BlockSparseAttention {
 
  private:
   SparseAttentionInputs inputs(const BlockSparseTokens& tokens) const;
+  SparseAttentionInputs engine_inputs(const BlockSparseTokens& tokens, const EnginePagedKV& kv, int64_t kv_len) const;
   void check_tokens(const BlockSparseTokens& tokens) const;
+  bool engine_paged() const { return config_.kv_storage == KVStorage::kEnginePaged; }
   void size_step_buffers();
-  void select_blocks(const BlockSparseTokens& tokens, void* stream, int32_t q_len = 1);
+  /// The indexer over the live window, keeping `topk` blocks plus the final
+  /// one in rows of `width` entries (q_len > 1: the max over the step's
+  /// tokens' index queries, the first new token's block force-kept).
+  void select_blocks(const BlockSparseTokens& tokens, int32_t topk, int32_t width, void* stream, int32_t q_len = 1);
   BlockSparseStep decode_fused_tokens(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
   BlockSparseStep decode_token_by_token(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
   void expand_token_pages(void* stream);
   void build_block_mask(void* stream);
   int32_t num_requests() const { return batch_ * config_.num_kv_heads; }
   int32_t width() const { return config_.topk_blocks + 1; }
+  /// Entries per request the block buffer holds: an engine-paged layer's
+  /// dense regime keeps every block (up to 2 * topk_blocks).
+  int32_t max_width() const { return engine_paged() ? std::max(width(), 2 * config_.topk_blocks) : width(); }
 
   Device device_;
   DType dtype_;
@@ -167,6 +197,7 @@ class BlockSparseAttention {
   Buffer indexer_workspace_; // CUDA indexer scratch
   StepMaskPath fallback_;     // the mask path over the capacity
   bool have_selection_ = false;
+  int32_t selection_width_ = 0;  // entries per request row of the last selection
   void* after_append_ = nullptr;
   void* after_indexer_ = nullptr;
   // Multi-token steps run token by token: one token's q, index_q and o.

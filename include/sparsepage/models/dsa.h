@@ -46,6 +46,11 @@ struct DsaConfig {
   // rope_dim), the scale for unit-variance latent dot products (the tests').
   float scale = 0.0f;
   int64_t capacity_step = 4096;
+  /// Where the attention rows live. KVStorage::kEnginePaged: in an engine's
+  /// paged MLA pool (`[num_blocks, block_size, latent_dim + rope_dim]`, read
+  /// in place through its block table; see decode(tokens, kv)); the layer
+  /// keeps only the indexer's keys.
+  KVStorage kv_storage = KVStorage::kLayerCache;
 };
 
 /// One token's inputs, in the layer's dtype except the fp32 index weights.
@@ -60,6 +65,10 @@ struct DsaTokens {
   const void* k_cache_row = nullptr; // [batch, 1, 1, latent_dim + index_head_dim]: kv_latent then indexer key
   const void* k_pe = nullptr;        // [batch, 1, 1, rope_dim]
   void* o = nullptr;                 // [batch, num_qo_heads, latent_dim]
+  /// KVStorage::kEnginePaged only, instead of k_cache_row and k_pe (which
+  /// stay null: the engine has written the token's MLA row into its pool):
+  /// the token's indexer key [batch, 1, 1, index_head_dim].
+  const void* index_k = nullptr;
 };
 
 struct DsaStep {
@@ -88,6 +97,16 @@ class DsaAttention {
   /// falls back to the mask path over the same positions. Every input is
   /// checked before the cache changes: a bad call appends nothing.
   DsaStep decode(const DsaTokens& tokens, void* stream = nullptr);
+  /// Decode over an engine's paged MLA pool (KVStorage::kEnginePaged):
+  /// appends the indexer key, runs the indexer, and attends the kept
+  /// positions of `kv` in place (K = V = the latent columns, k_extra = the
+  /// rope columns), position p of sequence b at its table row
+  /// `kv.block_table[b, p / block_size] * block_size + p % block_size`. The
+  /// engine must already have written this token's row at position kv_len()
+  /// (the length before the call). No mask path: a step the dispatch would
+  /// decline is refused by name before anything changes. Capturable like
+  /// decode().
+  DsaStep decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr);
 
   /// A multi-token step (speculative verification, MTP): appends q_len
   /// tokens per sequence (1 .. kMaxQueryTokens; 1 is decode() above) and
@@ -114,7 +133,9 @@ class DsaAttention {
   /// Appends `tokens` tokens per sequence to the cache without attending (a
   /// prompt whose prefill attention ran elsewhere): `k_cache_rows` is
   /// [batch, 1, tokens, latent_dim + index_head_dim], `k_pe` [batch, 1,
-  /// tokens, rope_dim], contiguous, on the layer's device. Synchronous.
+  /// tokens, rope_dim], contiguous, on the layer's device. With
+  /// KVStorage::kEnginePaged `k_cache_rows` is the indexer keys [batch, 1,
+  /// tokens, index_head_dim] and `k_pe` is null. Synchronous.
   void append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens);
   /// Profiling: CUDA events (cudaEvent_t, or null) each decode records on
   /// its stream after the append and after the indexer.
@@ -136,9 +157,15 @@ class DsaAttention {
   std::vector<std::vector<int32_t>> last_mask_columns();
 
   const DenseKVCache& cache() const { return cache_; }
+  int64_t kv_len() const { return cache_.live_len(); }
 
  private:
   SparseAttentionInputs inputs(const DsaTokens& tokens) const;
+  SparseAttentionInputs engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv, int64_t kv_len) const;
+  bool engine_paged() const { return config_.kv_storage == KVStorage::kEnginePaged; }
+  void check_tokens(const DsaTokens& tokens) const;
+  /// Columns of the layer's K rows where the indexer key starts.
+  int32_t index_key_column() const { return engine_paged() ? 0 : config_.latent_dim; }
   void size_step_buffers();
   void select_tokens_cpu(const DsaTokens& tokens);
   void select_tokens_cuda(const DsaTokens& tokens, void* stream);

@@ -1,0 +1,21 @@
+// The FP8 partial kernels' launch (decode_fp8.cu), called by run_decode_cuda
+// for KvFormat::kE4m3PerHead and kE4m3Mla. A translation unit of its own,
+// so the bf16/f16 kernels' instantiations in decode.cu are untouched.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/decode_partial.cuh"
+#include "sparsepage/decode.h"
+
+namespace sparsepage {
+namespace cuda {
+
+/// Launches the partial kernel of `format` over the work items of `p` (K and
+/// V strides in bytes). `engine_inputs`: the engines' index forms
+/// (EnginePagedSource). Throws for a format or dtype without a kernel.
+void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DType dtype, const float* k_scale,
+                        const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace sparsepage

@@ -1,0 +1,122 @@
+"""The layers over an engine's paged pool (KVStorage.ENGINE_PAGED) with torch CUDA tensors: bf16
+pools [num_blocks, 16, heads, dim] (block-sparse) and [num_blocks, 16, 576] (DSA) with shuffled
+block tables and NaN in every row the engine has not written. Each step, eager and replayed from
+a captured CUDA graph while the context grows, equals the same layer over its own cache (same
+kept set, same bits). Runs on the GPU machine; skips without torch or a GPU."""
+
+import pytest
+
+import sparsepage as sp
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
+                                reason="needs a GPU and sparsepage built with CUDA")
+
+BLOCK = 16
+
+
+def gates_off():
+    c = sp.DispatchConfig.defaults()
+    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
+    return c
+
+
+def pool_and_table(batch, max_blocks, row_shape, gen):
+    num_blocks = batch * max_blocks + 3
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = ids[: batch * max_blocks].reshape(batch, max_blocks).cuda()
+    return torch.full((num_blocks, BLOCK) + tuple(row_shape), float("nan"), dtype=torch.bfloat16, device="cuda"), table
+
+
+def write(pool, table, pos, rows):
+    """rows [batch, ...]: sequence b's row at position pos."""
+    for b in range(rows.shape[0]):
+        pool[table[b, pos // BLOCK].item(), pos % BLOCK] = rows[b]
+
+
+def stream():
+    return torch.cuda.current_stream().cuda_stream
+
+
+def test_block_sparse_engine_pool_eager_and_graph_replays_equal_its_own_cache():
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, H, D, prompt = 2, 16, 2, 128, 900
+    cfg = dict(num_qo_heads=Hq, num_kv_heads=H, head_dim=D, block_size=64, topk_blocks=4, local_blocks=2,
+               capacity_step=256)
+    own = sp.BlockSparseAttention(sp.Device.cuda, sp.DType.bf16, sp.BlockSparseConfig(**cfg), B, gates_off())
+    eng = sp.BlockSparseAttention(sp.Device.cuda, sp.DType.bf16,
+                                  sp.BlockSparseConfig(**cfg, kv_storage=sp.KVStorage.ENGINE_PAGED), B)
+    k_cache, table = pool_and_table(B, 64, (H, D), gen)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys = torch.randn(B, H + 1, prompt, D, generator=gen).to(torch.bfloat16).cuda()
+    vals = torch.randn(B, H, prompt, D, generator=gen).to(torch.bfloat16).cuda()
+    own.append_tokens(keys, vals)
+    eng.append_tokens(keys[:, H:].contiguous(), None)
+    for t in range(prompt):
+        write(k_cache, table, t, keys[:, :H, t])
+        write(v_cache, table, t, vals[:, :, t])
+    own.reserve(prompt + 8)
+    eng.reserve(prompt + 8)
+    q, iq = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda"), torch.empty(B, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.empty(B, H + 1, 1, D, dtype=torch.bfloat16, device="cuda"), torch.empty(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
+    ik = torch.empty(B, 1, 1, D, dtype=torch.bfloat16, device="cuda")
+    o_own, o_eng = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda"), torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
+
+    def fill(pos):
+        q.copy_(torch.randn(B, Hq, D, generator=gen).to(torch.bfloat16))
+        iq.copy_(torch.randn(B, H, D, generator=gen).to(torch.bfloat16))
+        k.copy_(torch.randn(B, H + 1, 1, D, generator=gen).to(torch.bfloat16))
+        v.copy_(torch.randn(B, H, 1, D, generator=gen).to(torch.bfloat16))
+        ik.copy_(k[:, H:])
+        write(k_cache, table, pos, k[:, :H, 0])
+        write(v_cache, table, pos, v[:, :, 0])
+        o_own.fill_(float("nan"))
+        o_eng.fill_(float("nan"))
+
+    fill(eng.kv_len)  # one eager step
+    assert own.decode(q, iq, k, v, o_own, stream()).fused
+    assert eng.decode_paged(q, iq, ik, o_eng, k_cache, v_cache, table, stream()).fused
+    torch.cuda.synchronize()
+    assert eng.last_blocks() == own.last_blocks()
+    assert torch.equal(o_eng, o_own) and not o_eng.isnan().any()
+
+    graph = torch.cuda.CUDAGraph()  # then the engine-paged step captured once, replayed as the context grows
+    with torch.cuda.graph(graph):
+        eng.decode_paged(q, iq, ik, o_eng, k_cache, v_cache, table, stream())
+    for pos in range(prompt + 1, prompt + 6):
+        fill(pos)
+        graph.replay()
+        own.decode(q, iq, k, v, o_own, stream())
+        torch.cuda.synchronize()
+        eng.sync_live_len()
+        assert eng.kv_len == own.kv_len == pos + 1
+        assert eng.last_blocks() == own.last_blocks(), f"position {pos}"
+        assert torch.equal(o_eng, o_own) and not o_eng.isnan().any(), f"position {pos}"
+
+
+def test_dsa_engine_mla_pool_equals_its_own_cache():
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, R, IH, ID, prompt = 2, 16, 512, 64, 4, 128, 150
+    cfg = dict(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=IH, index_head_dim=ID, index_topk=64,
+               capacity_step=128)
+    own = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg), B, gates_off())
+    eng = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg, kv_storage=sp.KVStorage.ENGINE_PAGED), B)
+    kv_cache, table = pool_and_table(B, 16, (L + R,), gen)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).cuda()  # noqa: E731
+    latent, index_k, pe = rnd(B, 1, prompt, L), rnd(B, 1, prompt, ID), rnd(B, 1, prompt, R)
+    own.append_tokens(torch.cat([latent, index_k], dim=-1).contiguous(), pe)
+    eng.append_tokens(index_k, None)
+    for t in range(prompt):
+        write(kv_cache, table, t, torch.cat([latent[:, 0, t], pe[:, 0, t]], dim=-1))
+    for step in range(3):
+        pos = eng.kv_len
+        row_latent, row_index, row_pe = rnd(B, 1, 1, L), rnd(B, 1, 1, ID), rnd(B, 1, 1, R)
+        write(kv_cache, table, pos, torch.cat([row_latent[:, 0, 0], row_pe[:, 0, 0]], dim=-1))
+        queries = (rnd(B, H, L), rnd(B, H, R), rnd(B, IH, ID), torch.rand(B, IH, generator=gen).cuda())
+        o_own = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o_eng = torch.full_like(o_own, float("nan"))
+        assert own.decode(*queries, torch.cat([row_latent, row_index], dim=-1).contiguous(), row_pe, o_own, stream()).fused
+        assert eng.decode_paged(*queries, row_index, o_eng, kv_cache, table, stream()).fused
+        torch.cuda.synchronize()
+        assert eng.last_selected_positions() == own.last_selected_positions(), f"step {step}"
+        assert torch.equal(o_eng, o_own) and not o_eng.isnan().any(), f"step {step}"
