@@ -6,44 +6,43 @@
 #include <thread>
 
 #include "core/cuda_hooks.h"
+#include "core/require.h"
 #include "cpu/plan_runner.h"
 #include "sparsepage/mask_path.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "masked decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("masked decode: " + message);
-}
-
 void check_stream(const RowView& s, const char* name, const MaskedDecodeParams& p) {
   const std::string problem = row_view_problem(s, name, p.batch, p.num_kv_heads, p.live_len, dtype_size(p.dtype));
-  require(problem.empty(), problem);
+  REQUIRE(problem.empty(), problem);
 }
 
 }  // namespace
 
 void check_masked_decode_params(const MaskedDecodeParams& p) {
-  require(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
+  REQUIRE(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
-  require(p.batch >= 0, "batch = " + std::to_string(p.batch) + " is negative");
-  require(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
-  require(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  require(p.live_len >= 0, "live_len = " + std::to_string(p.live_len) + " is negative");
-  require(p.live_len <= std::numeric_limits<int32_t>::max(), "live_len = " + std::to_string(p.live_len) +
+  REQUIRE(p.batch >= 0, "batch = " + std::to_string(p.batch) + " is negative");
+  REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
+  REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
+  REQUIRE(p.live_len >= 0, "live_len = " + std::to_string(p.live_len) + " is negative");
+  REQUIRE(p.live_len <= std::numeric_limits<int32_t>::max(), "live_len = " + std::to_string(p.live_len) +
                                                                  " exceeds 2^31 - 1 tokens");
-  require(std::isfinite(p.scale), "scale is not finite");
-  require(p.mask_pitch == 0 || p.mask_pitch >= p.live_len, "mask_pitch = " + std::to_string(p.mask_pitch) +
+  REQUIRE(std::isfinite(p.scale), "scale is not finite");
+  REQUIRE(p.mask_pitch == 0 || p.mask_pitch >= p.live_len, "mask_pitch = " + std::to_string(p.mask_pitch) +
                                                                " is smaller than live_len = " +
                                                                std::to_string(p.live_len));
-  require(int64_t{p.batch} * p.num_kv_heads <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(int64_t{p.batch} * p.num_kv_heads <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(int64_t{p.batch} * p.num_kv_heads) + " exceeds 2^31 - 1 requests");
   if (p.batch == 0) return;
-  require(p.q != nullptr, "q is null");
-  require(p.o != nullptr, "o is null");
+  REQUIRE(p.q != nullptr, "q is null");
+  REQUIRE(p.o != nullptr, "o is null");
   check_stream(p.k, "k", p);
   check_stream(p.v, "v", p);
-  require((p.k_extra.data != nullptr) == (p.q_extra != nullptr),
+  REQUIRE((p.k_extra.data != nullptr) == (p.q_extra != nullptr),
           "q_extra and k_extra.data must both be set or both be null");
   if (p.k_extra.data) check_stream(p.k_extra, "k_extra", p);
 }
@@ -145,3 +144,5 @@ void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int
 }
 
 }  // namespace sparsepage
+
+#undef REQUIRE

@@ -16,9 +16,12 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
+#include "core/require.h"
 #include "models/block_sparse_kernels.h"
 #include "cuda/common.cuh"
 #include "cuda/radix_select.cuh"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "block_indexer_cuda: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
@@ -278,10 +281,6 @@ int32_t max_scored_blocks(int64_t max_kv_len, int32_t block_size) {
   return static_cast<int32_t>(std::max<int64_t>((max_kv_len + block_size - 1) / block_size - 1, 1));
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("block_indexer_cuda: " + message);
-}
-
 }  // namespace
 
 namespace detail {
@@ -295,15 +294,15 @@ size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_
 }
 
 void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
-  require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+  REQUIRE(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
-  require((a.k_alloc != nullptr || a.index_keys != nullptr) && a.index_q != nullptr && a.kv_lens != nullptr &&
+  REQUIRE((a.k_alloc != nullptr || a.index_keys != nullptr) && a.index_q != nullptr && a.kv_lens != nullptr &&
               a.block_ids != nullptr && a.seq_lens != nullptr && a.workspace != nullptr,
           "k_alloc (or index_keys), index_q, kv_lens, block_ids, seq_lens and workspace must be set");
-  require(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
-  require(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
+  REQUIRE(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
+  REQUIRE(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
           "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
-  require(a.head_dim >= 32 && a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim,
+  REQUIRE(a.head_dim >= 32 && a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim,
           "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 32 in [32, " +
               std::to_string(kMaxHeadDim) + "] (tensor-core k-tiles read in 32-dim segments)");
   // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
@@ -312,25 +311,25 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
                               : static_cast<const char*>(a.k_alloc) +
                                     int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
-  require(reinterpret_cast<uintptr_t>(keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
-  require(key_seq_stride >= a.capacity * a.head_dim && key_seq_stride % 8 == 0,
+  REQUIRE(reinterpret_cast<uintptr_t>(keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
+  REQUIRE(key_seq_stride >= a.capacity * a.head_dim && key_seq_stride % 8 == 0,
           "key_seq_stride = " + std::to_string(key_seq_stride) + " must hold capacity * head_dim = " +
               std::to_string(a.capacity * a.head_dim) + " elements and be a multiple of 8 (16-byte rows)");
-  require(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
-  require(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
-  require(a.local_blocks >= 1 && a.local_blocks - 1 <= a.topk,
+  REQUIRE(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
+  REQUIRE(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
+  REQUIRE(a.local_blocks >= 1 && a.local_blocks - 1 <= a.topk,
           "local_blocks = " + std::to_string(a.local_blocks) + " must lie in [1, topk + 1]");
-  require(a.width >= a.topk + 1, "width = " + std::to_string(a.width) + " must be >= topk + 1");
-  require(a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
+  REQUIRE(a.width >= a.topk + 1, "width = " + std::to_string(a.width) + " must be >= topk + 1");
+  REQUIRE(a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
           "max_kv_len = " + std::to_string(a.max_kv_len) + " must lie in [1, capacity = " + std::to_string(a.capacity) +
               "]");
-  require(a.max_kv_len / a.block_size < (int64_t{1} << 30),
+  REQUIRE(a.max_kv_len / a.block_size < (int64_t{1} << 30),
           "max_kv_len / block_size = " + std::to_string(a.max_kv_len / a.block_size) + " blocks is too many");
   const size_t need = block_indexer_workspace_bytes(a.batch, a.num_kv_heads, a.max_kv_len, a.block_size);
-  require(a.workspace_bytes >= need, "workspace_bytes = " + std::to_string(a.workspace_bytes) + " is below the " +
+  REQUIRE(a.workspace_bytes >= need, "workspace_bytes = " + std::to_string(a.workspace_bytes) + " is below the " +
                                          std::to_string(need) + " block_indexer_workspace_bytes asks for");
   auto s = static_cast<cudaStream_t>(stream);
-  require(a.q_len >= 1 && int64_t{a.q_len} * a.num_kv_heads <= kMaxColumns,
+  REQUIRE(a.q_len >= 1 && int64_t{a.q_len} * a.num_kv_heads <= kMaxColumns,
           "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
   ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
@@ -388,3 +387,5 @@ void expand_block_pages_cuda(const int32_t* block_ids, int32_t num_requests, int
   SP_CUDA_CHECK_LAUNCH();
 }
 }  // namespace sparsepage::detail
+
+#undef REQUIRE

@@ -29,11 +29,14 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "core/cuda_hooks.h"
+#include "core/require.h"
 #include "models/dsa_kernels.h"
 #include "cuda/common.cuh"
 #include "cuda/radix_select.cuh"
 #include "cuda/wgmma.cuh"
 #include "sparsepage/models/dsa.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "dsa_select_tokens_cuda: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
@@ -678,10 +681,6 @@ void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dty
   }
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error("dsa_select_tokens_cuda: " + message);
-}
-
 }  // namespace
 
 size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t max_kv_len) {
@@ -693,31 +692,31 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t ma
 void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaIndexerArgs& a, void* stream) {
   // Warpgroup MMAs and TMA: the MLA kernel's requirement (an sm_90 GPU and sm_90a code), asked of the same rule.
   const std::string arch = cuda_arch_problem(cuda_device_sm(), 512, 512, 64);
-  require(arch.empty(), "the DSA indexer scores with warpgroup MMAs and TMA, as the MLA kernel does: " + arch);
-  require(a.q_len >= 1 && a.q_len <= kMaxQueryTokens,
+  REQUIRE(arch.empty(), "the DSA indexer scores with warpgroup MMAs and TMA, as the MLA kernel does: " + arch);
+  REQUIRE(a.q_len >= 1 && a.q_len <= kMaxQueryTokens,
           "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
-  require(int64_t{sequences} * a.q_len <= 65535,
+  REQUIRE(int64_t{sequences} * a.q_len <= 65535,
           "batch * q_len = " + std::to_string(int64_t{sequences} * a.q_len) + " rows exceed 65535");
   const int32_t batch = sequences * a.q_len;  // (sequence, token) rows
   detail::check_dsa_indexer_cuda(c, batch);
-  require(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+  REQUIRE(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
-  require(a.k_cache != nullptr && a.q_index != nullptr && a.weights != nullptr && a.kv_lens != nullptr &&
+  REQUIRE(a.k_cache != nullptr && a.q_index != nullptr && a.weights != nullptr && a.kv_lens != nullptr &&
               a.positions != nullptr && a.counts != nullptr,
           "k_cache, q_index, weights, kv_lens, positions and counts must be set");
-  require(reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q_index) % 16 == 0,
+  REQUIRE(reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q_index) % 16 == 0,
           "k_cache and q_index must be 16-byte aligned");
-  require(a.capacity >= 1 && a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
+  REQUIRE(a.capacity >= 1 && a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
           "need 1 <= max_kv_len <= capacity (max_kv_len " + std::to_string(a.max_kv_len) + ", capacity " +
               std::to_string(a.capacity) + ")");
-  require(a.max_kv_len <= std::numeric_limits<int32_t>::max(),
+  REQUIRE(a.max_kv_len <= std::numeric_limits<int32_t>::max(),
           "max_kv_len = " + std::to_string(a.max_kv_len) + " does not fit int32 positions");
   const Workspace ws(batch, a.max_kv_len);
-  require(a.workspace != nullptr && a.workspace_bytes >= ws.total,
+  REQUIRE(a.workspace != nullptr && a.workspace_bytes >= ws.total,
           "the workspace holds " + std::to_string(a.workspace_bytes) + " bytes, dsa_indexer_workspace_bytes asks for " +
               std::to_string(ws.total));
   const size_t smem = ScoreLayout(c.index_heads, c.index_head_dim).smem_bytes();
-  require(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) + " with index_head_dim = " +
+  REQUIRE(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) + " with index_head_dim = " +
                                   std::to_string(c.index_head_dim) + " needs " + std::to_string(smem) +
                                   " bytes of shared memory (max 232448)");
   auto* base = static_cast<unsigned char*>(a.workspace);
@@ -766,3 +765,5 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaInde
 }
 
 }  // namespace sparsepage
+
+#undef REQUIRE
