@@ -226,6 +226,75 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
 }
 
+// Multi-token steps (speculative verification, MTP): the fused q_len = 4
+// step captured once and replayed, each replay appending four tokens. Only
+// the fused path is capturable (token by token, the step stages copies).
+TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
+  SKIP_WITHOUT_CUDA();
+  // As the one-token test: blocks of 128, top 4; the replays run 1384 -> 1464
+  // four tokens at a time, across the block boundary at 1408 (a step whose
+  // tokens straddle it has causal limits cutting the final blocks).
+  const BlockSparseConfig c{16, 2, 128, 128, 4, 2, 4096};
+  const int32_t batch = 2, q_len = 4;
+  BlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
+  BlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
+  const size_t d = 128, b = batch, t = q_len;
+  // q [b, t, Hq, d], index_q [b, t, Hkv, d], k [t, b, Hkv + 1, d], v [t, b, Hkv, d]
+  const std::vector<size_t> bytes = {b * t * c.num_qo_heads * d * 2, b * t * c.num_kv_heads * d * 2,
+                                     t * b * (c.num_kv_heads + 1) * d * 2, t * b * c.num_kv_heads * d * 2};
+  StepBuffers g = make_buffers(bytes, b * t * c.num_qo_heads * d * 2);
+  StepBuffers e = make_buffers(bytes, b * t * c.num_qo_heads * d * 2);
+  const std::vector<bool> is_f32(4, false);
+  std::mt19937_64 rng(17);
+  const int64_t prompt = 1380;
+  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (c.num_kv_heads + 1) * prompt * d, rng));
+  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
+  graphed.append_tokens(pk.data(), pv.data(), prompt);
+  eager.append_tokens(pk.data(), pv.data(), prompt);
+  graphed.reserve(1600);
+  eager.reserve(1600);
+  auto step = [](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
+    const BlockSparseTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].data(),
+                                s.o.data()};
+    const BlockSparseStep r = layer.decode(tok, q_len, stream);
+    ASSERT_TRUE(r.sparse_regime);
+    ASSERT_TRUE(r.fused) << r.outcome.describe();
+  };
+  replay_against_eager(graphed, eager, g, e, is_f32, 20, step);
+}
+
+TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
+  SKIP_WITHOUT_CUDA();
+  // Top 32 per token of a window that grows 100 -> 180, two tokens a step.
+  const DsaConfig c{16, 512, 64, 4, 64, 32, 0.0f, 256};
+  const int32_t batch = 2, q_len = 2;
+  DsaAttention graphed(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
+  DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
+  const size_t b = batch, h = c.num_qo_heads, t = q_len;
+  // q_latent, q_pe, q_index [b, t, ...], index_weights (f32) [b, t, 4], k_cache_row, k_pe [t, b, ...]
+  const std::vector<size_t> bytes = {b * t * h * 512 * 2, b * t * h * 64 * 2, b * t * 4 * 64 * 2, b * t * 4 * 4,
+                                     t * b * (512 + 64) * 2, t * b * 64 * 2};
+  const std::vector<bool> is_f32 = {false, false, false, true, false, false};
+  StepBuffers g = make_buffers(bytes, b * t * h * 512 * 2);
+  StepBuffers e = make_buffers(bytes, b * t * h * 512 * 2);
+  std::mt19937_64 rng(18);
+  const int64_t prompt = 100;
+  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (512 + 64) * prompt, rng));
+  const Buffer pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * 64 * prompt, rng));
+  graphed.append_tokens(pk.data(), pe.data(), prompt);
+  eager.append_tokens(pk.data(), pe.data(), prompt);
+  graphed.reserve(256);
+  eager.reserve(256);
+  auto step = [](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
+    const DsaTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
+                        s.inputs[4].data(),  s.inputs[5].data(), s.o.data()};
+    const DsaStep r = layer.decode(tok, q_len, stream);
+    ASSERT_TRUE(r.sparse);
+    ASSERT_TRUE(r.fused) << r.outcome.describe();
+  };
+  replay_against_eager(graphed, eager, g, e, is_f32, 40, step);
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, StepGraph, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "fused" : "mask_path"; });
 
