@@ -137,6 +137,11 @@ class SparseDecoder {
   SparseDecodeOutcome decide(const SparseAttentionInputs& in, const SparseSelection& selection) const;
   SparseDecodeOutcome decide(const SparseAttentionInputs& in, const PagedSelection& selection) const;
 
+  /// For a caller with no mask path to fall back to (a layer over an
+  /// engine's pool): throws Error naming `who` and the reason when decide()
+  /// would not fuse these inputs. Pure, like decide().
+  void require_fused(const SparseAttentionInputs& in, const PagedSelection& selection, const std::string& who) const;
+
   /// Synchronizes and throws when the last CUDA launch met a position outside a window.
   void check_errors(void* stream = nullptr);
 

@@ -142,6 +142,14 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
   return decide_counts(in, requests, requests * selection.max_selected);
 }
 
+void SparseDecoder::require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                  const std::string& who) const {
+  const SparseDecodeOutcome d = decide(in, selection);
+  if (d.fused()) return;
+  throw Error(who + ": the fused path declined (" + outcome_kind_name(d.kind) + ": " + d.reason +
+              ") and there is no mask path to fall back to; nothing was changed");
+}
+
 bool SparseDecoder::plan_stands(const SparseAttentionInputs& in, int32_t pages_per_request, int32_t page_size) const {
   return !workspace_.empty() && in.num_qo_heads / in.num_kv_heads * in.q_len == planned_group_ &&
          in.v.dim == planned_dim_v_ &&

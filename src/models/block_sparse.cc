@@ -172,7 +172,7 @@ void BlockSparseAttention::check_tokens(const BlockSparseTokens& t) const {
   }
 }
 
-SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& tokens) const {
+SparseAttentionInputs BlockSparseAttention::query_inputs(const BlockSparseTokens& tokens) const {
   SparseAttentionInputs in;
   in.device = device_;
   in.dtype = dtype_;
@@ -180,13 +180,18 @@ SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& toke
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = config_.num_kv_heads;
   in.live_len = cache_.live_len();
-  in.live_lens = cache_.device_live_lens();
-  // K carries the index key at head num_kv_heads: its own sequence stride.
-  in.k = cache_.k_rows().value();
-  in.v = cache_.v_rows().value();
+  in.live_lens = cache_.device_live_lens();  // an engine-paged layer's index keys: the same positions
   in.q = tokens.q;
   in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   in.o = tokens.o;
+  return in;
+}
+
+SparseAttentionInputs BlockSparseAttention::inputs(const BlockSparseTokens& tokens) const {
+  SparseAttentionInputs in = query_inputs(tokens);
+  // K carries the index key at head num_kv_heads: its own sequence stride.
+  in.k = cache_.k_rows().value();
+  in.v = cache_.v_rows().value();
   return in;
 }
 
@@ -197,20 +202,11 @@ void BlockSparseAttention::reserve(int64_t tokens) {
 
 SparseAttentionInputs BlockSparseAttention::engine_inputs(const BlockSparseTokens& tokens, const EnginePagedKV& kv,
                                                           int64_t kv_len) const {
-  SparseAttentionInputs in;
-  in.device = device_;
-  in.dtype = dtype_;
-  in.batch = batch_;
-  in.num_qo_heads = config_.num_qo_heads;
-  in.num_kv_heads = config_.num_kv_heads;
+  SparseAttentionInputs in = query_inputs(tokens);
   in.live_len = kv_len;
-  in.live_lens = cache_.device_live_lens();  // the index keys' lengths: the same positions
   in.k = kv.k;
   in.v = kv.v;
   in.block_table = kv.block_table;
-  in.q = tokens.q;
-  in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  in.o = tokens.o;
   return in;
 }
 
@@ -341,19 +337,7 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, vo
   select_blocks(tokens, config_.topk_blocks, width(), stream);
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
-  PagedSelection selection;
-  selection.pages = block_ids_.as<int32_t>();
-  selection.seq_lens = seq_lens_.as<int32_t>();
-  selection.num_requests = num_requests();
-  selection.width = width();
-  selection.page_size = config_.block_size;
-  if (config_.token_pages) {
-    expand_token_pages(stream);
-    selection.pages = token_pages_.as<int32_t>();
-    selection.width = width() * config_.block_size;
-    selection.page_size = 1;
-  }
-  selection.max_selected = selected_tokens(in.live_len);
+  const PagedSelection selection = kept_selection(width(), selected_tokens(in.live_len), stream);
   step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {
@@ -416,19 +400,7 @@ BlockSparseStep BlockSparseAttention::decode_fused_tokens(const BlockSparseToken
   select_blocks(tokens, config_.topk_blocks, width(), stream, q_len);
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
-  PagedSelection selection;
-  selection.pages = block_ids_.as<int32_t>();
-  selection.seq_lens = seq_lens_.as<int32_t>();
-  selection.num_requests = num_requests();
-  selection.width = width();
-  selection.page_size = config_.block_size;
-  if (config_.token_pages) {
-    expand_token_pages(stream);
-    selection.pages = token_pages_.as<int32_t>();
-    selection.width = width() * config_.block_size;
-    selection.page_size = 1;
-  }
-  selection.max_selected = selected_tokens(in.live_len);
+  const PagedSelection selection = kept_selection(width(), selected_tokens(in.live_len), stream);
   step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
@@ -471,6 +443,23 @@ BlockSparseStep BlockSparseAttention::decode_token_by_token(const BlockSparseTok
   return step;
 }
 
+PagedSelection BlockSparseAttention::kept_selection(int32_t width, int64_t max_selected, void* stream) {
+  PagedSelection selection;
+  selection.pages = block_ids_.as<int32_t>();
+  selection.seq_lens = seq_lens_.as<int32_t>();
+  selection.num_requests = num_requests();
+  selection.width = width;
+  selection.page_size = config_.block_size;
+  if (config_.token_pages) {  // measurement mode: the blocks expanded to positions
+    expand_token_pages(stream);
+    selection.pages = token_pages_.as<int32_t>();
+    selection.width = width * config_.block_size;
+    selection.page_size = 1;
+  }
+  selection.max_selected = max_selected;
+  return selection;
+}
+
 BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, const EnginePagedKV& kv, void* stream) {
   if (!engine_paged()) {
     throw Error("BlockSparseAttention::decode(tokens, kv): the layer keeps its own cache; construct it with "
@@ -485,21 +474,12 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, co
   // The dense regime keeps every block: top-k over all of them.
   const int32_t topk = step.sparse_regime ? config_.topk_blocks : max_width() - 1;
   const int32_t width = topk + 1;
-  PagedSelection selection;
-  selection.pages = block_ids_.as<int32_t>();
-  selection.seq_lens = seq_lens_.as<int32_t>();
-  selection.num_requests = num_requests();
-  selection.width = width;
-  selection.page_size = config_.block_size;
-  selection.max_selected = step.sparse_regime ? selected_tokens(kv_len) : kv_len;
+  // (token_pages is refused for these layers: the selection is the block matrix itself.)
+  const PagedSelection selection =
+      kept_selection(width, step.sparse_regime ? selected_tokens(kv_len) : kv_len, stream);
   // Decided before anything changes: there is no mask path to fall back to.
   const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
-  const SparseDecodeOutcome decision = decoder_.decide(in, selection);
-  if (!decision.fused()) {
-    throw Error(std::string("BlockSparseAttention (engine-paged): the fused path declined (") +
-                outcome_kind_name(decision.kind) + ": " + decision.reason +
-                ") and an engine's pool has no mask path; nothing was appended");
-  }
+  decoder_.require_fused(in, selection, "BlockSparseAttention (engine-paged)");
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   select_blocks(tokens, topk, width, stream);

@@ -142,9 +142,7 @@ void DsaAttention::check_tokens(const DsaTokens& t) const {
   }
 }
 
-SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
-  RowView latent = cache_.k_rows().value();  // kv_latent: the first latent_dim columns of the K rows
-  latent.dim = config_.latent_dim;
+SparseAttentionInputs DsaAttention::query_inputs(const DsaTokens& tokens) const {
   SparseAttentionInputs in;
   in.device = device_;
   in.dtype = dtype_;
@@ -152,10 +150,7 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = 1;
   in.live_len = cache_.live_len();
-  in.live_lens = cache_.device_live_lens();
-  in.k = latent;
-  in.v = latent;  // V = the same latent rows
-  in.k_extra = cache_.v_rows().value();
+  in.live_lens = cache_.device_live_lens();  // an engine-paged layer's indexer keys: the same positions
   in.q = tokens.q_latent;
   in.q_extra = tokens.q_pe;
   in.scale = config_.scale;
@@ -163,24 +158,24 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
   return in;
 }
 
+SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
+  SparseAttentionInputs in = query_inputs(tokens);
+  RowView latent = cache_.k_rows().value();  // kv_latent: the first latent_dim columns of the K rows
+  latent.dim = config_.latent_dim;
+  in.k = latent;
+  in.v = latent;  // V = the same latent rows
+  in.k_extra = cache_.v_rows().value();
+  return in;
+}
+
 SparseAttentionInputs DsaAttention::engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv,
                                                   int64_t kv_len) const {
-  SparseAttentionInputs in;
-  in.device = device_;
-  in.dtype = dtype_;
-  in.batch = batch_;
-  in.num_qo_heads = config_.num_qo_heads;
-  in.num_kv_heads = 1;
+  SparseAttentionInputs in = query_inputs(tokens);
   in.live_len = kv_len;
-  in.live_lens = cache_.device_live_lens();  // the indexer keys' lengths: the same positions
   in.k = kv.k;
   in.v = kv.v;
   in.k_extra = kv.k_extra;
   in.block_table = kv.block_table;
-  in.q = tokens.q_latent;
-  in.q_extra = tokens.q_pe;
-  in.scale = config_.scale;
-  in.o = tokens.o;
   return in;
 }
 
@@ -262,7 +257,19 @@ void DsaAttention::select_tokens_cpu(const DsaTokens& tokens) {
   }
 }
 
-void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
+PagedSelection DsaAttention::kept_selection(Buffer& positions, Buffer& counts, int32_t requests, int64_t live_len) {
+  PagedSelection selection;
+  selection.pages = positions.as<int32_t>();
+  selection.seq_lens = counts.as<int32_t>();
+  selection.num_requests = requests;
+  selection.width = config_.index_topk;
+  selection.page_size = 1;
+  selection.max_selected = std::min<int64_t>(config_.index_topk, live_len);
+  return selection;
+}
+
+DsaIndexerArgs DsaAttention::indexer_args(const DsaTokens& tokens, Buffer& workspace, Buffer& positions,
+                                          Buffer& counts) {
   DsaIndexerArgs args;
   args.dtype = dtype_;
   args.k_cache = cache_.k_rows().value().data;
@@ -271,14 +278,22 @@ void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
   args.max_kv_len = cache_.capacity();
   args.q_index = tokens.q_index;
   args.weights = tokens.index_weights;
-  args.workspace = index_workspace_.data();
-  args.workspace_bytes = index_workspace_.bytes();
-  args.positions = positions_.as<int32_t>();
-  args.counts = counts_.as<int32_t>();
+  args.workspace = workspace.data();
+  args.workspace_bytes = workspace.bytes();
+  args.positions = positions.as<int32_t>();
+  args.counts = counts.as<int32_t>();
+  return args;
+}
+
+DsaConfig DsaAttention::indexer_rule() const {
   // The indexer finds its key latent_dim columns into each K row: none in a key-only cache.
   DsaConfig rule = config_;
   rule.latent_dim = index_key_column();
-  dsa_select_tokens_cuda(rule, batch_, args, stream);
+  return rule;
+}
+
+void DsaAttention::select_tokens_cuda(const DsaTokens& tokens, void* stream) {
+  dsa_select_tokens_cuda(indexer_rule(), batch_, indexer_args(tokens, index_workspace_, positions_, counts_), stream);
 }
 
 DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
@@ -301,13 +316,7 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, void* stream) {
   }
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
-  PagedSelection selection;
-  selection.pages = positions_.as<int32_t>();
-  selection.seq_lens = counts_.as<int32_t>();
-  selection.num_requests = batch_;
-  selection.width = config_.index_topk;
-  selection.page_size = 1;
-  selection.max_selected = std::min<int64_t>(config_.index_topk, in.live_len);
+  const PagedSelection selection = kept_selection(positions_, counts_, batch_, in.live_len);
   step.outcome = decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {
@@ -398,20 +407,9 @@ DsaStep DsaAttention::decode_fused_tokens(const DsaTokens& tokens, int32_t q_len
   DsaStep step;
   step.sparse = in.live_len - (q_len - 1) > config_.index_topk;  // the first token's window exceeds the top-k
   if (device_ == Device::kCuda) {
-    DsaIndexerArgs args;
-    args.dtype = dtype_;
-    args.k_cache = cache_.k_rows().value().data;
-    args.capacity = cache_.capacity();
-    args.kv_lens = cache_.device_live_lens();
-    args.max_kv_len = cache_.capacity();
-    args.q_index = tokens.q_index;
-    args.weights = tokens.index_weights;
-    args.workspace = token_index_workspace_.data();
-    args.workspace_bytes = token_index_workspace_.bytes();
-    args.positions = token_positions_.as<int32_t>();
-    args.counts = token_counts_.as<int32_t>();
+    DsaIndexerArgs args = indexer_args(tokens, token_index_workspace_, token_positions_, token_counts_);
     args.q_len = q_len;
-    dsa_select_tokens_cuda(config_, batch_, args, stream);
+    dsa_select_tokens_cuda(indexer_rule(), batch_, args, stream);
   } else {
     // Token t of every sequence: the one-token rule over its own window.
     const RowView k_rows = cache_.k_rows().value();
@@ -455,13 +453,7 @@ DsaStep DsaAttention::decode_fused_tokens(const DsaTokens& tokens, int32_t q_len
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
   last_q_len_ = q_len;
-  PagedSelection selection;
-  selection.pages = token_positions_.as<int32_t>();
-  selection.seq_lens = token_counts_.as<int32_t>();
-  selection.num_requests = rows;
-  selection.width = config_.index_topk;
-  selection.page_size = 1;
-  selection.max_selected = std::min<int64_t>(config_.index_topk, in.live_len);
+  const PagedSelection selection = kept_selection(token_positions_, token_counts_, rows, in.live_len);
   step.outcome = token_decoder_.try_fused(in, selection, stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
@@ -524,21 +516,10 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, const EnginePagedKV& kv, v
   const int64_t kv_len = cache_.live_len() + 1;  // with this step's token
   cache_.reserve(kv_len);                        // allocates only when the capacity must grow
   size_step_buffers();
-  PagedSelection selection;
-  selection.pages = positions_.as<int32_t>();
-  selection.seq_lens = counts_.as<int32_t>();
-  selection.num_requests = batch_;
-  selection.width = config_.index_topk;
-  selection.page_size = 1;
-  selection.max_selected = std::min<int64_t>(config_.index_topk, kv_len);
+  const PagedSelection selection = kept_selection(positions_, counts_, batch_, kv_len);
   // Decided before anything changes: there is no mask path to fall back to.
   const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
-  const SparseDecodeOutcome decision = decoder_.decide(in, selection);
-  if (!decision.fused()) {
-    throw Error(std::string("DsaAttention (engine-paged): the fused path declined (") +
-                outcome_kind_name(decision.kind) + ": " + decision.reason +
-                ") and an engine's pool has no mask path; nothing was appended");
-  }
+  decoder_.require_fused(in, selection, "DsaAttention (engine-paged)");
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   DsaStep step;

@@ -164,6 +164,8 @@ class BlockSparseAttention {
   int64_t selected_tokens(int64_t kv_len) const;
 
  private:
+  /// What every form of the step shares: shapes, lengths, queries, scale, output.
+  SparseAttentionInputs query_inputs(const BlockSparseTokens& tokens) const;
   SparseAttentionInputs inputs(const BlockSparseTokens& tokens) const;
   SparseAttentionInputs engine_inputs(const BlockSparseTokens& tokens, const EnginePagedKV& kv, int64_t kv_len) const;
   void check_tokens(const BlockSparseTokens& tokens) const;
@@ -173,6 +175,9 @@ class BlockSparseAttention {
   /// one in rows of `width` entries (q_len > 1: the max over the step's
   /// tokens' index queries, the first new token's block force-kept).
   void select_blocks(const BlockSparseTokens& tokens, int32_t topk, int32_t width, void* stream, int32_t q_len = 1);
+  /// The kept blocks as the fused decode's page matrix (rows of `width`
+  /// entries; token_pages: expanded to positions first).
+  PagedSelection kept_selection(int32_t width, int64_t max_selected, void* stream);
   BlockSparseStep decode_fused_tokens(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
   BlockSparseStep decode_token_by_token(const BlockSparseTokens& tokens, int32_t q_len, void* stream);
   void expand_token_pages(void* stream);

@@ -33,6 +33,8 @@
 
 namespace sparsepage {
 
+struct DsaIndexerArgs;
+
 struct DsaConfig {
   int32_t num_qo_heads = 128;
   int32_t latent_dim = 512;
@@ -160,6 +162,8 @@ class DsaAttention {
   int64_t kv_len() const { return cache_.live_len(); }
 
  private:
+  /// What every form of the step shares: shapes, lengths, queries, scale, output.
+  SparseAttentionInputs query_inputs(const DsaTokens& tokens) const;
   SparseAttentionInputs inputs(const DsaTokens& tokens) const;
   SparseAttentionInputs engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv, int64_t kv_len) const;
   bool engine_paged() const { return config_.kv_storage == KVStorage::kEnginePaged; }
@@ -169,6 +173,12 @@ class DsaAttention {
   void size_step_buffers();
   void select_tokens_cpu(const DsaTokens& tokens);
   void select_tokens_cuda(const DsaTokens& tokens, void* stream);
+  /// The CUDA indexer's arguments over the layer's keys, writing into `positions` and `counts`.
+  DsaIndexerArgs indexer_args(const DsaTokens& tokens, Buffer& workspace, Buffer& positions, Buffer& counts);
+  /// The kept positions of `requests` rows as the fused decode's page matrix.
+  PagedSelection kept_selection(Buffer& positions, Buffer& counts, int32_t requests, int64_t live_len);
+  /// The indexer's rule: the config, with the key's column in the layer's K rows.
+  DsaConfig indexer_rule() const;
   DsaStep decode_fused_tokens(const DsaTokens& tokens, int32_t q_len, void* stream);
   DsaStep decode_token_by_token(const DsaTokens& tokens, int32_t q_len, void* stream);
   SparseAttentionInputs token_inputs(const DsaTokens& tokens, int32_t q_len) const;
