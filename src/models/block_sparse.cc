@@ -10,6 +10,7 @@
 #include "cpu/dot.h"
 #include "cpu/parallel.h"
 #include "models/block_sparse_kernels.h"
+#include "models/kept_blocks.h"
 
 namespace sparsepage {
 namespace {
@@ -525,30 +526,12 @@ void BlockSparseAttention::expand_token_pages(void* stream) {
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_blocks() const {
   if (!have_selection_) return {};
-  const auto flat =
-      download<int32_t>(device_, block_ids_.data(), static_cast<size_t>(num_requests()) * selection_width_);
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_requests()));
-  for (size_t i = 0; i < flat.size(); ++i) {
-    if (flat[i] >= 0) out[i / static_cast<size_t>(selection_width_)].push_back(flat[i]);
-  }
-  return out;
+  return detail::download_kept_blocks(device_, block_ids_.data(), num_requests(), selection_width_);
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_selected_positions() const {
   if (!have_selection_) return {};
-  const auto blocks = last_blocks();
-  const auto lens = download<int32_t>(device_, seq_lens_.data(), static_cast<size_t>(num_requests()));
-  std::vector<std::vector<int32_t>> out(blocks.size());
-  for (size_t r = 0; r < blocks.size(); ++r) {
-    // Page i covers tokens i * block_size .. of the request's count: the
-    // kernel's own reading of a block-granular table.
-    for (int64_t token = 0; token < lens[r]; ++token) {
-      const size_t page = static_cast<size_t>(token / config_.block_size);
-      out[r].push_back(static_cast<int32_t>(int64_t{blocks[r].at(page)} * config_.block_size +
-                                            token % config_.block_size));
-    }
-  }
-  return out;
+  return detail::kept_block_positions(device_, last_blocks(), seq_lens_.data(), config_.block_size);
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::last_mask_columns() {

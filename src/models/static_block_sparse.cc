@@ -7,6 +7,7 @@
 
 #include "core/cuda_hooks.h"
 #include "models/static_block_sparse_kernels.h"
+#include "models/kept_blocks.h"
 
 namespace sparsepage {
 namespace detail {
@@ -240,29 +241,12 @@ StaticBlockSparseStep StaticBlockSparseAttention::decode(const StaticBlockSparse
 
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_blocks() const {
   if (!have_step_) return {};
-  const auto flat = download<int32_t>(device_, pages_.data(), static_cast<size_t>(num_requests()) * width_);
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_requests()));
-  for (size_t i = 0; i < flat.size(); ++i) {
-    if (flat[i] >= 0) out[i / static_cast<size_t>(width_)].push_back(flat[i]);
-  }
-  return out;
+  return detail::download_kept_blocks(device_, pages_.data(), num_requests(), width_);
 }
 
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_selected_positions() const {
   if (!have_step_) return {};
-  const auto blocks = last_blocks();
-  const auto lens = download<int32_t>(device_, seq_lens_.data(), static_cast<size_t>(num_requests()));
-  std::vector<std::vector<int32_t>> out(blocks.size());
-  for (size_t r = 0; r < blocks.size(); ++r) {
-    // Page i covers tokens i * block_size .. of the request's count: the
-    // kernel's own reading of a block-granular table.
-    for (int64_t token = 0; token < lens[r]; ++token) {
-      const size_t page = static_cast<size_t>(token / config_.block_size);
-      out[r].push_back(
-          static_cast<int32_t>(int64_t{blocks[r].at(page)} * config_.block_size + token % config_.block_size));
-    }
-  }
-  return out;
+  return detail::kept_block_positions(device_, last_blocks(), seq_lens_.data(), config_.block_size);
 }
 
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_mask_columns() {
