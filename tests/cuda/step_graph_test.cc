@@ -67,6 +67,16 @@ std::vector<uint8_t> read(const Buffer& b, cudaStream_t stream) {
   return download<uint8_t>(Device::kCuda, b.data(), b.bytes());
 }
 
+/// The same random bf16 prompt in both twins' caches (its attention ran
+/// elsewhere): `k_elems` and `v_elems` elements in append_tokens' layouts.
+template <class Layer>
+void append_same_prompt(Layer& a, Layer& b, size_t k_elems, size_t v_elems, int64_t prompt, std::mt19937_64& rng) {
+  const Buffer k = upload(Device::kCuda, testing::random_values(DType::kBF16, k_elems, rng));
+  const Buffer v = upload(Device::kCuda, testing::random_values(DType::kBF16, v_elems, rng));
+  a.append_tokens(k.data(), v.data(), prompt);
+  b.append_tokens(k.data(), v.data(), prompt);
+}
+
 /// Runs `steps` steps on two twin layers: `graphed` through one captured
 /// step replayed, `eager` by calling decode. `step(layer, buffers, stream)`
 /// issues one decode.
@@ -133,10 +143,8 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   // The same 1380-token prompt in both caches (its attention ran elsewhere).
   std::mt19937_64 rng(7);
   const int64_t prompt = 1380;
-  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (c.num_kv_heads + 1) * prompt * d, rng));
-  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
-  graphed.append_tokens(pk.data(), pv.data(), prompt);
-  eager.append_tokens(pk.data(), pv.data(), prompt);
+  append_same_prompt(graphed, eager, b * (c.num_kv_heads + 1) * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
+                     rng);
   graphed.reserve(1600);
   eager.reserve(1600);
   auto step = [fused](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
@@ -174,10 +182,7 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
   // the rest appended (their attention ran elsewhere).
   std::mt19937_64 rng(8);
   const int64_t bulk = 96;
-  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (512 + 64) * bulk, rng));
-  const Buffer pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * 64 * bulk, rng));
-  graphed.append_tokens(pk.data(), pe.data(), bulk);
-  eager.append_tokens(pk.data(), pe.data(), bulk);
+  append_same_prompt(graphed, eager, b * (512 + 64) * bulk, b * 64 * bulk, bulk, rng);
   for (int t = 0; t < 4; ++t) {
     refill(g, is_f32, rng, nullptr);
     graphed.prefill_token(tokens(g));
@@ -212,10 +217,8 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   const std::vector<bool> is_f32(3, false);
   std::mt19937_64 rng(9);
   const int64_t prompt = 4000;
-  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
-  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
-  graphed.append_tokens(pk.data(), pv.data(), prompt);
-  eager.append_tokens(pk.data(), pv.data(), prompt);
+  append_same_prompt(graphed, eager, b * c.num_kv_heads * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
+                     rng);
   graphed.reserve(4200);
   eager.reserve(4200);
   auto step = [fused](StaticBlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
@@ -247,10 +250,8 @@ TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
   const std::vector<bool> is_f32(4, false);
   std::mt19937_64 rng(17);
   const int64_t prompt = 1380;
-  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (c.num_kv_heads + 1) * prompt * d, rng));
-  const Buffer pv = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_kv_heads * prompt * d, rng));
-  graphed.append_tokens(pk.data(), pv.data(), prompt);
-  eager.append_tokens(pk.data(), pv.data(), prompt);
+  append_same_prompt(graphed, eager, b * (c.num_kv_heads + 1) * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
+                     rng);
   graphed.reserve(1600);
   eager.reserve(1600);
   auto step = [](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
@@ -279,10 +280,7 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   StepBuffers e = make_buffers(bytes, b * t * h * 512 * 2);
   std::mt19937_64 rng(18);
   const int64_t prompt = 100;
-  const Buffer pk = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (512 + 64) * prompt, rng));
-  const Buffer pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * 64 * prompt, rng));
-  graphed.append_tokens(pk.data(), pe.data(), prompt);
-  eager.append_tokens(pk.data(), pe.data(), prompt);
+  append_same_prompt(graphed, eager, b * (512 + 64) * prompt, b * 64 * prompt, prompt, rng);
   graphed.reserve(256);
   eager.reserve(256);
   auto step = [](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
