@@ -116,23 +116,11 @@ def _dl(t):
     return None if t is None else _to_dlpack(t)
 
 
-# torch >= 2.11 publishes DLPack's C exchange table on torch.Tensor: the binding then describes each
-# tensor with one C call and launches on torch's current stream, with no capsule.
-_exchange = _core._has_exchange_api(torch.empty(0))
-_exchange_decode = _core._paged_decode_exchange
-
-
-def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
-         page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
-         block_table_rows, block_size):
-    """The launch itself, on q's current stream, every argument positional (the eager path's
-    per-call cost is mostly Python; see docs/PERFORMANCE.md)."""
-    if _exchange:
-        _exchange_decode(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale,
-                                     first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages,
-                                     request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
-                                     block_table_rows, block_size)
-        return
+def _capsule_decode(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale, first_page_offset, lse, q_extra,
+                    k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
+                    block_table, block_table_rows, block_size):
+    """The launch over DLPack capsules, on q's current stream: the exchange entry's twin (same
+    arguments, same order) for torch without the exchange table."""
     dl = _to_dlpack
     _core._paged_decode_positional(
         plan, dl(q), dl(k), dl(v), dl(o), None if indptr is None else dl(indptr), dl(indices),
@@ -142,6 +130,14 @@ def _run(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k
         num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
         None if block_table is None else dl(block_table), None if block_table_rows is None else dl(block_table_rows),
         block_size, False, _stream(q))
+
+
+# torch >= 2.11 publishes DLPack's C exchange table on torch.Tensor: the binding then describes each
+# tensor with one C call and launches on torch's current stream, with no capsule. `_decode` is the
+# launch every path calls, all arguments positional (the eager path's per-call cost is mostly
+# Python; see docs/PERFORMANCE.md).
+_exchange = _core._has_exchange_api(torch.empty(0))
+_decode = _core._paged_decode_exchange if _exchange else _capsule_decode
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -167,9 +163,9 @@ def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     p = _PLANS.get(plan)
     if p is None:
         raise _core.Error(f"paged_decode: plan handle {plan} is not live (keep its DecodePlan alive)")
-    _run(p, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
-         scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
-         block_table_rows, block_size)
+    _decode(p, q, k, v, o, indptr, indices, seq_lens, page_size, scale, first_page_offset, lse, q_extra, k_extra,
+            workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
+            block_table_rows, block_size)
 
 
 @_paged_decode_out.register_fake
@@ -197,15 +193,10 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
     In eager mode the launch skips torch's custom-op dispatcher (the same launch, without its
     per-call cost); under ``torch.compile`` it is the registered op ``sparsepage::paged_decode_out``.
     """
-    if _eager(q, o):
-        if _exchange:  # the binding itself, one Python call (each frame costs a fraction of a microsecond)
-            _exchange_decode(plan.plan, q, k, v, o, indptr, indices, seq_lens, page_size, float(scale),
-                             first_page_offset, lse, q_extra, k_extra, workspace, num_pool_pages, request_row_stride,
-                             window_len, num_kv_heads, skip_minus_one, block_table, block_table_rows, block_size)
-            return
-        _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
-             page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
-             block_table, block_table_rows, block_size)
+    if _eager(q, o):  # the binding itself, one Python call (each frame costs a fraction of a microsecond)
+        _decode(plan.plan, q, k, v, o, indptr, indices, seq_lens, page_size, float(scale), first_page_offset, lse,
+                q_extra, k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads,
+                skip_minus_one, block_table, block_table_rows, block_size)
         return
     torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra,
                                           k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
@@ -246,9 +237,9 @@ def paged_decode(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_s
     if _eager(q):
         o = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-        _run(plan.plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
-             page_size, float(scale), num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
-             block_table, block_table_rows, block_size)
+        _decode(plan.plan, q, k, v, o, indptr, indices, seq_lens, page_size, float(scale), first_page_offset, lse,
+                q_extra, k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads,
+                skip_minus_one, block_table, block_table_rows, block_size)
         return o, lse
     return torch.ops.sparsepage.paged_decode(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset,
                                              q_extra, k_extra, workspace, page_size, float(scale), num_pool_pages,
@@ -323,13 +314,8 @@ class MlaSparseDecoder:
             o = q_latent.new_empty((q_latent.shape[0], q_latent.shape[1], self.latent_dim))
         latent, rope = self._columns(kv_cache)
         if _eager(q_latent, o):  # the binding directly (see paged_decode_out)
-            if _exchange:
-                _exchange_decode(self.plan.plan, q_latent, latent, latent, o, None, indices, topk_length, 1,
-                                 float(scale), None, lse, q_pe, rope, self.workspace, -1, 0, 0, 1, True, block_table,
-                                 block_table_rows, block_size)
-                return o, lse
-            _run(self.plan.plan, q_latent, latent, latent, None, indices, topk_length, None, q_pe, rope,
-                 self.workspace, o, lse, 1, float(scale), -1, 0, 0, 1, True, block_table, block_table_rows, block_size)
+            _decode(self.plan.plan, q_latent, latent, latent, o, None, indices, topk_length, 1, float(scale), None,
+                    lse, q_pe, rope, self.workspace, -1, 0, 0, 1, True, block_table, block_table_rows, block_size)
             return o, lse
         paged_decode_out(self.plan, q_latent, latent, latent, None, indices, topk_length, page_size=1, scale=scale,
                          workspace=self.workspace, o=o, lse=lse, q_extra=q_pe, k_extra=rope, skip_minus_one=True,
@@ -378,13 +364,8 @@ class PagedKVDecoder:
         if o is None:
             o = q.new_empty((q.shape[0], q.shape[1], self.head_dim_v))
         if _eager(q, o):  # the binding directly (see paged_decode_out); -1: every block of the pools
-            if _exchange:
-                _exchange_decode(self.plan.plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, self.block_size,
-                                 float(scale), None, lse, None, None, self.workspace, -1, 0, 0, self.num_kv_heads,
-                                 False, None, None, 0)
-                return o, lse
-            _run(self.plan.plan, q, k_cache, v_cache, None, block_tables, seq_lens, None, None, None, self.workspace, o,
-                 lse, self.block_size, float(scale), -1, 0, 0, self.num_kv_heads, False, None, None, 0)
+            _decode(self.plan.plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, self.block_size, float(scale),
+                    None, lse, None, None, self.workspace, -1, 0, 0, self.num_kv_heads, False, None, None, 0)
             return o, lse
         paged_decode_out(self.plan, q, k_cache, v_cache, None, block_tables, seq_lens, page_size=self.block_size,
                          scale=scale, workspace=self.workspace, o=o, lse=lse, num_kv_heads=self.num_kv_heads,

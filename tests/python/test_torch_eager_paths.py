@@ -16,6 +16,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not has_gpu, rea
 
 def test_the_exchange_path_is_taken_exactly_when_torch_publishes_the_table():
     assert ops._exchange == hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    assert ops._decode is (sp._core._paged_decode_exchange if ops._exchange else ops._capsule_decode)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -30,15 +31,21 @@ def test_exchange_and_capsule_paths_agree(device, monkeypatch):
     q = qkv[:, 0]  # a strided slice of a packed tensor
     lens = torch.tensor([90, 37], dtype=torch.int32, device=device)
     decoder = ops.PagedKVDecoder(2, 16, 1, 128, max_blocks=12, block_size=8, device=device)
-    outs = []
+    outs, capsule_calls = [], []
+
+    def capsule(*args):  # the capsule path, counted so the test knows it ran
+        capsule_calls.append(1)
+        ops._capsule_decode(*args)
+
     for exchange in (True, False):
-        monkeypatch.setattr(ops, "_exchange", exchange)
+        monkeypatch.setattr(ops, "_decode", sp._core._paged_decode_exchange if exchange else capsule)
         o = torch.full((2, 16, 128), float("nan"), dtype=dtype, device=device)
         lse = torch.full((2, 16), float("nan"), dtype=torch.float32, device=device)
         decoder(q, pool.unsqueeze(2), pool.unsqueeze(2), table, lens, scale=0.09, o=o, lse=lse)
         if device == "cuda":
             torch.cuda.synchronize()
         outs.append((o, lse))
+    assert capsule_calls == [1]
     assert not outs[0][0].isnan().any() and not outs[0][1].isnan().any()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
