@@ -13,12 +13,22 @@
 namespace sparsepage::py {
 namespace {
 
+// A tensor argument on the layer's device.
+void require_layer_device(const Tensor& t, Device device) {
+  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+}
+
+// A data argument: on the layer's device, in the layer's dtype.
+void require_layer_data(const Tensor& t, Device device, DType dtype) {
+  require_layer_device(t, device);
+  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+}
+
 // A step argument: on the layer's device, in `dtype`, contiguous, of `shape`.
 const void* step_arg(const std::string& op, const In& a, const char* name, Device device, DType dtype,
                      std::initializer_list<int64_t> shape, const char* layout, Tensor* keep = nullptr) {
   Tensor t = describe(a, op, name);
-  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
-  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+  require_layer_data(t, device, dtype);
   t.require_shape(shape, layout);
   t.require_contiguous();
   if (keep) *keep = t;
@@ -42,13 +52,12 @@ using Rows = std::vector<std::vector<int32_t>>;
 // `[num_blocks, block_size, width]`, an MLA pool) on the layer's device, in
 // its dtype: rows are (block, slot) pairs collapsed, which needs whole
 // blocks `block_size` rows apart, and the last dim of unit stride. Returns
-// columns [column, column + dim) of each head's rows; `block_size` receives
-// the pool's block size.
+// the first `dim` columns of each head's rows; `block_size` receives the
+// pool's block size.
 RowView engine_pool(const std::string& op, const In& a, const char* name, Device device, DType dtype, int64_t heads,
-                    int64_t width, int64_t column, int32_t dim, const char* layout, int32_t* block_size) {
+                    int64_t width, int32_t dim, const char* layout, int32_t* block_size) {
   Tensor t = describe(a, op, name);
-  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
-  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+  require_layer_data(t, device, dtype);
   t.require_ndim(heads > 0 ? 4 : 3, layout);
   const int last = t.ndim() - 1;
   if (heads > 0 && t.shape[2] != heads) t.fail("has " + std::to_string(t.shape[2]) + " heads; the layer has " + std::to_string(heads) + " " + layout);
@@ -58,7 +67,7 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
     t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
   }
   RowView v;
-  v.data = static_cast<const char*>(t.data) + column * static_cast<int64_t>(dtype_size(dtype));
+  v.data = t.data;
   v.row_stride = t.strides[1];
   v.dim = dim;
   v.head_stride = heads > 1 ? t.strides[2] : 0;
@@ -71,7 +80,7 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
 BlockTable engine_table(const std::string& op, const In& a, Device device, int32_t batch, int32_t block_size,
                         int64_t num_blocks) {
   Tensor t = describe(a, op, "block_table");
-  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+  require_layer_device(t, device);
   t.require_int32();
   t.require_ndim(2, "[batch, max_blocks]");
   if (t.shape[0] != batch) t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
@@ -123,8 +132,8 @@ struct PyBlockSparse {
     const char* layout = "[num_blocks, block_size, num_kv_heads, head_dim]";
     int32_t kb = 0, vb = 0;
     EnginePagedKV kv;
-    kv.k = engine_pool(op, k_cache, "k_cache", device, dtype, Hk, D, 0, D, layout, &kb);
-    kv.v = engine_pool(op, v_cache, "v_cache", device, dtype, Hk, D, 0, D, layout, &vb);
+    kv.k = engine_pool(op, k_cache, "k_cache", device, dtype, Hk, D, D, layout, &kb);
+    kv.v = engine_pool(op, v_cache, "v_cache", device, dtype, Hk, D, D, layout, &vb);
     if (kb != vb || kv.k.capacity != kv.v.capacity) {
       throw Error(op + ": k_cache and v_cache must have the same num_blocks and block_size");
     }
@@ -204,9 +213,11 @@ struct PyDsa {
     const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
     int32_t bs = 0;
     EnginePagedKV kv;
-    kv.k = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, 0, L, layout, &bs);
-    kv.v = kv.k;  // V = the latent columns
-    kv.k_extra = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, L, R, layout, &bs);
+    kv.k = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, L, layout, &bs);
+    kv.v = kv.k;        // V = the latent columns
+    kv.k_extra = kv.k;  // the rope columns of the same rows
+    kv.k_extra.data = static_cast<const char*>(kv.k.data) + int64_t{L} * static_cast<int64_t>(dtype_size(dtype));
+    kv.k_extra.dim = R;
     kv.block_table = engine_table(op, block_table, device, batch, bs, kv.k.capacity / bs);
     return kv;
   }
