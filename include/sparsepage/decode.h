@@ -121,6 +121,13 @@ struct BlockTable {
   const int32_t* row_of_sequence = nullptr;  // [num_requests / num_kv_heads] or null
 };
 
+/// Why `t` cannot address `sequences` sequences' positions, or "" when it
+/// can: a block size below 1, negative counts, a row stride below the
+/// width, more than 2^62 rows, or too few rows (without row_of_sequence).
+/// Host-only; never reads the table. The decode's checks and the entry
+/// point's both run it.
+std::string block_table_problem(const BlockTable& t, int64_t sequences);
+
 /// How the K and V rows are stored. q, q_extra, o and the second K stream are
 /// always `dtype`. The fp8 forms address K and V in bytes: their RowView
 /// strides and dims count e4m3 elements (one byte each).

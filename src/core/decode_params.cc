@@ -154,6 +154,21 @@ std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_
   return {};
 }
 
+std::string block_table_problem(const BlockTable& t, int64_t sequences) {
+  if (t.block_size < 1) return "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1";
+  if (t.max_blocks < 0) return "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative";
+  if (t.row_stride < t.max_blocks)
+    return "block_table.row_stride = " + std::to_string(t.row_stride) + " is smaller than block_table.max_blocks = " +
+           std::to_string(t.max_blocks);
+  if (t.num_blocks < 0) return "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative";
+  if (t.num_blocks > (int64_t{1} << 62) / t.block_size) return "block_table.num_blocks * block_size overflows";
+  if (t.num_rows < 1) return "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1";
+  if (t.row_of_sequence == nullptr && t.num_rows < sequences)
+    return "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the " + std::to_string(sequences) +
+           " sequences (and row_of_sequence is null)";
+  return {};
+}
+
 QoStrides qo_strides(const DecodeParams& p) {
   if (p.qo_layout == QueryLayout::kStrided) return {p.q_strides, p.q_extra_strides, p.o_strides};
   // [num_sequences, q_len, num_kv_heads * group_size, dim]
@@ -325,18 +340,9 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                 ": a pool-page table needs the pool's page count (or window or block-table addressing)");
   }
   if (block_table) {
-    const BlockTable& t = p.block_table;
-    REQUIRE(t.data != nullptr, "block_table.data is null (block-table addressing)");
-    REQUIRE(t.block_size >= 1, "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1");
-    REQUIRE(t.max_blocks >= 0, "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative");
-    REQUIRE(t.row_stride >= t.max_blocks, "block_table.row_stride = " + std::to_string(t.row_stride) +
-                                              " is smaller than block_table.max_blocks = " +
-                                              std::to_string(t.max_blocks));
-    REQUIRE(t.num_blocks >= 0, "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative");
-    REQUIRE(t.num_rows >= 1, "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1");
-    REQUIRE(t.row_of_sequence != nullptr || t.num_rows >= sequences,
-            "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the " +
-                std::to_string(sequences) + " sequences (and row_of_sequence is null)");
+    REQUIRE(p.block_table.data != nullptr, "block_table.data is null (block-table addressing)");
+    const std::string problem = block_table_problem(p.block_table, sequences);
+    REQUIRE(problem.empty(), problem);
   }
   REQUIRE(p.q != nullptr, "q is null");
   REQUIRE(p.o != nullptr, "o is null");

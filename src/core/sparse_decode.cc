@@ -33,15 +33,11 @@ void check_inputs(const SparseAttentionInputs& in) {
   int64_t rows = in.live_len;
   if (in.block_table.data != nullptr) {
     const BlockTable& t = in.block_table;
-    REQUIRE(t.block_size >= 1 && t.num_blocks >= 0 && t.max_blocks >= 0 && t.row_stride >= t.max_blocks,
-            "block_table: need block_size >= 1, num_blocks and max_blocks >= 0, row_stride >= max_blocks");
-    REQUIRE(t.num_rows >= in.batch || t.row_of_sequence != nullptr,
-            "block_table.num_rows = " + std::to_string(t.num_rows) + " is fewer than the batch's " +
-                std::to_string(in.batch) + " sequences");
+    const std::string problem = block_table_problem(t, in.batch);
+    REQUIRE(problem.empty(), problem);
     REQUIRE(int64_t{t.max_blocks} * t.block_size >= in.live_len,
             "block_table: " + std::to_string(t.max_blocks) + " blocks of " + std::to_string(t.block_size) +
                 " rows cannot hold live_len = " + std::to_string(in.live_len) + " positions");
-    REQUIRE(t.num_blocks <= (int64_t{1} << 62) / t.block_size, "block_table.num_blocks * block_size overflows");
     rows = t.num_blocks * t.block_size;
   }
   const std::pair<const RowView*, const char*> streams[] = {{&in.k, "k"}, {&in.v, "v"}, {&in.k_extra, "k_extra"}};
