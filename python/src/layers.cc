@@ -116,6 +116,24 @@ struct PyBlockSparse {
     t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
     return t;
   }
+  // A multi-token step's tensors: q_len from q [batch, q_len, num_qo_heads, head_dim].
+  BlockSparseTokens multi_tokens(const std::string& op, const In& q, const In& index_q, const In& k, const In& v,
+                                 const Out& o, int32_t* q_len) const {
+    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
+    const char* q_layout = "[batch, q_len, num_qo_heads, head_dim]";
+    const Tensor qt = describe(q, op, "q");
+    qt.require_ndim(4, q_layout);
+    const int64_t T = qt.shape[1];
+    *q_len = to_int32(T, op, "q_len (q.shape[1])");
+    BlockSparseTokens t;
+    t.q = step_arg(op, q, "q", device, dtype, {B, T, Hq, D}, q_layout);
+    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
+    t.k = step_arg(op, k, "k", device, dtype, {T, B, Hk + 1, 1, D},
+                   "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
+    t.v = step_arg(op, v, "v", device, dtype, {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]"));
+    return t;
+  }
   // An engine-paged step: the index key instead of k and v.
   BlockSparseTokens engine_tokens(const std::string& op, const In& q, const In& index_q, const In& index_k,
                                   const Out& o) const {
@@ -198,6 +216,34 @@ struct PyDsa {
                              {batch, 1, 1, config.latent_dim + config.index_head_dim},
                              "[batch, 1, 1, latent_dim + index_head_dim]");
     t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {batch, 1, 1, config.rope_dim}, "[batch, 1, 1, rope_dim]");
+    return t;
+  }
+  // A multi-token step's tensors: q_len from q_latent [batch, q_len, num_qo_heads, latent_dim].
+  DsaTokens multi_tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
+                         const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o,
+                         int32_t* q_len) const {
+    const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
+                  IH = config.index_heads, ID = config.index_head_dim;
+    const char* q_layout = "[batch, q_len, num_qo_heads, latent_dim]";
+    const Tensor qt = describe(q_latent, op, "q_latent");
+    qt.require_ndim(4, q_layout);
+    const int64_t T = qt.shape[1];
+    *q_len = to_int32(T, op, "q_len (q_latent.shape[1])");
+    DsaTokens t;
+    t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, T, H, L}, q_layout);
+    t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
+    t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, T, IH, ID},
+                         "[batch, q_len, index_heads, index_head_dim]");
+    Tensor w = describe(index_weights, op, "index_weights");
+    if (w.device != device) w.fail("lives on another device than the layer");
+    w.require_float32();
+    w.require_shape({B, T, IH}, "[batch, q_len, index_heads]");
+    w.require_contiguous();
+    t.index_weights = static_cast<const float*>(w.data);
+    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype, {T, B, 1, 1, L + ID},
+                             "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
+    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]"));
     return t;
   }
   // An engine-paged step: the indexer key instead of the cache rows.
@@ -301,6 +347,23 @@ void bind_layers(nb::module_& m) {
           "sequence b's blocks). The engine must already have written this token's K and V at position\n"
           "kv_len (the length before the call). In the dense regime every block is attended. No mask\n"
           "path: a step the dispatch would decline raises, and nothing is appended.")
+      .def(
+          "decode_multi",
+          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             uintptr_t stream) {
+            int32_t q_len = 0;
+            const BlockSparseTokens t = self.multi_tokens("BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
+            return self.layer.decode(t, q_len, stream_ptr(stream));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
+          "A multi-token step (speculative verification, MTP): appends q_len tokens per sequence and\n"
+          "attends them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D],\n"
+          "index_q [B, q_len, Hkv, D] (a sequence's tokens consecutive, as engines lay them out); k\n"
+          "[q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major (each slice what decode\n"
+          "takes). q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). In the sparse regime\n"
+          "one selection serves the step (a block scores the max over the tokens' index queries) and\n"
+          "the fused kernel applies each token's causal limit; otherwise the step runs as q_len\n"
+          "one-token decodes. Returns a BlockSparseStep.")
       .def("last_blocks", [](const PyBlockSparse& self) { return self.layer.last_blocks(); },
            "Selected blocks of the last sparse decode, per request (host copy).")
       .def("last_selected_positions", [](const PyBlockSparse& self) { return self.layer.last_selected_positions(); },
@@ -491,6 +554,23 @@ void bind_layers(nb::module_& m) {
           "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
           "row) in place through block_table int32 [B, max_blocks]. The engine must already have written\n"
           "this token's row at position kv_len. No mask path: a declined step raises, appending nothing.")
+      .def(
+          "decode_multi",
+          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
+            int32_t q_len = 0;
+            const DsaTokens t = self.multi_tokens("DsaAttention.decode_multi", q_latent, q_pe, q_index, index_weights,
+                                                  k_cache_row, k_pe, o, &q_len);
+            return self.layer.decode(t, q_len, stream_ptr(stream));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0,
+          "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
+          "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
+          "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
+          "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
+          "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
+          "one row per (sequence, token). Returns a DsaStep.")
       .def("last_selected_positions", [](const PyDsa& self) { return self.layer.last_selected_positions(); })
       .def("last_mask_columns", [](PyDsa& self) { return self.layer.last_mask_columns(); })
       .def(
