@@ -104,6 +104,9 @@ run() {
       peer "$bin/fm_sparse_bench" "${pool[@]}" --kernels sfwd --configs "$b" --rotate
       peer "$bin/fm_sparse_bench" "${pool[@]}" --kernels fp8 --configs "$b" --rotate
       ours --geometry dsa --selection random --rows 2048 --contexts 131072 --batch "$b" --fused-only --json "$out/ours_mla_${b}.json"
+      # Ours over the engines' 656-byte FP8 rows, beside FlashMLA's FP8 sparse decode.
+      ours --geometry dsa --selection random --rows 2048 --contexts 131072 --batch "$b" --fused-only --kv-dtype fp8 \
+        --json "$out/ours_mla_fp8_${b}.json"
     done
   fi
   python3 - "$out" "$csv" <<'PY'
@@ -133,14 +136,15 @@ for cfg in os.environ.get("GQA_CONFIGS", "1:2048 8:2048 32:2048 64:4096").split(
     print(f"| {b} x {s} | {f(o)} | {f(p)} | {f(p / o if o else math.nan)}x | {f(gbs, 0)} |")
 if not os.environ.get("SKIP_MLA"):
     print("\nMLA (DSA): 128 heads, 512 latent + 64 rope, V = K, top-2048 of 131072, cold; us and TFLOP/s (2 x 1088 x 128 x 2048 x B)")
-    print("| batch | ours | FlashMLA sparse bf16 | FlashInfer MLA | FlashMLA FP8 sparse | ours / FlashMLA bf16 (speed) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| batch | ours | FlashMLA sparse bf16 | FlashInfer MLA | ours / FlashMLA bf16 (speed) | ours FP8 | FlashMLA FP8 sparse | ours FP8 / FlashMLA FP8 (speed) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for b in map(int, os.environ.get("MLA_BATCHES", "1 64 128").split()):
         fl = 2 * 1088 * 128 * 2048 * b
         cell = lambda us: "-" if math.isnan(us) else f"{us:.1f} us, {fl / (us * 1e6):.0f} TF/s"
-        o = ours(f"ours_mla_{b}.json")
+        o, o8 = ours(f"ours_mla_{b}.json"), ours(f"ours_mla_fp8_{b}.json")
         fm, fi, f8 = peer("sparse_fwd_bf16", b, 2048), peer("mla_sm90", b, 2048), peer("sparse_decode_fp8", b, 2048)
-        print(f"| {b} | {cell(o)} | {cell(fm)} | {cell(fi)} | {cell(f8)} | {f(fm / o if o else math.nan)}x |")
+        print(f"| {b} | {cell(o)} | {cell(fm)} | {cell(fi)} | {f(fm / o if o else math.nan)}x | {cell(o8)} | {cell(f8)} | "
+              f"{f(f8 / o8 if o8 else math.nan)}x |")
 print("\nratios > 1: ours is faster. Peers: median of 20 graph replays, one distinct selection per launch until 150 MB")
 print("of distinct rows per replay; ours: median of graph replays rotating among enough selections to exceed 2x the L2.")
 print("Same shapes and pool sizes, independent random selections (each side checks its own output against a reference).")
