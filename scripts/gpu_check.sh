@@ -2,7 +2,7 @@
 # One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck), benchmark, and print a short table last. Full logs go to $OUT.
-#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: dispatch sweep sass profile)
+#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -10,7 +10,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: dispatch sweep sass profile
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: multitoken peers dispatch sweep sass profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -60,6 +60,26 @@ if [[ $STAGES == *steps* ]]; then
     > "$OUT/steps_token_pages.log" 2>&1; rc=$?
   [ $rc -eq 0 ] || failed=1
   note "step bench, token pages: rc=$rc"; grep -E "^blocksparse" "$OUT/steps_token_pages.log" | cut -c1-230
+fi
+if [[ $STAGES == *multitoken* ]]; then
+  # Multi-token steps (q_len 2 and 4) at batch 32, 32K, each beside the one-token step of a twin layer.
+  for q_len in 2 4; do
+    "$S" --layers blocksparse dsa --batches 32 --contexts 32768 --steps 8 --reps 5 --q-len $q_len \
+      --json "$OUT/steps_q$q_len.json" > "$OUT/steps_q$q_len.log" 2>&1; rc=$?
+    [ $rc -eq 0 ] || failed=1
+    note "multi-token steps, q_len $q_len: rc=$rc"; grep -E "^(blocksparse|dsa)" "$OUT/steps_q$q_len.log" | cut -c1-300
+  done
+fi
+if [[ $STAGES == *peers* ]]; then
+  # FlashInfer and FlashMLA beside our kernels, same shapes, one table (scripts/peers.sh; PEERS_SHIPPED
+  # names the folder `peers.sh ship` filled: peer binaries, our kernel bench, the script).
+  if [ -x "${PEERS_SHIPPED:-}/peers.sh" ]; then
+    OUT="$OUT/peers" "$PEERS_SHIPPED/peers.sh" run > "$OUT/peers_table.log" 2>&1; rc=$?
+    [ $rc -eq 0 ] || failed=1
+    note "peers side by side: rc=$rc"; sed -n '/^GQA/,$p' "$OUT/peers_table.log"
+  else
+    failed=1; note "peers stage asked for, but PEERS_SHIPPED holds no peers.sh (run scripts/peers.sh prepare + ship first)"
+  fi
 fi
 if [[ $STAGES == *bench* ]]; then
   for batch in 1 32; do
