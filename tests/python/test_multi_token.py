@@ -209,6 +209,31 @@ def test_decode_multi_arguments_are_checked(rng):
     assert layer.kv_len == 64  # nothing was appended by a refused step
 
 
+def replay_against_eager(cuda, graphed, eager, args, o_graph, o_eager, kv_len, q_len, selection):
+    """One eager step of each twin, then graphed's step captured once and replayed five times while
+    the context grows, each replay bit-equal to eager's step on the same fresh inputs."""
+    torch = cuda.torch
+    gen = torch.Generator().manual_seed(kv_len)
+    assert graphed.decode_multi(*args, o_graph, stream=cuda.stream()).fused  # the first step sizes the buffers
+    assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.decode_multi(*args, o_graph, stream=cuda.stream())
+    for step in range(1, 6):
+        for a in args:  # the fp32 index weights stay positive
+            fresh = torch.rand(a.shape, generator=gen) if a.dtype == torch.float32 else torch.randn(a.shape, generator=gen)
+            a.copy_(fresh.to(a.dtype))
+        o_graph.fill_(float("nan"))
+        o_eager.fill_(float("nan"))
+        graph.replay()
+        assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
+        torch.cuda.synchronize()
+        graphed.sync_live_len()
+        assert graphed.kv_len == eager.kv_len == kv_len + (step + 1) * q_len
+        assert selection(graphed) == selection(eager), f"step {step}"
+        assert torch.equal(o_graph, o_eager) and not o_graph.isnan().any(), f"step {step}"
+
+
 def test_torch_decode_multi_replayed_from_a_graph_equals_eager_steps():
     """Both layers' multi-token steps captured once in a torch CUDA graph and replayed while the
     context grows, each replay bit-equal to an eager twin fed the same tokens."""
@@ -227,24 +252,8 @@ def test_torch_decode_multi_replayed_from_a_graph_equals_eager_steps():
         layer.append_tokens(keys, vals)
         layer.reserve(prompt + 8 * T)
     args = [rnd(B, T, Hq, D), rnd(B, T, H, D), rnd(T, B, H + 1, 1, D), rnd(T, B, H, 1, D)]
-    o_graph, o_eager = cuda.poisoned((B, T, Hq, D)), cuda.poisoned((B, T, Hq, D))
-    assert graphed.decode_multi(*args, o_graph, stream=cuda.stream()).fused  # first step sizes the buffers
-    assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed.decode_multi(*args, o_graph, stream=cuda.stream())
-    for step in range(1, 6):
-        for a in args:
-            a.copy_(torch.randn(a.shape, generator=gen).to(torch.float16))
-        o_graph.fill_(float("nan"))
-        o_eager.fill_(float("nan"))
-        graph.replay()
-        assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
-        torch.cuda.synchronize()
-        graphed.sync_live_len()
-        assert graphed.kv_len == eager.kv_len == prompt + (step + 1) * T
-        assert graphed.last_blocks() == eager.last_blocks(), f"step {step}"
-        assert torch.equal(o_graph, o_eager) and not o_graph.isnan().any(), f"step {step}"
+    replay_against_eager(cuda, graphed, eager, args, cuda.poisoned((B, T, Hq, D)), cuda.poisoned((B, T, Hq, D)),
+                         prompt, T, lambda layer: layer.last_blocks())
 
     # DSA, q_len 2.
     c = sp.DsaConfig(**DSA)
@@ -254,24 +263,7 @@ def test_torch_decode_multi_replayed_from_a_graph_equals_eager_steps():
     for layer in (graphed, eager):
         layer.append_tokens(rows, pe)
         layer.reserve(prompt + 8 * T)
-    weights = torch.rand(B, T, IH, generator=gen).cuda()
-    args = [rnd(B, T, H, L), rnd(B, T, H, R), rnd(B, T, IH, ID), weights, rnd(T, B, 1, 1, L + ID), rnd(T, B, 1, 1, R)]
-    o_graph, o_eager = cuda.poisoned((B, T, H, L)), cuda.poisoned((B, T, H, L))
-    assert graphed.decode_multi(*args, o_graph, stream=cuda.stream()).fused
-    assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed.decode_multi(*args, o_graph, stream=cuda.stream())
-    for step in range(1, 6):
-        for a in args:
-            fresh = torch.rand(a.shape, generator=gen) if a.dtype == torch.float32 else torch.randn(a.shape, generator=gen)
-            a.copy_(fresh.to(a.dtype))
-        o_graph.fill_(float("nan"))
-        o_eager.fill_(float("nan"))
-        graph.replay()
-        assert eager.decode_multi(*args, o_eager, stream=cuda.stream()).fused
-        torch.cuda.synchronize()
-        graphed.sync_live_len()
-        assert graphed.kv_len == eager.kv_len == prompt + (step + 1) * T
-        assert graphed.last_selected_positions() == eager.last_selected_positions(), f"step {step}"
-        assert torch.equal(o_graph, o_eager) and not o_graph.isnan().any(), f"step {step}"
+    args = [rnd(B, T, H, L), rnd(B, T, H, R), rnd(B, T, IH, ID), torch.rand(B, T, IH, generator=gen).cuda(),
+            rnd(T, B, 1, 1, L + ID), rnd(T, B, 1, 1, R)]
+    replay_against_eager(cuda, graphed, eager, args, cuda.poisoned((B, T, H, L)), cuda.poisoned((B, T, H, L)),
+                         prompt, T, lambda layer: layer.last_selected_positions())
