@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "sparsepage/fp8.h"
 
@@ -137,6 +138,26 @@ Reference reference_attention(const Fp8Problem& f, const std::vector<std::vector
     }
   }
   return ref;
+}
+
+Fp8Problem make_fp8_far_queries(PagedProblem& pb) {
+  std::mt19937_64 rng(46);
+  ProblemSpec spec;
+  spec.seq_lens = {300, 64, 129, 500};
+  spec.group_size = 16;
+  spec.pool_pages = 2048;
+  pb = make_problem(spec, rng);
+  std::vector<float> q = as_float(spec.dtype, pb.q);
+  const size_t per_request = q.size() / spec.seq_lens.size();
+  for (size_t i = 0; i < q.size(); ++i) q[i] *= (i / per_request) % 2 == 0 ? std::ldexp(1.0f, 40) : std::ldexp(1.0f, -40);
+  from_float(spec.dtype, q.data(), pb.q.data(), q.size());
+  return make_fp8_per_head(pb, 2);
+}
+
+double max_finite_lse(const Reference& ref) {
+  double m = 0;
+  for (double x : ref.lse) m = std::isfinite(x) ? std::max(m, std::fabs(x)) : m;
+  return m;
 }
 
 }  // namespace sparsepage::testing

@@ -37,6 +37,15 @@ Fp8Problem make_fp8_per_head(const PagedProblem& base, int32_t num_kv_heads);
 /// (second stream) pools; base must be the MLA shape with V aliasing K.
 Fp8Problem make_fp8_mla(const PagedProblem& base, int64_t row_bytes = 656);
 
+/// The far-query problem both backends' FP8 tests run: 4 requests of group
+/// 16 whose bf16 queries are scaled by 2^40 and 2^-40 (request by request),
+/// far outside f16's range, so a kernel that narrows q shows. `pb` keeps the
+/// base problem the returned FP8 problem points into.
+Fp8Problem make_fp8_far_queries(PagedProblem& pb);
+/// The largest finite |lse| of a reference (an lse near 1e12 is judged
+/// relatively: its fp32 ulp is 65536).
+double max_finite_lse(const Reference& ref);
+
 /// fp64 attention over the dequantized values of each request's rows
 /// (default: the base problem's token_rows(); negative rows are skipped,
 /// as -1 padding is).
