@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "support/expect_error.h"
 #include "support/multi_token.h"
@@ -171,6 +172,22 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
 TEST(MultiTokenCuda, DsaLayerTokenByToken) {
   SKIP_WITHOUT_CUDA();
   testing::check_dsa_multi_token(Device::kCuda, testing::small_dsa_config(), 2, 300, 3, true);
+}
+
+TEST(MultiTokenAppendCuda, OneLaunchEqualsSingleTokenAppends) {
+  SKIP_WITHOUT_CUDA();
+  EXPECT_EQ(testing::step_append_mismatch(Device::kCuda), "");
+}
+
+TEST(MultiTokenAppendCuda, RefusesPastTheCapacityByName) {
+  SKIP_WITHOUT_CUDA();
+  DenseKVCache cache(Device::kCuda, CacheMode::kBF16, 2, 1, 1, 8, 8, 8);
+  Buffer rows(Device::kCuda, size_t{2} * 8 * 8 * 2);
+  cache.append(rows.data(), rows.data(), DType::kBF16, 6);
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(rows.data(), rows.data(), 3); },
+                                           "append_step_tokens: live_len = 6 plus 3 tokens exceeds capacity 8"));
+  EXPECT_EQ(cache.live_len(), 6);
+  EXPECT_EQ(download<int32_t>(Device::kCuda, cache.device_live_lens(), 2), (std::vector<int32_t>{6, 6}));
 }
 
 }  // namespace
