@@ -5,9 +5,7 @@
 //   1. block_score_kernel: one CTA per (scored block, sequence) reads the
 //      block's index-key rows once (16-byte loads) and max-pools
 //      q_idx . k_idx for every KV head's index query at once on tensor cores
-//      (fp32 accumulation), writing fp32 scores to the workspace; a
-//      multi-token step runs block_score_tokens_kernel instead, whose CTAs
-//      score a few consecutive blocks against every (token, head) query;
+//      (fp32 accumulation), writing fp32 scores to the workspace;
 //   2. block_topk_kernel: one CTA per request ranks its scores by a radix
 //      select over (score, block id) composites (ties to the lower block id)
 //      and writes the kept ids, the final block and the covered token count.
@@ -15,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <string>
 
 #include "core/cuda_hooks.h"
@@ -59,7 +56,6 @@ struct ScoreParams {
   int32_t heads, dim, block_size, local_blocks;
   int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
-  int32_t blocks_per_cta;  // block_score_tokens_kernel: consecutive blocks per CTA
   float* scores;           // [batch * heads, max_scored]
 };
 
@@ -85,11 +81,17 @@ __device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g,
 }
 
 // Block blockIdx.x of sequence blockIdx.y: max over its tokens of q_h . k_t
-// for every head h. fmaxf drops a NaN dot as the CPU rule's std::max does.
-// The one-token step; a multi-token step runs block_score_tokens_kernel.
-template <typename T>
+// for every head h (and, in a multi-token step, every query token: NT n8
+// tiles of (token, head) columns). fmaxf drops a NaN dot as the CPU rule's
+// std::max does. NT = 1 is the one-token step.
+template <typename T, int NT>
 __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
-  __shared__ float best_s[kScoreWarps][8];
+  __shared__ float best_s[kScoreWarps][8 * NT];
+  // NT > 1: every (token, head) query staged once per CTA (copied while the
+  // keys load), rows padded by 16 bytes so the 8 rows g of a fragment load
+  // fall in different banks.
+  constexpr int kQPitch = kMaxHeadDim / 8 + 1;  // uint4 per staged query row
+  __shared__ uint4 q_s[NT > 1 ? kMaxColumns * kQPitch : 1];
   // Launched as a programmatic dependent of the step's append: wait for its
   // rows and length, then let the top-k grid be scheduled.
   cuda::pdl_wait_primary();
@@ -99,8 +101,12 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   if (j >= num_blocks - 1) return;  // past the scored blocks of this sequence
   float* out = p.scores + int64_t{b} * p.heads * p.max_scored + j;
-  // Local force-keep: no need to read the keys.
-  if (j >= num_blocks - p.local_blocks) {
+  // Local force-keep, and in a multi-token step the block of the first new
+  // token too (the new tokens may straddle a block boundary): no need to
+  // read the keys. For q_len = 1 the second bound is the final block.
+  int64_t forced = num_blocks - p.local_blocks;
+  if constexpr (NT > 1) forced = min(forced, max(len - p.q_len, int64_t{0}) / p.block_size);
+  if (j >= forced) {
     for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
   }
@@ -119,29 +125,55 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
     kg[s] = s < segments ? load(t0 + g, s) : make_uint4(0, 0, 0, 0);
     kg8[s] = s < segments ? load(t0 + g + 8, s) : make_uint4(0, 0, 0, 0);
   }
-  // Head g's query as B column g; heads past the last are zero and never read out.
-  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * p.heads * p.dim;
-  uint4 q[kMaxSegments];  // one tile: the queries stay in registers
-#pragma unroll
-  for (int s = 0; s < kMaxSegments; ++s) {
-    q[s] = s < segments && g < p.heads ? *reinterpret_cast<const uint4*>(qb + int64_t{g} * p.dim + s * 32 + c * 8)
-                                       : make_uint4(0, 0, 0, 0);
-  }
-  float best[2] = {cuda::neg_inf_f32(), cuda::neg_inf_f32()};  // heads 2c, 2c + 1
-  // Warp-uniform loop over this warp's 16-token steps (one for 128-token blocks).
-  for (; t0 < rows; t0 += kScoreWarps * kStepTokens) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Query of column (token, head) = (col / heads, col % heads) as B column
+  // g of its n8 tile; columns past the last are zero and never read out.
+  const int columns = p.heads * p.q_len;
+  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * columns * p.dim;
+  uint4 q[kMaxSegments];
+  const auto load_q = [&](int col) {
 #pragma unroll
     for (int s = 0; s < kMaxSegments; ++s) {
-      if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
+      if constexpr (NT == 1) {
+        q[s] = s < segments && col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
+                                             : make_uint4(0, 0, 0, 0);
+      } else {
+        q[s] = s < segments && col < columns ? q_s[col * kQPitch + s * 4 + c] : make_uint4(0, 0, 0, 0);
+      }
     }
-    if (t0 + g < rows) {
-      best[0] = fmaxf(best[0], acc[0]);
-      best[1] = fmaxf(best[1], acc[1]);
+  };
+  if constexpr (NT == 1) {
+    load_q(g);  // one tile: the queries stay in registers
+  } else {
+    const int pieces = p.dim / 8;
+    for (int i = threadIdx.x; i < columns * pieces; i += kScoreThreads) {
+      q_s[(i / pieces) * kQPitch + i % pieces] = *reinterpret_cast<const uint4*>(qb + int64_t{i} * 8);
     }
-    if (t0 + g + 8 < rows) {
-      best[0] = fmaxf(best[0], acc[2]);
-      best[1] = fmaxf(best[1], acc[3]);
+    __syncthreads();
+  }
+  float best[NT][2];  // columns 8 nt + 2c, 8 nt + 2c + 1
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) best[nt][0] = best[nt][1] = cuda::neg_inf_f32();
+  // Warp-uniform loop over this warp's 16-token steps (one for 128-token blocks).
+  for (; t0 < rows; t0 += kScoreWarps * kStepTokens) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt * 8 >= columns) break;
+      // Several tiles: each tile's queries are read from shared memory
+      // rather than held, which would cost 16 registers per tile.
+      if constexpr (NT > 1) load_q(nt * 8 + g);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < kMaxSegments; ++s) {
+        if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
+      }
+      if (t0 + g < rows) {
+        best[nt][0] = fmaxf(best[nt][0], acc[0]);
+        best[nt][1] = fmaxf(best[nt][1], acc[1]);
+      }
+      if (t0 + g + 8 < rows) {
+        best[nt][0] = fmaxf(best[nt][0], acc[2]);
+        best[nt][1] = fmaxf(best[nt][1], acc[3]);
+      }
     }
     const int next = t0 + kScoreWarps * kStepTokens;
     if (next < rows) {
@@ -154,149 +186,28 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       }
     }
   }
-  // Max over the eight token rows g: lanes 0 .. 3 then hold heads 2c, 2c + 1.
+  // Max over the eight token rows g: lanes 0 .. 3 then hold columns 2c, 2c + 1.
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    for (int off = 4; off < 32; off *= 2) best[e] = fmaxf(best[e], __shfl_xor_sync(0xffffffffu, best[e], off));
-    const int col = 2 * c + e;
-    if (g == 0 && col < p.heads) best_s[warp][col] = best[e];
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      for (int off = 4; off < 32; off *= 2)
+        best[nt][e] = fmaxf(best[nt][e], __shfl_xor_sync(0xffffffffu, best[nt][e], off));
+      const int col = 8 * nt + 2 * c + e;
+      if (g == 0 && col < columns) best_s[warp][col] = best[nt][e];
+    }
   }
   __syncthreads();
-  if (threadIdx.x < p.heads) {  // max over the warps
+  if (threadIdx.x < p.heads) {  // max over the warps (and the query tokens)
     float m = best_s[0][threadIdx.x];
-    for (int w = 1; w < kScoreWarps; ++w) m = fmaxf(m, best_s[w][threadIdx.x]);
-    out[int64_t{threadIdx.x} * p.max_scored] = m;
-  }
-}
-
-// A multi-token step (q_len > 1): a block scores the max over every (token,
-// head) index query, columns t * heads + h of NT n8 tiles. Each CTA scores
-// p.blocks_per_cta consecutive blocks of one sequence, so the queries are
-// staged in shared memory once for all of them (rows padded by 16 bytes: the
-// 8 rows g of a fragment load fall in different banks), and each warp loads
-// its rows of the next block into a second register set while it scores
-// the current one: the loads of one block overlap the MMAs and the
-// reduction of the one before. The blocks this kernel reads are all full
-// (only the final, partial block is never scored).
-template <typename T, int NT>
-__global__ void __launch_bounds__(kScoreThreads, 2) block_score_tokens_kernel(const __grid_constant__ ScoreParams p) {
-  constexpr int kQPitch = kMaxHeadDim / 8 + 1;  // uint4 per staged query row
-  __shared__ uint4 q_s[8 * NT * kQPitch];
-  __shared__ float best_s[2][kScoreWarps][8 * NT];  // alternate blocks: one barrier per block
-  cuda::pdl_wait_primary();
-  cuda::pdl_launch_dependents();
-  const int b = blockIdx.y;
-  const int64_t len = p.kv_lens[b];
-  const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
-  const int64_t j0 = int64_t{blockIdx.x} * p.blocks_per_cta;
-  const int64_t j_end = min(j0 + p.blocks_per_cta, num_blocks - 1);  // the scored blocks are [0, num_blocks - 1)
-  if (j0 >= j_end) return;
-  // Local force-keep, and the block of the first new token (the new tokens
-  // may straddle a block boundary): blocks [forced, num_blocks - 1) are not read.
-  const int64_t forced = min(num_blocks - p.local_blocks, max(len - p.q_len, int64_t{0}) / p.block_size);
-  const int64_t j_read = min(j_end, max(forced, j0));
-  float* out = p.scores + int64_t{b} * p.heads * p.max_scored;
-  for (int64_t i = threadIdx.x; i < (j_end - j_read) * p.heads; i += kScoreThreads) {
-    out[(i % p.heads) * int64_t{p.max_scored} + j_read + i / p.heads] = __int_as_float(0x7f800000);
-  }
-  const int nread = static_cast<int>(j_read - j0);
-  if (nread == 0) return;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  const int segments = p.dim / 32;
-  constexpr int kCtaStep = kScoreWarps * kStepTokens;
-  // This warp's 16-row steps in a block: rows warp * 16 + st * 128 (warp-uniform).
-  const int nsteps = warp * kStepTokens < p.block_size ? (p.block_size - warp * kStepTokens + kCtaStep - 1) / kCtaStep : 0;
-  const T* keys = static_cast<const T*>(p.keys) + int64_t{b} * p.key_seq_stride + j0 * p.block_size * p.dim;
-  const auto load_step = [&](int jj, int st, uint4 (&r0)[kMaxSegments], uint4 (&r8)[kMaxSegments]) {
-    const T* rows = keys + int64_t{jj} * p.block_size * p.dim;
-    const int t0 = warp * kStepTokens + st * kCtaStep;
-#pragma unroll
-    for (int s = 0; s < kMaxSegments; ++s) {
-      const bool live = s < segments;
-      r0[s] = live && t0 + g < p.block_size
-                  ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t{t0 + g} * p.dim + s * 32 + c * 8))
-                  : make_uint4(0, 0, 0, 0);
-      r8[s] = live && t0 + g + 8 < p.block_size
-                  ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t{t0 + g + 8} * p.dim + s * 32 + c * 8))
-                  : make_uint4(0, 0, 0, 0);
-    }
-  };
-  uint4 kg[kMaxSegments], kg8[kMaxSegments];
-  if (nsteps > 0) load_step(0, 0, kg, kg8);
-  // The (token, head) queries, copied while the first keys load; columns
-  // past the last are zero and never read out.
-  const int columns = p.heads * p.q_len;
-  const int pieces = p.dim / 8;
-  const T* qb = static_cast<const T*>(p.index_q) + int64_t{b} * columns * p.dim;
-  for (int i = threadIdx.x; i < 8 * NT * pieces; i += kScoreThreads) {
-    const int col = i / pieces, piece = i % pieces;
-    q_s[col * kQPitch + piece] =
-        col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + piece * 8) : make_uint4(0, 0, 0, 0);
-  }
-  __syncthreads();
-  for (int jj = 0; jj < nread; ++jj) {
-    float best[NT][2];  // columns 8 nt + 2c, 8 nt + 2c + 1
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) best[nt][0] = best[nt][1] = cuda::neg_inf_f32();
-    for (int st = 0; st < nsteps; ++st) {
-      // The next step's rows (this block's next 128, or the next block's first) while this one is scored.
-      const bool more = st + 1 < nsteps || jj + 1 < nread;
-      uint4 kn[kMaxSegments], kn8[kMaxSegments];
-      if (more) load_step(st + 1 < nsteps ? jj : jj + 1, st + 1 < nsteps ? st + 1 : 0, kn, kn8);
-      const int t0 = warp * kStepTokens + st * kCtaStep;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (nt * 8 >= columns) break;
-        uint4 q[kMaxSegments];
-#pragma unroll
-        for (int s = 0; s < kMaxSegments; ++s) {
-          q[s] = s < segments ? q_s[(nt * 8 + g) * kQPitch + s * 4 + c] : make_uint4(0, 0, 0, 0);
-        }
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < kMaxSegments; ++s) {
-          if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
-        }
-        if (t0 + g < p.block_size) {
-          best[nt][0] = fmaxf(best[nt][0], acc[0]);
-          best[nt][1] = fmaxf(best[nt][1], acc[1]);
-        }
-        if (t0 + g + 8 < p.block_size) {
-          best[nt][0] = fmaxf(best[nt][0], acc[2]);
-          best[nt][1] = fmaxf(best[nt][1], acc[3]);
-        }
-      }
-      if (more) {
-#pragma unroll
-        for (int s = 0; s < kMaxSegments; ++s) {
-          kg[s] = kn[s];
-          kg8[s] = kn8[s];
-        }
-      }
-    }
-    // Max over the eight token rows g: lanes 0 .. 3 then hold columns 8 nt + 2c, + 1.
-    float(*bs)[8 * NT] = best_s[jj & 1];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        for (int off = 4; off < 32; off *= 2)
-          best[nt][e] = fmaxf(best[nt][e], __shfl_xor_sync(0xffffffffu, best[nt][e], off));
-        const int col = 8 * nt + 2 * c + e;
-        if (g == 0 && col < columns) bs[warp][col] = best[nt][e];
-      }
-    }
-    // One barrier per block: the next block writes the other half, and the
-    // one after writes this half only past the next block's barrier, which
-    // every reader of this half reaches after reading.
-    __syncthreads();
-    if (threadIdx.x < p.heads) {  // max over the warps and the query tokens
-      float m = cuda::neg_inf_f32();
+    if constexpr (NT == 1) {
+      for (int w = 1; w < kScoreWarps; ++w) m = fmaxf(m, best_s[w][threadIdx.x]);
+    } else {
       for (int w = 0; w < kScoreWarps; ++w) {
-        for (int col = threadIdx.x; col < columns; col += p.heads) m = fmaxf(m, bs[w][col]);
+        for (int col = threadIdx.x; col < columns; col += p.heads) m = fmaxf(m, best_s[w][col]);
       }
-      out[int64_t{threadIdx.x} * p.max_scored + j0 + jj] = m;
     }
+    out[int64_t{threadIdx.x} * p.max_scored] = m;
   }
 }
 
@@ -422,30 +333,16 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
           "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
   ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), 1, static_cast<float*>(a.workspace)};
+                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+  const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
   if (a.q_len == 1) {
-    const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
-    if (a.dtype == DType::kBF16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half>, grid, threads, 0, s, sp);
+    if (a.dtype == DType::kBF16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, 1>, grid, threads, 0, s, sp);
   } else {
-    // Several blocks per CTA once the grid has enough of them (six waves of
-    // two CTAs per SM at one block each), at most four: the query staging
-    // is paid once per CTA, and the tail of the last wave stays short.
-    const int64_t blocks = int64_t{a.batch} * sp.max_scored;
-    const int64_t slots = 2 * int64_t{cuda_multiprocessor_count()};
-    sp.blocks_per_cta = static_cast<int32_t>(std::clamp<int64_t>(blocks / (6 * slots), 1, 4));
-    const dim3 grid(static_cast<unsigned>((sp.max_scored + sp.blocks_per_cta - 1) / sp.blocks_per_cta),
-                    static_cast<unsigned>(a.batch));
-    const bool two_tiles = a.q_len * a.num_kv_heads <= 16;
-    if (a.dtype == DType::kBF16) {
-      cuda::launch_with_pdl(two_tiles ? block_score_tokens_kernel<__nv_bfloat16, 2>
-                                      : block_score_tokens_kernel<__nv_bfloat16, kMaxTokenTiles>,
-                            grid, threads, 0, s, sp);
-    } else {
-      cuda::launch_with_pdl(two_tiles ? block_score_tokens_kernel<__half, 2> : block_score_tokens_kernel<__half, kMaxTokenTiles>,
-                            grid, threads, 0, s, sp);
-    }
+    if (a.dtype == DType::kBF16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
                       a.width, sp.max_scored, a.block_ids, a.seq_lens};
