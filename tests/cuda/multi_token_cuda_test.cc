@@ -167,6 +167,18 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
   testing::check_dsa_multi_token(Device::kCuda, c, 2, 300, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 1, 62, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 3, 1000, 8, false);
+  // The production index geometry (64 heads x 128 dims: the unrolled k-chain
+  // over two slabs): four tokens scored together in one CTA, three (below
+  // the four the token score kernel takes: row by row), and six (groups of
+  // four and two). The small geometry above covers the looped k-chain: eight
+  // tokens in two groups, and at 62 + 4 tokens rows whose windows fit the
+  // top-k (not scored) beside one that does not.
+  DsaConfig wide = c;
+  wide.index_heads = 64;
+  wide.index_head_dim = 128;
+  testing::check_dsa_multi_token(Device::kCuda, wide, 2, 700, 4, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 1, 900, 3, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 2, 500, 6, false);
 }
 
 TEST(MultiTokenCuda, DsaLayerTokenByToken) {
