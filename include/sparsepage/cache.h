@@ -109,7 +109,7 @@ class DenseKVCache {
   struct Storage;
   void grow_to(int64_t needed);
   void write_device_lens();
-  void append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* caller);
+  void append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who);
   DenseKVCache shallow_copy() const;  // shares storage_: for read-only views only
   Device device_;
   CacheMode mode_;

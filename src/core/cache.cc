@@ -143,16 +143,15 @@ void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int3
 }
 
 void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream,
-                               const char* caller) {
-  const std::string who(caller);
-  if (is_head_trimmed()) throw Error(who + ": a head-trimmed view is read-only");
-  if (is_quantized(mode_)) throw Error(who + ": quantized caches append through append()");
-  if (tokens < 1) throw Error(who + ": tokens = " + std::to_string(tokens) + " must be at least 1");
+                               const char* who) {
+  if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
+  if (is_quantized(mode_)) throw Error(std::string(who) + ": quantized caches append through append()");
+  if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
-    throw Error(who + ": k_new and v_new must not be null");
+    throw Error(std::string(who) + ": k_new and v_new must not be null");
   }
   if (live_len_ + tokens > capacity_) {
-    throw Error(who + ": live_len = " + std::to_string(live_len_) + " plus " + std::to_string(tokens) +
+    throw Error(std::string(who) + ": live_len = " + std::to_string(live_len_) + " plus " + std::to_string(tokens) +
                 (tokens == 1 ? " token" : " tokens") + " exceeds capacity " + std::to_string(capacity_) +
                 "; reserve() before the step");
   }
@@ -178,7 +177,7 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
   // Host: the same rule, one sequence at a time.
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t t = a.live_lens[b];
-    if (t < 0 || t + tokens > capacity_) throw Error(who + ": sequence length outside the capacity");
+    if (t < 0 || t + tokens > capacity_) throw Error(std::string(who) + ": sequence length outside the capacity");
   }
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t t = a.live_lens[b];
