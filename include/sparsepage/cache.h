@@ -59,6 +59,15 @@ class DenseKVCache {
   /// except while `stream` is capturing: after replaying captured steps,
   /// call sync_live_len().
   void append_token(const void* k_new, const void* v_new, void* stream = nullptr);
+  /// A multi-token step's append (speculative verification, MTP): `tokens`
+  /// tokens per sequence in one launch. `k_new` is `[tokens, B, k_heads, 1,
+  /// k_head_dim]` and `v_new` `[tokens, B, v_heads, 1, v_head_dim]`: token
+  /// i's slice is what append_token takes, and it lands at row `length + i`
+  /// of each sequence, `length` its device-side live length, which then
+  /// grows by `tokens`. Bit-equal to `tokens` append_token calls; the same
+  /// rules (one kernel, capturable, live_len() advances unless capturing),
+  /// and it needs 1 <= tokens and live_len() + tokens <= capacity().
+  void append_step_tokens(const void* k_new, const void* v_new, int32_t tokens, void* stream = nullptr);
   /// Per-sequence live lengths [batch] int32 on the cache's device: what
   /// kernels read to know how far each sequence has grown.
   const int32_t* device_live_lens() const;
@@ -100,6 +109,7 @@ class DenseKVCache {
   struct Storage;
   void grow_to(int64_t needed);
   void write_device_lens();
+  void append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who);
   DenseKVCache shallow_copy() const;  // shares storage_: for read-only views only
   Device device_;
   CacheMode mode_;

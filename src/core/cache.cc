@@ -135,14 +135,25 @@ void DenseKVCache::reserve(int64_t tokens) {
 const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_lens.as<int32_t>(); }
 
 void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
-  if (is_head_trimmed()) throw Error("DenseKVCache::append_token: a head-trimmed view is read-only");
-  if (is_quantized(mode_)) throw Error("DenseKVCache::append_token: quantized caches append through append()");
+  append_rows(k_new, v_new, 1, stream, "DenseKVCache::append_token");
+}
+
+void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int32_t tokens, void* stream) {
+  append_rows(k_new, v_new, tokens, stream, "DenseKVCache::append_step_tokens");
+}
+
+void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream,
+                               const char* who) {
+  if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
+  if (is_quantized(mode_)) throw Error(std::string(who) + ": quantized caches append through append()");
+  if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
-    throw Error("DenseKVCache::append_token: k_new and v_new must not be null");
+    throw Error(std::string(who) + ": k_new and v_new must not be null");
   }
-  if (live_len_ >= capacity_) {
-    throw Error("DenseKVCache::append_token: live_len = " + std::to_string(live_len_) + " has reached capacity " +
-                std::to_string(capacity_) + "; reserve() before the step");
+  if (live_len_ + tokens > capacity_) {
+    throw Error(std::string(who) + ": live_len = " + std::to_string(live_len_) + " plus " + std::to_string(tokens) +
+                (tokens == 1 ? " token" : " tokens") + " exceeds capacity " + std::to_string(capacity_) +
+                "; reserve() before the step");
   }
   const size_t esize = dtype_size(storage_dtype(mode_));
   detail::AppendTokenArgs a;
@@ -157,27 +168,33 @@ void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stre
   a.k_row_bytes = static_cast<int64_t>(k_head_dim_ * esize);
   a.v_row_bytes = static_cast<int64_t>(v_head_dim_ * esize);
   a.capacity = capacity_;
+  a.tokens = tokens;
   if (device_ == Device::kCuda) {
     detail::append_token_cuda(a, stream);
-    if (!detail::cuda_stream_capturing(stream)) ++live_len_;
+    if (!detail::cuda_stream_capturing(stream)) live_len_ += tokens;
     return;
   }
   // Host: the same rule, one sequence at a time.
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t t = a.live_lens[b];
-    if (t < 0 || t >= capacity_) throw Error("DenseKVCache::append_token: sequence length outside the capacity");
+    if (t < 0 || t + tokens > capacity_) throw Error(std::string(who) + ": sequence length outside the capacity");
+  }
+  for (int32_t b = 0; b < batch_; ++b) {
+    const int64_t t = a.live_lens[b];
     auto put = [&](void* dst, const void* src, int32_t heads, int64_t row_bytes) {
-      for (int32_t h = 0; h < heads; ++h) {
-        std::memcpy(static_cast<char*>(dst) + ((int64_t{b} * heads + h) * capacity_ + t) * row_bytes,
-                    static_cast<const char*>(src) + (int64_t{b} * heads + h) * row_bytes,
-                    static_cast<size_t>(row_bytes));
+      for (int32_t i = 0; i < tokens; ++i) {
+        for (int32_t h = 0; h < heads; ++h) {
+          std::memcpy(static_cast<char*>(dst) + ((int64_t{b} * heads + h) * capacity_ + t + i) * row_bytes,
+                      static_cast<const char*>(src) + ((int64_t{i} * batch_ + b) * heads + h) * row_bytes,
+                      static_cast<size_t>(row_bytes));
+        }
       }
     };
     put(a.k, k_new, k_heads_, a.k_row_bytes);
     put(a.v, v_new, v_heads_, a.v_row_bytes);
-    a.live_lens[b] = static_cast<int32_t>(t + 1);
+    a.live_lens[b] = static_cast<int32_t>(t + tokens);
   }
-  ++live_len_;
+  live_len_ += tokens;
 }
 
 void DenseKVCache::sync_live_len(void* stream) {

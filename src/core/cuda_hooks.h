@@ -24,18 +24,20 @@ bool cuda_stream_capturing(void* stream);
 /// Records `event` (a cudaEvent_t) on `stream`; a no-op for a null event.
 void cuda_record_event(void* event, void* stream);
 
-/// DenseKVCache::append_token on the device (src/cuda/cache_append.cu): one
-/// token per sequence b written at row live_lens[b] of each head, then
-/// live_lens[b] += 1. A sequence already at `capacity` is left unchanged.
+/// DenseKVCache::append_token and append_step_tokens on the device
+/// (src/cuda/cache_append.cu): `tokens` tokens per sequence b written at rows
+/// live_lens[b] .. live_lens[b] + tokens - 1 of each head, then live_lens[b]
+/// += tokens. A sequence without room for all of them is left unchanged.
 struct AppendTokenArgs {
   void* k = nullptr;                // [batch, k_heads, capacity] rows of k_row_bytes
   void* v = nullptr;                // [batch, v_heads, capacity] rows of v_row_bytes
-  const void* k_new = nullptr;      // [batch, k_heads] rows
-  const void* v_new = nullptr;      // [batch, v_heads] rows
+  const void* k_new = nullptr;      // [tokens, batch, k_heads] rows
+  const void* v_new = nullptr;      // [tokens, batch, v_heads] rows
   int32_t* live_lens = nullptr;     // [batch]
   int32_t batch = 0, k_heads = 0, v_heads = 0;
   int64_t k_row_bytes = 0, v_row_bytes = 0;  // multiples of 4
   int64_t capacity = 0;
+  int32_t tokens = 1;               // rows per sequence, at live_lens[b] .. + tokens - 1
 };
 void append_token_cuda(const AppendTokenArgs& args, void* stream);
 

@@ -6,7 +6,9 @@
 //   1. dsa_score_kernel scores positions on warpgroup MMAs (fp32
 //      accumulation: positions x index heads x dim), the index keys arriving
 //      by TMA; it applies the ReLU and the weighted sum over heads, writes
-//      fp32 scores and histograms the top 12 bits of each score's order key;
+//      fp32 scores and histograms the top 12 bits of each score's order key
+//      (a multi-token step of four or more tokens: dsa_score_tokens_kernel,
+//      which scores each key tile against up to four of a sequence's tokens);
 //   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
 //      histogram bin holding the k-th largest key, counts the slice's keys in
 //      higher bins and appends the keys of that bin as candidates; the last
@@ -63,6 +65,12 @@ constexpr int kClassifyThreads = 256;
 constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
 constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
+// A multi-token step's score CTAs: up to kGroupTokens (sequence, token) rows
+// of one sequence per CTA, so each key tile is read once for all of them;
+// two warpgroups split the rows (row tl to warpgroup tl % 2).
+constexpr int kGroupTokens = 4;
+constexpr int kTokenScoreThreads = 256;
+
 // Shared memory of a score CTA, byte offsets from its 1024-aligned base: the
 // queries of every head chunk, the key stages, the weights, the histogram.
 struct ScoreLayout {
@@ -80,6 +88,29 @@ struct ScoreLayout {
   }
   size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
 };
+
+// The same for a multi-token CTA of `tokens` rows: each row's queries,
+// weights and histogram, one set of key stages.
+struct TokenScoreLayout {
+  int slabs, chunks, tokens;
+  size_t q, q_token, keys, weights, hist, barriers, bytes;
+  __host__ __device__ TokenScoreLayout(int heads, int dim, int group_tokens) {
+    slabs = (dim + 63) / 64;
+    chunks = (heads + kHeadChunk - 1) / kHeadChunk;
+    tokens = group_tokens;
+    q = 0;
+    q_token = static_cast<size_t>(chunks) * slabs * kSlabBytes;
+    keys = q + static_cast<size_t>(tokens) * q_token;
+    weights = keys + static_cast<size_t>(kStages) * slabs * kSlabBytes;
+    hist = weights + static_cast<size_t>(tokens) * chunks * kHeadChunk * sizeof(float);
+    barriers = hist + static_cast<size_t>(tokens) * kBins * sizeof(int32_t);
+    bytes = barriers + kStages * sizeof(uint64_t);
+  }
+  size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
+};
+
+// Rows per multi-token score CTA at q_len tokens per sequence.
+__host__ __device__ inline int group_tokens(int q_len) { return q_len < kGroupTokens ? q_len : kGroupTokens; }
 
 // ---- workspace --------------------------------------------------------------
 
@@ -351,6 +382,131 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   for (int i = tid; i < kBins; i += kScoreThreads) {
     const int32_t v = hist_s[i];
     if (v != 0) atomicAdd(&hist[i], v);
+  }
+#else
+  __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
+#endif
+}
+
+// A multi-token step: blockIdx.y is (sequence, group of up to kGroupTokens
+// tokens); the CTAs of a group split the tiles of its longest window (its
+// last token's), and each key tile, staged once, is scored against every
+// row of the group (row tl by warpgroup tl % 2, so one warpgroup's MMAs
+// overlap the other's epilogue). Each row keeps its own causal window (its
+// scores and histogram stop at its length; a row whose window fits the
+// top-k is not scored, as in dsa_score_kernel) and its own histogram.
+template <typename T, int kKSteps>
+__global__ void __launch_bounds__(kTokenScoreThreads) dsa_score_tokens_kernel(const __grid_constant__ IndexerParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int gt = group_tokens(p.q_len);
+  const int groups = (p.q_len + gt - 1) / gt;
+  const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * gt;
+  const int ntok = min(gt, p.q_len - first);
+  const int64_t seq_len = p.kv_lens[seq];
+  const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
+  const int64_t len = window(ntok - 1);  // the group's longest window
+  if (len <= p.topk) return;             // every row's window fits the top-k: nothing to score
+  const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
+  const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
+  const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
+  const int64_t ntiles = min(per_cta, tiles - tile0);
+  if (ntiles <= 0) return;
+  const TokenScoreLayout L(p.heads, p.dim, gt);
+  const uint32_t raw = cuda::smem_u32(smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* gen = smem + (base - raw);
+  float* w_s = reinterpret_cast<float*>(gen + L.weights);
+  int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L.hist);
+  const int tid = threadIdx.x;
+  const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
+  const int heads_padded = L.chunks * kHeadChunk;
+  const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(bars + 8 * s);
+    mbarrier_init_fence();
+  }
+  // The queries of every row of the group and head chunk (padded heads zero), by cp.async.
+  const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row
+  const T* q = static_cast<const T*>(p.q_index) + row0 * p.heads * p.dim;
+  for (int i = tid; i < ntok * heads_padded * pieces; i += kTokenScoreThreads) {
+    const int tl = i / (heads_padded * pieces), h = (i / pieces) % heads_padded, piece = i % pieces;
+    const bool live = h < p.heads;
+    cuda::cp_async_16(base + static_cast<uint32_t>(L.q + tl * L.q_token) + (h / kHeadChunk) * L.slabs * kSlabBytes +
+                          slab_offset(h % kHeadChunk, piece),
+                      live ? q + (int64_t{tl} * p.heads + h) * p.dim + piece * 8 : q, live);
+  }
+  cuda::cp_async_commit();
+  for (int i = tid; i < ntok * heads_padded; i += kTokenScoreThreads) {
+    const int tl = i / heads_padded, h = i % heads_padded;
+    w_s[i] = h < p.heads ? p.weights[(row0 + tl) * p.heads + h] : 0.0f;
+  }
+  for (int i = tid; i < ntok * kBins; i += kTokenScoreThreads) hist_s[i] = 0;
+  __syncthreads();  // the barriers are initialised before any copy counts on them
+
+  const auto stage_of = [&](int64_t i) {
+    return base + static_cast<uint32_t>(L.keys + (i % kStages) * L.slabs * kSlabBytes);
+  };
+  const auto load_tile = [&](int64_t i) {
+    if (tid == 0 && i < ntiles) {
+      const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
+      mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
+      for (int sl = 0; sl < L.slabs; ++sl) {
+        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), seq);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) load_tile(s);
+  cuda::cp_async_wait<0>();          // the queries landed for this thread
+  cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores (the loop's barrier: for all)
+
+  const int wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;  // warp within the warpgroup
+  for (int64_t i = 0; i < ntiles; ++i) {
+    mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
+    __syncthreads();  // every thread is past tile i - 1: its stage is free
+    load_tile(i + kStages - 1);
+    for (int tl = wg; tl < ntok; tl += 2) {  // warpgroup-uniform
+      const int64_t tlen = window(tl);
+      if (tlen <= p.topk) continue;  // this row is not scored (its window fits the top-k)
+      float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
+      for (int c = 0; c < L.chunks; ++c) {
+        float d[32];
+        score_chunk<T, kKSteps>(stage_of(i), base + static_cast<uint32_t>(L.q + tl * L.q_token + c * L.slabs * kSlabBytes),
+                                p.dim / 16, d);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int h = c * kHeadChunk + 8 * j + 2 * (lane % 4) + e;
+            if (h < p.heads) {  // padded heads are never added (see dsa_score_kernel)
+              const float w = w_s[tl * heads_padded + h];
+              part[0] += w * relu_keep_nan(d[4 * j + e]);
+              part[1] += w * relu_keep_nan(d[4 * j + 2 + e]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
+        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
+      }
+      const int q4 = lane % 4;
+      const int64_t t = (tile0 + i) * kTileTokens + warp * 16 + lane / 4 + (q4 == 1 ? 8 : 0);
+      const bool live = q4 < 2 && t < tlen;
+      const float s = q4 == 1 ? part[1] : part[0];
+      if (live) p.scores[(row0 + tl) * p.pitch + t] = s;
+      const uint32_t bin = live ? cuda::score_key(s) >> kLowKeyBits : 0xFFFFFFFFu;
+      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+      if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[tl * kBins + bin], __popc(peers));
+    }
+  }
+  __syncthreads();  // every scored position is in its row's shared histogram
+  for (int i = tid; i < ntok * kBins; i += kTokenScoreThreads) {
+    const int tl = i / kBins;
+    const int32_t v = hist_s[i];
+    if (v != 0 && window(tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
   }
 #else
   __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
@@ -670,14 +826,44 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
   SP_CUDA_CHECK_LAUNCH();
 }
 
+// A multi-token step's score grid: per (sequence, token group), an equal
+// share of one wave of resident CTAs, never more CTAs than tiles.
+template <typename T, int kKSteps>
+void launch_token_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
+  const int gt = group_tokens(p.q_len);
+  const size_t smem = TokenScoreLayout(p.heads, p.dim, gt).smem_bytes();
+  cuda::configure_smem_once(dsa_score_tokens_kernel<T, kKSteps>, 227 * 1024);
+  const int64_t fit = std::clamp<int64_t>(static_cast<int64_t>((228 * 1024) / (smem + 1024)), 1, 2);
+  const int64_t wave = fit * cuda_multiprocessor_count();
+  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + gt - 1) / gt);
+  const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
+  const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
+  const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(groups));
+  dsa_score_tokens_kernel<T, kKSteps><<<grid, kTokenScoreThreads, smem, stream>>>(p);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+// Whether a multi-token step scores a sequence's tokens together
+// (dsa_score_tokens_kernel): from four tokens up (measured: at q_len 4 it
+// beats scoring each row on its own, at q_len 2 it loses; PERFORMANCE.md),
+// when the group's queries, key stages and histograms fit one CTA's shared
+// memory. Otherwise each (sequence, token) row is scored on its own, as a
+// one-token step's rows are.
+bool scores_tokens_together(int heads, int dim, int q_len) {
+  return q_len >= kGroupTokens && TokenScoreLayout(heads, dim, group_tokens(q_len)).smem_bytes() <= 227 * 1024;
+}
+
 template <typename T>
 void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
   p.keys = key_tensor_map(p, dtype);
+  const bool together = scores_tokens_together(p.heads, p.dim, p.q_len);
   // The production head dim (128) gets an unrolled k-chain; others loop.
   if (p.dim == 128) {
-    launch_scores<T, 8>(p, batch, max_kv_len, stream);
+    if (together) launch_token_scores<T, 8>(p, max_kv_len, stream);
+    else launch_scores<T, 8>(p, batch, max_kv_len, stream);
   } else {
-    launch_scores<T, 0>(p, batch, max_kv_len, stream);
+    if (together) launch_token_scores<T, 0>(p, max_kv_len, stream);
+    else launch_scores<T, 0>(p, batch, max_kv_len, stream);
   }
 }
 

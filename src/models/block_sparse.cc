@@ -386,13 +386,8 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, in
 
 BlockSparseStep BlockSparseAttention::decode_fused_tokens(const BlockSparseTokens& tokens, int32_t q_len,
                                                           void* stream) {
-  const size_t esize = dtype_size(dtype_);
-  const size_t k_slice = static_cast<size_t>(batch_) * (config_.num_kv_heads + 1) * config_.head_dim * esize;
-  const size_t v_slice = static_cast<size_t>(batch_) * config_.num_kv_heads * config_.head_dim * esize;
-  for (int32_t t = 0; t < q_len; ++t) {
-    cache_.append_token(static_cast<const char*>(tokens.k) + t * k_slice,
-                        static_cast<const char*>(tokens.v) + t * v_slice, stream);
-  }
+  // tokens.k and tokens.v are [q_len, batch, heads, dim]: the q_len slices in one launch.
+  cache_.append_step_tokens(tokens.k, tokens.v, q_len, stream);
   detail::cuda_record_event(after_append_, stream);
   SparseAttentionInputs in = inputs(tokens);
   in.q_len = q_len;

@@ -394,13 +394,8 @@ void DsaAttention::size_token_buffers(int32_t q_len) {
 }
 
 DsaStep DsaAttention::decode_fused_tokens(const DsaTokens& tokens, int32_t q_len, void* stream) {
-  const size_t esize = dtype_size(dtype_);
-  const size_t k_slice = static_cast<size_t>(batch_) * (config_.latent_dim + config_.index_head_dim) * esize;
-  const size_t pe_slice = static_cast<size_t>(batch_) * config_.rope_dim * esize;
-  for (int32_t t = 0; t < q_len; ++t) {
-    cache_.append_token(static_cast<const char*>(tokens.k_cache_row) + t * k_slice,
-                        static_cast<const char*>(tokens.k_pe) + t * pe_slice, stream);
-  }
+  // k_cache_row and k_pe are [q_len, batch, 1, dim]: the q_len slices in one launch.
+  cache_.append_step_tokens(tokens.k_cache_row, tokens.k_pe, q_len, stream);
   detail::cuda_record_event(after_append_, stream);
   const SparseAttentionInputs in = token_inputs(tokens, q_len);
   const int32_t rows = batch_ * q_len;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/plan.h"
@@ -229,6 +230,28 @@ TEST(MultiTokenCpu, BlockSparseLayerRefusesBadQLen) {
   EXPECT_TRUE(testing::throws_error_naming([&] { layer.decode(tokens, 0); }, "q_len = 0 must lie in [1, 16]"));
   EXPECT_TRUE(testing::throws_error_naming([&] { layer.decode(tokens, 17); }, "q_len = 17 must lie in [1, 16]"));
   EXPECT_EQ(layer.kv_len(), 0);
+}
+
+TEST(MultiTokenAppend, OneLaunchEqualsSingleTokenAppends) {
+  EXPECT_EQ(testing::step_append_mismatch(Device::kCpu), "");
+}
+
+TEST(MultiTokenAppend, RefusesBadInputByName) {
+  DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 2, 1, 1, 8, 8, 8);
+  std::vector<uint16_t> rows(size_t{2} * 8 * 8);
+  cache.append(rows.data(), rows.data(), DType::kBF16, 5);  // capacity 8: room for 3
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(rows.data(), rows.data(), 0); },
+                                           "append_step_tokens: tokens = 0 must be at least 1"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(rows.data(), rows.data(), 4); },
+                                           "append_step_tokens: live_len = 5 plus 4 tokens exceeds capacity 8"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(nullptr, rows.data(), 2); },
+                                           "append_step_tokens: k_new and v_new must not be null"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.head_trimmed(1).append_step_tokens(rows.data(), rows.data(), 1); },
+                                           "append_step_tokens: a head-trimmed view is read-only"));
+  EXPECT_EQ(cache.live_len(), 5) << "a refused append changes nothing";
+  cache.append_step_tokens(rows.data(), rows.data(), 3);  // exactly fills the capacity
+  EXPECT_EQ(cache.live_len(), 8);
+  EXPECT_EQ(download<int32_t>(Device::kCpu, cache.device_live_lens(), 2), (std::vector<int32_t>{8, 8}));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "support/expect_error.h"
 #include "support/multi_token.h"
@@ -166,11 +167,39 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
   testing::check_dsa_multi_token(Device::kCuda, c, 2, 300, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 1, 62, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 3, 1000, 8, false);
+  // The production index geometry (64 heads x 128 dims: the unrolled k-chain
+  // over two slabs): four tokens scored together in one CTA, three (below
+  // the four the token score kernel takes: row by row), and six (groups of
+  // four and two). The small geometry above covers the looped k-chain: eight
+  // tokens in two groups, and at 62 + 4 tokens rows whose windows fit the
+  // top-k (not scored) beside one that does not.
+  DsaConfig wide = c;
+  wide.index_heads = 64;
+  wide.index_head_dim = 128;
+  testing::check_dsa_multi_token(Device::kCuda, wide, 2, 700, 4, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 1, 900, 3, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 2, 500, 6, false);
 }
 
 TEST(MultiTokenCuda, DsaLayerTokenByToken) {
   SKIP_WITHOUT_CUDA();
   testing::check_dsa_multi_token(Device::kCuda, testing::small_dsa_config(), 2, 300, 3, true);
+}
+
+TEST(MultiTokenAppendCuda, OneLaunchEqualsSingleTokenAppends) {
+  SKIP_WITHOUT_CUDA();
+  EXPECT_EQ(testing::step_append_mismatch(Device::kCuda), "");
+}
+
+TEST(MultiTokenAppendCuda, RefusesPastTheCapacityByName) {
+  SKIP_WITHOUT_CUDA();
+  DenseKVCache cache(Device::kCuda, CacheMode::kBF16, 2, 1, 1, 8, 8, 8);
+  Buffer rows(Device::kCuda, size_t{2} * 8 * 8 * 2);
+  cache.append(rows.data(), rows.data(), DType::kBF16, 6);
+  EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(rows.data(), rows.data(), 3); },
+                                           "append_step_tokens: live_len = 6 plus 3 tokens exceeds capacity 8"));
+  EXPECT_EQ(cache.live_len(), 6);
+  EXPECT_EQ(download<int32_t>(Device::kCuda, cache.device_live_lens(), 2), (std::vector<int32_t>{6, 6}));
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
+#include "sparsepage/cache.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
@@ -275,6 +277,74 @@ std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<f
     const double lse_err = std::fabs(double{lse[i]} - ref_lse[i]);
     if (!(lse_err <= lse_tol))
       return where + "lse " + std::to_string(lse[i]) + " vs " + std::to_string(ref_lse[i]);
+  }
+  return "";
+}
+
+std::string step_append_mismatch(Device device) {
+  constexpr int32_t kBatch = 3, kKHeads = 3, kVHeads = 2, kKDim = 24, kVDim = 8, kPrompt = 5;
+  const std::vector<int32_t> steps = {3, 1, 4};
+  std::mt19937_64 rng(77);
+  DenseKVCache stepped(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, kKDim, kVDim, 16);
+  DenseKVCache single(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, kKDim, kVDim, 16);
+  const auto k_prompt = random_values(DType::kBF16, size_t{kBatch} * kKHeads * kPrompt * kKDim, rng);
+  const auto v_prompt = random_values(DType::kBF16, size_t{kBatch} * kVHeads * kPrompt * kVDim, rng);
+  const Buffer kp = upload(device, k_prompt), vp = upload(device, v_prompt);
+  int64_t total = kPrompt;
+  for (int32_t n : steps) total += n;
+  for (DenseKVCache* c : {&stepped, &single}) {
+    c->append(kp.data(), vp.data(), DType::kBF16, kPrompt);
+    c->reserve(total);
+  }
+  const size_t k_row = size_t{kKDim} * 2, v_row = size_t{kVDim} * 2;  // bytes
+  const size_t k_slice = size_t{kBatch} * kKHeads * k_row, v_slice = size_t{kBatch} * kVHeads * v_row;
+  std::vector<std::vector<uint8_t>> k_steps, v_steps;
+  for (int32_t n : steps) {
+    // [n, batch, heads, 1, dim]: token i's slice is what append_token takes.
+    k_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kKHeads * kKDim, rng));
+    v_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kVHeads * kVDim, rng));
+    const Buffer kd = upload(device, k_steps.back()), vd = upload(device, v_steps.back());
+    stepped.append_step_tokens(kd.data(), vd.data(), n, nullptr);
+    for (int32_t i = 0; i < n; ++i) {
+      single.append_token(static_cast<const char*>(kd.data()) + size_t(i) * k_slice,
+                          static_cast<const char*>(vd.data()) + size_t(i) * v_slice, nullptr);
+    }
+  }
+  if (stepped.live_len() != total || single.live_len() != total) {
+    return "live_len " + std::to_string(stepped.live_len()) + " (stepped) / " + std::to_string(single.live_len()) +
+           " (single), expected " + std::to_string(total);
+  }
+  const auto lens = download<int32_t>(device, stepped.device_live_lens(), kBatch);
+  for (int32_t len : lens) {
+    if (len != total) return "device live length " + std::to_string(len) + ", expected " + std::to_string(total);
+  }
+  for (bool key : {true, false}) {
+    const std::vector<float> a = stepped.dequantized_window(key), one = single.dequantized_window(key);
+    if (a.size() != one.size() || std::memcmp(a.data(), one.data(), a.size() * sizeof(float)) != 0) {
+      return std::string(key ? "K" : "V") + " window differs from the single-token appends";
+    }
+    // Every step's token i of (sequence b, head h) at row (its step's start) + i.
+    const int32_t heads = key ? kKHeads : kVHeads, dim = key ? kKDim : kVDim;
+    int64_t start = kPrompt;
+    for (size_t u = 0; u < steps.size(); ++u) {
+      const std::vector<float> src = as_float(DType::kBF16, key ? k_steps[u] : v_steps[u]);
+      for (int32_t i = 0; i < steps[u]; ++i) {
+        for (int32_t b = 0; b < kBatch; ++b) {
+          for (int32_t h = 0; h < heads; ++h) {
+            for (int32_t d = 0; d < dim; ++d) {
+              const float want = src[((size_t(i) * kBatch + b) * heads + h) * dim + d];
+              const float got = a[((size_t(b) * heads + h) * size_t(total) + size_t(start + i)) * dim + d];
+              if (std::memcmp(&want, &got, sizeof(float)) != 0) {
+                return std::string(key ? "K" : "V") + " row of step " + std::to_string(u) + " token " +
+                       std::to_string(i) + " sequence " + std::to_string(b) + " head " + std::to_string(h) +
+                       " is not the token's input";
+              }
+            }
+          }
+        }
+      }
+      start += steps[u];
+    }
   }
   return "";
 }
