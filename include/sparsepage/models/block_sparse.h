@@ -125,7 +125,8 @@ class BlockSparseAttention {
   /// as q_len one-token decode() calls (each token appended, then attended,
   /// with its own selection): exact causal attention, but copies through
   /// staging buffers that synchronize, so only the fused step can be captured
-  /// (it allocates nothing after the first step at a capacity; no test captures it yet).
+  /// (it allocates nothing after the first step at a capacity; step_graph_test and
+  /// tests/python/test_multi_token.py replay it from a graph while the context grows).
   /// The returned step describes the fused step, or the last one-token step.
   BlockSparseStep decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream = nullptr);
 

@@ -125,7 +125,8 @@ class DsaAttention {
   /// the rows their selections share from L2. A decline (the mask path takes
   /// one token) runs the step as q_len one-token decode() calls through
   /// staging copies that synchronize; only the fused step can be captured
-  /// (it allocates nothing after the first step at a capacity; no test captures it yet).
+  /// (it allocates nothing after the first step at a capacity; step_graph_test and
+  /// tests/python/test_multi_token.py replay it from a graph while the context grows).
   /// The selection of a fused step is read with last_selected_positions(),
   /// one row per (sequence, token).
   DsaStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
