@@ -20,14 +20,12 @@
 // tile is written over the stage's rope slab (S has consumed it by then), so
 // Q + two stages still fit one SM.
 //
-// Consumer order per tile t (wgmma groups complete in issue order):
-//   wait P V(t-1)  -> release stage t-1 (the producer starts tile t+1 into it,
-//                     overlapping everything below)
-//   wait S(t)      -> softmax: row maxima exchanged between the two
-//                     warpgroups by a 256-thread named barrier, P into the
-//                     stage, a second named barrier
-//   issue P V(t), then wait `full` of t+1 and issue S(t+1) behind it.
-// The producer's copies of tile t+1 run during S(t), softmax(t) and P V(t).
+// Consumer order per tile t:
+//   wait `full` of t, S(t); softmax: row maxima exchanged between the two
+//   warpgroups by a 256-thread named barrier, P into the stage, a second
+//   named barrier; P V(t); release stage t (the producer starts tile t + 2
+//   into it).
+// The producer's copies of tile t + 1 run during all of tile t's math.
 #pragma once
 
 #include "cuda/decode_partial.cuh"
@@ -350,23 +348,20 @@ struct MlaWsCta {
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // Q landed
     float s[16];
     for (int t = 0; t < tiles; ++t) {
-      // S(t) is queued behind P V(t - 1) on the tensor cores.
       wait_full(t);
       start_scores(stage(t), s);
-      // Groups in flight: P V(t - 1), then S(t). The wait is unconditional
-      // (at t = 0 it returns at once): under an `if` ptxas cannot place the
-      // end of the wgmma pipeline stage and serializes every wgmma (C7515).
-      wgmma::wait<1>();
-      __syncwarp();
-      if (t > 0 && lane == 0) mbar::arrive(empty_bar(t - 1));
       wgmma::wait<0>();
       wgmma::pin(s);
-      wgmma::pin(acc);
       softmax(t, s);
       start_pv(t);
+      // P V is waited for here, not behind S(t + 1): with a group in flight
+      // across the loop's back edge ptxas serializes the kernel's wgmmas
+      // (its C7514 notice).
+      wgmma::wait<0>();
+      wgmma::pin(acc);
+      __syncwarp();
+      if (lane == 0) mbar::arrive(empty_bar(t));  // the producer may refill this stage
     }
-    wgmma::wait<0>();
-    wgmma::pin(acc);
   }
 
   /// Adds the two warpgroups' row sums and writes o / lse or the partial slot.
