@@ -12,7 +12,9 @@
 //   DK 192 / DV 128 : 128 + 64 extra (V 64 or 128)
 //   DK 256 / DV 256 : 256 (V 64, 128 or 256)
 //   MLA (mla_partial.cuh): 512 latent + 64 rope, V = the 512 latent columns
-//                     of K, 64 query heads per CTA on warpgroup MMAs
+//                     of K, 64 query heads per CTA on warpgroup MMAs; by
+//                     default its warp-specialized twin (mla_ws_partial.cuh)
+//                     runs instead (mla_kernel_choice())
 #pragma once
 
 #include <cstdlib>
@@ -23,6 +25,7 @@
 #include "cuda/decode_partial.cuh"
 #include "cuda/decode_partial_multi.cuh"
 #include "cuda/mla_partial.cuh"
+#include "cuda/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
 
 namespace sparsepage {
@@ -51,6 +54,28 @@ inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
 inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
   const int32_t heads = shape == TileShape::kMla ? MlaTile::kHeads : kQueryTile;
   return (group_size + heads - 1) / heads;
+}
+
+/// Which MLA kernel runs: the warp-specialized one (mla_ws_partial.cuh: a
+/// producer warpgroup and mbarriers, no CTA barrier in the loop), the
+/// default, or the classic one (mla_partial.cuh: both warpgroups copy rows
+/// and compute, CTA barriers per tile). Measured on the H200 (DSA shape,
+/// top-2048 of 131072, docs/PERFORMANCE.md): 403.8 against 334.8 TFLOP/s at
+/// batch 64, 417.4 against 348.4 at batch 128, 15.4 against 17.2 us at batch 1.
+enum class MlaKernel { kClassic, kWarpSpecialized };
+
+/// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
+/// (read once), for measuring the two; unset runs the default (ws). Any
+/// other value is refused by name rather than silently ignored.
+inline MlaKernel mla_kernel_choice() {
+  static const MlaKernel choice = [] {
+    const char* v = std::getenv("SPARSEPAGE_MLA_KERNEL");
+    if (v == nullptr || *v == '\0') return MlaKernel::kWarpSpecialized;
+    if (std::strcmp(v, "ws") == 0) return MlaKernel::kWarpSpecialized;
+    if (std::strcmp(v, "classic") == 0) return MlaKernel::kClassic;
+    throw Error(std::string("SPARSEPAGE_MLA_KERNEL must be 'ws' or 'classic', not '") + v + "'");
+  }();
+  return choice;
 }
 
 /// Whether a launch runs the multi-token CTA (decode_partial_multi.cuh): a
@@ -93,7 +118,10 @@ int32_t resident_ctas_typed(TileShape shape) {
     case TileShape::kK256V256:
       return resident_ctas_once(partial_kernel<T, 256, 256, Source>, kThreads,
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
-    case TileShape::kMla: return resident_ctas_once(mla_partial_kernel<T, Source>, MlaTile::kThreads, MlaTile::kSmemBytes);
+    case TileShape::kMla:
+      if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
+        return resident_ctas_once(mla_ws_partial_kernel<T, Source>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
+      return resident_ctas_once(mla_partial_kernel<T, Source>, MlaTile::kThreads, MlaTile::kSmemBytes);
     case TileShape::kNone: break;
   }
   return 1;
@@ -181,11 +209,17 @@ void launch_partial_shape(const typename Source::Params& p, int32_t num_items, c
 template <typename T, class Source>
 void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
   if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
-  auto kernel = mla_partial_kernel<T, Source>;
-  configure_smem_once(kernel, MlaTile::kSmemBytes);
   // Head tiles vary fastest, so the CTAs reading the same rows run together.
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+  if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
+    auto kernel = mla_ws_partial_kernel<T, Source>;
+    configure_smem_once(kernel, MlaWsTile::kSmemBytes);
+    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaWsTile::kThreads), MlaWsTile::kSmemBytes, stream, p);
+    return;
+  }
+  auto kernel = mla_partial_kernel<T, Source>;
+  configure_smem_once(kernel, MlaTile::kSmemBytes);
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
 }
 

@@ -1,0 +1,451 @@
+// The warp-specialized MLA partial kernel: the same work, the same shared
+// tile layout and the same math as mla_partial.cuh (64 query heads per CTA,
+// 512 latent + 64 rope columns, V = the latent columns), but the gathered
+// rows are copied by a warpgroup of their own, and the loop has no CTA-wide
+// barrier.
+//
+// CTA: 3 warpgroups (384 threads), one CTA per SM.
+//   warpgroups 0, 1  consumers: S, softmax and P V exactly as the classic
+//                    kernel splits them (S over 32 of the tile's 64 tokens,
+//                    P V over 256 of the 512 V columns). 232 registers each
+//                    (setmaxnreg), for the 128 fp32 accumulators of O.
+//   warpgroup 2      producer: 40 registers. Eight neighbouring threads copy
+//                    one 128-byte slab row (a full line), so a warp's copy
+//                    instruction touches 4 rows, not 8. After a tile's copies
+//                    each thread arrives on the stage's `full` mbarrier when
+//                    its copies land (cp.async.mbarrier.arrive.noinc).
+// Stages: two 64-row tiles, as in the classic kernel. `full[s]` completes when
+// the rows and the page ids of the tile in stage s are in shared memory;
+// `empty[s]` when the eight consumer warps no longer read it. The P tile of a
+// tile is written over the stage's rope slab (S has consumed it by then), so
+// Q + two stages still fit one SM.
+//
+// Consumer order per tile t:
+//   wait `full` of t, S(t); softmax: row maxima exchanged between the two
+//   warpgroups by a 256-thread named barrier, P into the stage, a second
+//   named barrier; P V(t); release stage t (the producer starts tile t + 2
+//   into it).
+// The producer's copies of tile t + 1 run during all of tile t's math.
+#pragma once
+
+#include "cuda/decode_partial.cuh"
+#include "cuda/mla_partial.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace sparsepage {
+namespace cuda {
+
+struct MlaWsTile {
+  using L = MlaTile;
+  static constexpr int kThreads = 384;          // two consumer warpgroups + one producer warpgroup
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerRegs = 232;     // 2 x 128 x 232 + 128 x 40 = 64512 <= 65536
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kIdSlots = 4;            // ids of tile u + 1 are written while tile u - 1 is computed
+  static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
+  // Byte offsets from the 1024-aligned base.
+  static constexpr int kQ = 0;
+  static constexpr int kStage0 = kQ + L::kTileBytes;
+  static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;  // the rope slab of a stage holds its P tile
+  static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
+  static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2 tiles][2 warpgroups][64] floats
+  static constexpr int kBarriers = kExchange + 2 * 2 * L::kHeads * 4;  // full[2], empty[2]: 8 bytes each
+  static constexpr int kBytes = kBarriers + 4 * 8;
+  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
+  static_assert(L::kHeads * 128 == L::kSlabBytes, "a P tile is one slab");
+  static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
+  // Named barriers (0 is __syncthreads).
+  static constexpr int kConsumerBar = 1;
+  static constexpr int kProducerBar = 2;
+};
+
+namespace mbar {
+__device__ __forceinline__ void init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+/// Arrives on `bar` when all of this thread's earlier cp.async copies have
+/// landed; counts as one of the expected arrivals.
+__device__ __forceinline__ void arrive_on_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+/// Waits until the phase with parity `parity` has completed.
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+}  // namespace mbar
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// How the producer copies the latent pieces (a build-time switch, for
+// measuring): 0 plain cp.async.cg, 1 with a 256-byte L2 prefetch hint (the
+// latent half of a row is 1024 contiguous bytes), 2 the hint plus an
+// evict-last L2 policy (the second head tile's CTA reads the same rows).
+#ifndef SPARSEPAGE_MLA_WS_COPY
+#define SPARSEPAGE_MLA_WS_COPY 1
+#endif
+
+/// One 16-byte gathered latent copy; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async_16_latent(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
+#if SPARSEPAGE_MLA_WS_COPY == 0
+  (void)policy;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+#elif SPARSEPAGE_MLA_WS_COPY == 1
+  (void)policy;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy = 0;
+#if SPARSEPAGE_MLA_WS_COPY == 2
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
+template <typename T, class Source>
+struct MlaWsCta {
+  using Tr = ElemTraits<T>;
+  using L = MlaTile;
+  using W = MlaWsTile;
+  using Params = typename Source::Params;
+
+  const Params& p;
+  Source src;
+  uint32_t base;
+  unsigned char* gen;
+  const T* k_base;
+  const T* e_base;
+  int tid, wg, wt, lane;
+  int32_t request, tok_begin, len, partial, head0, heads;
+  bool bad = false;  // producer threads: a page id outside the pool
+
+  __device__ MlaWsCta(const Params& params, unsigned char* smem) : p(params) {
+    const uint32_t raw = smem_u32(smem);
+    const uint32_t aligned = (raw + 1023u) & ~1023u;
+    base = aligned;
+    gen = smem + (aligned - raw);
+    tid = threadIdx.x;
+    wg = tid / 128;
+    wt = tid % 128;
+    lane = tid % 32;
+    const int32_t head_tiles = (p.group_size + L::kHeads - 1) / L::kHeads;
+    const int32_t item = static_cast<int32_t>(blockIdx.x) / head_tiles;
+    head0 = static_cast<int32_t>(blockIdx.x) % head_tiles * L::kHeads;
+    heads = min(L::kHeads, p.group_size - head0);
+    const ItemShare<T> share = open_item<T>(p, item, src);
+    request = share.request;
+    tok_begin = share.tok_begin;
+    len = share.len;
+    partial = share.partial;
+    k_base = share.k_base;
+    e_base = share.e_base;
+  }
+
+  __device__ int num_tiles() const { return (len + L::kTokens - 1) / L::kTokens; }
+  __device__ int32_t* id_slot(int tile) const {
+    return reinterpret_cast<int32_t*>(gen + W::kIds) + (tile % W::kIdSlots) * kIdSlotInts;
+  }
+  __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
+  __device__ uint32_t stage(int tile) const { return base + W::kStage0 + (tile & 1) * L::kTileBytes; }
+  __device__ uint32_t full_bar(int tile) const { return base + W::kBarriers + (tile & 1) * 8; }
+  __device__ uint32_t empty_bar(int tile) const { return base + W::kBarriers + 16 + (tile & 1) * 8; }
+
+  // ---- producer -------------------------------------------------------------
+
+  /// Copies tile `tile`'s rows into its stage: producer thread t copies the
+  /// 16-byte piece t % 8 of each of the 9 slabs of rows t / 8 + 16 i (i < 4).
+  __device__ void produce_tile(int tile) {
+    const int32_t tok0 = tok_begin + tile * L::kTokens;
+    const int32_t n = tile_tokens(tile);
+    const int32_t* slot = id_slot(tile);
+    const int piece = wt & 7;
+    const uint32_t dst0 = stage(tile);
+    const uint64_t policy = l2_evict_last_policy();
+#pragma unroll
+    for (int i = 0; i < W::kRowsPerThread; ++i) {
+      const int row = wt / 8 + 16 * i;
+      const T* k_row = k_base;
+      const T* e_row = e_base;
+      int fill = 0;
+      if (row < n) {
+        const int64_t r = src.row(slot, tok0, tok0 + row, p);
+        bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
+        if (r >= 0) {
+          fill = 16;
+          k_row += r * p.k_stride;
+          e_row += r * p.e_stride;
+        }
+      }
+      const uint32_t dst = dst0 + row * 128 + ((piece ^ (row & 7)) << 4);
+#pragma unroll
+      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + (s * 8 + piece) * 8, fill, policy);
+      cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row + piece * 8, fill);
+    }
+    mbar::arrive_on_copies(full_bar(tile));
+  }
+
+  __device__ void run_producer() {
+    const int tiles = num_tiles();
+    if (tiles > 0) src.prefetch(id_slot(0), tok_begin, tile_tokens(0), wt);
+    cp_async_commit();
+    for (int u = 0; u < tiles; ++u) {
+      // The stage is free once the consumers released tile u - 2 (a fresh
+      // barrier's "previous phase" counts as complete).
+      mbar::wait(empty_bar(u), ((u >> 1) & 1) ^ 1);
+      cp_async_wait<0>();  // the ids of tile u (and the rows of u - 1)
+      named_barrier(W::kProducerBar, W::kProducerThreads);
+      // The ids are visible to the consumers through this (release) arrival.
+      if (wt == 0) mbar::arrive(full_bar(u));
+      produce_tile(u);
+      if (u + 1 < tiles) src.prefetch(id_slot(u + 1), tok_begin + (u + 1) * L::kTokens, tile_tokens(u + 1), wt);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+  }
+
+  // ---- consumers ------------------------------------------------------------
+
+  float m[2], l[2];
+  float acc[128];
+
+  __device__ void load_q() {
+    const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
+    const T* e0 = static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0);
+    for (int idx = tid; idx < L::kHeads * L::kPieces; idx += W::kConsumerThreads) {
+      const int row = idx / L::kPieces, piece = idx % L::kPieces;
+      const T* g = piece < L::kLatent / 8 ? q0 + row * p.q_head + piece * 8 : e0 + row * p.qe_head + (piece - 64) * 8;
+      cp_async_16(base + W::kQ + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
+    }
+  }
+
+  __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
+    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t kd = wgmma::desc_sw128(stage_addr + wg * 32 * 128, 16, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < L::kCols / 16; ++kk) {
+      const uint64_t off = static_cast<uint64_t>(((kk >> 2) * L::kSlabBytes + (kk & 3) * 32) >> 4);
+      wgmma::mma_m64n32k16<T>(s, qd + off, kd + off, kk > 0);
+    }
+    wgmma::commit();
+  }
+
+  /// Softmax of tile `tile`'s scores against the CTA-wide running max; P
+  /// into the stage's P slab. Ends with both warpgroups' P complete.
+  __device__ void softmax(int tile, float (&s)[16]) {
+    const int32_t n = tile_tokens(tile);
+    const int32_t* slot = id_slot(tile);
+    const int32_t tok0 = tok_begin + tile * L::kTokens;
+    const int wrow = (wt / 32) * 16 + lane / 4;
+    float tmax[2] = {neg_inf_f32(), neg_inf_f32()};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int key = wg * 32 + (i / 4) * 8 + 2 * (lane & 3) + (i & 1);
+      float x = s[i] * p.scale_log2;
+      if constexpr (Source::kHasBias) {
+        const float b = src.bias(slot, key);
+        x = b == neg_inf_f32() ? b : x + b * kLog2e;
+      }
+      if (key >= n) x = neg_inf_f32();
+      if constexpr (Source::kMaySkip) {
+        if (src.skip_minus_one && key < n && src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
+      }
+      s[i] = x;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    }
+    // Double-buffered by tile parity: tile t + 2 writes only after both
+    // warpgroups passed tile t + 1's P barrier, after their reads of tile t.
+    float* xchg = reinterpret_cast<float*>(gen + W::kExchange) + (tile & 1) * 2 * L::kHeads;
+    if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // maxima exchanged; both S(t) done (rope slab free)
+    tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
+    tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
+
+    constexpr float kRescaleLog2 = 8.f;
+    const bool rescale = __any_sync(0xffffffffu, tmax[0] > m[0] + kRescaleLog2 || tmax[1] > m[1] + kRescaleLog2);
+    float alpha[2] = {1.f, 1.f}, b[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (rescale) {
+        const float m_new = fmaxf(m[r], tmax[r]);
+        alpha[r] = exp2f(m[r] - (m_new == neg_inf_f32() ? 0.f : m_new));
+        m[r] = m_new;
+        l[r] *= alpha[r];
+      }
+      b[r] = m[r] == neg_inf_f32() ? 0.f : m[r];
+    }
+    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = wg * 32 + j * 8 + 2 * (lane & 3);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = exp2f(s[4 * j + 2 * h] - b[h]), p1 = exp2f(s[4 * j + 2 * h + 1] - b[h]);
+        l[h] += p0 + p1;
+        const int row = wrow + 8 * h;
+        ptile[(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) / 4] = Tr::pack2(p0, p1);
+      }
+    }
+    if (rescale) {
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] *= alpha[(i >> 1) & 1];
+    }
+    wgmma::fence_proxy_async();
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the P tile is complete
+  }
+
+  __device__ void start_pv(int tile) {
+    const uint32_t st = stage(tile);
+    const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
+    const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < L::kTokens / 16; ++kk)
+      wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(kk * 2), vd + static_cast<uint64_t>(kk * 128), 1);
+    wgmma::commit();
+  }
+
+  __device__ void wait_full(int tile) {
+    mbar::wait(full_bar(tile), (tile >> 1) & 1);
+    wgmma::fence_proxy_async();  // the copies (generic proxy) before the wgmma reads (async proxy)
+  }
+
+  __device__ void run_consumers() {
+    m[0] = m[1] = neg_inf_f32();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    const int tiles = num_tiles();
+    load_q();
+    cp_async_commit();
+    cp_async_wait<0>();
+    wgmma::fence_proxy_async();
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // Q landed
+    float s[16];
+    for (int t = 0; t < tiles; ++t) {
+      wait_full(t);
+      start_scores(stage(t), s);
+      wgmma::wait<0>();
+      wgmma::pin(s);
+      softmax(t, s);
+      start_pv(t);
+      // P V is waited for here, not behind S(t + 1): with a group in flight
+      // across the loop's back edge ptxas serializes the kernel's wgmmas
+      // (its C7514 notice).
+      wgmma::wait<0>();
+      wgmma::pin(acc);
+      __syncwarp();
+      if (lane == 0) mbar::arrive(empty_bar(t));  // the producer may refill this stage
+    }
+  }
+
+  /// Adds the two warpgroups' row sums and writes o / lse or the partial slot.
+  __device__ void finish_consumers(bool any_bad) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int wrow = (wt / 32) * 16 + lane / 4;
+    float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // both tiles' maxima are read by now
+    T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
+    if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);
+    float sum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sum[r] = sums[wrow + 8 * r] + sums[L::kHeads + wrow + 8 * r];
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + 8 * r;
+      if (row >= heads) continue;
+      const bool poison = any_bad || isnan(sum[r]);
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+      const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
+      T* o_row = o0 + row * p.o_head;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = wg * 256 + j * 8 + 2 * (lane & 3);
+        float v0 = acc[4 * j + 2 * r] * inv, v1 = acc[4 * j + 2 * r + 1] * inv;
+        if (poison) v0 = v1 = nan_f32();
+        if (partial < 0) {
+          *reinterpret_cast<uint32_t*>(o_row + col) = Tr::pack2(v0, v1);
+        } else {
+          *reinterpret_cast<float2*>(p.partial_o + out_row * p.partial_dv + col) = make_float2(v0, v1);
+        }
+      }
+      if (wg == 0 && (lane & 3) == 0) {
+        const float lse = poison ? nan_f32() : sum[r] > 0.f ? (m[r] + log2f(sum[r])) * kLn2 : neg_inf_f32();
+        if (partial < 0) {
+          if (p.lse) p.lse[out_row] = lse;
+        } else {
+          p.partial_lse[out_row] = lse;
+        }
+      }
+    }
+    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+  }
+
+  __device__ void run() {
+    if (tid == 0) {
+      for (int s = 0; s < 2; ++s) {
+        mbar::init(full_bar(s), W::kProducerThreads + 1);  // 128 copy arrivals + the ids' arrival
+        mbar::init(empty_bar(s), W::kConsumerThreads / 32);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(MlaWsTile::kProducerRegs));
+      run_producer();
+      __syncthreads_or(bad);
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MlaWsTile::kConsumerRegs));
+      run_consumers();
+      const bool any_bad = __syncthreads_or(0) != 0;  // the producer's rejected ids
+      finish_consumers(any_bad);
+    }
+  }
+};
+
+template <typename T, class Source>
+__global__ void __launch_bounds__(MlaWsTile::kThreads, 1) mla_ws_partial_kernel(const __grid_constant__ typename Source::Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char smem[];
+  pdl_wait_primary();
+  pdl_launch_dependents();
+  MlaWsCta<T, Source> cta(params, smem);
+  cta.run();
+#else
+  __trap();
+#endif
+}
+
+}  // namespace cuda
+}  // namespace sparsepage
