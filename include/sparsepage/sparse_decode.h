@@ -139,8 +139,17 @@ class SparseDecoder {
 
   /// For a caller with no mask path to fall back to (a layer over an
   /// engine's pool): throws Error naming `who` and the reason when decide()
-  /// would not fuse these inputs. Pure, like decide().
-  void require_fused(const SparseAttentionInputs& in, const PagedSelection& selection, const std::string& who) const;
+  /// would not fuse these inputs, and returns the fused decision otherwise.
+  /// Pure, like decide().
+  SparseDecodeOutcome require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                    const std::string& who) const;
+
+  /// The serving-step launch of try_fused() for a step already decided:
+  /// `decided` is what decide() or require_fused() returned for these same
+  /// inputs and selection (a fused outcome, else Error), so a caller that
+  /// decides before changing its state does not decide twice.
+  SparseDecodeOutcome run_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                const SparseDecodeOutcome& decided, void* stream = nullptr);
 
   /// Synchronizes and throws when the last CUDA launch met a position outside a window.
   void check_errors(void* stream = nullptr);

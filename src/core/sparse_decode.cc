@@ -138,10 +138,10 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
   return decide_counts(in, requests, requests * selection.max_selected);
 }
 
-void SparseDecoder::require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
-                                  const std::string& who) const {
+SparseDecodeOutcome SparseDecoder::require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                                 const std::string& who) const {
   const SparseDecodeOutcome d = decide(in, selection);
-  if (d.fused()) return;
+  if (d.fused()) return d;
   throw Error(who + ": the fused path declined (" + outcome_kind_name(d.kind) + ": " + d.reason +
               ") and there is no mask path to fall back to; nothing was changed");
 }
@@ -268,6 +268,13 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
     record_outcome(outcome);
     return outcome;
   }
+  return run_fused(in, selection, outcome, stream);
+}
+
+SparseDecodeOutcome SparseDecoder::run_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
+                                             const SparseDecodeOutcome& outcome, void* stream) {
+  require_device(in);
+  REQUIRE(outcome.fused(), "run_fused was handed a declined decision (" + outcome.reason + "); use try_fused");
   // Planned once for the bound; compared in place, so a step allocates nothing.
   const int32_t bound = selection.width * selection.page_size;
   const bool same_bound = planned_counts_.size() == static_cast<size_t>(selection.num_requests) &&

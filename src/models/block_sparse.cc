@@ -475,18 +475,14 @@ BlockSparseStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, co
       kept_selection(width, step.sparse_regime ? selected_tokens(kv_len) : kv_len, stream);
   // Decided before anything changes: there is no mask path to fall back to.
   const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
-  decoder_.require_fused(in, selection, "BlockSparseAttention (engine-paged)");
+  const SparseDecodeOutcome decided = decoder_.require_fused(in, selection, "BlockSparseAttention (engine-paged)");
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   select_blocks(tokens, topk, width, stream);
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
-  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.outcome = decoder_.run_fused(in, selection, decided, stream);
   step.fused = step.outcome.fused();
-  if (!step.fused) {  // decide() said fused a moment ago; only a broken invariant lands here
-    throw Error(std::string("BlockSparseAttention (engine-paged): the fused path declined after deciding to run: ") +
-                step.outcome.reason);
-  }
   return step;
 }
 

@@ -514,7 +514,7 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, const EnginePagedKV& kv, v
   const PagedSelection selection = kept_selection(positions_, counts_, batch_, kv_len);
   // Decided before anything changes: there is no mask path to fall back to.
   const SparseAttentionInputs in = engine_inputs(tokens, kv, kv_len);
-  decoder_.require_fused(in, selection, "DsaAttention (engine-paged)");
+  const SparseDecodeOutcome decided = decoder_.require_fused(in, selection, "DsaAttention (engine-paged)");
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   DsaStep step;
@@ -526,12 +526,8 @@ DsaStep DsaAttention::decode(const DsaTokens& tokens, const EnginePagedKV& kv, v
   }
   detail::cuda_record_event(after_indexer_, stream);
   have_selection_ = true;
-  step.outcome = decoder_.try_fused(in, selection, stream);
+  step.outcome = decoder_.run_fused(in, selection, decided, stream);
   step.fused = step.outcome.fused();
-  if (!step.fused) {  // decide() said fused a moment ago; only a broken invariant lands here
-    throw Error(std::string("DsaAttention (engine-paged): the fused path declined after deciding to run: ") +
-                step.outcome.reason);
-  }
   return step;
 }
 

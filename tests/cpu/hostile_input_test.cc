@@ -308,6 +308,18 @@ TEST(HostileHelpers, SparseDecoderRefusesNullAndInconsistentInputs) {
   EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(w.in, short_indices); }, "fewer entries"));
 }
 
+TEST(HostileHelpers, RunFusedRefusesADeclinedDecision) {
+  // run_fused launches a step its caller already decided; a declined
+  // decision handed to it is refused by name, before any input is read.
+  SparseDecoder decoder(Device::kCpu, DispatchConfig{});
+  SmallInputs s;
+  SparseDecodeOutcome declined;
+  declined.kind = OutcomeKind::kKillSwitch;
+  declined.reason = "SPARSEPAGE_SPARSE_DECODE=0";
+  EXPECT_TRUE(throws_error_naming([&] { decoder.run_fused(s.in, PagedSelection{}, declined); },
+                                  "run_fused was handed a declined decision (SPARSEPAGE_SPARSE_DECODE=0)"));
+}
+
 TEST(HostileHelpers, PageTableBuildersNameTheirArguments) {
   EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({1}, 0); }, "page_size = 0"));
   EXPECT_TRUE(throws_error_naming([] { build_page_table_structure({-1}, 4); }, "seq_lens[0] = -1"));
