@@ -350,6 +350,15 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);
 void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,
                      void* stream = nullptr);
+/// How `run_decode_cuda` merges this plan's split requests: the size of the
+/// thread-block clusters whose CTAs merge one request through distributed
+/// shared memory (one launch, no fp32 partials), or 0 when the merge kernel
+/// runs (or nothing is split). Clusters take a uniform split (equal counts)
+/// at head dims 128/128 with a native dtype, on a device that can place
+/// them, of at most as many CTAs per request as SPARSEPAGE_GQA_MERGE (read
+/// once per process) allows: 2 when unset or `auto` (the sizes measured
+/// faster than the merge kernel), 16 with `cluster`, none with `kernel`.
+int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan);
 /// Reads and clears the error flag (synchronizes). Nonzero: some page id was outside the pool.
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream = nullptr);
 

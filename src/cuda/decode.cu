@@ -48,7 +48,42 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   cuda::launch_merge<T>(m, static_cast<int32_t>(plan.merge_requests.size()), stream);
 }
 
+/// Whether the launch reads the engines' index forms (decode.h), which take
+/// their own instantiation (EnginePagedSource).
+bool uses_engine_inputs(const DecodeParams& params) {
+  return params.index_layout == IndexLayout::kMatrix || params.padding == IndexPadding::kMinusOneSkips ||
+         params.addressing == PageAddressing::kBlockTable || params.seq_lens_index == SeqLensIndex::kPerSequence;
+}
+
+template <class Source>
+bool cluster_fits(DType dtype, int32_t size) {
+  return dtype == DType::kBF16 ? cuda::cluster_fits<__nv_bfloat16, Source>(size) : cuda::cluster_fits<__half, Source>(size);
+}
+
+/// cuda_merge_cluster_size for parameters already checked. The engines'
+/// index forms take clusters exactly when the library's own tables do, so
+/// a step over an engine's pool gives the same bits as over the layer's cache.
+int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
+  const int32_t limit = cuda::cluster_merge_limit();
+  if (limit == 0 || plan.uniform_chunks < 2 || params.kv_format != KvFormat::kNative) return 0;
+  const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
+  const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
+  if (shape != cuda::TileShape::kK128V128 || cuda::uses_multi_token_cta(shape, params.group_size, params.q_len)) return 0;
+  const int64_t cluster =
+      int64_t{plan.uniform_chunks} * cuda::ctas_per_item(shape, params.group_size * params.q_len);
+  if (cluster > limit) return 0;
+  const auto size = static_cast<int32_t>(cluster);
+  const bool fits = uses_engine_inputs(params) ? cluster_fits<cuda::EnginePagedSource>(params.dtype, size)
+                                               : cluster_fits<cuda::PagedSource>(params.dtype, size);
+  return fits ? size : 0;
+}
+
 }  // namespace
+
+int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan) {
+  check_decode_params(params, plan);
+  return cluster_size_for(params, plan);
+}
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
   return cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra) != cuda::TileShape::kNone;
@@ -72,6 +107,15 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
   }
   group_size *= q_len;  // the 16-row CTA: query rows
   s.ctas_per_item = cuda::ctas_per_item(shape, group_size);
+  if (shape == cuda::TileShape::kK128V128) {
+    // Ask the cluster sizes here, before any capture, rather than in run.
+    for (int32_t size = 2; size <= cuda::cluster_merge_limit(); ++size) {
+      for (DType dtype : {DType::kBF16, DType::kF16}) {
+        cluster_fits<cuda::PagedSource>(dtype, size);
+        cluster_fits<cuda::EnginePagedSource>(dtype, size);
+      }
+    }
+  }
   s.ctas_per_sm = cuda::resident_ctas_per_sm<cuda::PagedSource>(shape);
   return s;
 }
@@ -166,11 +210,20 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
                 "as the DSA layer does)");
   // The engines' index forms take their own instantiation; the library's CSR
   // tables keep the lean row lookup.
-  const bool engine_inputs = params.index_layout == IndexLayout::kMatrix ||
-                             params.padding == IndexPadding::kMinusOneSkips ||
-                             params.addressing == PageAddressing::kBlockTable ||
-                             params.seq_lens_index == SeqLensIndex::kPerSequence;
+  const bool engine_inputs = uses_engine_inputs(params);
   const auto items = static_cast<int32_t>(plan.work.size());
+  if (const int32_t cluster = cluster_size_for(params, plan); cluster > 0) {
+    // Split requests merge inside their clusters: one launch, no partials.
+    const bool bf16 = params.dtype == DType::kBF16;
+    if (engine_inputs) {
+      if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::EnginePagedSource>(p, items, cluster, s);
+      else cuda::launch_partial_cluster<__half, cuda::EnginePagedSource>(p, items, cluster, s);
+    } else {
+      if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::PagedSource>(p, items, cluster, s);
+      else cuda::launch_partial_cluster<__half, cuda::PagedSource>(p, items, cluster, s);
+    }
+    return;
+  }
   if (params.kv_format != KvFormat::kNative) {
     cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items, s);
   } else if (engine_inputs) {

@@ -5,7 +5,8 @@
 // (a rejected page) poisons the request, empty partials (lse -inf) weigh
 // nothing, all empty: o = 0, lse = -inf. (Merging inside the partial kernel,
 // by the last CTA of each request, was built and measured slower at every
-// shape: docs/PERFORMANCE.md.)
+// shape: docs/PERFORMANCE.md. Requests split in two at head dims 128/128
+// merge inside a thread-block cluster instead: decode_partial_cluster.cuh.)
 #pragma once
 
 #include "cuda/common.cuh"

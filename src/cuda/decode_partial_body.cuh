@@ -16,6 +16,7 @@ template <typename T, int DK, int DV, class Source, class Config = TileConfig<DK
 struct PartialCta {
   using Cfg = Config;  // the multi-token CTA (decode_partial_multi.cuh) brings its own stages
   using Tr = ElemTraits<T>;
+  using Elem = T;
   static constexpr int kKChunks = DK / 8;  // 16-byte chunks per K tile row
   static constexpr int kVChunks = DV / 8;
   static constexpr int kS = Cfg::kStages;
@@ -338,6 +339,13 @@ struct PartialCta {
   }
 
   __device__ void run() {
+    gather_and_reduce();
+    finish();
+  }
+
+  /// The pipeline over this CTA's tokens: leaves each warp's softmax state
+  /// (m, l, acc) and every copy complete, so the stages are free.
+  __device__ void gather_and_reduce() {
     m[0] = m[1] = neg_inf_f32();
     l[0] = l[1] = 0.f;
 #pragma unroll
@@ -371,13 +379,23 @@ struct PartialCta {
       softmax_pv(t, s);
     }
     cp_async_wait<0>();
-    finish();
   }
 
   /// Merges the four warps' states and writes o/lse or the partial slot.
   __device__ void finish() {
-    __shared__ float warp_m[kWarps][kQueryTile], warp_l[kWarps][kQueryTile];
     __shared__ float row_base[kQueryTile], row_sum[kQueryTile];
+    const bool any_bad = reduce_warps(row_base, row_sum);
+    write_output(reinterpret_cast<const float*>(stages), row_base, row_sum, any_bad);
+  }
+
+  /// The four warps' states as one: per query row, the base (largest score,
+  /// log2 domain; 0 for a row that saw nothing) and the sum of exp2(score -
+  /// base) in row_base / row_sum, and each warp's accumulators scaled to that
+  /// base in the reduction area over the stages ([kWarps][16][kReducePitch]
+  /// floats; their sum over the warps is the row's unnormalized output).
+  /// Returns whether any thread met a rejected page; ends with a barrier.
+  __device__ bool reduce_warps(float* row_base, float* row_sum) {
+    __shared__ float warp_m[kWarps][kQueryTile], warp_l[kWarps][kQueryTile];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
@@ -412,7 +430,7 @@ struct PartialCta {
       row_sum[tid] = sum;
     }
     __syncthreads();
-    write_output(red, row_base, row_sum, any_bad);
+    return any_bad;
   }
 
   __device__ void write_output(const float* red, const float* row_base, const float* row_sum, bool any_bad) {

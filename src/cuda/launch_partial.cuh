@@ -19,10 +19,14 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cuda/decode_partial.cuh"
+#include "cuda/decode_partial_cluster.cuh"
 #include "cuda/decode_partial_multi.cuh"
 #include "cuda/mla_partial.cuh"
 #include "cuda/mla_ws_partial.cuh"
@@ -102,6 +106,114 @@ inline int32_t multi_token_ctas_per_item(int32_t group_size, int32_t q_len) {
 inline int32_t multi_token_resident_ctas() {
   using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, PagedSource>;
   return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, PagedSource>, kThreads, Cta::kSmemBytes);
+}
+
+/// How split requests of the 16-row CTA are merged: by the merge kernel
+/// (decode_merge.cuh, a second launch over fp32 partials in global memory)
+/// or inside a thread-block cluster (decode_partial_cluster.cuh: the CTAs of
+/// one request combine their states through distributed shared memory).
+/// kAuto, the default, takes clusters of at most kAutoClusterCtas CTAs and
+/// the merge kernel otherwise; kCluster takes clusters up to
+/// kMaxClusterCtas; kKernel never. Measured on the H200 (docs/PERFORMANCE.md,
+/// block-sparse geometry, random rows): clusters of 2 (batch 32 x 2048,
+/// 64 x 4096) ran 8% and 1.5% faster than the merge kernel, clusters of 8
+/// (batch 8) 57-58% and of 16 (batch 1) 10% slower. (A cluster's CTAs must be
+/// placed in one GPC at once; that this is what costs the large clusters
+/// their time is our reading, not a profile.)
+enum class GqaMerge { kAuto, kKernel, kCluster };
+constexpr int32_t kAutoClusterCtas = 2;
+
+/// SPARSEPAGE_GQA_MERGE=auto|kernel|cluster picks the merge for the process
+/// (read once), for measuring them against each other; unset: auto. Any
+/// other value is refused by name.
+inline GqaMerge gqa_merge_choice() {
+  static const GqaMerge choice = [] {
+    const char* v = std::getenv("SPARSEPAGE_GQA_MERGE");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return GqaMerge::kAuto;
+    if (std::strcmp(v, "kernel") == 0) return GqaMerge::kKernel;
+    if (std::strcmp(v, "cluster") == 0) return GqaMerge::kCluster;
+    throw Error(std::string("SPARSEPAGE_GQA_MERGE must be 'auto', 'kernel' or 'cluster', not '") + v + "'");
+  }();
+  return choice;
+}
+
+/// Largest cluster the current choice takes (0: none).
+inline int32_t cluster_merge_limit() {
+  switch (gqa_merge_choice()) {
+    case GqaMerge::kAuto: return kAutoClusterCtas;
+    case GqaMerge::kCluster: return kMaxClusterCtas;
+    case GqaMerge::kKernel: break;
+  }
+  return 0;
+}
+
+/// Dynamic shared memory of the 128/128 cluster kernel's launches.
+template <class Source>
+constexpr size_t cluster_smem_bytes() {
+  return TileConfig<128, 128, Source::kHasBias>::kSmemBytes;
+}
+
+/// Launch config of the cluster kernel: `ctas` CTAs in clusters of `cluster`.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned cluster, size_t smem_bytes, cudaStream_t stream,
+                                         cudaLaunchAttribute (&attribute)[2]) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  return config;
+}
+
+/// Whether the current device can place clusters of `cluster` CTAs of the
+/// 128/128 cluster kernel for `Source` (sm_90 or later, and at least one
+/// such cluster resident by the occupancy API, which counts registers,
+/// shared memory and the GPCs' sizes). Asked once per (device, cluster size); also opts the
+/// kernel in to its shared memory and to non-portable sizes above 8.
+template <typename T, class Source>
+bool cluster_fits(int32_t cluster) {
+  if (cluster < 2 || cluster > kMaxClusterCtas || cuda_device_sm() < 90) return false;
+  auto kernel = partial_cluster_kernel<T, 128, 128, Source>;
+  configure_smem_once(kernel, cluster_smem_bytes<Source>());
+  static std::mutex mutex;
+  static std::vector<std::pair<std::pair<int, int32_t>, bool>> known;
+  int device = 0;
+  SP_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, cluster);
+  for (const auto& entry : known) {
+    if (entry.first == key) return entry.second;
+  }
+  if (cluster > 8) SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchAttribute attribute[2];
+  cudaLaunchConfig_t config = cluster_launch_config(
+      static_cast<unsigned>(cluster), static_cast<unsigned>(cluster), cluster_smem_bytes<Source>(), nullptr, attribute);
+  config.numAttrs = 1;  // the occupancy query takes the cluster dims alone
+  int clusters = 0;
+  const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // a size the device refuses: the merge kernel runs
+  known.emplace_back(key, status == cudaSuccess && clusters > 0);
+  return known.back().second;
+}
+
+/// The cluster kernel over `num_items` items of `ctas_per_item` head tiles,
+/// one cluster of `cluster` CTAs per request. Capturable.
+template <typename T, class Source>
+void launch_partial_cluster(const typename Source::Params& p, int32_t num_items, int32_t cluster, cudaStream_t stream) {
+  auto kernel = partial_cluster_kernel<T, 128, 128, Source>;
+  const int64_t ctas = int64_t{num_items} * ((int64_t{p.group_size} * p.q_len + kQueryTile - 1) / kQueryTile);
+  if (ctas > INT32_MAX || ctas % cluster != 0) throw Error("decode: the cluster merge's grid does not divide into clusters");
+  cudaLaunchAttribute attribute[2];
+  const cudaLaunchConfig_t config = cluster_launch_config(
+      static_cast<unsigned>(ctas), static_cast<unsigned>(cluster), cluster_smem_bytes<Source>(), stream, attribute);
+  SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 template <typename T, class Source>

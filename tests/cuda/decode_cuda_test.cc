@@ -4,7 +4,9 @@
 // group sizes 1..24, head dims 64/128/256, V aliasing K, the second K
 // stream, bf16 and f16; each with the plan's splits forced on and off, and
 // split requests merged by the merge kernel and in place.
+#include <cstdlib>
 #include <random>
+#include <string>
 
 #include "cuda/cuda_test_util.h"
 
@@ -99,6 +101,62 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_mla_p1_g80_d512_e64", kF16, 1, false, 80, 512, 512, 64, true, 128, {2100, 64, 1}},
         Case{"bf16_mla_p2_offset_g64_d512_e64", kBF16, 2, true, 64, 512, 512, 64, true, 128, {129, 0, 640}}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
+
+// The merge inside thread-block clusters: which plans take it, and that they
+// match the reference and the unsplit launch. SPARSEPAGE_GQA_MERGE (read once
+// per process; the GPU check runs the suite under each value) decides: unset
+// or `auto` takes clusters of 2 CTAs, `cluster` clusters of up to 16,
+// `kernel` none.
+struct ClusterCase {
+  DType dtype;
+  int32_t group_size;
+  std::vector<int32_t> seq_lens;
+  int32_t fixed_chunk;
+  int32_t cluster;  // what cuda_merge_cluster_size reports under SPARSEPAGE_GQA_MERGE=cluster
+};
+
+TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfAtMost16CtasAndMatchesTheReference) {
+  SKIP_WITHOUT_CUDA();
+  const char* env = std::getenv("SPARSEPAGE_GQA_MERGE");
+  const std::string mode = env == nullptr || *env == '\0' ? "auto" : env;
+  const int32_t limit = mode == "cluster" ? 16 : mode == "auto" ? 2 : 0;
+  const std::vector<ClusterCase> cases = {
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 128, 16},   // the batch-1 shape: 16 chunks per request
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 256, 8},
+      {kBF16, 16, {2048, 2048, 2048}, 1024, 2},         // the batch-32 and 64 shape: 2 chunks
+      {kF16, 16, {1000, 1000}, 512, 2},                 // a short second chunk
+      {kF16, 16, {2048, 2048}, 64, 0},                  // 32 chunks: more than a cluster holds
+      {kBF16, 32, {1024, 1024}, 128, 16},               // 8 chunks x 2 head tiles
+      {kF16, 4, {700, 700, 700}, 64, 11},               // 4 heads of the 16-row tile, a short last chunk
+      {kBF16, 24, {640, 640}, 128, 10},                 // a partial second head tile
+      {kBF16, 16, {2048, 1000}, 128, 0},                // not uniform: the merge kernel
+      {kBF16, 16, {100, 100}, 1 << 20, 0},              // nothing split
+  };
+  for (const ClusterCase& c : cases) {
+    ProblemSpec spec;
+    spec.dtype = c.dtype;
+    spec.seq_lens = c.seq_lens;
+    spec.group_size = c.group_size;
+    spec.pool_pages = 16384;
+    std::mt19937_64 rng(0xc1u + static_cast<uint64_t>(c.fixed_chunk) + static_cast<uint64_t>(c.group_size));
+    const PagedProblem pb = make_problem(spec, rng);
+    const std::string what = "group " + std::to_string(c.group_size) + ", " + std::to_string(c.seq_lens.size()) +
+                             " x " + std::to_string(c.seq_lens[0]) + ", chunk " + std::to_string(c.fixed_chunk);
+    const PlanShape shape = cuda_plan_shape(c.group_size, 128, c.fixed_chunk);
+    const DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
+    const DeviceProblem dp(pb);
+    Buffer o(Device::kCuda, o_count(pb) * 2);
+    EXPECT_EQ(cuda_merge_cluster_size(dp.params(pb, o.data(), nullptr), plan), c.cluster <= limit ? c.cluster : 0)
+        << what << ", SPARSEPAGE_GQA_MERGE=" << mode;
+    const Reference ref = reference_attention(pb, pb.token_rows());
+    const DecodeOutput split = run_gpu(pb, shape);
+    const DecodeOutput whole = run_gpu(pb, cuda_plan_shape(c.group_size, 128, 1 << 20));
+    expect_matches_reference(pb, split, ref, what);
+    EXPECT_EQ(split.error_flag, 0u) << what;
+    EXPECT_LT(relative_l2(split.o, to_double(whole.o)), 1e-2) << what;
+    for (size_t i = 0; i < split.lse.size(); ++i) EXPECT_NEAR(split.lse[i], whole.lse[i], 1e-3) << what << ", lse " << i;
+  }
+}
 
 TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {
   // Built: qk in {64, 128, 256}, v in {64, 128, 256} with v <= qk, a
