@@ -67,6 +67,64 @@ __device__ __forceinline__ uint32_t mla_swizzle(int row, int piece) {
   return static_cast<uint32_t>((piece >> 3) * MlaTile::kSlabBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4));
 }
 
+/// Both MLA kernels: the Q rows of a CTA's heads (q, then q_extra as
+/// columns 512..575) copied into the swizzled tile at `q_tile` by `threads`
+/// threads (this one is `tid`); heads past the group are zero.
+template <typename T>
+__device__ __forceinline__ void mla_load_q(const PartialCommon& p, uint32_t q_tile, int32_t request, int32_t head0,
+                                           int32_t heads, int tid, int threads) {
+  using L = MlaTile;
+  // This CTA's first head in q and q_extra (one division per CTA, not per piece).
+  const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
+  const T* e0 = static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0);
+  for (int idx = tid; idx < L::kHeads * L::kPieces; idx += threads) {
+    const int row = idx / L::kPieces, piece = idx % L::kPieces;
+    const T* g = piece < L::kLatent / 8 ? q0 + row * p.q_head + piece * 8 : e0 + row * p.qe_head + (piece - 64) * 8;
+    cp_async_16(q_tile + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
+  }
+}
+
+/// Both MLA kernels' epilogue for one thread: its two rows `wrow`, `wrow + 8`
+/// of warpgroup `wg`'s 256 O columns (`acc`), divided by the rows' summed
+/// softmax denominators `sum`, go to o (with lse) or, for a split request,
+/// to the fp32 partial slot `partial`. Nothing seen: o = 0, lse = -inf; a
+/// rejected page or a NaN input (`any_bad`, a NaN sum): NaN.
+template <typename T>
+__device__ __forceinline__ void mla_store_rows(const PartialCommon& p, const float (&acc)[128], const float (&m)[2],
+                                               const float (&sum)[2], int wrow, int lane, int wg, int32_t request,
+                                               int32_t partial, int32_t head0, int32_t heads, bool any_bad) {
+  using Tr = ElemTraits<T>;
+  T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);  // the CTA's first head
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = wrow + 8 * r;
+    if (row >= heads) continue;
+    const bool poison = any_bad || isnan(sum[r]);
+    const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+    const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
+    T* o_row = o0 + row * p.o_head;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = wg * 256 + j * 8 + 2 * (lane & 3);
+      float v0 = acc[4 * j + 2 * r] * inv, v1 = acc[4 * j + 2 * r + 1] * inv;
+      if (poison) v0 = v1 = nan_f32();
+      if (partial < 0) {
+        *reinterpret_cast<uint32_t*>(o_row + col) = Tr::pack2(v0, v1);
+      } else {
+        *reinterpret_cast<float2*>(p.partial_o + out_row * p.partial_dv + col) = make_float2(v0, v1);
+      }
+    }
+    if (wg == 0 && (lane & 3) == 0) {
+      const float lse = poison ? nan_f32() : sum[r] > 0.f ? (m[r] + log2f(sum[r])) * kLn2 : neg_inf_f32();
+      if (partial < 0) {
+        if (p.lse) p.lse[out_row] = lse;
+      } else {
+        p.partial_lse[out_row] = lse;
+      }
+    }
+  }
+}
+
 template <typename T, class Source>
 struct MlaCta {
   using Tr = ElemTraits<T>;
@@ -116,18 +174,7 @@ struct MlaCta {
   __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
   __device__ uint32_t stage(int tile) const { return base + L::kStage0 + (tile & 1) * L::kTileBytes; }
 
-  /// Q rows of this CTA's heads (q, then q_extra as columns 512..575);
-  /// heads past the group are zero.
-  __device__ void load_q() {
-    // This CTA's first head in q and q_extra (one division per CTA, not per piece).
-    const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
-    const T* e0 = static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0);
-    for (int idx = tid; idx < L::kHeads * L::kPieces; idx += L::kThreads) {
-      const int row = idx / L::kPieces, piece = idx % L::kPieces;
-      const T* g = piece < L::kLatent / 8 ? q0 + row * p.q_head + piece * 8 : e0 + row * p.qe_head + (piece - 64) * 8;
-      cp_async_16(base + L::kQ + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
-    }
-  }
+  __device__ void load_q() { mla_load_q<T>(p, base + L::kQ, request, head0, heads, tid, L::kThreads); }
 
   __device__ void prefetch_ids(int tile) {
     src.prefetch(id_slot(tile), tok_begin + tile * L::kTokens, tile_tokens(tile), tid);
@@ -317,43 +364,13 @@ struct MlaCta {
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
     float* xchg = reinterpret_cast<float*>(gen + L::kExchange);
-    T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);  // this CTA's first head
     __syncthreads();  // the last tile's max exchange is read
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = l[0], xchg[wg * L::kHeads + wrow + 8] = l[1];
     const bool any_bad = __syncthreads_or(bad);
     float sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = xchg[wrow + 8 * r] + xchg[L::kHeads + wrow + 8 * r];
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wrow + 8 * r;
-      if (row >= heads) continue;
-      // Nothing seen: o = 0. A rejected page or a NaN input: NaN.
-      const bool poison = any_bad || isnan(sum[r]);
-      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-      const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
-      T* o_row = o0 + row * p.o_head;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + j * 8 + 2 * (lane & 3);
-        float o0 = acc[4 * j + 2 * r] * inv, o1 = acc[4 * j + 2 * r + 1] * inv;
-        if (poison) o0 = o1 = nan_f32();
-        if (partial < 0) {
-          *reinterpret_cast<uint32_t*>(o_row + col) = Tr::pack2(o0, o1);
-        } else {
-          *reinterpret_cast<float2*>(p.partial_o + out_row * p.partial_dv + col) = make_float2(o0, o1);
-        }
-      }
-      if (wg == 0 && (lane & 3) == 0) {
-        const float lse = poison ? nan_f32() : sum[r] > 0.f ? (m[r] + log2f(sum[r])) * kLn2 : neg_inf_f32();
-        if (partial < 0) {
-          if (p.lse) p.lse[out_row] = lse;
-        } else {
-          p.partial_lse[out_row] = lse;
-        }
-      }
-    }
+    mla_store_rows<T>(p, acc, m, sum, wrow, lane, wg, request, partial, head0, heads, any_bad);
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
   }
 };

@@ -227,15 +227,7 @@ struct MlaWsCta {
   float m[2], l[2];
   float acc[128];
 
-  __device__ void load_q() {
-    const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
-    const T* e0 = static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0);
-    for (int idx = tid; idx < L::kHeads * L::kPieces; idx += W::kConsumerThreads) {
-      const int row = idx / L::kPieces, piece = idx % L::kPieces;
-      const T* g = piece < L::kLatent / 8 ? q0 + row * p.q_head + piece * 8 : e0 + row * p.qe_head + (piece - 64) * 8;
-      cp_async_16(base + W::kQ + mla_swizzle(row, piece), row < heads ? g : p.q, row < heads);
-    }
-  }
+  __device__ void load_q() { mla_load_q<T>(p, base + W::kQ, request, head0, heads, tid, W::kConsumerThreads); }
 
   __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
     const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
@@ -373,42 +365,13 @@ struct MlaWsCta {
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
     float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // both tiles' maxima are read by now
-    T* o0 = static_cast<T*>(p.o) + head_offset(p, p.o_seq, p.o_head, request, head0);
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
     if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
     named_barrier(W::kConsumerBar, W::kConsumerThreads);
     float sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = sums[wrow + 8 * r] + sums[L::kHeads + wrow + 8 * r];
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wrow + 8 * r;
-      if (row >= heads) continue;
-      const bool poison = any_bad || isnan(sum[r]);
-      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-      const int64_t out_row = int64_t{partial < 0 ? request : partial} * p.group_size + head0 + row;
-      T* o_row = o0 + row * p.o_head;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + j * 8 + 2 * (lane & 3);
-        float v0 = acc[4 * j + 2 * r] * inv, v1 = acc[4 * j + 2 * r + 1] * inv;
-        if (poison) v0 = v1 = nan_f32();
-        if (partial < 0) {
-          *reinterpret_cast<uint32_t*>(o_row + col) = Tr::pack2(v0, v1);
-        } else {
-          *reinterpret_cast<float2*>(p.partial_o + out_row * p.partial_dv + col) = make_float2(v0, v1);
-        }
-      }
-      if (wg == 0 && (lane & 3) == 0) {
-        const float lse = poison ? nan_f32() : sum[r] > 0.f ? (m[r] + log2f(sum[r])) * kLn2 : neg_inf_f32();
-        if (partial < 0) {
-          if (p.lse) p.lse[out_row] = lse;
-        } else {
-          p.partial_lse[out_row] = lse;
-        }
-      }
-    }
+    mla_store_rows<T>(p, acc, m, sum, wrow, lane, wg, request, partial, head0, heads, any_bad);
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
   }
 
