@@ -69,9 +69,9 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
           "the selection's indices hold fewer entries than its counts sum to");
 }
 
-// What the CUDA kernels cannot read, or "": the launchers' own check
-// (decode.h) over the fields of a launch that the layout depends on.
-std::string cuda_layout_problem_of(const SparseAttentionInputs& in) {
+// The fields of a launch the inputs' streams give: dtype and KV format, q,
+// K, V, the optional second stream, o. The layout depends on these alone.
+DecodeParams stream_fields(const SparseAttentionInputs& in) {
   DecodeParams p;
   p.dtype = in.dtype;
   p.kv_format = in.kv_format;
@@ -83,8 +83,12 @@ std::string cuda_layout_problem_of(const SparseAttentionInputs& in) {
     p.k_extra = in.k_extra;
   }
   p.o = in.o;
-  return cuda_layout_problem(p);
+  return p;
 }
+
+// What the CUDA kernels cannot read, or "": the launchers' own check
+// (decode.h) over the fields of a launch that the layout depends on.
+std::string cuda_layout_problem_of(const SparseAttentionInputs& in) { return cuda_layout_problem(stream_fields(in)); }
 
 int32_t machine_width(Device device) {
   if (device == Device::kCuda) return cuda_multiprocessor_count();
@@ -191,8 +195,7 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<i
 DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   const int32_t requests = in.batch * in.num_kv_heads;
   const auto* structure = structure_.as<int32_t>();
-  DecodeParams p;
-  p.dtype = in.dtype;
+  DecodeParams p = stream_fields(in);
   p.indptr = structure;
   p.first_page_offset = structure + requests + 1;
   p.seq_lens = structure + 2 * requests + 1;
@@ -210,18 +213,9 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   }
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q_len = in.q_len;
-  p.q = in.q;
-  p.k = in.k;
-  p.v = in.v;
-  if (in.k_extra.data != nullptr) {
-    p.q_extra = in.q_extra;
-    p.k_extra = in.k_extra;
-  }
-  p.kv_format = in.kv_format;
   p.k_scale = in.k_scale;
   p.v_scale = in.v_scale;
   p.scale = in.scale;
-  p.o = in.o;
   p.lse = in.lse;
   return p;
 }
