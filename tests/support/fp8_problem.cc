@@ -125,16 +125,8 @@ Reference reference_attention(const Fp8Problem& f, const std::vector<std::vector
           dot += double{qe[qrow * s.dim_extra + d]} * e[static_cast<size_t>(rows[r][j] * pb.e_row_stride + d)];
         scores.push_back(dot * pb.scale);
       }
-      if (scores.empty()) continue;
-      const double max = *std::max_element(scores.begin(), scores.end());
-      double sum = 0.0;
-      for (size_t j = 0; j < scores.size(); ++j) {
-        const double w = std::exp(scores[j] - max);
-        sum += w;
-        for (int32_t d = 0; d < s.dim_v; ++d) ref.o[qrow * s.dim_v + d] += w * vr[j][static_cast<size_t>(d)];
-      }
-      for (int32_t d = 0; d < s.dim_v; ++d) ref.o[qrow * s.dim_v + d] /= sum;
-      ref.lse[qrow] = max + std::log(sum);
+      ref.lse[qrow] = softmax_weighted_sum(
+          scores, s.dim_v, [&](size_t j, int64_t d) { return vr[j][static_cast<size_t>(d)]; }, &ref.o[qrow * s.dim_v]);
     }
   }
   return ref;
@@ -149,7 +141,9 @@ Fp8Problem make_fp8_far_queries(PagedProblem& pb) {
   pb = make_problem(spec, rng);
   std::vector<float> q = as_float(spec.dtype, pb.q);
   const size_t per_request = q.size() / spec.seq_lens.size();
-  for (size_t i = 0; i < q.size(); ++i) q[i] *= (i / per_request) % 2 == 0 ? std::ldexp(1.0f, 40) : std::ldexp(1.0f, -40);
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] *= (i / per_request) % 2 == 0 ? std::ldexp(1.0f, 40) : std::ldexp(1.0f, -40);
+  }
   from_float(spec.dtype, q.data(), pb.q.data(), q.size());
   return make_fp8_per_head(pb, 2);
 }

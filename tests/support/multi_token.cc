@@ -165,16 +165,9 @@ MultiTokenReference multi_token_reference(const MultiTokenProblem& pb) {
           scores.push_back(dot * scale);
           rows.push_back(row);
         }
-        if (scores.empty()) continue;
-        const double mx = *std::max_element(scores.begin(), scores.end());
-        double sum = 0.0;
-        for (size_t j = 0; j < scores.size(); ++j) {
-          const double w = std::exp(scores[j] - mx);
-          sum += w;
-          for (size_t i = 0; i < d; ++i) ref.o[qrow * d + i] += w * v[rows[j] * d + i];
-        }
-        for (size_t i = 0; i < d; ++i) ref.o[qrow * d + i] /= sum;
-        ref.lse[qrow] = mx + std::log(sum);
+        ref.lse[qrow] = softmax_weighted_sum(
+            scores, static_cast<int64_t>(d), [&](size_t j, int64_t i) { return double{v[rows[j] * d + i]}; },
+            &ref.o[qrow * d]);
       }
     }
   }

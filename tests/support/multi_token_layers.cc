@@ -158,16 +158,9 @@ std::vector<double> reference_rows(const Scenario& s, int32_t b, int32_t t,
       scores.push_back(dot * static_cast<double>(static_cast<float>(scale)));
       kept.push_back(pos);
     }
-    if (scores.empty()) continue;
-    const double mx = *std::max_element(scores.begin(), scores.end());
-    double sum = 0.0;
-    for (size_t j = 0; j < scores.size(); ++j) {
-      const double w = std::exp(scores[j] - mx);
-      sum += w;
-      const float* v = &s.v[((static_cast<size_t>(b) * c.num_kv_heads + h) * len + kept[j]) * d];
-      for (size_t i = 0; i < d; ++i) out[static_cast<size_t>(hq) * d + i] += w * v[i];
-    }
-    for (size_t i = 0; i < d; ++i) out[static_cast<size_t>(hq) * d + i] /= sum;
+    const float* v = &s.v[(static_cast<size_t>(b) * c.num_kv_heads + h) * len * d];  // this KV head's rows
+    const auto value = [&](size_t j, int64_t i) { return double{v[static_cast<size_t>(kept[j]) * d + i]}; };
+    softmax_weighted_sum(scores, static_cast<int64_t>(d), value, &out[static_cast<size_t>(hq) * d]);
   }
   return out;
 }

@@ -140,16 +140,9 @@ Reference reference_attention(const PagedProblem& pb, const std::vector<std::vec
         }
         scores.push_back(dot * pb.scale);
       }
-      if (scores.empty()) continue;
-      const double max = *std::max_element(scores.begin(), scores.end());
-      double sum = 0.0;
-      for (size_t j = 0; j < scores.size(); ++j) {
-        const double w = std::exp(scores[j] - max);
-        sum += w;
-        for (int32_t d = 0; d < s.dim_v; ++d) ref.o[qrow * s.dim_v + d] += w * v[rows[r][j] * pb.v_row_stride + d];
-      }
-      for (int32_t d = 0; d < s.dim_v; ++d) ref.o[qrow * s.dim_v + d] /= sum;
-      ref.lse[qrow] = max + std::log(sum);
+      ref.lse[qrow] = softmax_weighted_sum(
+          scores, s.dim_v, [&](size_t j, int64_t d) { return double{v[rows[r][j] * pb.v_row_stride + d]}; },
+          &ref.o[qrow * s.dim_v]);
     }
   }
   return ref;

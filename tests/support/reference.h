@@ -3,7 +3,10 @@
 // reference that attends explicit row lists.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -61,6 +64,24 @@ struct PagedProblem {
 };
 
 PagedProblem make_problem(const ProblemSpec& spec, std::mt19937_64& rng);
+
+/// The fp64 softmax step every reference here shares: out[0, dv) gets the
+/// softmax(scores)-weighted sum of the rows' values, `value(j, i)` being
+/// value i of scored row j. Returns the lse (natural log); no rows: -inf,
+/// and out is left as it is.
+template <class Value>
+double softmax_weighted_sum(const std::vector<double>& scores, int64_t dv, Value&& value, double* out) {
+  if (scores.empty()) return -std::numeric_limits<double>::infinity();
+  const double max = *std::max_element(scores.begin(), scores.end());
+  double sum = 0.0;
+  for (size_t j = 0; j < scores.size(); ++j) {
+    const double w = std::exp(scores[j] - max);
+    sum += w;
+    for (int64_t i = 0; i < dv; ++i) out[i] += w * value(j, i);
+  }
+  for (int64_t i = 0; i < dv; ++i) out[i] /= sum;
+  return max + std::log(sum);
+}
 
 /// fp64 attention of each request over explicit rows.
 struct Reference {
