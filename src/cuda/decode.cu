@@ -68,7 +68,10 @@ int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
   if (limit == 0 || plan.uniform_chunks < 2 || params.kv_format != KvFormat::kNative) return 0;
   const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
   const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
-  if (shape != cuda::TileShape::kK128V128 || cuda::uses_multi_token_cta(shape, params.group_size, params.q_len)) return 0;
+  if (shape != cuda::TileShape::kK128V128 ||
+      cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len) !=
+          cuda::MultiTokenCtaKind::kRowTiles)
+    return 0;
   const int64_t cluster =
       int64_t{plan.uniform_chunks} * cuda::ctas_per_item(shape, params.group_size * params.q_len);
   if (cluster > limit) return 0;
@@ -100,9 +103,11 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
   if (group_size < 1) throw Error("cuda_launch_shape: group_size must be at least 1");
   if (q_len < 1) throw Error("cuda_launch_shape: q_len must be at least 1");
   CudaLaunchShape s;
-  if (cuda::uses_multi_token_cta(shape, group_size, q_len)) {
+  const cuda::MultiTokenCtaKind multi =
+      cuda::multi_token_cta_kind(shape, head_dim_qk, head_dim_v, head_dim_extra, group_size, q_len);
+  if (multi != cuda::MultiTokenCtaKind::kRowTiles) {
     s.ctas_per_item = cuda::multi_token_ctas_per_item(group_size, q_len);
-    s.ctas_per_sm = cuda::multi_token_resident_ctas();
+    s.ctas_per_sm = cuda::multi_token_resident_ctas(multi);
     return s;
   }
   group_size *= q_len;  // the 16-row CTA: query rows

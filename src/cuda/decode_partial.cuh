@@ -208,6 +208,10 @@ struct TileConfig {
   // Q fragments stay in registers up to DK = 128; wider tiles re-read them
   // with ldmatrix to leave registers for the DV/2 fp32 accumulators.
   static constexpr bool kQInRegs = DK <= 128;
+  /// Where the copies put 16-byte chunk `chunk` of tile row `row` (elements
+  /// from the tile's start; rows of `chunks` chunks): the ldmatrix layout.
+  /// The wgmma multi-token CTA brings its own (decode_partial_multi_wgmma.cuh).
+  __device__ static int tile_offset(int row, int chunk, int chunks) { return swizzle(row, chunk, chunks); }
 };
 
 /// Rows from the page table. `kEngineInputs` adds the engines' own index

@@ -81,7 +81,7 @@ struct PartialCta {
                             : nullptr;
     for (int idx = tid; idx < tile_rows * kKChunks; idx += kThreads) {
       const int row = idx / kKChunks, c = idx % kKChunks;
-      T* dst = q_tile + swizzle(row, c, kKChunks);
+      T* dst = q_tile + Cfg::tile_offset(row, c, kKChunks);
       if (row >= heads) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
         continue;
@@ -106,8 +106,10 @@ struct PartialCta {
   /// row l once (page-table lookup, 64-bit row address), and the warp then
   /// sweeps the rows' 16-byte chunks with the row pointers passed by
   /// shuffle, so consecutive lanes read consecutive chunks of one row
-  /// (coalesced) and the per-chunk work is a shuffle and a copy.
-  __device__ void issue_tile(int tile) {
+  /// (coalesced) and the per-chunk work is a shuffle and a copy. Returns the
+  /// row lane l < 16 resolved (kRejectedRow for the other lanes and for tail
+  /// rows), which the multi-token CTA compares with the causal limits.
+  __device__ int64_t issue_tile(int tile) {
     constexpr int kRows = kTileRows / kWarps;
     static_assert(kRows <= 32 && (kRows * kKChunks) % 32 == 0 && (kRows * kVChunks) % 32 == 0, "warp sweep");
     const int32_t tok0 = tok_begin + tile * kTileRows;
@@ -118,8 +120,10 @@ struct PartialCta {
     const T* v_row = v_base;
     int fill = 0;
     bool masked = false;
+    int64_t resolved = kRejectedRow;
     if (lane < kRows && row0 + lane < tile_tokens(tile)) {
       const int64_t r = src.row(id_slot(tile), tok0, tok0 + row0 + lane, p);
+      resolved = r;
       bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       masked = r == kMaskedRow;
       if (r >= 0) {
@@ -148,7 +152,7 @@ struct PartialCta {
         const int idx = i * 32 + lane;
         const int lr = idx / kKChunks, c = idx % kKChunks;
         const int n = __shfl_sync(0xffffffffu, fill, lr);
-        cp_async_16_n(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n);
+        cp_async_16_n(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n);
       }
     } else {
 #pragma unroll
@@ -158,10 +162,10 @@ struct PartialCta {
         const int n = __shfl_sync(0xffffffffu, fill, lr);
         const T* gk = shfl_ptr(k_row, lr) + c * 8;
         const T* ge = shfl_ptr(e_row, lr) + (c - dq_chunks) * 8;
-        cp_async_16_n(smem_u32(kt + swizzle(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n);
+        cp_async_16_n(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n);
       }
     }
-    if (p.v_aliases_k) return;
+    if (p.v_aliases_k) return resolved;
     T* vt = kt + kTileRows * DK;
     const int dv_chunks = p.dv / 8;
 #pragma unroll
@@ -170,8 +174,9 @@ struct PartialCta {
       const int lr = idx / kVChunks, c = idx % kVChunks;
       const int n = __shfl_sync(0xffffffffu, fill, lr);
       const T* g = shfl_ptr(v_row, lr) + c * 8;
-      if (c < dv_chunks) cp_async_16_n(smem_u32(vt + swizzle(row0 + lr, c, kVChunks)), g, n);
+      if (c < dv_chunks) cp_async_16_n(smem_u32(vt + Cfg::tile_offset(row0 + lr, c, kVChunks)), g, n);
     }
+    return resolved;
   }
 
   __device__ static const T* shfl_ptr(const T* ptr, int src_lane) {

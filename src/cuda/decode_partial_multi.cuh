@@ -31,9 +31,9 @@ struct MultiTileConfig : TileConfig<DK, DV, false> {
   static constexpr size_t kIdBytes = size_t{kIdSlots} * kIdSlotInts * 4;
 };
 
-template <typename T, int DK, int DV, class Source>
-struct MultiTokenCta : PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>> {
-  using Base = PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>>;
+template <typename T, int DK, int DV, class Source, class Config = MultiTileConfig<DK, DV>>
+struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
+  using Base = PartialCta<T, DK, DV, Source, Config>;
   using Cfg = typename Base::Cfg;
   using Tr = typename Base::Tr;
   using Params = typename Source::Params;
@@ -58,9 +58,27 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>> {
   using Base::warp;
   static_assert(!Source::kHasBias && !Source::kMaySkip, "the multi-token CTA runs the library's own page tables");
   static_assert(Cfg::kQInRegs, "Q fragments stay in registers (DK <= 128)");
-  static constexpr size_t kSmemBytes = Cfg::kStageBytes + size_t{kMultiRows} * DK * 2 + Cfg::kIdBytes;
+  // After the page ids: one byte per (stage, warp), set when the warp's rows
+  // of the tile in that stage hold a position some token may not see.
+  static constexpr size_t kLateBytes = 32;
+  static_assert(kS * kWarps <= static_cast<int>(kLateBytes), "a late byte per stage and warp");
+  static constexpr size_t kSmemBytes = Cfg::kStageBytes + size_t{kMultiRows} * DK * 2 + Cfg::kIdBytes + kLateBytes;
 
   __device__ MultiTokenCta(const Params& params, unsigned char* smem) : Base(params, smem, kMultiRows) {}
+
+  __device__ uint8_t* late_bytes() const {
+    return reinterpret_cast<uint8_t*>(this->ids + Cfg::kIdSlots * kIdSlotInts);
+  }
+
+  /// The base copy, and whether this warp's rows of the tile lie at or past
+  /// the first token's causal limit (live length - (q_len - 1)): only such
+  /// tiles pay for the per-position limit in softmax(). The row PagedSource
+  /// resolves is the position itself (pool and window addressing alike).
+  __device__ void issue_tile(int tile) {
+    const int64_t r = Base::issue_tile(tile);
+    const bool late = __any_sync(0xffffffffu, r >= src.live_len() - (p.q_len - 1));
+    if (lane == 0) late_bytes()[(tile % kS) * kWarps + warp] = late;
+  }
 
   /// S = Q_w K^T: this warp's 16 query rows against the tile's 64 rows;
   /// s[j] covers gathered rows 8j .. 8j + 7.
@@ -82,33 +100,49 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>> {
   }
 
   /// Masks each row's positions at or past its token's causal limit, then
-  /// the online softmax over the 64 columns and acc += P V.
-  __device__ void softmax_pv(int tile, float (&s)[8][4]) {
+  /// the online softmax over the 64 columns: s becomes P (unnormalized),
+  /// and acc is rescaled where the running maximum moved.
+  __device__ void softmax(int tile, float (&s)[8][4]) {
     const int32_t n = this->tile_tokens(tile);
     const int32_t* slot = this->id_slot(tile);
     const int32_t tok0 = tok_begin + tile * kTileRows;
-    int64_t limit[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int32_t row = head0 + warp * 16 + (lane >> 2) + 8 * i;
-      limit[i] = src.live_len() - (p.q_len - 1 - row / p.group_size);
-    }
     float tile_max[2] = {neg_inf_f32(), neg_inf_f32()};
+    // The four warps' late bytes of this stage (written before the barrier
+    // that made the tile visible): a whole tile every token sees, the common
+    // case, needs no per-position test.
+    const uint32_t late = *reinterpret_cast<const uint32_t*>(late_bytes() + (tile % kS) * kWarps);
+    if (late == 0 && n == kTileRows) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = 8 * j + 2 * (lane & 3) + c;
-        bool live[2] = {key < n, key < n};
-        if (key < n) {
-          const int64_t pos = src.position(slot, tok0, tok0 + key);
-          live[0] = pos < limit[0];
-          live[1] = pos < limit[1];
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] *= p.scale_log2;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[j][e]);
         }
-        s[j][c] = live[0] ? s[j][c] * p.scale_log2 : neg_inf_f32();
-        s[j][c + 2] = live[1] ? s[j][c + 2] * p.scale_log2 : neg_inf_f32();
-        tile_max[0] = fmaxf(tile_max[0], s[j][c]);
-        tile_max[1] = fmaxf(tile_max[1], s[j][c + 2]);
+      }
+    } else {
+      int64_t limit[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int32_t row = head0 + warp * 16 + (lane >> 2) + 8 * i;
+        limit[i] = src.live_len() - (p.q_len - 1 - row / p.group_size);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int key = 8 * j + 2 * (lane & 3) + c;
+          bool live[2] = {key < n, key < n};
+          if (key < n) {
+            const int64_t pos = src.position(slot, tok0, tok0 + key);
+            live[0] = pos < limit[0];
+            live[1] = pos < limit[1];
+          }
+          s[j][c] = live[0] ? s[j][c] * p.scale_log2 : neg_inf_f32();
+          s[j][c + 2] = live[1] ? s[j][c + 2] * p.scale_log2 : neg_inf_f32();
+          tile_max[0] = fmaxf(tile_max[0], s[j][c]);
+          tile_max[1] = fmaxf(tile_max[1], s[j][c + 2]);
+        }
       }
     }
     // Lazy rescaling, as in the 16-row CTA (the decision is warp-uniform).
@@ -145,6 +179,10 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>> {
         acc[nt][0] *= alpha[0], acc[nt][1] *= alpha[0], acc[nt][2] *= alpha[1], acc[nt][3] *= alpha[1];
       }
     }
+  }
+
+  /// acc += P V over the tile's 64 gathered rows (four k16 steps).
+  __device__ void pv(int tile, const float (&s)[8][4]) {
     const T* vt = this->v_tile(tile % kS);
     const int pitch = this->v_pitch();
 #pragma unroll
@@ -192,7 +230,8 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, MultiTileConfig<DK, DV>> {
       cp_async_commit();
       float s[8][4] = {};
       scores(t % kS, s);
-      softmax_pv(t, s);
+      softmax(t, s);
+      pv(t, s);
     }
     cp_async_wait<0>();
     finish();

@@ -28,6 +28,7 @@
 #include "cuda/decode_partial.cuh"
 #include "cuda/decode_partial_cluster.cuh"
 #include "cuda/decode_partial_multi.cuh"
+#include "cuda/decode_partial_multi_wgmma.cuh"
 #include "cuda/mla_partial.cuh"
 #include "cuda/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
@@ -82,28 +83,51 @@ inline MlaKernel mla_kernel_choice() {
   return choice;
 }
 
-/// Whether a launch runs the multi-token CTA (decode_partial_multi.cuh): a
-/// multi-token step with more than 32 query rows (three 16-row tiles or
-/// more), at head dim 128, over the library's own page tables (PagedSource).
-/// Everything else runs the 16-row CTA. Measured on the H200 (block-sparse
-/// step, batch 32, 32K, 16 heads per KV head; docs/PERFORMANCE.md): at 2
-/// tokens (32 rows) the 16-row tiles are faster (172.7 against 183.1 us), at
-/// 4 and 8 tokens the 64-row CTA (199.4 against 242.7 us, 325.9 against
-/// 421.9 us). SPARSEPAGE_MULTI_TOKEN_CTA=0 runs every step on the 16-row
-/// CTA, for measuring the two (read once per process).
-inline bool uses_multi_token_cta(TileShape shape, int32_t group_size, int32_t q_len) {
-  static const bool enabled = [] {
+/// Which CTA a multi-token step runs (DecodeParams::q_len > 1):
+///   kRowTiles  the 16-row CTA, each of its tiles reading every gathered row;
+///   kMma       the 64-row CTA on mma.sync (decode_partial_multi.cuh);
+///   kWgmma     the 64-row CTA on warpgroup MMAs (decode_partial_multi_wgmma.cuh).
+/// The 64-row CTAs take steps of more than 32 query rows (three 16-row tiles
+/// or more) at head dim 128 over the library's own page tables
+/// (PagedSource); the wgmma one where sm_90a code runs and the dims are
+/// exactly 128 / 128 with no second stream, the mma.sync one elsewhere.
+/// Measured on the H200 (block-sparse step, batch 32, 32K, 16 heads per KV
+/// head; docs/PERFORMANCE.md): at 2 tokens (32 rows) the 16-row tiles are
+/// faster (172.7 against 183.1 us), at 4 and 8 tokens the 64-row CTA.
+enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
+
+/// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process), for measuring the
+/// three against each other: unset or `auto` chooses as above, `mma` keeps
+/// the 64-row CTA on mma.sync, `0` runs every step on the 16-row CTA. Any
+/// other value is refused by name.
+inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t dqk, int32_t dv, int32_t de,
+                                              int32_t group_size, int32_t q_len) {
+  enum class Choice { kAuto, kMma, kOff };
+  static const Choice choice = [] {
     const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
-    return v == nullptr || std::strcmp(v, "0") != 0;
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Choice::kAuto;
+    if (std::strcmp(v, "mma") == 0) return Choice::kMma;
+    if (std::strcmp(v, "0") == 0) return Choice::kOff;
+    throw Error(std::string("SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not '") + v + "'");
   }();
-  return enabled && q_len > 1 && int64_t{group_size} * q_len > 2 * kQueryTile && shape == TileShape::kK128V128;
+  if (choice == Choice::kOff || q_len < 2 || int64_t{group_size} * q_len <= 2 * kQueryTile ||
+      shape != TileShape::kK128V128)
+    return MultiTokenCtaKind::kRowTiles;
+  // The MLA shape's answer is "" exactly where sm_90a code runs on this device.
+  const bool wgmma_runs = cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty();
+  if (choice == Choice::kAuto && wgmma_runs && dqk == 128 && dv == 128 && de == 0) return MultiTokenCtaKind::kWgmma;
+  return MultiTokenCtaKind::kMma;
 }
 
-/// CTAs per work item and resident CTAs per SM of the multi-token CTA.
+/// CTAs per work item and resident CTAs per SM of the 64-row CTAs.
 inline int32_t multi_token_ctas_per_item(int32_t group_size, int32_t q_len) {
   return static_cast<int32_t>((int64_t{group_size} * q_len + kMultiRows - 1) / kMultiRows);
 }
-inline int32_t multi_token_resident_ctas() {
+inline int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
+  if (kind == MultiTokenCtaKind::kWgmma) {
+    using Cta = MultiTokenWgmmaCta<__nv_bfloat16, PagedSource>;
+    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, PagedSource>, kThreads, Cta::kSmemBytes);
+  }
   using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, PagedSource>;
   return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, PagedSource>, kThreads, Cta::kSmemBytes);
 }
@@ -336,19 +360,28 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
 }
 
 template <typename T, class Source>
-void launch_multi_token(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
+void launch_multi_token(const typename Source::Params& p, MultiTokenCtaKind kind, int32_t num_items, cudaStream_t stream) {
+  const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
+  if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+  const dim3 grid(static_cast<unsigned>(ctas));
+  if (kind == MultiTokenCtaKind::kWgmma) {
+    using Cta = MultiTokenWgmmaCta<T, Source>;
+    auto kernel = multi_token_wgmma_kernel<T, Source>;
+    configure_smem_once(kernel, Cta::kSmemBytes);
+    launch_with_pdl(kernel, grid, dim3(kThreads), Cta::kSmemBytes, stream, p);
+    return;
+  }
   using Cta = MultiTokenCta<T, 128, 128, Source>;
   auto kernel = multi_token_kernel<T, 128, 128, Source>;
   configure_smem_once(kernel, Cta::kSmemBytes);
-  const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
-  if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cta::kSmemBytes, stream, p);
+  launch_with_pdl(kernel, grid, dim3(kThreads), Cta::kSmemBytes, stream, p);
 }
 
 template <typename T, class Source>
 void launch_partial_typed(const typename Source::Params& p, TileShape shape, int32_t num_items, cudaStream_t stream) {
   if constexpr (std::is_same_v<Source, PagedSource>) {
-    if (uses_multi_token_cta(shape, p.group_size, p.q_len)) return launch_multi_token<T, Source>(p, num_items, stream);
+    const MultiTokenCtaKind kind = multi_token_cta_kind(shape, p.dqk, p.dv, p.de, p.group_size, p.q_len);
+    if (kind != MultiTokenCtaKind::kRowTiles) return launch_multi_token<T, Source>(p, kind, num_items, stream);
   }
   switch (shape) {
     case TileShape::kK64V64: return launch_partial_shape<T, 64, 64, Source>(p, num_items, stream);

@@ -1,7 +1,7 @@
 // Hopper warpgroup MMA (wgmma) wrappers: shared-memory matrix descriptors,
-// the fence / commit / wait protocol, and the two instruction shapes the MLA
-// kernel issues. Both operands come from shared memory in 128-byte swizzled
-// tiles (see mla_partial.cuh for the layout). Inline asm cannot loop over
+// the fence / commit / wait protocol, and the instruction shapes the MLA
+// kernel and the multi-token CTA issue. Shared-memory operands are 128-byte
+// swizzled tiles (see mla_partial.cuh for the layout). Inline asm cannot loop over
 // operands, so the accumulator lists are written out by macro.
 #pragma once
 
@@ -102,6 +102,69 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   }
 }
 
+// The multi-token CTA's shapes keep their accumulators as [n8 tile][4]
+// arrays, the mma.sync fragment layout (which is also wgmma's per warp).
+#define SP_F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define SP_WGMMA_N64_OUTS SP_F4(0), SP_F4(1), SP_F4(2), SP_F4(3), SP_F4(4), SP_F4(5), SP_F4(6), SP_F4(7)
+#define SP_WGMMA_N64(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 " \
+  "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+
+/// D[64x64] (+)= A[64x16] B[16x64]^T: A and B K-major, both in shared memory.
+template <typename T>
+__device__ __forceinline__ void mma_m64n64k16(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N64("bf16") : SP_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N64("f16") : SP_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  }
+}
+
+#define SP_WGMMA_N128_OUTS \
+  SP_F4(0), SP_F4(1), SP_F4(2), SP_F4(3), SP_F4(4), SP_F4(5), SP_F4(6), SP_F4(7), \
+  SP_F4(8), SP_F4(9), SP_F4(10), SP_F4(11), SP_F4(12), SP_F4(13), SP_F4(14), SP_F4(15)
+#define SP_WGMMA_N128_RS(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
+  "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+
+/// D[64x128] (+)= A[64x16] B[16x128]: A from registers (each warp's 16 rows
+/// in the mma.sync m16n8k16 A-fragment layout), B MN-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N128_RS("bf16")
+                 : SP_WGMMA_N128_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N128_RS("f16")
+                 : SP_WGMMA_N128_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+}
+
+/// pin() for [n8 tile][4] accumulators.
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+  }
+}
+
+#undef SP_F4
+#undef SP_WGMMA_N64_OUTS
+#undef SP_WGMMA_N64
+#undef SP_WGMMA_N128_OUTS
+#undef SP_WGMMA_N128_RS
 #undef SP_WGMMA_N32_OUTS
 #undef SP_WGMMA_N32
 #undef SP_WGMMA_N256_OUTS
