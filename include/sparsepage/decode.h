@@ -359,6 +359,11 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
 /// once per process) allows: 2 when unset or `auto` (the sizes measured
 /// faster than the merge kernel), 16 with `cluster`, none with `kernel`.
 int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan);
+/// The kernel `run_decode_cuda` launches for these parameters and this plan,
+/// named for logs and benchmarks (a string literal, e.g. "64-row
+/// multi-token CTA, wgmma"); the kernel switches SPARSEPAGE_MLA_KERNEL,
+/// SPARSEPAGE_GQA_MERGE and SPARSEPAGE_MULTI_TOKEN_CTA are taken into account.
+const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan);
 /// Reads and clears the error flag (synchronizes). Nonzero: some page id was outside the pool.
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream = nullptr);
 

@@ -32,10 +32,12 @@ struct SparseDecodeOutcome {
   int64_t selected_rows = 0;  // rows per request (max) for fused; total for reasons
   int64_t chunks = 0;         // work items of the plan
   bool merge = false;
+  const char* kernel = "";    // fused: the kernel that ran (cuda_decode_kernel_name, or "CPU loop")
   std::string reason;         // fallbacks only
   bool fused() const { return kind == OutcomeKind::kFused; }
   /// The one-line description, e.g.
-  /// "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on)".
+  /// "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on;
+  /// 16-row tiles, mma.sync)".
   std::string describe() const;
 };
 

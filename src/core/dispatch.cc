@@ -76,7 +76,7 @@ std::string SparseDecodeOutcome::describe() const {
   if (fused()) {
     line << "fused sparse launch (" << requests << " request(s) x "
          << (requests > 0 ? selected_rows / requests : 0) << " selected rows, " << chunks << " chunks, merge "
-         << (merge ? "on" : "off") << ")";
+         << (merge ? "on" : "off") << (*kernel != '\0' ? "; " : "") << kernel << ")";
   } else {
     line << "fallback: " << reason;
   }

@@ -228,8 +228,10 @@ void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
 SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream) {
   if (device_ == Device::kCuda) {
     run_decode_cuda(params, plan_, workspace_.data(), stream);
+    outcome.kernel = cuda_decode_kernel_name(params, plan_);
   } else {
     run_decode_cpu(params, plan_, workspace_.data());
+    outcome.kernel = "CPU loop";
   }
   outcome.chunks = static_cast<int64_t>(plan_.work.size());
   outcome.merge = plan_.needs_merge();

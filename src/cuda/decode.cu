@@ -88,6 +88,25 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
   return cluster_size_for(params, plan);
 }
 
+const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
+  const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
+  const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
+  if (params.kv_format == KvFormat::kE4m3Mla) return "MLA FP8 (656-byte rows), wgmma";
+  if (params.kv_format != KvFormat::kNative) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
+  if (shape == cuda::TileShape::kMla)
+    return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
+                                                                            : "MLA, wgmma, classic";
+  if (!uses_engine_inputs(params)) {
+    switch (cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len)) {
+      case cuda::MultiTokenCtaKind::kWgmma: return "64-row multi-token CTA, wgmma";
+      case cuda::MultiTokenCtaKind::kMma: return "64-row multi-token CTA, mma.sync";
+      case cuda::MultiTokenCtaKind::kRowTiles: break;
+    }
+  }
+  if (cluster_size_for(params, plan) > 0) return "16-row tiles, mma.sync, cluster merge";
+  return "16-row tiles, mma.sync";
+}
+
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
   return cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra) != cuda::TileShape::kNone;
 }

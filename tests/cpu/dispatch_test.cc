@@ -56,6 +56,11 @@ TEST(Policy, FusesWhenEverythingHolds) {
   const auto out = decide_sparse_decode(sparse_input(), DispatchConfig::defaults());
   ASSERT_TRUE(out.fused());
   EXPECT_EQ(out.describe(), "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on)");
+  // A launch fills in the kernel it ran, and the line names it.
+  SparseDecodeOutcome launched = out;
+  launched.kernel = "16-row tiles, mma.sync";
+  EXPECT_EQ(launched.describe(),
+            "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on; 16-row tiles, mma.sync)");
 }
 
 TEST(Policy, EachDeclineNamesItsNumbers) {

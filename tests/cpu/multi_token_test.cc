@@ -201,7 +201,9 @@ TEST(MultiTokenCpu, StridedViewsMatchPacked) {
 // boundary (638 + 4 crosses 640), inside one block, and 8 tokens.
 TEST(MultiTokenCpu, BlockSparseLayerFusedStep) {
   const BlockSparseConfig c = testing::small_block_sparse_config();
-  testing::check_block_sparse_multi_token(Device::kCpu, c, 2, 638, 4);
+  std::string kernel;
+  testing::check_block_sparse_multi_token(Device::kCpu, c, 2, 638, 4, &kernel);
+  EXPECT_EQ(kernel, "CPU loop");
   testing::check_block_sparse_multi_token(Device::kCpu, c, 3, 700, 2);
   testing::check_block_sparse_multi_token(Device::kCpu, c, 1, 1000, 8);
 }

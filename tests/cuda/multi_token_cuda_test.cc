@@ -6,6 +6,7 @@
 // tiles (G * q_len > 16, G not a divisor of 16); forced splits and merges.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -152,6 +153,24 @@ TEST(MultiTokenCuda, BlockSparseLayerFusedStep) {
   wide.num_kv_heads = 4;
   wide.num_qo_heads = 64;
   testing::check_block_sparse_multi_token(Device::kCuda, wide, 2, 900, 8);
+}
+
+// The block-sparse geometry's head dim (128, 16 heads per KV head): four
+// tokens are 64 query rows, the 64-row CTA's step, on wgmma where sm_90a code
+// runs (unless SPARSEPAGE_MULTI_TOKEN_CTA=mma asks for mma.sync, as the
+// second ctest process of these tests does). The step names its kernel.
+TEST(MultiTokenCuda, BlockSparseLayerOnTheSixtyFourRowCta) {
+  SKIP_WITHOUT_CUDA();
+  BlockSparseConfig c = testing::small_block_sparse_config();
+  c.num_kv_heads = 2;
+  c.num_qo_heads = 32;
+  c.head_dim = 128;
+  std::string kernel;
+  testing::check_block_sparse_multi_token(Device::kCuda, c, 2, 900, 4, &kernel);
+  const char* choice = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+  const bool mma = (choice != nullptr && std::string(choice) == "mma") ||
+                   !cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty();  // no sm_90a code runs here
+  EXPECT_EQ(kernel, mma ? "64-row multi-token CTA, mma.sync" : "64-row multi-token CTA, wgmma");
 }
 
 TEST(MultiTokenCuda, BlockSparseLayerTokenByToken) {

@@ -215,7 +215,7 @@ BlockSparseConfig small_block_sparse_config() {
 }
 
 void check_block_sparse_multi_token(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
-                                    int32_t q_len) {
+                                    int32_t q_len, std::string* kernel) {
   const DType dtype = DType::kBF16;
   const Scenario s = make_scenario(config, batch, prompt, q_len, 1234 + static_cast<uint64_t>(prompt));
   BlockSparseAttention layer(device, dtype, config, batch, always_fuse());
@@ -225,6 +225,7 @@ void check_block_sparse_multi_token(Device device, const BlockSparseConfig& conf
   ASSERT_EQ(layer.kv_len(), s.len());
   ASSERT_TRUE(step.sparse_regime);
   ASSERT_TRUE(step.fused) << step.outcome.reason;
+  if (kernel != nullptr) *kernel = step.outcome.kernel;
   const auto blocks = layer.last_blocks();
   ASSERT_EQ(blocks.size(), static_cast<size_t>(batch * config.num_kv_heads));
   const int64_t first_new_block = prompt / config.block_size, final_block = (s.len() - 1) / config.block_size;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
@@ -20,8 +21,9 @@ BlockSparseConfig small_block_sparse_config();
 /// representable inputs), including the blocks of every new token; and
 /// each token's output matches an fp64 reference over the kept positions
 /// cut at that token's causal limit, with the output NaN-poisoned first.
+/// `kernel`, when given, receives the name of the kernel the step ran.
 void check_block_sparse_multi_token(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
-                                    int32_t q_len);
+                                    int32_t q_len, std::string* kernel = nullptr);
 
 /// A multi-token step that runs token by token: below the sparse regime
 /// (each token against fp64 causal attention over the whole window) or
