@@ -328,8 +328,9 @@ struct CudaLaunchShape {
 /// Throws when cuda_supports_head_dims is false for these dims.
 CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size);
 /// The same for a multi-token step of `q_len` query tokens per request of
-/// `group_size` heads (DecodeParams::q_len): more than 32 query rows at head
-/// dim 128 run the 64-row multi-token CTA, otherwise the 16-row tiles.
+/// `group_size` heads (DecodeParams::q_len): at head dim 128 the 64-row
+/// multi-token CTA runs from 17 query rows where sm_90a code runs (its wgmma
+/// form) and from 33 rows elsewhere (mma.sync); other steps run the 16-row tiles.
 CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
                                          int32_t group_size, int32_t q_len);
 

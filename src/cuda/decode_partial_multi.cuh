@@ -1,5 +1,6 @@
-// The multi-token CTA of the partial kernel (DecodeParams::q_len > 1 with
-// more than 32 query rows; launch_partial.cuh): one CTA owns 64 query rows (the
+// The multi-token CTA of the partial kernel on mma.sync (DecodeParams::q_len
+// > 1; multi_token_cta_kind in launch_partial.cuh says when it runs, and when
+// its wgmma form, decode_partial_multi_wgmma.cuh): one CTA owns 64 query rows (the
 // heads x tokens of a request, four MMA M tiles), and its four warps split
 // the rows instead of the gathered tokens. Each gathered K/V row is copied
 // into shared memory once for all 64 rows, where the 16-row kernel runs a

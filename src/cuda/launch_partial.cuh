@@ -87,13 +87,15 @@ inline MlaKernel mla_kernel_choice() {
 ///   kRowTiles  the 16-row CTA, each of its tiles reading every gathered row;
 ///   kMma       the 64-row CTA on mma.sync (decode_partial_multi.cuh);
 ///   kWgmma     the 64-row CTA on warpgroup MMAs (decode_partial_multi_wgmma.cuh).
-/// The 64-row CTAs take steps of more than 32 query rows (three 16-row tiles
-/// or more) at head dim 128 over the library's own page tables
-/// (PagedSource); the wgmma one where sm_90a code runs and the dims are
-/// exactly 128 / 128 with no second stream, the mma.sync one elsewhere.
+/// The 64-row CTAs take multi-token steps at head dim 128 over the library's
+/// own page tables (PagedSource): the wgmma one where sm_90a code runs and
+/// the dims are exactly 128 / 128 with no second stream, from 17 query rows
+/// (two 16-row tiles or more); the mma.sync one elsewhere, from 33 rows.
 /// Measured on the H200 (block-sparse step, batch 32, 32K, 16 heads per KV
-/// head; docs/PERFORMANCE.md): at 2 tokens (32 rows) the 16-row tiles are
-/// faster (172.7 against 183.1 us), at 4 and 8 tokens the 64-row CTA.
+/// head; docs/PERFORMANCE.md): at 2 tokens (32 rows) the wgmma CTA against
+/// the 16-row tiles 140.7 against 171.3 us, where the mma.sync CTA had lost
+/// (183.1 against 172.7); at 4 tokens wgmma 153.8, mma.sync 160.5, 16-row
+/// tiles 242.7 (before the late-tile test both 64-row CTAs gained).
 enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
 
 /// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process), for measuring the
@@ -110,13 +112,13 @@ inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t dqk, int3
     if (std::strcmp(v, "0") == 0) return Choice::kOff;
     throw Error(std::string("SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not '") + v + "'");
   }();
-  if (choice == Choice::kOff || q_len < 2 || int64_t{group_size} * q_len <= 2 * kQueryTile ||
-      shape != TileShape::kK128V128)
+  const int64_t rows = int64_t{group_size} * q_len;
+  if (choice == Choice::kOff || q_len < 2 || rows <= kQueryTile || shape != TileShape::kK128V128)
     return MultiTokenCtaKind::kRowTiles;
   // The MLA shape's answer is "" exactly where sm_90a code runs on this device.
   const bool wgmma_runs = cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty();
   if (choice == Choice::kAuto && wgmma_runs && dqk == 128 && dv == 128 && de == 0) return MultiTokenCtaKind::kWgmma;
-  return MultiTokenCtaKind::kMma;
+  return rows > 2 * kQueryTile ? MultiTokenCtaKind::kMma : MultiTokenCtaKind::kRowTiles;
 }
 
 /// CTAs per work item and resident CTAs per SM of the 64-row CTAs.

@@ -38,7 +38,9 @@ std::vector<Case> cases() {
       {DType::kBF16, 6, 3, 16, 12, {190, 161}, 64, 64},         // 18 rows over 2 tiles, split
       {DType::kBF16, 1, 8, 1, 300, {400, 17}, 64, 128},         // token pages, 8 tokens, split
       {DType::kBF16, 32, 2, 64, 6, {300}, 0, 256},              // 2 tiles per token, wide head
-      // The 64-row multi-token CTA (head dim 128, more than 32 rows):
+      // The 64-row multi-token CTA (head dim 128; from 17 rows on wgmma, from 33 on mma.sync):
+      {DType::kBF16, 16, 2, 64, 9, {700, 333}, 0, 128},         // 32 rows: the block-sparse geometry's 2 tokens
+      {DType::kF16, 10, 2, 16, 20, {300, 41}, 64, 128},         // 20 rows, 44 of the 64 padding, split
       {DType::kBF16, 6, 6, 16, 9, {150, 97}, 0, 128},           // 36 rows, 28 of the 64 padding
       {DType::kF16, 8, 8, 32, 7, {230, 180, 41}, 64, 128},      // 64 rows, split and merged
       {DType::kBF16, 12, 8, 1, 200, {260, 300}, 64, 128},       // 96 rows: two CTAs, a token across them
