@@ -291,6 +291,13 @@ std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra,
 /// (K and V 128, no second stream), kE4m3Mla at the MLA shape with bf16 q,
 /// rope and o; byte strides in whole 16-byte pieces.
 std::string cuda_layout_problem(const DecodeParams& params);
+/// What the KV format's own fields get wrong, or "" (both backends): a
+/// kv_format outside KvFormat, per-head scales missing for kE4m3PerHead or
+/// set for another format, and for kE4m3Mla a dtype other than bf16, dims
+/// other than 512 / 512 + a 64-wide rope, V not K's view, or rows shorter
+/// than the 528 bytes of latent and scales. Checked by every launch, and by
+/// SparseDecoder before a step changes anything.
+std::string kv_format_problem(const DecodeParams& params);
 
 /// Head dims the fused kernels are built for (CPU runs any). The MLA shape
 /// (512, 512, 64) runs only with V aliasing K's first 512 columns (same

@@ -85,6 +85,11 @@ struct EnginePagedKV {
   RowView v;
   RowView k_extra;  // the MLA rope columns; data null without a second K stream
   BlockTable block_table;
+  /// The rows' format. kNative: rows of the layer's dtype. KvFormat::kE4m3Mla
+  /// (the DSA layer, bf16): the engines' 656-byte FP8 MLA rows (fp8.h), with
+  /// k, v and k_extra as mla_fp8_views gives them over the pool's
+  /// num_blocks * block_size rows; the kernel dequantizes as it reads.
+  KvFormat kv_format = KvFormat::kNative;
 };
 
 /// A selection as a serving step produces it on the device: a fixed-width

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "sparsepage/fp8.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
@@ -259,12 +260,37 @@ struct PyDsa {
     const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
     int32_t bs = 0;
     EnginePagedKV kv;
+    if (Tensor t = describe(kv_cache, op, "kv_cache"); t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt)) {
+      return fp8_kv(t, op, block_table);
+    }
     kv.k = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, L, layout, &bs);
     kv.v = kv.k;        // V = the latent columns
     kv.k_extra = kv.k;  // the rope columns of the same rows
     kv.k_extra.data = static_cast<const char*>(kv.k.data) + int64_t{L} * static_cast<int64_t>(dtype_size(dtype));
     kv.k_extra.dim = R;
     kv.block_table = engine_table(op, block_table, device, batch, bs, kv.k.capacity / bs);
+    return kv;
+  }
+  // The engines' FP8 MLA pool: uint8 [num_blocks, block_size, row_bytes], each
+  // row the 656-byte format (fp8.h) and row_bytes >= 656 apart.
+  EnginePagedKV fp8_kv(Tensor& t, const std::string& op, const In& block_table) const {
+    const char* layout = "[num_blocks, block_size, row_bytes] uint8 (656-byte FP8 MLA rows)";
+    require_layer_device(t, device);
+    if (t.dtype.bits != 8 || t.dtype.lanes != 1) t.fail("has dtype " + t.dtype_str() + "; an FP8 pool is uint8");
+    if (dtype != DType::kBF16) t.fail("holds FP8 MLA rows, whose rope is bf16: the layer must be bf16");
+    if (config.latent_dim != MlaFp8Row::kLatent || config.rope_dim != MlaFp8Row::kRope)
+      t.fail("holds FP8 MLA rows of 512 latent + 64 rope values; the layer has " + std::to_string(config.latent_dim) +
+             " + " + std::to_string(config.rope_dim));
+    t.require_ndim(3, layout);
+    if (t.shape[2] < MlaFp8Row::kBytes) t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656 " + layout);
+    if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
+    if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
+      t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
+    const MlaFp8Views views = mla_fp8_views(t.data, t.shape[0] * t.shape[1], t.strides[1]);
+    EnginePagedKV kv{views.k, views.v, views.k_extra, {}};
+    kv.kv_format = KvFormat::kE4m3Mla;
+    const int32_t bs = to_int32(t.shape[1], op, "kv_cache's block size");
+    kv.block_table = engine_table(op, block_table, device, batch, bs, t.shape[0]);
     return kv;
   }
 };
@@ -552,8 +578,11 @@ void bind_layers(nb::module_& m) {
           "Decode over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): appends the\n"
           "indexer key index_k [B, 1, 1, index_head_dim], runs the indexer, and attends the kept\n"
           "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
-          "row) in place through block_table int32 [B, max_blocks]. The engine must already have written\n"
-          "this token's row at position kv_len. No mask path: a declined step raises, appending nothing.")
+          "row) in place through block_table int32 [B, max_blocks]. A uint8 kv_cache [num_blocks,\n"
+          "block_size, row_bytes >= 656] holds the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32\n"
+          "scales, 64 bf16 rope values; quantize_mla_fp8 writes them) for a bf16 layer of 512 + 64,\n"
+          "dequantized in the kernel. The engine must already have written this token's row at position\n"
+          "kv_len. No mask path: a declined step raises, appending nothing.")
       .def(
           "decode_multi",
           [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,

@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "sparsepage/dispatch.h"
+#include "sparsepage/fp8.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
@@ -102,6 +103,38 @@ void bind_page_table(nb::module_& m) {
         return "PageTableStructure(page_size=" + std::to_string(t.page_size) + ", seq_lens=" +
                repr_counts(t.seq_lens) + ", num_pages=" + std::to_string(t.num_pages()) + ")";
       });
+
+  m.def(
+      "quantize_mla_fp8",
+      [](const In& src, const Out& dst, uintptr_t stream) {
+        const std::string op = "quantize_mla_fp8";
+        const Tensor s = describe(src, op, "src"), d = describe(dst, op, "dst");
+        const Device device = common_device(op, {&s, &d});
+        if (s.float_dtype() != DType::kBF16) s.fail("has dtype " + s.dtype_str() + "; the format's source is bfloat16");
+        s.require_ndim(2, "[rows, 576] (512 latent then 64 rope values)");
+        if (s.shape[1] != MlaFp8Row::kLatent + MlaFp8Row::kRope) s.fail("rows are " + std::to_string(s.shape[1]) + " values wide, not 576");
+        if (s.strides[1] != 1) s.fail("must have unit stride in its last dim");
+        if (d.dtype.code != static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) || d.dtype.bits != 8)
+          d.fail("has dtype " + d.dtype_str() + "; FP8 rows are uint8");
+        d.require_ndim(2, "[rows, row_bytes >= 656]");
+        if (d.shape[0] != s.shape[0]) d.fail("has " + std::to_string(d.shape[0]) + " rows; src has " + std::to_string(s.shape[0]));
+        if (d.shape[1] < MlaFp8Row::kBytes) d.fail("rows are " + std::to_string(d.shape[1]) + " bytes, fewer than the format's 656");
+        if (d.strides[1] != 1) d.fail("must have unit stride in its last dim");
+        const int64_t src_stride = s.shape[0] > 1 ? s.strides[0] : s.shape[1];
+        const int64_t dst_stride = d.shape[0] > 1 ? d.strides[0] : d.shape[1];
+        if (device == Device::kCuda) {
+          DeviceGuard guard(d);
+          quantize_mla_fp8_cuda(DType::kBF16, s.data, s.shape[0], src_stride, d.data, dst_stride, stream_ptr(stream));
+        } else {
+          quantize_mla_fp8_cpu(DType::kBF16, s.data, s.shape[0], src_stride, d.data, dst_stride);
+        }
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("stream") = 0,
+      "Writes the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32 scales of 128 values each,\n"
+      "64 bf16 rope values: 656 bytes) of bfloat16 src [rows, 576] (latent then rope) into uint8\n"
+      "dst [rows, row_bytes >= 656] (a multiple of 16 on CUDA), on the tensors' device (asynchronous\n"
+      "on `stream` there). Per 128 latent values scale = amax / 448; a NaN makes its block's scale NaN.\n"
+      "The CPU and CUDA quantizers give the same bytes.");
 
   m.def(
       "build_page_table_structure",
@@ -224,6 +257,9 @@ void bind_dispatch(nb::module_& m) {
       .def_ro("chunks", &SparseDecodeOutcome::chunks)
       .def_ro("merge", &SparseDecodeOutcome::merge)
       .def_ro("reason", &SparseDecodeOutcome::reason)
+      .def_prop_ro(
+          "kernel", [](const SparseDecodeOutcome& o) { return std::string(o.kernel); },
+          "The kernel a fused launch ran (e.g. '64-row multi-token CTA, wgmma', 'CPU loop'); '' otherwise.")
       .def_prop_ro("fused", &SparseDecodeOutcome::fused)
       .def("describe", &SparseDecodeOutcome::describe)
       .def("__repr__", [](const SparseDecodeOutcome& o) { return "<SparseDecodeOutcome " + o.describe() + ">"; });

@@ -39,29 +39,8 @@ void check_output_strides(const QueryStrides& s, int64_t sequences, int64_t toke
 // The fp8 formats' own fields, before any stream is judged. Messages are
 // built only for a failed check (this runs on every launch).
 void check_kv_format(const DecodeParams& p) {
-  const KvFormat f = p.kv_format;
-  REQUIRE(f == KvFormat::kNative || f == KvFormat::kE4m3PerHead || f == KvFormat::kE4m3Mla,
-          "kv_format " + std::to_string(static_cast<int32_t>(f)) + " is not a KvFormat");
-  const auto name = [f] { return std::string("kv_format ") + kv_format_name(f); };
-  if (f == KvFormat::kE4m3PerHead) {
-    REQUIRE(p.k_scale != nullptr && p.v_scale != nullptr,
-            name() + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null");
-  } else {
-    REQUIRE(p.k_scale == nullptr && p.v_scale == nullptr,
-            "k_scale / v_scale are set but " + name() + " has no per-head scales");
-  }
-  if (f != KvFormat::kE4m3Mla) return;
-  REQUIRE(p.dtype == DType::kBF16, name() + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype));
-  REQUIRE(p.k.dim == 512 && p.v.dim == 512,
-          name() + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
-              std::to_string(p.v.dim));
-  REQUIRE(p.v.data == p.k.data && p.v.row_stride == p.k.row_stride && p.v.seq_stride == p.k.seq_stride &&
-              p.v.head_stride == p.k.head_stride,
-          name() + ": V is the latent of K's rows, so v must be the same view as k");
-  REQUIRE(p.k_extra.data != nullptr && p.k_extra.dim == 64,
-          name() + " needs the rope as k_extra (64 values; mla_fp8_views builds it)");
-  REQUIRE(p.k.row_stride >= 528, name() + ": k.row_stride = " + std::to_string(p.k.row_stride) +
-                                     " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)");
+  const std::string problem = kv_format_problem(p);
+  REQUIRE(problem.empty(), problem);
 }
 
 }  // namespace
@@ -262,6 +241,33 @@ const char* kv_format_name(KvFormat format) {
     case KvFormat::kE4m3Mla: return "e4m3 mla";
   }
   return "unknown";
+}
+
+std::string kv_format_problem(const DecodeParams& p) {
+  const KvFormat f = p.kv_format;
+  if (f != KvFormat::kNative && f != KvFormat::kE4m3PerHead && f != KvFormat::kE4m3Mla)
+    return "kv_format " + std::to_string(static_cast<int32_t>(f)) + " is not a KvFormat";
+  const std::string name = std::string("kv_format ") + kv_format_name(f);
+  if (f == KvFormat::kE4m3PerHead) {
+    if (p.k_scale == nullptr || p.v_scale == nullptr)
+      return name + " needs k_scale and v_scale (one fp32 per KV head); k_scale or v_scale is null";
+  } else if (p.k_scale != nullptr || p.v_scale != nullptr) {
+    return "k_scale / v_scale are set but " + name + " has no per-head scales";
+  }
+  if (f != KvFormat::kE4m3Mla) return {};
+  if (p.dtype != DType::kBF16) return name + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype);
+  if (p.k.dim != 512 || p.v.dim != 512)
+    return name + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
+           std::to_string(p.v.dim);
+  if (p.v.data != p.k.data || p.v.row_stride != p.k.row_stride || p.v.seq_stride != p.k.seq_stride ||
+      p.v.head_stride != p.k.head_stride)
+    return name + ": V is the latent of K's rows, so v must be the same view as k";
+  if (p.k_extra.data == nullptr || p.k_extra.dim != 64)
+    return name + " needs the rope as k_extra (64 values; mla_fp8_views builds it)";
+  if (p.k.row_stride < 528)
+    return name + ": k.row_stride = " + std::to_string(p.k.row_stride) +
+           " bytes cannot hold 512 latent bytes and 4 fp32 scales (528 bytes)";
+  return {};
 }
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {

@@ -16,6 +16,26 @@
 namespace sparsepage {
 namespace {
 
+// The fields of a launch the inputs' streams give: dtype and KV format (with
+// its scales), q, K, V, the optional second stream, o. The layout and the
+// KV format's checks depend on these alone.
+DecodeParams stream_fields(const SparseAttentionInputs& in) {
+  DecodeParams p;
+  p.dtype = in.dtype;
+  p.kv_format = in.kv_format;
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
+  if (in.k_extra.data != nullptr) {
+    p.q_extra = in.q_extra;
+    p.k_extra = in.k_extra;
+  }
+  p.o = in.o;
+  p.k_scale = in.k_scale;
+  p.v_scale = in.v_scale;
+  return p;
+}
+
 void check_inputs(const SparseAttentionInputs& in) {
   REQUIRE(in.dtype == DType::kF32 || in.dtype == DType::kF16 || in.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(in.dtype)) + " is not a DType");
@@ -54,6 +74,8 @@ void check_inputs(const SparseAttentionInputs& in) {
   REQUIRE(int64_t{in.q_len} * in.num_qo_heads <= std::numeric_limits<int32_t>::max(),
           "q_len * num_qo_heads exceeds 2^31 - 1 query rows");
   REQUIRE((in.q_extra != nullptr) == (in.k_extra.data != nullptr), "q_extra and k_extra must both be set or neither");
+  const std::string kv_format = kv_format_problem(stream_fields(in));
+  REQUIRE(kv_format.empty(), kv_format);
 }
 
 void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
@@ -67,23 +89,6 @@ void check_inputs(const SparseAttentionInputs& in, const SparseSelection& select
               device_name(in.device));
   REQUIRE(static_cast<int64_t>(selection.indices.bytes()) >= selection.total() * 4,
           "the selection's indices hold fewer entries than its counts sum to");
-}
-
-// The fields of a launch the inputs' streams give: dtype and KV format, q,
-// K, V, the optional second stream, o. The layout depends on these alone.
-DecodeParams stream_fields(const SparseAttentionInputs& in) {
-  DecodeParams p;
-  p.dtype = in.dtype;
-  p.kv_format = in.kv_format;
-  p.q = in.q;
-  p.k = in.k;
-  p.v = in.v;
-  if (in.k_extra.data != nullptr) {
-    p.q_extra = in.q_extra;
-    p.k_extra = in.k_extra;
-  }
-  p.o = in.o;
-  return p;
 }
 
 // What the CUDA kernels cannot read, or "": the launchers' own check
@@ -213,8 +218,6 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   }
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q_len = in.q_len;
-  p.k_scale = in.k_scale;
-  p.v_scale = in.v_scale;
   p.scale = in.scale;
   p.lse = in.lse;
   return p;

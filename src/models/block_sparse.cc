@@ -203,6 +203,10 @@ void BlockSparseAttention::reserve(int64_t tokens) {
 
 SparseAttentionInputs BlockSparseAttention::engine_inputs(const BlockSparseTokens& tokens, const EnginePagedKV& kv,
                                                           int64_t kv_len) const {
+  if (kv.kv_format != KvFormat::kNative) {
+    throw Error(std::string("BlockSparseAttention (engine-paged): kv.kv_format ") + kv_format_name(kv.kv_format) +
+                " is not supported; the layer reads native K/V rows of its dtype");
+  }
   SparseAttentionInputs in = query_inputs(tokens);
   in.live_len = kv_len;
   in.k = kv.k;

@@ -170,12 +170,17 @@ SparseAttentionInputs DsaAttention::inputs(const DsaTokens& tokens) const {
 
 SparseAttentionInputs DsaAttention::engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv,
                                                   int64_t kv_len) const {
+  if (kv.kv_format != KvFormat::kNative && kv.kv_format != KvFormat::kE4m3Mla) {
+    throw Error(std::string("DsaAttention (engine-paged): kv.kv_format ") + kv_format_name(kv.kv_format) +
+                " is not an MLA row format (native rows or e4m3 mla, the 656-byte FP8 rows)");
+  }
   SparseAttentionInputs in = query_inputs(tokens);
   in.live_len = kv_len;
   in.k = kv.k;
   in.v = kv.v;
   in.k_extra = kv.k_extra;
   in.block_table = kv.block_table;
+  in.kv_format = kv.kv_format;  // e4m3 mla: dequantized in the kernel (the decode checks the views and the dtype)
   return in;
 }
 

@@ -19,6 +19,11 @@ TEST(EnginePagedLayersCuda, DsaMatchesItsOwnCache) {
   testing::check_engine_paged_dsa(Device::kCuda);
 }
 
+TEST(EnginePagedLayersCuda, DsaOverAnFp8PoolMatchesItsOwnCache) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_paged_dsa_fp8(Device::kCuda);
+}
+
 TEST(EnginePagedLayersCuda, MisuseIsRefusedByNameAndAppendsNothing) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_paged_errors(Device::kCuda);

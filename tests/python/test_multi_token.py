@@ -94,6 +94,7 @@ def test_block_sparse_decode_multi_matches_fp64_over_the_kept_rows(backend, rng,
     step = layer.decode_multi(backend.put(q), backend.put(iq), backend.put(k), backend.put(v), o,
                               stream=backend.stream())
     assert step.sparse_regime and step.fused, step.outcome.reason
+    assert step.outcome.kernel != "", step.outcome.describe()  # the launch names its kernel
     assert layer.kv_len == prompt + q_len
     out = backend.get(o)
     # The whole cache as the test wrote it: the prompt, then token t's slice k[t] at prompt + t.

@@ -45,6 +45,7 @@ def test_fused_outcome_output_and_stats(rng):
     out = dec.try_fused(q, k, v, o, np.concatenate(picks), [len(p) for p in picks], lse=lse, **args)
     assert out.fused and out.requests == 4
     assert out.describe().startswith("fused sparse launch (4 request(s) x 12 selected rows")
+    assert out.kernel == "CPU loop" and out.describe().endswith("; CPU loop)")
     stats = sp.dispatch_stats()
     assert stats.fused == 1 and stats.fallbacks == 0 and stats.by_kind["fused"] == 1
     np.testing.assert_allclose(o.astype(np.float64), reference(q, k, v, picks, 2, 0.25), atol=4e-3, rtol=4e-3)

@@ -2,7 +2,9 @@
 pools [num_blocks, 16, heads, dim] (block-sparse) and [num_blocks, 16, 576] (DSA) with shuffled
 block tables and NaN in every row the engine has not written. Each step, eager and replayed from
 a captured CUDA graph while the context grows, equals the same layer over its own cache (same
-kept set, same bits). Runs on the GPU machine; skips without torch or a GPU."""
+kept set, same bits). The DSA layer also reads the engines' FP8 MLA pool (uint8 656-byte rows
+written by quantize_mla_fp8, NaN bytes elsewhere) and matches its own cache of the dequantized
+values. Runs on the GPU machine; skips without torch or a GPU."""
 
 import pytest
 
@@ -120,3 +122,79 @@ def test_dsa_engine_mla_pool_equals_its_own_cache():
         torch.cuda.synchronize()
         assert eng.last_selected_positions() == own.last_selected_positions(), f"step {step}"
         assert torch.equal(o_eng, o_own) and not o_eng.isnan().any(), f"step {step}"
+
+
+def dequantized(rows_u8):
+    """The latent values of FP8 MLA rows [..., 656] as the kernels must see them: e4m3 times the
+    block's fp32 scale, then rounded to bf16 (what a bf16 cache of them holds)."""
+    latent = rows_u8[..., :512].contiguous().view(torch.float8_e4m3fn).float()
+    scales = rows_u8[..., 512:528].contiguous().view(torch.float32)
+    return (latent.unflatten(-1, (4, 128)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def test_quantize_mla_fp8_gives_the_same_bytes_on_both_backends():
+    gen = torch.Generator().manual_seed(8)
+    src = (torch.randn(37, 576, generator=gen) * torch.logspace(-3, 3, 576)).to(torch.bfloat16)
+    src[5, 200] = float("nan")  # a NaN makes its block's scale NaN
+    dst_cpu, dst_gpu = torch.zeros(37, 672, dtype=torch.uint8), torch.zeros(37, 672, dtype=torch.uint8, device="cuda")
+    sp.quantize_mla_fp8(src, dst_cpu)
+    sp.quantize_mla_fp8(src.cuda(), dst_gpu, stream())
+    torch.cuda.synchronize()
+    assert torch.equal(dst_cpu, dst_gpu.cpu())
+    assert torch.equal(dst_cpu[:, 528:656].view(torch.bfloat16), src[:, 512:])  # the rope, unquantized
+    assert torch.isnan(dst_cpu[5, 512:528].view(torch.float32)[1]) and not torch.isnan(dst_cpu[4, 512:528].view(torch.float32)).any()
+    assert torch.equal(dst_cpu[:, 656:], torch.zeros(37, 16, dtype=torch.uint8))  # bytes past 656 untouched
+    ok = torch.ones(37, dtype=torch.bool)
+    ok[5] = False
+    err = (dequantized(dst_cpu[ok]).float() - src[ok, :512].float()).norm() / src[ok, :512].float().norm()
+    assert err < 5e-2, err  # e4m3 keeps 3 mantissa bits
+    with pytest.raises(sp.Error, match=r"^quantize_mla_fp8: dst rows are 600 bytes, fewer than the format's 656"):
+        sp.quantize_mla_fp8(src, torch.zeros(37, 600, dtype=torch.uint8))
+    with pytest.raises(sp.Error, match=r"^quantize_mla_fp8: src has dtype float16; the format's source is bfloat16"):
+        sp.quantize_mla_fp8(src.half(), dst_cpu)
+
+
+def test_dsa_over_an_engine_fp8_mla_pool_matches_its_own_cache_of_the_dequantized_rows():
+    gen = torch.Generator().manual_seed(9)
+    B, H, L, R, IH, ID, prompt = 2, 16, 512, 64, 4, 128, 150
+    cfg = dict(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=IH, index_head_dim=ID, index_topk=64,
+               capacity_step=128)
+    own = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg), B, gates_off())
+    eng = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg, kv_storage=sp.KVStorage.ENGINE_PAGED), B)
+    num_blocks = B * 16 + 3
+    table = torch.randperm(num_blocks, generator=gen).to(torch.int32)[: B * 16].reshape(B, 16).cuda()
+    kv_cache = torch.full((num_blocks, BLOCK, 656), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN, NaN scales
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).cuda()  # noqa: E731
+
+    def place(latent, pe, first):
+        """FP8 rows of [B, n, L] latent and [B, n, R] rope at positions first.., and their dequantized latent."""
+        n = latent.shape[1]
+        rows = torch.empty(B * n, 656, dtype=torch.uint8, device="cuda")
+        sp.quantize_mla_fp8(torch.cat([latent, pe], dim=-1).reshape(B * n, L + R).contiguous(), rows, stream())
+        rows = rows.reshape(B, n, 656)
+        for t in range(n):
+            write(kv_cache, table, first + t, rows[:, t])
+        return dequantized(rows)
+
+    latent, index_k, pe = rnd(B, 1, prompt, L), rnd(B, 1, prompt, ID), rnd(B, 1, prompt, R)
+    deq = place(latent[:, 0], pe[:, 0], 0).unsqueeze(1)
+    own.append_tokens(torch.cat([deq, index_k], dim=-1).contiguous(), pe)
+    eng.append_tokens(index_k, None)
+    for step in range(3):
+        pos = eng.kv_len
+        row_latent, row_index, row_pe = rnd(B, 1, 1, L), rnd(B, 1, 1, ID), rnd(B, 1, 1, R)
+        row_deq = place(row_latent[:, 0], row_pe[:, 0], pos).unsqueeze(1)
+        queries = (rnd(B, H, L), rnd(B, H, R), rnd(B, IH, ID), torch.rand(B, IH, generator=gen).cuda())
+        o_own = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o_eng = torch.full_like(o_own, float("nan"))
+        assert own.decode(*queries, torch.cat([row_deq, row_index], dim=-1).contiguous(), row_pe, o_own, stream()).fused
+        s = eng.decode_paged(*queries, row_index, o_eng, kv_cache, table, stream())
+        assert s.fused and s.outcome.kernel == "MLA FP8 (656-byte rows), wgmma", s.outcome.describe()
+        torch.cuda.synchronize()
+        assert eng.last_selected_positions() == own.last_selected_positions(), f"step {step}"
+        assert not o_eng.isnan().any(), f"step {step}"
+        err = ((o_eng.float() - o_own.float()).norm() / o_own.float().norm()).item()
+        assert err < 5e-3, f"step {step}: relative L2 {err}"
+    with pytest.raises(sp.Error, match=r"^DsaAttention.decode_paged: kv_cache rows are 600 bytes, fewer than the format's 656"):
+        eng.decode_paged(*queries, row_index, o_eng, kv_cache[:, :, :600], table, stream())
+    assert eng.kv_len == prompt + 3  # the refused step appended nothing

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "sparsepage/fp8.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "support/expect_error.h"
@@ -236,18 +237,29 @@ struct DsaArms {
   int32_t batch;
   DsaConfig c;
   DsaAttention dense, engine;
-  EnginePool pool;  // one pool: [latent 512 | rope 64] rows
+  // The engine's pool: [latent 512 | rope 64] bf16 rows, or with `fp8` the
+  // engines' 656-byte FP8 rows (fp8.h), whose dequantized latent values
+  // (rounded to bf16) are what the dense arm's cache then holds.
+  bool fp8;
+  EnginePool pool;
 
   static DsaConfig engine_config() {
     DsaConfig e = kDsaConfig;
     e.kv_storage = KVStorage::kEnginePaged;
     return e;
   }
-  DsaArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch)
+  DsaArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch,
+          bool fp8_pool = false)
       : device(d), batch(b), c(kDsaConfig), dense(d, kDt, kDsaConfig, b, always_fuse().without_performance_gates()),
-        engine(d, kDt, engine_config(), b, engine_dispatch),
-        pool(d, b, max_blocks, kDsaConfig.latent_dim + kDsaConfig.rope_dim, 1, rng) {}
+        engine(d, kDt, engine_config(), b, engine_dispatch), fp8(fp8_pool),
+        pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : kDsaConfig.latent_dim + kDsaConfig.rope_dim, 1, rng) {}
   EnginePagedKV kv() const {
+    if (fp8) {
+      const MlaFp8Views v = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock, MlaFp8Row::kBytes);
+      EnginePagedKV kv{v.k, v.v, v.k_extra, pool.block_table()};
+      kv.kv_format = KvFormat::kE4m3Mla;
+      return kv;
+    }
     const RowView latent = pool.rows(0, 0, c.latent_dim, 1, 0);
     return {latent, latent, pool.rows(0, c.latent_dim, c.rope_dim, 1, 0), pool.block_table()};
   }
@@ -265,6 +277,7 @@ struct DsaArms {
   std::vector<uint8_t> place(const Rows& r, int64_t n, int64_t first) {
     const int32_t lw = c.latent_dim, iw = c.index_head_dim, pw = c.rope_dim;
     std::vector<uint8_t> dense_k(size_t(batch) * n * (lw + iw) * 2), row(size_t(lw + pw) * 2);
+    std::vector<uint8_t> fp8_row(MlaFp8Row::kBytes);
     for (int32_t b = 0; b < batch; ++b) {
       for (int64_t i = 0; i < n; ++i) {
         const size_t bi = size_t(b) * n + size_t(i);
@@ -272,7 +285,18 @@ struct DsaArms {
         std::memcpy(&dense_k[(bi * (lw + iw) + lw) * 2], at(r.ik, bi * iw), size_t(iw) * 2);
         std::memcpy(row.data(), at(r.latent, bi * lw), size_t(lw) * 2);
         std::memcpy(row.data() + size_t(lw) * 2, at(r.pe, bi * pw), size_t(pw) * 2);
-        pool.write(0, b, first + i, row.data());
+        if (!fp8) {
+          pool.write(0, b, first + i, row.data());
+          continue;
+        }
+        quantize_mla_fp8_cpu(kDt, row.data(), 1, lw + pw, fp8_row.data());
+        pool.write(0, b, first + i, fp8_row.data());
+        for (int32_t d = 0; d < lw; ++d) {  // the dense arm holds the dequantized latent, rounded to bf16
+          float scale = 0.f;
+          std::memcpy(&scale, &fp8_row[size_t(MlaFp8Row::kScaleOffset + 4 * (d / MlaFp8Row::kBlock))], 4);
+          const uint16_t bits = float_to_bf16(e4m3_to_float(fp8_row[size_t(d)]) * scale);
+          std::memcpy(&dense_k[(bi * (lw + iw) + size_t(d)) * 2], &bits, 2);
+        }
       }
     }
     return dense_k;
@@ -374,6 +398,49 @@ void check_engine_paged_dsa(Device device) {
                                                << ": the engine pool's output differs from the layer cache's";
     }
   }
+}
+
+void check_engine_paged_dsa_fp8(Device device) {
+  std::mt19937_64 rng(4711);
+  const int32_t batch = 2;
+  for (const int64_t prompt : {int64_t{40}, int64_t{150}}) {  // below and above index_topk = 64
+    DsaArms arms(device, batch, 16, rng, always_fuse(), /*fp8_pool=*/true);
+    arms.prompt(prompt, rng);
+    for (int s = 0; s < 3; ++s) {
+      const auto out = arms.step(rng);
+      const std::string at = "prompt " + std::to_string(prompt) + ", step " + std::to_string(s);
+      ASSERT_TRUE(out.dense_step.fused) << out.dense_step.outcome.reason;
+      ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
+      EXPECT_EQ(std::string(out.engine_step.outcome.kernel),
+                device == Device::kCuda ? "MLA FP8 (656-byte rows), wgmma" : "CPU loop");
+      EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions()) << at;
+      ASSERT_FALSE(has_nan(out.engine_o)) << at;
+      // The same dequantized values through two kernels: equal up to the
+      // order of their fp32 sums (and, on the CPU, the bf16 rounding of the
+      // dense arm's cache).
+      const std::vector<float> engine_o = as_float(kDt, out.engine_o), dense_o = as_float(kDt, out.dense_o);
+      const std::vector<double> ref(dense_o.begin(), dense_o.end());
+      EXPECT_LT(relative_l2(engine_o, ref), 5e-3) << at;
+    }
+  }
+  // Only the MLA row formats reach the attention.
+  DsaArms arms(device, 1, 16, rng, always_fuse(), /*fp8_pool=*/true);
+  arms.prompt(100, rng);
+  EnginePagedKV per_head = arms.kv();
+  per_head.kv_format = KvFormat::kE4m3PerHead;
+  const auto q = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim, rng));
+  const auto pe = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.rope_dim, rng));
+  const auto qi = upload(device, random_values(kDt, size_t(kDsaConfig.index_heads) * kDsaConfig.index_head_dim, rng));
+  const auto w = upload(device, std::vector<float>(size_t(kDsaConfig.index_heads), 1.0f));
+  const auto ik = upload(device, random_values(kDt, size_t(kDsaConfig.index_head_dim), rng));
+  Buffer o = upload(device, nan_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim));
+  DsaTokens t{q.data(), pe.data(), qi.data(), w.as<float>(), nullptr, nullptr, o.data()};
+  t.index_k = ik.data();
+  EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, per_head); }, "not an MLA row format"));
+  EnginePagedKV short_rows = arms.kv();  // 520-byte rows cannot hold the latent bytes and the scales
+  short_rows.k.row_stride = short_rows.v.row_stride = 520;
+  EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, short_rows); }, "528"));
+  EXPECT_EQ(arms.engine.kv_len(), 100) << "a refused step appended";
 }
 
 void check_engine_paged_errors(Device device) {

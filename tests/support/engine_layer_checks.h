@@ -20,6 +20,13 @@ void check_engine_paged_block_sparse(Device device);
 /// positions and bit-identical outputs, below and above index_topk.
 void check_engine_paged_dsa(Device device);
 
+/// The same over the engines' FP8 pool (KvFormat::kE4m3Mla, 656-byte rows
+/// with NaN-poisoned free blocks), against the layer over its own cache
+/// holding the dequantized values: the same positions, no NaN, and outputs
+/// within 5e-3 relative L2; formats other than the MLA rows and rows too
+/// short for the format are refused by name, appending nothing.
+void check_engine_paged_dsa_fp8(Device device);
+
 /// Misuse is refused by name and appends nothing: the layer-cache entry on
 /// an engine-paged layer and the reverse, token rows passed to an
 /// engine-paged step, a block table too narrow for the window, and a step

@@ -105,7 +105,9 @@ class DsaAttention {
   /// rope columns), position p of sequence b at its table row
   /// `kv.block_table[b, p / block_size] * block_size + p % block_size`. The
   /// engine must already have written this token's row at position kv_len()
-  /// (the length before the call). No mask path: a step the dispatch would
+  /// (the length before the call). With kv.kv_format = KvFormat::kE4m3Mla
+  /// the pool holds the engines' 656-byte FP8 rows (fp8.h; a bf16 layer),
+  /// dequantized in the kernel. No mask path: a step the dispatch would
   /// decline is refused by name before anything changes. Capturable like
   /// decode().
   DsaStep decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr);
