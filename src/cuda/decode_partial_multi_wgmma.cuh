@@ -51,9 +51,6 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   using Params = typename Source::Params;
   using Base::acc;
   using Base::kS;
-  using Base::l;
-  using Base::len;
-  using Base::m;
   static_assert(kTileRows == 64 && kMultiRows == 64, "one m64 warpgroup tile of query rows and of gathered rows");
   static constexpr size_t kSmemBytes = Base::kSmemBytes + 1024;  // room to align the tiles to 1024 bytes
 
@@ -98,37 +95,15 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
     wgmma::pin(acc);
   }
 
-  /// The mma.sync CTA's pipeline; the one change is the proxy fence: the
-  /// copies land through the generic proxy and wgmma reads through the async one.
+  /// The mma.sync CTA's pipeline, with the copies fenced for the async proxy
+  /// and no Q fragments: Q stays in shared memory, where wgmma reads it.
   __device__ void run() {
-    m[0] = m[1] = neg_inf_f32();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    const int num_tiles = (len + kTileRows - 1) / kTileRows;
-    this->load_q();
-    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) this->prefetch_ids(t);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int t = 0; t < kS - 1; ++t) {
-      if (t < num_tiles) this->issue_tile(t);
-      cp_async_commit();
-    }
-    for (int t = 0; t < num_tiles; ++t) {
-      cp_async_wait<kS - 2>();
-      wgmma::fence_proxy_async();
-      __syncthreads();  // tile t landed (and Q, before tile 0); stage (t-1) % kS is free
-      if (t + kS - 1 < num_tiles) this->issue_tile(t + kS - 1);
-      if (t + 2 * kS - 2 < num_tiles) this->prefetch_ids(t + 2 * kS - 2);
-      cp_async_commit();
+    this->template pipeline<true>([] {}, [&](int t) {
       float s[8][4];
       scores(t % kS, s);
       this->softmax(t, s);
       pv(t, s);
-    }
-    cp_async_wait<0>();
+    });
     this->finish();
   }
 };
