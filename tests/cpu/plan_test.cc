@@ -112,6 +112,27 @@ TEST(Plan, IsDeterministic) {
   EXPECT_EQ(a.workspace.total, b.workspace.total);
 }
 
+// Requests that nearly fill the grid by themselves stay whole: 256 of 4096
+// rows for 132 SMs x 2 items (the even share, 3972, is 97% of a request)
+// take one item each, no partials; 128 of 2048 (48%) are still split in two,
+// and so are 256 when only 200 would fill the grid (78%).
+TEST(Plan, RequestsThatNearlyFillTheGridStayWhole) {
+  PlanShape shape;
+  shape.num_sms = 132;
+  shape.items_per_sm = 2;
+  const DecodePlan full = make_decode_plan(std::vector<int32_t>(256, 4096), shape);
+  EXPECT_EQ(full.work.size(), 256u);
+  EXPECT_EQ(full.uniform_chunks, 1);
+  EXPECT_FALSE(full.needs_merge());
+  const DecodePlan half = make_decode_plan(std::vector<int32_t>(128, 2048), shape);
+  EXPECT_EQ(half.uniform_chunks, 2);
+  EXPECT_TRUE(half.needs_merge());
+  EXPECT_EQ(make_uniform_split(256, 4096, shape).chunks_per_request, 1);  // the uniform split agrees
+  EXPECT_EQ(make_uniform_split(128, 2048, shape).chunks_per_request, 2);
+  shape.num_sms = 164;  // 328 slots: the even share is 78% of a request
+  EXPECT_EQ(make_decode_plan(std::vector<int32_t>(256, 4096), shape).uniform_chunks, 2);
+}
+
 TEST(Plan, EqualCountsMakeAUniformSplit) {
   PlanShape shape;
   shape.group_size = 16;
