@@ -317,9 +317,20 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
 /// gives them); null: this build's.
 std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
                               const char* built = nullptr);
+/// Whether this build's sm_90a code (the wgmma kernels: MLA, and the 64-row
+/// multi-token CTA's Hopper form) runs on a GPU of compute capability `sm`:
+/// sm 90 and a "90a" entry in `built` (null: this build's). Host-only, pure.
+bool cuda_sm90a_code_runs(int32_t sm, const char* built = nullptr);
 /// The architectures this build's kernels were compiled for, as CMake had
 /// them ("90a", "80,90a,100"); empty without the CUDA backend.
 const char* cuda_built_architectures();
+/// Reads the kernel switches (SPARSEPAGE_MLA_KERNEL, SPARSEPAGE_GQA_MERGE,
+/// SPARSEPAGE_MULTI_TOKEN_CTA; each read once per process) and throws
+/// sparsepage::Error naming one that holds a value it does not take.
+/// A CUDA SparseDecoder (and so every layer) asks when it is made, before
+/// any step; without the CUDA backend there are no switches and it does
+/// nothing.
+void cuda_check_kernel_switches();
 /// Compute capability (major * 10 + minor) of the current CUDA device; 0
 /// without one.
 int32_t cuda_device_sm();

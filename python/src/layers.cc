@@ -282,7 +282,8 @@ struct PyDsa {
       t.fail("holds FP8 MLA rows of 512 latent + 64 rope values; the layer has " + std::to_string(config.latent_dim) +
              " + " + std::to_string(config.rope_dim));
     t.require_ndim(3, layout);
-    if (t.shape[2] < MlaFp8Row::kBytes) t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656 " + layout);
+    if (t.shape[2] < MlaFp8Row::kBytes)
+      t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656; expected " + layout);
     if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
     if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
       t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");

@@ -132,7 +132,7 @@ void bind_page_table(nb::module_& m) {
       nb::arg("src"), nb::arg("dst"), nb::arg("stream") = 0,
       "Writes the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32 scales of 128 values each,\n"
       "64 bf16 rope values: 656 bytes) of bfloat16 src [rows, 576] (latent then rope) into uint8\n"
-      "dst [rows, row_bytes >= 656] (a multiple of 16 on CUDA), on the tensors' device (asynchronous\n"
+      "dst [rows, row_bytes >= 656, a multiple of 16], on the tensors' device (asynchronous\n"
       "on `stream` there). Per 128 latent values scale = amax / 448; a NaN makes its block's scale NaN.\n"
       "The CPU and CUDA quantizers give the same bytes.");
 

@@ -87,18 +87,18 @@ std::string row_view_problem(const RowView& view, const char* name, int64_t sequ
 
 const char* cuda_built_architectures() { return SPARSEPAGE_CUDA_ARCH_LIST; }
 
-std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
-                              const char* built_list) {
-  // The launchers ask on every launch: the answer "" is reached without
-  // building a string; the messages are built only for a problem.
-  const std::string_view built = built_list != nullptr ? built_list : cuda_built_architectures();
-  const auto device = [sm] { return "sm_" + std::to_string(sm); };
-  if (built.empty()) return "this sparsepage build has no CUDA kernels";
-  if (sm < 80) return "no fused kernel for " + device() + ": the kernels need sm_80 or newer (cp.async and mma.sync)";
-  // Which entries of the build run here. "90a" (arch-specific) runs on sm_90
-  // only; "80" carries PTX too, so it runs on anything from sm_80 up;
-  // "80-real" (SASS only) on the same major version from sm_80 up.
+namespace {
+
+// What a build's architecture list offers a GPU of compute capability `sm`:
+// whether any entry runs there, and whether the list has sm_90a code.
+// "90a" (arch-specific) runs on sm_90 only; "80" carries PTX too, so it runs
+// on anything from sm_80 up; "80-real" (SASS only) on the same major version
+// from sm_80 up.
+struct BuiltFor {
   bool runs = false, has_sm90a = false;
+};
+BuiltFor built_for(int32_t sm, std::string_view built) {
+  BuiltFor b;
   size_t begin = 0;
   while (begin <= built.size()) {
     const size_t end = std::min(built.find(',', begin), built.size());
@@ -112,14 +112,36 @@ std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_
     const bool specific = digits < entry.size() && (entry[digits] == 'a' || entry[digits] == 'f');
     const bool sass_only = entry.find("-real") != std::string_view::npos;
     if (specific) {
-      runs = runs || sm == arch;
-      has_sm90a = has_sm90a || (arch == 90 && entry[digits] == 'a');
+      b.runs = b.runs || sm == arch;
+      b.has_sm90a = b.has_sm90a || (arch == 90 && entry[digits] == 'a');
     } else if (sass_only) {
-      runs = runs || (sm / 10 == arch / 10 && sm >= arch);
+      b.runs = b.runs || (sm / 10 == arch / 10 && sm >= arch);
     } else {
-      runs = runs || sm >= arch;
+      b.runs = b.runs || sm >= arch;
     }
   }
+  return b;
+}
+
+std::string_view built_list_or_this(const char* built_list) {
+  return built_list != nullptr ? built_list : cuda_built_architectures();
+}
+
+}  // namespace
+
+bool cuda_sm90a_code_runs(int32_t sm, const char* built_list) {
+  return sm == 90 && built_for(sm, built_list_or_this(built_list)).has_sm90a;
+}
+
+std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
+                              const char* built_list) {
+  // The launchers ask on every launch: the answer "" is reached without
+  // building a string; the messages are built only for a problem.
+  const std::string_view built = built_list_or_this(built_list);
+  const auto device = [sm] { return "sm_" + std::to_string(sm); };
+  if (built.empty()) return "this sparsepage build has no CUDA kernels";
+  if (sm < 80) return "no fused kernel for " + device() + ": the kernels need sm_80 or newer (cp.async and mma.sync)";
+  const auto [runs, has_sm90a] = built_for(sm, built);
   if (head_dim_qk == 512 && head_dim_v == 512 && head_dim_extra == 64) {
     if (sm != 90) return "no fused kernel for " + device() + " at the MLA shape (its wgmma kernel runs on sm_90 only)";
     if (!has_sm90a)

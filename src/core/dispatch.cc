@@ -76,7 +76,9 @@ std::string SparseDecodeOutcome::describe() const {
   if (fused()) {
     line << "fused sparse launch (" << requests << " request(s) x "
          << (requests > 0 ? selected_rows / requests : 0) << " selected rows, " << chunks << " chunks, merge "
-         << (merge ? "on" : "off") << (*kernel != '\0' ? "; " : "") << kernel << ")";
+         << (merge ? "on" : "off");
+    if (kernel != nullptr && *kernel != '\0') line << "; " << kernel;
+    line << ")";
   } else {
     line << "fallback: " << reason;
   }

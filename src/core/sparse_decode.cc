@@ -102,7 +102,12 @@ int32_t machine_width(Device device) {
 
 }  // namespace
 
-SparseDecoder::SparseDecoder(Device device, DispatchConfig config) : device_(device), config_(config) {}
+SparseDecoder::SparseDecoder(Device device, DispatchConfig config) : device_(device), config_(config) {
+  // The kernel switches are read once per process: a bad value is refused
+  // here, when a decoder (and so a layer) is made, not by a step that has
+  // already appended.
+  if (device_ == Device::kCuda) cuda_check_kernel_switches();
+}
 
 SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in, int64_t requests,
                                                  int64_t selected) const {
@@ -169,8 +174,14 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<i
   shape.head_dim_v = in.v.dim;
   shape.num_sms = machine_width(device_);
   if (device_ == Device::kCuda) {
-    const CudaLaunchShape launch = cuda_launch_shape_tokens(
-        in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0, in.num_qo_heads / in.num_kv_heads, in.q_len);
+    // The 64-row multi-token CTAs read native rows through the library's own
+    // tables; an FP8 pool or an engine's block table keeps every query row on
+    // the 16-row tiles, so the plan is sized for those.
+    const int32_t extra = in.k_extra.data != nullptr ? in.k_extra.dim : 0;
+    const bool row_tiles_only = in.kv_format != KvFormat::kNative || in.block_table.data != nullptr;
+    const CudaLaunchShape launch =
+        row_tiles_only ? cuda_launch_shape(in.k.dim, in.v.dim, extra, group)
+                       : cuda_launch_shape_tokens(in.k.dim, in.v.dim, extra, in.num_qo_heads / in.num_kv_heads, in.q_len);
     shape.ctas_per_item = launch.ctas_per_item;
     shape.items_per_sm = launch.ctas_per_sm;
   }

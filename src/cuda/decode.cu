@@ -81,6 +81,40 @@ int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
   return fits ? size : 0;
 }
 
+/// Which kernel run_decode_cuda launches, decided in one place: the launch
+/// and cuda_decode_kernel_name both switch on it. Inside launch_partial the
+/// MLA and multi-token choices are the same functions' (mla_kernel_choice,
+/// multi_token_cta_kind) over the same parameters.
+enum class DecodeKernel { kClusterMerge, kFp8, kMla, kMultiToken, kRowTiles };
+struct KernelChoice {
+  DecodeKernel kind = DecodeKernel::kRowTiles;
+  int32_t cluster = 0;  // kClusterMerge: CTAs per cluster
+  cuda::MultiTokenCtaKind multi = cuda::MultiTokenCtaKind::kRowTiles;
+};
+
+KernelChoice choose_kernel(const DecodeParams& params, const DecodePlan& plan) {
+  KernelChoice c;
+  if ((c.cluster = cluster_size_for(params, plan)) > 0) {
+    c.kind = DecodeKernel::kClusterMerge;
+    return c;
+  }
+  if (params.kv_format != KvFormat::kNative) {
+    c.kind = DecodeKernel::kFp8;
+    return c;
+  }
+  const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
+  const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
+  if (shape == cuda::TileShape::kMla) {
+    c.kind = DecodeKernel::kMla;
+    return c;
+  }
+  if (!uses_engine_inputs(params)) {  // the 64-row CTAs run the library's own tables only
+    c.multi = cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len);
+    if (c.multi != cuda::MultiTokenCtaKind::kRowTiles) c.kind = DecodeKernel::kMultiToken;
+  }
+  return c;
+}
+
 }  // namespace
 
 int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan) {
@@ -88,22 +122,25 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
   return cluster_size_for(params, plan);
 }
 
+void cuda_check_kernel_switches() {
+  (void)cuda::mla_kernel_choice();
+  (void)cuda::gqa_merge_choice();
+  (void)cuda::multi_token_cta_choice();
+}
+
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
-  const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
-  const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
-  if (params.kv_format == KvFormat::kE4m3Mla) return "MLA FP8 (656-byte rows), wgmma";
-  if (params.kv_format != KvFormat::kNative) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
-  if (shape == cuda::TileShape::kMla)
-    return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
-                                                                            : "MLA, wgmma, classic";
-  if (!uses_engine_inputs(params)) {
-    switch (cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len)) {
-      case cuda::MultiTokenCtaKind::kWgmma: return "64-row multi-token CTA, wgmma";
-      case cuda::MultiTokenCtaKind::kMma: return "64-row multi-token CTA, mma.sync";
-      case cuda::MultiTokenCtaKind::kRowTiles: break;
-    }
+  const KernelChoice c = choose_kernel(params, plan);
+  switch (c.kind) {
+    case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
+    case DecodeKernel::kFp8:
+      return params.kv_format == KvFormat::kE4m3Mla ? "MLA FP8 (656-byte rows), wgmma" : "16-row tiles, mma.sync, FP8 e4m3 K/V";
+    case DecodeKernel::kMla:
+      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
+                                                                              : "MLA, wgmma, classic";
+    case DecodeKernel::kMultiToken:
+      return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma" : "64-row multi-token CTA, mma.sync";
+    case DecodeKernel::kRowTiles: break;
   }
-  if (cluster_size_for(params, plan) > 0) return "16-row tiles, mma.sync, cluster merge";
   return "16-row tiles, mma.sync";
 }
 
@@ -236,8 +273,10 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   // tables keep the lean row lookup.
   const bool engine_inputs = uses_engine_inputs(params);
   const auto items = static_cast<int32_t>(plan.work.size());
-  if (const int32_t cluster = cluster_size_for(params, plan); cluster > 0) {
+  const KernelChoice choice = choose_kernel(params, plan);
+  if (choice.kind == DecodeKernel::kClusterMerge) {
     // Split requests merge inside their clusters: one launch, no partials.
+    const int32_t cluster = choice.cluster;
     const bool bf16 = params.dtype == DType::kBF16;
     if (engine_inputs) {
       if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::EnginePagedSource>(p, items, cluster, s);
@@ -248,7 +287,7 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
     }
     return;
   }
-  if (params.kv_format != KvFormat::kNative) {
+  if (choice.kind == DecodeKernel::kFp8) {
     cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items, s);
   } else if (engine_inputs) {
     cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);

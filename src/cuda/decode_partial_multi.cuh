@@ -15,6 +15,8 @@
 // rows (o or the fp32 partial, and lse) from registers.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/decode_partial.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -68,14 +70,16 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
 
   __device__ MultiTokenCta(const Params& params, unsigned char* smem) : Base(params, smem, kMultiRows) {}
 
-  __device__ uint8_t* late_bytes() const {
+  static_assert(kWarps == 4, "softmax() reads a stage's four late bytes as one 32-bit word");
+  __device__ uint8_t* late_bytes() {
     return reinterpret_cast<uint8_t*>(this->ids + Cfg::kIdSlots * kIdSlotInts);
   }
 
   /// The base copy, and whether this warp's rows of the tile lie at or past
   /// the first token's causal limit (live length - (q_len - 1)): only such
   /// tiles pay for the per-position limit in softmax(). The row PagedSource
-  /// resolves is the position itself (pool and window addressing alike).
+  /// resolves is the position itself under window addressing, the only one a
+  /// multi-token step over PagedSource takes (pool page ids are refused).
   __device__ void issue_tile(int tile) {
     const int64_t r = Base::issue_tile(tile);
     const bool late = __any_sync(0xffffffffu, r >= src.live_len() - (p.q_len - 1));
@@ -239,6 +243,8 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
   }
 
   __device__ void run() {
+    static_assert(std::is_same_v<Config, MultiTileConfig<DK, DV>>,
+                  "the mma.sync math (scores, pv, the Q fragments) reads the ldmatrix tile layout");
     this->zero_v_tail();  // ordered before the first P V by the prologue's barrier
     pipeline<false>(
         [&] {  // this warp's 16 query rows of the 64, into registers

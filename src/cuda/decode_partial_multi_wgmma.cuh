@@ -26,16 +26,10 @@
 namespace sparsepage {
 namespace cuda {
 
-#ifndef SPARSEPAGE_MULTI_WGMMA_STAGES
-#define SPARSEPAGE_MULTI_WGMMA_STAGES 2
-#endif
-
-/// The 64-row tiles in the slab layout above, with kStages stages.
-struct MultiWgmmaTileConfig : TileConfig<128, 128, false> {
-  static constexpr int kStages = SPARSEPAGE_MULTI_WGMMA_STAGES;
-  static constexpr int kIdSlots = 2 * kStages - 1;
-  static constexpr size_t kStageBytes = size_t{kStages} * kStageElems * 2;
-  static constexpr size_t kIdBytes = size_t{kIdSlots} * kIdSlotInts * 4;
+/// The 64-row tiles in the slab layout above, with the mma.sync CTA's two
+/// stages (two CTAs per SM; one CTA per SM with three to six stages measured
+/// slower, docs/PERFORMANCE.md).
+struct MultiWgmmaTileConfig : MultiTileConfig<128, 128> {
   static constexpr int kSlabElems = kTileRows * 64;
   static constexpr uint32_t kSlabBytes = kSlabElems * 2;
   __device__ static int tile_offset(int row, int chunk, int) {
@@ -96,7 +90,8 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   }
 
   /// The mma.sync CTA's pipeline, with the copies fenced for the async proxy
-  /// and no Q fragments: Q stays in shared memory, where wgmma reads it.
+  /// and no Q fragments: Q stays in shared memory, where wgmma reads it. No
+  /// zero_v_tail: this CTA runs only at dv = 128 (multi_token_cta_kind).
   __device__ void run() {
     this->template pipeline<true>([] {}, [&](int t) {
       float s[8][4];
@@ -109,7 +104,7 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
 };
 
 template <typename T, class Source>
-__global__ void __launch_bounds__(kThreads, MultiWgmmaTileConfig::kStages <= 2 ? 2 : 1) multi_token_wgmma_kernel(const __grid_constant__ typename Source::Params params) {
+__global__ void __launch_bounds__(kThreads, 2) multi_token_wgmma_kernel(const __grid_constant__ typename Source::Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();

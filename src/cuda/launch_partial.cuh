@@ -101,23 +101,29 @@ enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
 /// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process), for measuring the
 /// three against each other: unset or `auto` chooses as above, `mma` keeps
 /// the 64-row CTA on mma.sync, `0` runs every step on the 16-row CTA. Any
-/// other value is refused by name.
-inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t dqk, int32_t dv, int32_t de,
-                                              int32_t group_size, int32_t q_len) {
-  enum class Choice { kAuto, kMma, kOff };
-  static const Choice choice = [] {
+/// other value is refused by name (cuda_check_kernel_switches asks before a
+/// step changes anything).
+enum class MultiTokenChoice { kAuto, kMma, kOff };
+inline MultiTokenChoice multi_token_cta_choice() {
+  static const MultiTokenChoice choice = [] {
     const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Choice::kAuto;
-    if (std::strcmp(v, "mma") == 0) return Choice::kMma;
-    if (std::strcmp(v, "0") == 0) return Choice::kOff;
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return MultiTokenChoice::kAuto;
+    if (std::strcmp(v, "mma") == 0) return MultiTokenChoice::kMma;
+    if (std::strcmp(v, "0") == 0) return MultiTokenChoice::kOff;
     throw Error(std::string("SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not '") + v + "'");
   }();
+  return choice;
+}
+
+inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t head_dim_qk, int32_t head_dim_v,
+                                              int32_t head_dim_extra, int32_t group_size, int32_t q_len) {
   const int64_t rows = int64_t{group_size} * q_len;
-  if (choice == Choice::kOff || q_len < 2 || rows <= kQueryTile || shape != TileShape::kK128V128)
-    return MultiTokenCtaKind::kRowTiles;
-  // The MLA shape's answer is "" exactly where sm_90a code runs on this device.
-  const bool wgmma_runs = cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty();
-  if (choice == Choice::kAuto && wgmma_runs && dqk == 128 && dv == 128 && de == 0) return MultiTokenCtaKind::kWgmma;
+  if (q_len < 2 || rows <= kQueryTile || shape != TileShape::kK128V128) return MultiTokenCtaKind::kRowTiles;
+  const MultiTokenChoice choice = multi_token_cta_choice();
+  if (choice == MultiTokenChoice::kOff) return MultiTokenCtaKind::kRowTiles;
+  if (choice == MultiTokenChoice::kAuto && cuda_sm90a_code_runs(cuda_device_sm()) && head_dim_qk == 128 &&
+      head_dim_v == 128 && head_dim_extra == 0)
+    return MultiTokenCtaKind::kWgmma;
   return rows > 2 * kQueryTile ? MultiTokenCtaKind::kMma : MultiTokenCtaKind::kRowTiles;
 }
 

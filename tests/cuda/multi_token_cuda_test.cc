@@ -1,5 +1,6 @@
 // Multi-token decode steps (DecodeParams::q_len > 1) on the GPU: the
-// mma.sync kernel against the fp64 reference with each token's causal
+// kernels (16-row tiles, the 64-row CTA on wgmma or, in a second ctest
+// process, on mma.sync) against the fp64 reference with each token's causal
 // limit, against q_len single-token steps on the GPU, and against the CPU
 // backend; tokens whose causal limit cuts a selected page; query-row tiles
 // that hold several tokens (G * q_len <= 16) and tokens spread over several
@@ -13,6 +14,8 @@
 #include "cuda/cuda_test_util.h"
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
 #include "support/multi_token.h"
 #include "support/multi_token_layers.h"
@@ -67,6 +70,20 @@ testing::MultiTokenProblem problem_of(const Case& c, uint64_t seed) {
   return testing::make_multi_token_problem(spec);
 }
 
+// The kernel the dispatch must pick for a case, as far as the name's start:
+// the process's SPARSEPAGE_MULTI_TOKEN_CTA is honoured (the second ctest
+// process sets `mma`).
+std::string expected_kernel(const Case& c) {
+  const int32_t rows = c.group_size * c.q_len;
+  const char* env = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+  const std::string choice = env != nullptr ? env : "";
+  if (c.head_dim == 128 && rows > 16 && choice != "0") {
+    if (choice != "mma" && cuda_sm90a_code_runs(cuda_device_sm())) return "64-row multi-token CTA, wgmma";
+    if (rows > 32) return "64-row multi-token CTA, mma.sync";
+  }
+  return "16-row tiles";
+}
+
 TEST(MultiTokenCuda, MatchesFp64AndSingleTokenSteps) {
   SKIP_WITHOUT_CUDA();
   uint64_t seed = 1;
@@ -74,6 +91,7 @@ TEST(MultiTokenCuda, MatchesFp64AndSingleTokenSteps) {
     const auto pb = problem_of(c, seed++);
     const auto ref = testing::multi_token_reference(pb);
     const auto gpu = testing::run_multi_token(pb, Device::kCuda, c.fixed_chunk);
+    EXPECT_EQ(gpu.kernel.rfind(expected_kernel(c), 0), 0u) << describe(c) << ": ran " << gpu.kernel;
     EXPECT_EQ(testing::compare_multi_token(pb, gpu.o, gpu.lse, ref.o, ref.lse, 1e-2, 2e-3), "") << describe(c);
     const auto single = testing::run_as_single_tokens(pb, Device::kCuda);
     const std::vector<double> o(single.o.begin(), single.o.end()), lse(single.lse.begin(), single.lse.end());
@@ -169,10 +187,12 @@ TEST(MultiTokenCuda, BlockSparseLayerOnTheSixtyFourRowCta) {
   c.head_dim = 128;
   std::string kernel;
   testing::check_block_sparse_multi_token(Device::kCuda, c, 2, 900, 4, &kernel);
-  const char* choice = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
-  const bool mma = (choice != nullptr && std::string(choice) == "mma") ||
-                   !cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty();  // no sm_90a code runs here
-  EXPECT_EQ(kernel, mma ? "64-row multi-token CTA, mma.sync" : "64-row multi-token CTA, wgmma");
+  const char* env = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+  const std::string choice = env != nullptr ? env : "";
+  const char* expected = choice == "0"                                              ? "16-row tiles, mma.sync"
+                         : choice == "mma" || !cuda_sm90a_code_runs(cuda_device_sm()) ? "64-row multi-token CTA, mma.sync"
+                                                                                      : "64-row multi-token CTA, wgmma";
+  EXPECT_EQ(kernel, expected);
 }
 
 TEST(MultiTokenCuda, BlockSparseLayerTokenByToken) {
@@ -205,6 +225,25 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
 TEST(MultiTokenCuda, DsaLayerTokenByToken) {
   SKIP_WITHOUT_CUDA();
   testing::check_dsa_multi_token(Device::kCuda, testing::small_dsa_config(), 2, 300, 3, true);
+}
+
+// A kernel switch holding a value it does not take is refused by name when a
+// decoder or a layer is made, before any step could append. Runs in a ctest
+// process of its own with SPARSEPAGE_MULTI_TOKEN_CTA=bogus
+// (tests/cuda/CMakeLists.txt); in the main process the switch is unset and
+// the test skips, saying so.
+TEST(KernelSwitches, ABadValueIsRefusedWhenADecoderIsMade) {
+  SKIP_WITHOUT_CUDA();
+  const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+  if (v == nullptr || std::string(v) != "bogus")
+    GTEST_SKIP() << "runs with SPARSEPAGE_MULTI_TOKEN_CTA=bogus, in its own ctest process";
+  EXPECT_TRUE(testing::throws_error_naming([] { SparseDecoder d(Device::kCuda, DispatchConfig::defaults()); },
+                                  "SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not 'bogus'"));
+  EXPECT_TRUE(testing::throws_error_naming(
+      [] { BlockSparseAttention layer(Device::kCuda, DType::kBF16, testing::small_block_sparse_config(), 1); },
+      "SPARSEPAGE_MULTI_TOKEN_CTA"));
+  EXPECT_NO_THROW(SparseDecoder(Device::kCpu, DispatchConfig::defaults()))
+      << "the CPU backend has no kernel switches to refuse";
 }
 
 TEST(MultiTokenAppendCuda, OneLaunchEqualsSingleTokenAppends) {

@@ -41,6 +41,7 @@ MultiTokenResult run_planned(const DecodeParams& params, const std::vector<int32
     run_decode_cpu(params, plan, workspace.data());
   }
   MultiTokenResult result;
+  if (device == Device::kCuda) result.kernel = cuda_decode_kernel_name(params, plan);
   const auto o_bytes = download<uint8_t>(device, o.data(), o_elems * dtype_size(params.dtype));
   result.o = as_float(params.dtype, o_bytes);
   result.lse = download<float>(device, lse.data(), lse_elems);
