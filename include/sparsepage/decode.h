@@ -367,8 +367,10 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
 /// error: its tokens are skipped.
 /// `stream` is a cudaStream_t (null: the default stream).
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);
-void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,
-                     void* stream = nullptr);
+/// It returns the name of the kernel it launched (as cuda_decode_kernel_name
+/// gives it), decided once for the launch.
+const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,
+                            void* stream = nullptr);
 /// How `run_decode_cuda` merges this plan's split requests: the size of the
 /// thread-block clusters whose CTAs merge one request through distributed
 /// shared memory (one launch, no fp32 partials), or 0 when the merge kernel

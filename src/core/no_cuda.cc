@@ -38,7 +38,7 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t, int32_t, int32_t, int32_t, int
 int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }
 int32_t cuda_device_sm() { return 0; }
 void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cuda"); }
-void run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }
+const char* run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }
 int32_t cuda_merge_cluster_size(const DecodeParams&, const DecodePlan&) { no_cuda("cuda_merge_cluster_size"); }
 uint32_t read_decode_error_flag(const DecodePlan&, void*, void*) { no_cuda("read_decode_error_flag"); }
 const char* cuda_decode_kernel_name(const DecodeParams&, const DecodePlan&) { no_cuda("cuda_decode_kernel_name"); }

@@ -241,8 +241,7 @@ void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
 
 SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream) {
   if (device_ == Device::kCuda) {
-    run_decode_cuda(params, plan_, workspace_.data(), stream);
-    outcome.kernel = cuda_decode_kernel_name(params, plan_);
+    outcome.kernel = run_decode_cuda(params, plan_, workspace_.data(), stream);
   } else {
     run_decode_cpu(params, plan_, workspace_.data());
     outcome.kernel = "CPU loop";

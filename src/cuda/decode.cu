@@ -128,8 +128,9 @@ void cuda_check_kernel_switches() {
   (void)cuda::multi_token_cta_choice();
 }
 
-const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
-  const KernelChoice c = choose_kernel(params, plan);
+namespace {
+
+const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
   switch (c.kind) {
     case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
     case DecodeKernel::kFp8:
@@ -142,6 +143,12 @@ const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan
     case DecodeKernel::kRowTiles: break;
   }
   return "16-row tiles, mma.sync";
+}
+
+}  // namespace
+
+const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
+  return kernel_name(choose_kernel(params, plan), params);
 }
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
@@ -200,13 +207,15 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
   SP_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
-void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream) {
+const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream) {
   check_decode_params(params, plan);
   cuda::check_stream_layout("run_decode_cuda", params.dtype, params.q, params.q_extra, params.k, params.v,
                             params.k_extra, params.o);
   const std::string qo_problem = cuda_layout_problem(params);
   if (!qo_problem.empty()) throw Error("run_decode_cuda: " + qo_problem);
-  if (plan.work.empty()) return;
+  const KernelChoice choice = choose_kernel(params, plan);
+  const char* name = kernel_name(choice, params);
+  if (plan.work.empty()) return name;
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);
 
@@ -273,7 +282,6 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
   // tables keep the lean row lookup.
   const bool engine_inputs = uses_engine_inputs(params);
   const auto items = static_cast<int32_t>(plan.work.size());
-  const KernelChoice choice = choose_kernel(params, plan);
   if (choice.kind == DecodeKernel::kClusterMerge) {
     // Split requests merge inside their clusters: one launch, no partials.
     const int32_t cluster = choice.cluster;
@@ -285,7 +293,7 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
       if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::PagedSource>(p, items, cluster, s);
       else cuda::launch_partial_cluster<__half, cuda::PagedSource>(p, items, cluster, s);
     }
-    return;
+    return name;
   }
   if (choice.kind == DecodeKernel::kFp8) {
     cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items, s);
@@ -298,6 +306,7 @@ void run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* w
     if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
     else run_merge<__half>(params, qo, plan, workspace, s);
   }
+  return name;
 }
 
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream) {

@@ -72,14 +72,24 @@ enum class MlaKernel { kClassic, kWarpSpecialized };
 /// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
 /// (read once), for measuring the two; unset runs the default (ws). Any
 /// other value is refused by name rather than silently ignored.
+/// A kernel switch: the environment variable `name` holding one of the
+/// `values` (names[i] selects values[i]); unset or empty selects values[0].
+/// Any other value is refused by name: "<name> must be 'a', 'b' or 'c', not 'x'".
+template <typename Choice, size_t N>
+Choice kernel_switch(const char* name, const char* const (&names)[N], const Choice (&values)[N]) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return values[0];
+  std::string accepted;
+  for (size_t i = 0; i < N; ++i) {
+    if (std::strcmp(v, names[i]) == 0) return values[i];
+    accepted += std::string(i == 0 ? "'" : i + 1 == N ? " or '" : ", '") + names[i] + "'";
+  }
+  throw Error(std::string(name) + " must be " + accepted + ", not '" + v + "'");
+}
+
 inline MlaKernel mla_kernel_choice() {
-  static const MlaKernel choice = [] {
-    const char* v = std::getenv("SPARSEPAGE_MLA_KERNEL");
-    if (v == nullptr || *v == '\0') return MlaKernel::kWarpSpecialized;
-    if (std::strcmp(v, "ws") == 0) return MlaKernel::kWarpSpecialized;
-    if (std::strcmp(v, "classic") == 0) return MlaKernel::kClassic;
-    throw Error(std::string("SPARSEPAGE_MLA_KERNEL must be 'ws' or 'classic', not '") + v + "'");
-  }();
+  static const MlaKernel choice =
+      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});
   return choice;
 }
 
@@ -105,13 +115,9 @@ enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
 /// step changes anything).
 enum class MultiTokenChoice { kAuto, kMma, kOff };
 inline MultiTokenChoice multi_token_cta_choice() {
-  static const MultiTokenChoice choice = [] {
-    const char* v = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return MultiTokenChoice::kAuto;
-    if (std::strcmp(v, "mma") == 0) return MultiTokenChoice::kMma;
-    if (std::strcmp(v, "0") == 0) return MultiTokenChoice::kOff;
-    throw Error(std::string("SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not '") + v + "'");
-  }();
+  static const MultiTokenChoice choice =
+      kernel_switch("SPARSEPAGE_MULTI_TOKEN_CTA", {"auto", "mma", "0"},
+                    {MultiTokenChoice::kAuto, MultiTokenChoice::kMma, MultiTokenChoice::kOff});
   return choice;
 }
 
@@ -159,13 +165,8 @@ constexpr int32_t kAutoClusterCtas = 2;
 /// (read once), for measuring them against each other; unset: auto. Any
 /// other value is refused by name.
 inline GqaMerge gqa_merge_choice() {
-  static const GqaMerge choice = [] {
-    const char* v = std::getenv("SPARSEPAGE_GQA_MERGE");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return GqaMerge::kAuto;
-    if (std::strcmp(v, "kernel") == 0) return GqaMerge::kKernel;
-    if (std::strcmp(v, "cluster") == 0) return GqaMerge::kCluster;
-    throw Error(std::string("SPARSEPAGE_GQA_MERGE must be 'auto', 'kernel' or 'cluster', not '") + v + "'");
-  }();
+  static const GqaMerge choice = kernel_switch("SPARSEPAGE_GQA_MERGE", {"auto", "kernel", "cluster"},
+                                               {GqaMerge::kAuto, GqaMerge::kKernel, GqaMerge::kCluster});
   return choice;
 }
 

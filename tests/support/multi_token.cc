@@ -33,15 +33,14 @@ MultiTokenResult run_planned(const DecodeParams& params, const std::vector<int32
   const DecodePlan plan = make_decode_plan(
       counts, plan_shape(device, params.group_size * params.q_len, params.v.dim, fixed_chunk_tokens));
   Buffer workspace(device, std::max<size_t>(plan.workspace.total, 256));
+  MultiTokenResult result;
   if (device == Device::kCuda) {
     upload_plan_cuda(plan, workspace.data());
-    run_decode_cuda(params, plan, workspace.data());
+    result.kernel = run_decode_cuda(params, plan, workspace.data());
     if (read_decode_error_flag(plan, workspace.data()) != 0) throw Error("multi-token test: the error flag is set");
   } else {
     run_decode_cpu(params, plan, workspace.data());
   }
-  MultiTokenResult result;
-  if (device == Device::kCuda) result.kernel = cuda_decode_kernel_name(params, plan);
   const auto o_bytes = download<uint8_t>(device, o.data(), o_elems * dtype_size(params.dtype));
   result.o = as_float(params.dtype, o_bytes);
   result.lse = download<float>(device, lse.data(), lse_elems);

@@ -68,7 +68,7 @@ MultiTokenReference multi_token_reference(const MultiTokenProblem& pb);
 /// element the decode does not write fails the comparison.
 struct MultiTokenResult {
   std::vector<float> o, lse;
-  std::string kernel;  // CUDA: cuda_decode_kernel_name of the launch; empty on the CPU
+  std::string kernel;  // CUDA: the kernel run_decode_cuda launched; empty on the CPU
 };
 MultiTokenResult run_multi_token(const MultiTokenProblem& pb, Device device, int32_t fixed_chunk_tokens = 0);
 /// The same step as q_len single-token steps: token t is a q_len = 1 decode
