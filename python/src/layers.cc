@@ -36,6 +36,24 @@ const void* step_arg(const std::string& op, const In& a, const char* name, Devic
   return t.data;
 }
 
+// The fp32 index weights of a step: on the layer's device, contiguous, of `shape`.
+const float* weights_arg(const std::string& op, const In& a, Device device, std::initializer_list<int64_t> shape,
+                         const char* layout) {
+  Tensor w = describe(a, op, "index_weights");
+  if (w.device != device) w.fail("lives on another device than the layer");
+  w.require_float32();
+  w.require_shape(shape, layout);
+  w.require_contiguous();
+  return static_cast<const float*>(w.data);
+}
+
+// A multi-token step's q_len: dim 1 of its query tensor `name` ([batch, q_len, heads, dim]).
+int32_t step_q_len(const std::string& op, const In& q, const char* name, const char* layout) {
+  const Tensor t = describe(q, op, name);
+  t.require_ndim(4, layout);
+  return to_int32(t.shape[1], op, std::string("q_len (") + name + ".shape[1])");
+}
+
 std::vector<float> host_floats(const std::string& op, const In& a, const char* name,
                                std::initializer_list<int64_t> shape, const char* layout) {
   Tensor t = describe(a, op, name);
@@ -122,10 +140,8 @@ struct PyBlockSparse {
                                  const Out& o, int32_t* q_len) const {
     const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
     const char* q_layout = "[batch, q_len, num_qo_heads, head_dim]";
-    const Tensor qt = describe(q, op, "q");
-    qt.require_ndim(4, q_layout);
-    const int64_t T = qt.shape[1];
-    *q_len = to_int32(T, op, "q_len (q.shape[1])");
+    *q_len = step_q_len(op, q, "q", q_layout);
+    const int64_t T = *q_len;
     BlockSparseTokens t;
     t.q = step_arg(op, q, "q", device, dtype, {B, T, Hq, D}, q_layout);
     t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
@@ -201,12 +217,7 @@ struct PyDsa {
     t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
     t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, H, R}, "[batch, num_qo_heads, rope_dim]");
     t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, IH, ID}, "[batch, index_heads, index_head_dim]");
-    Tensor w = describe(index_weights, op, "index_weights");
-    if (w.device != device) w.fail("lives on another device than the layer");
-    w.require_float32();
-    w.require_shape({B, IH}, "[batch, index_heads]");
-    w.require_contiguous();
-    t.index_weights = static_cast<const float*>(w.data);
+    t.index_weights = weights_arg(op, index_weights, device, {B, IH}, "[batch, index_heads]");
     t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
     return t;
   }
@@ -226,21 +237,14 @@ struct PyDsa {
     const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
                   IH = config.index_heads, ID = config.index_head_dim;
     const char* q_layout = "[batch, q_len, num_qo_heads, latent_dim]";
-    const Tensor qt = describe(q_latent, op, "q_latent");
-    qt.require_ndim(4, q_layout);
-    const int64_t T = qt.shape[1];
-    *q_len = to_int32(T, op, "q_len (q_latent.shape[1])");
+    *q_len = step_q_len(op, q_latent, "q_latent", q_layout);
+    const int64_t T = *q_len;
     DsaTokens t;
     t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, T, H, L}, q_layout);
     t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
     t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, T, IH, ID},
                          "[batch, q_len, index_heads, index_head_dim]");
-    Tensor w = describe(index_weights, op, "index_weights");
-    if (w.device != device) w.fail("lives on another device than the layer");
-    w.require_float32();
-    w.require_shape({B, T, IH}, "[batch, q_len, index_heads]");
-    w.require_contiguous();
-    t.index_weights = static_cast<const float*>(w.data);
+    t.index_weights = weights_arg(op, index_weights, device, {B, T, IH}, "[batch, q_len, index_heads]");
     t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype, {T, B, 1, 1, L + ID},
                              "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
     t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");

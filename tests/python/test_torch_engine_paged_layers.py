@@ -96,13 +96,32 @@ def test_block_sparse_engine_pool_eager_and_graph_replays_equal_its_own_cache():
         assert torch.equal(o_eng, o_own) and not o_eng.isnan().any(), f"position {pos}"
 
 
-def test_dsa_engine_mla_pool_equals_its_own_cache():
-    gen = torch.Generator().manual_seed(6)
-    B, H, L, R, IH, ID, prompt = 2, 16, 512, 64, 4, 128, 150
+# The DSA tests' geometry: batch, heads, latent, rope, index heads, index dim, prompt.
+DSA_SHAPE = (2, 16, 512, 64, 4, 128, 150)
+
+
+def dsa_twins():
+    """The DSA layer over its own cache (dispatch gates off) and over an engine pool, one geometry."""
+    B, H, L, R, IH, ID, _ = DSA_SHAPE
     cfg = dict(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=IH, index_head_dim=ID, index_topk=64,
                capacity_step=128)
     own = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg), B, gates_off())
     eng = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg, kv_storage=sp.KVStorage.ENGINE_PAGED), B)
+    return own, eng
+
+
+def dsa_step_queries(rnd, gen):
+    """A step's queries (q_latent, q_pe, q_index, index_weights) and two NaN-poisoned outputs."""
+    B, H, L, R, IH, ID, _ = DSA_SHAPE
+    queries = (rnd(B, H, L), rnd(B, H, R), rnd(B, IH, ID), torch.rand(B, IH, generator=gen).cuda())
+    o_own = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+    return queries, o_own, torch.full_like(o_own, float("nan"))
+
+
+def test_dsa_engine_mla_pool_equals_its_own_cache():
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, R, IH, ID, prompt = DSA_SHAPE
+    own, eng = dsa_twins()
     kv_cache, table = pool_and_table(B, 16, (L + R,), gen)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).cuda()  # noqa: E731
     latent, index_k, pe = rnd(B, 1, prompt, L), rnd(B, 1, prompt, ID), rnd(B, 1, prompt, R)
@@ -114,9 +133,7 @@ def test_dsa_engine_mla_pool_equals_its_own_cache():
         pos = eng.kv_len
         row_latent, row_index, row_pe = rnd(B, 1, 1, L), rnd(B, 1, 1, ID), rnd(B, 1, 1, R)
         write(kv_cache, table, pos, torch.cat([row_latent[:, 0, 0], row_pe[:, 0, 0]], dim=-1))
-        queries = (rnd(B, H, L), rnd(B, H, R), rnd(B, IH, ID), torch.rand(B, IH, generator=gen).cuda())
-        o_own = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
-        o_eng = torch.full_like(o_own, float("nan"))
+        queries, o_own, o_eng = dsa_step_queries(rnd, gen)
         assert own.decode(*queries, torch.cat([row_latent, row_index], dim=-1).contiguous(), row_pe, o_own, stream()).fused
         assert eng.decode_paged(*queries, row_index, o_eng, kv_cache, table, stream()).fused
         torch.cuda.synchronize()
@@ -156,11 +173,8 @@ def test_quantize_mla_fp8_gives_the_same_bytes_on_both_backends():
 
 def test_dsa_over_an_engine_fp8_mla_pool_matches_its_own_cache_of_the_dequantized_rows():
     gen = torch.Generator().manual_seed(9)
-    B, H, L, R, IH, ID, prompt = 2, 16, 512, 64, 4, 128, 150
-    cfg = dict(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=IH, index_head_dim=ID, index_topk=64,
-               capacity_step=128)
-    own = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg), B, gates_off())
-    eng = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, sp.DsaConfig(**cfg, kv_storage=sp.KVStorage.ENGINE_PAGED), B)
+    B, H, L, R, IH, ID, prompt = DSA_SHAPE
+    own, eng = dsa_twins()
     num_blocks = B * 16 + 3
     table = torch.randperm(num_blocks, generator=gen).to(torch.int32)[: B * 16].reshape(B, 16).cuda()
     kv_cache = torch.full((num_blocks, BLOCK, 656), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN, NaN scales
@@ -184,9 +198,7 @@ def test_dsa_over_an_engine_fp8_mla_pool_matches_its_own_cache_of_the_dequantize
         pos = eng.kv_len
         row_latent, row_index, row_pe = rnd(B, 1, 1, L), rnd(B, 1, 1, ID), rnd(B, 1, 1, R)
         row_deq = place(row_latent[:, 0], row_pe[:, 0], pos).unsqueeze(1)
-        queries = (rnd(B, H, L), rnd(B, H, R), rnd(B, IH, ID), torch.rand(B, IH, generator=gen).cuda())
-        o_own = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
-        o_eng = torch.full_like(o_own, float("nan"))
+        queries, o_own, o_eng = dsa_step_queries(rnd, gen)
         assert own.decode(*queries, torch.cat([row_deq, row_index], dim=-1).contiguous(), row_pe, o_own, stream()).fused
         s = eng.decode_paged(*queries, row_index, o_eng, kv_cache, table, stream())
         assert s.fused and s.outcome.kernel == "MLA FP8 (656-byte rows), wgmma", s.outcome.describe()

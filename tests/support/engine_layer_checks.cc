@@ -312,6 +312,23 @@ struct DsaArms {
     std::vector<uint8_t> dense_o, engine_o;
     DsaStep dense_step, engine_step;
   };
+  // One sequence's engine-paged step inputs (random queries and index key,
+  // unit index weights, a NaN output), for the steps that must be refused.
+  struct EngineToken {
+    Buffer q, pe, qi, w, ik, o;
+    EngineToken(Device device, std::mt19937_64& rng)
+        : q(upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim, rng))),
+          pe(upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.rope_dim, rng))),
+          qi(upload(device, random_values(kDt, size_t(kDsaConfig.index_heads) * kDsaConfig.index_head_dim, rng))),
+          w(upload(device, std::vector<float>(size_t(kDsaConfig.index_heads), 1.0f))),
+          ik(upload(device, random_values(kDt, size_t(kDsaConfig.index_head_dim), rng))),
+          o(upload(device, nan_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim))) {}
+    DsaTokens tokens() const {
+      DsaTokens t{q.data(), pe.data(), qi.data(), w.as<float>(), nullptr, nullptr, const_cast<void*>(o.data())};
+      t.index_k = ik.data();
+      return t;
+    }
+  };
   StepOut step(std::mt19937_64& rng) {
     const Rows r = make(1, rng);
     const auto dense_k = place(r, 1, engine.kv_len());
@@ -428,14 +445,8 @@ void check_engine_paged_dsa_fp8(Device device) {
   arms.prompt(100, rng);
   EnginePagedKV per_head = arms.kv();
   per_head.kv_format = KvFormat::kE4m3PerHead;
-  const auto q = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim, rng));
-  const auto pe = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.rope_dim, rng));
-  const auto qi = upload(device, random_values(kDt, size_t(kDsaConfig.index_heads) * kDsaConfig.index_head_dim, rng));
-  const auto w = upload(device, std::vector<float>(size_t(kDsaConfig.index_heads), 1.0f));
-  const auto ik = upload(device, random_values(kDt, size_t(kDsaConfig.index_head_dim), rng));
-  Buffer o = upload(device, nan_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim));
-  DsaTokens t{q.data(), pe.data(), qi.data(), w.as<float>(), nullptr, nullptr, o.data()};
-  t.index_k = ik.data();
+  const DsaArms::EngineToken token(device, rng);
+  const DsaTokens t = token.tokens();
   EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, per_head); }, "not an MLA row format"));
   EnginePagedKV short_rows = arms.kv();  // 520-byte rows cannot hold the latent bytes and the scales
   short_rows.k.row_stride = short_rows.v.row_stride = 520;
@@ -480,14 +491,8 @@ void check_engine_paged_errors(Device device) {
   {
     DsaArms arms(device, 1, 16, rng, kill_switch());
     arms.prompt(100, rng);
-    const auto q = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim, rng));
-    const auto pe = upload(device, random_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.rope_dim, rng));
-    const auto qi = upload(device, random_values(kDt, size_t(kDsaConfig.index_heads) * kDsaConfig.index_head_dim, rng));
-    const auto w = upload(device, std::vector<float>(size_t(kDsaConfig.index_heads), 1.0f));
-    const auto ik = upload(device, random_values(kDt, size_t(kDsaConfig.index_head_dim), rng));
-    Buffer o = upload(device, nan_values(kDt, size_t(kDsaConfig.num_qo_heads) * kDsaConfig.latent_dim));
-    DsaTokens t{q.data(), pe.data(), qi.data(), w.as<float>(), nullptr, nullptr, o.data()};
-    t.index_k = ik.data();
+    const DsaArms::EngineToken token(device, rng);
+    const DsaTokens t = token.tokens();
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, arms.kv()); }, "declined"));
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t); }, "decode(tokens, kv)"));
     EXPECT_TRUE(throws_error_naming([&] { arms.dense.decode(t, arms.kv()); }, "kv_storage"));
