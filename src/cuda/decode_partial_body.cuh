@@ -144,6 +144,9 @@ struct PartialCta {
     }
     T* kt = k_tile(tile % kS);
     const int dq_chunks = p.dqk / 8;
+    // Each gathered row is read once per launch: evict it first (measured on
+    // the H200: 0.6-2.5% faster at batch 32-64, level at batch 1).
+    const uint64_t policy = l2_evict_first_policy();
     // Shuffles stay out of divergent code (which would make them collective
     // calls): the second-stream case is its own uniform loop.
     if (e_base == nullptr) {
@@ -152,7 +155,7 @@ struct PartialCta {
         const int idx = i * 32 + lane;
         const int lr = idx / kKChunks, c = idx % kKChunks;
         const int n = __shfl_sync(0xffffffffu, fill, lr);
-        cp_async_16_n(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n);
+        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n, policy);
       }
     } else {
 #pragma unroll
@@ -162,7 +165,7 @@ struct PartialCta {
         const int n = __shfl_sync(0xffffffffu, fill, lr);
         const T* gk = shfl_ptr(k_row, lr) + c * 8;
         const T* ge = shfl_ptr(e_row, lr) + (c - dq_chunks) * 8;
-        cp_async_16_n(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n);
+        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n, policy);
       }
     }
     if (p.v_aliases_k) return resolved;
@@ -174,7 +177,7 @@ struct PartialCta {
       const int lr = idx / kVChunks, c = idx % kVChunks;
       const int n = __shfl_sync(0xffffffffu, fill, lr);
       const T* g = shfl_ptr(v_row, lr) + c * 8;
-      if (c < dv_chunks) cp_async_16_n(smem_u32(vt + Cfg::tile_offset(row0 + lr, c, kVChunks)), g, n);
+      if (c < dv_chunks) cp_async_16_n_policy(smem_u32(vt + Cfg::tile_offset(row0 + lr, c, kVChunks)), g, n, policy);
     }
     return resolved;
   }
