@@ -14,7 +14,21 @@
 namespace sparsepage {
 namespace cuda {
 
-constexpr int kMergeThreads = 64;  // one float4 of one head per thread
+constexpr int kMergeThreads = 64;
+constexpr int kMergeBatch = 8;  // partials whose loads a thread issues together (2 or 4 for requests of fewer)
+constexpr int kMergeMaxLanes = 8;
+
+/// Lanes that share one output of a merge whose requests have at most
+/// `max_partials` partials: one batch of kMergeBatch partials per lane, a
+/// power of two up to kMergeMaxLanes. So each lane's loads are one L2 round
+/// trip per pass. Measured on the H200 (docs/PERFORMANCE.md): two lanes for
+/// 16 partials (batch 1 to 4), one for 8; four lanes or more were slower at
+/// every shape.
+inline int32_t merge_lanes(int32_t max_partials) {
+  int32_t lanes = 1;
+  while (lanes < kMergeMaxLanes && lanes * kMergeBatch < max_partials) lanes *= 2;
+  return lanes;
+}
 
 struct MergeParams {
   const float* partial_o = nullptr;       // [num_partials, group_size, partial_dv]
@@ -22,6 +36,7 @@ struct MergeParams {
   const int32_t* merge_indptr = nullptr;  // [num_merge + 1] slots, or null: uniform
   const int32_t* merge_requests = nullptr;  // [num_merge] requests, or null: uniform
   int32_t chunks_per_request = 1;         // uniform: merge i owns slots [i * c, (i + 1) * c)
+  int32_t lanes = 1;                      // lanes per output (merge_lanes), each taking every lanes-th partial
   int32_t group_size = 1;                 // query rows per request: heads x q_len tokens
   int32_t heads = 0;                      // query heads per request (decode.h's group_size); 0: group_size
   int32_t q_len = 1;                      // query tokens per request; row i = token i / heads
@@ -36,9 +51,15 @@ struct MergeParams {
   float* lse = nullptr;                   // [num_sequences, q_len, num_kv_heads, heads] or null
 };
 
-/// Grid: (merged requests, ceil(group_size * dv / 4 / kMergeThreads)).
-template <typename T>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ MergeParams p) {
+/// Grid: (merged requests, ceil(group_size * dv / 4 * lanes / kMergeThreads)).
+/// Each output (one float4 of one head) is merged by p.lanes neighbouring
+/// lanes, each over every lanes-th partial, kBatch partials' loads at a time,
+/// their states combined by shuffles. The launch bounds leave registers for
+/// a batch's loads (with the 32 of full occupancy ptxas interleaves each
+/// load with its use: one L2 round trip per partial instead of per batch);
+/// smaller batches keep more CTAs resident for requests of few partials.
+template <typename T, int kBatch>
+__global__ void __launch_bounds__(kMergeThreads, kBatch >= 8 ? 16 : kBatch >= 4 ? 24 : 32) merge_kernel(const __grid_constant__ MergeParams p) {
   pdl_wait_primary();  // partials are complete and visible past this point
   const int i = blockIdx.x;
   int32_t begin, end, request;
@@ -52,39 +73,68 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
     request = i;
   }
   const int d4 = p.dv / 4;
-  const int idx = blockIdx.y * kMergeThreads + threadIdx.x;
-  if (idx >= p.group_size * d4) return;
-  const int head = idx / d4, col = (idx % d4) * 4;
+  const int t = blockIdx.y * kMergeThreads + threadIdx.x;
+  const int idx = t / p.lanes, lane_in_output = t % p.lanes;
+  const bool valid = idx < p.group_size * d4;  // invalid lanes merge nothing but take part in the shuffles
+  const int head = valid ? idx / d4 : 0, col = valid ? (idx % d4) * 4 : 0;
+  if (!valid) end = begin;
 
-  // Largest lse; a NaN partial (rejected page) poisons the request, since
-  // fmaxf alone would silently drop it.
-  // Both passes are unrolled so that their loads (independent of each other)
-  // are in flight together: at batch 1 a request has tens of partials and a
-  // serial chain of L2 round trips would dominate the merge.
+  // Two passes (the largest lse, then the weighted sum), each loading a
+  // batch of partials before using any, so that a batch is one L2 round
+  // trip. A lane takes every lanes-th partial; the lanes meet by shuffles
+  // after each pass. A NaN partial (rejected page) poisons the request,
+  // since fmaxf alone would silently drop it.
+  const int step = p.lanes;
   float mx = neg_inf_f32();
   bool nan = false;
-#pragma unroll 8
-  for (int s = begin; s < end; ++s) {
-    const float x = p.partial_lse[int64_t{s} * p.group_size + head];
-    nan |= isnan(x);
-    mx = fmaxf(mx, x);
+  for (int s0 = begin + lane_in_output; s0 < end; s0 += kBatch * step) {
+    float x[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {  // past the end: the last partial again, ignored (no branch)
+      const int s = min(s0 + k * step, end - 1);
+      const float v = p.partial_lse[int64_t{s} * p.group_size + head];
+      x[k] = s0 + k * step < end ? v : neg_inf_f32();
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) nan |= isnan(x[k]), mx = fmaxf(mx, x[k]);
+  }
+  for (int offset = 1; offset < p.lanes; offset <<= 1) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+    nan |= __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), offset) != 0;
   }
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float sum = 0.f;
   if (mx != neg_inf_f32()) {  // otherwise every partial is empty: o = 0, lse = -inf
-#pragma unroll 8
-    for (int s = begin; s < end; ++s) {
-      const float x = p.partial_lse[int64_t{s} * p.group_size + head];
-      const float w = __expf(x - mx);  // an empty partial (-inf) weighs 0
-      const float4 po = *reinterpret_cast<const float4*>(
-          p.partial_o + (int64_t{s} * p.group_size + head) * p.partial_dv + col);
-      sum += w;
-      o.x += w * po.x, o.y += w * po.y, o.z += w * po.z, o.w += w * po.w;
+    for (int s0 = begin + lane_in_output; s0 < end; s0 += kBatch * step) {
+      float x[kBatch];
+      float4 po[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = min(s0 + k * step, end - 1);
+        const float v = p.partial_lse[int64_t{s} * p.group_size + head];
+        x[k] = s0 + k * step < end ? v : neg_inf_f32();  // weighs 0 past the end
+        po[k] = *reinterpret_cast<const float4*>(p.partial_o + (int64_t{s} * p.group_size + head) * p.partial_dv + col);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const float w = __expf(x[k] - mx);  // an empty partial (-inf) weighs 0
+        sum += w;
+        o.x += w * po[k].x, o.y += w * po[k].y, o.z += w * po[k].z, o.w += w * po[k].w;
+      }
     }
+  }
+  for (int offset = 1; offset < p.lanes; offset <<= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    o.x += __shfl_xor_sync(0xffffffffu, o.x, offset), o.y += __shfl_xor_sync(0xffffffffu, o.y, offset);
+    o.z += __shfl_xor_sync(0xffffffffu, o.z, offset), o.w += __shfl_xor_sync(0xffffffffu, o.w, offset);
+  }
+  if (!valid || lane_in_output != 0) return;
+  float lse = neg_inf_f32();
+  if (mx != neg_inf_f32()) {
     const float inv = 1.f / sum;
     o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    lse = mx + __logf(sum);
   }
-  float lse = mx == neg_inf_f32() ? mx : mx + __logf(sum);
   if (nan) {
     o = make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32());
     lse = nan_f32();
@@ -103,11 +153,14 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
 /// Launches the merge behind the preceding kernel on `stream` with
 /// programmatic stream serialization (capturable in a CUDA graph).
 template <typename T>
-void launch_merge(const MergeParams& params, int32_t num_merge, cudaStream_t stream) {
+void launch_merge(const MergeParams& params, int32_t max_partials, int32_t num_merge, cudaStream_t stream) {
   if (num_merge == 0) return;
-  const int outputs = params.group_size * (params.dv / 4);
-  const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>((outputs + kMergeThreads - 1) / kMergeThreads));
-  launch_with_pdl(merge_kernel<T>, grid, dim3(kMergeThreads), 0, stream, params);
+  if (params.lanes < 1 || params.lanes > kMergeMaxLanes || (params.lanes & (params.lanes - 1)) != 0)
+    throw Error("merge: lanes per output must be a power of two up to 8");
+  const int64_t threads = int64_t{params.group_size} * (params.dv / 4) * params.lanes;
+  const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>((threads + kMergeThreads - 1) / kMergeThreads));
+  auto kernel = max_partials <= 2 ? merge_kernel<T, 2> : max_partials <= 4 ? merge_kernel<T, 4> : merge_kernel<T, kMergeBatch>;
+  launch_with_pdl(kernel, grid, dim3(kMergeThreads), 0, stream, params);
 }
 
 }  // namespace cuda

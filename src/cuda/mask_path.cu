@@ -110,6 +110,7 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
     m.partial_o = p.partial_o;
     m.partial_lse = p.partial_lse;
     m.chunks_per_request = p.chunks_per_request;
+    m.lanes = cuda::merge_lanes(p.chunks_per_request);
     m.group_size = params.group_size;
     m.dv = params.v.dim;
     m.partial_dv = params.v.dim;
@@ -119,8 +120,8 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
     m.o = params.o;
     m.lse = params.lse;
     const auto num_merge = static_cast<int32_t>(split.requests);
-    if (params.dtype == DType::kBF16) cuda::launch_merge<__nv_bfloat16>(m, num_merge, s);
-    else cuda::launch_merge<__half>(m, num_merge, s);
+    if (params.dtype == DType::kBF16) cuda::launch_merge<__nv_bfloat16>(m, p.chunks_per_request, num_merge, s);
+    else cuda::launch_merge<__half>(m, p.chunks_per_request, num_merge, s);
   }
 }
 
