@@ -126,6 +126,8 @@ TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfAtMost16CtasAndMatchesTheRefere
       {kBF16, 16, {2048, 2048, 2048}, 1024, 2},         // the batch-32 and 64 shape: 2 chunks
       {kF16, 16, {1000, 1000}, 512, 2},                 // a short second chunk
       {kF16, 16, {2048, 2048}, 64, 0},                  // 32 chunks: more than a cluster holds
+      {kBF16, 16, {8192}, 64, 0},                       // 128 chunks: 8 merge lanes of two batches each
+      {kF16, 16, {4480, 4480}, 64, 0},                  // 70 chunks: a lane's second batch mostly past the end
       {kBF16, 32, {1024, 1024}, 128, 16},               // 8 chunks x 2 head tiles
       {kF16, 4, {700, 700, 700}, 64, 11},               // 4 heads of the 16-row tile, a short last chunk
       {kBF16, 24, {640, 640}, 128, 10},                 // a partial second head tile
