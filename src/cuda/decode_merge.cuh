@@ -20,10 +20,11 @@ constexpr int kMergeMaxLanes = 8;
 
 /// Lanes that share one output of a merge whose requests have at most
 /// `max_partials` partials: one batch of kMergeBatch partials per lane, a
-/// power of two up to kMergeMaxLanes. So each lane's loads are one L2 round
-/// trip per pass. Measured on the H200 (docs/PERFORMANCE.md): two lanes for
-/// 16 partials (batch 1 to 4), one for 8; four lanes or more were slower at
-/// every shape.
+/// power of two up to kMergeMaxLanes, so each lane's loads are one L2 round
+/// trip per pass. Measured on the H200 at 8 and 16 partials
+/// (docs/PERFORMANCE.md): one lane for 8, two for 16 (batch 1 to 4); four
+/// and eight lanes were slower at both. Longer requests follow the rule
+/// unmeasured.
 inline int32_t merge_lanes(int32_t max_partials) {
   int32_t lanes = 1;
   while (lanes < kMergeMaxLanes && lanes * kMergeBatch < max_partials) lanes *= 2;
@@ -51,15 +52,19 @@ struct MergeParams {
   float* lse = nullptr;                   // [num_sequences, q_len, num_kv_heads, heads] or null
 };
 
+/// CTAs of the merge kernel per SM that leave ptxas the registers for a
+/// batch's loads: at the 32 of full occupancy it issues each load just before
+/// its use, one L2 round trip per partial instead of one per batch (the
+/// 2-partial batch fits in 32). Smaller batches keep more CTAs resident for
+/// requests of few partials.
+constexpr int merge_min_ctas(int batch) { return batch >= 8 ? 16 : batch >= 4 ? 24 : 32; }
+
 /// Grid: (merged requests, ceil(group_size * dv / 4 * lanes / kMergeThreads)).
 /// Each output (one float4 of one head) is merged by p.lanes neighbouring
 /// lanes, each over every lanes-th partial, kBatch partials' loads at a time,
-/// their states combined by shuffles. The launch bounds leave registers for
-/// a batch's loads (with the 32 of full occupancy ptxas interleaves each
-/// load with its use: one L2 round trip per partial instead of per batch);
-/// smaller batches keep more CTAs resident for requests of few partials.
+/// their states combined by shuffles.
 template <typename T, int kBatch>
-__global__ void __launch_bounds__(kMergeThreads, kBatch >= 8 ? 16 : kBatch >= 4 ? 24 : 32) merge_kernel(const __grid_constant__ MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_kernel(const __grid_constant__ MergeParams p) {
   pdl_wait_primary();  // partials are complete and visible past this point
   const int i = blockIdx.x;
   int32_t begin, end, request;
@@ -96,7 +101,10 @@ __global__ void __launch_bounds__(kMergeThreads, kBatch >= 8 ? 16 : kBatch >= 4 
       x[k] = s0 + k * step < end ? v : neg_inf_f32();
     }
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) nan |= isnan(x[k]), mx = fmaxf(mx, x[k]);
+    for (int k = 0; k < kBatch; ++k) {
+      nan |= isnan(x[k]);
+      mx = fmaxf(mx, x[k]);
+    }
   }
   for (int offset = 1; offset < p.lanes; offset <<= 1) {
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
@@ -112,7 +120,11 @@ __global__ void __launch_bounds__(kMergeThreads, kBatch >= 8 ? 16 : kBatch >= 4 
       for (int k = 0; k < kBatch; ++k) {
         const int s = min(s0 + k * step, end - 1);
         const float v = p.partial_lse[int64_t{s} * p.group_size + head];
-        x[k] = s0 + k * step < end ? v : neg_inf_f32();  // weighs 0 past the end
+        // Past the end the last partial is read again with weight 0 (no
+        // branch). A partial o holding Inf would turn NaN there (0 * Inf);
+        // the partial kernel writes finite o, or NaN with a NaN lse, which
+        // poisons the request anyway.
+        x[k] = s0 + k * step < end ? v : neg_inf_f32();
         po[k] = *reinterpret_cast<const float4*>(p.partial_o + (int64_t{s} * p.group_size + head) * p.partial_dv + col);
       }
 #pragma unroll
@@ -158,7 +170,11 @@ void launch_merge(const MergeParams& params, int32_t max_partials, int32_t num_m
   if (params.lanes < 1 || params.lanes > kMergeMaxLanes || (params.lanes & (params.lanes - 1)) != 0)
     throw Error("merge: lanes per output must be a power of two up to 8");
   const int64_t threads = int64_t{params.group_size} * (params.dv / 4) * params.lanes;
-  const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>((threads + kMergeThreads - 1) / kMergeThreads));
+  const int64_t blocks_y = (threads + kMergeThreads - 1) / kMergeThreads;
+  if (blocks_y > 65535)
+    throw Error("merge: " + std::to_string(params.group_size) + " query rows of width " + std::to_string(params.dv) +
+                " need more than 65535 merge CTAs per request");
+  const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>(blocks_y));
   auto kernel = max_partials <= 2 ? merge_kernel<T, 2> : max_partials <= 4 ? merge_kernel<T, 4> : merge_kernel<T, kMergeBatch>;
   launch_with_pdl(kernel, grid, dim3(kMergeThreads), 0, stream, params);
 }

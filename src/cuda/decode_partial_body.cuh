@@ -144,8 +144,10 @@ struct PartialCta {
     }
     T* kt = k_tile(tile % kS);
     const int dq_chunks = p.dqk / 8;
-    // Each gathered row is read once per launch: evict it first (measured on
-    // the H200: 0.6-2.5% faster at batch 32-64, level at batch 1).
+    // A gathered row is read by one head tile per launch (by several only
+    // past 16 query rows per KV head, whose CTAs run side by side): evict it
+    // first. Measured on the H200 at 16 query rows: 0.6-2.5% faster at batch
+    // 32-64, level at batch 1 (docs/PERFORMANCE.md).
     const uint64_t policy = l2_evict_first_policy();
     // Shuffles stay out of divergent code (which would make them collective
     // calls): the second-stream case is its own uniform loop.

@@ -29,7 +29,8 @@ bool all_nan(const std::vector<float>& v, size_t begin, size_t count) {
 
 void expect_bad_index_poisons_request(int32_t page_size, int32_t bad_page, int32_t fixed_chunk) {
   std::mt19937_64 rng(0xbad0 + static_cast<uint64_t>(page_size));
-  PagedProblem pb = make_problem(small_spec(page_size, {300, 300, 300}), rng);
+  // 1300 rows: 21 chunks of 64, which the merge kernel takes four lanes per output.
+  PagedProblem pb = make_problem(small_spec(page_size, {1300, 1300, 1300}), rng);
   // Request 1's rows before the bad page are still real; the reference skips it.
   std::vector<std::vector<int64_t>> rows = pb.token_rows();
   rows[1].clear();
