@@ -39,7 +39,6 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
     for (size_t i = 0; i + 1 < plan.merge_indptr.size(); ++i)
       max_partials = std::max(max_partials, plan.merge_indptr[i + 1] - plan.merge_indptr[i]);
   }
-  m.lanes = cuda::merge_lanes(max_partials);
   m.group_size = params.group_size * params.q_len;
   m.heads = params.group_size;
   m.q_len = params.q_len;

@@ -37,7 +37,7 @@ struct MergeParams {
   const int32_t* merge_indptr = nullptr;  // [num_merge + 1] slots, or null: uniform
   const int32_t* merge_requests = nullptr;  // [num_merge] requests, or null: uniform
   int32_t chunks_per_request = 1;         // uniform: merge i owns slots [i * c, (i + 1) * c)
-  int32_t lanes = 1;                      // lanes per output (merge_lanes), each taking every lanes-th partial
+  int32_t lanes = 1;                      // lanes per output, each taking every lanes-th partial (launch_merge sets it)
   int32_t group_size = 1;                 // query rows per request: heads x q_len tokens
   int32_t heads = 0;                      // query heads per request (decode.h's group_size); 0: group_size
   int32_t q_len = 1;                      // query tokens per request; row i = token i / heads
@@ -162,21 +162,22 @@ __global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_k
   if (col == 0 && p.lse != nullptr) p.lse[out_row] = lse;
 }
 
-/// Launches the merge behind the preceding kernel on `stream` with
-/// programmatic stream serialization (capturable in a CUDA graph).
+/// Launches the merge of requests of at most `max_partials` partials (which
+/// picks the lanes per output and the batch) behind the preceding kernel on
+/// `stream` with programmatic stream serialization (capturable in a CUDA graph).
 template <typename T>
 void launch_merge(const MergeParams& params, int32_t max_partials, int32_t num_merge, cudaStream_t stream) {
   if (num_merge == 0) return;
-  if (params.lanes < 1 || params.lanes > kMergeMaxLanes || (params.lanes & (params.lanes - 1)) != 0)
-    throw Error("merge: lanes per output must be a power of two up to 8");
-  const int64_t threads = int64_t{params.group_size} * (params.dv / 4) * params.lanes;
+  MergeParams p = params;
+  p.lanes = merge_lanes(max_partials);
+  const int64_t threads = int64_t{p.group_size} * (p.dv / 4) * p.lanes;
   const int64_t blocks_y = (threads + kMergeThreads - 1) / kMergeThreads;
   if (blocks_y > 65535)
-    throw Error("merge: " + std::to_string(params.group_size) + " query rows of width " + std::to_string(params.dv) +
+    throw Error("merge: " + std::to_string(p.group_size) + " query rows of width " + std::to_string(p.dv) +
                 " need more than 65535 merge CTAs per request");
   const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>(blocks_y));
   auto kernel = max_partials <= 2 ? merge_kernel<T, 2> : max_partials <= 4 ? merge_kernel<T, 4> : merge_kernel<T, kMergeBatch>;
-  launch_with_pdl(kernel, grid, dim3(kMergeThreads), 0, stream, params);
+  launch_with_pdl(kernel, grid, dim3(kMergeThreads), 0, stream, p);
 }
 
 }  // namespace cuda

@@ -110,7 +110,6 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
     m.partial_o = p.partial_o;
     m.partial_lse = p.partial_lse;
     m.chunks_per_request = p.chunks_per_request;
-    m.lanes = cuda::merge_lanes(p.chunks_per_request);
     m.group_size = params.group_size;
     m.dv = params.v.dim;
     m.partial_dv = params.v.dim;
