@@ -1,11 +1,13 @@
 // Launchers of the FP8 partial kernels (decode_fp8.h). Instantiations: the
-// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, the MLA
-// wgmma kernel for bf16, each for the library's CSR rows and the engines'
-// index forms: 6 kernels.
+// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and two
+// MLA wgmma kernels for bf16 (the warp-specialized one and the classic),
+// each for the library's CSR rows and the engines' index forms: 8 kernels.
 #include "cuda/decode_fp8.h"
 
 #include "cuda/decode_partial_fp8.cuh"
+#include "cuda/launch_partial.cuh"
 #include "cuda/mla_fp8_partial.cuh"
+#include "cuda/mla_ws_fp8_partial.cuh"
 
 namespace sparsepage {
 namespace cuda {
@@ -22,13 +24,22 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
+/// The warp-specialized kernel (mla_ws_fp8_partial.cuh) by default, the
+/// classic one under SPARSEPAGE_MLA_KERNEL=classic, as for bf16 rows.
 template <class Source>
 void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_items, cudaStream_t stream) {
-  auto kernel = mla_fp8_partial_kernel<Source>;
-  configure_smem_once(kernel, MlaTile::kSmemBytes);
   const int64_t ctas = int64_t{num_items} * ((p.group_size + MlaTile::kHeads - 1) / MlaTile::kHeads);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
+  const dim3 grid(static_cast<unsigned>(ctas));
+  if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
+    auto kernel = mla_ws_fp8_partial_kernel<Source>;
+    configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
+    launch_with_pdl(kernel, grid, dim3(MlaWsTile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
+  } else {
+    auto kernel = mla_fp8_partial_kernel<Source>;
+    configure_smem_once(kernel, MlaTile::kSmemBytes);
+    launch_with_pdl(kernel, grid, dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
+  }
 }
 
 }  // namespace

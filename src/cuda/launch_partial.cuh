@@ -70,7 +70,8 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
 enum class MlaKernel { kClassic, kWarpSpecialized };
 
 /// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
-/// (read once), for measuring the two; unset runs the default (ws). Any
+/// (read once), over bf16 and FP8 rows alike, for measuring the two; unset
+/// runs the default (ws). Any
 /// other value is refused by name rather than silently ignored.
 /// A kernel switch: the environment variable `name` holding one of the
 /// `values` (names[i] selects values[i]); unset or empty selects values[0].

@@ -1,5 +1,7 @@
-// The MLA partial kernel over the engines' 656-byte FP8 rows
-// (KvFormat::kE4m3Mla, sparsepage/fp8.h). It is the bf16 wgmma kernel
+// The classic MLA partial kernel over the engines' 656-byte FP8 rows
+// (KvFormat::kE4m3Mla, sparsepage/fp8.h); the warp-specialized one
+// (mla_ws_fp8_partial.cuh) runs by default, this one under
+// SPARSEPAGE_MLA_KERNEL=classic. It is the bf16 wgmma kernel
 // (mla_partial.cuh) with the gather replaced: the tensor cores still read
 // bf16 tiles in shared memory, and each tile is dequantized on its way
 // there, inside the kernel.

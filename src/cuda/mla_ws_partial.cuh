@@ -375,21 +375,29 @@ struct MlaWsCta {
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
   }
 
-  __device__ void run() {
+  /// The CTA: barriers, then the producer warpgroup runs `produce()` (the
+  /// bf16 gather below, or the FP8 kernel's gather and dequantization) while
+  /// the consumer warpgroups run S, softmax and P V.
+  template <int kConsumerRegs = MlaWsTile::kConsumerRegs, int kProducerRegs = MlaWsTile::kProducerRegs, class Produce>
+  __device__ void run(Produce&& produce) {
+    // setmaxnreg moves registers between the warpgroups of the CTA; it cannot
+    // take more than the launch gave: 168 per thread (65536 / 384, rounded
+    // down to 8) for each of the three warpgroups. Asking for more hangs.
+    static_assert(2 * kConsumerRegs + kProducerRegs <= 3 * 168, "setmaxnreg asks for more than the launch gave");
     if (tid == 0) {
       for (int s = 0; s < 2; ++s) {
-        mbar::init(full_bar(s), W::kProducerThreads + 1);  // 128 copy arrivals + the ids' arrival
+        mbar::init(full_bar(s), W::kProducerThreads + 1);  // 128 producer arrivals (rows landed or converted) + the ids
         mbar::init(empty_bar(s), W::kConsumerThreads / 32);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 2) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(MlaWsTile::kProducerRegs));
-      run_producer();
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+      produce();
       __syncthreads_or(bad);
     } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MlaWsTile::kConsumerRegs));
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
       run_consumers();
       const bool any_bad = __syncthreads_or(0) != 0;  // the producer's rejected ids
       finish_consumers(any_bad);
@@ -404,7 +412,7 @@ __global__ void __launch_bounds__(MlaWsTile::kThreads, 1) mla_ws_partial_kernel(
   pdl_wait_primary();
   pdl_launch_dependents();
   MlaWsCta<T, Source> cta(params, smem);
-  cta.run();
+  cta.run([&cta] { cta.run_producer(); });
 #else
   __trap();
 #endif

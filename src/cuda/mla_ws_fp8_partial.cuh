@@ -1,0 +1,225 @@
+// The warp-specialized MLA kernel over the engines' 656-byte FP8 rows
+// (KvFormat::kE4m3Mla, sparsepage/fp8.h): the consumers of mla_ws_partial.cuh
+// unchanged (bf16 tiles in the same shared layout), with a producer that
+// copies the rows as they are stored and dequantizes them in shared memory.
+//
+// There is no room beside Q and the two bf16 stages for a separate FP8
+// staging buffer, so each tile's e4m3 bytes land inside its own stage and
+// are converted in place. The 512 latent bytes of a row form eight blocks of
+// 64 (one per output slab s, columns 64 s .. 64 s + 63); block s of all 64
+// rows (4 KB, "R(s)") is copied to half s % 2 of the area of slab 4 + s / 2.
+// The producer then converts:
+//   slabs 0-3   from R(0)-R(3) (all four loaded into registers first), written
+//               outside the raw area;
+//   a producer barrier: R(0)-R(3) are read;
+//   slabs 4-7   R(4)-R(7) loaded into registers; slabs 4 and 5 (over R(0)-R(3))
+//               written; a second barrier; slabs 6 and 7 (over R(4)-R(7)).
+// The four fp32 scales of each row go to a small ring beside the stages,
+// the 64 bf16 rope values straight into slab 8 as in the bf16 kernel.
+//
+// Producer order per tile u (tiles 0 and 1 are copied up front, both stages
+// being free): wait for the stage (`empty`), copy the raw rows, wait for
+// them, convert, fence the stores for the tensor cores (async proxy), arrive
+// on `full`. A tile's copy and conversion run while the consumers compute
+// the tile before it. The producer holds 32 pieces' worth of registers, so it
+// gets 72 and the consumers 216 (setmaxnreg), against 40 / 232 in the bf16
+// kernel; ptxas reports no spills at 216.
+//
+// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"): against the
+// classic FP8 kernel, 301 against 256 TFLOP/s at batch 64 and 310 against 262
+// at batch 128; loading four blocks before storing beat two and one (at 40
+// producer registers); an L2 prefetch of the next tile's rows and copies
+// split in two halves (the first half converted while the second lands)
+// both measured slower.
+#pragma once
+
+#include "cuda/fp8_convert.cuh"
+#include "cuda/mla_ws_partial.cuh"
+
+namespace sparsepage {
+namespace cuda {
+
+struct MlaWsFp8Tile {
+  using L = MlaTile;
+  using W = MlaWsTile;
+  static constexpr int kRowBytes = 656;      // 512 e4m3, 4 fp32 scales, 64 bf16 rope
+  static constexpr int kScaleOffset = 512;
+  static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
+  static constexpr int kScaleStageBytes = 64 * 16;
+  // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
+  static constexpr int kScales = (W::kBytes + 15) / 16 * 16;
+  static constexpr int kBytes = kScales + 2 * kScaleStageBytes;
+  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
+  static_assert(2 * kRawBlockBytes == L::kSlabBytes, "two raw blocks per slab area");
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
+
+  /// Where R(s) starts within a stage.
+  __device__ static constexpr uint32_t raw_block(int s) {
+    return static_cast<uint32_t>((4 + s / 2) * L::kSlabBytes + (s % 2) * kRawBlockBytes);
+  }
+};
+
+template <class Source>
+struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
+  using Base = MlaWsCta<__nv_bfloat16, Source>;
+  using L = MlaTile;
+  using W = MlaWsTile;
+  using F = MlaWsFp8Tile;
+  using Params = typename Source::Params;
+
+  const unsigned char* k8;  // this request's rows (bytes)
+
+  __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {
+    const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
+    k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
+  }
+
+  __device__ uint32_t scales(int tile) const { return this->base + F::kScales + (tile & 1) * F::kScaleStageBytes; }
+
+  /// Copies tile `tile`'s rows as stored: producer thread t takes 16-byte
+  /// piece t % 8 of each 128-byte line of rows t / 8 + 16 i (i < 4), i.e.
+  /// latent pieces t % 8 + 8 j (j < 4), rope piece t % 8, and the scales
+  /// with t % 8 == 0. Tail, masked and rejected rows are zero-filled.
+  __device__ void copy_tile(int tile) {
+    const int32_t tok0 = this->tok_begin + tile * L::kTokens;
+    const int32_t n = this->tile_tokens(tile);
+    const int32_t* slot = this->id_slot(tile);
+    const int piece = this->wt & 7;
+    const uint32_t st = this->stage(tile), sc = scales(tile);
+#pragma unroll 1
+    for (int i = 0; i < W::kRowsPerThread; ++i) {
+      const int row = this->wt / 8 + 16 * i;
+      const unsigned char* k_row = k8;
+      const __nv_bfloat16* e_row = this->e_base;
+      int fill = 0;
+      if (row < n) {
+        const int64_t r = this->src.row(slot, tok0, tok0 + row, this->p);
+        this->bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
+        if (r >= 0) {
+          fill = 16;
+          k_row += r * this->p.k_stride;
+          e_row += r * this->p.e_stride;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int lp = piece + 8 * j;  // latent piece: block lp / 4, position lp % 4
+        cp_async_16_n(st + F::raw_block(lp / 4) + row * 64 + (lp % 4) * 16, k_row + lp * 16, fill);
+      }
+      cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
+                    fill);
+      if (piece == 0) cp_async_16_n(sc + row * 16, k_row + F::kScaleOffset, fill);
+    }
+  }
+
+  /// Raw piece (row, q) of block s: 16 e4m3 values and their scale.
+  __device__ void load_piece(int tile, int s, int row, int q, uint4& raw, float& scale) const {
+    const uint32_t stage_off = W::kStage0 + (tile & 1) * L::kTileBytes;
+    raw = *reinterpret_cast<const uint4*>(this->gen + stage_off + F::raw_block(s) + row * 64 + q * 16);
+    scale = *reinterpret_cast<const float*>(this->gen + F::kScales + (tile & 1) * F::kScaleStageBytes + row * 16 +
+                                            (s / 2) * 4);
+  }
+
+  /// The piece's 16 values, scaled and rounded once to bf16, into chunks
+  /// 2 q and 2 q + 1 of row `row` of slab s (the 128-byte swizzle).
+  __device__ void store_piece(int tile, int s, int row, int q, const uint4& raw, float scale) const {
+    unsigned char* row_ptr = this->gen + W::kStage0 + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint4*>(row_ptr + (((2 * q + h) ^ (row & 7)) << 4)) =
+          e4m3x8_to_bf16_scaled(h == 0 ? raw.x : raw.z, h == 0 ? raw.y : raw.w, scale);
+    }
+  }
+
+  /// Thread t converts pieces (row t / 4 + 32 k, q = t % 4), k < 2, of each
+  /// block: a warp reads 512 contiguous raw bytes and writes eight rows of
+  /// distinct swizzle, so neither side has bank conflicts. Blocks s0 ..
+  /// s0 + kBlocks - 1 are loaded before any is stored.
+  template <int kBlocks>
+  __device__ void load_blocks(int tile, int s0, uint4 (&raw)[2 * kBlocks], float (&scale)[2 * kBlocks]) const {
+#pragma unroll
+    for (int i = 0; i < 2 * kBlocks; ++i)
+      load_piece(tile, s0 + i / 2, this->wt / 4 + 32 * (i % 2), this->wt % 4, raw[i], scale[i]);
+  }
+  template <int kBlocks>
+  __device__ void store_blocks(int tile, int s0, const uint4 (&raw)[2 * kBlocks], const float (&scale)[2 * kBlocks],
+                               int first, int count) const {
+#pragma unroll
+    for (int i = 2 * first; i < 2 * (first + count); ++i)
+      store_piece(tile, s0 + i / 2, this->wt / 4 + 32 * (i % 2), this->wt % 4, raw[i], scale[i]);
+  }
+  /// Dequantizes tile `tile` in its stage (the order in the file comment).
+  __device__ void convert_tile(int tile) const {
+    uint4 raw[8];
+    float scale[8];
+    load_blocks<4>(tile, 0, raw, scale);
+    store_blocks<4>(tile, 0, raw, scale, 0, 4);
+    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(0)-R(3) read
+    load_blocks<4>(tile, 4, raw, scale);
+    store_blocks<4>(tile, 4, raw, scale, 0, 2);
+    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(4)-R(7) read
+    store_blocks<4>(tile, 4, raw, scale, 2, 2);
+    wgmma::fence_proxy_async();  // the stores, before the consumers' tensor cores read them
+    mbar::arrive(this->full_bar(tile));
+  }
+
+  __device__ void prefetch_ids(int tile) {
+    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), this->wt);
+  }
+
+  __device__ void run_producer() {
+    const int tiles = this->num_tiles();
+    for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
+    cp_async_commit();
+    cp_async_wait<0>();
+    named_barrier(W::kProducerBar, W::kProducerThreads);
+    // The ids are visible to the consumers through these (release) arrivals.
+    if (this->wt == 0)
+      for (int u = 0; u < 2 && u < tiles; ++u) mbar::arrive(this->full_bar(u));
+    // Both stages are free: tile 1's rows fly while tile 0 is converted.
+    for (int u = 0; u < 2; ++u) {
+      if (u < tiles) copy_tile(u);
+      cp_async_commit();
+    }
+    if (tiles > 2) prefetch_ids(2);
+    cp_async_commit();
+    for (int u = 0; u < tiles; ++u) {
+      if (u >= 2) {
+        // The stage is free once the consumers released tile u - 2.
+        mbar::wait(this->empty_bar(u), ((u >> 1) & 1) ^ 1);
+        cp_async_wait<0>();  // the ids of tile u
+        named_barrier(W::kProducerBar, W::kProducerThreads);
+        if (this->wt == 0) mbar::arrive(this->full_bar(u));
+        copy_tile(u);
+        cp_async_commit();
+        // Slot (u + 1) % 4 held tile u - 3, which the consumers released.
+        if (u + 1 < tiles) prefetch_ids(u + 1);
+        cp_async_commit();
+      }
+      // Groups in flight: tile u's rows, tile 1's (u == 0 only), the next ids.
+      if (u == 0) cp_async_wait<2>(); else cp_async_wait<1>();
+      named_barrier(W::kProducerBar, W::kProducerThreads);  // every producer thread's copies of tile u landed
+      convert_tile(u);
+    }
+    cp_async_wait<0>();
+  }
+};
+
+template <class Source>
+__global__ void __launch_bounds__(MlaWsTile::kThreads, 1)
+    mla_ws_fp8_partial_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char smem[];
+  pdl_wait_primary();
+  pdl_launch_dependents();
+  MlaWsFp8Cta<Source> cta(params, smem);
+  cta.template run<MlaWsFp8Tile::kConsumerRegs, MlaWsFp8Tile::kProducerRegs>([&cta] { cta.run_producer(); });
+#else
+  __trap();  // wgmma is sm_90a only; the launchers refuse other GPUs first
+#endif
+}
+
+}  // namespace cuda
+}  // namespace sparsepage
