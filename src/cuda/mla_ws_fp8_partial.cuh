@@ -21,15 +21,15 @@
 // being free): wait for the stage (`empty`), copy the raw rows, wait for
 // them, convert, fence the stores for the tensor cores (async proxy), arrive
 // on `full`. A tile's copy and conversion run while the consumers compute
-// the tile before it. The producer holds 32 pieces' worth of registers, so it
-// gets 72 and the consumers 216 (setmaxnreg), against 40 / 232 in the bf16
-// kernel; ptxas reports no spills at 216.
+// the tile before it. The producer holds eight raw pieces (32 registers)
+// while it converts, so it gets 72 registers and the consumers 216
+// (setmaxnreg), against 40 / 232 in the bf16 kernel; ptxas reports no spills.
 //
 // Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"): against the
-// classic FP8 kernel, 301 against 256 TFLOP/s at batch 64 and 310 against 262
-// at batch 128; loading four blocks before storing beat two and one (at 40
-// producer registers); an L2 prefetch of the next tile's rows and copies
-// split in two halves (the first half converted while the second lands)
+// classic FP8 kernel, 301 against 256 TFLOP/s at batch 64 and 310 against 261
+// at batch 128. Eight pieces loaded before any store beat four (both at 72
+// registers) and two (at 40); an L2 prefetch of the next tile's rows, and
+// copies split in two halves (the first converted while the second lands),
 // both measured slower.
 #pragma once
 
