@@ -34,7 +34,7 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     auto kernel = mla_ws_fp8_partial_kernel<Source>;
     configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
-    launch_with_pdl(kernel, grid, dim3(MlaWsTile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
+    launch_with_pdl(kernel, grid, dim3(MlaWsFp8Tile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
   } else {
     auto kernel = mla_fp8_partial_kernel<Source>;
     configure_smem_once(kernel, MlaTile::kSmemBytes);

@@ -1,14 +1,14 @@
 // The warp-specialized MLA kernel over the engines' 656-byte FP8 rows
 // (KvFormat::kE4m3Mla, sparsepage/fp8.h): the consumers of mla_ws_partial.cuh
-// unchanged (bf16 tiles in the same shared layout), with a producer that
-// copies the rows as they are stored and dequantizes them in shared memory.
+// (bf16 tiles in the same shared layout), with two producer warpgroups that
+// copy the rows as they are stored and dequantize them in shared memory.
 //
 // There is no room beside Q and the two bf16 stages for a separate FP8
 // staging buffer, so each tile's e4m3 bytes land inside its own stage and
 // are converted in place. The 512 latent bytes of a row form eight blocks of
 // 64 (one per output slab s, columns 64 s .. 64 s + 63); block s of all 64
 // rows (4 KB, "R(s)") is copied to half s % 2 of the area of slab 4 + s / 2.
-// The producer then converts:
+// The producers then convert:
 //   slabs 0-3   from R(0)-R(3) (all four loaded into registers first), written
 //               outside the raw area;
 //   a producer barrier: R(0)-R(3) are read;
@@ -21,16 +21,20 @@
 // being free): wait for the stage (`empty`), copy the raw rows, wait for
 // them, convert, fence the stores for the tensor cores (async proxy), arrive
 // on `full`. A tile's copy and conversion run while the consumers compute
-// the tile before it. The producer holds eight raw pieces (32 registers)
-// while it converts, so it gets 72 registers and the consumers 216
-// (setmaxnreg), against 40 / 232 in the bf16 kernel; ptxas reports no spills.
+// the tile before it.
 //
-// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"): against the
-// classic FP8 kernel, 301 against 256 TFLOP/s at batch 64 and 310 against 261
-// at batch 128. Eight pieces loaded before any store beat four (both at 72
-// registers) and two (at 40); an L2 prefetch of the next tile's rows, and
-// copies split in two halves (the first converted while the second lands),
-// both measured slower.
+// The CTA has 512 threads: 256 consumers, 256 producers. The launch gives
+// 128 registers per thread; setmaxnreg moves them to 208 per consumer and 48
+// per producer (ptxas reports no spills). At 128 ptxas cannot compile
+// m64n256k16 (it asks for 154), so this CTA runs P V as two m64n128k16 per
+// k-step (MlaWsFp8Tile::kPvHalves).
+//
+// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"), against the
+// classic FP8 kernel: 317 against 256 TFLOP/s at batch 64, 329 against 261 at
+// batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
+// 301 and 310. Loading four blocks before any store beat two and one. An L2
+// prefetch of the next tile's rows, and copies split in two halves
+// (the first converted while the second lands), both measured slower.
 #pragma once
 
 #include "cuda/fp8_convert.cuh"
@@ -39,21 +43,27 @@
 namespace sparsepage {
 namespace cuda {
 
-struct MlaWsFp8Tile {
+struct MlaWsFp8Tile : MlaWsTile {
   using L = MlaTile;
-  using W = MlaWsTile;
+  // Two producer warpgroups: the conversion has twice the threads. The
+  // launch gives 128 registers per thread (65536 / 512); setmaxnreg moves
+  // them to the consumers: 2 x 208 + 2 x 48 = 4 x 128.
+  static constexpr int kThreads = 512;
+  static constexpr int kProducerThreads = 256;
+  static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
+  static constexpr int kConsumerRegs = 208;
+  static constexpr int kProducerRegs = 48;
+  static constexpr bool kPvHalves = true;
   static constexpr int kRowBytes = 656;      // 512 e4m3, 4 fp32 scales, 64 bf16 rope
   static constexpr int kScaleOffset = 512;
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
   static constexpr int kScaleStageBytes = 64 * 16;
   // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
-  static constexpr int kScales = (W::kBytes + 15) / 16 * 16;
+  static constexpr int kScales = (MlaWsTile::kBytes + 15) / 16 * 16;
   static constexpr int kBytes = kScales + 2 * kScaleStageBytes;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(2 * kRawBlockBytes == L::kSlabBytes, "two raw blocks per slab area");
-  static constexpr int kProducerRegs = 72;
-  static constexpr int kConsumerRegs = 216;
 
   /// Where R(s) starts within a stage.
   __device__ static constexpr uint32_t raw_block(int s) {
@@ -62,16 +72,18 @@ struct MlaWsFp8Tile {
 };
 
 template <class Source>
-struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
-  using Base = MlaWsCta<__nv_bfloat16, Source>;
+struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
+  using Base = MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile>;
   using L = MlaTile;
-  using W = MlaWsTile;
+  using W = MlaWsFp8Tile;
   using F = MlaWsFp8Tile;
   using Params = typename Source::Params;
 
   const unsigned char* k8;  // this request's rows (bytes)
+  int pt;                   // producer thread, 0 .. 255
 
   __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {
+    pt = this->tid - W::kConsumerThreads;
     const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
     k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
   }
@@ -86,11 +98,11 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
     const int32_t tok0 = this->tok_begin + tile * L::kTokens;
     const int32_t n = this->tile_tokens(tile);
     const int32_t* slot = this->id_slot(tile);
-    const int piece = this->wt & 7;
+    const int piece = pt & 7;
     const uint32_t st = this->stage(tile), sc = scales(tile);
 #pragma unroll 1
     for (int i = 0; i < W::kRowsPerThread; ++i) {
-      const int row = this->wt / 8 + 16 * i;
+      const int row = pt / 8 + (W::kProducerThreads / 8) * i;
       const unsigned char* k_row = k8;
       const __nv_bfloat16* e_row = this->e_base;
       int fill = 0;
@@ -133,27 +145,25 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
     }
   }
 
-  /// Thread t converts pieces (row t / 4 + 32 k, q = t % 4), k < 2, of each
-  /// block: a warp reads 512 contiguous raw bytes and writes eight rows of
-  /// distinct swizzle, so neither side has bank conflicts. Blocks s0 ..
-  /// s0 + kBlocks - 1 are loaded before any is stored.
+  /// Producer thread t converts piece (row t / 4, q = t % 4) of each block:
+  /// a warp reads 512 contiguous raw bytes and writes eight rows of distinct
+  /// swizzle, so neither side has bank conflicts. Blocks s0 .. s0 + kBlocks - 1
+  /// are loaded before any is stored.
   template <int kBlocks>
-  __device__ void load_blocks(int tile, int s0, uint4 (&raw)[2 * kBlocks], float (&scale)[2 * kBlocks]) const {
+  __device__ void load_blocks(int tile, int s0, uint4 (&raw)[kBlocks], float (&scale)[kBlocks]) const {
 #pragma unroll
-    for (int i = 0; i < 2 * kBlocks; ++i)
-      load_piece(tile, s0 + i / 2, this->wt / 4 + 32 * (i % 2), this->wt % 4, raw[i], scale[i]);
+    for (int i = 0; i < kBlocks; ++i) load_piece(tile, s0 + i, pt / 4, pt % 4, raw[i], scale[i]);
   }
   template <int kBlocks>
-  __device__ void store_blocks(int tile, int s0, const uint4 (&raw)[2 * kBlocks], const float (&scale)[2 * kBlocks],
-                               int first, int count) const {
+  __device__ void store_blocks(int tile, int s0, const uint4 (&raw)[kBlocks], const float (&scale)[kBlocks], int first,
+                               int count) const {
 #pragma unroll
-    for (int i = 2 * first; i < 2 * (first + count); ++i)
-      store_piece(tile, s0 + i / 2, this->wt / 4 + 32 * (i % 2), this->wt % 4, raw[i], scale[i]);
+    for (int i = first; i < first + count; ++i) store_piece(tile, s0 + i, pt / 4, pt % 4, raw[i], scale[i]);
   }
   /// Dequantizes tile `tile` in its stage (the order in the file comment).
   __device__ void convert_tile(int tile) const {
-    uint4 raw[8];
-    float scale[8];
+    uint4 raw[4];
+    float scale[4];
     load_blocks<4>(tile, 0, raw, scale);
     store_blocks<4>(tile, 0, raw, scale, 0, 4);
     named_barrier(W::kProducerBar, W::kProducerThreads);  // R(0)-R(3) read
@@ -166,7 +176,7 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
   }
 
   __device__ void prefetch_ids(int tile) {
-    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), this->wt);
+    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
   }
 
   __device__ void run_producer() {
@@ -176,7 +186,7 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
     cp_async_wait<0>();
     named_barrier(W::kProducerBar, W::kProducerThreads);
     // The ids are visible to the consumers through these (release) arrivals.
-    if (this->wt == 0)
+    if (pt == 0)
       for (int u = 0; u < 2 && u < tiles; ++u) mbar::arrive(this->full_bar(u));
     // Both stages are free: tile 1's rows fly while tile 0 is converted.
     for (int u = 0; u < 2; ++u) {
@@ -191,7 +201,7 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
         mbar::wait(this->empty_bar(u), ((u >> 1) & 1) ^ 1);
         cp_async_wait<0>();  // the ids of tile u
         named_barrier(W::kProducerBar, W::kProducerThreads);
-        if (this->wt == 0) mbar::arrive(this->full_bar(u));
+        if (pt == 0) mbar::arrive(this->full_bar(u));
         copy_tile(u);
         cp_async_commit();
         // Slot (u + 1) % 4 held tile u - 3, which the consumers released.
@@ -208,14 +218,14 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source> {
 };
 
 template <class Source>
-__global__ void __launch_bounds__(MlaWsTile::kThreads, 1)
+__global__ void __launch_bounds__(MlaWsFp8Tile::kThreads, 1)
     mla_ws_fp8_partial_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();
   MlaWsFp8Cta<Source> cta(params, smem);
-  cta.template run<MlaWsFp8Tile::kConsumerRegs, MlaWsFp8Tile::kProducerRegs>([&cta] { cta.run_producer(); });
+  cta.run([&cta] { cta.run_producer(); });
 #else
   __trap();  // wgmma is sm_90a only; the launchers refuse other GPUs first
 #endif

@@ -40,8 +40,9 @@ struct MlaWsTile {
   static constexpr int kThreads = 384;          // two consumer warpgroups + one producer warpgroup
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerRegs = 232;     // 2 x 128 x 232 + 128 x 40 = 64512 <= 65536
+  static constexpr int kConsumerRegs = 232;     // 2 x 232 + 40 = 3 x 168, all that 384 threads get
   static constexpr int kProducerRegs = 40;
+  static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
   static constexpr int kIdSlots = 4;            // ids of tile u + 1 are written while tile u - 1 is computed
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
   // Byte offsets from the 1024-aligned base.
@@ -121,11 +122,12 @@ __device__ __forceinline__ uint64_t l2_evict_last_policy() {
   return policy;
 }
 
-template <typename T, class Source>
+/// W: the CTA's shape (MlaWsTile, or the FP8 kernel's, which has two
+/// producer warpgroups); the consumers are warpgroups 0 and 1 in both.
+template <typename T, class Source, class W = MlaWsTile>
 struct MlaWsCta {
   using Tr = ElemTraits<T>;
   using L = MlaTile;
-  using W = MlaWsTile;
   using Params = typename Source::Params;
 
   const Params& p;
@@ -316,9 +318,21 @@ struct MlaWsCta {
     const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
     const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
     wgmma::fence();
+    if constexpr (W::kPvHalves) {
+      // Two m64n128 per k-step (columns 0-127 and 128-255 of this warpgroup's
+      // 256, two slabs apart): the 512-thread FP8 CTA compiles at 128
+      // registers per thread, and m64n256k16 alone needs more.
 #pragma unroll
-    for (int kk = 0; kk < L::kTokens / 16; ++kk)
-      wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(kk * 2), vd + static_cast<uint64_t>(kk * 128), 1);
+      for (int kk = 0; kk < L::kTokens / 16; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wgmma::mma_m64n128k16<T>(acc + 64 * h, pd + static_cast<uint64_t>(kk * 2),
+                                   vd + static_cast<uint64_t>(kk * 128 + h * (2 * L::kSlabBytes >> 4)), 1);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < L::kTokens / 16; ++kk)
+        wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(kk * 2), vd + static_cast<uint64_t>(kk * 128), 1);
+    }
     wgmma::commit();
   }
 
@@ -378,26 +392,29 @@ struct MlaWsCta {
   /// The CTA: barriers, then the producer warpgroup runs `produce()` (the
   /// bf16 gather below, or the FP8 kernel's gather and dequantization) while
   /// the consumer warpgroups run S, softmax and P V.
-  template <int kConsumerRegs = MlaWsTile::kConsumerRegs, int kProducerRegs = MlaWsTile::kProducerRegs, class Produce>
+  template <class Produce>
   __device__ void run(Produce&& produce) {
     // setmaxnreg moves registers between the warpgroups of the CTA; it cannot
-    // take more than the launch gave: 168 per thread (65536 / 384, rounded
-    // down to 8) for each of the three warpgroups. Asking for more hangs.
-    static_assert(2 * kConsumerRegs + kProducerRegs <= 3 * 168, "setmaxnreg asks for more than the launch gave");
+    // take more than the launch gave: 65536 / threads per thread, rounded
+    // down to 8 (168 at 384 threads, 128 at 512). Asking for more hangs.
+    constexpr int kLaunchRegs = 65536 / W::kThreads / 8 * 8;
+    static_assert(W::kConsumerThreads * W::kConsumerRegs + W::kProducerThreads * W::kProducerRegs <=
+                      W::kThreads * kLaunchRegs,
+                  "setmaxnreg asks for more than the launch gave");
     if (tid == 0) {
       for (int s = 0; s < 2; ++s) {
-        mbar::init(full_bar(s), W::kProducerThreads + 1);  // 128 producer arrivals (rows landed or converted) + the ids
+        mbar::init(full_bar(s), W::kProducerThreads + 1);  // each producer thread's arrival (rows landed or converted), the ids
         mbar::init(empty_bar(s), W::kConsumerThreads / 32);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (wg == 2) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (tid >= W::kConsumerThreads) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(W::kProducerRegs));
       produce();
       __syncthreads_or(bad);
     } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(W::kConsumerRegs));
       run_consumers();
       const bool any_bad = __syncthreads_or(0) != 0;  // the producer's rejected ids
       finish_consumers(any_bad);

@@ -102,6 +102,31 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   }
 }
 
+#define SP_F8(j)                                                                                        \
+  "+f"(d[j]), "+f"(d[j + 1]), "+f"(d[j + 2]), "+f"(d[j + 3]), "+f"(d[j + 4]), "+f"(d[j + 5]), "+f"(d[j + 6]), \
+      "+f"(d[j + 7])
+#define SP_WGMMA_N128SS_OUTS \
+  SP_F8(0), SP_F8(8), SP_F8(16), SP_F8(24), SP_F8(32), SP_F8(40), SP_F8(48), SP_F8(56)
+#define SP_WGMMA_N128SS(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
+  "}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+
+/// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major; the layout of
+/// either half of m64n256k16's accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N128SS("bf16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N128SS("f16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate));
+  }
+}
+
 // The multi-token CTA's shapes keep their accumulators as [n8 tile][4]
 // arrays, the mma.sync fragment layout (which is also wgmma's per warp).
 #define SP_F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
@@ -169,6 +194,9 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_WGMMA_N32
 #undef SP_WGMMA_N256_OUTS
 #undef SP_WGMMA_N256
+#undef SP_F8
+#undef SP_WGMMA_N128SS_OUTS
+#undef SP_WGMMA_N128SS
 
 }  // namespace wgmma
 }  // namespace cuda
