@@ -51,8 +51,10 @@ struct MlaWsTile {
   static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;  // the rope slab of a stage holds its P tile
   static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
   static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2 tiles][2 warpgroups][64] floats
-  static constexpr int kBarriers = kExchange + 2 * 2 * L::kHeads * 4;  // full[2], empty[2]: 8 bytes each
-  static constexpr int kBytes = kBarriers + 4 * 8;
+  // full[2], empty[2], done: 8 bytes each; then the producers' rejected-id flag.
+  static constexpr int kBarriers = kExchange + 2 * 2 * L::kHeads * 4;
+  static constexpr int kBadFlag = kBarriers + 5 * 8;
+  static constexpr int kBytes = kBadFlag + 8;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(L::kHeads * 128 == L::kSlabBytes, "a P tile is one slab");
@@ -170,6 +172,10 @@ struct MlaWsCta {
   __device__ uint32_t stage(int tile) const { return base + W::kStage0 + (tile & 1) * L::kTileBytes; }
   __device__ uint32_t full_bar(int tile) const { return base + W::kBarriers + (tile & 1) * 8; }
   __device__ uint32_t empty_bar(int tile) const { return base + W::kBarriers + 16 + (tile & 1) * 8; }
+  /// Completes when every producer thread is done; the rejected-id flag is
+  /// set before.
+  __device__ uint32_t done_bar() const { return base + W::kBarriers + 32; }
+  __device__ unsigned int* bad_flag() const { return reinterpret_cast<unsigned int*>(gen + W::kBadFlag); }
 
   // ---- producer -------------------------------------------------------------
 
@@ -406,18 +412,26 @@ struct MlaWsCta {
         mbar::init(full_bar(s), W::kProducerThreads + 1);  // each producer thread's arrival (rows landed or converted), the ids
         mbar::init(empty_bar(s), W::kConsumerThreads / 32);
       }
+      mbar::init(done_bar(), W::kProducerThreads);
+      *bad_flag() = 0;
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    // The producers' rejected ids reach the consumers through a shared flag
+    // and the `done` mbarrier, not a barrier of the whole CTA: that would be
+    // met from both branches (two places), or, placed after them, keep the
+    // consumers' accumulators live where the producers' register limit
+    // applies (ptxas spills them).
     if (tid >= W::kConsumerThreads) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(W::kProducerRegs));
       produce();
-      __syncthreads_or(bad);
+      if (bad) atomicOr(bad_flag(), 1u);
+      mbar::arrive(done_bar());  // release: the flag, before
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(W::kConsumerRegs));
       run_consumers();
-      const bool any_bad = __syncthreads_or(0) != 0;  // the producer's rejected ids
-      finish_consumers(any_bad);
+      mbar::wait(done_bar(), 0);
+      finish_consumers(*static_cast<volatile unsigned int*>(bad_flag()) != 0);
     }
   }
 };
