@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
-# racecheck), benchmark, and print a short table last. Full logs go to $OUT.
+# racecheck, synccheck), benchmark, and print a short table last. Full logs
+# go to $OUT.
 #   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,7 @@ if [[ $STAGES == *tests* ]]; then
 fi
 if [[ $STAGES == *sanitize* ]]; then
   # The >2^31-element pool test moves gigabytes; sanitizing it adds minutes and nothing new.
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 "$T" \
       --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" \
       > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
