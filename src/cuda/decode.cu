@@ -139,7 +139,10 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
   switch (c.kind) {
     case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
     case DecodeKernel::kFp8:
-      return params.kv_format == KvFormat::kE4m3Mla ? "MLA FP8 (656-byte rows), wgmma" : "16-row tiles, mma.sync, FP8 e4m3 K/V";
+      if (params.kv_format != KvFormat::kE4m3Mla) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
+      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized
+                 ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
+                 : "MLA FP8 (656-byte rows), wgmma, classic";
     case DecodeKernel::kMla:
       return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
                                                                               : "MLA, wgmma, classic";

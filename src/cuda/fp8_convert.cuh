@@ -30,7 +30,8 @@ __device__ __forceinline__ uint2 e4m3x4_to(uint32_t word) {
   }
 }
 
-/// Eight e4m3 values times `scale`, rounded once to bf16: one 16-byte piece.
+/// Eight e4m3 values times `scale` in fp32, then rounded to bf16: one 16-byte
+/// piece.
 __device__ __forceinline__ uint4 e4m3x8_to_bf16_scaled(uint32_t w0, uint32_t w1, float scale) {
   using Tr = ElemTraits<__nv_bfloat16>;
   const float2 a = e4m3x2_to_float2(w0), b = e4m3x2_to_float2(w0 >> 16);

@@ -69,10 +69,6 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
 /// batch 64, 417.4 against 348.4 at batch 128, 15.4 against 17.2 us at batch 1.
 enum class MlaKernel { kClassic, kWarpSpecialized };
 
-/// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
-/// (read once), over bf16 and FP8 rows alike, for measuring the two; unset
-/// runs the default (ws). Any
-/// other value is refused by name rather than silently ignored.
 /// A kernel switch: the environment variable `name` holding one of the
 /// `values` (names[i] selects values[i]); unset or empty selects values[0].
 /// Any other value is refused by name: "<name> must be 'a', 'b' or 'c', not 'x'".
@@ -88,6 +84,9 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
   throw Error(std::string(name) + " must be " + accepted + ", not '" + v + "'");
 }
 
+/// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
+/// (read once), over bf16 and FP8 rows alike, for measuring the two; unset
+/// runs the default (ws). Any other value is refused by name.
 inline MlaKernel mla_kernel_choice() {
   static const MlaKernel choice =
       kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});

@@ -30,8 +30,8 @@
 // k-step (MlaWsFp8Tile::kPvHalves).
 //
 // Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"), against the
-// classic FP8 kernel: 317 against 256 TFLOP/s at batch 64, 329 against 261 at
-// batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
+// classic FP8 kernel: 318-321 against 255 TFLOP/s at batch 64, 328-331
+// against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
 // 301 and 310. Loading four blocks before any store beat two and one. An L2
 // prefetch of the next tile's rows, and copies split in two halves
 // (the first converted while the second lands), both measured slower.
@@ -54,10 +54,9 @@ struct MlaWsFp8Tile : MlaWsTile {
   static constexpr int kConsumerRegs = 208;
   static constexpr int kProducerRegs = 48;
   static constexpr bool kPvHalves = true;
-  static constexpr int kRowBytes = 656;      // 512 e4m3, 4 fp32 scales, 64 bf16 rope
   static constexpr int kScaleOffset = 512;
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
-  static constexpr int kScaleStageBytes = 64 * 16;
+  static constexpr int kScaleStageBytes = L::kTokens * 16;  // 4 fp32 scales per row
   // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
   static constexpr int kScales = (MlaWsTile::kBytes + 15) / 16 * 16;
   static constexpr int kBytes = kScales + 2 * kScaleStageBytes;
@@ -76,7 +75,6 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
   using Base = MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile>;
   using L = MlaTile;
   using W = MlaWsFp8Tile;
-  using F = MlaWsFp8Tile;
   using Params = typename Source::Params;
 
   const unsigned char* k8;  // this request's rows (bytes)
@@ -88,10 +86,10 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
     k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
   }
 
-  __device__ uint32_t scales(int tile) const { return this->base + F::kScales + (tile & 1) * F::kScaleStageBytes; }
+  __device__ uint32_t scales(int tile) const { return this->base + W::kScales + (tile & 1) * W::kScaleStageBytes; }
 
   /// Copies tile `tile`'s rows as stored: producer thread t takes 16-byte
-  /// piece t % 8 of each 128-byte line of rows t / 8 + 16 i (i < 4), i.e.
+  /// piece t % 8 of each 128-byte line of rows t / 8 + 32 i (i < 2), i.e.
   /// latent pieces t % 8 + 8 j (j < 4), rope piece t % 8, and the scales
   /// with t % 8 == 0. Tail, masked and rejected rows are zero-filled.
   __device__ void copy_tile(int tile) {
@@ -118,23 +116,23 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int lp = piece + 8 * j;  // latent piece: block lp / 4, position lp % 4
-        cp_async_16_n(st + F::raw_block(lp / 4) + row * 64 + (lp % 4) * 16, k_row + lp * 16, fill);
+        cp_async_16_n(st + W::raw_block(lp / 4) + row * 64 + (lp % 4) * 16, k_row + lp * 16, fill);
       }
       cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
                     fill);
-      if (piece == 0) cp_async_16_n(sc + row * 16, k_row + F::kScaleOffset, fill);
+      if (piece == 0) cp_async_16_n(sc + row * 16, k_row + W::kScaleOffset, fill);
     }
   }
 
   /// Raw piece (row, q) of block s: 16 e4m3 values and their scale.
   __device__ void load_piece(int tile, int s, int row, int q, uint4& raw, float& scale) const {
     const uint32_t stage_off = W::kStage0 + (tile & 1) * L::kTileBytes;
-    raw = *reinterpret_cast<const uint4*>(this->gen + stage_off + F::raw_block(s) + row * 64 + q * 16);
-    scale = *reinterpret_cast<const float*>(this->gen + F::kScales + (tile & 1) * F::kScaleStageBytes + row * 16 +
+    raw = *reinterpret_cast<const uint4*>(this->gen + stage_off + W::raw_block(s) + row * 64 + q * 16);
+    scale = *reinterpret_cast<const float*>(this->gen + W::kScales + (tile & 1) * W::kScaleStageBytes + row * 16 +
                                             (s / 2) * 4);
   }
 
-  /// The piece's 16 values, scaled and rounded once to bf16, into chunks
+  /// The piece's 16 values, times the scale in fp32 and rounded to bf16, into chunks
   /// 2 q and 2 q + 1 of row `row` of slab s (the 128-byte swizzle).
   __device__ void store_piece(int tile, int s, int row, int q, const uint4& raw, float scale) const {
     unsigned char* row_ptr = this->gen + W::kStage0 + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
@@ -185,7 +183,9 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
     cp_async_commit();
     cp_async_wait<0>();
     named_barrier(W::kProducerBar, W::kProducerThreads);
-    // The ids are visible to the consumers through these (release) arrivals.
+    // The ids are visible to the consumers through these (release) arrivals;
+    // the converters' arrivals, after the same barrier, would publish them
+    // too, but `full` counts as in the bf16 kernel.
     if (pt == 0)
       for (int u = 0; u < 2 && u < tiles; ++u) mbar::arrive(this->full_bar(u));
     // Both stages are free: tile 1's rows fly while tile 0 is converted.

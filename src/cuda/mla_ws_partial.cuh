@@ -26,6 +26,15 @@
 //   named barrier; P V(t); release stage t (the producer starts tile t + 2
 //   into it).
 // The producer's copies of tile t + 1 run during all of tile t's math.
+//
+// The end: the producer sets a shared flag if it met a rejected id and
+// arrives on a `done` mbarrier; the consumers wait on it, then write o / lse
+// (poisoned for such a request). No barrier of the whole CTA is met from the
+// two branches.
+//
+// MlaWsCta is templated on the CTA's shape W: MlaWsTile above, or the FP8
+// kernel's (mla_ws_fp8_partial.cuh: two producer warpgroups, 512 threads,
+// its own producer), which reuses the consumers and run().
 #pragma once
 
 #include "cuda/decode_partial.cuh"
@@ -182,6 +191,7 @@ struct MlaWsCta {
   /// Copies tile `tile`'s rows into its stage: producer thread t copies the
   /// 16-byte piece t % 8 of each of the 9 slabs of rows t / 8 + 16 i (i < 4).
   __device__ void produce_tile(int tile) {
+    static_assert(W::kProducerThreads == 128, "the bf16 gather is one producer warpgroup");
     const int32_t tok0 = tok_begin + tile * L::kTokens;
     const int32_t n = tile_tokens(tile);
     const int32_t* slot = id_slot(tile);
@@ -409,7 +419,8 @@ struct MlaWsCta {
                   "setmaxnreg asks for more than the launch gave");
     if (tid == 0) {
       for (int s = 0; s < 2; ++s) {
-        mbar::init(full_bar(s), W::kProducerThreads + 1);  // each producer thread's arrival (rows landed or converted), the ids
+        // Each producer thread's arrival (its rows landed, or converted), and the ids'.
+        mbar::init(full_bar(s), W::kProducerThreads + 1);
         mbar::init(empty_bar(s), W::kConsumerThreads / 32);
       }
       mbar::init(done_bar(), W::kProducerThreads);

@@ -102,11 +102,11 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   }
 }
 
-#define SP_F8(j)                                                                                        \
+#define SP_F32X8(j)                                                                                        \
   "+f"(d[j]), "+f"(d[j + 1]), "+f"(d[j + 2]), "+f"(d[j + 3]), "+f"(d[j + 4]), "+f"(d[j + 5]), "+f"(d[j + 6]), \
       "+f"(d[j + 7])
 #define SP_WGMMA_N128SS_OUTS \
-  SP_F8(0), SP_F8(8), SP_F8(16), SP_F8(24), SP_F8(32), SP_F8(40), SP_F8(48), SP_F8(56)
+  SP_F32X8(0), SP_F32X8(8), SP_F32X8(16), SP_F32X8(24), SP_F32X8(32), SP_F32X8(40), SP_F32X8(48), SP_F32X8(56)
 #define SP_WGMMA_N128SS(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
   "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
@@ -116,8 +116,8 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
   "}, %64, %65, p, 1, 1, 0, 1;\n}\n"
 
-/// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major; the layout of
-/// either half of m64n256k16's accumulators.
+/// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major. `d` points at
+/// 64 accumulators: either half of m64n256k16's, whose layout they share.
 template <typename T>
 __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b, int accumulate) {
   if constexpr (ElemTraits<T>::kBF16) {
@@ -194,7 +194,7 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_WGMMA_N32
 #undef SP_WGMMA_N256_OUTS
 #undef SP_WGMMA_N256
-#undef SP_F8
+#undef SP_F32X8
 #undef SP_WGMMA_N128SS_OUTS
 #undef SP_WGMMA_N128SS
 
