@@ -6,6 +6,8 @@ kept set, same bits). The DSA layer also reads the engines' FP8 MLA pool (uint8 
 written by quantize_mla_fp8, NaN bytes elsewhere) and matches its own cache of the dequantized
 values. Runs on the GPU machine; skips without torch or a GPU."""
 
+import os
+
 import pytest
 
 import sparsepage as sp
@@ -15,6 +17,9 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_avail
                                 reason="needs a GPU and sparsepage built with CUDA")
 
 BLOCK = 16
+# The FP8 MLA kernel this process runs (SPARSEPAGE_MLA_KERNEL, read once by the library).
+FP8_MLA_KERNEL = "MLA FP8 (656-byte rows), wgmma, " + (
+    "classic" if os.environ.get("SPARSEPAGE_MLA_KERNEL") == "classic" else "warp-specialized")
 
 
 def gates_off():
@@ -201,7 +206,7 @@ def test_dsa_over_an_engine_fp8_mla_pool_matches_its_own_cache_of_the_dequantize
         queries, o_own, o_eng = dsa_step_queries(rnd, gen)
         assert own.decode(*queries, torch.cat([row_deq, row_index], dim=-1).contiguous(), row_pe, o_own, stream()).fused
         s = eng.decode_paged(*queries, row_index, o_eng, kv_cache, table, stream())
-        assert s.fused and s.outcome.kernel == "MLA FP8 (656-byte rows), wgmma", s.outcome.describe()
+        assert s.fused and s.outcome.kernel == FP8_MLA_KERNEL, s.outcome.describe()
         torch.cuda.synchronize()
         assert eng.last_selected_positions() == own.last_selected_positions(), f"step {step}"
         assert not o_eng.isnan().any(), f"step {step}"

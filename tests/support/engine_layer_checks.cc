@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -418,6 +419,11 @@ void check_engine_paged_dsa(Device device) {
 }
 
 void check_engine_paged_dsa_fp8(Device device) {
+  // The FP8 MLA kernel this process runs (SPARSEPAGE_MLA_KERNEL, read once).
+  const char* choice = std::getenv("SPARSEPAGE_MLA_KERNEL");
+  const std::string cuda_fp8_mla_kernel = choice != nullptr && std::string(choice) == "classic"
+                                              ? "MLA FP8 (656-byte rows), wgmma, classic"
+                                              : "MLA FP8 (656-byte rows), wgmma, warp-specialized";
   std::mt19937_64 rng(4711);
   const int32_t batch = 2;
   for (const int64_t prompt : {int64_t{40}, int64_t{150}}) {  // below and above index_topk = 64
@@ -428,8 +434,7 @@ void check_engine_paged_dsa_fp8(Device device) {
       const std::string at = "prompt " + std::to_string(prompt) + ", step " + std::to_string(s);
       ASSERT_TRUE(out.dense_step.fused) << out.dense_step.outcome.reason;
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
-      EXPECT_EQ(std::string(out.engine_step.outcome.kernel),
-                device == Device::kCuda ? "MLA FP8 (656-byte rows), wgmma" : "CPU loop");
+      EXPECT_EQ(std::string(out.engine_step.outcome.kernel), device == Device::kCuda ? cuda_fp8_mla_kernel : "CPU loop");
       EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions()) << at;
       ASSERT_FALSE(has_nan(out.engine_o)) << at;
       // The same dequantized values through two kernels: equal up to the
