@@ -30,6 +30,7 @@
 
 #include "cuda/fp8_convert.cuh"
 #include "cuda/mla_partial.cuh"
+#include "sparsepage/fp8.h"
 
 namespace sparsepage {
 namespace cuda {
@@ -38,8 +39,6 @@ template <class Source>
 struct MlaFp8Cta : MlaCta<__nv_bfloat16, Source> {
   using Base = MlaCta<__nv_bfloat16, Source>;
   using L = MlaTile;
-  static constexpr int kRowBytes = 656;
-  static constexpr int kScaleOffset = 512;
 
   const unsigned char* k8;  // this request's rows (bytes)
   int my_row, quarter;
@@ -81,7 +80,7 @@ struct MlaFp8Cta : MlaCta<__nv_bfloat16, Source> {
       const auto* g = reinterpret_cast<const uint4*>(k_row + 128 * quarter);
 #pragma unroll
       for (int i = 0; i < 8; ++i) raw[i] = __ldg(g + i);
-      block_scale = __ldg(reinterpret_cast<const float*>(k_row + kScaleOffset) + quarter);
+      block_scale = __ldg(reinterpret_cast<const float*>(k_row + MlaFp8Row::kScaleOffset) + quarter);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) raw[i] = make_uint4(0, 0, 0, 0);

@@ -39,6 +39,7 @@
 
 #include "cuda/fp8_convert.cuh"
 #include "cuda/mla_ws_partial.cuh"
+#include "sparsepage/fp8.h"
 
 namespace sparsepage {
 namespace cuda {
@@ -54,7 +55,6 @@ struct MlaWsFp8Tile : MlaWsTile {
   static constexpr int kConsumerRegs = 208;
   static constexpr int kProducerRegs = 48;
   static constexpr bool kPvHalves = true;
-  static constexpr int kScaleOffset = 512;
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
   static constexpr int kScaleStageBytes = L::kTokens * 16;  // 4 fp32 scales per row
   // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
@@ -120,7 +120,7 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
       }
       cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
                     fill);
-      if (piece == 0) cp_async_16_n(sc + row * 16, k_row + W::kScaleOffset, fill);
+      if (piece == 0) cp_async_16_n(sc + row * 16, k_row + MlaFp8Row::kScaleOffset, fill);
     }
   }
 
