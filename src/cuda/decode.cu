@@ -129,17 +129,21 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
 
 void cuda_check_kernel_switches() {
   (void)cuda::mla_kernel_choice();
+  (void)cuda::mla_fp8_pairs_choice();
   (void)cuda::gqa_merge_choice();
   (void)cuda::multi_token_cta_choice();
 }
 
 namespace {
 
-const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
+const char* kernel_name(const KernelChoice& c, const DecodeParams& params, const DecodePlan& plan) {
   switch (c.kind) {
     case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
     case DecodeKernel::kFp8:
       if (params.kv_format != KvFormat::kE4m3Mla) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
+      if (cuda::mla_fp8_runs_pairs(params.group_size, plan.uniform_chunks > 0 ? plan.uniform_chunk_tokens : 0,
+                                   uses_engine_inputs(params)))
+        return "MLA FP8 (656-byte rows), wgmma, warp-specialized, CTA pairs";
       return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized
                  ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
                  : "MLA FP8 (656-byte rows), wgmma, classic";
@@ -156,7 +160,7 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
 }  // namespace
 
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
-  return kernel_name(choose_kernel(params, plan), params);
+  return kernel_name(choose_kernel(params, plan), params, plan);
 }
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
@@ -222,7 +226,7 @@ const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, 
   const std::string qo_problem = cuda_layout_problem(params);
   if (!qo_problem.empty()) throw Error("run_decode_cuda: " + qo_problem);
   const KernelChoice choice = choose_kernel(params, plan);
-  const char* name = kernel_name(choice, params);
+  const char* name = kernel_name(choice, params, plan);
   if (plan.work.empty()) return name;
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);

@@ -1,12 +1,14 @@
 // Launchers of the FP8 partial kernels (decode_fp8.h). Instantiations: the
-// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and two
-// MLA wgmma kernels for bf16 (the warp-specialized one and the classic),
-// each for the library's CSR rows and the engines' index forms: 8 kernels.
+// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and three
+// MLA wgmma kernels for bf16 (the warp-specialized one, its CTA-pair form for
+// two head tiles, and the classic), each for the library's CSR rows and the
+// engines' index forms: 10 kernels.
 #include "cuda/decode_fp8.h"
 
 #include "cuda/decode_partial_fp8.cuh"
 #include "cuda/launch_partial.cuh"
 #include "cuda/mla_fp8_partial.cuh"
+#include "cuda/mla_ws_fp8_pair.cuh"
 #include "cuda/mla_ws_fp8_partial.cuh"
 
 namespace sparsepage {
@@ -24,14 +26,43 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
-/// The warp-specialized kernel (mla_ws_fp8_partial.cuh) by default, the
-/// classic one under SPARSEPAGE_MLA_KERNEL=classic, as for bf16 rows.
+/// Chunks of at most this many tokens (two tiles) run one CTA per head tile
+/// under SPARSEPAGE_MLA_FP8_PAIRS=auto: a pair's start (the cluster barrier,
+/// the first tiles' exchange) costs more than its halved dequantization
+/// wins back over so few tiles. Measured on the H200 (docs/PERFORMANCE.md,
+/// "FP8 KV caches"): batch 1 (16 chunks of 128) 16.7 us as pairs against
+/// 16.3 one CTA per head tile; batch 64 (one chunk of 2048) 109 against 114 us.
+constexpr int32_t kPairMinChunkTokens = 2 * MlaTile::kTokens + 1;
+
+template <class Source>
+bool pairs_run(int32_t group_size, int32_t chunk_tokens) {
+  if (mla_kernel_choice() != MlaKernel::kWarpSpecialized) return false;
+  const Fp8Pairs choice = mla_fp8_pairs_choice();
+  if (choice == Fp8Pairs::kOff) return false;
+  if (choice == Fp8Pairs::kAuto && chunk_tokens > 0 && chunk_tokens < kPairMinChunkTokens) return false;
+  if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;
+  return clusters_fit(mla_ws_fp8_pair_kernel<Source>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
+                      MlaWsFp8PairTile::kClusterCtas);
+}
+
+/// The warp-specialized kernel by default: as CTA pairs when an item has two
+/// head tiles and the device places the clusters (mla_ws_fp8_pair.cuh),
+/// otherwise one CTA per head tile (mla_ws_fp8_partial.cuh); the classic one
+/// under SPARSEPAGE_MLA_KERNEL=classic, as for bf16 rows.
 template <class Source>
 void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_items, cudaStream_t stream) {
   const int64_t ctas = int64_t{num_items} * ((p.group_size + MlaTile::kHeads - 1) / MlaTile::kHeads);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
   const dim3 grid(static_cast<unsigned>(ctas));
-  if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
+  if (pairs_run<Source>(p.group_size, p.work == nullptr ? p.chunk_tokens : 0)) {
+    // Head tiles vary fastest (MlaWsCta), so a cluster of two is one item's pair.
+    auto kernel = mla_ws_fp8_pair_kernel<Source>;
+    cudaLaunchAttribute attribute[2];
+    const cudaLaunchConfig_t config =
+        cluster_launch_config(grid.x, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kClusterCtas,
+                              MlaWsFp8PairTile::kSmemBytes, stream, attribute);
+    SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  } else if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     auto kernel = mla_ws_fp8_partial_kernel<Source>;
     configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(MlaWsFp8Tile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
@@ -43,6 +74,17 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
 }
 
 }  // namespace
+
+Fp8Pairs mla_fp8_pairs_choice() {
+  static const Fp8Pairs choice =
+      kernel_switch("SPARSEPAGE_MLA_FP8_PAIRS", {"off", "auto", "on"}, {Fp8Pairs::kOff, Fp8Pairs::kAuto, Fp8Pairs::kOn});
+  return choice;
+}
+
+bool mla_fp8_runs_pairs(int32_t group_size, int32_t chunk_tokens, bool engine_inputs) {
+  return engine_inputs ? pairs_run<EnginePagedSource>(group_size, chunk_tokens)
+                       : pairs_run<PagedSource>(group_size, chunk_tokens);
+}
 
 void launch_partial_fp8(const PartialParams<PagedTable>& params, KvFormat format, DType dtype, const float* k_scale,
                         const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream) {

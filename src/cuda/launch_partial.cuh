@@ -21,6 +21,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -186,12 +187,13 @@ constexpr size_t cluster_smem_bytes() {
   return TileConfig<128, 128, Source::kHasBias>::kSmemBytes;
 }
 
-/// Launch config of the cluster kernel: `ctas` CTAs in clusters of `cluster`.
-inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned cluster, size_t smem_bytes, cudaStream_t stream,
-                                         cudaLaunchAttribute (&attribute)[2]) {
+/// Launch config of a cluster kernel: `ctas` CTAs of `threads` threads in
+/// clusters of `cluster`, with programmatic dependent launch.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned threads, unsigned cluster, size_t smem_bytes,
+                                                cudaStream_t stream, cudaLaunchAttribute (&attribute)[2]) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);
-  config.blockDim = dim3(kThreads);
+  config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -205,35 +207,42 @@ inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned cluster,
   return config;
 }
 
-/// Whether the current device can place clusters of `cluster` CTAs of the
-/// 128/128 cluster kernel for `Source` (sm_90 or later, and at least one
-/// such cluster resident by the occupancy API, which counts registers,
-/// shared memory and the GPCs' sizes). Asked once per (device, cluster size); also opts the
-/// kernel in to its shared memory and to non-portable sizes above 8.
-template <typename T, class Source>
-bool cluster_fits(int32_t cluster) {
+/// Whether the current device can place clusters of `cluster` CTAs of
+/// `kernel` (`threads` threads and `smem_bytes` of shared memory each): at
+/// least one such cluster resident by the occupancy API, which counts
+/// registers, shared memory and the GPCs' sizes. Asked once per (kernel,
+/// device, cluster size); also opts the kernel in to its shared memory and
+/// to non-portable sizes above 8.
+template <typename Params>
+bool clusters_fit(void (*kernel)(Params), unsigned threads, size_t smem_bytes, int32_t cluster) {
   if (cluster < 2 || cluster > kMaxClusterCtas || cuda_device_sm() < 90) return false;
-  auto kernel = partial_cluster_kernel<T, 128, 128, Source>;
-  configure_smem_once(kernel, cluster_smem_bytes<Source>());
+  configure_smem_once(kernel, smem_bytes);
   static std::mutex mutex;
-  static std::vector<std::pair<std::pair<int, int32_t>, bool>> known;
+  static std::vector<std::pair<std::tuple<void (*)(Params), int, int32_t>, bool>> known;
   int device = 0;
   SP_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, cluster);
+  const auto key = std::make_tuple(kernel, device, cluster);
   for (const auto& entry : known) {
     if (entry.first == key) return entry.second;
   }
   if (cluster > 8) SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchAttribute attribute[2];
-  cudaLaunchConfig_t config = cluster_launch_config(
-      static_cast<unsigned>(cluster), static_cast<unsigned>(cluster), cluster_smem_bytes<Source>(), nullptr, attribute);
+  cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(cluster), threads,
+                                                    static_cast<unsigned>(cluster), smem_bytes, nullptr, attribute);
   config.numAttrs = 1;  // the occupancy query takes the cluster dims alone
   int clusters = 0;
   const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-  if (status != cudaSuccess) (void)cudaGetLastError();  // a size the device refuses: the merge kernel runs
+  if (status != cudaSuccess) (void)cudaGetLastError();  // a size the device refuses: the caller falls back
   known.emplace_back(key, status == cudaSuccess && clusters > 0);
   return known.back().second;
+}
+
+/// Whether the current device can place clusters of `cluster` CTAs of the
+/// 128/128 cluster kernel for `Source`.
+template <typename T, class Source>
+bool cluster_fits(int32_t cluster) {
+  return clusters_fit(partial_cluster_kernel<T, 128, 128, Source>, kThreads, cluster_smem_bytes<Source>(), cluster);
 }
 
 /// The cluster kernel over `num_items` items of `ctas_per_item` head tiles,
@@ -244,8 +253,8 @@ void launch_partial_cluster(const typename Source::Params& p, int32_t num_items,
   const int64_t ctas = int64_t{num_items} * ((int64_t{p.group_size} * p.q_len + kQueryTile - 1) / kQueryTile);
   if (ctas > INT32_MAX || ctas % cluster != 0) throw Error("decode: the cluster merge's grid does not divide into clusters");
   cudaLaunchAttribute attribute[2];
-  const cudaLaunchConfig_t config = cluster_launch_config(
-      static_cast<unsigned>(ctas), static_cast<unsigned>(cluster), cluster_smem_bytes<Source>(), stream, attribute);
+  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(ctas), kThreads, static_cast<unsigned>(cluster),
+                                                          cluster_smem_bytes<Source>(), stream, attribute);
   SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 

@@ -52,6 +52,7 @@ struct MlaWsTile {
   static constexpr int kConsumerRegs = 232;     // 2 x 232 + 40 = 3 x 168, all that 384 threads get
   static constexpr int kProducerRegs = 40;
   static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
+  static constexpr int kClusterCtas = 1;        // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
   static constexpr int kIdSlots = 4;            // ids of tile u + 1 are written while tile u - 1 is computed
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
   // Byte offsets from the 1024-aligned base.
@@ -60,9 +61,10 @@ struct MlaWsTile {
   static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;  // the rope slab of a stage holds its P tile
   static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
   static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2 tiles][2 warpgroups][64] floats
-  // full[2], empty[2], done: 8 bytes each; then the producers' rejected-id flag.
+  // full[2], empty[2], done, and in a CTA pair peer_empty[2] and
+  // peer_full[2]: 8 bytes each; then the producers' rejected-id flag.
   static constexpr int kBarriers = kExchange + 2 * 2 * L::kHeads * 4;
-  static constexpr int kBadFlag = kBarriers + 5 * 8;
+  static constexpr int kBadFlag = kBarriers + 9 * 8;
   static constexpr int kBytes = kBadFlag + 8;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
@@ -95,7 +97,48 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+/// Arrives, and expects `bytes` more transaction bytes in the current phase.
+__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// Arrives on the barrier at shared::cluster address `bar` (a peer CTA's).
+/// The default semantics (release, CTA scope), as CUTLASS's cluster
+/// pipelines release a peer's stage: .release.cluster adds a GPU-wide
+/// memory barrier to every arrival.
+__device__ __forceinline__ void arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 }  // namespace mbar
+
+namespace cluster {
+__device__ __forceinline__ uint32_t rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// The shared::cluster address of `addr` (this CTA's shared memory) in CTA `rank`.
+__device__ __forceinline__ uint32_t map(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+/// Every thread of every CTA of the cluster; the arrival is relaxed (the
+/// barriers' initialization is released by fence.mbarrier_init first).
+__device__ __forceinline__ void sync() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/// Copies `bytes` (a multiple of 16) of this CTA's shared memory at `src` to
+/// shared::cluster address `dst` (a peer CTA's) with the bulk-copy engine;
+/// completes `bytes` transaction bytes on that CTA's mbarrier at `bar`.
+__device__ __forceinline__ void copy_bulk(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "r"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/// Waits until this thread's bulk copies have read their sources.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+}  // namespace cluster
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -184,6 +227,13 @@ struct MlaWsCta {
   /// Completes when every producer thread is done; the rejected-id flag is
   /// set before.
   __device__ uint32_t done_bar() const { return base + W::kBarriers + 32; }
+  /// In a CTA pair: completes when the peer's consumer warps released the
+  /// stage (the producer writes into the peer's stage too).
+  __device__ uint32_t peer_empty_bar(int tile) const { return base + W::kBarriers + 40 + (tile & 1) * 8; }
+  /// In a CTA pair: completes when the peer's rows of the stage landed (the
+  /// bulk copies' transaction bytes). Apart from `full`, whose arrivals are
+  /// all this CTA's, so that each barrier has one kind of completion.
+  __device__ uint32_t peer_full_bar(int tile) const { return base + W::kBarriers + 56 + (tile & 1) * 8; }
   __device__ unsigned int* bad_flag() const { return reinterpret_cast<unsigned int*>(gen + W::kBadFlag); }
 
   // ---- producer -------------------------------------------------------------
@@ -353,6 +403,7 @@ struct MlaWsCta {
   }
 
   __device__ void wait_full(int tile) {
+    if constexpr (W::kClusterCtas > 1) mbar::wait(peer_full_bar(tile), (tile >> 1) & 1);  // the peer's rows
     mbar::wait(full_bar(tile), (tile >> 1) & 1);
     wgmma::fence_proxy_async();  // the copies (generic proxy) before the wgmma reads (async proxy)
   }
@@ -382,7 +433,16 @@ struct MlaWsCta {
       wgmma::wait<0>();
       wgmma::pin(acc);
       __syncwarp();
-      if (lane == 0) mbar::arrive(empty_bar(t));  // the producer may refill this stage
+      if (lane == 0) {
+        mbar::arrive(empty_bar(t));  // the producer may refill this stage
+        // The pair's producers write into both CTAs' stages, so the peer's
+        // producer waits for this release too. Only tiles that are refilled
+        // are released to the peer, so no arrival reaches a peer that may
+        // have finished.
+        if constexpr (W::kClusterCtas > 1) {
+          if (t + 2 < tiles) mbar::arrive_remote(cluster::map(peer_empty_bar(t), cluster::rank() ^ 1u));
+        }
+      }
     }
   }
 
@@ -422,11 +482,20 @@ struct MlaWsCta {
         // Each producer thread's arrival (its rows landed, or converted), and the ids'.
         mbar::init(full_bar(s), W::kProducerThreads + 1);
         mbar::init(empty_bar(s), W::kConsumerThreads / 32);
+        if (W::kClusterCtas > 1) {
+          mbar::init(peer_empty_bar(s), W::kConsumerThreads / 32);
+          mbar::init(peer_full_bar(s), 1);  // the producer's expect_tx arrival, then the peer's bytes
+        }
       }
       mbar::init(done_bar(), W::kProducerThreads);
       *bad_flag() = 0;
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    // In a CTA pair the peer's barriers must exist before anything arrives on
+    // them: the cluster meets. The CTA barrier after it is for
+    // compute-sanitizer's racecheck, which, without one after the barriers'
+    // initialization, reports every stage reuse as a race.
+    if constexpr (W::kClusterCtas > 1) cluster::sync();
     __syncthreads();
     // The producers' rejected ids reach the consumers through a shared flag
     // and the `done` mbarrier, not a barrier of the whole CTA: that would be

@@ -4,7 +4,9 @@
 // rows NaN, with and without splits, and through the engines' -1 padding.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -192,6 +194,50 @@ TEST(DecodeCudaFp8, MlaRowsMatchFp64Reference) {
   std::mt19937_64 rng2(44);
   const testing::PagedProblem small = testing::make_problem(spec, rng2);
   check_all_ways(testing::make_fp8_mla(small), "mla, 16 heads");
+}
+
+TEST(DecodeCudaFp8, MlaIdOutsideThePoolPoisonsThatRequestOnly) {
+  // 128 heads run as CTA pairs (each CTA dequantizes half of a tile's rows,
+  // both resolve every id); 16 heads as one CTA. The bad id sits in the
+  // second half of a tile (row 40) in request 1, which must come out NaN
+  // with the error flag set while the others match the reference.
+  SKIP_WITHOUT_CUDA();
+  if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty()) GTEST_SKIP() << "no MLA kernel for this GPU";
+  for (const int32_t heads : {128, 16}) {
+    std::mt19937_64 rng(46);
+    testing::ProblemSpec spec;
+    spec.seq_lens = {300, 300, 300};
+    spec.group_size = heads;
+    spec.dim_qk = spec.dim_v = 512;
+    spec.dim_extra = 64;
+    spec.v_aliases_k = true;
+    spec.pool_pages = 4096;
+    const testing::PagedProblem pb = testing::make_problem(spec, rng);
+    const Fp8Problem f = testing::make_fp8_mla(pb);
+    std::vector<std::vector<int64_t>> rows = pb.token_rows();
+    rows[1].clear();
+    const testing::Reference ref = testing::reference_attention(f, rows);
+    for (const int32_t bad : {static_cast<int32_t>(spec.pool_pages), -3}) {
+      std::vector<int32_t> indices = pb.indices;
+      indices[static_cast<size_t>(pb.table.indptr[1] + 64 + 40)] = bad;
+      for (const int32_t chunk : {64, 0}) {
+        const GpuRun got = run_gpu(f, testing::cuda_plan_shape(heads, 512, chunk), indices, false);
+        const std::string what = std::to_string(heads) + " heads, id " + std::to_string(bad) + ", chunk " +
+                                 std::to_string(chunk);
+        EXPECT_NE(got.error_flag, 0u) << what;
+        const size_t per_request = static_cast<size_t>(heads) * 512;
+        size_t finite = 0;
+        for (size_t i = per_request; i < 2 * per_request; ++i) finite += !std::isnan(got.o[i]);
+        for (size_t i = static_cast<size_t>(heads); i < 2 * static_cast<size_t>(heads); ++i) finite += !std::isnan(got.lse[i]);
+        EXPECT_EQ(finite, 0u) << what << ": request 1's o and lse must be NaN";
+        for (const int r : {0, 2}) {
+          const std::vector<float> o(got.o.begin() + r * per_request, got.o.begin() + (r + 1) * per_request);
+          const std::vector<double> want(ref.o.begin() + r * per_request, ref.o.begin() + (r + 1) * per_request);
+          EXPECT_LT(testing::relative_l2(o, want), 1e-2) << what << ", request " << r;
+        }
+      }
+    }
+  }
 }
 
 TEST(DecodeCudaFp8, UnsupportedShapesAreRefusedByName) {
