@@ -41,7 +41,7 @@ bool pairs_run(int32_t group_size, int32_t chunk_tokens) {
   if (choice == Fp8Pairs::kOff) return false;
   if (choice == Fp8Pairs::kAuto && chunk_tokens > 0 && chunk_tokens < kPairMinChunkTokens) return false;
   if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;
-  return clusters_fit(mla_ws_fp8_pair_kernel<Source>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
+  return clusters_fit(mla_partial_kernel<MlaWsFp8PairCta<Source>>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
                       MlaWsFp8PairTile::kClusterCtas);
 }
 
@@ -56,18 +56,18 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   const dim3 grid(static_cast<unsigned>(ctas));
   if (pairs_run<Source>(p.group_size, p.work == nullptr ? p.chunk_tokens : 0)) {
     // Head tiles vary fastest (MlaWsCta), so a cluster of two is one item's pair.
-    auto kernel = mla_ws_fp8_pair_kernel<Source>;
+    auto kernel = mla_partial_kernel<MlaWsFp8PairCta<Source>>;
     cudaLaunchAttribute attribute[2];
     const cudaLaunchConfig_t config =
         cluster_launch_config(grid.x, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kClusterCtas,
                               MlaWsFp8PairTile::kSmemBytes, stream, attribute);
     SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   } else if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
-    auto kernel = mla_ws_fp8_partial_kernel<Source>;
+    auto kernel = mla_partial_kernel<MlaWsFp8Cta<Source>>;
     configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(MlaWsFp8Tile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
   } else {
-    auto kernel = mla_fp8_partial_kernel<Source>;
+    auto kernel = mla_partial_kernel<MlaFp8Cta<Source>>;
     configure_smem_once(kernel, MlaTile::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
   }

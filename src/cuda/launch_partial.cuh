@@ -274,8 +274,8 @@ int32_t resident_ctas_typed(TileShape shape) {
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
     case TileShape::kMla:
       if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
-        return resident_ctas_once(mla_ws_partial_kernel<T, Source>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
-      return resident_ctas_once(mla_partial_kernel<T, Source>, MlaTile::kThreads, MlaTile::kSmemBytes);
+        return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source>>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
+      return resident_ctas_once(mla_partial_kernel<MlaCta<T, Source>>, MlaTile::kThreads, MlaTile::kSmemBytes);
     case TileShape::kNone: break;
   }
   return 1;
@@ -367,12 +367,12 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
-    auto kernel = mla_ws_partial_kernel<T, Source>;
+    auto kernel = mla_partial_kernel<MlaWsCta<T, Source>>;
     configure_smem_once(kernel, MlaWsTile::kSmemBytes);
     launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaWsTile::kThreads), MlaWsTile::kSmemBytes, stream, p);
     return;
   }
-  auto kernel = mla_partial_kernel<T, Source>;
+  auto kernel = mla_partial_kernel<MlaCta<T, Source>>;
   configure_smem_once(kernel, MlaTile::kSmemBytes);
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
 }

@@ -38,6 +38,7 @@ namespace cuda {
 template <class Source>
 struct MlaFp8Cta : MlaCta<__nv_bfloat16, Source> {
   using Base = MlaCta<__nv_bfloat16, Source>;
+  using KernelParams = Fp8Params<typename Source::Params>;  // what mla_partial_kernel takes
   using L = MlaTile;
 
   const unsigned char* k8;  // this request's rows (bytes)
@@ -144,20 +145,6 @@ struct MlaFp8Cta : MlaCta<__nv_bfloat16, Source> {
     this->finish();
   }
 };
-
-template <class Source>
-__global__ void __launch_bounds__(MlaTile::kThreads, 1)
-    mla_fp8_partial_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) unsigned char smem[];
-  pdl_wait_primary();
-  pdl_launch_dependents();
-  MlaFp8Cta<Source> cta(params, smem);
-  cta.run();
-#else
-  __trap();  // wgmma is sm_90a only; the launchers refuse other GPUs first
-#endif
-}
 
 }  // namespace cuda
 }  // namespace sparsepage

@@ -131,6 +131,8 @@ struct MlaCta {
   using L = MlaTile;
 
   using Params = typename Source::Params;
+  using KernelParams = Params;  // what mla_partial_kernel takes
+  static constexpr int kThreads = L::kThreads;
   const Params& p;
   Source src;
   uint32_t base;       // shared address of the aligned tile area
@@ -375,13 +377,19 @@ struct MlaCta {
   }
 };
 
-template <typename T, class Source>
-__global__ void __launch_bounds__(MlaTile::kThreads, 1) mla_partial_kernel(const __grid_constant__ typename Source::Params params) {
+/// The entry of every MLA kernel: one CTA of class Cta per head tile of a
+/// work item, Cta::kThreads threads, one CTA per SM. Cta is MlaCta here, the
+/// classic FP8 kernel's MlaFp8Cta (mla_fp8_partial.cuh), or a
+/// warp-specialized CTA (mla_ws_partial.cuh, mla_ws_fp8_partial.cuh,
+/// mla_ws_fp8_pair.cuh); Cta::KernelParams is what its launch passes, and
+/// Cta::run() is the CTA's whole work.
+template <class Cta>
+__global__ void __launch_bounds__(Cta::kThreads, 1) mla_partial_kernel(const __grid_constant__ typename Cta::KernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();
-  MlaCta<T, Source> cta(params, smem);
+  Cta cta(params, smem);
   cta.run();
 #else
   // wgmma exists on sm_90a only; the launchers refuse other GPUs first

@@ -72,6 +72,7 @@ struct MlaWsFp8PairCta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8PairTile> {
   using L = MlaTile;
   using W = MlaWsFp8PairTile;
   using Params = typename Source::Params;
+  using KernelParams = Fp8Params<Params>;  // what mla_partial_kernel takes
 
   const unsigned char* k8;  // this request's rows (bytes)
   int pt;                   // producer thread, 0 .. 255
@@ -171,6 +172,11 @@ struct MlaWsFp8PairCta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8PairTile> {
     cluster::bulk_commit();
   }
 
+  /// The CTA's work, for mla_partial_kernel: this producer beside the bf16 consumers.
+  __device__ void run() {
+    this->run_with([this] { run_producer(); });
+  }
+
   __device__ void run_producer() {
     const int tiles = this->num_tiles();
     for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
@@ -210,20 +216,6 @@ struct MlaWsFp8PairCta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8PairTile> {
     if (pt == 0) cluster::bulk_wait_read();  // the copies read this CTA's shared memory: it must outlive them
   }
 };
-
-template <class Source>
-__global__ void __launch_bounds__(MlaWsFp8PairTile::kThreads, 1)
-    mla_ws_fp8_pair_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) unsigned char smem[];
-  pdl_wait_primary();
-  pdl_launch_dependents();
-  MlaWsFp8PairCta<Source> cta(params, smem);
-  cta.run([&cta] { cta.run_producer(); });
-#else
-  __trap();  // wgmma is sm_90a only; the launchers refuse other GPUs first
-#endif
-}
 
 }  // namespace cuda
 }  // namespace sparsepage

@@ -76,6 +76,7 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
   using L = MlaTile;
   using W = MlaWsFp8Tile;
   using Params = typename Source::Params;
+  using KernelParams = Fp8Params<Params>;  // what mla_partial_kernel takes
 
   const unsigned char* k8;  // this request's rows (bytes)
   int pt;                   // producer thread, 0 .. 255
@@ -177,6 +178,11 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
     this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
   }
 
+  /// The CTA's work, for mla_partial_kernel: this producer beside the bf16 consumers.
+  __device__ void run() {
+    this->run_with([this] { run_producer(); });
+  }
+
   __device__ void run_producer() {
     const int tiles = this->num_tiles();
     for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
@@ -216,20 +222,6 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
     cp_async_wait<0>();
   }
 };
-
-template <class Source>
-__global__ void __launch_bounds__(MlaWsFp8Tile::kThreads, 1)
-    mla_ws_fp8_partial_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) unsigned char smem[];
-  pdl_wait_primary();
-  pdl_launch_dependents();
-  MlaWsFp8Cta<Source> cta(params, smem);
-  cta.run([&cta] { cta.run_producer(); });
-#else
-  __trap();  // wgmma is sm_90a only; the launchers refuse other GPUs first
-#endif
-}
 
 }  // namespace cuda
 }  // namespace sparsepage

@@ -183,6 +183,8 @@ struct MlaWsCta {
   using Tr = ElemTraits<T>;
   using L = MlaTile;
   using Params = typename Source::Params;
+  using KernelParams = Params;  // what mla_partial_kernel takes (the FP8 CTAs: Fp8Params)
+  static constexpr int kThreads = W::kThreads;
 
   const Params& p;
   Source src;
@@ -465,11 +467,18 @@ struct MlaWsCta {
     if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
   }
 
-  /// The CTA: barriers, then the producer warpgroup runs `produce()` (the
-  /// bf16 gather below, or the FP8 kernel's gather and dequantization) while
-  /// the consumer warpgroups run S, softmax and P V.
+  /// The CTA's work, for mla_partial_kernel: the bf16 gather (run_producer
+  /// above) beside the consumers. The FP8 CTAs run their own producers the
+  /// same way.
+  __device__ void run() {
+    run_with([this] { run_producer(); });
+  }
+
+  /// The CTA: barriers, then the producer warpgroups run `produce()` (the
+  /// bf16 gather, or an FP8 kernel's gather and dequantization) while the
+  /// consumer warpgroups run S, softmax and P V.
   template <class Produce>
-  __device__ void run(Produce&& produce) {
+  __device__ void run_with(Produce&& produce) {
     // setmaxnreg moves registers between the warpgroups of the CTA; it cannot
     // take more than the launch gave: 65536 / threads per thread, rounded
     // down to 8 (168 at 384 threads, 128 at 512). Asking for more hangs.
@@ -515,19 +524,6 @@ struct MlaWsCta {
     }
   }
 };
-
-template <typename T, class Source>
-__global__ void __launch_bounds__(MlaWsTile::kThreads, 1) mla_ws_partial_kernel(const __grid_constant__ typename Source::Params params) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) unsigned char smem[];
-  pdl_wait_primary();
-  pdl_launch_dependents();
-  MlaWsCta<T, Source> cta(params, smem);
-  cta.run([&cta] { cta.run_producer(); });
-#else
-  __trap();
-#endif
-}
 
 }  // namespace cuda
 }  // namespace sparsepage
