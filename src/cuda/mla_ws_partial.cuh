@@ -144,36 +144,13 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// How the producer copies the latent pieces (a build-time switch, for
-// measuring): 0 plain cp.async.cg, 1 with a 256-byte L2 prefetch hint (the
-// latent half of a row is 1024 contiguous bytes), 2 the hint plus an
-// evict-last L2 policy (the second head tile's CTA reads the same rows).
-#ifndef SPARSEPAGE_MLA_WS_COPY
-#define SPARSEPAGE_MLA_WS_COPY 1
-#endif
-
-/// One 16-byte gathered latent copy; src_bytes 0 zero-fills.
-__device__ __forceinline__ void cp_async_16_latent(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
-#if SPARSEPAGE_MLA_WS_COPY == 0
-  (void)policy;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-#elif SPARSEPAGE_MLA_WS_COPY == 1
-  (void)policy;
+/// One 16-byte gathered latent copy with a 256-byte L2 prefetch hint (the
+/// latent half of a row is 1024 contiguous bytes); src_bytes 0 zero-fills.
+/// Measured against plain copies and the hint plus an evict-last policy:
+/// all three within 1% (docs/PERFORMANCE.md, the warp-specialized kernel).
+__device__ __forceinline__ void cp_async_16_latent(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ uint64_t l2_evict_last_policy() {
-  uint64_t policy = 0;
-#if SPARSEPAGE_MLA_WS_COPY == 2
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  return policy;
 }
 
 /// W: the CTA's shape (MlaWsTile, or the FP8 kernel's, which has two
@@ -249,7 +226,6 @@ struct MlaWsCta {
     const int32_t* slot = id_slot(tile);
     const int piece = wt & 7;
     const uint32_t dst0 = stage(tile);
-    const uint64_t policy = l2_evict_last_policy();
 #pragma unroll
     for (int i = 0; i < W::kRowsPerThread; ++i) {
       const int row = wt / 8 + 16 * i;
@@ -267,7 +243,7 @@ struct MlaWsCta {
       }
       const uint32_t dst = dst0 + row * 128 + ((piece ^ (row & 7)) << 4);
 #pragma unroll
-      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + (s * 8 + piece) * 8, fill, policy);
+      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + (s * 8 + piece) * 8, fill);
       cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row + piece * 8, fill);
     }
     mbar::arrive_on_copies(full_bar(tile));
