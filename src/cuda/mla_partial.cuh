@@ -125,14 +125,17 @@ __device__ __forceinline__ void mla_store_rows(const PartialCommon& p, const flo
   }
 }
 
+/// What every MLA CTA holds of its launch and its work: the params and the
+/// index source, the 1024-aligned shared memory (as a shared address and a
+/// generic pointer), the thread's place, and the CTA's share of a work item
+/// (request, tokens, partial slot, head tile, the rows' bases). The classic
+/// CTA (MlaCta) and the warp-specialized ones (mla_ws_partial.cuh) are built
+/// on it. The CTA's grid is (work items x head tiles), head tile fastest.
 template <typename T, class Source>
-struct MlaCta {
-  using Tr = ElemTraits<T>;
+struct MlaCtaShare {
   using L = MlaTile;
-
   using Params = typename Source::Params;
-  using KernelParams = Params;  // what mla_partial_kernel takes
-  static constexpr int kThreads = L::kThreads;
+
   const Params& p;
   Source src;
   uint32_t base;       // shared address of the aligned tile area
@@ -143,12 +146,7 @@ struct MlaCta {
   int32_t request, tok_begin, len, partial, head0, heads;
   bool bad = false;    // this thread met a page id outside the pool
 
-  // Online-softmax state of this thread's two rows (warp-in-group * 16 +
-  // lane / 4, and + 8), the same in both warpgroups.
-  float m[2], l[2];
-  float acc[128];      // O_w: rows as above, columns 256 wg + 8 j + 2 (lane % 4) + {0, 1}
-
-  __device__ MlaCta(const Params& params, unsigned char* smem) : p(params) {
+  __device__ MlaCtaShare(const Params& params, unsigned char* smem) : p(params) {
     const uint32_t raw = smem_u32(smem);
     const uint32_t aligned = (raw + 1023u) & ~1023u;
     base = aligned;
@@ -170,10 +168,31 @@ struct MlaCta {
     e_base = share.e_base;
   }
 
+  __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
+};
+
+template <typename T, class Source>
+struct MlaCta : MlaCtaShare<T, Source> {
+  using Tr = ElemTraits<T>;
+  using L = MlaTile;
+
+  using S = MlaCtaShare<T, Source>;
+  using Params = typename S::Params;
+  using KernelParams = Params;  // what mla_partial_kernel takes
+  static constexpr int kThreads = L::kThreads;
+  using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
+  using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::bad, S::tile_tokens;
+
+  // Online-softmax state of this thread's two rows (warp-in-group * 16 +
+  // lane / 4, and + 8), the same in both warpgroups.
+  float m[2], l[2];
+  float acc[128];      // O_w: rows as above, columns 256 wg + 8 j + 2 (lane % 4) + {0, 1}
+
+  __device__ MlaCta(const Params& params, unsigned char* smem) : S(params, smem) {}
+
   __device__ int32_t* id_slot(int tile) const {
     return reinterpret_cast<int32_t*>(gen + L::kIds) + (tile % L::kIdSlots) * kIdSlotInts;
   }
-  __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
   __device__ uint32_t stage(int tile) const { return base + L::kStage0 + (tile & 1) * L::kTileBytes; }
 
   __device__ void load_q() { mla_load_q<T>(p, base + L::kQ, request, head0, heads, tid, L::kThreads); }

@@ -46,7 +46,7 @@
 #pragma once
 
 #include "cuda/fp8_convert.cuh"
-#include "cuda/mla_ws_partial.cuh"
+#include "cuda/mla_ws_fp8_partial.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {
@@ -67,26 +67,17 @@ struct MlaWsFp8PairTile : MlaWsTile {
 };
 
 template <class Source>
-struct MlaWsFp8PairCta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8PairTile> {
-  using Base = MlaWsCta<__nv_bfloat16, Source, MlaWsFp8PairTile>;
+struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
+  using Base = MlaWsFp8CtaBase<Source, MlaWsFp8PairTile>;
   using L = MlaTile;
   using W = MlaWsFp8PairTile;
   using Params = typename Source::Params;
-  using KernelParams = Fp8Params<Params>;  // what mla_partial_kernel takes
+  using Base::k8, Base::pt, Base::prefetch_ids;
 
-  const unsigned char* k8;  // this request's rows (bytes)
-  int pt;                   // producer thread, 0 .. 255
-  uint32_t rank;            // in the pair: which 32 rows of a tile this CTA dequantizes
+  uint32_t rank;  // in the pair: which 32 rows of a tile this CTA dequantizes
 
   __device__ MlaWsFp8PairCta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {
-    pt = this->tid - W::kConsumerThreads;
     rank = cluster::rank();
-    const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
-    k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
-  }
-
-  __device__ void prefetch_ids(int tile) {
-    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
   }
 
   /// This thread's own row of tile `tile` in registers: 4 latent pieces and

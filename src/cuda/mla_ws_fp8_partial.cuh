@@ -70,22 +70,39 @@ struct MlaWsFp8Tile : MlaWsTile {
   }
 };
 
-template <class Source>
-struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
-  using Base = MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile>;
+/// What the FP8 warp-specialized CTAs (this file's, and the CTA pairs of
+/// mla_ws_fp8_pair.cuh) add to the bf16 consumers: the request's rows as
+/// bytes, the producer thread's index, and the page-id prefetch.
+template <class Source, class W>
+struct MlaWsFp8CtaBase : MlaWsCta<__nv_bfloat16, Source, W> {
+  using Base = MlaWsCta<__nv_bfloat16, Source, W>;
   using L = MlaTile;
-  using W = MlaWsFp8Tile;
   using Params = typename Source::Params;
   using KernelParams = Fp8Params<Params>;  // what mla_partial_kernel takes
 
   const unsigned char* k8;  // this request's rows (bytes)
-  int pt;                   // producer thread, 0 .. 255
+  int pt;                   // producer thread, 0 .. W::kProducerThreads - 1
 
-  __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {
+  __device__ MlaWsFp8CtaBase(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {
     pt = this->tid - W::kConsumerThreads;
     const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
     k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
   }
+
+  __device__ void prefetch_ids(int tile) {
+    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
+  }
+};
+
+template <class Source>
+struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
+  using Base = MlaWsFp8CtaBase<Source, MlaWsFp8Tile>;
+  using L = MlaTile;
+  using W = MlaWsFp8Tile;
+  using Params = typename Source::Params;
+  using Base::k8, Base::pt, Base::prefetch_ids;
+
+  __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {}
 
   __device__ uint32_t scales(int tile) const { return this->base + W::kScales + (tile & 1) * W::kScaleStageBytes; }
 
@@ -172,10 +189,6 @@ struct MlaWsFp8Cta : MlaWsCta<__nv_bfloat16, Source, MlaWsFp8Tile> {
     store_blocks<4>(tile, 4, raw, scale, 2, 2);
     wgmma::fence_proxy_async();  // the stores, before the consumers' tensor cores read them
     mbar::arrive(this->full_bar(tile));
-  }
-
-  __device__ void prefetch_ids(int tile) {
-    this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
   }
 
   /// The CTA's work, for mla_partial_kernel: this producer beside the bf16 consumers.

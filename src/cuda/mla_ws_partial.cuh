@@ -156,50 +156,23 @@ __device__ __forceinline__ void cp_async_16_latent(uint32_t dst, const void* src
 /// W: the CTA's shape (MlaWsTile, or the FP8 kernel's, which has two
 /// producer warpgroups); the consumers are warpgroups 0 and 1 in both.
 template <typename T, class Source, class W = MlaWsTile>
-struct MlaWsCta {
+struct MlaWsCta : MlaCtaShare<T, Source> {
   using Tr = ElemTraits<T>;
   using L = MlaTile;
-  using Params = typename Source::Params;
+  using S = MlaCtaShare<T, Source>;
+  using Params = typename S::Params;
   using KernelParams = Params;  // what mla_partial_kernel takes (the FP8 CTAs: Fp8Params)
   static constexpr int kThreads = W::kThreads;
+  using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
+  using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::tile_tokens;
+  using S::bad;  // set by producer threads only
 
-  const Params& p;
-  Source src;
-  uint32_t base;
-  unsigned char* gen;
-  const T* k_base;
-  const T* e_base;
-  int tid, wg, wt, lane;
-  int32_t request, tok_begin, len, partial, head0, heads;
-  bool bad = false;  // producer threads: a page id outside the pool
-
-  __device__ MlaWsCta(const Params& params, unsigned char* smem) : p(params) {
-    const uint32_t raw = smem_u32(smem);
-    const uint32_t aligned = (raw + 1023u) & ~1023u;
-    base = aligned;
-    gen = smem + (aligned - raw);
-    tid = threadIdx.x;
-    wg = tid / 128;
-    wt = tid % 128;
-    lane = tid % 32;
-    const int32_t head_tiles = (p.group_size + L::kHeads - 1) / L::kHeads;
-    const int32_t item = static_cast<int32_t>(blockIdx.x) / head_tiles;
-    head0 = static_cast<int32_t>(blockIdx.x) % head_tiles * L::kHeads;
-    heads = min(L::kHeads, p.group_size - head0);
-    const ItemShare<T> share = open_item<T>(p, item, src);
-    request = share.request;
-    tok_begin = share.tok_begin;
-    len = share.len;
-    partial = share.partial;
-    k_base = share.k_base;
-    e_base = share.e_base;
-  }
+  __device__ MlaWsCta(const Params& params, unsigned char* smem) : S(params, smem) {}
 
   __device__ int num_tiles() const { return (len + L::kTokens - 1) / L::kTokens; }
   __device__ int32_t* id_slot(int tile) const {
     return reinterpret_cast<int32_t*>(gen + W::kIds) + (tile % W::kIdSlots) * kIdSlotInts;
   }
-  __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
   __device__ uint32_t stage(int tile) const { return base + W::kStage0 + (tile & 1) * L::kTileBytes; }
   __device__ uint32_t full_bar(int tile) const { return base + W::kBarriers + (tile & 1) * 8; }
   __device__ uint32_t empty_bar(int tile) const { return base + W::kBarriers + 16 + (tile & 1) * 8; }
