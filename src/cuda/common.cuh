@@ -70,6 +70,35 @@ template <> struct ElemTraits<__half> {
 __device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
 __device__ __forceinline__ float neg_inf_f32() { return __int_as_float(0xff800000); }
 
+/// The online softmax's lazy rescale for a thread's two rows, in base 2:
+/// `m` and `l` are the rows' running max and sum, `tile_max` this tile's row
+/// maxima (reduced over the lanes of each row, and in the MLA CTAs over both
+/// warpgroups). The accumulators stay relative to the base m until a row's
+/// tile max exceeds it by more than 2^8 (a factor harmless in fp32 and for
+/// the bf16/f16 P operand), so after the first tiles most tiles skip the
+/// accumulators' rescale; the decision is warp-uniform. Returns whether the
+/// accumulators are to be multiplied by `alpha`; `base` is what each row's
+/// scores are exponentiated against, 0 for a row that has seen only -inf, so
+/// exp2(-inf - 0) = 0 and no (-inf) - (-inf) is ever formed.
+__device__ __forceinline__ bool online_softmax_rebase(const float (&tile_max)[2], float (&m)[2], float (&l)[2],
+                                                      float (&alpha)[2], float (&base)[2]) {
+  constexpr float kRescaleLog2 = 8.f;
+  const bool rescale =
+      __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
+  alpha[0] = alpha[1] = 1.f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (rescale) {
+      const float m_new = fmaxf(m[i], tile_max[i]);
+      alpha[i] = exp2f(m[i] - (m_new == neg_inf_f32() ? 0.f : m_new));
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+    base[i] = m[i] == neg_inf_f32() ? 0.f : m[i];
+  }
+  return rescale;
+}
+
 // ---- shared memory and async copies ----------------------------------------
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

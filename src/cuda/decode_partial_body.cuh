@@ -280,7 +280,10 @@ struct PartialCta {
     // row's tile max exceeds it by more than kRescaleLog2 (a factor of 256,
     // harmless in fp32 and for the bf16/f16 P operand). After the first
     // tiles the max rarely moves that much, so most tiles skip the DV/2
-    // multiplies of the rescale. The decision is warp-uniform.
+    // multiplies of the rescale. The decision is warp-uniform. This is
+    // online_softmax_rebase (common.cuh) written out: through the call ptxas
+    // schedules this kernel's loop differently (same instructions, another
+    // order, compared in SASS), and that order was never timed.
     constexpr float kRescaleLog2 = 8.f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -151,26 +151,13 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
         }
       }
     }
-    // Lazy rescaling, as in the 16-row CTA (the decision is warp-uniform).
-    constexpr float kRescaleLog2 = 8.f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
     }
-    const bool rescale =
-        __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
-    float alpha[2] = {1.f, 1.f}, base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (rescale) {
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        alpha[i] = exp2f(m[i] - (m_new == neg_inf_f32() ? 0.f : m_new));
-        m[i] = m_new;
-        l[i] *= alpha[i];
-      }
-      base[i] = m[i] == neg_inf_f32() ? 0.f : m[i];
-    }
+    float alpha[2], base[2];
+    const bool rescale = online_softmax_rebase(tile_max, m, l, alpha, base);  // lazy, as in the 16-row CTA
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll

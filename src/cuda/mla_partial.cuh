@@ -298,22 +298,10 @@ struct MlaCta : MlaCtaShare<T, Source> {
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
     tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
 
-    // Lazy rescale, as in the mma.sync kernel: the base moves only when a
-    // row's max exceeds it by more than 2^8. The decision depends only on
+    // Lazy rescale (online_softmax_rebase); the decision depends only on
     // values both warpgroups share, so they stay in step.
-    constexpr float kRescaleLog2 = 8.f;
-    const bool rescale = __any_sync(0xffffffffu, tmax[0] > m[0] + kRescaleLog2 || tmax[1] > m[1] + kRescaleLog2);
-    float alpha[2] = {1.f, 1.f}, b[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (rescale) {
-        const float m_new = fmaxf(m[r], tmax[r]);
-        alpha[r] = exp2f(m[r] - (m_new == neg_inf_f32() ? 0.f : m_new));
-        m[r] = m_new;
-        l[r] *= alpha[r];
-      }
-      b[r] = m[r] == neg_inf_f32() ? 0.f : m[r];
-    }
+    float alpha[2], b[2];
+    const bool rescale = online_softmax_rebase(tmax, m, l, alpha, b);
     uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + L::kP);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -297,19 +297,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
     tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
 
-    constexpr float kRescaleLog2 = 8.f;
-    const bool rescale = __any_sync(0xffffffffu, tmax[0] > m[0] + kRescaleLog2 || tmax[1] > m[1] + kRescaleLog2);
-    float alpha[2] = {1.f, 1.f}, b[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (rescale) {
-        const float m_new = fmaxf(m[r], tmax[r]);
-        alpha[r] = exp2f(m[r] - (m_new == neg_inf_f32() ? 0.f : m_new));
-        m[r] = m_new;
-        l[r] *= alpha[r];
-      }
-      b[r] = m[r] == neg_inf_f32() ? 0.f : m[r];
-    }
+    // Lazy rescale, in step in both warpgroups (they share tmax).
+    float alpha[2], b[2];
+    const bool rescale = online_softmax_rebase(tmax, m, l, alpha, b);
     uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
