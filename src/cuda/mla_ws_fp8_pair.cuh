@@ -52,14 +52,8 @@
 namespace sparsepage {
 namespace cuda {
 
-struct MlaWsFp8PairTile : MlaWsTile {
+struct MlaWsFp8PairTile : MlaWsFp8Threads {  // the bf16 kernel's shared layout, no scale ring
   using L = MlaTile;
-  // As MlaWsFp8Tile: 512 threads, 2 x 208 + 2 x 48 = 4 x 128 registers.
-  static constexpr int kThreads = 512;
-  static constexpr int kProducerThreads = 256;
-  static constexpr int kConsumerRegs = 208;
-  static constexpr int kProducerRegs = 48;
-  static constexpr bool kPvHalves = true;
   static constexpr int kClusterCtas = 2;
   static constexpr int kOwnRows = L::kTokens / kClusterCtas;  // rows each CTA dequantizes per tile
   static constexpr uint32_t kPeerBytes = kOwnRows * 512 * 2;  // their bf16 latent, sent to the peer

@@ -44,17 +44,23 @@
 namespace sparsepage {
 namespace cuda {
 
-struct MlaWsFp8Tile : MlaWsTile {
-  using L = MlaTile;
-  // Two producer warpgroups: the conversion has twice the threads. The
-  // launch gives 128 registers per thread (65536 / 512); setmaxnreg moves
-  // them to the consumers: 2 x 208 + 2 x 48 = 4 x 128.
+/// The threads of an FP8 warp-specialized CTA (this file's, and the CTA
+/// pairs' of mla_ws_fp8_pair.cuh), over the bf16 kernel's shared layout: two
+/// producer warpgroups, so the conversion has twice the threads. The launch
+/// gives 128 registers per thread (65536 / 512); setmaxnreg moves them to the
+/// consumers: 2 x 208 + 2 x 48 = 4 x 128. At 128 launch registers ptxas
+/// cannot compile m64n256k16, so P V runs as two m64n128k16 (kPvHalves).
+struct MlaWsFp8Threads : MlaWsTile {
   static constexpr int kThreads = 512;
   static constexpr int kProducerThreads = 256;
-  static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
   static constexpr int kConsumerRegs = 208;
   static constexpr int kProducerRegs = 48;
   static constexpr bool kPvHalves = true;
+};
+
+struct MlaWsFp8Tile : MlaWsFp8Threads {
+  using L = MlaTile;
+  static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
   static constexpr int kScaleStageBytes = L::kTokens * 16;  // 4 fp32 scales per row
   // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
