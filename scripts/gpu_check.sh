@@ -113,19 +113,19 @@ if [[ $STAGES == *dsa* ]]; then
   done
 fi
 if [[ $STAGES == *mlaab* ]]; then
-  # The MLA kernels against each other (MLA_KERNELS, default "ws tile-pairs";
+  # The MLA kernels against each other (MLA_KERNELS, default "ws classic";
   # SPARSEPAGE_MLA_KERNEL per process): the MLA / DSA GPU tests under each,
   # then the DSA shape (2048 random tokens of 128K) at batch 64, 128 and 1,
   # interleaved over ROUNDS rounds so that drift hits every kernel alike.
   mla_filter='*mla*:*Mla*:*MLA*:*Dsa*:*dsa*:*EngineInputs*-*Indexer*'
-  for kernel in ${MLA_KERNELS:-ws tile-pairs}; do
+  for kernel in ${MLA_KERNELS:-ws classic}; do
     SPARSEPAGE_MLA_KERNEL=$kernel timeout 300 "$T" --gtest_filter="$mla_filter" > "$OUT/mla_tests_$kernel.log" 2>&1; rc=$?
     note "MLA tests under $kernel: rc=$rc, $(grep -E '^\[  (PASSED|FAILED)' "$OUT/mla_tests_$kernel.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || { failed=1; grep -E "Failure|FAILED" -A4 "$OUT/mla_tests_$kernel.log" | head -30; }
   done
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for batch in 64 128 1; do
-      for kernel in ${MLA_KERNELS:-ws tile-pairs}; do
+      for kernel in ${MLA_KERNELS:-ws classic}; do
         log="$OUT/mlaab_${kernel}_b${batch}_r$round.log"
         SPARSEPAGE_MLA_KERNEL=$kernel timeout 120 "$B" --geometry dsa --selection random --rows 2048 --contexts 131072 \
           --batch $batch --reps 9 --steps 10 --fused-only > "$log" 2>&1; rc=$?

@@ -31,7 +31,6 @@
 #include "cuda/decode_partial_multi.cuh"
 #include "cuda/decode_partial_multi_wgmma.cuh"
 #include "cuda/mla_partial.cuh"
-#include "cuda/mla_tile_pair_partial.cuh"
 #include "cuda/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
 
@@ -69,10 +68,7 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
 /// and compute, CTA barriers per tile). Measured on the H200 (DSA shape,
 /// top-2048 of 131072, docs/PERFORMANCE.md): 403.8 against 334.8 TFLOP/s at
 /// batch 64, 417.4 against 348.4 at batch 128, 15.4 against 17.2 us at batch 1.
-/// The tile-pair kernel (mla_tile_pair_partial.cuh: each consumer warpgroup
-/// owns one tile of a pair, wgmma m64n64 scores, P V with P from registers
-/// for its own tile) is the third.
-enum class MlaKernel { kClassic, kWarpSpecialized, kTilePairs };
+enum class MlaKernel { kClassic, kWarpSpecialized };
 
 /// A kernel switch: the environment variable `name` holding one of the
 /// `values` (names[i] selects values[i]); unset or empty selects values[0].
@@ -89,14 +85,12 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
   throw Error(std::string(name) + " must be " + accepted + ", not '" + v + "'");
 }
 
-/// SPARSEPAGE_MLA_KERNEL=ws|classic|tile-pairs picks the MLA kernel for the
-/// process (read once), for measuring them against each other; unset runs
-/// the default (ws). FP8 rows have no tile-pair kernel: under tile-pairs
-/// they run the ws one. Any other value is refused by name.
+/// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
+/// (read once), over bf16 and FP8 rows alike, for measuring the two; unset
+/// runs the default (ws). Any other value is refused by name.
 inline MlaKernel mla_kernel_choice() {
   static const MlaKernel choice =
-      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic", "tile-pairs"},
-                    {MlaKernel::kWarpSpecialized, MlaKernel::kClassic, MlaKernel::kTilePairs});
+      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});
   return choice;
 }
 
@@ -279,9 +273,6 @@ int32_t resident_ctas_typed(TileShape shape) {
       return resident_ctas_once(partial_kernel<T, 256, 256, Source>, kThreads,
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
     case TileShape::kMla:
-      if (mla_kernel_choice() == MlaKernel::kTilePairs)
-        return resident_ctas_once(mla_partial_kernel<MlaTilePairCta<T, Source>>, MlaTilePairTile::kThreads,
-                                  MlaTilePairTile::kSmemBytes);
       if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
         return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source>>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
       return resident_ctas_once(mla_partial_kernel<MlaCta<T, Source>>, MlaTile::kThreads, MlaTile::kSmemBytes);
@@ -375,24 +366,6 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
   // Head tiles vary fastest, so the CTAs reading the same rows run together.
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  if (mla_kernel_choice() == MlaKernel::kTilePairs) {
-    auto kernel = mla_partial_kernel<MlaTilePairCta<T, Source>>;
-    if constexpr (std::is_same_v<Source, PagedSource> && std::is_same_v<T, __nv_bfloat16>) {
-      // Experiment: SPARSEPAGE_MLA_TP_VARIANT picks a variant of the tile-pair
-      // kernel (MlaTilePairCta's kVariant bits; bf16 over the library's own
-      // tables only), for measuring them against each other.
-      static const int variant = [] { const char* v = std::getenv("SPARSEPAGE_MLA_TP_VARIANT"); return v ? std::atoi(v) : 0; }();
-      if (variant == 1) kernel = mla_partial_kernel<MlaTilePairCta<T, Source, 1>>;
-      if (variant == 2) kernel = mla_partial_kernel<MlaTilePairCta<T, Source, 2>>;
-      if (variant == 3) kernel = mla_partial_kernel<MlaTilePairCta<T, Source, 3>>;
-      if (variant == 4) kernel = mla_partial_kernel<MlaTilePairCta<T, Source, 4>>;
-      if (variant == 5) kernel = mla_partial_kernel<MlaTilePairCta<T, Source, 5>>;
-    }
-    configure_smem_once(kernel, MlaTilePairTile::kSmemBytes);
-    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTilePairTile::kThreads), MlaTilePairTile::kSmemBytes,
-                    stream, p);
-    return;
-  }
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     auto kernel = mla_partial_kernel<MlaWsCta<T, Source>>;
     configure_smem_once(kernel, MlaWsTile::kSmemBytes);

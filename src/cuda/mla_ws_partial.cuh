@@ -143,13 +143,6 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-/// Arrives on named barrier `id` (of `threads` in all) without waiting: the
-/// signalling side of a one-way hand-over, whose other side calls
-/// named_barrier. Memory accesses before it are visible to those threads
-/// once their bar.sync returns.
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 /// One 16-byte gathered latent copy with a 256-byte L2 prefetch hint (the
 /// latent half of a row is 1024 contiguous bytes); src_bytes 0 zero-fills.
