@@ -67,6 +67,17 @@ template <> struct ElemTraits<__half> {
   }
 };
 
+/// 2^x for softmax weights: one MUFU.EX2 (ex2.approx.ftz). exp2f is the same
+/// approximation plus a range test and two predicated multiplies, kept only
+/// so that results below 2^-126 come out as denormals. A weight that small
+/// is lost anyway next to its row's sum, which is at least 1 (a row's base
+/// never exceeds its max). -inf gives 0 and NaN stays NaN.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
 __device__ __forceinline__ float neg_inf_f32() { return __int_as_float(0xff800000); }
 

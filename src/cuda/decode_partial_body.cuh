@@ -309,7 +309,7 @@ struct PartialCta {
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - base[e >> 1]);
+        s[j][e] = exp2_ftz(s[j][e] - base[e >> 1]);
         l[e >> 1] += s[j][e];
       }
     }

@@ -162,7 +162,7 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - base[e >> 1]);
+        s[j][e] = exp2_ftz(s[j][e] - base[e >> 1]);
         l[e >> 1] += s[j][e];
       }
     }

@@ -308,7 +308,7 @@ struct MlaCta : MlaCtaShare<T, Source> {
       const int col = wg * 32 + j * 8 + 2 * (lane & 3);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float p0 = exp2f(s[4 * j + 2 * h] - b[h]), p1 = exp2f(s[4 * j + 2 * h + 1] - b[h]);
+        const float p0 = exp2_ftz(s[4 * j + 2 * h] - b[h]), p1 = exp2_ftz(s[4 * j + 2 * h + 1] - b[h]);
         l[h] += p0 + p1;
         const int row = wrow + 8 * h;
         ptile[(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) / 4] = Tr::pack2(p0, p1);
