@@ -144,15 +144,12 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params, const
       if (cuda::mla_fp8_runs_pairs(params.group_size, plan.uniform_chunks > 0 ? plan.uniform_chunk_tokens : 0,
                                    uses_engine_inputs(params)))
         return "MLA FP8 (656-byte rows), wgmma, warp-specialized, CTA pairs";
-      return cuda::mla_kernel_choice() != cuda::MlaKernel::kClassic ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
-                                                                     : "MLA FP8 (656-byte rows), wgmma, classic";
+      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized
+                 ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
+                 : "MLA FP8 (656-byte rows), wgmma, classic";
     case DecodeKernel::kMla:
-      switch (cuda::mla_kernel_choice()) {
-        case cuda::MlaKernel::kRoles: return "MLA, wgmma, warp-specialized, scorer and accumulator warpgroups";
-        case cuda::MlaKernel::kWarpSpecialized: return "MLA, wgmma, warp-specialized";
-        case cuda::MlaKernel::kClassic: break;
-      }
-      return "MLA, wgmma, classic";
+      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
+                                                                              : "MLA, wgmma, classic";
     case DecodeKernel::kMultiToken:
       return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma" : "64-row multi-token CTA, mma.sync";
     case DecodeKernel::kRowTiles: break;

@@ -36,7 +36,7 @@ constexpr int32_t kPairMinChunkTokens = 2 * MlaTile::kTokens + 1;
 
 template <class Source>
 bool pairs_run(int32_t group_size, int32_t chunk_tokens) {
-  if (mla_kernel_choice() == MlaKernel::kClassic) return false;
+  if (mla_kernel_choice() != MlaKernel::kWarpSpecialized) return false;
   const Fp8Pairs choice = mla_fp8_pairs_choice();
   if (choice == Fp8Pairs::kOff) return false;
   if (choice == Fp8Pairs::kAuto && chunk_tokens > 0 && chunk_tokens < kPairMinChunkTokens) return false;
@@ -62,7 +62,7 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
         cluster_launch_config(grid.x, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kClusterCtas,
                               MlaWsFp8PairTile::kSmemBytes, stream, attribute);
     SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-  } else if (mla_kernel_choice() != MlaKernel::kClassic) {
+  } else if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     auto kernel = mla_partial_kernel<MlaWsFp8Cta<Source>>;
     configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(MlaWsFp8Tile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);

@@ -32,7 +32,6 @@
 #include "cuda/decode_partial_multi_wgmma.cuh"
 #include "cuda/mla_partial.cuh"
 #include "cuda/mla_ws_partial.cuh"
-#include "cuda/mla_ws_roles.cuh"
 #include "sparsepage/decode.h"
 
 namespace sparsepage {
@@ -69,7 +68,7 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
 /// and compute, CTA barriers per tile). Measured on the H200 (DSA shape,
 /// top-2048 of 131072, docs/PERFORMANCE.md): 403.8 against 334.8 TFLOP/s at
 /// batch 64, 417.4 against 348.4 at batch 128, 15.4 against 17.2 us at batch 1.
-enum class MlaKernel { kClassic, kWarpSpecialized, kRoles };
+enum class MlaKernel { kClassic, kWarpSpecialized };
 
 /// A kernel switch: the environment variable `name` holding one of the
 /// `values` (names[i] selects values[i]); unset or empty selects values[0].
@@ -91,8 +90,7 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
 /// runs the default (ws). Any other value is refused by name.
 inline MlaKernel mla_kernel_choice() {
   static const MlaKernel choice =
-      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic", "roles"},
-                    {MlaKernel::kWarpSpecialized, MlaKernel::kClassic, MlaKernel::kRoles});
+      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});
   return choice;
 }
 
@@ -275,8 +273,6 @@ int32_t resident_ctas_typed(TileShape shape) {
       return resident_ctas_once(partial_kernel<T, 256, 256, Source>, kThreads,
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
     case TileShape::kMla:
-      if (mla_kernel_choice() == MlaKernel::kRoles)
-        return resident_ctas_once(mla_partial_kernel<MlaRolesCta<T, Source>>, MlaRolesTile::kThreads, MlaRolesTile::kSmemBytes);
       if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
         return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source>>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
       return resident_ctas_once(mla_partial_kernel<MlaCta<T, Source>>, MlaTile::kThreads, MlaTile::kSmemBytes);
@@ -370,12 +366,6 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
   // Head tiles vary fastest, so the CTAs reading the same rows run together.
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  if (mla_kernel_choice() == MlaKernel::kRoles) {
-    auto kernel = mla_partial_kernel<MlaRolesCta<T, Source>>;
-    configure_smem_once(kernel, MlaRolesTile::kSmemBytes);
-    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaRolesTile::kThreads), MlaRolesTile::kSmemBytes, stream, p);
-    return;
-  }
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     auto kernel = mla_partial_kernel<MlaWsCta<T, Source>>;
     configure_smem_once(kernel, MlaWsTile::kSmemBytes);
