@@ -25,7 +25,9 @@
 //   warpgroups by a 256-thread named barrier, P into the stage, a second
 //   named barrier; P V(t); release stage t (the producer starts tile t + 2
 //   into it).
-// The producer's copies of tile t + 1 run during all of tile t's math.
+// The producer's copies of tile t + 1 run during all of tile t's math. It
+// resolves a tile's rows from their page ids (fetched two tiles ahead)
+// before it waits for the stage, so the copies go out once the stage is free.
 //
 // The end: the producer sets a shared flag if it met a rejected id and
 // arrives on a `done` mbarrier; the consumers wait on it, then write o / lse
@@ -53,7 +55,7 @@ struct MlaWsTile {
   static constexpr int kProducerRegs = 40;
   static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
   static constexpr int kClusterCtas = 1;        // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
-  static constexpr int kIdSlots = 4;            // ids of tile u + 1 are written while tile u - 1 is computed
+  static constexpr int kIdSlots = 4;            // ids of tile u + 2 are written once tile u - 2 is released
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
   // Byte offsets from the 1024-aligned base.
   static constexpr int kQ = 0;
@@ -190,52 +192,82 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
 
   // ---- producer -------------------------------------------------------------
 
-  /// Copies tile `tile`'s rows into its stage: producer thread t copies the
-  /// 16-byte piece t % 8 of each of the 9 slabs of rows t / 8 + 16 i (i < 4).
-  __device__ void produce_tile(int tile) {
+  /// This producer thread's 4 rows of a tile (rows t / 8 + 16 i): the pool
+  /// row, or a negative value for a row not read (a tail, masked or rejected
+  /// row, zero-filled).
+  struct TileRows {
+    int64_t row[W::kRowsPerThread];
+  };
+
+  /// Resolves this thread's rows of tile `tile` from its page ids (in their
+  /// slot): the lookups run before the producer waits for the stage, so the
+  /// copies go out as soon as it is free.
+  __device__ void resolve_tile(int tile, TileRows& rows) {
     static_assert(W::kProducerThreads == 128, "the bf16 gather is one producer warpgroup");
     const int32_t tok0 = tok_begin + tile * L::kTokens;
     const int32_t n = tile_tokens(tile);
     const int32_t* slot = id_slot(tile);
+#pragma unroll
+    for (int i = 0; i < W::kRowsPerThread; ++i) {
+      const int row = wt / 8 + 16 * i;
+      rows.row[i] = kMaskedRow;
+      if (row < n) {
+        rows.row[i] = src.row(slot, tok0, tok0 + row, p);
+        bad |= rows.row[i] == kRejectedRow;  // a masked row (kMaskedRow) is just not read
+      }
+    }
+  }
+
+  /// Copies tile `tile`'s rows into its stage: producer thread t copies the
+  /// 16-byte piece t % 8 of each of the 9 slabs of its 4 rows.
+  __device__ void copy_tile(int tile, const TileRows& rows) const {
     const int piece = wt & 7;
     const uint32_t dst0 = stage(tile);
 #pragma unroll
     for (int i = 0; i < W::kRowsPerThread; ++i) {
       const int row = wt / 8 + 16 * i;
-      const T* k_row = k_base;
-      const T* e_row = e_base;
-      int fill = 0;
-      if (row < n) {
-        const int64_t r = src.row(slot, tok0, tok0 + row, p);
-        bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
-        if (r >= 0) {
-          fill = 16;
-          k_row += r * p.k_stride;
-          e_row += r * p.e_stride;
-        }
-      }
+      const int64_t r = rows.row[i];
+      const int fill = r >= 0 ? 16 : 0;
+      const T* k_row = k_base + (r >= 0 ? r * p.k_stride : 0) + piece * 8;
+      const T* e_row = e_base + (r >= 0 ? r * p.e_stride : 0) + piece * 8;
       const uint32_t dst = dst0 + row * 128 + ((piece ^ (row & 7)) << 4);
 #pragma unroll
-      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + (s * 8 + piece) * 8, fill);
-      cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row + piece * 8, fill);
+      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + s * 64, fill);
+      cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row, fill);
     }
     mbar::arrive_on_copies(full_bar(tile));
   }
 
+  /// The page ids run two tiles ahead of the rows, each tile's in a commit
+  /// group of its own, so the producer waits for tile u's ids without
+  /// waiting for tile u - 1's rows. Groups in order: ids 0, ids 1, rows 0,
+  /// ids 2, rows 1, ids 3, ...; at tile u >= 1 two groups are newer than
+  /// ids u (rows u - 1, ids u + 1).
   __device__ void run_producer() {
     const int tiles = num_tiles();
-    if (tiles > 0) src.prefetch(id_slot(0), tok_begin, tile_tokens(0), wt);
-    cp_async_commit();
+    for (int u = 0; u < 2; ++u) {
+      if (u < tiles) src.prefetch(id_slot(u), tok_begin + u * L::kTokens, tile_tokens(u), wt);
+      cp_async_commit();
+    }
     for (int u = 0; u < tiles; ++u) {
+      if (u == 0) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<2>();
+      }
+      named_barrier(W::kProducerBar, W::kProducerThreads);  // every thread's ids of tile u are visible
+      TileRows rows;
+      resolve_tile(u, rows);
       // The stage is free once the consumers released tile u - 2 (a fresh
       // barrier's "previous phase" counts as complete).
       mbar::wait(empty_bar(u), ((u >> 1) & 1) ^ 1);
-      cp_async_wait<0>();  // the ids of tile u (and the rows of u - 1)
-      named_barrier(W::kProducerBar, W::kProducerThreads);
       // The ids are visible to the consumers through this (release) arrival.
       if (wt == 0) mbar::arrive(full_bar(u));
-      produce_tile(u);
-      if (u + 1 < tiles) src.prefetch(id_slot(u + 1), tok_begin + (u + 1) * L::kTokens, tile_tokens(u + 1), wt);
+      copy_tile(u, rows);
+      cp_async_commit();
+      // Slot (u + 2) % 4 held tile u - 2's ids, which the consumers read
+      // before they released its stage (the wait above).
+      if (u + 2 < tiles) src.prefetch(id_slot(u + 2), tok_begin + (u + 2) * L::kTokens, tile_tokens(u + 2), wt);
       cp_async_commit();
     }
     cp_async_wait<0>();
