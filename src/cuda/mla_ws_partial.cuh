@@ -405,16 +405,20 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       // (its C7514 notice).
       wgmma::wait<0>();
       wgmma::pin(acc);
-      __syncwarp();
-      if (lane == 0) {
-        mbar::arrive(empty_bar(t));  // the producer may refill this stage
-        // The pair's producers write into both CTAs' stages, so the peer's
-        // producer waits for this release too. Only tiles that are refilled
-        // are released to the peer, so no arrival reaches a peer that may
-        // have finished.
-        if constexpr (W::kClusterCtas > 1) {
-          if (t + 2 < tiles) mbar::arrive_remote(cluster::map(peer_empty_bar(t), cluster::rank() ^ 1u));
-        }
+      // The producer may refill this stage. Every consumer thread arrives,
+      // releasing its own reads and its own P stores, as the producer now
+      // copies right after this completes (one arrival per warp after
+      // __syncwarp is ordered as well, but compute-sanitizer racecheck does
+      // not follow that order and reported the rope copies against the
+      // P stores).
+      mbar::arrive(empty_bar(t));
+      // The pair's producers write into both CTAs' stages, so the peer's
+      // producer waits for this release too. Only tiles that are refilled
+      // are released to the peer, so no arrival reaches a peer that may
+      // have finished.
+      if constexpr (W::kClusterCtas > 1) {
+        __syncwarp();
+        if (lane == 0 && t + 2 < tiles) mbar::arrive_remote(cluster::map(peer_empty_bar(t), cluster::rank() ^ 1u));
       }
     }
   }
@@ -461,7 +465,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       for (int s = 0; s < 2; ++s) {
         // Each producer thread's arrival (its rows landed, or converted), and the ids'.
         mbar::init(full_bar(s), W::kProducerThreads + 1);
-        mbar::init(empty_bar(s), W::kConsumerThreads / 32);
+        mbar::init(empty_bar(s), W::kConsumerThreads);
         if (W::kClusterCtas > 1) {
           mbar::init(peer_empty_bar(s), W::kConsumerThreads / 32);
           mbar::init(peer_full_bar(s), 1);  // the producer's expect_tx arrival, then the peer's bytes
