@@ -405,12 +405,11 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       // (its C7514 notice).
       wgmma::wait<0>();
       wgmma::pin(acc);
-      // The producer may refill this stage. Every consumer thread arrives,
-      // releasing its own reads and its own P stores, as the producer now
-      // copies right after this completes (one arrival per warp after
-      // __syncwarp is ordered as well, but compute-sanitizer racecheck does
-      // not follow that order and reported the rope copies against the
-      // P stores).
+      // The producer may refill this stage; it copies as soon as this
+      // completes. Every consumer thread arrives, releasing its own reads
+      // and P stores (one arrival per warp after __syncwarp is ordered as
+      // well, but compute-sanitizer racecheck does not follow that order
+      // and reports the rope copies against the P stores).
       mbar::arrive(empty_bar(t));
       // The pair's producers write into both CTAs' stages, so the peer's
       // producer waits for this release too. Only tiles that are refilled
