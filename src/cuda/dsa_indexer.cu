@@ -7,8 +7,9 @@
 //      accumulation: positions x index heads x dim), the index keys arriving
 //      by TMA; it applies the ReLU and the weighted sum over heads, writes
 //      fp32 scores and histograms the top 12 bits of each score's order key
-//      (a multi-token step of four or more tokens: dsa_score_tokens_kernel,
-//      which scores each key tile against up to four of a sequence's tokens);
+//      (a multi-token step at the production geometry, 64 heads x 128:
+//      dsa_score_group_kernel, which scores each key tile against the
+//      queries of up to four of a sequence's tokens);
 //   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
 //      histogram bin holding the k-th largest key, counts the slice's keys in
 //      higher bins and appends the keys of that bin as candidates; the last
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
 
@@ -65,11 +67,15 @@ constexpr int kClassifyThreads = 256;
 constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
 constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
-// A multi-token step's score CTAs: up to kGroupTokens (sequence, token) rows
-// of one sequence per CTA, so each key tile is read once for all of them;
-// two warpgroups split the rows (row tl to warpgroup tl % 2).
-constexpr int kGroupTokens = 4;
-constexpr int kTokenScoreThreads = 256;
+// A multi-token step's score CTAs at the production index geometry: up to
+// kTokens (sequence, token) rows of one sequence per CTA (four, or two at
+// q_len 2), so each key tile is read once for all of them.
+constexpr int kGroupHeads = 64;
+constexpr int kGroupDim = 128;
+constexpr int kGroupStages = 6;               // key tiles in flight or being scored
+constexpr int kGroupConsumers = 2;  // consumer warpgroups, taking tiles in turn
+constexpr int kGroupThreads = kGroupConsumers * 128 + 32;  // and a producer warp
+static_assert(kGroupStages % kGroupConsumers == 0, "a stage always serves the same warpgroup");
 
 // Shared memory of a score CTA, byte offsets from its 1024-aligned base: the
 // queries of every head chunk, the key stages, the weights, the histogram.
@@ -89,28 +95,22 @@ struct ScoreLayout {
   size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
 };
 
-// The same for a multi-token CTA of `tokens` rows: each row's queries,
-// weights and histogram, one set of key stages.
-struct TokenScoreLayout {
-  int slabs, chunks, tokens;
-  size_t q, q_token, keys, weights, hist, barriers, bytes;
-  __host__ __device__ TokenScoreLayout(int heads, int dim, int group_tokens) {
-    slabs = (dim + 63) / 64;
-    chunks = (heads + kHeadChunk - 1) / kHeadChunk;
-    tokens = group_tokens;
-    q = 0;
-    q_token = static_cast<size_t>(chunks) * slabs * kSlabBytes;
-    keys = q + static_cast<size_t>(tokens) * q_token;
-    weights = keys + static_cast<size_t>(kStages) * slabs * kSlabBytes;
-    hist = weights + static_cast<size_t>(tokens) * chunks * kHeadChunk * sizeof(float);
-    barriers = hist + static_cast<size_t>(tokens) * kBins * sizeof(int32_t);
-    bytes = barriers + kStages * sizeof(uint64_t);
-  }
-  size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
+// Shared memory of a multi-token score CTA of kTokens rows, byte offsets
+// from its 1024-aligned base: the queries (two 64-column slabs of
+// kTokens x 64 rows, row tl * 64 + h), the key stages, the weights, one
+// histogram per row, the full and empty barriers.
+template <int kTokens>
+struct GroupScoreLayout {
+  static constexpr size_t kQSlab = size_t{kTokens} * kGroupHeads * 128;
+  static constexpr size_t kStageBytes = 2 * kSlabBytes;
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kKeys = kQ + 2 * kQSlab;
+  static constexpr size_t kWeights = kKeys + kGroupStages * kStageBytes;
+  static constexpr size_t kHist = kWeights + size_t{kTokens} * kGroupHeads * sizeof(float);
+  static constexpr size_t kBarriers = kHist + size_t{kTokens} * kBins * sizeof(int32_t);
+  static constexpr size_t kSmemBytes = kBarriers + 2 * kGroupStages * sizeof(uint64_t) + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "a multi-token score CTA fits one SM's shared memory");
 };
-
-// Rows per multi-token score CTA at q_len tokens per sequence.
-__host__ __device__ inline int group_tokens(int q_len) { return q_len < kGroupTokens ? q_len : kGroupTokens; }
 
 // ---- workspace --------------------------------------------------------------
 
@@ -181,8 +181,11 @@ __device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
 // A score CTA's key tiles arrive by the tensor memory accelerator: one thread
 // issues a 64-row x 64-column box per slab, the hardware writes it in the
 // 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
-__device__ __forceinline__ void mbarrier_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbarrier_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -213,8 +216,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 
 // ---- 1. scores on warpgroup MMAs --------------------------------------------
 
-// max(x, 0) exactly as the CPU rule's std::max(dot, 0.0f): NaN stays NaN.
-__device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
+// max(x, 0) as the CPU rule's std::max(dot, 0.0f): NaN stays NaN, in one
+// instruction (max.NaN). A -0 dot gives +0 where the rule keeps -0; the
+// weighted sums are the same, since they start at +0 and adding a zero of
+// either sign to +0 gives +0.
+__device__ __forceinline__ float relu_keep_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Shared byte offset of 16-byte piece `piece` (columns 8 piece ..) of row r
 // in a stack of swizzled slabs.
@@ -388,21 +398,31 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 #endif
 }
 
-// A multi-token step: blockIdx.y is (sequence, group of up to kGroupTokens
-// tokens); the CTAs of a group split the tiles of its longest window (its
-// last token's), and each key tile, staged once, is scored against every
-// row of the group (row tl by warpgroup tl % 2, so one warpgroup's MMAs
-// overlap the other's epilogue). Each row keeps its own causal window (its
+// A multi-token step at the production index geometry (64 heads x 128
+// dims): blockIdx.y is (sequence, group of up to kTokens tokens), and each
+// key tile, staged once, is scored against all of the group's (token, head)
+// queries: wgmma chains of two tokens each (N = 128), so the keys are read
+// from global memory once for the group. A producer warp streams the CTA's
+// key tiles by TMA through kGroupStages stages (full and empty mbarriers);
+// the two consumer warpgroups take alternate tiles, so one warpgroup's
+// epilogue (ReLU, weights, the sum over heads, the histogram) runs under
+// the other's MMAs, and within a warpgroup the first chain's epilogue runs
+// under the second chain's MMAs. Each row keeps its own causal window (its
 // scores and histogram stop at its length; a row whose window fits the
 // top-k is not scored, as in dsa_score_kernel) and its own histogram.
-template <typename T, int kKSteps>
-__global__ void __launch_bounds__(kTokenScoreThreads) dsa_score_tokens_kernel(const __grid_constant__ IndexerParams p) {
+template <typename T, int kTokens>
+__global__ void __launch_bounds__(kGroupThreads, 1) dsa_score_group_kernel(const __grid_constant__ IndexerParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = GroupScoreLayout<kTokens>;
+  // Two tokens per wgmma chain (N = 128), each chain its own commit group,
+  // so the first chain's epilogue overlaps the second one's MMAs (measured
+  // against one N = 256 chain per tile: PERFORMANCE.md).
+  constexpr int kChainTokens = 2;
+  constexpr int kChains = kTokens / kChainTokens;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int gt = group_tokens(p.q_len);
-  const int groups = (p.q_len + gt - 1) / gt;
-  const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * gt;
-  const int ntok = min(gt, p.q_len - first);
+  const int groups = (p.q_len + kTokens - 1) / kTokens;
+  const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
+  const int ntok = min(kTokens, p.q_len - first);
   const int64_t seq_len = p.kv_lens[seq];
   const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
   const int64_t len = window(ntok - 1);  // the group's longest window
@@ -412,98 +432,137 @@ __global__ void __launch_bounds__(kTokenScoreThreads) dsa_score_tokens_kernel(co
   const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
   const int64_t ntiles = min(per_cta, tiles - tile0);
   if (ntiles <= 0) return;
-  const TokenScoreLayout L(p.heads, p.dim, gt);
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gen = smem + (base - raw);
-  float* w_s = reinterpret_cast<float*>(gen + L.weights);
-  int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L.hist);
-  const int tid = threadIdx.x;
-  const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
-  const int heads_padded = L.chunks * kHeadChunk;
-  const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
+  float* w_s = reinterpret_cast<float*>(gen + L::kWeights);
+  int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L::kHist);
+  const int tid = threadIdx.x, lane = tid % 32;
+  const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
+  const uint32_t empty = full + 8 * kGroupStages;                      // empty[s] at empty + 8 s
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) mbarrier_init(bars + 8 * s);
+    for (int s = 0; s < kGroupStages; ++s) {
+      mbarrier_init(full + 8 * s, 1);      // the producer's expect_tx; TMA completes the bytes
+      mbarrier_init(empty + 8 * s, 128);   // every thread of the warpgroup that scored the stage
+    }
     mbarrier_init_fence();
   }
-  // The queries of every row of the group and head chunk (padded heads zero), by cp.async.
+  // The queries: row tl * 64 + h of two 64-column slabs (rows of absent
+  // tokens zero), by cp.async; the weights; the histograms cleared.
   const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row
-  const T* q = static_cast<const T*>(p.q_index) + row0 * p.heads * p.dim;
-  for (int i = tid; i < ntok * heads_padded * pieces; i += kTokenScoreThreads) {
-    const int tl = i / (heads_padded * pieces), h = (i / pieces) % heads_padded, piece = i % pieces;
-    const bool live = h < p.heads;
-    cuda::cp_async_16(base + static_cast<uint32_t>(L.q + tl * L.q_token) + (h / kHeadChunk) * L.slabs * kSlabBytes +
-                          slab_offset(h % kHeadChunk, piece),
-                      live ? q + (int64_t{tl} * p.heads + h) * p.dim + piece * 8 : q, live);
+  const T* q = static_cast<const T*>(p.q_index) + row0 * kGroupHeads * kGroupDim;
+  for (int i = tid; i < kTokens * kGroupHeads * 16; i += kGroupThreads) {
+    const int r = i / 16, piece = i % 16;  // r = tl * 64 + h
+    const bool live = r / kGroupHeads < ntok;
+    cuda::cp_async_16(base + static_cast<uint32_t>(L::kQ + (piece / 8) * L::kQSlab + r * 128) + (((piece % 8) ^ (r % 8)) << 4),
+                      live ? q + int64_t{r} * kGroupDim + piece * 8 : q, live);
   }
   cuda::cp_async_commit();
-  for (int i = tid; i < ntok * heads_padded; i += kTokenScoreThreads) {
-    const int tl = i / heads_padded, h = i % heads_padded;
-    w_s[i] = h < p.heads ? p.weights[(row0 + tl) * p.heads + h] : 0.0f;
+  for (int r = tid; r < kTokens * kGroupHeads; r += kGroupThreads) {
+    w_s[r] = r / kGroupHeads < ntok ? p.weights[row0 * kGroupHeads + r] : 0.0f;
   }
-  for (int i = tid; i < ntok * kBins; i += kTokenScoreThreads) hist_s[i] = 0;
-  __syncthreads();  // the barriers are initialised before any copy counts on them
-
-  const auto stage_of = [&](int64_t i) {
-    return base + static_cast<uint32_t>(L.keys + (i % kStages) * L.slabs * kSlabBytes);
-  };
-  const auto load_tile = [&](int64_t i) {
-    if (tid == 0 && i < ntiles) {
-      const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
-      mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
-      for (int sl = 0; sl < L.slabs; ++sl) {
-        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens), seq);
-      }
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) load_tile(s);
+  for (int i = tid; i < kTokens * kBins; i += kGroupThreads) hist_s[i] = 0;
   cuda::cp_async_wait<0>();          // the queries landed for this thread
-  cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores (the loop's barrier: for all)
+  cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores
+  __syncthreads();                   // for all, and the barriers are initialised
 
-  const int wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;  // warp within the warpgroup
-  for (int64_t i = 0; i < ntiles; ++i) {
-    mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
-    __syncthreads();  // every thread is past tile i - 1: its stage is free
-    load_tile(i + kStages - 1);
-    for (int tl = wg; tl < ntok; tl += 2) {  // warpgroup-uniform
-      const int64_t tlen = window(tl);
-      if (tlen <= p.topk) continue;  // this row is not scored (its window fits the top-k)
-      float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
-      for (int c = 0; c < L.chunks; ++c) {
-        float d[32];
-        score_chunk<T, kKSteps>(stage_of(i), base + static_cast<uint32_t>(L.q + tl * L.q_token + c * L.slabs * kSlabBytes),
-                                p.dim / 16, d);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int h = c * kHeadChunk + 8 * j + 2 * (lane % 4) + e;
-            if (h < p.heads) {  // padded heads are never added (see dsa_score_kernel)
-              const float w = w_s[tl * heads_padded + h];
-              part[0] += w * relu_keep_nan(d[4 * j + e]);
-              part[1] += w * relu_keep_nan(d[4 * j + 2 + e]);
-            }
-          }
+  const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kGroupStages) * L::kStageBytes); };
+  if (tid >= kGroupConsumers * 128) {
+    // The producer warp: lane 0 loads tile i once the warpgroup that scored
+    // the stage's previous tile (i - kGroupStages) has released it.
+    if (lane == 0) {
+      for (int64_t i = 0; i < ntiles; ++i) {
+        const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
+        if (i >= kGroupStages) mbarrier_wait(empty + 8 * s, static_cast<uint32_t>((i / kGroupStages - 1) & 1));
+        mbarrier_expect_bytes(full + 8 * s, static_cast<uint32_t>(L::kStageBytes));
+        for (int sl = 0; sl < 2; ++sl) {
+          tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, full + 8 * s, sl * 64,
+                      static_cast<int>((tile0 + i) * kTileTokens), seq);
         }
       }
+    }
+    __syncwarp();
+  } else {
+    // The warpgroup index from lane 0, so the compiler knows it is uniform
+    // and keeps the tile's descriptors in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int warp = (tid % 128) / 32, q4 = lane % 4;  // warp within the warpgroup
+    const uint64_t qd = cuda::wgmma::desc_sw128(base + static_cast<uint32_t>(L::kQ), 16, 1024);
+    int64_t tlen[kTokens];  // each row's window, 0 for rows absent or not scored
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
-        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
-      }
-      const int q4 = lane % 4;
+    for (int tl = 0; tl < kTokens; ++tl) tlen[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    for (int64_t i = wg; i < ntiles; i += kGroupConsumers) {
+      const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
+      mbarrier_wait(full + 8 * s, static_cast<uint32_t>((i / kGroupStages) & 1));
+      const uint64_t kd = cuda::wgmma::desc_sw128(stage_of(i), 16, 1024);
       const int64_t t = (tile0 + i) * kTileTokens + warp * 16 + lane / 4 + (q4 == 1 ? 8 : 0);
-      const bool live = q4 < 2 && t < tlen;
-      const float s = q4 == 1 ? part[1] : part[0];
-      if (live) p.scores[(row0 + tl) * p.pitch + t] = s;
-      const uint32_t bin = live ? cuda::score_key(s) >> kLowKeyBits : 0xFFFFFFFFu;
-      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-      if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[tl * kBins + bin], __popc(peers));
+      // The tile against the queries of two tokens per chain (N = 128: B
+      // rows 128 c ..), each chain its own commit group.
+      float d[32 * kTokens];
+      cuda::wgmma::fence();
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) {
+#pragma unroll
+        for (int kk = 0; kk < kGroupDim / 16; ++kk) {
+          // k-step kk: slab kk / 4, 32 bytes per step inside the 128-byte row.
+          const uint64_t a = kd + static_cast<uint64_t>(((kk / 4) * kSlabBytes + (kk % 4) * 32) >> 4);
+          const uint64_t b = qd + static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
+          cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d + 64 * c, a, b, kk > 0);
+        }
+        cuda::wgmma::commit();
+      }
+      // Chain c's epilogue runs while the later chains' MMAs do.
+      const auto score_chain = [&](auto chain) {
+        constexpr int c = decltype(chain)::value;
+        cuda::wgmma::wait<kChains - 1 - c>();
+#pragma unroll
+        for (int r = 32 * kChainTokens * c; r < 32 * kChainTokens * (c + 1); ++r) asm volatile("" : "+f"(d[r])::"memory");
+        if (c == kChains - 1) mbarrier_arrive(empty + 8 * s);  // this thread's reads of the stage are done
+        // d[32 tl + 4 j + e] is head 8 j + 2 q4 + e of token tl at the first
+        // row (position), d[32 tl + 4 j + 2 + e] at the second. The chain's
+        // tokens' sums are formed, then reduced and written together, so
+        // their dependency chains overlap; rows that are absent or not
+        // scored (their window fits the top-k) write nothing.
+        float part[kChainTokens][2];
+#pragma unroll
+        for (int u = 0; u < kChainTokens; ++u) {
+          const int tl = c * kChainTokens + u;
+          part[u][0] = part[u][1] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 w = *reinterpret_cast<const float2*>(&w_s[tl * kGroupHeads + 8 * j + 2 * q4]);
+            part[u][0] += w.x * relu_keep_nan(d[32 * tl + 4 * j]);
+            part[u][1] += w.x * relu_keep_nan(d[32 * tl + 4 * j + 2]);
+            part[u][0] += w.y * relu_keep_nan(d[32 * tl + 4 * j + 1]);
+            part[u][1] += w.y * relu_keep_nan(d[32 * tl + 4 * j + 3]);
+          }
+        }
+#pragma unroll
+        for (int m = 1; m <= 2; m *= 2) {
+#pragma unroll
+          for (int u = 0; u < kChainTokens; ++u) {
+            part[u][0] += __shfl_xor_sync(0xffffffffu, part[u][0], m);
+            part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
+          }
+        }
+        // Lane 4g writes the first row of group g, lane 4g + 1 the second.
+#pragma unroll
+        for (int u = 0; u < kChainTokens; ++u) {
+          const int tl = c * kChainTokens + u;
+          const bool live = q4 < 2 && t < tlen[tl];
+          const float v = q4 == 1 ? part[u][1] : part[u][0];
+          if (live) p.scores[(row0 + tl) * p.pitch + t] = v;
+          const uint32_t bin = live ? cuda::score_key(v) >> kLowKeyBits : 0xFFFFFFFFu;
+          const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+          if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[tl * kBins + bin], __popc(peers));
+        }
+      };
+      score_chain(std::integral_constant<int, 0>{});
+      if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
     }
   }
   __syncthreads();  // every scored position is in its row's shared histogram
-  for (int i = tid; i < ntok * kBins; i += kTokenScoreThreads) {
+  for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
     const int tl = i / kBins;
     const int32_t v = hist_s[i];
     if (v != 0 && window(tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
@@ -827,43 +886,34 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
 }
 
 // A multi-token step's score grid: per (sequence, token group), an equal
-// share of one wave of resident CTAs, never more CTAs than tiles.
-template <typename T, int kKSteps>
-void launch_token_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
-  const int gt = group_tokens(p.q_len);
-  const size_t smem = TokenScoreLayout(p.heads, p.dim, gt).smem_bytes();
-  cuda::configure_smem_once(dsa_score_tokens_kernel<T, kKSteps>, 227 * 1024);
-  const int64_t fit = std::clamp<int64_t>(static_cast<int64_t>((228 * 1024) / (smem + 1024)), 1, 2);
-  const int64_t wave = fit * cuda_multiprocessor_count();
-  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + gt - 1) / gt);
+// share of one wave of resident CTAs (one per SM), never more CTAs than tiles.
+template <typename T, int kTokens>
+void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
+  constexpr size_t smem = GroupScoreLayout<kTokens>::kSmemBytes;
+  cuda::configure_smem_once(dsa_score_group_kernel<T, kTokens>, smem);
+  const int64_t wave = cuda_multiprocessor_count();
+  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + kTokens - 1) / kTokens);
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
   const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(groups));
-  dsa_score_tokens_kernel<T, kKSteps><<<grid, kTokenScoreThreads, smem, stream>>>(p);
+  dsa_score_group_kernel<T, kTokens><<<grid, kGroupThreads, smem, stream>>>(p);
   SP_CUDA_CHECK_LAUNCH();
-}
-
-// Whether a multi-token step scores a sequence's tokens together
-// (dsa_score_tokens_kernel): from four tokens up (measured: at q_len 4 it
-// beats scoring each row on its own, at q_len 2 it loses; PERFORMANCE.md),
-// when the group's queries, key stages and histograms fit one CTA's shared
-// memory. Otherwise each (sequence, token) row is scored on its own, as a
-// one-token step's rows are.
-bool scores_tokens_together(int heads, int dim, int q_len) {
-  return q_len >= kGroupTokens && TokenScoreLayout(heads, dim, group_tokens(q_len)).smem_bytes() <= 227 * 1024;
 }
 
 template <typename T>
 void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
   p.keys = key_tensor_map(p, dtype);
-  const bool together = scores_tokens_together(p.heads, p.dim, p.q_len);
-  // The production head dim (128) gets an unrolled k-chain; others loop.
-  if (p.dim == 128) {
-    if (together) launch_token_scores<T, 8>(p, max_kv_len, stream);
-    else launch_scores<T, 8>(p, batch, max_kv_len, stream);
+  if (p.q_len > 1 && p.heads == kGroupHeads && p.dim == kGroupDim) {
+    // A multi-token step at the production geometry: the (token, head)
+    // queries of two or four tokens per wgmma chain.
+    if (p.q_len == 2) launch_group_scores<T, 2>(p, max_kv_len, stream);
+    else launch_group_scores<T, 4>(p, max_kv_len, stream);
+  } else if (p.dim == 128) {
+    // Each (sequence, token) row on its own; the production head dim (128)
+    // gets an unrolled k-chain, others loop.
+    launch_scores<T, 8>(p, batch, max_kv_len, stream);
   } else {
-    if (together) launch_token_scores<T, 0>(p, max_kv_len, stream);
-    else launch_scores<T, 0>(p, batch, max_kv_len, stream);
+    launch_scores<T, 0>(p, batch, max_kv_len, stream);
   }
 }
 

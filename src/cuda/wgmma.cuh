@@ -102,6 +102,11 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   }
 }
 
+/// How B's rows sit in shared memory for a shape that takes either:
+/// MN-major (rows of contiguous n, as V) or K-major (rows of contiguous k,
+/// as the queries of a score product S = K Q^T).
+enum class BMajor { kMN = 1, kK = 0 };
+
 #define SP_F32X8(j)                                                                                        \
   "+f"(d[j]), "+f"(d[j + 1]), "+f"(d[j + 2]), "+f"(d[j + 3]), "+f"(d[j + 4]), "+f"(d[j + 5]), "+f"(d[j + 6]), \
       "+f"(d[j + 7])
@@ -114,16 +119,17 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
-  "}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+  "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
 
-/// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major. `d` points at
-/// 64 accumulators: either half of m64n256k16's, whose layout they share.
-template <typename T>
+/// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major unless told
+/// K-major. `d` points at 64 accumulators: either half of m64n256k16's,
+/// whose layout they share.
+template <typename T, BMajor kB = BMajor::kMN>
 __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b, int accumulate) {
   if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N128SS("bf16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate));
+    asm volatile(SP_WGMMA_N128SS("bf16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
   } else {
-    asm volatile(SP_WGMMA_N128SS("f16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate));
+    asm volatile(SP_WGMMA_N128SS("f16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
   }
 }
 

@@ -25,13 +25,16 @@ constexpr size_t kL2Bytes = size_t{60} << 20;
 
 bool timing_enabled() { return std::getenv("SPARSEPAGE_INDEXER_TIMING") != nullptr; }
 
-// SPARSEPAGE_INDEXER_TIMING_SHAPES="1x32768,32x131072" restricts the shapes
-// timed (e.g. under a profiler); unset, every shape runs.
-bool shape_selected(int32_t batch, int64_t ctx) {
+// SPARSEPAGE_INDEXER_TIMING_SHAPES="1x32768,32x131072,32x32768x4" restricts
+// the shapes timed (e.g. under a profiler): batch x context, with x q_len for
+// a multi-token step; unset, every shape runs.
+bool shape_selected(int32_t batch, int64_t ctx, int32_t q_len = 1) {
   const char* env = std::getenv("SPARSEPAGE_INDEXER_TIMING_SHAPES");
   if (env == nullptr) return true;
   const std::string list = std::string(",") + env + ",";
-  return list.find("," + std::to_string(batch) + "x" + std::to_string(ctx) + ",") != std::string::npos;
+  std::string key = std::to_string(batch) + "x" + std::to_string(ctx);
+  if (q_len > 1) key += "x" + std::to_string(q_len);
+  return list.find("," + key + ",") != std::string::npos;
 }
 
 // Fills `bytes` of device memory with random bf16 values in [-1, 1] by
@@ -159,9 +162,18 @@ TEST(IndexerTiming, DsaIndexer) {
   SKIP_WITHOUT_CUDA();
   if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
   DsaConfig c;  // 64 index heads x 128, top-2048, latent 512
-  for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
-           {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}}) {
-    if (!shape_selected(batch, ctx)) continue;
+  // (sequences, context, q_len): one-token steps, and multi-token steps
+  // (speculative verification, MTP) whose q_len rows per sequence each keep
+  // their own top-k over their own causal window.
+  struct Shape {
+    int32_t batch;
+    int64_t ctx;
+    int32_t q_len;
+  };
+  for (const auto& [batch, ctx, q_len] :
+       std::vector<Shape>{{1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {32, 32768, 2}, {32, 32768, 4}}) {
+    if (!shape_selected(batch, ctx, q_len)) continue;
+    const int32_t rows = batch * q_len;  // (sequence, token) rows
     const size_t row = size_t(c.latent_dim + c.index_head_dim) * 2;
     const size_t index_bytes = size_t(batch) * size_t(ctx) * c.index_head_dim * 2;
     const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
@@ -170,16 +182,16 @@ TEST(IndexerTiming, DsaIndexer) {
       k.emplace_back(Device::kCuda, size_t(batch) * size_t(ctx) * row);
       fill_random_bf16(k.back().data(), k.back().bytes(), 9);
     }
-    Buffer q(Device::kCuda, size_t(batch) * c.index_heads * c.index_head_dim * 2);
+    Buffer q(Device::kCuda, size_t(rows) * c.index_heads * c.index_head_dim * 2);
     fill_random_bf16(q.data(), q.bytes(), 10);
-    std::vector<float> wv(size_t(batch) * c.index_heads);
+    std::vector<float> wv(size_t(rows) * c.index_heads);
     std::mt19937_64 rng(11);
     std::uniform_real_distribution<float> unit(0.0f, 1.0f);
     for (float& x : wv) x = unit(rng);
     const Buffer w = upload(Device::kCuda, wv);
     const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
-    Buffer pos(Device::kCuda, size_t(batch) * c.index_topk * 4), counts(Device::kCuda, size_t(batch) * 4);
-    Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, batch, ctx));
+    Buffer pos(Device::kCuda, size_t(rows) * c.index_topk * 4), counts(Device::kCuda, size_t(rows) * 4);
+    Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, rows, ctx));
     DsaIndexerArgs a;
     a.capacity = ctx;
     a.kv_lens = lens.as<int32_t>();
@@ -190,6 +202,7 @@ TEST(IndexerTiming, DsaIndexer) {
     a.workspace_bytes = ws.bytes();
     a.positions = pos.as<int32_t>();
     a.counts = counts.as<int32_t>();
+    a.q_len = q_len;
     const auto run = [&](int i, cudaStream_t s) {
       DsaIndexerArgs x = a;
       x.k_cache = k[size_t(i % copies)].data();
@@ -197,19 +210,20 @@ TEST(IndexerTiming, DsaIndexer) {
     };
     const double warm = median_us_per_launch(16, [&](int, cudaStream_t s) { run(0, s); });
     const double cold = median_us_per_launch(std::max(16, copies), run);
-    std::printf("TIMING dsa-indexer batch %d context %lld: warm %.1f us, cold %.1f us (%d caches), index keys %.1f MB "
-                "-> %.0f GB/s cold\n",
-                batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6, double(index_bytes) / cold / 1e3);
-    const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(batch));
-    const auto kept = download<int32_t>(Device::kCuda, pos.data(), size_t(batch) * c.index_topk);
-    for (int32_t b = 0; b < batch; ++b) {
+    std::printf("TIMING dsa-indexer batch %d context %lld q_len %d: warm %.1f us, cold %.1f us (%d caches), index keys "
+                "%.1f MB -> %.0f GB/s cold\n",
+                batch, static_cast<long long>(ctx), q_len, warm, cold, copies, double(index_bytes) / 1e6,
+                double(index_bytes) / cold / 1e3);
+    const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(rows));
+    const auto kept = download<int32_t>(Device::kCuda, pos.data(), size_t(rows) * c.index_topk);
+    for (int32_t b = 0; b < rows; ++b) {
       EXPECT_EQ(n[size_t(b)], c.index_topk);
-      // Each sequence's positions: increasing, inside the window.
+      // Each row's positions: increasing, inside its window.
       const int32_t* got = &kept[size_t(b) * c.index_topk];
-      EXPECT_TRUE(got[0] >= 0 && got[c.index_topk - 1] < ctx) << "sequence " << b;
+      EXPECT_TRUE(got[0] >= 0 && got[c.index_topk - 1] < ctx - (q_len - 1 - b % q_len)) << "row " << b;
       for (int32_t i = 1; i < c.index_topk; ++i) {
         if (got[i - 1] >= got[i]) {
-          ADD_FAILURE() << "sequence " << b << ": positions not increasing at entry " << i;
+          ADD_FAILURE() << "row " << b << ": positions not increasing at entry " << i;
           break;
         }
       }

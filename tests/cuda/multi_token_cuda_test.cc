@@ -208,18 +208,25 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
   testing::check_dsa_multi_token(Device::kCuda, c, 2, 300, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 1, 62, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 3, 1000, 8, false);
-  // The production index geometry (64 heads x 128 dims: the unrolled k-chain
-  // over two slabs): four tokens scored together in one CTA, three (below
-  // the four the token score kernel takes: row by row), and six (groups of
-  // four and two). The small geometry above covers the looped k-chain: eight
-  // tokens in two groups, and at 62 + 4 tokens rows whose windows fit the
-  // top-k (not scored) beside one that does not.
+  // The production index geometry (64 heads x 128 dims), where a CTA scores
+  // each key tile against two or four tokens' queries in one wgmma chain:
+  // four tokens, two, three (a group with an absent fourth row), six (groups
+  // of four and two, the second half empty) and eight over enough tiles
+  // that both consumer warpgroups wrap the six key stages. The small
+  // geometry above scores row by row (the looped k-chain), and at 62 + 4
+  // tokens has rows whose windows fit the top-k (not scored) beside one that
+  // does not.
   DsaConfig wide = c;
   wide.index_heads = 64;
   wide.index_head_dim = 128;
   testing::check_dsa_multi_token(Device::kCuda, wide, 2, 700, 4, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 2, 650, 2, false);
   testing::check_dsa_multi_token(Device::kCuda, wide, 1, 900, 3, false);
   testing::check_dsa_multi_token(Device::kCuda, wide, 2, 500, 6, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 1, 3000, 8, false);
+  // Windows that straddle the top-k inside one group: at 62 + 4 tokens the
+  // first two rows fit it (not scored) and the last two do not.
+  testing::check_dsa_multi_token(Device::kCuda, wide, 1, 62, 4, false);
 }
 
 TEST(MultiTokenCuda, DsaLayerTokenByToken) {
