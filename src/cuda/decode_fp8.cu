@@ -77,7 +77,7 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
 
 Fp8Pairs mla_fp8_pairs_choice() {
   static const Fp8Pairs choice =
-      kernel_switch("SPARSEPAGE_MLA_FP8_PAIRS", {"off", "auto", "on"}, {Fp8Pairs::kOff, Fp8Pairs::kAuto, Fp8Pairs::kOn});
+      kernel_switch("SPARSEPAGE_MLA_FP8_PAIRS", {"auto", "on", "off"}, {Fp8Pairs::kAuto, Fp8Pairs::kOn, Fp8Pairs::kOff});
   return choice;
 }
 

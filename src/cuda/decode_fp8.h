@@ -17,12 +17,10 @@ namespace cuda {
 void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DType dtype, const float* k_scale,
                         const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream);
 
-/// SPARSEPAGE_MLA_FP8_PAIRS=off|auto|on (read once; unset: off): whether FP8
+/// SPARSEPAGE_MLA_FP8_PAIRS=auto|on|off (read once; unset: auto): whether FP8
 /// MLA items of two head tiles run as CTA pairs (mla_ws_fp8_pair.cuh).
 /// auto: when a work item has more than two tiles of 64 tokens (or the plan
-/// is not a uniform split); on: always; off: never. Opt-in while
-/// compute-sanitizer's racecheck reports hazards in the pair kernel that are
-/// not explained (docs/PERFORMANCE.md, "FP8 KV caches"). Any other value is
+/// is not a uniform split); on: always; off: never. Any other value is
 /// refused by name.
 enum class Fp8Pairs { kAuto, kOn, kOff };
 Fp8Pairs mla_fp8_pairs_choice();
