@@ -3,13 +3,13 @@
 // each sequence's live length is read on the device, so one captured graph
 // serves a growing context. On the caller's stream:
 //   0. a memset clears the coarse histograms and the counters;
-//   1. dsa_score_kernel scores positions on warpgroup MMAs (fp32
-//      accumulation: positions x index heads x dim), the index keys arriving
-//      by TMA; it applies the ReLU and the weighted sum over heads, writes
-//      fp32 scores and histograms the top 12 bits of each score's order key
-//      (a multi-token step at the production geometry, 64 heads x 128:
-//      dsa_score_group_kernel, which scores each key tile against the
-//      queries of up to four of a sequence's tokens);
+//   1. dsa_score_group_kernel (the production geometry, 64 heads x 128;
+//      dsa_score_kernel for others) scores positions on warpgroup MMAs
+//      (fp32 accumulation: positions x index heads x dim), the index keys
+//      arriving by TMA, each key tile against the queries of up to four of a
+//      sequence's tokens in a multi-token step; it applies the ReLU and the
+//      weighted sum over heads, writes fp32 scores and histograms the top 12
+//      bits of each score's order key;
 //   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
 //      histogram bin holding the k-th largest key, counts the slice's keys in
 //      higher bins and appends the keys of that bin as candidates; the last
@@ -47,8 +47,9 @@ namespace {
 
 // ---- geometry ---------------------------------------------------------------
 
-// Score CTAs: one warpgroup computes S = K Q^T for 64 positions x 64 index
-// heads per wgmma chain (M = positions, N = heads, K = the index head dim).
+// dsa_score_kernel's CTAs (index geometries other than 64 heads x 128): one
+// warpgroup computes S = K Q^T for 64 positions x 64 index heads per wgmma
+// chain (M = positions, N = heads, K = the index head dim).
 constexpr int kScoreThreads = 128;
 constexpr int kTileTokens = 64;   // wgmma M: positions per pipeline stage
 constexpr int kHeadChunk = 64;    // wgmma N: index heads per chain
@@ -67,15 +68,21 @@ constexpr int kClassifyThreads = 256;
 constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
 constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
-// A multi-token step's score CTAs at the production index geometry: up to
-// kTokens (sequence, token) rows of one sequence per CTA (four, or two at
-// q_len 2), so each key tile is read once for all of them.
+// dsa_score_group_kernel's CTAs, at the production index geometry: up to
+// kTokens (sequence, token) rows of one sequence per CTA (one at q_len 1,
+// two at q_len 2, else four), so each key tile is read once for all of them.
 constexpr int kGroupHeads = 64;
 constexpr int kGroupDim = 128;
-constexpr int kGroupStages = 6;               // key tiles in flight or being scored
 constexpr int kGroupConsumers = 2;  // consumer warpgroups, taking tiles in turn
 constexpr int kGroupThreads = kGroupConsumers * 128 + 32;  // and a producer warp
-static_assert(kGroupStages % kGroupConsumers == 0, "a stage always serves the same warpgroup");
+// Key stages and resident CTAs per SM: six stages, one CTA, when a tile is
+// scored against two or four tokens; four stages, two CTAs, for one token.
+template <int kTokens>
+struct GroupShape {
+  static constexpr int kStages = kTokens == 1 ? 4 : 6;
+  static constexpr int kCtasPerSm = kTokens == 1 ? 2 : 1;
+  static_assert(kStages % kGroupConsumers == 0, "a stage always serves the same warpgroup");
+};
 
 // Shared memory of a score CTA, byte offsets from its 1024-aligned base: the
 // queries of every head chunk, the key stages, the weights, the histogram.
@@ -105,10 +112,11 @@ struct GroupScoreLayout {
   static constexpr size_t kStageBytes = 2 * kSlabBytes;
   static constexpr size_t kQ = 0;
   static constexpr size_t kKeys = kQ + 2 * kQSlab;
-  static constexpr size_t kWeights = kKeys + kGroupStages * kStageBytes;
+  static constexpr int kStages = GroupShape<kTokens>::kStages;
+  static constexpr size_t kWeights = kKeys + kStages * kStageBytes;
   static constexpr size_t kHist = kWeights + size_t{kTokens} * kGroupHeads * sizeof(float);
   static constexpr size_t kBarriers = kHist + size_t{kTokens} * kBins * sizeof(int32_t);
-  static constexpr size_t kSmemBytes = kBarriers + 2 * kGroupStages * sizeof(uint64_t) + 1024;  // + alignment slack
+  static constexpr size_t kSmemBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "a multi-token score CTA fits one SM's shared memory");
 };
 
@@ -398,27 +406,30 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 #endif
 }
 
-// A multi-token step at the production index geometry (64 heads x 128
-// dims): blockIdx.y is (sequence, group of up to kTokens tokens), and each
-// key tile, staged once, is scored against all of the group's (token, head)
-// queries: wgmma chains of two tokens each (N = 128), so the keys are read
-// from global memory once for the group. A producer warp streams the CTA's
-// key tiles by TMA through kGroupStages stages (full and empty mbarriers);
-// the two consumer warpgroups take alternate tiles, so one warpgroup's
-// epilogue (ReLU, weights, the sum over heads, the histogram) runs under
-// the other's MMAs, and within a warpgroup the first chain's epilogue runs
-// under the second chain's MMAs. Each row keeps its own causal window (its
+// Scores at the production index geometry (64 heads x 128 dims), of
+// one-token and multi-token steps: blockIdx.y is (sequence, group of up to
+// kTokens tokens), and each key tile, staged once, is scored against all of
+// the group's (token, head) queries: wgmma chains of up to two tokens each
+// (N = 64 or 128), so the keys are read from global memory once for the
+// group. A producer warp streams the CTA's key tiles by TMA through the
+// stages of GroupShape (full and empty mbarriers); the two consumer
+// warpgroups take alternate tiles, so one warpgroup's epilogue (ReLU,
+// weights, the sum over heads, the histogram) runs under the other's MMAs,
+// and with four tokens the first chain's epilogue runs under the second
+// chain's MMAs. Each row keeps its own causal window (its
 // scores and histogram stop at its length; a row whose window fits the
 // top-k is not scored, as in dsa_score_kernel) and its own histogram.
 template <typename T, int kTokens>
-__global__ void __launch_bounds__(kGroupThreads, 1) dsa_score_group_kernel(const __grid_constant__ IndexerParams p) {
+__global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm)
+    dsa_score_group_kernel(const __grid_constant__ IndexerParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = GroupScoreLayout<kTokens>;
   // Two tokens per wgmma chain (N = 128), each chain its own commit group,
   // so the first chain's epilogue overlaps the second one's MMAs (measured
   // against one N = 256 chain per tile: PERFORMANCE.md).
-  constexpr int kChainTokens = 2;
+  constexpr int kChainTokens = kTokens < 2 ? kTokens : 2;
   constexpr int kChains = kTokens / kChainTokens;
+  constexpr int kGroupStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
@@ -507,7 +518,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1) dsa_score_group_kernel(const
           // k-step kk: slab kk / 4, 32 bytes per step inside the 128-byte row.
           const uint64_t a = kd + static_cast<uint64_t>(((kk / 4) * kSlabBytes + (kk % 4) * 32) >> 4);
           const uint64_t b = qd + static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
-          cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d + 64 * c, a, b, kk > 0);
+          if constexpr (kChainTokens == 1) {
+            mma_m64n64k16<T>(d, a, b, kk > 0);
+          } else {
+            cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d + 64 * c, a, b, kk > 0);
+          }
         }
         cuda::wgmma::commit();
       }
@@ -891,7 +906,7 @@ template <typename T, int kTokens>
 void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
   constexpr size_t smem = GroupScoreLayout<kTokens>::kSmemBytes;
   cuda::configure_smem_once(dsa_score_group_kernel<T, kTokens>, smem);
-  const int64_t wave = cuda_multiprocessor_count();
+  const int64_t wave = int64_t{GroupShape<kTokens>::kCtasPerSm} * cuda_multiprocessor_count();
   const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + kTokens - 1) / kTokens);
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
@@ -903,10 +918,13 @@ void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_
 template <typename T>
 void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
   p.keys = key_tensor_map(p, dtype);
-  if (p.q_len > 1 && p.heads == kGroupHeads && p.dim == kGroupDim) {
-    // A multi-token step at the production geometry: the (token, head)
-    // queries of two or four tokens per wgmma chain.
-    if (p.q_len == 2) launch_group_scores<T, 2>(p, max_kv_len, stream);
+  if (p.heads == kGroupHeads && p.dim == kGroupDim) {
+    // The production geometry: the (token, head) queries of one, two or
+    // four tokens per key tile (one token too: the producer warp and the
+    // two consumer warpgroups beat dsa_score_kernel's one warpgroup per CTA
+    // at every measured shape, PERFORMANCE.md).
+    if (p.q_len == 1) launch_group_scores<T, 1>(p, max_kv_len, stream);
+    else if (p.q_len == 2) launch_group_scores<T, 2>(p, max_kv_len, stream);
     else launch_group_scores<T, 4>(p, max_kv_len, stream);
   } else if (p.dim == 128) {
     // Each (sequence, token) row on its own; the production head dim (128)
