@@ -102,7 +102,7 @@ struct ScoreLayout {
   size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
 };
 
-// Shared memory of a multi-token score CTA of kTokens rows, byte offsets
+// Shared memory of a group score CTA of kTokens rows, byte offsets
 // from its 1024-aligned base: the queries (two 64-column slabs of
 // kTokens x 64 rows, row tl * 64 + h), the key stages, the weights, one
 // histogram per row, the full and empty barriers.
@@ -900,8 +900,8 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
   SP_CUDA_CHECK_LAUNCH();
 }
 
-// A multi-token step's score grid: per (sequence, token group), an equal
-// share of one wave of resident CTAs (one per SM), never more CTAs than tiles.
+// The group score grid: per (sequence, token group), an equal share of one
+// wave of resident CTAs (GroupShape's CTAs per SM), never more CTAs than tiles.
 template <typename T, int kTokens>
 void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
   constexpr size_t smem = GroupScoreLayout<kTokens>::kSmemBytes;

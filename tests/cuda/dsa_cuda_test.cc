@@ -192,6 +192,10 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       {4, 64, 200, 2, 3001, DType::kF16, false},
       {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
       {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
+      // ... over enough tiles that each score CTA's consumers reuse the key
+      // stages (on a 132-SM H200: 33 CTAs per sequence, about 10 tiles each,
+      // four stages), so the empty-barrier waits and parity flips run
+      {64, 128, 2048, 8, 20000, DType::kBF16, false},
       {4, 64, 3000, 1, 70000, DType::kBF16, false},   // 35 slices, a long list of candidates
   };
   for (size_t i = 0; i < cases.size(); ++i) {

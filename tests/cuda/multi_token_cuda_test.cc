@@ -209,13 +209,14 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
   testing::check_dsa_multi_token(Device::kCuda, c, 1, 62, 4, false);
   testing::check_dsa_multi_token(Device::kCuda, c, 3, 1000, 8, false);
   // The production index geometry (64 heads x 128 dims), where a CTA scores
-  // each key tile against two or four tokens' queries in one wgmma chain:
-  // four tokens, two, three (a group with an absent fourth row), six (groups
-  // of four and two, the second half empty) and eight over enough tiles
-  // that both consumer warpgroups wrap the six key stages. The small
-  // geometry above scores row by row (the looped k-chain), and at 62 + 4
-  // tokens has rows whose windows fit the top-k (not scored) beside one that
-  // does not.
+  // each key tile against two or four tokens' queries (wgmma chains of two
+  // tokens): four tokens, two, three (a group with an absent fourth row),
+  // six (groups of four and two, the second group's second chain empty),
+  // eight (two groups of four), and four over enough tiles that each CTA's
+  // consumers reuse the six key stages (on a 132-SM H200: 33 CTAs per
+  // sequence, 8 tiles each). The small geometry above scores row by row
+  // (the looped k-chain), and at 62 + 4 tokens has rows whose windows fit
+  // the top-k (not scored) beside one that does not.
   DsaConfig wide = c;
   wide.index_heads = 64;
   wide.index_head_dim = 128;
@@ -224,6 +225,7 @@ TEST(MultiTokenCuda, DsaLayerFusedStep) {
   testing::check_dsa_multi_token(Device::kCuda, wide, 1, 900, 3, false);
   testing::check_dsa_multi_token(Device::kCuda, wide, 2, 500, 6, false);
   testing::check_dsa_multi_token(Device::kCuda, wide, 1, 3000, 8, false);
+  testing::check_dsa_multi_token(Device::kCuda, wide, 4, 16000, 4, false);
   // Windows that straddle the top-k inside one group: at 62 + 4 tokens the
   // first two rows fit it (not scored) and the last two do not.
   testing::check_dsa_multi_token(Device::kCuda, wide, 1, 62, 4, false);
