@@ -36,6 +36,7 @@
 #include "core/require.h"
 #include "models/dsa_kernels.h"
 #include "cuda/common.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/radix_select.cuh"
 #include "cuda/wgmma.cuh"
 #include "sparsepage/models/dsa.h"
@@ -188,30 +189,8 @@ __device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
 
 // A score CTA's key tiles arrive by the tensor memory accelerator: one thread
 // issues a 64-row x 64-column box per slab, the hardware writes it in the
-// 128-byte swizzle the MMAs read and counts the bytes on an mbarrier.
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count = 1) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbarrier_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbarrier_expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Waits until phase `parity` of the barrier has completed.
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
+// 128-byte swizzle the MMAs read and counts the bytes on an mbarrier
+// (cuda/mbarrier.cuh).
 // Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
 // complete on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
@@ -314,8 +293,8 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
   const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) mbarrier_init(bars + 8 * s);
-    mbarrier_init_fence();
+    for (int s = 0; s < kStages; ++s) cuda::mbar::init(bars + 8 * s, 1);
+    cuda::mbar::init_fence();
   }
 
   // The queries of every head chunk (padded heads zero), by cp.async.
@@ -342,7 +321,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   const auto load_tile = [&](int64_t i) {
     if (tid == 0 && i < ntiles) {
       const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
-      mbarrier_expect_bytes(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
+      cuda::mbar::arrive_expect_tx(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
       for (int sl = 0; sl < L.slabs; ++sl) {
         tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens),
                     key_seq);
@@ -356,7 +335,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 
   float* out = p.scores + int64_t{b} * p.pitch;
   for (int64_t i = 0; i < ntiles; ++i) {
-    mbarrier_wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
+    cuda::mbar::wait(bars + 8 * static_cast<uint32_t>(i % kStages), static_cast<uint32_t>((i / kStages) & 1));
     __syncthreads();  // every thread is past tile i - 1: its stage is free
     load_tile(i + kStages - 1);
     float part[2] = {0.0f, 0.0f};  // rows (positions) warp * 16 + lane / 4, and + 8
@@ -453,10 +432,10 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const uint32_t empty = full + 8 * kGroupStages;                      // empty[s] at empty + 8 s
   if (tid == 0) {
     for (int s = 0; s < kGroupStages; ++s) {
-      mbarrier_init(full + 8 * s, 1);      // the producer's expect_tx; TMA completes the bytes
-      mbarrier_init(empty + 8 * s, 128);   // every thread of the warpgroup that scored the stage
+      cuda::mbar::init(full + 8 * s, 1);      // the producer's expect_tx; TMA completes the bytes
+      cuda::mbar::init(empty + 8 * s, 128);   // every thread of the warpgroup that scored the stage
     }
-    mbarrier_init_fence();
+    cuda::mbar::init_fence();
   }
   // The queries: row tl * 64 + h of two 64-column slabs (rows of absent
   // tokens zero), by cp.async; the weights; the histograms cleared.
@@ -484,8 +463,8 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     if (lane == 0) {
       for (int64_t i = 0; i < ntiles; ++i) {
         const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
-        if (i >= kGroupStages) mbarrier_wait(empty + 8 * s, static_cast<uint32_t>((i / kGroupStages - 1) & 1));
-        mbarrier_expect_bytes(full + 8 * s, static_cast<uint32_t>(L::kStageBytes));
+        if (i >= kGroupStages) cuda::mbar::wait(empty + 8 * s, static_cast<uint32_t>((i / kGroupStages - 1) & 1));
+        cuda::mbar::arrive_expect_tx(full + 8 * s, static_cast<uint32_t>(L::kStageBytes));
         for (int sl = 0; sl < 2; ++sl) {
           tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, full + 8 * s, sl * 64,
                       static_cast<int>((tile0 + i) * kTileTokens), seq);
@@ -504,12 +483,12 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     for (int tl = 0; tl < kTokens; ++tl) tlen[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
     for (int64_t i = wg; i < ntiles; i += kGroupConsumers) {
       const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
-      mbarrier_wait(full + 8 * s, static_cast<uint32_t>((i / kGroupStages) & 1));
+      cuda::mbar::wait(full + 8 * s, static_cast<uint32_t>((i / kGroupStages) & 1));
       const uint64_t kd = cuda::wgmma::desc_sw128(stage_of(i), 16, 1024);
       const int64_t t = (tile0 + i) * kTileTokens + warp * 16 + lane / 4 + (q4 == 1 ? 8 : 0);
       // The tile against the queries of two tokens per chain (N = 128: B
       // rows 128 c ..), each chain its own commit group.
-      float d[32 * kTokens];
+      float d[kChains][32 * kChainTokens];  // chain c's accumulators: tokens c * kChainTokens ..
       cuda::wgmma::fence();
 #pragma unroll
       for (int c = 0; c < kChains; ++c) {
@@ -519,9 +498,9 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
           const uint64_t a = kd + static_cast<uint64_t>(((kk / 4) * kSlabBytes + (kk % 4) * 32) >> 4);
           const uint64_t b = qd + static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
           if constexpr (kChainTokens == 1) {
-            mma_m64n64k16<T>(d, a, b, kk > 0);
+            mma_m64n64k16<T>(d[c], a, b, kk > 0);
           } else {
-            cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d + 64 * c, a, b, kk > 0);
+            cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d[c], a, b, kk > 0);
           }
         }
         cuda::wgmma::commit();
@@ -530,11 +509,10 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
       const auto score_chain = [&](auto chain) {
         constexpr int c = decltype(chain)::value;
         cuda::wgmma::wait<kChains - 1 - c>();
-#pragma unroll
-        for (int r = 32 * kChainTokens * c; r < 32 * kChainTokens * (c + 1); ++r) asm volatile("" : "+f"(d[r])::"memory");
-        if (c == kChains - 1) mbarrier_arrive(empty + 8 * s);  // this thread's reads of the stage are done
-        // d[32 tl + 4 j + e] is head 8 j + 2 q4 + e of token tl at the first
-        // row (position), d[32 tl + 4 j + 2 + e] at the second. The chain's
+        cuda::wgmma::pin(d[c]);
+        if (c == kChains - 1) cuda::mbar::arrive(empty + 8 * s);  // this thread's reads of the stage are done
+        // d[c][32 u + 4 j + e] is head 8 j + 2 q4 + e of token c kChainTokens + u
+        // at the first row (position), d[c][32 u + 4 j + 2 + e] at the second. The chain's
         // tokens' sums are formed, then reduced and written together, so
         // their dependency chains overlap; rows that are absent or not
         // scored (their window fits the top-k) write nothing.
@@ -546,10 +524,10 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const float2 w = *reinterpret_cast<const float2*>(&w_s[tl * kGroupHeads + 8 * j + 2 * q4]);
-            part[u][0] += w.x * relu_keep_nan(d[32 * tl + 4 * j]);
-            part[u][1] += w.x * relu_keep_nan(d[32 * tl + 4 * j + 2]);
-            part[u][0] += w.y * relu_keep_nan(d[32 * tl + 4 * j + 1]);
-            part[u][1] += w.y * relu_keep_nan(d[32 * tl + 4 * j + 3]);
+            part[u][0] += w.x * relu_keep_nan(d[c][32 * u + 4 * j]);
+            part[u][1] += w.x * relu_keep_nan(d[c][32 * u + 4 * j + 2]);
+            part[u][0] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 1]);
+            part[u][1] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 3]);
           }
         }
 #pragma unroll

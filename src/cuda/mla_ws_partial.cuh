@@ -40,6 +40,7 @@
 #pragma once
 
 #include "cuda/decode_partial.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/mla_partial.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -76,41 +77,6 @@ struct MlaWsTile {
   static constexpr int kConsumerBar = 1;
   static constexpr int kProducerBar = 2;
 };
-
-namespace mbar {
-__device__ __forceinline__ void init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-/// Arrives on `bar` when all of this thread's earlier cp.async copies have
-/// landed; counts as one of the expected arrivals.
-__device__ __forceinline__ void arrive_on_copies(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-/// Waits until the phase with parity `parity` has completed.
-__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-/// Arrives, and expects `bytes` more transaction bytes in the current phase.
-__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-/// Arrives on the barrier at shared::cluster address `bar` (a peer CTA's).
-/// The default semantics (release, CTA scope), as CUTLASS's cluster
-/// pipelines release a peer's stage: .release.cluster adds a GPU-wide
-/// memory barrier to every arrival.
-__device__ __forceinline__ void arrive_remote(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-}  // namespace mbar
 
 namespace cluster {
 __device__ __forceinline__ uint32_t rank() {
@@ -472,7 +438,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       }
       mbar::init(done_bar(), W::kProducerThreads);
       *bad_flag() = 0;
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      mbar::init_fence();
     }
     // In a CTA pair the peer's barriers must exist before anything arrives on
     // them: the cluster meets. The CTA barrier after it is for
