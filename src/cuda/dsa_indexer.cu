@@ -213,6 +213,16 @@ __device__ __forceinline__ float relu_keep_nan(float x) {
   return y;
 }
 
+// A lane's score v of position t into its row's scores and its bin into the
+// row's shared histogram (one atomic per distinct bin among the lanes);
+// lanes that are not `live` write nothing. All 32 lanes call it.
+__device__ __forceinline__ void record_score(float* scores, int32_t* hist, int64_t t, float v, bool live, int lane) {
+  if (live) scores[t] = v;
+  const uint32_t bin = live ? cuda::score_key(v) >> kLowKeyBits : 0xFFFFFFFFu;
+  const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+  if (live && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
 // Shared byte offset of 16-byte piece `piece` (columns 8 piece ..) of row r
 // in a stack of swizzled slabs.
 __device__ __forceinline__ uint32_t slab_offset(int r, int piece) {
@@ -368,11 +378,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     const int64_t t = (tile0 + i) * kTileTokens + warp * 16 + lane / 4 + (q4 == 1 ? 8 : 0);
     const bool live = q4 < 2 && t < len;
     const float s = q4 == 1 ? part[1] : part[0];
-    if (live) out[t] = s;
-    // Shared histogram, one atomic per distinct bin among the lanes.
-    const uint32_t bin = live ? cuda::score_key(s) >> kLowKeyBits : 0xFFFFFFFFu;
-    const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-    if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[bin], __popc(peers));
+    record_score(out, hist_s, t, s, live, lane);
   }
   __syncthreads();  // every position is in the shared histogram (every issued tile was waited for)
   int32_t* hist = p.hist + int64_t{b} * kBins;
@@ -544,10 +550,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
           const int tl = c * kChainTokens + u;
           const bool live = q4 < 2 && t < tlen[tl];
           const float v = q4 == 1 ? part[u][1] : part[u][0];
-          if (live) p.scores[(row0 + tl) * p.pitch + t] = v;
-          const uint32_t bin = live ? cuda::score_key(v) >> kLowKeyBits : 0xFFFFFFFFu;
-          const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-          if (live && lane == __ffs(peers) - 1) atomicAdd(&hist_s[tl * kBins + bin], __popc(peers));
+          record_score(p.scores + (row0 + tl) * p.pitch, hist_s + tl * kBins, t, v, live, lane);
         }
       };
       score_chain(std::integral_constant<int, 0>{});
