@@ -274,7 +274,8 @@ int32_t resident_ctas_typed(TileShape shape) {
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
     case TileShape::kMla:
       if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
-        return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source>>, MlaWsTile::kThreads, MlaWsTile::kSmemBytes);
+        return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source, MlaWsColumnTile>>, MlaWsColumnTile::kThreads,
+                                  MlaWsColumnTile::kSmemBytes);
       return resident_ctas_once(mla_partial_kernel<MlaCta<T, Source>>, MlaTile::kThreads, MlaTile::kSmemBytes);
     case TileShape::kNone: break;
   }
@@ -367,9 +368,10 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
-    auto kernel = mla_partial_kernel<MlaWsCta<T, Source>>;
-    configure_smem_once(kernel, MlaWsTile::kSmemBytes);
-    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaWsTile::kThreads), MlaWsTile::kSmemBytes, stream, p);
+    using W = MlaWsColumnTile;
+    auto kernel = mla_partial_kernel<MlaWsCta<T, Source, W>>;
+    configure_smem_once(kernel, W::kSmemBytes);
+    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(W::kThreads), W::kSmemBytes, stream, p);
     return;
   }
   auto kernel = mla_partial_kernel<MlaCta<T, Source>>;

@@ -5,9 +5,13 @@
 // barrier.
 //
 // CTA: 3 warpgroups (384 threads), one CTA per SM.
-//   warpgroups 0, 1  consumers: S, softmax and P V exactly as the classic
-//                    kernel splits them (S over 32 of the tile's 64 tokens,
-//                    P V over 256 of the 512 V columns). 232 registers each
+//   warpgroups 0, 1  consumers: S, softmax and P V. The bf16 kernel
+//                    (MlaWsColumnTile) splits S by columns (288 of the 576
+//                    each, over all 64 tokens) and hands partial sums over;
+//                    the FP8 kernels split S by tokens (32 of the 64 each,
+//                    over all columns), as the classic kernel does. Each
+//                    warpgroup runs the softmax of 32 tokens, and P V over
+//                    256 of the 512 V columns. 232 registers each
 //                    (setmaxnreg), for the 128 fp32 accumulators of O.
 //   warpgroup 2      producer: 40 registers. Eight neighbouring threads copy
 //                    one 128-byte slab row (a full line), so a warp's copy
@@ -21,7 +25,8 @@
 // Q + two stages still fit one SM.
 //
 // Consumer order per tile t:
-//   wait `full` of t, S(t); softmax: row maxima exchanged between the two
+//   wait `full` of t, S(t) (split by columns: the partial sums handed over
+//   at a 256-thread named barrier); softmax: row maxima exchanged between the two
 //   warpgroups by a 256-thread named barrier, P into the stage, a second
 //   named barrier; P V(t); release stage t (the producer starts tile t + 2
 //   into it).
@@ -63,10 +68,11 @@ struct MlaWsTile {
   static constexpr int kStage0 = kQ + L::kTileBytes;
   static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;  // the rope slab of a stage holds its P tile
   static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
-  static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2 tiles][2 warpgroups][64] floats
+  static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [kMaxSlots tiles][2 warpgroups][64] floats
+  static constexpr int kMaxSlots = 2;           // the row maxima's slots, by tile parity
   // full[2], empty[2], done, and in a CTA pair peer_empty[2] and
   // peer_full[2]: 8 bytes each; then the producers' rejected-id flag.
-  static constexpr int kBarriers = kExchange + 2 * 2 * L::kHeads * 4;
+  static constexpr int kBarriers = kExchange + kMaxSlots * 2 * L::kHeads * 4;
   static constexpr int kBadFlag = kBarriers + 9 * 8;
   static constexpr int kBytes = kBadFlag + 8;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
@@ -76,6 +82,31 @@ struct MlaWsTile {
   // Named barriers (0 is __syncthreads).
   static constexpr int kConsumerBar = 1;
   static constexpr int kProducerBar = 2;
+  // S split by tokens: each consumer warpgroup scores 32 of the tile's 64
+  // tokens over all 576 columns (m64n32k16), so each reads all of Q.
+  static constexpr bool kScoresByColumns = false;
+};
+
+/// The bf16 kernel's CTA: the same threads and stages, but S split by
+/// columns. Warpgroup 0 scores all 64 tokens over columns 0-287, warpgroup 1
+/// over 288-575 (m64n64k16, 18 k-steps each), so Q is read once per tile
+/// rather than twice: 144 KB of S's shared-memory reads per tile instead of
+/// 216 KB. Each then needs the other's partial sums of the 32 tokens whose
+/// softmax it computes (the token halves of the split above): warpgroup 1
+/// hands its half over in the stage's rope slab (only its own k-steps read
+/// that slab), warpgroup 0 in an 8 KB buffer of its own. That buffer fits
+/// beside Q and the two stages because the row maxima are exchanged in one
+/// slot, not two (see MlaWsCta::softmax).
+struct MlaWsColumnTile : MlaWsTile {
+  static constexpr bool kScoresByColumns = true;
+  static constexpr int kMaxSlots = 1;
+  static constexpr int kBarriers = kExchange + kMaxSlots * 2 * L::kHeads * 4;
+  static constexpr int kBadFlag = kBarriers + 9 * 8;
+  static constexpr int kScoreExchange = (kBadFlag + 8 + 15) / 16 * 16;  // [4 warps][4 n8 tiles][32 lanes] float4: 64 heads x 32 tokens
+  static constexpr int kBytes = kScoreExchange + L::kHeads * 32 * 4;
+  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
+  static_assert(kScoreExchange % 16 == 0, "float4 stores");
 };
 
 namespace cluster {
@@ -258,6 +289,68 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     wgmma::commit();
   }
 
+  /// S split by columns (W::kScoresByColumns): this warpgroup's 18 of the
+  /// 36 k-steps, over all 64 tokens.
+  __device__ void start_scores_columns(uint32_t stage_addr, float (&part)[8][4]) const {
+    constexpr int kSteps = L::kCols / 16 / 2;
+    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t kd = wgmma::desc_sw128(stage_addr, 16, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int kk = wg * kSteps + k;
+      const uint64_t off = static_cast<uint64_t>(((kk >> 2) * L::kSlabBytes + (kk & 3) * 32) >> 4);
+      wgmma::mma_m64n64k16<T>(part, qd + off, kd + off, k > 0);
+    }
+    wgmma::commit();
+  }
+
+  /// Tile `tile`'s scores of this warpgroup's 32 tokens (warpgroup w: tokens
+  /// 32 w .. 32 w + 31), in the layout of start_scores' m64n32 accumulators.
+  /// Split by columns, each warpgroup adds the other's partial sums of its
+  /// tokens, handed over through shared memory; the buffers are free again
+  /// by the next tile (see MlaWsColumnTile).
+  __device__ void scores(int tile, float (&s)[16]) {
+    if constexpr (!W::kScoresByColumns) {
+      start_scores(stage(tile), s);
+      wgmma::wait<0>();
+      wgmma::pin(s);
+    } else {
+      float part[8][4];
+      start_scores_columns(stage(tile), part);
+      wgmma::wait<0>();
+      wgmma::pin(part);
+      // Thread (warp, lane) of one warpgroup holds the same (head, token)
+      // positions as thread (warp, lane) of the other, so each hands over
+      // its four n8 tiles of the other's tokens in its own register order.
+      // Warpgroup 1's buffer is the rope slab, which only its own k-steps
+      // read; the P tile overwrites it after the maxima's barrier, by which
+      // time warpgroup 0 has read it.
+      unsigned char* rope = gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab;
+      unsigned char* own = gen + W::kScoreExchange;
+      float4* give = reinterpret_cast<float4*>(wg == 0 ? own : rope) + (wt / 32) * 4 * 32 + lane;
+      const float4* take = reinterpret_cast<const float4*>(wg == 0 ? rope : own) + (wt / 32) * 4 * 32 + lane;
+      // (Selects by value: an array reference picked by wg would put part
+      // in local memory.)
+      const bool first = wg == 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float g[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) g[e] = first ? part[4 + j][e] : part[j][e];
+        give[j * 32] = make_float4(g[0], g[1], g[2], g[3]);
+      }
+      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // both halves handed over
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 t = take[j * 32];
+        const float o[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] = (first ? part[j][e] : part[4 + j][e]) + o[e];
+      }
+    }
+  }
+
   /// Softmax of tile `tile`'s scores against the CTA-wide running max; P
   /// into the stage's P slab. Ends with both warpgroups' P complete.
   __device__ void softmax(int tile, float (&s)[16]) {
@@ -287,9 +380,10 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
     }
-    // Double-buffered by tile parity: tile t + 2 writes only after both
-    // warpgroups passed tile t + 1's P barrier, after their reads of tile t.
-    float* xchg = reinterpret_cast<float*>(gen + W::kExchange) + (tile & 1) * 2 * L::kHeads;
+    // Every read of tile t's maxima comes before the reader's P barrier of
+    // tile t, and tile t + 1's writes after it, so one slot would do; the
+    // token split keeps two (by tile parity), the column split one.
+    float* xchg = reinterpret_cast<float*>(gen + W::kExchange) + (tile % W::kMaxSlots) * 2 * L::kHeads;
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // maxima exchanged; both S(t) done (rope slab free)
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
@@ -361,9 +455,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     float s[16];
     for (int t = 0; t < tiles; ++t) {
       wait_full(t);
-      start_scores(stage(t), s);
-      wgmma::wait<0>();
-      wgmma::pin(s);
+      scores(t, s);
       softmax(t, s);
       start_pv(t);
       // P V is waited for here, not behind S(t + 1): with a group in flight
