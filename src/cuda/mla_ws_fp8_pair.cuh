@@ -52,7 +52,7 @@
 namespace sparsepage {
 namespace cuda {
 
-struct MlaWsFp8PairTile : MlaWsFp8Threads {  // the bf16 kernel's shared layout, no scale ring
+struct MlaWsFp8PairTile : MlaWsFp8Threads<MlaWsColumnTile> {  // the bf16 kernel's shared layout, no scale ring
   using L = MlaTile;
   static constexpr int kClusterCtas = 2;
   static constexpr int kOwnRows = L::kTokens / kClusterCtas;  // rows each CTA dequantizes per tile

@@ -45,12 +45,15 @@ namespace sparsepage {
 namespace cuda {
 
 /// The threads of an FP8 warp-specialized CTA (this file's, and the CTA
-/// pairs' of mla_ws_fp8_pair.cuh), over the bf16 kernel's shared layout: two
-/// producer warpgroups, so the conversion has twice the threads. The launch
-/// gives 128 registers per thread (65536 / 512); setmaxnreg moves them to the
-/// consumers: 2 x 208 + 2 x 48 = 4 x 128. At 128 launch registers ptxas
-/// cannot compile m64n256k16, so P V runs as two m64n128k16 (kPvHalves).
-struct MlaWsFp8Threads : MlaWsTile {
+/// pairs' of mla_ws_fp8_pair.cuh), over a bf16 kernel's shared layout
+/// (Layout: MlaWsTile, S split by tokens, here, where the scale ring takes
+/// the room of the column split's exchange; MlaWsColumnTile for the pairs):
+/// two producer warpgroups, so the conversion has twice the threads. The
+/// launch gives 128 registers per thread (65536 / 512); setmaxnreg moves them
+/// to the consumers: 2 x 208 + 2 x 48 = 4 x 128. At 128 launch registers
+/// ptxas cannot compile m64n256k16, so P V runs as two m64n128k16 (kPvHalves).
+template <class Layout>
+struct MlaWsFp8Threads : Layout {
   static constexpr int kThreads = 512;
   static constexpr int kProducerThreads = 256;
   static constexpr int kConsumerRegs = 208;
@@ -58,7 +61,7 @@ struct MlaWsFp8Threads : MlaWsTile {
   static constexpr bool kPvHalves = true;
 };
 
-struct MlaWsFp8Tile : MlaWsFp8Threads {
+struct MlaWsFp8Tile : MlaWsFp8Threads<MlaWsTile> {
   using L = MlaTile;
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes

@@ -5,11 +5,12 @@
 // barrier.
 //
 // CTA: 3 warpgroups (384 threads), one CTA per SM.
-//   warpgroups 0, 1  consumers: S, softmax and P V. The bf16 kernel
-//                    (MlaWsColumnTile) splits S by columns (288 of the 576
-//                    each, over all 64 tokens) and hands partial sums over;
-//                    the FP8 kernels split S by tokens (32 of the 64 each,
-//                    over all columns), as the classic kernel does. Each
+//   warpgroups 0, 1  consumers: S, softmax and P V. The bf16 kernel and
+//                    the FP8 CTA pairs (MlaWsColumnTile) split S by columns
+//                    (288 of the 576 each, over all 64 tokens) and hand
+//                    partial sums over; the one-CTA FP8 kernel splits S by
+//                    tokens (32 of the 64 each, over all columns), as the
+//                    classic kernel does. Each
 //                    warpgroup runs the softmax of 32 tokens, and P V over
 //                    256 of the 512 V columns. 232 registers each
 //                    (setmaxnreg), for the 128 fp32 accumulators of O.
@@ -87,8 +88,8 @@ struct MlaWsTile {
   static constexpr bool kScoresByColumns = false;
 };
 
-/// The bf16 kernel's CTA: the same threads and stages, but S split by
-/// columns. Warpgroup 0 scores all 64 tokens over columns 0-287, warpgroup 1
+/// The bf16 kernel's CTA (and the FP8 CTA pairs' shared layout): the same
+/// threads and stages, but S split by columns. Warpgroup 0 scores all 64 tokens over columns 0-287, warpgroup 1
 /// over 288-575 (m64n64k16, 18 k-steps each), so Q is read once per tile
 /// rather than twice: 144 KB of S's shared-memory reads per tile instead of
 /// 216 KB. Each then needs the other's partial sums of the 32 tokens whose
