@@ -353,8 +353,11 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   }
 
   /// Softmax of tile `tile`'s scores against the CTA-wide running max; P
-  /// into the stage's P slab. Ends with both warpgroups' P complete.
-  __device__ void softmax(int tile, float (&s)[16]) {
+  /// into the stage's P slab and, packed, into `pk` (n8 tile j, rows
+  /// wrow + 8 h: the A fragments of this warpgroup's two P V k-steps). O is
+  /// rescaled if the max moved. The other warpgroup's P is complete only
+  /// after start_pv's barrier.
+  __device__ void softmax(int tile, float (&s)[16], uint32_t (&pk)[4][2]) {
     const int32_t n = tile_tokens(tile);
     const int32_t* slot = id_slot(tile);
     const int32_t tok0 = tok_begin + tile * L::kTokens;
@@ -402,23 +405,43 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         const float p0 = exp2_ftz(s[4 * j + 2 * h] - b[h]), p1 = exp2_ftz(s[4 * j + 2 * h + 1] - b[h]);
         l[h] += p0 + p1;
         const int row = wrow + 8 * h;
-        ptile[(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) / 4] = Tr::pack2(p0, p1);
+        pk[j][h] = Tr::pack2(p0, p1);
+        ptile[(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) / 4] = pk[j][h];
       }
     }
     if (rescale) {
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] *= alpha[(i >> 1) & 1];
     }
-    wgmma::fence_proxy_async();
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the P tile is complete
   }
 
-  __device__ void start_pv(int tile) {
+  /// P V of tile `tile` over this warpgroup's 256 V columns. The bf16 CTA
+  /// takes the k-steps of its own 32 tokens with P from registers first, so
+  /// they run while the warpgroups meet at the P barrier, then the other's
+  /// two from the P tile. The FP8 CTAs (kPvHalves) take all four from the
+  /// P tile after the barrier.
+  __device__ void start_pv(int tile, const uint32_t (&pk)[4][2]) {
     const uint32_t st = stage(tile);
     const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
     const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
-    wgmma::fence();
-    if constexpr (W::kPvHalves) {
+    if constexpr (!W::kPvHalves) {
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+        wgmma::mma_m64n256k16_rs<T>(acc, a, vd + static_cast<uint64_t>((2 * wg + kk) * 128), 1);
+      }
+      wgmma::fence_proxy_async();
+      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the other warpgroup's P is in the P tile
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int k = 2 * (1 - wg) + kk;
+        wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(k * 2), vd + static_cast<uint64_t>(k * 128), 1);
+      }
+    } else {
+      wgmma::fence_proxy_async();
+      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the P tile is complete
+      wgmma::fence();
       // Two m64n128 per k-step (columns 0-127 and 128-255 of this warpgroup's
       // 256, two slabs apart): the 512-thread FP8 CTA compiles at 128
       // registers per thread, and m64n256k16 alone needs more.
@@ -428,10 +451,6 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         for (int h = 0; h < 2; ++h)
           wgmma::mma_m64n128k16<T>(acc + 64 * h, pd + static_cast<uint64_t>(kk * 2),
                                    vd + static_cast<uint64_t>(kk * 128 + h * (2 * L::kSlabBytes >> 4)), 1);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < L::kTokens / 16; ++kk)
-        wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(kk * 2), vd + static_cast<uint64_t>(kk * 128), 1);
     }
     wgmma::commit();
   }
@@ -457,8 +476,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     for (int t = 0; t < tiles; ++t) {
       wait_full(t);
       scores(t, s);
-      softmax(t, s);
-      start_pv(t);
+      uint32_t pk[4][2];
+      softmax(t, s, pk);
+      start_pv(t, pk);
       // P V is waited for here, not behind S(t + 1): with a group in flight
       // across the loop's back edge ptxas serializes the kernel's wgmmas
       // (its C7514 notice).

@@ -102,6 +102,36 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
   }
 }
 
+#define SP_WGMMA_N256_RS(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 " \
+  "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+
+/// D[64x256] (+)= A[64x16] B[16x256]: A from registers (each warp's 16 rows
+/// in the mma.sync m16n8k16 A-fragment layout, which is also the layout of
+/// an m64nN accumulator's two n8 tiles packed in pairs), B MN-major in
+/// shared memory.
+template <typename T>
+__device__ __forceinline__ void mma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N256_RS("bf16")
+                 : SP_WGMMA_N256_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N256_RS("f16")
+                 : SP_WGMMA_N256_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+}
+
 /// How B's rows sit in shared memory for a shape that takes either:
 /// MN-major (rows of contiguous n, as V) or K-major (rows of contiguous k,
 /// as the queries of a score product S = K Q^T).
@@ -200,6 +230,7 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_WGMMA_N32
 #undef SP_WGMMA_N256_OUTS
 #undef SP_WGMMA_N256
+#undef SP_WGMMA_N256_RS
 #undef SP_F32X8
 #undef SP_WGMMA_N128SS_OUTS
 #undef SP_WGMMA_N128SS
