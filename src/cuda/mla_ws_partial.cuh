@@ -10,10 +10,10 @@
 //                    (288 of the 576 each, over all 64 tokens) and hand
 //                    partial sums over; the one-CTA FP8 kernel splits S by
 //                    tokens (32 of the 64 each, over all columns), as the
-//                    classic kernel does. Each
-//                    warpgroup runs the softmax of 32 tokens, and P V over
-//                    256 of the 512 V columns. 232 registers each
-//                    (setmaxnreg), for the 128 fp32 accumulators of O.
+//                    classic kernel does. Each warpgroup runs the softmax
+//                    of 32 tokens, and P V over 256 of the 512 V columns.
+//                    232 registers each (setmaxnreg), for the 128 fp32
+//                    accumulators of O.
 //   warpgroup 2      producer: 40 registers. Eight neighbouring threads copy
 //                    one 128-byte slab row (a full line), so a warp's copy
 //                    instruction touches 4 rows, not 8. After a tile's copies
@@ -27,10 +27,11 @@
 //
 // Consumer order per tile t:
 //   wait `full` of t, S(t) (split by columns: the partial sums handed over
-//   at a 256-thread named barrier); softmax: row maxima exchanged between the two
-//   warpgroups by a 256-thread named barrier, P into the stage, a second
-//   named barrier; P V(t); release stage t (the producer starts tile t + 2
-//   into it).
+//   at a 256-thread named barrier); softmax: row maxima exchanged between
+//   the two warpgroups at a second named barrier, P into the stage; P V(t)
+//   (bf16: the own tokens' k-steps with P from registers first), a third
+//   named barrier for the other warpgroup's P, the rest of P V(t); release
+//   stage t (the producer starts tile t + 2 into it).
 // The producer's copies of tile t + 1 run during all of tile t's math. It
 // resolves a tile's rows from their page ids (fetched two tiles ahead)
 // before it waits for the stage, so the copies go out once the stage is free.
@@ -89,8 +90,9 @@ struct MlaWsTile {
 };
 
 /// The bf16 kernel's CTA (and the FP8 CTA pairs' shared layout): the same
-/// threads and stages, but S split by columns. Warpgroup 0 scores all 64 tokens over columns 0-287, warpgroup 1
-/// over 288-575 (m64n64k16, 18 k-steps each), so Q is read once per tile
+/// threads and stages, but S split by columns. Warpgroup 0 scores all 64
+/// tokens over columns 0-287, warpgroup 1 over 288-575 (m64n64k16, 18
+/// k-steps each), so Q is read once per tile
 /// rather than twice: 144 KB of S's shared-memory reads per tile instead of
 /// 216 KB. Each then needs the other's partial sums of the 32 tokens whose
 /// softmax it computes (the token halves of the split above): warpgroup 1
