@@ -130,7 +130,6 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
 void cuda_check_kernel_switches() {
   (void)cuda::mla_kernel_choice();
   (void)cuda::mla_fp8_pairs_choice();
-  (void)cuda::mla_pairs_choice();
   (void)cuda::gqa_merge_choice();
   (void)cuda::multi_token_cta_choice();
 }

@@ -31,7 +31,6 @@
 #include "cuda/decode_partial_multi.cuh"
 #include "cuda/decode_partial_multi_wgmma.cuh"
 #include "cuda/mla_partial.cuh"
-#include "cuda/mla_ws_pair.cuh"
 #include "cuda/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
 
@@ -92,17 +91,6 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
 inline MlaKernel mla_kernel_choice() {
   static const MlaKernel choice =
       kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});
-  return choice;
-}
-
-/// Whether a bf16 MLA item of two head tiles runs as a CTA pair
-/// (mla_ws_pair.cuh): SPARSEPAGE_MLA_PAIRS=off (the default: measured
-/// 16-17% slower at batch 64-128 on the H200), on, or auto (pairs for chunks
-/// of more than two tiles); read once per process.
-enum class MlaPairs { kAuto, kOn, kOff };
-inline MlaPairs mla_pairs_choice() {
-  static const MlaPairs choice =
-      kernel_switch("SPARSEPAGE_MLA_PAIRS", {"off", "on", "auto"}, {MlaPairs::kOff, MlaPairs::kOn, MlaPairs::kAuto});
   return choice;
 }
 
@@ -373,38 +361,12 @@ void launch_partial_shape(const typename Source::Params& p, int32_t num_items, c
   launch_with_pdl(kernel, grid, dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
-/// Chunks of at most this many tokens (two tiles) run one CTA per head tile
-/// under SPARSEPAGE_MLA_PAIRS=auto, as the FP8 pairs do (decode_fp8.cu): a
-/// pair's start costs more than it wins back over so few tiles.
-constexpr int32_t kMlaPairMinChunkTokens = 2 * MlaTile::kTokens + 1;
-
-template <typename T, class Source>
-bool mla_pairs_run(int32_t group_size, int32_t chunk_tokens) {
-  if (mla_kernel_choice() != MlaKernel::kWarpSpecialized) return false;
-  const MlaPairs choice = mla_pairs_choice();
-  if (choice == MlaPairs::kOff) return false;
-  if (choice == MlaPairs::kAuto && chunk_tokens > 0 && chunk_tokens < kMlaPairMinChunkTokens) return false;
-  if (ctas_per_item(TileShape::kMla, group_size) != MlaWsPairTile::kClusterCtas) return false;
-  return clusters_fit(mla_partial_kernel<MlaWsPairCta<T, Source>>, MlaWsPairTile::kThreads, MlaWsPairTile::kSmemBytes,
-                      MlaWsPairTile::kClusterCtas);
-}
-
 template <typename T, class Source>
 void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_t stream) {
   if (!p.v_aliases_k) throw Error("decode: the 512 + 64 (MLA) kernel needs V to be the first 512 columns of K");
   // Head tiles vary fastest, so the CTAs reading the same rows run together.
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  if (mla_pairs_run<T, Source>(p.group_size, p.work == nullptr ? p.chunk_tokens : 0)) {
-    // Head tiles vary fastest, so a cluster of two is one item's pair.
-    using W = MlaWsPairTile;
-    auto kernel = mla_partial_kernel<MlaWsPairCta<T, Source>>;
-    cudaLaunchAttribute attribute[2];
-    const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(ctas), W::kThreads, W::kClusterCtas,
-                                                            W::kSmemBytes, stream, attribute);
-    SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-    return;
-  }
   if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
     using W = MlaWsColumnTile;
     auto kernel = mla_partial_kernel<MlaWsCta<T, Source, W>>;
