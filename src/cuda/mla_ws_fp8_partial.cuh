@@ -46,8 +46,9 @@ namespace cuda {
 
 /// The threads of an FP8 warp-specialized CTA (this file's, and the CTA
 /// pairs' of mla_ws_fp8_pair.cuh), over a bf16 kernel's shared layout
-/// (Layout: MlaWsTile, S split by tokens, here, where the scale ring takes
-/// the room of the column split's exchange; MlaWsColumnTile for the pairs):
+/// (Layout: MlaWsTile, S split by tokens, here: its 2 KB scale ring and
+/// the column split's 8 KB exchange would need 234064 bytes, over the
+/// 232448 of one SM; MlaWsColumnTile for the pairs, which have no ring):
 /// two producer warpgroups, so the conversion has twice the threads. The
 /// launch gives 128 registers per thread (65536 / 512); setmaxnreg moves them
 /// to the consumers: 2 x 208 + 2 x 48 = 4 x 128. At 128 launch registers

@@ -41,9 +41,10 @@
 // (poisoned for such a request). No barrier of the whole CTA is met from the
 // two branches.
 //
-// MlaWsCta is templated on the CTA's shape W: MlaWsTile above, or the FP8
-// kernel's (mla_ws_fp8_partial.cuh: two producer warpgroups, 512 threads,
-// its own producer), which reuses the consumers and run().
+// MlaWsCta is templated on the CTA's shape W: MlaWsColumnTile (the bf16
+// kernel), MlaWsTile (the token split), or an FP8 kernel's over either
+// (mla_ws_fp8_partial.cuh: two producer warpgroups, 512 threads, its own
+// producer), which reuses the consumers and run().
 #pragma once
 
 #include "cuda/decode_partial.cuh"
@@ -68,7 +69,9 @@ struct MlaWsTile {
   // Byte offsets from the 1024-aligned base.
   static constexpr int kQ = 0;
   static constexpr int kStage0 = kQ + L::kTileBytes;
-  static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;  // the rope slab of a stage holds its P tile
+  // The rope slab of a stage: after S, its P tile (and, split by columns,
+  // warpgroup 1's partial scores before that).
+  static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;
   static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
   static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [kMaxSlots tiles][2 warpgroups][64] floats
   static constexpr int kMaxSlots = 2;           // the row maxima's slots, by tile parity
@@ -95,7 +98,7 @@ struct MlaWsTile {
 /// k-steps each), so Q is read once per tile
 /// rather than twice: 144 KB of S's shared-memory reads per tile instead of
 /// 216 KB. Each then needs the other's partial sums of the 32 tokens whose
-/// softmax it computes (the token halves of the split above): warpgroup 1
+/// softmax it computes (warpgroup w: tokens 32 w .. 32 w + 31): warpgroup 1
 /// hands its half over in the stage's rope slab (only its own k-steps read
 /// that slab), warpgroup 0 in an 8 KB buffer of its own. That buffer fits
 /// beside Q and the two stages because the row maxima are exchanged in one
@@ -105,11 +108,16 @@ struct MlaWsColumnTile : MlaWsTile {
   static constexpr int kMaxSlots = 1;
   static constexpr int kBarriers = kExchange + kMaxSlots * 2 * L::kHeads * 4;
   static constexpr int kBadFlag = kBarriers + 9 * 8;
-  static constexpr int kScoreExchange = (kBadFlag + 8 + 15) / 16 * 16;  // [4 warps][4 n8 tiles][32 lanes] float4: 64 heads x 32 tokens
+  // Warpgroup 0's partial scores: [4 warps][4 n8 tiles][32 lanes] float4,
+  // 64 heads x 32 tokens.
+  static constexpr int kScoreExchange = (kBadFlag + 8 + 15) / 16 * 16;
   static constexpr int kBytes = kScoreExchange + L::kHeads * 32 * 4;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(kScoreExchange % 16 == 0, "float4 stores");
+  static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(L::kHeads * 32 * 4 <= L::kSlabBytes, "warpgroup 1's half fits the rope slab");
+  static_assert(2 * L::kHeads * 4 <= kMaxSlots * 2 * L::kHeads * 4, "the row sums fit the maxima's slot");
 };
 
 namespace cluster {
@@ -155,9 +163,10 @@ __device__ __forceinline__ void cp_async_16_latent(uint32_t dst, const void* src
                : "memory");
 }
 
-/// W: the CTA's shape (MlaWsTile, or the FP8 kernel's, which has two
-/// producer warpgroups); the consumers are warpgroups 0 and 1 in both.
-template <typename T, class Source, class W = MlaWsTile>
+/// W: the CTA's shape (MlaWsColumnTile, the bf16 kernel's; MlaWsTile; or
+/// an FP8 kernel's, which has two producer warpgroups); the consumers are
+/// warpgroups 0 and 1 in all.
+template <typename T, class Source, class W = MlaWsColumnTile>
 struct MlaWsCta : MlaCtaShare<T, Source> {
   using Tr = ElemTraits<T>;
   using L = MlaTile;
@@ -311,8 +320,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// Tile `tile`'s scores of this warpgroup's 32 tokens (warpgroup w: tokens
   /// 32 w .. 32 w + 31), in the layout of start_scores' m64n32 accumulators.
   /// Split by columns, each warpgroup adds the other's partial sums of its
-  /// tokens, handed over through shared memory; the buffers are free again
-  /// by the next tile (see MlaWsColumnTile).
+  /// tokens, handed over through shared memory (MlaWsColumnTile).
   __device__ void scores(int tile, float (&s)[16]) {
     if constexpr (!W::kScoresByColumns) {
       start_scores(stage(tile), s);
@@ -326,21 +334,24 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       // Thread (warp, lane) of one warpgroup holds the same (head, token)
       // positions as thread (warp, lane) of the other, so each hands over
       // its four n8 tiles of the other's tokens in its own register order.
-      // Warpgroup 1's buffer is the rope slab, which only its own k-steps
-      // read; the P tile overwrites it after the maxima's barrier, by which
-      // time warpgroup 0 has read it.
-      unsigned char* rope = gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab;
-      unsigned char* own = gen + W::kScoreExchange;
-      float4* give = reinterpret_cast<float4*>(wg == 0 ? own : rope) + (wt / 32) * 4 * 32 + lane;
-      const float4* take = reinterpret_cast<const float4*>(wg == 0 ? rope : own) + (wt / 32) * 4 * 32 + lane;
+      // Warpgroup 1 hands over through the rope slab (the stage's P slab),
+      // which only its own k-steps read; the P tile overwrites it after the
+      // maxima's barrier, by which time warpgroup 0 has read it. Warpgroup 0
+      // hands over through the buffer at kScoreExchange, which warpgroup 1
+      // reads before that barrier, and warpgroup 0 writes again only in the
+      // next tile.
+      unsigned char* from_wg1 = gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab;
+      unsigned char* from_wg0 = gen + W::kScoreExchange;
+      const bool is_wg0 = wg == 0;
+      float4* give = reinterpret_cast<float4*>(is_wg0 ? from_wg0 : from_wg1) + (wt / 32) * 4 * 32 + lane;
+      const float4* take = reinterpret_cast<const float4*>(is_wg0 ? from_wg1 : from_wg0) + (wt / 32) * 4 * 32 + lane;
       // (Selects by value: an array reference picked by wg would put part
       // in local memory.)
-      const bool first = wg == 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float g[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) g[e] = first ? part[4 + j][e] : part[j][e];
+        for (int e = 0; e < 4; ++e) g[e] = is_wg0 ? part[4 + j][e] : part[j][e];
         give[j * 32] = make_float4(g[0], g[1], g[2], g[3]);
       }
       named_barrier(W::kConsumerBar, W::kConsumerThreads);  // both halves handed over
@@ -349,7 +360,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         const float4 t = take[j * 32];
         const float o[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[4 * j + e] = (first ? part[j][e] : part[4 + j][e]) + o[e];
+        for (int e = 0; e < 4; ++e) s[4 * j + e] = (is_wg0 ? part[j][e] : part[4 + j][e]) + o[e];
       }
     }
   }
@@ -511,7 +522,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
-    float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // both tiles' maxima are read by now
+    float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // over the maxima's slot(s), read by now
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
     if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
     named_barrier(W::kConsumerBar, W::kConsumerThreads);
