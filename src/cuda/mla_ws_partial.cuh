@@ -428,42 +428,42 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     }
   }
 
-  /// P V of tile `tile` over this warpgroup's 256 V columns. The bf16 CTA
-  /// takes the k-steps of its own 32 tokens with P from registers first, so
-  /// they run while the warpgroups meet at the P barrier, then the other's
-  /// two from the P tile. The FP8 CTAs (kPvHalves) take all four from the
-  /// P tile after the barrier.
+  /// P V of tile `tile` over this warpgroup's 256 V columns: the k-steps of
+  /// its own 32 tokens with P from registers first, so they run while the
+  /// warpgroups meet at the P barrier, then the other's two from the P tile.
   __device__ void start_pv(int tile, const uint32_t (&pk)[4][2]) {
     const uint32_t st = stage(tile);
     const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
     const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
-    if constexpr (!W::kPvHalves) {
-      wgmma::fence();
+    // The FP8 CTAs take each k-step as two m64n128 (columns 0-127 and
+    // 128-255 of this warpgroup's 256, two slabs apart): the 512-thread CTA
+    // compiles at 128 registers per thread, and m64n256k16 alone needs more.
+    constexpr uint64_t kHalf = 2 * L::kSlabBytes >> 4;
+    wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-        wgmma::mma_m64n256k16_rs<T>(acc, a, vd + static_cast<uint64_t>((2 * wg + kk) * 128), 1);
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+      const uint64_t v = vd + static_cast<uint64_t>((2 * wg + kk) * 128);
+      if constexpr (W::kPvHalves) {
+        wgmma::mma_m64n128k16_rs<T>(acc, a, v, 1);
+        wgmma::mma_m64n128k16_rs<T>(acc + 64, a, v + kHalf, 1);
+      } else {
+        wgmma::mma_m64n256k16_rs<T>(acc, a, v, 1);
       }
-      wgmma::fence_proxy_async();
-      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the other warpgroup's P is in the P tile
+    }
+    wgmma::fence_proxy_async();
+    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the other warpgroup's P is in the P tile
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const int k = 2 * (1 - wg) + kk;
-        wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(k * 2), vd + static_cast<uint64_t>(k * 128), 1);
+    for (int kk = 0; kk < 2; ++kk) {
+      const int k = 2 * (1 - wg) + kk;
+      const uint64_t v = vd + static_cast<uint64_t>(k * 128);
+      const uint64_t pa = pd + static_cast<uint64_t>(k * 2);
+      if constexpr (W::kPvHalves) {
+        wgmma::mma_m64n128k16<T>(acc, pa, v, 1);
+        wgmma::mma_m64n128k16<T>(acc + 64, pa, v + kHalf, 1);
+      } else {
+        wgmma::mma_m64n256k16<T>(acc, pa, v, 1);
       }
-    } else {
-      wgmma::fence_proxy_async();
-      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the P tile is complete
-      wgmma::fence();
-      // Two m64n128 per k-step (columns 0-127 and 128-255 of this warpgroup's
-      // 256, two slabs apart): the 512-thread FP8 CTA compiles at 128
-      // registers per thread, and m64n256k16 alone needs more.
-#pragma unroll
-      for (int kk = 0; kk < L::kTokens / 16; ++kk)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wgmma::mma_m64n128k16<T>(acc + 64 * h, pd + static_cast<uint64_t>(kk * 2),
-                                   vd + static_cast<uint64_t>(kk * 128 + h * (2 * L::kSlabBytes >> 4)), 1);
     }
     wgmma::commit();
   }

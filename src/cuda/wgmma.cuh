@@ -158,6 +158,30 @@ __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b,
   }
 }
 
+#define SP_WGMMA_N128RS(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
+  "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+
+/// mma_m64n128k16 with A from registers (mma_m64n256k16_rs's fragments) and
+/// B MN-major: `d` points at either half of m64n256k16's accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N128RS("bf16")
+                 : SP_WGMMA_N128SS_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N128RS("f16")
+                 : SP_WGMMA_N128SS_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+}
+
 // The multi-token CTA's shapes keep their accumulators as [n8 tile][4]
 // arrays, the mma.sync fragment layout (which is also wgmma's per warp).
 #define SP_F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
@@ -229,6 +253,7 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_WGMMA_N256_D
 #undef SP_F32X8
 #undef SP_WGMMA_N128SS_OUTS
+#undef SP_WGMMA_N128RS
 #undef SP_WGMMA_N128SS
 
 }  // namespace wgmma
