@@ -29,7 +29,7 @@
 //   wait `full` of t, S(t) (split by columns: the partial sums handed over
 //   at a 256-thread named barrier); softmax: row maxima exchanged between
 //   the two warpgroups at a second named barrier, P into the stage; P V(t)
-//   (bf16: the own tokens' k-steps with P from registers first), a third
+//   (the own tokens' k-steps with P from registers first), a third
 //   named barrier for the other warpgroup's P, the rest of P V(t); release
 //   stage t (the producer starts tile t + 2 into it).
 // The producer's copies of tile t + 1 run during all of tile t's math. It
