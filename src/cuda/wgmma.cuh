@@ -137,13 +137,16 @@ enum class BMajor { kMN = 1, kK = 0 };
       "+f"(d[j + 7])
 #define SP_WGMMA_N128SS_OUTS \
   SP_F32X8(0), SP_F32X8(8), SP_F32X8(16), SP_F32X8(24), SP_F32X8(32), SP_F32X8(40), SP_F32X8(48), SP_F32X8(56)
-#define SP_WGMMA_N128SS(TY) \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
+// The 64 accumulator operands of an m64n128 shape, %0 to %63.
+#define SP_WGMMA_N128_D \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
+
+#define SP_WGMMA_N128SS(TY) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" SP_WGMMA_N128_D \
   "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
 
 /// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major unless told
@@ -155,30 +158,6 @@ __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b,
     asm volatile(SP_WGMMA_N128SS("bf16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
   } else {
     asm volatile(SP_WGMMA_N128SS("f16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
-  }
-}
-
-#define SP_WGMMA_N128RS(TY) \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
-  "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-
-/// mma_m64n128k16 with A from registers (mma_m64n256k16_rs's fragments) and
-/// B MN-major: `d` points at either half of m64n256k16's accumulators.
-template <typename T>
-__device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N128RS("bf16")
-                 : SP_WGMMA_N128SS_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N128RS("f16")
-                 : SP_WGMMA_N128SS_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
 }
 
@@ -208,11 +187,7 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[8][4], uint64_t a, uint
   SP_F4(8), SP_F4(9), SP_F4(10), SP_F4(11), SP_F4(12), SP_F4(13), SP_F4(14), SP_F4(15)
 #define SP_WGMMA_N128_RS(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 " \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" SP_WGMMA_N128_D \
   "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
 
 /// D[64x128] (+)= A[64x16] B[16x128]: A from registers (each warp's 16 rows
@@ -226,6 +201,21 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint3
   } else {
     asm volatile(SP_WGMMA_N128_RS("f16")
                  : SP_WGMMA_N128_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+}
+
+/// The same with `d` pointing at either half of m64n256k16's accumulators
+/// (whose layout they share), as mma_m64n128k16 takes them.
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  if constexpr (ElemTraits<T>::kBF16) {
+    asm volatile(SP_WGMMA_N128_RS("bf16")
+                 : SP_WGMMA_N128SS_OUTS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(SP_WGMMA_N128_RS("f16")
+                 : SP_WGMMA_N128SS_OUTS
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
 }
@@ -253,7 +243,7 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_WGMMA_N256_D
 #undef SP_F32X8
 #undef SP_WGMMA_N128SS_OUTS
-#undef SP_WGMMA_N128RS
+#undef SP_WGMMA_N128_D
 #undef SP_WGMMA_N128SS
 
 }  // namespace wgmma
