@@ -229,30 +229,6 @@ __device__ __forceinline__ uint32_t slab_offset(int r, int piece) {
   return static_cast<uint32_t>((piece >> 3) * kSlabBytes + r * 128 + (((piece & 7) ^ (r & 7)) << 4));
 }
 
-#define DSA_WGMMA_N64_OUTS \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define DSA_WGMMA_N64(TY) \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-
-// D[64x64] (+)= A[64x16] B[64x16]^T, A and B K-major.
-template <typename T>
-__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (cuda::ElemTraits<T>::kBF16) {
-    asm volatile(DSA_WGMMA_N64("bf16") : DSA_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(DSA_WGMMA_N64("f16") : DSA_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  }
-}
-#undef DSA_WGMMA_N64_OUTS
-#undef DSA_WGMMA_N64
-
 // d = keys (64 positions) . queries (64 heads) over the k-steps of 16
 // columns: kKSteps of them, or `ksteps` when kKSteps is 0 (a head dim other
 // than 128, looped at run time).
@@ -265,9 +241,9 @@ __device__ __forceinline__ void score_chunk(uint32_t keys, uint32_t queries, int
   cuda::wgmma::fence();
   if constexpr (kKSteps > 0) {
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) mma_m64n64k16<T>(d, kd + offset(kk), qd + offset(kk), kk > 0);
+    for (int kk = 0; kk < kKSteps; ++kk) cuda::wgmma::mma_m64n64k16<T>(d, kd + offset(kk), qd + offset(kk), kk > 0);
   } else {
-    for (int kk = 0; kk < ksteps; ++kk) mma_m64n64k16<T>(d, kd + offset(kk), qd + offset(kk), kk > 0);
+    for (int kk = 0; kk < ksteps; ++kk) cuda::wgmma::mma_m64n64k16<T>(d, kd + offset(kk), qd + offset(kk), kk > 0);
   }
   cuda::wgmma::commit();
   cuda::wgmma::wait<0>();
@@ -504,7 +480,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
           const uint64_t a = kd + static_cast<uint64_t>(((kk / 4) * kSlabBytes + (kk % 4) * 32) >> 4);
           const uint64_t b = qd + static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
           if constexpr (kChainTokens == 1) {
-            mma_m64n64k16<T>(d[c], a, b, kk > 0);
+            cuda::wgmma::mma_m64n64k16<T>(d[c], a, b, kk > 0);
           } else {
             cuda::wgmma::mma_m64n128k16<T, cuda::wgmma::BMajor::kK>(d[c], a, b, kk > 0);
           }

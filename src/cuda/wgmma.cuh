@@ -182,6 +182,13 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[8][4], uint64_t a, uint
   }
 }
 
+/// The same over the accumulators as one array of 32 (the same registers in
+/// the same order: d[4 j + e] is d[j][e]), as the DSA indexer keeps them.
+template <typename T>
+__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  mma_m64n64k16<T>(reinterpret_cast<float (&)[8][4]>(d), a, b, accumulate);
+}
+
 #define SP_WGMMA_N128_OUTS \
   SP_F4(0), SP_F4(1), SP_F4(2), SP_F4(3), SP_F4(4), SP_F4(5), SP_F4(6), SP_F4(7), \
   SP_F4(8), SP_F4(9), SP_F4(10), SP_F4(11), SP_F4(12), SP_F4(13), SP_F4(14), SP_F4(15)
