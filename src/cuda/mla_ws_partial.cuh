@@ -73,17 +73,20 @@ struct MlaWsTile {
   // warpgroup 1's partial scores before that).
   static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;
   static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
-  static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [kMaxSlots tiles][2 warpgroups][64] floats
-  static constexpr int kMaxSlots = 2;           // the row maxima's slots, by tile parity
   // full[2], empty[2], done, and in a CTA pair peer_empty[2] and
   // peer_full[2]: 8 bytes each; then the producers' rejected-id flag.
-  static constexpr int kBarriers = kExchange + kMaxSlots * 2 * L::kHeads * 4;
+  static constexpr int kBarriers = kIds + kIdSlots * kIdSlotInts * 4;
   static constexpr int kBadFlag = kBarriers + 9 * 8;
-  static constexpr int kBytes = kBadFlag + 8;
+  // The tail, which the column split sizes differently: the row maxima's
+  // exchange, [kMaxSlots tiles][2 warpgroups][64] floats.
+  static constexpr int kExchange = kBadFlag + 8;
+  static constexpr int kMaxSlots = 2;           // by tile parity
+  static constexpr int kBytes = kExchange + kMaxSlots * 2 * L::kHeads * 4;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(L::kHeads * 128 == L::kSlabBytes, "a P tile is one slab");
   static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(kExchange % 16 == 0, "the exchange starts 16-byte aligned");
   // Named barriers (0 is __syncthreads).
   static constexpr int kConsumerBar = 1;
   static constexpr int kProducerBar = 2;
@@ -105,17 +108,15 @@ struct MlaWsTile {
 /// slot, not two (see MlaWsCta::softmax).
 struct MlaWsColumnTile : MlaWsTile {
   static constexpr bool kScoresByColumns = true;
+  // Only the tail differs from the token split's layout: one maxima slot,
+  // then warpgroup 0's partial scores, [4 warps][4 n8 tiles][32 lanes]
+  // float4 (64 heads x 32 tokens).
   static constexpr int kMaxSlots = 1;
-  static constexpr int kBarriers = kExchange + kMaxSlots * 2 * L::kHeads * 4;
-  static constexpr int kBadFlag = kBarriers + 9 * 8;
-  // Warpgroup 0's partial scores: [4 warps][4 n8 tiles][32 lanes] float4,
-  // 64 heads x 32 tokens.
-  static constexpr int kScoreExchange = (kBadFlag + 8 + 15) / 16 * 16;
+  static constexpr int kScoreExchange = (kExchange + kMaxSlots * 2 * L::kHeads * 4 + 15) / 16 * 16;
   static constexpr int kBytes = kScoreExchange + L::kHeads * 32 * 4;
   static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(kScoreExchange % 16 == 0, "float4 stores");
-  static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(L::kHeads * 32 * 4 <= L::kSlabBytes, "warpgroup 1's half fits the rope slab");
   static_assert(2 * L::kHeads * 4 <= kMaxSlots * 2 * L::kHeads * 4, "the row sums fit the maxima's slot");
 };
