@@ -136,13 +136,12 @@ void cuda_check_kernel_switches() {
 
 namespace {
 
-const char* kernel_name(const KernelChoice& c, const DecodeParams& params, const DecodePlan& plan) {
+const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
   switch (c.kind) {
     case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
     case DecodeKernel::kFp8:
       if (params.kv_format != KvFormat::kE4m3Mla) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
-      if (cuda::mla_fp8_runs_pairs(params.group_size, plan.uniform_chunks > 0 ? plan.uniform_chunk_tokens : 0,
-                                   uses_engine_inputs(params)))
+      if (cuda::mla_fp8_runs_pairs(params.group_size, uses_engine_inputs(params)))
         return "MLA FP8 (656-byte rows), wgmma, warp-specialized, CTA pairs";
       return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized
                  ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
@@ -160,7 +159,7 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params, const
 }  // namespace
 
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan) {
-  return kernel_name(choose_kernel(params, plan), params, plan);
+  return kernel_name(choose_kernel(params, plan), params);
 }
 
 bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra) {
@@ -226,7 +225,7 @@ const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, 
   const std::string qo_problem = cuda_layout_problem(params);
   if (!qo_problem.empty()) throw Error("run_decode_cuda: " + qo_problem);
   const KernelChoice choice = choose_kernel(params, plan);
-  const char* name = kernel_name(choice, params, plan);
+  const char* name = kernel_name(choice, params);
   if (plan.work.empty()) return name;
   if (workspace == nullptr) throw Error("run_decode_cuda: workspace is null");
   auto s = static_cast<cudaStream_t>(stream);

@@ -26,20 +26,16 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
-/// Chunks of at most this many tokens (two tiles) run one CTA per head tile
-/// under SPARSEPAGE_MLA_FP8_PAIRS=auto: a pair's start (the cluster barrier,
-/// the first tiles' exchange) costs more than its halved dequantization
-/// wins back over so few tiles. Measured on the H200 (docs/PERFORMANCE.md,
-/// "FP8 KV caches"): batch 1 (16 chunks of 128) 16.7 us as pairs against
-/// 16.3 one CTA per head tile; batch 64 (one chunk of 2048) 109 against 114 us.
-constexpr int32_t kPairMinChunkTokens = 2 * MlaTile::kTokens + 1;
-
+/// Under SPARSEPAGE_MLA_FP8_PAIRS=auto (and on) every item of two head tiles
+/// runs as a CTA pair when the device places the clusters. Measured on the
+/// H200 (docs/PERFORMANCE.md, "FP8 KV caches"): since the FP8 CTAs take P
+/// from registers, the pairs win or tie at every batch from 1 to 128, the
+/// 128-token chunks of small batches included (batch 1: 15.5 against 16.0
+/// us; batch 2 level).
 template <class Source>
-bool pairs_run(int32_t group_size, int32_t chunk_tokens) {
+bool pairs_run(int32_t group_size) {
   if (mla_kernel_choice() != MlaKernel::kWarpSpecialized) return false;
-  const Fp8Pairs choice = mla_fp8_pairs_choice();
-  if (choice == Fp8Pairs::kOff) return false;
-  if (choice == Fp8Pairs::kAuto && chunk_tokens > 0 && chunk_tokens < kPairMinChunkTokens) return false;
+  if (mla_fp8_pairs_choice() == Fp8Pairs::kOff) return false;
   if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;
   return clusters_fit(mla_partial_kernel<MlaWsFp8PairCta<Source>>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
                       MlaWsFp8PairTile::kClusterCtas);
@@ -54,7 +50,7 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   const int64_t ctas = int64_t{num_items} * ((p.group_size + MlaTile::kHeads - 1) / MlaTile::kHeads);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
   const dim3 grid(static_cast<unsigned>(ctas));
-  if (pairs_run<Source>(p.group_size, p.work == nullptr ? p.chunk_tokens : 0)) {
+  if (pairs_run<Source>(p.group_size)) {
     // Head tiles vary fastest (MlaWsCta), so a cluster of two is one item's pair.
     auto kernel = mla_partial_kernel<MlaWsFp8PairCta<Source>>;
     cudaLaunchAttribute attribute[2];
@@ -81,9 +77,8 @@ Fp8Pairs mla_fp8_pairs_choice() {
   return choice;
 }
 
-bool mla_fp8_runs_pairs(int32_t group_size, int32_t chunk_tokens, bool engine_inputs) {
-  return engine_inputs ? pairs_run<EnginePagedSource>(group_size, chunk_tokens)
-                       : pairs_run<PagedSource>(group_size, chunk_tokens);
+bool mla_fp8_runs_pairs(int32_t group_size, bool engine_inputs) {
+  return engine_inputs ? pairs_run<EnginePagedSource>(group_size) : pairs_run<PagedSource>(group_size);
 }
 
 void launch_partial_fp8(const PartialParams<PagedTable>& params, KvFormat format, DType dtype, const float* k_scale,

@@ -19,17 +19,17 @@ void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DTy
 
 /// SPARSEPAGE_MLA_FP8_PAIRS=auto|on|off (read once; unset: auto): whether FP8
 /// MLA items of two head tiles run as CTA pairs (mla_ws_fp8_pair.cuh).
-/// auto: when a work item has more than two tiles of 64 tokens (or the plan
-/// is not a uniform split); on: always; off: never. Any other value is
+/// auto and on: whenever the device places the clusters (on is kept for
+/// the scripts that set it; auto excluded items of two 64-token tiles until
+/// the pairs measured faster there too); off: never. Any other value is
 /// refused by name.
 enum class Fp8Pairs { kAuto, kOn, kOff };
 Fp8Pairs mla_fp8_pairs_choice();
 
-/// Whether an FP8 MLA launch of `group_size` query heads per request, its
-/// items `chunk_tokens` long (0: not a uniform split), runs the CTA-pair
-/// kernel: two head tiles, the warp-specialized kernel chosen, the switch
-/// above, and a device that places the clusters.
-bool mla_fp8_runs_pairs(int32_t group_size, int32_t chunk_tokens, bool engine_inputs);
+/// Whether an FP8 MLA launch of `group_size` query heads per request runs
+/// the CTA-pair kernel: two head tiles, the warp-specialized kernel chosen,
+/// the switch above, and a device that places the clusters.
+bool mla_fp8_runs_pairs(int32_t group_size, bool engine_inputs);
 
 }  // namespace cuda
 }  // namespace sparsepage
