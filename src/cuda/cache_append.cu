@@ -3,6 +3,9 @@
 // rows land at its device-side live length, which then grows by the number
 // of tokens. The length is read and advanced on the device, so a captured
 // step appends at the right rows on every replay.
+#include <cstdint>
+#include <string>
+
 #include "core/cuda_hooks.h"
 #include "cuda/common.cuh"
 
@@ -10,35 +13,72 @@ namespace sparsepage {
 namespace {
 
 constexpr int kAppendThreads = 256;
+constexpr int kAppendBatch = 4;  // words per thread loaded before any is stored
 
-// One CTA per sequence: every thread reads the old length, the rows of all
-// the step's tokens are copied in 4-byte words, and only after the CTA-wide
-// barrier does thread 0 publish the new length, so no thread reads a
-// half-advanced value.
+// One CTA per sequence. The step's critical path runs through this kernel,
+// so it costs two memory round trips: the length and a batch of source
+// words are requested together (the sources do not depend on the length),
+// then the words are stored at the length. Word is uint4 when every row is
+// whole 16-byte pieces (and the pointers allow it), else 4-byte words.
+// Only after the CTA-wide barrier does thread 0 publish the new length, so
+// no thread reads a half-advanced value.
+template <typename Word>
 __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __grid_constant__ detail::AppendTokenArgs a) {
   // Launched as a programmatic dependent: wait for the previous kernel (it
   // may have produced the new rows), then let the step's next kernel (the
   // indexer) be scheduled while this one drains; it waits for us in turn.
   cuda::pdl_wait_primary();
   cuda::pdl_launch_dependents();
-  const int64_t b = blockIdx.x;
+  const int b = blockIdx.x;
+  const int k_words = static_cast<int>(a.k_row_bytes / sizeof(Word));
+  const int v_words = static_cast<int>(a.v_row_bytes / sizeof(Word));
+  const int k_per_token = a.k_heads * k_words;
+  const int per_token = k_per_token + a.v_heads * v_words;
+  const int total = a.tokens * per_token;  // the host bounds it (AppendTokenArgs)
   const int64_t t = a.live_lens[b];
-  // Full: nothing is written past the allocation (the host checked; this guards a stale length).
-  if (t < 0 || t + a.tokens > a.capacity) return;
-  // Token i's rows of sequence b: [tokens, batch, heads] source rows.
-  const auto put = [&](void* base, const void* src, int32_t heads, int64_t row_bytes) {
-    const int64_t words = row_bytes / 4, per_token = heads * words;
-    for (int64_t x = threadIdx.x; x < a.tokens * per_token; x += blockDim.x) {
-      const int64_t i = x / per_token, r = x % per_token, h = r / words, w = r % words;
-      const uint32_t v = static_cast<const uint32_t*>(src)[((i * a.batch + b) * heads + h) * words + w];
-      static_cast<uint32_t*>(base)[((b * heads + h) * a.capacity + t + i) * words + w] = v;
-    }
+  // Full: nothing is written past the allocation (the host checked; this
+  // guards a stale length). The same for every thread.
+  const bool room = t >= 0 && t + a.tokens <= a.capacity;
+  // Word x of the step: token i, then K's heads, then V's; row h, word w.
+  const auto locate = [&](int x, int& i, bool& is_k, int& h, int& w) {
+    i = x / per_token;
+    int r = x - i * per_token;
+    is_k = r < k_per_token;
+    if (!is_k) r -= k_per_token;
+    const int words = is_k ? k_words : v_words;
+    h = r / words;
+    w = r - h * words;
   };
-  put(a.k, a.k_new, a.k_heads, a.k_row_bytes);
-  put(a.v, a.v_new, a.v_heads, a.v_row_bytes);
+  for (int x0 = 0; x0 < total; x0 += kAppendThreads * kAppendBatch) {
+    Word word[kAppendBatch];
+#pragma unroll
+    for (int u = 0; u < kAppendBatch; ++u) {
+      const int x = x0 + u * kAppendThreads + static_cast<int>(threadIdx.x);
+      if (x >= total) break;
+      int i, h, w;
+      bool is_k;
+      locate(x, i, is_k, h, w);
+      // Source rows are [tokens, batch, heads].
+      word[u] = is_k ? static_cast<const Word*>(a.k_new)[((int64_t{i} * a.batch + b) * a.k_heads + h) * k_words + w]
+                     : static_cast<const Word*>(a.v_new)[((int64_t{i} * a.batch + b) * a.v_heads + h) * v_words + w];
+    }
+    if (!room) return;  // tested only now, so the loads above were in flight with the length's
+#pragma unroll
+    for (int u = 0; u < kAppendBatch; ++u) {
+      const int x = x0 + u * kAppendThreads + static_cast<int>(threadIdx.x);
+      if (x >= total) break;
+      int i, h, w;
+      bool is_k;
+      locate(x, i, is_k, h, w);
+      if (is_k) static_cast<Word*>(a.k)[((int64_t{b} * a.k_heads + h) * a.capacity + t + i) * k_words + w] = word[u];
+      else static_cast<Word*>(a.v)[((int64_t{b} * a.v_heads + h) * a.capacity + t + i) * v_words + w] = word[u];
+    }
+  }
   __syncthreads();
   if (threadIdx.x == 0) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
 }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -46,8 +86,14 @@ namespace detail {
 void append_token_cuda(const AppendTokenArgs& a, void* stream) {
   if (a.batch < 1 || a.tokens < 1 || a.k_row_bytes % 4 != 0 || a.v_row_bytes % 4 != 0)
     throw Error("append_token: batch and tokens must be at least 1 and rows whole 4-byte words");
-  cuda::launch_with_pdl(append_token_kernel, dim3(static_cast<unsigned>(a.batch)), dim3(kAppendThreads), 0,
-                        static_cast<cudaStream_t>(stream), a);
+  const int64_t words = int64_t{a.tokens} * (int64_t{a.k_heads} * a.k_row_bytes + int64_t{a.v_heads} * a.v_row_bytes) / 4;
+  if (words > INT32_MAX) throw Error("append_token: " + std::to_string(words) + " words per sequence are too many");
+  const bool wide = a.k_row_bytes % 16 == 0 && a.v_row_bytes % 16 == 0 && aligned16(a.k) && aligned16(a.v) &&
+                    aligned16(a.k_new) && aligned16(a.v_new);
+  const dim3 grid(static_cast<unsigned>(a.batch));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (wide) cuda::launch_with_pdl(append_token_kernel<uint4>, grid, dim3(kAppendThreads), 0, s, a);
+  else cuda::launch_with_pdl(append_token_kernel<uint32_t>, grid, dim3(kAppendThreads), 0, s, a);
 }
 }  // namespace detail
 

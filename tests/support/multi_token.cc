@@ -274,14 +274,14 @@ std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<f
   return "";
 }
 
-std::string step_append_mismatch(Device device) {
-  constexpr int32_t kBatch = 3, kKHeads = 3, kVHeads = 2, kKDim = 24, kVDim = 8, kPrompt = 5;
+std::string step_append_mismatch(Device device, int32_t k_dim, int32_t v_dim) {
+  constexpr int32_t kBatch = 3, kKHeads = 3, kVHeads = 2, kPrompt = 5;
   const std::vector<int32_t> steps = {3, 1, 4};
   std::mt19937_64 rng(77);
-  DenseKVCache stepped(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, kKDim, kVDim, 16);
-  DenseKVCache single(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, kKDim, kVDim, 16);
-  const auto k_prompt = random_values(DType::kBF16, size_t{kBatch} * kKHeads * kPrompt * kKDim, rng);
-  const auto v_prompt = random_values(DType::kBF16, size_t{kBatch} * kVHeads * kPrompt * kVDim, rng);
+  DenseKVCache stepped(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, k_dim, v_dim, 16);
+  DenseKVCache single(device, CacheMode::kBF16, kBatch, kKHeads, kVHeads, k_dim, v_dim, 16);
+  const auto k_prompt = random_values(DType::kBF16, size_t{kBatch} * kKHeads * kPrompt * k_dim, rng);
+  const auto v_prompt = random_values(DType::kBF16, size_t{kBatch} * kVHeads * kPrompt * v_dim, rng);
   const Buffer kp = upload(device, k_prompt), vp = upload(device, v_prompt);
   int64_t total = kPrompt;
   for (int32_t n : steps) total += n;
@@ -289,13 +289,13 @@ std::string step_append_mismatch(Device device) {
     c->append(kp.data(), vp.data(), DType::kBF16, kPrompt);
     c->reserve(total);
   }
-  const size_t k_row = size_t{kKDim} * 2, v_row = size_t{kVDim} * 2;  // bytes
+  const size_t k_row = static_cast<size_t>(k_dim) * 2, v_row = static_cast<size_t>(v_dim) * 2;  // bytes
   const size_t k_slice = size_t{kBatch} * kKHeads * k_row, v_slice = size_t{kBatch} * kVHeads * v_row;
   std::vector<std::vector<uint8_t>> k_steps, v_steps;
   for (int32_t n : steps) {
     // [n, batch, heads, 1, dim]: token i's slice is what append_token takes.
-    k_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kKHeads * kKDim, rng));
-    v_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kVHeads * kVDim, rng));
+    k_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kKHeads * k_dim, rng));
+    v_steps.push_back(random_values(DType::kBF16, size_t(n) * kBatch * kVHeads * v_dim, rng));
     const Buffer kd = upload(device, k_steps.back()), vd = upload(device, v_steps.back());
     stepped.append_step_tokens(kd.data(), vd.data(), n, nullptr);
     for (int32_t i = 0; i < n; ++i) {
@@ -317,7 +317,7 @@ std::string step_append_mismatch(Device device) {
       return std::string(key ? "K" : "V") + " window differs from the single-token appends";
     }
     // Every step's token i of (sequence b, head h) at row (its step's start) + i.
-    const int32_t heads = key ? kKHeads : kVHeads, dim = key ? kKDim : kVDim;
+    const int32_t heads = key ? kKHeads : kVHeads, dim = key ? k_dim : v_dim;
     int64_t start = kPrompt;
     for (size_t u = 0; u < steps.size(); ++u) {
       const std::vector<float> src = as_float(DType::kBF16, key ? k_steps[u] : v_steps[u]);

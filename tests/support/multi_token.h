@@ -83,12 +83,12 @@ std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<f
                                 const std::vector<double>& ref_lse, double o_tol, double lse_tol);
 
 /// A multi-token step's cache append against the same tokens appended one
-/// at a time: two bf16 caches on `device` (3 sequences, K 3 heads x 24 dims,
-/// V 2 heads x 8 dims, a 5-token prompt) take steps of 3, 1 and 4 tokens,
+/// at a time: two bf16 caches on `device` (3 sequences, K 3 heads x k_dim,
+/// V 2 heads x v_dim, a 5-token prompt) take steps of 3, 1 and 4 tokens,
 /// one through DenseKVCache::append_step_tokens, the other through
 /// append_token per token. Empty when both hold bit-equal windows, equal
 /// host and device lengths, and the rows of every step's tokens where they
 /// belong; otherwise what differed.
-std::string step_append_mismatch(Device device);
+std::string step_append_mismatch(Device device, int32_t k_dim = 24, int32_t v_dim = 8);
 
 }  // namespace sparsepage::testing
