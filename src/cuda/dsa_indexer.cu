@@ -2,7 +2,7 @@
 // dsa.h). Grids and the workspace are sized from the host bound max_kv_len;
 // each sequence's live length is read on the device, so one captured graph
 // serves a growing context. On the caller's stream:
-//   0. a memset clears the coarse histograms and the counters;
+//   0. dsa_clear_kernel clears the coarse histograms and the counters;
 //   1. dsa_score_group_kernel (the production geometry, 64 heads x 128;
 //      dsa_score_kernel for others) scores positions on warpgroup MMAs
 //      (fp32 accumulation: positions x index heads x dim), the index keys
@@ -19,8 +19,7 @@
 //      whose composite reaches the k-th, at the offset of the earlier slices:
 //      increasing positions, padded with -1, and the count.
 // Ties go to the lower position and NaN ranks last through the composite
-// (radix_select.cuh). The classify and compact kernels are programmatic
-// dependent launches. Nothing here allocates, synchronizes or reads back.
+// (radix_select.cuh). Every kernel is a programmatic dependent launch. Nothing here allocates, synchronizes or reads back.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -140,7 +139,7 @@ struct Workspace {
     cand_count = up(hist + b * kBins * sizeof(int32_t));
     done = up(cand_count + b * sizeof(int32_t));
     slice_kept = up(done + b * sizeof(int32_t));
-    cleared = up(slice_kept + b * static_cast<size_t>(slices) * sizeof(int32_t));
+    cleared = up(slice_kept + b * static_cast<size_t>(slices) * sizeof(int32_t));  // whole 16-byte words
     cut = cleared;
     scores = up(cut + b * sizeof(uint64_t));
     candidates = up(scores + b * n * sizeof(float));
@@ -260,6 +259,7 @@ template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_constant__ IndexerParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(16) unsigned char smem[];
+  cuda::pdl_wait_primary();  // the clear kernel (and so the step's append) is complete and visible
   const int b = blockIdx.y;
   const int64_t len = row_len(p, b);
   if (len <= p.topk) return;  // the window fits the top-k: nothing to score
@@ -392,6 +392,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   constexpr int kChains = kTokens / kChainTokens;
   constexpr int kGroupStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
+  cuda::pdl_wait_primary();  // the clear kernel (and so the step's append) is complete and visible
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
   const int ntok = min(kTokens, p.q_len - first);
@@ -811,6 +812,31 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
 
 // ---- launch -----------------------------------------------------------------
 
+// Step 0: the coarse histograms and the counters cleared (`words` 16-byte
+// words), as a programmatic dependent launch rather than a memset, so that
+// in a captured step it is scheduled while the kernel before it drains and
+// the score grid can be scheduled while it runs. It waits first: the
+// previous call's classify and compact kernels read these words.
+struct ClearArgs {
+  uint4* words;
+  int64_t n;
+};
+
+__global__ void dsa_clear_kernel(const __grid_constant__ ClearArgs a) {
+  cuda::pdl_wait_primary();
+  cuda::pdl_launch_dependents();
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.n; i += int64_t{gridDim.x} * blockDim.x) {
+    a.words[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+void launch_clear(void* workspace, size_t bytes, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const ClearArgs a{static_cast<uint4*>(workspace), static_cast<int64_t>(bytes / sizeof(uint4))};
+  const int64_t ctas = std::min<int64_t>((a.n + kThreads - 1) / kThreads, 4 * int64_t{cuda_multiprocessor_count()});
+  cuda::launch_with_pdl(dsa_clear_kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0, stream, a);
+}
+
 // The keys as a 3-d tensor for TMA: (column, position, sequence), boxes of
 // 64 x 64 x 1 in the 128-byte swizzle. Encoded on the host at each call
 // (the pointer may change); no device work.
@@ -853,8 +879,7 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_sequence = std::clamp<int64_t>(wave / batch, 1, tiles);
   const dim3 grid(static_cast<unsigned>(per_sequence), static_cast<unsigned>(batch));
-  dsa_score_kernel<T, kKSteps><<<grid, kScoreThreads, smem, stream>>>(p);
-  SP_CUDA_CHECK_LAUNCH();
+  cuda::launch_with_pdl(dsa_score_kernel<T, kKSteps>, grid, dim3(kScoreThreads), smem, stream, p);
 }
 
 // The group score grid: per (sequence, token group), an equal share of one
@@ -868,8 +893,7 @@ void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_
   const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
   const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
   const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(groups));
-  dsa_score_group_kernel<T, kTokens><<<grid, kGroupThreads, smem, stream>>>(p);
-  SP_CUDA_CHECK_LAUNCH();
+  cuda::launch_with_pdl(dsa_score_group_kernel<T, kTokens>, grid, dim3(kGroupThreads), smem, stream, p);
 }
 
 template <typename T>
@@ -926,6 +950,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaInde
   REQUIRE(a.workspace != nullptr && a.workspace_bytes >= ws.total,
           "the workspace holds " + std::to_string(a.workspace_bytes) + " bytes, dsa_indexer_workspace_bytes asks for " +
               std::to_string(ws.total));
+  REQUIRE(reinterpret_cast<uintptr_t>(a.workspace) % 16 == 0, "the workspace must be 16-byte aligned");
   const size_t smem = ScoreLayout(c.index_heads, c.index_head_dim).smem_bytes();
   REQUIRE(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) + " with index_head_dim = " +
                                   std::to_string(c.index_head_dim) + " needs " + std::to_string(smem) +
@@ -959,7 +984,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaInde
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
-    SP_CUDA_CHECK(cudaMemsetAsync(a.workspace, 0, ws.cleared, s));
+    launch_clear(a.workspace, ws.cleared, s);
     if (a.dtype == DType::kBF16) {
       launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, a.dtype, s);
     } else {
