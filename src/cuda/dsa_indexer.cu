@@ -259,16 +259,22 @@ template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_constant__ IndexerParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(16) unsigned char smem[];
-  cuda::pdl_wait_primary();  // the clear kernel (and so the step's append) is complete and visible
+  // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
   const int b = blockIdx.y;
   const int64_t len = row_len(p, b);
-  if (len <= p.topk) return;  // the window fits the top-k: nothing to score
+  if (len <= p.topk) {  // the window fits the top-k: nothing to score
+    cuda::pdl_wait_primary();
+    return;
+  }
   const int key_seq = p.q_len == 1 ? b : b / p.q_len;  // whose keys this row scores
   const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
   const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
   const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
   const int64_t ntiles = min(per_cta, tiles - tile0);
-  if (ntiles <= 0) return;
+  if (ntiles <= 0) {
+    cuda::pdl_wait_primary();
+    return;
+  }
   const ScoreLayout L(p.heads, p.dim);
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -357,6 +363,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     record_score(out, hist_s, t, s, live, lane);
   }
   __syncthreads();  // every position is in the shared histogram (every issued tile was waited for)
+  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms
   int32_t* hist = p.hist + int64_t{b} * kBins;
   for (int i = tid; i < kBins; i += kScoreThreads) {
     const int32_t v = hist_s[i];
@@ -392,19 +399,25 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   constexpr int kChains = kTokens / kChainTokens;
   constexpr int kGroupStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
-  cuda::pdl_wait_primary();  // the clear kernel (and so the step's append) is complete and visible
+  // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
   const int ntok = min(kTokens, p.q_len - first);
   const int64_t seq_len = p.kv_lens[seq];
   const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
   const int64_t len = window(ntok - 1);  // the group's longest window
-  if (len <= p.topk) return;             // every row's window fits the top-k: nothing to score
+  if (len <= p.topk) {                   // every row's window fits the top-k: nothing to score
+    cuda::pdl_wait_primary();
+    return;
+  }
   const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
   const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
   const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
   const int64_t ntiles = min(per_cta, tiles - tile0);
-  if (ntiles <= 0) return;
+  if (ntiles <= 0) {
+    cuda::pdl_wait_primary();
+    return;
+  }
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gen = smem + (base - raw);
@@ -535,6 +548,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     }
   }
   __syncthreads();  // every scored position is in its row's shared histogram
+  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
     const int tl = i / kBins;
     const int32_t v = hist_s[i];
@@ -696,7 +710,10 @@ __global__ void __launch_bounds__(kClassifyThreads) dsa_classify_kernel(const __
   const int b = blockIdx.y;
   const int64_t len = row_len(p, b);  // written before the score kernel started: safe before the wait
   const int64_t first = int64_t{blockIdx.x} * kSlice;
-  if (len <= p.topk || first >= len) return;
+  if (len <= p.topk || first >= len) {
+    cuda::pdl_wait_primary();  // no grid of the chain completes before the one it follows
+    return;
+  }
   cuda::pdl_launch_dependents();  // the compaction may be scheduled; it waits for this grid
   cuda::pdl_wait_primary();       // the scores and the histogram are complete and visible
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -771,11 +788,12 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
       for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = i < len ? i : -1;
       if (threadIdx.x == 0) p.counts[b] = static_cast<int32_t>(len);
     }
+    cuda::pdl_wait_primary();  // no grid of the chain completes before the one it follows
     return;
   }
+  cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
   const int64_t first = int64_t{blockIdx.x} * kSlice;
   if (first >= len) return;
-  cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
   // Every read is requested before any is used: one round trip.
   const int64_t t0 = first + 8 * int64_t{threadIdx.x};
   const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
@@ -812,11 +830,16 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
 
 // ---- launch -----------------------------------------------------------------
 
-// Step 0: the coarse histograms and the counters cleared (`words` 16-byte
+// Step 0: the coarse histograms and the counters cleared (`n` 16-byte
 // words), as a programmatic dependent launch rather than a memset, so that
-// in a captured step it is scheduled while the kernel before it drains and
-// the score grid can be scheduled while it runs. It waits first: the
-// previous call's classify and compact kernels read these words.
+// in a captured step it is scheduled while the kernel before it drains. It
+// waits first (the previous call's classify and compact kernels read these
+// words), and only then lets the score grid start. So everything the score
+// kernels read (the step's appended keys and lengths, the queries and
+// weights the caller produced before this call) was complete before their
+// grid launched, and they score under the clear; only their histogram adds
+// wait for it. Every score CTA waits before it exits, so the score grid
+// never completes before this one.
 struct ClearArgs {
   uint4* words;
   int64_t n;
