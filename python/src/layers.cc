@@ -736,7 +736,7 @@ void bind_layers(nb::module_& m) {
       "The DSA indexer on the GPU (graph-capturable): k_cache is the layer's K allocation\n"
       "[batch, 1, capacity, latent_dim + index_head_dim]; kv_lens int32 [batch] live lengths read on\n"
       "the device (<= max_kv_len); workspace of dsa_indexer_workspace_bytes(config, batch, max_kv_len)\n"
-      "bytes; positions int32 out [batch, index_topk], increasing, -1 past counts (int32 out [batch]).");
+      "bytes, 16-byte aligned; positions int32 out [batch, index_topk], increasing, -1 past counts (int32 out [batch]).");
 }
 
 }  // namespace sparsepage::py

@@ -34,51 +34,45 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
   const int v_words = static_cast<int>(a.v_row_bytes / sizeof(Word));
   const int k_per_token = a.k_heads * k_words;
   const int per_token = k_per_token + a.v_heads * v_words;
-  const int total = a.tokens * per_token;  // the host bounds it (AppendTokenArgs)
+  const int total = a.tokens * per_token;  // append_token_cuda bounds it
   const int64_t t = a.live_lens[b];
   // Full: nothing is written past the allocation (the host checked; this
   // guards a stale length). The same for every thread.
   const bool room = t >= 0 && t + a.tokens <= a.capacity;
   // Word x of the step: token i, then K's heads, then V's; row h, word w.
-  const auto locate = [&](int x, int& i, bool& is_k, int& h, int& w) {
-    i = x / per_token;
-    int r = x - i * per_token;
-    is_k = r < k_per_token;
-    if (!is_k) r -= k_per_token;
-    const int words = is_k ? k_words : v_words;
-    h = r / words;
-    w = r - h * words;
-  };
+  // Source rows are [tokens, batch, heads], destination rows [batch, heads,
+  // capacity], token i at row t + i.
   for (int x0 = 0; x0 < total; x0 += kAppendThreads * kAppendBatch) {
     Word word[kAppendBatch];
+    int64_t at[kAppendBatch];  // destination word, counted from row 0 rather than t
+    bool to_k[kAppendBatch];
 #pragma unroll
     for (int u = 0; u < kAppendBatch; ++u) {
       const int x = x0 + u * kAppendThreads + static_cast<int>(threadIdx.x);
       if (x >= total) break;
-      int i, h, w;
-      bool is_k;
-      locate(x, i, is_k, h, w);
-      // Source rows are [tokens, batch, heads].
-      word[u] = is_k ? static_cast<const Word*>(a.k_new)[((int64_t{i} * a.batch + b) * a.k_heads + h) * k_words + w]
-                     : static_cast<const Word*>(a.v_new)[((int64_t{i} * a.batch + b) * a.v_heads + h) * v_words + w];
+      const int i = x / per_token;
+      int r = x - i * per_token;
+      to_k[u] = r < k_per_token;
+      if (!to_k[u]) r -= k_per_token;
+      const int heads = to_k[u] ? a.k_heads : a.v_heads, words = to_k[u] ? k_words : v_words;
+      const int h = r / words, w = r - h * words;
+      const Word* src = static_cast<const Word*>(to_k[u] ? a.k_new : a.v_new);
+      word[u] = src[((int64_t{i} * a.batch + b) * heads + h) * words + w];
+      at[u] = ((int64_t{b} * heads + h) * a.capacity + i) * words + w;
     }
     if (!room) return;  // tested only now, so the loads above were in flight with the length's
 #pragma unroll
     for (int u = 0; u < kAppendBatch; ++u) {
-      const int x = x0 + u * kAppendThreads + static_cast<int>(threadIdx.x);
-      if (x >= total) break;
-      int i, h, w;
-      bool is_k;
-      locate(x, i, is_k, h, w);
-      if (is_k) static_cast<Word*>(a.k)[((int64_t{b} * a.k_heads + h) * a.capacity + t + i) * k_words + w] = word[u];
-      else static_cast<Word*>(a.v)[((int64_t{b} * a.v_heads + h) * a.capacity + t + i) * v_words + w] = word[u];
+      if (x0 + u * kAppendThreads + static_cast<int>(threadIdx.x) >= total) break;
+      if (to_k[u]) static_cast<Word*>(a.k)[at[u] + t * k_words] = word[u];
+      else static_cast<Word*>(a.v)[at[u] + t * v_words] = word[u];
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
 
@@ -86,10 +80,13 @@ namespace detail {
 void append_token_cuda(const AppendTokenArgs& a, void* stream) {
   if (a.batch < 1 || a.tokens < 1 || a.k_row_bytes % 4 != 0 || a.v_row_bytes % 4 != 0)
     throw Error("append_token: batch and tokens must be at least 1 and rows whole 4-byte words");
+  // The kernel counts a sequence's words in int, a batch of them past the last.
   const int64_t words = int64_t{a.tokens} * (int64_t{a.k_heads} * a.k_row_bytes + int64_t{a.v_heads} * a.v_row_bytes) / 4;
-  if (words > INT32_MAX) throw Error("append_token: " + std::to_string(words) + " words per sequence are too many");
-  const bool wide = a.k_row_bytes % 16 == 0 && a.v_row_bytes % 16 == 0 && aligned16(a.k) && aligned16(a.v) &&
-                    aligned16(a.k_new) && aligned16(a.v_new);
+  if (words > INT32_MAX - kAppendThreads * kAppendBatch)
+    throw Error("append_token: " + std::to_string(words) + " 4-byte words per sequence are too many");
+  if (!aligned(a.k_new, 4) || !aligned(a.v_new, 4)) throw Error("append_token: k_new and v_new must be 4-byte aligned");
+  const bool wide = a.k_row_bytes % 16 == 0 && a.v_row_bytes % 16 == 0 && aligned(a.k, 16) && aligned(a.v, 16) &&
+                    aligned(a.k_new, 16) && aligned(a.v_new, 16);
   const dim3 grid(static_cast<unsigned>(a.batch));
   auto s = static_cast<cudaStream_t>(stream);
   if (wide) cuda::launch_with_pdl(append_token_kernel<uint4>, grid, dim3(kAppendThreads), 0, s, a);

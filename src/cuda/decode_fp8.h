@@ -19,10 +19,9 @@ void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DTy
 
 /// SPARSEPAGE_MLA_FP8_PAIRS=auto|on|off (read once; unset: auto): whether FP8
 /// MLA items of two head tiles run as CTA pairs (mla_ws_fp8_pair.cuh).
-/// auto and on: whenever the device places the clusters (on is kept for
-/// the scripts that set it; auto excluded items of two 64-token tiles until
-/// the pairs measured faster there too); off: never. Any other value is
-/// refused by name.
+/// auto and on (the same; on is kept for the scripts that set it): whenever
+/// the device places the clusters; off: never. Any other value is refused
+/// by name.
 enum class Fp8Pairs { kAuto, kOn, kOff };
 Fp8Pairs mla_fp8_pairs_choice();
 

@@ -19,7 +19,8 @@
 //      whose composite reaches the k-th, at the offset of the earlier slices:
 //      increasing positions, padded with -1, and the count.
 // Ties go to the lower position and NaN ranks last through the composite
-// (radix_select.cuh). Every kernel is a programmatic dependent launch. Nothing here allocates, synchronizes or reads back.
+// (radix_select.cuh). When anything is scored, every kernel is a
+// programmatic dependent launch. Nothing here allocates, synchronizes or reads back.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -175,9 +176,10 @@ struct IndexerParams {
 
 // Row b's live positions: its sequence's length, less the later new tokens.
 __device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
-  if (p.q_len == 1) return p.kv_lens[b];
+  // From L2: the step's append wrote the lengths (see dsa_clear_kernel).
+  if (p.q_len == 1) return __ldcg(&p.kv_lens[b]);
   const int seq = b / p.q_len;
-  return max(int64_t{0}, int64_t{p.kv_lens[seq]} - (p.q_len - 1 - (b - seq * p.q_len)));
+  return max(int64_t{0}, int64_t{__ldcg(&p.kv_lens[seq])} - (p.q_len - 1 - (b - seq * p.q_len)));
 }
 
 // ---- tensor-memory-access copies ---------------------------------------------
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   }
   cuda::cp_async_commit();
   for (int h = tid; h < L.chunks * kHeadChunk; h += kScoreThreads) {
-    w_s[h] = h < p.heads ? p.weights[int64_t{b} * p.heads + h] : 0.0f;
+    w_s[h] = h < p.heads ? __ldcg(&p.weights[int64_t{b} * p.heads + h]) : 0.0f;
   }
   for (int i = tid; i < kBins; i += kScoreThreads) hist_s[i] = 0;
   __syncthreads();  // the barriers are initialised before any copy counts on them
@@ -403,7 +405,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
   const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = p.kv_lens[seq];
+  const int64_t seq_len = __ldcg(&p.kv_lens[seq]);  // from L2, as row_len
   const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
   const int64_t len = window(ntok - 1);  // the group's longest window
   if (len <= p.topk) {                   // every row's window fits the top-k: nothing to score
@@ -445,7 +447,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   }
   cuda::cp_async_commit();
   for (int r = tid; r < kTokens * kGroupHeads; r += kGroupThreads) {
-    w_s[r] = r / kGroupHeads < ntok ? p.weights[row0 * kGroupHeads + r] : 0.0f;
+    w_s[r] = r / kGroupHeads < ntok ? __ldcg(&p.weights[row0 * kGroupHeads + r]) : 0.0f;
   }
   for (int i = tid; i < kTokens * kBins; i += kGroupThreads) hist_s[i] = 0;
   cuda::cp_async_wait<0>();          // the queries landed for this thread

@@ -32,9 +32,9 @@
 // the same 32 KB from the peer. Both CTAs resolve all 64 ids, so both see a
 // rejected one.
 //
-// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"): 3-4% faster
-// than one CTA per head tile at batch 16-128, slower at 2 tiles per CTA
-// (batch 1-2), where decode_fp8.cu keeps one CTA per head tile. Variants
+// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"): faster than
+// one CTA per head tile or level at every batch measured (1-8, 16-128), so
+// decode_fp8.cu runs pairs wherever the device places them. Variants
 // that lost: the rows sent with st.async (16 bytes per store, each completing
 // the peer's barrier), 10% slower than one CTA per head tile; each warp
 // converting and sending one slab (a lane per row), 8% slower. Loading the

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -261,6 +262,39 @@ TEST(MultiTokenAppendCuda, OneLaunchEqualsSingleTokenAppends) {
   // path; rows of 44 and 12 bytes its 4-byte path.
   EXPECT_EQ(testing::step_append_mismatch(Device::kCuda), "");
   EXPECT_EQ(testing::step_append_mismatch(Device::kCuda, 22, 6), "");
+  // Steps of more words per sequence than one pass of the CTA takes (256
+  // threads x 4 words): 2 passes of 16-byte words, 7 of 4-byte words.
+  EXPECT_EQ(testing::step_append_mismatch(Device::kCuda, 1024, 8), "");
+  EXPECT_EQ(testing::step_append_mismatch(Device::kCuda, 1030, 6), "");
+}
+
+TEST(MultiTokenAppendCuda, SourcesOffTheSixteenByteGridAppendTheSameRows) {
+  SKIP_WITHOUT_CUDA();
+  // Rows of 16 bytes whose sources sit 4 bytes past a 16-byte boundary: the
+  // kernel must take 4-byte words. Against the same rows appended on the CPU.
+  constexpr int32_t kBatch = 2, kHeads = 2, kDim = 8;
+  std::mt19937_64 rng(11);
+  const auto k = testing::random_values(DType::kBF16, size_t{kBatch} * kHeads * kDim, rng);
+  const auto v = testing::random_values(DType::kBF16, size_t{kBatch} * kHeads * kDim, rng);
+  const auto shifted = [](const std::vector<uint8_t>& rows, size_t by) {
+    std::vector<uint8_t> out(by, 0);
+    out.insert(out.end(), rows.begin(), rows.end());
+    return out;
+  };
+  const Buffer kd = upload(Device::kCuda, shifted(k, 4)), vd = upload(Device::kCuda, shifted(v, 4));
+  DenseKVCache gpu(Device::kCuda, CacheMode::kBF16, kBatch, kHeads, kHeads, kDim, kDim);
+  DenseKVCache cpu(Device::kCpu, CacheMode::kBF16, kBatch, kHeads, kHeads, kDim, kDim);
+  gpu.reserve(2);
+  cpu.reserve(2);
+  gpu.append_token(static_cast<const char*>(kd.data()) + 4, static_cast<const char*>(vd.data()) + 4, nullptr);
+  cpu.append_token(k.data(), v.data(), nullptr);
+  EXPECT_EQ(download<int32_t>(Device::kCuda, gpu.device_live_lens(), kBatch), (std::vector<int32_t>{1, 1}));
+  for (bool key : {true, false}) EXPECT_EQ(gpu.dequantized_window(key), cpu.dequantized_window(key)) << (key ? "K" : "V");
+  // Off the 4-byte grid: refused by name, nothing appended.
+  EXPECT_TRUE(testing::throws_error_naming(
+      [&] { gpu.append_token(static_cast<const char*>(kd.data()) + 2, vd.data(), nullptr); },
+      "append_token: k_new and v_new must be 4-byte aligned"));
+  EXPECT_EQ(download<int32_t>(Device::kCuda, gpu.device_live_lens(), kBatch), (std::vector<int32_t>{1, 1}));
 }
 
 TEST(MultiTokenAppendCuda, RefusesPastTheCapacityByName) {

@@ -234,6 +234,7 @@ struct DsaIndexerArgs {
   const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]; 16-byte aligned
   const float* weights = nullptr;  // [batch, index_heads]
   void* workspace = nullptr;       // caller-owned scratch, >= dsa_indexer_workspace_bytes(config, batch, max_kv_len)
+                                   // bytes, 16-byte aligned
   size_t workspace_bytes = 0;
   int32_t* positions = nullptr;    // out [batch, index_topk]: the kept positions of sequence b in increasing order,
                                    // then -1 up to index_topk
