@@ -189,9 +189,6 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64
   mma_m64n64k16<T>(reinterpret_cast<float (&)[8][4]>(d), a, b, accumulate);
 }
 
-#define SP_WGMMA_N128_OUTS \
-  SP_F4(0), SP_F4(1), SP_F4(2), SP_F4(3), SP_F4(4), SP_F4(5), SP_F4(6), SP_F4(7), \
-  SP_F4(8), SP_F4(9), SP_F4(10), SP_F4(11), SP_F4(12), SP_F4(13), SP_F4(14), SP_F4(15)
 #define SP_WGMMA_N128_RS(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
   "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" SP_WGMMA_N128_D \
@@ -199,21 +196,8 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64
 
 /// D[64x128] (+)= A[64x16] B[16x128]: A from registers (each warp's 16 rows
 /// in the mma.sync m16n8k16 A-fragment layout), B MN-major in shared memory.
-template <typename T>
-__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N128_RS("bf16")
-                 : SP_WGMMA_N128_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N128_RS("f16")
-                 : SP_WGMMA_N128_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  }
-}
-
-/// The same with `d` pointing at either half of m64n256k16's accumulators
-/// (whose layout they share), as mma_m64n128k16 takes them.
+/// `d` is 64 accumulators: an m64n128 tile's, or either half of
+/// m64n256k16's (whose layout they share).
 template <typename T>
 __device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {
   if constexpr (ElemTraits<T>::kBF16) {
@@ -225,6 +209,13 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[
                  : SP_WGMMA_N128SS_OUTS
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
+}
+
+/// The same over [n8 tile][4] accumulators (the same registers in the same
+/// order: d[j][e] is element 4 j + e).
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  mma_m64n128k16_rs<T>(&d[0][0], a, b, accumulate);
 }
 
 /// pin() for [n8 tile][4] accumulators.
@@ -240,7 +231,6 @@ __device__ __forceinline__ void pin(float (&d)[N][4]) {
 #undef SP_F4
 #undef SP_WGMMA_N64_OUTS
 #undef SP_WGMMA_N64
-#undef SP_WGMMA_N128_OUTS
 #undef SP_WGMMA_N128_RS
 #undef SP_WGMMA_N32_OUTS
 #undef SP_WGMMA_N32
