@@ -1,4 +1,4 @@
-// sparse_paged_decode_bench (SPEC section 9): one decoder layer's attention
+// sparse_paged_decode_bench (docs/DESIGN.md: the benchmark): one decoder layer's attention
 // at a model's head geometry, the additive-mask arm against the fused sparse
 // arm over the same selection. It says which backend and path ran, refuses a
 // timing comparison when the sparse arm did not fuse or the arms disagree,

@@ -1,4 +1,4 @@
-// KV caches and how they become pools of rows (SPEC section 4).
+// KV caches and how they become pools of rows (docs/DESIGN.md: dense caches as pools).
 #pragma once
 
 #include <cstdint>

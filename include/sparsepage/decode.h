@@ -1,4 +1,4 @@
-// The paged decode (SPEC section 6): one params struct, two backends.
+// The paged decode (docs/DESIGN.md: the paged decode): one params struct, two backends.
 #pragma once
 
 #include <cstdint>
@@ -79,7 +79,7 @@ enum class PageAddressing : int32_t {
 
 /// How a request finds its page ids in `indices`.
 enum class IndexLayout : int32_t {
-  /// The CSR page table (SPEC section 3): request r's ids are
+  /// The CSR page table (docs/DESIGN.md: the page table): request r's ids are
   /// indices[indptr[r] .. indptr[r + 1]).
   kCsr = 0,
   /// A uniform-width matrix, as engines hand indices over (the DSA
@@ -188,7 +188,7 @@ struct DecodeParams {
   const float* k_scale = nullptr;  // [num_kv_heads]
   const float* v_scale = nullptr;  // [num_kv_heads]
 
-  // Page table (SPEC section 3).
+  // Page table (docs/DESIGN.md: the page table).
   IndexLayout index_layout = IndexLayout::kCsr;
   const int32_t* indptr = nullptr;            // kCsr: [num_requests + 1]; kMatrix: unused
   const int32_t* indices = nullptr;           // page ids (kCsr: [indptr[num_requests]])

@@ -1,4 +1,4 @@
-// The dispatch policy (SPEC section 7): whether a sparse decode runs the fused
+// The dispatch policy (docs/DESIGN.md: the dispatch policy): whether a sparse decode runs the fused
 // paged kernel or declines so that the caller runs its mask or gather path.
 // `decide_sparse_decode` is a pure function of its inputs; the heuristics and
 // their reasons live in src/core/dispatch.cc.

@@ -1,4 +1,4 @@
-// The CSR page table (SPEC section 3). Visible token i of request r lives at
+// The CSR page table (docs/DESIGN.md: the page table). Visible token i of request r lives at
 //   pool page indices[indptr[r] + (first_page_offset[r] + i) / page_size],
 //   slot (first_page_offset[r] + i) % page_size of that page,
 // i.e. pool row page * page_size + slot. Pages may repeat, come in any order

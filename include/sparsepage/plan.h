@@ -1,4 +1,4 @@
-// The split-KV plan (SPEC section 6): host-only, from per-request visible
+// The split-KV plan (docs/DESIGN.md: the paged decode): host-only, from per-request visible
 // counts, deterministic. The same plan is reused while counts are unchanged,
 // which is what makes `run` capturable in a CUDA graph.
 #pragma once

@@ -1,5 +1,5 @@
 // Selections: which pool rows a sparse model keeps for each request
-// (SPEC section 5). The content is device data (a top-k output); the counts
+// (docs/DESIGN.md: selections). The content is device data (a top-k output); the counts
 // are known on the host by construction.
 #pragma once
 
@@ -40,7 +40,7 @@ bool dump_selection_enabled();
 /// Precondition that keeps the count a host fact: every listed block must be
 /// a full block inside the live window, except that when live_lens[r] is not a
 /// multiple of block_size the request's *last* entry must be the final,
-/// partial block (SPEC 8.1 appends it). Row counts are then
+/// partial block (docs/DESIGN.md: the block-sparse layer appends it). Row counts are then
 /// block_counts[r] * block_size - (block_size - live_lens[r] % block_size).
 /// A block past the window, or a partial block that is not last, is an error
 /// (CPU: thrown; CUDA: the offending rows are written as -1, which the

@@ -1,4 +1,4 @@
-// The sparse decode entry point (SPEC sections 4, 6, 7): a selection over a
+// The sparse decode entry point (docs/DESIGN.md: dense caches as pools, the paged decode, the dispatch policy): a selection over a
 // dense cache becomes a page table, the policy decides, and the fused paged
 // decode runs — or the decline comes back so the caller runs its mask path.
 #pragma once

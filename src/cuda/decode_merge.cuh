@@ -1,4 +1,4 @@
-// The merge (SPEC section 6): combines a request's chunk partials by their
+// The merge (docs/DESIGN.md: the paged decode): combines a request's chunk partials by their
 // lse into o (input dtype) and lse, in a second kernel launched right behind
 // the partial kernel with programmatic dependent launch (its CTAs are
 // resident and waiting when the last partial CTA retires). A NaN partial lse

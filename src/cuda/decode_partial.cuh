@@ -1,4 +1,4 @@
-// The split-KV partial kernel (SPEC section 6): one work item per CTA, one
+// The split-KV partial kernel (docs/DESIGN.md: the paged decode): one work item per CTA, one
 // request's 16-row query tile, tokens [token_begin, token_end) gathered row by
 // row into shared memory and reduced with tensor-core MMAs and an online
 // softmax. Where a token's row comes from is a policy:

@@ -1,4 +1,4 @@
-// The MLA partial kernel: the split-KV partial (SPEC section 6) for the DSA /
+// The MLA partial kernel: the split-KV partial (docs/DESIGN.md: the paged decode) for the DSA /
 // DeepSeek MLA shape, 512 latent + 64 rope columns of K with V = the latent
 // columns, and many query heads per KV head (128 for the full model, 16-64
 // under tensor parallelism). One CTA computes 64 query heads of one work item

@@ -1,4 +1,4 @@
-// The static per-query-head block pattern (SPEC section 8.3, Phi-3-small's
+// The static per-query-head block pattern (docs/DESIGN.md: the static pattern layer, Phi-3-small's
 // block-sparse attention) as plain functions that the host and the device
 // share, so the page lists, the mask and the host-side counts all come from
 // this one file. Included by host C++ and by CUDA sources.

@@ -1,4 +1,4 @@
-// The DSA layer (SPEC 8.2) on the CPU backend: the indexer rule, the fused
+// The DSA layer (docs/DESIGN.md: the DSA layer) on the CPU backend: the indexer rule, the fused
 // decode through the second K stream against fp64 and against the mask
 // path, set equality, all tokens kept below index_topk, greedy equality.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The DSA layer (SPEC 8.2) on the GPU: the CUDA indexer against the CPU rule
+// The DSA layer (docs/DESIGN.md: the DSA layer) on the GPU: the CUDA indexer against the CPU rule
 // (set equality, the tie rule, NaN keys, the window-fits case, graph replay),
 // the layer against the same layer on the CPU backend and an fp64 reference
 // (fused when sparse, the kill switch's mask path giving the same answer),
@@ -647,7 +647,7 @@ TEST(DsaCuda, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
   check_layer_against_cpu(1, 40, 2, 62);
 }
 
-// SPEC 8.4 on the GPU: the fused path and the mask path decode the same
+// docs/DESIGN.md: greedy equality on the GPU: the fused path and the mask path decode the same
 // greedy tokens, and so does the CPU backend.
 TEST(DsaCuda, GreedyDecodeMatchesTheMaskPathAndTheCpu) {
   SKIP_WITHOUT_CUDA();

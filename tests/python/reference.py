@@ -28,7 +28,7 @@ def attend(q, keys, values, scale, q_extra=None, k_extra=None, bias=None):
 
 
 def paged_rows(indptr, indices, seq_lens, page_size, first_page_offset=None):
-    """Pool rows each request reads, per the CSR page table (SPEC section 3)."""
+    """Pool rows each request reads, per the CSR page table (docs/DESIGN.md: the page table)."""
     out = []
     for r in range(len(seq_lens)):
         off = 0 if first_page_offset is None else int(first_page_offset[r])

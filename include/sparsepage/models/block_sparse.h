@@ -1,4 +1,4 @@
-// Block-sparse attention (SPEC section 8.1, MiniMax-M3-style): an indexer
+// Block-sparse attention (docs/DESIGN.md: the block-sparse layer, MiniMax-M3-style): an indexer
 // keeps the top-k key blocks per KV head, and decode attends only those
 // through the fused paged decode, falling back to the additive-mask path on
 // any decline.

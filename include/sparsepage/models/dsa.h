@@ -1,4 +1,4 @@
-// DSA decode (SPEC section 8.2, DeepSeek-V3.2-style MLA with a top-k token
+// DSA decode (docs/DESIGN.md: the DSA layer, DeepSeek-V3.2-style MLA with a top-k token
 // indexer): the cache stores concat(kv_latent, indexer_key) as its K buffer
 // and k_pe as its V buffer; the indexer keeps `index_topk` tokens, and the
 // attention over them runs through the fused paged decode's second K stream:

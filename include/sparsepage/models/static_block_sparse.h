@@ -1,4 +1,4 @@
-// Static per-query-head block-sparse attention (SPEC section 8.3,
+// Static per-query-head block-sparse attention (docs/DESIGN.md: the static pattern layer,
 // Phi-3-small-style): a fixed pattern of key blocks, different for each query
 // head, no indexer. Decode attends exactly the pattern's blocks through the
 // fused paged decode and falls back to the additive-mask path on any decline.
