@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "bench_device.h"
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage::bench {
 

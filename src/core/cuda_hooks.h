@@ -25,7 +25,7 @@ bool cuda_stream_capturing(void* stream);
 void cuda_record_event(void* event, void* stream);
 
 /// DenseKVCache::append_token and append_step_tokens on the device
-/// (src/cuda/cache_append.cu): `tokens` tokens per sequence b written at rows
+/// (src/cuda/cache/cache_append.cu): `tokens` tokens per sequence b written at rows
 /// live_lens[b] .. live_lens[b] + tokens - 1 of each head, then live_lens[b]
 /// += tokens. A sequence without room for all of them is left unchanged.
 struct AppendTokenArgs {
@@ -49,11 +49,11 @@ void append_token_cuda(const AppendTokenArgs& args, void* stream);
 
 namespace sparsepage::detail {
 
-/// Device half of gather_rows (src/cuda/mask_path.cu).
+/// Device half of gather_rows (src/cuda/attention/mask_path.cu).
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
                       DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
 
-/// Device half of selection_from_blocks (src/cuda/selection.cu). All arrays
+/// Device half of selection_from_blocks (src/cuda/indexers/selection.cu). All arrays
 /// are device arrays; offending rows are written as -1.
 void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_offsets, const int32_t* row_offsets,
                                 const int64_t* row_base, const int64_t* live_lens, int32_t num_requests,
@@ -62,7 +62,7 @@ void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_o
 }  // namespace sparsepage::detail
 
 namespace sparsepage::detail {
-/// Device half of build_selection_mask (src/cuda/selection.cu).
+/// Device half of build_selection_mask (src/cuda/indexers/selection.cu).
 void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32_t num_requests, int64_t live_len,
                          float* mask, void* stream);
 }  // namespace sparsepage::detail

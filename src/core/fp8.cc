@@ -1,5 +1,5 @@
 // The MLA FP8 row format (fp8.h): its views and the CPU quantizer. The CUDA
-// quantizer (src/cuda/fp8_quantize.cu) shares quantize_mla_fp8_problem and
+// quantizer (src/cuda/cache/fp8_quantize.cu) shares quantize_mla_fp8_problem and
 // makes the same bytes.
 #include "sparsepage/fp8.h"
 

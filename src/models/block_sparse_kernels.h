@@ -1,4 +1,4 @@
-// The block-sparse layer's device kernels (src/cuda/block_indexer.cu), behind
+// The block-sparse layer's device kernels (src/cuda/indexers/block_indexer.cu), behind
 // plain C++ signatures; src/models/block_sparse_no_cuda.cc stands in for
 // them when the library is built without CUDA.
 #pragma once
@@ -10,7 +10,7 @@
 
 namespace sparsepage::detail {
 
-/// The block indexer on the GPU (src/cuda/block_indexer.cu): block scores by
+/// The block indexer on the GPU (src/cuda/indexers/block_indexer.cu): block scores by
 /// the rule in models/block_sparse.h, then per request the top-k plus the
 /// final block. Live lengths are read on the device; grids and workspace are
 /// sized from the host bound max_kv_len, so one captured graph serves every

@@ -1,4 +1,4 @@
-// Built instead of src/cuda/block_indexer.cu when the library has no CUDA
+// Built instead of src/cuda/indexers/block_indexer.cu when the library has no CUDA
 // backend: the block-sparse layer's kernels report that clearly.
 #include "models/block_sparse_kernels.h"
 

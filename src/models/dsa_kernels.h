@@ -1,4 +1,4 @@
-// The DSA layer's device kernels (src/cuda/dsa_indexer.cu), behind plain
+// The DSA layer's device kernels (src/cuda/indexers/dsa_indexer.cu), behind plain
 // C++ signatures; src/models/dsa_no_cuda.cc stands in for them when the
 // library is built without CUDA.
 #pragma once
@@ -10,7 +10,7 @@ struct DsaConfig;
 }  // namespace sparsepage
 
 namespace sparsepage::detail {
-/// Limits of the CUDA DSA indexer (src/cuda/dsa_indexer.cu): index keys are
+/// Limits of the CUDA DSA indexer (src/cuda/indexers/dsa_indexer.cu): index keys are
 /// warpgroup-MMA operands in k-steps of 16 columns, one sequence's index
 /// queries are staged in shared memory, and sequences are a grid dimension.
 inline constexpr int kDsaMaxIndexHeadDim = 256;

@@ -1,4 +1,4 @@
-// Built instead of src/cuda/dsa_indexer.cu when the library has no CUDA
+// Built instead of src/cuda/indexers/dsa_indexer.cu when the library has no CUDA
 // backend: the DSA layer's kernels report that clearly.
 #include "models/dsa_kernels.h"
 #include "sparsepage/models/dsa.h"

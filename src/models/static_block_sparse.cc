@@ -17,7 +17,7 @@ StaticPattern pattern_of(const StaticBlockSparseConfig& c) {
 }
 }  // namespace
 
-// The CPU twins of src/cuda/static_block_sparse.cu, line for line.
+// The CPU twins of src/cuda/indexers/static_block_sparse.cu, line for line.
 void static_pages_cpu(const StaticPagesArgs& a) {
   const int32_t group = a.num_qo_heads / a.num_kv_heads;
   for (int64_t r = 0; r < int64_t{a.batch} * a.num_qo_heads; ++r) {

@@ -1,4 +1,4 @@
-// The static block-sparse layer's device kernels (src/cuda/static_block_sparse.cu)
+// The static block-sparse layer's device kernels (src/cuda/indexers/static_block_sparse.cu)
 // behind plain C++ signatures, with their CPU twins (src/models/static_block_sparse.cc);
 // src/models/static_block_sparse_no_cuda.cc stands in for the CUDA ones when
 // the library is built without CUDA.

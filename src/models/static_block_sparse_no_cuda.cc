@@ -1,4 +1,4 @@
-// Built instead of src/cuda/static_block_sparse.cu when the library has no
+// Built instead of src/cuda/indexers/static_block_sparse.cu when the library has no
 // CUDA backend: the static block-sparse layer's kernels report that clearly.
 #include "models/static_block_sparse_kernels.h"
 #include "sparsepage/types.h"

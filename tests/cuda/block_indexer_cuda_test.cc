@@ -1,4 +1,4 @@
-// The block-sparse indexer on the GPU (src/cuda/block_indexer.cu) against
+// The block-sparse indexer on the GPU (src/cuda/indexers/block_indexer.cu) against
 // the CPU rule select_top_blocks_cpu: the selected sets, the final block, the
 // covered token counts, the -1 padding, lengths read on the device, one
 // captured graph replayed at several lengths, and named argument errors.

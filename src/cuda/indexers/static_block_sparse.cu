@@ -6,7 +6,7 @@
 // read, so a captured step keeps following the growing context.
 #include <algorithm>
 
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 #include "models/static_block_sparse_kernels.h"
 
 namespace sparsepage::detail {

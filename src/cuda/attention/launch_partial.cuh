@@ -26,12 +26,12 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/decode_partial.cuh"
-#include "cuda/decode_partial_cluster.cuh"
-#include "cuda/decode_partial_multi.cuh"
-#include "cuda/decode_partial_multi_wgmma.cuh"
-#include "cuda/mla_partial.cuh"
-#include "cuda/mla_ws_partial.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/attention/gqa/decode_partial_cluster.cuh"
+#include "cuda/attention/gqa/decode_partial_multi.cuh"
+#include "cuda/attention/gqa/decode_partial_multi_wgmma.cuh"
+#include "cuda/attention/mla/mla_partial.cuh"
+#include "cuda/attention/mla/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
 
 namespace sparsepage {

@@ -6,7 +6,7 @@
 
 #include <cuda_fp8.h>
 
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -7,7 +7,7 @@
 #include <cuda_fp8.h>
 
 #include "core/fp8_quantize.h"
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {

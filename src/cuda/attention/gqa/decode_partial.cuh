@@ -15,8 +15,8 @@
 // mma.sync throughput), so the padding costs no time and keeps one code path.
 #pragma once
 
-#include "cuda/common.cuh"
-#include "cuda/decode_merge.cuh"
+#include "cuda/primitives/common.cuh"
+#include "cuda/merge/decode_merge.cuh"
 #include "sparsepage/decode.h"
 #include "sparsepage/plan.h"
 
@@ -359,4 +359,4 @@ struct DenseSource {
 }  // namespace cuda
 }  // namespace sparsepage
 
-#include "cuda/decode_partial_body.cuh"
+#include "cuda/attention/gqa/decode_partial_body.cuh"

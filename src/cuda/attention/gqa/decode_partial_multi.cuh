@@ -17,8 +17,8 @@
 
 #include <type_traits>
 
-#include "cuda/decode_partial.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/wgmma.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda/common.cuh"
-#include "cuda/decode_merge.cuh"
-#include "cuda/launch_partial.cuh"
+#include "cuda/primitives/common.cuh"
+#include "cuda/merge/decode_merge.cuh"
+#include "cuda/attention/launch_partial.cuh"
 #include "core/cuda_hooks.h"
 #include "sparsepage/mask_path.h"
 

@@ -32,7 +32,7 @@
 
 #include <cooperative_groups.h>
 
-#include "cuda/decode_partial.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -1,6 +1,6 @@
 // Device pass of selection_from_blocks: block ids -> token rows, one thread
 // per output row (O(selected)), one grid row per request.
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 #include "core/cuda_hooks.h"
 
 namespace sparsepage {

@@ -28,8 +28,8 @@
 // share the shared-memory pipe, so the overlap cost more than it hid.
 #pragma once
 
-#include "cuda/fp8_convert.cuh"
-#include "cuda/mla_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
+#include "cuda/attention/mla/mla_partial.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -47,10 +47,10 @@
 // producer), which reuses the consumers and run().
 #pragma once
 
-#include "cuda/decode_partial.cuh"
-#include "cuda/mbarrier.cuh"
-#include "cuda/mla_partial.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/attention/mla/mla_partial.cuh"
+#include "cuda/primitives/wgmma.cuh"
 
 namespace sparsepage {
 namespace cuda {

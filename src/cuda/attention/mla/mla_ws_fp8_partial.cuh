@@ -37,8 +37,8 @@
 // (the first converted while the second lands), both measured slower.
 #pragma once
 
-#include "cuda/fp8_convert.cuh"
-#include "cuda/mla_ws_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
+#include "cuda/attention/mla/mla_ws_partial.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {

@@ -9,7 +9,7 @@
 // merge inside a thread-block cluster instead: decode_partial_cluster.cuh.)
 #pragma once
 
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
 namespace cuda {

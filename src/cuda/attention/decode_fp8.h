@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/decode_partial.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
 #include "sparsepage/decode.h"
 
 namespace sparsepage {

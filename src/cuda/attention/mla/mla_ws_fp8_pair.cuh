@@ -45,8 +45,8 @@
 // one-CTA kernel (mla_ws_fp8_partial.cuh) runs.
 #pragma once
 
-#include "cuda/fp8_convert.cuh"
-#include "cuda/mla_ws_fp8_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
+#include "cuda/attention/mla/mla_ws_fp8_partial.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {

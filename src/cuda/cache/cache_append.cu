@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
-#include "cuda/common.cuh"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
 namespace {

@@ -18,8 +18,8 @@
 #include "core/cuda_hooks.h"
 #include "core/require.h"
 #include "models/block_sparse_kernels.h"
-#include "cuda/common.cuh"
-#include "cuda/radix_select.cuh"
+#include "cuda/primitives/common.cuh"
+#include "cuda/primitives/radix_select.cuh"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "block_indexer_cuda: ", __VA_ARGS__)
 

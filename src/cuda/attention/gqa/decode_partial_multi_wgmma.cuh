@@ -20,8 +20,8 @@
 // start 1024-byte aligned (the kernel aligns its shared memory).
 #pragma once
 
-#include "cuda/decode_partial_multi.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/attention/gqa/decode_partial_multi.cuh"
+#include "cuda/primitives/wgmma.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -35,10 +35,10 @@
 #include "core/cuda_hooks.h"
 #include "core/require.h"
 #include "models/dsa_kernels.h"
-#include "cuda/common.cuh"
-#include "cuda/mbarrier.cuh"
-#include "cuda/radix_select.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/primitives/common.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/radix_select.cuh"
+#include "cuda/primitives/wgmma.cuh"
 #include "sparsepage/models/dsa.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "dsa_select_tokens_cuda: ", __VA_ARGS__)
@@ -191,7 +191,7 @@ __device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
 // A score CTA's key tiles arrive by the tensor memory accelerator: one thread
 // issues a 64-row x 64-column box per slab, the hardware writes it in the
 // 128-byte swizzle the MMAs read and counts the bytes on an mbarrier
-// (cuda/mbarrier.cuh).
+// (cuda/primitives/mbarrier.cuh).
 // Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
 // complete on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {

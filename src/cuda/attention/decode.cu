@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "cuda/decode_fp8.h"
-#include "cuda/decode_merge.cuh"
-#include "cuda/launch_partial.cuh"
+#include "cuda/primitives/common.cuh"
+#include "cuda/attention/decode_fp8.h"
+#include "cuda/merge/decode_merge.cuh"
+#include "cuda/attention/launch_partial.cuh"
 #include "sparsepage/decode.h"
 
 namespace sparsepage {

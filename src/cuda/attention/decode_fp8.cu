@@ -3,13 +3,13 @@
 // MLA wgmma kernels for bf16 (the warp-specialized one, its CTA-pair form for
 // two head tiles, and the classic), each for the library's CSR rows and the
 // engines' index forms: 10 kernels.
-#include "cuda/decode_fp8.h"
+#include "cuda/attention/decode_fp8.h"
 
-#include "cuda/decode_partial_fp8.cuh"
-#include "cuda/launch_partial.cuh"
-#include "cuda/mla_fp8_partial.cuh"
-#include "cuda/mla_ws_fp8_pair.cuh"
-#include "cuda/mla_ws_fp8_partial.cuh"
+#include "cuda/attention/gqa/decode_partial_fp8.cuh"
+#include "cuda/attention/launch_partial.cuh"
+#include "cuda/attention/mla/mla_fp8_partial.cuh"
+#include "cuda/attention/mla/mla_ws_fp8_pair.cuh"
+#include "cuda/attention/mla/mla_ws_fp8_partial.cuh"
 
 namespace sparsepage {
 namespace cuda {

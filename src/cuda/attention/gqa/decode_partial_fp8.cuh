@@ -14,8 +14,8 @@
 // the conversion needs only warp barriers.
 #pragma once
 
-#include "cuda/decode_partial.cuh"
-#include "cuda/fp8_convert.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
 
 namespace sparsepage {
 namespace cuda {

@@ -30,8 +30,8 @@
 // from L2.
 #pragma once
 
-#include "cuda/decode_partial.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/wgmma.cuh"
 
 namespace sparsepage {
 namespace cuda {
