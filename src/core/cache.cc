@@ -88,7 +88,8 @@ const char* cache_mode_name(CacheMode mode) {
 struct DenseKVCache::Storage {
   Buffer k, v;
   Buffer k_scale, v_scale;  // fp32 [B, H, Cap]
-  Buffer live_lens;         // int32 [B] on the cache's device (raw modes)
+  Buffer live_lens;         // int32 [B] on the cache's device
+  Buffer active;            // int32 [B] on the cache's device: 1 active, 0 free
 };
 
 DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
@@ -115,13 +116,67 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
   if (is_quantized(mode) && device != Device::kCpu) {
     throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
   }
+  lens_.assign(static_cast<size_t>(batch), 0);
+  active_.assign(static_cast<size_t>(batch), 1);
   storage_->live_lens = Buffer(device, static_cast<size_t>(batch) * sizeof(int32_t));
-  fill_bytes(storage_->live_lens.data(), device, 0, storage_->live_lens.bytes());
+  storage_->active = Buffer(device, static_cast<size_t>(batch) * sizeof(int32_t));
+  write_device_state();
 }
 
-void DenseKVCache::write_device_lens() {
-  const std::vector<int32_t> lens(static_cast<size_t>(batch_), static_cast<int32_t>(live_len_));
+int64_t DenseKVCache::live_len() const {
+  int64_t longest = 0;
+  for (size_t b = 0; b < lens_.size(); ++b) {
+    if (active_[b]) longest = std::max(longest, lens_[b]);
+  }
+  return longest;
+}
+
+// The host's lengths and activity, uploaded (synchronous).
+void DenseKVCache::write_device_state() {
+  std::vector<int32_t> lens(lens_.begin(), lens_.end()), active(active_.begin(), active_.end());
   copy_bytes(storage_->live_lens.data(), device_, lens.data(), Device::kCpu, lens.size() * sizeof(int32_t));
+  copy_bytes(storage_->active.data(), device_, active.data(), Device::kCpu, active.size() * sizeof(int32_t));
+}
+
+void DenseKVCache::check_slot(int32_t slot, const char* who) const {
+  if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
+  if (slot < 0 || slot >= batch_) {
+    throw Error(std::string(who) + ": slot = " + std::to_string(slot) + " is outside [0, batch = " +
+                std::to_string(batch_) + ")");
+  }
+}
+
+void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int64_t tokens, void* stream) {
+  check_slot(slot, "DenseKVCache::admit");
+  if (is_quantized(mode_)) throw Error("DenseKVCache::admit: quantized caches append through append()");
+  if (tokens < 0 || tokens > INT32_MAX) {
+    throw Error("DenseKVCache::admit: tokens = " + std::to_string(tokens) + " must lie in [0, 2^31 - 1]");
+  }
+  if (tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
+    throw Error("DenseKVCache::admit: k_new and v_new must not be null");
+  }
+  grow_to(tokens);  // may throw: nothing has changed yet
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  const auto write = [&](const void* src, Buffer& dst, int32_t heads, int32_t dim) {
+    if (tokens == 0 || heads == 0) return;
+    const size_t row_bytes = stored_row_bytes(mode_, dim);
+    copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{slot} * heads * capacity_) * row_bytes,
+            device_, static_cast<size_t>(capacity_) * row_bytes, src, device_, static_cast<size_t>(tokens) * row_bytes,
+            static_cast<size_t>(tokens) * row_bytes, static_cast<size_t>(heads));
+  };
+  write(k_new, storage_->k, k_heads_, k_head_dim_);
+  write(v_new, storage_->v, v_heads_, v_head_dim_);
+  lens_[static_cast<size_t>(slot)] = tokens;
+  active_[static_cast<size_t>(slot)] = 1;
+  write_device_state();
+}
+
+void DenseKVCache::release(int32_t slot, void* stream) {
+  check_slot(slot, "DenseKVCache::release");
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  lens_[static_cast<size_t>(slot)] = 0;
+  active_[static_cast<size_t>(slot)] = 0;
+  write_device_state();
 }
 
 void DenseKVCache::reserve(int64_t tokens) {
@@ -133,6 +188,7 @@ void DenseKVCache::reserve(int64_t tokens) {
 }
 
 const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_lens.as<int32_t>(); }
+const int32_t* DenseKVCache::device_active() const { return storage_->active.as<int32_t>(); }
 
 void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
   append_rows(k_new, v_new, 1, stream, "DenseKVCache::append_token");
@@ -150,8 +206,8 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
     throw Error(std::string(who) + ": k_new and v_new must not be null");
   }
-  if (live_len_ + tokens > capacity_) {
-    throw Error(std::string(who) + ": live_len = " + std::to_string(live_len_) + " plus " + std::to_string(tokens) +
+  if (live_len() + tokens > capacity_) {
+    throw Error(std::string(who) + ": live_len = " + std::to_string(live_len()) + " plus " + std::to_string(tokens) +
                 (tokens == 1 ? " token" : " tokens") + " exceeds capacity " + std::to_string(capacity_) +
                 "; reserve() before the step");
   }
@@ -162,6 +218,7 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
   a.k_new = k_new;
   a.v_new = v_new;
   a.live_lens = storage_->live_lens.as<int32_t>();
+  a.active = storage_->active.as<int32_t>();
   a.batch = batch_;
   a.k_heads = k_heads_;
   a.v_heads = v_heads_;
@@ -169,17 +226,25 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
   a.v_row_bytes = static_cast<int64_t>(v_head_dim_ * esize);
   a.capacity = capacity_;
   a.tokens = tokens;
+  const auto advance_host = [&] {
+    for (size_t b = 0; b < lens_.size(); ++b) {
+      if (active_[b]) lens_[b] += tokens;
+    }
+  };
   if (device_ == Device::kCuda) {
     detail::append_token_cuda(a, stream);
-    if (!detail::cuda_stream_capturing(stream)) live_len_ += tokens;
+    if (!detail::cuda_stream_capturing(stream)) advance_host();
     return;
   }
   // Host: the same rule, one sequence at a time.
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t t = a.live_lens[b];
-    if (t < 0 || t + tokens > capacity_) throw Error(std::string(who) + ": sequence length outside the capacity");
+    if (a.active[b] && (t < 0 || t + tokens > capacity_)) {
+      throw Error(std::string(who) + ": sequence length outside the capacity");
+    }
   }
   for (int32_t b = 0; b < batch_; ++b) {
+    if (!a.active[b]) continue;
     const int64_t t = a.live_lens[b];
     auto put = [&](void* dst, const void* src, int32_t heads, int64_t row_bytes) {
       for (int32_t i = 0; i < tokens; ++i) {
@@ -194,17 +259,19 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
     put(a.v, v_new, v_heads_, a.v_row_bytes);
     a.live_lens[b] = static_cast<int32_t>(t + tokens);
   }
-  live_len_ += tokens;
+  advance_host();
 }
 
 void DenseKVCache::sync_live_len(void* stream) {
   if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
   const std::vector<int32_t> lens = download<int32_t>(device_, storage_->live_lens.data(), static_cast<size_t>(batch_));
-  for (int32_t len : lens) {
-    if (len != lens[0]) throw Error("DenseKVCache::sync_live_len: sequences disagree on their live length");
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (lens[b] < 0 || lens[b] > capacity_) {
+      throw Error("DenseKVCache::sync_live_len: slot " + std::to_string(b) + "'s device length " +
+                  std::to_string(lens[b]) + " lies outside [0, capacity = " + std::to_string(capacity_) + "]");
+    }
   }
-  if (lens[0] < 0 || lens[0] > capacity_) throw Error("DenseKVCache::sync_live_len: device length outside the capacity");
-  live_len_ = lens[0];
+  lens_.assign(lens.begin(), lens.end());
 }
 
 void DenseKVCache::grow_to(int64_t needed) {
@@ -232,7 +299,7 @@ void DenseKVCache::grow_to(int64_t needed) {
   auto regrow = [&](Buffer& old, Buffer& fresh, int32_t heads, size_t row_bytes) {
     fresh = Buffer(device_, bytes_of(heads, row_bytes));
     copy_2d(fresh.data(), device_, static_cast<size_t>(new_capacity) * row_bytes, old.data(), device_,
-            static_cast<size_t>(capacity_) * row_bytes, static_cast<size_t>(live_len_) * row_bytes,
+            static_cast<size_t>(capacity_) * row_bytes, static_cast<size_t>(live_len()) * row_bytes,
             static_cast<size_t>(batch_) * heads);
   };
   regrow(storage_->k, grown->k, k_heads_, stored_row_bytes(mode_, k_head_dim_));
@@ -242,6 +309,7 @@ void DenseKVCache::grow_to(int64_t needed) {
     regrow(storage_->v_scale, grown->v_scale, v_heads_, sizeof(float));
   }
   grown->live_lens = std::move(storage_->live_lens);
+  grown->active = std::move(storage_->active);
   storage_ = std::move(grown);  // views made earlier keep the old storage alive
   capacity_ = new_capacity;
 }
@@ -256,36 +324,54 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
     throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) +
                 " does not match the " + cache_mode_name(mode_) + " cache");
   }
-  if (new_tokens > std::numeric_limits<int32_t>::max() - live_len_) {
+  if (new_tokens > std::numeric_limits<int32_t>::max() - live_len()) {
     throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) +
                 " would take the live length past 2^31 - 1 tokens");
   }
-  grow_to(live_len_ + new_tokens);
+  grow_to(live_len() + new_tokens);
+  // Whether one strided copy covers every slot: all active at one length.
+  bool uniform = true;
+  for (size_t b = 0; b < lens_.size(); ++b) uniform = uniform && active_[b] && lens_[b] == lens_[0];
   auto write = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+    if (new_tokens == 0 || heads == 0) return;  // also: no pointer arithmetic on an absent V
     const size_t row_bytes = stored_row_bytes(mode_, dim);
-    if (!is_quantized(mode_)) {
-      copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(live_len_) * row_bytes, device_,
-              static_cast<size_t>(capacity_) * row_bytes, src, device_, static_cast<size_t>(new_tokens) * row_bytes,
-              static_cast<size_t>(new_tokens) * row_bytes, static_cast<size_t>(batch_) * heads);
+    const size_t src_bytes = static_cast<size_t>(new_tokens) * row_bytes;  // one (slot, head)'s new rows
+    if (!is_quantized(mode_) && uniform) {
+      copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(lens_[0]) * row_bytes, device_,
+              static_cast<size_t>(capacity_) * row_bytes, src, device_, src_bytes, src_bytes,
+              static_cast<size_t>(batch_) * heads);
       return;
     }
-    std::vector<float> row(static_cast<size_t>(dim));
-    const size_t in_bytes = dtype_size(input_dtype);
-    for (int64_t bh = 0; bh < int64_t{batch_} * heads; ++bh) {
-      for (int64_t t = 0; t < new_tokens; ++t) {
-        const int64_t slot = bh * capacity_ + live_len_ + t;
-        to_float(input_dtype,
-                 static_cast<const char*>(src) + static_cast<size_t>((bh * new_tokens + t) * dim) * in_bytes,
-                 row.data(), row.size());
-        quantize_row(mode_, row.data(), dim, dst.as<uint8_t>() + static_cast<size_t>(slot) * row_bytes,
-                     scales.as<float>() + slot);
+    for (int32_t b = 0; b < batch_; ++b) {
+      if (!active_[static_cast<size_t>(b)]) continue;
+      const int64_t at = lens_[static_cast<size_t>(b)];
+      if (!is_quantized(mode_)) {
+        copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
+                device_, static_cast<size_t>(capacity_) * row_bytes,
+                static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
+                src_bytes, static_cast<size_t>(heads));
+        continue;
+      }
+      std::vector<float> row(static_cast<size_t>(dim));
+      const size_t in_bytes = dtype_size(input_dtype);
+      for (int64_t bh = int64_t{b} * heads; bh < int64_t{b + 1} * heads; ++bh) {
+        for (int64_t t = 0; t < new_tokens; ++t) {
+          const int64_t slot = bh * capacity_ + at + t;
+          to_float(input_dtype,
+                   static_cast<const char*>(src) + static_cast<size_t>((bh * new_tokens + t) * dim) * in_bytes,
+                   row.data(), row.size());
+          quantize_row(mode_, row.data(), dim, dst.as<uint8_t>() + static_cast<size_t>(slot) * row_bytes,
+                       scales.as<float>() + slot);
+        }
       }
     }
   };
   write(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
   write(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
-  live_len_ += new_tokens;
-  write_device_lens();
+  for (size_t b = 0; b < lens_.size(); ++b) {
+    if (active_[b]) lens_[b] += new_tokens;
+  }
+  write_device_state();
 }
 
 DType DenseKVCache::dtype() const { return is_quantized(mode_) ? DType::kF32 : storage_dtype(mode_); }
@@ -303,7 +389,8 @@ std::optional<RowView> DenseKVCache::v_rows() const {
 DenseKVCache DenseKVCache::shallow_copy() const {
   DenseKVCache view(device_, mode_, batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_, capacity_step_);
   view.capacity_ = capacity_;
-  view.live_len_ = live_len_;
+  view.lens_ = lens_;
+  view.active_ = active_;
   view.trimmed_heads_ = trimmed_heads_;
   view.storage_ = storage_;
   return view;
@@ -319,7 +406,8 @@ DenseKVCache::DenseKVCache(const DenseKVCache& other)
       v_head_dim_(other.v_head_dim_),
       capacity_step_(other.capacity_step_),
       capacity_(other.capacity_),
-      live_len_(other.live_len_),
+      lens_(other.lens_),
+      active_(other.active_),
       trimmed_heads_(other.trimmed_heads_),
       storage_(std::make_shared<Storage>()) {
   // A copy owns its rows: appending to one never shows in the other.
@@ -333,6 +421,7 @@ DenseKVCache::DenseKVCache(const DenseKVCache& other)
   clone(other.storage_->k_scale, storage_->k_scale);
   clone(other.storage_->v_scale, storage_->v_scale);
   clone(other.storage_->live_lens, storage_->live_lens);
+  clone(other.storage_->active, storage_->active);
 }
 
 DenseKVCache& DenseKVCache::operator=(const DenseKVCache& other) {
@@ -358,16 +447,18 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
   const Buffer& data = key ? storage_->k : storage_->v;
   const Buffer& scales = key ? storage_->k_scale : storage_->v_scale;
   const size_t row_bytes = stored_row_bytes(mode_, dim);
-  std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(live_len_) * dim);
-  if (live_len_ == 0) return out;
+  const int64_t window = live_len();
+  std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(window) * dim, 0.0f);
+  if (window == 0) return out;
   // Bring the window to the host once (raw device caches), then convert.
   std::vector<uint8_t> host(static_cast<size_t>(batch_) * heads * static_cast<size_t>(capacity_) * row_bytes);
   copy_bytes(host.data(), Device::kCpu, data.data(), device_, host.size());
   for (int32_t b = 0; b < batch_; ++b) {
+    const int64_t len = active_[static_cast<size_t>(b)] ? lens_[static_cast<size_t>(b)] : 0;
     for (int32_t h = 0; h < visible; ++h) {
-      for (int64_t t = 0; t < live_len_; ++t) {
+      for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
-        float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * live_len_ + t) * dim)];
+        float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * window + t) * dim)];
         const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
         if (is_quantized(mode_)) {
           dequantize_row(mode_, src, scales.as<float>()[slot], dim, dst);

@@ -27,13 +27,15 @@ void cuda_record_event(void* event, void* stream);
 /// DenseKVCache::append_token and append_step_tokens on the device
 /// (src/cuda/cache/cache_append.cu): `tokens` tokens per sequence b written at rows
 /// live_lens[b] .. live_lens[b] + tokens - 1 of each head, then live_lens[b]
-/// += tokens. A sequence without room for all of them is left unchanged.
+/// += tokens. A free slot (active[b] == 0) and a sequence without room for
+/// all of them are left unchanged.
 struct AppendTokenArgs {
   void* k = nullptr;                // [batch, k_heads, capacity] rows of k_row_bytes
   void* v = nullptr;                // [batch, v_heads, capacity] rows of v_row_bytes
   const void* k_new = nullptr;      // [tokens, batch, k_heads] rows
   const void* v_new = nullptr;      // [tokens, batch, v_heads] rows
   int32_t* live_lens = nullptr;     // [batch]
+  const int32_t* active = nullptr;  // [batch] 1 active, 0 free; null: every slot active
   int32_t batch = 0, k_heads = 0, v_heads = 0;
   int64_t k_row_bytes = 0, v_row_bytes = 0;  // multiples of 4
   int64_t capacity = 0;

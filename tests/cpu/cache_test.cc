@@ -181,5 +181,76 @@ TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   EXPECT_EQ(pool.seq_len(b), 4);
 }
 
+
+// Continuous batching at the cache: slots join with their own prompts,
+// leave, and the step appends land at each slot's own length, skipping free
+// slots; a slot reused after release starts from its new prompt.
+TEST(DenseCache, SlotsJoinLeaveAndGrowAtTheirOwnLengths) {
+  std::mt19937_64 rng(7);
+  const int B = 3, H = 2, D = 4;
+  DenseKVCache cache(Device::kCpu, CacheMode::kBF16, B, H, H, D, D, 8);
+  // Expected rows per slot and head, as bf16 bit patterns.
+  std::vector<std::vector<std::vector<uint16_t>>> expect(B, std::vector<std::vector<uint16_t>>(H));
+  auto prompt = [&](int slot, int64_t n) {
+    const auto k = testing::random_values(DType::kBF16, size_t(H * n * D), rng);
+    const auto v = testing::random_values(DType::kBF16, size_t(H * n * D), rng);
+    cache.admit(slot, k.data(), v.data(), n);
+    const auto* kb = reinterpret_cast<const uint16_t*>(k.data());
+    for (int h = 0; h < H; ++h) expect[slot][h].assign(kb + h * n * D, kb + (h + 1) * n * D);
+  };
+  auto step = [&] {
+    const auto k = testing::random_values(DType::kBF16, size_t(B * H * D), rng);
+    const auto v = testing::random_values(DType::kBF16, size_t(B * H * D), rng);
+    cache.reserve(cache.live_len() + 1);
+    cache.append_token(k.data(), v.data());
+    const auto* kb = reinterpret_cast<const uint16_t*>(k.data());
+    for (int b = 0; b < B; ++b) {
+      if (!cache.active()[b]) continue;
+      for (int h = 0; h < H; ++h) expect[b][h].insert(expect[b][h].end(), kb + (b * H + h) * D, kb + (b * H + h + 1) * D);
+    }
+  };
+  prompt(0, 5);
+  prompt(1, 19);  // grows the capacity past 8 while slot 0 holds rows
+  cache.release(2);
+  EXPECT_EQ(cache.live_lens(), (std::vector<int64_t>{5, 19, 0}));
+  EXPECT_EQ(cache.live_len(), 19);
+  for (int i = 0; i < 3; ++i) step();
+  EXPECT_EQ(cache.live_lens(), (std::vector<int64_t>{8, 22, 0})) << "a free slot does not grow";
+  cache.release(0);
+  prompt(2, 2);
+  step();
+  prompt(0, 1);  // slot 0 reused: its new prompt, not its old rows
+  step();
+  EXPECT_EQ(cache.live_lens(), (std::vector<int64_t>{2, 24, 4}));
+  const auto device_lens = download<int32_t>(Device::kCpu, cache.device_live_lens(), B);
+  EXPECT_EQ(device_lens, (std::vector<int32_t>{2, 24, 4}));
+  const auto rows = cache.k_rows().value();
+  const auto* data = static_cast<const uint16_t*>(rows.data);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      ASSERT_EQ(int64_t(expect[b][h].size()), cache.live_lens()[b] * D);
+      for (int64_t t = 0; t < cache.live_lens()[b]; ++t) {
+        for (int d = 0; d < D; ++d) {
+          ASSERT_EQ(data[rows.offset(b, h, t) + d], expect[b][h][size_t(t * D + d)]) << b << " " << h << " " << t;
+        }
+      }
+    }
+  }
+  // The bulk append writes each active slot at its own length.
+  const auto k = testing::random_values(DType::kBF16, size_t(B * H * 2 * D), rng);
+  cache.append(k.data(), k.data(), DType::kBF16, 2);
+  EXPECT_EQ(cache.live_lens(), (std::vector<int64_t>{4, 26, 6}));
+  const auto* kb = reinterpret_cast<const uint16_t*>(k.data());
+  const auto grown = cache.k_rows().value();  // 26 rows took the capacity past 24
+  EXPECT_EQ(grown.head_stride, 32 * D);
+  for (int b = 0; b < B; ++b) {
+    const auto* now = static_cast<const uint16_t*>(grown.data);
+    EXPECT_EQ(now[grown.offset(b, 1, cache.live_lens()[b] - 1) + 3], kb[((b * H + 1) * 2 + 1) * D + 3]);
+    EXPECT_EQ(now[grown.offset(b, 0, 0)], expect[b][0][0]) << "rows before the append survive the growth";
+  }
+  EXPECT_THROW(cache.admit(3, k.data(), k.data(), 1), Error);
+  EXPECT_THROW(cache.release(-1), Error);
+}
+
 }  // namespace
 }  // namespace sparsepage

@@ -36,9 +36,10 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
   const int per_token = k_per_token + a.v_heads * v_words;
   const int total = a.tokens * per_token;  // append_token_cuda bounds it
   const int64_t t = a.live_lens[b];
-  // Full: nothing is written past the allocation (the host checked; this
-  // guards a stale length). The same for every thread.
-  const bool room = t >= 0 && t + a.tokens <= a.capacity;
+  const bool active = a.active == nullptr || a.active[b] != 0;
+  // A free slot, or a full one: nothing is written (the host checked the
+  // capacity; this guards a stale length). The same for every thread.
+  const bool room = active && t >= 0 && t + a.tokens <= a.capacity;
   // Word x of the step: token i, then K's heads, then V's; row h, word w.
   // Source rows are [tokens, batch, heads], destination rows [batch, heads,
   // capacity], token i at row t + i.
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
+  if (threadIdx.x == 0 && room) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
