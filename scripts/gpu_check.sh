@@ -56,11 +56,6 @@ if [[ $STAGES == *steps* ]]; then
   [ $rc -eq 0 ] || failed=1
   note "step bench: rc=$rc"; grep -E "^(blocksparse|dsa|static)" "$OUT/steps.log" | cut -c1-300
   cp "$OUT/steps.log" "$RESULTS/steps.log"
-  # The block-sparse step with token-granular pages, for the page-granularity choice.
-  "$S" --layers blocksparse --token-pages ${STEP_ARGS:-} --json "$RESULTS/steps_token_pages.json" \
-    > "$OUT/steps_token_pages.log" 2>&1; rc=$?
-  [ $rc -eq 0 ] || failed=1
-  note "step bench, token pages: rc=$rc"; grep -E "^blocksparse" "$OUT/steps_token_pages.log" | cut -c1-230
 fi
 if [[ $STAGES == *multitoken* ]]; then
   # Multi-token steps (q_len 2 and 4) at batch 32, 32K, each beside the one-token step of a twin layer.

@@ -41,7 +41,6 @@ struct Options {
   int32_t steps = 16;             // steps per timed run (the context grows by this much)
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
-  bool token_pages = false;       // block-sparse: token-granular pages instead of block-granular
   int32_t q_len = 1;              // query tokens per sequence per step (multi-token steps)
   std::string json_path;
 };
@@ -95,9 +94,8 @@ struct BlockSparseSetup {
   Buffer o;
 };
 
-Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch, bool token_pages,
+Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch,
                      int32_t q_len) {
-  s.config.token_pages = token_pages;
   const auto& c = s.config;
   // A step's q_len tokens: [batch, q_len, heads, dim] queries, token-major K/V slices.
   const size_t b = static_cast<size_t>(batch) * q_len, d = static_cast<size_t>(c.head_dim);
@@ -125,8 +123,8 @@ Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, Dispatch
   arm.step = [&s, q_len](void* stream) {
     const BlockSparseTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].data(),
                               s.o.data()};
-    const BlockSparseStep r = s.layer->decode(t, q_len, stream);
-    return std::make_pair(r.fused, r.sparse_regime ? r.outcome.describe() : std::string("dense (below the sparse regime)"));
+    const LayerStep r = s.layer->decode(t, q_len, stream);
+    return std::make_pair(r.fused, r.sparse ? r.outcome.describe() : std::string("dense (below the sparse regime)"));
   };
   arm.output = [&s, device] { return read_bf16(device, s.o); };
   arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
@@ -178,7 +176,7 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
   arm.step = [&s, q_len](void* stream) {
     const DsaTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].as<float>(),
                       s.tokens[4].data(), s.tokens[5].data(), s.o.data()};
-    const DsaStep r = s.layer->decode(t, q_len, stream);
+    const LayerStep r = s.layer->decode(t, q_len, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
   arm.output = [&s, device] { return read_bf16(device, s.o); };
@@ -227,7 +225,7 @@ Arm static_arm(StaticSetup& s, Device device, int32_t batch, DispatchConfig disp
     }
   };
   arm.step = [&s](void* stream) {
-    const StaticBlockSparseStep r =
+    const LayerStep r =
         s.layer->decode({s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.o.data()}, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
@@ -296,10 +294,9 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
     row["union_bytes"] = bytes;
     row["requested_over_union"] = requested_bytes / bytes;
   } else {
-    fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config(), opt.token_pages, q_len);
-    masked = block_sparse_arm(bs_m, device, batch, mask_only, opt.token_pages, q_len);
-    if (q_len > 1) one_token = block_sparse_arm(bs_1, device, batch, process_dispatch_config(), opt.token_pages, 1);
-    row["pages"] = opt.token_pages ? "token" : "block";
+    fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config(), q_len);
+    masked = block_sparse_arm(bs_m, device, batch, mask_only, q_len);
+    if (q_len > 1) one_token = block_sparse_arm(bs_1, device, batch, process_dispatch_config(), 1);
     bytes = block_sparse_bytes(bs_f.config, batch, context);
   }
   const bool gpu = device == Device::kCuda;
@@ -430,8 +427,6 @@ int main(int argc, char** argv) {
   app.add_option("--reps", opt.reps, "timed runs, the median is reported (default GPU 5, CPU 3)")
       ->check(CLI::Range(1, 100));
   app.add_flag("--cpu", opt.cpu, "run on the CPU backend even when a GPU is present");
-  app.add_flag("--token-pages", opt.token_pages,
-               "block-sparse: attend through token-granular pages (blocks expanded) instead of block-granular ones");
   app.add_option("--q-len", opt.q_len,
                  "query tokens per sequence per step (speculative verification, MTP): blocksparse and dsa; beside "
                  "each multi-token step the one-token step is timed too")

@@ -73,7 +73,7 @@ def run_block_sparse(dev, kv_heads, inputs):
         k_local = torch.cat([k[:, kv_heads], k[:, BS_KV_HEADS:]], dim=1)  # own keys, then the shared index key
         step = layer.decode(q[:, q_heads].contiguous().to(dev), index_q[:, kv_heads].contiguous().to(dev),
                             k_local.contiguous().to(dev), v[:, kv_heads].contiguous().to(dev), o, stream=stream)
-    assert step.sparse_regime and step.fused, step.outcome.describe()
+    assert step.sparse and step.fused, step.outcome.describe()
     return o
 
 

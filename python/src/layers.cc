@@ -1,11 +1,14 @@
-// Bindings of the two layers (block-sparse, DSA) and their indexers. The
-// layers own their dense caches; a step takes one token's projected inputs.
+// Bindings of the layer skeleton (once: the batch, the cache, inspection)
+// and of each model's config and step forms (block-sparse, DSA, static
+// pattern), plus the host indexers. A step's tensors are checked against
+// the layer's shapes before anything changes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "sparsepage/fp8.h"
+#include "sparsepage/layer.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
@@ -114,191 +117,218 @@ BlockTable engine_table(const std::string& op, const In& a, Device device, int32
   return b;
 }
 
-struct PyBlockSparse {
-  PyBlockSparse(Device on, DType type, const BlockSparseConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
-      : device(on), dtype(type), config(c), batch(b),
-        layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
-  Device device;
-  DType dtype;
-  BlockSparseConfig config;
-  int32_t batch;
-  BlockSparseAttention layer;
+// The stream a step runs on: the caller's, or (None) torch's current stream
+// for the layer's device when torch is loaded (as torch's own ops do), else
+// the default stream.
+void* step_stream(const std::optional<uintptr_t>& stream, const SparseLayer& layer) {
+  if (stream) return stream_ptr(*stream);
+  if (layer.device() != Device::kCuda) return nullptr;
+  nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
+  if (!modules.contains("torch")) return nullptr;
+  nb::object cuda = nb::module_::import_("torch").attr("cuda");
+  const auto raw = nb::cast<uintptr_t>(cuda.attr("current_stream")().attr("cuda_stream"));
+  return stream_ptr(raw);
+}
 
-  BlockSparseTokens tokens(const std::string& op, const In& q, const In& index_q, const In& k, const In& v,
-                           const Out& o) const {
-    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
-    BlockSparseTokens t;
-    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
-    t.k = step_arg(op, k, "k", device, dtype, {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
-    t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
-    return t;
-  }
-  // A multi-token step's tensors: q_len from q [batch, q_len, num_qo_heads, head_dim].
-  BlockSparseTokens multi_tokens(const std::string& op, const In& q, const In& index_q, const In& k, const In& v,
-                                 const Out& o, int32_t* q_len) const {
-    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
-    const char* q_layout = "[batch, q_len, num_qo_heads, head_dim]";
-    *q_len = step_q_len(op, q, "q", q_layout);
-    const int64_t T = *q_len;
-    BlockSparseTokens t;
-    t.q = step_arg(op, q, "q", device, dtype, {B, T, Hq, D}, q_layout);
-    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
-    t.k = step_arg(op, k, "k", device, dtype, {T, B, Hk + 1, 1, D},
-                   "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
-    t.v = step_arg(op, v, "v", device, dtype, {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]"));
-    return t;
-  }
-  // An engine-paged step: the index key instead of k and v.
-  BlockSparseTokens engine_tokens(const std::string& op, const In& q, const In& index_q, const In& index_k,
-                                  const Out& o) const {
-    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
-    BlockSparseTokens t;
-    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-    t.index_q = step_arg(op, index_q, "index_q", device, dtype, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
-    t.index_k = step_arg(op, index_k, "index_k", device, dtype, {B, 1, 1, D}, "[batch, 1, 1, head_dim]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
-    return t;
-  }
-  EnginePagedKV engine_kv(const std::string& op, const In& k_cache, const In& v_cache, const In& block_table) const {
-    const int32_t Hk = config.num_kv_heads, D = config.head_dim;
-    const char* layout = "[num_blocks, block_size, num_kv_heads, head_dim]";
-    int32_t kb = 0, vb = 0;
-    EnginePagedKV kv;
-    kv.k = engine_pool(op, k_cache, "k_cache", device, dtype, Hk, D, D, layout, &kb);
-    kv.v = engine_pool(op, v_cache, "v_cache", device, dtype, Hk, D, D, layout, &vb);
-    if (kb != vb || kv.k.capacity != kv.v.capacity) {
-      throw Error(op + ": k_cache and v_cache must have the same num_blocks and block_size");
-    }
-    kv.block_table = engine_table(op, block_table, device, batch, kb, kv.k.capacity / kb);
-    return kv;
-  }
+// A prompt's rows in the layer's cache layout: [rows, cache heads, tokens,
+// dim] (rows = batch for append_tokens, absent for one slot's admit). `v`
+// is None for a key-only cache (an engine-paged layer's index keys).
+struct PromptRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t tokens = 0;
 };
+PromptRows prompt_rows(const SparseLayer& layer, const std::string& op, const In& k, const std::optional<In>& v,
+                       bool one_slot) {
+  const DenseKVCache& c = layer.cache();
+  const Tensor kt = describe(k, op, "k");
+  const int lead = one_slot ? 0 : 1;
+  kt.require_ndim(3 + lead, one_slot ? "[cache K heads, tokens, dim]" : "[batch, cache K heads, tokens, dim]");
+  const int64_t n = kt.shape[static_cast<size_t>(1 + lead)];
+  PromptRows rows;
+  rows.tokens = n;
+  const std::string k_layout = std::string(one_slot ? "[" : "[batch, ") + std::to_string(c.k_heads()) + ", tokens, " +
+                               std::to_string(c.k_head_dim()) + "] (the layer's cache K rows)";
+  rows.k = step_arg(op, k, "k", layer.device(), layer.dtype(),
+                    one_slot ? std::initializer_list<int64_t>{c.k_heads(), n, c.k_head_dim()}
+                             : std::initializer_list<int64_t>{layer.batch(), c.k_heads(), n, c.k_head_dim()},
+                    k_layout.c_str());
+  if (c.v_heads() == 0) {
+    if (v) throw Error(op + ": v must be None for an engine-paged layer (it keeps only its index keys)");
+    return rows;
+  }
+  if (!v) throw Error(op + ": v must be given");
+  const std::string v_layout = std::string(one_slot ? "[" : "[batch, ") + std::to_string(c.v_heads()) + ", tokens, " +
+                               std::to_string(c.v_head_dim()) + "] (the layer's cache V rows)";
+  rows.v = step_arg(op, *v, "v", layer.device(), layer.dtype(),
+                    one_slot ? std::initializer_list<int64_t>{c.v_heads(), n, c.v_head_dim()}
+                             : std::initializer_list<int64_t>{layer.batch(), c.v_heads(), n, c.v_head_dim()},
+                    v_layout.c_str());
+  return rows;
+}
 
-struct PyStaticBlockSparse {
-  PyStaticBlockSparse(Device on, DType type, const StaticBlockSparseConfig& c, int32_t b,
-                      std::optional<DispatchConfig> dispatch)
-      : device(on), dtype(type), config(c), batch(b),
-        layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
-  Device device;
-  DType dtype;
-  StaticBlockSparseConfig config;
-  int32_t batch;
-  StaticBlockSparseAttention layer;
-
-  StaticBlockSparseTokens tokens(const std::string& op, const In& q, const In& k, const In& v, const Out& o) const {
-    const int64_t B = batch, Hq = config.num_qo_heads, Hk = config.num_kv_heads, D = config.head_dim;
-    StaticBlockSparseTokens t;
-    t.q = step_arg(op, q, "q", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-    t.k = step_arg(op, k, "k", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-    t.v = step_arg(op, v, "v", device, dtype, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+// ---- block-sparse step tensors ----
+BlockSparseTokens block_tokens(const BlockSparseAttention& l, const std::string& op, const In& q, const In& index_q,
+                               const In& k, const In& v, const Out& o, int32_t* q_len) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  const Device dev = l.device();
+  const DType dt = l.dtype();
+  BlockSparseTokens t;
+  if (q_len == nullptr) {
+    t.q = step_arg(op, q, "q", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.index_q = step_arg(op, index_q, "index_q", dev, dt, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
+    t.k = step_arg(op, k, "k", dev, dt, {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
+    t.v = step_arg(op, v, "v", dev, dt, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
     return t;
   }
-};
+  const char* q_layout = "[batch, q_len, num_qo_heads, head_dim]";
+  *q_len = step_q_len(op, q, "q", q_layout);
+  const int64_t T = *q_len;
+  t.q = step_arg(op, q, "q", dev, dt, {B, T, Hq, D}, q_layout);
+  t.index_q = step_arg(op, index_q, "index_q", dev, dt, {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
+  t.k = step_arg(op, k, "k", dev, dt, {T, B, Hk + 1, 1, D},
+                 "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
+  t.v = step_arg(op, v, "v", dev, dt, {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
+  t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]"));
+  return t;
+}
 
-struct PyDsa {
-  PyDsa(Device on, DType type, const DsaConfig& c, int32_t b, std::optional<DispatchConfig> dispatch)
-      : device(on), dtype(type), config(c), batch(b), layer(on, type, c, b, dispatch ? *dispatch : process_dispatch_config()) {}
-  Device device;
-  DType dtype;
-  DsaConfig config;
-  int32_t batch;
-  DsaAttention layer;
+BlockSparseTokens block_engine_tokens(const BlockSparseAttention& l, const std::string& op, const In& q,
+                                      const In& index_q, const In& index_k, const Out& o) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  BlockSparseTokens t;
+  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+  t.index_q = step_arg(op, index_q, "index_q", l.device(), l.dtype(), {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
+  t.index_k = step_arg(op, index_k, "index_k", l.device(), l.dtype(), {B, 1, 1, D}, "[batch, 1, 1, head_dim]");
+  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+  return t;
+}
 
-  // The queries, index weights and output of a step (both forms).
-  DsaTokens queries(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
-                    const In& index_weights, const Out& o) const {
-    const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
-                  IH = config.index_heads, ID = config.index_head_dim;
-    DsaTokens t;
-    t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
-    t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, H, R}, "[batch, num_qo_heads, rope_dim]");
-    t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, IH, ID}, "[batch, index_heads, index_head_dim]");
-    t.index_weights = weights_arg(op, index_weights, device, {B, IH}, "[batch, index_heads]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
+EnginePagedKV block_engine_kv(const BlockSparseAttention& l, const std::string& op, const In& k_cache,
+                              const In& v_cache, const In& block_table) {
+  const int32_t Hk = l.config().num_kv_heads, D = l.config().head_dim;
+  const char* layout = "[num_blocks, block_size, num_kv_heads, head_dim]";
+  int32_t kb = 0, vb = 0;
+  EnginePagedKV kv;
+  kv.k = engine_pool(op, k_cache, "k_cache", l.device(), l.dtype(), Hk, D, D, layout, &kb);
+  kv.v = engine_pool(op, v_cache, "v_cache", l.device(), l.dtype(), Hk, D, D, layout, &vb);
+  if (kb != vb || kv.k.capacity != kv.v.capacity) {
+    throw Error(op + ": k_cache and v_cache must have the same num_blocks and block_size");
+  }
+  kv.block_table = engine_table(op, block_table, l.device(), l.batch(), kb, kv.k.capacity / kb);
+  return kv;
+}
+
+// ---- static-pattern step tensors ----
+StaticBlockSparseTokens static_tokens(const StaticBlockSparseAttention& l, const std::string& op, const In& q,
+                                      const In& k, const In& v, const Out& o) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  StaticBlockSparseTokens t;
+  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+  t.k = step_arg(op, k, "k", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+  t.v = step_arg(op, v, "v", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+  return t;
+}
+
+// ---- DSA step tensors ----
+// The queries, index weights and output of a step (q_len = 0: one token, no q_len dim).
+DsaTokens dsa_queries(const DsaAttention& l, const std::string& op, const In& q_latent, const In& q_pe,
+                      const In& q_index, const In& index_weights, const Out& o, int64_t T) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), H = c.num_qo_heads, L = c.latent_dim, R = c.rope_dim, IH = c.index_heads,
+                ID = c.index_head_dim;
+  const Device dev = l.device();
+  const DType dt = l.dtype();
+  DsaTokens t;
+  if (T == 0) {
+    t.q_latent = step_arg(op, q_latent, "q_latent", dev, dt, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
+    t.q_pe = step_arg(op, q_pe, "q_pe", dev, dt, {B, H, R}, "[batch, num_qo_heads, rope_dim]");
+    t.q_index = step_arg(op, q_index, "q_index", dev, dt, {B, IH, ID}, "[batch, index_heads, index_head_dim]");
+    t.index_weights = weights_arg(op, index_weights, dev, {B, IH}, "[batch, index_heads]");
+    t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
     return t;
   }
-  DsaTokens tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
-                   const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o) const {
-    DsaTokens t = queries(op, q_latent, q_pe, q_index, index_weights, o);
-    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype,
-                             {batch, 1, 1, config.latent_dim + config.index_head_dim},
+  t.q_latent = step_arg(op, q_latent, "q_latent", dev, dt, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]");
+  t.q_pe = step_arg(op, q_pe, "q_pe", dev, dt, {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
+  t.q_index = step_arg(op, q_index, "q_index", dev, dt, {B, T, IH, ID}, "[batch, q_len, index_heads, index_head_dim]");
+  t.index_weights = weights_arg(op, index_weights, dev, {B, T, IH}, "[batch, q_len, index_heads]");
+  t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]"));
+  return t;
+}
+
+DsaTokens dsa_tokens(const DsaAttention& l, const std::string& op, const In& q_latent, const In& q_pe,
+                     const In& q_index, const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o,
+                     int32_t* q_len) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), L = c.latent_dim, R = c.rope_dim, ID = c.index_head_dim;
+  int64_t T = 0;
+  if (q_len != nullptr) {
+    *q_len = step_q_len(op, q_latent, "q_latent", "[batch, q_len, num_qo_heads, latent_dim]");
+    T = *q_len;
+  }
+  DsaTokens t = dsa_queries(l, op, q_latent, q_pe, q_index, index_weights, o, T);
+  if (T == 0) {
+    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", l.device(), l.dtype(), {B, 1, 1, L + ID},
                              "[batch, 1, 1, latent_dim + index_head_dim]");
-    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {batch, 1, 1, config.rope_dim}, "[batch, 1, 1, rope_dim]");
+    t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {B, 1, 1, R}, "[batch, 1, 1, rope_dim]");
     return t;
   }
-  // A multi-token step's tensors: q_len from q_latent [batch, q_len, num_qo_heads, latent_dim].
-  DsaTokens multi_tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
-                         const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o,
-                         int32_t* q_len) const {
-    const int64_t B = batch, H = config.num_qo_heads, L = config.latent_dim, R = config.rope_dim,
-                  IH = config.index_heads, ID = config.index_head_dim;
-    const char* q_layout = "[batch, q_len, num_qo_heads, latent_dim]";
-    *q_len = step_q_len(op, q_latent, "q_latent", q_layout);
-    const int64_t T = *q_len;
-    DsaTokens t;
-    t.q_latent = step_arg(op, q_latent, "q_latent", device, dtype, {B, T, H, L}, q_layout);
-    t.q_pe = step_arg(op, q_pe, "q_pe", device, dtype, {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
-    t.q_index = step_arg(op, q_index, "q_index", device, dtype, {B, T, IH, ID},
-                         "[batch, q_len, index_heads, index_head_dim]");
-    t.index_weights = weights_arg(op, index_weights, device, {B, T, IH}, "[batch, q_len, index_heads]");
-    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", device, dtype, {T, B, 1, 1, L + ID},
-                             "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
-    t.k_pe = step_arg(op, k_pe, "k_pe", device, dtype, {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", device, dtype, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]"));
-    return t;
+  t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", l.device(), l.dtype(), {T, B, 1, 1, L + ID},
+                           "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
+  t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");
+  return t;
+}
+
+// The engines' FP8 MLA pool: uint8 [num_blocks, block_size, row_bytes], each
+// row the 656-byte format (fp8.h) and row_bytes >= 656 apart.
+EnginePagedKV dsa_fp8_kv(const DsaAttention& l, Tensor& t, const std::string& op, const In& block_table) {
+  const char* layout = "[num_blocks, block_size, row_bytes] uint8 (656-byte FP8 MLA rows)";
+  require_layer_device(t, l.device());
+  if (t.dtype.bits != 8 || t.dtype.lanes != 1) t.fail("has dtype " + t.dtype_str() + "; an FP8 pool is uint8");
+  if (l.dtype() != DType::kBF16) t.fail("holds FP8 MLA rows, whose rope is bf16: the layer must be bf16");
+  if (l.config().latent_dim != MlaFp8Row::kLatent || l.config().rope_dim != MlaFp8Row::kRope)
+    t.fail("holds FP8 MLA rows of 512 latent + 64 rope values; the layer has " + std::to_string(l.config().latent_dim) +
+           " + " + std::to_string(l.config().rope_dim));
+  t.require_ndim(3, layout);
+  if (t.shape[2] < MlaFp8Row::kBytes)
+    t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656; expected " + layout);
+  if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
+  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
+    t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
+  const MlaFp8Views views = mla_fp8_views(t.data, t.shape[0] * t.shape[1], t.strides[1]);
+  EnginePagedKV kv{views.k, views.v, views.k_extra, {}};
+  kv.kv_format = KvFormat::kE4m3Mla;
+  const int32_t bs = to_int32(t.shape[1], op, "kv_cache's block size");
+  kv.block_table = engine_table(op, block_table, l.device(), l.batch(), bs, t.shape[0]);
+  return kv;
+}
+
+EnginePagedKV dsa_engine_kv(const DsaAttention& l, const std::string& op, const In& kv_cache, const In& block_table) {
+  const int32_t L = l.config().latent_dim, R = l.config().rope_dim;
+  const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
+  if (Tensor t = describe(kv_cache, op, "kv_cache"); t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt)) {
+    return dsa_fp8_kv(l, t, op, block_table);
   }
-  // An engine-paged step: the indexer key instead of the cache rows.
-  DsaTokens engine_tokens(const std::string& op, const In& q_latent, const In& q_pe, const In& q_index,
-                          const In& index_weights, const In& index_k, const Out& o) const {
-    DsaTokens t = queries(op, q_latent, q_pe, q_index, index_weights, o);
-    t.index_k = step_arg(op, index_k, "index_k", device, dtype, {batch, 1, 1, config.index_head_dim},
-                         "[batch, 1, 1, index_head_dim]");
-    return t;
-  }
-  EnginePagedKV engine_kv(const std::string& op, const In& kv_cache, const In& block_table) const {
-    const int32_t L = config.latent_dim, R = config.rope_dim;
-    const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
-    int32_t bs = 0;
-    EnginePagedKV kv;
-    if (Tensor t = describe(kv_cache, op, "kv_cache"); t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt)) {
-      return fp8_kv(t, op, block_table);
-    }
-    kv.k = engine_pool(op, kv_cache, "kv_cache", device, dtype, 0, L + R, L, layout, &bs);
-    kv.v = kv.k;        // V = the latent columns
-    kv.k_extra = kv.k;  // the rope columns of the same rows
-    kv.k_extra.data = static_cast<const char*>(kv.k.data) + int64_t{L} * static_cast<int64_t>(dtype_size(dtype));
-    kv.k_extra.dim = R;
-    kv.block_table = engine_table(op, block_table, device, batch, bs, kv.k.capacity / bs);
-    return kv;
-  }
-  // The engines' FP8 MLA pool: uint8 [num_blocks, block_size, row_bytes], each
-  // row the 656-byte format (fp8.h) and row_bytes >= 656 apart.
-  EnginePagedKV fp8_kv(Tensor& t, const std::string& op, const In& block_table) const {
-    const char* layout = "[num_blocks, block_size, row_bytes] uint8 (656-byte FP8 MLA rows)";
-    require_layer_device(t, device);
-    if (t.dtype.bits != 8 || t.dtype.lanes != 1) t.fail("has dtype " + t.dtype_str() + "; an FP8 pool is uint8");
-    if (dtype != DType::kBF16) t.fail("holds FP8 MLA rows, whose rope is bf16: the layer must be bf16");
-    if (config.latent_dim != MlaFp8Row::kLatent || config.rope_dim != MlaFp8Row::kRope)
-      t.fail("holds FP8 MLA rows of 512 latent + 64 rope values; the layer has " + std::to_string(config.latent_dim) +
-             " + " + std::to_string(config.rope_dim));
-    t.require_ndim(3, layout);
-    if (t.shape[2] < MlaFp8Row::kBytes)
-      t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656; expected " + layout);
-    if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
-    if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
-      t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
-    const MlaFp8Views views = mla_fp8_views(t.data, t.shape[0] * t.shape[1], t.strides[1]);
-    EnginePagedKV kv{views.k, views.v, views.k_extra, {}};
-    kv.kv_format = KvFormat::kE4m3Mla;
-    const int32_t bs = to_int32(t.shape[1], op, "kv_cache's block size");
-    kv.block_table = engine_table(op, block_table, device, batch, bs, t.shape[0]);
-    return kv;
-  }
-};
+  int32_t bs = 0;
+  EnginePagedKV kv;
+  kv.k = engine_pool(op, kv_cache, "kv_cache", l.device(), l.dtype(), 0, L + R, L, layout, &bs);
+  kv.v = kv.k;        // V = the latent columns
+  kv.k_extra = kv.k;  // the rope columns of the same rows
+  kv.k_extra.data = static_cast<const char*>(kv.k.data) + int64_t{L} * static_cast<int64_t>(dtype_size(l.dtype()));
+  kv.k_extra.dim = R;
+  kv.block_table = engine_table(op, block_table, l.device(), l.batch(), bs, kv.k.capacity / bs);
+  return kv;
+}
+
+DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
+  return d ? *d : process_dispatch_config();
+}
+
 
 }  // namespace
 
@@ -308,6 +338,60 @@ void bind_layers(nb::module_& m) {
       .value("ENGINE_PAGED", KVStorage::kEnginePaged,
              "An engine's paged pool, read in place through its block table (decode_paged); the engine\n"
              "writes each token's rows, the layer keeps only its indexer's keys. Fused path only.");
+
+  nb::class_<LayerStep>(m, "LayerStep", "What a layer step did.")
+      .def_ro("sparse", &LayerStep::sparse, "Some sequence's selection left something out.")
+      .def_ro("fused", &LayerStep::fused, "The fused paged decode ran (else the mask path).")
+      .def_ro("outcome", &LayerStep::outcome);
+
+  nb::class_<SparseLayer>(m, "SparseLayer",
+                          "The layer skeleton every model shares: a batch of slots (continuous batching: each\n"
+                          "slot has its own length; requests join with admit() and leave with release()), the\n"
+                          "cache, and the last step's selection. Models add their decode forms.")
+      .def_prop_ro("batch", &SparseLayer::batch)
+      .def_prop_ro("kv_len", &SparseLayer::kv_len, "The longest active sequence (a lockstep batch's length).")
+      .def_prop_ro("kv_lens", &SparseLayer::kv_lens, "Each slot's length as the host knows it.")
+      .def(
+          "reserve", [](SparseLayer& self, int64_t tokens) { self.reserve(tokens); }, nb::arg("tokens"),
+          "Makes room for `tokens` live tokens per slot and sizes the step's buffers, so steps up to\n"
+          "that length allocate nothing (do it before capturing steps in a graph).")
+      .def(
+          "append_tokens",
+          [](SparseLayer& self, const In& k, const std::optional<In>& v) {
+            const PromptRows rows = prompt_rows(self, self.name() + ".append_tokens", k, v, false);
+            self.append_tokens(rows.k, rows.v, rows.tokens);
+          },
+          nb::arg("k"), nb::arg("v").none() = nb::none(),
+          "Appends a prompt's tokens to every active slot without attending (its prefill ran\n"
+          "elsewhere), in the cache's row layout: k [batch, cache K heads, tokens, dim], v likewise\n"
+          "(block-sparse: keys then the index key / values; DSA: latent + index key / rope;\n"
+          "engine-paged layers: k is the index keys and v None). Synchronous; not a step.")
+      .def(
+          "admit",
+          [](SparseLayer& self, int32_t slot, const In& k, const std::optional<In>& v,
+             const std::optional<uintptr_t>& stream) {
+            const PromptRows rows = prompt_rows(self, self.name() + ".admit", k, v, true);
+            self.admit(slot, rows.k, rows.v, rows.tokens, step_stream(stream, self));
+          },
+          nb::arg("slot"), nb::arg("k"), nb::arg("v").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+          "Starts a request in `slot` with its prompt's rows (k [cache K heads, tokens, dim], v likewise,\n"
+          "or None for an engine-paged layer); later steps extend it. Waits for the stream first.")
+      .def(
+          "release",
+          [](SparseLayer& self, int32_t slot, const std::optional<uintptr_t>& stream) {
+            self.release(slot, step_stream(stream, self));
+          },
+          nb::arg("slot"), nb::arg("stream").none() = nb::none(),
+          "Ends the request in `slot`: later steps skip it (its output rows are zero).")
+      .def(
+          "sync_live_len",
+          [](SparseLayer& self, const std::optional<uintptr_t>& stream) { self.sync_live_len(step_stream(stream, self)); },
+          nb::arg("stream").none() = nb::none(),
+          "After replaying captured steps: reads the device-side lengths back (synchronizes).")
+      .def("last_selected_positions", &SparseLayer::last_selected_positions,
+           "Positions the last step's page table attends, per request (host copy).")
+      .def("last_mask_columns", &SparseLayer::last_mask_columns,
+           "Columns the mask path keeps for the last step, per request (built on the device).");
 
   nb::class_<BlockSparseConfig>(m, "BlockSparseConfig", "Geometry of the block-sparse (MiniMax-M3-style) layer.")
       .def(
@@ -331,112 +415,72 @@ void bind_layers(nb::module_& m) {
       .def_rw("capacity_step", &BlockSparseConfig::capacity_step)
       .def("sparse_regime", &BlockSparseConfig::sparse_regime, nb::arg("kv_len"));
 
-  nb::class_<BlockSparseStep>(m, "BlockSparseStep", "What a block-sparse decode step did.")
-      .def_ro("sparse_regime", &BlockSparseStep::sparse_regime)
-      .def_ro("fused", &BlockSparseStep::fused)
-      .def_ro("outcome", &BlockSparseStep::outcome);
-
-  nb::class_<PyBlockSparse>(m, "BlockSparseAttention",
-                            "The block-sparse attention layer: an indexer keeps the top-k key blocks per KV head\n"
-                            "and decode attends them through the fused paged decode, falling back to the mask\n"
-                            "path on any decline. The layer owns its dense [B, H, Cap, D] cache (f16 or bf16).\n"
-                            "Step tensors: q [B, Hq, D], index_q [B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the\n"
-                            "index key), v [B, Hkv, 1, D], o [B, Hq, D]; contiguous, on the layer's device.")
-      .def(nb::init<Device, DType, const BlockSparseConfig&, int32_t, std::optional<DispatchConfig>>(),
-           nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+  nb::class_<BlockSparseAttention, SparseLayer>(
+      m, "BlockSparseAttention",
+      "The block-sparse attention layer: an indexer keeps the top-k key blocks per KV head and decode\n"
+      "attends them through the fused paged decode, falling back to the mask path on any decline. The\n"
+      "layer owns its dense [B, H, Cap, D] cache (f16 or bf16). Step tensors: q [B, Hq, D], index_q\n"
+      "[B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the index key), v [B, Hkv, 1, D], o [B, Hq, D];\n"
+      "contiguous, on the layer's device.")
+      .def(
+          "__init__",
+          [](BlockSparseAttention* self, Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
+             const std::optional<DispatchConfig>& dispatch) {
+            new (self) BlockSparseAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
+          },
+          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def_prop_ro("config", &BlockSparseAttention::config)
       .def(
           "prefill_token",
-          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             uintptr_t stream) {
-            self.layer.prefill_token(self.tokens("BlockSparseAttention.prefill_token", q, index_q, k, v, o),
-                                     stream_ptr(stream));
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
+            self.prefill_token(block_tokens(self, "BlockSparseAttention.prefill_token", q, index_q, k, v, o, nullptr),
+                               step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
           "Appends the token and attends causally to the whole window (dense).")
       .def(
           "decode",
-          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             uintptr_t stream) {
-            return self.layer.decode(self.tokens("BlockSparseAttention.decode", q, index_q, k, v, o), stream_ptr(stream));
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
+            return self.decode(block_tokens(self, "BlockSparseAttention.decode", q, index_q, k, v, o, nullptr),
+                               step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
-          "Appends the token; in the sparse regime runs the indexer and tries the fused path, falling\n"
-          "back to the block mask over the same set. Returns a BlockSparseStep.")
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
+          "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
+          "same set on a decline. Returns a LayerStep.")
       .def(
           "decode_paged",
-          [](PyBlockSparse& self, const In& q, const In& index_q, const In& index_k, const Out& o, const In& k_cache,
-             const In& v_cache, const In& block_table, uintptr_t stream) {
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
+             const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
             const std::string op = "BlockSparseAttention.decode_paged";
-            return self.layer.decode(self.engine_tokens(op, q, index_q, index_k, o),
-                                     self.engine_kv(op, k_cache, v_cache, block_table), stream_ptr(stream));
+            return self.decode(block_engine_tokens(self, op, q, index_q, index_k, o),
+                               block_engine_kv(self, op, k_cache, v_cache, block_table), step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("block_table"), nb::arg("stream") = 0,
+          nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
           "Decode over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): appends the index key\n"
           "index_k [B, 1, 1, D], runs the indexer, and attends the kept blocks of k_cache / v_cache\n"
           "[num_blocks, block_size, Hkv, D] in place through block_table int32 [B, max_blocks] (row b:\n"
-          "sequence b's blocks). The engine must already have written this token's K and V at position\n"
-          "kv_len (the length before the call). In the dense regime every block is attended. No mask\n"
-          "path: a step the dispatch would decline raises, and nothing is appended.")
+          "slot b's blocks). The engine has written this token's K and V at position kv_lens[b] (the\n"
+          "length before the call). No mask path: a step the dispatch would decline raises, and nothing\n"
+          "is appended.")
       .def(
           "decode_multi",
-          [](PyBlockSparse& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             uintptr_t stream) {
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
             int32_t q_len = 0;
-            const BlockSparseTokens t = self.multi_tokens("BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
-            return self.layer.decode(t, q_len, stream_ptr(stream));
+            const BlockSparseTokens t = block_tokens(self, "BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
+            return self.decode(t, q_len, step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
-          "A multi-token step (speculative verification, MTP): appends q_len tokens per sequence and\n"
-          "attends them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D],\n"
-          "index_q [B, q_len, Hkv, D] (a sequence's tokens consecutive, as engines lay them out); k\n"
-          "[q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major (each slice what decode\n"
-          "takes). q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). In the sparse regime\n"
-          "one selection serves the step (a block scores the max over the tokens' index queries) and\n"
-          "the fused kernel applies each token's causal limit; otherwise the step runs as q_len\n"
-          "one-token decodes. Returns a BlockSparseStep.")
-      .def("last_blocks", [](const PyBlockSparse& self) { return self.layer.last_blocks(); },
-           "Selected blocks of the last sparse decode, per request (host copy).")
-      .def("last_selected_positions", [](const PyBlockSparse& self) { return self.layer.last_selected_positions(); },
-           "Positions the page table of the last sparse decode attends, per request.")
-      .def("last_mask_columns", [](PyBlockSparse& self) { return self.layer.last_mask_columns(); },
-           "Columns the mask path keeps for the last sparse decode, per request.")
-      .def(
-          "reserve", [](PyBlockSparse& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
-          "Makes room for `tokens` live tokens and sizes the step's buffers, so steps up to that length\n"
-          "allocate nothing (do it before capturing steps in a graph).")
-      .def(
-          "append_tokens",
-          [](PyBlockSparse& self, const In& k, const std::optional<In>& v) {
-            const std::string op = "BlockSparseAttention.append_tokens";
-            const Tensor kt = describe(k, op, "k");
-            if (self.config.kv_storage == KVStorage::kEnginePaged) {
-              kt.require_ndim(4, "[batch, 1, tokens, head_dim] (the index keys)");
-              const int64_t n = kt.shape[2];
-              const void* kp = step_arg(op, k, "k", self.device, self.dtype, {self.batch, 1, n, self.config.head_dim},
-                                        "[batch, 1, tokens, head_dim] (the index keys)");
-              if (v) throw Error(op + ": v must be None for an engine-paged layer (the engine holds the values)");
-              self.layer.append_tokens(kp, nullptr, n);
-              return;
-            }
-            if (!v) throw Error(op + ": v must be given");
-            kt.require_ndim(4, "[batch, num_kv_heads + 1, tokens, head_dim]");
-            const int64_t B = self.batch, Hk = self.config.num_kv_heads, D = self.config.head_dim, n = kt.shape[2];
-            const void* kp = step_arg(op, k, "k", self.device, self.dtype, {B, Hk + 1, n, D},
-                                      "[batch, num_kv_heads + 1, tokens, head_dim] (keys, then the index key)");
-            const void* vp = step_arg(op, *v, "v", self.device, self.dtype, {B, Hk, n, D},
-                                      "[batch, num_kv_heads, tokens, head_dim]");
-            self.layer.append_tokens(kp, vp, n);
-          },
-          nb::arg("k"), nb::arg("v").none(),
-          "Appends a prompt's tokens to the cache without attending (its prefill ran elsewhere): k\n"
-          "[batch, num_kv_heads + 1, tokens, head_dim] (the index key last), v [batch, num_kv_heads,\n"
-          "tokens, head_dim]. Engine-paged layers: k is the index keys [batch, 1, tokens, head_dim] and\n"
-          "v is None. Synchronous; not a step.")
-      .def(
-          "sync_live_len", [](PyBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
-          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
-      .def_prop_ro("kv_len", [](const PyBlockSparse& self) { return self.layer.kv_len(); });
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
+          "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
+          "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
+          "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
+          "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
+      .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
   nb::class_<StaticBlockSparseConfig>(m, "StaticBlockSparseConfig",
                                       "Geometry of the static per-query-head block pattern (Phi-3-small's by default):\n"
@@ -464,56 +508,32 @@ void bind_layers(nb::module_& m) {
       .def("kept_tokens", &StaticBlockSparseConfig::kept_tokens, nb::arg("head"), nb::arg("kv_len"),
            "Tokens query head `head` attends at decode with `kv_len` tokens in the cache.");
 
-  nb::class_<StaticBlockSparseStep>(m, "StaticBlockSparseStep", "What a static-pattern decode step did.")
-      .def_ro("fused", &StaticBlockSparseStep::fused)
-      .def_ro("outcome", &StaticBlockSparseStep::outcome);
-
-  nb::class_<PyStaticBlockSparse>(
+  nb::class_<StaticBlockSparseAttention, SparseLayer>(
       m, "StaticBlockSparseAttention",
       "Static per-query-head block-sparse attention (Phi-3-small-style): each query head attends its\n"
       "pattern's key blocks through the fused paged decode (one request per query head), falling back\n"
       "to the mask path over the same set on any decline. The layer owns its dense [B, Hkv, Cap, D]\n"
       "cache (f16 or bf16). Step tensors: q [B, Hq, D], k and v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(nb::init<Device, DType, const StaticBlockSparseConfig&, int32_t, std::optional<DispatchConfig>>(),
-           nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def(
+          "__init__",
+          [](StaticBlockSparseAttention* self, Device device, DType dtype, const StaticBlockSparseConfig& config,
+             int32_t batch, const std::optional<DispatchConfig>& dispatch) {
+            new (self) StaticBlockSparseAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
+          },
+          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def_prop_ro("config", &StaticBlockSparseAttention::config)
       .def(
           "decode",
-          [](PyStaticBlockSparse& self, const In& q, const In& k, const In& v, const Out& o, uintptr_t stream) {
-            return self.layer.decode(self.tokens("StaticBlockSparseAttention.decode", q, k, v, o), stream_ptr(stream));
+          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
+            return self.decode(static_tokens(self, "StaticBlockSparseAttention.decode", q, k, v, o),
+                               step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream") = 0,
-          "Appends the token and attends each query head's pattern. Returns a StaticBlockSparseStep.")
-      .def("last_blocks", [](const PyStaticBlockSparse& self) { return self.layer.last_blocks(); },
-           "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).")
-      .def("last_selected_positions",
-           [](const PyStaticBlockSparse& self) { return self.layer.last_selected_positions(); },
-           "Positions the page table of the last decode attends, per request.")
-      .def("last_mask_columns", [](PyStaticBlockSparse& self) { return self.layer.last_mask_columns(); },
-           "Columns the mask path keeps for the last decode, per request (built from the rule).")
-      .def(
-          "reserve", [](PyStaticBlockSparse& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
-          "Makes room for `tokens` live tokens and sizes the step's buffers (before capturing steps).")
-      .def(
-          "append_tokens",
-          [](PyStaticBlockSparse& self, const In& k, const In& v) {
-            const std::string op = "StaticBlockSparseAttention.append_tokens";
-            const Tensor kt = describe(k, op, "k");
-            kt.require_ndim(4, "[batch, num_kv_heads, tokens, head_dim]");
-            const int64_t B = self.batch, Hk = self.config.num_kv_heads, D = self.config.head_dim, n = kt.shape[2];
-            const void* kp = step_arg(op, k, "k", self.device, self.dtype, {B, Hk, n, D},
-                                      "[batch, num_kv_heads, tokens, head_dim]");
-            const void* vp = step_arg(op, v, "v", self.device, self.dtype, {B, Hk, n, D},
-                                      "[batch, num_kv_heads, tokens, head_dim]");
-            self.layer.append_tokens(kp, vp, n);
-          },
-          nb::arg("k"), nb::arg("v"),
-          "Appends a prompt's tokens without attending: k and v [batch, num_kv_heads, tokens, head_dim].")
-      .def(
-          "sync_live_len",
-          [](PyStaticBlockSparse& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
-          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
-      .def_prop_ro("kv_len", [](const PyStaticBlockSparse& self) { return self.layer.kv_len(); });
+          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
+      .def("last_blocks", &StaticBlockSparseAttention::last_blocks,
+           "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).");
 
   nb::class_<DsaConfig>(m, "DsaConfig", "Geometry of the DSA (DeepSeek-V3.2-style MLA + top-k indexer) layer.")
       .def(
@@ -536,115 +556,82 @@ void bind_layers(nb::module_& m) {
       .def_rw("scale", &DsaConfig::scale)
       .def_rw("capacity_step", &DsaConfig::capacity_step);
 
-  nb::class_<DsaStep>(m, "DsaStep", "What a DSA decode step did.")
-      .def_ro("sparse", &DsaStep::sparse)
-      .def_ro("fused", &DsaStep::fused)
-      .def_ro("outcome", &DsaStep::outcome);
-
-  nb::class_<PyDsa>(m, "DsaAttention",
-                    "The DSA layer: MLA attention over the top-k tokens of a lightning indexer, through the\n"
-                    "fused paged decode's second K stream. Step tensors (contiguous, on the layer's device,\n"
-                    "in its dtype except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope],\n"
-                    "q_index [B, index_heads, index_head_dim], index_weights [B, index_heads],\n"
-                    "k_cache_row [B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
-      .def(nb::init<Device, DType, const DsaConfig&, int32_t, std::optional<DispatchConfig>>(), nb::arg("device"),
-           nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+  nb::class_<DsaAttention, SparseLayer>(
+      m, "DsaAttention",
+      "The DSA layer: MLA attention over the top-k tokens of a lightning indexer, through the fused\n"
+      "paged decode's second K stream. Step tensors (contiguous, on the layer's device, in its dtype\n"
+      "except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope], q_index\n"
+      "[B, index_heads, index_head_dim], index_weights [B, index_heads], k_cache_row\n"
+      "[B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
+      .def(
+          "__init__",
+          [](DsaAttention* self, Device device, DType dtype, const DsaConfig& config, int32_t batch,
+             const std::optional<DispatchConfig>& dispatch) {
+            new (self) DsaAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
+          },
+          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def_prop_ro("config", &DsaAttention::config)
       .def(
           "prefill_token",
-          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
-            self.layer.prefill_token(
-                self.tokens("DsaAttention.prefill_token", q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o),
-                stream_ptr(stream));
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
+            self.prefill_token(dsa_tokens(self, "DsaAttention.prefill_token", q_latent, q_pe, q_index, index_weights,
+                                          k_cache_row, k_pe, o, nullptr),
+                               step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0, "Appends the token and attends to the whole window.")
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Appends the token and attends to the whole window.")
       .def(
           "decode",
-          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
-            return self.layer.decode(
-                self.tokens("DsaAttention.decode", q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o),
-                stream_ptr(stream));
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
+            return self.decode(dsa_tokens(self, "DsaAttention.decode", q_latent, q_pe, q_index, index_weights,
+                                          k_cache_row, k_pe, o, nullptr),
+                               step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0,
-          "Appends the token, runs the indexer, tries the fused path and falls back to the mask path.")
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Appends each active slot's token, runs the indexer, tries the fused path and falls back to the\n"
+          "mask path. Returns a LayerStep.")
       .def(
           "decode_paged",
-          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& index_k, const Out& o, const In& kv_cache, const In& block_table, uintptr_t stream) {
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
+             const std::optional<uintptr_t>& stream) {
             const std::string op = "DsaAttention.decode_paged";
-            return self.layer.decode(self.engine_tokens(op, q_latent, q_pe, q_index, index_weights, index_k, o),
-                                     self.engine_kv(op, kv_cache, block_table), stream_ptr(stream));
+            DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
+            t.index_k = step_arg(op, index_k, "index_k", self.device(), self.dtype(),
+                                 {self.batch(), 1, 1, self.config().index_head_dim}, "[batch, 1, 1, index_head_dim]");
+            return self.decode(t, dsa_engine_kv(self, op, kv_cache, block_table), step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
-          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream") = 0,
+          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
           "Decode over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): appends the\n"
           "indexer key index_k [B, 1, 1, index_head_dim], runs the indexer, and attends the kept\n"
           "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
           "row) in place through block_table int32 [B, max_blocks]. A uint8 kv_cache [num_blocks,\n"
           "block_size, row_bytes >= 656] holds the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32\n"
           "scales, 64 bf16 rope values; quantize_mla_fp8 writes them) for a bf16 layer of 512 + 64,\n"
-          "dequantized in the kernel. The engine must already have written this token's row at position\n"
-          "kv_len. No mask path: a declined step raises, appending nothing.")
+          "dequantized in the kernel. The engine has written this token's row at position kv_lens[b].\n"
+          "No mask path: a declined step raises, appending nothing.")
       .def(
           "decode_multi",
-          [](PyDsa& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, uintptr_t stream) {
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
             int32_t q_len = 0;
-            const DsaTokens t = self.multi_tokens("DsaAttention.decode_multi", q_latent, q_pe, q_index, index_weights,
-                                                  k_cache_row, k_pe, o, &q_len);
-            return self.layer.decode(t, q_len, stream_ptr(stream));
+            const DsaTokens t = dsa_tokens(self, "DsaAttention.decode_multi", q_latent, q_pe, q_index, index_weights,
+                                           k_cache_row, k_pe, o, &q_len);
+            return self.decode(t, q_len, step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream") = 0,
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
           "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
           "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
           "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
           "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
           "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
-          "one row per (sequence, token). Returns a DsaStep.")
-      .def("last_selected_positions", [](const PyDsa& self) { return self.layer.last_selected_positions(); })
-      .def("last_mask_columns", [](PyDsa& self) { return self.layer.last_mask_columns(); })
-      .def(
-          "reserve", [](PyDsa& self, int64_t tokens) { self.layer.reserve(tokens); }, nb::arg("tokens"),
-          "Makes room for `tokens` live tokens and sizes the step's buffers, so steps up to that length\n"
-          "allocate nothing (do it before capturing steps in a graph).")
-      .def(
-          "append_tokens",
-          [](PyDsa& self, const In& k_cache_rows, const std::optional<In>& k_pe) {
-            const std::string op = "DsaAttention.append_tokens";
-            const Tensor kt = describe(k_cache_rows, op, "k_cache_rows");
-            if (self.config.kv_storage == KVStorage::kEnginePaged) {
-              kt.require_ndim(4, "[batch, 1, tokens, index_head_dim] (the indexer keys)");
-              const int64_t n = kt.shape[2];
-              const void* kp = step_arg(op, k_cache_rows, "k_cache_rows", self.device, self.dtype,
-                                        {self.batch, 1, n, self.config.index_head_dim},
-                                        "[batch, 1, tokens, index_head_dim] (the indexer keys)");
-              if (k_pe) throw Error(op + ": k_pe must be None for an engine-paged layer (the engine holds the rows)");
-              self.layer.append_tokens(kp, nullptr, n);
-              return;
-            }
-            if (!k_pe) throw Error(op + ": k_pe must be given");
-            kt.require_ndim(4, "[batch, 1, tokens, latent_dim + index_head_dim]");
-            const int64_t B = self.batch, n = kt.shape[2];
-            const void* kp = step_arg(op, k_cache_rows, "k_cache_rows", self.device, self.dtype,
-                                      {B, 1, n, self.config.latent_dim + self.config.index_head_dim},
-                                      "[batch, 1, tokens, latent_dim + index_head_dim]");
-            const void* pe = step_arg(op, *k_pe, "k_pe", self.device, self.dtype, {B, 1, n, self.config.rope_dim},
-                                      "[batch, 1, tokens, rope_dim]");
-            self.layer.append_tokens(kp, pe, n);
-          },
-          nb::arg("k_cache_rows"), nb::arg("k_pe").none(),
-          "Appends a prompt's tokens to the cache without attending: k_cache_rows [batch, 1, tokens,\n"
-          "latent_dim + index_head_dim], k_pe [batch, 1, tokens, rope_dim]. Engine-paged layers:\n"
-          "k_cache_rows is the indexer keys [batch, 1, tokens, index_head_dim] and k_pe is None.\n"
-          "Synchronous; not a step.")
-      .def(
-          "sync_live_len", [](PyDsa& self, uintptr_t stream) { self.layer.sync_live_len(stream_ptr(stream)); },
-          nb::arg("stream") = 0, "After replaying captured steps: reads the device-side length back (synchronizes).")
-      .def_prop_ro("kv_len", [](const PyDsa& self) { return self.layer.kv_len(); });
+          "one row per (sequence, token). Returns a LayerStep.");
 
   m.def(
       "select_top_blocks_cpu",

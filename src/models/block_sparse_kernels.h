@@ -31,10 +31,14 @@ struct BlockIndexerArgs {
   int32_t q_len = 1;
   int32_t batch = 0, num_kv_heads = 0, head_dim = 0;
   int64_t capacity = 0;
-  const int32_t* kv_lens = nullptr;  // device [batch]: live tokens per sequence, 1 <= kv_lens[b] <= max_kv_len
+  const int32_t* kv_lens = nullptr;  // device [batch]: live tokens per sequence, 0 <= kv_lens[b] <= max_kv_len (0:
+                                     // a free slot, which keeps nothing)
   int64_t max_kv_len = 0;            // host bound (<= capacity) sizing the grids and the workspace
   int32_t block_size = 0, topk = 0, local_blocks = 0;
   int32_t width = 0;                 // entries per request row in block_ids, >= topk + 1
+  /// Sequences of at most this many tokens (the model's dense regime) keep
+  /// every block, so their rows must fit `width`; 0: none.
+  int64_t dense_len = 0;
   int32_t* block_ids = nullptr;      // out [batch * num_kv_heads, width]: the top blocks (increasing id), then the
                                      // final block (possibly partial), then -1
   int32_t* seq_lens = nullptr;       // out [batch * num_kv_heads]: tokens those blocks cover
@@ -43,12 +47,6 @@ struct BlockIndexerArgs {
 };
 size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
 void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);
-
-/// Block-granular pages to token-granular ones: out[r][i] = block * block_size
-/// + i % block_size for block = block_ids[r][i / block_size] (-1 stays -1),
-/// for i < width * block_size.
-void expand_block_pages_cuda(const int32_t* block_ids, int32_t num_requests, int32_t width, int32_t block_size,
-                             int32_t* out, void* stream);
 
 /// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0
 /// where the token's block is one of the request's `width` entries of

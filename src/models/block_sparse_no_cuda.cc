@@ -7,9 +7,6 @@ size_t block_indexer_workspace_bytes(int32_t, int32_t, int64_t, int32_t) { retur
 void block_indexer_cuda(const BlockIndexerArgs&, void*) {
   throw Error("block-sparse indexer on Device::kCuda: sparsepage was built without CUDA");
 }
-void expand_block_pages_cuda(const int32_t*, int32_t, int32_t, int32_t, int32_t*, void*) {
-  throw Error("block page expansion on Device::kCuda: sparsepage was built without CUDA");
-}
 void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int32_t, const int32_t*, int64_t, float*, void*) {
   throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
 }

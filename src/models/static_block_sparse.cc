@@ -63,9 +63,7 @@ int64_t StaticBlockSparseConfig::kept_tokens(int32_t head, int64_t kv_len) const
 
 namespace {
 // The layer's configuration, checked before anything is allocated.
-const StaticBlockSparseConfig& checked_config(Device device, DType dtype, const StaticBlockSparseConfig& c,
-                                              int32_t batch) {
-  if (dtype == DType::kF32) throw Error("StaticBlockSparseAttention: the cache stores f16 or bf16");
+const StaticBlockSparseConfig& checked_config(Device device, const StaticBlockSparseConfig& c, int32_t batch) {
   if (batch < 1) throw Error("StaticBlockSparseAttention: batch = " + std::to_string(batch) + " must be at least 1");
   if (c.num_kv_heads < 1 || c.num_qo_heads < 1 || c.num_qo_heads % c.num_kv_heads != 0 || c.head_dim < 1 ||
       c.block_size < 1 || c.local_blocks < 1 || c.vert_stride < 1 || c.capacity_step < 1) {
@@ -89,17 +87,17 @@ const StaticBlockSparseConfig& checked_config(Device device, DType dtype, const 
   }
   return c;
 }
+
+SparseLayer::CacheShape cache_shape(const StaticBlockSparseConfig& c) {
+  return {c.num_kv_heads, c.num_kv_heads, c.head_dim, c.head_dim};
+}
 }  // namespace
 
 StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config,
                                                        int32_t batch, DispatchConfig dispatch)
-    : device_(device),
-      dtype_(dtype),
-      config_(checked_config(device, dtype, config, batch)),
-      batch_(batch),
-      cache_(device, dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16, batch, config.num_kv_heads,
-             config.num_kv_heads, config.head_dim, config.head_dim, config.capacity_step),
-      decoder_(device, dispatch) {}
+    : SparseLayer("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache, cache_shape(checked_config(device, config, batch)),
+                  config.capacity_step, dispatch),
+      config_(config) {}
 
 int64_t StaticBlockSparseAttention::max_kept_tokens(int64_t kv_len) const {
   int64_t most = 0;
@@ -107,10 +105,29 @@ int64_t StaticBlockSparseAttention::max_kept_tokens(int64_t kv_len) const {
   return most;
 }
 
-void StaticBlockSparseAttention::check_tokens(const StaticBlockSparseTokens& t) const {
+StepTokens StaticBlockSparseAttention::to_step(const StaticBlockSparseTokens& t) const {
+  StepTokens s;
+  s.q = t.q;
+  s.k = t.k;
+  s.v = t.v;
+  s.o = t.o;
+  return s;
+}
+
+void StaticBlockSparseAttention::check_tokens(const StepTokens& t, bool /*engine*/) const {
   if (t.q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
     throw Error("StaticBlockSparseAttention: every StaticBlockSparseTokens pointer (q, k, v, o) must be set");
   }
+}
+
+SparseLayer::TokenBytes StaticBlockSparseAttention::token_bytes() const {
+  const size_t row = static_cast<size_t>(config_.head_dim) * dtype_size(dtype());
+  TokenBytes b;
+  b.q = static_cast<size_t>(config_.num_qo_heads) * row;
+  b.k = static_cast<size_t>(config_.num_kv_heads) * row;
+  b.v = b.k;
+  b.o = b.q;
+  return b;
 }
 
 // The G = 1 view of the dense cache: "sequence" s = b * num_kv_heads + k is
@@ -118,7 +135,7 @@ void StaticBlockSparseAttention::check_tokens(const StaticBlockSparseTokens& t) 
 // requests with head stride 0. So request s * G + g = b * num_qo_heads + h
 // (h = k * G + g), q [B, Hq, D] and o are that order already, and window
 // addressing checks each position against window_lens_[s].
-SparseAttentionInputs StaticBlockSparseAttention::inputs(const StaticBlockSparseTokens& tokens) const {
+SparseAttentionInputs StaticBlockSparseAttention::attention_inputs(const StepTokens& tokens, int32_t /*q_len*/) const {
   const int32_t group = config_.group_size();
   auto per_kv_head = [this](RowView rows) {
     if (rows.seq_stride != int64_t{config_.num_kv_heads} * rows.head_stride) {
@@ -129,130 +146,99 @@ SparseAttentionInputs StaticBlockSparseAttention::inputs(const StaticBlockSparse
     return rows;
   };
   SparseAttentionInputs in;
-  in.device = device_;
-  in.dtype = dtype_;
-  in.batch = batch_ * config_.num_kv_heads;
+  in.device = device();
+  in.dtype = dtype();
+  in.batch = batch() * config_.num_kv_heads;
   in.num_kv_heads = group;
   in.num_qo_heads = group;
-  in.live_len = cache_.live_len();
+  in.live_len = kv_len();
   in.live_lens = window_lens_.as<int32_t>();
-  in.k = per_kv_head(cache_.k_rows().value());
-  in.v = per_kv_head(cache_.v_rows().value());
+  in.k = per_kv_head(cache().k_rows().value());
+  in.v = per_kv_head(cache().v_rows().value());
   in.q = tokens.q;
   in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   in.o = tokens.o;
   return in;
 }
 
-void StaticBlockSparseAttention::reserve(int64_t tokens) {
-  cache_.reserve(tokens);
-  size_step_buffers();
-}
-
-void StaticBlockSparseAttention::append_tokens(const void* k, const void* v, int64_t tokens) {
-  if (k == nullptr || v == nullptr) throw Error("StaticBlockSparseAttention::append_tokens: k and v must be set");
-  cache_.append(k, v, dtype_, tokens);
-  size_step_buffers();
-}
-
-void StaticBlockSparseAttention::size_step_buffers() {
-  const int64_t cap = cache_.capacity();
-  if (cap == 0 || cap == sized_capacity_) return;  // nothing to size yet, or sized
+void StaticBlockSparseAttention::size_selection(int64_t capacity, int32_t /*q_len*/) {
   // The kept count never shrinks as the window grows, so the count at the
   // capacity bounds every step until the cache grows again.
   int64_t width = 0;
-  for (int32_t h = 0; h < config_.num_qo_heads; ++h) width = std::max(width, config_.kept_blocks(h, cap));
+  for (int32_t h = 0; h < config_.num_qo_heads; ++h) width = std::max(width, config_.kept_blocks(h, capacity));
   if (width * config_.block_size > INT32_MAX) {
     throw Error("StaticBlockSparseAttention: " + std::to_string(width) + " kept blocks of " +
-                std::to_string(config_.block_size) + " tokens at capacity " + std::to_string(cap) +
+                std::to_string(config_.block_size) + " tokens at capacity " + std::to_string(capacity) +
                 " exceed 2^31 tokens per request");
   }
   width_ = static_cast<int32_t>(width);
-  pages_ = Buffer(device_, static_cast<size_t>(num_requests()) * static_cast<size_t>(width_) * sizeof(int32_t));
+  pages_ = Buffer(device(), static_cast<size_t>(num_requests()) * static_cast<size_t>(width_) * sizeof(int32_t));
   if (seq_lens_.empty()) {
-    seq_lens_ = Buffer(device_, static_cast<size_t>(num_requests()) * sizeof(int32_t));
-    window_lens_ = Buffer(device_, static_cast<size_t>(batch_) * config_.num_kv_heads * sizeof(int32_t));
+    seq_lens_ = Buffer(device(), static_cast<size_t>(num_requests()) * sizeof(int32_t));
+    window_lens_ = Buffer(device(), static_cast<size_t>(batch()) * config_.num_kv_heads * sizeof(int32_t));
+    fill_bytes(seq_lens_.data(), device(), 0, seq_lens_.bytes());
+    fill_bytes(window_lens_.data(), device(), 0, window_lens_.bytes());
   }
-  fallback_.size(device_, inputs(StaticBlockSparseTokens{}), cap);
-  sized_capacity_ = cap;
 }
 
-void StaticBlockSparseAttention::write_pages(void* stream) {
+PagedSelection StaticBlockSparseAttention::selection(int32_t q_len) const {
+  PagedSelection s;
+  s.pages = pages_.as<int32_t>();
+  s.seq_lens = seq_lens_.as<int32_t>();
+  s.num_requests = num_requests();
+  s.width = width_;
+  s.page_size = config_.block_size;
+  for (int64_t len : lens_after(q_len)) s.max_selected = std::max(s.max_selected, max_kept_tokens(len));
+  s.max_selected = std::min<int64_t>(s.max_selected, int64_t{width_} * config_.block_size);
+  return s;
+}
+
+void StaticBlockSparseAttention::select(const StepTokens& /*tokens*/, int32_t /*q_len*/, void* stream) {
   detail::StaticPagesArgs a;
   a.pattern = detail::pattern_of(config_);
-  a.kv_lens = cache_.device_live_lens();
-  a.batch = batch_;
+  a.kv_lens = device_lens();
+  a.batch = batch();
   a.num_qo_heads = config_.num_qo_heads;
   a.num_kv_heads = config_.num_kv_heads;
   a.width = width_;
   a.pages = pages_.as<int32_t>();
   a.seq_lens = seq_lens_.as<int32_t>();
   a.window_lens = window_lens_.as<int32_t>();
-  if (device_ == Device::kCuda) {
+  if (device() == Device::kCuda) {
     detail::static_pages_cuda(a, stream);
   } else {
     detail::static_pages_cpu(a);
   }
 }
 
+void StaticBlockSparseAttention::check_engine_kv(const EnginePagedKV& /*kv*/) const {
+  throw Error("StaticBlockSparseAttention: the layer keeps its own cache (no engine-paged form)");
+}
+
 // The additive mask of the pattern over the capacity, from the rule and the
 // device-side lengths: what the mask path attends.
-void StaticBlockSparseAttention::build_mask(void* stream) {
+void StaticBlockSparseAttention::build_mask(float* mask, int64_t pitch, void* stream) {
   detail::StaticMaskArgs a;
   a.pattern = detail::pattern_of(config_);
-  a.kv_lens = cache_.device_live_lens();
-  a.batch = batch_;
+  a.kv_lens = device_lens();
+  a.batch = batch();
   a.num_qo_heads = config_.num_qo_heads;
-  a.pitch = fallback_.capacity();
-  a.mask = fallback_.mask();
-  if (device_ == Device::kCuda) {
+  a.pitch = pitch;
+  a.mask = mask;
+  if (device() == Device::kCuda) {
     detail::static_mask_cuda(a, stream);
   } else {
     detail::static_mask_cpu(a);
   }
 }
 
-StaticBlockSparseStep StaticBlockSparseAttention::decode(const StaticBlockSparseTokens& tokens, void* stream) {
-  check_tokens(tokens);
-  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
-  size_step_buffers();
-  cache_.append_token(tokens.k, tokens.v, stream);
-  detail::cuda_record_event(after_append_, stream);
-  write_pages(stream);
-  detail::cuda_record_event(after_pattern_, stream);
-  have_step_ = true;
-  const SparseAttentionInputs in = inputs(tokens);
-  PagedSelection selection;
-  selection.pages = pages_.as<int32_t>();
-  selection.seq_lens = seq_lens_.as<int32_t>();
-  selection.num_requests = num_requests();
-  selection.width = width_;
-  selection.page_size = config_.block_size;
-  selection.max_selected = max_kept_tokens(in.live_len);
-  StaticBlockSparseStep step;
-  step.outcome = decoder_.try_fused(in, selection, stream);
-  step.fused = step.outcome.fused();
-  if (!step.fused) {
-    build_mask(stream);
-    fallback_.run(in, true, stream);
-  }
-  return step;
-}
-
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_blocks() const {
-  if (!have_step_) return {};
-  return detail::download_kept_blocks(device_, pages_.data(), num_requests(), width_);
+  if (!have_selection()) return {};
+  return detail::download_kept_blocks(device(), pages_.data(), num_requests(), width_);
 }
 
-std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_selected_positions() const {
-  if (!have_step_) return {};
-  return detail::kept_block_positions(device_, last_blocks(), seq_lens_.data(), config_.block_size);
-}
-
-std::vector<std::vector<int32_t>> StaticBlockSparseAttention::last_mask_columns() {
-  if (!have_step_) throw Error("StaticBlockSparseAttention::last_mask_columns: no decode has run yet");
-  build_mask(nullptr);
-  return mask_kept_columns(device_, fallback_.mask(), num_requests(), fallback_.capacity());
+std::vector<std::vector<int32_t>> StaticBlockSparseAttention::selected_positions() const {
+  return detail::kept_block_positions(device(), last_blocks(), seq_lens_.data(), config_.block_size);
 }
 
 }  // namespace sparsepage

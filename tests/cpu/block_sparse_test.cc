@@ -50,7 +50,7 @@ TEST(BlockSparse, BelowTheSparseRegimeAttendsEverything) {
     if (t < 99) {
       layer.prefill_token(tok);
     } else {
-      EXPECT_FALSE(layer.decode(tok).sparse_regime);
+      EXPECT_FALSE(layer.decode(tok).sparse);
     }
   }
   const auto keys = layer.cache().dequantized_window(true);   // [1, 3, 100, 64]
@@ -81,36 +81,3 @@ TEST(BlockSparse, BelowTheSparseRegimeAttendsEverything) {
 }  // namespace
 }  // namespace sparsepage
 
-namespace sparsepage {
-namespace {
-
-// Block-granular pages (the default) and token-granular pages attend the
-// same rows in the same order, so the outputs are identical.
-TEST(BlockSparse, TokenPagesAndBlockPagesAgree) {
-  BlockSparseConfig config{8, 2, 64, 16, 4, 2, 64};
-  BlockSparseConfig tokens_config = config;
-  tokens_config.token_pages = true;
-  const int32_t batch = 2;
-  BlockSparseAttention blocks(Device::kCpu, DType::kBF16, config, batch, testing::always_fuse());
-  BlockSparseAttention tokens(Device::kCpu, DType::kBF16, tokens_config, batch, testing::always_fuse());
-  std::mt19937_64 rng(31);
-  std::vector<uint8_t> o1(size_t(batch) * 8 * 64 * 2), o2(o1.size());
-  int fused_steps = 0;
-  for (int t = 0; t < 203; ++t) {  // a partial final block at the end
-    const auto q = testing::random_values(DType::kBF16, size_t(batch) * 8 * 64, rng);
-    const auto iq = testing::random_values(DType::kBF16, size_t(batch) * 2 * 64, rng);
-    const auto k = testing::random_values(DType::kBF16, size_t(batch) * 3 * 64, rng);
-    const auto v = testing::random_values(DType::kBF16, size_t(batch) * 2 * 64, rng);
-    const BlockSparseStep a = blocks.decode({q.data(), iq.data(), k.data(), v.data(), o1.data()});
-    const BlockSparseStep b = tokens.decode({q.data(), iq.data(), k.data(), v.data(), o2.data()});
-    ASSERT_EQ(a.fused, b.fused) << "step " << t;
-    if (a.fused) {
-      ASSERT_EQ(o1, o2) << "step " << t;
-      ++fused_steps;
-    }
-  }
-  EXPECT_GE(fused_steps, 30) << "the comparison must cover fused steps, across block boundaries";
-}
-
-}  // namespace
-}  // namespace sparsepage

@@ -80,10 +80,10 @@ TEST(Dsa, FusedDecodeMatchesFp64TheMaskPathAndTheIndexer) {
   }
   TokenSet tok(kSmall, batch, rng);
   keep_keys(tok);
-  const DsaStep a = fused.decode(tok.view());
+  const LayerStep a = fused.decode(tok.view());
   const auto o_fused = testing::as_float(DType::kBF16, tok.o);
   tok.o = testing::nan_values(DType::kBF16, tok.o.size() / 2);  // size() counts bytes
-  const DsaStep b = masked.decode(tok.view());
+  const LayerStep b = masked.decode(tok.view());
   const auto o_masked = testing::as_float(DType::kBF16, tok.o);
   ASSERT_TRUE(a.sparse);
   EXPECT_TRUE(a.fused) << a.outcome.describe();
@@ -117,7 +117,7 @@ TEST(Dsa, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
     layer.prefill_token(tok.view());
   }
   TokenSet tok(kSmall, 1, rng);
-  const DsaStep step = layer.decode(tok.view());
+  const LayerStep step = layer.decode(tok.view());
   EXPECT_FALSE(step.sparse);
   std::vector<int32_t> all(31);
   std::iota(all.begin(), all.end(), 0);

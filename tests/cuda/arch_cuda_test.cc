@@ -59,9 +59,9 @@ TEST(ArchCuda, AnSm80DeclinesTheMlaShapeByNameAndTheLayerFallsBack) {
       here.prefill_token(d.view());
       continue;
     }
-    const DsaStep declined = sm80.decode(a.view());
-    const DsaStep dense = masked.decode(b.view());
-    const DsaStep fused = here.decode(d.view());
+    const LayerStep declined = sm80.decode(a.view());
+    const LayerStep dense = masked.decode(b.view());
+    const LayerStep fused = here.decode(d.view());
     ASSERT_TRUE(declined.sparse);
     EXPECT_FALSE(declined.fused);
     EXPECT_EQ(declined.outcome.kind, OutcomeKind::kUnsupportedArch) << declined.outcome.describe();

@@ -601,9 +601,9 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
     std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, o_elems);
     const DsaTokens host{tok.q.data(), tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
                          tok.k_row.data(), tok.k_pe.data(), o_cpu.data()};
-    const DsaStep a = fused.decode(a_dev.view());
-    const DsaStep b = masked.decode(b_dev.view());
-    const DsaStep r = cpu.decode(host);
+    const LayerStep a = fused.decode(a_dev.view());
+    const LayerStep b = masked.decode(b_dev.view());
+    const LayerStep r = cpu.decode(host);
     const bool sparse = kv_len > c.index_topk;
     EXPECT_EQ(a.sparse, sparse);
     EXPECT_EQ(r.sparse, sparse);

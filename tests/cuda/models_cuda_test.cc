@@ -256,7 +256,7 @@ TEST(BlockSparseCuda, IndexerMatchesTheCpuRule) {
     if (t < 300) {
       layer.prefill_token(tok);
     } else {
-      ASSERT_TRUE(layer.decode(tok).sparse_regime);
+      ASSERT_TRUE(layer.decode(tok).sparse);
     }
   }
   const DenseKVCache& cache = layer.cache();

@@ -64,8 +64,8 @@ TEST(StaticBlockSparseCuda, DevicePagesEqualTheCpuTwin) {
     std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, size_t(batch) * c.num_qo_heads * c.head_dim);
     const Buffer qd = upload(Device::kCuda, q), k1d = upload(Device::kCuda, k1), v1d = upload(Device::kCuda, v1);
     Buffer od = upload(Device::kCuda, o_cpu);
-    const StaticBlockSparseStep g = gpu.decode({qd.data(), k1d.data(), v1d.data(), od.data()});
-    const StaticBlockSparseStep h = cpu.decode({q.data(), k1.data(), v1.data(), o_cpu.data()});
+    const LayerStep g = gpu.decode({qd.data(), k1d.data(), v1d.data(), od.data()});
+    const LayerStep h = cpu.decode({q.data(), k1.data(), v1.data(), o_cpu.data()});
     ASSERT_TRUE(g.fused && h.fused) << g.outcome.describe() << " / " << h.outcome.describe();
     EXPECT_EQ(gpu.last_blocks(), cpu.last_blocks()) << "step " << step;
     EXPECT_EQ(gpu.last_selected_positions(), cpu.last_selected_positions()) << "step " << step;

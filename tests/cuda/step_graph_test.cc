@@ -150,8 +150,8 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   auto step = [fused](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const BlockSparseTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].data(),
                                 s.o.data()};
-    const BlockSparseStep r = layer.decode(tok, stream);
-    ASSERT_TRUE(r.sparse_regime);
+    const LayerStep r = layer.decode(tok, stream);
+    ASSERT_TRUE(r.sparse);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
   replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
@@ -191,7 +191,7 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
   graphed.reserve(256);
   eager.reserve(256);
   auto step = [fused, &tokens](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
-    const DsaStep r = layer.decode(tokens(s), stream);
+    const LayerStep r = layer.decode(tokens(s), stream);
     ASSERT_TRUE(r.sparse);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
@@ -222,7 +222,7 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   graphed.reserve(4200);
   eager.reserve(4200);
   auto step = [fused](StaticBlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
-    const StaticBlockSparseStep r =
+    const LayerStep r =
         layer.decode({s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.o.data()}, stream);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
@@ -257,8 +257,8 @@ TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
   auto step = [](BlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const BlockSparseTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].data(),
                                 s.o.data()};
-    const BlockSparseStep r = layer.decode(tok, q_len, stream);
-    ASSERT_TRUE(r.sparse_regime);
+    const LayerStep r = layer.decode(tok, q_len, stream);
+    ASSERT_TRUE(r.sparse);
     ASSERT_TRUE(r.fused) << r.outcome.describe();
   };
   replay_against_eager(graphed, eager, g, e, is_f32, 20, step);
@@ -286,7 +286,7 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   auto step = [](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const DsaTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
                         s.inputs[4].data(),  s.inputs[5].data(), s.o.data()};
-    const DsaStep r = layer.decode(tok, q_len, stream);
+    const LayerStep r = layer.decode(tok, q_len, stream);
     ASSERT_TRUE(r.sparse);
     ASSERT_TRUE(r.fused) << r.outcome.describe();
   };

@@ -68,10 +68,10 @@ def test_block_sparse_over_an_engine_pool_equals_its_own_cache(rng):
         o_own, o_eng = np.full((B, 8, D), np.nan, np.float16), np.full((B, 8, D), np.nan, np.float16)
         s_own = own.decode(q, iq, k, v, o_own)
         s_eng = eng.decode_paged(q, iq, k[:, H:].copy(), o_eng, k_cache, v_cache, pool.table)
-        assert s_eng.fused and s_eng.sparse_regime == s_own.sparse_regime
+        assert s_eng.fused and s_eng.sparse == s_own.sparse
         all_k.append(k[:, :H])
         all_v.append(v)
-        if s_own.sparse_regime:
+        if s_own.sparse:
             assert s_own.fused
             assert eng.last_blocks() == own.last_blocks()
             np.testing.assert_array_equal(o_eng, o_own)
@@ -99,7 +99,7 @@ def test_block_sparse_engine_pool_attends_every_block_in_the_dense_regime(rng):
     o = np.full((B, 8, D), np.nan, np.float16)
     step = eng.decode_paged(q, rng.standard_normal((B, H, D)).astype(np.float16),
                             rng.standard_normal((B, 1, 1, D)).astype(np.float16), o, k_cache, v_cache, pool.table)
-    assert step.fused and not step.sparse_regime
+    assert step.fused and not step.sparse
     for h in range(H):
         ref, _ = attend(q[0, h * 4:(h + 1) * 4], keys[0, h], vals[0, h], 1 / np.sqrt(D))
         np.testing.assert_allclose(o[0, h * 4:(h + 1) * 4].astype(np.float64), ref, atol=3e-3)

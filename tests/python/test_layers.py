@@ -61,7 +61,7 @@ def test_block_sparse_layer_fused_equals_mask_path_and_sets_match(rng):
         outs.append(os_)
     kv_len = layers[0].kv_len
     assert kv_len == 45 and config.sparse_regime(kv_len)
-    assert steps[0].sparse_regime and steps[0].fused and not steps[1].fused
+    assert steps[0].sparse and steps[0].fused and not steps[1].fused
     assert steps[1].outcome.kind == sp.OutcomeKind.kill_switch
     np.testing.assert_allclose(outs[-1][0].astype(np.float32), outs[-1][1].astype(np.float32), atol=2e-3, rtol=2e-3)
     positions = layers[0].last_selected_positions()

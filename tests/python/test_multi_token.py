@@ -93,7 +93,7 @@ def test_block_sparse_decode_multi_matches_fp64_over_the_kept_rows(backend, rng,
     o = backend.poisoned((B, q_len, Hq, D))
     step = layer.decode_multi(backend.put(q), backend.put(iq), backend.put(k), backend.put(v), o,
                               stream=backend.stream())
-    assert step.sparse_regime and step.fused, step.outcome.reason
+    assert step.sparse and step.fused, step.outcome.reason
     # The launch names its kernel: head dim 64 keeps every query row on the 16-row tiles.
     expected = "CPU loop" if backend.device == sp.Device.cpu else "16-row tiles, mma.sync"
     assert step.outcome.kernel == expected, step.outcome.describe()
@@ -131,7 +131,7 @@ def test_block_sparse_decode_multi_declined_equals_single_token_steps(backend, r
     o = backend.poisoned((B, q_len, Hq, D))
     step = multi.decode_multi(backend.put(q), backend.put(iq), backend.put(k), backend.put(v), o,
                               stream=backend.stream())
-    assert step.sparse_regime and not step.fused and step.outcome.kind == sp.OutcomeKind.kill_switch
+    assert step.sparse and not step.fused and step.outcome.kind == sp.OutcomeKind.kill_switch
     singles = []
     for t in range(q_len):
         ot = backend.poisoned((B, Hq, D))

@@ -232,7 +232,7 @@ def test_layers_on_cuda_fused_equals_mask_path():
         args = [torch.randn(*s, generator=g).bfloat16().cuda() for s in ((1, 16, 128), (1, 2, 128), (1, 3, 1, 128), (1, 2, 1, 128))]
         outs = [torch.empty(1, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in layers]
         steps = [layer.decode(*args, o, stream=stream) for layer, o in zip(layers, outs)]
-    assert steps[0].sparse_regime and steps[0].fused and not steps[1].fused
+    assert steps[0].sparse and steps[0].fused and not steps[1].fused
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
 
     dsa_cfg = sp.DsaConfig(num_qo_heads=16, index_heads=4, index_head_dim=64, index_topk=64, capacity_step=256)

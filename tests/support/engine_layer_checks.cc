@@ -192,7 +192,7 @@ struct BlockArms {
   struct StepOut {
     std::vector<uint8_t> dense_o, engine_o;
     std::vector<float> q;
-    BlockSparseStep dense_step, engine_step;
+    LayerStep dense_step, engine_step;
   };
   StepOut step(std::mt19937_64& rng) {
     const int32_t h = c.num_kv_heads, d = c.head_dim;
@@ -311,7 +311,7 @@ struct DsaArms {
   }
   struct StepOut {
     std::vector<uint8_t> dense_o, engine_o;
-    DsaStep dense_step, engine_step;
+    LayerStep dense_step, engine_step;
   };
   // One sequence's engine-paged step inputs (random queries and index key,
   // unit index weights, a NaN output), for the steps that must be refused.
@@ -371,7 +371,7 @@ void check_engine_paged_block_sparse(Device device) {
     arms.prompt(300, rng);
     for (int s = 0; s < 2; ++s) {
       const auto out = arms.step(rng);
-      ASSERT_FALSE(out.engine_step.sparse_regime);
+      ASSERT_FALSE(out.engine_step.sparse);
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
       ASSERT_FALSE(has_nan(out.engine_o)) << "dense-regime step " << s << ": an output unwritten or a NaN row read";
       const auto ref = block_reference(arms.tok, out.q, batch, kBlockConfig.num_qo_heads, arms.engine.kv_len());
@@ -385,7 +385,7 @@ void check_engine_paged_block_sparse(Device device) {
     arms.prompt(900, rng);
     for (int s = 0; s < 3; ++s) {
       const auto out = arms.step(rng);
-      ASSERT_TRUE(out.engine_step.sparse_regime);
+      ASSERT_TRUE(out.engine_step.sparse);
       ASSERT_TRUE(out.dense_step.fused) << out.dense_step.outcome.reason;
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
       EXPECT_EQ(arms.engine.last_blocks(), arms.dense.last_blocks()) << "step " << s;
@@ -483,9 +483,6 @@ void check_engine_paged_errors(Device device) {
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, narrow); }, "cannot hold live_len"));
     EXPECT_TRUE(throws_error_naming([&] { arms.dense.decode(t, arms.kv()); }, "kv_storage"));
     EXPECT_EQ(arms.engine.kv_len(), before) << "a refused step appended";
-    BlockSparseConfig bad = BlockArms::engine_config();
-    bad.token_pages = true;
-    EXPECT_TRUE(throws_error_naming([&] { BlockSparseAttention(device, kDt, bad, 1); }, "token_pages"));
     // The kill switch: the dispatch declines, and there is no mask path to take.
     BlockArms killed(device, 1, 64, rng, kill_switch());
     killed.prompt(600, rng);

@@ -62,12 +62,12 @@ void check_block_sparse_set_equality(Device device) {
       masked.prefill_token(tok.view());
     }
     TokenBuffers tok = random_tokens(device, config, batch, rng);
-    const BlockSparseStep a = fused.decode(tok.view());
+    const LayerStep a = fused.decode(tok.view());
     const auto o_fused = as_float(DType::kBF16, download<uint8_t>(device, tok.o.data(), tok.o.bytes()));
     fill_bytes(tok.o.data(), device, 0xFF, tok.o.bytes());
-    const BlockSparseStep b = masked.decode(tok.view());
+    const LayerStep b = masked.decode(tok.view());
     const auto o_masked = as_float(DType::kBF16, download<uint8_t>(device, tok.o.data(), tok.o.bytes()));
-    ASSERT_TRUE(a.sparse_regime && b.sparse_regime);
+    ASSERT_TRUE(a.sparse && b.sparse);
     EXPECT_TRUE(a.fused) << "per-stream strides fuse at every batch: " << a.outcome.describe();
     EXPECT_FALSE(b.fused);
     EXPECT_EQ(b.outcome.kind, OutcomeKind::kKillSwitch);

@@ -167,7 +167,7 @@ std::vector<double> reference_rows(const Scenario& s, int32_t b, int32_t t,
 
 // Runs one multi-token step; returns o as float [b][t][hq][d].
 std::vector<float> run_step(BlockSparseAttention& layer, const Scenario& s, DType dtype, Device device,
-                            BlockSparseStep* step) {
+                            LayerStep* step) {
   const Buffer q = upload(device, to_dtype(dtype, s.q)), iq = upload(device, to_dtype(dtype, s.index_q));
   const Buffer k = upload(device, to_dtype(dtype, s.k_new)), v = upload(device, to_dtype(dtype, s.v_new));
   const size_t o_elems = s.q.size();
@@ -220,10 +220,10 @@ void check_block_sparse_multi_token(Device device, const BlockSparseConfig& conf
   const Scenario s = make_scenario(config, batch, prompt, q_len, 1234 + static_cast<uint64_t>(prompt));
   BlockSparseAttention layer(device, dtype, config, batch, always_fuse());
   load_prompt(layer, s, dtype, device);
-  BlockSparseStep step;
+  LayerStep step;
   const std::vector<float> o = run_step(layer, s, dtype, device, &step);
   ASSERT_EQ(layer.kv_len(), s.len());
-  ASSERT_TRUE(step.sparse_regime);
+  ASSERT_TRUE(step.sparse);
   ASSERT_TRUE(step.fused) << step.outcome.reason;
   if (kernel != nullptr) *kernel = step.outcome.kernel;
   const auto blocks = layer.last_blocks();
@@ -246,7 +246,7 @@ void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig
   ASSERT_FALSE(config.sparse_regime(s.len()) && !kill) << "pick a context below the sparse regime";
   BlockSparseAttention layer(device, dtype, config, batch, kill ? kill_switch() : always_fuse());
   load_prompt(layer, s, dtype, device);
-  BlockSparseStep step;
+  LayerStep step;
   const std::vector<float> o = run_step(layer, s, dtype, device, &step);
   ASSERT_EQ(layer.kv_len(), s.len());
   EXPECT_FALSE(step.fused);
@@ -261,7 +261,7 @@ void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig
     }
     expect_matches_reference(s, o, all, "token-by-token step below the sparse regime");
   } else {
-    ASSERT_TRUE(step.sparse_regime);
+    ASSERT_TRUE(step.sparse);
     const auto positions = layer.last_selected_positions();
     const size_t d = static_cast<size_t>(config.head_dim), hq = static_cast<size_t>(config.num_qo_heads);
     for (int32_t b = 0; b < batch; ++b) {
@@ -425,7 +425,7 @@ void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch
   tokens.k_cache_row = k_new.data();
   tokens.k_pe = pe_new.data();
   tokens.o = o.data();
-  const DsaStep step = layer.decode(tokens, q_len);
+  const LayerStep step = layer.decode(tokens, q_len);
   EXPECT_EQ(layer.cache().live_len(), s.len());
   EXPECT_EQ(step.fused, !kill) << step.outcome.reason;
   const std::vector<float> got = as_float(dtype, download<uint8_t>(device, o.data(), o_elems * dtype_size(dtype)));

@@ -59,10 +59,10 @@ void check_static_set_equality(Device device, const StaticBlockSparseConfig& con
       masked.append_tokens(k.data(), v.data(), context - 1);
     }
     StaticTokenBuffers tok = random_static_tokens(device, config, batch, rng);
-    const StaticBlockSparseStep a = fused.decode(tok.view());
+    const LayerStep a = fused.decode(tok.view());
     const auto o_fused = read_bf16(device, tok.o);
     fill_bytes(tok.o.data(), device, 0xFF, tok.o.bytes());
-    const StaticBlockSparseStep b = masked.decode(tok.view());
+    const LayerStep b = masked.decode(tok.view());
     const auto o_masked = read_bf16(device, tok.o);
     ASSERT_EQ(fused.kv_len(), context);
     EXPECT_FALSE(b.fused);
@@ -161,11 +161,11 @@ void check_static_against_reference(Device device, const StaticBlockSparseConfig
   tok.k = upload(device, as_bytes(k1));
   tok.v = upload(device, as_bytes(v1));
   tok.o = upload(device, nan_values(DType::kBF16, q_elements(c, batch)));
-  const StaticBlockSparseStep a = fused.decode(tok.view());
+  const LayerStep a = fused.decode(tok.view());
   ASSERT_TRUE(a.fused) << a.outcome.describe();
   const auto o_fused = read_bf16(device, tok.o);
   fill_bytes(tok.o.data(), device, 0xFF, tok.o.bytes());
-  const StaticBlockSparseStep m = masked.decode(tok.view());
+  const LayerStep m = masked.decode(tok.view());
   ASSERT_FALSE(m.fused);
   const auto o_masked = read_bf16(device, tok.o);
 

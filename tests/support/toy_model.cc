@@ -180,7 +180,7 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
     if (is_static) {
       // The prompt runs through decode too: the pattern holds at every position.
       auto& layer = *static_layers_[static_cast<size_t>(l)];
-      const StaticBlockSparseStep step = layer.decode({qd.data(), kd.data(), vd.data(), o.data()});
+      const LayerStep step = layer.decode({qd.data(), kd.data(), vd.data(), o.data()});
       if (!prefill) {
         sparse_steps_ += layer.max_kept_tokens(layer.kv_len()) < layer.kv_len() ? 1 : 0;
         fused_steps_ += step.fused ? 1 : 0;
@@ -191,8 +191,8 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
       if (prefill) {
         layers_[static_cast<size_t>(l)]->prefill_token(step_tokens);
       } else {
-        const BlockSparseStep step = layers_[static_cast<size_t>(l)]->decode(step_tokens);
-        sparse_steps_ += step.sparse_regime ? 1 : 0;
+        const LayerStep step = layers_[static_cast<size_t>(l)]->decode(step_tokens);
+        sparse_steps_ += step.sparse ? 1 : 0;
         fused_steps_ += step.fused ? 1 : 0;
       }
     }
@@ -301,7 +301,7 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
     if (prefill) {
       layers_[static_cast<size_t>(l)]->prefill_token(tokens);
     } else {
-      const DsaStep step = layers_[static_cast<size_t>(l)]->decode(tokens);
+      const LayerStep step = layers_[static_cast<size_t>(l)]->decode(tokens);
       sparse_steps_ += step.sparse ? 1 : 0;
       fused_steps_ += step.fused ? 1 : 0;
     }

@@ -18,18 +18,15 @@
 //
 // Backends: CPU and CUDA. On CUDA the indexer runs on the device
 // (dsa_select_tokens_cuda) and its positions become the selection without a
-// host round trip (the count, min(index_topk, kv_len) per sequence, is a host
-// fact); the attention kernels take latent_dim 512 with rope_dim 64, and the
-// constructor refuses other shapes by name.
+// host round trip (the count, min(index_topk, kv_len), is written on the
+// device per sequence); the attention kernels take latent_dim 512 with
+// rope_dim 64, and the constructor refuses other shapes by name.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "sparsepage/cache.h"
-#include "sparsepage/dispatch.h"
-#include "sparsepage/selection.h"
-#include "sparsepage/sparse_decode.h"
+#include "sparsepage/layer.h"
 
 namespace sparsepage {
 
@@ -55,10 +52,13 @@ struct DsaConfig {
   KVStorage kv_storage = KVStorage::kLayerCache;
 };
 
-/// One token's inputs, in the layer's dtype except the fp32 index weights.
+/// One step's inputs, in the layer's dtype except the fp32 index weights.
 /// Every pointer lives on the layer's device: host memory for the CPU
 /// backend, device memory for CUDA (16-byte aligned there, as the attention
-/// kernels read q, q_pe and o in 16-byte pieces).
+/// kernels read q, q_pe and o in 16-byte pieces). Rows of free slots are
+/// not read (o's are zero). A multi-token step adds a q_len dim after batch
+/// to the queries, weights and o, and takes q_len k_cache_row / k_pe slices,
+/// token-major.
 struct DsaTokens {
   const void* q_latent = nullptr;    // [batch, num_qo_heads, latent_dim] (absorbed queries)
   const void* q_pe = nullptr;        // [batch, num_qo_heads, rope_dim]
@@ -73,143 +73,65 @@ struct DsaTokens {
   const void* index_k = nullptr;
 };
 
-struct DsaStep {
-  bool sparse = false;           // kv_len > index_topk: the indexer dropped tokens
-  bool fused = false;
-  SparseDecodeOutcome outcome;
-};
-
-/// The DSA layer. A decode step is: append the token (at the device-side
-/// length), run the indexer (top-k positions and their count per sequence,
-/// both device data), then attend them through the fused paged decode. After
-/// the first step at a given capacity a step allocates nothing, synchronizes
-/// nothing and reads nothing back, so it can be captured in a CUDA graph and
-/// replayed while the context grows (reserve() the longest context first;
-/// after replays, sync_live_len()).
-class DsaAttention {
+/// The DSA layer: the skeleton (sparsepage/layer.h) with the lightning
+/// indexer as its selection (top-k positions and their count per sequence,
+/// both device data) and the MLA attention over them through the fused
+/// paged decode's second K stream.
+class DsaAttention : public SparseLayer {
  public:
   DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch,
                DispatchConfig dispatch = process_dispatch_config());
 
-  /// Prefill keeps the mask path: appends the token and attends to the whole
-  /// window. On CUDA the attention runs on `stream` (a cudaStream_t; null:
-  /// the default stream).
-  void prefill_token(const DsaTokens& tokens, void* stream = nullptr);
-  /// Decode: appends the token, runs the indexer, tries the fused path and
-  /// falls back to the mask path over the same positions. Every input is
-  /// checked before the cache changes: a bad call appends nothing.
-  DsaStep decode(const DsaTokens& tokens, void* stream = nullptr);
-  /// Decode over an engine's paged MLA pool (KVStorage::kEnginePaged):
-  /// appends the indexer key, runs the indexer, and attends the kept
-  /// positions of `kv` in place (K = V = the latent columns, k_extra = the
-  /// rope columns), position p of sequence b at its table row
-  /// `kv.block_table[b, p / block_size] * block_size + p % block_size`. The
-  /// engine must already have written this token's row at position kv_len()
-  /// (the length before the call). With kv.kv_format = KvFormat::kE4m3Mla
+  /// Prefill keeps the mask path: appends the token of every active slot
+  /// and attends the whole causal window (dense).
+  void prefill_token(const DsaTokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
+  /// One token per active slot: appends it, runs the indexer, attends the
+  /// kept positions (fused, or the mask path over the same positions).
+  LayerStep decode(const DsaTokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }
+  /// A multi-token step (speculative verification, MTP) with one top-k per
+  /// token, each token's indexer limited to the context up to its own
+  /// position. Each token becomes a request of the fused decode (tokens fold
+  /// as the "KV heads" of their sequence, sharing its rows), so the MLA
+  /// kernel runs unchanged. last_selected_positions() then has one row per
+  /// (sequence, token). batch * q_len <= 65535.
+  LayerStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
+  /// Over an engine's paged MLA pool (KVStorage::kEnginePaged): appends the
+  /// indexer key, runs the indexer, and attends the kept positions of `kv`
+  /// in place (K = V = the latent columns, k_extra = the rope columns),
+  /// position p of slot b at row `kv.block_table[b, p / block_size] *
+  /// block_size + p % block_size`. With kv.kv_format = KvFormat::kE4m3Mla
   /// the pool holds the engines' 656-byte FP8 rows (fp8.h; a bf16 layer),
-  /// dequantized in the kernel. No mask path: a step the dispatch would
-  /// decline is refused by name before anything changes. Capturable like
-  /// decode().
-  DsaStep decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr);
-
-  /// A multi-token step (speculative verification, MTP): appends q_len
-  /// tokens per sequence (1 .. kMaxQueryTokens; 1 is decode() above) and
-  /// attends them with one top-k per token, each token's indexer limited to
-  /// the context up to its own position. Layout, as engines lay out
-  /// [tokens, heads, dim] with a sequence's tokens consecutive: q_latent,
-  /// q_pe and o [batch, q_len, num_qo_heads, dim], q_index [batch, q_len,
-  /// index_heads, index_head_dim], index_weights [batch, q_len,
-  /// index_heads]; k_cache_row and k_pe are q_len one-token slices,
-  /// token-major, each what decode() takes ([q_len, batch, 1, 1, dim]).
-  /// Each token becomes a request of the fused decode (tokens fold as the
-  /// "KV heads" of their sequence, sharing its rows), so the MLA kernel
-  /// runs unchanged and requests of one sequence, adjacent in the grid, read
-  /// the rows their selections share from L2. A decline (the mask path takes
-  /// one token) runs the step as q_len one-token decode() calls through
-  /// staging copies that synchronize; only the fused step can be captured
-  /// (it allocates nothing after the first step at a capacity; step_graph_test and
-  /// tests/python/test_multi_token.py replay it from a graph while the context grows).
-  /// The selection of a fused step is read with last_selected_positions(),
-  /// one row per (sequence, token).
-  DsaStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
-
-  /// Makes room for `tokens` live tokens and sizes the step's buffers for them.
-  void reserve(int64_t tokens);
-  /// Appends `tokens` tokens per sequence to the cache without attending (a
-  /// prompt whose prefill attention ran elsewhere): `k_cache_rows` is
-  /// [batch, 1, tokens, latent_dim + index_head_dim], `k_pe` [batch, 1,
-  /// tokens, rope_dim], contiguous, on the layer's device. With
-  /// KVStorage::kEnginePaged `k_cache_rows` is the indexer keys [batch, 1,
-  /// tokens, index_head_dim] and `k_pe` is null. Synchronous.
-  void append_tokens(const void* k_cache_rows, const void* k_pe, int64_t tokens);
-  /// Profiling: CUDA events (cudaEvent_t, or null) each decode records on
-  /// its stream after the append and after the indexer.
-  void set_phase_events(void* after_append, void* after_indexer) {
-    after_append_ = after_append;
-    after_indexer_ = after_indexer;
+  /// dequantized in the kernel. The engine has written this token's row at
+  /// position kv_lens()[b] (the length before the call).
+  LayerStep decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr) {
+    return step(to_step(tokens), kv, stream);
   }
-  /// After replaying captured steps: reads the device-side length back (synchronizes).
-  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
 
-  /// Positions the last decode's page table attends, per sequence: in
-  /// descending indexer score on the CPU backend, in increasing position on
-  /// CUDA. A host copy for tests and debugging; on CUDA it reads after the
-  /// default stream, so synchronize a non-blocking decode stream first.
-  std::vector<std::vector<int32_t>> last_selected_positions() const;
-  /// Columns the mask path keeps for the last decode (its mask's 0 entries),
-  /// built on the layer's device from the same selection; a host copy, as
-  /// above. Throws before the first decode.
-  std::vector<std::vector<int32_t>> last_mask_columns();
-
-  const DenseKVCache& cache() const { return cache_; }
-  int64_t kv_len() const { return cache_.live_len(); }
+  const DsaConfig& config() const { return config_; }
 
  private:
-  /// What every form of the step shares: shapes, lengths, queries, scale, output.
-  SparseAttentionInputs query_inputs(const DsaTokens& tokens) const;
-  SparseAttentionInputs inputs(const DsaTokens& tokens) const;
-  SparseAttentionInputs engine_inputs(const DsaTokens& tokens, const EnginePagedKV& kv, int64_t kv_len) const;
-  bool engine_paged() const { return config_.kv_storage == KVStorage::kEnginePaged; }
-  void check_tokens(const DsaTokens& tokens) const;
+  StepTokens to_step(const DsaTokens& t) const;
+  void check_tokens(const StepTokens& tokens, bool engine) const override;
+  TokenBytes token_bytes() const override;
+  int32_t max_query_tokens() const override { return kMaxQueryTokens; }
+  SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const override;
+  void size_selection(int64_t capacity, int32_t q_len) override;
+  PagedSelection selection(int32_t q_len) const override;
+  void select(const StepTokens& tokens, int32_t q_len, void* stream) override;
+  bool sparse_at(int64_t kv_len) const override { return kv_len > config_.index_topk; }
+  void build_mask(float* mask, int64_t pitch, void* stream) override;
+  std::vector<std::vector<int32_t>> selected_positions() const override;
+  void check_engine_kv(const EnginePagedKV& kv) const override;
   /// Columns of the layer's K rows where the indexer key starts.
   int32_t index_key_column() const { return engine_paged() ? 0 : config_.latent_dim; }
-  void size_step_buffers();
-  void select_tokens_cpu(const DsaTokens& tokens);
-  void select_tokens_cuda(const DsaTokens& tokens, void* stream);
-  /// The CUDA indexer's arguments over the layer's keys, writing into `positions` and `counts`.
-  DsaIndexerArgs indexer_args(const DsaTokens& tokens, Buffer& workspace, Buffer& positions, Buffer& counts);
-  /// The kept positions of `requests` rows as the fused decode's page matrix.
-  PagedSelection kept_selection(Buffer& positions, Buffer& counts, int32_t requests, int64_t live_len);
-  /// The indexer's rule: the config, with the key's column in the layer's K rows.
-  DsaConfig indexer_rule() const;
-  DsaStep decode_fused_tokens(const DsaTokens& tokens, int32_t q_len, void* stream);
-  DsaStep decode_token_by_token(const DsaTokens& tokens, int32_t q_len, void* stream);
-  SparseAttentionInputs token_inputs(const DsaTokens& tokens, int32_t q_len) const;
-  void size_token_buffers(int32_t q_len);
-  Device device_;
-  DType dtype_;
+  void select_cpu(const StepTokens& tokens, int32_t q_len, int32_t* positions, int32_t* counts) const;
+
   DsaConfig config_;
-  int32_t batch_;
-  DenseKVCache cache_;
-  SparseDecoder decoder_;
-  // Step buffers, sized for the cache's capacity (size_step_buffers).
-  int64_t sized_capacity_ = -1;
-  Buffer positions_;          // int32 [batch, index_topk]: kept positions, then -1
-  Buffer counts_;             // int32 [batch]: kept positions per sequence
-  Buffer row_offsets_;        // int32 [batch + 1]: b * index_topk (the mask builder's CSR view of positions_)
-  Buffer index_workspace_;    // the CUDA indexer's scratch
-  StepMaskPath fallback_;     // the mask path over the capacity
-  bool have_selection_ = false;
-  void* after_append_ = nullptr;
-  void* after_indexer_ = nullptr;
-  // Multi-token steps: one row per (sequence, token), sized for the capacity
-  // and q_len (size_token_buffers); their own decoder keeps their plan.
-  SparseDecoder token_decoder_;
+  // One-token steps: [batch, index_topk] positions, [batch] counts;
+  // multi-token steps: one row per (sequence, token), sized for q_len.
+  Buffer positions_, counts_, row_offsets_, workspace_;
+  Buffer token_positions_, token_counts_, token_workspace_;
   int32_t sized_q_len_ = 0;
-  int64_t token_sized_capacity_ = -1;
-  Buffer token_positions_, token_counts_, token_index_workspace_;
-  int32_t last_q_len_ = 1;  // rows of the last selection per sequence
-  Buffer stage_q_, stage_q_pe_, stage_q_index_, stage_weights_, stage_o_;
 };
 
 /// The indexer on the host: for each sequence, the top `topk` positions of

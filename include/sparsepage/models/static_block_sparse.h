@@ -26,9 +26,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "sparsepage/cache.h"
-#include "sparsepage/dispatch.h"
-#include "sparsepage/sparse_decode.h"
+#include "sparsepage/layer.h"
 
 namespace sparsepage {
 
@@ -52,6 +50,7 @@ struct StaticBlockSparseConfig {
 };
 
 /// One token's projected inputs, all on the layer's device, in its dtype.
+/// Rows of free slots are not read (o's are zero).
 struct StaticBlockSparseTokens {
   const void* q = nullptr;  // [batch, num_qo_heads, head_dim]
   const void* k = nullptr;  // [batch, num_kv_heads, 1, head_dim]
@@ -59,60 +58,26 @@ struct StaticBlockSparseTokens {
   void* o = nullptr;        // [batch, num_qo_heads, head_dim]
 };
 
-/// What a decode step did.
-struct StaticBlockSparseStep {
-  bool fused = false;           // the fused paged decode ran
-  SparseDecodeOutcome outcome;  // the policy's outcome
-};
-
-/// The layer. A decode step is: append the token (at the device-side
-/// length), write each query head's kept blocks and token count (a small
-/// kernel reading the device-side lengths), then attend them through the
-/// fused paged decode, or the mask path over the same set on a decline.
-/// After the first step at a given capacity a step allocates nothing,
-/// synchronizes nothing and reads nothing back, on either backend, so it can
-/// be captured in a CUDA graph and replayed while the context grows
-/// (reserve() the longest context first; after replays, sync_live_len()).
-/// Every context length runs the pattern: while the window is within the
-/// local run it keeps everything, and the dispatch's sparsity gate sends
-/// such steps to the mask path.
-class StaticBlockSparseAttention {
+/// The layer: the skeleton (sparsepage/layer.h) whose selection is the
+/// pattern itself — a small kernel (and its CPU twin) writes each query
+/// head's kept blocks and token count from the device-side lengths. Every
+/// context length runs the pattern: while the window is within the local
+/// run it keeps everything, and the dispatch's sparsity gate sends such
+/// steps to the mask path.
+class StaticBlockSparseAttention : public SparseLayer {
  public:
   StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config, int32_t batch,
                              DispatchConfig dispatch = process_dispatch_config());
 
-  /// Appends the token and attends the pattern. Every input is checked
-  /// before the cache changes: a bad call appends nothing.
-  StaticBlockSparseStep decode(const StaticBlockSparseTokens& tokens, void* stream = nullptr);
-
-  /// Makes room for `tokens` live tokens and sizes the step's buffers for
-  /// them, so steps up to that length allocate nothing.
-  void reserve(int64_t tokens);
-  /// Appends `tokens` tokens per sequence without attending (a prompt whose
-  /// prefill ran elsewhere): `k` and `v` are [batch, num_kv_heads, tokens,
-  /// head_dim], contiguous, on the layer's device. Synchronous; not a step.
-  void append_tokens(const void* k, const void* v, int64_t tokens);
-  /// Profiling: CUDA events (cudaEvent_t, or null) each decode records on
-  /// its stream after the append and after the page matrix is written.
-  void set_phase_events(void* after_append, void* after_pattern) {
-    after_append_ = after_append;
-    after_pattern_ = after_pattern;
+  /// Appends the token of every active slot and attends the pattern. Every
+  /// input is checked before the cache changes.
+  LayerStep decode(const StaticBlockSparseTokens& tokens, void* stream = nullptr) {
+    return step(to_step(tokens), stream);
   }
-  /// After replaying captured steps: reads the device-side length back (synchronizes).
-  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
 
+  const StaticBlockSparseConfig& config() const { return config_; }
   /// Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).
   std::vector<std::vector<int32_t>> last_blocks() const;
-  /// Positions the page table of the last decode attends, per request.
-  std::vector<std::vector<int32_t>> last_selected_positions() const;
-  /// Columns the mask path keeps for the last decode (0 entries of its
-  /// additive mask), per request: built from the rule independently of the
-  /// page matrix.
-  std::vector<std::vector<int32_t>> last_mask_columns();
-
-  const DenseKVCache& cache() const { return cache_; }
-  const StaticBlockSparseConfig& config() const { return config_; }
-  int64_t kv_len() const { return cache_.live_len(); }
   /// The most tokens any query head attends at `kv_len`.
   int64_t max_kept_tokens(int64_t kv_len) const;
   /// Kept blocks per request the step's page matrix holds (its width): the
@@ -120,29 +85,24 @@ class StaticBlockSparseAttention {
   int32_t width() const { return width_; }
 
  private:
-  SparseAttentionInputs inputs(const StaticBlockSparseTokens& tokens) const;
-  void check_tokens(const StaticBlockSparseTokens& tokens) const;
-  void size_step_buffers();
-  void write_pages(void* stream);
-  void build_mask(void* stream);
-  int32_t num_requests() const { return batch_ * config_.num_qo_heads; }
+  StepTokens to_step(const StaticBlockSparseTokens& t) const;
+  void check_tokens(const StepTokens& tokens, bool engine) const override;
+  TokenBytes token_bytes() const override;
+  SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const override;
+  void size_selection(int64_t capacity, int32_t q_len) override;
+  PagedSelection selection(int32_t q_len) const override;
+  void select(const StepTokens& tokens, int32_t q_len, void* stream) override;
+  bool sparse_at(int64_t kv_len) const override { return max_kept_tokens(kv_len) < kv_len; }
+  void build_mask(float* mask, int64_t pitch, void* stream) override;
+  std::vector<std::vector<int32_t>> selected_positions() const override;
+  void check_engine_kv(const EnginePagedKV& kv) const override;
+  int32_t num_requests() const { return batch() * config_.num_qo_heads; }
 
-  Device device_;
-  DType dtype_;
   StaticBlockSparseConfig config_;
-  int32_t batch_;
-  DenseKVCache cache_;
-  SparseDecoder decoder_;
-  // Step buffers, sized for the cache's capacity (size_step_buffers).
-  int64_t sized_capacity_ = -1;
   int32_t width_ = 0;
   Buffer pages_;        // int32 [requests, width]: kept blocks increasing (the final block last), then -1
   Buffer seq_lens_;     // int32 [requests]: tokens those blocks cover now
   Buffer window_lens_;  // int32 [batch * num_kv_heads]: each (sequence, KV head) range's live length
-  StepMaskPath fallback_;
-  bool have_step_ = false;
-  void* after_append_ = nullptr;
-  void* after_pattern_ = nullptr;
 };
 
 }  // namespace sparsepage

@@ -56,6 +56,7 @@ struct ScoreParams {
   int32_t heads, dim, block_size, local_blocks;
   int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
+  int64_t dense_len;       // sequences of at most this many tokens keep every block: nothing to score
   float* scores;           // [batch * heads, max_scored]
 };
 
@@ -63,6 +64,7 @@ struct TopkParams {
   const float* scores;     // [batch * heads, max_scored]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, block_size, topk, width, max_scored;
+  int64_t dense_len;       // sequences of at most this many tokens keep every block
   int32_t* block_ids;      // [batch * heads, width]
   int32_t* seq_lens;       // [batch * heads]
 };
@@ -99,7 +101,8 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
-  if (j >= num_blocks - 1) return;  // past the scored blocks of this sequence
+  // Past the scored blocks of this sequence, or a sequence that keeps them all.
+  if (j >= num_blocks - 1 || len <= p.dense_len) return;
   float* out = p.scores + int64_t{b} * p.heads * p.max_scored + j;
   // Local force-keep, and in a multi-token step the block of the first new
   // token too (the new tokens may straddle a block boundary): no need to
@@ -226,12 +229,19 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
   cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
   cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
-  const int32_t num_blocks = static_cast<int32_t>((len + p.block_size - 1) / p.block_size);
-  const int32_t scored = num_blocks - 1;
-  const int32_t keep = min(p.topk, scored);
+  int32_t* out = p.block_ids + int64_t{r} * p.width;
+  // A free slot or an empty sequence (len <= 0) keeps nothing.
+  const int32_t num_blocks = len > 0 ? static_cast<int32_t>((len + p.block_size - 1) / p.block_size) : 0;
+  const int32_t scored = max(num_blocks - 1, 0);
+  // A sequence in its dense regime keeps every block (it fits the width).
+  const int32_t keep = len <= p.dense_len ? scored : min(p.topk, scored);
+  if (num_blocks == 0 || keep == scored) {  // every scored block, in order: no ranking needed
+    for (int32_t i = threadIdx.x; i < p.width; i += kTopkThreads) out[i] = i < num_blocks ? i : -1;
+    if (threadIdx.x == 0) p.seq_lens[r] = static_cast<int32_t>(max(len, int64_t{0}));
+    return;
+  }
   const float* s = p.scores + int64_t{r} * p.max_scored;
   const int id_bits = cuda::position_bits(p.max_scored);
-  int32_t* out = p.block_ids + int64_t{r} * p.width;
 
   cuda::RadixCut cut;
   const bool in_smem = scored <= kSmemItems;
@@ -332,8 +342,13 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   REQUIRE(a.q_len >= 1 && int64_t{a.q_len} * a.num_kv_heads <= kMaxColumns,
           "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
+  REQUIRE(a.dense_len <= 0 || (a.dense_len + a.block_size - 1) / a.block_size <= a.width,
+          "dense_len = " + std::to_string(a.dense_len) + " keeps up to " +
+              std::to_string((a.dense_len + a.block_size - 1) / a.block_size) + " blocks, more than width = " +
+              std::to_string(a.width));
   ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), a.dense_len,
+                 static_cast<float*>(a.workspace)};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
   if (a.q_len == 1) {
@@ -345,7 +360,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
     else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
-                      a.width, sp.max_scored, a.block_ids, a.seq_lens};
+                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens};
   // Programmatic dependent launch: the top-k grid is scheduled while the
   // score grid drains, and waits for its writes inside the kernel.
   cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,
@@ -363,29 +378,5 @@ void block_mask_cuda(const int32_t* block_ids, int32_t batch, int32_t num_kv_hea
 
 }  // namespace detail
 }  // namespace sparsepage
-
-// ---- token-granular pages --------------------------------------------------
-
-namespace sparsepage::detail {
-namespace {
-__global__ void expand_block_pages_kernel(const int32_t* block_ids, int32_t width, int32_t block_size, int32_t* out) {
-  const int64_t r = blockIdx.y;
-  const int32_t total = width * block_size;
-  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const int32_t block = block_ids[r * width + i / block_size];
-    out[r * total + i] = block < 0 ? -1 : block * block_size + i % block_size;
-  }
-}
-}  // namespace
-
-void expand_block_pages_cuda(const int32_t* block_ids, int32_t num_requests, int32_t width, int32_t block_size,
-                             int32_t* out, void* stream) {
-  if (num_requests < 1 || num_requests > 65535 || width < 1 || block_size < 1)
-    throw Error("expand_block_pages: need 1 <= num_requests <= 65535, width and block_size >= 1");
-  const dim3 grid(static_cast<unsigned>((int64_t{width} * block_size + 255) / 256), static_cast<unsigned>(num_requests));
-  expand_block_pages_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(block_ids, width, block_size, out);
-  SP_CUDA_CHECK_LAUNCH();
-}
-}  // namespace sparsepage::detail
 
 #undef REQUIRE

@@ -1,0 +1,204 @@
+// The layer skeleton (docs/DESIGN.md: serving steps). Every sparse-attention
+// layer runs the same step: append this step's rows at each sequence's
+// device-side length, select (an indexer, or a fixed pattern), decide, then
+// attend the selection through the fused paged decode, or the mask path
+// over the same set when the policy declines. SparseLayer owns that step,
+// the cache (or reads an engine's pools), the decoders, the mask-path
+// fallback, the continuous batch and the phase events; a model supplies a
+// few hooks (its selection, its attention inputs, its mask). A new model is
+// one file of hooks (tests/cpu/layer_skeleton_test.cc adds a toy one).
+//
+// The batch is a set of slots (continuous batching): each slot has its own
+// length on the device, requests join with admit() and leave with
+// release(), and every per-sequence rule (the window, the sparse regime,
+// the kept count) is applied on the device. So one captured step replays
+// correctly while the lengths change and requests come and go, up to the
+// capacity reserved before the capture.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparsepage/cache.h"
+#include "sparsepage/dispatch.h"
+#include "sparsepage/sparse_decode.h"
+
+namespace sparsepage {
+
+/// One step's per-token inputs, by role; each model's token struct says
+/// which it uses and converts to this. All on the layer's device.
+struct StepTokens {
+  const void* q = nullptr;              // [batch, q_len, num_qo_heads, dim]
+  const void* q_extra = nullptr;        // [batch, q_len, num_qo_heads, extra_dim] (MLA rope queries) or null
+  const void* index_q = nullptr;        // the indexer's queries, [batch, q_len, ...] or null
+  const float* index_weights = nullptr; // the indexer's weights, [batch, q_len, ...] or null
+  const void* k = nullptr;              // this step's cache K rows, [q_len, batch, k_heads, 1, k_dim]
+  const void* v = nullptr;              // this step's cache V rows, [q_len, batch, v_heads, 1, v_dim] or null
+  const void* index_k = nullptr;        // engine-paged layers: this step's index keys [batch, 1, 1, dim]
+  void* o = nullptr;                    // [batch, q_len, num_qo_heads, v_dim]
+};
+
+/// What a step did.
+struct LayerStep {
+  /// Some sequence's selection left something out (by the host's lengths;
+  /// inside a captured step the lengths at capture time).
+  bool sparse = false;
+  bool fused = false;            // the fused paged decode ran (else the mask path)
+  SparseDecodeOutcome outcome;   // the policy's outcome
+};
+
+/// The skeleton. Public: the batch, the cache and inspection of the last
+/// step; each model adds its decode() forms, which call step().
+class SparseLayer {
+ public:
+  /// The rows the layer keeps per slot: its own cache's heads and dims.
+  struct CacheShape {
+    int32_t k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;
+  };
+  /// The bytes one (sequence, token) takes in each StepTokens field, for
+  /// the token-by-token form of a multi-token step (0: the field is unused).
+  struct TokenBytes {
+    size_t q = 0, q_extra = 0, index_q = 0, index_weights = 0, k = 0, v = 0, o = 0;
+  };
+  virtual ~SparseLayer();
+  SparseLayer(const SparseLayer&) = delete;
+  SparseLayer& operator=(const SparseLayer&) = delete;
+
+  /// The model's name, which every error of the layer starts with.
+  const std::string& name() const { return name_; }
+  Device device() const { return device_; }
+  DType dtype() const { return dtype_; }
+  /// Slots of the batch.
+  int32_t batch() const { return batch_; }
+  KVStorage kv_storage() const { return storage_; }
+
+  /// Makes room for `tokens` live tokens per slot and sizes the step's
+  /// buffers for them, so steps up to that length allocate nothing (do it
+  /// before capturing a step).
+  void reserve(int64_t tokens);
+  /// Appends `tokens` tokens to every active slot without attending (a
+  /// lockstep prompt whose prefill attention ran elsewhere), in the cache's
+  /// row layout: k [batch, cache K heads, tokens, dim], v likewise (null for
+  /// an engine-paged layer, whose k is the index keys [batch, 1, tokens,
+  /// dim]). Contiguous, on the layer's device. Synchronous; not a step.
+  void append_tokens(const void* k, const void* v, int64_t tokens);
+  /// Starts a request in slot `slot` with its prompt's rows (k [cache K
+  /// heads, tokens, dim], v likewise; the same forms as append_tokens for
+  /// one sequence), whose prefill ran elsewhere. The slot's length becomes
+  /// `tokens` and later steps extend it. Waits for `stream` first; not a
+  /// step (engines admit between steps).
+  void admit(int32_t slot, const void* k, const void* v, int64_t tokens, void* stream = nullptr);
+  /// Ends the request in slot `slot`: later steps skip it (its output rows
+  /// are zero) until admit() reuses it.
+  void release(int32_t slot, void* stream = nullptr);
+  /// After replaying captured steps: reads the device-side lengths back
+  /// (synchronizes).
+  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
+  /// The longest active sequence (a lockstep batch's length).
+  int64_t kv_len() const { return cache_.live_len(); }
+  /// Each slot's length as the host knows it.
+  const std::vector<int64_t>& kv_lens() const { return cache_.live_lens(); }
+  const DenseKVCache& cache() const { return cache_; }
+
+  /// Profiling: CUDA events (cudaEvent_t, or null) each step records on its
+  /// stream after the append and after the selection, so a benchmark can
+  /// split a step's time. Recorded inside captured steps too.
+  void set_phase_events(void* after_append, void* after_select) {
+    after_append_ = after_append;
+    after_select_ = after_select;
+  }
+
+  /// Positions the last step's page table attends, per request (a host
+  /// copy for tests and debugging; reads after the default stream).
+  std::vector<std::vector<int32_t>> last_selected_positions() const;
+  /// Columns the mask path keeps for the last step (its mask's 0 entries),
+  /// built on the layer's device from the same selection. Throws before
+  /// the first step and for engine-paged layers (no mask path there).
+  std::vector<std::vector<int32_t>> last_mask_columns();
+
+ protected:
+  SparseLayer(std::string name, Device device, DType dtype, int32_t batch, KVStorage storage, CacheShape cache_shape,
+              int64_t capacity_step, DispatchConfig dispatch);
+
+  /// The one-token step over the layer's own cache.
+  LayerStep step(const StepTokens& tokens, void* stream);
+  /// A multi-token step (1 <= q_len <= max_query_tokens()): fused when the
+  /// policy agrees, else q_len one-token steps through staging copies
+  /// (exact, but synchronizing: only the fused form can be captured).
+  LayerStep step(const StepTokens& tokens, int32_t q_len, void* stream);
+  /// Prefill through the mask path, one token per active slot: appends it
+  /// and attends the whole causal window (dense). The oracle of prefill.
+  void prefill_step(const StepTokens& tokens, void* stream);
+  /// The one-token step over an engine's paged pool (engine-paged layers):
+  /// no mask path, so a step the policy would decline is refused by name
+  /// before anything changes.
+  LayerStep step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
+
+  // ---- the model's hooks ----
+  /// Throws Error naming what is missing or wrong in `tokens` (before
+  /// anything changes). `engine`: an engine-paged step.
+  virtual void check_tokens(const StepTokens& tokens, bool engine) const = 0;
+  virtual TokenBytes token_bytes() const = 0;
+  /// The most query tokens a fused step takes (1: no multi-token steps).
+  virtual int32_t max_query_tokens() const { return 1; }
+  /// The attention inputs over the layer's own rows for a step of q_len
+  /// tokens (shapes, queries, scale, output; lengths read on the device).
+  virtual SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const = 0;
+  /// Sizes the selection buffers for `capacity` tokens per slot (allocates).
+  virtual void size_selection(int64_t capacity, int32_t q_len) = 0;
+  /// The selection a step of q_len tokens will write, with its host bound
+  /// for the current lengths (pure: decides before anything changes).
+  virtual PagedSelection selection(int32_t q_len) const = 0;
+  /// Writes this step's selection on the device (after the append: the
+  /// lengths include this step's tokens).
+  virtual void select(const StepTokens& tokens, int32_t q_len, void* stream) = 0;
+  /// Whether a sequence of `kv_len` tokens is in its sparse regime.
+  virtual bool sparse_at(int64_t kv_len) const = 0;
+  /// The additive mask of the last one-token selection over `pitch`
+  /// positions per request (what the mask path attends).
+  virtual void build_mask(float* mask, int64_t pitch, void* stream) = 0;
+  /// The positions the last selection attends, per request (host copy).
+  virtual std::vector<std::vector<int32_t>> selected_positions() const = 0;
+  /// The engine pool views this model reads (throws Error naming a view
+  /// whose dims or format do not fit).
+  virtual void check_engine_kv(const EnginePagedKV& kv) const = 0;
+
+  /// The lengths the kernels read: [batch] on the device, including this
+  /// step's tokens once it appended them.
+  const int32_t* device_lens() const { return cache_.device_live_lens(); }
+  bool engine_paged() const { return storage_ == KVStorage::kEnginePaged; }
+  /// The largest per-slot length the step buffers serve.
+  int64_t capacity() const { return cache_.capacity(); }
+  /// The host's lengths after a step of q_len tokens (active slots grow).
+  std::vector<int64_t> lens_after(int32_t q_len) const;
+  bool have_selection() const { return have_selection_; }
+  int32_t last_q_len() const { return last_q_len_; }
+
+ private:
+  void size_step_buffers(int32_t q_len);
+  LayerStep fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream);
+  LayerStep token_by_token(const StepTokens& tokens, int32_t q_len, void* stream);
+  LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
+                   const PagedSelection& selection, void* stream);
+
+  std::string name_;
+  Device device_;
+  DType dtype_;
+  int32_t batch_;
+  KVStorage storage_;
+  DenseKVCache cache_;
+  SparseDecoder decoder_;        // one-token steps
+  SparseDecoder multi_decoder_;  // multi-token steps keep their own plan
+  StepMaskPath fallback_;        // the mask path over the capacity
+  int64_t sized_capacity_ = -1;
+  int32_t sized_q_len_ = 0;
+  bool have_selection_ = false;
+  int32_t last_q_len_ = 1;
+  void* after_append_ = nullptr;
+  void* after_select_ = nullptr;
+  // The token-by-token form of a multi-token step: one token's inputs.
+  Buffer stage_q_, stage_q_extra_, stage_index_q_, stage_weights_, stage_o_;
+};
+
+}  // namespace sparsepage

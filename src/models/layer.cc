@@ -1,0 +1,250 @@
+// The layer skeleton: the step every model shares (include/sparsepage/layer.h).
+#include "sparsepage/layer.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "core/cuda_hooks.h"
+
+namespace sparsepage {
+
+namespace {
+// The cache dtype, checked before the cache is made (so the error names the layer).
+CacheMode cache_mode(const std::string& name, DType dtype) {
+  if (dtype != DType::kF16 && dtype != DType::kBF16) throw Error(name + ": the cache stores f16 or bf16");
+  return dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16;
+}
+}  // namespace
+
+SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t batch, KVStorage storage,
+                         CacheShape shape, int64_t capacity_step, DispatchConfig dispatch)
+    : name_(std::move(name)),
+      device_(device),
+      dtype_(dtype),
+      batch_(batch),
+      storage_(storage),
+      cache_(device, cache_mode(name_, dtype), batch, shape.k_heads, shape.v_heads,
+             shape.k_dim, shape.v_dim, capacity_step),
+      // No mask path behind an engine's pool: only what the fused path cannot do declines.
+      decoder_(device, storage == KVStorage::kEnginePaged ? dispatch.without_performance_gates() : dispatch),
+      multi_decoder_(device, dispatch) {
+  if (storage != KVStorage::kLayerCache && storage != KVStorage::kEnginePaged) {
+    throw Error(name_ + ": kv_storage is not a KVStorage value");
+  }
+}
+
+SparseLayer::~SparseLayer() = default;
+
+std::vector<int64_t> SparseLayer::lens_after(int32_t q_len) const {
+  std::vector<int64_t> lens = cache_.live_lens();
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (cache_.active()[b]) lens[b] += q_len;
+  }
+  return lens;
+}
+
+void SparseLayer::size_step_buffers(int32_t q_len) {
+  const int64_t cap = cache_.capacity();
+  if (cap == 0 || (cap == sized_capacity_ && q_len <= sized_q_len_)) return;  // nothing to size yet, or sized
+  size_selection(cap, std::max(q_len, sized_q_len_));
+  if (!engine_paged() && cap != sized_capacity_) fallback_.size(device_, attention_inputs(StepTokens{}, 1), cap);
+  sized_capacity_ = cap;
+  sized_q_len_ = std::max(q_len, sized_q_len_);
+}
+
+void SparseLayer::reserve(int64_t tokens) {
+  cache_.reserve(tokens);
+  size_step_buffers(1);
+}
+
+void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
+  if (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr)) {
+    throw Error(name_ + (engine_paged() ? "::append_tokens (engine-paged): k (the index keys) must be set and v null"
+                                         : "::append_tokens: k and v must be set"));
+  }
+  cache_.append(k, v, dtype_, tokens);
+  size_step_buffers(1);
+}
+
+void SparseLayer::admit(int32_t slot, const void* k, const void* v, int64_t tokens, void* stream) {
+  if (tokens > 0 && (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr))) {
+    throw Error(name_ + (engine_paged() ? "::admit (engine-paged): k (the prompt's index keys) must be set and v null"
+                                         : "::admit: k and v must be set"));
+  }
+  cache_.admit(slot, k, v, tokens, stream);
+  size_step_buffers(1);
+}
+
+void SparseLayer::release(int32_t slot, void* stream) { cache_.release(slot, stream); }
+
+LayerStep SparseLayer::finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
+                              const PagedSelection& selection, void* stream) {
+  step.outcome = decoder.try_fused(in, selection, stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {
+    build_mask(fallback_.mask(), fallback_.capacity(), stream);
+    fallback_.run(in, true, stream);
+  }
+  return step;
+}
+
+LayerStep SparseLayer::step(const StepTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error(name_ + "::decode: an engine-paged layer reads the engine's pool; pass the pool (decode(tokens, kv))");
+  }
+  check_tokens(tokens, false);
+  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
+  size_step_buffers(1);
+  cache_.append_token(tokens.k, tokens.v, stream);
+  detail::cuda_record_event(after_append_, stream);
+  select(tokens, 1, stream);
+  detail::cuda_record_event(after_select_, stream);
+  have_selection_ = true;
+  last_q_len_ = 1;
+  LayerStep step;
+  for (size_t b = 0; b < kv_lens().size(); ++b) step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  return finish(step, decoder_, attention_inputs(tokens, 1), selection(1), stream);
+}
+
+void SparseLayer::prefill_step(const StepTokens& tokens, void* stream) {
+  if (engine_paged()) {
+    throw Error(name_ + "::prefill_token: an engine-paged layer has no mask path; the engine prefills and append_tokens() or "
+                "admit() takes the prompt's index keys");
+  }
+  check_tokens(tokens, false);
+  cache_.reserve(cache_.live_len() + 1);
+  size_step_buffers(1);
+  cache_.append_token(tokens.k, tokens.v, stream);
+  fallback_.run(attention_inputs(tokens, 1), false, stream);
+}
+
+LayerStep SparseLayer::step(const StepTokens& tokens, int32_t q_len, void* stream) {
+  if (q_len < 1 || q_len > kMaxQueryTokens) {
+    throw Error(name_ + "::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) +
+                "]");
+  }
+  if (q_len == 1) return step(tokens, stream);
+  if (engine_paged()) {
+    throw Error(name_ + "::decode: multi-token steps read the layer's own cache; an engine-paged layer takes one token per "
+                "step (decode(tokens, kv))");
+  }
+  check_tokens(tokens, false);
+  cache_.reserve(cache_.live_len() + q_len);  // allocates only when the capacity must grow
+  size_step_buffers(q_len);
+  // Decided before the cache changes, at the lengths the step will have: a
+  // declined step runs token by token instead.
+  if (q_len <= max_query_tokens()) {
+    SparseAttentionInputs in = attention_inputs(tokens, q_len);
+    for (int64_t len : lens_after(q_len)) in.live_len = std::max(in.live_len, len);
+    if (multi_decoder_.decide(in, selection(q_len)).fused()) return fused_tokens(tokens, q_len, stream);
+  }
+  return token_by_token(tokens, q_len, stream);
+}
+
+LayerStep SparseLayer::fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream) {
+  // tokens.k and tokens.v are [q_len, batch, heads, dim]: the q_len slices in one launch.
+  cache_.append_step_tokens(tokens.k, tokens.v, q_len, stream);
+  detail::cuda_record_event(after_append_, stream);
+  select(tokens, q_len, stream);
+  detail::cuda_record_event(after_select_, stream);
+  have_selection_ = true;
+  last_q_len_ = q_len;
+  LayerStep step;
+  for (size_t b = 0; b < kv_lens().size(); ++b) {
+    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b] - (q_len - 1)));
+  }
+  step.outcome = multi_decoder_.try_fused(attention_inputs(tokens, q_len), selection(q_len), stream);
+  step.fused = step.outcome.fused();
+  if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
+    throw Error(name_ + "::decode: the multi-token step was declined after its tokens were appended: " + step.outcome.reason);
+  }
+  return step;
+}
+
+LayerStep SparseLayer::token_by_token(const StepTokens& tokens, int32_t q_len, void* stream) {
+  const TokenBytes bytes = token_bytes();
+  const size_t b_count = static_cast<size_t>(batch_);
+  const auto stage = [&](Buffer& buffer, size_t row_bytes) {
+    if (row_bytes > 0 && buffer.bytes() < b_count * row_bytes) buffer = Buffer(device_, b_count * row_bytes);
+  };
+  stage(stage_q_, bytes.q);
+  stage(stage_q_extra_, bytes.q_extra);
+  stage(stage_index_q_, bytes.index_q);
+  stage(stage_weights_, bytes.index_weights);
+  stage(stage_o_, bytes.o);
+  // The copies below are synchronous, on the default stream: order them after the caller's stream.
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  // Token t's rows of each sequence: [batch, row] out of [batch, q_len, row].
+  const auto slice = [&](Buffer& dst, const void* src, size_t row_bytes, int32_t t) -> const void* {
+    if (src == nullptr || row_bytes == 0) return nullptr;
+    copy_2d(dst.data(), device_, row_bytes, static_cast<const char*>(src) + t * row_bytes, device_, q_len * row_bytes,
+            row_bytes, b_count);
+    return dst.data();
+  };
+  LayerStep step;
+  for (int32_t t = 0; t < q_len; ++t) {
+    StepTokens one;
+    one.q = slice(stage_q_, tokens.q, bytes.q, t);
+    one.q_extra = slice(stage_q_extra_, tokens.q_extra, bytes.q_extra, t);
+    one.index_q = slice(stage_index_q_, tokens.index_q, bytes.index_q, t);
+    one.index_weights = static_cast<const float*>(slice(stage_weights_, tokens.index_weights, bytes.index_weights, t));
+    // k and v are token-major: slice t is [batch, heads, 1, dim] as a one-token step takes it.
+    one.k = static_cast<const char*>(tokens.k) + t * b_count * bytes.k;
+    one.v = bytes.v > 0 ? static_cast<const char*>(tokens.v) + t * b_count * bytes.v : nullptr;
+    one.o = stage_o_.data();
+    step = this->step(one, stream);
+    if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+    copy_2d(static_cast<char*>(tokens.o) + t * bytes.o, device_, q_len * bytes.o, stage_o_.data(), device_, bytes.o,
+            bytes.o, b_count);
+  }
+  return step;
+}
+
+LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream) {
+  if (!engine_paged()) {
+    throw Error(name_ + "::decode(tokens, kv): the layer keeps its own cache; construct it with kv_storage = "
+                "KVStorage::kEnginePaged to read an engine's pool");
+  }
+  check_tokens(tokens, true);
+  check_engine_kv(kv);
+  cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
+  size_step_buffers(1);
+  // Decided before anything changes: there is no mask path to fall back to.
+  SparseAttentionInputs in = attention_inputs(tokens, 1);
+  for (int64_t len : lens_after(1)) in.live_len = std::max(in.live_len, len);
+  in.k = kv.k;
+  in.v = kv.v;
+  in.k_extra = kv.k_extra;
+  in.block_table = kv.block_table;
+  in.kv_format = kv.kv_format;
+  const PagedSelection shape = selection(1);
+  const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine-paged)");
+  cache_.append_token(tokens.index_k, nullptr, stream);
+  detail::cuda_record_event(after_append_, stream);
+  select(tokens, 1, stream);
+  detail::cuda_record_event(after_select_, stream);
+  have_selection_ = true;
+  last_q_len_ = 1;
+  LayerStep step;
+  for (size_t b = 0; b < kv_lens().size(); ++b) step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  step.outcome = decoder_.run_fused(in, selection(1), decided, stream);
+  step.fused = step.outcome.fused();
+  return step;
+}
+
+std::vector<std::vector<int32_t>> SparseLayer::last_selected_positions() const {
+  if (!have_selection_) return {};
+  return selected_positions();
+}
+
+std::vector<std::vector<int32_t>> SparseLayer::last_mask_columns() {
+  if (!have_selection_) throw Error(name_ + "::last_mask_columns: no decode has run yet");
+  if (engine_paged()) throw Error(name_ + "::last_mask_columns: an engine-paged layer has no mask path");
+  if (last_q_len_ != 1) throw Error(name_ + "::last_mask_columns: the mask path takes one-token steps; the last was multi-token");
+  build_mask(fallback_.mask(), fallback_.capacity(), nullptr);
+  const SparseAttentionInputs in = attention_inputs(StepTokens{}, 1);
+  return mask_kept_columns(device_, fallback_.mask(), in.batch * in.num_kv_heads, fallback_.capacity());
+}
+
+}  // namespace sparsepage
