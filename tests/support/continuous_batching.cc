@@ -65,7 +65,7 @@ struct StepBuffers {
 // struct over a StepBuffers, and its cache's prompt layout.
 template <class Layer, class Tokens>
 struct Model {
-  std::function<std::unique_ptr<Layer>(Device, int32_t)> make;
+  std::function<std::unique_ptr<Layer>(Device, int32_t, DispatchConfig)> make;
   size_t q = 0, q_extra = 0, index_q = 0, weights = 0, k = 0, v = 0, o = 0;
   std::function<Tokens(StepBuffers&)> tokens;
   int32_t requests_per_slot = 1;  // rows of last_selected_positions() per slot
@@ -130,7 +130,8 @@ template <class Layer, class Tokens>
 void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchingRun& run, const std::string& name,
            ContinuousBatchingStats& stats) {
   std::mt19937_64 rng(run.seed);
-  std::unique_ptr<Layer> batched = m.make(device, run.slots);
+  const DispatchConfig dispatch = run.always_fused ? always_fuse().without_performance_gates() : always_fuse();
+  std::unique_ptr<Layer> batched = m.make(device, run.slots, dispatch);
   batched->reserve(run.max_prompt + run.steps + 1);
   for (int32_t s = 0; s < run.slots; ++s) batched->release(s);  // every slot starts free
   StepBuffers bufs, lone_bufs;
@@ -175,7 +176,7 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
       const auto [k, v] = prompt_rows(batched->cache(), run.seed, r->id, n);
       const Buffer dk = upload(device, k), dv = upload(device, v);
       batched->admit(s, dk.data(), v.empty() ? nullptr : dv.data(), n);
-      auto l = m.make(device, 1);
+      auto l = m.make(device, 1, dispatch);
       l->reserve(run.max_prompt + run.steps + 1);
       l->admit(0, dk.data(), v.empty() ? nullptr : dv.data(), n);
       lone[r->id] = std::move(l);
@@ -245,7 +246,7 @@ ContinuousBatchingStats check_block_sparse_continuous_batching(Device device, co
   const bool cuda = device == Device::kCuda;
   BlockSparseConfig c{cuda ? 64 : 8, cuda ? 4 : 2, cuda ? 128 : 32, 16, 4, 2, 64};
   Model<BlockSparseAttention, BlockSparseTokens> m;
-  m.make = [c](Device d, int32_t b) { return std::make_unique<BlockSparseAttention>(d, kDt, c, b, always_fuse()); };
+  m.make = [c](Device d, int32_t b, DispatchConfig dc) { return std::make_unique<BlockSparseAttention>(d, kDt, c, b, dc); };
   const size_t d = static_cast<size_t>(c.head_dim);
   m.q = m.o = static_cast<size_t>(c.num_qo_heads) * d;
   m.index_q = static_cast<size_t>(c.num_kv_heads) * d;
@@ -271,7 +272,7 @@ ContinuousBatchingStats check_dsa_continuous_batching(Device device, const Conti
   c.index_topk = 48;
   c.capacity_step = 64;
   Model<DsaAttention, DsaTokens> m;
-  m.make = [c](Device d, int32_t b) { return std::make_unique<DsaAttention>(d, kDt, c, b, always_fuse()); };
+  m.make = [c](Device d, int32_t b, DispatchConfig dc) { return std::make_unique<DsaAttention>(d, kDt, c, b, dc); };
   m.q = m.o = static_cast<size_t>(c.num_qo_heads) * c.latent_dim;
   m.q_extra = static_cast<size_t>(c.num_qo_heads) * c.rope_dim;
   m.index_q = static_cast<size_t>(c.index_heads) * c.index_head_dim;
@@ -298,7 +299,7 @@ ContinuousBatchingStats check_static_continuous_batching(Device device, const Co
   const bool cuda = device == Device::kCuda;
   StaticBlockSparseConfig c{cuda ? 32 : 8, cuda ? 8 : 2, cuda ? 128 : 32, 16, 3, 4, 64};
   Model<StaticBlockSparseAttention, StaticBlockSparseTokens> m;
-  m.make = [c](Device d, int32_t b) { return std::make_unique<StaticBlockSparseAttention>(d, kDt, c, b, always_fuse()); };
+  m.make = [c](Device d, int32_t b, DispatchConfig dc) { return std::make_unique<StaticBlockSparseAttention>(d, kDt, c, b, dc); };
   const size_t d = static_cast<size_t>(c.head_dim);
   m.q = m.o = static_cast<size_t>(c.num_qo_heads) * d;
   m.k = m.v = static_cast<size_t>(c.num_kv_heads) * d;

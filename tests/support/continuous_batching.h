@@ -20,6 +20,9 @@ struct ContinuousBatchingRun {
   double leave = 0.04;        // per step and request: chance it finishes
   double bad_call = 0.05;     // per step: chance a refused call is tried first (and must change nothing)
   uint64_t seed = 1;
+  /// The dispatch's performance gates off, so every step of the batched
+  /// layer fuses (what a captured step needs to keep one plan).
+  bool always_fused = false;
   /// Runs the batched layer's step (given the stream to run it on); null:
   /// eagerly on the default stream. The CUDA suite passes one that captures
   /// a step in a CUDA graph and replays it for every later step, so

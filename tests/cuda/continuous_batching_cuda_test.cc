@@ -1,0 +1,103 @@
+// Continuous batching on the GPU: ragged batches whose requests join and
+// leave at random, each live request checked every step against a lone run
+// of itself (tests/support/continuous_batching.h) — eagerly, and with one
+// step captured in a CUDA graph and replayed for every later step while
+// requests come and go between replays.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "cuda/cuda_test_util.h"
+#include "support/continuous_batching.h"
+
+namespace sparsepage {
+namespace {
+
+// Captures the step at its second call (the first runs eagerly and plans),
+// then replays that graph for every later call, on a stream of its own.
+class GraphRunner {
+ public:
+  GraphRunner() { testing::cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
+  ~GraphRunner() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+    cudaStreamDestroy(stream_);
+  }
+  LayerStep operator()(const std::function<LayerStep(void*)>& step) {
+    if (calls_++ == 0) {
+      const LayerStep s = step(stream_);
+      testing::cuda_ok(cudaStreamSynchronize(stream_), "eager step");
+      return s;
+    }
+    if (exec_ == nullptr) {
+      testing::cuda_ok(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), "begin capture");
+      captured_ = step(stream_);
+      testing::cuda_ok(cudaStreamEndCapture(stream_, &graph_), "end capture");
+      testing::cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+    }
+    testing::cuda_ok(cudaGraphLaunch(exec_, stream_), "replay");
+    testing::cuda_ok(cudaStreamSynchronize(stream_), "replayed step");
+    ++replays_;
+    return captured_;
+  }
+  int64_t replays() const { return replays_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  LayerStep captured_;
+  int64_t calls_ = 0, replays_ = 0;
+};
+
+void expect_coverage(const testing::ContinuousBatchingStats& s, int64_t sparse_len) {
+  EXPECT_GE(s.compared_rows, 200);
+  EXPECT_GE(s.admitted, 8);
+  EXPECT_GE(s.released, 3);
+  EXPECT_GT(s.longest, sparse_len) << "some sequence must reach its sparse regime";
+  EXPECT_GT(s.fused_steps, 0);
+}
+
+testing::ContinuousBatchingRun cuda_run(uint64_t seed) {
+  testing::ContinuousBatchingRun run;
+  run.seed = seed;
+  run.steps = 150;
+  return run;
+}
+
+TEST(ContinuousBatchingCuda, BlockSparseMatchesLoneRuns) {
+  SKIP_WITHOUT_CUDA();
+  expect_coverage(testing::check_block_sparse_continuous_batching(Device::kCuda, cuda_run(21)), 2 * 4 * 16);
+}
+
+TEST(ContinuousBatchingCuda, DsaMatchesLoneRuns) {
+  SKIP_WITHOUT_CUDA();
+  expect_coverage(testing::check_dsa_continuous_batching(Device::kCuda, cuda_run(22)), 48);
+}
+
+TEST(ContinuousBatchingCuda, StaticPatternMatchesLoneRuns) {
+  SKIP_WITHOUT_CUDA();
+  expect_coverage(testing::check_static_continuous_batching(Device::kCuda, cuda_run(23)), 3 * 16);
+}
+
+// One graph, replayed while the batch changes under it.
+TEST(ContinuousBatchingCuda, OneGraphServesAChangingBatch) {
+  SKIP_WITHOUT_CUDA();
+  for (int model = 0; model < 3; ++model) {
+    GraphRunner runner;
+    testing::ContinuousBatchingRun run = cuda_run(31 + model);
+    run.bad_call = 0;        // the eager tests cover refused calls
+    run.always_fused = true;  // one plan for the graph: every step fuses
+    run.runner = [&](const std::function<LayerStep(void*)>& step) { return runner(step); };
+    const auto stats = model == 0   ? testing::check_block_sparse_continuous_batching(Device::kCuda, run)
+                       : model == 1 ? testing::check_dsa_continuous_batching(Device::kCuda, run)
+                                    : testing::check_static_continuous_batching(Device::kCuda, run);
+    EXPECT_GE(runner.replays(), run.steps - 2) << "model " << model << ": every step after the second is a replay";
+    EXPECT_GE(stats.admitted, 8) << "model " << model;
+    EXPECT_GE(stats.released, 3) << "model " << model;
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
