@@ -110,6 +110,10 @@ Where it differs from FlashMLA:
 * Any ``h_q`` and any ``topk`` run (FlashMLA: 64 or 128 heads), and V3.2 caches take
   ``topk_length`` and an extra cache too (FlashMLA on Hopper takes them with MODEL1 only).
 * An out-of-range id is flagged or raised instead of undefined.
+* A V3.2 value is dequantized as e4m3 times its fp32 scale, rounded once to bf16 on CUDA
+  (kept in fp32 on the CPU); FlashMLA rounds the scale to bf16 first. The two agree
+  exactly for power-of-two scales, which FlashMLA's own quantizer writes, and within bf16
+  rounding otherwise.
 * The function is plain Python around one binding call, not a torch custom op:
   ``torch.compile`` breaks its graph around it; CUDA graph capture works.
 """
