@@ -76,6 +76,8 @@ ship() {
   mkdir -p "$dest/peers/bin"
   cp "$dir/peers-bench/bin/"* "$dest/peers/bin/"
   cp "$build/tools/sparse_paged_decode_bench" "$dest/peers/"
+  # The FlashMLA-shaped decode's bench (tools/mla_sparse_bench.cc), when built.
+  [ -x "$build/tools/mla_sparse_bench" ] && cp "$build/tools/mla_sparse_bench" "$dest/peers/"
   cp "$here/peers.sh" "$dest/peers/peers.sh"
   echo "shipped to $dest/peers: $(ls "$dest/peers" "$dest/peers/bin" | tr '\n' ' ')"
 }
@@ -107,6 +109,12 @@ run() {
       # Ours over the engines' 656-byte FP8 rows, beside FlashMLA's FP8 sparse decode.
       ours --geometry dsa --selection random --rows 2048 --contexts 131072 --batch "$b" --fused-only --kv-dtype fp8 \
         --json "$out/ours_mla_fp8_${b}.json"
+      # The same FP8 shape through FlashMLA's interface (sparsepage/mla_sparse.h: partials, then a merge that always runs).
+      if [ -x "$here/mla_sparse_bench" ]; then
+        echo "== ours mla_sparse_bench --batch $b" >> "$log"
+        "$here/mla_sparse_bench" --batch "$b" --topk 2048 --context 131072 --heads 128 --q-len 1 \
+          --json "$out/ours_compat_${b}.json" >> "$log" 2>&1 || { echo "   failed ($?): mla_sparse_bench --batch $b" | tee -a "$log"; rc=1; }
+      fi
     done
   fi
   python3 - "$out" "$csv" <<'PY'
@@ -125,6 +133,12 @@ def ours(name):
         return math.nan
     v = rows[0].get("fused_cold_us") if rows else None
     return float(v) if v is not None else math.nan
+def compat(name):
+    try:
+        rows = json.load(open(os.path.join(out, name)))
+    except (OSError, ValueError):
+        return math.nan
+    return float(rows[0]["compat_cold_us"]) if rows else math.nan
 def f(x, d=2): return "-" if math.isnan(x) else f"{x:.{d}f}"
 print("\nGQA: 64 query heads / 4 KV heads, head dim 128, bf16, page_size 1, random rows of a 131072-row pool per (sequence, KV head), cold")
 print("| batch x rows | ours us | FlashInfer us | FlashInfer / ours | ours GB/s |")
@@ -136,15 +150,16 @@ for cfg in os.environ.get("GQA_CONFIGS", "1:2048 8:2048 32:2048 64:4096").split(
     print(f"| {b} x {s} | {f(o)} | {f(p)} | {f(p / o if o else math.nan)}x | {f(gbs, 0)} |")
 if not os.environ.get("SKIP_MLA"):
     print("\nMLA (DSA): 128 heads, 512 latent + 64 rope, V = K, top-2048 of 131072, cold; us and TFLOP/s (2 x 1088 x 128 x 2048 x B)")
-    print("| batch | ours | FlashMLA sparse bf16 | FlashInfer MLA | ours / FlashMLA bf16 (speed) | ours FP8 | FlashMLA FP8 sparse | ours FP8 / FlashMLA FP8 (speed) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch | ours | FlashMLA sparse bf16 | FlashInfer MLA | ours / FlashMLA bf16 (speed) | ours FP8 | FlashMLA FP8 sparse | ours FP8 / FlashMLA FP8 (speed) | ours FP8, FlashMLA interface | it / FlashMLA FP8 (speed) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for b in map(int, os.environ.get("MLA_BATCHES", "1 64 128").split()):
         fl = 2 * 1088 * 128 * 2048 * b
         cell = lambda us: "-" if math.isnan(us) else f"{us:.1f} us, {fl / (us * 1e6):.0f} TF/s"
         o, o8 = ours(f"ours_mla_{b}.json"), ours(f"ours_mla_fp8_{b}.json")
         fm, fi, f8 = peer("sparse_fwd_bf16", b, 2048), peer("mla_sm90", b, 2048), peer("sparse_decode_fp8", b, 2048)
+        oc = compat(f"ours_compat_{b}.json")
         print(f"| {b} | {cell(o)} | {cell(fm)} | {cell(fi)} | {f(fm / o if o else math.nan)}x | {cell(o8)} | {cell(f8)} | "
-              f"{f(f8 / o8 if o8 else math.nan)}x |")
+              f"{f(f8 / o8 if o8 else math.nan)}x | {cell(oc)} | {f(f8 / oc if oc else math.nan)}x |")
 print("\nratios > 1: ours is faster. Peers: median of 20 graph replays, one distinct selection per launch until 150 MB")
 print("of distinct rows per replay; ours: median of graph replays rotating among enough selections to exceed 2x the L2.")
 print("Same shapes and pool sizes, independent random selections (each side checks its own output against a reference).")

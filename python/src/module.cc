@@ -17,6 +17,7 @@ namespace sparsepage::py {
 
 void bind_decode(nb::module_& m);
 void bind_layers(nb::module_& m);
+void bind_mla_sparse(nb::module_& m);
 
 namespace {
 
@@ -319,4 +320,5 @@ NB_MODULE(_core, m) {
   bind_dispatch(m);
   bind_decode(m);
   bind_layers(m);
+  bind_mla_sparse(m);
 }

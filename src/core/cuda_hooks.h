@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sparsepage/types.h"
+
 namespace sparsepage::detail {
 
 bool cuda_device_present();
@@ -42,6 +44,28 @@ struct AppendTokenArgs {
   int32_t tokens = 1;               // rows per sequence, at live_lens[b] .. + tokens - 1
 };
 void append_token_cuda(const AppendTokenArgs& args, void* stream);
+
+/// The merge of run_mla_sparse_cuda (mla_sparse.h; src/cuda/merge/mla_sparse_merge.cu):
+/// request r's partial slots merge_indptr[r] .. merge_indptr[r + 1] of
+/// `heads` rows each combine by lse into o and lse, row g's output divided
+/// by sum + exp(sink[g] - max) when `sink` is set (decode_merge.cuh's
+/// finalize). Request r = b * tokens + t writes o at b * o_seq + (t * heads
+/// + g) * o_head. Device pointers; asynchronous on `stream`.
+struct MergePartialsArgs {
+  DType dtype = DType::kBF16;           // o
+  const float* partial_o = nullptr;     // [num_partials, heads, dv]
+  const float* partial_lse = nullptr;   // [num_partials, heads]
+  const int32_t* merge_indptr = nullptr;    // [num_requests + 1]
+  const int32_t* merge_requests = nullptr;  // [num_requests]
+  int32_t num_requests = 0, max_partials = 0;
+  int32_t heads = 0, tokens = 1, dv = 0;
+  int64_t o_seq = 0, o_head = 0;
+  void* o = nullptr;
+  float* lse = nullptr;                 // [num_requests, heads] or null
+  const float* sink = nullptr;          // [heads] or null
+  float empty_lse = 0.0f;               // the lse of a row that attended nothing
+};
+void merge_partials_cuda(const MergePartialsArgs& args, void* stream);
 
 }  // namespace sparsepage::detail
 

@@ -26,6 +26,7 @@ void cuda_record_event(void* event, void*) {
   if (event != nullptr) no_cuda("cuda_record_event");
 }
 void append_token_cuda(const AppendTokenArgs&, void*) { no_cuda("DenseKVCache::append_token(Device::kCuda)"); }
+void merge_partials_cuda(const MergePartialsArgs&, void*) { no_cuda("mla_sparse merge (CUDA)"); }
 }  // namespace detail
 
 bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }

@@ -166,4 +166,11 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
 void merge_states(const std::vector<const float*>& o_parts, const std::vector<const float*>& lse_parts,
                   int32_t group_size, int32_t dim_v, float* o_out, float* lse_out);
 
+/// The merge's finalize (decode_merge.cuh's sink and empty-row lse), on a
+/// merged state of `rows` rows: with `sink` set, an attended row g's o is
+/// scaled by exp(lse) / (exp(lse) + exp(sink[g])) (lse unchanged: -inf
+/// leaves o as it is, +inf makes it 0); a row that attended nothing (lse
+/// -inf, o 0) gets lse = empty_lse. NaN rows stay NaN.
+void finalize_states(float* o, float* lse, int32_t rows, int32_t dim_v, const float* sink, float empty_lse);
+
 }  // namespace sparsepage::cpu

@@ -49,6 +49,22 @@ void merge_states(const std::vector<const float*>& o_parts, const std::vector<co
   }
 }
 
+void finalize_states(float* o, float* lse, int32_t rows, int32_t dim_v, const float* sink, float empty_lse) {
+  for (int32_t g = 0; g < rows; ++g) {
+    if (std::isnan(lse[g])) continue;
+    if (lse[g] == -std::numeric_limits<float>::infinity()) {
+      lse[g] = empty_lse;
+      continue;
+    }
+    if (sink == nullptr) continue;
+    // 1 / (1 + exp(sink - lse)) in fp64: exp overflows to +inf for a huge
+    // sink and the factor is 0, its limit; a sink of -inf gives exactly 1.
+    const double factor = 1.0 / (1.0 + std::exp(static_cast<double>(sink[g]) - lse[g]));
+    float* og = o + static_cast<size_t>(g) * dim_v;
+    for (int d = 0; d < dim_v; ++d) og[d] = static_cast<float>(og[d] * factor);
+  }
+}
+
 }  // namespace cpu
 
 namespace {

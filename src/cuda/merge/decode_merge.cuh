@@ -9,6 +9,8 @@
 // merge inside a thread-block cluster instead: decode_partial_cluster.cuh.)
 #pragma once
 
+#include <limits>
+
 #include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
@@ -50,6 +52,13 @@ struct MergeParams {
   int64_t o_seq = 0, o_head = 0;
   void* o = nullptr;
   float* lse = nullptr;                   // [num_sequences, q_len, num_kv_heads, heads] or null
+  // The finalize of the FlashMLA-shaped decode (mla_sparse.h). An attention
+  // sink is one more logit in each row's softmax denominator that adds no
+  // value: row g's output is divided by sum + exp(sink[g] - max) instead of
+  // sum, i.e. scaled by exp(lse) / (exp(lse) + exp(sink[g])), while the lse
+  // written stays the sink-free one. -inf changes nothing; +inf gives o = 0.
+  const float* sink = nullptr;            // [heads], indexed by the head within a request; null: none
+  float empty_lse = -std::numeric_limits<float>::infinity();  // the lse of a row that attended nothing (FlashMLA's: +inf)
 };
 
 /// CTAs of the merge kernel per SM that leave ptxas the registers for a
@@ -141,9 +150,15 @@ __global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_k
     o.z += __shfl_xor_sync(0xffffffffu, o.z, offset), o.w += __shfl_xor_sync(0xffffffffu, o.w, offset);
   }
   if (!valid || lane_in_output != 0) return;
-  float lse = neg_inf_f32();
+  const int32_t seq = request / p.num_kv_heads, kv_head = request - seq * p.num_kv_heads;
+  const int32_t heads = p.heads > 0 ? p.heads : p.group_size;
+  const int32_t token = p.q_len == 1 ? 0 : head / heads, g = head - token * heads;  // one token: row = head
+  float lse = p.empty_lse;
   if (mx != neg_inf_f32()) {
-    const float inv = 1.f / sum;
+    // expf, not __expf: once per output, and exp(sink - max) may be large.
+    // Past fp32's range it is +inf and the row's output 0, its true limit.
+    const float denom = p.sink != nullptr ? sum + expf(p.sink[g] - mx) : sum;
+    const float inv = 1.f / denom;
     o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
     lse = mx + __logf(sum);
   }
@@ -151,9 +166,6 @@ __global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_k
     o = make_float4(nan_f32(), nan_f32(), nan_f32(), nan_f32());
     lse = nan_f32();
   }
-  const int32_t seq = request / p.num_kv_heads, kv_head = request - seq * p.num_kv_heads;
-  const int32_t heads = p.heads > 0 ? p.heads : p.group_size;
-  const int32_t token = p.q_len == 1 ? 0 : head / heads, g = head - token * heads;  // one token: row = head
   const int64_t out_row = ((int64_t{seq} * p.q_len + token) * p.num_kv_heads + kv_head) * heads + g;
   T* dst = static_cast<T*>(p.o) + seq * p.o_seq + int64_t{token} * p.o_tok +
            (int64_t{kv_head} * heads + g) * p.o_head + col;
