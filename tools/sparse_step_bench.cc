@@ -42,12 +42,15 @@ struct Options {
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
   int32_t q_len = 1;              // query tokens per sequence per step (multi-token steps)
+  bool ragged = false;            // also a ragged batch (lengths spread from 1K to the context) beside the
+                                  // uniform batch of the same total tokens
   std::string json_path;
 };
 
 /// One layer under test: how to fill it, step it and read its output.
 struct Arm {
   std::function<void(int64_t tokens, uint64_t seed)> fill;         // append random tokens (no attention)
+  std::function<void(int32_t slot, int64_t tokens, uint64_t seed)> admit;  // one slot's random prompt
   std::function<std::pair<bool, std::string>(void* stream)> step;  // one decode: fused?, outcome
   std::function<std::vector<float>()> output;                      // the last step's output
   std::function<void(void*, void*)> phase_events;
@@ -83,6 +86,18 @@ std::vector<Buffer> random_buffers(Device device, const std::vector<size_t>& byt
     bench::fill_random(device, t, out.back().data(), static_cast<int64_t>(bytes[i] / dtype_size(t)), seed + i);
   }
   return out;
+}
+
+/// Admits a random prompt of `tokens` rows into `slot` of a layer, in its
+/// cache layout (k [k_heads, tokens, k_dim], v likewise).
+void admit_random(SparseLayer& layer, Device device, int32_t slot, int64_t tokens, uint64_t seed) {
+  const DenseKVCache& c = layer.cache();
+  const auto kn = static_cast<int64_t>(c.k_heads()) * tokens * c.k_head_dim();
+  const auto vn = static_cast<int64_t>(c.v_heads()) * tokens * c.v_head_dim();
+  Buffer k(device, static_cast<size_t>(kn) * 2), v(device, static_cast<size_t>(std::max<int64_t>(vn, 1)) * 2);
+  bench::fill_random(device, DType::kBF16, k.data(), kn, seed);
+  if (vn > 0) bench::fill_random(device, DType::kBF16, v.data(), vn, seed + 1);
+  layer.admit(slot, k.data(), vn > 0 ? v.data() : nullptr, tokens);
 }
 
 // ---- block-sparse ---------------------------------------------------------
@@ -129,6 +144,7 @@ Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, Dispatch
   arm.output = [&s, device] { return read_bf16(device, s.o); };
   arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
   arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
   return arm;
 }
 
@@ -182,6 +198,7 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
   arm.output = [&s, device] { return read_bf16(device, s.o); };
   arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
   arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
   return arm;
 }
 
@@ -232,6 +249,7 @@ Arm static_arm(StaticSetup& s, Device device, int32_t batch, DispatchConfig disp
   arm.output = [&s, device] { return read_bf16(device, s.o); };
   arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
   arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
   return arm;
 }
 
@@ -264,13 +282,21 @@ struct Result {
 
 /// Times one (layer, batch, context): the fused step eager and from a graph,
 /// its phases, and the mask-path step from a graph.
-Result measure(const std::string& layer_name, Device device, int32_t batch, int64_t context, const Options& opt,
+Result measure(const std::string& layer_name, Device device, const std::vector<int64_t>& lens, const Options& opt,
                double read_gbs) {
   Result res;
   json& row = res.row;
+  const auto batch = static_cast<int32_t>(lens.size());
+  const int64_t context = *std::max_element(lens.begin(), lens.end());
+  int64_t total = 0;
+  for (int64_t len : lens) total += len;
+  const bool ragged = std::any_of(lens.begin(), lens.end(), [&](int64_t len) { return len != lens[0]; });
   row["layer"] = layer_name;
   row["batch"] = batch;
   row["context"] = context;
+  row["total_tokens"] = total;
+  row["ragged"] = ragged;
+  if (ragged) row["lens"] = lens;
   DispatchConfig mask_only = process_dispatch_config();
   mask_only.enabled = false;
   BlockSparseSetup bs_f, bs_m, bs_1;
@@ -285,11 +311,15 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
     fused = dsa_arm(dsa_f, device, batch, process_dispatch_config(), q_len);
     masked = dsa_arm(dsa_m, device, batch, mask_only, q_len);
     if (q_len > 1) one_token = dsa_arm(dsa_1, device, batch, process_dispatch_config(), 1);
-    bytes = dsa_bytes(dsa_f.config, batch, context);
+    for (int64_t len : lens) bytes += dsa_bytes(dsa_f.config, 1, len);
   } else if (layer_name == "static") {
     fused = static_arm(st_f, device, batch, process_dispatch_config());
     masked = static_arm(st_m, device, batch, mask_only);
-    std::tie(requested_bytes, bytes) = static_bytes(st_f.config, batch, context);
+    for (int64_t len : lens) {
+      const auto [req, uni] = static_bytes(st_f.config, 1, len);
+      requested_bytes += req;
+      bytes += uni;
+    }
     row["requested_bytes"] = requested_bytes;
     row["union_bytes"] = bytes;
     row["requested_over_union"] = requested_bytes / bytes;
@@ -297,7 +327,7 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
     fused = block_sparse_arm(bs_f, device, batch, process_dispatch_config(), q_len);
     masked = block_sparse_arm(bs_m, device, batch, mask_only, q_len);
     if (q_len > 1) one_token = block_sparse_arm(bs_1, device, batch, process_dispatch_config(), 1);
-    bytes = block_sparse_bytes(bs_f.config, batch, context);
+    for (int64_t len : lens) bytes += block_sparse_bytes(bs_f.config, 1, len);
   }
   const bool gpu = device == Device::kCuda;
   // Tokens every timed run appends, with slack: reserve them up front so no
@@ -306,7 +336,11 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
   for (Arm* arm : {&fused, &masked, &one_token}) {
     if (!arm->fill) continue;
     arm->reserve(context + budget);
-    arm->fill(context - q_len, 1234);
+    if (!ragged) {
+      arm->fill(context - q_len, 1234);
+      continue;
+    }
+    for (int32_t b = 0; b < batch; ++b) arm->admit(b, lens[static_cast<size_t>(b)] - q_len, 1234 + 7 * static_cast<uint64_t>(b));
   }
 
   // The sampled step: the same tokens through both arms, then agreement.
@@ -322,8 +356,8 @@ Result measure(const std::string& layer_name, Device device, int32_t batch, int6
   const double agree = comparable ? relative_l2(fused.output(), masked.output()) : 0.0;
   row["agreement_rel_l2"] = comparable ? json(agree) : json("not comparable (shared vs per-token selection)");
   char head[256];
-  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld | ", layer_name.c_str(), batch,
-                static_cast<long long>(context));
+  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld%s | ", layer_name.c_str(), batch,
+                static_cast<long long>(context), ragged ? " ragged " : (opt.ragged ? " uniform" : ""));
   res.line = head;
   if (!did_fuse || mask_fused) {
     res.line += std::string("REFUSED: the fused step did not fuse (") + outcome + ")";
@@ -431,6 +465,9 @@ int main(int argc, char** argv) {
                  "query tokens per sequence per step (speculative verification, MTP): blocksparse and dsa; beside "
                  "each multi-token step the one-token step is timed too")
       ->check(CLI::Range(1, 16));
+  app.add_flag("--ragged", opt.ragged,
+               "beside each batch, a ragged batch (lengths spread from 1K to the context, requests admitted per slot) "
+               "and the uniform batch of the same total tokens, and their ratio");
   app.add_option("--json", opt.json_path, "write every row as JSON here");
   CLI11_PARSE(app, argc, argv);
 
@@ -470,11 +507,34 @@ int main(int argc, char** argv) {
   for (const std::string& layer : opt.layers) {
     for (int64_t context : opt.contexts) {
       for (int32_t batch : opt.batches) {
-        Result r = measure(layer, device, batch, context, opt, read_gbs);
-        std::printf("%s\n", r.line.c_str());
-        std::fflush(stdout);
-        refused += r.row.contains("refused") ? 1 : 0;
-        out["rows"].push_back(r.row);
+        const auto run = [&](const std::vector<int64_t>& lens) {
+          Result r = measure(layer, device, lens, opt, read_gbs);
+          std::printf("%s\n", r.line.c_str());
+          std::fflush(stdout);
+          refused += r.row.contains("refused") ? 1 : 0;
+          out["rows"].push_back(r.row);
+          return r.row;
+        };
+        if (!opt.ragged || batch < 2) {
+          run(std::vector<int64_t>(static_cast<size_t>(batch), context));
+          continue;
+        }
+        // A ragged batch: lengths spread evenly from 1K to the context,
+        // shuffled over the slots; then the uniform batch of the same total.
+        std::vector<int64_t> lens(static_cast<size_t>(batch));
+        const int64_t low = std::min<int64_t>(1024, context);
+        for (int32_t b = 0; b < batch; ++b) lens[static_cast<size_t>(b)] = low + (context - low) * b / (batch - 1);
+        std::reverse(lens.begin() + batch / 2, lens.end());  // interleave long and short slots
+        int64_t total = 0;
+        for (int64_t len : lens) total += len;
+        const json r = run(lens);
+        const json u = run(std::vector<int64_t>(static_cast<size_t>(batch), total / batch));
+        if (r.contains("graph_us") && u.contains("graph_us")) {
+          const double ratio = r["graph_us"].get<double>() / u["graph_us"].get<double>();
+          std::printf("%-11s batch %3d: ragged (1K..%lld) / uniform (%lld each, same total) = %.3f\n", layer.c_str(),
+                      batch, static_cast<long long>(context), static_cast<long long>(total / batch), ratio);
+          out["ragged_ratios"].push_back({{"layer", layer}, {"batch", batch}, {"context", context}, {"ratio", ratio}});
+        }
       }
     }
   }
