@@ -33,8 +33,8 @@ namespace sparsepage {
 
 /// Where a chunk's query tokens sit (see the header comment).
 struct PrefillChunk {
-  int32_t batch = 1;        // sequences, each with num_tokens query tokens
-  int32_t num_tokens = 0;   // query tokens per sequence
+  int32_t batch = 1;       // sequences, each with num_tokens query tokens
+  int32_t num_tokens = 0;  // query tokens per sequence
   /// Positions per sequence with the chunk: L_b. An upper bound of every
   /// kv_lens[b] when kv_lens is set (it sizes grids and checks rows).
   int64_t kv_len = 0;
@@ -72,8 +72,8 @@ struct MlaPrefillParams {
   /// 656-byte FP8 rows (fp8.h; kv and kv_rope as mla_fp8_views gives them).
   KvFormat kv_format = KvFormat::kNative;
   PrefillChunk chunk;
-  int32_t num_heads = 128;     // query heads h_q (CUDA: 64 or 128, or any multiple of 64)
-  int32_t topk = 0;            // entries per token row of `indices`
+  int32_t num_heads = 128;  // query heads h_q (CUDA: 64 or 128, or any multiple of 64)
+  int32_t topk = 0;         // entries per token row of `indices`
   /// q [batch, num_tokens, num_heads, 512] and q_rope [.., 64], packed; or
   /// with QueryLayout::kStrided the views q_strides / q_rope_strides /
   /// out_strides name (seq_stride between sequences, token_stride between
@@ -141,9 +141,9 @@ class MlaSparsePrefill {
   Device device_;
   Shape shape_;
   bool prepared_ = false;
-  DecodePlan plan_;       // one sequence's tokens as requests
-  Buffer workspace_;      // the plan's workspace (CUDA)
-  Buffer scratch_;        // int32 windows [batch * num_tokens], then fp32 lse [batch * num_tokens * num_heads]
+  DecodePlan plan_;   // one sequence's tokens as requests
+  Buffer workspace_;  // the plan's workspace (CUDA)
+  Buffer scratch_;    // int32 windows [batch * num_tokens], then fp32 lse [batch * num_tokens * num_heads]
   const char* kernel_name_ = "";
 };
 
@@ -166,11 +166,11 @@ struct DsaPrefillIndexerParams {
   /// the latent, then the key; a key-only cache: key_column 0). 16-byte aligned.
   const void* k_cache = nullptr;
   int32_t key_column = 0;
-  int64_t capacity = 0;               // rows per sequence (>= kv_len)
-  const void* q_index = nullptr;      // [batch, num_tokens, index_heads, index_head_dim]
-  const float* weights = nullptr;     // [batch, num_tokens, index_heads]
-  int32_t* positions = nullptr;       // out [batch, num_tokens, topk]: kept positions increasing, then -1
-  int32_t* counts = nullptr;          // out [batch, num_tokens]: min(topk, pos(b, t) + 1)
+  int64_t capacity = 0;            // rows per sequence (>= kv_len)
+  const void* q_index = nullptr;   // [batch, num_tokens, index_heads, index_head_dim]
+  const float* weights = nullptr;  // [batch, num_tokens, index_heads]
+  int32_t* positions = nullptr;    // out [batch, num_tokens, topk]: kept positions increasing, then -1
+  int32_t* counts = nullptr;       // out [batch, num_tokens]: min(topk, pos(b, t) + 1)
 };
 
 /// The DSA indexer over a chunk. CUDA: the decode indexer's kernels (scores
@@ -246,13 +246,13 @@ struct GqaPrefillParams {
   PrefillChunk chunk;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
-  int32_t block_size = 0;      // 1 .. 256
-  const void* q = nullptr;     // [batch, num_tokens, num_qo_heads, k.dim], packed
-  RowView k;                   // row p of (sequence b, KV head h) at k.offset(b, h, p)
+  int32_t block_size = 0;   // 1 .. 256
+  const void* q = nullptr;  // [batch, num_tokens, num_qo_heads, k.dim], packed
+  RowView k;                // row p of (sequence b, KV head h) at k.offset(b, h, p)
   RowView v;
   float scale = 0.0f;
-  void* o = nullptr;           // [batch, num_tokens, num_qo_heads, v.dim], packed
-  float* lse = nullptr;        // [batch, num_tokens, num_qo_heads] (natural log) or null
+  void* o = nullptr;     // [batch, num_tokens, num_qo_heads, v.dim], packed
+  float* lse = nullptr;  // [batch, num_tokens, num_qo_heads] (natural log) or null
   BlockPrefillSelection selection;
 };
 
@@ -274,7 +274,7 @@ class GqaBlockPrefill {
   size_t workspace_bytes() const;
 
  private:
-  struct Part {  // the full query blocks, or the partial last one
+  struct Part {                            // the full query blocks, or the partial last one
     int32_t query_blocks = 0, tokens = 0;  // query blocks and tokens per block
     DecodePlan plan;
     Buffer workspace;
@@ -287,8 +287,8 @@ class GqaBlockPrefill {
     bool lse = false;
     bool operator==(const Shape& o) const {
       return batch == o.batch && num_tokens == o.num_tokens && num_qo_heads == o.num_qo_heads &&
-             num_kv_heads == o.num_kv_heads && block_size == o.block_size && width == o.width &&
-             dim_qk == o.dim_qk && dim_v == o.dim_v && layout == o.layout && lse == o.lse;
+             num_kv_heads == o.num_kv_heads && block_size == o.block_size && width == o.width && dim_qk == o.dim_qk &&
+             dim_v == o.dim_v && layout == o.layout && lse == o.lse;
     }
   };
   Device device_;
@@ -309,21 +309,21 @@ class GqaBlockPrefill {
 /// the own block: what a decode step of the block's last token keeps, with
 /// the block's tokens pooled.
 struct BlockPrefillIndexerParams {
-  DType dtype = DType::kBF16;   // keys and queries: bf16 or f16
+  DType dtype = DType::kBF16;  // keys and queries: bf16 or f16
   PrefillChunk chunk;
-  int32_t num_kv_heads = 0;     // index queries per token (one per KV head)
-  int32_t head_dim = 0;         // index dim: a multiple of 16, <= 256 (CUDA)
-  int32_t block_size = 0;       // 16 .. 256, a multiple of 16 on CUDA
-  int32_t top_blocks = 0;       // >= local_blocks - 1
-  int32_t local_blocks = 1;     // >= 1
+  int32_t num_kv_heads = 0;  // index queries per token (one per KV head)
+  int32_t head_dim = 0;      // index dim: a multiple of 16, <= 256 (CUDA)
+  int32_t block_size = 0;    // 16 .. 256, a multiple of 16 on CUDA
+  int32_t top_blocks = 0;    // >= local_blocks - 1
+  int32_t local_blocks = 1;  // >= 1
   /// The index keys: position p of sequence b at index_keys.offset(b, 0, p)
   /// (the block-sparse layer's K allocation at head num_kv_heads, or a
   /// key-only cache).
   RowView index_keys;
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim], packed
   /// Out: a kPerKvHead selection of width top_blocks + 1.
-  int32_t* block_ids = nullptr;   // [batch, num_query_blocks, num_kv_heads, top_blocks + 1]
-  int32_t* counts = nullptr;      // [batch, num_query_blocks, num_kv_heads]
+  int32_t* block_ids = nullptr;  // [batch, num_query_blocks, num_kv_heads, top_blocks + 1]
+  int32_t* counts = nullptr;     // [batch, num_query_blocks, num_kv_heads]
 };
 
 class BlockPrefillIndexer {
@@ -353,7 +353,7 @@ struct StaticPrefillParams {
   PrefillChunk chunk;
   int32_t num_qo_heads = 0, num_kv_heads = 0;
   int32_t block_size = 64, local_blocks = 16, vert_stride = 8;
-  int32_t width = 0;           // entries per list (static_prefill_width)
+  int32_t width = 0;             // entries per list (static_prefill_width)
   int32_t* block_ids = nullptr;  // out [batch, num_kv_heads, num_query_blocks, group_size, width]
   int32_t* counts = nullptr;     // out [batch, num_kv_heads, num_query_blocks, group_size]
 };

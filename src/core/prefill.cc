@@ -101,9 +101,9 @@ void check_mla(const MlaPrefillParams& p, Device device) {
   REQUIRE(p.q != nullptr && p.q_rope != nullptr && p.indices != nullptr && p.out != nullptr,
           who + "q, q_rope, indices and out must be set");
   REQUIRE(p.kv.data != nullptr && p.kv_rope.data != nullptr, who + "kv.data and kv_rope.data must be set");
-  REQUIRE(p.kv.dim == kLatent && p.kv_rope.dim == kRope,
-          who + "kv.dim = " + to_string(p.kv.dim) + " and kv_rope.dim = " + to_string(p.kv_rope.dim) +
-              " must be 512 and 64 (the MLA latent and rope)");
+  REQUIRE(p.kv.dim == kLatent && p.kv_rope.dim == kRope, who + "kv.dim = " + to_string(p.kv.dim) +
+                                                             " and kv_rope.dim = " + to_string(p.kv_rope.dim) +
+                                                             " must be 512 and 64 (the MLA latent and rope)");
   REQUIRE(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
           who + "qo_layout is not a QueryLayout value");
   REQUIRE(p.index_token_stride == 0 || p.index_token_stride >= p.topk,
@@ -111,14 +111,17 @@ void check_mla(const MlaPrefillParams& p, Device device) {
   REQUIRE(p.index_token_stride >= 0 && p.index_seq_stride >= 0, who + "index strides must not be negative");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
   REQUIRE(p.kv.capacity == 0 || p.chunk.kv_len <= p.kv.capacity,
-          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) + " positions exceed kv.capacity = " +
-              to_string(p.kv.capacity) + " rows");
+          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+              " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
   REQUIRE(device == Device::kCpu || p.max_logits == nullptr,
-          who + "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
-                "(within 2^8 of the true one), so pass max_logits = null on CUDA");
+          who +
+              "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
+              "(within 2^8 of the true one), so pass max_logits = null on CUDA");
 }
 
-int64_t index_token_stride(const MlaPrefillParams& p) { return p.index_token_stride > 0 ? p.index_token_stride : p.topk; }
+int64_t index_token_stride(const MlaPrefillParams& p) {
+  return p.index_token_stride > 0 ? p.index_token_stride : p.topk;
+}
 int64_t index_seq_stride(const MlaPrefillParams& p) {
   return p.index_seq_stride > 0 ? p.index_seq_stride : int64_t{p.chunk.num_tokens} * index_token_stride(p);
 }
@@ -266,8 +269,9 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
 void MlaSparsePrefill::check_errors(void* stream) {
   if (device_ != Device::kCuda || !prepared_) return;
   const uint32_t flag = read_decode_error_flag(plan_, workspace_.data(), stream);
-  REQUIRE(flag == 0, "MlaSparsePrefill: an index entry named a position outside its token's window (a later "
-                     "position, a negative id other than -1, or past the rows): those tokens' out and lse are NaN");
+  REQUIRE(flag == 0,
+          "MlaSparsePrefill: an index entry named a position outside its token's window (a later "
+          "position, a negative id other than -1, or past the rows): those tokens' out and lse are NaN");
 }
 
 // ---- DsaPrefillIndexer ---------------------------------------------------------
@@ -285,8 +289,10 @@ void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   REQUIRE(p.k_cache != nullptr && p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr &&
               p.counts != nullptr,
           who + "k_cache, q_index, weights, positions and counts must be set");
-  REQUIRE(p.capacity >= p.chunk.kv_len, who + "capacity = " + to_string(p.capacity) + " rows per sequence is below "
-                                              "chunk.kv_len = " + to_string(p.chunk.kv_len));
+  REQUIRE(p.capacity >= p.chunk.kv_len, who + "capacity = " + to_string(p.capacity) +
+                                            " rows per sequence is below "
+                                            "chunk.kv_len = " +
+                                            to_string(p.chunk.kv_len));
 }
 
 DsaConfig dsa_rule(const DsaPrefillIndexerParams& p) {
@@ -358,7 +364,8 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
     return;
   }
   const int32_t passes = (n + rows_per_pass_ - 1) / rows_per_pass_;
-  detail::PassLensArgs pl{p.chunk.kv_lens, p.chunk.kv_len, p.chunk.batch, n, rows_per_pass_, passes, lens_.as<int32_t>()};
+  detail::PassLensArgs pl{p.chunk.kv_lens, p.chunk.kv_len, p.chunk.batch,      n,
+                          rows_per_pass_,  passes,         lens_.as<int32_t>()};
   detail::pass_lens_cuda(pl, stream);
   const size_t esize = dtype_size(p.dtype);
   const int64_t row = int64_t{p.key_column} + p.index_head_dim;
@@ -397,8 +404,8 @@ void check_gqa(const GqaPrefillParams& p, Device device) {
   REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
           who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
   REQUIRE(p.num_kv_heads >= 1 && p.num_qo_heads >= 1 && p.num_qo_heads % p.num_kv_heads == 0,
-          who + "num_qo_heads = " + to_string(p.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
-              to_string(p.num_kv_heads));
+          who + "num_qo_heads = " + to_string(p.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + to_string(p.num_kv_heads));
   REQUIRE(p.block_size >= 1 && p.block_size <= detail::kMaxQueryBlockTokens,
           who + "block_size = " + to_string(p.block_size) + " must lie in [1, " +
               to_string(detail::kMaxQueryBlockTokens) + "] (a query block is one request of the fused decode)");
@@ -481,7 +488,8 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
   const size_t windows = static_cast<size_t>(s.batch) * static_cast<size_t>(query_blocks(s.num_tokens, s.block_size));
   const bool staged_lse = s.lse && s.layout == BlockSelectionLayout::kPerQueryHead;
   const size_t lse_bytes =
-      staged_lse ? static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens) * s.num_qo_heads * sizeof(float) : 0;
+      staged_lse ? static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens) * s.num_qo_heads * sizeof(float)
+                 : 0;
   scratch_ = Buffer(device_, round_up(windows * sizeof(int32_t), 256) + 256 + lse_bytes);
   fill_bytes(scratch_.data(), device_, 0, scratch_.bytes());  // the alignment flag starts clear
   shape_ = s;
@@ -529,7 +537,7 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
         Part& part = parts_[part_index];
         if (part.query_blocks == 0) continue;
         const int32_t qb0 = part_index == 0 ? 0 : n / bs;  // the part's first query block
-        const int64_t t0 = int64_t{qb0} * bs;               // and first token
+        const int64_t t0 = int64_t{qb0} * bs;              // and first token
         DecodeParams d;
         d.dtype = p.dtype;
         d.index_layout = IndexLayout::kCsr;
@@ -581,7 +589,8 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
         }
         if (device_ == Device::kCuda) {
-          kernel_name_ = detail::run_decode_cuda(d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
+          kernel_name_ =
+              detail::run_decode_cuda(d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
         } else {
           detail::run_decode_cpu(d, part.plan, part.workspace.data(), detail::kMaxQueryBlockTokens);
           kernel_name_ = "cpu";
@@ -605,16 +614,18 @@ void GqaBlockPrefill::check_errors(void* stream) {
   for (Part& part : parts_) {
     if (part.query_blocks > 0) flags |= read_decode_error_flag(part.plan, part.workspace.data(), stream);
   }
-  const size_t windows_bytes = round_up(static_cast<size_t>(shape_.batch) *
-                                            static_cast<size_t>(query_blocks(shape_.num_tokens, shape_.block_size)) *
-                                            sizeof(int32_t),
-                                        256);
+  const size_t windows_bytes =
+      round_up(static_cast<size_t>(shape_.batch) *
+                   static_cast<size_t>(query_blocks(shape_.num_tokens, shape_.block_size)) * sizeof(int32_t),
+               256);
   const auto bad = download<uint32_t>(device_, scratch_.as<char>() + windows_bytes, 1);
   fill_bytes(scratch_.as<char>() + windows_bytes, device_, 0, sizeof(uint32_t));
-  REQUIRE(bad[0] == 0, "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
-                       "was below num_tokens): its tokens' o and lse are NaN");
-  REQUIRE(flags == 0, "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "
-                      "query blocks' o and lse are NaN");
+  REQUIRE(bad[0] == 0,
+          "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
+          "was below num_tokens): its tokens' o and lse are NaN");
+  REQUIRE(flags == 0,
+          "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "
+          "query blocks' o and lse are NaN");
 }
 
 // ---- BlockPrefillIndexer ------------------------------------------------------
@@ -629,15 +640,17 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
   REQUIRE(p.num_kv_heads >= 1 && p.head_dim >= 1 && p.block_size >= 1,
           who + "num_kv_heads, head_dim and block_size must be at least 1");
   REQUIRE(p.local_blocks >= 1 && p.top_blocks >= p.local_blocks - 1,
-          who + "need local_blocks >= 1 and top_blocks >= local_blocks - 1 (forced blocks must fit the top-k); got "
-                "local_blocks = " + to_string(p.local_blocks) + ", top_blocks = " + to_string(p.top_blocks));
+          who +
+              "need local_blocks >= 1 and top_blocks >= local_blocks - 1 (forced blocks must fit the top-k); got "
+              "local_blocks = " +
+              to_string(p.local_blocks) + ", top_blocks = " + to_string(p.top_blocks));
   REQUIRE(p.index_keys.data != nullptr && p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
           who + "index_keys.data, q_index, block_ids and counts must be set");
-  REQUIRE(p.index_keys.dim == p.head_dim, who + "index_keys.dim = " + to_string(p.index_keys.dim) +
-                                              " must equal head_dim = " + to_string(p.head_dim));
+  REQUIRE(p.index_keys.dim == p.head_dim,
+          who + "index_keys.dim = " + to_string(p.index_keys.dim) + " must equal head_dim = " + to_string(p.head_dim));
   REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
-          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) + " exceeds index_keys.capacity = " +
-              to_string(p.index_keys.capacity));
+          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+              " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
   if (device == Device::kCuda) {
     REQUIRE(p.head_dim == 128, who + "head_dim = " + to_string(p.head_dim) +
                                    ": the CUDA block scores run at index dim 128 (the CPU backend takes any)");
@@ -652,7 +665,9 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
   }
 }
 
-int32_t key_blocks(int64_t kv_len, int32_t block_size) { return static_cast<int32_t>((kv_len + block_size - 1) / block_size); }
+int32_t key_blocks(int64_t kv_len, int32_t block_size) {
+  return static_cast<int32_t>((kv_len + block_size - 1) / block_size);
+}
 
 }  // namespace
 
@@ -681,8 +696,8 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
     for (int32_t b = 0; b < p.chunk.batch; ++b) {
       REQUIRE((lens[static_cast<size_t>(b)] - p.chunk.num_tokens) % p.block_size == 0,
               "BlockPrefillIndexer: sequence " + to_string(b) + "'s chunk starts at position " +
-                  to_string(lens[static_cast<size_t>(b)] - p.chunk.num_tokens) + ", not a multiple of block_size = " +
-                  to_string(p.block_size));
+                  to_string(lens[static_cast<size_t>(b)] - p.chunk.num_tokens) +
+                  ", not a multiple of block_size = " + to_string(p.block_size));
     }
   }
   detail::BlockScoresArgs sa;
@@ -747,8 +762,8 @@ void check_static(const StaticPrefillParams& p, bool need_outputs) {
   const std::string who = "static_prefill_blocks: ";
   check_chunk(p.chunk, who);
   REQUIRE(p.num_kv_heads >= 1 && p.num_qo_heads >= 1 && p.num_qo_heads % p.num_kv_heads == 0,
-          who + "num_qo_heads = " + to_string(p.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
-              to_string(p.num_kv_heads));
+          who + "num_qo_heads = " + to_string(p.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + to_string(p.num_kv_heads));
   REQUIRE(p.block_size >= 1 && p.local_blocks >= 1 && p.vert_stride >= 1,
           who + "block_size, local_blocks and vert_stride must be at least 1");
   if (need_outputs) {

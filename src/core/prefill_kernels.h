@@ -45,7 +45,7 @@ struct BlockWindowsArgs {
   const int32_t* kv_lens = nullptr;
   int64_t kv_len = 0;
   int32_t batch = 0, num_tokens = 0, block_size = 0;
-  int32_t* windows = nullptr;   // out [batch * num_query_blocks]
+  int32_t* windows = nullptr;  // out [batch * num_query_blocks]
   uint32_t* bad_chunk = nullptr;
 };
 void block_windows_cpu(const BlockWindowsArgs& args);
@@ -60,9 +60,9 @@ void block_windows_cuda(const BlockWindowsArgs& args, void* stream);
 struct MlaEpilogueArgs {
   DType dtype = DType::kBF16;
   int32_t batch = 0, num_tokens = 0, num_heads = 0, dim = 512;
-  const float* lse_in = nullptr;   // [rows]: the decode's lse (natural log, -inf for empty)
-  float* lse_out = nullptr;        // [rows] or null
-  const float* sink = nullptr;     // [num_heads] or null
+  const float* lse_in = nullptr;  // [rows]: the decode's lse (natural log, -inf for empty)
+  float* lse_out = nullptr;       // [rows] or null
+  const float* sink = nullptr;    // [num_heads] or null
   void* out = nullptr;
   int64_t out_seq = 0, out_token = 0, out_head = 0;
 };
@@ -101,9 +101,9 @@ struct BlockScoresArgs {
   const int32_t* kv_lens = nullptr;
   int64_t kv_len = 0;
   int32_t batch = 0, num_tokens = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, local_blocks = 1;
-  RowView keys;                    // position p of sequence b at keys.offset(b, 0, p)
-  const void* q_index = nullptr;   // [batch, num_tokens, num_kv_heads, head_dim]
-  int32_t key_blocks = 0;          // scores' row length: ceil(kv_len / block_size)
+  RowView keys;                   // position p of sequence b at keys.offset(b, 0, p)
+  const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim]
+  int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
   float* scores = nullptr;
 };
 void block_scores_cpu(const BlockScoresArgs& args);

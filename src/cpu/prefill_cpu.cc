@@ -38,7 +38,8 @@ void token_windows_cpu(const TokenWindowsArgs& a) {
   for (int32_t b = 0; b < a.batch; ++b) {
     const int64_t len = length_of(a.kv_lens, a.kv_len, b);
     for (int32_t t = 0; t < a.num_tokens; ++t) {
-      a.windows[int64_t{b} * a.num_tokens + t] = len < a.num_tokens ? 0 : static_cast<int32_t>(len - a.num_tokens + t + 1);
+      a.windows[int64_t{b} * a.num_tokens + t] =
+          len < a.num_tokens ? 0 : static_cast<int32_t>(len - a.num_tokens + t + 1);
     }
   }
 }
@@ -68,7 +69,8 @@ void mla_epilogue_cpu(const MlaEpilogueArgs& a) {
     if (a.sink != nullptr) {
       // exp(lse) / (exp(lse) + exp(sink)); nothing attended: 0 whatever the sink.
       const float factor = lse == -kInf ? 0.0f : 1.0f / (1.0f + std::exp(a.sink[h] - lse));
-      char* o = static_cast<char*>(a.out) + (b * a.out_seq + t * a.out_token + int64_t{h} * a.out_head) * static_cast<int64_t>(esize);
+      char* o = static_cast<char*>(a.out) +
+                (b * a.out_seq + t * a.out_token + int64_t{h} * a.out_head) * static_cast<int64_t>(esize);
       to_float(a.dtype, o, row.data(), row.size());
       for (float& x : row) x *= factor;
       from_float(a.dtype, row.data(), o, row.size());
@@ -115,7 +117,8 @@ void mla_max_logits_cpu(const MlaPrefillParams& p, const int32_t* windows) {
         throw Error("MlaSparsePrefill: index " + std::to_string(pos) + " is outside token " + std::to_string(row) +
                     "'s window");
       }
-      const auto* k_row = static_cast<const uint8_t*>(p.kv.data) + (b * p.kv.seq_stride + pos * p.kv.row_stride) * static_cast<int64_t>(kv_size);
+      const auto* k_row = static_cast<const uint8_t*>(p.kv.data) +
+                          (b * p.kv.seq_stride + pos * p.kv.row_stride) * static_cast<int64_t>(kv_size);
       if (fp8) {
         float scales[4];
         std::memcpy(scales, k_row + 512, sizeof(scales));
@@ -124,11 +127,18 @@ void mla_max_logits_cpu(const MlaPrefillParams& p, const int32_t* windows) {
         to_float(p.dtype, k_row, k.data(), 512);
       }
       to_float(p.dtype,
-               static_cast<const char*>(p.kv_rope.data) + (b * p.kv_rope.seq_stride + pos * p.kv_rope.row_stride) * static_cast<int64_t>(esize),
+               static_cast<const char*>(p.kv_rope.data) +
+                   (b * p.kv_rope.seq_stride + pos * p.kv_rope.row_stride) * static_cast<int64_t>(esize),
                kr.data(), 64);
       for (int32_t h = 0; h < heads; ++h) {
-        to_float(p.dtype, static_cast<const char*>(p.q) + (b * qs.seq_stride + t * qs.token_stride + h * qs.head_stride) * static_cast<int64_t>(esize), q.data(), 512);
-        to_float(p.dtype, static_cast<const char*>(p.q_rope) + (b * rs.seq_stride + t * rs.token_stride + h * rs.head_stride) * static_cast<int64_t>(esize), qr.data(), 64);
+        to_float(p.dtype,
+                 static_cast<const char*>(p.q) +
+                     (b * qs.seq_stride + t * qs.token_stride + h * qs.head_stride) * static_cast<int64_t>(esize),
+                 q.data(), 512);
+        to_float(p.dtype,
+                 static_cast<const char*>(p.q_rope) +
+                     (b * rs.seq_stride + t * rs.token_stride + h * rs.head_stride) * static_cast<int64_t>(esize),
+                 qr.data(), 64);
         const float s = (cpu::dot(q.data(), k.data(), latent) + cpu::dot(qr.data(), kr.data(), rope)) * p.scale;
         float& m = best[static_cast<size_t>(h)];
         m = std::isnan(s) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, s);
@@ -152,7 +162,8 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
     std::vector<float> keys(static_cast<size_t>(len) * d);  // the sequence's keys, once
     for (int64_t pos = 0; pos < len; ++pos) {
       to_float(p.dtype,
-               static_cast<const char*>(p.k_cache) + ((int64_t{b} * p.capacity + pos) * row_elems + p.key_column) * static_cast<int64_t>(esize),
+               static_cast<const char*>(p.k_cache) +
+                   ((int64_t{b} * p.capacity + pos) * row_elems + p.key_column) * static_cast<int64_t>(esize),
                &keys[static_cast<size_t>(pos) * d], d);
     }
     cpu::parallel_for(n, [&](int64_t t) {
@@ -164,13 +175,16 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
         std::iota(kept.begin(), kept.end(), 0);
       } else {
         std::vector<float> q(heads * d);
-        to_float(p.dtype, static_cast<const char*>(p.q_index) + row * static_cast<int64_t>(heads * d * esize), q.data(), q.size());
+        to_float(p.dtype, static_cast<const char*>(p.q_index) + row * static_cast<int64_t>(heads * d * esize), q.data(),
+                 q.size());
         const std::vector<float> prefix(keys.begin(), keys.begin() + window * static_cast<int64_t>(d));
-        kept = dsa_select_tokens_cpu(rule, 1, window, q.data(), p.weights + row * static_cast<int64_t>(heads), prefix)[0];
+        kept =
+            dsa_select_tokens_cpu(rule, 1, window, q.data(), p.weights + row * static_cast<int64_t>(heads), prefix)[0];
         std::sort(kept.begin(), kept.end());
       }
       int32_t* out = p.positions + row * p.topk;
-      for (int32_t i = 0; i < p.topk; ++i) out[i] = i < static_cast<int32_t>(kept.size()) ? kept[static_cast<size_t>(i)] : -1;
+      for (int32_t i = 0; i < p.topk; ++i)
+        out[i] = i < static_cast<int32_t>(kept.size()) ? kept[static_cast<size_t>(i)] : -1;
       p.counts[row] = static_cast<int32_t>(kept.size());
     });
   }
@@ -188,7 +202,8 @@ void block_scores_cpu(const BlockScoresArgs& a) {
                &keys[static_cast<size_t>(pos) * d], d);
     }
     std::vector<float> q(static_cast<size_t>(n) * heads * d);
-    to_float(a.dtype, static_cast<const char*>(a.q_index) + int64_t{b} * n * heads * static_cast<int64_t>(d * esize), q.data(), q.size());
+    to_float(a.dtype, static_cast<const char*>(a.q_index) + int64_t{b} * n * heads * static_cast<int64_t>(d * esize),
+             q.data(), q.size());
     cpu::parallel_for(int64_t{blocks} * heads, [&](int64_t item) {
       const int32_t i = static_cast<int32_t>(item / heads), h = static_cast<int32_t>(item % heads);
       const int64_t query_block = start / bs + i;
@@ -229,7 +244,9 @@ void block_select_cpu(const BlockSelectArgs& a) {
         std::sort(order.begin(), order.begin() + keep);
         int32_t* ids = a.block_ids + list * width;
         for (int32_t e = 0; e < width; ++e) {
-          ids[e] = e < keep ? static_cast<int32_t>(order[static_cast<size_t>(e)]) : e == keep ? static_cast<int32_t>(query_block) : -1;
+          ids[e] = e < keep    ? static_cast<int32_t>(order[static_cast<size_t>(e)])
+                   : e == keep ? static_cast<int32_t>(query_block)
+                               : -1;
         }
         a.counts[list] = static_cast<int32_t>(keep * bs + (end - query_block * bs));
       }

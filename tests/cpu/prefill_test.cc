@@ -4,6 +4,8 @@
 // token at a time over the same selections, and against the mask path
 // (columns and outputs); the DSA, block and static selections against their
 // rules written out here; bad inputs refused by name.
+#include "sparsepage/prefill.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,7 +19,6 @@
 #include "sparsepage/mask_path.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/models/static_block_sparse.h"
-#include "sparsepage/prefill.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
 #include "support/prefill_problem.h"
@@ -163,7 +164,8 @@ TEST(MlaPrefillCpu, AttendsTheMaskPathsColumns) {
   build_selection_mask(Device::kCpu, positions.data(), offsets.data(), n, live, mask.data());
   const auto columns = mask_kept_columns(Device::kCpu, mask.data(), n, live);
   ASSERT_EQ(columns.size(), attended.size());
-  for (int32_t t = 0; t < n; ++t) EXPECT_EQ(columns[static_cast<size_t>(t)], attended[static_cast<size_t>(t)]) << "token " << t;
+  for (int32_t t = 0; t < n; ++t)
+    EXPECT_EQ(columns[static_cast<size_t>(t)], attended[static_cast<size_t>(t)]) << "token " << t;
 
   // The masked decode: each token a sequence of the window's rows, its live length pos + 1.
   std::vector<uint16_t> q(static_cast<size_t>(n) * heads * 512), qr(static_cast<size_t>(n) * heads * 64);
@@ -196,8 +198,10 @@ TEST(MlaPrefillCpu, AttendsTheMaskPathsColumns) {
   to_float(DType::kBF16, o.data(), of.data(), of.size());
   const std::vector<float> out = got.out_f();
   for (size_t r = 0; r < static_cast<size_t>(n) * heads; ++r) {
-    const std::vector<float> row(out.begin() + static_cast<std::ptrdiff_t>(r * 512), out.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
-    const std::vector<double> want(of.begin() + static_cast<std::ptrdiff_t>(r * 512), of.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
+    const std::vector<float> row(out.begin() + static_cast<std::ptrdiff_t>(r * 512),
+                                 out.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
+    const std::vector<double> want(of.begin() + static_cast<std::ptrdiff_t>(r * 512),
+                                   of.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
     if (attended[r / static_cast<size_t>(heads)].empty()) continue;
     ASSERT_LT(testing::relative_l2(row, want), 5e-3) << "row " << r;
   }
@@ -215,13 +219,14 @@ TEST(MlaPrefillCpu, RefusesBadInputByName) {
   auto future = pb;
   future.indices[0] = spec.starts[0] + 1;
   future.topk_length[0] = spec.topk;
-  EXPECT_TRUE(testing::throws_error_naming(run(future.host_params(out.data(), lse.data(), nullptr)),
-                                           "names positions outside request 0's window of " +
-                                               std::to_string(spec.starts[0] + 1)));
+  EXPECT_TRUE(testing::throws_error_naming(
+      run(future.host_params(out.data(), lse.data(), nullptr)),
+      "names positions outside request 0's window of " + std::to_string(spec.starts[0] + 1)));
   auto negative = pb;
   negative.indices[1] = -2;
   negative.topk_length[0] = spec.topk;
-  EXPECT_TRUE(testing::throws_error_naming(run(negative.host_params(out.data(), lse.data(), nullptr)), "indices[1] = -2"));
+  EXPECT_TRUE(
+      testing::throws_error_naming(run(negative.host_params(out.data(), lse.data(), nullptr)), "indices[1] = -2"));
   auto long_count = pb;
   long_count.topk_length[3] = spec.topk + 1;
   EXPECT_TRUE(testing::throws_error_naming(run(long_count.host_params(out.data(), lse.data(), nullptr)),
@@ -259,7 +264,8 @@ std::vector<std::vector<int32_t>> dsa_rule(int32_t n, int64_t start, int32_t hea
       for (int32_t j = 0; j < heads; ++j) {
         double dot = 0.0;
         for (int32_t i = 0; i < dim; ++i) {
-          dot += double{q[(static_cast<size_t>(t) * heads + j) * dim + i]} * keys[static_cast<size_t>(p) * row + key_column + i];
+          dot += double{q[(static_cast<size_t>(t) * heads + j) * dim + i]} *
+                 keys[static_cast<size_t>(p) * row + key_column + i];
         }
         total += w[static_cast<size_t>(t) * heads + j] * std::max(dot, 0.0);
       }
@@ -332,7 +338,8 @@ TEST(BlockPrefillIndexerCpu, KeepsTheMaxPooledTopBlocksOfEachQueryBlock) {
     const auto keys = testing::integer_values(DType::kBF16, static_cast<size_t>(capacity) * dim, rng, 1);  // many ties
     const auto q = testing::integer_values(DType::kBF16, static_cast<size_t>(n) * heads * dim, rng, 1);
     const int32_t nqb = (n + bs - 1) / bs;
-    std::vector<int32_t> ids(static_cast<size_t>(nqb) * heads * (top + 1), 777), counts(static_cast<size_t>(nqb) * heads);
+    std::vector<int32_t> ids(static_cast<size_t>(nqb) * heads * (top + 1), 777),
+        counts(static_cast<size_t>(nqb) * heads);
     BlockPrefillIndexerParams p;
     p.dtype = DType::kBF16;
     p.chunk = {1, n, kv_len, nullptr};
@@ -357,7 +364,9 @@ TEST(BlockPrefillIndexerCpu, KeepsTheMaxPooledTopBlocksOfEachQueryBlock) {
           for (int32_t t = i * bs; t < std::min(n, (i + 1) * bs); ++t) {
             for (int32_t pos = j * bs; pos < (j + 1) * bs; ++pos) {
               double dot = 0.0;
-              for (int32_t e = 0; e < dim; ++e) dot += double{qf[(static_cast<size_t>(t) * heads + h) * dim + e]} * kf[static_cast<size_t>(pos) * dim + e];
+              for (int32_t e = 0; e < dim; ++e)
+                dot +=
+                    double{qf[(static_cast<size_t>(t) * heads + h) * dim + e]} * kf[static_cast<size_t>(pos) * dim + e];
               best = std::max(best, dot);
             }
           }
@@ -400,7 +409,8 @@ TEST(StaticPrefillCpu, ListsFollowTheRule) {
   p.vert_stride = config.vert_stride;
   p.width = static_prefill_width(p, p.chunk.kv_len);
   const int32_t nqb = (n + 3) / 4, g = 4;
-  std::vector<int32_t> ids(static_cast<size_t>(batch) * 2 * nqb * g * p.width), counts(static_cast<size_t>(batch) * 2 * nqb * g);
+  std::vector<int32_t> ids(static_cast<size_t>(batch) * 2 * nqb * g * p.width),
+      counts(static_cast<size_t>(batch) * 2 * nqb * g);
   p.block_ids = ids.data();
   p.counts = counts.data();
   static_prefill_blocks(Device::kCpu, p);
@@ -492,8 +502,10 @@ TEST(GqaBlockPrefillCpu, EqualsTheDecodeRunOneTokenAtATime) {
     const size_t d = static_cast<size_t>(spec.head_dim);
     for (size_t r = 0; r < lse.size(); ++r) {
       ASSERT_NEAR(got.lse[r], lse[r], 1e-5f * std::max(1.0f, std::fabs(lse[r]))) << "row " << r;
-      const std::vector<float> row(mine.begin() + static_cast<std::ptrdiff_t>(r * d), mine.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
-      const std::vector<double> want(out.begin() + static_cast<std::ptrdiff_t>(r * d), out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+      const std::vector<float> row(mine.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                   mine.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+      const std::vector<double> want(out.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                     out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
       ASSERT_LT(testing::relative_l2(row, want), 5e-3) << "seed " << spec.seed << " row " << r;
     }
   }
@@ -517,8 +529,9 @@ TEST(GqaBlockPrefillCpu, AttendsTheMaskPathsColumns) {
       const int32_t h = static_cast<int32_t>(r % static_cast<size_t>(hq)), kv = h / (hq / spec.num_kv_heads);
       const int32_t i = static_cast<int32_t>(t / bs), g = hq / spec.num_kv_heads;
       const int32_t nqb = pb.query_blocks();
-      const int64_t list = spec.layout == BlockSelectionLayout::kPerKvHead ? (b * nqb + i) * spec.num_kv_heads + kv
-                                                                           : ((b * spec.num_kv_heads + kv) * nqb + i) * g + h % g;
+      const int64_t list = spec.layout == BlockSelectionLayout::kPerKvHead
+                               ? (b * nqb + i) * spec.num_kv_heads + kv
+                               : ((b * spec.num_kv_heads + kv) * nqb + i) * g + h % g;
       const int32_t* ids = &pb.block_ids[static_cast<size_t>(list) * spec.width];
       for (int32_t e = 0; e < pb.counts[static_cast<size_t>(list)]; ++e) positions.push_back(ids[e / bs] * bs + e % bs);
       offsets.push_back(static_cast<int32_t>(positions.size()));
@@ -537,7 +550,8 @@ TEST(GqaBlockPrefillCpu, AttendsTheMaskPathsColumns) {
 }
 
 // fp64 attention of query row `row` (token t, head h of sequence 0) over `positions`.
-std::vector<double> attend_fp64(const testing::GqaPrefillProblem& pb, size_t row, const std::vector<int32_t>& positions) {
+std::vector<double> attend_fp64(const testing::GqaPrefillProblem& pb, size_t row,
+                                const std::vector<int32_t>& positions) {
   const int32_t d = pb.spec.head_dim, g = pb.spec.num_qo_heads / pb.spec.num_kv_heads;
   const int32_t h = static_cast<int32_t>(row % static_cast<size_t>(pb.spec.num_qo_heads));
   const std::vector<float> q = testing::as_float(pb.spec.dtype, pb.q), k = testing::as_float(pb.spec.dtype, pb.k),
@@ -546,11 +560,13 @@ std::vector<double> attend_fp64(const testing::GqaPrefillProblem& pb, size_t row
   std::vector<double> s, out(static_cast<size_t>(d), 0.0);
   for (int32_t p : positions) {
     double dot = 0.0;
-    for (int32_t i = 0; i < d; ++i) dot += double{q[row * d + static_cast<size_t>(i)]} * k[static_cast<size_t>((base + p) * d + i)];
+    for (int32_t i = 0; i < d; ++i)
+      dot += double{q[row * d + static_cast<size_t>(i)]} * k[static_cast<size_t>((base + p) * d + i)];
     s.push_back(dot * pb.scale);
   }
-  testing::softmax_weighted_sum(s, d, [&](size_t j, int64_t i) { return double{v[static_cast<size_t>((base + positions[j]) * d + i)]}; },
-                                out.data());
+  testing::softmax_weighted_sum(
+      s, d, [&](size_t j, int64_t i) { return double{v[static_cast<size_t>((base + positions[j]) * d + i)]}; },
+      out.data());
   return out;
 }
 
@@ -577,9 +593,11 @@ TEST(GqaBlockPrefillCpu, TheCausalLimitCutsTheOwnBlock) {
     if (t % bs != 0 || t + 1 >= spec.num_tokens) continue;
     // The block's last token's set (the whole own block) against this first token's.
     const int32_t last = std::min(spec.num_tokens - 1, (t / bs + 1) * bs - 1);
-    const std::vector<float> mine(out.begin() + static_cast<std::ptrdiff_t>(r * d), out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+    const std::vector<float> mine(out.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                  out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
     EXPECT_LT(testing::relative_l2(mine, attend_fp64(pb, r, row)), 1e-2) << "token " << t;
-    EXPECT_GT(testing::relative_l2(mine, attend_fp64(pb, r, attended[static_cast<size_t>(last) * hq])), 5e-2) << "token " << t;
+    EXPECT_GT(testing::relative_l2(mine, attend_fp64(pb, r, attended[static_cast<size_t>(last) * hq])), 5e-2)
+        << "token " << t;
     ++checked;
   }
   EXPECT_GT(checked, 1);
@@ -597,7 +615,8 @@ TEST(GqaBlockPrefillCpu, RefusesBadInputByName) {
   misaligned.chunk.kv_lens = lens.data();
   EXPECT_TRUE(testing::throws_error_naming(run(misaligned), "not a multiple of block_size"));
   auto future = pb;
-  future.block_ids[0] = (future.spec.starts[0] + future.spec.num_tokens) / future.spec.block_size + 1;  // past the chunk
+  future.block_ids[0] =
+      (future.spec.starts[0] + future.spec.num_tokens) / future.spec.block_size + 1;  // past the chunk
   EXPECT_TRUE(testing::throws_error_naming(run(future.host_params(r.out.data(), r.lse.data())),
                                            "names positions outside request 0's window"));
   GqaPrefillParams heads = pb.host_params(r.out.data(), r.lse.data());
@@ -641,7 +660,9 @@ TEST(BlockPrefillCpu, IndexerThenAttention) {
   std::vector<char> used(static_cast<size_t>(hkv * pb.capacity), 0);
   const int32_t g = spec.num_qo_heads / hkv;
   for (size_t r = 0; r < attended.size(); ++r) {
-    for (int32_t pos : attended[r]) used[static_cast<size_t>((r % static_cast<size_t>(spec.num_qo_heads)) / static_cast<size_t>(g)) * pb.capacity + static_cast<size_t>(pos)] = 1;
+    for (int32_t pos : attended[r])
+      used[static_cast<size_t>((r % static_cast<size_t>(spec.num_qo_heads)) / static_cast<size_t>(g)) * pb.capacity +
+           static_cast<size_t>(pos)] = 1;
   }
   const auto nan_row = testing::nan_values(DType::kBF16, static_cast<size_t>(d));
   for (size_t row = 0; row < used.size(); ++row) {

@@ -32,10 +32,10 @@ using testing::MlaPrefillSpec;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The MLA kernel and the DSA indexer need sm_90a code on an sm_90 GPU.
-#define SKIP_WITHOUT_HOPPER()                                                                          \
-  do {                                                                                                 \
-    SKIP_WITHOUT_CUDA();                                                                               \
-    if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty())                                    \
+#define SKIP_WITHOUT_HOPPER()                                                                               \
+  do {                                                                                                      \
+    SKIP_WITHOUT_CUDA();                                                                                    \
+    if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty())                                         \
       GTEST_SKIP() << "the MLA kernel needs sm_90a: " << cuda_arch_problem(cuda_device_sm(), 512, 512, 64); \
   } while (0)
 
@@ -66,8 +66,9 @@ struct MlaDevice {
     fill_bytes(lse.data(), Device::kCuda, 0xFF, lse.bytes());
   }
   MlaPrefillParams params(const testing::MlaPrefillProblem& pb) {
-    return pb.params(q.data(), kv.data(), indices.as<int32_t>(), pb.spec.topk_length ? topk_length.as<int32_t>() : nullptr,
-                     kv_lens.as<int32_t>(), pb.spec.sink ? sink.as<float>() : nullptr, out.data(), lse.as<float>(), nullptr);
+    return pb.params(q.data(), kv.data(), indices.as<int32_t>(),
+                     pb.spec.topk_length ? topk_length.as<int32_t>() : nullptr, kv_lens.as<int32_t>(),
+                     pb.spec.sink ? sink.as<float>() : nullptr, out.data(), lse.as<float>(), nullptr);
   }
   std::vector<float> out_f() const {
     std::vector<uint16_t> raw = download<uint16_t>(Device::kCuda, out.data(), out.bytes() / 2);
@@ -101,11 +102,11 @@ std::vector<MlaPrefillSpec> mla_specs() {
   c.fp8 = true;
   c.seed = 22;
   specs.push_back(c);
-  MlaPrefillSpec d;  // many tokens, topk 2048: each token one request of two head tiles
-  d.num_tokens = 300;
+  MlaPrefillSpec d;  // topk 2048 (32 row tiles per token), each token one request of two head tiles
+  d.num_tokens = 24;
   d.num_heads = 128;
   d.topk = 2048;
-  d.starts = {2500};
+  d.starts = {2300};
   d.pad_fraction = 0.05;
   d.seed = 23;
   specs.push_back(d);
@@ -155,7 +156,8 @@ TEST(MlaPrefillCuda, EqualsTheDecodeRunOneTokenAtATime) {
       const int32_t count = pb.topk_length[row];
       std::vector<int32_t> entries;
       for (int32_t i = 0; i < count; ++i) {
-        if (pb.indices[row * spec.topk + static_cast<size_t>(i)] >= 0) entries.push_back(pb.indices[row * spec.topk + static_cast<size_t>(i)]);
+        if (pb.indices[row * spec.topk + static_cast<size_t>(i)] >= 0)
+          entries.push_back(pb.indices[row * spec.topk + static_cast<size_t>(i)]);
       }
       if (entries.empty()) continue;  // the prefill's convention for these is checked against fp64
       const std::vector<int32_t> lens = {static_cast<int32_t>(entries.size())};
@@ -198,10 +200,13 @@ TEST(MlaPrefillCuda, EqualsTheDecodeRunOneTokenAtATime) {
       const auto one_lse = download<float>(Device::kCuda, l.data(), static_cast<size_t>(heads));
       for (int32_t h = 0; h < heads; ++h) {
         const size_t r = row * heads + static_cast<size_t>(h);
-        ASSERT_NEAR(lse[r], one_lse[static_cast<size_t>(h)], 1e-3f * std::max(1.0f, std::fabs(one_lse[static_cast<size_t>(h)])))
+        ASSERT_NEAR(lse[r], one_lse[static_cast<size_t>(h)],
+                    1e-3f * std::max(1.0f, std::fabs(one_lse[static_cast<size_t>(h)])))
             << "token " << row << " head " << h;
-        const std::vector<float> mine(out.begin() + static_cast<std::ptrdiff_t>(r * 512), out.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
-        const std::vector<double> want(one.begin() + static_cast<std::ptrdiff_t>(h) * 512, one.begin() + static_cast<std::ptrdiff_t>(h + 1) * 512);
+        const std::vector<float> mine(out.begin() + static_cast<std::ptrdiff_t>(r * 512),
+                                      out.begin() + static_cast<std::ptrdiff_t>((r + 1) * 512));
+        const std::vector<double> want(one.begin() + static_cast<std::ptrdiff_t>(h) * 512,
+                                       one.begin() + static_cast<std::ptrdiff_t>(h + 1) * 512);
         ASSERT_LT(testing::relative_l2(mine, want), 1e-2) << "token " << row << " head " << h;
       }
     }
@@ -229,7 +234,8 @@ TEST(MlaPrefillCuda, AnEntryPastItsTokenPoisonsThatTokenAndIsReported) {
   MlaPrefillParams with_max = dev.params(pb);
   Buffer ml(Device::kCuda, 4096);
   with_max.max_logits = ml.as<float>();
-  EXPECT_TRUE(testing::throws_error_naming([&] { prefill.run(with_max); }, "max_logits is computed by the CPU backend"));
+  EXPECT_TRUE(
+      testing::throws_error_naming([&] { prefill.run(with_max); }, "max_logits is computed by the CPU backend"));
 }
 
 // One chunk shape captured once, replayed for a chunk at another position:
@@ -298,16 +304,18 @@ struct DsaCase {
 TEST(DsaPrefillIndexerCuda, KeepsTheCpuTwinsSetsExactly) {
   SKIP_WITHOUT_HOPPER();
   const std::vector<DsaCase> cases = {
-      {64, 128, 256, 200, 1, {700}, size_t{40} << 20},  // the production geometry's group kernel, several passes
+      {64, 128, 256, 200, 1, {700}, size_t{40} << 20},         // the production geometry's group kernel, several passes
       {64, 128, 2048, 96, 2, {100, 3000}, size_t{512} << 20},  // sequence 0 fits the top-k, sequence 1 does not
-      {8, 64, 128, 70, 1, {500}, size_t{1} << 20},     // another geometry (one row per CTA)
+      {8, 64, 128, 70, 1, {500}, size_t{1} << 20},             // another geometry (one row per CTA)
   };
   std::mt19937_64 rng(31);
   for (const DsaCase& c : cases) {
     const int32_t key_column = 16;
     const int64_t kv_len = *std::max_element(c.starts.begin(), c.starts.end()) + c.num_tokens, capacity = kv_len + 5;
-    const auto keys = testing::integer_values(DType::kBF16, static_cast<size_t>(c.batch) * capacity * (key_column + c.dim), rng, 2);
-    const auto q = testing::integer_values(DType::kBF16, static_cast<size_t>(c.batch) * c.num_tokens * c.heads * c.dim, rng, 2);
+    const auto keys =
+        testing::integer_values(DType::kBF16, static_cast<size_t>(c.batch) * capacity * (key_column + c.dim), rng, 2);
+    const auto q =
+        testing::integer_values(DType::kBF16, static_cast<size_t>(c.batch) * c.num_tokens * c.heads * c.dim, rng, 2);
     std::vector<float> w(static_cast<size_t>(c.batch) * c.num_tokens * c.heads);
     for (float& x : w) x = static_cast<float>(std::uniform_int_distribution<int>(0, 3)(rng));
     std::vector<int32_t> lens;
@@ -502,7 +510,8 @@ TEST(GqaBlockPrefillCuda, AMisalignedChunkAndAFutureBlockAreReported) {
     copy_bytes(dev.kv_lens.data(), Device::kCuda, lens.data(), Device::kCpu, 4);
     GqaBlockPrefill prefill(Device::kCuda);
     prefill.run(dev.params(pb));
-    EXPECT_TRUE(testing::throws_error_naming([&] { prefill.check_errors(); }, "did not start at a multiple of block_size"));
+    EXPECT_TRUE(
+        testing::throws_error_naming([&] { prefill.check_errors(); }, "did not start at a multiple of block_size"));
   }
   pb.block_ids[0] = static_cast<int32_t>(pb.kv_len / pb.spec.block_size) + 2;  // a block past the chunk
   GqaDevice dev(pb);
@@ -569,8 +578,10 @@ TEST(GqaBlockPrefillCuda, IndexerAndAttentionReplayFromAGraph) {
   pb.block_ids = download<int32_t>(Device::kCuda, eager.ids.data(), pb.block_ids.size());
   pb.counts = download<int32_t>(Device::kCuda, eager.counts.data(), pb.counts.size());
   const auto ref = testing::gqa_prefill_reference(pb);
-  EXPECT_EQ(testing::compare_gqa_prefill(pb, ref, testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, eager.out.data(), eager.out.bytes())),
-                                         download<float>(Device::kCuda, eager.lse.data(), eager.lse.bytes() / 4), 1e-2, 2e-2),
+  EXPECT_EQ(testing::compare_gqa_prefill(
+                pb, ref,
+                testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, eager.out.data(), eager.out.bytes())),
+                download<float>(Device::kCuda, eager.lse.data(), eager.lse.bytes() / 4), 1e-2, 2e-2),
             "");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

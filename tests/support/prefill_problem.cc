@@ -46,8 +46,9 @@ MlaPrefillProblem make_mla_prefill_problem(const MlaPrefillSpec& spec) {
   pb.kv_len = *std::max_element(pb.kv_lens.begin(), pb.kv_lens.end());
   pb.capacity = spec.capacity > 0 ? spec.capacity : pb.kv_len + 8;
   const size_t rows = static_cast<size_t>(batch) * static_cast<size_t>(pb.capacity);
-  pb.q = spec.integer_values ? integer_values(DType::kBF16, static_cast<size_t>(batch) * n * spec.num_heads * kRow, rng, 2)
-                             : random_values(DType::kBF16, static_cast<size_t>(batch) * n * spec.num_heads * kRow, rng);
+  pb.q = spec.integer_values
+             ? integer_values(DType::kBF16, static_cast<size_t>(batch) * n * spec.num_heads * kRow, rng, 2)
+             : random_values(DType::kBF16, static_cast<size_t>(batch) * n * spec.num_heads * kRow, rng);
   pb.kv = spec.integer_values ? integer_values(DType::kBF16, rows * kRow, rng, 2)
                               : random_values(DType::kBF16, rows * kRow, rng);
   pb.indices.assign(static_cast<size_t>(batch) * n * topk, -1);
@@ -93,7 +94,7 @@ MlaPrefillProblem make_mla_prefill_problem(const MlaPrefillSpec& spec) {
   if (spec.sink) {
     std::uniform_real_distribution<float> s(-2.0f, 2.0f);
     for (int32_t h = 0; h < spec.num_heads; ++h) pb.sink.push_back(s(rng));
-    pb.sink[0] = -std::numeric_limits<float>::infinity();  // changes nothing
+    pb.sink[0] = -std::numeric_limits<float>::infinity();                         // changes nothing
     if (spec.num_heads > 1) pb.sink[1] = std::numeric_limits<float>::infinity();  // zeroes out
   }
   pb.scale = spec.integer_values ? 1.0f / 64.0f : 1.0f / std::sqrt(static_cast<float>(kRow));
@@ -141,8 +142,8 @@ MlaPrefillParams MlaPrefillProblem::params(const void* q_data, const void* kv_da
 
 MlaPrefillParams MlaPrefillProblem::host_params(void* out, float* lse, float* max_logits) const {
   return params(q.data(), spec.fp8 ? static_cast<const void*>(kv_fp8.data()) : kv.data(), indices.data(),
-                spec.topk_length ? topk_length.data() : nullptr, kv_lens.data(), spec.sink ? sink.data() : nullptr,
-                out, lse, max_logits);
+                spec.topk_length ? topk_length.data() : nullptr, kv_lens.data(), spec.sink ? sink.data() : nullptr, out,
+                lse, max_logits);
 }
 
 namespace {
@@ -198,11 +199,13 @@ MlaPrefillReference mla_prefill_reference(const MlaPrefillProblem& pb) {
         std::vector<double> s(entries.size());
         for (size_t j = 0; j < entries.size(); ++j) {
           double dot = 0.0;
-          for (int i = 0; i < kRow; ++i) dot += double{q[r * kRow + static_cast<size_t>(i)]} * kv[j][static_cast<size_t>(i)];
+          for (int i = 0; i < kRow; ++i)
+            dot += double{q[r * kRow + static_cast<size_t>(i)]} * kv[j][static_cast<size_t>(i)];
           s[j] = dot * pb.scale;
         }
         double* out = &ref.out[r * kLatent];
-        const double lse = softmax_weighted_sum(s, kLatent, [&](size_t j, int64_t i) { return kv[j][static_cast<size_t>(i)]; }, out);
+        const double lse = softmax_weighted_sum(
+            s, kLatent, [&](size_t j, int64_t i) { return kv[j][static_cast<size_t>(i)]; }, out);
         ref.lse[r] = lse;
         ref.max_logits[r] = *std::max_element(s.begin(), s.end());
         if (pb.spec.sink) {
@@ -217,8 +220,7 @@ MlaPrefillReference mla_prefill_reference(const MlaPrefillProblem& pb) {
 
 std::string compare_mla_prefill(const MlaPrefillProblem& pb, const MlaPrefillReference& ref,
                                 const std::vector<float>& out, const std::vector<float>& lse,
-                                const std::vector<float>* max_logits, double out_tol, double lse_tol,
-                                double max_tol) {
+                                const std::vector<float>* max_logits, double out_tol, double lse_tol, double max_tol) {
   const size_t rows = ref.lse.size();
   if (out.size() != rows * kLatent || lse.size() != rows) return "output sizes differ";
   const int32_t heads = pb.spec.num_heads;
@@ -337,7 +339,8 @@ GqaPrefillProblem make_gqa_prefill_problem(const GqaPrefillSpec& spec) {
         const int64_t own = start / bs + i;
         const int64_t end = start + std::min<int64_t>(int64_t{i + 1} * bs, n);
         for (int32_t gg = 0; gg < (per_kv ? 1 : g); ++gg) {
-          const int64_t list = per_kv ? (int64_t{b} * nqb + i) * hkv + kv : ((int64_t{b} * hkv + kv) * nqb + i) * g + gg;
+          const int64_t list =
+              per_kv ? (int64_t{b} * nqb + i) * hkv + kv : ((int64_t{b} * hkv + kv) * nqb + i) * g + gg;
           std::vector<int32_t> earlier(static_cast<size_t>(own));
           std::iota(earlier.begin(), earlier.end(), 0);
           std::shuffle(earlier.begin(), earlier.end(), rng);
@@ -351,7 +354,8 @@ GqaPrefillProblem make_gqa_prefill_problem(const GqaPrefillSpec& spec) {
           for (size_t e = 0; e < earlier.size(); ++e) {
             const int64_t last = e + 1 == earlier.size() ? end : int64_t{earlier[e] + 1} * bs;
             for (int64_t p = int64_t{earlier[e]} * bs; p < last; ++p) {
-              attended[(static_cast<size_t>(b) * hkv + kv) * static_cast<size_t>(pb.capacity) + static_cast<size_t>(p)] = 1;
+              attended[(static_cast<size_t>(b) * hkv + kv) * static_cast<size_t>(pb.capacity) +
+                       static_cast<size_t>(p)] = 1;
             }
           }
         }
@@ -370,8 +374,8 @@ GqaPrefillProblem make_gqa_prefill_problem(const GqaPrefillSpec& spec) {
 }
 
 GqaPrefillParams GqaPrefillProblem::params(const void* q_data, const void* k_data, const void* v_data,
-                                           const int32_t* ids, const int32_t* count_data,
-                                           const int32_t* kv_lens_data, void* o, float* lse) const {
+                                           const int32_t* ids, const int32_t* count_data, const int32_t* kv_lens_data,
+                                           void* o, float* lse) const {
   GqaPrefillParams p;
   p.dtype = spec.dtype;
   p.chunk.batch = spec.batch;
@@ -413,12 +417,13 @@ GqaPrefillReference gqa_prefill_reference(const GqaPrefillProblem& pb) {
     std::vector<double> s;
     for (int32_t pos : attended[r]) {
       double dot = 0.0;
-      for (int32_t i = 0; i < d; ++i) dot += double{q[r * d + static_cast<size_t>(i)]} * k[static_cast<size_t>((base + pos) * d + i)];
+      for (int32_t i = 0; i < d; ++i)
+        dot += double{q[r * d + static_cast<size_t>(i)]} * k[static_cast<size_t>((base + pos) * d + i)];
       s.push_back(dot * pb.scale);
     }
-    ref.lse[r] = softmax_weighted_sum(s, d, [&](size_t j, int64_t i) {
-      return double{v[static_cast<size_t>((base + attended[r][j]) * d + i)]};
-    }, &ref.out[r * static_cast<size_t>(d)]);
+    ref.lse[r] = softmax_weighted_sum(
+        s, d, [&](size_t j, int64_t i) { return double{v[static_cast<size_t>((base + attended[r][j]) * d + i)]}; },
+        &ref.out[r * static_cast<size_t>(d)]);
   }
   return ref;
 }
@@ -429,9 +434,10 @@ std::string compare_gqa_prefill(const GqaPrefillProblem& pb, const GqaPrefillRef
   const size_t rows = ref.lse.size(), d = static_cast<size_t>(pb.spec.head_dim);
   if (out.size() != rows * d || lse.size() != rows) return "output sizes differ";
   for (size_t r = 0; r < rows; ++r) {
-    const std::string where = "row " + std::to_string(r) + " (token " + std::to_string(r / static_cast<size_t>(pb.spec.num_qo_heads)) +
-                              "): ";
-    const std::vector<float> got(out.begin() + static_cast<std::ptrdiff_t>(r * d), out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
+    const std::string where =
+        "row " + std::to_string(r) + " (token " + std::to_string(r / static_cast<size_t>(pb.spec.num_qo_heads)) + "): ";
+    const std::vector<float> got(out.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                 out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
     const std::vector<double> want(ref.out.begin() + static_cast<std::ptrdiff_t>(r * d),
                                    ref.out.begin() + static_cast<std::ptrdiff_t>((r + 1) * d));
     const double err = relative_l2(got, want);
@@ -462,7 +468,8 @@ void gqa_token_by_token_cpu(const GqaPrefillProblem& pb, std::vector<float>& out
       std::vector<int32_t> indptr = {0}, lens, pages;
       for (int32_t r = 0; r < requests; ++r) {
         const int32_t kv = per_kv ? r : r / g;
-        const int64_t list = per_kv ? (int64_t{b} * nqb + i) * hkv + kv : ((int64_t{b} * hkv + kv) * nqb + i) * g + r % g;
+        const int64_t list =
+            per_kv ? (int64_t{b} * nqb + i) * hkv + kv : ((int64_t{b} * hkv + kv) * nqb + i) * g + r % g;
         const int32_t* ids = &pb.block_ids[static_cast<size_t>(list) * pb.spec.width];
         const int32_t count = pb.counts[static_cast<size_t>(list)];
         const int32_t kept = (count + bs - 1) / bs;
@@ -491,8 +498,10 @@ void gqa_token_by_token_cpu(const GqaPrefillProblem& pb, std::vector<float>& out
       dp.window_len = pos + 1;
       dp.group_size = per_kv ? g : 1;
       dp.q = pb.q.data() + (static_cast<size_t>(b) * n + static_cast<size_t>(t)) * hq * d * esize;
-      const char* k0 = reinterpret_cast<const char*>(pb.k.data()) + static_cast<size_t>(b) * hkv * pb.capacity * d * esize;
-      const char* v0 = reinterpret_cast<const char*>(pb.v.data()) + static_cast<size_t>(b) * hkv * pb.capacity * d * esize;
+      const char* k0 =
+          reinterpret_cast<const char*>(pb.k.data()) + static_cast<size_t>(b) * hkv * pb.capacity * d * esize;
+      const char* v0 =
+          reinterpret_cast<const char*>(pb.v.data()) + static_cast<size_t>(b) * hkv * pb.capacity * d * esize;
       const int64_t head_stride = per_kv ? pb.capacity * d : 0;
       dp.k = {k0, d, d, 0, head_stride, pb.capacity};
       dp.v = {v0, d, d, 0, head_stride, pb.capacity};

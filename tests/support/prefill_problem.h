@@ -90,7 +90,7 @@ struct GqaPrefillSpec {
   int32_t block_size = 16;
   std::vector<int32_t> starts = {32};  // multiples of block_size
   BlockSelectionLayout layout = BlockSelectionLayout::kPerKvHead;
-  int32_t width = 4;                   // entries per list (the own block included)
+  int32_t width = 4;  // entries per list (the own block included)
   uint64_t seed = 1;
 };
 

@@ -107,8 +107,8 @@ void block_windows_cuda(const BlockWindowsArgs& a, void* stream) {
 
 void mla_epilogue_cuda(const MlaEpilogueArgs& a, void* stream) {
   if (a.dim % 8 != 0) throw Error("MlaSparsePrefill: the epilogue reads rows of whole 16-byte pieces");
-  if (a.sink != nullptr && ((a.out_seq | a.out_token | a.out_head) % 8 != 0 ||
-                            reinterpret_cast<uintptr_t>(a.out) % 16 != 0)) {
+  if (a.sink != nullptr &&
+      ((a.out_seq | a.out_token | a.out_head) % 8 != 0 || reinterpret_cast<uintptr_t>(a.out) % 16 != 0)) {
     throw Error("MlaSparsePrefill: with an attention sink, out and its strides must be 16-byte aligned");
   }
   const int64_t rows = int64_t{a.batch} * a.num_tokens * a.num_heads;

@@ -12,9 +12,8 @@
 // One plain launch each on the caller's stream; nothing allocated, nothing
 // read back.
 #include <algorithm>
-#include <string>
-
 #include <cub/block/block_scan.cuh>
+#include <string>
 
 #include "core/prefill_kernels.h"
 #include "cuda/primitives/common.cuh"
@@ -28,10 +27,10 @@ namespace {
 
 constexpr int kScoreWarps = 4;
 constexpr int kScoreThreads = kScoreWarps * 32;
-constexpr int kDim = 128;               // index head dim the kernel is built for
-constexpr int kChunks = kDim / 8;       // 16-byte pieces per row
+constexpr int kDim = 128;          // index head dim the kernel is built for
+constexpr int kChunks = kDim / 8;  // 16-byte pieces per row
 constexpr int kKSteps = kDim / 16;
-constexpr int kKeyBlocksPerCta = 8;     // key blocks one CTA scores against its Q tile
+constexpr int kKeyBlocksPerCta = 8;  // key blocks one CTA scores against its Q tile
 
 __device__ __forceinline__ int64_t length_of(const int32_t* kv_lens, int64_t kv_len, int64_t b) {
   return kv_lens != nullptr ? int64_t{kv_lens[b]} : kv_len;
@@ -74,7 +73,7 @@ __global__ void __launch_bounds__(kScoreThreads) block_scores_kernel(const Block
   const int32_t h = static_cast<int32_t>(list % a.num_kv_heads);
   const int64_t i = (list / a.num_kv_heads) % query_blocks, b = list / (int64_t{a.num_kv_heads} * query_blocks);
   const int64_t start = length_of(a.kv_lens, a.kv_len, b) - a.num_tokens;
-  if (start < 0 || start % kBlock != 0) return;  // refused where the attention runs (block windows)
+  if (start < 0 || start % kBlock != 0) return;                    // refused where the attention runs (block windows)
   const int64_t scored = start / kBlock + i + 1 - a.local_blocks;  // key blocks below the forced ones
   const int64_t j0 = int64_t{blockIdx.x} * kKeyBlocksPerCta;
   const int64_t j1 = min(scored, j0 + kKeyBlocksPerCta);
@@ -249,11 +248,15 @@ void block_scores_cuda(const BlockScoresArgs& a, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const bool bf16 = a.dtype == DType::kBF16;
   if (a.block_size == 64) {
-    if (bf16) launch_scores<__nv_bfloat16, 64>(a, s);
-    else launch_scores<__half, 64>(a, s);
+    if (bf16)
+      launch_scores<__nv_bfloat16, 64>(a, s);
+    else
+      launch_scores<__half, 64>(a, s);
   } else if (a.block_size == 128) {
-    if (bf16) launch_scores<__nv_bfloat16, 128>(a, s);
-    else launch_scores<__half, 128>(a, s);
+    if (bf16)
+      launch_scores<__nv_bfloat16, 128>(a, s);
+    else
+      launch_scores<__half, 128>(a, s);
   } else {
     throw Error("BlockPrefillIndexer: the CUDA block scores run 64- or 128-token blocks");
   }
@@ -267,7 +270,8 @@ void block_select_cuda(const BlockSelectArgs& a, void* stream) {
 }
 
 void static_blocks_cuda(const StaticBlocksArgs& a, void* stream) {
-  const int64_t total = int64_t{a.batch} * a.num_qo_heads * ((a.num_tokens + a.block_size - 1) / a.block_size) * a.width;
+  const int64_t total =
+      int64_t{a.batch} * a.num_qo_heads * ((a.num_tokens + a.block_size - 1) / a.block_size) * a.width;
   if (total == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
   static_blocks_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(a);
