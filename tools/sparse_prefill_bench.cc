@@ -49,7 +49,8 @@ struct Options {
   std::vector<int64_t> prompts = {8192, 32768, 131072};
   std::vector<int32_t> chunks = {2048, 16384};
   int32_t reps = 3;
-  int32_t topk = 2048;  // DSA
+  int32_t topk = 2048;             // DSA
+  int64_t index_budget_mb = 2048;  // the DSA indexer's scratch: tokens per pass
   double peak_tflops = 790.0;
   bool cpu = false;
   std::string json_path;
@@ -202,6 +203,7 @@ struct DsaSetup {
   Device device = Device::kCpu;
   int64_t prompt = 0;
   int32_t chunk = 0, topk = 0;
+  size_t index_budget = 0;
   Buffer k_cache, rope, q, q_rope, q_index, weights, positions, counts, out, kv_lens;
   std::unique_ptr<DsaPrefillIndexer> indexer;
   std::unique_ptr<MlaSparsePrefill> attention;
@@ -222,7 +224,7 @@ Config dsa_config(DsaSetup& s) {
   s.counts = Buffer(dev, static_cast<size_t>(tokens) * 4);
   s.out = Buffer(dev, static_cast<size_t>(tokens) * s.kHeads * s.kLatent * 2);
   s.kv_lens = Buffer(dev, 4);
-  s.indexer = std::make_unique<DsaPrefillIndexer>(dev);
+  s.indexer = std::make_unique<DsaPrefillIndexer>(dev, s.index_budget);
   s.attention = std::make_unique<MlaSparsePrefill>(dev);
   DsaPrefillIndexerParams& ip = s.ip;
   ip.chunk = {1, s.chunk, s.prompt, s.kv_lens.as<int32_t>()};
@@ -583,6 +585,7 @@ int main(int argc, char** argv) {
   app.add_option("--chunks", opt.chunks, "chunk sizes (tokens)");
   app.add_option("--reps", opt.reps, "timed replays per chunk (median)");
   app.add_option("--topk", opt.topk, "DSA index_topk");
+  app.add_option("--index-budget-mb", opt.index_budget_mb, "DSA indexer scratch (MiB): sets its tokens per pass");
   app.add_option("--peak-tflops", opt.peak_tflops, "dense bf16 peak for the FLOP floor");
   app.add_flag("--cpu", opt.cpu, "run on the CPU backend (small shapes only)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
@@ -611,6 +614,7 @@ int main(int argc, char** argv) {
           dsa.prompt = prompt;
           dsa.chunk = chunk;
           dsa.topk = opt.topk;
+          dsa.index_budget = static_cast<size_t>(opt.index_budget_mb) << 20;
           config = dsa_config(dsa);
         } else {
           gqa.device = device;
@@ -629,8 +633,10 @@ int main(int argc, char** argv) {
         config.place(prompt);
         timer.replay();
         const std::string problem = config.check(prompt);
-        std::printf("%-11s prompt %7lld chunk %6d | %s | check: %s\n", kind.c_str(), static_cast<long long>(prompt),
-                    chunk, config.kernel().c_str(), problem.empty() ? "ok" : problem.c_str());
+        const std::string passes =
+            kind == "dsa" ? ", indexer " + std::to_string(dsa.indexer->rows_per_pass()) + " tokens per pass" : "";
+        std::printf("%-11s prompt %7lld chunk %6d | %s%s | check: %s\n", kind.c_str(), static_cast<long long>(prompt),
+                    chunk, config.kernel().c_str(), passes.c_str(), problem.empty() ? "ok" : problem.c_str());
         if (!problem.empty()) {
           ++failures;
           continue;  // never time a configuration that is wrong
@@ -656,6 +662,7 @@ int main(int argc, char** argv) {
                            {"chunk", chunk},
                            {"device", facts.name},
                            {"kernel", config.kernel()},
+                           {"index_rows_per_pass", kind == "dsa" ? dsa.indexer->rows_per_pass() : 0},
                            {"total_us", total_us},
                            {"flops", flops},
                            {"bytes", bytes},
