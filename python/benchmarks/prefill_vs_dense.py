@@ -9,7 +9,8 @@ chunks; and the whole prompt in one call. Attention only: no projections,
 no indexer.
 
   dsa          DeepSeek-V3.2's dense prefill form (MHA over decompressed
-               heads: 128 heads, q/k dim 192, v dim 128);
+               heads: 128 heads, q/k dim 192, v dim 128 padded to 192 as
+               vLLM pads it for FlashAttention);
   blocksparse  64 query heads over 4 KV heads, dim 128;
   static       32 query heads over 8 KV heads, dim 128.
 
@@ -28,7 +29,7 @@ import json
 import sys
 
 GEOMETRY = {
-    "dsa": dict(heads=128, kv_heads=128, dim_qk=192, dim_v=128),
+    "dsa": dict(heads=128, kv_heads=128, dim_qk=192, dim_v=192),
     "blocksparse": dict(heads=64, kv_heads=4, dim_qk=128, dim_v=128),
     "static": dict(heads=32, kv_heads=8, dim_qk=128, dim_v=128),
 }
