@@ -256,6 +256,8 @@ TEST(MlaPrefillCuda, AChunkGraphReplaysForALaterChunk) {
   p.chunk.kv_len = spec_a.capacity;  // the bound both chunks stay under
   MlaSparsePrefill prefill(Device::kCuda);
   prefill.prepare(p, stream);
+  prefill.run(p, stream);  // once eagerly: the kernels' first-launch attributes are set outside the capture
+  testing::cuda_ok(cudaStreamSynchronize(stream), "eager run");
   cudaGraph_t graph;
   testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
   prefill.run(p, stream);
@@ -559,6 +561,10 @@ TEST(GqaBlockPrefillCuda, IndexerAndAttentionReplayFromAGraph) {
   GqaBlockPrefill g_prefill(Device::kCuda), e_prefill(Device::kCuda);
   g_indexer.prepare(indexer_params(graphed), stream);
   g_prefill.prepare(graphed.params(pb), stream);
+  g_indexer.run(indexer_params(graphed), stream);  // once eagerly: first-launch attributes outside the capture
+  g_prefill.run(graphed.params(pb), stream);
+  testing::cuda_ok(cudaStreamSynchronize(stream), "eager run");
+  fill_bytes(graphed.out.data(), Device::kCuda, 0xFF, graphed.out.bytes());  // the replay must write it again
   cudaGraph_t graph;
   testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
   g_indexer.run(indexer_params(graphed), stream);
