@@ -7,8 +7,12 @@
 #      per step, eager and replayed from a CUDA graph, beside the mask-path
 #      step and the read-time floor; JSON and plots (build/bench/);
 #   2. sparse_paged_decode_bench: the attention kernel alone, the mask arm
-#      against the fused sparse arm over the same selection.
-# STEP_ARGS and KERNEL_ARGS pass options to each (see their --help).
+#      against the fused sparse arm over the same selection;
+#   3. prefill: sparse_prefill_bench (prompts prefilled in chunks per layer
+#      kind, checked before timing), then python/benchmarks/prefill_vs_dense.py
+#      (dense causal attention of the same prompts; skips without torch).
+# STEP_ARGS, KERNEL_ARGS and PREFILL_ARGS pass options to each (see their
+# --help); BENCH_PREFILL=0 leaves stage 3 out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
@@ -16,7 +20,7 @@ build=${BUILD_DIR:-build}
 out=$build/bench
 mkdir -p "$out"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j "$(nproc)" --target sparse_step_bench sparse_paged_decode_bench >/dev/null
+cmake --build "$build" -j "$(nproc)" --target sparse_step_bench sparse_paged_decode_bench sparse_prefill_bench >/dev/null
 echo "== whole decode steps (sparse_step_bench)"
 "$build/tools/sparse_step_bench" --json "$out/steps.json" ${STEP_ARGS:-}
 if bash scripts/install-python-deps.sh --plots >/dev/null 2>&1; then
@@ -26,3 +30,8 @@ else
 fi
 echo "== the attention kernel alone (sparse_paged_decode_bench)"
 "$build/tools/sparse_paged_decode_bench" --json "$out/kernel.json" ${KERNEL_ARGS:-}
+if [[ ${BENCH_PREFILL:-1} != 0 ]]; then
+  echo "== prefill in chunks (sparse_prefill_bench), then dense attention of the same prompts"
+  "$build/tools/sparse_prefill_bench" --json "$out/prefill.json" ${PREFILL_ARGS:-}
+  python3 python/benchmarks/prefill_vs_dense.py --json "$out/prefill_dense.json" || echo "prefill_vs_dense: failed"
+fi

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/decode_limits.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
 
@@ -293,6 +294,10 @@ std::string kv_format_problem(const DecodeParams& p) {
 }
 
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
+  detail::check_decode_params(p, plan, kMaxQueryTokens);
+}
+
+void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, int32_t max_q_len) {
   REQUIRE(p.dtype == DType::kF32 || p.dtype == DType::kF16 || p.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(p.dtype)) + " is not a DType");
   check_kv_format(p);
@@ -301,8 +306,8 @@ void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
                                                    " but the plan was made for " +
                                                    std::to_string(plan.num_requests));
   REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  REQUIRE(p.q_len >= 1 && p.q_len <= kMaxQueryTokens, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
-                                                          std::to_string(kMaxQueryTokens) + "]");
+  REQUIRE(p.q_len >= 1 && p.q_len <= max_q_len, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
+                                                    std::to_string(max_q_len) + "]");
   REQUIRE(int64_t{p.group_size} * p.q_len == plan.group_size, p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) +
                                                       " but the plan was made for " + std::to_string(plan.group_size)
                                                 : "group_size * q_len = " + std::to_string(p.group_size) + " * " +

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/decode_limits.h"
 #include "cpu/plan_runner.h"
 #include "sparsepage/decode.h"
 
@@ -189,8 +190,12 @@ void check_indices_cpu(const DecodeParams& p, const DecodePlan& plan) {
 }  // namespace
 
 void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+  detail::run_decode_cpu(p, plan, workspace, kMaxQueryTokens);
+}
+
+void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace, int32_t max_q_len) {
   check_decode_plan(plan);  // its fields are public; the loops below index with them
-  check_decode_params(p, plan);
+  detail::check_decode_params(p, plan, max_q_len);
   if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
   for (int32_t r = 0; r < p.num_requests; ++r) {
     const int64_t len = visible_tokens(p, plan, r);

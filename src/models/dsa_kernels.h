@@ -7,6 +7,7 @@
 
 namespace sparsepage {
 struct DsaConfig;
+struct DsaIndexerArgs;
 }  // namespace sparsepage
 
 namespace sparsepage::detail {
@@ -21,4 +22,11 @@ inline constexpr int kDsaMaxBatch = 65535;
 /// at `batch` breaks. Host code (src/models/dsa.cc), so it is the same check
 /// with or without a CUDA build.
 void check_dsa_indexer_cuda(const DsaConfig& config, int32_t batch);
+
+/// dsa_select_tokens_cuda (models/dsa.h) with args.q_len allowed up to
+/// max_q_len: a prefill (prefill.h) scores hundreds of a sequence's tokens
+/// per pass, each row with its own causal window, as a multi-token step
+/// scores its few.
+void dsa_select_tokens_cuda(const DsaConfig& config, int32_t sequences, const DsaIndexerArgs& args, int32_t max_q_len,
+                            void* stream);
 }  // namespace sparsepage::detail

@@ -8,4 +8,9 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig&, int32_t, int64_t) { return 
 void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, void*) {
   throw Error("dsa_select_tokens_cuda: sparsepage was built without CUDA");
 }
+namespace detail {
+void dsa_select_tokens_cuda(const DsaConfig&, int32_t, const DsaIndexerArgs&, int32_t, void*) {
+  throw Error("dsa_select_tokens_cuda: sparsepage was built without CUDA");
+}
+}  // namespace detail
 }  // namespace sparsepage

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/decode_limits.h"
 #include "cuda/primitives/common.cuh"
 #include "cuda/attention/decode_fp8.h"
 #include "cuda/merge/decode_merge.cuh"
@@ -219,7 +220,12 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
 }
 
 const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream) {
-  check_decode_params(params, plan);
+  return detail::run_decode_cuda(params, plan, workspace, stream, kMaxQueryTokens);
+}
+
+const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream,
+                                    int32_t max_q_len) {
+  detail::check_decode_params(params, plan, max_q_len);
   cuda::check_stream_layout("run_decode_cuda", params.dtype, params.q, params.q_extra, params.k, params.v,
                             params.k_extra, params.o);
   const std::string qo_problem = cuda_layout_problem(params);

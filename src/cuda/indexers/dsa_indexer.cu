@@ -950,11 +950,16 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& c, int32_t batch, int64_t ma
 }
 
 void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaIndexerArgs& a, void* stream) {
+  detail::dsa_select_tokens_cuda(c, sequences, a, kMaxQueryTokens, stream);
+}
+
+void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaIndexerArgs& a, int32_t max_q_len,
+                                    void* stream) {
   // Warpgroup MMAs and TMA: the MLA kernel's requirement (an sm_90 GPU and sm_90a code), asked of the same rule.
   const std::string arch = cuda_arch_problem(cuda_device_sm(), 512, 512, 64);
   REQUIRE(arch.empty(), "the DSA indexer scores with warpgroup MMAs and TMA, as the MLA kernel does: " + arch);
-  REQUIRE(a.q_len >= 1 && a.q_len <= kMaxQueryTokens,
-          "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
+  REQUIRE(a.q_len >= 1 && a.q_len <= max_q_len,
+          "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(max_q_len) + "]");
   REQUIRE(int64_t{sequences} * a.q_len <= 65535,
           "batch * q_len = " + std::to_string(int64_t{sequences} * a.q_len) + " rows exceed 65535");
   const int32_t batch = sequences * a.q_len;  // (sequence, token) rows

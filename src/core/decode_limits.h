@@ -1,0 +1,27 @@
+// The paged decode's entry points with the query-token bound as an argument.
+// A decode step takes 1 .. kMaxQueryTokens query tokens per request
+// (decode.h); a block-sparse prefill (prefill.h) runs a whole query block of
+// block_size tokens as one request of the same kernels, so it calls these
+// with kMaxQueryBlockTokens. Everything else about the call is the public
+// function's.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsepage/decode.h"
+
+namespace sparsepage::detail {
+
+/// Most query tokens one request of a prefill query block may carry: the
+/// largest block size a prefill takes.
+constexpr int32_t kMaxQueryBlockTokens = 256;
+
+/// check_decode_params with q_len allowed up to max_q_len.
+void check_decode_params(const DecodeParams& params, const DecodePlan& plan, int32_t max_q_len);
+/// run_decode_cpu with q_len allowed up to max_q_len.
+void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace, int32_t max_q_len);
+/// run_decode_cuda with q_len allowed up to max_q_len.
+const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream,
+                            int32_t max_q_len);
+
+}  // namespace sparsepage::detail

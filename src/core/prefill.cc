@@ -1,0 +1,854 @@
+// Sparse prefill (prefill.h): the checks, the plans and the launches, over
+// the fused decode's entry points (core/decode_limits.h) and the small
+// kernels of core/prefill_kernels.h. Each chunk shape is planned once; a run
+// then only launches, on either backend.
+#include "sparsepage/prefill.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/cuda_hooks.h"
+#include "core/decode_limits.h"
+#include "core/prefill_kernels.h"
+#include "core/require.h"
+#include "models/dsa_kernels.h"
+#include "sparsepage/models/dsa.h"
+
+#define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "", __VA_ARGS__)
+
+namespace sparsepage {
+namespace {
+
+using std::to_string;
+
+int32_t machine_width(Device device) {
+  if (device == Device::kCuda) return cuda_multiprocessor_count();
+  return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+void check_chunk(const PrefillChunk& c, const std::string& who) {
+  REQUIRE(c.batch >= 1, who + "chunk.batch = " + to_string(c.batch) + " must be at least 1");
+  REQUIRE(c.num_tokens >= 1, who + "chunk.num_tokens = " + to_string(c.num_tokens) + " must be at least 1");
+  REQUIRE(c.kv_len >= c.num_tokens, who + "chunk.kv_len = " + to_string(c.kv_len) + " must be at least num_tokens = " +
+                                        to_string(c.num_tokens) + " (the chunk is the last num_tokens positions)");
+  REQUIRE(c.kv_len <= std::numeric_limits<int32_t>::max(),
+          who + "chunk.kv_len = " + to_string(c.kv_len) + " does not fit int32 positions");
+  REQUIRE(int64_t{c.batch} * c.num_tokens <= std::numeric_limits<int32_t>::max(),
+          who + "batch * num_tokens = " + to_string(int64_t{c.batch} * c.num_tokens) + " exceeds 2^31 - 1");
+}
+
+/// The chunk's L_b on the host (CPU runs): kv_lens, or kv_len for all. Each
+/// is checked against the chunk.
+std::vector<int64_t> host_lengths(const PrefillChunk& c, const std::string& who) {
+  std::vector<int64_t> lens(static_cast<size_t>(c.batch), c.kv_len);
+  if (c.kv_lens != nullptr) {
+    for (int32_t b = 0; b < c.batch; ++b) {
+      const int64_t len = c.kv_lens[b];
+      REQUIRE(len >= c.num_tokens && len <= c.kv_len, who + "chunk.kv_lens[" + to_string(b) + "] = " + to_string(len) +
+                                                          " must lie in [num_tokens = " + to_string(c.num_tokens) +
+                                                          ", kv_len = " + to_string(c.kv_len) + "]");
+      lens[static_cast<size_t>(b)] = len;
+    }
+  }
+  return lens;
+}
+
+/// Effective [seq, token, head] strides of a packed or strided q-shaped view.
+QueryStrides view_strides(QueryLayout layout, const QueryStrides& given, int32_t num_tokens, int32_t heads,
+                          int32_t dim) {
+  if (layout == QueryLayout::kStrided) return given;
+  QueryStrides s;
+  s.head_stride = dim;
+  s.token_stride = int64_t{heads} * dim;
+  s.seq_stride = int64_t{num_tokens} * heads * dim;
+  return s;
+}
+
+const char* offset_bytes(const void* base, int64_t elements, size_t element_size) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(element_size);
+}
+
+/// `view` for sequence b alone: its base moved to the sequence, outer strides 0.
+RowView sequence_view(const RowView& view, int64_t b, size_t element_size) {
+  RowView v = view;
+  v.data = offset_bytes(view.data, b * view.seq_stride, element_size);
+  v.seq_stride = 0;
+  v.head_stride = 0;
+  return v;
+}
+
+// ---- MLA --------------------------------------------------------------------
+
+constexpr int32_t kLatent = 512, kRope = 64;
+
+void check_mla(const MlaPrefillParams& p, Device device) {
+  const std::string who = "MlaSparsePrefill: ";
+  check_chunk(p.chunk, who);
+  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
+          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  REQUIRE(device != Device::kCuda || p.dtype == DType::kBF16,
+          who + "the MLA kernel reads bf16 queries and rows on CUDA, not " + dtype_name(p.dtype));
+  REQUIRE(p.kv_format == KvFormat::kNative || p.kv_format == KvFormat::kE4m3Mla,
+          who + "kv_format must be native or e4m3 mla, not " + kv_format_name(p.kv_format));
+  REQUIRE(p.num_heads >= 1, who + "num_heads = " + to_string(p.num_heads) + " must be at least 1");
+  REQUIRE(p.topk >= 1, who + "topk = " + to_string(p.topk) + " must be at least 1");
+  REQUIRE(p.q != nullptr && p.q_rope != nullptr && p.indices != nullptr && p.out != nullptr,
+          who + "q, q_rope, indices and out must be set");
+  REQUIRE(p.kv.data != nullptr && p.kv_rope.data != nullptr, who + "kv.data and kv_rope.data must be set");
+  REQUIRE(p.kv.dim == kLatent && p.kv_rope.dim == kRope, who + "kv.dim = " + to_string(p.kv.dim) +
+                                                             " and kv_rope.dim = " + to_string(p.kv_rope.dim) +
+                                                             " must be 512 and 64 (the MLA latent and rope)");
+  REQUIRE(p.qo_layout == QueryLayout::kPacked || p.qo_layout == QueryLayout::kStrided,
+          who + "qo_layout is not a QueryLayout value");
+  REQUIRE(p.index_token_stride == 0 || p.index_token_stride >= p.topk,
+          who + "index_token_stride = " + to_string(p.index_token_stride) + " is below topk = " + to_string(p.topk));
+  REQUIRE(p.index_token_stride >= 0 && p.index_seq_stride >= 0, who + "index strides must not be negative");
+  REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
+  REQUIRE(p.kv.capacity == 0 || p.chunk.kv_len <= p.kv.capacity,
+          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+              " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
+  REQUIRE(device == Device::kCpu || p.max_logits == nullptr,
+          who +
+              "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
+              "(within 2^8 of the true one), so pass max_logits = null on CUDA");
+}
+
+int64_t index_token_stride(const MlaPrefillParams& p) {
+  return p.index_token_stride > 0 ? p.index_token_stride : p.topk;
+}
+int64_t index_seq_stride(const MlaPrefillParams& p) {
+  return p.index_seq_stride > 0 ? p.index_seq_stride : int64_t{p.chunk.num_tokens} * index_token_stride(p);
+}
+
+/// The fused decode's params for sequence b's tokens: each token a request
+/// (one "KV head", its own sequence of the window), its index row read in
+/// place (kMatrix, -1 skipped), its window `windows[t]` = pos + 1.
+DecodeParams mla_decode_params(const MlaPrefillParams& p, int32_t b, const int32_t* windows, float* lse) {
+  const int32_t n = p.chunk.num_tokens;
+  const size_t esize = dtype_size(p.dtype);
+  const size_t kv_size = p.kv_format == KvFormat::kNative ? esize : 1;  // fp8 rows count bytes
+  const QueryStrides qs = view_strides(p.qo_layout, p.q_strides, n, p.num_heads, kLatent);
+  const QueryStrides rs = view_strides(p.qo_layout, p.q_rope_strides, n, p.num_heads, kRope);
+  const QueryStrides os = view_strides(p.qo_layout, p.out_strides, n, p.num_heads, kLatent);
+  DecodeParams d;
+  d.dtype = p.dtype;
+  d.kv_format = p.kv_format;
+  d.index_layout = IndexLayout::kMatrix;
+  d.indices = p.indices + int64_t{b} * index_seq_stride(p);
+  d.index_width = p.topk;
+  d.index_seq_stride = index_token_stride(p);
+  d.index_head_stride = 0;
+  d.num_indices = int64_t{n - 1} * index_token_stride(p) + p.topk;
+  d.seq_lens = p.topk_length != nullptr ? p.topk_length + int64_t{b} * n : nullptr;
+  d.num_requests = n;
+  d.num_kv_heads = 1;
+  d.page_size = 1;
+  d.addressing = PageAddressing::kWindow;
+  d.padding = IndexPadding::kMinusOneSkips;
+  d.window_lens = windows + int64_t{b} * n;
+  d.window_len = p.chunk.kv_len;
+  d.group_size = p.num_heads;
+  d.qo_layout = QueryLayout::kStrided;
+  d.q = offset_bytes(p.q, b * qs.seq_stride, esize);
+  d.q_strides = {qs.token_stride, qs.head_stride, 0};
+  d.q_extra = offset_bytes(p.q_rope, b * rs.seq_stride, esize);
+  d.q_extra_strides = {rs.token_stride, rs.head_stride, 0};
+  d.o = const_cast<char*>(offset_bytes(p.out, b * os.seq_stride, esize));
+  d.o_strides = {os.token_stride, os.head_stride, 0};
+  d.k = sequence_view(p.kv, b, kv_size);
+  d.v = d.k;  // V is the latent: the same rows, read once
+  d.k_extra = sequence_view(p.kv_rope, b, esize);
+  d.scale = p.scale;
+  d.lse = lse != nullptr ? lse + int64_t{b} * n * p.num_heads : nullptr;
+  return d;
+}
+
+PlanShape decode_plan_shape(Device device, int32_t dim_qk, int32_t dim_v, int32_t dim_extra, int32_t group,
+                            int32_t q_len) {
+  PlanShape shape;
+  shape.group_size = group * q_len;
+  shape.head_dim_v = dim_v;
+  shape.num_sms = machine_width(device);
+  if (device == Device::kCuda) {
+    const CudaLaunchShape launch = cuda_launch_shape_tokens(dim_qk, dim_v, dim_extra, group, q_len);
+    shape.ctas_per_item = launch.ctas_per_item;
+    shape.items_per_sm = launch.ctas_per_sm;
+  }
+  return shape;
+}
+
+}  // namespace
+
+// ---- MlaSparsePrefill -------------------------------------------------------
+
+void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
+  check_mla(p, device_);
+  Shape s;
+  s.batch = p.chunk.batch;
+  s.num_tokens = p.chunk.num_tokens;
+  s.num_heads = p.num_heads;
+  s.topk = p.topk;
+  s.kv_format = p.kv_format;
+  s.need_lse_scratch = p.lse == nullptr && p.attn_sink != nullptr;
+  // The plan: one sequence's tokens as requests of topk entries each (the
+  // per-token topk_length is read where the kernel runs), 64 heads per CTA.
+  const PlanShape shape = decode_plan_shape(device_, kLatent, kLatent, kRope, p.num_heads, 1);
+  plan_ = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(s.num_tokens), s.topk), shape);
+  workspace_ = Buffer(device_, std::max<size_t>(plan_.workspace.total, 256));
+  if (device_ == Device::kCuda) upload_plan_cuda(plan_, workspace_.data(), stream);
+  const size_t tokens = static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens);
+  const size_t lse_bytes = s.need_lse_scratch ? tokens * static_cast<size_t>(s.num_heads) * sizeof(float) : 0;
+  scratch_ = Buffer(device_, round_up(tokens * sizeof(int32_t), 256) + lse_bytes);
+  shape_ = s;
+  prepared_ = true;
+}
+
+void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
+  check_mla(p, device_);
+  Shape s;
+  s.batch = p.chunk.batch;
+  s.num_tokens = p.chunk.num_tokens;
+  s.num_heads = p.num_heads;
+  s.topk = p.topk;
+  s.kv_format = p.kv_format;
+  s.need_lse_scratch = p.lse == nullptr && p.attn_sink != nullptr;
+  if (!prepared_ || !(s == shape_)) prepare(p, stream);
+  const int32_t n = s.num_tokens;
+  const size_t tokens = static_cast<size_t>(s.batch) * static_cast<size_t>(n);
+  auto* windows = scratch_.as<int32_t>();
+  float* lse = p.lse != nullptr ? p.lse
+               : s.need_lse_scratch
+                   ? reinterpret_cast<float*>(scratch_.as<char>() + round_up(tokens * sizeof(int32_t), 256))
+                   : nullptr;
+  detail::TokenWindowsArgs w{p.chunk.kv_lens, p.chunk.kv_len, s.batch, n, windows};
+  if (device_ == Device::kCuda) {
+    detail::token_windows_cuda(w, stream);
+  } else {
+    (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked before anything runs
+    detail::token_windows_cpu(w);
+  }
+  for (int32_t b = 0; b < s.batch; ++b) {
+    const DecodeParams d = mla_decode_params(p, b, windows, lse);
+    if (device_ == Device::kCuda) {
+      kernel_name_ = detail::run_decode_cuda(d, plan_, workspace_.data(), stream, kMaxQueryTokens);
+    } else {
+      detail::run_decode_cpu(d, plan_, workspace_.data(), kMaxQueryTokens);
+      kernel_name_ = "cpu";
+    }
+  }
+  if (lse != nullptr) {
+    const QueryStrides os = view_strides(p.qo_layout, p.out_strides, n, p.num_heads, kLatent);
+    detail::MlaEpilogueArgs e;
+    e.dtype = p.dtype;
+    e.batch = s.batch;
+    e.num_tokens = n;
+    e.num_heads = p.num_heads;
+    e.dim = kLatent;
+    e.lse_in = lse;
+    e.lse_out = p.lse;
+    e.sink = p.attn_sink;
+    e.out = p.out;
+    e.out_seq = os.seq_stride;
+    e.out_token = os.token_stride;
+    e.out_head = os.head_stride;
+    if (device_ == Device::kCuda) {
+      detail::mla_epilogue_cuda(e, stream);
+    } else {
+      detail::mla_epilogue_cpu(e);
+    }
+  }
+  if (p.max_logits != nullptr) detail::mla_max_logits_cpu(p, windows);  // CPU only (check_mla)
+}
+
+void MlaSparsePrefill::check_errors(void* stream) {
+  if (device_ != Device::kCuda || !prepared_) return;
+  const uint32_t flag = read_decode_error_flag(plan_, workspace_.data(), stream);
+  REQUIRE(flag == 0,
+          "MlaSparsePrefill: an index entry named a position outside its token's window (a later "
+          "position, a negative id other than -1, or past the rows): those tokens' out and lse are NaN");
+}
+
+// ---- DsaPrefillIndexer ---------------------------------------------------------
+
+namespace {
+
+void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
+  const std::string who = "DsaPrefillIndexer: ";
+  check_chunk(p.chunk, who);
+  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
+          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  REQUIRE(p.index_heads >= 1 && p.index_head_dim >= 1 && p.topk >= 1,
+          who + "index_heads, index_head_dim and topk must be at least 1");
+  REQUIRE(p.key_column >= 0, who + "key_column = " + to_string(p.key_column) + " is negative");
+  REQUIRE(p.k_cache != nullptr && p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr &&
+              p.counts != nullptr,
+          who + "k_cache, q_index, weights, positions and counts must be set");
+  REQUIRE(p.capacity >= p.chunk.kv_len, who + "capacity = " + to_string(p.capacity) +
+                                            " rows per sequence is below "
+                                            "chunk.kv_len = " +
+                                            to_string(p.chunk.kv_len));
+}
+
+DsaConfig dsa_rule(const DsaPrefillIndexerParams& p) {
+  DsaConfig c;
+  c.index_heads = p.index_heads;
+  c.index_head_dim = p.index_head_dim;
+  c.index_topk = p.topk;
+  c.latent_dim = p.key_column;  // the decode indexer finds the key latent_dim columns into each row
+  return c;
+}
+
+/// Tokens per pass: the most the budget holds, shaped so a pass's score grid
+/// (four tokens per CTA, one CTA per SM) fills whole waves: a multiple of
+/// four times the SM count, or four times a divisor of it (each group of
+/// four then split over SMs / divisor CTAs).
+int32_t choose_rows_per_pass(size_t budget, const DsaConfig& c, int64_t kv_len, int32_t num_tokens, int32_t sms) {
+  const size_t per_row = std::max<size_t>(1, dsa_indexer_workspace_bytes(c, 4, kv_len) / 4);
+  const int64_t fit = std::max<int64_t>(4, static_cast<int64_t>(budget / per_row));
+  const int64_t wanted = std::min<int64_t>(fit, (int64_t{num_tokens} + 3) / 4 * 4);
+  int64_t rows = 4;
+  if (wanted >= 4 * int64_t{sms}) {
+    rows = wanted / (4 * int64_t{sms}) * 4 * sms;
+  } else {
+    for (int64_t d = sms; d >= 1; --d) {
+      if (sms % d == 0 && 4 * d <= wanted) {
+        rows = 4 * d;
+        break;
+      }
+    }
+  }
+  rows = std::min<int64_t>({rows, num_tokens, 65535});
+  return static_cast<int32_t>(std::max<int64_t>(rows, 1));
+}
+
+}  // namespace
+
+void DsaPrefillIndexer::prepare(const DsaPrefillIndexerParams& p, void* stream) {
+  (void)stream;
+  check_dsa(p, device_);
+  batch_ = p.chunk.batch;
+  num_tokens_ = p.chunk.num_tokens;
+  kv_len_ = p.chunk.kv_len;
+  heads_ = p.index_heads;
+  dim_ = p.index_head_dim;
+  topk_ = p.topk;
+  if (device_ == Device::kCuda) {
+    const DsaConfig c = dsa_rule(p);
+    detail::check_dsa_indexer_cuda(c, 4);
+    rows_per_pass_ = choose_rows_per_pass(budget_, c, kv_len_, num_tokens_, machine_width(device_));
+    workspace_ = Buffer(device_, std::max<size_t>(256, dsa_indexer_workspace_bytes(c, rows_per_pass_, kv_len_)));
+    const int32_t passes = (num_tokens_ + rows_per_pass_ - 1) / rows_per_pass_;
+    lens_ = Buffer(device_, static_cast<size_t>(batch_) * static_cast<size_t>(passes) * sizeof(int32_t));
+  } else {
+    rows_per_pass_ = num_tokens_;
+  }
+  prepared_ = true;
+}
+
+void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
+  check_dsa(p, device_);
+  if (!prepared_ || batch_ != p.chunk.batch || num_tokens_ != p.chunk.num_tokens || kv_len_ != p.chunk.kv_len ||
+      heads_ != p.index_heads || dim_ != p.index_head_dim || topk_ != p.topk) {
+    prepare(p, stream);
+  }
+  const DsaConfig c = dsa_rule(p);
+  const int32_t n = p.chunk.num_tokens;
+  if (device_ == Device::kCpu) {
+    detail::dsa_prefill_indexer_cpu(p, host_lengths(p.chunk, "DsaPrefillIndexer: "));
+    return;
+  }
+  const int32_t passes = (n + rows_per_pass_ - 1) / rows_per_pass_;
+  detail::PassLensArgs pl{p.chunk.kv_lens, p.chunk.kv_len, p.chunk.batch,      n,
+                          rows_per_pass_,  passes,         lens_.as<int32_t>()};
+  detail::pass_lens_cuda(pl, stream);
+  const size_t esize = dtype_size(p.dtype);
+  const int64_t row = int64_t{p.key_column} + p.index_head_dim;
+  for (int32_t b = 0; b < p.chunk.batch; ++b) {
+    for (int32_t i = 0; i < passes; ++i) {
+      const int32_t t0 = i * rows_per_pass_;
+      const int32_t rows = std::min(rows_per_pass_, n - t0);
+      const int64_t first = int64_t{b} * n + t0;  // the pass's first (sequence, token) row
+      DsaIndexerArgs a;
+      a.dtype = p.dtype;
+      a.k_cache = offset_bytes(p.k_cache, int64_t{b} * p.capacity * row, esize);
+      a.capacity = p.capacity;
+      a.kv_lens = lens_.as<int32_t>() + int64_t{b} * passes + i;
+      a.max_kv_len = p.chunk.kv_len - n + t0 + rows;  // the host bound of this pass's window end
+      a.q_index = offset_bytes(p.q_index, first * p.index_heads * p.index_head_dim, esize);
+      a.weights = p.weights + first * p.index_heads;
+      a.workspace = workspace_.data();
+      a.workspace_bytes = workspace_.bytes();
+      a.positions = p.positions + first * p.topk;
+      a.counts = p.counts + first;
+      a.q_len = rows;
+      detail::dsa_select_tokens_cuda(c, 1, a, 65535, stream);
+    }
+  }
+}
+
+// ---- GqaBlockPrefill --------------------------------------------------------
+
+namespace {
+
+int32_t query_blocks(int32_t num_tokens, int32_t block_size) { return (num_tokens + block_size - 1) / block_size; }
+
+void check_gqa(const GqaPrefillParams& p, Device device) {
+  const std::string who = "GqaBlockPrefill: ";
+  check_chunk(p.chunk, who);
+  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
+          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  REQUIRE(p.num_kv_heads >= 1 && p.num_qo_heads >= 1 && p.num_qo_heads % p.num_kv_heads == 0,
+          who + "num_qo_heads = " + to_string(p.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + to_string(p.num_kv_heads));
+  REQUIRE(p.block_size >= 1 && p.block_size <= detail::kMaxQueryBlockTokens,
+          who + "block_size = " + to_string(p.block_size) + " must lie in [1, " +
+              to_string(detail::kMaxQueryBlockTokens) + "] (a query block is one request of the fused decode)");
+  REQUIRE(p.q != nullptr && p.o != nullptr && p.k.data != nullptr && p.v.data != nullptr,
+          who + "q, o, k.data and v.data must be set");
+  REQUIRE(p.selection.block_ids != nullptr && p.selection.counts != nullptr,
+          who + "selection.block_ids and selection.counts must be set");
+  REQUIRE(p.selection.width >= 1, who + "selection.width = " + to_string(p.selection.width) + " must be at least 1");
+  REQUIRE(int64_t{p.selection.width} * p.block_size <= std::numeric_limits<int32_t>::max() / 2,
+          who + "selection.width * block_size must stay below 2^30 positions");
+  REQUIRE(p.selection.layout == BlockSelectionLayout::kPerKvHead ||
+              p.selection.layout == BlockSelectionLayout::kPerQueryHead,
+          who + "selection.layout is not a BlockSelectionLayout value");
+  REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
+  if (p.chunk.kv_lens == nullptr) {
+    REQUIRE((p.chunk.kv_len - p.chunk.num_tokens) % p.block_size == 0,
+            who + "the chunk starts at position " + to_string(p.chunk.kv_len - p.chunk.num_tokens) +
+                ", not a multiple of block_size = " + to_string(p.block_size) + " (query blocks must be key blocks)");
+  }
+}
+
+/// How many (sequence-local) lists one launch of part `full` covers, and
+/// its query heads per request: per KV head, a list serves group_size heads;
+/// per query head, one.
+struct LaunchGeometry {
+  int32_t lists_per_block;  // requests per query block in one launch
+  int32_t group;            // query heads per request
+  int32_t launches_per_sequence;
+};
+
+LaunchGeometry geometry(const GqaPrefillParams& p) {
+  const int32_t g = p.num_qo_heads / p.num_kv_heads;
+  if (p.selection.layout == BlockSelectionLayout::kPerKvHead) return {p.num_kv_heads, g, 1};
+  return {g, 1, p.num_kv_heads};
+}
+
+}  // namespace
+
+size_t GqaBlockPrefill::workspace_bytes() const {
+  size_t total = scratch_.bytes();
+  for (const Part& part : parts_) total += part.workspace.bytes() + part.indptr.bytes();
+  return total;
+}
+
+void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
+  check_gqa(p, device_);
+  Shape s;
+  s.batch = p.chunk.batch;
+  s.num_tokens = p.chunk.num_tokens;
+  s.num_qo_heads = p.num_qo_heads;
+  s.num_kv_heads = p.num_kv_heads;
+  s.block_size = p.block_size;
+  s.width = p.selection.width;
+  s.dim_qk = p.k.dim;
+  s.dim_v = p.v.dim;
+  s.layout = p.selection.layout;
+  s.lse = p.lse != nullptr;
+  const LaunchGeometry geo = geometry(p);
+  const int32_t full = s.num_tokens / s.block_size, tail = s.num_tokens % s.block_size;
+  parts_[0].query_blocks = full;
+  parts_[0].tokens = s.block_size;
+  parts_[1].query_blocks = tail > 0 ? 1 : 0;
+  parts_[1].tokens = tail;
+  for (Part& part : parts_) {
+    part.plan = DecodePlan{};
+    part.workspace = Buffer();
+    part.indptr = Buffer();
+    if (part.query_blocks == 0) continue;
+    const int32_t requests = part.query_blocks * geo.lists_per_block;
+    // Planned for the lists' bound; the counts the selection writes are read
+    // where the kernel runs (an early query block keeps few blocks).
+    const PlanShape shape = decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
+    part.plan = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), s.width * s.block_size), shape);
+    part.workspace = Buffer(device_, std::max<size_t>(part.plan.workspace.total, 256));
+    if (device_ == Device::kCuda) upload_plan_cuda(part.plan, part.workspace.data(), stream);
+    std::vector<int32_t> indptr(static_cast<size_t>(requests) + 1);
+    for (size_t r = 0; r < indptr.size(); ++r) indptr[r] = static_cast<int32_t>(r) * s.width;
+    part.indptr = upload(device_, indptr);
+  }
+  const size_t windows = static_cast<size_t>(s.batch) * static_cast<size_t>(query_blocks(s.num_tokens, s.block_size));
+  const bool staged_lse = s.lse && s.layout == BlockSelectionLayout::kPerQueryHead;
+  const size_t lse_bytes =
+      staged_lse ? static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens) * s.num_qo_heads * sizeof(float)
+                 : 0;
+  scratch_ = Buffer(device_, round_up(windows * sizeof(int32_t), 256) + 256 + lse_bytes);
+  fill_bytes(scratch_.data(), device_, 0, scratch_.bytes());  // the alignment flag starts clear
+  shape_ = s;
+  prepared_ = true;
+}
+
+void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
+  check_gqa(p, device_);
+  Shape s;
+  s.batch = p.chunk.batch;
+  s.num_tokens = p.chunk.num_tokens;
+  s.num_qo_heads = p.num_qo_heads;
+  s.num_kv_heads = p.num_kv_heads;
+  s.block_size = p.block_size;
+  s.width = p.selection.width;
+  s.dim_qk = p.k.dim;
+  s.dim_v = p.v.dim;
+  s.layout = p.selection.layout;
+  s.lse = p.lse != nullptr;
+  if (!prepared_ || !(s == shape_)) prepare(p, stream);
+  const int32_t n = s.num_tokens, bs = s.block_size, nqb = query_blocks(n, bs);
+  const int32_t hq = s.num_qo_heads, hkv = s.num_kv_heads, g = hq / hkv;
+  const size_t esize = dtype_size(p.dtype);
+  auto* windows = scratch_.as<int32_t>();
+  const size_t windows_bytes = round_up(static_cast<size_t>(s.batch) * static_cast<size_t>(nqb) * sizeof(int32_t), 256);
+  auto* bad_chunk = reinterpret_cast<uint32_t*>(scratch_.as<char>() + windows_bytes);
+  float* staged_lse = reinterpret_cast<float*>(scratch_.as<char>() + windows_bytes + 256);
+  detail::BlockWindowsArgs w{p.chunk.kv_lens, p.chunk.kv_len, s.batch, n, bs, windows, bad_chunk};
+  if (device_ == Device::kCuda) {
+    detail::block_windows_cuda(w, stream);
+  } else {
+    const std::vector<int64_t> lens = host_lengths(p.chunk, "GqaBlockPrefill: ");
+    for (int32_t b = 0; b < s.batch; ++b) {
+      REQUIRE((lens[static_cast<size_t>(b)] - n) % bs == 0,
+              "GqaBlockPrefill: sequence " + to_string(b) + "'s chunk starts at position " +
+                  to_string(lens[static_cast<size_t>(b)] - n) + ", not a multiple of block_size = " + to_string(bs));
+    }
+    detail::block_windows_cpu(w);
+  }
+  const bool per_kv = s.layout == BlockSelectionLayout::kPerKvHead;
+  const int64_t width = s.width;
+  for (int32_t b = 0; b < s.batch; ++b) {
+    for (int32_t kv = 0; kv < (per_kv ? 1 : hkv); ++kv) {
+      for (int part_index = 0; part_index < 2; ++part_index) {
+        Part& part = parts_[part_index];
+        if (part.query_blocks == 0) continue;
+        const int32_t qb0 = part_index == 0 ? 0 : n / bs;  // the part's first query block
+        const int64_t t0 = int64_t{qb0} * bs;              // and first token
+        DecodeParams d;
+        d.dtype = p.dtype;
+        d.index_layout = IndexLayout::kCsr;
+        d.indptr = part.indptr.as<int32_t>();
+        d.page_size = bs;
+        d.addressing = PageAddressing::kWindow;
+        d.window_len = p.chunk.kv_len;
+        d.window_lens = windows + int64_t{b} * nqb + qb0;
+        d.q_len = part.tokens;
+        d.scale = p.scale;
+        const int64_t q_tok = int64_t{hq} * p.k.dim, o_tok = int64_t{hq} * p.v.dim;
+        const int64_t q_base = (int64_t{b} * n + t0) * q_tok, o_base = (int64_t{b} * n + t0) * o_tok;
+        if (per_kv) {
+          // Requests (query block, KV head): q [blocks, tokens, hq, d] packed is the chunk's [tokens, hq, d].
+          const int64_t lists = int64_t{b} * nqb * hkv + int64_t{qb0} * hkv;
+          d.indices = p.selection.block_ids + lists * width;
+          d.seq_lens = p.selection.counts + lists;
+          d.num_requests = part.query_blocks * hkv;
+          d.num_indices = int64_t{d.num_requests} * width;
+          d.num_kv_heads = hkv;
+          d.group_size = g;
+          d.q = offset_bytes(p.q, q_base, esize);
+          d.o = const_cast<char*>(offset_bytes(p.o, o_base, esize));
+          d.lse = p.lse != nullptr ? p.lse + (int64_t{b} * n + t0) * hq : nullptr;
+          d.k = p.k;
+          d.v = p.v;
+          d.k.data = offset_bytes(p.k.data, int64_t{b} * p.k.seq_stride, esize);
+          d.v.data = offset_bytes(p.v.data, int64_t{b} * p.v.seq_stride, esize);
+          d.k.seq_stride = d.v.seq_stride = 0;  // every query block reads the sequence's rows
+        } else {
+          // Requests (query block, query head of KV head kv), G = 1 over the KV head's rows.
+          const int64_t lists = (int64_t{b} * hkv + kv) * nqb * g + int64_t{qb0} * g;
+          d.indices = p.selection.block_ids + lists * width;
+          d.seq_lens = p.selection.counts + lists;
+          d.num_requests = part.query_blocks * g;
+          d.num_indices = int64_t{d.num_requests} * width;
+          d.num_kv_heads = g;
+          d.group_size = 1;
+          d.qo_layout = QueryLayout::kStrided;
+          d.q = offset_bytes(p.q, q_base + int64_t{kv} * g * p.k.dim, esize);
+          d.q_strides = {int64_t{bs} * q_tok, p.k.dim, q_tok};
+          d.o = const_cast<char*>(offset_bytes(p.o, o_base + int64_t{kv} * g * p.v.dim, esize));
+          d.o_strides = {int64_t{bs} * o_tok, p.v.dim, o_tok};
+          // Staged [batch, hkv, tokens, g]: the launch's packed [blocks, tokens, g, 1].
+          d.lse = p.lse != nullptr ? staged_lse + ((int64_t{b} * hkv + kv) * n + t0) * g : nullptr;
+          d.k = sequence_view(p.k, b, esize);
+          d.v = sequence_view(p.v, b, esize);
+          d.k.data = offset_bytes(d.k.data, int64_t{kv} * p.k.head_stride, esize);
+          d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
+        }
+        if (device_ == Device::kCuda) {
+          kernel_name_ =
+              detail::run_decode_cuda(d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
+        } else {
+          detail::run_decode_cpu(d, part.plan, part.workspace.data(), detail::kMaxQueryBlockTokens);
+          kernel_name_ = "cpu";
+        }
+      }
+    }
+  }
+  if (!per_kv && p.lse != nullptr) {
+    const detail::LseGatherArgs l{s.batch, hkv, n, g, staged_lse, p.lse};
+    if (device_ == Device::kCuda) {
+      detail::lse_gather_cuda(l, stream);
+    } else {
+      detail::lse_gather_cpu(l);
+    }
+  }
+}
+
+void GqaBlockPrefill::check_errors(void* stream) {
+  if (device_ != Device::kCuda || !prepared_) return;
+  uint32_t flags = 0;
+  for (Part& part : parts_) {
+    if (part.query_blocks > 0) flags |= read_decode_error_flag(part.plan, part.workspace.data(), stream);
+  }
+  const size_t windows_bytes =
+      round_up(static_cast<size_t>(shape_.batch) *
+                   static_cast<size_t>(query_blocks(shape_.num_tokens, shape_.block_size)) * sizeof(int32_t),
+               256);
+  const auto bad = download<uint32_t>(device_, scratch_.as<char>() + windows_bytes, 1);
+  fill_bytes(scratch_.as<char>() + windows_bytes, device_, 0, sizeof(uint32_t));
+  REQUIRE(bad[0] == 0,
+          "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
+          "was below num_tokens): its tokens' o and lse are NaN");
+  REQUIRE(flags == 0,
+          "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "
+          "query blocks' o and lse are NaN");
+}
+
+// ---- BlockPrefillIndexer ------------------------------------------------------
+
+namespace {
+
+void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
+  const std::string who = "BlockPrefillIndexer: ";
+  check_chunk(p.chunk, who);
+  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
+          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  REQUIRE(p.num_kv_heads >= 1 && p.head_dim >= 1 && p.block_size >= 1,
+          who + "num_kv_heads, head_dim and block_size must be at least 1");
+  REQUIRE(p.local_blocks >= 1 && p.top_blocks >= p.local_blocks - 1,
+          who +
+              "need local_blocks >= 1 and top_blocks >= local_blocks - 1 (forced blocks must fit the top-k); got "
+              "local_blocks = " +
+              to_string(p.local_blocks) + ", top_blocks = " + to_string(p.top_blocks));
+  REQUIRE(p.index_keys.data != nullptr && p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
+          who + "index_keys.data, q_index, block_ids and counts must be set");
+  REQUIRE(p.index_keys.dim == p.head_dim,
+          who + "index_keys.dim = " + to_string(p.index_keys.dim) + " must equal head_dim = " + to_string(p.head_dim));
+  REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
+          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+              " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
+  if (device == Device::kCuda) {
+    REQUIRE(p.head_dim == 128, who + "head_dim = " + to_string(p.head_dim) +
+                                   ": the CUDA block scores run at index dim 128 (the CPU backend takes any)");
+    REQUIRE(p.block_size == 64 || p.block_size == 128,
+            who + "block_size = " + to_string(p.block_size) +
+                ": the CUDA block scores run 64- or 128-token blocks (the CPU backend takes any)");
+  }
+  if (p.chunk.kv_lens == nullptr) {
+    REQUIRE((p.chunk.kv_len - p.chunk.num_tokens) % p.block_size == 0,
+            who + "the chunk starts at position " + to_string(p.chunk.kv_len - p.chunk.num_tokens) +
+                ", not a multiple of block_size = " + to_string(p.block_size));
+  }
+}
+
+int32_t key_blocks(int64_t kv_len, int32_t block_size) {
+  return static_cast<int32_t>((kv_len + block_size - 1) / block_size);
+}
+
+}  // namespace
+
+void BlockPrefillIndexer::prepare(const BlockPrefillIndexerParams& p, void* stream) {
+  (void)stream;
+  check_block_indexer(p, device_);
+  batch_ = p.chunk.batch;
+  num_tokens_ = p.chunk.num_tokens;
+  heads_ = p.num_kv_heads;
+  block_size_ = p.block_size;
+  kv_len_ = p.chunk.kv_len;
+  const size_t lists = static_cast<size_t>(batch_) * static_cast<size_t>(query_blocks(num_tokens_, block_size_)) *
+                       static_cast<size_t>(heads_);
+  scores_ = Buffer(device_, std::max<size_t>(256, lists * static_cast<size_t>(key_blocks(kv_len_, block_size_)) * 4));
+  prepared_ = true;
+}
+
+void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) {
+  check_block_indexer(p, device_);
+  if (!prepared_ || batch_ != p.chunk.batch || num_tokens_ != p.chunk.num_tokens || heads_ != p.num_kv_heads ||
+      block_size_ != p.block_size || kv_len_ != p.chunk.kv_len) {
+    prepare(p, stream);
+  }
+  if (device_ == Device::kCpu) {
+    const std::vector<int64_t> lens = host_lengths(p.chunk, "BlockPrefillIndexer: ");
+    for (int32_t b = 0; b < p.chunk.batch; ++b) {
+      REQUIRE((lens[static_cast<size_t>(b)] - p.chunk.num_tokens) % p.block_size == 0,
+              "BlockPrefillIndexer: sequence " + to_string(b) + "'s chunk starts at position " +
+                  to_string(lens[static_cast<size_t>(b)] - p.chunk.num_tokens) +
+                  ", not a multiple of block_size = " + to_string(p.block_size));
+    }
+  }
+  detail::BlockScoresArgs sa;
+  sa.dtype = p.dtype;
+  sa.kv_lens = p.chunk.kv_lens;
+  sa.kv_len = p.chunk.kv_len;
+  sa.batch = p.chunk.batch;
+  sa.num_tokens = p.chunk.num_tokens;
+  sa.num_kv_heads = p.num_kv_heads;
+  sa.head_dim = p.head_dim;
+  sa.block_size = p.block_size;
+  sa.local_blocks = p.local_blocks;
+  sa.keys = p.index_keys;
+  sa.q_index = p.q_index;
+  sa.key_blocks = key_blocks(p.chunk.kv_len, p.block_size);
+  sa.scores = scores_.as<float>();
+  detail::BlockSelectArgs se;
+  se.kv_lens = p.chunk.kv_lens;
+  se.kv_len = p.chunk.kv_len;
+  se.batch = p.chunk.batch;
+  se.num_tokens = p.chunk.num_tokens;
+  se.num_kv_heads = p.num_kv_heads;
+  se.block_size = p.block_size;
+  se.top_blocks = p.top_blocks;
+  se.local_blocks = p.local_blocks;
+  se.key_blocks = sa.key_blocks;
+  se.scores = scores_.as<float>();
+  se.block_ids = p.block_ids;
+  se.counts = p.counts;
+  if (device_ == Device::kCuda) {
+    detail::block_scores_cuda(sa, stream);
+    detail::block_select_cuda(se, stream);
+  } else {
+    detail::block_scores_cpu(sa);
+    detail::block_select_cpu(se);
+  }
+}
+
+// ---- the static pattern -------------------------------------------------------
+
+namespace {
+
+detail::StaticBlocksArgs static_args(const StaticPrefillParams& p) {
+  detail::StaticBlocksArgs a;
+  a.kv_lens = p.chunk.kv_lens;
+  a.kv_len = p.chunk.kv_len;
+  a.batch = p.chunk.batch;
+  a.num_tokens = p.chunk.num_tokens;
+  a.num_qo_heads = p.num_qo_heads;
+  a.num_kv_heads = p.num_kv_heads;
+  a.block_size = p.block_size;
+  a.local_blocks = p.local_blocks;
+  a.vert_stride = p.vert_stride;
+  a.head_sliding_step = std::max(1, p.vert_stride / std::max(1, p.num_qo_heads));
+  a.width = p.width;
+  a.block_ids = p.block_ids;
+  a.counts = p.counts;
+  return a;
+}
+
+void check_static(const StaticPrefillParams& p, bool need_outputs) {
+  const std::string who = "static_prefill_blocks: ";
+  check_chunk(p.chunk, who);
+  REQUIRE(p.num_kv_heads >= 1 && p.num_qo_heads >= 1 && p.num_qo_heads % p.num_kv_heads == 0,
+          who + "num_qo_heads = " + to_string(p.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + to_string(p.num_kv_heads));
+  REQUIRE(p.block_size >= 1 && p.local_blocks >= 1 && p.vert_stride >= 1,
+          who + "block_size, local_blocks and vert_stride must be at least 1");
+  if (need_outputs) {
+    REQUIRE(p.width >= 1, who + "width = " + to_string(p.width) + " must be at least 1");
+    REQUIRE(p.block_ids != nullptr && p.counts != nullptr, who + "block_ids and counts must be set");
+  }
+}
+
+}  // namespace
+
+int32_t static_prefill_width(const StaticPrefillParams& p, int64_t kv_len) {
+  check_static(p, false);
+  // The kept count never shrinks as the query block moves on (each residue
+  // class gains a block per vert_stride blocks, the local run stays), so the
+  // last block's count at kv_len bounds every block's, for every head.
+  const int64_t blocks = (kv_len + p.block_size - 1) / p.block_size;
+  const int64_t local = std::min<int64_t>(blocks, p.local_blocks);
+  const int64_t below = blocks - local;  // blocks under the local run
+  return static_cast<int32_t>(local + (below + p.vert_stride - 1) / p.vert_stride);
+}
+
+void static_prefill_blocks(Device device, const StaticPrefillParams& p, void* stream) {
+  check_static(p, true);
+  const detail::StaticBlocksArgs a = static_args(p);
+  if (device == Device::kCuda) {
+    detail::static_blocks_cuda(a, stream);
+  } else {
+    (void)host_lengths(p.chunk, "static_prefill_blocks: ");
+    detail::static_blocks_cpu(a);
+  }
+}
+
+// ---- attended sets (tests) ------------------------------------------------------
+
+std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& p) {
+  check_chunk(p.chunk, "mla_prefill_attended: ");
+  const std::vector<int64_t> lens = host_lengths(p.chunk, "mla_prefill_attended: ");
+  const int32_t n = p.chunk.num_tokens;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(p.chunk.batch) * static_cast<size_t>(n));
+  for (int32_t b = 0; b < p.chunk.batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int32_t* row = p.indices + int64_t{b} * index_seq_stride(p) + int64_t{t} * index_token_stride(p);
+      const int32_t count = p.topk_length != nullptr ? std::min(p.topk, p.topk_length[int64_t{b} * n + t]) : p.topk;
+      const int64_t pos = lens[static_cast<size_t>(b)] - n + t;
+      auto& kept = out[static_cast<size_t>(int64_t{b} * n + t)];
+      for (int32_t i = 0; i < count; ++i) {
+        if (row[i] >= 0 && row[i] <= pos) kept.push_back(row[i]);
+      }
+      std::sort(kept.begin(), kept.end());
+      kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> gqa_prefill_attended(const GqaPrefillParams& p) {
+  check_chunk(p.chunk, "gqa_prefill_attended: ");
+  const std::vector<int64_t> lens = host_lengths(p.chunk, "gqa_prefill_attended: ");
+  const int32_t n = p.chunk.num_tokens, bs = p.block_size, nqb = query_blocks(n, bs);
+  const int32_t hq = p.num_qo_heads, hkv = p.num_kv_heads, g = hq / hkv;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(p.chunk.batch) * n * hq);
+  for (int32_t b = 0; b < p.chunk.batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t pos = lens[static_cast<size_t>(b)] - n + t;
+      const int32_t qb = t / bs;
+      for (int32_t h = 0; h < hq; ++h) {
+        const int32_t kv = h / g;
+        const int64_t list = p.selection.layout == BlockSelectionLayout::kPerKvHead
+                                 ? (int64_t{b} * nqb + qb) * hkv + kv
+                                 : ((int64_t{b} * hkv + kv) * nqb + qb) * g + h % g;
+        const int32_t* ids = p.selection.block_ids + list * p.selection.width;
+        const int64_t count = p.selection.counts[list];
+        auto& kept = out[static_cast<size_t>((int64_t{b} * n + t) * hq + h)];
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t position = int64_t{ids[i / bs]} * bs + i % bs;
+          if (position <= pos) kept.push_back(static_cast<int32_t>(position));
+        }
+        std::sort(kept.begin(), kept.end());
+        kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace sparsepage
+
+#undef REQUIRE
