@@ -959,6 +959,8 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaInde
           "batch * q_len = " + std::to_string(int64_t{sequences} * a.q_len) + " rows exceed 65535");
   const int32_t batch = sequences * a.q_len;  // (sequence, token) rows
   detail::check_dsa_indexer_cuda(c, batch);
+  REQUIRE(a.key_layout == IndexKeyLayout::kDense && a.q_format == IndexQueryFormat::kNative,
+          "paged index keys and FP8 queries are not built into this indexer yet");
   REQUIRE(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
   REQUIRE(a.k_cache != nullptr && a.q_index != nullptr && a.weights != nullptr && a.kv_lens != nullptr &&
