@@ -164,7 +164,8 @@ void write_index_keys_cuda(const PagedIndexKeys& pool, int32_t index_head_dim, D
 /// 128] bytes. weights_out may alias weights.
 void quantize_index_queries_cpu(DType dtype, const void* q, const float* weights, int64_t rows, int32_t heads,
                                 void* q_fp8, float* weights_out);
-/// CUDA: device pointers (q 8-byte aligned), asynchronous on `stream`.
+/// CUDA: device pointers (q 8-byte and q_fp8 4-byte aligned), asynchronous on
+/// `stream`, capturable.
 void quantize_index_queries_cuda(DType dtype, const void* q, const float* weights, int64_t rows, int32_t heads,
                                  void* q_fp8, float* weights_out, void* stream = nullptr);
 
@@ -181,8 +182,10 @@ void quantize_index_queries_cuda(DType dtype, const void* q, const float* weight
 /// min(index_topk, length) positions are kept, ties to the lower position,
 /// NaN last. A row whose length or needed blocks are refused selects nothing
 /// and sets its IndexKeyError bit (block ids are checked for rows that are
-/// scored, where keys are read). Throws Error for what the CUDA launcher
-/// refuses on the host, except GPU-only limits.
+/// scored, where keys are read). Throws Error, with the launcher's words, for
+/// what dsa_select_tokens_cuda refuses on the host, except the GPU's own
+/// limits (the workspace, alignment of the dense rows and queries, the FP8
+/// kernel's 64 heads, shared memory).
 void dsa_select_tokens_cpu(const DsaConfig& config, int32_t sequences, const DsaIndexerArgs& args);
 
 /// The twin's scores: row r (= sequence x q_len + token) gets I(r, t) for
