@@ -7,6 +7,7 @@
 // replay exceed twice the L2, as a model's layers would.
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -16,6 +17,7 @@
 #include "models/block_sparse_kernels.h"
 #include "models/dsa_kernels.h"
 #include "cuda/cuda_test_util.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/models/dsa.h"
 
 namespace sparsepage {
@@ -227,6 +229,116 @@ TEST(IndexerTiming, DsaIndexer) {
           break;
         }
       }
+    }
+  }
+}
+
+// The indexer over an engine's paged pool: vLLM's FP8 blocks (132 bytes
+// per position) and bf16 blocks (256), block size 64, each sequence's blocks
+// drawn from a shuffled pool, against the bytes of keys read. The FP8
+// pool's keys are real quantized keys (a 65536-key pattern written by the
+// write op, repeated), so the scores and the top-k work as in a model.
+//   SPARSEPAGE_INDEXER_TIMING=1 sparsepage_cuda_tests --gtest_filter='IndexerTiming.DsaIndexerPaged'
+TEST(IndexerTiming, DsaIndexerPaged) {
+  SKIP_WITHOUT_CUDA();
+  if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
+  const double copy = copy_gbps();
+  std::printf("device copy bandwidth (read + write): %.0f GB/s\n", copy);
+  DsaConfig c;  // 64 index heads x 128, top-2048
+  constexpr int32_t kBlock = 64;
+  constexpr int64_t kPatternKeys = 65536;
+  struct Shape {
+    int32_t batch;
+    int64_t ctx;
+    int32_t q_len;
+  };
+  for (const IndexKeyFormat format : {IndexKeyFormat::kE4m3, IndexKeyFormat::kNative}) {
+    const int64_t token_bytes = format == IndexKeyFormat::kE4m3 ? IndexKeyFp8::kTokenBytes : 2 * c.index_head_dim;
+    // One pattern of valid blocks, written once and repeated over every pool.
+    Buffer pattern(Device::kCuda, size_t(kPatternKeys * token_bytes));
+    {
+      Buffer src(Device::kCuda, size_t(kPatternKeys) * c.index_head_dim * 2);
+      fill_random_bf16(src.data(), src.bytes(), 12);
+      std::vector<int64_t> slots(static_cast<size_t>(kPatternKeys));
+      std::iota(slots.begin(), slots.end(), 0);
+      const Buffer dslots = upload(Device::kCuda, slots);
+      PagedIndexKeys p;
+      p.format = format;
+      p.pool = pattern.data();
+      p.num_blocks = kPatternKeys / kBlock;
+      p.block_size = kBlock;
+      write_index_keys_cuda(p, c.index_head_dim, DType::kBF16, src.data(), c.index_head_dim, dslots.as<int64_t>(),
+                            kPatternKeys);
+      testing::cuda_ok(cudaDeviceSynchronize(), "pattern");
+    }
+    for (const auto& [batch, ctx, q_len] : std::vector<Shape>{
+             {1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {8, 131072, 1}, {32, 131072, 1},
+             {32, 32768, 2}}) {
+      if (!shape_selected(batch, ctx, q_len)) continue;
+      const int32_t rows = batch * q_len;
+      const int64_t blocks_per_seq = ctx / kBlock;
+      const int64_t num_blocks = int64_t{batch} * blocks_per_seq;
+      const size_t pool_bytes = size_t(num_blocks * kBlock * token_bytes);
+      const size_t key_bytes = size_t(batch) * size_t(ctx) * size_t(token_bytes);
+      const int copies = int(std::clamp<size_t>(2 * kL2Bytes / key_bytes + 1, 1, 16));
+      std::vector<Buffer> pools;
+      for (int i = 0; i < copies; ++i) {
+        pools.emplace_back(Device::kCuda, pool_bytes);
+        for (size_t off = 0; off < pool_bytes; off += pattern.bytes()) {
+          testing::cuda_ok(cudaMemcpy(static_cast<char*>(pools.back().data()) + off, pattern.data(),
+                                      std::min(pattern.bytes(), pool_bytes - off), cudaMemcpyDeviceToDevice),
+                           "pool");
+        }
+      }
+      std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), std::mt19937_64(13));
+      const Buffer table = upload(Device::kCuda, ids);  // [batch, blocks_per_seq]
+      Buffer q(Device::kCuda, size_t(rows) * c.index_heads * c.index_head_dim * 2);
+      fill_random_bf16(q.data(), q.bytes(), 10);
+      std::vector<float> wv(size_t(rows) * c.index_heads);
+      std::mt19937_64 rng(11);
+      std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+      for (float& x : wv) x = unit(rng);
+      const Buffer w = upload(Device::kCuda, wv);
+      const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
+      Buffer pos(Device::kCuda, size_t(rows) * c.index_topk * 4), counts(Device::kCuda, size_t(rows) * 4);
+      Buffer err(Device::kCuda, 4);
+      fill_bytes(err.data(), Device::kCuda, 0, 4);
+      Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, rows, ctx));
+      DsaIndexerArgs a;
+      a.kv_lens = lens.as<int32_t>();
+      a.max_kv_len = ctx;
+      a.q_index = q.data();
+      a.weights = w.as<float>();
+      a.workspace = ws.data();
+      a.workspace_bytes = ws.bytes();
+      a.positions = pos.as<int32_t>();
+      a.counts = counts.as<int32_t>();
+      a.q_len = q_len;
+      a.error = err.as<int32_t>();
+      a.key_layout = IndexKeyLayout::kPaged;
+      a.paged.format = format;
+      a.paged.num_blocks = num_blocks;
+      a.paged.block_size = kBlock;
+      a.paged.block_table = table.as<int32_t>();
+      a.paged.block_table_stride = blocks_per_seq;
+      a.paged.max_blocks = static_cast<int32_t>(blocks_per_seq);
+      const auto run = [&](int i, cudaStream_t s) {
+        DsaIndexerArgs x = a;
+        x.paged.pool = pools[size_t(i % copies)].data();
+        dsa_select_tokens_cuda(c, batch, x, s);
+      };
+      const double warm = median_us_per_launch(16, [&](int, cudaStream_t s) { run(0, s); });
+      const double cold = median_us_per_launch(std::max(16, copies), run);
+      std::printf("TIMING dsa-indexer paged %s batch %d context %lld q_len %d: warm %.1f us, cold %.1f us (%d pools), "
+                  "keys %.1f MB -> %.0f GB/s cold (%.0f%% of the copy bandwidth's read half)\n",
+                  format == IndexKeyFormat::kE4m3 ? "fp8" : "bf16", batch, static_cast<long long>(ctx), q_len, warm,
+                  cold, copies, double(key_bytes) / 1e6, double(key_bytes) / cold / 1e3,
+                  100.0 * double(key_bytes) / cold / 1e3 / (copy / 2));
+      EXPECT_EQ(download<int32_t>(Device::kCuda, err.data(), 1)[0], 0);
+      const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(rows));
+      for (int32_t b = 0; b < rows; ++b) EXPECT_EQ(n[size_t(b)], c.index_topk) << "row " << b;
     }
   }
 }

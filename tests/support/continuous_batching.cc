@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -147,7 +149,9 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
   std::map<int64_t, std::unique_ptr<Layer>> lone;  // by request id
   int64_t next_id = 0;
 
+  const bool progress = std::getenv("SPARSEPAGE_TEST_PROGRESS") != nullptr;  // where a slow or stuck run is
   for (int32_t step = 0; step < run.steps; ++step) {
+    if (progress && step % 25 == 0) std::fprintf(stderr, "%s: step %d\n", name.c_str(), step);
     // A refused call first, now and then: it must change nothing.
     if (std::bernoulli_distribution(run.bad_call)(rng)) {
       const std::vector<int64_t> before = batched->kv_lens();

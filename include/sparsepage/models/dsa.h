@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sparsepage/index_keys.h"
 #include "sparsepage/layer.h"
 
 namespace sparsepage {
@@ -168,6 +169,20 @@ struct DsaIndexerArgs {
   /// b * q_len + t keeps positions below kv_lens[b] - (q_len - 1 - t), and
   /// the workspace is sized for batch * q_len rows.
   int32_t q_len = 1;
+  /// Where the keys are (index_keys.h). kDense reads k_cache and capacity
+  /// above; kPaged reads `paged` (native or FP8 keys through the engine's
+  /// block table; k_cache and capacity are unused, and max_kv_len must fit
+  /// paged.max_blocks x paged.block_size).
+  IndexKeyLayout key_layout = IndexKeyLayout::kDense;
+  PagedIndexKeys paged;
+  /// The form of q_index: kNative (dtype above) or kE4m3 (e4m3 with the
+  /// query scales folded into `weights`, quantize_index_queries_*; FP8 keys
+  /// only). FP8 keys with kNative queries: the kernel quantizes them itself.
+  IndexQueryFormat q_format = IndexQueryFormat::kNative;
+  /// DEVICE int32, may be null: IndexKeyError bits or'ed in for a refused row
+  /// (a length outside [0, max_kv_len] or past its block-table row, a needed
+  /// block id outside the pool), which selects nothing: count 0, positions -1.
+  int32_t* error = nullptr;
 };
 
 /// Bytes of workspace dsa_select_tokens_cuda needs for `batch` sequences of

@@ -1,7 +1,8 @@
 // The DSA lightning indexer on the GPU (rule in include/sparsepage/models/
-// dsa.h). Grids and the workspace are sized from the host bound max_kv_len;
-// each sequence's live length is read on the device, so one captured graph
-// serves a growing context. On the caller's stream:
+// dsa.h; key sources in include/sparsepage/index_keys.h). Grids and the
+// workspace are sized from the host bound max_kv_len; each sequence's live
+// length is read on the device, so one captured graph serves a growing
+// context. On the caller's stream:
 //   0. dsa_clear_kernel clears the coarse histograms and the counters;
 //   1. dsa_score_group_kernel (the production geometry, 64 heads x 128;
 //      dsa_score_kernel for others) scores positions on warpgroup MMAs
@@ -9,7 +10,10 @@
 //      arriving by TMA, each key tile against the queries of up to four of a
 //      sequence's tokens in a multi-token step; it applies the ReLU and the
 //      weighted sum over heads, writes fp32 scores and histograms the top 12
-//      bits of each score's order key;
+//      bits of each score's order key. The keys are the layer's dense rows or
+//      an engine's paged blocks through its block table (a tile of 64
+//      positions is one TMA box per block, dsa_indexer.cuh); FP8 blocks are
+//      scored by dsa_score_fp8_kernel (dsa_score_fp8.cu) on e4m3 MMAs;
 //   2. dsa_classify_kernel (one CTA per slice of kSlice positions) finds the
 //      histogram bin holding the k-th largest key, counts the slice's keys in
 //      higher bins and appends the keys of that bin as candidates; the last
@@ -19,8 +23,12 @@
 //      whose composite reaches the k-th, at the offset of the earlier slices:
 //      increasing positions, padded with -1, and the count.
 // Ties go to the lower position and NaN ranks last through the composite
-// (radix_select.cuh). When anything is scored, every kernel is a
-// programmatic dependent launch. Nothing here allocates, synchronizes or reads back.
+// (radix_select.cuh). A row whose length is refused (negative, past
+// max_kv_len or its table row) or whose needed block id lies outside the
+// pool selects nothing and raises its IndexKeyError bit; nothing outside
+// the bound or the pool is read. When anything is scored, every kernel is a
+// programmatic dependent launch. Nothing here allocates, synchronizes or
+// reads back.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,12 +41,14 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "core/cuda_hooks.h"
+#include "core/index_keys_checks.h"
 #include "core/require.h"
 #include "models/dsa_kernels.h"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/radix_select.cuh"
 #include "cuda/primitives/wgmma.cuh"
+#include "cuda/indexers/dsa_indexer.cuh"
 #include "sparsepage/models/dsa.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "dsa_select_tokens_cuda: ", __VA_ARGS__)
@@ -46,36 +56,26 @@
 namespace sparsepage {
 namespace {
 
+using namespace dsa;
+
 // ---- geometry ---------------------------------------------------------------
 
 // dsa_score_kernel's CTAs (index geometries other than 64 heads x 128): one
 // warpgroup computes S = K Q^T for 64 positions x 64 index heads per wgmma
 // chain (M = positions, N = heads, K = the index head dim).
 constexpr int kScoreThreads = 128;
-constexpr int kTileTokens = 64;   // wgmma M: positions per pipeline stage
 constexpr int kHeadChunk = 64;    // wgmma N: index heads per chain
 constexpr int kStages = 4;        // three tiles in flight while one is scored
 constexpr int kScoreCtasPerSm = 2;  // resident score CTAs per SM the grid is sized for
-// Both operands sit in 128-byte swizzled slabs of 64 rows x 64 columns: row
-// r at bytes [128 r, 128 r + 128), its 16-byte pieces permuted by piece ^ (r % 8).
-constexpr int kSlabBytes = 64 * 128;
-// Coarse histogram of the score keys' top 12 bits (sign, exponent, 3
-// mantissa bits): the bin of the k-th largest holds the only ambiguous keys.
-constexpr int kBinBits = 12;
-constexpr int kBins = 1 << kBinBits;
-constexpr int kLowKeyBits = 32 - kBinBits;
 constexpr int kSlice = 2048;  // positions per classify and compact CTA
 constexpr int kClassifyThreads = 256;
 constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
 constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
 
-// dsa_score_group_kernel's CTAs, at the production index geometry: up to
-// kTokens (sequence, token) rows of one sequence per CTA (one at q_len 1,
-// two at q_len 2, else four), so each key tile is read once for all of them.
-constexpr int kGroupHeads = 64;
-constexpr int kGroupDim = 128;
-constexpr int kGroupConsumers = 2;  // consumer warpgroups, taking tiles in turn
-constexpr int kGroupThreads = kGroupConsumers * 128 + 32;  // and a producer warp
+// dsa_score_group_kernel's CTAs, at the production index geometry
+// (kGroupHeads x kGroupDim): up to kTokens (sequence, token) rows of one
+// sequence per CTA (one at q_len 1, two at q_len 2, else four), so each key
+// tile is read once for all of them.
 // Key stages and resident CTAs per SM: six stages, one CTA, when a tile is
 // scored against two or four tokens; four stages, two CTAs, for one token.
 template <int kTokens>
@@ -86,10 +86,11 @@ struct GroupShape {
 };
 
 // Shared memory of a score CTA, byte offsets from its 1024-aligned base: the
-// queries of every head chunk, the key stages, the weights, the histogram.
+// queries of every head chunk, the key stages, the weights, the histogram,
+// the barriers and the row's error flags.
 struct ScoreLayout {
   int slabs, chunks;
-  size_t q, keys, weights, hist, barriers, bytes;
+  size_t q, keys, weights, hist, barriers, flags, bytes;  // flags: IndexKeyError bits of the row
   __host__ __device__ ScoreLayout(int heads, int dim) {
     slabs = (dim + 63) / 64;
     chunks = (heads + kHeadChunk - 1) / kHeadChunk;
@@ -98,7 +99,8 @@ struct ScoreLayout {
     weights = keys + static_cast<size_t>(kStages) * slabs * kSlabBytes;
     hist = weights + static_cast<size_t>(chunks) * kHeadChunk * sizeof(float);
     barriers = hist + kBins * sizeof(int32_t);
-    bytes = barriers + kStages * sizeof(uint64_t);
+    flags = barriers + kStages * sizeof(uint64_t);
+    bytes = flags + sizeof(int32_t);
   }
   size_t smem_bytes() const { return bytes + 1024; }  // + alignment slack
 };
@@ -106,7 +108,7 @@ struct ScoreLayout {
 // Shared memory of a group score CTA of kTokens rows, byte offsets
 // from its 1024-aligned base: the queries (two 64-column slabs of
 // kTokens x 64 rows, row tl * 64 + h), the key stages, the weights, one
-// histogram per row, the full and empty barriers.
+// histogram per row, the full and empty barriers, the refused rows.
 template <int kTokens>
 struct GroupScoreLayout {
   static constexpr size_t kQSlab = size_t{kTokens} * kGroupHeads * 128;
@@ -117,7 +119,8 @@ struct GroupScoreLayout {
   static constexpr size_t kWeights = kKeys + kStages * kStageBytes;
   static constexpr size_t kHist = kWeights + size_t{kTokens} * kGroupHeads * sizeof(float);
   static constexpr size_t kBarriers = kHist + size_t{kTokens} * kBins * sizeof(int32_t);
-  static constexpr size_t kSmemBytes = kBarriers + 2 * kStages * sizeof(uint64_t) + 1024;  // + alignment slack
+  static constexpr size_t kFlags = kBarriers + 2 * kStages * sizeof(uint64_t);  // int32: rows refused (bit tl)
+  static constexpr size_t kSmemBytes = kFlags + 16 + 1024;                        // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "a multi-token score CTA fits one SM's shared memory");
 };
 
@@ -127,7 +130,7 @@ struct GroupScoreLayout {
 // zeroed by every launch. Scores and candidates have a row pitch of whole
 // slices, so a slice never leaves its row.
 struct Workspace {
-  size_t hist, cand_count, done, slice_kept, cleared, cut, scores, candidates, total;
+  size_t hist, cand_count, done, row_error, slice_kept, cleared, cut, scores, candidates, total;
   int64_t slices;  // kSlice-position slices per sequence
   int64_t pitch;   // slices * kSlice
   Workspace(int32_t batch, int64_t max_kv_len) {
@@ -139,7 +142,8 @@ struct Workspace {
     hist = 0;
     cand_count = up(hist + b * kBins * sizeof(int32_t));
     done = up(cand_count + b * sizeof(int32_t));
-    slice_kept = up(done + b * sizeof(int32_t));
+    row_error = up(done + b * sizeof(int32_t));
+    slice_kept = up(row_error + b * sizeof(int32_t));
     cleared = up(slice_kept + b * static_cast<size_t>(slices) * sizeof(int32_t));  // whole 16-byte words
     cut = cleared;
     scores = up(cut + b * sizeof(uint64_t));
@@ -148,40 +152,6 @@ struct Workspace {
   }
 };
 
-struct IndexerParams {
-  CUtensorMap keys;        // the index keys for TMA (key_tensor_map)
-  const void* k_cache;     // [batch * capacity, row_stride]; index key at columns key_offset .. key_offset + dim
-  const void* q_index;     // [batch, heads, dim]
-  const float* weights;    // [batch, heads]
-  const int32_t* kv_lens;  // [batch], device
-  int64_t row_stride, capacity;
-  int64_t pitch;           // row pitch of scores and candidates (whole slices)
-  int64_t slices;          // kSlice-position slices per sequence
-  int32_t batch, key_offset, heads, dim, topk;
-  int32_t position_bits;   // bits of a position below max_kv_len
-  int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
-  int32_t* cand_count;     // [batch]
-  int32_t* done;           // [batch]: classify CTAs finished (the last one picks the cut)
-  int32_t* slice_kept;     // [batch, slices]: kept positions per slice
-  uint64_t* cut;           // [batch]: the smallest kept (score key, position) composite
-  float* scores;           // [batch, pitch]
-  uint64_t* candidates;    // [batch, pitch]: threshold-bin composites, in arrival order
-  int32_t* positions;      // out [batch, topk]
-  int32_t* counts;         // out [batch]
-  // Multi-token steps: `batch` rows are (sequence, token) pairs, row b =
-  // sequence b / q_len, token b % q_len, which reads its sequence's keys
-  // below kv_lens[sequence] - (q_len - 1 - token): its own causal window.
-  int32_t q_len;
-};
-
-// Row b's live positions: its sequence's length, less the later new tokens.
-__device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
-  // From L2: the step's append wrote the lengths (see dsa_clear_kernel).
-  if (p.q_len == 1) return __ldcg(&p.kv_lens[b]);
-  const int seq = b / p.q_len;
-  return max(int64_t{0}, int64_t{__ldcg(&p.kv_lens[seq])} - (p.q_len - 1 - (b - seq * p.q_len)));
-}
-
 // ---- tensor-memory-access copies ---------------------------------------------
 
 // Everything from here to the score kernel uses sm_90a instructions (TMA,
@@ -189,40 +159,11 @@ __device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 
 // A score CTA's key tiles arrive by the tensor memory accelerator: one thread
-// issues a 64-row x 64-column box per slab, the hardware writes it in the
-// 128-byte swizzle the MMAs read and counts the bytes on an mbarrier
-// (cuda/primitives/mbarrier.cuh).
-// Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
-// complete on `bar`. Out-of-bounds elements arrive as zeros.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
-      : "memory");
-}
+// issues a box of rows x 64 columns per slab (dsa::tma_load_3d), the
+// hardware writes it in the 128-byte swizzle the MMAs read and counts the
+// bytes on an mbarrier (cuda/primitives/mbarrier.cuh).
 
 // ---- 1. scores on warpgroup MMAs --------------------------------------------
-
-// max(x, 0) as the CPU rule's std::max(dot, 0.0f): NaN stays NaN, in one
-// instruction (max.NaN). A -0 dot gives +0 where the rule keeps -0; the
-// weighted sums are the same, since they start at +0 and adding a zero of
-// either sign to +0 gives +0.
-__device__ __forceinline__ float relu_keep_nan(float x) {
-  float y;
-  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// A lane's score v of position t into its row's scores and its bin into the
-// row's shared histogram (one atomic per distinct bin among the lanes);
-// lanes that are not `live` write nothing. All 32 lanes call it.
-__device__ __forceinline__ void record_score(float* scores, int32_t* hist, int64_t t, float v, bool live, int lane) {
-  if (live) scores[t] = v;
-  const uint32_t bin = live ? cuda::score_key(v) >> kLowKeyBits : 0xFFFFFFFFu;
-  const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-  if (live && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-}
 
 // Shared byte offset of 16-byte piece `piece` (columns 8 piece ..) of row r
 // in a stack of swizzled slabs.
@@ -286,9 +227,11 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int pieces = kKSteps > 0 ? 2 * kKSteps : p.dim / 8;  // 16-byte pieces per key or query row
   const uint32_t bars = base + static_cast<uint32_t>(L.barriers);
+  int32_t* flags_s = reinterpret_cast<int32_t*>(gen + L.flags);  // thread 0's alone until the end
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) cuda::mbar::init(bars + 8 * s, 1);
     cuda::mbar::init_fence();
+    *flags_s = 0;
   }
 
   // The queries of every head chunk (padded heads zero), by cp.async.
@@ -309,17 +252,27 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
   const auto stage_of = [&](int64_t i) {
     return base + static_cast<uint32_t>(L.keys + (i % kStages) * L.slabs * kSlabBytes);
   };
-  // The index keys of this CTA's tile i: thread 0 issues one box per slab
-  // onto the stage's barrier. Rows past the capacity arrive as zeros; rows
-  // past the window are read but never scored.
+  // The index keys of this CTA's tile i: thread 0 issues its boxes (one per
+  // slab and block, key_box) onto the stage's barrier, then expects their
+  // bytes. Dense rows past the capacity arrive as zeros; rows past the window
+  // are read but never scored; a block id outside the pool is not read and
+  // refuses the row.
   const auto load_tile = [&](int64_t i) {
     if (tid == 0 && i < ntiles) {
       const uint32_t bar = bars + 8 * static_cast<uint32_t>(i % kStages);
-      cuda::mbar::arrive_expect_tx(bar, static_cast<uint32_t>(L.slabs * kSlabBytes));
-      for (int sl = 0; sl < L.slabs; ++sl) {
-        tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, bar, sl * 64, static_cast<int>((tile0 + i) * kTileTokens),
-                    key_seq);
+      uint32_t bytes = 0;
+      for (int j = 0; j < kTileTokens / p.box_rows; ++j) {
+        const KeyBox box = key_box(p, key_seq, tile0 + i, j, len, [&](int64_t e) {
+          return e < p.max_blocks ? __ldg(&p.block_table[int64_t{key_seq} * p.table_stride + e]) : -1;
+        });
+        if (box.live && !box.ok) *flags_s = kIndexErrorBlock;
+        if (!box.ok) continue;
+        for (int sl = 0; sl < L.slabs; ++sl) {
+          tma_load_3d(stage_of(i) + sl * kSlabBytes + j * p.box_rows * 128, &p.keys, bar, sl * 64, box.y, box.z);
+        }
+        bytes += static_cast<uint32_t>(L.slabs * p.box_rows * 128);
       }
+      cuda::mbar::arrive_expect_tx(bar, bytes);
     }
   };
 #pragma unroll
@@ -365,7 +318,8 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     record_score(out, hist_s, t, s, live, lane);
   }
   __syncthreads();  // every position is in the shared histogram (every issued tile was waited for)
-  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms
+  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
+  if (tid == 0 && *flags_s != 0) atomicOr(&p.row_error[b], *flags_s);
   int32_t* hist = p.hist + int64_t{b} * kBins;
   for (int i = tid; i < kBins; i += kScoreThreads) {
     const int32_t v = hist_s[i];
@@ -405,8 +359,8 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
   const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = __ldcg(&p.kv_lens[seq]);  // from L2, as row_len
-  const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
+  const int64_t seq_len = checked_seq_len(p, seq);  // -1: refused (every window -1)
+  const auto window = [&](int tl) { return token_window(seq_len, p.q_len, first + tl); };
   const int64_t len = window(ntok - 1);  // the group's longest window
   if (len <= p.topk) {                   // every row's window fits the top-k: nothing to score
     cuda::pdl_wait_primary();
@@ -428,12 +382,14 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const int tid = threadIdx.x, lane = tid % 32;
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
   const uint32_t empty = full + 8 * kGroupStages;                      // empty[s] at empty + 8 s
+  uint32_t* refused_s = reinterpret_cast<uint32_t*>(gen + L::kFlags);
   if (tid == 0) {
     for (int s = 0; s < kGroupStages; ++s) {
       cuda::mbar::init(full + 8 * s, 1);      // the producer's expect_tx; TMA completes the bytes
       cuda::mbar::init(empty + 8 * s, 128);   // every thread of the warpgroup that scored the stage
     }
     cuda::mbar::init_fence();
+    *refused_s = 0;
   }
   // The queries: row tl * 64 + h of two 64-column slabs (rows of absent
   // tokens zero), by cp.async; the weights; the histograms cleared.
@@ -456,19 +412,22 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
 
   const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kGroupStages) * L::kStageBytes); };
   if (tid >= kGroupConsumers * 128) {
-    // The producer warp: lane 0 loads tile i once the warpgroup that scored
-    // the stage's previous tile (i - kGroupStages) has released it.
-    if (lane == 0) {
-      for (int64_t i = 0; i < ntiles; ++i) {
-        const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
-        if (i >= kGroupStages) cuda::mbar::wait(empty + 8 * s, static_cast<uint32_t>((i / kGroupStages - 1) & 1));
-        cuda::mbar::arrive_expect_tx(full + 8 * s, static_cast<uint32_t>(L::kStageBytes));
-        for (int sl = 0; sl < 2; ++sl) {
-          tma_load_3d(stage_of(i) + sl * kSlabBytes, &p.keys, full + 8 * s, sl * 64,
-                      static_cast<int>((tile0 + i) * kTileTokens), seq);
-        }
-      }
-    }
+    // The producer warp: tile i once the warpgroup that scored the stage's
+    // previous tile (i - kGroupStages) has released it, one box per slab and
+    // block (produce_key_tiles).
+    int64_t windows[kTokens];
+#pragma unroll
+    for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    const uint32_t refused = produce_key_tiles<kGroupStages, kTokens>(
+        p, seq, tile0, ntiles, len, windows, full, empty, lane, [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
+          if (lane == 0) {
+            for (int sl = 0; sl < 2; ++sl) {
+              tma_load_3d(stage_of(i) + sl * kSlabBytes + j * p.box_rows * 128, &p.keys, bar, sl * 64, box.y, box.z);
+            }
+          }
+          return static_cast<uint32_t>(2 * p.box_rows * 128);
+        });
+    if (lane == 0 && refused != 0) atomicOr(refused_s, refused);
     __syncwarp();
   } else {
     // The warpgroup index from lane 0, so the compiler knows it is uniform
@@ -550,7 +509,8 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     }
   }
   __syncthreads();  // every scored position is in its row's shared histogram
-  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms
+  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
+  if (tid < ntok && ((*refused_s >> tid) & 1u) != 0) atomicOr(&p.row_error[row0 + tid], kIndexErrorBlock);
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
     const int tl = i / kBins;
     const int32_t v = hist_s[i];
@@ -785,15 +745,31 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   const int64_t len = row_len(p, b);
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
   int32_t* out = p.positions + int64_t{b} * p.topk;
+  // A refused row selects nothing: every entry -1, count 0, its bits raised.
+  const auto refuse = [&](int32_t bits) {
+    if (blockIdx.x != 0) return;
+    for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = -1;
+    if (threadIdx.x == 0) {
+      p.counts[b] = 0;
+      if (p.error != nullptr) atomicOr(p.error, bits);
+    }
+  };
   if (len <= p.topk) {  // the window fits the top-k: every position, no scores needed
-    if (blockIdx.x == 0) {
+    if (len < 0) {
+      refuse(kIndexErrorLength);
+    } else if (blockIdx.x == 0) {
       for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = i < len ? i : -1;
       if (threadIdx.x == 0) p.counts[b] = static_cast<int32_t>(len);
     }
     cuda::pdl_wait_primary();  // no grid of the chain completes before the one it follows
     return;
   }
-  cuda::pdl_wait_primary();  // the classify grid (and so the scores) is complete and visible
+  cuda::pdl_wait_primary();  // the classify grid (and so the scores and the row errors) is complete and visible
+  const int32_t refused = __ldcg(&p.row_error[b]);
+  if (refused != 0) {
+    refuse(refused);
+    return;
+  }
   const int64_t first = int64_t{blockIdx.x} * kSlice;
   if (first >= len) return;
   // Every read is requested before any is used: one round trip.
@@ -862,10 +838,10 @@ void launch_clear(void* workspace, size_t bytes, cudaStream_t stream) {
   cuda::launch_with_pdl(dsa_clear_kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0, stream, a);
 }
 
-// The keys as a 3-d tensor for TMA: (column, position, sequence), boxes of
-// 64 x 64 x 1 in the 128-byte swizzle. Encoded on the host at each call
-// (the pointer may change); no device work.
-CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype) {
+// A 3-d tensor map in the 128-byte swizzle, boxes of box[0] x box[1] x 1.
+// Encoded on the host at each call (the pointers may change); no device work.
+CUtensorMap encode_key_map(CUtensorMapDataType type, const void* start, const cuuint64_t (&dims)[3],
+                           const cuuint64_t (&strides)[2], const cuuint32_t (&box)[3]) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -876,20 +852,37 @@ CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype) {
     if (fn == nullptr || status != cudaDriverEntryPointSuccess) throw Error("dsa_select_tokens_cuda: no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(fn);
   }();
-  const size_t row_bytes = static_cast<size_t>(p.row_stride) * 2;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.capacity),
-                              static_cast<cuuint64_t>(p.batch / p.q_len)};  // key sequences
-  const cuuint64_t strides[2] = {row_bytes, row_bytes * static_cast<cuuint64_t>(p.capacity)};
-  const cuuint32_t box[3] = {64, kTileTokens, 1};
   const cuuint32_t unit[3] = {1, 1, 1};
   CUtensorMap map{};
-  void* start = static_cast<unsigned char*>(const_cast<void*>(p.k_cache)) + static_cast<size_t>(p.key_offset) * 2;
-  const CUresult r = encode(&map, dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            3, start, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, type, 3, const_cast<void*>(start), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw Error("dsa_select_tokens_cuda: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")");
   return map;
+}
+
+// The keys as a 3-d tensor for TMA. Dense rows: (column, position,
+// sequence), boxes of 64 columns x 64 positions. Paged blocks: (column, row
+// in block, block), boxes of 64 columns (native) or all 128 bytes (FP8) x
+// box_rows rows; `token_bytes` apart within a block.
+CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype, const PagedIndexKeys& paged, int64_t token_bytes) {
+  const CUtensorMapDataType native =
+      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  if (p.paged == 0) {
+    const auto row_bytes = static_cast<cuuint64_t>(p.row_stride) * 2;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.capacity),
+                                static_cast<cuuint64_t>(p.batch / p.q_len)};  // key sequences
+    const cuuint64_t strides[2] = {row_bytes, row_bytes * static_cast<cuuint64_t>(p.capacity)};
+    const cuuint32_t box[3] = {64, kTileTokens, 1};
+    const void* start = static_cast<const unsigned char*>(p.k_cache) + static_cast<size_t>(p.key_offset) * 2;
+    return encode_key_map(native, start, dims, strides, box);
+  }
+  const bool fp8 = paged.format == IndexKeyFormat::kE4m3;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.block_size),
+                              static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(token_bytes), static_cast<cuuint64_t>(p.block_bytes)};
+  const cuuint32_t box[3] = {fp8 ? 128u : 64u, static_cast<cuuint32_t>(p.box_rows), 1};
+  return encode_key_map(fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : native, paged.pool, dims, strides, box);
 }
 
 // The score grid: per sequence, an equal share of one wave of resident CTAs
@@ -922,8 +915,7 @@ void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_
 }
 
 template <typename T>
-void launch_scores(IndexerParams p, int32_t batch, int64_t max_kv_len, DType dtype, cudaStream_t stream) {
-  p.keys = key_tensor_map(p, dtype);
+void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cudaStream_t stream) {
   if (p.heads == kGroupHeads && p.dim == kGroupDim) {
     // The production geometry: the (token, head) queries of one, two or
     // four tokens per key tile (one token too: the producer warp and the
@@ -966,16 +958,26 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   detail::check_dsa_indexer_cuda(c, batch);
   REQUIRE(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
-  REQUIRE(a.k_cache != nullptr && a.q_index != nullptr && a.weights != nullptr && a.kv_lens != nullptr &&
-              a.positions != nullptr && a.counts != nullptr,
-          "k_cache, q_index, weights, kv_lens, positions and counts must be set");
-  REQUIRE(reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q_index) % 16 == 0,
-          "k_cache and q_index must be 16-byte aligned");
-  REQUIRE(a.capacity >= 1 && a.max_kv_len >= 1 && a.max_kv_len <= a.capacity,
-          "need 1 <= max_kv_len <= capacity (max_kv_len " + std::to_string(a.max_kv_len) + ", capacity " +
-              std::to_string(a.capacity) + ")");
-  REQUIRE(a.max_kv_len <= std::numeric_limits<int32_t>::max(),
-          "max_kv_len = " + std::to_string(a.max_kv_len) + " does not fit int32 positions");
+  const bool paged = a.key_layout == IndexKeyLayout::kPaged;
+  REQUIRE(a.q_index != nullptr && a.weights != nullptr && a.kv_lens != nullptr && a.positions != nullptr &&
+              a.counts != nullptr && (paged || a.k_cache != nullptr),
+          "q_index, weights, kv_lens, positions, counts and (dense keys) k_cache must be set");
+  REQUIRE(reinterpret_cast<uintptr_t>(a.q_index) % 16 == 0, "q_index must be 16-byte aligned");
+  REQUIRE(a.max_kv_len >= 1 && a.max_kv_len <= std::numeric_limits<int32_t>::max(),
+          "max_kv_len = " + std::to_string(a.max_kv_len) + " must lie in [1, 2^31) (int32 positions)");
+  const std::string source = detail::index_source_problem(c, a);
+  REQUIRE(source.empty(), source);
+  const bool fp8 = paged && a.paged.format == IndexKeyFormat::kE4m3;
+  if (paged) {
+    REQUIRE(!fp8 || (c.index_heads == kGroupHeads && c.index_head_dim == kGroupDim),
+            "FP8 index keys are scored at 64 index heads x 128 only (index_heads = " + std::to_string(c.index_heads) +
+                ", index_head_dim = " + std::to_string(c.index_head_dim) + ")");
+  } else {
+    REQUIRE(reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0, "k_cache must be 16-byte aligned");
+    REQUIRE(a.capacity >= 1 && a.max_kv_len <= a.capacity,
+            "need 1 <= max_kv_len <= capacity (max_kv_len " + std::to_string(a.max_kv_len) + ", capacity " +
+                std::to_string(a.capacity) + ")");
+  }
   const Workspace ws(batch, a.max_kv_len);
   REQUIRE(a.workspace != nullptr && a.workspace_bytes >= ws.total,
           "the workspace holds " + std::to_string(a.workspace_bytes) + " bytes, dsa_indexer_workspace_bytes asks for " +
@@ -995,6 +997,7 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   p.capacity = a.capacity;
   p.pitch = ws.pitch;
   p.slices = ws.slices;
+  p.max_kv_len = a.max_kv_len;
   p.batch = batch;
   p.q_len = a.q_len;
   p.key_offset = c.latent_dim;
@@ -1005,20 +1008,39 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   p.hist = reinterpret_cast<int32_t*>(base + ws.hist);
   p.cand_count = reinterpret_cast<int32_t*>(base + ws.cand_count);
   p.done = reinterpret_cast<int32_t*>(base + ws.done);
+  p.row_error = reinterpret_cast<int32_t*>(base + ws.row_error);
   p.slice_kept = reinterpret_cast<int32_t*>(base + ws.slice_kept);
   p.cut = reinterpret_cast<uint64_t*>(base + ws.cut);
   p.scores = reinterpret_cast<float*>(base + ws.scores);
   p.candidates = reinterpret_cast<uint64_t*>(base + ws.candidates);
   p.positions = a.positions;
   p.counts = a.counts;
+  p.error = a.error;
+  p.dtype = a.dtype;
+  p.box_rows = kTileTokens;
+  if (paged) {
+    p.paged = 1;
+    p.block_table = a.paged.block_table;
+    p.table_stride = a.paged.block_table_stride;
+    p.max_blocks = a.paged.max_blocks;
+    p.block_size = a.paged.block_size;
+    p.box_rows = std::min(a.paged.block_size, kTileTokens);
+    p.num_blocks = a.paged.num_blocks;
+    p.pool = static_cast<const unsigned char*>(a.paged.pool);
+    p.block_bytes = index_key_block_bytes(a.paged, c.index_head_dim);
+    p.q_e4m3 = a.q_format == IndexQueryFormat::kE4m3 ? 1 : 0;
+  }
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
+    p.keys = key_tensor_map(p, a.dtype, a.paged, paged ? index_key_token_bytes(a.paged, c.index_head_dim) : 0);
     launch_clear(a.workspace, ws.cleared, s);
-    if (a.dtype == DType::kBF16) {
-      launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, a.dtype, s);
+    if (fp8) {
+      launch_fp8_scores(p, a.max_kv_len, s);
+    } else if (a.dtype == DType::kBF16) {
+      launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, s);
     } else {
-      launch_scores<__half>(p, batch, a.max_kv_len, a.dtype, s);
+      launch_scores<__half>(p, batch, a.max_kv_len, s);
     }
     // Each grid is scheduled while the one before drains and waits for its writes.
     cuda::launch_with_pdl(dsa_classify_kernel, slices, dim3(kClassifyThreads), 0, s, p);

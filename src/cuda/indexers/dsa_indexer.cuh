@@ -1,0 +1,250 @@
+// What the DSA indexer's translation units share (dsa_indexer.cu: the
+// launcher, the native score kernels and the top-k; dsa_score_fp8.cu: the
+// FP8 score kernel): the tile geometry, the params, the checked lengths, the
+// key-tile addressing over dense rows or an engine's block table, and the
+// score epilogue's helpers. Rules in include/sparsepage/models/dsa.h and
+// include/sparsepage/index_keys.h.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/primitives/common.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/radix_select.cuh"
+#include "sparsepage/index_keys.h"
+
+namespace sparsepage {
+namespace dsa {
+
+constexpr int kTileTokens = 64;  // positions per key tile (the wgmma M)
+// Operands sit in 128-byte swizzled slabs of 64 rows x 128 bytes: row r at
+// bytes [128 r, 128 r + 128), its 16-byte pieces permuted by piece ^ (r % 8).
+constexpr int kSlabBytes = 64 * 128;
+// Coarse histogram of the score keys' top 12 bits (sign, exponent, 3
+// mantissa bits): the bin of the k-th largest holds the only ambiguous keys.
+constexpr int kBinBits = 12;
+constexpr int kBins = 1 << kBinBits;
+constexpr int kLowKeyBits = 32 - kBinBits;
+// The production index geometry the grouped score kernels are built for.
+constexpr int kGroupHeads = 64;
+constexpr int kGroupDim = 128;
+constexpr int kGroupConsumers = 2;                         // consumer warpgroups, taking tiles in turn
+constexpr int kGroupThreads = kGroupConsumers * 128 + 32;  // and a producer warp
+
+struct IndexerParams {
+  CUtensorMap keys;        // the key values for TMA: (column, position, sequence) dense, (column, row, block) paged
+  const void* k_cache;     // dense: [batch * capacity, row_stride]; index key at columns key_offset .. key_offset + dim
+  const void* q_index;     // [batch, heads, dim]: dtype, or e4m3 when q_e4m3
+  const float* weights;    // [batch, heads]
+  const int32_t* kv_lens;  // [sequences], device
+  int64_t row_stride, capacity;
+  int64_t pitch;           // row pitch of scores and candidates (whole slices)
+  int64_t slices;          // kSlice-position slices per sequence
+  int64_t max_kv_len;      // the host bound: a longer (or negative) length refuses its sequence's rows
+  int32_t batch, key_offset, heads, dim, topk;
+  int32_t position_bits;   // bits of a position below max_kv_len
+  int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
+  int32_t* cand_count;     // [batch]
+  int32_t* done;           // [batch]: classify CTAs finished (the last one picks the cut)
+  int32_t* slice_kept;     // [batch, slices]: kept positions per slice
+  int32_t* row_error;      // [batch]: IndexKeyError bits of a row the score kernel refused (cleared by the clear kernel)
+  uint64_t* cut;           // [batch]: the smallest kept (score key, position) composite
+  float* scores;           // [batch, pitch]
+  uint64_t* candidates;    // [batch, pitch]: threshold-bin composites, in arrival order
+  int32_t* positions;      // out [batch, topk]
+  int32_t* counts;         // out [batch]
+  int32_t* error;          // out, may be null: IndexKeyError bits of refused rows
+  // Multi-token steps: `batch` rows are (sequence, token) pairs, row b =
+  // sequence b / q_len, token b % q_len, which reads its sequence's keys
+  // below kv_lens[sequence] - (q_len - 1 - token): its own causal window.
+  int32_t q_len;
+  // Paged keys (IndexKeyLayout::kPaged): position p of sequence s is row p %
+  // block_size of block block_table[s * table_stride + p / block_size].
+  int32_t paged;                // 0: dense rows, 1: paged blocks
+  const int32_t* block_table;   // [sequences, table_stride]
+  int64_t table_stride;
+  int32_t max_blocks;           // entries of a row that may be read
+  int32_t block_size;
+  int32_t box_rows;             // rows per TMA box: 64 dense, min(64, block_size) paged
+  int64_t num_blocks;
+  const unsigned char* pool;    // FP8: the blocks (the scales' bulk copies)
+  int64_t block_bytes;          // FP8: bytes between blocks
+  int32_t q_e4m3;               // FP8: q_index is e4m3 with the scales in the weights (else native, quantized here)
+  DType dtype;                  // of q_index (and native keys)
+};
+
+// Sequence `seq`'s live length, or -1 when it is refused: negative, past
+// the host bound, or longer than its block-table row holds. From L2: the
+// step's append wrote the lengths.
+__device__ __forceinline__ int64_t checked_seq_len(const IndexerParams& p, int seq) {
+  const int64_t len = __ldcg(&p.kv_lens[seq]);
+  const bool bad = len < 0 || len > p.max_kv_len || (p.paged != 0 && len > int64_t{p.max_blocks} * p.block_size);
+  return bad ? -1 : len;
+}
+
+// A window of `len` positions for the token `tok` of q_len new tokens (-1 stays -1).
+__device__ __forceinline__ int64_t token_window(int64_t len, int q_len, int tok) {
+  return len < 0 ? -1 : max(int64_t{0}, len - (q_len - 1 - tok));
+}
+
+// Row b's live positions (-1: refused).
+__device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
+  if (p.q_len == 1) return checked_seq_len(p, b);
+  const int seq = b / p.q_len;
+  return token_window(checked_seq_len(p, seq), p.q_len, b - seq * p.q_len);
+}
+
+// max(x, 0) as the CPU rule's ReLU: NaN stays NaN, in one instruction
+// (max.NaN). A -0 dot gives +0 where the rule keeps -0; the weighted sums
+// are the same, since they start at +0 and adding a zero of either sign to
+// +0 gives +0.
+__device__ __forceinline__ float relu_keep_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A lane's score v of position t into its row's scores and its bin into the
+// row's shared histogram (one atomic per distinct bin among the lanes);
+// lanes that are not `live` write nothing. All 32 lanes call it.
+__device__ __forceinline__ void record_score(float* scores, int32_t* hist, int64_t t, float v, bool live, int lane) {
+  if (live) scores[t] = v;
+  const uint32_t bin = live ? cuda::score_key(v) >> kLowKeyBits : 0xFFFFFFFFu;
+  const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+  if (live && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
+// The producer warp's window on a sequence's block-table row: entries come
+// 32 at a time, one per lane, and the next 32 are requested while the
+// current ones are used, so a tile rarely waits for its block id. Every
+// lane calls get() with the same, non-decreasing entry. Entries at or past
+// `limit` (the row's max_blocks) are never loaded.
+struct TableWindow {
+  const int32_t* row;
+  int64_t limit, base;
+  int32_t cur, nxt;
+  int lane;
+  __device__ TableWindow(const int32_t* row_, int64_t limit_, int64_t first, int lane_)
+      : row(row_), limit(limit_), base(first - first % 32), lane(lane_) {
+    cur = load(base + lane);
+    nxt = load(base + 32 + lane);
+  }
+  __device__ int32_t load(int64_t e) const { return e < limit ? __ldg(row + e) : -1; }
+  __device__ int32_t get(int64_t e) {
+    while (e >= base + 32) {
+      cur = nxt;
+      base += 32;
+      nxt = load(base + 32 + lane);
+    }
+    return __shfl_sync(0xffffffffu, cur, static_cast<int>(e - base));
+  }
+};
+
+// Box j of a key tile: rows [first, first + box_rows) of the sequence, at
+// TMA coordinates (y, z) = (position, sequence) for dense rows or (row in
+// block, block id) for paged ones. Boxes past the window are not loaded; a
+// paged box whose block id lies outside the pool is not `ok` (not loaded,
+// and its rows refused).
+struct KeyBox {
+  int64_t first;
+  int32_t y, z;
+  bool live, ok;
+};
+
+// Box j of tile `tile` of sequence `seq`, whose longest window is `len`;
+// lookup(entry) gives a block id of the sequence's table row (paged only,
+// called only for live boxes: warp-uniformly when it shuffles).
+template <typename Lookup>
+__device__ __forceinline__ KeyBox key_box(const IndexerParams& p, int seq, int64_t tile, int j, int64_t len,
+                                          Lookup&& lookup) {
+  KeyBox b;
+  b.first = tile * kTileTokens + int64_t{j} * p.box_rows;
+  b.live = b.first < len;
+  if (p.paged == 0) {
+    b.y = static_cast<int32_t>(tile * kTileTokens);
+    b.z = seq;
+    b.ok = b.live;
+    return b;
+  }
+  const int32_t id = b.live ? lookup(b.first / p.block_size) : -1;
+  b.ok = b.live && id >= 0 && id < p.num_blocks;
+  b.y = static_cast<int32_t>(b.first % p.block_size);
+  b.z = id;
+  return b;
+}
+
+// The box's first table entry, for the producer's TableWindow.
+__device__ __forceinline__ int64_t first_entry(const IndexerParams& p, int64_t tile) {
+  return p.paged == 0 ? 0 : tile * kTileTokens / p.block_size;
+}
+
+// Everything from here on uses sm_90a instructions (TMA, bulk copies,
+// mbarrier transactions); other device passes skip it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+// Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
+// complete on `bar`. Out-of-bounds elements arrive as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+// `bytes` (a multiple of 16, 16-byte aligned ends) from global memory to
+// shared memory at dst, completing on `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// The producer warp of a grouped score CTA (every lane calls it): tile i of
+// the CTA's tiles [tile0, tile0 + ntiles) goes to stage i % kStages once
+// the consumers have released the stage's previous tile (its empty barrier,
+// phase by phase). Lane 0 issues each box that is live and in the pool with
+// issue(box, j, i) (returning the box's bytes) and then expects the stage's
+// bytes on its full barrier, so a stage with no box to load completes at
+// once. Returns the refused rows: bit tl when a live box with a block id
+// outside the pool holds a position of row tl's scored window
+// (windows[tl], 0 for rows not scored).
+template <int kStages, int kTokens, typename Issue>
+__device__ __forceinline__ uint32_t produce_key_tiles(const IndexerParams& p, int seq, int64_t tile0, int64_t ntiles,
+                                                      int64_t len, const int64_t (&windows)[kTokens], uint32_t full,
+                                                      uint32_t empty, int lane, Issue&& issue) {
+  TableWindow table(p.paged != 0 ? p.block_table + int64_t{seq} * p.table_stride : nullptr,
+                    p.paged != 0 ? p.max_blocks : 0, first_entry(p, tile0), lane);
+  const int boxes = kTileTokens / p.box_rows;
+  uint32_t refused = 0;
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const uint32_t s = static_cast<uint32_t>(i % kStages);
+    if (i >= kStages) {
+      if (lane == 0) cuda::mbar::wait(empty + 8 * s, static_cast<uint32_t>((i / kStages - 1) & 1));
+      __syncwarp();
+    }
+    uint32_t bytes = 0;
+    for (int j = 0; j < boxes; ++j) {
+      const KeyBox box = key_box(p, seq, tile0 + i, j, len, [&](int64_t e) { return table.get(e); });
+      if (box.live && !box.ok) {
+#pragma unroll
+        for (int tl = 0; tl < kTokens; ++tl) refused |= (box.first < windows[tl] ? 1u : 0u) << tl;
+      }
+      if (box.ok) bytes += issue(box, j, i, full + 8 * s);  // lane 0 issues; every lane counts
+    }
+    if (lane == 0) cuda::mbar::arrive_expect_tx(full + 8 * s, bytes);
+  }
+  return refused;
+}
+#endif
+
+}  // namespace dsa
+
+/// The FP8 score grid over p (FP8 paged keys, 64 heads x 128, p.keys
+/// encoded over the values; dsa_score_fp8.cu).
+namespace dsa {
+void launch_fp8_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream);
+}  // namespace dsa
+
+}  // namespace sparsepage
