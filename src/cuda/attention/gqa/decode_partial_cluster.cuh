@@ -1,13 +1,14 @@
 // The partial kernel with the merge inside a thread-block cluster
-// (SPARSEPAGE_GQA_MERGE, launch_partial.cuh): the CTAs that split one
+// (launch_partial.cuh, kClusterMergeCtas): the CTAs that split one
 // request form one cluster, each reduces its chunk exactly as the partial
 // kernel does, and the partial states are combined through distributed
 // shared memory instead of fp32 partials in global memory and a merge
 // launch. Only at head dims 128/128 (both paged row sources: the library's
 // tables and the engines' index forms), native dtypes, and uniform splits
 // (every request has the same chunks, so one cluster size fits the grid) of
-// at most kMaxClusterCtas CTAs per request. By default only clusters of 2
-// run (launch_partial.cuh, gqa_merge_choice: the sizes that measured faster).
+// at most kMaxClusterCtas CTAs per request; the launches take clusters of 2
+// only (kClusterMergeCtas: the size that measured faster than the merge
+// kernel).
 //
 // Cluster layout: the grid is items x head tiles (tile fastest) and item
 // r * chunks + c is chunk c of request r, so request r owns CTAs
@@ -37,8 +38,10 @@
 namespace sparsepage {
 namespace cuda {
 
-/// Most CTAs one request's cluster may hold: the non-portable cluster size
-/// of sm_90 (the launcher checks that the device can place it).
+/// Most CTAs one request's cluster may hold: it sizes the kernel's per-chunk
+/// arrays (sm_90's non-portable cluster size). The launches take 2
+/// (kClusterMergeCtas); a smaller bound here would change the kernel's code
+/// (its static shared memory and loops), which has not been measured.
 constexpr int kMaxClusterCtas = 16;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

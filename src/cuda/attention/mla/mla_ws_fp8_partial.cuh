@@ -30,8 +30,9 @@
 // k-step (MlaWsFp8Tile::kPvHalves).
 //
 // Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"), against the
-// classic FP8 kernel: 318-321 against 255 TFLOP/s at batch 64, 328-331
-// against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
+// earlier FP8 kernel (each thread dequantizing a row's quarter from
+// registers after P V, since deleted): 318-321 against 255 TFLOP/s at batch
+// 64, 328-331 against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
 // 301 and 310. Loading four blocks before any store beat two and one. An L2
 // prefetch of the next tile's rows, and copies split in two halves
 // (the first converted while the second lands), both measured slower.

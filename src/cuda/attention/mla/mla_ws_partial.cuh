@@ -1,17 +1,16 @@
-// The warp-specialized MLA partial kernel: the same work, the same shared
-// tile layout and the same math as mla_partial.cuh (64 query heads per CTA,
-// 512 latent + 64 rope columns, V = the latent columns), but the gathered
-// rows are copied by a warpgroup of their own, and the loop has no CTA-wide
-// barrier.
+// The warp-specialized MLA partial kernel (64 query heads per CTA, 512
+// latent + 64 rope columns, V = the latent columns; the shared pieces are in
+// mla_partial.cuh): the gathered rows are copied by a warpgroup of their
+// own, and the loop has no CTA-wide barrier.
 //
 // CTA: 3 warpgroups (384 threads), one CTA per SM.
 //   warpgroups 0, 1  consumers: S, softmax and P V. The bf16 kernel and
 //                    the FP8 CTA pairs (MlaWsColumnTile) split S by columns
 //                    (288 of the 576 each, over all 64 tokens) and hand
 //                    partial sums over; the one-CTA FP8 kernel splits S by
-//                    tokens (32 of the 64 each, over all columns), as the
-//                    classic kernel does. Each warpgroup runs the softmax
-//                    of 32 tokens, and P V over 256 of the 512 V columns.
+//                    tokens (32 of the 64 each, over all columns). Each
+//                    warpgroup runs the softmax of 32 tokens, and P V
+//                    over 256 of the 512 V columns.
 //                    232 registers each (setmaxnreg), for the 128 fp32
 //                    accumulators of O.
 //   warpgroup 2      producer: 40 registers. Eight neighbouring threads copy
@@ -19,8 +18,8 @@
 //                    instruction touches 4 rows, not 8. After a tile's copies
 //                    each thread arrives on the stage's `full` mbarrier when
 //                    its copies land (cp.async.mbarrier.arrive.noinc).
-// Stages: two 64-row tiles, as in the classic kernel. `full[s]` completes when
-// the rows and the page ids of the tile in stage s are in shared memory;
+// Stages: two 64-row tiles. `full[s]` completes when the rows and the page
+// ids of the tile in stage s are in shared memory;
 // `empty[s]` when the eight consumer warps no longer read it. The P tile of a
 // tile is written over the stage's rope slab (S has consumed it by then), so
 // Q + two stages still fit one SM.
