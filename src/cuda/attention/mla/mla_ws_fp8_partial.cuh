@@ -63,19 +63,24 @@ struct MlaWsFp8Threads : Layout {
   static constexpr bool kPvHalves = true;
 };
 
+/// The one-CTA FP8 kernel's shared memory: the token split's, then a ring
+/// of the rows' block scales for the two stages.
+struct MlaWsFp8Smem {
+  MlaWsSmemHead head;
+  float maxima[2][2][MlaTile::kHeads];   // [tile parity][warpgroup][head]
+  float4 scales[2][MlaTile::kTokens];    // [stage][row]: the row's 4 fp32 block scales
+};
+
 struct MlaWsFp8Tile : MlaWsFp8Threads<MlaWsTile> {
   using L = MlaTile;
+  using Smem = MlaWsFp8Smem;
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
-  static constexpr int kScaleStageBytes = L::kTokens * 16;  // 4 fp32 scales per row
-  // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
-  static constexpr int kScales = (MlaWsTile::kBytes + 15) / 16 * 16;
-  static constexpr int kBytes = kScales + 2 * kScaleStageBytes;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(2 * kRawBlockBytes == L::kSlabBytes, "two raw blocks per slab area");
 
-  /// Where R(s) starts within a stage.
+  /// Where R(s) starts within a stage (the raw bytes over slabs 4-7's area).
   __device__ static constexpr uint32_t raw_block(int s) {
     return static_cast<uint32_t>((4 + s / 2) * L::kSlabBytes + (s % 2) * kRawBlockBytes);
   }
@@ -115,7 +120,14 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
 
   __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {}
 
-  __device__ uint32_t scales(int tile) const { return this->base + W::kScales + (tile & 1) * W::kScaleStageBytes; }
+  // Byte offsets of the plan's stages and scale ring (int, as the
+  // conversion's address arithmetic is).
+  static constexpr int kStages = static_cast<int>(offsetof(MlaWsFp8Smem, head.stage));
+  static constexpr int kScales = static_cast<int>(offsetof(MlaWsFp8Smem, scales));
+  static constexpr int kScaleStageBytes = static_cast<int>(sizeof(MlaWsFp8Smem::scales[0]));
+
+  /// Shared address of the scales of tile `tile`'s stage, [64 rows] x 4 fp32.
+  __device__ uint32_t scales(int tile) const { return this->base + kScales + (tile & 1) * kScaleStageBytes; }
 
   /// Copies tile `tile`'s rows as stored: producer thread t takes 16-byte
   /// piece t % 8 of each 128-byte line of rows t / 8 + 32 i (i < 2), i.e.
@@ -147,7 +159,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
         const int lp = piece + 8 * j;  // latent piece: block lp / 4, position lp % 4
         cp_async_16_n(st + W::raw_block(lp / 4) + row * 64 + (lp % 4) * 16, k_row + lp * 16, fill);
       }
-      cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
+      cp_async_16_n(st + kMlaRopeSlab * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
                     fill);
       if (piece == 0) cp_async_16_n(sc + row * 16, k_row + MlaFp8Row::kScaleOffset, fill);
     }
@@ -155,16 +167,14 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
 
   /// Raw piece (row, q) of block s: 16 e4m3 values and their scale.
   __device__ void load_piece(int tile, int s, int row, int q, uint4& raw, float& scale) const {
-    const uint32_t stage_off = W::kStage0 + (tile & 1) * L::kTileBytes;
-    raw = *reinterpret_cast<const uint4*>(this->gen + stage_off + W::raw_block(s) + row * 64 + q * 16);
-    scale = *reinterpret_cast<const float*>(this->gen + W::kScales + (tile & 1) * W::kScaleStageBytes + row * 16 +
-                                            (s / 2) * 4);
+    raw = *reinterpret_cast<const uint4*>(this->gen + this->stage_offset(tile) + W::raw_block(s) + row * 64 + q * 16);
+    scale = *reinterpret_cast<const float*>(this->gen + kScales + (tile & 1) * kScaleStageBytes + row * 16 + (s / 2) * 4);
   }
 
   /// The piece's 16 values, times the scale in fp32 and rounded to bf16, into chunks
   /// 2 q and 2 q + 1 of row `row` of slab s (the 128-byte swizzle).
   __device__ void store_piece(int tile, int s, int row, int q, const uint4& raw, float scale) const {
-    unsigned char* row_ptr = this->gen + W::kStage0 + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
+    unsigned char* row_ptr = this->gen + kStages + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       *reinterpret_cast<uint4*>(row_ptr + (((2 * q + h) ^ (row & 7)) << 4)) =

@@ -46,6 +46,8 @@
 // producer), which reuses the consumers and run().
 #pragma once
 
+#include <cstddef>
+
 #include "cuda/attention/gqa/decode_partial.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/attention/mla/mla_partial.cuh"
@@ -54,8 +56,57 @@
 namespace sparsepage {
 namespace cuda {
 
+/// A 64-row tile of 576 columns in the 128-byte swizzle (mla_swizzle): 9
+/// slabs of 64 columns, each 64 rows x 128 bytes. Q, and each stage of
+/// gathered rows (K and V at once).
+struct MlaSwizzledTile {
+  unsigned char slab[MlaTile::kSlabs][MlaTile::kSlabBytes];
+};
+/// The rope slab (columns 512-575) of a stage: after S, the stage's P tile
+/// (and, with S split by columns, warpgroup 1's partial scores before it).
+constexpr int kMlaRopeSlab = MlaTile::kSlabs - 1;
+constexpr int kMlaWsIdSlots = 4;  // ids of tile u + 2 are written once tile u - 2 is released
+
+/// What every warp-specialized MLA CTA keeps in shared memory, from its
+/// 1024-aligned base (the swizzle repeats every 1024 bytes).
+struct MlaWsSmemHead {
+  MlaSwizzledTile q;
+  MlaSwizzledTile stage[2];
+  int32_t ids[kMlaWsIdSlots][kIdSlotInts];  // page ids, a ring of tiles
+  uint64_t full[2];        // per stage: its rows (and ids) landed
+  uint64_t empty[2];       // per stage: the consumers no longer read it
+  uint64_t done;           // every producer thread is done (the flag below is set)
+  uint64_t peer_empty[2];  // CTA pairs: the peer's consumers released the stage
+  uint64_t peer_full[2];   // CTA pairs: the peer's rows of the stage landed
+  uint32_t bad_flag;       // a producer met a rejected page id
+};
+static_assert(offsetof(MlaWsSmemHead, q) % 1024 == 0 && offsetof(MlaWsSmemHead, stage) % 1024 == 0 &&
+                  sizeof(MlaSwizzledTile) % 1024 == 0,
+              "swizzled tiles start on the swizzle's 1024-byte period");
+static_assert(offsetof(MlaWsSmemHead, full) % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(MlaTile::kHeads * 128 == MlaTile::kSlabBytes, "a P tile is one slab");
+
+/// S split by tokens (MlaWsTile): the row maxima's exchange by tile parity.
+struct MlaWsTokenSmem {
+  MlaWsSmemHead head;
+  float maxima[2][2][MlaTile::kHeads];  // [tile parity][warpgroup][head]
+};
+/// S split by columns (MlaWsColumnTile): one maxima slot (the row sums reuse
+/// it at the end), then warpgroup 0's partial scores of warpgroup 1's
+/// tokens (64 heads x 32 tokens).
+struct MlaWsColumnSmem {
+  MlaWsSmemHead head;
+  float maxima[1][2][MlaTile::kHeads];
+  float4 wg0_scores[4][4][32];  // [warp][n8 tile][lane]
+};
+static_assert(offsetof(MlaWsTokenSmem, maxima) % 16 == 0 && offsetof(MlaWsColumnSmem, maxima) % 16 == 0,
+              "the exchange starts 16-byte aligned");
+static_assert(sizeof(MlaWsColumnSmem::wg0_scores) <= MlaTile::kSlabBytes, "warpgroup 1's half fits the rope slab");
+static_assert(sizeof(MlaWsColumnSmem::maxima) >= 2 * MlaTile::kHeads * sizeof(float), "the row sums fit the maxima's slot");
+
 struct MlaWsTile {
   using L = MlaTile;
+  using Smem = MlaWsTokenSmem;
   static constexpr int kThreads = 384;          // two consumer warpgroups + one producer warpgroup
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = 128;
@@ -63,29 +114,10 @@ struct MlaWsTile {
   static constexpr int kProducerRegs = 40;
   static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
   static constexpr int kClusterCtas = 1;        // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
-  static constexpr int kIdSlots = 4;            // ids of tile u + 2 are written once tile u - 2 is released
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
-  // Byte offsets from the 1024-aligned base.
-  static constexpr int kQ = 0;
-  static constexpr int kStage0 = kQ + L::kTileBytes;
-  // The rope slab of a stage: after S, its P tile (and, split by columns,
-  // warpgroup 1's partial scores before that).
-  static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;
-  static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
-  // full[2], empty[2], done, and in a CTA pair peer_empty[2] and
-  // peer_full[2]: 8 bytes each; then the producers' rejected-id flag.
-  static constexpr int kBarriers = kIds + kIdSlots * kIdSlotInts * 4;
-  static constexpr int kBadFlag = kBarriers + 9 * 8;
-  // The tail, which the column split sizes differently: the row maxima's
-  // exchange, [kMaxSlots tiles][2 warpgroups][64] floats.
-  static constexpr int kExchange = kBadFlag + 8;
-  static constexpr int kMaxSlots = 2;           // by tile parity
-  static constexpr int kBytes = kExchange + kMaxSlots * 2 * L::kHeads * 4;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr int kMaxSlots = 2;           // row maxima slots, by tile parity
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment slack
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
-  static_assert(L::kHeads * 128 == L::kSlabBytes, "a P tile is one slab");
-  static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kExchange % 16 == 0, "the exchange starts 16-byte aligned");
   // Named barriers (0 is __syncthreads).
   static constexpr int kConsumerBar = 1;
   static constexpr int kProducerBar = 2;
@@ -106,18 +138,11 @@ struct MlaWsTile {
 /// beside Q and the two stages because the row maxima are exchanged in one
 /// slot, not two (see MlaWsCta::softmax).
 struct MlaWsColumnTile : MlaWsTile {
+  using Smem = MlaWsColumnSmem;
   static constexpr bool kScoresByColumns = true;
-  // Only the tail differs from the token split's layout: one maxima slot,
-  // then warpgroup 0's partial scores, [4 warps][4 n8 tiles][32 lanes]
-  // float4 (64 heads x 32 tokens).
   static constexpr int kMaxSlots = 1;
-  static constexpr int kScoreExchange = (kExchange + kMaxSlots * 2 * L::kHeads * 4 + 15) / 16 * 16;
-  static constexpr int kBytes = kScoreExchange + L::kHeads * 32 * 4;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
-  static_assert(kScoreExchange % 16 == 0, "float4 stores");
-  static_assert(L::kHeads * 32 * 4 <= L::kSlabBytes, "warpgroup 1's half fits the rope slab");
-  static_assert(2 * L::kHeads * 4 <= kMaxSlots * 2 * L::kHeads * 4, "the row sums fit the maxima's slot");
 };
 
 namespace cluster {
@@ -177,27 +202,53 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
   using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::tile_tokens;
   using S::bad;  // set by producer threads only
+  using Smem = typename W::Smem;
 
   __device__ MlaWsCta(const Params& params, unsigned char* smem) : S(params, smem) {}
 
   __device__ int num_tiles() const { return (len + L::kTokens - 1) / L::kTokens; }
+  // The fields of the CTA's shared-memory plan (W::Smem), by their byte
+  // offsets from the base: shared addresses are base + offset, generic
+  // pointers gen + offset.
   __device__ int32_t* id_slot(int tile) const {
-    return reinterpret_cast<int32_t*>(gen + W::kIds) + (tile % W::kIdSlots) * kIdSlotInts;
+    return reinterpret_cast<int32_t*>(gen + offsetof(Smem, head.ids)) + (tile % kMlaWsIdSlots) * kIdSlotInts;
   }
-  __device__ uint32_t stage(int tile) const { return base + W::kStage0 + (tile & 1) * L::kTileBytes; }
-  __device__ uint32_t full_bar(int tile) const { return base + W::kBarriers + (tile & 1) * 8; }
-  __device__ uint32_t empty_bar(int tile) const { return base + W::kBarriers + 16 + (tile & 1) * 8; }
+  __device__ uint32_t q_tile() const { return base + static_cast<uint32_t>(offsetof(Smem, head.q)); }
+  /// Byte offset of tile `tile`'s stage.
+  __device__ static constexpr uint32_t stage_offset(int tile) {
+    return static_cast<uint32_t>(offsetof(Smem, head.stage) + (tile & 1) * sizeof(MlaSwizzledTile));
+  }
+  __device__ uint32_t stage(int tile) const { return base + stage_offset(tile); }
+  /// Byte offset of the stage's rope slab: P (and, split by columns,
+  /// warpgroup 1's partial scores before it).
+  __device__ static constexpr uint32_t p_slab_offset(int tile) {
+    return stage_offset(tile) + kMlaRopeSlab * MlaTile::kSlabBytes;
+  }
+  __device__ uint32_t full_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.full) + (tile & 1) * sizeof(uint64_t));
+  }
+  __device__ uint32_t empty_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.empty) + (tile & 1) * sizeof(uint64_t));
+  }
   /// Completes when every producer thread is done; the rejected-id flag is
   /// set before.
-  __device__ uint32_t done_bar() const { return base + W::kBarriers + 32; }
+  __device__ uint32_t done_bar() const { return base + static_cast<uint32_t>(offsetof(Smem, head.done)); }
   /// In a CTA pair: completes when the peer's consumer warps released the
   /// stage (the producer writes into the peer's stage too).
-  __device__ uint32_t peer_empty_bar(int tile) const { return base + W::kBarriers + 40 + (tile & 1) * 8; }
+  __device__ uint32_t peer_empty_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.peer_empty) + (tile & 1) * sizeof(uint64_t));
+  }
   /// In a CTA pair: completes when the peer's rows of the stage landed (the
   /// bulk copies' transaction bytes). Apart from `full`, whose arrivals are
   /// all this CTA's, so that each barrier has one kind of completion.
-  __device__ uint32_t peer_full_bar(int tile) const { return base + W::kBarriers + 56 + (tile & 1) * 8; }
-  __device__ unsigned int* bad_flag() const { return reinterpret_cast<unsigned int*>(gen + W::kBadFlag); }
+  __device__ uint32_t peer_full_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.peer_full) + (tile & 1) * sizeof(uint64_t));
+  }
+  __device__ unsigned int* bad_flag() const {
+    return reinterpret_cast<unsigned int*>(gen + offsetof(Smem, head.bad_flag));
+  }
+  /// The row maxima's exchange, [slots][2 warpgroups][64 heads] floats.
+  __device__ float* maxima() const { return reinterpret_cast<float*>(gen + offsetof(Smem, maxima)); }
 
   // ---- producer -------------------------------------------------------------
 
@@ -241,8 +292,8 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       const T* e_row = e_base + (r >= 0 ? r * p.e_stride : 0) + piece * 8;
       const uint32_t dst = dst0 + row * 128 + ((piece ^ (row & 7)) << 4);
 #pragma unroll
-      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + s * 64, fill);
-      cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row, fill);
+      for (int s = 0; s < kMlaRopeSlab; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + s * 64, fill);
+      cp_async_16_n(dst + kMlaRopeSlab * L::kSlabBytes, e_row, fill);
     }
     mbar::arrive_on_copies(full_bar(tile));
   }
@@ -287,10 +338,10 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   float m[2], l[2];
   float acc[128];
 
-  __device__ void load_q() { mla_load_q<T>(p, base + W::kQ, request, head0, heads, tid, W::kConsumerThreads); }
+  __device__ void load_q() { mla_load_q<T>(p, q_tile(), request, head0, heads, tid, W::kConsumerThreads); }
 
   __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
-    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t qd = wgmma::desc_sw128(q_tile(), 16, 1024);
     const uint64_t kd = wgmma::desc_sw128(stage_addr + wg * 32 * 128, 16, 1024);
     wgmma::fence();
 #pragma unroll
@@ -305,7 +356,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// 36 k-steps, over all 64 tokens.
   __device__ void start_scores_columns(uint32_t stage_addr, float (&part)[8][4]) const {
     constexpr int kSteps = L::kCols / 16 / 2;
-    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t qd = wgmma::desc_sw128(q_tile(), 16, 1024);
     const uint64_t kd = wgmma::desc_sw128(stage_addr, 16, 1024);
     wgmma::fence();
 #pragma unroll
@@ -340,8 +391,8 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       // hands over through the buffer at kScoreExchange, which warpgroup 1
       // reads before that barrier, and warpgroup 0 writes again only in the
       // next tile.
-      unsigned char* from_wg1 = gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab;
-      unsigned char* from_wg0 = gen + W::kScoreExchange;
+      unsigned char* from_wg1 = gen + p_slab_offset(tile);
+      unsigned char* from_wg0 = gen + offsetof(Smem, wg0_scores);
       const bool is_wg0 = wg == 0;
       float4* give = reinterpret_cast<float4*>(is_wg0 ? from_wg0 : from_wg1) + (wt / 32) * 4 * 32 + lane;
       const float4* take = reinterpret_cast<const float4*>(is_wg0 ? from_wg1 : from_wg0) + (wt / 32) * 4 * 32 + lane;
@@ -400,7 +451,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // Every read of tile t's maxima comes before the reader's P barrier of
     // tile t, and tile t + 1's writes after it, so one slot would do; the
     // token split keeps two (by tile parity), the column split one.
-    float* xchg = reinterpret_cast<float*>(gen + W::kExchange) + (tile % W::kMaxSlots) * 2 * L::kHeads;
+    float* xchg = maxima() + (tile % W::kMaxSlots) * 2 * L::kHeads;
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // maxima exchanged; both S(t) done (rope slab free)
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
@@ -409,7 +460,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // Lazy rescale, in step in both warpgroups (they share tmax).
     float alpha[2], b[2];
     const bool rescale = online_softmax_rebase(tmax, m, l, alpha, b);
-    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab);
+    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + p_slab_offset(tile));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int col = wg * 32 + j * 8 + 2 * (lane & 3);
@@ -433,7 +484,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// warpgroups meet at the P barrier, then the other's two from the P tile.
   __device__ void start_pv(int tile, const uint32_t (&pk)[4][2]) {
     const uint32_t st = stage(tile);
-    const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
+    const uint64_t pd = wgmma::desc_sw128(base + p_slab_offset(tile), 16, 1024);
     const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
     // The FP8 CTAs take each k-step as two m64n128 (columns 0-127 and
     // 128-255 of this warpgroup's 256, two slabs apart): the 512-thread CTA
@@ -522,7 +573,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
-    float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // over the maxima's slot(s), read by now
+    float* sums = maxima();  // over the maxima's slot(s), read by now
     named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
     if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
     named_barrier(W::kConsumerBar, W::kConsumerThreads);
