@@ -172,7 +172,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
       // Groups in flight here: the rope of u - 1 and the ids of u + 1; the
       // ids of u (two tiles ago) have landed.
       if (u > 0) cp_async_wait<1>();
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every thread's ids of tile u are visible
+      this->producer_sync(MlaWsBarrier::kTileIdsVisible);
       Gathered g;
       gather(u, g);
       // The stage is free once both CTAs' consumers released tile u - 2
@@ -194,7 +194,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
       cp_async_wait<1>();          // this thread's rope copies of tile u
       wgmma::fence_proxy_async();  // the stores and copies, before the tensor cores and the bulk copies read them
       mbar::arrive(this->full_bar(u));
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every own row of tile u is converted
+      this->producer_sync(MlaWsBarrier::kOwnRowsConverted);
       if (pt == 0) share_tile(u);
     }
     cp_async_wait<0>();

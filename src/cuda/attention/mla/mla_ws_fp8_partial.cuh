@@ -203,10 +203,10 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
     float scale[4];
     load_blocks<4>(tile, 0, raw, scale);
     store_blocks<4>(tile, 0, raw, scale, 0, 4);
-    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(0)-R(3) read
+    this->producer_sync(MlaWsBarrier::kRawLowRead);
     load_blocks<4>(tile, 4, raw, scale);
     store_blocks<4>(tile, 4, raw, scale, 0, 2);
-    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(4)-R(7) read
+    this->producer_sync(MlaWsBarrier::kRawHighRead);
     store_blocks<4>(tile, 4, raw, scale, 2, 2);
     wgmma::fence_proxy_async();  // the stores, before the consumers' tensor cores read them
     mbar::arrive(this->full_bar(tile));
@@ -222,7 +222,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
     for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
     cp_async_commit();
     cp_async_wait<0>();
-    named_barrier(W::kProducerBar, W::kProducerThreads);
+    this->producer_sync(MlaWsBarrier::kFirstIdsVisible);
     // The ids are visible to the consumers through these (release) arrivals;
     // the converters' arrivals, after the same barrier, would publish them
     // too, but `full` counts as in the bf16 kernel.
@@ -240,7 +240,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
         // The stage is free once the consumers released tile u - 2.
         mbar::wait(this->empty_bar(u), ((u >> 1) & 1) ^ 1);
         cp_async_wait<0>();  // the ids of tile u
-        named_barrier(W::kProducerBar, W::kProducerThreads);
+        this->producer_sync(MlaWsBarrier::kTileIdsVisible);
         if (pt == 0) mbar::arrive(this->full_bar(u));
         copy_tile(u);
         cp_async_commit();
@@ -250,7 +250,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
       }
       // Groups in flight: tile u's rows, tile 1's (u == 0 only), the next ids.
       if (u == 0) cp_async_wait<2>(); else cp_async_wait<1>();
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every producer thread's copies of tile u landed
+      this->producer_sync(MlaWsBarrier::kRowsLanded);
       convert_tile(u);
     }
     cp_async_wait<0>();

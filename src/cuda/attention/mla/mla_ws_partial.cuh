@@ -118,9 +118,6 @@ struct MlaWsTile {
   static constexpr int kMaxSlots = 2;           // row maxima slots, by tile parity
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment slack
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
-  // Named barriers (0 is __syncthreads).
-  static constexpr int kConsumerBar = 1;
-  static constexpr int kProducerBar = 2;
   // S split by tokens: each consumer warpgroup scores 32 of the tile's 64
   // tokens over all 576 columns (m64n32k16), so each reads all of Q.
   static constexpr bool kScoresByColumns = false;
@@ -175,8 +172,30 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 }  // namespace cluster
 
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+/// The named barriers of the warp-specialized MLA CTAs, one id per sync
+/// point (0 is __syncthreads; sm_90 has 16). The consumer ones count the two
+/// consumer warpgroups, the producer ones the producer warpgroup(s).
+enum class MlaWsBarrier : int {
+  // consumers
+  kQLanded = 1,      // Q is in shared memory
+  kScoresSwapped,    // S split by columns: both halves of the partial sums handed over
+  kMaximaSwapped,    // the row maxima exchanged; both S(t) done, so the rope slab is free
+  kPComplete,        // the other warpgroup's P is in the P tile
+  kMaximaRead,       // the end: the last maxima are read, so the row sums may go over them
+  kSumsWritten,      // the end: both warpgroups' row sums are written
+  // producers
+  kFirstIdsVisible,  // FP8 one CTA: the ids of tiles 0 and 1
+  kTileIdsVisible,   // every producer thread's ids of tile u
+  kRowsLanded,       // FP8 one CTA: every producer thread's raw rows of tile u
+  kRawLowRead,       // FP8 one CTA: raw blocks 0-3 are read (slabs 4-5 may go over them)
+  kRawHighRead,      // FP8 one CTA: raw blocks 4-7 are read (slabs 6-7 may go over them)
+  kOwnRowsConverted, // FP8 pairs: every own row of tile u is converted (the send may start)
+};
+static_assert(static_cast<int>(MlaWsBarrier::kOwnRowsConverted) < 16, "sm_90 has 16 named barriers");
+
+/// Every thread of `threads` (whole warps) meets at named barrier `id`.
+__device__ __forceinline__ void named_barrier(MlaWsBarrier id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
 }
 
 /// One 16-byte gathered latent copy with a 256-byte L2 prefetch hint (the
@@ -250,6 +269,10 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// The row maxima's exchange, [slots][2 warpgroups][64 heads] floats.
   __device__ float* maxima() const { return reinterpret_cast<float*>(gen + offsetof(Smem, maxima)); }
 
+  /// The consumer warpgroups, or the producer warpgroup(s), meet at `id`.
+  __device__ static void consumer_sync(MlaWsBarrier id) { named_barrier(id, W::kConsumerThreads); }
+  __device__ static void producer_sync(MlaWsBarrier id) { named_barrier(id, W::kProducerThreads); }
+
   // ---- producer -------------------------------------------------------------
 
   /// This producer thread's 4 rows of a tile (rows t / 8 + 16 i): the pool
@@ -315,7 +338,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       } else {
         cp_async_wait<2>();
       }
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every thread's ids of tile u are visible
+      producer_sync(MlaWsBarrier::kTileIdsVisible);
       TileRows rows;
       resolve_tile(u, rows);
       // The stage is free once the consumers released tile u - 2 (a fresh
@@ -405,7 +428,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         for (int e = 0; e < 4; ++e) g[e] = is_wg0 ? part[4 + j][e] : part[j][e];
         give[j * 32] = make_float4(g[0], g[1], g[2], g[3]);
       }
-      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // both halves handed over
+      consumer_sync(MlaWsBarrier::kScoresSwapped);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float4 t = take[j * 32];
@@ -453,7 +476,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // token split keeps two (by tile parity), the column split one.
     float* xchg = maxima() + (tile % W::kMaxSlots) * 2 * L::kHeads;
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // maxima exchanged; both S(t) done (rope slab free)
+    consumer_sync(MlaWsBarrier::kMaximaSwapped);
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
     tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
 
@@ -503,7 +526,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       }
     }
     wgmma::fence_proxy_async();
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the other warpgroup's P is in the P tile
+    consumer_sync(MlaWsBarrier::kPComplete);
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       const int k = 2 * (1 - wg) + kk;
@@ -535,7 +558,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     cp_async_commit();
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // Q landed
+    consumer_sync(MlaWsBarrier::kQLanded);
     float s[16];
     for (int t = 0; t < tiles; ++t) {
       wait_full(t);
@@ -574,9 +597,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
     float* sums = maxima();  // over the maxima's slot(s), read by now
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
+    consumer_sync(MlaWsBarrier::kMaximaRead);
     if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);
+    consumer_sync(MlaWsBarrier::kSumsWritten);
     float sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = sums[wrow + 8 * r] + sums[L::kHeads + wrow + 8 * r];
