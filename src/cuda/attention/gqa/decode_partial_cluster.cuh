@@ -31,9 +31,8 @@
 // lse = -inf: the merge kernel's rules.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/cluster.cuh"
 
 namespace sparsepage {
 namespace cuda {
@@ -47,7 +46,6 @@ constexpr int kMaxClusterCtas = 16;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 template <class Cta>
 __device__ void finish_in_cluster(Cta& c) {
-  namespace cg = cooperative_groups;
   using T = typename Cta::Elem;
   using Cfg = typename Cta::Cfg;
   __shared__ float row_base[kQueryTile], row_sum[kQueryTile];
@@ -71,12 +69,11 @@ __device__ void finish_in_cluster(Cta& c) {
   if (c.tid == 0) cta_bad = any_bad ? 1 : 0;
   if (any_bad && c.tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
 
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every CTA's tile, bases, sums and flag are published
-  const int rank = static_cast<int>(cluster.block_rank());
+  cluster::sync();  // every CTA's tile, bases, sums and flag are published
+  const int rank = static_cast<int>(cluster::rank());
   const int32_t rows = p.group_size * p.q_len;
   const int tiles = (rows + kQueryTile - 1) / kQueryTile;
-  const int chunks = static_cast<int>(cluster.num_blocks()) / tiles;
+  const int chunks = static_cast<int>(cluster::num_ctas()) / tiles;
   const int tile = rank % tiles, chunk = rank / tiles;
   if (c.tid < c.heads) {
     const int row = c.tid;
@@ -87,9 +84,9 @@ __device__ void finish_in_cluster(Cta& c) {
     for (int k = 0; k < kMaxClusterCtas; ++k) {
       if (k >= chunks) break;
       const unsigned peer = static_cast<unsigned>(k * tiles + tile);
-      base[k] = *cluster.map_shared_rank(row_base + row, peer);
-      sum[k] = *cluster.map_shared_rank(row_sum + row, peer);
-      nan |= *cluster.map_shared_rank(&cta_bad, peer) != 0 || isnan(sum[k]);
+      base[k] = *cluster::map(row_base + row, peer);
+      sum[k] = *cluster::map(row_sum + row, peer);
+      nan |= *cluster::map(&cta_bad, peer) != 0 || isnan(sum[k]);
       if (sum[k] > 0.f) top = fmaxf(top, base[k]);
     }
     float total = 0.f;
@@ -117,7 +114,7 @@ __device__ void finish_in_cluster(Cta& c) {
     for (int k = 0; k < kMaxClusterCtas; ++k) {
       if (k >= chunks) break;
       const float w = weight[k][row];
-      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(mine, static_cast<unsigned>(k * tiles + tile)));
+      const float4 x = *reinterpret_cast<const float4*>(cluster::map(mine, static_cast<unsigned>(k * tiles + tile)));
       o.x += w * x.x, o.y += w * x.y, o.z += w * x.z, o.w += w * x.w;
     }
     const float s = row_scale[row];
@@ -128,7 +125,7 @@ __device__ void finish_in_cluster(Cta& c) {
                          : o0 + row * p.o_head + col;
     *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+  cluster::sync();  // no CTA leaves while a peer may still read its shared memory
 }
 #endif
 

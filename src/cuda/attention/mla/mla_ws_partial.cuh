@@ -49,6 +49,7 @@
 #include <cstddef>
 
 #include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/cluster.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/attention/mla/mla_partial.cuh"
 #include "cuda/primitives/wgmma.cuh"
@@ -141,36 +142,6 @@ struct MlaWsColumnTile : MlaWsTile {
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
 };
-
-namespace cluster {
-__device__ __forceinline__ uint32_t rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-/// The shared::cluster address of `addr` (this CTA's shared memory) in CTA `rank`.
-__device__ __forceinline__ uint32_t map(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-/// Every thread of every CTA of the cluster; the arrival is relaxed (the
-/// barriers' initialization is released by fence.mbarrier_init first).
-__device__ __forceinline__ void sync() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-/// Copies `bytes` (a multiple of 16) of this CTA's shared memory at `src` to
-/// shared::cluster address `dst` (a peer CTA's) with the bulk-copy engine;
-/// completes `bytes` transaction bytes on that CTA's mbarrier at `bar`.
-__device__ __forceinline__ void copy_bulk(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "r"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-/// Waits until this thread's bulk copies have read their sources.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-}  // namespace cluster
 
 /// The named barriers of the warp-specialized MLA CTAs, one id per sync
 /// point (0 is __syncthreads; sm_90 has 16). The consumer ones count the two
@@ -644,7 +615,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // them: the cluster meets. The CTA barrier after it is for
     // compute-sanitizer's racecheck, which, without one after the barriers'
     // initialization, reports every stage reuse as a race.
-    if constexpr (W::kClusterCtas > 1) cluster::sync();
+    if constexpr (W::kClusterCtas > 1) cluster::sync_relaxed();
     __syncthreads();
     // The producers' rejected ids reach the consumers through a shared flag
     // and the `done` mbarrier, not a barrier of the whole CTA: that would be
