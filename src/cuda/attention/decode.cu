@@ -171,7 +171,7 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
       cuda::multi_token_cta_kind(shape, head_dim_qk, head_dim_v, head_dim_extra, group_size, q_len);
   if (multi != cuda::MultiTokenCtaKind::kRowTiles) {
     s.ctas_per_item = cuda::multi_token_ctas_per_item(group_size, q_len);
-    s.ctas_per_sm = cuda::multi_token_resident_ctas(multi);
+    s.ctas_per_sm = cuda::multi_token_resident_ctas<cuda::PagedSource>(multi);
     return s;
   }
   group_size *= q_len;  // the 16-row CTA: query rows

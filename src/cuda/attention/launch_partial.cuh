@@ -117,13 +117,17 @@ inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t head_dim_
 inline int32_t multi_token_ctas_per_item(int32_t group_size, int32_t q_len) {
   return static_cast<int32_t>((int64_t{group_size} * q_len + kMultiRows - 1) / kMultiRows);
 }
-inline int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
+/// (A template, so that only the translation unit that asks, decode.cu,
+/// instantiates the kernels it names; as an inline function every file that
+/// includes this header compiled two copies of them.)
+template <class Source>
+int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
   if (kind == MultiTokenCtaKind::kWgmma) {
-    using Cta = MultiTokenWgmmaCta<__nv_bfloat16, PagedSource>;
-    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, PagedSource>, kThreads, Cta::kSmemBytes);
+    using Cta = MultiTokenWgmmaCta<__nv_bfloat16, Source>;
+    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, Source>, kThreads, Cta::kSmemBytes);
   }
-  using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, PagedSource>;
-  return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, PagedSource>, kThreads, Cta::kSmemBytes);
+  using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, Source>;
+  return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, Source>, kThreads, Cta::kSmemBytes);
 }
 
 /// Split requests of the 16-row CTA at 128/128 merge inside a
