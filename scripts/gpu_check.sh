@@ -3,7 +3,7 @@
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck, synccheck), benchmark, and print a short table last. Full logs
 # go to $OUT.
-#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers mlaab dispatch sweep sass profile)
+#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -11,7 +11,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: multitoken peers mlaab dispatch sweep sass profile
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: multitoken peers dispatch sweep sass profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -105,29 +105,6 @@ if [[ $STAGES == *dsa* ]]; then
     "$B" --geometry dsa --selection random --rows 2048 --contexts 2560,3072,4096,8192,32768,131072 --batch $batch \
       --min-sparsity 0 --reps 7 --steps 10 --json "$OUT/dsa_floor_b$batch.json" > "$OUT/dsa_floor_b$batch.log" 2>&1
     note "dsa floor batch $batch: rc=$?"; grep -A7 "^context" "$OUT/dsa_floor_b$batch.log" | cut -c1-110
-  done
-fi
-if [[ $STAGES == *mlaab* ]]; then
-  # The MLA kernels against each other (MLA_KERNELS, default "ws classic";
-  # SPARSEPAGE_MLA_KERNEL per process): the MLA / DSA GPU tests under each,
-  # then the DSA shape (2048 random tokens of 128K) at batch 64, 128 and 1,
-  # interleaved over ROUNDS rounds so that drift hits every kernel alike.
-  mla_filter='*mla*:*Mla*:*MLA*:*Dsa*:*dsa*:*EngineInputs*-*Indexer*'
-  for kernel in ${MLA_KERNELS:-ws classic}; do
-    SPARSEPAGE_MLA_KERNEL=$kernel timeout 300 "$T" --gtest_filter="$mla_filter" > "$OUT/mla_tests_$kernel.log" 2>&1; rc=$?
-    note "MLA tests under $kernel: rc=$rc, $(grep -E '^\[  (PASSED|FAILED)' "$OUT/mla_tests_$kernel.log" | tr '\n' ' ')"
-    [ $rc -eq 0 ] || { failed=1; grep -E "Failure|FAILED" -A4 "$OUT/mla_tests_$kernel.log" | head -30; }
-  done
-  for round in $(seq 1 "${ROUNDS:-2}"); do
-    for batch in 64 128 1; do
-      for kernel in ${MLA_KERNELS:-ws classic}; do
-        log="$OUT/mlaab_${kernel}_b${batch}_r$round.log"
-        SPARSEPAGE_MLA_KERNEL=$kernel timeout 120 "$B" --geometry dsa --selection random --rows 2048 --contexts 131072 \
-          --batch $batch --reps 9 --steps 10 --fused-only > "$log" 2>&1; rc=$?
-        [ $rc -eq 0 ] || failed=1
-        note "mla $kernel batch $batch round $round: rc=$rc $(grep -o 'fused [0-9.]* TFLOP/s (cold)' "$log") $(grep -A1 '^context' "$log" | tail -1 | cut -c1-100)"
-      done
-    done
   done
 fi
 if [[ $STAGES == *sweep* ]]; then

@@ -223,8 +223,6 @@ int main(int argc, char** argv) {
   std::printf("policy: kill switch %s, min sparsity %lld, floors %lld / %lld per request\n",
               config.enabled ? "off (fused allowed)" : "ON (mask path pinned)", static_cast<long long>(config.min_sparsity),
               static_cast<long long>(config.min_kv_tokens), static_cast<long long>(config.min_kv_tokens_per_request));
-  if (const char* merge = std::getenv("SPARSEPAGE_GQA_MERGE"); merge != nullptr && *merge != '\0')
-    std::printf("split requests: SPARSEPAGE_GQA_MERGE=%s\n", merge);
 
   json results = json::array();
   struct Row {

@@ -324,9 +324,10 @@ bool cuda_sm90a_code_runs(int32_t sm, const char* built = nullptr);
 /// The architectures this build's kernels were compiled for, as CMake had
 /// them ("90a", "80,90a,100"); empty without the CUDA backend.
 const char* cuda_built_architectures();
-/// Reads the kernel switches (SPARSEPAGE_MLA_KERNEL, SPARSEPAGE_GQA_MERGE,
-/// SPARSEPAGE_MULTI_TOKEN_CTA; each read once per process) and throws
-/// sparsepage::Error naming one that holds a value it does not take.
+/// Reads the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA (read once per
+/// process; `mma` runs the multi-token CTA's mma.sync form on sm_90a too, so
+/// that the form other GPUs run is tested on Hopper) and throws
+/// sparsepage::Error when it holds a value it does not take.
 /// A CUDA SparseDecoder (and so every layer) asks when it is made, before
 /// any step; without the CUDA backend there are no switches and it does
 /// nothing.
@@ -376,14 +377,13 @@ const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, 
 /// shared memory (one launch, no fp32 partials), or 0 when the merge kernel
 /// runs (or nothing is split). Clusters take a uniform split (equal counts)
 /// at head dims 128/128 with a native dtype, on a device that can place
-/// them, of at most as many CTAs per request as SPARSEPAGE_GQA_MERGE (read
-/// once per process) allows: 2 when unset or `auto` (the sizes measured
-/// faster than the merge kernel), 16 with `cluster`, none with `kernel`.
+/// them, of 2 CTAs per request (the size measured faster than the merge
+/// kernel).
 int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan);
 /// The kernel `run_decode_cuda` launches for these parameters and this plan,
 /// named for logs and benchmarks (a string literal, e.g. "64-row
-/// multi-token CTA, wgmma"); the kernel switches SPARSEPAGE_MLA_KERNEL,
-/// SPARSEPAGE_GQA_MERGE and SPARSEPAGE_MULTI_TOKEN_CTA are taken into account.
+/// multi-token CTA, wgmma"); the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA is
+/// taken into account.
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan);
 /// Reads and clears the error flag (synchronizes). Nonzero: some page id was outside the pool.
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream = nullptr);

@@ -102,35 +102,31 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_mla_p2_offset_g64_d512_e64", kBF16, 2, true, 64, 512, 512, 64, true, 128, {129, 0, 640}}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
 
-// The merge inside thread-block clusters: which plans take it, and that they
-// match the reference and the unsplit launch. SPARSEPAGE_GQA_MERGE (read once
-// per process; the GPU check runs the suite under each value) decides: unset
-// or `auto` takes clusters of 2 CTAs, `cluster` clusters of up to 16,
-// `kernel` none.
+// The merge inside thread-block clusters: which plans take it (uniform
+// splits of 2 CTAs per request; every other split request merges in the
+// merge kernel), and that both match the reference and the unsplit launch.
 struct ClusterCase {
   DType dtype;
   int32_t group_size;
   std::vector<int32_t> seq_lens;
   int32_t fixed_chunk;
-  int32_t cluster;  // what cuda_merge_cluster_size reports under SPARSEPAGE_GQA_MERGE=cluster
+  int32_t cluster;  // what cuda_merge_cluster_size reports: 2, or 0 for the merge kernel
 };
 
-TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfAtMost16CtasAndMatchesTheReference) {
+TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfTwoCtasAndMatchesTheReference) {
   SKIP_WITHOUT_CUDA();
-  const char* env = std::getenv("SPARSEPAGE_GQA_MERGE");
-  const std::string mode = env == nullptr || *env == '\0' ? "auto" : env;
-  const int32_t limit = mode == "cluster" ? 16 : mode == "auto" ? 2 : 0;
   const std::vector<ClusterCase> cases = {
-      {kBF16, 16, {2048, 2048, 2048, 2048}, 128, 16},   // the batch-1 shape: 16 chunks per request
-      {kBF16, 16, {2048, 2048, 2048, 2048}, 256, 8},
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 128, 0},    // the batch-1 shape: 16 chunks per request
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 256, 0},    // 8 chunks
       {kBF16, 16, {2048, 2048, 2048}, 1024, 2},         // the batch-32 and 64 shape: 2 chunks
       {kF16, 16, {1000, 1000}, 512, 2},                 // a short second chunk
-      {kF16, 16, {2048, 2048}, 64, 0},                  // 32 chunks: more than a cluster holds
+      {kF16, 16, {2048, 2048}, 64, 0},                  // 32 chunks
       {kBF16, 16, {8192}, 64, 0},                       // 128 chunks: 8 merge lanes of two batches each
       {kF16, 16, {4480, 4480}, 64, 0},                  // 70 chunks: a lane's second batch mostly past the end
-      {kBF16, 32, {1024, 1024}, 128, 16},               // 8 chunks x 2 head tiles
-      {kF16, 4, {700, 700, 700}, 64, 11},               // 4 heads of the 16-row tile, a short last chunk
-      {kBF16, 24, {640, 640}, 128, 10},                 // a partial second head tile
+      {kBF16, 32, {1024, 1024}, 128, 0},                // 8 chunks x 2 head tiles
+      {kBF16, 32, {1024, 1024}, 1024, 0},               // 1 chunk x 2 head tiles: nothing split
+      {kF16, 4, {700, 700, 700}, 64, 0},                // 4 heads of the 16-row tile, a short last chunk
+      {kBF16, 24, {640, 640}, 128, 0},                  // a partial second head tile, 5 chunks
       {kBF16, 16, {2048, 1000}, 128, 0},                // not uniform: the merge kernel
       {kBF16, 16, {100, 100}, 1 << 20, 0},              // nothing split
   };
@@ -148,8 +144,7 @@ TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfAtMost16CtasAndMatchesTheRefere
     const DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
     const DeviceProblem dp(pb);
     Buffer o(Device::kCuda, o_count(pb) * 2);
-    EXPECT_EQ(cuda_merge_cluster_size(dp.params(pb, o.data(), nullptr), plan), c.cluster <= limit ? c.cluster : 0)
-        << what << ", SPARSEPAGE_GQA_MERGE=" << mode;
+    EXPECT_EQ(cuda_merge_cluster_size(dp.params(pb, o.data(), nullptr), plan), c.cluster) << what;
     const Reference ref = reference_attention(pb, pb.token_rows());
     const DecodeOutput split = run_gpu(pb, shape);
     const DecodeOutput whole = run_gpu(pb, cuda_plan_shape(c.group_size, 128, 1 << 20));

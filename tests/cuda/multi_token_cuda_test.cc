@@ -78,7 +78,7 @@ std::string expected_kernel(const Case& c) {
   const int32_t rows = c.group_size * c.q_len;
   const char* env = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
   const std::string choice = env != nullptr ? env : "";
-  if (c.head_dim == 128 && rows > 16 && choice != "0") {
+  if (c.head_dim == 128 && rows > 16) {
     if (choice != "mma" && cuda_sm90a_code_runs(cuda_device_sm())) return "64-row multi-token CTA, wgmma";
     if (rows > 32) return "64-row multi-token CTA, mma.sync";
   }
@@ -190,9 +190,8 @@ TEST(MultiTokenCuda, BlockSparseLayerOnTheSixtyFourRowCta) {
   testing::check_block_sparse_multi_token(Device::kCuda, c, 2, 900, 4, &kernel);
   const char* env = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
   const std::string choice = env != nullptr ? env : "";
-  const char* expected = choice == "0"                                              ? "16-row tiles, mma.sync"
-                         : choice == "mma" || !cuda_sm90a_code_runs(cuda_device_sm()) ? "64-row multi-token CTA, mma.sync"
-                                                                                      : "64-row multi-token CTA, wgmma";
+  const char* expected = choice == "mma" || !cuda_sm90a_code_runs(cuda_device_sm()) ? "64-row multi-token CTA, mma.sync"
+                                                                                   : "64-row multi-token CTA, wgmma";
   EXPECT_EQ(kernel, expected);
 }
 
@@ -248,7 +247,7 @@ TEST(KernelSwitches, ABadValueIsRefusedWhenADecoderIsMade) {
   if (v == nullptr || std::string(v) != "bogus")
     GTEST_SKIP() << "runs with SPARSEPAGE_MULTI_TOKEN_CTA=bogus, in its own ctest process";
   EXPECT_TRUE(testing::throws_error_naming([] { SparseDecoder d(Device::kCuda, DispatchConfig::defaults()); },
-                                  "SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto', 'mma' or '0', not 'bogus'"));
+                                  "SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto' or 'mma', not 'bogus'"));
   EXPECT_TRUE(testing::throws_error_naming(
       [] { BlockSparseAttention layer(Device::kCuda, DType::kBF16, testing::small_block_sparse_config(), 1); },
       "SPARSEPAGE_MULTI_TOKEN_CTA"));

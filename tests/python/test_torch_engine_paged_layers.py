@@ -6,7 +6,6 @@ kept set, same bits). The DSA layer also reads the engines' FP8 MLA pool (uint8 
 written by quantize_mla_fp8, NaN bytes elsewhere) and matches its own cache of the dequantized
 values. Runs on the GPU machine; skips without torch or a GPU."""
 
-import os
 
 import pytest
 
@@ -17,9 +16,8 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_avail
                                 reason="needs a GPU and sparsepage built with CUDA")
 
 BLOCK = 16
-# The FP8 MLA kernel this process runs (SPARSEPAGE_MLA_KERNEL, read once by the library).
-FP8_MLA_KERNEL = "MLA FP8 (656-byte rows), wgmma, " + (
-    "classic" if os.environ.get("SPARSEPAGE_MLA_KERNEL") == "classic" else "warp-specialized")
+# The FP8 MLA kernel at 16 query heads: one head tile, so the one-CTA kernel (no CTA pair).
+FP8_MLA_KERNEL = "MLA FP8 (656-byte rows), wgmma, warp-specialized"
 
 
 def gates_off():

@@ -419,11 +419,8 @@ void check_engine_paged_dsa(Device device) {
 }
 
 void check_engine_paged_dsa_fp8(Device device) {
-  // The FP8 MLA kernel this process runs (SPARSEPAGE_MLA_KERNEL, read once).
-  const char* choice = std::getenv("SPARSEPAGE_MLA_KERNEL");
-  const std::string cuda_fp8_mla_kernel = choice != nullptr && std::string(choice) == "classic"
-                                              ? "MLA FP8 (656-byte rows), wgmma, classic"
-                                              : "MLA FP8 (656-byte rows), wgmma, warp-specialized";
+  // 16 query heads: one head tile, so the one-CTA FP8 kernel (no CTA pair).
+  const std::string cuda_fp8_mla_kernel = "MLA FP8 (656-byte rows), wgmma, warp-specialized";
   std::mt19937_64 rng(4711);
   const int32_t batch = 2;
   for (const int64_t prompt : {int64_t{40}, int64_t{150}}) {  // below and above index_topk = 64

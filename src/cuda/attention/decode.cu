@@ -70,8 +70,7 @@ bool cluster_fits(DType dtype, int32_t size) {
 /// index forms take clusters exactly when the library's own tables do, so
 /// a step over an engine's pool gives the same bits as over the layer's cache.
 int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
-  const int32_t limit = cuda::cluster_merge_limit();
-  if (limit == 0 || plan.uniform_chunks < 2 || params.kv_format != KvFormat::kNative) return 0;
+  if (plan.uniform_chunks < 2 || params.kv_format != KvFormat::kNative) return 0;
   const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
   const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
   if (shape != cuda::TileShape::kK128V128 ||
@@ -80,7 +79,7 @@ int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
     return 0;
   const int64_t cluster =
       int64_t{plan.uniform_chunks} * cuda::ctas_per_item(shape, params.group_size * params.q_len);
-  if (cluster > limit) return 0;
+  if (cluster > cuda::kClusterMergeCtas) return 0;
   const auto size = static_cast<int32_t>(cluster);
   const bool fits = uses_engine_inputs(params) ? cluster_fits<cuda::EnginePagedSource>(params.dtype, size)
                                                : cluster_fits<cuda::PagedSource>(params.dtype, size);
@@ -89,8 +88,8 @@ int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
 
 /// Which kernel run_decode_cuda launches, decided in one place: the launch
 /// and cuda_decode_kernel_name both switch on it. Inside launch_partial the
-/// MLA and multi-token choices are the same functions' (mla_kernel_choice,
-/// multi_token_cta_kind) over the same parameters.
+/// multi-token choice is the same function's (multi_token_cta_kind) over the
+/// same parameters.
 enum class DecodeKernel { kClusterMerge, kFp8, kMla, kMultiToken, kRowTiles };
 struct KernelChoice {
   DecodeKernel kind = DecodeKernel::kRowTiles;
@@ -128,12 +127,7 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
   return cluster_size_for(params, plan);
 }
 
-void cuda_check_kernel_switches() {
-  (void)cuda::mla_kernel_choice();
-  (void)cuda::mla_fp8_pairs_choice();
-  (void)cuda::gqa_merge_choice();
-  (void)cuda::multi_token_cta_choice();
-}
+void cuda_check_kernel_switches() { (void)cuda::multi_token_cta_choice(); }
 
 namespace {
 
@@ -144,12 +138,8 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
       if (params.kv_format != KvFormat::kE4m3Mla) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
       if (cuda::mla_fp8_runs_pairs(params.group_size, uses_engine_inputs(params)))
         return "MLA FP8 (656-byte rows), wgmma, warp-specialized, CTA pairs";
-      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized
-                 ? "MLA FP8 (656-byte rows), wgmma, warp-specialized"
-                 : "MLA FP8 (656-byte rows), wgmma, classic";
-    case DecodeKernel::kMla:
-      return cuda::mla_kernel_choice() == cuda::MlaKernel::kWarpSpecialized ? "MLA, wgmma, warp-specialized"
-                                                                              : "MLA, wgmma, classic";
+      return "MLA FP8 (656-byte rows), wgmma, warp-specialized";
+    case DecodeKernel::kMla: return "MLA, wgmma, warp-specialized";
     case DecodeKernel::kMultiToken:
       return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma" : "64-row multi-token CTA, mma.sync";
     case DecodeKernel::kRowTiles: break;
@@ -182,14 +172,14 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
       cuda::multi_token_cta_kind(shape, head_dim_qk, head_dim_v, head_dim_extra, group_size, q_len);
   if (multi != cuda::MultiTokenCtaKind::kRowTiles) {
     s.ctas_per_item = cuda::multi_token_ctas_per_item(group_size, q_len);
-    s.ctas_per_sm = cuda::multi_token_resident_ctas(multi);
+    s.ctas_per_sm = cuda::multi_token_resident_ctas<cuda::PagedSource>(multi);
     return s;
   }
   group_size *= q_len;  // the 16-row CTA: query rows
   s.ctas_per_item = cuda::ctas_per_item(shape, group_size);
   if (shape == cuda::TileShape::kK128V128) {
     // Ask the cluster sizes here, before any capture, rather than in run.
-    for (int32_t size = 2; size <= cuda::cluster_merge_limit(); ++size) {
+    for (int32_t size = 2; size <= cuda::kClusterMergeCtas; ++size) {
       for (DType dtype : {DType::kBF16, DType::kF16}) {
         cluster_fits<cuda::PagedSource>(dtype, size);
         cluster_fits<cuda::EnginePagedSource>(dtype, size);

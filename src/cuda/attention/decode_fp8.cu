@@ -1,13 +1,12 @@
 // Launchers of the FP8 partial kernels (decode_fp8.h). Instantiations: the
-// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and three
-// MLA wgmma kernels for bf16 (the warp-specialized one, its CTA-pair form for
-// two head tiles, and the classic), each for the library's CSR rows and the
-// engines' index forms: 10 kernels.
+// e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and two
+// MLA wgmma kernels for bf16 (the warp-specialized one and its CTA-pair form
+// for two head tiles), each for the library's CSR rows and the engines'
+// index forms: 8 kernels.
 #include "cuda/attention/decode_fp8.h"
 
 #include "cuda/attention/gqa/decode_partial_fp8.cuh"
 #include "cuda/attention/launch_partial.cuh"
-#include "cuda/attention/mla/mla_fp8_partial.cuh"
 #include "cuda/attention/mla/mla_ws_fp8_pair.cuh"
 #include "cuda/attention/mla/mla_ws_fp8_partial.cuh"
 
@@ -26,25 +25,21 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
   launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cfg::kSmemBytes, stream, p);
 }
 
-/// Under SPARSEPAGE_MLA_FP8_PAIRS=auto (and on) every item of two head tiles
-/// runs as a CTA pair when the device places the clusters. Measured on the
-/// H200 (docs/PERFORMANCE.md, "FP8 KV caches"): since the FP8 CTAs take P
-/// from registers, the pairs win or tie at every batch from 1 to 128, the
-/// 128-token chunks of small batches included (batch 1: 15.5 against 16.0
-/// us; batch 2 level).
+/// Every item of two head tiles runs as a CTA pair when the device places
+/// the clusters. Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV
+/// caches"): since the FP8 CTAs take P from registers, the pairs win or tie
+/// at every batch from 1 to 128, the 128-token chunks of small batches
+/// included (batch 1: 15.5 against 16.0 us; batch 2 level).
 template <class Source>
 bool pairs_run(int32_t group_size) {
-  if (mla_kernel_choice() != MlaKernel::kWarpSpecialized) return false;
-  if (mla_fp8_pairs_choice() == Fp8Pairs::kOff) return false;
   if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;
   return clusters_fit(mla_partial_kernel<MlaWsFp8PairCta<Source>>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
                       MlaWsFp8PairTile::kClusterCtas);
 }
 
-/// The warp-specialized kernel by default: as CTA pairs when an item has two
-/// head tiles and the device places the clusters (mla_ws_fp8_pair.cuh),
-/// otherwise one CTA per head tile (mla_ws_fp8_partial.cuh); the classic one
-/// under SPARSEPAGE_MLA_KERNEL=classic, as for bf16 rows.
+/// The warp-specialized kernel: as CTA pairs when an item has two head tiles
+/// and the device places the clusters (mla_ws_fp8_pair.cuh), otherwise one
+/// CTA per head tile (mla_ws_fp8_partial.cuh).
 template <class Source>
 void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_items, cudaStream_t stream) {
   const int64_t ctas = int64_t{num_items} * ((p.group_size + MlaTile::kHeads - 1) / MlaTile::kHeads);
@@ -58,24 +53,14 @@ void launch_mla_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
         cluster_launch_config(grid.x, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kClusterCtas,
                               MlaWsFp8PairTile::kSmemBytes, stream, attribute);
     SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-  } else if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
+  } else {
     auto kernel = mla_partial_kernel<MlaWsFp8Cta<Source>>;
     configure_smem_once(kernel, MlaWsFp8Tile::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(MlaWsFp8Tile::kThreads), MlaWsFp8Tile::kSmemBytes, stream, p);
-  } else {
-    auto kernel = mla_partial_kernel<MlaFp8Cta<Source>>;
-    configure_smem_once(kernel, MlaTile::kSmemBytes);
-    launch_with_pdl(kernel, grid, dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
   }
 }
 
 }  // namespace
-
-Fp8Pairs mla_fp8_pairs_choice() {
-  static const Fp8Pairs choice =
-      kernel_switch("SPARSEPAGE_MLA_FP8_PAIRS", {"auto", "on", "off"}, {Fp8Pairs::kAuto, Fp8Pairs::kOn, Fp8Pairs::kOff});
-  return choice;
-}
 
 bool mla_fp8_runs_pairs(int32_t group_size, bool engine_inputs) {
   return engine_inputs ? pairs_run<EnginePagedSource>(group_size) : pairs_run<PagedSource>(group_size);

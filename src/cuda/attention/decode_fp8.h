@@ -17,17 +17,9 @@ namespace cuda {
 void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DType dtype, const float* k_scale,
                         const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream);
 
-/// SPARSEPAGE_MLA_FP8_PAIRS=auto|on|off (read once; unset: auto): whether FP8
-/// MLA items of two head tiles run as CTA pairs (mla_ws_fp8_pair.cuh).
-/// auto and on (the same; on is kept for the scripts that set it): whenever
-/// the device places the clusters; off: never. Any other value is refused
-/// by name.
-enum class Fp8Pairs { kAuto, kOn, kOff };
-Fp8Pairs mla_fp8_pairs_choice();
-
 /// Whether an FP8 MLA launch of `group_size` query heads per request runs
-/// the CTA-pair kernel: two head tiles, the warp-specialized kernel chosen,
-/// the switch above, and a device that places the clusters.
+/// the CTA-pair kernel (mla_ws_fp8_pair.cuh): two head tiles and a device
+/// that places the clusters.
 bool mla_fp8_runs_pairs(int32_t group_size, bool engine_inputs);
 
 }  // namespace cuda

@@ -11,10 +11,9 @@
 //   DK 128 / DV 128 : 128 (V 64 or 128), 64 + 64 extra (V 64)
 //   DK 192 / DV 128 : 128 + 64 extra (V 64 or 128)
 //   DK 256 / DV 256 : 256 (V 64, 128 or 256)
-//   MLA (mla_partial.cuh): 512 latent + 64 rope, V = the 512 latent columns
-//                     of K, 64 query heads per CTA on warpgroup MMAs; by
-//                     default its warp-specialized twin (mla_ws_partial.cuh)
-//                     runs instead (mla_kernel_choice())
+//   MLA (mla_ws_partial.cuh): 512 latent + 64 rope, V = the 512 latent
+//                     columns of K, 64 query heads per CTA on warpgroup
+//                     MMAs, warp-specialized
 #pragma once
 
 #include <cstdlib>
@@ -30,7 +29,6 @@
 #include "cuda/attention/gqa/decode_partial_cluster.cuh"
 #include "cuda/attention/gqa/decode_partial_multi.cuh"
 #include "cuda/attention/gqa/decode_partial_multi_wgmma.cuh"
-#include "cuda/attention/mla/mla_partial.cuh"
 #include "cuda/attention/mla/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
 
@@ -62,14 +60,6 @@ inline int32_t ctas_per_item(TileShape shape, int32_t group_size) {
   return (group_size + heads - 1) / heads;
 }
 
-/// Which MLA kernel runs: the warp-specialized one (mla_ws_partial.cuh: a
-/// producer warpgroup and mbarriers, no CTA barrier in the loop), the
-/// default, or the classic one (mla_partial.cuh: both warpgroups copy rows
-/// and compute, CTA barriers per tile). Measured on the H200 (DSA shape,
-/// top-2048 of 131072, docs/PERFORMANCE.md): 403.8 against 334.8 TFLOP/s at
-/// batch 64, 417.4 against 348.4 at batch 128, 15.4 against 17.2 us at batch 1.
-enum class MlaKernel { kClassic, kWarpSpecialized };
-
 /// A kernel switch: the environment variable `name` holding one of the
 /// `values` (names[i] selects values[i]); unset or empty selects values[0].
 /// Any other value is refused by name: "<name> must be 'a', 'b' or 'c', not 'x'".
@@ -83,15 +73,6 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
     accepted += std::string(i == 0 ? "'" : i + 1 == N ? " or '" : ", '") + names[i] + "'";
   }
   throw Error(std::string(name) + " must be " + accepted + ", not '" + v + "'");
-}
-
-/// SPARSEPAGE_MLA_KERNEL=ws|classic picks the MLA kernel for the process
-/// (read once), over bf16 and FP8 rows alike, for measuring the two; unset
-/// runs the default (ws). Any other value is refused by name.
-inline MlaKernel mla_kernel_choice() {
-  static const MlaKernel choice =
-      kernel_switch("SPARSEPAGE_MLA_KERNEL", {"ws", "classic"}, {MlaKernel::kWarpSpecialized, MlaKernel::kClassic});
-  return choice;
 }
 
 /// Which CTA a multi-token step runs (DecodeParams::q_len > 1):
@@ -109,16 +90,16 @@ inline MlaKernel mla_kernel_choice() {
 /// tiles 242.7 (before the late-tile test both 64-row CTAs gained).
 enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
 
-/// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process), for measuring the
-/// three against each other: unset or `auto` chooses as above, `mma` keeps
-/// the 64-row CTA on mma.sync, `0` runs every step on the 16-row CTA. Any
-/// other value is refused by name (cuda_check_kernel_switches asks before a
-/// step changes anything).
-enum class MultiTokenChoice { kAuto, kMma, kOff };
+/// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process): unset or `auto`
+/// chooses as above; `mma` takes the mma.sync 64-row CTA where the wgmma one
+/// would run, so that the form every GPU without sm_90a code runs is tested
+/// on the H200 (the multi-token tests run once more under it, in a ctest
+/// process of their own). Any other value is refused by name
+/// (cuda_check_kernel_switches asks before a step changes anything).
+enum class MultiTokenChoice { kAuto, kMma };
 inline MultiTokenChoice multi_token_cta_choice() {
   static const MultiTokenChoice choice =
-      kernel_switch("SPARSEPAGE_MULTI_TOKEN_CTA", {"auto", "mma", "0"},
-                    {MultiTokenChoice::kAuto, MultiTokenChoice::kMma, MultiTokenChoice::kOff});
+      kernel_switch("SPARSEPAGE_MULTI_TOKEN_CTA", {"auto", "mma"}, {MultiTokenChoice::kAuto, MultiTokenChoice::kMma});
   return choice;
 }
 
@@ -126,9 +107,7 @@ inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t head_dim_
                                               int32_t head_dim_extra, int32_t group_size, int32_t q_len) {
   const int64_t rows = int64_t{group_size} * q_len;
   if (q_len < 2 || rows <= kQueryTile || shape != TileShape::kK128V128) return MultiTokenCtaKind::kRowTiles;
-  const MultiTokenChoice choice = multi_token_cta_choice();
-  if (choice == MultiTokenChoice::kOff) return MultiTokenCtaKind::kRowTiles;
-  if (choice == MultiTokenChoice::kAuto && cuda_sm90a_code_runs(cuda_device_sm()) && head_dim_qk == 128 &&
+  if (multi_token_cta_choice() == MultiTokenChoice::kAuto && cuda_sm90a_code_runs(cuda_device_sm()) && head_dim_qk == 128 &&
       head_dim_v == 128 && head_dim_extra == 0)
     return MultiTokenCtaKind::kWgmma;
   return rows > 2 * kQueryTile ? MultiTokenCtaKind::kMma : MultiTokenCtaKind::kRowTiles;
@@ -138,48 +117,31 @@ inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t head_dim_
 inline int32_t multi_token_ctas_per_item(int32_t group_size, int32_t q_len) {
   return static_cast<int32_t>((int64_t{group_size} * q_len + kMultiRows - 1) / kMultiRows);
 }
-inline int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
+/// (A template, so that only the translation unit that asks, decode.cu,
+/// instantiates the kernels it names; as an inline function every file that
+/// includes this header compiled two copies of them.)
+template <class Source>
+int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
   if (kind == MultiTokenCtaKind::kWgmma) {
-    using Cta = MultiTokenWgmmaCta<__nv_bfloat16, PagedSource>;
-    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, PagedSource>, kThreads, Cta::kSmemBytes);
+    using Cta = MultiTokenWgmmaCta<__nv_bfloat16, Source>;
+    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, Source>, kThreads, Cta::kSmemBytes);
   }
-  using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, PagedSource>;
-  return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, PagedSource>, kThreads, Cta::kSmemBytes);
+  using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, Source>;
+  return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, Source>, kThreads, Cta::kSmemBytes);
 }
 
-/// How split requests of the 16-row CTA are merged: by the merge kernel
+/// Split requests of the 16-row CTA at 128/128 merge inside a
+/// thread-block cluster (decode_partial_cluster.cuh: the CTAs of one request
+/// combine their states through distributed shared memory) when the request
+/// takes at most kClusterMergeCtas CTAs, and by the merge kernel
 /// (decode_merge.cuh, a second launch over fp32 partials in global memory)
-/// or inside a thread-block cluster (decode_partial_cluster.cuh: the CTAs of
-/// one request combine their states through distributed shared memory).
-/// kAuto, the default, takes clusters of at most kAutoClusterCtas CTAs and
-/// the merge kernel otherwise; kCluster takes clusters up to
-/// kMaxClusterCtas; kKernel never. Measured on the H200 (docs/PERFORMANCE.md,
-/// block-sparse geometry, random rows): clusters of 2 (batch 32 x 2048,
-/// 64 x 4096) ran 8% and 1.5% faster than the merge kernel, clusters of 8
-/// (batch 8) 57-58% and of 16 (batch 1) 10% slower. (A cluster's CTAs must be
-/// placed in one GPC at once; that this is what costs the large clusters
-/// their time is our reading, not a profile.)
-enum class GqaMerge { kAuto, kKernel, kCluster };
-constexpr int32_t kAutoClusterCtas = 2;
-
-/// SPARSEPAGE_GQA_MERGE=auto|kernel|cluster picks the merge for the process
-/// (read once), for measuring them against each other; unset: auto. Any
-/// other value is refused by name.
-inline GqaMerge gqa_merge_choice() {
-  static const GqaMerge choice = kernel_switch("SPARSEPAGE_GQA_MERGE", {"auto", "kernel", "cluster"},
-                                               {GqaMerge::kAuto, GqaMerge::kKernel, GqaMerge::kCluster});
-  return choice;
-}
-
-/// Largest cluster the current choice takes (0: none).
-inline int32_t cluster_merge_limit() {
-  switch (gqa_merge_choice()) {
-    case GqaMerge::kAuto: return kAutoClusterCtas;
-    case GqaMerge::kCluster: return kMaxClusterCtas;
-    case GqaMerge::kKernel: break;
-  }
-  return 0;
-}
+/// otherwise. Measured on the H200 (docs/PERFORMANCE.md, block-sparse
+/// geometry, random rows): clusters of 2 (batch 32 x 2048, 64 x 4096) ran
+/// 8% and 1.5% faster than the merge kernel, clusters of 8 (batch 8) 57-58%
+/// and of 16 (batch 1) 10% slower. (A cluster's CTAs must be placed in one
+/// GPC at once; that this is what costs the large clusters their time is our
+/// reading, not a profile.)
+constexpr int32_t kClusterMergeCtas = 2;
 
 /// Dynamic shared memory of the 128/128 cluster kernel's launches.
 template <class Source>
@@ -211,11 +173,11 @@ inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned threads,
 /// `kernel` (`threads` threads and `smem_bytes` of shared memory each): at
 /// least one such cluster resident by the occupancy API, which counts
 /// registers, shared memory and the GPCs' sizes. Asked once per (kernel,
-/// device, cluster size); also opts the kernel in to its shared memory and
-/// to non-portable sizes above 8.
+/// device, cluster size); also opts the kernel in to its shared memory.
+/// Portable sizes (2 to 8) only: the launches ask for 2.
 template <typename Params>
 bool clusters_fit(void (*kernel)(Params), unsigned threads, size_t smem_bytes, int32_t cluster) {
-  if (cluster < 2 || cluster > kMaxClusterCtas || cuda_device_sm() < 90) return false;
+  if (cluster < 2 || cluster > 8 || cuda_device_sm() < 90) return false;
   configure_smem_once(kernel, smem_bytes);
   static std::mutex mutex;
   static std::vector<std::pair<std::tuple<void (*)(Params), int, int32_t>, bool>> known;
@@ -226,7 +188,6 @@ bool clusters_fit(void (*kernel)(Params), unsigned threads, size_t smem_bytes, i
   for (const auto& entry : known) {
     if (entry.first == key) return entry.second;
   }
-  if (cluster > 8) SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchAttribute attribute[2];
   cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(cluster), threads,
                                                     static_cast<unsigned>(cluster), smem_bytes, nullptr, attribute);
@@ -273,10 +234,8 @@ int32_t resident_ctas_typed(TileShape shape) {
       return resident_ctas_once(partial_kernel<T, 256, 256, Source>, kThreads,
                                 TileConfig<256, 256, Source::kHasBias>::kSmemBytes);
     case TileShape::kMla:
-      if (mla_kernel_choice() == MlaKernel::kWarpSpecialized)
-        return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source, MlaWsColumnTile>>, MlaWsColumnTile::kThreads,
-                                  MlaWsColumnTile::kSmemBytes);
-      return resident_ctas_once(mla_partial_kernel<MlaCta<T, Source>>, MlaTile::kThreads, MlaTile::kSmemBytes);
+      return resident_ctas_once(mla_partial_kernel<MlaWsCta<T, Source, MlaWsColumnTile>>, MlaWsColumnTile::kThreads,
+                                MlaWsColumnTile::kSmemBytes);
     case TileShape::kNone: break;
   }
   return 1;
@@ -367,16 +326,10 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
   // Head tiles vary fastest, so the CTAs reading the same rows run together.
   const int64_t ctas = int64_t{num_items} * ctas_per_item(TileShape::kMla, p.group_size);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
-  if (mla_kernel_choice() == MlaKernel::kWarpSpecialized) {
-    using W = MlaWsColumnTile;
-    auto kernel = mla_partial_kernel<MlaWsCta<T, Source, W>>;
-    configure_smem_once(kernel, W::kSmemBytes);
-    launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(W::kThreads), W::kSmemBytes, stream, p);
-    return;
-  }
-  auto kernel = mla_partial_kernel<MlaCta<T, Source>>;
-  configure_smem_once(kernel, MlaTile::kSmemBytes);
-  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(MlaTile::kThreads), MlaTile::kSmemBytes, stream, p);
+  using W = MlaWsColumnTile;
+  auto kernel = mla_partial_kernel<MlaWsCta<T, Source, W>>;
+  configure_smem_once(kernel, W::kSmemBytes);
+  launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(W::kThreads), W::kSmemBytes, stream, p);
 }
 
 template <typename T, class Source>

@@ -1,13 +1,14 @@
 // The partial kernel with the merge inside a thread-block cluster
-// (SPARSEPAGE_GQA_MERGE, launch_partial.cuh): the CTAs that split one
+// (launch_partial.cuh, kClusterMergeCtas): the CTAs that split one
 // request form one cluster, each reduces its chunk exactly as the partial
 // kernel does, and the partial states are combined through distributed
 // shared memory instead of fp32 partials in global memory and a merge
 // launch. Only at head dims 128/128 (both paged row sources: the library's
 // tables and the engines' index forms), native dtypes, and uniform splits
 // (every request has the same chunks, so one cluster size fits the grid) of
-// at most kMaxClusterCtas CTAs per request. By default only clusters of 2
-// run (launch_partial.cuh, gqa_merge_choice: the sizes that measured faster).
+// at most kMaxClusterCtas CTAs per request; the launches take clusters of 2
+// only (kClusterMergeCtas: the size that measured faster than the merge
+// kernel).
 //
 // Cluster layout: the grid is items x head tiles (tile fastest) and item
 // r * chunks + c is chunk c of request r, so request r owns CTAs
@@ -30,21 +31,21 @@
 // lse = -inf: the merge kernel's rules.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/cluster.cuh"
 
 namespace sparsepage {
 namespace cuda {
 
-/// Most CTAs one request's cluster may hold: the non-portable cluster size
-/// of sm_90 (the launcher checks that the device can place it).
+/// Most CTAs one request's cluster may hold: it sizes the kernel's per-chunk
+/// arrays (sm_90's non-portable cluster size). The launches take 2
+/// (kClusterMergeCtas); a smaller bound here would change the kernel's code
+/// (its static shared memory and loops), which has not been measured.
 constexpr int kMaxClusterCtas = 16;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 template <class Cta>
 __device__ void finish_in_cluster(Cta& c) {
-  namespace cg = cooperative_groups;
   using T = typename Cta::Elem;
   using Cfg = typename Cta::Cfg;
   __shared__ float row_base[kQueryTile], row_sum[kQueryTile];
@@ -68,12 +69,11 @@ __device__ void finish_in_cluster(Cta& c) {
   if (c.tid == 0) cta_bad = any_bad ? 1 : 0;
   if (any_bad && c.tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
 
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every CTA's tile, bases, sums and flag are published
-  const int rank = static_cast<int>(cluster.block_rank());
+  cluster::sync();  // every CTA's tile, bases, sums and flag are published
+  const int rank = static_cast<int>(cluster::rank());
   const int32_t rows = p.group_size * p.q_len;
   const int tiles = (rows + kQueryTile - 1) / kQueryTile;
-  const int chunks = static_cast<int>(cluster.num_blocks()) / tiles;
+  const int chunks = static_cast<int>(cluster::num_ctas()) / tiles;
   const int tile = rank % tiles, chunk = rank / tiles;
   if (c.tid < c.heads) {
     const int row = c.tid;
@@ -84,9 +84,9 @@ __device__ void finish_in_cluster(Cta& c) {
     for (int k = 0; k < kMaxClusterCtas; ++k) {
       if (k >= chunks) break;
       const unsigned peer = static_cast<unsigned>(k * tiles + tile);
-      base[k] = *cluster.map_shared_rank(row_base + row, peer);
-      sum[k] = *cluster.map_shared_rank(row_sum + row, peer);
-      nan |= *cluster.map_shared_rank(&cta_bad, peer) != 0 || isnan(sum[k]);
+      base[k] = *cluster::map(row_base + row, peer);
+      sum[k] = *cluster::map(row_sum + row, peer);
+      nan |= *cluster::map(&cta_bad, peer) != 0 || isnan(sum[k]);
       if (sum[k] > 0.f) top = fmaxf(top, base[k]);
     }
     float total = 0.f;
@@ -114,7 +114,7 @@ __device__ void finish_in_cluster(Cta& c) {
     for (int k = 0; k < kMaxClusterCtas; ++k) {
       if (k >= chunks) break;
       const float w = weight[k][row];
-      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(mine, static_cast<unsigned>(k * tiles + tile)));
+      const float4 x = *reinterpret_cast<const float4*>(cluster::map(mine, static_cast<unsigned>(k * tiles + tile)));
       o.x += w * x.x, o.y += w * x.y, o.z += w * x.z, o.w += w * x.w;
     }
     const float s = row_scale[row];
@@ -125,7 +125,7 @@ __device__ void finish_in_cluster(Cta& c) {
                          : o0 + row * p.o_head + col;
     *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::pack2(o.x, o.y), Tr::pack2(o.z, o.w));
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+  cluster::sync();  // no CTA leaves while a peer may still read its shared memory
 }
 #endif
 

@@ -1,23 +1,13 @@
-// The MLA partial kernel: the split-KV partial (docs/DESIGN.md: the paged decode) for the DSA /
-// DeepSeek MLA shape, 512 latent + 64 rope columns of K with V = the latent
-// columns, and many query heads per KV head (128 for the full model, 16-64
-// under tensor parallelism). One CTA computes 64 query heads of one work item
-// with Hopper warpgroup MMAs, so each gathered row is read once per 64 heads
-// (the mma.sync tile read it once per 16 heads and once per 128 V columns).
-//
-// CTA: 2 warpgroups (256 threads), one CTA per SM (225 KiB of shared memory).
-//   Q tile      64 heads x 576 columns, loaded once.
-//   K stages    2 x 64 tokens x 576 columns, cp.async double buffer: the
-//               rows of tile t+1 are copied while tile t is computed.
-//   P tile      64 heads x 64 tokens of softmax weights (bf16/f16).
-// Per tile, warpgroup w (0, 1):
-//   S_w = Q K[32w .. 32w+31]^T             36 x wgmma m64n32k16 (K-major both)
-//   row max: each warpgroup's half, exchanged through shared memory, so both
-//            hold the same running max and the same rescale decisions;
-//   P_w = exp2(S_w - max) -> P tile columns 32w .. 32w+31;
-//   O_w += P V[:, 256w .. 256w+255]         4 x wgmma m64n256k16 (V MN-major)
-// and each warpgroup keeps its own partial row sums (same max, so the sums
-// add at the end). O_w is 64 x 256 fp32 = 128 registers per thread.
+// What every MLA partial kernel shares (the split-KV partial, docs/DESIGN.md:
+// the paged decode, at the DSA / DeepSeek MLA shape): 512 latent + 64 rope
+// columns of K with V = the latent columns, and many query heads per KV head
+// (128 for the full model, 16-64 under tensor parallelism). One CTA computes
+// 64 query heads of one work item with Hopper warpgroup MMAs, so each
+// gathered row is read once per 64 heads. The kernels themselves are the
+// warp-specialized CTAs (mla_ws_partial.cuh, mla_ws_fp8_partial.cuh,
+// mla_ws_fp8_pair.cuh); this file holds their geometry, the 128-byte
+// swizzle of their shared tiles, the Q load, the epilogue, the CTA's share
+// of its work item and the kernel entry.
 //
 // Shared tiles use the 128-byte swizzle: a tile is 9 slabs of 64 columns;
 // in a slab, row r occupies bytes [128 r, 128 r + 128) with its 16-byte
@@ -39,7 +29,6 @@ namespace cuda {
 struct MlaTile {
   static constexpr int kHeads = 64;       // query heads per CTA: the wgmma M
   static constexpr int kTokens = 64;      // gathered rows per stage
-  static constexpr int kThreads = 256;    // two warpgroups
   static constexpr int kLatent = 512;     // V = K's first 512 columns
   static constexpr int kRope = 64;        // the second K stream
   static constexpr int kCols = kLatent + kRope;
@@ -47,17 +36,6 @@ struct MlaTile {
   static constexpr int kPieces = kCols / 8;           // 16-byte pieces per row
   static constexpr int kSlabBytes = 64 * 128;         // one slab of 64 rows
   static constexpr int kTileBytes = kSlabs * kSlabBytes;
-  static constexpr int kIdSlots = 3;                  // page ids run two tiles ahead of the math
-  // Byte offsets from the 1024-aligned base (the swizzle repeats every 1024 B).
-  static constexpr int kQ = 0;
-  static constexpr int kStage0 = kQ + kTileBytes;
-  static constexpr int kP = kStage0 + 2 * kTileBytes;
-  static constexpr int kIds = kP + kHeads * 128;
-  static constexpr int kExchange = kIds + kIdSlots * kIdSlotInts * 4;  // [2][64] floats
-  static constexpr int kSkipFlags = kExchange + 2 * kHeads * 4;          // [2 stages][8 warps] bytes
-  static constexpr int kBytes = kSkipFlags + 2 * 8;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;  // + alignment slack
-  static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(kTokens <= kIdSlotInts, "a tile's page ids fit a slot");
 };
 
@@ -67,7 +45,7 @@ __device__ __forceinline__ uint32_t mla_swizzle(int row, int piece) {
   return static_cast<uint32_t>((piece >> 3) * MlaTile::kSlabBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4));
 }
 
-/// Both MLA kernels: the Q rows of a CTA's heads (q, then q_extra as
+/// Every MLA CTA: the Q rows of a CTA's heads (q, then q_extra as
 /// columns 512..575) copied into the swizzled tile at `q_tile` by `threads`
 /// threads (this one is `tid`); heads past the group are zero.
 template <typename T>
@@ -84,7 +62,7 @@ __device__ __forceinline__ void mla_load_q(const PartialCommon& p, uint32_t q_ti
   }
 }
 
-/// Both MLA kernels' epilogue for one thread: its two rows `wrow`, `wrow + 8`
+/// Every MLA CTA's epilogue for one thread: its two rows `wrow`, `wrow + 8`
 /// of warpgroup `wg`'s 256 O columns (`acc`), divided by the rows' summed
 /// softmax denominators `sum`, go to o (with lse) or, for a split request,
 /// to the fp32 partial slot `partial`. Nothing seen: o = 0, lse = -inf; a
@@ -128,9 +106,9 @@ __device__ __forceinline__ void mla_store_rows(const PartialCommon& p, const flo
 /// What every MLA CTA holds of its launch and its work: the params and the
 /// index source, the 1024-aligned shared memory (as a shared address and a
 /// generic pointer), the thread's place, and the CTA's share of a work item
-/// (request, tokens, partial slot, head tile, the rows' bases). The classic
-/// CTA (MlaCta) and the warp-specialized ones (mla_ws_partial.cuh) are built
-/// on it. The CTA's grid is (work items x head tiles), head tile fastest.
+/// (request, tokens, partial slot, head tile, the rows' bases). The
+/// warp-specialized CTAs (mla_ws_partial.cuh) are built on it. The CTA's
+/// grid is (work items x head tiles), head tile fastest.
 template <typename T, class Source>
 struct MlaCtaShare {
   using L = MlaTile;
@@ -176,222 +154,8 @@ struct MlaCtaShare {
   __device__ int32_t tile_tokens(int tile) const { return min(L::kTokens, len - tile * L::kTokens); }
 };
 
-template <typename T, class Source>
-struct MlaCta : MlaCtaShare<T, Source> {
-  using Tr = ElemTraits<T>;
-  using L = MlaTile;
-
-  using S = MlaCtaShare<T, Source>;
-  using Params = typename S::Params;
-  using KernelParams = Params;  // what mla_partial_kernel takes
-  static constexpr int kThreads = L::kThreads;
-  using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
-  using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::bad, S::tile_tokens;
-
-  // Online-softmax state of this thread's two rows (warp-in-group * 16 +
-  // lane / 4, and + 8), the same in both warpgroups.
-  float m[2], l[2];
-  float acc[128];      // O_w: rows as above, columns 256 wg + 8 j + 2 (lane % 4) + {0, 1}
-
-  __device__ MlaCta(const Params& params, unsigned char* smem) : S(params, smem) {}
-
-  __device__ int32_t* id_slot(int tile) const {
-    return reinterpret_cast<int32_t*>(gen + L::kIds) + (tile % L::kIdSlots) * kIdSlotInts;
-  }
-  __device__ uint32_t stage(int tile) const { return base + L::kStage0 + (tile & 1) * L::kTileBytes; }
-
-  __device__ void load_q() { mla_load_q<T>(p, base + L::kQ, request, head0, heads, tid, L::kThreads); }
-
-  __device__ void prefetch_ids(int tile) {
-    src.prefetch(id_slot(tile), tok_begin + tile * L::kTokens, tile_tokens(tile), tid);
-  }
-
-  /// Starts the copies of tile `tile`'s rows: thread t copies pieces
-  /// t % 4 + 4 i (i < 18) of row t / 4, so four neighbouring threads read
-  /// 64 contiguous bytes. Tail and rejected rows are zero-filled.
-  __device__ void issue_tile(int tile) {
-    const int32_t tok0 = tok_begin + tile * L::kTokens;
-    const int row = tid >> 2, q4 = tid & 3;
-    const T* k_row = k_base;
-    const T* e_row = e_base;
-    int fill = 0;
-    bool masked = false;
-    if (row < tile_tokens(tile)) {
-      const int64_t r = src.row(id_slot(tile), tok0, tok0 + row, p);
-      bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
-      masked = r == kMaskedRow;
-      if (r >= 0) {
-        fill = 16;
-        k_row += r * p.k_stride;
-        e_row += r * p.e_stride;
-      }
-    }
-    if constexpr (Source::kMaySkip) {
-      // Per warp: whether its rows of the tile hold padding; softmax_pv reads
-      // its warpgroup's four flags (after the next tile barrier) and looks the
-      // ids up only for such tiles. Nothing of this runs without the padding mode.
-      if (src.skip_minus_one) {
-        const bool any = __any_sync(0xffffffffu, masked);
-        if (lane == 0) gen[L::kSkipFlags + (tile & 1) * 8 + tid / 32] = any ? 1 : 0;
-      }
-    }
-    const uint32_t dst = stage(tile) + row * 128;
-#pragma unroll
-    for (int i = 0; i < L::kPieces / 4; ++i) {
-      const int piece = 4 * i + q4;
-      const T* g = piece < L::kLatent / 8 ? k_row + piece * 8 : e_row + (piece - L::kLatent / 8) * 8;
-      cp_async_16_n(dst + (piece >> 3) * L::kSlabBytes + (((piece & 7) ^ (row & 7)) << 4), g, fill);
-    }
-  }
-
-  /// Issues S_w = Q K^T over this warpgroup's 32 tokens of the stage (the
-  /// caller waits for it).
-  __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
-    const uint64_t qd = wgmma::desc_sw128(base + L::kQ, 16, 1024);
-    const uint64_t kd = wgmma::desc_sw128(stage_addr + wg * 32 * 128, 16, 1024);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < L::kCols / 16; ++kk) {
-      // k-step kk: slab kk / 4, 32 bytes per step inside the 128-byte row.
-      const uint64_t off = static_cast<uint64_t>(((kk >> 2) * L::kSlabBytes + (kk & 3) * 32) >> 4);
-      wgmma::mma_m64n32k16<T>(s, qd + off, kd + off, kk > 0);
-    }
-    wgmma::commit();
-  }
-
-  /// Softmax of this warpgroup's scores against the CTA-wide running max,
-  /// P into shared memory, then O_w += P V.
-  __device__ void softmax_pv(int tile, float (&s)[16]) {
-    const int32_t n = tile_tokens(tile);
-    const int32_t* slot = id_slot(tile);
-    const int32_t tok0 = tok_begin + tile * L::kTokens;
-    const int wrow = (wt / 32) * 16 + lane / 4;  // rows wrow and wrow + 8
-    float tmax[2] = {neg_inf_f32(), neg_inf_f32()};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int key = wg * 32 + (i / 4) * 8 + 2 * (lane & 3) + (i & 1);
-      float x = s[i] * p.scale_log2;
-      if constexpr (Source::kHasBias) {
-        const float b = src.bias(slot, key);
-        x = b == neg_inf_f32() ? b : x + b * kLog2e;
-      }
-      if (key >= n) x = neg_inf_f32();
-      s[i] = x;
-    }
-    if constexpr (Source::kMaySkip) {
-      // Padding ids: their rows were not read and weigh nothing. The flags of
-      // this warpgroup's four warps (rows wg * 32 .. wg * 32 + 31), one word.
-      if (src.skip_minus_one &&
-          *reinterpret_cast<const uint32_t*>(gen + L::kSkipFlags + (tile & 1) * 8 + wg * 4) != 0u) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int key = wg * 32 + (i / 4) * 8 + 2 * (lane & 3) + (i & 1);
-          if (key < n && src.skipped(slot, tok0, tok0 + key)) s[i] = neg_inf_f32();
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], s[i]);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
-      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-    }
-    float* xchg = reinterpret_cast<float*>(gen + L::kExchange);
-    if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
-    __syncthreads();
-    tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
-    tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
-
-    // Lazy rescale (online_softmax_rebase); the decision depends only on
-    // values both warpgroups share, so they stay in step.
-    float alpha[2], b[2];
-    const bool rescale = online_softmax_rebase(tmax, m, l, alpha, b);
-    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + L::kP);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = wg * 32 + j * 8 + 2 * (lane & 3);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float p0 = exp2_ftz(s[4 * j + 2 * h] - b[h]), p1 = exp2_ftz(s[4 * j + 2 * h + 1] - b[h]);
-        l[h] += p0 + p1;
-        const int row = wrow + 8 * h;
-        ptile[(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) / 4] = Tr::pack2(p0, p1);
-      }
-    }
-    if (rescale) {
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] *= alpha[(i >> 1) & 1];
-    }
-    wgmma::fence_proxy_async();
-    __syncthreads();  // the P tile is complete
-
-    const uint64_t pd = wgmma::desc_sw128(base + L::kP, 16, 1024);
-    // V: MN-major, 64-column slabs 8192 B apart (leading), 8-token groups 1024 B apart (stride).
-    const uint64_t vd = wgmma::desc_sw128(stage(tile) + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < L::kTokens / 16; ++kk)
-      wgmma::mma_m64n256k16<T>(acc, pd + static_cast<uint64_t>(kk * 2), vd + static_cast<uint64_t>(kk * 128), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(acc);
-  }
-
-  __device__ void run() {
-    m[0] = m[1] = neg_inf_f32();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    const int num_tiles = (len + L::kTokens - 1) / L::kTokens;
-    load_q();
-    for (int t = 0; t < 2 && t < num_tiles; ++t) prefetch_ids(t);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    if (num_tiles > 0) issue_tile(0);
-    cp_async_commit();
-    for (int t = 0; t < num_tiles; ++t) {
-      cp_async_wait<0>();
-      wgmma::fence_proxy_async();
-      __syncthreads();  // tile t (and the ids of t + 1) landed; the other stage is free
-      float s[16];
-      start_scores(stage(t), s);
-      // The next tile's copies are issued while the tensor cores run S.
-      if (t + 1 < num_tiles) issue_tile(t + 1);
-      if (t + 2 < num_tiles) prefetch_ids(t + 2);
-      cp_async_commit();
-      wgmma::wait<0>();
-      wgmma::pin(s);
-      softmax_pv(t, s);
-    }
-    cp_async_wait<0>();
-    finish();
-  }
-
-  /// Adds the two warpgroups' row sums and writes o / lse or the partial slot.
-  __device__ void finish() {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const int wrow = (wt / 32) * 16 + lane / 4;
-    float* xchg = reinterpret_cast<float*>(gen + L::kExchange);
-    __syncthreads();  // the last tile's max exchange is read
-    if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = l[0], xchg[wg * L::kHeads + wrow + 8] = l[1];
-    const bool any_bad = __syncthreads_or(bad);
-    float sum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] = xchg[wrow + 8 * r] + xchg[L::kHeads + wrow + 8 * r];
-    mla_store_rows<T>(p, acc, m, sum, wrow, lane, wg, request, partial, head0, heads, any_bad);
-    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
-  }
-};
-
 /// The entry of every MLA kernel: one CTA of class Cta per head tile of a
-/// work item, Cta::kThreads threads, one CTA per SM. Cta is MlaCta here, the
-/// classic FP8 kernel's MlaFp8Cta (mla_fp8_partial.cuh), or a
+/// work item, Cta::kThreads threads, one CTA per SM. Cta is a
 /// warp-specialized CTA (mla_ws_partial.cuh, mla_ws_fp8_partial.cuh,
 /// mla_ws_fp8_pair.cuh); Cta::KernelParams is what its launch passes, and
 /// Cta::run() is the CTA's whole work.

@@ -119,7 +119,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = pt / 8 + W::kOwnRows * i;
-      cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), g.rope[i],
+      cp_async_16_n(st + kMlaRopeSlab * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), g.rope[i],
                     g.rope_fill[i]);
     }
   }
@@ -129,7 +129,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
   __device__ void convert_tile(int tile, const Gathered& g) const {
     const int piece = pt & 7;
     const int row = static_cast<int>(rank) * W::kOwnRows + pt / 8;
-    const uint32_t row_off = static_cast<uint32_t>(W::kStage0 + (tile & 1) * L::kTileBytes + row * 128);
+    const uint32_t row_off = this->stage_offset(tile) + static_cast<uint32_t>(row * 128);
     const float scales[4] = {g.scale.x, g.scale.y, g.scale.z, g.scale.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -152,7 +152,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
     const uint32_t own = this->stage(tile) + rank * W::kOwnRows * 128;
     const uint32_t peer_own = cluster::map(own, peer);  // the peer's window is contiguous
 #pragma unroll
-    for (int s = 0; s < L::kSlabs - 1; ++s)
+    for (int s = 0; s < kMlaRopeSlab; ++s)
       cluster::copy_bulk(peer_own + s * L::kSlabBytes, own + s * L::kSlabBytes, W::kOwnRows * 128, peer_full);
     cluster::bulk_commit();
   }
@@ -172,7 +172,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
       // Groups in flight here: the rope of u - 1 and the ids of u + 1; the
       // ids of u (two tiles ago) have landed.
       if (u > 0) cp_async_wait<1>();
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every thread's ids of tile u are visible
+      this->producer_sync(MlaWsBarrier::kTileIdsVisible);
       Gathered g;
       gather(u, g);
       // The stage is free once both CTAs' consumers released tile u - 2
@@ -194,7 +194,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
       cp_async_wait<1>();          // this thread's rope copies of tile u
       wgmma::fence_proxy_async();  // the stores and copies, before the tensor cores and the bulk copies read them
       mbar::arrive(this->full_bar(u));
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every own row of tile u is converted
+      this->producer_sync(MlaWsBarrier::kOwnRowsConverted);
       if (pt == 0) share_tile(u);
     }
     cp_async_wait<0>();

@@ -30,8 +30,9 @@
 // k-step (MlaWsFp8Tile::kPvHalves).
 //
 // Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"), against the
-// classic FP8 kernel: 318-321 against 255 TFLOP/s at batch 64, 328-331
-// against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
+// earlier FP8 kernel (each thread dequantizing a row's quarter from
+// registers after P V, since deleted): 318-321 against 255 TFLOP/s at batch
+// 64, 328-331 against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
 // 301 and 310. Loading four blocks before any store beat two and one. An L2
 // prefetch of the next tile's rows, and copies split in two halves
 // (the first converted while the second lands), both measured slower.
@@ -62,19 +63,24 @@ struct MlaWsFp8Threads : Layout {
   static constexpr bool kPvHalves = true;
 };
 
+/// The one-CTA FP8 kernel's shared memory: the token split's, then a ring
+/// of the rows' block scales for the two stages.
+struct MlaWsFp8Smem {
+  MlaWsSmemHead head;
+  float maxima[2][2][MlaTile::kHeads];   // [tile parity][warpgroup][head]
+  float4 scales[2][MlaTile::kTokens];    // [stage][row]: the row's 4 fp32 block scales
+};
+
 struct MlaWsFp8Tile : MlaWsFp8Threads<MlaWsTile> {
   using L = MlaTile;
+  using Smem = MlaWsFp8Smem;
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
   static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
-  static constexpr int kScaleStageBytes = L::kTokens * 16;  // 4 fp32 scales per row
-  // Byte offsets from the 1024-aligned base: the bf16 kernel's map, then the scale ring.
-  static constexpr int kScales = (MlaWsTile::kBytes + 15) / 16 * 16;
-  static constexpr int kBytes = kScales + 2 * kScaleStageBytes;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(2 * kRawBlockBytes == L::kSlabBytes, "two raw blocks per slab area");
 
-  /// Where R(s) starts within a stage.
+  /// Where R(s) starts within a stage (the raw bytes over slabs 4-7's area).
   __device__ static constexpr uint32_t raw_block(int s) {
     return static_cast<uint32_t>((4 + s / 2) * L::kSlabBytes + (s % 2) * kRawBlockBytes);
   }
@@ -114,7 +120,14 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
 
   __device__ MlaWsFp8Cta(const Fp8Params<Params>& params, unsigned char* smem) : Base(params, smem) {}
 
-  __device__ uint32_t scales(int tile) const { return this->base + W::kScales + (tile & 1) * W::kScaleStageBytes; }
+  // Byte offsets of the plan's stages and scale ring (int, as the
+  // conversion's address arithmetic is).
+  static constexpr int kStages = static_cast<int>(offsetof(MlaWsFp8Smem, head.stage));
+  static constexpr int kScales = static_cast<int>(offsetof(MlaWsFp8Smem, scales));
+  static constexpr int kScaleStageBytes = static_cast<int>(sizeof(MlaWsFp8Smem::scales[0]));
+
+  /// Shared address of the scales of tile `tile`'s stage, [64 rows] x 4 fp32.
+  __device__ uint32_t scales(int tile) const { return this->base + kScales + (tile & 1) * kScaleStageBytes; }
 
   /// Copies tile `tile`'s rows as stored: producer thread t takes 16-byte
   /// piece t % 8 of each 128-byte line of rows t / 8 + 32 i (i < 2), i.e.
@@ -146,7 +159,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
         const int lp = piece + 8 * j;  // latent piece: block lp / 4, position lp % 4
         cp_async_16_n(st + W::raw_block(lp / 4) + row * 64 + (lp % 4) * 16, k_row + lp * 16, fill);
       }
-      cp_async_16_n(st + (L::kSlabs - 1) * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
+      cp_async_16_n(st + kMlaRopeSlab * L::kSlabBytes + row * 128 + ((piece ^ (row & 7)) << 4), e_row + piece * 8,
                     fill);
       if (piece == 0) cp_async_16_n(sc + row * 16, k_row + MlaFp8Row::kScaleOffset, fill);
     }
@@ -154,16 +167,14 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
 
   /// Raw piece (row, q) of block s: 16 e4m3 values and their scale.
   __device__ void load_piece(int tile, int s, int row, int q, uint4& raw, float& scale) const {
-    const uint32_t stage_off = W::kStage0 + (tile & 1) * L::kTileBytes;
-    raw = *reinterpret_cast<const uint4*>(this->gen + stage_off + W::raw_block(s) + row * 64 + q * 16);
-    scale = *reinterpret_cast<const float*>(this->gen + W::kScales + (tile & 1) * W::kScaleStageBytes + row * 16 +
-                                            (s / 2) * 4);
+    raw = *reinterpret_cast<const uint4*>(this->gen + this->stage_offset(tile) + W::raw_block(s) + row * 64 + q * 16);
+    scale = *reinterpret_cast<const float*>(this->gen + kScales + (tile & 1) * kScaleStageBytes + row * 16 + (s / 2) * 4);
   }
 
   /// The piece's 16 values, times the scale in fp32 and rounded to bf16, into chunks
   /// 2 q and 2 q + 1 of row `row` of slab s (the 128-byte swizzle).
   __device__ void store_piece(int tile, int s, int row, int q, const uint4& raw, float scale) const {
-    unsigned char* row_ptr = this->gen + W::kStage0 + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
+    unsigned char* row_ptr = this->gen + kStages + (tile & 1) * L::kTileBytes + s * L::kSlabBytes + row * 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       *reinterpret_cast<uint4*>(row_ptr + (((2 * q + h) ^ (row & 7)) << 4)) =
@@ -192,10 +203,10 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
     float scale[4];
     load_blocks<4>(tile, 0, raw, scale);
     store_blocks<4>(tile, 0, raw, scale, 0, 4);
-    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(0)-R(3) read
+    this->producer_sync(MlaWsBarrier::kRawLowRead);
     load_blocks<4>(tile, 4, raw, scale);
     store_blocks<4>(tile, 4, raw, scale, 0, 2);
-    named_barrier(W::kProducerBar, W::kProducerThreads);  // R(4)-R(7) read
+    this->producer_sync(MlaWsBarrier::kRawHighRead);
     store_blocks<4>(tile, 4, raw, scale, 2, 2);
     wgmma::fence_proxy_async();  // the stores, before the consumers' tensor cores read them
     mbar::arrive(this->full_bar(tile));
@@ -211,7 +222,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
     for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
     cp_async_commit();
     cp_async_wait<0>();
-    named_barrier(W::kProducerBar, W::kProducerThreads);
+    this->producer_sync(MlaWsBarrier::kFirstIdsVisible);
     // The ids are visible to the consumers through these (release) arrivals;
     // the converters' arrivals, after the same barrier, would publish them
     // too, but `full` counts as in the bf16 kernel.
@@ -229,7 +240,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
         // The stage is free once the consumers released tile u - 2.
         mbar::wait(this->empty_bar(u), ((u >> 1) & 1) ^ 1);
         cp_async_wait<0>();  // the ids of tile u
-        named_barrier(W::kProducerBar, W::kProducerThreads);
+        this->producer_sync(MlaWsBarrier::kTileIdsVisible);
         if (pt == 0) mbar::arrive(this->full_bar(u));
         copy_tile(u);
         cp_async_commit();
@@ -239,7 +250,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
       }
       // Groups in flight: tile u's rows, tile 1's (u == 0 only), the next ids.
       if (u == 0) cp_async_wait<2>(); else cp_async_wait<1>();
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every producer thread's copies of tile u landed
+      this->producer_sync(MlaWsBarrier::kRowsLanded);
       convert_tile(u);
     }
     cp_async_wait<0>();

@@ -1,17 +1,16 @@
-// The warp-specialized MLA partial kernel: the same work, the same shared
-// tile layout and the same math as mla_partial.cuh (64 query heads per CTA,
-// 512 latent + 64 rope columns, V = the latent columns), but the gathered
-// rows are copied by a warpgroup of their own, and the loop has no CTA-wide
-// barrier.
+// The warp-specialized MLA partial kernel (64 query heads per CTA, 512
+// latent + 64 rope columns, V = the latent columns; the shared pieces are in
+// mla_partial.cuh): the gathered rows are copied by a warpgroup of their
+// own, and the loop has no CTA-wide barrier.
 //
 // CTA: 3 warpgroups (384 threads), one CTA per SM.
 //   warpgroups 0, 1  consumers: S, softmax and P V. The bf16 kernel and
 //                    the FP8 CTA pairs (MlaWsColumnTile) split S by columns
 //                    (288 of the 576 each, over all 64 tokens) and hand
 //                    partial sums over; the one-CTA FP8 kernel splits S by
-//                    tokens (32 of the 64 each, over all columns), as the
-//                    classic kernel does. Each warpgroup runs the softmax
-//                    of 32 tokens, and P V over 256 of the 512 V columns.
+//                    tokens (32 of the 64 each, over all columns). Each
+//                    warpgroup runs the softmax of 32 tokens, and P V
+//                    over 256 of the 512 V columns.
 //                    232 registers each (setmaxnreg), for the 128 fp32
 //                    accumulators of O.
 //   warpgroup 2      producer: 40 registers. Eight neighbouring threads copy
@@ -19,8 +18,8 @@
 //                    instruction touches 4 rows, not 8. After a tile's copies
 //                    each thread arrives on the stage's `full` mbarrier when
 //                    its copies land (cp.async.mbarrier.arrive.noinc).
-// Stages: two 64-row tiles, as in the classic kernel. `full[s]` completes when
-// the rows and the page ids of the tile in stage s are in shared memory;
+// Stages: two 64-row tiles. `full[s]` completes when the rows and the page
+// ids of the tile in stage s are in shared memory;
 // `empty[s]` when the eight consumer warps no longer read it. The P tile of a
 // tile is written over the stage's rope slab (S has consumed it by then), so
 // Q + two stages still fit one SM.
@@ -47,7 +46,10 @@
 // producer), which reuses the consumers and run().
 #pragma once
 
+#include <cstddef>
+
 #include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/primitives/cluster.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/attention/mla/mla_partial.cuh"
 #include "cuda/primitives/wgmma.cuh"
@@ -55,8 +57,57 @@
 namespace sparsepage {
 namespace cuda {
 
+/// A 64-row tile of 576 columns in the 128-byte swizzle (mla_swizzle): 9
+/// slabs of 64 columns, each 64 rows x 128 bytes. Q, and each stage of
+/// gathered rows (K and V at once).
+struct MlaSwizzledTile {
+  unsigned char slab[MlaTile::kSlabs][MlaTile::kSlabBytes];
+};
+/// The rope slab (columns 512-575) of a stage: after S, the stage's P tile
+/// (and, with S split by columns, warpgroup 1's partial scores before it).
+constexpr int kMlaRopeSlab = MlaTile::kSlabs - 1;
+constexpr int kMlaWsIdSlots = 4;  // ids of tile u + 2 are written once tile u - 2 is released
+
+/// What every warp-specialized MLA CTA keeps in shared memory, from its
+/// 1024-aligned base (the swizzle repeats every 1024 bytes).
+struct MlaWsSmemHead {
+  MlaSwizzledTile q;
+  MlaSwizzledTile stage[2];
+  int32_t ids[kMlaWsIdSlots][kIdSlotInts];  // page ids, a ring of tiles
+  uint64_t full[2];        // per stage: its rows (and ids) landed
+  uint64_t empty[2];       // per stage: the consumers no longer read it
+  uint64_t done;           // every producer thread is done (the flag below is set)
+  uint64_t peer_empty[2];  // CTA pairs: the peer's consumers released the stage
+  uint64_t peer_full[2];   // CTA pairs: the peer's rows of the stage landed
+  uint32_t bad_flag;       // a producer met a rejected page id
+};
+static_assert(offsetof(MlaWsSmemHead, q) % 1024 == 0 && offsetof(MlaWsSmemHead, stage) % 1024 == 0 &&
+                  sizeof(MlaSwizzledTile) % 1024 == 0,
+              "swizzled tiles start on the swizzle's 1024-byte period");
+static_assert(offsetof(MlaWsSmemHead, full) % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(MlaTile::kHeads * 128 == MlaTile::kSlabBytes, "a P tile is one slab");
+
+/// S split by tokens (MlaWsTile): the row maxima's exchange by tile parity.
+struct MlaWsTokenSmem {
+  MlaWsSmemHead head;
+  float maxima[2][2][MlaTile::kHeads];  // [tile parity][warpgroup][head]
+};
+/// S split by columns (MlaWsColumnTile): one maxima slot (the row sums reuse
+/// it at the end), then warpgroup 0's partial scores of warpgroup 1's
+/// tokens (64 heads x 32 tokens).
+struct MlaWsColumnSmem {
+  MlaWsSmemHead head;
+  float maxima[1][2][MlaTile::kHeads];
+  float4 wg0_scores[4][4][32];  // [warp][n8 tile][lane]
+};
+static_assert(offsetof(MlaWsTokenSmem, maxima) % 16 == 0 && offsetof(MlaWsColumnSmem, maxima) % 16 == 0,
+              "the exchange starts 16-byte aligned");
+static_assert(sizeof(MlaWsColumnSmem::wg0_scores) <= MlaTile::kSlabBytes, "warpgroup 1's half fits the rope slab");
+static_assert(sizeof(MlaWsColumnSmem::maxima) >= 2 * MlaTile::kHeads * sizeof(float), "the row sums fit the maxima's slot");
+
 struct MlaWsTile {
   using L = MlaTile;
+  using Smem = MlaWsTokenSmem;
   static constexpr int kThreads = 384;          // two consumer warpgroups + one producer warpgroup
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = 128;
@@ -64,32 +115,10 @@ struct MlaWsTile {
   static constexpr int kProducerRegs = 40;
   static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
   static constexpr int kClusterCtas = 1;        // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
-  static constexpr int kIdSlots = 4;            // ids of tile u + 2 are written once tile u - 2 is released
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
-  // Byte offsets from the 1024-aligned base.
-  static constexpr int kQ = 0;
-  static constexpr int kStage0 = kQ + L::kTileBytes;
-  // The rope slab of a stage: after S, its P tile (and, split by columns,
-  // warpgroup 1's partial scores before that).
-  static constexpr int kPSlab = (L::kSlabs - 1) * L::kSlabBytes;
-  static constexpr int kIds = kStage0 + 2 * L::kTileBytes;
-  // full[2], empty[2], done, and in a CTA pair peer_empty[2] and
-  // peer_full[2]: 8 bytes each; then the producers' rejected-id flag.
-  static constexpr int kBarriers = kIds + kIdSlots * kIdSlotInts * 4;
-  static constexpr int kBadFlag = kBarriers + 9 * 8;
-  // The tail, which the column split sizes differently: the row maxima's
-  // exchange, [kMaxSlots tiles][2 warpgroups][64] floats.
-  static constexpr int kExchange = kBadFlag + 8;
-  static constexpr int kMaxSlots = 2;           // by tile parity
-  static constexpr int kBytes = kExchange + kMaxSlots * 2 * L::kHeads * 4;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr int kMaxSlots = 2;           // row maxima slots, by tile parity
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment slack
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
-  static_assert(L::kHeads * 128 == L::kSlabBytes, "a P tile is one slab");
-  static_assert(kBarriers % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kExchange % 16 == 0, "the exchange starts 16-byte aligned");
-  // Named barriers (0 is __syncthreads).
-  static constexpr int kConsumerBar = 1;
-  static constexpr int kProducerBar = 2;
   // S split by tokens: each consumer warpgroup scores 32 of the tile's 64
   // tokens over all 576 columns (m64n32k16), so each reads all of Q.
   static constexpr bool kScoresByColumns = false;
@@ -107,52 +136,37 @@ struct MlaWsTile {
 /// beside Q and the two stages because the row maxima are exchanged in one
 /// slot, not two (see MlaWsCta::softmax).
 struct MlaWsColumnTile : MlaWsTile {
+  using Smem = MlaWsColumnSmem;
   static constexpr bool kScoresByColumns = true;
-  // Only the tail differs from the token split's layout: one maxima slot,
-  // then warpgroup 0's partial scores, [4 warps][4 n8 tiles][32 lanes]
-  // float4 (64 heads x 32 tokens).
   static constexpr int kMaxSlots = 1;
-  static constexpr int kScoreExchange = (kExchange + kMaxSlots * 2 * L::kHeads * 4 + 15) / 16 * 16;
-  static constexpr int kBytes = kScoreExchange + L::kHeads * 32 * 4;
-  static constexpr size_t kSmemBytes = size_t{kBytes} + 1024;
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
-  static_assert(kScoreExchange % 16 == 0, "float4 stores");
-  static_assert(L::kHeads * 32 * 4 <= L::kSlabBytes, "warpgroup 1's half fits the rope slab");
-  static_assert(2 * L::kHeads * 4 <= kMaxSlots * 2 * L::kHeads * 4, "the row sums fit the maxima's slot");
 };
 
-namespace cluster {
-__device__ __forceinline__ uint32_t rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-/// The shared::cluster address of `addr` (this CTA's shared memory) in CTA `rank`.
-__device__ __forceinline__ uint32_t map(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-/// Every thread of every CTA of the cluster; the arrival is relaxed (the
-/// barriers' initialization is released by fence.mbarrier_init first).
-__device__ __forceinline__ void sync() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-/// Copies `bytes` (a multiple of 16) of this CTA's shared memory at `src` to
-/// shared::cluster address `dst` (a peer CTA's) with the bulk-copy engine;
-/// completes `bytes` transaction bytes on that CTA's mbarrier at `bar`.
-__device__ __forceinline__ void copy_bulk(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "r"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-/// Waits until this thread's bulk copies have read their sources.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-}  // namespace cluster
+/// The named barriers of the warp-specialized MLA CTAs, one id per sync
+/// point (0 is __syncthreads; sm_90 has 16). The consumer ones count the two
+/// consumer warpgroups, the producer ones the producer warpgroup(s).
+enum class MlaWsBarrier : int {
+  // consumers
+  kQLanded = 1,      // Q is in shared memory
+  kScoresSwapped,    // S split by columns: both halves of the partial sums handed over
+  kMaximaSwapped,    // the row maxima exchanged; both S(t) done, so the rope slab is free
+  kPComplete,        // the other warpgroup's P is in the P tile
+  kMaximaRead,       // the end: the last maxima are read, so the row sums may go over them
+  kSumsWritten,      // the end: both warpgroups' row sums are written
+  // producers
+  kFirstIdsVisible,  // FP8 one CTA: the ids of tiles 0 and 1
+  kTileIdsVisible,   // every producer thread's ids of tile u
+  kRowsLanded,       // FP8 one CTA: every producer thread's raw rows of tile u
+  kRawLowRead,       // FP8 one CTA: raw blocks 0-3 are read (slabs 4-5 may go over them)
+  kRawHighRead,      // FP8 one CTA: raw blocks 4-7 are read (slabs 6-7 may go over them)
+  kOwnRowsConverted, // FP8 pairs: every own row of tile u is converted (the send may start)
+};
+static_assert(static_cast<int>(MlaWsBarrier::kOwnRowsConverted) < 16, "sm_90 has 16 named barriers");
 
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+/// Every thread of `threads` (whole warps) meets at named barrier `id`.
+__device__ __forceinline__ void named_barrier(MlaWsBarrier id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
 }
 
 /// One 16-byte gathered latent copy with a 256-byte L2 prefetch hint (the
@@ -178,27 +192,57 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
   using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::tile_tokens;
   using S::bad;  // set by producer threads only
+  using Smem = typename W::Smem;
 
   __device__ MlaWsCta(const Params& params, unsigned char* smem) : S(params, smem) {}
 
   __device__ int num_tiles() const { return (len + L::kTokens - 1) / L::kTokens; }
+  // The fields of the CTA's shared-memory plan (W::Smem), by their byte
+  // offsets from the base: shared addresses are base + offset, generic
+  // pointers gen + offset.
   __device__ int32_t* id_slot(int tile) const {
-    return reinterpret_cast<int32_t*>(gen + W::kIds) + (tile % W::kIdSlots) * kIdSlotInts;
+    return reinterpret_cast<int32_t*>(gen + offsetof(Smem, head.ids)) + (tile % kMlaWsIdSlots) * kIdSlotInts;
   }
-  __device__ uint32_t stage(int tile) const { return base + W::kStage0 + (tile & 1) * L::kTileBytes; }
-  __device__ uint32_t full_bar(int tile) const { return base + W::kBarriers + (tile & 1) * 8; }
-  __device__ uint32_t empty_bar(int tile) const { return base + W::kBarriers + 16 + (tile & 1) * 8; }
+  __device__ uint32_t q_tile() const { return base + static_cast<uint32_t>(offsetof(Smem, head.q)); }
+  /// Byte offset of tile `tile`'s stage.
+  __device__ static constexpr uint32_t stage_offset(int tile) {
+    return static_cast<uint32_t>(offsetof(Smem, head.stage) + (tile & 1) * sizeof(MlaSwizzledTile));
+  }
+  __device__ uint32_t stage(int tile) const { return base + stage_offset(tile); }
+  /// Byte offset of the stage's rope slab: P (and, split by columns,
+  /// warpgroup 1's partial scores before it).
+  __device__ static constexpr uint32_t p_slab_offset(int tile) {
+    return stage_offset(tile) + kMlaRopeSlab * MlaTile::kSlabBytes;
+  }
+  __device__ uint32_t full_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.full) + (tile & 1) * sizeof(uint64_t));
+  }
+  __device__ uint32_t empty_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.empty) + (tile & 1) * sizeof(uint64_t));
+  }
   /// Completes when every producer thread is done; the rejected-id flag is
   /// set before.
-  __device__ uint32_t done_bar() const { return base + W::kBarriers + 32; }
+  __device__ uint32_t done_bar() const { return base + static_cast<uint32_t>(offsetof(Smem, head.done)); }
   /// In a CTA pair: completes when the peer's consumer warps released the
   /// stage (the producer writes into the peer's stage too).
-  __device__ uint32_t peer_empty_bar(int tile) const { return base + W::kBarriers + 40 + (tile & 1) * 8; }
+  __device__ uint32_t peer_empty_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.peer_empty) + (tile & 1) * sizeof(uint64_t));
+  }
   /// In a CTA pair: completes when the peer's rows of the stage landed (the
   /// bulk copies' transaction bytes). Apart from `full`, whose arrivals are
   /// all this CTA's, so that each barrier has one kind of completion.
-  __device__ uint32_t peer_full_bar(int tile) const { return base + W::kBarriers + 56 + (tile & 1) * 8; }
-  __device__ unsigned int* bad_flag() const { return reinterpret_cast<unsigned int*>(gen + W::kBadFlag); }
+  __device__ uint32_t peer_full_bar(int tile) const {
+    return base + static_cast<uint32_t>(offsetof(Smem, head.peer_full) + (tile & 1) * sizeof(uint64_t));
+  }
+  __device__ unsigned int* bad_flag() const {
+    return reinterpret_cast<unsigned int*>(gen + offsetof(Smem, head.bad_flag));
+  }
+  /// The row maxima's exchange, [slots][2 warpgroups][64 heads] floats.
+  __device__ float* maxima() const { return reinterpret_cast<float*>(gen + offsetof(Smem, maxima)); }
+
+  /// The consumer warpgroups, or the producer warpgroup(s), meet at `id`.
+  __device__ static void consumer_sync(MlaWsBarrier id) { named_barrier(id, W::kConsumerThreads); }
+  __device__ static void producer_sync(MlaWsBarrier id) { named_barrier(id, W::kProducerThreads); }
 
   // ---- producer -------------------------------------------------------------
 
@@ -242,8 +286,8 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       const T* e_row = e_base + (r >= 0 ? r * p.e_stride : 0) + piece * 8;
       const uint32_t dst = dst0 + row * 128 + ((piece ^ (row & 7)) << 4);
 #pragma unroll
-      for (int s = 0; s < L::kSlabs - 1; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + s * 64, fill);
-      cp_async_16_n(dst + (L::kSlabs - 1) * L::kSlabBytes, e_row, fill);
+      for (int s = 0; s < kMlaRopeSlab; ++s) cp_async_16_latent(dst + s * L::kSlabBytes, k_row + s * 64, fill);
+      cp_async_16_n(dst + kMlaRopeSlab * L::kSlabBytes, e_row, fill);
     }
     mbar::arrive_on_copies(full_bar(tile));
   }
@@ -265,7 +309,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       } else {
         cp_async_wait<2>();
       }
-      named_barrier(W::kProducerBar, W::kProducerThreads);  // every thread's ids of tile u are visible
+      producer_sync(MlaWsBarrier::kTileIdsVisible);
       TileRows rows;
       resolve_tile(u, rows);
       // The stage is free once the consumers released tile u - 2 (a fresh
@@ -288,10 +332,10 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   float m[2], l[2];
   float acc[128];
 
-  __device__ void load_q() { mla_load_q<T>(p, base + W::kQ, request, head0, heads, tid, W::kConsumerThreads); }
+  __device__ void load_q() { mla_load_q<T>(p, q_tile(), request, head0, heads, tid, W::kConsumerThreads); }
 
   __device__ void start_scores(uint32_t stage_addr, float (&s)[16]) const {
-    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t qd = wgmma::desc_sw128(q_tile(), 16, 1024);
     const uint64_t kd = wgmma::desc_sw128(stage_addr + wg * 32 * 128, 16, 1024);
     wgmma::fence();
 #pragma unroll
@@ -306,7 +350,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// 36 k-steps, over all 64 tokens.
   __device__ void start_scores_columns(uint32_t stage_addr, float (&part)[8][4]) const {
     constexpr int kSteps = L::kCols / 16 / 2;
-    const uint64_t qd = wgmma::desc_sw128(base + W::kQ, 16, 1024);
+    const uint64_t qd = wgmma::desc_sw128(q_tile(), 16, 1024);
     const uint64_t kd = wgmma::desc_sw128(stage_addr, 16, 1024);
     wgmma::fence();
 #pragma unroll
@@ -341,8 +385,8 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       // hands over through the buffer at kScoreExchange, which warpgroup 1
       // reads before that barrier, and warpgroup 0 writes again only in the
       // next tile.
-      unsigned char* from_wg1 = gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab;
-      unsigned char* from_wg0 = gen + W::kScoreExchange;
+      unsigned char* from_wg1 = gen + p_slab_offset(tile);
+      unsigned char* from_wg0 = gen + offsetof(Smem, wg0_scores);
       const bool is_wg0 = wg == 0;
       float4* give = reinterpret_cast<float4*>(is_wg0 ? from_wg0 : from_wg1) + (wt / 32) * 4 * 32 + lane;
       const float4* take = reinterpret_cast<const float4*>(is_wg0 ? from_wg1 : from_wg0) + (wt / 32) * 4 * 32 + lane;
@@ -355,7 +399,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         for (int e = 0; e < 4; ++e) g[e] = is_wg0 ? part[4 + j][e] : part[j][e];
         give[j * 32] = make_float4(g[0], g[1], g[2], g[3]);
       }
-      named_barrier(W::kConsumerBar, W::kConsumerThreads);  // both halves handed over
+      consumer_sync(MlaWsBarrier::kScoresSwapped);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float4 t = take[j * 32];
@@ -401,16 +445,16 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // Every read of tile t's maxima comes before the reader's P barrier of
     // tile t, and tile t + 1's writes after it, so one slot would do; the
     // token split keeps two (by tile parity), the column split one.
-    float* xchg = reinterpret_cast<float*>(gen + W::kExchange) + (tile % W::kMaxSlots) * 2 * L::kHeads;
+    float* xchg = maxima() + (tile % W::kMaxSlots) * 2 * L::kHeads;
     if ((lane & 3) == 0) xchg[wg * L::kHeads + wrow] = tmax[0], xchg[wg * L::kHeads + wrow + 8] = tmax[1];
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // maxima exchanged; both S(t) done (rope slab free)
+    consumer_sync(MlaWsBarrier::kMaximaSwapped);
     tmax[0] = fmaxf(tmax[0], xchg[(1 - wg) * L::kHeads + wrow]);
     tmax[1] = fmaxf(tmax[1], xchg[(1 - wg) * L::kHeads + wrow + 8]);
 
     // Lazy rescale, in step in both warpgroups (they share tmax).
     float alpha[2], b[2];
     const bool rescale = online_softmax_rebase(tmax, m, l, alpha, b);
-    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + W::kStage0 + (tile & 1) * L::kTileBytes + W::kPSlab);
+    uint32_t* ptile = reinterpret_cast<uint32_t*>(gen + p_slab_offset(tile));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int col = wg * 32 + j * 8 + 2 * (lane & 3);
@@ -434,7 +478,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   /// warpgroups meet at the P barrier, then the other's two from the P tile.
   __device__ void start_pv(int tile, const uint32_t (&pk)[4][2]) {
     const uint32_t st = stage(tile);
-    const uint64_t pd = wgmma::desc_sw128(st + W::kPSlab, 16, 1024);
+    const uint64_t pd = wgmma::desc_sw128(base + p_slab_offset(tile), 16, 1024);
     const uint64_t vd = wgmma::desc_sw128(st + wg * 4 * L::kSlabBytes, L::kSlabBytes, 1024);
     // The FP8 CTAs take each k-step as two m64n128 (columns 0-127 and
     // 128-255 of this warpgroup's 256, two slabs apart): the 512-thread CTA
@@ -453,7 +497,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       }
     }
     wgmma::fence_proxy_async();
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the other warpgroup's P is in the P tile
+    consumer_sync(MlaWsBarrier::kPComplete);
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       const int k = 2 * (1 - wg) + kk;
@@ -485,7 +529,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     cp_async_commit();
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // Q landed
+    consumer_sync(MlaWsBarrier::kQLanded);
     float s[16];
     for (int t = 0; t < tiles; ++t) {
       wait_full(t);
@@ -523,10 +567,10 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     const int wrow = (wt / 32) * 16 + lane / 4;
-    float* sums = reinterpret_cast<float*>(gen + W::kExchange);  // over the maxima's slot(s), read by now
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);  // the last maxima are read
+    float* sums = maxima();  // over the maxima's slot(s), read by now
+    consumer_sync(MlaWsBarrier::kMaximaRead);
     if ((lane & 3) == 0) sums[wg * L::kHeads + wrow] = l[0], sums[wg * L::kHeads + wrow + 8] = l[1];
-    named_barrier(W::kConsumerBar, W::kConsumerThreads);
+    consumer_sync(MlaWsBarrier::kSumsWritten);
     float sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = sums[wrow + 8 * r] + sums[L::kHeads + wrow + 8 * r];
@@ -571,7 +615,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // them: the cluster meets. The CTA barrier after it is for
     // compute-sanitizer's racecheck, which, without one after the barriers'
     // initialization, reports every stage reuse as a race.
-    if constexpr (W::kClusterCtas > 1) cluster::sync();
+    if constexpr (W::kClusterCtas > 1) cluster::sync_relaxed();
     __syncthreads();
     // The producers' rejected ids reach the consumers through a shared flag
     // and the `done` mbarrier, not a barrier of the whole CTA: that would be
