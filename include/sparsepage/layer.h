@@ -94,7 +94,9 @@ class SparseLayer {
   void release(int32_t slot, void* stream = nullptr);
   /// After replaying captured steps: reads the device-side lengths back
   /// (synchronizes).
-  void sync_live_len(void* stream = nullptr) { cache_.sync_live_len(stream); }
+  void sync_live_len(void* stream = nullptr) {
+    if (!engine_pools()) cache_.sync_live_len(stream);
+  }
   /// The longest active sequence (a lockstep batch's length).
   int64_t kv_len() const { return cache_.live_len(); }
   /// Each slot's length as the host knows it.
@@ -132,7 +134,8 @@ class SparseLayer {
   void prefill_step(const StepTokens& tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
-  /// before anything changes.
+  /// before anything changes. An engine-pools layer appends nothing and
+  /// reads the lengths and index keys `kv` carries.
   LayerStep step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
 
   // ---- the model's hooks ----
@@ -165,11 +168,20 @@ class SparseLayer {
   virtual void check_engine_kv(const EnginePagedKV& kv) const = 0;
 
   /// The lengths the kernels read: [batch] on the device, including this
-  /// step's tokens once it appended them.
-  const int32_t* device_lens() const { return cache_.device_live_lens(); }
-  bool engine_paged() const { return storage_ == KVStorage::kEnginePaged; }
+  /// step's tokens once it appended them (an engine-pools step: the
+  /// engine's own).
+  const int32_t* device_lens() const { return engine_pools() ? engine_lens_ : cache_.device_live_lens(); }
+  /// Attention rows in an engine's pool (either engine form): no mask path.
+  bool engine_paged() const { return storage_ != KVStorage::kLayerCache; }
+  /// Everything in the engine's pools, lengths passed each step.
+  bool engine_pools() const { return storage_ == KVStorage::kEnginePools; }
+  /// The engine's pools of the step under way (engine forms only, else null).
+  const EnginePagedKV* engine_kv() const { return engine_kv_; }
   /// The largest per-slot length the step buffers serve.
-  int64_t capacity() const { return cache_.capacity(); }
+  int64_t capacity() const { return engine_pools() ? sized_capacity_ : cache_.capacity(); }
+  /// A host bound on every slot's length in this step: the longest active
+  /// slot, or the engine's bound.
+  int64_t live_bound() const { return engine_pools() ? engine_bound_ : cache_.live_len(); }
   /// The host's lengths after a step of q_len tokens (active slots grow).
   std::vector<int64_t> lens_after(int32_t q_len) const;
   bool have_selection() const { return have_selection_; }
@@ -181,6 +193,8 @@ class SparseLayer {
   LayerStep token_by_token(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
                    const PagedSelection& selection, void* stream);
+  LayerStep pools_step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
+  void refuse_on_engine_pools(const char* what) const;
 
   std::string name_;
   Device device_;
@@ -197,6 +211,11 @@ class SparseLayer {
   int32_t last_q_len_ = 1;
   void* after_append_ = nullptr;
   void* after_select_ = nullptr;
+  // An engine-pools step's lengths and pools (valid during the step; the
+  // lengths stay for the readers of the last step).
+  const int32_t* engine_lens_ = nullptr;
+  int64_t engine_bound_ = 0;
+  const EnginePagedKV* engine_kv_ = nullptr;
   // The token-by-token form of a multi-token step: one token's inputs.
   Buffer stage_q_, stage_q_extra_, stage_index_q_, stage_weights_, stage_o_;
 };

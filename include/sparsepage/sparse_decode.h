@@ -9,6 +9,7 @@
 #include "sparsepage/decode.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/dispatch.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/selection.h"
 
@@ -72,6 +73,13 @@ enum class KVStorage : int32_t {
   /// is refused by name before anything changes (the mask path reads dense
   /// caches).
   kEnginePaged = 1,
+  /// Everything a step reads lives in the engine's pools: the attention rows
+  /// and the indexer's keys (`EnginePagedKV::index_keys`), and the engine
+  /// passes each slot's length every step (`EnginePagedKV::seq_lens`). The
+  /// layer keeps no per-sequence state and writes nothing into the pools
+  /// (the engine writes each token's row and key, e.g. with
+  /// write_index_keys_cuda and quantize_mla_fp8_cuda). The fused path only.
+  kEnginePools = 2,
 };
 
 /// An engine's paged KV pool, as a KVStorage::kEnginePaged layer reads it:
@@ -90,6 +98,17 @@ struct EnginePagedKV {
   /// k, v and k_extra as mla_fp8_views gives them over the pool's
   /// num_blocks * block_size rows; the kernel dequantizes as it reads.
   KvFormat kv_format = KvFormat::kNative;
+  /// KVStorage::kEnginePools only. Each slot's length this step, this step's
+  /// token included: int32 [batch] on the device (0: an empty slot, whose
+  /// output rows are zero). Read on the device, so a captured step follows
+  /// them as they change.
+  const int32_t* seq_lens = nullptr;
+  /// Host bound on every seq_lens entry: sizes the step's grids and
+  /// workspace (reserve() it before capturing).
+  int64_t max_seq_len = 0;
+  /// The indexer's keys in the engine's paged pool (index_keys.h: native or
+  /// vLLM's FP8 layout, with their own block table).
+  PagedIndexKeys index_keys;
 };
 
 /// A selection as a serving step produces it on the device: a fixed-width

@@ -301,7 +301,10 @@ EnginePagedKV dsa_fp8_kv(const DsaAttention& l, Tensor& t, const std::string& op
   if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
     t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
   const MlaFp8Views views = mla_fp8_views(t.data, t.shape[0] * t.shape[1], t.strides[1]);
-  EnginePagedKV kv{views.k, views.v, views.k_extra, {}};
+  EnginePagedKV kv;
+  kv.k = views.k;
+  kv.v = views.v;
+  kv.k_extra = views.k_extra;
   kv.kv_format = KvFormat::kE4m3Mla;
   const int32_t bs = to_int32(t.shape[1], op, "kv_cache's block size");
   kv.block_table = engine_table(op, block_table, l.device(), l.batch(), bs, t.shape[0]);

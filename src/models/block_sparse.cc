@@ -122,6 +122,10 @@ const BlockSparseConfig& checked_config(const BlockSparseConfig& config, int32_t
                 "topk_blocks and local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit "
                 "the top-k)");
   }
+  if (config.kv_storage == KVStorage::kEnginePools) {
+    throw Error("BlockSparseAttention: KVStorage::kEnginePools is not supported yet (the block indexer reads index "
+                "keys the layer keeps); use KVStorage::kEnginePaged");
+  }
   if (int64_t{2} * config.topk_blocks * config.block_size > INT32_MAX / 2) {
     throw Error("BlockSparseAttention: 2 * topk_blocks * block_size must stay below 2^30 tokens");
   }
@@ -195,7 +199,7 @@ SparseAttentionInputs BlockSparseAttention::attention_inputs(const StepTokens& t
   in.batch = batch();
   in.num_qo_heads = config_.num_qo_heads;
   in.num_kv_heads = config_.num_kv_heads;
-  in.live_len = kv_len();
+  in.live_len = live_bound();
   in.live_lens = device_lens();  // an engine-paged layer's index keys: the same positions
   in.q = tokens.q;
   in.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));

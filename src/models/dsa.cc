@@ -104,7 +104,7 @@ DsaConfig checked_config(Device device, const DsaConfig& config, int32_t batch) 
 
 SparseLayer::CacheShape cache_shape(const DsaConfig& c) {
   // Engine-paged: the engine's pool holds the MLA rows, the layer only the indexer keys.
-  if (c.kv_storage == KVStorage::kEnginePaged) return {1, 0, c.index_head_dim, c.rope_dim};
+  if (c.kv_storage != KVStorage::kLayerCache) return {1, 0, c.index_head_dim, c.rope_dim};
   return {1, 1, c.latent_dim + c.index_head_dim, c.rope_dim};
 }
 }  // namespace
@@ -129,6 +129,17 @@ StepTokens DsaAttention::to_step(const DsaTokens& t) const {
 
 // Every input is checked before the cache changes, so a bad call appends nothing.
 void DsaAttention::check_tokens(const StepTokens& t, bool engine) const {
+  if (engine && engine_pools()) {
+    if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr ||
+        t.o == nullptr) {
+      throw Error("DsaAttention (engine pools): q_latent, q_pe, q_index, index_weights and o must be set");
+    }
+    if (t.k != nullptr || t.v != nullptr || t.index_k != nullptr) {
+      throw Error("DsaAttention (engine pools): k_cache_row, k_pe and index_k must be null (the engine writes the "
+                  "token's MLA row and index key into its pools)");
+    }
+    return;
+  }
   if (engine) {
     if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr ||
         t.index_k == nullptr || t.o == nullptr) {
@@ -172,7 +183,7 @@ SparseAttentionInputs DsaAttention::attention_inputs(const StepTokens& tokens, i
   in.batch = batch();
   in.num_qo_heads = config_.num_qo_heads * q_len;
   in.num_kv_heads = q_len;
-  in.live_len = kv_len();
+  in.live_len = live_bound();
   in.live_lens = device_lens();  // an engine-paged layer's indexer keys: the same positions
   in.q = tokens.q;
   in.q_extra = tokens.q_extra;
@@ -233,6 +244,26 @@ PagedSelection DsaAttention::selection(int32_t q_len) const {
 void DsaAttention::select(const StepTokens& tokens, int32_t q_len, void* stream) {
   Buffer& positions = q_len > 1 ? token_positions_ : positions_;
   Buffer& counts = q_len > 1 ? token_counts_ : counts_;
+  if (engine_pools()) {  // the engine's paged keys, its lengths
+    DsaIndexerArgs args;
+    args.dtype = dtype();
+    args.key_layout = IndexKeyLayout::kPaged;
+    args.paged = engine_kv()->index_keys;
+    args.kv_lens = device_lens();
+    args.max_kv_len = live_bound();
+    args.q_index = tokens.index_q;
+    args.weights = tokens.index_weights;
+    args.workspace = workspace_.data();
+    args.workspace_bytes = workspace_.bytes();
+    args.positions = positions.as<int32_t>();
+    args.counts = counts.as<int32_t>();
+    if (device() == Device::kCuda) {
+      dsa_select_tokens_cuda(config_, batch(), args, stream);
+    } else {
+      dsa_select_tokens_cpu(config_, batch(), args);
+    }
+    return;
+  }
   if (device() != Device::kCuda) {
     select_cpu(tokens, q_len, positions.as<int32_t>(), counts.as<int32_t>());
     return;
@@ -318,6 +349,13 @@ void DsaAttention::check_engine_kv(const EnginePagedKV& kv) const {
   if (kv.block_table.num_rows < batch()) {
     throw Error("DsaAttention (engine-paged): the block table has " + std::to_string(kv.block_table.num_rows) +
                 " rows for " + std::to_string(batch()) + " slots");
+  }
+  if (engine_pools()) {
+    const std::string problem = paged_index_keys_problem(kv.index_keys, config_.index_head_dim);
+    if (!problem.empty()) throw Error("DsaAttention (engine pools): kv.index_keys: " + problem);
+  } else if (kv.index_keys.pool != nullptr || kv.seq_lens != nullptr) {
+    throw Error("DsaAttention (engine-paged): kv.index_keys and kv.seq_lens are for KVStorage::kEnginePools layers; "
+                "this layer keeps its index keys and lengths itself");
   }
 }
 

@@ -27,9 +27,9 @@ SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t b
       cache_(device, cache_mode(name_, dtype), batch, shape.k_heads, shape.v_heads,
              shape.k_dim, shape.v_dim, capacity_step),
       // No mask path behind an engine's pool: only what the fused path cannot do declines.
-      decoder_(device, storage == KVStorage::kEnginePaged ? dispatch.without_performance_gates() : dispatch),
+      decoder_(device, storage != KVStorage::kLayerCache ? dispatch.without_performance_gates() : dispatch),
       multi_decoder_(device, dispatch) {
-  if (storage != KVStorage::kLayerCache && storage != KVStorage::kEnginePaged) {
+  if (storage != KVStorage::kLayerCache && storage != KVStorage::kEnginePaged && storage != KVStorage::kEnginePools) {
     throw Error(name_ + ": kv_storage is not a KVStorage value");
   }
 }
@@ -37,6 +37,8 @@ SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t b
 SparseLayer::~SparseLayer() = default;
 
 std::vector<int64_t> SparseLayer::lens_after(int32_t q_len) const {
+  // The engine's lengths are on the device only: its bound stands for each.
+  if (engine_pools()) return std::vector<int64_t>(static_cast<size_t>(batch_), engine_bound_);
   std::vector<int64_t> lens = cache_.live_lens();
   for (size_t b = 0; b < lens.size(); ++b) {
     if (cache_.active()[b]) lens[b] += q_len;
@@ -45,6 +47,7 @@ std::vector<int64_t> SparseLayer::lens_after(int32_t q_len) const {
 }
 
 void SparseLayer::size_step_buffers(int32_t q_len) {
+  if (engine_pools()) return;  // sized by reserve() or the step's bound
   const int64_t cap = cache_.capacity();
   if (cap == 0 || (cap == sized_capacity_ && q_len <= sized_q_len_)) return;  // nothing to size yet, or sized
   size_selection(cap, std::max(q_len, sized_q_len_));
@@ -54,11 +57,28 @@ void SparseLayer::size_step_buffers(int32_t q_len) {
 }
 
 void SparseLayer::reserve(int64_t tokens) {
+  if (engine_pools()) {  // no cache: the step buffers alone, for lengths up to `tokens`
+    if (tokens < 1) throw Error(name_ + "::reserve: tokens = " + std::to_string(tokens) + " must be at least 1");
+    if (tokens > sized_capacity_) {
+      size_selection(tokens, 1);
+      sized_capacity_ = tokens;
+      sized_q_len_ = 1;
+    }
+    return;
+  }
   cache_.reserve(tokens);
   size_step_buffers(1);
 }
 
+void SparseLayer::refuse_on_engine_pools(const char* what) const {
+  if (engine_pools()) {
+    throw Error(name_ + "::" + what + ": an engine-pools layer keeps no sequences; the engine owns them and passes "
+                "their lengths with each step");
+  }
+}
+
 void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
+  refuse_on_engine_pools("append_tokens");
   if (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr)) {
     throw Error(name_ + (engine_paged() ? "::append_tokens (engine-paged): k (the index keys) must be set and v null"
                                          : "::append_tokens: k and v must be set"));
@@ -68,6 +88,7 @@ void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
 }
 
 void SparseLayer::admit(int32_t slot, const void* k, const void* v, int64_t tokens, void* stream) {
+  refuse_on_engine_pools("admit");
   if (tokens > 0 && (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr))) {
     throw Error(name_ + (engine_paged() ? "::admit (engine-paged): k (the prompt's index keys) must be set and v null"
                                          : "::admit: k and v must be set"));
@@ -76,7 +97,10 @@ void SparseLayer::admit(int32_t slot, const void* k, const void* v, int64_t toke
   size_step_buffers(1);
 }
 
-void SparseLayer::release(int32_t slot, void* stream) { cache_.release(slot, stream); }
+void SparseLayer::release(int32_t slot, void* stream) {
+  refuse_on_engine_pools("release");
+  cache_.release(slot, stream);
+}
 
 LayerStep SparseLayer::finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
                               const PagedSelection& selection, void* stream) {
@@ -208,6 +232,7 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   }
   check_tokens(tokens, true);
   check_engine_kv(kv);
+  if (engine_pools()) return pools_step(tokens, kv, stream);
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers(1);
   // Decided before anything changes: there is no mask path to fall back to.
@@ -233,6 +258,39 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   return step;
 }
 
+LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream) {
+  if (kv.seq_lens == nullptr || kv.max_seq_len < 1 || kv.max_seq_len > INT32_MAX) {
+    throw Error(name_ + " (engine pools): kv.seq_lens (the engine's lengths, on the device) and kv.max_seq_len (their "
+                "host bound, 1 .. 2^31 - 1) must be given; got max_seq_len = " + std::to_string(kv.max_seq_len));
+  }
+  if (kv.max_seq_len > sized_capacity_) reserve(kv.max_seq_len);  // allocates: reserve() before capturing
+  engine_lens_ = kv.seq_lens;
+  engine_bound_ = kv.max_seq_len;
+  engine_kv_ = &kv;
+  struct Clear {  // the pools are the caller's: forget them when the step returns, thrown or not
+    const EnginePagedKV*& kv;
+    ~Clear() { kv = nullptr; }
+  } clear{engine_kv_};
+  SparseAttentionInputs in = attention_inputs(tokens, 1);
+  in.k = kv.k;
+  in.v = kv.v;
+  in.k_extra = kv.k_extra;
+  in.block_table = kv.block_table;
+  in.kv_format = kv.kv_format;
+  const PagedSelection shape = selection(1);
+  const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine pools)");
+  detail::cuda_record_event(after_append_, stream);  // nothing appended: the engine wrote its rows
+  select(tokens, 1, stream);
+  detail::cuda_record_event(after_select_, stream);
+  have_selection_ = true;
+  last_q_len_ = 1;
+  LayerStep step;
+  step.sparse = sparse_at(kv.max_seq_len);
+  step.outcome = decoder_.run_fused(in, shape, decided, stream);
+  step.fused = step.outcome.fused();
+  return step;
+}
+
 std::vector<std::vector<int32_t>> SparseLayer::last_selected_positions() const {
   if (!have_selection_) return {};
   return selected_positions();
@@ -241,6 +299,7 @@ std::vector<std::vector<int32_t>> SparseLayer::last_selected_positions() const {
 std::vector<std::vector<int32_t>> SparseLayer::last_mask_columns() {
   if (!have_selection_) throw Error(name_ + "::last_mask_columns: no decode has run yet");
   if (engine_paged()) throw Error(name_ + "::last_mask_columns: an engine-paged layer has no mask path");
+  refuse_on_engine_pools("last_mask_columns");
   if (last_q_len_ != 1) throw Error(name_ + "::last_mask_columns: the mask path takes one-token steps; the last was multi-token");
   build_mask(fallback_.mask(), fallback_.capacity(), nullptr);
   const SparseAttentionInputs in = attention_inputs(StepTokens{}, 1);

@@ -151,7 +151,7 @@ SparseAttentionInputs StaticBlockSparseAttention::attention_inputs(const StepTok
   in.batch = batch() * config_.num_kv_heads;
   in.num_kv_heads = group;
   in.num_qo_heads = group;
-  in.live_len = kv_len();
+  in.live_len = live_bound();
   in.live_lens = window_lens_.as<int32_t>();
   in.k = per_kv_head(cache().k_rows().value());
   in.v = per_kv_head(cache().v_rows().value());

@@ -163,8 +163,11 @@ struct BlockArms {
   }
   // [num_blocks, 16, heads, dim] K and V pools: head h at column h * dim of a row.
   EnginePagedKV kv() const {
-    return {pool.rows(0, 0, c.head_dim, c.num_kv_heads, c.head_dim),
-            pool.rows(1, 0, c.head_dim, c.num_kv_heads, c.head_dim), RowView{}, pool.block_table()};
+    EnginePagedKV kv;
+    kv.k = pool.rows(0, 0, c.head_dim, c.num_kv_heads, c.head_dim);
+    kv.v = pool.rows(1, 0, c.head_dim, c.num_kv_heads, c.head_dim);
+    kv.block_table = pool.block_table();
+    return kv;
   }
   // The prompt: `n` tokens into both arms (the engine's rows written by "the engine").
   void prompt(int64_t n, std::mt19937_64& rng) {
@@ -257,12 +260,21 @@ struct DsaArms {
   EnginePagedKV kv() const {
     if (fp8) {
       const MlaFp8Views v = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock, MlaFp8Row::kBytes);
-      EnginePagedKV kv{v.k, v.v, v.k_extra, pool.block_table()};
+      EnginePagedKV kv;
+      kv.k = v.k;
+      kv.v = v.v;
+      kv.k_extra = v.k_extra;
+      kv.block_table = pool.block_table();
       kv.kv_format = KvFormat::kE4m3Mla;
       return kv;
     }
     const RowView latent = pool.rows(0, 0, c.latent_dim, 1, 0);
-    return {latent, latent, pool.rows(0, c.latent_dim, c.rope_dim, 1, 0), pool.block_table()};
+    EnginePagedKV kv;
+    kv.k = latent;
+    kv.v = latent;
+    kv.k_extra = pool.rows(0, c.latent_dim, c.rope_dim, 1, 0);
+    kv.block_table = pool.block_table();
+    return kv;
   }
   // `n` tokens: per sequence a latent, an index key and a rope row each.
   struct Rows {
