@@ -19,6 +19,8 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -28,6 +30,8 @@
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
+#include "sparsepage/fp8.h"
+#include "sparsepage/index_keys.h"
 
 using namespace sparsepage;
 using json = nlohmann::json;
@@ -42,6 +46,7 @@ struct Options {
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
   int32_t q_len = 1;              // query tokens per sequence per step (multi-token steps)
+  std::string pools;               // dsa: "fp8" or "bf16": the step over engine-owned pools (KVStorage::kEnginePools)
   bool ragged = false;            // also a ragged batch (lengths spread from 1K to the context) beside the
                                   // uniform batch of the same total tokens
   std::string json_path;
@@ -210,6 +215,206 @@ double dsa_bytes(const DsaConfig& c, int32_t batch, int64_t context) {
          double(batch) * selected * (c.latent_dim + c.rope_dim) * 2;
 }
 
+// ---- DSA over engine-owned pools ---------------------------------------------
+
+/// The engine's pools of one copy: MLA rows (656-byte FP8 or bf16 576-wide)
+/// and index keys (vLLM's FP8 blocks or bf16) behind a shuffled block table.
+struct DsaPools {
+  Buffer mla, keys, table, lens;
+  EnginePagedKV kv;
+  std::vector<int32_t> host_table;
+  int64_t row_bytes = 0;
+};
+
+struct DsaPoolsSetup {
+  DsaConfig config{128, 512, 64, 64, 128, 2048, 0.0f, 4096};
+  std::unique_ptr<DsaAttention> layer;
+  std::vector<DsaPools> copies;  // rotated step by step, so a step reads cold rows
+  std::vector<Buffer> tokens;    // q_latent, q_pe, q_index, weights
+  Buffer o;
+  size_t next = 0;
+  bool fp8 = true;
+  std::vector<int64_t> lens;
+};
+
+constexpr int32_t kPoolBlock = 64;
+
+void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
+  const int32_t batch = static_cast<int32_t>(s.lens.size());
+  const int64_t max_len = *std::max_element(s.lens.begin(), s.lens.end());
+  const int32_t max_blocks = static_cast<int32_t>((max_len + kPoolBlock - 1) / kPoolBlock);
+  int64_t used = 0;
+  for (int64_t len : s.lens) used += (len + kPoolBlock - 1) / kPoolBlock;
+  const int64_t num_blocks = used + 8;
+  std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.host_table.assign(static_cast<size_t>(batch) * max_blocks, 0);
+  size_t next = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < (s.lens[static_cast<size_t>(b)] + kPoolBlock - 1) / kPoolBlock; ++j) {
+      p.host_table[static_cast<size_t>(b) * max_blocks + static_cast<size_t>(j)] = ids[next++];
+    }
+  }
+  const int64_t rows = num_blocks * kPoolBlock;
+  p.row_bytes = s.fp8 ? MlaFp8Row::kBytes : 576 * 2;
+  p.mla = Buffer(device, static_cast<size_t>(rows * p.row_bytes));
+  const int64_t key_bytes = s.fp8 ? IndexKeyFp8::kTokenBytes : 128 * 2;
+  p.keys = Buffer(device, static_cast<size_t>(rows * key_bytes));
+  PagedIndexKeys keys;
+  keys.format = s.fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  keys.pool = p.keys.data();
+  keys.num_blocks = num_blocks;
+  keys.block_size = kPoolBlock;
+  keys.dtype = DType::kBF16;
+  // Random rows, quantized or copied in chunks of whole blocks (slot = row).
+  const int64_t chunk = int64_t{1} << 18;
+  Buffer src(device, static_cast<size_t>(chunk) * 576 * 2);
+  std::vector<int64_t> slots(static_cast<size_t>(chunk));
+  for (int64_t at = 0; at < rows; at += chunk) {
+    const int64_t n = std::min(chunk, rows - at);
+    bench::fill_random(device, DType::kBF16, src.data(), n * 576, seed + static_cast<uint64_t>(at));
+    if (s.fp8) {
+      quantize_mla_fp8_cuda(DType::kBF16, src.data(), n, 576, static_cast<char*>(p.mla.data()) + at * p.row_bytes,
+                            p.row_bytes);
+    } else {
+      copy_bytes(static_cast<char*>(p.mla.data()) + at * p.row_bytes, device, src.data(), device,
+                 static_cast<size_t>(n * p.row_bytes));
+    }
+    bench::fill_random(device, DType::kBF16, src.data(), n * 128, seed + 7 + static_cast<uint64_t>(at));
+    for (int64_t i = 0; i < n; ++i) slots[static_cast<size_t>(i)] = at + i;
+    const Buffer d_slots = upload(device, slots);
+    write_index_keys_cuda(keys, 128, DType::kBF16, src.data(), 128, d_slots.as<int64_t>(), n);
+  }
+  p.table = upload(device, p.host_table);
+  p.lens = upload(device, std::vector<int32_t>(s.lens.begin(), s.lens.end()));
+  EnginePagedKV& kv = p.kv;
+  if (s.fp8) {
+    const MlaFp8Views v = mla_fp8_views(p.mla.data(), rows, p.row_bytes);
+    kv.k = v.k;
+    kv.v = v.v;
+    kv.k_extra = v.k_extra;
+    kv.kv_format = KvFormat::kE4m3Mla;
+  } else {
+    kv.k = RowView::dense(p.mla.data(), 1, rows, 512);
+    kv.k.row_stride = 576;
+    kv.k.seq_stride = 0;
+    kv.v = kv.k;
+    kv.k_extra = kv.k;
+    kv.k_extra.data = static_cast<const char*>(p.mla.data()) + 512 * 2;
+    kv.k_extra.dim = 64;
+  }
+  kv.block_table.data = p.table.as<int32_t>();
+  kv.block_table.num_rows = batch;
+  kv.block_table.max_blocks = max_blocks;
+  kv.block_table.row_stride = max_blocks;
+  kv.block_table.block_size = kPoolBlock;
+  kv.block_table.num_blocks = num_blocks;
+  kv.seq_lens = p.lens.as<int32_t>();
+  kv.max_seq_len = max_len;
+  kv.index_keys = keys;
+  kv.index_keys.block_table = p.table.as<int32_t>();
+  kv.index_keys.block_table_stride = max_blocks;
+  kv.index_keys.max_blocks = max_blocks;
+}
+
+Arm dsa_pools_arm(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& lens, bool fp8) {
+  auto& c = s.config;
+  c.kv_storage = KVStorage::kEnginePools;
+  s.fp8 = fp8;
+  s.lens = lens;
+  const size_t b = lens.size(), h = static_cast<size_t>(c.num_qo_heads);
+  s.layer = std::make_unique<DsaAttention>(device, DType::kBF16, c, static_cast<int32_t>(b));
+  s.tokens = random_buffers(device, {b * h * 512 * 2, b * h * 64 * 2, b * 64 * 128 * 2, b * 64 * 4},
+                            {false, false, false, true}, 93);
+  s.o = Buffer(device, b * h * 512 * 2);
+  // Enough copies that one replay's distinct rows and keys exceed 150 MB (2.5x the L2), at most 16.
+  int64_t bytes = 0;
+  for (int64_t len : lens) bytes += len * ((fp8 ? 656 : 1152) + (fp8 ? 132 : 256));
+  const int64_t copies = std::clamp<int64_t>((int64_t{150} << 20) / std::max<int64_t>(bytes, 1) + 1, 1, 16);
+  s.copies.resize(static_cast<size_t>(copies));
+  for (size_t i = 0; i < s.copies.size(); ++i) build_pools(s, device, s.copies[i], 500 + 31 * i);
+  s.layer->reserve(*std::max_element(lens.begin(), lens.end()));
+  Arm arm;
+  arm.step = [&s](void* stream) {
+    DsaTokens t;
+    t.q_latent = s.tokens[0].data();
+    t.q_pe = s.tokens[1].data();
+    t.q_index = s.tokens[2].data();
+    t.index_weights = s.tokens[3].as<float>();
+    t.o = s.o.data();
+    const DsaPools& p = s.copies[s.next++ % s.copies.size()];
+    const LayerStep r = s.layer->decode(t, p.kv, stream);
+    return std::make_pair(r.fused, r.outcome.describe());
+  };
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  return arm;
+}
+
+/// The last pools step against fp64 attention over its own selected
+/// positions, for the first and the last sequence and two heads each, the
+/// rows read back one by one and dequantized: the relative L2 error (worst).
+double dsa_pools_check(DsaPoolsSetup& s, Device device) {
+  const DsaPools& p = s.copies[(s.next + s.copies.size() - 1) % s.copies.size()];
+  const auto selected = s.layer->last_selected_positions();
+  const auto o = read_bf16(device, s.o);
+  const auto q = download<uint16_t>(device, s.tokens[0].data(), s.tokens[0].bytes() / 2);
+  const auto q_pe = download<uint16_t>(device, s.tokens[1].data(), s.tokens[1].bytes() / 2);
+  const int32_t h_count = s.config.num_qo_heads, batch = static_cast<int32_t>(s.lens.size());
+  const int32_t max_blocks = p.kv.block_table.max_blocks;
+  const float scale = 1.0f / std::sqrt(576.0f);
+  double worst = 0;
+  for (int32_t b : {0, batch - 1}) {
+    std::vector<std::vector<uint8_t>> rows;
+    for (int32_t pos : selected[static_cast<size_t>(b)]) {
+      const int64_t slot = int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock +
+                           pos % kPoolBlock;
+      rows.push_back(download<uint8_t>(device, static_cast<const char*>(p.mla.data()) + slot * p.row_bytes,
+                                       static_cast<size_t>(p.row_bytes)));
+    }
+    const auto value = [&](const std::vector<uint8_t>& r, int col) -> double {
+      if (!s.fp8) return bf16_to_float(reinterpret_cast<const uint16_t*>(r.data())[col]);
+      if (col >= 512) return bf16_to_float(reinterpret_cast<const uint16_t*>(r.data() + 528)[col - 512]);
+      float sc;
+      std::memcpy(&sc, r.data() + 512 + 4 * (col / 128), 4);
+      const uint8_t x = r[static_cast<size_t>(col)];
+      const int e = (x >> 3) & 0xF, m = x & 7;
+      const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+      return ((x >> 7) ? -mag : mag) * sc;
+    };
+    for (int32_t h : {0, h_count - 1}) {
+      std::vector<double> sc, ref(512, 0.0);
+      double mx = -INFINITY, sum = 0, diff = 0, norm = 0;
+      for (const auto& r : rows) {
+        double dot = 0;
+        for (int i = 0; i < 576; ++i) {
+          const uint16_t qv = i < 512 ? q[static_cast<size_t>((b * h_count + h) * 512 + i)]
+                                      : q_pe[static_cast<size_t>((b * h_count + h) * 64 + i - 512)];
+          dot += double(bf16_to_float(qv)) * value(r, i);
+        }
+        sc.push_back(dot * scale);
+        mx = std::max(mx, sc.back());
+      }
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const double w = std::exp(sc[j] - mx);
+        sum += w;
+        for (int i = 0; i < 512; ++i) ref[static_cast<size_t>(i)] += w * value(rows[j], i);
+      }
+      for (int i = 0; i < 512; ++i) {
+        const double r = rows.empty() ? 0.0 : ref[static_cast<size_t>(i)] / sum;
+        const double g = o[static_cast<size_t>((b * h_count + h) * 512 + i)];
+        if (!std::isfinite(g)) return INFINITY;
+        diff += (g - r) * (g - r);
+        norm += r * r;
+      }
+      worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : (diff > 0 ? INFINITY : 0.0));
+    }
+  }
+  return worst;
+}
+
 // ---- static per-query-head block-sparse (Phi-3-small) -------------------------
 
 struct StaticSetup {
@@ -280,6 +485,72 @@ struct Result {
   std::string line;
 };
 
+/// The DSA step over engine-owned pools: checked against fp64 on sampled
+/// (sequence, head) pairs, then timed eager and from a graph with its
+/// phases, rotating pool copies so each step reads cold rows. There is no
+/// mask path over an engine's pools, so none is timed.
+Result measure_pools(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& lens, const Options& opt,
+                     double read_gbs, Result& res) {
+  json& row = res.row;
+  row["pools"] = opt.pools;
+  Arm arm = dsa_pools_arm(s, device, lens, opt.pools == "fp8");
+  const auto [did_fuse, outcome] = arm.step(nullptr);
+  row["path"] = did_fuse ? "fused" : "fallback";
+  row["outcome"] = outcome;
+  row["pool_copies"] = s.copies.size();
+  const double err = dsa_pools_check(s, device);
+  row["check_rel_l2_vs_fp64"] = err;
+  char head[256];
+  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld pools %s%s | ", "dsa", static_cast<int>(lens.size()),
+                static_cast<long long>(*std::max_element(lens.begin(), lens.end())), opt.pools.c_str(),
+                row["ragged"].get<bool>() ? " ragged " : "");
+  res.line = head;
+  if (!did_fuse || !(err < 1e-2)) {
+    res.line += "REFUSED: " + std::string(!did_fuse ? "the step did not fuse (" + outcome + ")"
+                                                    : "the output disagrees with fp64 (rel L2 " + std::to_string(err) + ")");
+    row["refused"] = res.line;
+    return res;
+  }
+  double bytes = 0;  // the index key of every position and the selected rows
+  for (int64_t len : lens) {
+    bytes += double(len) * (opt.pools == "fp8" ? 132 : 256) +
+             double(std::min<int64_t>(len, s.config.index_topk)) * (opt.pools == "fp8" ? 656 : 1152);
+  }
+  auto run = [&](void* stream) { arm.step(stream); };
+  const int32_t steps = std::max<int32_t>(opt.steps, static_cast<int32_t>(s.copies.size()));
+  const double eager = bench::median_us_eager(device, run, steps, opt.reps);
+  bench::Events ev(device, 4);
+  std::vector<double> indexer, attention;
+  arm.phase_events(ev[1], ev[2]);
+  for (int32_t i = 0; i < steps; ++i) {
+    ev.record(0, nullptr);
+    arm.step(nullptr);
+    ev.record(3, nullptr);
+    indexer.push_back(ev.elapsed_us(1, 2));
+    attention.push_back(ev.elapsed_us(2, 3));
+  }
+  arm.phase_events(nullptr, nullptr);
+  auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  const double graph = bench::median_us_per_launch(device, run, steps, opt.reps);
+  const double floor_us = read_gbs > 0 ? bytes / (read_gbs * 1e3) : 0.0;
+  row["graph_us"] = graph;
+  row["eager_us"] = eager;
+  row["phase_indexer_us"] = median(indexer);
+  row["phase_attention_us"] = median(attention);
+  row["floor_us"] = floor_us;
+  row["bytes"] = bytes;
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "graph %8.1f us  eager %8.1f us | indexer %7.1f attention %7.1f | floor %6.1f us | %d cold copies | "
+                "check %.1e vs fp64",
+                graph, eager, median(indexer), median(attention), floor_us, static_cast<int>(s.copies.size()), err);
+  res.line += buf;
+  return res;
+}
+
 /// Times one (layer, batch, context): the fused step eager and from a graph,
 /// its phases, and the mask-path step from a graph.
 Result measure(const std::string& layer_name, Device device, const std::vector<int64_t>& lens, const Options& opt,
@@ -301,12 +572,16 @@ Result measure(const std::string& layer_name, Device device, const std::vector<i
   mask_only.enabled = false;
   BlockSparseSetup bs_f, bs_m, bs_1;
   DsaSetup dsa_f, dsa_m, dsa_1;
+  DsaPoolsSetup pools;
   StaticSetup st_f, st_m;
   Arm fused, masked, one_token;  // one_token: the q_len = 1 fused step beside a multi-token one
   const int32_t q_len = opt.q_len;
   row["q_len"] = q_len;
   double bytes = 0;
   double requested_bytes = 0;  // static: K/V bytes the fused step asks for (bytes: their union)
+  if (layer_name == "dsa" && !opt.pools.empty()) {
+    return measure_pools(pools, device, lens, opt, read_gbs, res);
+  }
   if (layer_name == "dsa") {
     fused = dsa_arm(dsa_f, device, batch, process_dispatch_config(), q_len);
     masked = dsa_arm(dsa_m, device, batch, mask_only, q_len);
@@ -465,6 +740,10 @@ int main(int argc, char** argv) {
                  "query tokens per sequence per step (speculative verification, MTP): blocksparse and dsa; beside "
                  "each multi-token step the one-token step is timed too")
       ->check(CLI::Range(1, 16));
+  app.add_option("--pools", opt.pools,
+                 "dsa: the step over engine-owned pools (KVStorage::kEnginePools, lengths and index keys from the "
+                 "engine): fp8 (656-byte MLA rows, vLLM's FP8 index-key blocks) or bf16; GPU only")
+      ->check(CLI::IsMember({"fp8", "bf16"}));
   app.add_flag("--ragged", opt.ragged,
                "beside each batch, a ragged batch (lengths spread from 1K to the context, requests admitted per slot) "
                "and the uniform batch of the same total tokens, and their ratio");
@@ -487,6 +766,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     opt.layers = {"blocksparse", "dsa"};
+  }
+  if (!opt.pools.empty() && device != Device::kCuda) {
+    std::printf("--pools %s: the engine-pools step is benchmarked on a GPU only (its pools are built there)\n",
+                opt.pools.c_str());
+    return 2;
   }
   if (dump_selection_enabled()) {
     std::printf("refusing to time: SPARSEPAGE_DUMP_SELECTION synchronizes inside every step\n");
