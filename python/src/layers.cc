@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "sparsepage/fp8.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/layer.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
@@ -328,6 +329,54 @@ EnginePagedKV dsa_engine_kv(const DsaAttention& l, const std::string& op, const 
   return kv;
 }
 
+// An engine's index-key pool: uint8 [num_blocks, block_size, 132] (vLLM's
+// FP8 blocks; a block's bytes must be contiguous) or f16/bf16 [num_blocks,
+// block_size, dim], with its block table.
+PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device device, int32_t dim) {
+  Tensor t = describe(cache, op, "index_cache");
+  require_layer_device(t, device);
+  t.require_ndim(3, "[num_blocks, block_size, bytes or index_head_dim]");
+  PagedIndexKeys k;
+  k.pool = t.data;
+  k.num_blocks = t.shape[0];
+  k.block_size = to_int32(t.shape[1], op, "index_cache's block size");
+  const bool fp8 = t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && t.dtype.bits == 8;
+  if (fp8) {
+    if (t.shape[2] != IndexKeyFp8::kTokenBytes) {
+      t.fail("holds " + std::to_string(t.shape[2]) + " bytes per token; vLLM's FP8 index keys take 132");
+    }
+    k.format = IndexKeyFormat::kE4m3;
+    if (t.shape[0] > 1 && !(t.strides[2] == 1 && t.strides[1] == t.shape[2] && t.strides[0] == t.shape[1] * t.shape[2])) {
+      t.fail("must be contiguous within each block (its values, then its scales)");
+    }
+    k.block_stride_bytes = t.strides[0];
+  } else {
+    k.format = IndexKeyFormat::kNative;
+    k.dtype = t.float_dtype();
+    if (t.shape[2] != dim) t.fail("rows are " + std::to_string(t.shape[2]) + " wide; the layer's index_head_dim is " + std::to_string(dim));
+    if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
+    const int64_t e = static_cast<int64_t>(dtype_size(k.dtype));
+    k.token_stride_bytes = t.strides[1] * e;
+    k.block_stride_bytes = t.strides[0] * e;
+  }
+  return k;
+}
+
+PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& table, Device device, int32_t batch,
+                          int32_t dim) {
+  PagedIndexKeys k = index_cache_pool(op, cache, device, dim);
+  Tensor tb = describe(table, op, "index_block_table");
+  require_layer_device(tb, device);
+  tb.require_int32();
+  tb.require_ndim(2, "[batch, max_blocks]");
+  if (tb.shape[0] != batch) tb.fail("has " + std::to_string(tb.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
+  if (tb.shape[1] > 1 && tb.strides[1] != 1) tb.fail("must have unit stride in its last dim");
+  k.block_table = static_cast<const int32_t*>(tb.data);
+  k.block_table_stride = tb.shape[0] > 1 ? tb.strides[0] : tb.shape[1];
+  k.max_blocks = to_int32(tb.shape[1], op, "index_block_table's width");
+  return k;
+}
+
 DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
   return d ? *d : process_dispatch_config();
 }
@@ -340,7 +389,10 @@ void bind_layers(nb::module_& m) {
       .value("LAYER_CACHE", KVStorage::kLayerCache, "The layer's own dense [B, H, Cap, D] cache (the default).")
       .value("ENGINE_PAGED", KVStorage::kEnginePaged,
              "An engine's paged pool, read in place through its block table (decode_paged); the engine\n"
-             "writes each token's rows, the layer keeps only its indexer's keys. Fused path only.");
+             "writes each token's rows, the layer keeps only its indexer's keys. Fused path only.")
+      .value("ENGINE_POOLS", KVStorage::kEnginePools,
+             "Everything in the engine's pools: attention rows and index keys, the lengths passed each step\n"
+             "(DsaAttention.decode_pools). The layer keeps nothing per sequence. Fused path only.");
 
   nb::class_<LayerStep>(m, "LayerStep", "What a layer step did.")
       .def_ro("sparse", &LayerStep::sparse, "Some sequence's selection left something out.")
@@ -619,6 +671,38 @@ void bind_layers(nb::module_& m) {
           "dequantized in the kernel. The engine has written this token's row at position kv_lens[b].\n"
           "No mask path: a declined step raises, appending nothing.")
       .def(
+          "decode_pools",
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+             const In& index_cache, const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+            const std::string op = "DsaAttention.decode_pools";
+            const DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
+            EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
+            Tensor lens = describe(seq_lens, op, "seq_lens");
+            require_layer_device(lens, self.device());
+            lens.require_int32();
+            lens.require_shape({self.batch()}, "[batch]");
+            lens.require_contiguous();
+            kv.seq_lens = static_cast<const int32_t*>(lens.data);
+            kv.max_seq_len = max_seq_len;
+            kv.index_keys = index_pool(op, index_cache, index_block_table ? *index_block_table : block_table,
+                                       self.device(), self.batch(), self.config().index_head_dim);
+            return self.decode(t, kv, step_stream(stream, self));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("o"),
+          nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
+          nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+          nb::arg("stream").none() = nb::none(),
+          "The stateless DSA step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the\n"
+          "engine has written this step's MLA rows and index keys; the layer keeps nothing per sequence.\n"
+          "kv_cache as decode_paged takes it (bf16 rows or the 656-byte FP8 rows); seq_lens int32 [B] on\n"
+          "the device, each slot's length with this step's token (0: an empty slot, zero output);\n"
+          "max_seq_len a host bound on them (reserve() it before capturing); index_cache the engine's\n"
+          "index keys: uint8 [num_blocks, block_size, 132] in vLLM's FP8 layout (per block the e4m3\n"
+          "values, then the fp32 scales; write_index_keys writes it) or bf16 [num_blocks, block_size,\n"
+          "index_head_dim]; index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable.\n"
+          "Returns a LayerStep.")
+      .def(
           "decode_multi",
           [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
              const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
@@ -675,6 +759,45 @@ void bind_layers(nb::module_& m) {
       "The DSA lightning indexer on the host: int32 [batch, min(index_topk, kv_len)] positions in\n"
       "descending score order. q_index fp32 [B, index_heads, index_head_dim], weights fp32\n"
       "[B, index_heads], index_keys fp32 [B, kv_len, index_head_dim].");
+
+  m.def(
+      "write_index_keys",
+      [](const Out& index_cache, const In& keys, const In& slots, const std::optional<uintptr_t>& stream) {
+        const std::string op = "write_index_keys";
+        const Tensor k = describe(keys, op, "keys"), sl = describe(slots, op, "slots");
+        k.require_ndim(2, "[num_tokens, index_head_dim]");
+        k.require_contiguous();
+        const int32_t dim = to_int32(k.shape[1], op, "keys.shape[1]");
+        const Tensor c = describe(index_cache, op, "index_cache");
+        const PagedIndexKeys pool = index_cache_pool(op, In(index_cache), c.device, dim);  // slots, no table
+        if (sl.dtype.code != static_cast<uint8_t>(nb::dlpack::dtype_code::Int) || sl.dtype.bits != 64) {
+          sl.fail("must be int64 slot ids (block * block_size + offset; -1 skips)");
+        }
+        sl.require_shape({k.shape[0]}, "[num_tokens]");
+        sl.require_contiguous();
+        if (common_device(op, {&c, &k, &sl}) == Device::kCuda) {
+          DeviceGuard guard(c);
+          void* st = stream ? stream_ptr(*stream) : nullptr;
+          if (!stream) {
+            nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
+            if (modules.contains("torch")) {
+              st = stream_ptr(nb::cast<uintptr_t>(nb::module_::import_("torch").attr("cuda").attr("current_stream")().attr("cuda_stream")));
+            }
+          }
+          write_index_keys_cuda(pool, dim, k.float_dtype(), k.data, k.shape[1], static_cast<const int64_t*>(sl.data),
+                                k.shape[0], IndexScaleFormat::kUe8m0, nullptr, st);
+        } else {
+          write_index_keys_cpu(pool, dim, k.float_dtype(), k.data, k.shape[1], static_cast<const int64_t*>(sl.data),
+                               k.shape[0]);
+        }
+      },
+      nb::arg("index_cache"), nb::arg("keys"), nb::arg("slots"), nb::arg("stream").none() = nb::none(),
+      "Writes index keys into an engine's index-key pool at slot ids, as vLLM's cache write does:\n"
+      "keys [num_tokens, index_head_dim] (f16/bf16) go to slots int64 [num_tokens] (block * block_size\n"
+      "+ offset; -1 skips) of index_cache: uint8 [num_blocks, block_size, 132] (vLLM's FP8 layout,\n"
+      "each key quantized with a power-of-two scale) or [num_blocks, block_size, index_head_dim] in\n"
+      "the keys' dtype (copied). CPU or CUDA (capturable; a slot past the pool is skipped there and\n"
+      "refused by name on the CPU).");
 
   m.def("dsa_indexer_workspace_bytes", &dsa_indexer_workspace_bytes, nb::arg("config"), nb::arg("batch"),
         nb::arg("max_kv_len"), "Workspace bytes dsa_select_tokens_cuda needs for windows up to max_kv_len.");
