@@ -200,10 +200,20 @@ void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tok
 void DenseKVCache::sync_live_len(void* stream) {
   if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
   const std::vector<int32_t> lens = download<int32_t>(device_, storage_->live_lens.data(), static_cast<size_t>(batch_));
-  for (int32_t len : lens) {
-    if (len != lens[0]) throw Error("DenseKVCache::sync_live_len: sequences disagree on their live length");
+  for (int32_t b = 0; b < batch_; ++b) {
+    const int32_t len = lens[static_cast<size_t>(b)];
+    if (len < 0 || len > capacity_) {
+      throw Error("DenseKVCache::sync_live_len: sequence " + std::to_string(b) + "'s device length " +
+                  std::to_string(len) + " is outside [0, capacity = " + std::to_string(capacity_) + "]" +
+                  (len == -1 ? " (an append found no room: a captured step replayed past the capacity reserved "
+                               "before capture; nothing was written)"
+                             : ""));
+    }
+    if (len != lens[0]) {
+      throw Error("DenseKVCache::sync_live_len: sequences disagree on their live length (sequence 0: " +
+                  std::to_string(lens[0]) + ", sequence " + std::to_string(b) + ": " + std::to_string(len) + ")");
+    }
   }
-  if (lens[0] < 0 || lens[0] > capacity_) throw Error("DenseKVCache::sync_live_len: device length outside the capacity");
   live_len_ = lens[0];
 }
 
@@ -262,6 +272,8 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
   }
   grow_to(live_len_ + new_tokens);
   auto write = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+    // A key-only cache has no V allocation (null data): no address is formed from it.
+    if (heads == 0 || new_tokens == 0) return;
     const size_t row_bytes = stored_row_bytes(mode_, dim);
     if (!is_quantized(mode_)) {
       copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(live_len_) * row_bytes, device_,

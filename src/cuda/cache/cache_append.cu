@@ -36,8 +36,11 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
   const int per_token = k_per_token + a.v_heads * v_words;
   const int total = a.tokens * per_token;  // append_token_cuda bounds it
   const int64_t t = a.live_lens[b];
-  // Full: nothing is written past the allocation (the host checked; this
-  // guards a stale length). The same for every thread.
+  // Full, or a length no append could have left (a captured step replayed
+  // past the capacity reserved before capture): nothing is written, and the
+  // length becomes -1, so the step's decode flags this sequence (its
+  // window_lens entry is out of range) and sync_live_len names it, rather
+  // than attending without the token. The same for every thread.
   const bool room = t >= 0 && t + a.tokens <= a.capacity;
   // Word x of the step: token i, then K's heads, then V's; row h, word w.
   // Source rows are [tokens, batch, heads], destination rows [batch, heads,
@@ -60,7 +63,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
       word[u] = src[((int64_t{i} * a.batch + b) * heads + h) * words + w];
       at[u] = ((int64_t{b} * heads + h) * a.capacity + i) * words + w;
     }
-    if (!room) return;  // tested only now, so the loads above were in flight with the length's
+    if (!room) break;  // tested only now, so the loads above were in flight with the length's
 #pragma unroll
     for (int u = 0; u < kAppendBatch; ++u) {
       if (x0 + u * kAppendThreads + static_cast<int>(threadIdx.x) >= total) break;
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
+  if (threadIdx.x == 0) a.live_lens[b] = room ? static_cast<int32_t>(t + a.tokens) : -1;
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

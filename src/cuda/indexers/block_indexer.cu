@@ -57,6 +57,7 @@ struct ScoreParams {
   int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
   float* scores;           // [batch * heads, max_scored]
+  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len] is not scored
 };
 
 struct TopkParams {
@@ -65,6 +66,7 @@ struct TopkParams {
   int32_t heads, block_size, topk, width, max_scored;
   int32_t* block_ids;      // [batch * heads, width]
   int32_t* seq_lens;       // [batch * heads]
+  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
 };
 
 // Fragment order. Lane (g, c) = (lane / 4, lane % 4) reads physical dims
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   cuda::pdl_launch_dependents();
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
+  if (len < 0 || len > p.max_kv_len) return;  // out of range: the top-k kernel poisons the sequence
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   if (j >= num_blocks - 1) return;  // past the scored blocks of this sequence
   float* out = p.scores + int64_t{b} * p.heads * p.max_scored + j;
@@ -226,12 +229,21 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   const int64_t len = p.kv_lens[b];  // written before the score kernel started: safe before the wait
   cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
   cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
+  int32_t* out = p.block_ids + int64_t{r} * p.width;
+  if (len < 0 || len > p.max_kv_len) {
+    // A length outside the bound the scores were sized for would read past
+    // this request's score row and write before its id row. Nothing is
+    // selected, and the count -1 makes the decode poison this request and
+    // flag it (kDecodeErrorLength); the mask path sees the same length.
+    for (int32_t i = threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
+    if (threadIdx.x == 0) p.seq_lens[r] = -1;
+    return;
+  }
   const int32_t num_blocks = static_cast<int32_t>((len + p.block_size - 1) / p.block_size);
   const int32_t scored = num_blocks - 1;
   const int32_t keep = min(p.topk, scored);
   const float* s = p.scores + int64_t{r} * p.max_scored;
   const int id_bits = cuda::position_bits(p.max_scored);
-  int32_t* out = p.block_ids + int64_t{r} * p.width;
 
   cuda::RadixCut cut;
   const bool in_smem = scored <= kSmemItems;
@@ -333,7 +345,8 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
           "q_len = " + std::to_string(a.q_len) + " must be >= 1 with q_len * num_kv_heads <= " +
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
   ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace)};
+                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), static_cast<float*>(a.workspace),
+                 a.max_kv_len};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
   if (a.q_len == 1) {
@@ -345,7 +358,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
     else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
-                      a.width, sp.max_scored, a.block_ids, a.seq_lens};
+                      a.width, sp.max_scored, a.block_ids, a.seq_lens, a.max_kv_len};
   // Programmatic dependent launch: the top-k grid is scheduled while the
   // score grid drains, and waits for its writes inside the kernel.
   cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,

@@ -172,14 +172,26 @@ struct IndexerParams {
   // sequence b / q_len, token b % q_len, which reads its sequence's keys
   // below kv_lens[sequence] - (q_len - 1 - token): its own causal window.
   int32_t q_len;
+  int64_t max_kv_len;      // the bound the grids and the workspace were sized for
 };
 
-// Row b's live positions: its sequence's length, less the later new tokens.
-__device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
+// Sequence seq's length, or -1 when it lies outside [0, max_kv_len]: past
+// the bound the scores would be written past the row's pitch. A row of -1
+// selects nothing and its count is -1, which the decode flags
+// (kDecodeErrorLength) and poisons, request by request.
+__device__ __forceinline__ int64_t sequence_len(const IndexerParams& p, int seq) {
   // From L2: the step's append wrote the lengths (see dsa_clear_kernel).
-  if (p.q_len == 1) return __ldcg(&p.kv_lens[b]);
+  const int64_t len = __ldcg(&p.kv_lens[seq]);
+  return len >= 0 && len <= p.max_kv_len ? len : -1;
+}
+
+// Row b's live positions: its sequence's length, less the later new tokens
+// (-1 for a length out of range).
+__device__ __forceinline__ int64_t row_len(const IndexerParams& p, int b) {
+  if (p.q_len == 1) return sequence_len(p, b);
   const int seq = b / p.q_len;
-  return max(int64_t{0}, int64_t{__ldcg(&p.kv_lens[seq])} - (p.q_len - 1 - (b - seq * p.q_len)));
+  const int64_t len = sequence_len(p, seq);
+  return len < 0 ? len : max(int64_t{0}, len - (p.q_len - 1 - (b - seq * p.q_len)));
 }
 
 // ---- tensor-memory-access copies ---------------------------------------------
@@ -405,7 +417,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const int groups = (p.q_len + kTokens - 1) / kTokens;
   const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
   const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = __ldcg(&p.kv_lens[seq]);  // from L2, as row_len
+  const int64_t seq_len = sequence_len(p, seq);  // -1 out of range: no window, nothing scored
   const auto window = [&](int tl) { return max(int64_t{0}, seq_len - (p.q_len - 1 - (first + tl))); };
   const int64_t len = window(ntok - 1);  // the group's longest window
   if (len <= p.topk) {                   // every row's window fits the top-k: nothing to score
@@ -988,6 +1000,7 @@ void dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const DsaInde
   p.kv_lens = a.kv_lens;
   p.row_stride = int64_t{c.latent_dim} + c.index_head_dim;
   p.capacity = a.capacity;
+  p.max_kv_len = a.max_kv_len;
   p.pitch = ws.pitch;
   p.slices = ws.slices;
   p.batch = batch;
