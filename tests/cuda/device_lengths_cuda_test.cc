@@ -479,5 +479,51 @@ TEST(DeviceLengthsCuda, AnAppendWithoutRoomWritesNothingAndSaysSo) {
   EXPECT_TRUE(throws_error_naming([&] { cache.sync_live_len(); }, "sequence 1's device length -1"));
 }
 
+// The page table's own structure arrays on the device: a first_page_offset
+// outside its page, and an indptr that decreases (request 1's count
+// negative). Request 1 comes out NaN and is named, with both kinds;
+// request 2 (its ids unchanged) matches fp64. (Request 0's range grows
+// with the edit, so its output is not judged; the CPU backend refuses both.)
+TEST(DeviceLengthsCuda, OffsetsAndIndptrOutOfRangePoisonTheirRequest) {
+  SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(68);
+  ProblemSpec spec;
+  spec.seq_lens = {100, 50, 70};
+  spec.page_size = 4;
+  spec.group_size = 16;
+  spec.pool_pages = 1024;
+  const PagedProblem pb = make_problem(spec, rng);
+  const Reference ref = reference_attention(pb, pb.token_rows());
+  for (const int edit : {0, 1, 2}) {
+    PagedProblem bad = pb;
+    if (edit == 0) bad.table.first_page_offset[1] = 4;
+    if (edit == 1) bad.table.first_page_offset[1] = -1;
+    if (edit == 2) bad.table.indptr[1] = bad.table.indptr[2] + 1;
+    const DeviceProblem dp(bad);
+    Buffer o(Device::kCuda, o_count(pb) * 2), lse(Device::kCuda, lse_count(pb) * 4);
+    fill_bytes(o.data(), Device::kCuda, 0xFF, o.bytes());
+    fill_bytes(lse.data(), Device::kCuda, 0xFF, lse.bytes());
+    for (const int32_t chunk : {32, 0}) {
+      const DecodePlan plan = make_decode_plan(pb.table.seq_lens, cuda_plan_shape(16, 128, chunk));
+      Buffer ws(Device::kCuda, std::max<size_t>(plan.workspace.total, 256));
+      upload_plan_cuda(plan, ws.data());
+      run_decode_cuda(dp.params(bad, o.data(), lse.as<float>()), plan, ws.data());
+      cuda_ok(cudaDeviceSynchronize(), "decode");
+      const std::string what = "edit " + std::to_string(edit) + ", chunk " + std::to_string(chunk);
+      const std::vector<float> got_o = as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
+      const std::vector<float> got_lse = download<float>(Device::kCuda, lse.data(), lse_count(pb));
+      const size_t per = 16 * 128;
+      size_t finite = 0;
+      for (size_t i = per; i < 2 * per; ++i) finite += std::isnan(got_o[i]) ? 0 : 1;
+      for (size_t i = 16; i < 32; ++i) finite += std::isnan(got_lse[i]) ? 0 : 1;
+      EXPECT_EQ(finite, 0u) << what << ": request 1 must be NaN";
+      const std::vector<float> o2(got_o.begin() + 2 * std::ptrdiff_t(per), got_o.end());
+      const std::vector<double> want2(ref.o.begin() + 2 * std::ptrdiff_t(per), ref.o.end());
+      EXPECT_LT(relative_l2(o2, want2), 1e-2) << what << ": request 2";
+      expect_named(read_decode_errors(plan, ws.data()), 1, what);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparsepage::testing
