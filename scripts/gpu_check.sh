@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build (unless BUILD_DIR already holds a CUDA
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
-# racecheck, synccheck), benchmark, and print a short table last. Full logs
-# go to $OUT.
+# racecheck, synccheck, initcheck; in shards, SHARDS / SHARD_COUNT below),
+# benchmark, and print a short table last. Full logs go to $OUT.
 #   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,13 +41,39 @@ if [[ $STAGES == *tests* ]]; then
   note "CPU tests on the GPU machine: rc=$?, $(grep -E '^\[  PASSED' "$OUT/cpu_tests.log")"
 fi
 if [[ $STAGES == *sanitize* ]]; then
-  # The >2^31-element pool test moves gigabytes; sanitizing it adds minutes and nothing new.
-  for tool in memcheck racecheck synccheck; do
-    timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 9 "$T" \
-      --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" \
-      > "$OUT/sanitizer_$tool.log" 2>&1; rc=$?
-    note "compute-sanitizer $tool: rc=$rc, $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
-    [ $rc -eq 0 ] || failed=1
+  # The GPU suite under compute-sanitizer's memcheck, racecheck, synccheck
+  # and initcheck, in SHARD_COUNT shards (gtest's own: test i of the run
+  # order goes to shard i % SHARD_COUNT), with the tests that are slow only
+  # for their size at their quick size (SPARSEPAGE_TEST_QUICK=1,
+  # tests/cuda/cuda_test_util.h). One shard under the four tools is sized to
+  # fit one ten-minute call: SHARDS="0", then "1", ... (default: every shard,
+  # in one long call). Each (tool, shard) has SANITIZE_TIMEOUT seconds
+  # (default 140, so four fit in 600) and prints one line: rc, seconds,
+  # tests passed / failed, and the tool's summary; "TIMEOUT" when it ran
+  # out (then raise SHARD_COUNT). The >2^31-element pool test moves
+  # gigabytes, and the greedy test is a timing sweep: they stay out.
+  shard_count=${SHARD_COUNT:-6}
+  shards=${SHARDS:-$(seq -s ' ' 0 $((shard_count - 1)))}
+  for shard in $shards; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+      log="$OUT/sanitizer_${tool}_shard${shard}of${shard_count}.log"
+      start=$(date +%s)
+      GTEST_TOTAL_SHARDS=$shard_count GTEST_SHARD_INDEX=$shard SPARSEPAGE_TEST_QUICK=1 \
+        timeout "${SANITIZE_TIMEOUT:-140}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
+        --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" > "$log" 2>&1
+      rc=$?
+      secs=$(( $(date +%s) - start ))
+      passed=$(grep -cE '^\[       OK \]' "$log")
+      failed_tests=$(grep -cE '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$' "$log")
+      tool_summary=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1 | sed 's/^=* *//')
+      state=""
+      [ $rc -eq 124 ] && state=" TIMEOUT"
+      note "sanitize $tool shard $shard/$shard_count:$state rc=$rc, ${secs}s, $passed passed, $failed_tests failed, ${tool_summary:-no summary}"
+      if [ $rc -ne 0 ]; then
+        failed=1
+        grep -E "^========= (Invalid|Race|Barrier|Uninitialized|Error)|Failure|FAILED" -A3 "$log" | head -20
+      fi
+    done
   done
 fi
 if [[ $STAGES == *steps* ]]; then

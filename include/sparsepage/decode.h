@@ -30,12 +30,15 @@ struct RowView {
   int64_t seq_stride = 0;      // elements between sequences (0: shared by all)
   int64_t head_stride = 0;     // elements between KV heads (0: shared by all)
   /// Rows each (sequence, head) holds: a dense cache's capacity, a pool's
-  /// rows. Reading more is refused by name. 0: unknown, and the caller
-  /// vouches that every row read lies inside its allocation.
-  int64_t capacity = 0;
+  /// rows (0: none; a view of an empty cache). Reading more is refused by
+  /// name. kUnknownCapacity (the default): unknown, and the caller vouches
+  /// that every row read lies inside its allocation.
+  static constexpr int64_t kUnknownCapacity = INT64_MAX;
+  int64_t capacity = kUnknownCapacity;
 
   /// The rows of a dense `[batch, heads, capacity, row_stride]` allocation,
   /// of which each row uses the first `dim` elements (row_stride 0: dim).
+  /// Its capacity is known, 0 included: no row of an empty cache is read.
   static RowView dense(const void* data, int32_t heads, int64_t capacity, int32_t dim, int64_t row_stride = 0) {
     const int64_t stride = row_stride > 0 ? row_stride : dim;
     return {data, stride, dim, int64_t{heads} * capacity * stride, capacity * stride, capacity};
@@ -49,7 +52,7 @@ struct RowView {
 /// Why `rows` rows of each of `sequences` x `heads` (sequence, head) pairs
 /// of `view` cannot be read as distinct rows, or "" when they can: a null
 /// base, dim < 1, a row stride below dim, a negative stride or capacity,
-/// more rows than a known capacity, strides under
+/// more rows than a known capacity (0 included), strides under
 /// which two different rows overlap (a head's rows running into the next
 /// head's, say), or a span past 2^62 bytes. Zero sequence and head strides
 /// mean shared rows and are fine. `name` prefixes the message. Host-only;
@@ -193,8 +196,10 @@ struct DecodeParams {
   const int32_t* indptr = nullptr;            // kCsr: [num_requests + 1]; kMatrix: unused
   const int32_t* indices = nullptr;           // page ids (kCsr: [indptr[num_requests]])
   const int32_t* first_page_offset = nullptr; // [num_requests]; may be null (all zero)
-  // Visible tokens, at most the plan's counts; may be null: every request
-  // sees the count the plan was made for (e.g. full top-k rows).
+  // Visible tokens, in [0, the plan's count]; may be null: every request
+  // sees the count the plan was made for (e.g. full top-k rows). The CPU
+  // backend refuses an entry outside by name; on CUDA it poisons the
+  // requests that read it (NaN, kDecodeErrorLength).
   const int32_t* seq_lens = nullptr;          // [num_requests] or [num_sequences] (seq_lens_index)
   SeqLensIndex seq_lens_index = SeqLensIndex::kPerRequest;
   int32_t num_requests = 0;
@@ -205,7 +210,13 @@ struct DecodeParams {
   int64_t num_pool_pages = 0;  // kPoolPages: ids must lie in [0, num_pool_pages)
   // kWindow: sequence b's live length is window_lens[b] when window_lens is
   // set (read where the kernel runs, so it may grow between graph replays),
-  // else window_len for every sequence.
+  // else window_len for every sequence. Each entry must lie in [0, B]: under
+  // kWindow B is the rows each (sequence, head) holds — the smallest
+  // capacity K, V and k_extra declare, else window_len; under kBlockTable
+  // (where it is the causal limit's live length) B is the table's
+  // max_blocks * block_size positions. The CPU backend refuses an entry
+  // outside by name; the CUDA kernels poison that sequence's requests (NaN,
+  // kDecodeErrorLength). kPoolPages does not read it.
   const int32_t* window_lens = nullptr;  // [num_requests / num_kv_heads] or null
   // Elements in `indices`. kCsr: the CPU backend checks indptr[0] == 0, that
   // indptr never decreases and that indptr[num_requests] <= num_indices
@@ -267,6 +278,12 @@ QoStrides qo_strides(const DecodeParams& params);
 /// itself or with `plan` (null pointers, dims, strides, counts). Host-side
 /// checks only: it never reads the arrays.
 void check_decode_params(const DecodeParams& params, const DecodePlan& plan);
+
+/// The most a window_lens entry may say (DecodeParams::window_lens): under
+/// kWindow the smallest capacity K, V and k_extra declare (window_len when
+/// none does), under kBlockTable the table's max_blocks * block_size, under
+/// kPoolPages 0 (not read). Host-only; both backends judge by it.
+int64_t window_lens_bound(const DecodeParams& params);
 
 /// CPU reference backend: runs the plan's work items (multi-threaded), then
 /// the lse merge. Pointers are host pointers. `workspace` must hold
@@ -385,8 +402,34 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
 /// multi-token CTA, wgmma"); the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA is
 /// taken into account.
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan);
-/// Reads and clears the error flag (synchronizes). Nonzero: some page id was outside the pool.
+/// Reads and clears the error flag (synchronizes). Nonzero: some request's
+/// output is NaN because it named something that must not be read
+/// (kDecodeErrorRejected) — a page id outside the pool, a position outside
+/// its window — or carried a device-side length out of range
+/// (kDecodeErrorLength, with kDecodeErrorRejected). `read_decode_errors`
+/// says which request as well.
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream = nullptr);
+
+/// The kinds a CUDA decode's error flag ORs (DecodeErrors::kinds).
+/// A request met something it must not read: its o and lse are NaN, and
+/// nothing outside its own rows was read.
+constexpr uint32_t kDecodeErrorRejected = 1;
+/// A device-side length, offset or table structure of a request lay outside
+/// its range (docs/RELIABILITY.md, per field): a negative or over-plan
+/// seq_lens entry, a window_lens entry outside [0, the window's bound], a
+/// first_page_offset outside [0, page_size), a negative or decreasing
+/// indptr. The request is poisoned (kDecodeErrorRejected too).
+constexpr uint32_t kDecodeErrorLength = 2;
+/// What the kernels met since the flag was last read: the kinds (0: none)
+/// and the lowest-numbered request that met one (-1: none). With per-sequence
+/// lengths (SeqLensIndex::kPerSequence, window_lens) a bad entry poisons
+/// every request of its sequence, and the first of them is named.
+struct DecodeErrors {
+  uint32_t kinds = 0;
+  int32_t first_request = -1;
+};
+/// Reads and clears the flag, as read_decode_error_flag (synchronizes).
+DecodeErrors read_decode_errors(const DecodePlan& plan, void* workspace, void* stream = nullptr);
 
 /// Device properties the plan needs.
 int32_t cuda_multiprocessor_count();

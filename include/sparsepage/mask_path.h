@@ -24,7 +24,10 @@ struct MaskedDecodeParams {
   int32_t group_size = 1;
   int64_t live_len = 0;            // live tokens (an upper bound when live_lens is set)
   /// Per-sequence live lengths [batch], read where the kernel runs (device
-  /// memory on CUDA), each <= live_len; null: live_len for every sequence.
+  /// memory on CUDA), each in [0, live_len]; null: live_len for every
+  /// sequence. An entry outside is refused by name on the CPU; the CUDA
+  /// kernel (no error flag here) writes that sequence's o and lse as NaN
+  /// and reads none of its rows.
   /// With them one launch (and one captured graph) serves a growing context.
   const int32_t* live_lens = nullptr;
   const void* q = nullptr;         // [batch * num_kv_heads, group_size, k.dim]

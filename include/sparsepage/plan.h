@@ -51,7 +51,7 @@ struct WorkspaceLayout {
   size_t work_items = 0;     // WorkItem[num_items] (device copy for the GPU backend)
   size_t merge_indptr = 0;   // int32 [num_merge_requests + 1] into partial slots
   size_t merge_requests = 0; // int32 [num_merge_requests]
-  size_t error_flag = 0;     // uint32, set by kernels that met an index outside the pool
+  size_t error_flag = 0;     // uint32 [2]: the kinds the kernels met, the first request (decode.h's DecodeErrors)
   size_t total = 0;
 };
 

@@ -175,7 +175,9 @@ class SparseDecoder {
   SparseDecodeOutcome run_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
                                 const SparseDecodeOutcome& decided, void* stream = nullptr);
 
-  /// Synchronizes and throws when the last CUDA launch met a position outside a window.
+  /// Synchronizes and throws when a CUDA launch since the last call met a
+  /// position outside a window or a device-side length out of range; the
+  /// message names the first such request (sequence and KV head).
   void check_errors(void* stream = nullptr);
 
   /// Overrides the plan's split knobs (PlanShape::items_per_sm and
@@ -206,6 +208,7 @@ class SparseDecoder {
   std::vector<int32_t> planned_counts_;
   int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;  // group: query rows
   int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
+  int32_t launched_kv_heads_ = 0;  // of the last launch: check_errors names (sequence, KV head)
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]
 };

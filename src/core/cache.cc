@@ -268,7 +268,10 @@ void DenseKVCache::sync_live_len(void* stream) {
   for (size_t b = 0; b < lens.size(); ++b) {
     if (lens[b] < 0 || lens[b] > capacity_) {
       throw Error("DenseKVCache::sync_live_len: slot " + std::to_string(b) + "'s device length " +
-                  std::to_string(lens[b]) + " lies outside [0, capacity = " + std::to_string(capacity_) + "]");
+                  std::to_string(lens[b]) + " lies outside [0, capacity = " + std::to_string(capacity_) + "]" +
+                  (lens[b] == -1 ? " (an append found no room: a captured step replayed past the capacity reserved "
+                                   "before capture; nothing was written)"
+                                 : ""));
     }
   }
   lens_.assign(lens.begin(), lens.end());

@@ -56,7 +56,7 @@ std::string row_view_problem(const RowView& view, const char* name, int64_t sequ
            ".dim = " + std::to_string(view.dim);
   if (view.seq_stride < 0 || view.head_stride < 0 || view.capacity < 0)
     return n + ".seq_stride, " + n + ".head_stride and " + n + ".capacity must not be negative";
-  if (view.capacity > 0 && rows > view.capacity)
+  if (rows > view.capacity)
     return n + ": " + std::to_string(rows) + " rows per head exceed " + n + ".capacity = " + std::to_string(view.capacity);
   if (rows <= 0 || sequences <= 0 || heads <= 0) return {};
   // Distinct rows must not overlap: taking the levels (row, head, sequence)
@@ -293,6 +293,17 @@ std::string kv_format_problem(const DecodeParams& p) {
   return {};
 }
 
+int64_t window_lens_bound(const DecodeParams& p) {
+  if (p.addressing == PageAddressing::kBlockTable)
+    return int64_t{p.block_table.max_blocks} * std::max(p.block_table.block_size, 0);
+  if (p.addressing != PageAddressing::kWindow) return 0;
+  int64_t capacity = RowView::kUnknownCapacity;
+  for (const RowView* s : {&p.k, &p.v, &p.k_extra}) {
+    if (s->data != nullptr) capacity = std::min(capacity, s->capacity);
+  }
+  return capacity == RowView::kUnknownCapacity ? p.window_len : capacity;
+}
+
 void check_decode_params(const DecodeParams& p, const DecodePlan& plan) {
   detail::check_decode_params(p, plan, kMaxQueryTokens);
 }
@@ -315,6 +326,8 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
                                                       "plan was made for " + std::to_string(plan.group_size));
   REQUIRE(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
   REQUIRE(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
+  REQUIRE(p.indices != nullptr || p.num_indices == 0,
+          "indices is null but num_indices = " + std::to_string(p.num_indices));
   REQUIRE(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
   REQUIRE(std::isfinite(p.scale), "scale is not finite");
   REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
@@ -396,7 +409,10 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
   // Rows the page ids (or windows, or block ids) can reach: each request's
   // window, or the pool's rows, which must stay distinct under the address
   // arithmetic.
-  const long double reach = window        ? static_cast<long double>(p.window_len)
+  // Window mode with per-sequence lengths reaches up to their bound (a
+  // declared capacity may exceed window_len: the context grows on the device).
+  const int64_t window_rows = p.window_lens != nullptr ? std::max(p.window_len, window_lens_bound(p)) : p.window_len;
+  const long double reach = window        ? static_cast<long double>(window_rows)
                             : block_table ? static_cast<long double>(p.block_table.num_blocks) * p.block_table.block_size
                                           : static_cast<long double>(p.num_pool_pages) * p.page_size;
   const int64_t rows = static_cast<int64_t>(std::min<long double>(reach, 9.2e18L));

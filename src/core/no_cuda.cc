@@ -42,6 +42,7 @@ void upload_plan_cuda(const DecodePlan&, void*, void*) { no_cuda("upload_plan_cu
 const char* run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*) { no_cuda("run_decode_cuda"); }
 int32_t cuda_merge_cluster_size(const DecodeParams&, const DecodePlan&) { no_cuda("cuda_merge_cluster_size"); }
 uint32_t read_decode_error_flag(const DecodePlan&, void*, void*) { no_cuda("read_decode_error_flag"); }
+DecodeErrors read_decode_errors(const DecodePlan&, void*, void*) { no_cuda("read_decode_errors"); }
 const char* cuda_decode_kernel_name(const DecodeParams&, const DecodePlan&) { no_cuda("cuda_decode_kernel_name"); }
 void cuda_check_kernel_switches() {}  // no CUDA kernels, no switches
 size_t masked_decode_workspace_bytes(const MaskedDecodeParams&, int32_t) {

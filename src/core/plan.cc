@@ -169,7 +169,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.workspace.work_items = take(plan.work.size() * sizeof(WorkItem));
   plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
   plan.workspace.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
-  plan.workspace.error_flag = take(sizeof(uint32_t));
+  plan.workspace.error_flag = take(2 * sizeof(uint32_t));  // DecodeErrors: kinds, first request
   return plan;
 }
 
@@ -261,7 +261,7 @@ void check_decode_plan(const DecodePlan& plan) {
       {ws.work_items, plan.work.size() * sizeof(WorkItem)},
       {ws.merge_indptr, plan.merge_indptr.size() * sizeof(int32_t)},
       {ws.merge_requests, plan.merge_requests.size() * sizeof(int32_t)},
-      {ws.error_flag, sizeof(uint32_t)}};
+      {ws.error_flag, 2 * sizeof(uint32_t)}};
   size_t previous_end = 0;
   for (const auto& region : ends) {
     if (region[0] < previous_end || region[0] > ws.total || region[1] > ws.total - region[0]) {

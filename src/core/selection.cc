@@ -125,8 +125,9 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
                 " ids, block_counts sum to " + std::to_string(total_blocks));
   }
   const Device device = block_ids.device();
-  selection.indices = Buffer(device, static_cast<size_t>(row_offsets[n]) * 4);
   if (device == Device::kCuda) {
+    // The ids are device data: the kernel writes -1 for a block outside its window.
+    selection.indices = Buffer(device, static_cast<size_t>(row_offsets[n]) * 4);
     detail::cuda_stream_sync(stream);  // the ids may still be being written there
     Buffer d_block_offsets = upload(device, block_offsets);
     Buffer d_row_offsets = upload(device, row_offsets);
@@ -138,11 +139,12 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
     detail::cuda_stream_sync(stream);  // the temporaries are freed on return
     return selection;
   }
+  // Host ids: every one is judged before the output is allocated (counts
+  // naming 2^31 rows behind one bad id used to reserve 8 GiB first).
   const int32_t* ids = block_ids.as<int32_t>();
-  int32_t* out = selection.indices.as<int32_t>();
   for (size_t r = 0; r < n; ++r) {
     const int64_t live = live_lens[r];
-    int32_t at = row_offsets[r];
+    int64_t at = row_offsets[r];
     for (int32_t i = block_offsets[r]; i < block_offsets[r + 1]; ++i) {
       const int64_t first = int64_t{ids[i]} * block_size;
       const bool last_entry = i + 1 == block_offsets[r + 1];
@@ -164,11 +166,21 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
         throw Error("selection_from_blocks: request " + std::to_string(r) + " rows from row_base " +
                     std::to_string(row_base[r]) + " do not fit int32 pool rows");
       }
-      for (int64_t j = 0; j < rows; ++j) out[at++] = static_cast<int32_t>(row_base[r] + first + j);
+      at += rows;
     }
     if (at != row_offsets[r + 1]) {
       throw Error("selection_from_blocks: request " + std::to_string(r) + " has a partial final block (live length " +
                   std::to_string(live) + ") that is not its last entry");
+    }
+  }
+  selection.indices = Buffer(device, static_cast<size_t>(row_offsets[n]) * 4);
+  int32_t* out = selection.indices.as<int32_t>();
+  for (size_t r = 0; r < n; ++r) {
+    int32_t at = row_offsets[r];
+    for (int32_t i = block_offsets[r]; i < block_offsets[r + 1]; ++i) {
+      const int64_t first = int64_t{ids[i]} * block_size;
+      const int64_t rows = std::min<int64_t>(block_size, live_lens[r] - first);
+      for (int64_t j = 0; j < rows; ++j) out[at++] = static_cast<int32_t>(row_base[r] + first + j);
     }
   }
   return selection;

@@ -240,6 +240,7 @@ void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
 }
 
 SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream) {
+  launched_kv_heads_ = params.num_kv_heads;
   if (device_ == Device::kCuda) {
     outcome.kernel = run_decode_cuda(params, plan_, workspace_.data(), stream);
   } else {
@@ -310,11 +311,22 @@ void SparseDecoder::set_plan_tuning(int32_t items_per_sm, int32_t min_chunk_toke
 
 void SparseDecoder::check_errors(void* stream) {
   if (device_ != Device::kCuda || workspace_.empty()) return;
-  const uint32_t flag = read_decode_error_flag(plan_, workspace_.data(), stream);
-  if (flag != 0) {
-    throw Error("sparse decode: a selected position lay outside its request's live window; those requests' "
-                "outputs are NaN and nothing outside the window was read");
+  const DecodeErrors e = read_decode_errors(plan_, workspace_.data(), stream);
+  if (e.kinds == 0) return;
+  std::string where = "some request";
+  if (e.first_request >= 0) {
+    where = "request " + std::to_string(e.first_request);
+    if (launched_kv_heads_ > 0) {
+      where += " (sequence " + std::to_string(e.first_request / launched_kv_heads_) + ", KV head " +
+               std::to_string(e.first_request % launched_kv_heads_) + ")";
+    }
   }
+  const std::string what = (e.kinds & kDecodeErrorLength) != 0
+                               ? "carried a device-side length out of range (a live_lens entry outside [0, the "
+                                 "capacity] or a seq_lens entry outside [0, the planned count])"
+                               : "selected a position outside its live window";
+  throw Error("sparse decode: " + where + " (the first of those that failed) " + what +
+              "; those requests' outputs are NaN and nothing outside their windows was read");
 }
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {

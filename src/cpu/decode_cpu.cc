@@ -78,11 +78,17 @@ struct RequestPages {
 };
 
 RequestPages pages_of(const DecodeParams& p, int32_t r) {
+  RequestPages pages{nullptr, 0, 0};
   if (p.index_layout == IndexLayout::kMatrix) {
-    const int64_t start = int64_t{r / p.num_kv_heads} * p.index_seq_stride + int64_t{r % p.num_kv_heads} * p.index_head_stride;
-    return {p.indices + start, p.index_width, start};
+    pages.first = int64_t{r / p.num_kv_heads} * p.index_seq_stride + int64_t{r % p.num_kv_heads} * p.index_head_stride;
+    pages.count = p.index_width;
+  } else {
+    pages.first = p.indptr[r];
+    pages.count = int64_t{p.indptr[r + 1]} - p.indptr[r];
   }
-  return {p.indices + p.indptr[r], int64_t{p.indptr[r + 1]} - p.indptr[r], p.indptr[r]};
+  // No pointer is formed for an empty row: `indices` may be null then.
+  if (pages.count > 0) pages.ids = p.indices + pages.first;
+  return pages;
 }
 
 // Tokens request r sees: its seq_lens entry, or the plan's count without seq_lens.
@@ -204,6 +210,20 @@ void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void*
       throw Error("decode: seq_lens[" + std::to_string(entry) + "] = " + std::to_string(len) + " must lie in [0, " +
                   std::to_string(plan.seq_lens[static_cast<size_t>(r)]) + "], the count the plan was made for" +
                   (entry != r ? " (request " + std::to_string(r) + ")" : std::string()));
+    }
+  }
+  if (p.window_lens != nullptr && p.addressing != PageAddressing::kPoolPages) {
+    // Each sequence's live length within the rows its window may reach (a
+    // longer one would read the next head's rows) or the table's positions.
+    const int64_t bound = window_lens_bound(p);
+    const std::string what = p.addressing == PageAddressing::kBlockTable
+                                 ? "the block table's max_blocks * block_size positions"
+                                 : "the rows each (sequence, KV head) holds (the streams' capacity, else window_len)";
+    for (int32_t b = 0; b < p.num_requests / p.num_kv_heads; ++b) {
+      if (p.window_lens[b] < 0 || p.window_lens[b] > bound) {
+        throw Error("decode: window_lens[" + std::to_string(b) + "] = " + std::to_string(p.window_lens[b]) +
+                    " is outside [0, " + std::to_string(bound) + "], " + what);
+      }
     }
   }
   check_indices_cpu(p, plan);

@@ -47,8 +47,24 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
   if (p.k_extra.data) check_stream(p.k_extra, "k_extra", p);
 }
 
+namespace {
+
+// Host live lengths each within [0, live_len] (the CUDA kernel, which cannot
+// read them on the host, poisons such a sequence's outputs instead).
+void check_live_lens_cpu(const MaskedDecodeParams& p) {
+  if (p.live_lens == nullptr) return;
+  for (int32_t b = 0; b < p.batch; ++b) {
+    REQUIRE(p.live_lens[b] >= 0 && p.live_lens[b] <= p.live_len,
+            "live_lens[" + std::to_string(b) + "] = " + std::to_string(p.live_lens[b]) + " is outside [0, live_len = " +
+                std::to_string(p.live_len) + "]");
+  }
+}
+
+}  // namespace
+
 void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   check_masked_decode_params(p);
+  check_live_lens_cpu(p);
   const int64_t num_requests = int64_t{p.batch} * p.num_kv_heads;  // int64: the product may pass 2^31
   if (num_requests == 0) return;
   PlanShape shape;
@@ -82,7 +98,7 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
     return [mask](int64_t t) { return mask ? mask[t] : 0.0f; };
   };
   auto visible = [&p](int32_t r) {
-    return p.live_lens ? std::min<int64_t>(p.live_lens[r / p.num_kv_heads], p.live_len) : p.live_len;
+    return p.live_lens ? int64_t{p.live_lens[r / p.num_kv_heads]} : p.live_len;
   };
   cpu::run_plan(plan, out, workspace.data(), rows_of, bias_of, visible);
 }

@@ -83,7 +83,7 @@ std::vector<int32_t> top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, i
   std::vector<int32_t> out;
   std::vector<int32_t> order(static_cast<size_t>(scored));
   for (int64_t r = 0; r < int64_t{batch} * heads; ++r) {
-    const float* s = &score[static_cast<size_t>(r * scored)];
+    const float* s = score.data() + r * scored;  // no element taken of an empty vector (one block: none scored)
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return s[x] > s[y]; });
     out.insert(out.end(), order.begin(), order.begin() + (per_request - 1));

@@ -113,7 +113,7 @@ TEST(Layout, RowViewProblemNamesOverlappingRows) {
   // one by the strides (head h's rows would run into head h + 1's).
   EXPECT_EQ(row_view_problem(dense, "k", 2, 4, 1001, 2), "k: 1001 rows per head exceed k.capacity = 1000");
   RowView unknown = dense;
-  unknown.capacity = 0;
+  unknown.capacity = RowView::kUnknownCapacity;
   const std::string long_window = row_view_problem(unknown, "k", 2, 4, 1001, 2);
   EXPECT_NE(long_window.find("k.head_stride"), std::string::npos) << long_window;
   EXPECT_NE(long_window.find("heads would overlap"), std::string::npos) << long_window;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -24,6 +25,27 @@
   } while (0)
 
 namespace sparsepage::testing {
+
+/// SPARSEPAGE_TEST_QUICK=1: tests that are slow only because of their size
+/// run a smaller one (same code paths: every kernel, split and merge they
+/// cover stays covered). scripts/gpu_check.sh sets it under
+/// compute-sanitizer, whose tools slow kernels by 10-100x.
+inline bool quick_mode() {
+  static const bool quick = [] {
+    const char* v = std::getenv("SPARSEPAGE_TEST_QUICK");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return quick;
+}
+
+/// `lens` as they are, or under quick_mode() each capped at `cap` tokens
+/// (0, 1 and the other short edge cases stay; equal counts stay equal).
+inline std::vector<int32_t> quick_lens(std::vector<int32_t> lens, int32_t cap = 512) {
+  if (quick_mode()) {
+    for (int32_t& len : lens) len = std::min(len, cap);
+  }
+  return lens;
+}
 
 inline void cuda_ok(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(err));

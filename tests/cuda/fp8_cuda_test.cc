@@ -144,7 +144,7 @@ TEST(DecodeCudaFp8, E4m3PerHeadMatchesFp64Reference) {
     std::mt19937_64 rng(41);
     testing::ProblemSpec spec;
     spec.dtype = dtype;
-    spec.seq_lens = {2048, 0, 129, 64, 1, 700, 77, 300};  // 2 sequences x 4 KV heads
+    spec.seq_lens = testing::quick_lens({2048, 0, 129, 64, 1, 700, 77, 300});  // 2 sequences x 4 KV heads
     spec.group_size = 16;
     spec.pool_pages = 8192;
     const testing::PagedProblem pb = testing::make_problem(spec, rng);
@@ -180,7 +180,7 @@ TEST(DecodeCudaFp8, MlaRowsMatchFp64Reference) {
   if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty()) GTEST_SKIP() << "no MLA kernel for this GPU";
   std::mt19937_64 rng(43);
   testing::ProblemSpec spec;
-  spec.seq_lens = {2048, 300, 0, 77};
+  spec.seq_lens = testing::quick_lens({2048, 300, 0, 77});
   spec.group_size = 128;
   spec.dim_qk = spec.dim_v = 512;
   spec.dim_extra = 64;

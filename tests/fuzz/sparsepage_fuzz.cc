@@ -1,6 +1,7 @@
 // libFuzzer target over the host-visible surface of sparsepage's CPU backend:
 // page tables, plans, the paged decode, selections with the mask
-// path and the fused path, and the caches. The first input byte picks the
+// path and the fused path, the caches, the engines' inputs, per-sequence
+// window lengths with multi-token steps, and the FP8 KV formats. The first input byte picks the
 // target; the rest drives its structure, and a seed taken from the input
 // fills values, so short inputs reach deep states.
 //
@@ -35,7 +36,10 @@
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
+#include "sparsepage/fp8.h"
 #include "support/engine_problem.h"
+#include "support/fp8_problem.h"
+#include "support/multi_token.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -573,6 +577,41 @@ void fuzz_selection_paths(FuzzedDataProvider& in) {
   pb.q = testing::random_values(dtype, static_cast<size_t>(requests) * group * dim, rng);
   pb.table.seq_lens.assign(static_cast<size_t>(requests), 0);  // sizes the reference's outputs
 
+  // Per-sequence live lengths (SparseAttentionInputs::live_lens), sometimes:
+  // mostly inside the window, sometimes past it (up to and past the
+  // capacity) or negative. The mask path takes [0, live_len]; the fused path
+  // reads positions below each sequence's own length, up to the capacity
+  // (a row it then reads past live_len is NaN, and the reference says so).
+  std::vector<int32_t> live_lens;
+  if (in.ConsumeIntegralInRange<int>(0, 2) == 0) {
+    for (int32_t b = 0; b < batch; ++b) {
+      live_lens.push_back(in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(0, static_cast<int32_t>(live))
+                                           : in.ConsumeIntegralInRange<int32_t>(-2, static_cast<int32_t>(cap) + 2));
+    }
+  }
+  bool mask_lens_ok = true, fused_ok = true;
+  for (int32_t len : live_lens) {
+    mask_lens_ok = mask_lens_ok && len >= 0 && len <= live;
+    fused_ok = fused_ok && len >= 0 && len <= cap;
+  }
+  if (!live_lens.empty()) {
+    for (int32_t r = 0; r < requests; ++r) {
+      const int64_t window = live_lens[static_cast<size_t>(r / kv_heads)];
+      std::set<int32_t> seen;
+      kept_set[static_cast<size_t>(r)].clear();
+      kept_all[static_cast<size_t>(r)].clear();
+      for (int32_t pos : rows[static_cast<size_t>(r)]) {
+        fused_ok = fused_ok && pos >= 0 && pos < window;
+        if (pos >= 0 && pos < cap) kept_all[static_cast<size_t>(r)].push_back(int64_t{r} * cap + pos);
+        if (pos >= 0 && pos < std::min<int64_t>(live, window) && seen.insert(pos).second) {
+          kept_set[static_cast<size_t>(r)].push_back(int64_t{r} * cap + pos);
+        }
+      }
+    }
+  } else {
+    fused_ok = in_window;
+  }
+
   SparseAttentionInputs inputs;
   inputs.dtype = dtype;
   inputs.batch = batch;
@@ -583,6 +622,7 @@ void fuzz_selection_paths(FuzzedDataProvider& in) {
   inputs.v = RowView::dense(pb.v_pool.data(), kv_heads, cap, dim_v, pb.v_row_stride);
   inputs.q = pb.q.data();
   inputs.scale = pb.scale;
+  if (!live_lens.empty()) inputs.live_lens = live_lens.data();
   if (tamper == 2) inputs.live_len = cap + 1;
   if (tamper == 3) inputs.num_qo_heads = kv_heads > 1 ? kv_heads * group + 1 : 0;  // never a valid shape
   const size_t heads = static_cast<size_t>(requests) * group;
@@ -615,7 +655,8 @@ void fuzz_selection_paths(FuzzedDataProvider& in) {
       return ok;
     }
     FUZZ_CHECK(tamper != 1 || selection.counts.empty() || selection.counts[0] >= 0, "negative count accepted");
-    FUZZ_CHECK(!fused || in_window, "the fused path accepted a position outside the window");
+    FUZZ_CHECK(!fused || fused_ok, "the fused path accepted a position outside its sequence's window");
+    FUZZ_CHECK(fused || mask_lens_ok, "the mask path accepted a live_lens entry outside [0, live_len]");
     const auto ref = testing::reference_attention(pb, expected);
     std::vector<float> got_lse(heads);
     if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
@@ -809,12 +850,235 @@ void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
   }
 }
 
+
+// ---- per-sequence window lengths, multi-token steps, a strided o ---------
+// A multi-token (or one-token) step over a dense window cache
+// (support/multi_token.h): each sequence's live length is its window_lens
+// entry, read where the kernel runs. Untouched, the step must match fp64;
+// each edit of a length must be refused (past the capacity, negative, or
+// below a selected position: the window check must read each sequence's
+// own length) or, raised within the capacity, run with the new windows. o
+// is packed or strided with gaps between heads, tokens and sequences, whose
+// bytes are canaries that must never change, accepted or refused.
+void fuzz_window_lengths(FuzzedDataProvider& in) {
+  testing::MultiTokenSpec spec;
+  spec.dtype = pick_dtype(in);
+  spec.q_len = in.ConsumeIntegralInRange<int32_t>(1, 4);
+  spec.num_kv_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
+  spec.group_size = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  spec.page_size = in.ConsumeIntegralInRange<int32_t>(1, 5);
+  spec.head_dim = in.ConsumeIntegralInRange<int32_t>(1, 16);
+  spec.pages_per_request = in.ConsumeIntegralInRange<int32_t>(1, 6);
+  const size_t batch = in.ConsumeIntegralInRange<size_t>(1, 3);
+  for (size_t b = 0; b < batch; ++b) spec.live_lens.push_back(in.ConsumeIntegralInRange<int32_t>(spec.q_len, 60));
+  const int32_t longest = *std::max_element(spec.live_lens.begin(), spec.live_lens.end());
+  spec.capacity = longest + in.ConsumeIntegralInRange<int64_t>(0, 8);
+  spec.seed = in.ConsumeIntegral<uint64_t>();
+  testing::MultiTokenProblem pb = testing::make_multi_token_problem(spec);
+  const int32_t hq = pb.num_qo_heads(), dim = spec.head_dim, q_len = spec.q_len;
+  const size_t rows = batch * static_cast<size_t>(q_len) * static_cast<size_t>(hq);
+
+  PlanShape shape;
+  shape.group_size = spec.group_size * q_len;
+  shape.head_dim_v = dim;
+  shape.num_sms = in.ConsumeIntegralInRange<int32_t>(1, 6);
+  shape.min_chunk_tokens = in.ConsumeIntegralInRange<int32_t>(0, 16);
+  shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  const DecodePlan plan = make_decode_plan(pb.seq_lens, shape);
+
+  // o: packed, or with gaps of 0-3 elements after each head, token and sequence.
+  const bool strided = in.ConsumeBool();
+  QueryStrides os;
+  os.head_stride = dim + (strided ? in.ConsumeIntegralInRange<int64_t>(0, 3) : 0);
+  os.token_stride = hq * os.head_stride + (strided ? in.ConsumeIntegralInRange<int64_t>(0, 3) : 0);
+  os.seq_stride = q_len * os.token_stride + (strided ? in.ConsumeIntegralInRange<int64_t>(0, 3) : 0);
+  const size_t esize = dtype_size(spec.dtype);
+  const size_t o_elements = batch * static_cast<size_t>(os.seq_stride);
+  Guarded o(o_elements * esize, Guarded::kCanary), lse(rows * sizeof(float)), ws(plan.workspace.total, 0xFF);
+  std::vector<int32_t> lens = pb.seq_lens, window = spec.live_lens;
+  DecodeParams p = pb.params(pb.k.data(), pb.v.data(), pb.q.data(), pb.indptr.data(), pb.pages.data(), lens.data(),
+                             window.data(), o.data(), static_cast<float*>(lse.data()));
+  if (strided) {
+    p.qo_layout = QueryLayout::kStrided;
+    p.q_strides = qo_strides(pb.params(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                       nullptr)).q;
+    p.o_strides = os;
+  }
+  enum class Expect { kExact, kRefused };
+  Expect expect = Expect::kExact;
+  const size_t b = in.ConsumeIntegralInRange<size_t>(0, batch - 1);
+  const int32_t live = spec.live_lens[b];
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 1: {  // past the capacity, or negative, or an int32 extreme
+      const int32_t bad[] = {static_cast<int32_t>(pb.capacity) + in.ConsumeIntegralInRange<int32_t>(1, 3), -1,
+                             std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
+      window[b] = bad[in.ConsumeIntegralInRange<int>(0, 3)];
+      expect = Expect::kRefused;
+      break;
+    }
+    case 2:  // below position live - 1, which the final page always selects
+      window[b] = live - in.ConsumeIntegralInRange<int32_t>(1, live);
+      expect = Expect::kRefused;
+      break;
+    case 3:  // a window grown within the capacity: the new windows, exactly
+      window[b] = static_cast<int32_t>(in.ConsumeIntegralInRange<int64_t>(live, pb.capacity));
+      pb.spec.live_lens[b] = window[b];
+      break;
+    case 4: {  // a visible-token count outside [0, the plan's count]
+      const size_t r = b * static_cast<size_t>(spec.num_kv_heads);
+      lens[r] = in.ConsumeBool() ? -1 : pb.seq_lens[r] + in.ConsumeIntegralInRange<int32_t>(1, 3);
+      expect = Expect::kRefused;
+      break;
+    }
+    case 5:  // page ids that are not positions cannot take a causal limit
+      if (q_len > 1) {
+        p.addressing = PageAddressing::kPoolPages;
+        p.num_pool_pages = 1;
+        expect = Expect::kRefused;
+      }
+      break;
+    default: break;
+  }
+  const std::vector<uint8_t> o_before = o.payload(), lse_before = lse.payload();
+  const bool ok = accepted([&] { run_decode_cpu(p, plan, ws.data()); }, "run_decode_cpu (window lengths)");
+  o.check_canaries("window-length o");
+  lse.check_canaries("window-length lse");
+  ws.check_canaries("window-length workspace");
+  FUZZ_CHECK(ok == (expect == Expect::kExact), ok ? "a window-length edit that must be refused ran"
+                                                  : "an untouched (or in-range) window-length problem was refused");
+  if (!ok) {
+    FUZZ_CHECK(o.payload() == o_before && lse.payload() == lse_before, "a refused decode wrote its output");
+    return;
+  }
+  // Every byte of o outside its rows is still a canary; the rows match fp64.
+  const std::vector<uint8_t> bytes = o.payload();
+  std::vector<bool> in_row(o_elements, false);
+  std::vector<uint8_t> packed(rows * static_cast<size_t>(dim) * esize);
+  for (size_t i = 0; i < rows; ++i) {
+    const size_t seq = i / (static_cast<size_t>(q_len) * hq), t = i / hq % q_len, h = i % hq;
+    const size_t at = seq * static_cast<size_t>(os.seq_stride) + t * static_cast<size_t>(os.token_stride) +
+                      h * static_cast<size_t>(os.head_stride);
+    for (int32_t d = 0; d < dim; ++d) in_row[at + static_cast<size_t>(d)] = true;
+    std::memcpy(packed.data() + i * static_cast<size_t>(dim) * esize, bytes.data() + at * esize,
+                static_cast<size_t>(dim) * esize);
+  }
+  for (size_t e = 0; e < o_elements; ++e) {
+    if (in_row[e]) continue;
+    for (size_t k = 0; k < esize; ++k) FUZZ_CHECK(bytes[e * esize + k] == Guarded::kCanary, "a gap of o was written");
+  }
+  const testing::MultiTokenReference mt = testing::multi_token_reference(pb);
+  testing::Reference ref;
+  ref.o = mt.o;
+  ref.lse = mt.lse;
+  std::vector<float> got_lse(rows);
+  std::memcpy(got_lse.data(), lse.begin(), rows * sizeof(float));
+  compare_allowing_nan(ref, testing::as_float(spec.dtype, packed), got_lse, dim, o_tolerance(spec.dtype),
+                       "window lengths");
+}
+
+// ---- FP8 KV formats --------------------------------------------------------
+// A paged problem stored as e4m3 with per-head scales (any dims and dtype) or
+// as the DSA engines' 656-byte MLA rows (bf16, 512 + 64, wider pitches too),
+// with at most one edit of the format's own fields that must be refused.
+// Accepted: the fp64 attention over the exact dequantization, per head.
+void fuzz_fp8(FuzzedDataProvider& in) {
+  const bool mla = in.ConsumeBool();
+  testing::ProblemSpec spec;
+  spec.dtype = mla ? DType::kBF16 : pick_dtype(in);
+  spec.page_size = in.ConsumeIntegralInRange<int32_t>(1, 4);
+  spec.random_first_page_offset = in.ConsumeBool();
+  spec.group_size = in.ConsumeIntegralInRange<int32_t>(1, mla ? 2 : 4);
+  if (mla) {
+    spec.dim_qk = spec.dim_v = 512;
+    spec.dim_extra = 64;
+    spec.v_aliases_k = true;
+  } else {
+    spec.dim_qk = in.ConsumeIntegralInRange<int32_t>(1, 24);
+    spec.dim_v = in.ConsumeIntegralInRange<int32_t>(1, 24);
+    spec.dim_extra = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(1, 8) : 0;
+    spec.k_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
+    spec.v_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
+  }
+  spec.pool_pages = in.ConsumeIntegralInRange<int64_t>(1, mla ? 12 : 40);
+  const size_t n = 2 * in.ConsumeIntegralInRange<size_t>(0, mla ? 1 : 3);  // even: two KV heads may share them
+  for (size_t r = 0; r < n; ++r) spec.seq_lens.push_back(in.ConsumeIntegralInRange<int32_t>(0, mla ? 24 : 60));
+  std::mt19937_64 rng(in.ConsumeIntegral<uint64_t>());
+  const testing::PagedProblem pb = testing::make_problem(spec, rng);
+  const int64_t pitches[] = {656, 672, 1024};
+  const int32_t kv_heads = !mla && n > 0 && in.ConsumeBool() ? 2 : 1;
+  testing::Fp8Problem f = mla ? testing::make_fp8_mla(pb, pitches[in.ConsumeIntegralInRange<int>(0, 2)])
+                              : testing::make_fp8_per_head(pb, kv_heads);
+
+  PlanShape shape;
+  shape.group_size = spec.group_size;
+  shape.head_dim_v = spec.dim_v;
+  shape.num_sms = in.ConsumeIntegralInRange<int32_t>(1, 6);
+  shape.min_chunk_tokens = in.ConsumeIntegralInRange<int32_t>(0, 32);
+  shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  const DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
+  const size_t heads = n * static_cast<size_t>(spec.group_size);
+  const size_t esize = dtype_size(spec.dtype);
+  Guarded o(heads * static_cast<size_t>(spec.dim_v) * esize), lse(heads * sizeof(float)), ws(plan.workspace.total, 0xFF);
+  DecodeParams p = f.host_params(o.data(), static_cast<float*>(lse.data()));
+  bool refuse = false;
+  std::vector<int32_t> indices = pb.indices;
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 1:  // a scale missing, or scales given to the MLA rows
+      if (mla) p.k_scale = f.k.empty() ? nullptr : reinterpret_cast<const float*>(f.k.data());
+      else p.v_scale = nullptr;
+      refuse = true;
+      break;
+    case 2:  // not a KvFormat
+      p.kv_format = static_cast<KvFormat>(in.ConsumeIntegralInRange<int32_t>(3, 9));
+      refuse = true;
+      break;
+    case 3:  // MLA rows too short for the scales, or V not K's view; a per-head K narrower than its row
+      if (mla) {
+        if (in.ConsumeBool()) p.k.row_stride = p.v.row_stride = in.ConsumeIntegralInRange<int64_t>(512, 527);
+        else p.v.seq_stride = 16;
+        refuse = true;
+      }
+      break;
+    case 4: {  // a page id outside the pool: refused when a visible token reads it
+      if (indices.empty()) break;
+      const size_t at = in.ConsumeIntegralInRange<size_t>(0, indices.size() - 1);
+      indices[at] = in.ConsumeBool() ? -1 : static_cast<int32_t>(spec.pool_pages);
+      p.indices = indices.data();
+      for (size_t r = 0; r < n; ++r) {
+        const int64_t len = pb.table.seq_lens[r], offset = pb.table.first_page_offset[r];
+        const int64_t needed = len == 0 ? 0 : (offset + len + spec.page_size - 1) / spec.page_size;
+        const auto first = static_cast<size_t>(pb.table.indptr[r]);
+        refuse = refuse || (at >= first && at < first + static_cast<size_t>(needed));
+      }
+      break;
+    }
+    default: break;
+  }
+  const std::vector<uint8_t> o_before = o.payload(), lse_before = lse.payload();
+  const bool ok = accepted([&] { run_decode_cpu(p, plan, ws.data()); }, "run_decode_cpu (fp8)");
+  o.check_canaries("fp8 o");
+  lse.check_canaries("fp8 lse");
+  ws.check_canaries("fp8 workspace");
+  if (!ok) {
+    FUZZ_CHECK(refuse, "an untouched FP8 problem was refused");
+    FUZZ_CHECK(o.payload() == o_before && lse.payload() == lse_before, "a refused FP8 decode wrote its output");
+    return;
+  }
+  FUZZ_CHECK(!refuse, "an FP8 edit that must be refused ran");
+  std::vector<float> got_lse(heads);
+  if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
+  compare_allowing_nan(testing::reference_attention(f), testing::as_float(spec.dtype, o.payload()), got_lse,
+                       spec.dim_v, o_tolerance(spec.dtype), mla ? "fp8 mla" : "fp8 per head");
+}
+
 }  // namespace
 }  // namespace sparsepage
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  switch (in.ConsumeIntegralInRange<int>(0, 6)) {
+  switch (in.ConsumeIntegralInRange<int>(0, 8)) {
+    case 8: sparsepage::fuzz_fp8(in); break;
+    case 7: sparsepage::fuzz_window_lengths(in); break;
     case 6: sparsepage::fuzz_engine_inputs(in); break;
     case 0: sparsepage::fuzz_page_table(in); break;
     case 1: sparsepage::fuzz_plan(in); break;

@@ -33,7 +33,8 @@ float Fp8Problem::k_value(int32_t r, int64_t row, int32_t d) const {
   if (format == KvFormat::kE4m3Mla) {
     float scale;
     std::memcpy(&scale, bytes + MlaFp8Row::kScaleOffset + 4 * (d / MlaFp8Row::kBlock), 4);
-    return e4m3_to_float(bytes[d]) * scale;
+    const float value = e4m3_to_float(bytes[d]) * scale;  // the product in fp32, as the kernels form it
+    return round_to_bf16 ? bf16_to_float(float_to_bf16(value)) : value;
   }
   return e4m3_to_float(bytes[d]) * k_scale[static_cast<size_t>(r % num_kv_heads)];
 }
@@ -146,6 +147,126 @@ Fp8Problem make_fp8_far_queries(PagedProblem& pb) {
   }
   from_float(spec.dtype, q.data(), pb.q.data(), q.size());
   return make_fp8_per_head(pb, 2);
+}
+
+Fp8RoundingBound mla_rounding_bound(const Fp8Problem& f, const std::vector<std::vector<int64_t>>& all_rows) {
+  // u: bf16's unit roundoff (8 significant bits, round to nearest). Each
+  // latent value the tensor cores read is k (1 + d), |d| <= u, where k is
+  // the exact dequantization (the fp32 product e4m3 x scale is exact to
+  // 2^-24, folded into the fp32 term). Score j then moves by at most
+  //   ds_j <= u A_j + g (B_j + |s_j|),   A_j = scale sum_i |q_i k_ji| (latent),
+  //   B_j = A_j + scale sum_i |qe_i e_ji| (rope, exact in bf16),
+  // g covering the fp32 sums of the 576 products and the log2(e) scaling.
+  // lse = log sum exp s is 1-Lipschitz in the max norm: dlse <= max_j ds_j,
+  // plus the fp32 sum of the softmax denominator over n tokens and the
+  // exp2 / log2 approximations. Each weight p_j = exp(s_j - lse) moves by a
+  // factor within exp(+-2 max ds), so with W_d = sum_j p_j |v_jd|:
+  //   |do_d| <= (e^{2 max ds} - 1)(1 + u) W_d   the weights
+  //           + u W_d                            V's own rounding (V is the latent)
+  //           + u W_d                            P rounded to bf16 for the P.V MMA
+  //           + 2 n 2^-24 W_d                    the fp32 sums of P.V and of the weights
+  //           + u (|o_d| + that)                 o written as bf16
+  //           + 1e-5 W_d                         exp2 approximation, the merge's fp32 weights.
+  const double u = std::ldexp(1.0, -8), g = 600 * std::ldexp(1.0, -24);
+  const PagedProblem& pb = *f.base;
+  const auto& s = pb.spec;
+  Fp8Problem exact = f;
+  exact.round_to_bf16 = false;
+  const std::vector<float> q = as_float(s.dtype, pb.q);
+  const std::vector<float> qe = as_float(s.dtype, pb.q_extra);
+  const std::vector<float> e = as_float(s.dtype, pb.e_pool);
+  Fp8RoundingBound bound;
+  bound.o.assign(all_rows.size() * s.group_size * s.dim_v, 0.0);
+  bound.lse.assign(all_rows.size() * s.group_size, 0.0);
+  for (size_t r = 0; r < all_rows.size(); ++r) {
+    std::vector<int64_t> rows;
+    for (int64_t row : all_rows[r]) {
+      if (row >= 0) rows.push_back(row);
+    }
+    if (rows.empty()) continue;
+    const auto req = static_cast<int32_t>(r);
+    std::vector<std::vector<double>> kr;
+    for (int64_t row : rows) {
+      kr.emplace_back(static_cast<size_t>(s.dim_qk));
+      for (int32_t d = 0; d < s.dim_qk; ++d) kr.back()[static_cast<size_t>(d)] = exact.k_value(req, row, d);
+    }
+    const double n = static_cast<double>(rows.size());
+    for (int32_t gi = 0; gi < s.group_size; ++gi) {
+      const size_t qrow = r * s.group_size + gi;
+      std::vector<double> score(rows.size());
+      double ds_max = 0;
+      for (size_t j = 0; j < rows.size(); ++j) {
+        double dot = 0, a = 0, b = 0;
+        for (int32_t d = 0; d < s.dim_qk; ++d) {
+          const double x = double{q[qrow * s.dim_qk + d]} * kr[j][static_cast<size_t>(d)];
+          dot += x;
+          a += std::fabs(x);
+        }
+        for (int32_t d = 0; d < s.dim_extra; ++d) {
+          const double x = double{qe[qrow * s.dim_extra + d]} * e[static_cast<size_t>(rows[j] * pb.e_row_stride + d)];
+          dot += x;
+          b += std::fabs(x);
+        }
+        score[j] = dot * pb.scale;
+        a *= pb.scale;
+        b = a + b * pb.scale;
+        bound.largest_score_sum = std::max(bound.largest_score_sum, a);
+        ds_max = std::max(ds_max, u * a + g * (b + std::fabs(score[j])));
+      }
+      const double m = *std::max_element(score.begin(), score.end());
+      double sum = 0;
+      for (double x : score) sum += std::exp(x - m);
+      const double lse = m + std::log(sum);
+      bound.lse[qrow] = ds_max + 2 * n * std::ldexp(1.0, -24) + 1e-5 * (1 + std::fabs(lse));
+      const double weights = std::expm1(2 * ds_max) * (1 + u);
+      for (int32_t d = 0; d < s.dim_v; ++d) {
+        double w = 0, o = 0;
+        for (size_t j = 0; j < rows.size(); ++j) {
+          const double p = std::exp(score[j] - lse);
+          const double v = exact.v_value(req, rows[j], d);
+          w += p * std::fabs(v);
+          o += p * v;
+        }
+        const double inner = (weights + 2 * u + 2 * n * std::ldexp(1.0, -24) + 1e-5) * w;
+        // 1e-30: weights below fp32's normal range, which the kernels flush to zero.
+        bound.o[qrow * s.dim_v + d] = inner + u * (std::fabs(o) + inner) + 1e-30;
+      }
+    }
+  }
+  return bound;
+}
+
+std::string outside_bound(const Fp8Problem& f, const Reference& ref, const Fp8RoundingBound& bound,
+                          const std::vector<float>& o, const std::vector<float>& lse) {
+  const auto& s = f.base->spec;
+  std::string out;
+  int reported = 0;
+  auto report = [&](size_t row, const std::string& what) {
+    if (reported++ < 4) {
+      out += "request " + std::to_string(row / s.group_size) + " head " + std::to_string(row % s.group_size) + ": " +
+             what + "; ";
+    }
+  };
+  for (size_t row = 0; row < ref.lse.size(); ++row) {
+    if (std::isinf(ref.lse[row])) {
+      if (!(std::isinf(lse[row]) && lse[row] < 0)) report(row, "lse " + std::to_string(lse[row]) + ", expected -inf");
+      continue;
+    }
+    const double lse_err = std::fabs(double{lse[row]} - ref.lse[row]);
+    if (!(lse_err <= bound.lse[row])) {
+      report(row, "lse off by " + std::to_string(lse_err) + " > bound " + std::to_string(bound.lse[row]));
+    }
+    for (int32_t d = 0; d < s.dim_v; ++d) {
+      const size_t i = row * s.dim_v + d;
+      const double err = std::fabs(double{o[i]} - ref.o[i]);
+      if (!(err <= bound.o[i])) {
+        report(row, "o[" + std::to_string(d) + "] off by " + std::to_string(err) + " > bound " +
+                        std::to_string(bound.o[i]));
+      }
+    }
+  }
+  if (reported > 4) out += std::to_string(reported - 4) + " more";
+  return out;
 }
 
 double max_finite_lse(const Reference& ref) {

@@ -22,12 +22,32 @@ struct Fp8Problem {
   int64_t k_row_bytes = 0, v_row_bytes = 0;
   std::vector<float> k_scale, v_scale; // kE4m3PerHead: [num_kv_heads]
 
+  /// kE4m3Mla: model the CUDA kernels' dequantization, which rounds each
+  /// value (e4m3 times its block's scale, in fp32) to bf16 before the
+  /// tensor cores read it (docs/RELIABILITY.md, "FP8 MLA rounding"). Off:
+  /// the format's exact dequantization (the CPU backend's).
+  bool round_to_bf16 = false;
+
   /// Host params of the format (pass output buffers).
   DecodeParams host_params(void* o, float* lse) const;
   /// K (or V) value `d` of pool row `row` as the kernels must see it, for request r.
   float k_value(int32_t r, int64_t row, int32_t d) const;
   float v_value(int32_t r, int64_t row, int32_t d) const;
 };
+
+/// How far the FP8 MLA kernels may lie from the fp64 attention over the
+/// exact dequantization (docs/RELIABILITY.md, "FP8 MLA rounding"), from the
+/// data: per (request, head) the lse bound, per output element the o bound.
+struct Fp8RoundingBound {
+  std::vector<double> o;    // [R, G, dim_v]
+  std::vector<double> lse;  // [R, G]
+  double largest_score_sum = 0;  // the largest A = scale * sum |q k| met (for messages)
+};
+Fp8RoundingBound mla_rounding_bound(const Fp8Problem& exact, const std::vector<std::vector<int64_t>>& rows);
+/// The elements of `o` / `lse` outside the bound, as "request r head g: ..."
+/// (the first few), or "" when all lie within it.
+std::string outside_bound(const Fp8Problem& exact, const Reference& ref, const Fp8RoundingBound& bound,
+                          const std::vector<float>& o, const std::vector<float>& lse);
 
 /// e4m3 K and V with scales k_scale[h] = (h + 1) / 448 and v_scale[h] =
 /// (2 h + 1) / 896: each row's values (in [-1, 1]) are stored as

@@ -20,6 +20,13 @@ namespace {
 
 unsigned char* at(void* workspace, size_t offset) { return static_cast<unsigned char*>(workspace) + offset; }
 
+/// The flag's two words (DecodeErrors): no kinds, no request (0xFFFFFFFF,
+/// which atomicMin lowers to the first request that reports).
+void clear_error_flag(void* flag, cudaStream_t s) {
+  SP_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(uint32_t), s));
+  SP_CUDA_CHECK(cudaMemsetAsync(static_cast<uint32_t*>(flag) + 1, 0xFF, sizeof(uint32_t), s));
+}
+
 /// log2(page_size) when it is a power of two, else -1 (the kernel divides).
 int32_t page_shift_of(int32_t page_size) {
   int32_t shift = 0;
@@ -203,7 +210,7 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
   if (!plan.merge_requests.empty())
     SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_requests), plan.merge_requests.data(),
                                   plan.merge_requests.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-  SP_CUDA_CHECK(cudaMemsetAsync(at(workspace, ws.error_flag), 0, sizeof(uint32_t), s));
+  clear_error_flag(at(workspace, ws.error_flag), s);
   // The copies read pageable host vectors the caller may free or change as
   // soon as we return; waiting here keeps them out of run and out of capture.
   SP_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -237,6 +244,7 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
     p.uniform_len = plan.seq_lens.empty() ? 0 : plan.seq_lens[0];
   } else {
     p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
+    p.num_items = static_cast<int32_t>(plan.work.size());
   }
   p.o = params.o;
   p.lse = params.lse;
@@ -275,6 +283,7 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
   p.table.index_head_stride = params.index_head_stride;
   p.table.window_lens = params.window_lens;
   p.table.window_len = params.window_len;
+  p.table.max_window_len = window_lens_bound(params);
   if (params.addressing == PageAddressing::kBlockTable) {
     p.table.block_table = params.block_table;
     p.table.block_shift = page_shift_of(params.block_table.block_size);
@@ -316,15 +325,25 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
   return name;
 }
 
+DecodeErrors read_decode_errors(const DecodePlan& plan, void* workspace, void* stream) {
+  if (workspace == nullptr) throw Error("read_decode_errors: workspace is null");
+  auto s = static_cast<cudaStream_t>(stream);
+  uint32_t words[2] = {0, 0};
+  void* device_flag = at(workspace, plan.workspace.error_flag);
+  SP_CUDA_CHECK(cudaMemcpyAsync(words, device_flag, sizeof(words), cudaMemcpyDeviceToHost, s));
+  clear_error_flag(device_flag, s);
+  SP_CUDA_CHECK(cudaStreamSynchronize(s));
+  DecodeErrors e;
+  e.kinds = words[0];
+  // A request index is below 2^31; anything else (no report, or a workspace
+  // whose plan was never uploaded) names none.
+  e.first_request = e.kinds != 0 && words[1] <= static_cast<uint32_t>(INT32_MAX) ? static_cast<int32_t>(words[1]) : -1;
+  return e;
+}
+
 uint32_t read_decode_error_flag(const DecodePlan& plan, void* workspace, void* stream) {
   if (workspace == nullptr) throw Error("read_decode_error_flag: workspace is null");
-  auto s = static_cast<cudaStream_t>(stream);
-  uint32_t flag = 0;
-  void* device_flag = at(workspace, plan.workspace.error_flag);
-  SP_CUDA_CHECK(cudaMemcpyAsync(&flag, device_flag, sizeof(flag), cudaMemcpyDeviceToHost, s));
-  SP_CUDA_CHECK(cudaMemsetAsync(device_flag, 0, sizeof(uint32_t), s));
-  SP_CUDA_CHECK(cudaStreamSynchronize(s));
-  return flag;
+  return read_decode_errors(plan, workspace, stream).kinds;
 }
 
 }  // namespace sparsepage

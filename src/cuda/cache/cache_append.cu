@@ -37,8 +37,12 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
   const int total = a.tokens * per_token;  // append_token_cuda bounds it
   const int64_t t = a.live_lens[b];
   const bool active = a.active == nullptr || a.active[b] != 0;
-  // A free slot, or a full one: nothing is written (the host checked the
-  // capacity; this guards a stale length). The same for every thread.
+  // A free slot writes nothing and keeps its length. A full slot, or a
+  // length no append could have left (a captured step replayed past the
+  // capacity reserved before capture), writes nothing and its length
+  // becomes -1, so the step's decode flags this sequence and
+  // sync_live_len names it, rather than attending without the token. The
+  // same for every thread.
   const bool room = active && t >= 0 && t + a.tokens <= a.capacity;
   // Word x of the step: token i, then K's heads, then V's; row h, word w.
   // Source rows are [tokens, batch, heads], destination rows [batch, heads,
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
       word[u] = src[((int64_t{i} * a.batch + b) * heads + h) * words + w];
       at[u] = ((int64_t{b} * heads + h) * a.capacity + i) * words + w;
     }
-    if (!room) return;  // tested only now, so the loads above were in flight with the length's
+    if (!room) break;  // tested only now, so the loads above were in flight with the length's
 #pragma unroll
     for (int u = 0; u < kAppendBatch; ++u) {
       if (x0 + u * kAppendThreads + static_cast<int>(threadIdx.x) >= total) break;
@@ -70,7 +74,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0 && room) a.live_lens[b] = static_cast<int32_t>(t + a.tokens);
+  if (threadIdx.x == 0 && active) a.live_lens[b] = room ? static_cast<int32_t>(t + a.tokens) : -1;
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

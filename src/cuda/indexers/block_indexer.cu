@@ -58,6 +58,7 @@ struct ScoreParams {
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
   int64_t dense_len;       // sequences of at most this many tokens keep every block: nothing to score
   float* scores;           // [batch * heads, max_scored]
+  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len] is not scored
 };
 
 struct TopkParams {
@@ -67,6 +68,7 @@ struct TopkParams {
   int64_t dense_len;       // sequences of at most this many tokens keep every block
   int32_t* block_ids;      // [batch * heads, width]
   int32_t* seq_lens;       // [batch * heads]
+  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
 };
 
 // Fragment order. Lane (g, c) = (lane / 4, lane % 4) reads physical dims
@@ -100,6 +102,7 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   cuda::pdl_launch_dependents();
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
+  if (len < 0 || len > p.max_kv_len) return;  // out of range: the top-k kernel poisons the sequence
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   // Past the scored blocks of this sequence, or a sequence that keeps them all.
   if (j >= num_blocks - 1 || len <= p.dense_len) return;
@@ -230,6 +233,15 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
   cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
   int32_t* out = p.block_ids + int64_t{r} * p.width;
+  if (len < 0 || len > p.max_kv_len) {
+    // A length outside the bound the scores were sized for would read past
+    // this request's score row and write before its id row. Nothing is
+    // selected, and the count -1 makes the decode poison this request and
+    // flag it (kDecodeErrorLength); the mask path sees the same length.
+    for (int32_t i = threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
+    if (threadIdx.x == 0) p.seq_lens[r] = -1;
+    return;
+  }
   // A free slot or an empty sequence (len <= 0) keeps nothing.
   const int32_t num_blocks = len > 0 ? static_cast<int32_t>((len + p.block_size - 1) / p.block_size) : 0;
   const int32_t scored = max(num_blocks - 1, 0);
@@ -348,7 +360,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
               std::to_string(a.width));
   ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
                  a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), a.dense_len,
-                 static_cast<float*>(a.workspace)};
+                 static_cast<float*>(a.workspace), a.max_kv_len};
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
   if (a.q_len == 1) {
@@ -360,7 +372,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
     else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
-                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens};
+                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens, a.max_kv_len};
   // Programmatic dependent launch: the top-k grid is scheduled while the
   // score grid drains, and waits for its writes inside the kernel.
   cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,

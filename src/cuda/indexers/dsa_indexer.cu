@@ -995,6 +995,7 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   p.kv_lens = a.kv_lens;
   p.row_stride = int64_t{c.latent_dim} + c.index_head_dim;
   p.capacity = a.capacity;
+  p.max_kv_len = a.max_kv_len;
   p.pitch = ws.pitch;
   p.slices = ws.slices;
   p.max_kv_len = a.max_kv_len;

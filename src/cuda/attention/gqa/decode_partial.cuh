@@ -37,6 +37,15 @@ constexpr int kIdSlotInts = 64;  // page ids of one tile: 64 tokens span at most
 constexpr int64_t kRejectedRow = -1;
 constexpr int64_t kMaskedRow = -2;
 
+/// Raises the workspace error flag (decode.h's DecodeErrors): word 0 ORs the
+/// kinds, word 1 keeps the lowest request that met one (0xFFFFFFFF: none).
+/// `flag` may be null (no flag: the output's NaN is the only sign).
+__device__ inline void report_decode_error(uint32_t* flag, int32_t request, uint32_t kinds) {
+  if (flag == nullptr) return;
+  atomicOr(flag, kinds);
+  atomicMin(flag + 1, static_cast<uint32_t>(request));
+}
+
 /// Page-table row source parameters (decode.h's DecodeParams, device side).
 struct PagedTable {
   const int32_t* indptr = nullptr;             // kCsr: [num_requests + 1]
@@ -59,6 +68,11 @@ struct PagedTable {
   // every position is checked against its sequence's live length.
   const int32_t* window_lens = nullptr;        // [num_sequences] or null: window_len for all
   int64_t window_len = 0;
+  // The most any window_lens entry may say (the host's bound, decode.h:
+  // window_lens): the rows each (sequence, head) holds in window mode, the
+  // table's positions in block-table mode. Past it (or negative) the
+  // request's length is out of range: flagged, its output NaN, nothing read.
+  int64_t max_window_len = 0;
   // Block-table mode (decode.h): ids are pages of the sequence's positions.
   BlockTable block_table;
   int32_t block_shift = 0;                     // log2(block_size), or -1
@@ -100,7 +114,8 @@ struct PartialCommon {
   int64_t q_tok = 0, qe_tok = 0, o_tok = 0;
 
   // Work: either the plan's list or a uniform split computed from blockIdx.x.
-  const WorkItem* work = nullptr;  // [gridDim.x] or null
+  const WorkItem* work = nullptr;  // [num_items] or null
+  int32_t num_items = 0;           // the list's items: the last of a request knows its planned count
   int32_t chunks_per_request = 1;  // uniform split: item i -> request i / chunks_per_request
   int32_t chunk_tokens = 0;
   int32_t uniform_len = 0;         // tokens per request in the uniform split (an upper bound with live_lens)
@@ -110,7 +125,7 @@ struct PartialCommon {
   float* partial_o = nullptr;      // [num_partials, group_size, partial_dv]
   float* partial_lse = nullptr;    // [num_partials, group_size]
   int32_t partial_dv = 0;
-  uint32_t* error_flag = nullptr;  // set when a page id lies outside the pool; may be null
+  uint32_t* error_flag = nullptr;  // uint32 [2] (report_decode_error); may be null
 };
 
 /// The partial kernel's params for one row source: the common fields and
@@ -168,6 +183,23 @@ struct ItemShare {
   const T* e_base;  // null without a second stream
 };
 
+/// The count the plan was made for item `index`'s request when this item
+/// knows it (the uniform split's length; a list's last item of the
+/// request), else -1.
+__device__ inline int64_t planned_count(const PartialCommon& p, int32_t index, const WorkItem& w) {
+  if (p.work == nullptr) return p.uniform_len;
+  const bool last = index + 1 >= p.num_items || p.work[index + 1].request != w.request;
+  return last ? w.token_end : -1;
+}
+
+/// Every kernel opens its work item here, so the device-side lengths are
+/// judged in one place (docs/RELIABILITY.md, "what is checked where"). The
+/// arithmetic is 64-bit: no int32 length can wrap the share's token count.
+/// A length out of its range poisons the request: the source rejects every
+/// token and the share keeps at least one, so the kernel's own path for a
+/// rejected token writes NaN (o and lse) and raises the flag (report_rejected,
+/// which names the kind), and nothing is read. (Raising the flag here
+/// instead cost the FP8 MLA CTA pairs' producers a register spill.)
 template <typename T, class Source>
 __device__ inline ItemShare<T> open_item(const typename Source::Params& p, int32_t index, Source& src) {
   const WorkItem w = resolve_work_item(p, index);
@@ -176,8 +208,10 @@ __device__ inline ItemShare<T> open_item(const typename Source::Params& p, int32
   s.partial = w.partial;
   s.tok_begin = w.token_begin;
   const int64_t seq = w.request / p.num_kv_heads, head = w.request % p.num_kv_heads;
-  src.init(p, w.request, seq, head);
-  s.len = max(0, min(w.token_end, src.visible_tokens()) - w.token_begin);
+  const bool lengths_ok = src.init(p, w.request, seq, head, planned_count(p, index, w));
+  const int64_t end = min(int64_t{w.token_end}, int64_t{src.visible_tokens()});
+  s.len = static_cast<int32_t>(max(int64_t{0}, end - w.token_begin));
+  if (!lengths_ok) s.len = max(s.len, 1);
   s.k_base = static_cast<const T*>(p.k) + seq * p.k_seq + head * p.k_head;
   s.v_base = static_cast<const T*>(p.v) + seq * p.v_seq + head * p.v_head;
   s.e_base = p.k_extra ? static_cast<const T*>(p.k_extra) + seq * p.e_seq + head * p.e_head : nullptr;
@@ -232,33 +266,49 @@ struct PagedSourceT {
   bool skip_minus_one;
   int64_t window_len;    // window mode: the sequence's live length
 
-  __device__ void init(const Params& p, int32_t request, int64_t seq, int64_t head) {
+  /// Reads the request's lengths and offsets; false when one is out of
+  /// range (every token is then rejected). `planned`: the request's planned
+  /// count, or -1 when this item does not know it.
+  __device__ bool init(const Params& p, int32_t request, int64_t seq, int64_t head, int64_t planned) {
     const PagedTable& t = p.table;
     first_offset = t.first_page_offset ? t.first_page_offset[request] : 0;
     page_size = t.page_size;
     bool matrix = false;
     if constexpr (kEngineInputs) matrix = t.matrix;
+    // The structure arrays are device data too: a negative start, a
+    // decreasing indptr or an offset outside [0, page_size) rejects every
+    // token of the request instead of reading before `indices`.
+    bool ok = first_offset >= 0 && first_offset < page_size;
     if (matrix) {
       pages = t.indices + seq * t.index_seq_stride + head * t.index_head_stride;
       num_pages = t.index_width;
     } else {
-      const int32_t begin = t.indptr[request];
-      pages = t.indices + max(begin, 0);
-      num_pages = t.indptr[request + 1] - begin;
-      if (begin < 0) num_pages = 0;
+      const int64_t begin = t.indptr[request], end = t.indptr[request + 1];
+      ok = ok && begin >= 0 && end >= begin;
+      pages = t.indices + (ok ? begin : 0);
+      num_pages = static_cast<int32_t>(end - begin);
     }
-    // The structure arrays are device data too: a negative start or an offset
-    // outside [0, page_size) rejects every token of the request (NaN and the
-    // error flag) instead of reading before `indices`.
-    if (first_offset < 0 || first_offset >= page_size) num_pages = 0;
     bool per_sequence = false;
     if constexpr (kEngineInputs) per_sequence = t.lens_per_sequence;
     seq_len = t.seq_lens ? t.seq_lens[per_sequence ? seq : request] : INT32_MAX;
+    // Visible tokens in [0, the plan's count] (a negative one would make the
+    // item's share wrap; a larger one would be silently cut by the plan).
+    ok = ok && seq_len >= 0 && (t.seq_lens == nullptr || planned < 0 || seq_len <= planned);
     page_shift = t.page_shift;
     num_pool_pages = t.num_pool_pages;
     addressing = t.addressing;
     skip_minus_one = kEngineInputs && t.skip_minus_one;
-    window_len = t.window_lens ? t.window_lens[seq] : t.window_len;
+    window_len = t.window_len;
+    // The live length: only window and block-table ids are positions. Past
+    // the host's bound a window would reach the next head's rows.
+    if (t.window_lens != nullptr && addressing != PageAddressing::kPoolPages) {
+      window_len = t.window_lens[seq];
+      ok = ok && window_len >= 0 && window_len <= t.max_window_len;
+    }
+    if (!ok) {  // every token's page index (from offset 0) is then past the table: rejected
+      num_pages = 0;
+      first_offset = 0;
+    }
     table_row = nullptr;
     if constexpr (kEngineInputs) {
       if (addressing == PageAddressing::kBlockTable) {
@@ -267,6 +317,7 @@ struct PagedSourceT {
         if (row >= 0 && row < bt.num_rows) table_row = bt.data + row * bt.row_stride;
       }
     }
+    return ok;
   }
   /// The request's visible tokens now (a plan made for more is clipped).
   __device__ int32_t visible_tokens() const { return seq_len; }
@@ -324,6 +375,50 @@ struct PagedSourceT {
   }
   __device__ float bias(const int32_t*, int) const { return 0.f; }
 };
+/// Whether request r's device-side lengths and offsets (what PagedSourceT::init
+/// judges) are out of range: read again, on the cold path of a request
+/// that met a rejected token, so the flag can say which kind it met. The
+/// planned count comes from the uniform split or the request's last item.
+__device__ inline bool lengths_out_of_range(const PartialParams<PagedTable>& p, int32_t request) {
+  const PagedTable& t = p.table;
+  const int64_t seq = request / p.num_kv_heads;
+  const int32_t offset = t.first_page_offset ? t.first_page_offset[request] : 0;
+  if (offset < 0 || offset >= t.page_size) return true;
+  if (!t.matrix && (t.indptr[request] < 0 || t.indptr[request + 1] < t.indptr[request])) return true;
+  if (t.seq_lens != nullptr) {
+    const int32_t len = t.seq_lens[t.lens_per_sequence ? seq : request];
+    int64_t planned = p.uniform_len;
+    if (p.work != nullptr) {  // the request's last item: the first item of a later request, less one
+      int32_t lo = 0, hi = p.num_items;
+      while (lo < hi) {
+        const int32_t mid = (lo + hi) / 2;
+        if (p.work[mid].request <= request) lo = mid + 1;
+        else hi = mid;
+      }
+      planned = lo > 0 && p.work[lo - 1].request == request ? p.work[lo - 1].token_end : INT64_MAX;
+    }
+    if (len < 0 || len > planned) return true;
+  }
+  if (t.window_lens != nullptr && t.addressing != PageAddressing::kPoolPages) {
+    const int32_t live = t.window_lens[seq];
+    if (live < 0 || live > t.max_window_len) return true;
+  }
+  return false;
+}
+__device__ inline bool lengths_out_of_range(const PartialParams<DenseTable>& p, int32_t request) {
+  const int32_t live = p.table.live_lens ? p.table.live_lens[request / p.num_kv_heads] : p.uniform_len;
+  return live < 0 || live > p.uniform_len;
+}
+
+/// What every kernel's finish raises for a request that met a rejected
+/// token (its output is NaN): the kinds and the request (report_decode_error).
+template <class Params>
+__device__ inline void report_rejected(const Params& p, int32_t request) {
+  if (p.error_flag == nullptr) return;
+  report_decode_error(p.error_flag, request,
+                      kDecodeErrorRejected | (lengths_out_of_range(p, request) ? kDecodeErrorLength : 0u));
+}
+
 /// The library's own tables: CSR over a pool or a window.
 using PagedSource = PagedSourceT<false>;
 /// The engines' index forms as well (decode.h: IndexLayout, IndexPadding, kBlockTable, SeqLensIndex).
@@ -336,11 +431,17 @@ struct DenseSource {
   static constexpr bool kMaySkip = false;  // masked rows leave the softmax through bias()
   const float* mask;  // this request's mask row, or null
   int32_t live;       // the sequence's live tokens
+  bool rejected;      // a live length outside [0, live_len]: every token rejected
 
-  __device__ void init(const Params& p, int32_t request, int64_t seq, int64_t) {
+  /// False when the sequence's live length lies outside [0, live_len] (the
+  /// uniform split's length): the request is poisoned, nothing is read.
+  __device__ bool init(const Params& p, int32_t request, int64_t seq, int64_t, int64_t) {
     const DenseTable& t = p.table;
     mask = t.mask ? t.mask + request * t.mask_pitch : nullptr;
     live = t.live_lens ? t.live_lens[seq] : p.uniform_len;
+    rejected = live < 0 || live > p.uniform_len;
+    if (rejected) mask = nullptr;  // nor is the mask read
+    return !rejected;
   }
   __device__ int32_t visible_tokens() const { return live; }
   __device__ void prefetch(int32_t* slot, int32_t tok0, int32_t n, int tid) const {
@@ -349,6 +450,7 @@ struct DenseSource {
   /// The mask values of the tile being issued are already in its slot
   /// (they arrive S - 1 tiles ahead of the rows), so masked rows are skipped.
   __device__ int64_t row(const int32_t* slot, int32_t tok0, int32_t token, const Params&) const {
+    if (rejected) return kRejectedRow;
     return mask && __int_as_float(slot[token - tok0]) == neg_inf_f32() ? kMaskedRow : token;
   }
   /// Masked tokens leave the softmax through bias() instead.

@@ -484,7 +484,7 @@ struct PartialCta {
         p.partial_lse[int64_t{partial} * p.group_size * p.q_len + head] = lse;
       }
     }
-    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+    if (any_bad && tid == 0) report_rejected(p, request);
   }
 
 };

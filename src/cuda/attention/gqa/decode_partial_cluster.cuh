@@ -67,7 +67,7 @@ __device__ void finish_in_cluster(Cta& c) {
     *reinterpret_cast<float4*>(red + row * Cfg::kReducePitch + col) = o;
   }
   if (c.tid == 0) cta_bad = any_bad ? 1 : 0;
-  if (any_bad && c.tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+  if (any_bad && c.tid == 0) report_rejected(p, c.request);
 
   cluster::sync();  // every CTA's tile, bases, sums and flag are published
   const int rank = static_cast<int>(cluster::rank());

@@ -291,7 +291,7 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
         }
       }
     }
-    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+    if (any_bad && tid == 0) report_rejected(p, request);
   }
 };
 

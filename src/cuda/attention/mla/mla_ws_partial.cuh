@@ -575,7 +575,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = sums[wrow + 8 * r] + sums[L::kHeads + wrow + 8 * r];
     mla_store_rows<T>(p, acc, m, sum, wrow, lane, wg, request, partial, head0, heads, any_bad);
-    if (any_bad && tid == 0 && p.error_flag) atomicOr(p.error_flag, 1u);
+    if (any_bad && tid == 0) report_rejected(p, request);
   }
 
   /// The CTA's work, for mla_partial_kernel: the bf16 gather (run_producer
