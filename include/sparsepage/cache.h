@@ -58,7 +58,9 @@ class DenseKVCache {
   /// 0 .. tokens - 1, its length becomes `tokens` and the slot is active
   /// (tokens = 0 starts an empty request). Grows the capacity when it must.
   /// Waits for the work queued on `stream` first (a replayed step may still
-  /// read the slot), then copies synchronously: not a step.
+  /// read the slot) and takes the other slots' lengths from the device (so
+  /// replayed steps need no sync_live_len() first), then copies
+  /// synchronously: not a step.
   void admit(int32_t slot, const void* k_new, const void* v_new, int64_t tokens, void* stream = nullptr);
   /// Ends the request in slot `slot`: length 0, inactive. Later steps skip
   /// it until it is admitted again. Waits for `stream` first, like admit().
@@ -141,6 +143,7 @@ class DenseKVCache {
   struct Storage;
   void grow_to(int64_t needed);
   void write_device_state();
+  void read_device_lens();
   void check_slot(int32_t slot, const char* who) const;
   void append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who);
   DenseKVCache shallow_copy() const;  // shares storage_: for read-only views only

@@ -114,6 +114,11 @@ class SparseLayer {
   /// Positions the last step's page table attends, per request (a host
   /// copy for tests and debugging; reads after the default stream).
   std::vector<std::vector<int32_t>> last_selected_positions() const;
+  /// Synchronizes and throws Error naming what the last steps' kernels
+  /// flagged on the device (a position outside its window, a length out of
+  /// range, an engine block id outside its pool), clearing the flags. Steps
+  /// never read back, so a serving loop calls this when it chooses to.
+  void check_errors(void* stream = nullptr);
   /// Columns the mask path keeps for the last step (its mask's 0 entries),
   /// built on the layer's device from the same selection. Throws before
   /// the first step and for engine-paged layers (no mask path there).
@@ -166,6 +171,9 @@ class SparseLayer {
   /// The engine pool views this model reads (throws Error naming a view
   /// whose dims or format do not fit).
   virtual void check_engine_kv(const EnginePagedKV& kv) const = 0;
+  /// What the model's own kernels flagged (its selection's error word), as
+  /// check_errors() reports it; the default has none.
+  virtual void check_selection_errors(void* /*stream*/) {}
 
   /// The lengths the kernels read: [batch] on the device, including this
   /// step's tokens once it appended them (an engine-pools step: the

@@ -138,6 +138,13 @@ void DenseKVCache::write_device_state() {
   copy_bytes(storage_->active.data(), device_, active.data(), Device::kCpu, active.size() * sizeof(int32_t));
 }
 
+// The device's lengths into the host's copy, as they are (no check: a
+// slot an append flagged keeps its -1, which the next step flags again).
+void DenseKVCache::read_device_lens() {
+  const auto lens = download<int32_t>(device_, storage_->live_lens.data(), static_cast<size_t>(batch_));
+  lens_.assign(lens.begin(), lens.end());
+}
+
 void DenseKVCache::check_slot(int32_t slot, const char* who) const {
   if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
   if (slot < 0 || slot >= batch_) {
@@ -157,6 +164,7 @@ void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int
   }
   grow_to(tokens);  // may throw: nothing has changed yet
   if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  read_device_lens();  // replayed steps advanced the other slots on the device only
   const auto write = [&](const void* src, Buffer& dst, int32_t heads, int32_t dim) {
     if (tokens == 0 || heads == 0) return;
     const size_t row_bytes = stored_row_bytes(mode_, dim);
@@ -174,6 +182,7 @@ void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int
 void DenseKVCache::release(int32_t slot, void* stream) {
   check_slot(slot, "DenseKVCache::release");
   if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  read_device_lens();  // replayed steps advanced the other slots on the device only
   lens_[static_cast<size_t>(slot)] = 0;
   active_[static_cast<size_t>(slot)] = 0;
   write_device_state();

@@ -291,6 +291,12 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
   return step;
 }
 
+void SparseLayer::check_errors(void* stream) {
+  check_selection_errors(stream);
+  decoder_.check_errors(stream);
+  multi_decoder_.check_errors(stream);
+}
+
 std::vector<std::vector<int32_t>> SparseLayer::last_selected_positions() const {
   if (!have_selection_) return {};
   return selected_positions();

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "sparsepage/fp8.h"
@@ -145,6 +146,7 @@ void check_dsa_engine_pools(Device device, bool fp8) {
   const LayerStep s = layer.decode(t, kv);
   ASSERT_TRUE(s.fused);
   EXPECT_TRUE(s.sparse);
+  EXPECT_NO_THROW(layer.check_errors()) << "a good step flags nothing";
 
   // The selection: the indexer's twin over the same host pools.
   std::vector<int32_t> want_pos(static_cast<size_t>(batch) * c.index_topk), want_cnt(static_cast<size_t>(batch));
@@ -216,6 +218,22 @@ void check_dsa_engine_pools(Device device, bool fp8) {
       ASSERT_LT(relative_l2(out, ref), 1e-2) << "sequence " << b << " head " << h;
     }
   }
+
+  // A length past the bound the engine declared: that row selects nothing,
+  // and check_errors() names it instead of the zeros passing silently.
+  std::vector<int32_t> bad = lens32;
+  bad[2] = static_cast<int32_t>(max_len + 7);
+  const Buffer d_bad = upload(device, bad);
+  EnginePagedKV over = kv;
+  over.seq_lens = d_bad.as<int32_t>();
+  layer.decode(t, over);
+  try {
+    layer.check_errors();
+    ADD_FAILURE() << "a length past max_seq_len was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_seq_len"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(layer.check_errors()) << "reading the flags clears them";
 }
 
 }  // namespace sparsepage::testing

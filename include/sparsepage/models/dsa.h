@@ -123,6 +123,7 @@ class DsaAttention : public SparseLayer {
   void build_mask(float* mask, int64_t pitch, void* stream) override;
   std::vector<std::vector<int32_t>> selected_positions() const override;
   void check_engine_kv(const EnginePagedKV& kv) const override;
+  void check_selection_errors(void* stream) override;
   /// Columns of the layer's K rows where the indexer key starts.
   int32_t index_key_column() const { return engine_paged() ? 0 : config_.latent_dim; }
   void select_cpu(const StepTokens& tokens, int32_t q_len, int32_t* positions, int32_t* counts) const;
@@ -132,6 +133,7 @@ class DsaAttention : public SparseLayer {
   // multi-token steps: one row per (sequence, token), sized for q_len.
   Buffer positions_, counts_, row_offsets_, workspace_;
   Buffer token_positions_, token_counts_, token_workspace_;
+  Buffer index_error_;  // int32 on the device: the indexer's IndexKeyError bits over engine pools
   int32_t sized_q_len_ = 0;
 };
 
