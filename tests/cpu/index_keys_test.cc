@@ -13,6 +13,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "sparsepage/index_keys.h"
@@ -381,6 +382,39 @@ TEST(IndexKeysTwin, KeepsTheTopKWithTiesToTheLowerPositionAndNanLast) {
       s.seed = uint64_t(q_len) * 10 + uint64_t(format);
       const IndexKeysProblem pb = make_index_keys_problem(s);
       expect_brute_force(pb, testing::run_index_twin(pb), "twin");
+    }
+  }
+}
+
+// A continuous batch's steps, one call each (support/index_keys_problem.h):
+// released slots, windows that fit the top-k and scored windows side by
+// side, across key tiles and classify slices, at the DSA layer's GPU index
+// geometry (8 heads x 64, top-k 48, a bound of 448 = its capacity) and past
+// a slice; on every source, with multi-token rows.
+TEST(IndexKeysTwin, MixedLengthsInOneCallSelectAsTheRule) {
+  for (const int32_t bound : {448, 4200}) {
+    const testing::MixedLengthSteps m = testing::mixed_length_steps(48, bound);
+    for (const int32_t q_len : {1, 3}) {
+      if (bound > 448 && q_len > 1) continue;  // the slices once: the brute force is slow
+      for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
+               {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+               {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+               {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+        IndexKeysSpec s = spec_of(layout, format, m.built);
+        s.dim = format == IndexKeyFormat::kE4m3 ? 128 : 64;
+        s.block_size = bound > 448 ? 64 : 16;
+        s.max_kv_len = bound;
+        s.q_len = q_len;
+        s.seed = uint64_t(bound) + uint64_t(q_len);
+        IndexKeysProblem pb = make_index_keys_problem(s);
+        for (size_t i = 0; i < m.steps.size(); ++i) {
+          pb.spec.kv_lens = m.steps[i];
+          const std::string what = "bound " + std::to_string(bound) + " q_len " + std::to_string(q_len) + " layout " +
+                                   std::to_string(int(layout)) + " format " + std::to_string(int(format)) + " step " +
+                                   std::to_string(i);
+          expect_brute_force(pb, testing::run_index_twin(pb), what.c_str());
+        }
+      }
     }
   }
 }

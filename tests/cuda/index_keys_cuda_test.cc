@@ -5,14 +5,20 @@
 // values (swaps only at the threshold), with ragged lengths, shuffled block
 // tables, several block sizes and multi-token rows; queries quantized in the
 // kernel against pre-quantized ones; poisoned unowned blocks; refused
-// lengths and block ids; and steps replayed from one captured graph while
-// the lengths change. Skips without a GPU.
+// lengths and block ids; steps replayed from one captured graph while the
+// lengths change; and a continuous batch's mixed lengths (released slots,
+// windows that fit the top-k and scored ones) in one call. Skips without a
+// GPU.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
@@ -75,6 +81,24 @@ struct DeviceProblem {
 };
 
 IndexSelection run_gpu(const IndexKeysProblem& pb) { return DeviceProblem(pb).run(); }
+
+// Waits for `stream` at most `seconds`. A kernel that never finishes cannot
+// be stopped from the host, so this names the call and ends the process
+// (the driver then tears the context down) instead of stalling the run.
+void finish_or_abort(cudaStream_t stream, double seconds, const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) testing::cuda_ok(e, what.c_str());
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > seconds) {
+      std::fprintf(stderr, "HANG: %s did not finish within %.0f s\n", what.c_str(), seconds);
+      std::fflush(stderr);
+      std::abort();
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
 
 std::string describe(const IndexKeysSpec& s) {
   std::string lens;
@@ -466,6 +490,89 @@ TEST(IndexKeysCuda, GraphReplaysFollowTheLengths) {
                                      ("replay " + std::to_string(r) + " format " + std::to_string(int(format))).c_str());
       EXPECT_EQ(download<uint8_t>(Device::kCuda, dev.storage.data(), pb.storage.size()), pb.storage)
           << "the pool after replay " << r;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
+// A continuous batch's steps (support/index_keys_problem.h), one call each:
+// released slots (0), windows that fit the top-k (not scored) and scored
+// windows side by side, across key tiles and classify slices, first eagerly
+// and then replayed from one graph captured at the first step. At the DSA
+// layer's GPU index geometry (8 heads x 64, top-k 48, bound 448: its
+// capacity) on dense rows and native pools (dsa_score_kernel), past a
+// slice, and at the production geometry (64 x 128) on every source, one and
+// three tokens per sequence (the group and FP8 kernels). Every call must
+// finish (within 60 s, else the process ends naming it) and match the twin.
+TEST(IndexKeysCuda, MixedLengthsInOneCallMatchTheTwinEagerAndReplayed) {
+  SKIP_WITHOUT_CUDA();
+  struct Source {
+    IndexKeyLayout layout;
+    IndexKeyFormat format;
+    int32_t heads, dim, block_size, bound, q_len;
+    DType dtype;
+  };
+  const IndexKeyLayout kDense = IndexKeyLayout::kDense, kPaged = IndexKeyLayout::kPaged;
+  const IndexKeyFormat kNative = IndexKeyFormat::kNative, kE4m3 = IndexKeyFormat::kE4m3;
+  const std::vector<Source> sources = {
+      {kDense, kNative, 8, 64, 16, 448, 1, DType::kBF16},    {kPaged, kNative, 8, 64, 16, 448, 1, DType::kBF16},
+      {kPaged, kNative, 8, 64, 64, 448, 1, DType::kF16},     {kDense, kNative, 8, 64, 16, 448, 3, DType::kBF16},
+      {kDense, kNative, 8, 64, 64, 4200, 1, DType::kBF16},   {kPaged, kNative, 8, 64, 64, 4200, 1, DType::kBF16},
+      {kDense, kNative, 64, 128, 16, 448, 1, DType::kBF16},  {kPaged, kNative, 64, 128, 16, 448, 1, DType::kBF16},
+      {kPaged, kE4m3, 64, 128, 16, 448, 1, DType::kBF16},    {kPaged, kE4m3, 64, 128, 8, 448, 3, DType::kBF16},
+      {kPaged, kNative, 64, 128, 64, 4200, 3, DType::kBF16}, {kPaged, kE4m3, 64, 128, 64, 4200, 1, DType::kBF16},
+  };
+  for (const Source& src : sources) {
+    const testing::MixedLengthSteps m = testing::mixed_length_steps(48, src.bound);
+    IndexKeysSpec s = production(src.layout, src.format, m.built);
+    s.heads = src.heads;
+    s.dim = src.dim;
+    s.topk = 48;
+    s.block_size = src.block_size;
+    s.max_kv_len = src.bound;
+    s.q_len = src.q_len;
+    s.dtype = src.dtype;
+    s.seed = 500 + uint64_t(src.bound) + uint64_t(src.heads);
+    IndexKeysProblem pb = make_index_keys_problem(s);
+    DeviceProblem dev(pb);
+    cudaStream_t stream;
+    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const auto set_step = [&](size_t i) {
+      pb.spec.kv_lens = m.steps[i];
+      copy_bytes(dev.lens.data(), Device::kCuda, m.steps[i].data(), Device::kCpu, m.steps[i].size() * 4);
+      dev.poison();  // synchronizes the device: the lengths have landed
+    };
+    const auto label = [&](const char* how, size_t i) {
+      std::string lens;
+      for (int32_t l : m.steps[i]) lens += std::to_string(l) + " ";
+      return std::string(how) + " step " + std::to_string(i) + " (lengths " + lens + ") of " + describe(s);
+    };
+    const DsaIndexerArgs a = dev.args();
+    std::vector<IndexSelection> want;  // the twin's answer per step
+    for (size_t i = 0; i < m.steps.size(); ++i) {
+      set_step(i);
+      want.push_back(testing::run_index_twin(pb));
+      EXPECT_EQ(want.back().error, 0) << label("twin", i);
+      dsa_select_tokens_cuda(pb.config, pb.sequences, a, stream);
+      finish_or_abort(stream, 60, label("eager", i));
+      testing::expect_same_selection(pb, dev.read(), want[i], label("eager", i).c_str());
+    }
+    set_step(0);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    dsa_select_tokens_cuda(pb.config, pb.sequences, a, stream);
+    testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+    testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int round = 0; round < 2; ++round) {
+      for (size_t i = 0; i < m.steps.size(); ++i) {
+        set_step(i);
+        testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+        finish_or_abort(stream, 60, label("replayed", i));
+        testing::expect_same_selection(pb, dev.read(), want[i], label("replayed", i).c_str());
+      }
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

@@ -149,7 +149,12 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
   std::map<int64_t, std::unique_ptr<Layer>> lone;  // by request id
   int64_t next_id = 0;
 
-  const bool progress = std::getenv("SPARSEPAGE_TEST_PROGRESS") != nullptr;  // where a slow or stuck run is
+  // Where a slow or stuck run is: SPARSEPAGE_TEST_PROGRESS set prints every
+  // 25th step; "calls" prints a line before every layer call, with the
+  // slots' lengths, so the last line names the call that never returned.
+  const char* progress_env = std::getenv("SPARSEPAGE_TEST_PROGRESS");
+  const bool progress = progress_env != nullptr;
+  const bool each_call = progress && std::string(progress_env) == "calls";
   for (int32_t step = 0; step < run.steps; ++step) {
     if (progress && step % 25 == 0) std::fprintf(stderr, "%s: step %d\n", name.c_str(), step);
     // A refused call first, now and then: it must change nothing.
@@ -196,6 +201,15 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
       }
     }
     bufs.upload_all(device);
+    if (each_call) {
+      std::string lens;
+      for (int32_t s = 0; s < run.slots; ++s) {
+        lens += slot[s] ? std::to_string(batched->kv_lens()[s]) + " " : std::string("free ");
+      }
+      std::fprintf(stderr, "%s: step %d: the batched step at lengths %s(before its token)\n", name.c_str(), step,
+                   lens.c_str());
+      std::fflush(stderr);
+    }
     const auto one_step = [&](void* stream) { return batched->decode(batched_tokens, stream); };
     const LayerStep result = run.runner ? run.runner(one_step) : one_step(nullptr);
     batched->sync_live_len();  // after a replay the host's lengths are stale
@@ -216,6 +230,11 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
       Layer& l = *lone.at(r.id);
       fill_slot(m, lone_bufs, 0, run.seed, r.id, r.tokens);
       lone_bufs.upload_all(device);
+      if (each_call) {
+        std::fprintf(stderr, "%s: step %d: the lone run of request %lld (slot %d) at length %lld\n", name.c_str(), step,
+                     static_cast<long long>(r.id), s, static_cast<long long>(l.kv_lens()[0]));
+        std::fflush(stderr);
+      }
       l.decode(lone_tokens);
       const auto lone_o = download<uint16_t>(device, lone_bufs.d_o.data(), m.o);
       const auto lone_sel = l.last_selected_positions();

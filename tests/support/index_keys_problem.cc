@@ -228,6 +228,28 @@ IndexKeysProblem make_index_keys_problem(const IndexKeysSpec& spec) {
   return pb;
 }
 
+MixedLengthSteps mixed_length_steps(int32_t topk, int32_t bound) {
+  MixedLengthSteps m;
+  m.steps = {{0, topk, topk + 1, 0, topk / 2, bound, 64, 65},
+             {bound - 1, 0, 1, 129, topk, 0, 128, 127},
+             {0, 0, 0, 0, 0, 0, 0, 200},
+             {0, 0, 0, 0, 0, 0, 0, 0},
+             {topk + 1, topk + 1, topk + 1, topk + 1, 0, bound, bound, bound},
+             {63, 64, 65, 0, 1, topk - 1, 191, 192}};
+  if (bound > 4097) {
+    m.steps.push_back({0, 2047, 2048, 2049, 20, 4097, 0, bound});
+    m.steps.push_back({2049, 0, topk, 4096, 64, 0, 1, 2048});
+  }
+  m.built.assign(8, 0);
+  for (std::vector<int32_t>& step : m.steps) {
+    for (size_t b = 0; b < step.size(); ++b) {
+      step[b] = std::clamp(step[b], 0, bound);
+      m.built[b] = std::max(m.built[b], step[b]);
+    }
+  }
+  return m;
+}
+
 IndexSelection run_index_twin(const IndexKeysProblem& pb) {
   IndexSelection out;
   out.positions.assign(size_t(pb.rows()) * size_t(pb.spec.topk), 0x55555555);

@@ -41,6 +41,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "core/cuda_hooks.h"
+#include "core/index_key_map.h"
 #include "core/index_keys_checks.h"
 #include "core/require.h"
 #include "models/dsa_kernels.h"
@@ -838,13 +839,16 @@ void launch_clear(void* workspace, size_t bytes, cudaStream_t stream) {
   cuda::launch_with_pdl(dsa_clear_kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0, stream, a);
 }
 
-// A 3-d tensor map in the 128-byte swizzle, boxes of box[0] x box[1] x 1.
+// The keys' tensor map (core/index_key_map.h: dense rows, a native pool,
+// or an FP8 pool's values), checked against the driver's rules first so a
+// map it would refuse is named with the value and the rule it breaks.
 // Encoded on the host at each call (the pointers may change); no device work.
-CUtensorMap encode_key_map(CUtensorMapDataType type, const void* start, const cuuint64_t (&dims)[3],
-                           const cuuint64_t (&strides)[2], const cuuint32_t (&box)[3]) {
+CUtensorMap encode_key_map(const detail::KeyTensorMap& m) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  const std::string problem = detail::key_map_problem(m);
+  REQUIRE(problem.empty(), "the index keys' tensor map breaks a cuTensorMapEncodeTiled rule: " + problem);
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
@@ -852,37 +856,32 @@ CUtensorMap encode_key_map(CUtensorMapDataType type, const void* start, const cu
     if (fn == nullptr || status != cudaDriverEntryPointSuccess) throw Error("dsa_select_tokens_cuda: no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(fn);
   }();
-  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUtensorMapDataType type = m.element == detail::KeyMapElement::kU8    ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : m.element == detail::KeyMapElement::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                              : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cuuint64_t dims[3] = {m.dims[0], m.dims[1], m.dims[2]};
+  const cuuint64_t strides[2] = {m.strides[0], m.strides[1]};
+  const cuuint32_t box[3] = {m.box[0], m.box[1], m.box[2]};
+  const cuuint32_t element_strides[3] = {m.element_strides[0], m.element_strides[1], m.element_strides[2]};
   CUtensorMap map{};
-  const CUresult r = encode(&map, type, 3, const_cast<void*>(start), dims, strides, box, unit,
+  const CUresult r = encode(&map, type, 3, const_cast<void*>(m.address), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw Error("dsa_select_tokens_cuda: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")");
+  REQUIRE(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (" + std::to_string(r) +
+                                 ") on the index keys' map: " + detail::describe_key_map(m));
   return map;
 }
 
-// The keys as a 3-d tensor for TMA. Dense rows: (column, position,
-// sequence), boxes of 64 columns x 64 positions. Paged blocks: (column, row
-// in block, block), boxes of 64 columns (native) or all 128 bytes (FP8) x
-// box_rows rows; `token_bytes` apart within a block.
-CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype, const PagedIndexKeys& paged, int64_t token_bytes) {
-  const CUtensorMapDataType native =
-      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+// The keys as a 3-d tensor for TMA (core/index_key_map.h). Dense rows:
+// (column, position, sequence), boxes of 64 columns x 64 positions. Paged
+// blocks: (column, row in block, block), boxes of 64 columns (native) or the
+// 128 value bytes (FP8) x box_rows rows.
+CUtensorMap key_tensor_map(const IndexerParams& p, DType dtype, const PagedIndexKeys& paged) {
   if (p.paged == 0) {
-    const auto row_bytes = static_cast<cuuint64_t>(p.row_stride) * 2;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.capacity),
-                                static_cast<cuuint64_t>(p.batch / p.q_len)};  // key sequences
-    const cuuint64_t strides[2] = {row_bytes, row_bytes * static_cast<cuuint64_t>(p.capacity)};
-    const cuuint32_t box[3] = {64, kTileTokens, 1};
-    const void* start = static_cast<const unsigned char*>(p.k_cache) + static_cast<size_t>(p.key_offset) * 2;
-    return encode_key_map(native, start, dims, strides, box);
+    return encode_key_map(detail::dense_key_map(dtype, p.k_cache, p.row_stride, p.key_offset, p.dim, p.capacity,
+                                                p.batch / p.q_len));  // key sequences
   }
-  const bool fp8 = paged.format == IndexKeyFormat::kE4m3;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.dim), static_cast<cuuint64_t>(p.block_size),
-                              static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(token_bytes), static_cast<cuuint64_t>(p.block_bytes)};
-  const cuuint32_t box[3] = {fp8 ? 128u : 64u, static_cast<cuuint32_t>(p.box_rows), 1};
-  return encode_key_map(fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : native, paged.pool, dims, strides, box);
+  return encode_key_map(detail::paged_key_map(paged, p.dim));
 }
 
 // The score grid: per sequence, an equal share of one wave of resident CTAs
@@ -1025,7 +1024,7 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
     p.table_stride = a.paged.block_table_stride;
     p.max_blocks = a.paged.max_blocks;
     p.block_size = a.paged.block_size;
-    p.box_rows = std::min(a.paged.block_size, kTileTokens);
+    p.box_rows = detail::paged_key_box_rows(a.paged.block_size);
     p.num_blocks = a.paged.num_blocks;
     p.pool = static_cast<const unsigned char*>(a.paged.pool);
     p.block_bytes = index_key_block_bytes(a.paged, c.index_head_dim);
@@ -1034,7 +1033,7 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 slices(static_cast<unsigned>(ws.slices), static_cast<unsigned>(batch));
   if (a.max_kv_len > c.index_topk) {  // some sequence may need scoring
-    p.keys = key_tensor_map(p, a.dtype, a.paged, paged ? index_key_token_bytes(a.paged, c.index_head_dim) : 0);
+    p.keys = key_tensor_map(p, a.dtype, a.paged);
     launch_clear(a.workspace, ws.cleared, s);
     if (fp8) {
       launch_fp8_scores(p, a.max_kv_len, s);

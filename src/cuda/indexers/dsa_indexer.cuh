@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "core/index_key_map.h"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/radix_select.cuh"
@@ -20,6 +21,8 @@ namespace sparsepage {
 namespace dsa {
 
 constexpr int kTileTokens = 64;  // positions per key tile (the wgmma M)
+static_assert(kTileTokens == detail::kIndexKeyTileRows && detail::kIndexKeySlabColumns * 2 == 128,
+              "the key maps' boxes (core/index_key_map.h) fill the tiles' 128-byte swizzled slabs");
 // Operands sit in 128-byte swizzled slabs of 64 rows x 128 bytes: row r at
 // bytes [128 r, 128 r + 128), its 16-byte pieces permuted by piece ^ (r % 8).
 constexpr int kSlabBytes = 64 * 128;
@@ -35,7 +38,8 @@ constexpr int kGroupConsumers = 2;                         // consumer warpgroup
 constexpr int kGroupThreads = kGroupConsumers * 128 + 32;  // and a producer warp
 
 struct IndexerParams {
-  CUtensorMap keys;        // the key values for TMA: (column, position, sequence) dense, (column, row, block) paged
+  CUtensorMap keys;        // the key values for TMA (core/index_key_map.h): (column, position, sequence) dense,
+                           // (column, row, block) paged; FP8: the blocks' e4m3 values, 128 bytes a row
   const void* k_cache;     // dense: [batch * capacity, row_stride]; index key at columns key_offset .. key_offset + dim
   const void* q_index;     // [batch, heads, dim]: dtype, or e4m3 when q_e4m3
   const float* weights;    // [batch, heads]
