@@ -106,7 +106,7 @@ enum class IndexQueryFormat : int32_t {
 };
 
 /// Bits of the indexer's and the write op's device error word. A refused
-/// row of the indexer selects nothing (count 0, positions -1); a refused
+/// row of the indexer selects nothing (positions -1, count -1, which the decode flags and poisons for that request alone); a refused
 /// token of the write op is not written.
 enum IndexKeyError : int32_t {
   /// A sequence's length is negative, over max_kv_len, or longer than its

@@ -276,7 +276,7 @@ void DenseKVCache::sync_live_len(void* stream) {
   const std::vector<int32_t> lens = download<int32_t>(device_, storage_->live_lens.data(), static_cast<size_t>(batch_));
   for (size_t b = 0; b < lens.size(); ++b) {
     if (lens[b] < 0 || lens[b] > capacity_) {
-      throw Error("DenseKVCache::sync_live_len: slot " + std::to_string(b) + "'s device length " +
+      throw Error("DenseKVCache::sync_live_len: sequence " + std::to_string(b) + "'s device length " +
                   std::to_string(lens[b]) + " lies outside [0, capacity = " + std::to_string(capacity_) + "]" +
                   (lens[b] == -1 ? " (an append found no room: a captured step replayed past the capacity reserved "
                                    "before capture; nothing was written)"

@@ -188,7 +188,7 @@ void dsa_select_tokens_cpu(const DsaConfig& c, int32_t sequences, const DsaIndex
   for (int32_t r = 0; r < twin.rows(); ++r) {
     int32_t* out = a.positions + int64_t{r} * topk;
     std::fill(out, out + topk, -1);
-    a.counts[r] = 0;
+    a.counts[r] = -1;  // refused rows keep it (see the CUDA compact kernel)
     const int64_t len = twin.row_len(r);
     if (len < 0) {
       if (a.error != nullptr) *a.error |= kIndexErrorLength;

@@ -389,7 +389,8 @@ std::vector<std::vector<int32_t>> DsaAttention::selected_positions() const {
   std::vector<std::vector<int32_t>> out(static_cast<size_t>(rows));
   for (int32_t r = 0; r < rows; ++r) {
     const auto first = flat.begin() + int64_t{r} * config_.index_topk;
-    out[static_cast<size_t>(r)].assign(first, first + n[static_cast<size_t>(r)]);
+    // A refused row's count is -1: it attends nothing.
+    out[static_cast<size_t>(r)].assign(first, first + std::max(n[static_cast<size_t>(r)], 0));
   }
   return out;
 }

@@ -484,7 +484,7 @@ TEST(IndexKeysTwin, LengthsPastTheBoundAreFlaggedNotRead) {
     const IndexSelection got = testing::run_index_twin(pb);
     EXPECT_EQ(got.error, kIndexErrorLength);
     for (int32_t r : {1, 2}) {
-      EXPECT_EQ(got.counts[size_t(r)], 0) << r;
+      EXPECT_EQ(got.counts[size_t(r)], -1) << r << ": a refused row's count is -1, which the decode flags";
       for (int32_t i = 0; i < s.topk; ++i) ASSERT_EQ(got.positions[size_t(r) * size_t(s.topk) + size_t(i)], -1);
     }
     EXPECT_EQ(got.counts[0], clean.counts[0]);
@@ -502,7 +502,7 @@ TEST(IndexKeysTwin, BlockIdsOutsideThePoolAreFlaggedWhereRead) {
   pb.table[1 * size_t(pb.max_blocks) + 1] = -3;
   const IndexSelection got = testing::run_index_twin(pb);
   EXPECT_EQ(got.error, kIndexErrorBlock);
-  EXPECT_EQ(got.counts[0], 0);
+  EXPECT_EQ(got.counts[0], -1);
   EXPECT_EQ(got.counts[1], 40);
   EXPECT_EQ(got.counts[2], clean.counts[2]);
   for (int32_t i = 0; i < 40; ++i) EXPECT_EQ(got.positions[size_t(s.topk) + size_t(i)], i);

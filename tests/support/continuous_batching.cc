@@ -247,8 +247,9 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
                              << ", length " << batched->kv_lens()[s];
       }
       std::vector<float> got(m.o), want(m.o);
+      const std::vector<uint16_t> mine = row(o, s);  // once: the loop below is per element
       for (size_t i = 0; i < m.o; ++i) {
-        got[i] = bf16_to_float(row(o, s)[i]);
+        got[i] = bf16_to_float(mine[i]);
         want[i] = bf16_to_float(lone_o[i]);
         ASSERT_FALSE(std::isnan(got[i])) << name << ": NaN in slot " << s << " at step " << step;
       }

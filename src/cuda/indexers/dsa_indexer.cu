@@ -746,12 +746,14 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   const int64_t len = row_len(p, b);
   cuda::pdl_launch_dependents();  // a PDL-launched consumer (the attention) may start its prologue
   int32_t* out = p.positions + int64_t{b} * p.topk;
-  // A refused row selects nothing: every entry -1, count 0, its bits raised.
+  // A refused row selects nothing: every entry -1, its bits raised, and its
+  // count -1, which the decode reads as a bad length: it poisons and flags
+  // that request (the rest of the batch is untouched).
   const auto refuse = [&](int32_t bits) {
     if (blockIdx.x != 0) return;
     for (int32_t i = threadIdx.x; i < p.topk; i += kCompactThreads) out[i] = -1;
     if (threadIdx.x == 0) {
-      p.counts[b] = 0;
+      p.counts[b] = -1;
       if (p.error != nullptr) atomicOr(p.error, bits);
     }
   };
