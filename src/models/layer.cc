@@ -2,6 +2,7 @@
 #include "sparsepage/layer.h"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -292,9 +293,18 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
 }
 
 void SparseLayer::check_errors(void* stream) {
-  check_selection_errors(stream);
-  decoder_.check_errors(stream);
-  multi_decoder_.check_errors(stream);
+  // Every flag is read (and so cleared) before the first report is thrown.
+  std::string what;
+  for (const auto& check : {std::function<void()>([&] { check_selection_errors(stream); }),
+                            std::function<void()>([&] { decoder_.check_errors(stream); }),
+                            std::function<void()>([&] { multi_decoder_.check_errors(stream); })}) {
+    try {
+      check();
+    } catch (const Error& e) {
+      what += what.empty() ? e.what() : std::string("; and ") + e.what();
+    }
+  }
+  if (!what.empty()) throw Error(name_ + ": " + what);
 }
 
 std::vector<std::vector<int32_t>> SparseLayer::last_selected_positions() const {
