@@ -3,7 +3,7 @@
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck, synccheck, initcheck; in shards, SHARDS / SHARD_COUNT below),
 # benchmark, and print a short table last. Full logs go to $OUT.
-#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: multitoken peers dispatch sweep sass profile)
+#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: soak multitoken peers dispatch sweep sass profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -11,7 +11,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: multitoken peers dispatch sweep sass profile
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: soak multitoken peers dispatch sweep sass profile
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -75,6 +75,15 @@ if [[ $STAGES == *sanitize* ]]; then
       fi
     done
   done
+fi
+if [[ $STAGES == *soak* ]]; then
+  # Continuous batching for minutes: each layer SOAK_STEPS steps (default
+  # 20000) of a ragged batch with requests joining and leaving and refused
+  # calls mixed in, every live request checked against its lone run.
+  SPARSEPAGE_SOAK_STEPS=${SOAK_STEPS:-20000} timeout ${SOAK_TIMEOUT:-1800} "$T" \
+    --gtest_filter='ContinuousBatchingCuda.Soak' > "$OUT/soak.log" 2>&1; rc=$?
+  [ $rc -eq 0 ] || failed=1
+  note "soak (${SOAK_STEPS:-20000} steps per layer): rc=$rc, $(grep -E '^\[  (PASSED|FAILED)' "$OUT/soak.log" | tr '\n' ' ')"
 fi
 if [[ $STAGES == *steps* ]]; then
   # Whole decode steps of the three layers, eager and graph-replayed (the serving loop).

@@ -3,6 +3,9 @@
 // itself every step (tests/support/continuous_batching.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "support/continuous_batching.h"
 
 namespace sparsepage {
@@ -33,6 +36,37 @@ TEST(ContinuousBatching, StaticPatternMatchesLoneRuns) {
   testing::ContinuousBatchingRun run;
   run.seed = 13;
   expect_coverage(testing::check_static_continuous_batching(Device::kCpu, run), 3 * 16);
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+namespace sparsepage {
+namespace {
+
+// The soak: a thousand steps of each layer, requests joining and leaving
+// often (so slots are reused many times), a refused call tried at one step
+// in ten, every live request checked against its lone run at every step.
+// SPARSEPAGE_SOAK_STEPS lengthens it (scripts/gpu_check.sh's soak stage
+// runs the GPU twin for minutes).
+TEST(ContinuousBatching, SoakAllThreeLayers) {
+  testing::ContinuousBatchingRun run;
+  run.steps = 1000;
+  if (const char* s = std::getenv("SPARSEPAGE_SOAK_STEPS")) run.steps = std::max(1000, std::atoi(s));
+  run.max_prompt = 150;
+  run.leave = 0.03;
+  run.join = 0.5;
+  run.bad_call = 0.1;
+  int64_t model = 0;
+  for (auto check : {testing::check_block_sparse_continuous_batching, testing::check_dsa_continuous_batching,
+                     testing::check_static_continuous_batching}) {
+    run.seed = 100 + static_cast<uint64_t>(model++);
+    const auto s = check(Device::kCpu, run);
+    EXPECT_GE(s.compared_rows, 2 * run.steps) << "model " << model;
+    EXPECT_GE(s.admitted, 50) << "model " << model << ": slots must be reused many times";
+    EXPECT_GE(s.released, 40) << "model " << model;
+    EXPECT_GE(s.refused_calls, 150) << "model " << model;
+  }
 }
 
 }  // namespace

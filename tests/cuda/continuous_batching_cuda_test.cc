@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <functional>
 
 #include "cuda/cuda_test_util.h"
@@ -96,6 +98,35 @@ TEST(ContinuousBatchingCuda, OneGraphServesAChangingBatch) {
     EXPECT_GE(runner.replays(), run.steps - 2) << "model " << model << ": every step after the second is a replay";
     EXPECT_GE(stats.admitted, 6) << "model " << model;
     EXPECT_GE(stats.released, 2) << "model " << model;
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
+
+namespace sparsepage {
+namespace {
+
+// The GPU soak: each layer for SPARSEPAGE_SOAK_STEPS steps (default 300;
+// scripts/gpu_check.sh's soak stage asks for thousands), requests joining
+// and leaving often, refused calls mixed in, every live request checked
+// against its lone run at every step.
+TEST(ContinuousBatchingCuda, Soak) {
+  SKIP_WITHOUT_CUDA();
+  testing::ContinuousBatchingRun run;
+  run.steps = 300;
+  if (const char* s = std::getenv("SPARSEPAGE_SOAK_STEPS")) run.steps = std::max(300, std::atoi(s));
+  run.max_prompt = 150;
+  run.leave = 0.03;
+  run.join = 0.5;
+  run.bad_call = 0.1;
+  int64_t model = 0;
+  for (auto check : {testing::check_block_sparse_continuous_batching, testing::check_dsa_continuous_batching,
+                     testing::check_static_continuous_batching}) {
+    run.seed = 200 + static_cast<uint64_t>(model++);
+    const auto s = check(Device::kCuda, run);
+    EXPECT_GE(s.compared_rows, 2 * run.steps) << "model " << model;
+    EXPECT_GE(s.admitted, 15) << "model " << model;
   }
 }
 
