@@ -443,6 +443,13 @@ void bind_layers(nb::module_& m) {
           [](SparseLayer& self, const std::optional<uintptr_t>& stream) { self.sync_live_len(step_stream(stream, self)); },
           nb::arg("stream").none() = nb::none(),
           "After replaying captured steps: reads the device-side lengths back (synchronizes).")
+      .def(
+          "check_errors",
+          [](SparseLayer& self, const std::optional<uintptr_t>& stream) { self.check_errors(step_stream(stream, self)); },
+          nb::arg("stream").none() = nb::none(),
+          "Synchronizes and raises sparsepage.Error naming what the last steps' kernels flagged on the\n"
+          "device (a position outside its window, a length out of range, an engine block outside its\n"
+          "pool), clearing the flags. Steps never read back: call it when the serving loop chooses to.")
       .def("last_selected_positions", &SparseLayer::last_selected_positions,
            "Positions the last step's page table attends, per request (host copy).")
       .def("last_mask_columns", &SparseLayer::last_mask_columns,

@@ -77,6 +77,12 @@ def test_dsa_over_engine_pools_equals_its_own_cache(rng):
     assert [sorted(s) for s in eng.last_selected_positions()][1:] == [sorted(s) for s in own.last_selected_positions()][1:]
     np.testing.assert_allclose(o_eng2[1:].astype(np.float32), o_own[1:].astype(np.float32), rtol=0, atol=2e-3)
 
+    eng.check_errors()  # nothing flagged so far
+    # A length past the declared bound: the indexer refuses the row, and the step is refused or flagged by name.
+    over = np.array([0, 13, 97], np.int32)
+    with pytest.raises(sp.Error):
+        eng.decode_pools(q, q_pe, q_index, w, o_eng, kv_cache, table, over, 96, index_cache)
+        eng.check_errors()
     # Misuse, named.
     with pytest.raises(sp.Error, match="keeps no sequences"):
         eng.admit(0, np.zeros((1, 1, ID), np.float16))
