@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
 // kTokens tokens), and each key tile, staged once, is scored against all of
 // the group's (token, head) queries: wgmma chains of up to two tokens each
 // (N = 64 or 128), so the keys are read from global memory once for the
-// group. A producer warp streams the CTA's key tiles by TMA through the
-// stages of GroupShape (full and empty mbarriers); the two consumer
-// warpgroups take alternate tiles, so one warpgroup's epilogue (ReLU,
+// group. Two producer warps stream the CTA's key tiles by TMA through the
+// stages of GroupShape (full and empty mbarriers), one for each of the two
+// consumer warpgroups, which take alternate tiles, so one warpgroup's epilogue (ReLU,
 // weights, the sum over heads, the histogram) runs under the other's MMAs,
 // and with four tokens the first chain's epilogue runs under the second
 // chain's MMAs. Each row keeps its own causal window (its
@@ -413,9 +413,9 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
 
   const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kGroupStages) * L::kStageBytes); };
   if (tid >= kGroupConsumers * 128) {
-    // The producer warp: tile i once the warpgroup that scored the stage's
-    // previous tile (i - kGroupStages) has released it, one box per slab and
-    // block (produce_key_tiles).
+    // A producer warp, for its warpgroup's tiles: tile i once the stage's
+    // previous tile (i - kGroupStages) has been released, one box per slab
+    // and block (produce_key_tiles).
     int64_t windows[kTokens];
 #pragma unroll
     for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
             }
           }
           return static_cast<uint32_t>(2 * p.box_rows * 128);
-        });
+        },
+        (tid - kGroupConsumers * 128) / 32, kGroupConsumers);
     if (lane == 0 && refused != 0) atomicOr(refused_s, refused);
     __syncwarp();
   } else {

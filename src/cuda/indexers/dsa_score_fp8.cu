@@ -7,7 +7,8 @@
 //
 // One CTA per (sequence, group of up to kTokens of its tokens) and tile
 // range, as dsa_score_group_kernel:
-// * a producer warp streams 64-position tiles through the stages: per block
+// * a producer warp per consumer warpgroup streams that warpgroup's
+//   64-position tiles through its own stages: per block
 //   of the tile (one, or 64 / block_size), one TMA box of the e4m3 values
 //   (block id from the engine's table, the hardware writing the 128-byte
 //   swizzle the MMAs read) and one bulk copy of its fp32 scales, both
@@ -108,21 +109,27 @@ __device__ __forceinline__ void stage_queries(const IndexerParams& p, int64_t ro
     return;
   }
   constexpr int kBatch = 8;  // rows per warp per round
+  // Raw 2-byte elements (bf16 and fp16 alike), so the loads carry no
+  // conversion and all sixteen are in flight before the first is used.
+  const auto* q16 = static_cast<const uint16_t*>(p.q_index);
   for (int r0 = warp * kBatch; r0 < kTokens * kGroupHeads; r0 += kConsumerThreads / 32 * kBatch) {
+    uint2 raw[kBatch];
     float x[kBatch][4], w[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int r = r0 + u;
       const bool live = r / kGroupHeads < ntok;  // warp-uniform
       const int64_t row = row0 * kGroupHeads + r;  // (token row, head)
-      if (live && p.dtype == DType::kBF16) {
-        cuda::load4(static_cast<const __nv_bfloat16*>(p.q_index) + row * 128, lane, x[u]);
-      } else if (live) {
-        cuda::load4(static_cast<const __half*>(p.q_index) + row * 128, lane, x[u]);
-      } else {
-        x[u][0] = x[u][1] = x[u][2] = x[u][3] = 0.0f;
-      }
+      raw[u] = live ? __ldcg(reinterpret_cast<const uint2*>(q16 + row * 128) + lane) : make_uint2(0u, 0u);
       w[u] = live ? __ldcg(&p.weights[row]) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (p.dtype == DType::kBF16) {
+        cuda::load4(reinterpret_cast<const __nv_bfloat16*>(&raw[u]), 0, x[u]);
+      } else {
+        cuda::load4(reinterpret_cast<const __half*>(&raw[u]), 0, x[u]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -191,7 +198,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row
   const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kStages) * kKeyTileBytes); };
   if (tid >= kConsumerThreads) {
-    // The producer warp: per box (a block, or a 64-row piece of one) its
+    // A producer warp, for its warpgroup's tiles: per box (a block, or a 64-row piece of one) its
     // values by TMA and its scales by a bulk copy, onto the stage's barrier.
     int64_t windows[kTokens];
 #pragma unroll
@@ -206,7 +213,8 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
             bulk_load(scales + j * rows * 4, block + IndexKeyFp8::scale_offset(p.block_size, box.y), rows * 4, bar);
           }
           return rows * (128 + 4);
-        });
+        },
+        (tid - kConsumerThreads) / 32, kGroupConsumers);
     if (lane == 0 && refused != 0) atomicOr(refused_s, refused);
     __syncwarp();
   } else {
