@@ -1,8 +1,9 @@
 // The DSA lightning indexer on the GPU (rule in include/sparsepage/models/
-// dsa.h; key sources in include/sparsepage/index_keys.h). Grids and the
-// workspace are sized from the host bound max_kv_len; each sequence's live
-// length is read on the device, so one captured graph serves a growing
-// context. On the caller's stream:
+// dsa.h; key sources in include/sparsepage/index_keys.h). The workspace and
+// the top-k grids are sized from the host bound max_kv_len, the grouped
+// score grids from the card (group_work shares the live tiles among a wave
+// of CTAs); each sequence's live length is read on the device, so one
+// captured graph serves a growing context and a changing batch. On the caller's stream:
 //   0. dsa_clear_kernel clears the coarse histograms and the counters;
 //   1. dsa_score_group_kernel (the production geometry, 64 heads x 128;
 //      dsa_score_kernel for others) scores positions on warpgroup MMAs
@@ -357,24 +358,17 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   constexpr int kGroupStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
-  const int groups = (p.q_len + kTokens - 1) / kTokens;
-  const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
+  const GroupWork work = group_work<kTokens, kGroupThreads>(p);
+  if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
+    cuda::pdl_wait_primary();
+    return;
+  }
+  const int seq = work.seq, first = work.first;
   const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = checked_seq_len(p, seq);  // -1: refused (every window -1)
+  const int64_t seq_len = checked_seq_len(p, seq);
   const auto window = [&](int tl) { return token_window(seq_len, p.q_len, first + tl); };
   const int64_t len = window(ntok - 1);  // the group's longest window
-  if (len <= p.topk) {                   // every row's window fits the top-k: nothing to score
-    cuda::pdl_wait_primary();
-    return;
-  }
-  const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
-  const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
-  const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
-  const int64_t ntiles = min(per_cta, tiles - tile0);
-  if (ntiles <= 0) {
-    cuda::pdl_wait_primary();
-    return;
-  }
+  const int64_t tile0 = work.tile0, ntiles = work.ntiles;
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gen = smem + (base - raw);
@@ -902,18 +896,17 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
   cuda::launch_with_pdl(dsa_score_kernel<T, kKSteps>, grid, dim3(kScoreThreads), smem, stream, p);
 }
 
-// The group score grid: per (sequence, token group), an equal share of one
-// wave of resident CTAs (GroupShape's CTAs per SM), never more CTAs than tiles.
+// The group score grid: a wave of resident CTAs (GroupShape's CTAs per SM)
+// and one per token group, the live tiles shared among them on the device
+// (group_work).
 template <typename T, int kTokens>
-void launch_group_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
+void launch_group_scores(const IndexerParams& p, cudaStream_t stream) {
   constexpr size_t smem = GroupScoreLayout<kTokens>::kSmemBytes;
   cuda::configure_smem_once(dsa_score_group_kernel<T, kTokens>, smem);
-  const int64_t wave = int64_t{GroupShape<kTokens>::kCtasPerSm} * cuda_multiprocessor_count();
-  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + kTokens - 1) / kTokens);
-  const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
-  const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
-  const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(groups));
-  cuda::launch_with_pdl(dsa_score_group_kernel<T, kTokens>, grid, dim3(kGroupThreads), smem, stream, p);
+  IndexerParams q = p;
+  q.wave = GroupShape<kTokens>::kCtasPerSm * cuda_multiprocessor_count();
+  cuda::launch_with_pdl(dsa_score_group_kernel<T, kTokens>, dim3(group_grid(q, kTokens)), dim3(kGroupThreads), smem,
+                        stream, q);
 }
 
 template <typename T>
@@ -923,9 +916,9 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
     // four tokens per key tile (one token too: the producer warp and the
     // two consumer warpgroups beat dsa_score_kernel's one warpgroup per CTA
     // at every measured shape, PERFORMANCE.md).
-    if (p.q_len == 1) launch_group_scores<T, 1>(p, max_kv_len, stream);
-    else if (p.q_len == 2) launch_group_scores<T, 2>(p, max_kv_len, stream);
-    else launch_group_scores<T, 4>(p, max_kv_len, stream);
+    if (p.q_len == 1) launch_group_scores<T, 1>(p, stream);
+    else if (p.q_len == 2) launch_group_scores<T, 2>(p, stream);
+    else launch_group_scores<T, 4>(p, stream);
   } else if (p.dim == 128) {
     // Each (sequence, token) row on its own; the production head dim (128)
     // gets an unrolled k-chain, others loop.
@@ -1039,7 +1032,7 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
     p.keys = key_tensor_map(p, a.dtype, a.paged);
     launch_clear(a.workspace, ws.cleared, s);
     if (fp8) {
-      launch_fp8_scores(p, a.max_kv_len, s);
+      launch_fp8_scores(p, s);
     } else if (a.dtype == DType::kBF16) {
       launch_scores<__nv_bfloat16>(p, batch, a.max_kv_len, s);
     } else {

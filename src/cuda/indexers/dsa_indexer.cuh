@@ -9,6 +9,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/index_key_map.h"
@@ -82,6 +83,7 @@ struct IndexerParams {
   int64_t block_bytes;          // FP8: bytes between blocks
   int32_t q_e4m3;               // FP8: q_index is e4m3 with the scales in the weights (else native, quantized here)
   DType dtype;                  // of q_index (and native keys)
+  int32_t wave;                 // grouped score grids: resident CTAs the live tiles are shared among (group_work)
 };
 
 // Sequence `seq`'s live length, or -1 when it is refused: negative, past
@@ -189,6 +191,124 @@ __device__ __forceinline__ int64_t first_entry(const IndexerParams& p, int64_t t
   return p.paged == 0 ? 0 : tile * kTileTokens / p.block_size;
 }
 
+// The grouped score grids' work split, made on the device from the live
+// lengths so that a captured step follows them: the tiles every token group
+// (sequence, kTokens of its tokens) must score are shared among one wave of
+// resident CTAs (p.wave) in proportion to each group's tiles, so a ragged
+// batch (1K next to 128K) keeps every CTA as busy as a uniform one of the
+// same total. A group of `tiles` gets n = ceil(tiles / share) CTAs, share =
+// ceil(total / (wave - groups)), so that all of them fit one wave, and
+// splits its tiles evenly among them. Groups whose windows all fit the
+// top-k (or are refused) get none; the host launches wave + groups CTAs
+// (the bound with one group) and those past the last run have nothing to
+// do (ntiles = 0). Every thread of the CTA calls it (it synchronizes).
+struct GroupWork {
+  int seq = 0, first = 0;          // the group's sequence and first token
+  int64_t tile0 = 0, ntiles = 0;  // the CTA's run of the group's tiles (0: none)
+};
+
+// Exclusive prefix of x over the CTA's threads (kThreads, a multiple of 32),
+// and the total; `sums` holds kThreads / 32 values of shared memory.
+template <int kThreads>
+__device__ __forceinline__ int64_t cta_exclusive_sum(int64_t x, int64_t* sums, int64_t& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t inclusive = x;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += y;
+  }
+  if (lane == 31) sums[warp] = inclusive;
+  __syncthreads();
+  int64_t before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    const int64_t v = sums[w];
+    before += w < warp ? v : 0;
+    total += v;
+  }
+  __syncthreads();  // sums may be written again
+  return before + inclusive - x;
+}
+
+template <int kTokens, int kThreads>
+__device__ GroupWork group_work(const IndexerParams& p) {
+  __shared__ int64_t scratch[kThreads / 32 + 3];
+  const int per_seq = (p.q_len + kTokens - 1) / kTokens;
+  const int64_t groups = int64_t{p.batch / p.q_len} * per_seq;
+  const auto group_tiles = [&](int64_t g) -> int64_t {
+    const int seq = static_cast<int>(g / per_seq), first = static_cast<int>(g % per_seq) * kTokens;
+    const int64_t len = token_window(checked_seq_len(p, seq), p.q_len, first + min(kTokens, p.q_len - first) - 1);
+    return len > p.topk ? (len + kTileTokens - 1) / kTileTokens : 0;
+  };
+  GroupWork w;
+  if (groups == 1) {  // one group: no exchange needed
+    const int64_t tiles = group_tiles(0);
+    const int64_t run = max(int64_t{1}, (tiles + p.wave - 1) / p.wave);
+    w.tile0 = int64_t{blockIdx.x} * run;
+    w.ntiles = max(int64_t{0}, min(run, tiles - w.tile0));
+    return w;
+  }
+  // Thread t owns groups [g0, g1); the first four of them keep their tiles
+  // in registers (the usual case: batch <= 4 x the CTA's threads).
+  const int64_t per_thread = (groups + kThreads - 1) / kThreads;
+  const int64_t g0 = min(groups, int64_t{threadIdx.x} * per_thread), g1 = min(groups, g0 + per_thread);
+  constexpr int kKept = 4;
+  int64_t kept[kKept];
+  int64_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kKept; ++j) {
+    kept[j] = g0 + j < g1 ? group_tiles(g0 + j) : 0;
+    mine += kept[j];
+  }
+  for (int64_t g = g0 + kKept; g < g1; ++g) mine += group_tiles(g);
+  int64_t total = 0;
+  cta_exclusive_sum<kThreads>(mine, scratch, total);
+  const int64_t slots = max(int64_t{1}, int64_t{p.wave} - groups);
+  const int64_t share = max(int64_t{1}, (total + slots - 1) / slots);
+  const auto ctas = [&](int64_t tiles) { return (tiles + share - 1) / share; };
+  int64_t my_ctas = 0;
+#pragma unroll
+  for (int j = 0; j < kKept; ++j) my_ctas += ctas(kept[j]);
+  for (int64_t g = g0 + kKept; g < g1; ++g) my_ctas += ctas(group_tiles(g));
+  int64_t all = 0;
+  int64_t before = cta_exclusive_sum<kThreads>(my_ctas, scratch, all);
+  if (threadIdx.x == 0) scratch[kThreads / 32] = -1;
+  __syncthreads();
+  const int64_t c = blockIdx.x;
+  const auto claim = [&](int64_t g, int64_t tiles) {  // is CTA c in group g's runs?
+    const int64_t n = ctas(tiles);
+    if (c >= before && c < before + n) {
+      const int64_t run = (tiles + n - 1) / n;  // the group's tiles evenly over its n CTAs
+      scratch[kThreads / 32] = g;
+      scratch[kThreads / 32 + 1] = (c - before) * run;
+      scratch[kThreads / 32 + 2] = min(run, tiles - (c - before) * run);
+    }
+    before += n;
+  };
+#pragma unroll
+  for (int j = 0; j < kKept; ++j) {
+    if (g0 + j < g1) claim(g0 + j, kept[j]);
+  }
+  for (int64_t g = g0 + kKept; g < g1; ++g) claim(g, group_tiles(g));
+  __syncthreads();
+  const int64_t g = scratch[kThreads / 32];
+  if (g < 0) return w;  // past the last run
+  w.seq = static_cast<int>(g / per_seq);
+  w.first = static_cast<int>(g % per_seq) * kTokens;
+  w.tile0 = scratch[kThreads / 32 + 1];
+  w.ntiles = scratch[kThreads / 32 + 2];
+  return w;
+}
+
+// The grid group_work expects: a wave of resident CTAs, or one per group
+// when there are more groups than that.
+inline unsigned group_grid(const IndexerParams& p, int tokens_per_group) {
+  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + tokens_per_group - 1) / tokens_per_group);
+  return static_cast<unsigned>(std::max<int64_t>(p.wave, groups));
+}
+
 // Everything from here on uses sm_90a instructions (TMA, bulk copies,
 // mbarrier transactions); other device passes skip it.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
@@ -255,7 +375,7 @@ __device__ __forceinline__ uint32_t produce_key_tiles(const IndexerParams& p, in
 /// The FP8 score grid over p (FP8 paged keys, 64 heads x 128, p.keys
 /// encoded over the values; dsa_score_fp8.cu).
 namespace dsa {
-void launch_fp8_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream);
+void launch_fp8_scores(const IndexerParams& p, cudaStream_t stream);
 }  // namespace dsa
 
 }  // namespace sparsepage

@@ -156,24 +156,17 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
-  const int groups = (p.q_len + kTokens - 1) / kTokens;
-  const int seq = blockIdx.y / groups, first = (blockIdx.y % groups) * kTokens;
+  const GroupWork work = group_work<kTokens, kGroupThreads>(p);
+  if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
+    cuda::pdl_wait_primary();
+    return;
+  }
+  const int seq = work.seq, first = work.first;
   const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = checked_seq_len(p, seq);  // -1: refused (every window -1)
+  const int64_t seq_len = checked_seq_len(p, seq);
   const auto window = [&](int tl) { return token_window(seq_len, p.q_len, first + tl); };
   const int64_t len = window(ntok - 1);  // the group's longest window
-  if (len <= p.topk) {                   // every row's window fits the top-k (or is refused): nothing to score
-    cuda::pdl_wait_primary();
-    return;
-  }
-  const int64_t tiles = (len + kTileTokens - 1) / kTileTokens;
-  const int64_t per_cta = (tiles + gridDim.x - 1) / gridDim.x;
-  const int64_t tile0 = int64_t{blockIdx.x} * per_cta;
-  const int64_t ntiles = min(per_cta, tiles - tile0);
-  if (ntiles <= 0) {
-    cuda::pdl_wait_primary();
-    return;
-  }
+  const int64_t tile0 = work.tile0, ntiles = work.ntiles;
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gen = smem + (base - raw);
@@ -312,26 +305,24 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
 #endif
 }
 
-// The grid: per (sequence, token group), an equal share of one wave of
-// resident CTAs, never more CTAs than tiles.
+// The grid: a wave of resident CTAs and one per token group, the live tiles
+// shared among them on the device (group_work).
 template <int kTokens>
-void launch(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
+void launch(const IndexerParams& p, cudaStream_t stream) {
   constexpr size_t smem = Fp8Layout<kTokens>::kSmemBytes;
   cuda::configure_smem_once(dsa_score_fp8_kernel<kTokens>, smem);
-  const int64_t wave = int64_t{Fp8Shape<kTokens>::kCtasPerSm} * cuda_multiprocessor_count();
-  const int64_t groups = int64_t{p.batch / p.q_len} * ((p.q_len + kTokens - 1) / kTokens);
-  const int64_t tiles = (max_kv_len + kTileTokens - 1) / kTileTokens;
-  const int64_t per_group = std::clamp<int64_t>(wave / groups, 1, tiles);
-  const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(groups));
-  cuda::launch_with_pdl(dsa_score_fp8_kernel<kTokens>, grid, dim3(kGroupThreads), smem, stream, p);
+  IndexerParams q = p;
+  q.wave = Fp8Shape<kTokens>::kCtasPerSm * cuda_multiprocessor_count();
+  cuda::launch_with_pdl(dsa_score_fp8_kernel<kTokens>, dim3(group_grid(q, kTokens)), dim3(kGroupThreads), smem,
+                        stream, q);
 }
 
 }  // namespace
 
-void launch_fp8_scores(const IndexerParams& p, int64_t max_kv_len, cudaStream_t stream) {
-  if (p.q_len == 1) launch<1>(p, max_kv_len, stream);
-  else if (p.q_len == 2) launch<2>(p, max_kv_len, stream);
-  else launch<4>(p, max_kv_len, stream);
+void launch_fp8_scores(const IndexerParams& p, cudaStream_t stream) {
+  if (p.q_len == 1) launch<1>(p, stream);
+  else if (p.q_len == 2) launch<2>(p, stream);
+  else launch<4>(p, stream);
 }
 
 }  // namespace dsa
