@@ -1,8 +1,11 @@
 // Between steps, the layers' slot and length calls: bad arguments are
 // refused under the layer's name (layer.h: every error of the layer starts
-// with it), naming the argument, and change nothing. Found by the fuzzer's
-// layer step sequences (tests/fuzz): the cache's own messages came back
-// unprefixed.
+// with it), naming the argument, and change nothing; and a call that grows
+// the cache leaves the last step's selection readable as it was. Both were
+// found by the fuzzer's layer step sequences (tests/fuzz): the cache's own
+// messages came back unprefixed, and the static layer's selection matrix
+// was reallocated, unfilled, when the cache grew, so last_blocks() and
+// last_selected_positions() read garbage (or threw std::out_of_range).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -65,6 +68,31 @@ TEST(LayerRefusals, SlotAndLengthCallsAreRefusedUnderTheLayersName) {
     EXPECT_EQ(layer->cache().active(), (std::vector<uint8_t>{1, 1})) << name;
     EXPECT_EQ(layer->cache().capacity(), capacity) << name << ": a refused call grew the cache";
   }
+}
+
+TEST(LayerRefusals, StaticSelectionSurvivesTheCacheGrowing) {
+  const StaticBlockSparseConfig config{4, 2, 8, 2, 1, 2, 4};  // capacity grows 4 at a time
+  StaticBlockSparseAttention layer(Device::kCpu, DType::kBF16, config, 2);
+  std::mt19937_64 rng(8);
+  const size_t kv = size_t(config.num_kv_heads) * config.head_dim, qo = size_t(config.num_qo_heads) * config.head_dim;
+  const auto prompt = testing::random_values(DType::kBF16, 2 * kv * 6, rng);
+  layer.append_tokens(prompt.data(), prompt.data(), 6);
+  const auto q = testing::random_values(DType::kBF16, 2 * qo, rng);
+  const auto k = testing::random_values(DType::kBF16, 2 * kv, rng), v = testing::random_values(DType::kBF16, 2 * kv, rng);
+  std::vector<uint8_t> o(2 * qo * 2);
+  layer.decode(StaticBlockSparseTokens{q.data(), k.data(), v.data(), o.data()});
+  const auto blocks = layer.last_blocks();
+  const auto positions = layer.last_selected_positions();
+  const int32_t width = layer.width();
+  ASSERT_EQ(positions.size(), 2u * config.num_qo_heads);
+  for (const auto& row : positions) ASSERT_FALSE(row.empty());
+  layer.reserve(64);  // grows the cache, so the page matrix widens
+  ASSERT_GT(layer.width(), width) << "the test needs the selection matrix to widen";
+  EXPECT_EQ(layer.last_blocks(), blocks) << "the last step's blocks changed when the cache grew";
+  EXPECT_EQ(layer.last_selected_positions(), positions) << "the last step's positions changed when the cache grew";
+  const auto row = testing::random_values(DType::kBF16, kv * 100, rng);
+  layer.admit(1, row.data(), row.data(), 100);  // grows again
+  EXPECT_EQ(layer.last_selected_positions(), positions);
 }
 
 }  // namespace
