@@ -16,6 +16,19 @@ CacheMode cache_mode(const std::string& name, DType dtype) {
   if (dtype != DType::kF16 && dtype != DType::kBF16) throw Error(name + ": the cache stores f16 or bf16");
   return dtype == DType::kF16 ? CacheMode::kF16 : CacheMode::kBF16;
 }
+
+// Runs a cache call for the layer's entry point `who`: a refusal from the
+// cache (a slot outside the batch, a bad token count) comes back under the
+// layer's name, as every error of the layer does. The cache checks before
+// it changes anything, so nothing needs undoing.
+template <typename Call>
+void as_layer(const std::string& name, const char* who, Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    throw Error(name + "::" + who + ": " + e.what());
+  }
+}
 }  // namespace
 
 SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t batch, KVStorage storage,
@@ -67,7 +80,7 @@ void SparseLayer::reserve(int64_t tokens) {
     }
     return;
   }
-  cache_.reserve(tokens);
+  as_layer(name_, "reserve", [&] { cache_.reserve(tokens); });
   size_step_buffers(1);
 }
 
@@ -84,7 +97,7 @@ void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
     throw Error(name_ + (engine_paged() ? "::append_tokens (engine-paged): k (the index keys) must be set and v null"
                                          : "::append_tokens: k and v must be set"));
   }
-  cache_.append(k, v, dtype_, tokens);
+  as_layer(name_, "append_tokens", [&] { cache_.append(k, v, dtype_, tokens); });
   size_step_buffers(1);
 }
 
@@ -94,13 +107,13 @@ void SparseLayer::admit(int32_t slot, const void* k, const void* v, int64_t toke
     throw Error(name_ + (engine_paged() ? "::admit (engine-paged): k (the prompt's index keys) must be set and v null"
                                          : "::admit: k and v must be set"));
   }
-  cache_.admit(slot, k, v, tokens, stream);
+  as_layer(name_, "admit", [&] { cache_.admit(slot, k, v, tokens, stream); });
   size_step_buffers(1);
 }
 
 void SparseLayer::release(int32_t slot, void* stream) {
   refuse_on_engine_pools("release");
-  cache_.release(slot, stream);
+  as_layer(name_, "release", [&] { cache_.release(slot, stream); });
 }
 
 LayerStep SparseLayer::finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "core/cuda_hooks.h"
 #include "models/static_block_sparse_kernels.h"
@@ -171,8 +172,19 @@ void StaticBlockSparseAttention::size_selection(int64_t capacity, int32_t /*q_le
                 std::to_string(config_.block_size) + " tokens at capacity " + std::to_string(capacity) +
                 " exceed 2^31 tokens per request");
   }
+  // The last step's rows move into the wider matrix (then -1), so
+  // last_blocks() and last_selected_positions() still describe that step
+  // after the cache grows between steps (an admit, reserve or append).
+  const int32_t old_width = width_;
+  Buffer pages(device(), static_cast<size_t>(num_requests()) * static_cast<size_t>(width) * sizeof(int32_t));
+  fill_bytes(pages.data(), device(), 0xFF, pages.bytes());
+  if (have_selection() && old_width > 0 && width > 0) {
+    const size_t kept = static_cast<size_t>(std::min<int64_t>(old_width, width)) * sizeof(int32_t);
+    copy_2d(pages.data(), device(), static_cast<size_t>(width) * sizeof(int32_t), pages_.data(), device(),
+            static_cast<size_t>(old_width) * sizeof(int32_t), kept, static_cast<size_t>(num_requests()));
+  }
   width_ = static_cast<int32_t>(width);
-  pages_ = Buffer(device(), static_cast<size_t>(num_requests()) * static_cast<size_t>(width_) * sizeof(int32_t));
+  pages_ = std::move(pages);
   if (seq_lens_.empty()) {
     seq_lens_ = Buffer(device(), static_cast<size_t>(num_requests()) * sizeof(int32_t));
     window_lens_ = Buffer(device(), static_cast<size_t>(batch()) * config_.num_kv_heads * sizeof(int32_t));

@@ -1,9 +1,11 @@
 // libFuzzer target over the host-visible surface of sparsepage's CPU backend:
 // page tables, plans, the paged decode, selections with the mask
 // path and the fused path, the caches, the engines' inputs, per-sequence
-// window lengths with multi-token steps, and the FP8 KV formats. The first input byte picks the
-// target; the rest drives its structure, and a seed taken from the input
-// fills values, so short inputs reach deep states.
+// window lengths with multi-token steps, the FP8 KV formats (packed or
+// strided o), and step sequences of the three model layers with slots
+// joining and leaving. The last input byte picks the target (see
+// LLVMFuzzerTestOneInput); the rest drives its structure, and a seed taken
+// from the input fills values, so short inputs reach deep states.
 //
 // What every target asserts, besides "no crash, no sanitizer report":
 // - a refusal is a sparsepage::Error (any other exception aborts), and a
@@ -23,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -37,6 +40,10 @@
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
 #include "sparsepage/fp8.h"
+#include "sparsepage/layer.h"
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 #include "support/engine_problem.h"
 #include "support/fp8_problem.h"
 #include "support/multi_token.h"
@@ -906,6 +913,7 @@ void fuzz_window_lengths(FuzzedDataProvider& in) {
   }
   enum class Expect { kExact, kRefused };
   Expect expect = Expect::kExact;
+  bool other_sequences_unchanged = false;  // one sequence's window moved: the others' o must not
   const size_t b = in.ConsumeIntegralInRange<size_t>(0, batch - 1);
   const int32_t live = spec.live_lens[b];
   switch (in.ConsumeIntegralInRange<int>(0, 5)) {
@@ -920,9 +928,16 @@ void fuzz_window_lengths(FuzzedDataProvider& in) {
       window[b] = live - in.ConsumeIntegralInRange<int32_t>(1, live);
       expect = Expect::kRefused;
       break;
-    case 3:  // a window grown within the capacity: the new windows, exactly
-      window[b] = static_cast<int32_t>(in.ConsumeIntegralInRange<int64_t>(live, pb.capacity));
-      pb.spec.live_lens[b] = window[b];
+    case 3:  // a window grown within the capacity: the new windows, exactly;
+             // or any int32 at all, refused outside [live, capacity]
+      window[b] = in.ConsumeBool() ? static_cast<int32_t>(in.ConsumeIntegralInRange<int64_t>(live, pb.capacity))
+                                   : in.ConsumeIntegral<int32_t>();
+      if (window[b] < live || window[b] > pb.capacity) {
+        expect = Expect::kRefused;
+      } else {
+        pb.spec.live_lens[b] = window[b];
+        other_sequences_unchanged = window[b] != live;
+      }
       break;
     case 4: {  // a visible-token count outside [0, the plan's count]
       const size_t r = b * static_cast<size_t>(spec.num_kv_heads);
@@ -974,6 +989,28 @@ void fuzz_window_lengths(FuzzedDataProvider& in) {
   std::memcpy(got_lse.data(), lse.begin(), rows * sizeof(float));
   compare_allowing_nan(ref, testing::as_float(spec.dtype, packed), got_lse, dim, o_tolerance(spec.dtype),
                        "window lengths");
+  if (other_sequences_unchanged) {
+    // The same step without the moved window: every other sequence's rows
+    // (and the gaps) are bit-identical, so one sequence's length reaches
+    // no other's output.
+    std::vector<int32_t> original = spec.live_lens;
+    Guarded o2(o_elements * esize, Guarded::kCanary), lse2(rows * sizeof(float)), ws2(plan.workspace.total, 0xFF);
+    DecodeParams p2 = p;
+    p2.window_lens = original.data();
+    p2.o = o2.data();
+    p2.lse = static_cast<float*>(lse2.data());
+    FUZZ_CHECK(accepted([&] { run_decode_cpu(p2, plan, ws2.data()); }, "run_decode_cpu (window lengths, baseline)"),
+               "the untouched window-length problem was refused");
+    const std::vector<uint8_t> base = o2.payload();
+    const size_t seq_bytes = static_cast<size_t>(os.seq_stride) * esize;
+    for (size_t seq = 0; seq < batch; ++seq) {
+      if (seq == b) continue;
+      FUZZ_CHECK(std::equal(bytes.begin() + static_cast<std::ptrdiff_t>(seq * seq_bytes),
+                            bytes.begin() + static_cast<std::ptrdiff_t>((seq + 1) * seq_bytes),
+                            base.begin() + static_cast<std::ptrdiff_t>(seq * seq_bytes)),
+                 "moving one sequence's window changed another sequence's output");
+    }
+  }
 }
 
 // ---- FP8 KV formats --------------------------------------------------------
@@ -1054,29 +1091,613 @@ void fuzz_fp8(FuzzedDataProvider& in) {
     }
     default: break;
   }
-  const std::vector<uint8_t> o_before = o.payload(), lse_before = lse.payload();
+  // Sometimes a strided o (QueryLayout::kStrided, q as packed): gaps of 1-3
+  // elements after every head and sequence hold canaries that must survive.
+  const int32_t sequences = p.num_requests / std::max(p.num_kv_heads, 1);
+  const int32_t heads_per_seq = p.num_kv_heads * p.group_size;
+  const bool strided = in.ConsumeBool() && sequences > 0;
+  QueryStrides os;
+  os.head_stride = spec.dim_v + (strided ? in.ConsumeIntegralInRange<int64_t>(1, 3) : 0);
+  os.seq_stride = heads_per_seq * os.head_stride + (strided ? in.ConsumeIntegralInRange<int64_t>(1, 3) : 0);
+  const size_t o_elements = static_cast<size_t>(std::max(sequences, 0)) * static_cast<size_t>(os.seq_stride);
+  Guarded so(strided ? o_elements * esize : 0, Guarded::kCanary);
+  if (strided) {
+    const QoStrides packed = qo_strides(p);
+    p.qo_layout = QueryLayout::kStrided;
+    p.q_strides = packed.q;
+    p.q_extra_strides = packed.q_extra;
+    p.o_strides = os;
+    p.o = so.data();
+  }
+  Guarded& out = strided ? so : o;
+  const std::vector<uint8_t> o_before = out.payload(), lse_before = lse.payload();
   const bool ok = accepted([&] { run_decode_cpu(p, plan, ws.data()); }, "run_decode_cpu (fp8)");
-  o.check_canaries("fp8 o");
+  out.check_canaries("fp8 o");
   lse.check_canaries("fp8 lse");
   ws.check_canaries("fp8 workspace");
   if (!ok) {
     FUZZ_CHECK(refuse, "an untouched FP8 problem was refused");
-    FUZZ_CHECK(o.payload() == o_before && lse.payload() == lse_before, "a refused FP8 decode wrote its output");
+    FUZZ_CHECK(out.payload() == o_before && lse.payload() == lse_before, "a refused FP8 decode wrote its output");
     return;
   }
   FUZZ_CHECK(!refuse, "an FP8 edit that must be refused ran");
+  std::vector<uint8_t> packed_o = out.payload();
+  if (strided) {  // gather the rows; every other byte is still a canary
+    const std::vector<uint8_t> bytes = so.payload();
+    std::vector<bool> in_row(o_elements, false);
+    packed_o.assign(heads * static_cast<size_t>(spec.dim_v) * esize, 0);
+    for (size_t i = 0; i < heads; ++i) {
+      const size_t at = i / static_cast<size_t>(heads_per_seq) * static_cast<size_t>(os.seq_stride) +
+                        i % static_cast<size_t>(heads_per_seq) * static_cast<size_t>(os.head_stride);
+      for (int32_t d = 0; d < spec.dim_v; ++d) in_row[at + static_cast<size_t>(d)] = true;
+      std::memcpy(packed_o.data() + i * static_cast<size_t>(spec.dim_v) * esize, bytes.data() + at * esize,
+                  static_cast<size_t>(spec.dim_v) * esize);
+    }
+    for (size_t e = 0; e < o_elements; ++e) {
+      if (in_row[e]) continue;
+      for (size_t k = 0; k < esize; ++k) FUZZ_CHECK(bytes[e * esize + k] == Guarded::kCanary, "a gap of an FP8 decode's o was written");
+    }
+  }
   std::vector<float> got_lse(heads);
   if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
-  compare_allowing_nan(testing::reference_attention(f), testing::as_float(spec.dtype, o.payload()), got_lse,
+  compare_allowing_nan(testing::reference_attention(f), testing::as_float(spec.dtype, packed_o), got_lse,
                        spec.dim_v, o_tolerance(spec.dtype), mla ? "fp8 mla" : "fp8 per head");
 }
+
+
+// ---- layer step sequences --------------------------------------------------
+// One of the three layers (tests/support/continuous_batching.h drives them
+// the same way, with fixed odds) through a random sequence of steps: admit
+// and release of slots, lockstep appends, reserve, one-token, multi-token
+// and prefill steps, mixed with calls that must be refused (a slot outside
+// the batch, a negative or too large token count, a null token pointer, a
+// q_len outside [1, kMaxQueryTokens], the engine-pool form on a layer with
+// its own cache). The run keeps three views of the same requests:
+// - the layer under test, which also gets the bad calls;
+// - a twin fed only the accepted calls: every output must be bit-identical
+//   to it, so a refused call left no trace (lengths, activity, selection,
+//   plan, capacity-dependent buffers);
+// - a lone batch-1 layer per request, fed that request's rows: each slot's
+//   output must match it, so no slot's length reaches another's rows.
+// A refused call must throw sparsepage::Error, start with the layer's name,
+// name the problem, and leave kv_lens(), the slots' activity, kv_len() and
+// the capacity as they were. Free slots must output zeros, and every step's
+// o is guarded by canaries.
+namespace layer_steps {
+
+enum class Model { kBlockSparse = 0, kDsa = 1, kStatic = 2 };
+
+struct Spec {
+  Model model = Model::kBlockSparse;
+  DType dtype = DType::kBF16;
+  BlockSparseConfig bs;
+  DsaConfig dsa;
+  StaticBlockSparseConfig st;
+  DispatchConfig dispatch;
+  // Elements per (slot, token) of each input (weights: floats).
+  size_t q = 0, q_extra = 0, index_q = 0, weights = 0, k = 0, v = 0, o = 0;
+  int32_t pointers = 0;      // token pointers a null edit may drop
+  bool multi_token = false;  // has decode(tokens, q_len)
+  bool prefill = false;      // has prefill_token
+};
+
+std::unique_ptr<SparseLayer> make_layer(const Spec& s, int32_t batch) {
+  switch (s.model) {
+    case Model::kBlockSparse: return std::make_unique<BlockSparseAttention>(Device::kCpu, s.dtype, s.bs, batch, s.dispatch);
+    case Model::kDsa: return std::make_unique<DsaAttention>(Device::kCpu, s.dtype, s.dsa, batch, s.dispatch);
+    default: return std::make_unique<StaticBlockSparseAttention>(Device::kCpu, s.dtype, s.st, batch, s.dispatch);
+  }
+}
+
+// Small shapes: a step costs microseconds, so a sequence of a dozen calls
+// over five layers stays cheap in the corpus replay.
+Spec make_spec(Model model, FuzzedDataProvider& in) {
+  Spec s;
+  s.model = model;
+  s.dtype = in.ConsumeBool() ? DType::kBF16 : DType::kF16;
+  // Always fused (no performance gates), or the kill switch (the mask path,
+  // multi-token steps token by token): either way the batched and lone
+  // layers decide alike, so their outputs compare.
+  s.dispatch = DispatchConfig::defaults().without_performance_gates();
+  s.dispatch.enabled = in.ConsumeBool();
+  const int64_t step = in.ConsumeIntegralInRange<int64_t>(1, 16);
+  switch (model) {
+    case Model::kBlockSparse: {
+      BlockSparseConfig& c = s.bs;
+      c.num_kv_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.num_qo_heads = c.num_kv_heads * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.head_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.block_size = in.ConsumeIntegralInRange<int32_t>(1, 4);
+      c.topk_blocks = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.local_blocks = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.capacity_step = step;
+      const size_t d = static_cast<size_t>(c.head_dim);
+      s.q = s.o = static_cast<size_t>(c.num_qo_heads) * d;
+      s.index_q = static_cast<size_t>(c.num_kv_heads) * d;
+      s.k = static_cast<size_t>(c.num_kv_heads + 1) * d;
+      s.v = static_cast<size_t>(c.num_kv_heads) * d;
+      s.pointers = 5;
+      s.multi_token = s.prefill = true;
+      break;
+    }
+    case Model::kDsa: {
+      DsaConfig& c = s.dsa;
+      c.num_qo_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.latent_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.rope_dim = 4 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.index_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.index_head_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.index_topk = in.ConsumeIntegralInRange<int32_t>(1, 6);
+      c.capacity_step = step;
+      s.q = s.o = static_cast<size_t>(c.num_qo_heads) * static_cast<size_t>(c.latent_dim);
+      s.q_extra = static_cast<size_t>(c.num_qo_heads) * static_cast<size_t>(c.rope_dim);
+      s.index_q = static_cast<size_t>(c.index_heads) * static_cast<size_t>(c.index_head_dim);
+      s.weights = static_cast<size_t>(c.index_heads);
+      s.k = static_cast<size_t>(c.latent_dim + c.index_head_dim);
+      s.v = static_cast<size_t>(c.rope_dim);
+      s.pointers = 7;
+      s.multi_token = s.prefill = true;
+      break;
+    }
+    default: {
+      StaticBlockSparseConfig& c = s.st;
+      c.num_kv_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.num_qo_heads = c.num_kv_heads * in.ConsumeIntegralInRange<int32_t>(1, 3);
+      c.head_dim = 8;
+      c.block_size = in.ConsumeIntegralInRange<int32_t>(1, 3);
+      c.local_blocks = in.ConsumeIntegralInRange<int32_t>(1, 2);
+      c.vert_stride = in.ConsumeIntegralInRange<int32_t>(1, 3);
+      c.capacity_step = step;
+      s.q = s.o = static_cast<size_t>(c.num_qo_heads) * 8;
+      s.k = s.v = static_cast<size_t>(c.num_kv_heads) * 8;
+      s.pointers = 4;
+      break;
+    }
+  }
+  return s;
+}
+
+// A configuration the constructor must refuse by name, before it allocates.
+void check_bad_configuration(Spec s, FuzzedDataProvider& in) {
+  int32_t batch = 2;
+  std::string want;
+  switch (in.ConsumeIntegralInRange<int>(0, 4)) {
+    case 0: batch = in.ConsumeBool() ? 0 : -1; want = "batch"; break;
+    case 1: s.dtype = DType::kF32; want = "f16 or bf16"; break;
+    case 2:  // heads that do not divide, or none
+      if (s.model == Model::kDsa) {
+        s.dsa.num_qo_heads = 0;
+        want = "heads";
+      } else if (s.model == Model::kBlockSparse) {
+        s.bs.num_kv_heads = 2;
+        s.bs.num_qo_heads = 3;
+        want = "head";
+      } else {
+        s.st.num_kv_heads = 2;
+        s.st.num_qo_heads = 3;
+        want = "head";
+      }
+      break;
+    case 3:  // a zero dim or block
+      if (s.model == Model::kDsa) {
+        s.dsa.latent_dim = 0;
+        want = "dims";
+      } else if (s.model == Model::kBlockSparse) {
+        s.bs.block_size = 0;
+        want = "block_size";
+      } else {
+        s.st.vert_stride = 0;
+        want = "vert_stride";
+      }
+      break;
+    default:  // a capacity step below 1, or a non-finite scale
+      if (s.model == Model::kDsa && in.ConsumeBool()) {
+        s.dsa.scale = std::numeric_limits<float>::quiet_NaN();
+        want = "scale";
+      } else {
+        s.bs.capacity_step = s.dsa.capacity_step = s.st.capacity_step = in.ConsumeBool() ? 0 : -5;
+        want = "step";
+      }
+      break;
+  }
+  try {
+    (void)make_layer(s, batch);
+  } catch (const Error& e) {
+    FUZZ_CHECK(std::string(e.what()).find(want) != std::string::npos,
+               "a bad layer configuration was refused without naming " + want + ": " + e.what());
+    return;
+  } catch (const std::exception& e) {
+    finding(std::string("a bad layer configuration threw a non-sparsepage exception: ") + e.what());
+  }
+  finding("a bad layer configuration (" + want + ") was accepted");
+}
+
+uint64_t mix(uint64_t seed, int64_t a, int64_t b) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(a) * 0xBF58476D1CE4E5B9ull ^
+               static_cast<uint64_t>(b + 7) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// One step's inputs for `batch` slots and q_len tokens, in the layers'
+// layouts: q, q_extra, index_q, weights and o [batch, q_len, ...], k and v
+// token-major [q_len, batch, ...]. Rows of free slots are NaN.
+struct StepData {
+  int32_t batch = 0, q_len = 1;
+  std::vector<uint8_t> q, q_extra, index_q, k, v;
+  std::vector<float> weights;
+  StepData(const Spec& s, int32_t batch_, int32_t q_len_) : batch(batch_), q_len(q_len_) {
+    const size_t n = static_cast<size_t>(batch) * static_cast<size_t>(q_len);
+    q = testing::nan_values(s.dtype, n * s.q);
+    q_extra = testing::nan_values(s.dtype, n * s.q_extra);
+    index_q = testing::nan_values(s.dtype, n * s.index_q);
+    k = testing::nan_values(s.dtype, n * s.k);
+    v = testing::nan_values(s.dtype, n * s.v);
+    weights.assign(n * s.weights, std::numeric_limits<float>::quiet_NaN());
+  }
+  // Token t of slot `slot` from request `id`'s input number `j`.
+  void fill(const Spec& s, int32_t slot, int32_t t, uint64_t seed, int64_t id, int64_t j) {
+    std::mt19937_64 rng(mix(seed, id, j));
+    const size_t esize = dtype_size(s.dtype);
+    const size_t qrow = static_cast<size_t>(slot) * static_cast<size_t>(q_len) + static_cast<size_t>(t);
+    const size_t krow = static_cast<size_t>(t) * static_cast<size_t>(batch) + static_cast<size_t>(slot);
+    const auto put = [&](std::vector<uint8_t>& dst, size_t elems, size_t row) {
+      const auto values = testing::random_values(s.dtype, elems, rng);
+      std::copy(values.begin(), values.end(), dst.begin() + static_cast<std::ptrdiff_t>(row * elems * esize));
+    };
+    put(q, s.q, qrow);
+    put(q_extra, s.q_extra, qrow);
+    put(index_q, s.index_q, qrow);
+    put(k, s.k, krow);
+    put(v, s.v, krow);
+    std::uniform_real_distribution<float> w(0.1f, 1.0f);
+    for (size_t i = 0; i < s.weights; ++i) weights[qrow * s.weights + i] = w(rng);
+  }
+};
+
+// The call forms of a step.
+enum class Form { kDecode, kDecodeQLen, kPrefill, kEngineForm };
+
+// Runs one step form on `layer` with the token pointer `drop` (if >= 0) null.
+LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form form, int32_t q_len, int drop) {
+  std::vector<const void*> p;
+  switch (s.model) {
+    case Model::kBlockSparse: p = {d.q.data(), d.index_q.data(), d.k.data(), d.v.data(), o}; break;
+    case Model::kDsa:
+      p = {d.q.data(), d.q_extra.data(), d.index_q.data(), d.weights.data(), d.k.data(), d.v.data(), o};
+      break;
+    default: p = {d.q.data(), d.k.data(), d.v.data(), o}; break;
+  }
+  if (drop >= 0) p[static_cast<size_t>(drop)] = nullptr;
+  void* out = const_cast<void*>(p.back());
+  const EnginePagedKV no_pool;
+  switch (s.model) {
+    case Model::kBlockSparse: {
+      auto& l = static_cast<BlockSparseAttention&>(layer);
+      const BlockSparseTokens t{p[0], p[1], p[2], p[3], out};
+      if (form == Form::kPrefill) return l.prefill_token(t), LayerStep{};
+      if (form == Form::kEngineForm) return l.decode(t, no_pool);
+      return form == Form::kDecodeQLen ? l.decode(t, q_len) : l.decode(t);
+    }
+    case Model::kDsa: {
+      auto& l = static_cast<DsaAttention&>(layer);
+      DsaTokens t;
+      t.q_latent = p[0];
+      t.q_pe = p[1];
+      t.q_index = p[2];
+      t.index_weights = static_cast<const float*>(p[3]);
+      t.k_cache_row = p[4];
+      t.k_pe = p[5];
+      t.o = out;
+      if (form == Form::kPrefill) return l.prefill_token(t), LayerStep{};
+      if (form == Form::kEngineForm) return l.decode(t, no_pool);
+      return form == Form::kDecodeQLen ? l.decode(t, q_len) : l.decode(t);
+    }
+    default: {
+      auto& l = static_cast<StaticBlockSparseAttention&>(layer);
+      return l.decode(StaticBlockSparseTokens{p[0], p[1], p[2], out});
+    }
+  }
+}
+
+struct Request {
+  int64_t id = 0;
+  int64_t next = 0;  // inputs drawn so far (each decode token or appended chunk takes one number)
+  std::unique_ptr<SparseLayer> lone;
+};
+
+struct LayerState {
+  std::vector<int64_t> lens;
+  std::vector<uint8_t> active;
+  int64_t kv_len = 0, capacity = 0;
+  explicit LayerState(const SparseLayer& l)
+      : lens(l.kv_lens()), active(l.cache().active()), kv_len(l.kv_len()), capacity(l.cache().capacity()) {}
+  bool operator==(const LayerState& o) const {
+    return lens == o.lens && active == o.active && kv_len == o.kv_len && capacity == o.capacity;
+  }
+};
+
+// A call that must be refused: Error, the layer's name first, `want` named,
+// and nothing changed.
+template <typename Call>
+void expect_refused(SparseLayer& layer, Call&& call, const std::string& want, const char* what) {
+  const LayerState before(layer);
+  bool refused = false;
+  try {
+    call();
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    FUZZ_CHECK(message.rfind(layer.name(), 0) == 0,
+               std::string(what) + ": the error does not start with the layer's name: " + message);
+    FUZZ_CHECK(message.find(want) != std::string::npos,
+               std::string(what) + ": the error does not name " + want + ": " + message);
+    refused = true;
+  } catch (const std::exception& e) {
+    finding(std::string(what) + " threw a non-sparsepage exception: " + e.what());
+  }
+  FUZZ_CHECK(refused, std::string(what) + " was accepted");
+  FUZZ_CHECK(LayerState(layer) == before, std::string(what) + ": a refused call changed the layer's lengths, slots or capacity");
+}
+
+void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
+  const Spec spec = make_spec(model, in);
+  if (in.ConsumeIntegralInRange<int>(0, 7) == 0) check_bad_configuration(spec, in);
+  const int32_t batch = in.ConsumeIntegralInRange<int32_t>(1, 3);
+  const uint64_t seed = in.ConsumeIntegral<uint64_t>();
+  const std::unique_ptr<SparseLayer> layer = make_layer(spec, batch), twin = make_layer(spec, batch);
+  std::vector<Request> slots(static_cast<size_t>(batch));
+  int64_t next_id = 0;
+  std::vector<std::vector<int32_t>> last_positions;  // the last decode step's, as read right after it
+  // A new layer has every slot active at length 0: a lone layer each.
+  for (Request& r : slots) {
+    r.id = next_id++;
+    r.lone = make_layer(spec, 1);
+  }
+  const size_t esize = dtype_size(spec.dtype);
+  const auto same_state = [&](const char* what) {
+    FUZZ_CHECK(LayerState(*layer) == LayerState(*twin), std::string(what) + ": the layer and its twin differ");
+    for (int32_t b = 0; b < batch; ++b) {
+      const Request& r = slots[static_cast<size_t>(b)];
+      const bool active = layer->cache().active()[static_cast<size_t>(b)] != 0;
+      FUZZ_CHECK(active == (r.lone != nullptr), std::string(what) + ": slot activity");
+      if (r.lone) {
+        FUZZ_CHECK(layer->kv_lens()[static_cast<size_t>(b)] == r.lone->kv_lens()[0],
+                   std::string(what) + ": a slot's length differs from its lone run's");
+      } else {
+        FUZZ_CHECK(layer->kv_lens()[static_cast<size_t>(b)] == 0, std::string(what) + ": a free slot has a length");
+      }
+    }
+  };
+  for (int ops = in.ConsumeIntegralInRange<int>(1, 14); ops > 0 && in.remaining_bytes() > 0; --ops) {
+    const int op = in.ConsumeIntegralInRange<int>(0, 15);
+    switch (op) {
+      case 0:
+      case 1: {  // admit a new request (over an active one too: it starts anew)
+        const int32_t slot = in.ConsumeIntegralInRange<int32_t>(0, batch - 1);
+        const int64_t n = in.ConsumeIntegralInRange<int64_t>(0, 12);
+        Request& r = slots[static_cast<size_t>(slot)];
+        r.id = next_id++;
+        r.next = 0;
+        std::mt19937_64 rng(mix(seed, r.id, -1));
+        const DenseKVCache& c = layer->cache();
+        const auto k = testing::random_values(spec.dtype, static_cast<size_t>(c.k_heads() * n * c.k_head_dim()), rng);
+        const auto v = testing::random_values(spec.dtype, static_cast<size_t>(c.v_heads() * n * c.v_head_dim()), rng);
+        layer->admit(slot, k.data(), v.data(), n);
+        twin->admit(slot, k.data(), v.data(), n);
+        r.lone = make_layer(spec, 1);
+        r.lone->admit(0, k.data(), v.data(), n);
+        same_state("admit");
+        break;
+      }
+      case 2: {  // release
+        const int32_t slot = in.ConsumeIntegralInRange<int32_t>(0, batch - 1);
+        layer->release(slot);
+        twin->release(slot);
+        slots[static_cast<size_t>(slot)].lone.reset();
+        same_state("release");
+        break;
+      }
+      case 3: {  // reserve
+        const int64_t n = in.ConsumeIntegralInRange<int64_t>(0, 40);
+        layer->reserve(n);
+        twin->reserve(n);
+        for (Request& r : slots) {
+          if (r.lone) r.lone->reserve(n);
+        }
+        FUZZ_CHECK(layer->cache().capacity() >= n, "reserve left less room than asked");
+        break;
+      }
+      case 4: {  // a lockstep append to every active slot
+        const int64_t n = in.ConsumeIntegralInRange<int64_t>(0, 6);
+        const DenseKVCache& c = layer->cache();
+        const size_t kn = static_cast<size_t>(c.k_heads() * n * c.k_head_dim());
+        const size_t vn = static_cast<size_t>(c.v_heads() * n * c.v_head_dim());
+        // At least one element each: the layer refuses null rows even for 0 tokens.
+        std::vector<uint8_t> k = testing::nan_values(spec.dtype, std::max<size_t>(kn * static_cast<size_t>(batch), 1));
+        std::vector<uint8_t> v = testing::nan_values(spec.dtype, std::max<size_t>(vn * static_cast<size_t>(batch), 1));
+        for (int32_t b = 0; b < batch; ++b) {
+          Request& r = slots[static_cast<size_t>(b)];
+          if (!r.lone) continue;
+          std::mt19937_64 rng(mix(seed, r.id, 1000000 + r.next++));
+          auto kb = testing::random_values(spec.dtype, kn, rng), vb = testing::random_values(spec.dtype, vn, rng);
+          std::copy(kb.begin(), kb.end(), k.begin() + static_cast<std::ptrdiff_t>(b * kn * esize));
+          std::copy(vb.begin(), vb.end(), v.begin() + static_cast<std::ptrdiff_t>(b * vn * esize));
+          kb.resize(std::max<size_t>(kb.size(), esize));
+          vb.resize(std::max<size_t>(vb.size(), esize));
+          r.lone->append_tokens(kb.data(), vb.data(), n);
+        }
+        layer->append_tokens(k.data(), v.data(), n);
+        twin->append_tokens(k.data(), v.data(), n);
+        same_state("append_tokens");
+        break;
+      }
+      case 5:
+      case 6:
+      case 7:
+      case 8: {  // a step: one token, q_len tokens, or a prefill token
+        Form form = Form::kDecode;
+        int32_t q_len = 1;
+        if (op == 7 && spec.prefill) form = Form::kPrefill;
+        if (op == 8 && spec.multi_token) {
+          form = Form::kDecodeQLen;
+          q_len = in.ConsumeIntegralInRange<int32_t>(1, 4);
+        }
+        StepData d(spec, batch, q_len);
+        for (int32_t b = 0; b < batch; ++b) {
+          Request& r = slots[static_cast<size_t>(b)];
+          if (!r.lone) continue;
+          for (int32_t t = 0; t < q_len; ++t) d.fill(spec, b, t, seed, r.id, r.next + t);
+        }
+        const size_t row = static_cast<size_t>(q_len) * spec.o * esize;  // one slot's o bytes
+        Guarded o(static_cast<size_t>(batch) * row), o_twin(static_cast<size_t>(batch) * row);
+        LayerStep got, want;
+        FUZZ_CHECK(accepted([&] { got = run_step(spec, *layer, d, o.data(), form, q_len, -1); }, "layer step"),
+                   "a valid layer step was refused");
+        want = run_step(spec, *twin, d, o_twin.data(), form, q_len, -1);
+        o.check_canaries("layer o");
+        o_twin.check_canaries("twin o");
+        FUZZ_CHECK(o.payload() == o_twin.payload(), "a layer's output differs from its twin's (a refused call left a trace)");
+        FUZZ_CHECK(got.fused == want.fused && got.sparse == want.sparse, "the layer and its twin ran different paths");
+        const std::vector<uint8_t> bytes = o.payload();
+        for (int32_t b = 0; b < batch; ++b) {
+          Request& r = slots[static_cast<size_t>(b)];
+          const auto mine = std::vector<uint8_t>(bytes.begin() + static_cast<std::ptrdiff_t>(b * row),
+                                                 bytes.begin() + static_cast<std::ptrdiff_t>((b + 1) * row));
+          if (!r.lone) {
+            if (form == Form::kPrefill) continue;  // prefill writes what the mask path gives a free slot
+            for (float x : testing::as_float(spec.dtype, mine)) FUZZ_CHECK(x == 0.0f, "a free slot's output is not zero");
+            continue;
+          }
+          StepData lone_d(spec, 1, q_len);
+          for (int32_t t = 0; t < q_len; ++t) lone_d.fill(spec, 0, t, seed, r.id, r.next + t);
+          r.next += q_len;
+          Guarded lone_o(row);
+          run_step(spec, *r.lone, lone_d, lone_o.data(), form, q_len, -1);
+          lone_o.check_canaries("lone o");
+          const std::vector<float> g = testing::as_float(spec.dtype, mine);
+          const std::vector<float> l = testing::as_float(spec.dtype, lone_o.payload());
+          const std::vector<double> ref(l.begin(), l.end());
+          for (float x : g) FUZZ_CHECK(!std::isnan(x), "NaN in an active slot's output");
+          FUZZ_CHECK(testing::relative_l2(g, ref) < 1e-2,
+                     "slot " + std::to_string(b) + "'s output differs from its lone run's by " +
+                         sci(testing::relative_l2(g, ref)));
+        }
+        same_state("step");
+        if (form == Form::kPrefill) break;
+        // What the step attended, per slot, equals the lone run's; and it
+        // stays readable, unchanged, until the next step (checked after every call).
+        last_positions = layer->last_selected_positions();
+        FUZZ_CHECK(last_positions == twin->last_selected_positions(), "the layer and its twin selected differently");
+        FUZZ_CHECK(!last_positions.empty() && last_positions.size() % static_cast<size_t>(batch) == 0,
+                   "last_selected_positions: not one row set per slot");
+        const size_t per_slot = last_positions.size() / static_cast<size_t>(batch);
+        for (int32_t b = 0; b < batch; ++b) {
+          const Request& r = slots[static_cast<size_t>(b)];
+          if (!r.lone) continue;
+          const auto lone = r.lone->last_selected_positions();
+          FUZZ_CHECK(lone.size() == per_slot, "last_selected_positions: rows per slot differ from the lone run's");
+          for (size_t i = 0; i < per_slot; ++i) {
+            auto sel = last_positions[static_cast<size_t>(b) * per_slot + i], lone_sel = lone[i];
+            std::sort(sel.begin(), sel.end());
+            std::sort(lone_sel.begin(), lone_sel.end());
+            FUZZ_CHECK(sel == lone_sel, "slot " + std::to_string(b) + " selected other positions than its lone run");
+          }
+        }
+        break;
+      }
+      default: {  // a call that must be refused
+        const int32_t bad_slots[] = {-1, batch, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
+        const int64_t bad_tokens[] = {-1, std::numeric_limits<int64_t>::min(), int64_t{1} << 31,
+                                      std::numeric_limits<int64_t>::max()};
+        const int32_t bad_q_lens[] = {0, -1, kMaxQueryTokens + 1, std::numeric_limits<int32_t>::min()};
+        const int pick = in.ConsumeIntegralInRange<int>(0, 3);
+        std::mt19937_64 rows_rng(seed);
+        const std::vector<uint8_t> rows = testing::random_values(spec.dtype, 64, rows_rng);
+        switch (in.ConsumeIntegralInRange<int>(0, 7)) {
+          case 0:
+            expect_refused(*layer, [&] { layer->admit(bad_slots[pick], rows.data(), rows.data(), 0); }, "slot",
+                           "admit into a slot outside the batch");
+            break;
+          case 1:
+            expect_refused(*layer, [&] { layer->admit(0, rows.data(), rows.data(), bad_tokens[pick]); }, "tokens",
+                           "admit of a bad token count");
+            break;
+          case 2: {
+            const bool no_k = in.ConsumeBool();
+            expect_refused(*layer,
+                           [&] { layer->admit(0, no_k ? nullptr : rows.data(), no_k ? rows.data() : nullptr, 1); },
+                           "must be set", "admit without rows");
+            break;
+          }
+          case 3:
+            expect_refused(*layer, [&] { layer->release(bad_slots[pick]); }, "slot", "release of a slot outside the batch");
+            break;
+          case 4:
+            expect_refused(*layer, [&] { layer->reserve(bad_tokens[pick]); }, "tokens",
+                           "reserve of a bad token count");
+            break;
+          case 5: {  // a lockstep append of a bad count, or without rows
+            if (in.ConsumeBool()) {
+              expect_refused(*layer, [&] { layer->append_tokens(rows.data(), rows.data(), bad_tokens[pick]); },
+                             "tokens", "append_tokens of a bad token count");
+            } else {
+              expect_refused(*layer, [&] { layer->append_tokens(nullptr, rows.data(), 1); }, "must be set",
+                             "append_tokens without rows");
+            }
+            break;
+          }
+          case 6: {  // a step with a null token pointer, or a bad q_len, or the engine-pool form
+            StepData d(spec, batch, 1);
+            Guarded o(static_cast<size_t>(batch) * spec.o * esize);
+            const int kind = in.ConsumeIntegralInRange<int>(0, 2);
+            if (kind == 0) {
+              const int drop = in.ConsumeIntegralInRange<int>(0, spec.pointers - 1);
+              const Form form = spec.prefill && in.ConsumeBool() ? Form::kPrefill : Form::kDecode;
+              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), form, 1, drop); }, "must be set",
+                             "a step with a null token pointer");
+            } else if (kind == 1 && spec.multi_token) {
+              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), Form::kDecodeQLen, bad_q_lens[pick], -1); },
+                             "q_len", "a step with q_len outside [1, kMaxQueryTokens]");
+            } else if (spec.model != Model::kStatic) {
+              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), Form::kEngineForm, 1, -1); }, "kv_storage",
+                             "the engine-pool form on a layer with its own cache");
+            }
+            o.check_canaries("refused step o");
+            FUZZ_CHECK(o.payload() == std::vector<uint8_t>(o.bytes(), 0xFF), "a refused step wrote its output");
+            break;
+          }
+          default: {  // the mask path's columns before any step
+            if (!layer->last_selected_positions().empty()) break;
+            expect_refused(*layer, [&] { (void)layer->last_mask_columns(); }, "no decode", "last_mask_columns before a step");
+            break;
+          }
+        }
+        same_state("a refused call");
+        break;
+      }
+    }
+    std::vector<std::vector<int32_t>> positions;
+    FUZZ_CHECK(accepted([&] { positions = layer->last_selected_positions(); }, "last_selected_positions"),
+               "last_selected_positions was refused");
+    FUZZ_CHECK(positions == last_positions, "last_selected_positions changed between steps");
+  }
+}
+
+}  // namespace layer_steps
 
 }  // namespace
 }  // namespace sparsepage
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  switch (in.ConsumeIntegralInRange<int>(0, 8)) {
+  // The last input byte picks the target: below 243 as b % 9 (the first
+  // nine targets, as the corpus was made for them), 243 .. 255 the layer
+  // step sequences (one model per value mod 3).
+  const uint8_t target = in.ConsumeIntegral<uint8_t>();
+  if (target >= 243) {
+    sparsepage::layer_steps::fuzz_layer_steps(in, static_cast<sparsepage::layer_steps::Model>((target - 243) % 3));
+    return 0;
+  }
+  switch (target % 9) {
     case 8: sparsepage::fuzz_fp8(in); break;
     case 7: sparsepage::fuzz_window_lengths(in); break;
     case 6: sparsepage::fuzz_engine_inputs(in); break;
