@@ -29,6 +29,32 @@ void as_layer(const std::string& name, const char* who, Call&& call) {
     throw Error(name + "::" + who + ": " + e.what());
   }
 }
+
+// An engine-paged step on the CPU, where the engine's table is host memory:
+// every entry the step's windows reach must name a pool block, judged
+// before the step appends anything, so a refused step changes nothing. (On
+// CUDA the table is device memory: the kernels judge the entries they read
+// and flag that request.)
+void check_table_on_host(const std::string& who, const BlockTable& t, const std::vector<int64_t>& lens,
+                         const std::vector<uint8_t>& active) {
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (active[b] == 0 || lens[b] <= 0) continue;
+    const int64_t row = t.row_of_sequence != nullptr ? int64_t{t.row_of_sequence[b]} : static_cast<int64_t>(b);
+    if (row < 0 || row >= t.num_rows) {
+      throw Error(who + ": block_table.row_of_sequence[" + std::to_string(b) + "] = " + std::to_string(row) +
+                  " is outside the table's " + std::to_string(t.num_rows) + " rows");
+    }
+    const int64_t blocks = std::min<int64_t>((lens[b] + t.block_size - 1) / t.block_size, t.max_blocks);
+    const int32_t* entries = t.data + row * t.row_stride;
+    for (int64_t j = 0; j < blocks; ++j) {
+      if (entries[j] < 0 || entries[j] >= t.num_blocks) {
+        throw Error(who + ": block_table row " + std::to_string(row) + ", entry " + std::to_string(j) + " = " +
+                    std::to_string(entries[j]) + " is outside the pool [0, " + std::to_string(t.num_blocks) +
+                    ") (sequence " + std::to_string(b) + ", " + std::to_string(lens[b]) + " tokens with this step's)");
+      }
+    }
+  }
+}
 }  // namespace
 
 SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t batch, KVStorage storage,
@@ -259,6 +285,7 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   in.kv_format = kv.kv_format;
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine-paged)");
+  if (device_ == Device::kCpu) check_table_on_host(name_ + " (engine-paged)", kv.block_table, lens_after(1), cache_.active());
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   select(tokens, 1, stream);

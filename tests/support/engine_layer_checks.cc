@@ -490,6 +490,15 @@ void check_engine_paged_errors(Device device) {
     EnginePagedKV narrow = arms.kv();
     narrow.block_table.max_blocks = 8;  // 128 positions for a 601-token window
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, narrow); }, "cannot hold live_len"));
+    if (device == Device::kCpu) {  // a host table: an entry outside the pool is refused before the append
+      EnginePagedKV bad = arms.kv();
+      std::vector<int32_t> entries(bad.block_table.data,
+                                   bad.block_table.data + bad.block_table.num_rows * bad.block_table.row_stride);
+      entries[3] = static_cast<int32_t>(bad.block_table.num_blocks);  // inside the 601-token window
+      bad.block_table.data = entries.data();
+      EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, bad); }, "entry 3 = "));
+      EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, bad); }, "is outside the pool"));
+    }
     EXPECT_TRUE(throws_error_naming([&] { arms.dense.decode(t, arms.kv()); }, "kv_storage"));
     EXPECT_EQ(arms.engine.kv_len(), before) << "a refused step appended";
     // The kill switch: the dispatch declines, and there is no mask path to take.
