@@ -46,7 +46,7 @@ struct Options {
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
   int32_t q_len = 1;              // query tokens per sequence per step (multi-token steps)
-  std::string pools;               // dsa: "fp8" or "bf16": the step over engine-owned pools (KVStorage::kEnginePools)
+  std::string pools;               // dsa, blocksparse: "fp8" or "bf16": the step over engine-owned pools (KVStorage::kEnginePools)
   bool ragged = false;            // also a ragged batch (lengths spread from 1K to the context) beside the
                                   // uniform batch of the same total tokens
   std::string json_path;
@@ -415,6 +415,178 @@ double dsa_pools_check(DsaPoolsSetup& s, Device device) {
   return worst;
 }
 
+// ---- block-sparse over engine-owned pools ------------------------------------
+
+/// One copy of the engine's pools for the block-sparse step: K and V
+/// [num_blocks, 64, 4, 128] bf16 and the index keys (vLLM's FP8 blocks or
+/// bf16 rows) behind one shuffled block table.
+struct BlockPools {
+  Buffer k, v, keys, table, lens;
+  EnginePagedKV kv;
+  std::vector<int32_t> host_table;
+};
+
+struct BlockPoolsSetup {
+  BlockSparseConfig config{64, 4, 128, 128, 16, 1, 4096};
+  std::unique_ptr<BlockSparseAttention> layer;
+  std::vector<BlockPools> copies;  // rotated step by step, so a step reads cold rows
+  std::vector<Buffer> tokens;      // q, index_q
+  Buffer o;
+  size_t next = 0;
+  bool fp8 = true;
+  std::vector<int64_t> lens;
+};
+
+void build_block_pools(BlockPoolsSetup& s, Device device, BlockPools& p, uint64_t seed) {
+  const auto& c = s.config;
+  const int32_t batch = static_cast<int32_t>(s.lens.size());
+  const int64_t max_len = *std::max_element(s.lens.begin(), s.lens.end());
+  const int32_t max_blocks = static_cast<int32_t>((max_len + kPoolBlock - 1) / kPoolBlock);
+  int64_t used = 0;
+  for (int64_t len : s.lens) used += (len + kPoolBlock - 1) / kPoolBlock;
+  const int64_t num_blocks = used + 8;
+  std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.host_table.assign(static_cast<size_t>(batch) * max_blocks, 0);
+  size_t next = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < (s.lens[static_cast<size_t>(b)] + kPoolBlock - 1) / kPoolBlock; ++j) {
+      p.host_table[static_cast<size_t>(b) * max_blocks + static_cast<size_t>(j)] = ids[next++];
+    }
+  }
+  const int64_t rows = num_blocks * kPoolBlock, row_elems = int64_t{c.num_kv_heads} * c.head_dim;
+  p.k = Buffer(device, static_cast<size_t>(rows * row_elems * 2));
+  p.v = Buffer(device, static_cast<size_t>(rows * row_elems * 2));
+  bench::fill_random(device, DType::kBF16, p.k.data(), rows * row_elems, seed + 1);
+  bench::fill_random(device, DType::kBF16, p.v.data(), rows * row_elems, seed + 2);
+  const int64_t key_bytes = s.fp8 ? IndexKeyFp8::kTokenBytes : int64_t{c.head_dim} * 2;
+  p.keys = Buffer(device, static_cast<size_t>(rows * key_bytes));
+  PagedIndexKeys keys;
+  keys.format = s.fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  keys.pool = p.keys.data();
+  keys.num_blocks = num_blocks;
+  keys.block_size = kPoolBlock;
+  keys.dtype = DType::kBF16;
+  const int64_t chunk = int64_t{1} << 18;
+  Buffer src(device, static_cast<size_t>(chunk) * c.head_dim * 2);
+  std::vector<int64_t> slots(static_cast<size_t>(chunk));
+  for (int64_t at = 0; at < rows; at += chunk) {  // the engine's write op, slot = row
+    const int64_t n = std::min(chunk, rows - at);
+    bench::fill_random(device, DType::kBF16, src.data(), n * c.head_dim, seed + 7 + static_cast<uint64_t>(at));
+    for (int64_t i = 0; i < n; ++i) slots[static_cast<size_t>(i)] = at + i;
+    const Buffer d_slots = upload(device, slots);
+    write_index_keys_cuda(keys, c.head_dim, DType::kBF16, src.data(), c.head_dim, d_slots.as<int64_t>(), n);
+  }
+  p.table = upload(device, p.host_table);
+  p.lens = upload(device, std::vector<int32_t>(s.lens.begin(), s.lens.end()));
+  EnginePagedKV& kv = p.kv;
+  for (auto [view, data] : {std::pair<RowView*, const Buffer*>{&kv.k, &p.k}, {&kv.v, &p.v}}) {
+    view->data = data->data();
+    view->row_stride = row_elems;
+    view->dim = c.head_dim;
+    view->head_stride = c.head_dim;
+    view->capacity = rows;
+  }
+  kv.block_table.data = p.table.as<int32_t>();
+  kv.block_table.num_rows = batch;
+  kv.block_table.max_blocks = max_blocks;
+  kv.block_table.row_stride = max_blocks;
+  kv.block_table.block_size = kPoolBlock;
+  kv.block_table.num_blocks = num_blocks;
+  kv.seq_lens = p.lens.as<int32_t>();
+  kv.max_seq_len = max_len;
+  kv.index_keys = keys;
+  kv.index_keys.block_table = p.table.as<int32_t>();
+  kv.index_keys.block_table_stride = max_blocks;
+  kv.index_keys.max_blocks = max_blocks;
+}
+
+Arm block_pools_arm(BlockPoolsSetup& s, Device device, const std::vector<int64_t>& lens, bool fp8) {
+  auto& c = s.config;
+  c.kv_storage = KVStorage::kEnginePools;
+  s.fp8 = fp8;
+  s.lens = lens;
+  const size_t b = lens.size(), d = static_cast<size_t>(c.head_dim);
+  s.layer = std::make_unique<BlockSparseAttention>(device, DType::kBF16, c, static_cast<int32_t>(b));
+  s.tokens = random_buffers(device, {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2}, {false, false}, 95);
+  s.o = Buffer(device, b * c.num_qo_heads * d * 2);
+  // Enough copies that one replay's distinct rows and keys exceed 150 MB (2.5x the L2), at most 16.
+  int64_t bytes = 0;
+  for (int64_t len : lens) bytes += len * ((fp8 ? 132 : 256) + 2 * c.num_kv_heads * c.head_dim * 2);
+  const int64_t copies = std::clamp<int64_t>((int64_t{150} << 20) / std::max<int64_t>(bytes, 1) + 1, 1, 16);
+  s.copies.resize(static_cast<size_t>(copies));
+  for (size_t i = 0; i < s.copies.size(); ++i) build_block_pools(s, device, s.copies[i], 700 + 31 * i);
+  s.layer->reserve(*std::max_element(lens.begin(), lens.end()));
+  Arm arm;
+  arm.step = [&s](void* stream) {
+    BlockSparseTokens t;
+    t.q = s.tokens[0].data();
+    t.index_q = s.tokens[1].data();
+    t.o = s.o.data();
+    const BlockPools& p = s.copies[s.next++ % s.copies.size()];
+    const LayerStep r = s.layer->decode(t, p.kv, stream);
+    return std::make_pair(r.fused, r.outcome.describe());
+  };
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  return arm;
+}
+
+/// The last block-sparse pools step against fp64 attention over its kept
+/// blocks, for the first and the last sequence and the first and last query
+/// head each, the K/V rows read back through the table: the worst relative L2.
+double block_pools_check(BlockPoolsSetup& s, Device device) {
+  const BlockPools& p = s.copies[(s.next + s.copies.size() - 1) % s.copies.size()];
+  const auto& c = s.config;
+  const auto blocks = s.layer->last_blocks();
+  const auto o = read_bf16(device, s.o);
+  const auto q = download<uint16_t>(device, s.tokens[0].data(), s.tokens[0].bytes() / 2);
+  const int32_t batch = static_cast<int32_t>(s.lens.size()), d = c.head_dim, hk = c.num_kv_heads;
+  const int32_t max_blocks = p.kv.block_table.max_blocks;
+  double worst = 0;
+  for (int32_t b : {0, batch - 1}) {
+    const int64_t len = s.lens[static_cast<size_t>(b)];
+    for (int32_t h : {0, c.num_qo_heads - 1}) {
+      const int32_t kvh = h / c.group_size();
+      std::vector<double> sc, ref(static_cast<size_t>(d), 0.0);
+      std::vector<std::vector<uint16_t>> vs;
+      double mx = -INFINITY;
+      for (int32_t blk : blocks[static_cast<size_t>(b * hk + kvh)]) {
+        for (int64_t pos = int64_t{blk} * c.block_size; pos < std::min<int64_t>(len, int64_t{blk + 1} * c.block_size); ++pos) {
+          const int64_t row = int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock +
+                              pos % kPoolBlock;
+          const size_t at = static_cast<size_t>((row * hk + kvh) * d) * 2;
+          const auto k = download<uint16_t>(device, static_cast<const char*>(p.k.data()) + at, static_cast<size_t>(d));
+          vs.push_back(download<uint16_t>(device, static_cast<const char*>(p.v.data()) + at, static_cast<size_t>(d)));
+          double dot = 0;
+          for (int32_t i = 0; i < d; ++i) {
+            dot += double(bf16_to_float(q[static_cast<size_t>((b * c.num_qo_heads + h) * d + i)])) * bf16_to_float(k[static_cast<size_t>(i)]);
+          }
+          sc.push_back(dot / std::sqrt(double(d)));
+          mx = std::max(mx, sc.back());
+        }
+      }
+      double sum = 0, diff = 0, norm = 0;
+      for (size_t j = 0; j < vs.size(); ++j) {
+        const double w = std::exp(sc[j] - mx);
+        sum += w;
+        for (int32_t i = 0; i < d; ++i) ref[static_cast<size_t>(i)] += w * bf16_to_float(vs[j][static_cast<size_t>(i)]);
+      }
+      for (int32_t i = 0; i < d; ++i) {
+        const double r = vs.empty() ? 0.0 : ref[static_cast<size_t>(i)] / sum;
+        const double g = o[static_cast<size_t>((b * c.num_qo_heads + h) * d + i)];
+        if (!std::isfinite(g)) return INFINITY;
+        diff += (g - r) * (g - r);
+        norm += r * r;
+      }
+      worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : (diff > 0 ? INFINITY : 0.0));
+    }
+  }
+  return worst;
+}
+
 // ---- static per-query-head block-sparse (Phi-3-small) -------------------------
 
 struct StaticSetup {
@@ -489,21 +661,23 @@ struct Result {
 /// (sequence, head) pairs, then timed eager and from a graph with its
 /// phases, rotating pool copies so each step reads cold rows. There is no
 /// mask path over an engine's pools, so none is timed.
-Result measure_pools(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& lens, const Options& opt,
-                     double read_gbs, Result& res) {
+Result measure_pools(const std::string& layer_name, DsaPoolsSetup& s, BlockPoolsSetup& bs, Device device,
+                     const std::vector<int64_t>& lens, const Options& opt, double read_gbs, Result& res) {
   json& row = res.row;
   row["pools"] = opt.pools;
-  Arm arm = dsa_pools_arm(s, device, lens, opt.pools == "fp8");
+  const bool dsa = layer_name == "dsa", fp8 = opt.pools == "fp8";
+  Arm arm = dsa ? dsa_pools_arm(s, device, lens, fp8) : block_pools_arm(bs, device, lens, fp8);
+  const size_t copies = dsa ? s.copies.size() : bs.copies.size();
   const auto [did_fuse, outcome] = arm.step(nullptr);
   row["path"] = did_fuse ? "fused" : "fallback";
   row["outcome"] = outcome;
-  row["pool_copies"] = s.copies.size();
-  const double err = dsa_pools_check(s, device);
+  row["pool_copies"] = copies;
+  const double err = dsa ? dsa_pools_check(s, device) : block_pools_check(bs, device);
   row["check_rel_l2_vs_fp64"] = err;
   char head[256];
-  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld pools %s%s | ", "dsa", static_cast<int>(lens.size()),
-                static_cast<long long>(*std::max_element(lens.begin(), lens.end())), opt.pools.c_str(),
-                row["ragged"].get<bool>() ? " ragged " : "");
+  std::snprintf(head, sizeof(head), "%-11s batch %3d context %7lld pools %s%s | ", layer_name.c_str(),
+                static_cast<int>(lens.size()), static_cast<long long>(*std::max_element(lens.begin(), lens.end())),
+                opt.pools.c_str(), row["ragged"].get<bool>() ? " ragged " : "");
   res.line = head;
   if (!did_fuse || !(err < 1e-2)) {
     res.line += "REFUSED: " + std::string(!did_fuse ? "the step did not fuse (" + outcome + ")"
@@ -513,11 +687,16 @@ Result measure_pools(DsaPoolsSetup& s, Device device, const std::vector<int64_t>
   }
   double bytes = 0;  // the index key of every position and the selected rows
   for (int64_t len : lens) {
-    bytes += double(len) * (opt.pools == "fp8" ? 132 : 256) +
-             double(std::min<int64_t>(len, s.config.index_topk)) * (opt.pools == "fp8" ? 656 : 1152);
+    if (dsa) {
+      bytes += double(len) * (fp8 ? 132 : 256) + double(std::min<int64_t>(len, s.config.index_topk)) * (fp8 ? 656 : 1152);
+    } else {
+      const auto& c = bs.config;
+      const int64_t kept = c.sparse_regime(len) ? std::min<int64_t>(len, int64_t{c.topk_blocks + 1} * c.block_size) : len;
+      bytes += double(len) * (fp8 ? 132 : 2.0 * c.head_dim) + double(kept) * c.num_kv_heads * c.head_dim * 4.0;
+    }
   }
   auto run = [&](void* stream) { arm.step(stream); };
-  const int32_t steps = std::max<int32_t>(opt.steps, static_cast<int32_t>(s.copies.size()));
+  const int32_t steps = std::max<int32_t>(opt.steps, static_cast<int32_t>(copies));
   const double eager = bench::median_us_eager(device, run, steps, opt.reps);
   bench::Events ev(device, 4);
   std::vector<double> indexer, attention;
@@ -546,7 +725,7 @@ Result measure_pools(DsaPoolsSetup& s, Device device, const std::vector<int64_t>
   std::snprintf(buf, sizeof(buf),
                 "graph %8.1f us  eager %8.1f us | indexer %7.1f attention %7.1f | floor %6.1f us | %d cold copies | "
                 "check %.1e vs fp64",
-                graph, eager, median(indexer), median(attention), floor_us, static_cast<int>(s.copies.size()), err);
+                graph, eager, median(indexer), median(attention), floor_us, static_cast<int>(copies), err);
   res.line += buf;
   return res;
 }
@@ -573,14 +752,15 @@ Result measure(const std::string& layer_name, Device device, const std::vector<i
   BlockSparseSetup bs_f, bs_m, bs_1;
   DsaSetup dsa_f, dsa_m, dsa_1;
   DsaPoolsSetup pools;
+  BlockPoolsSetup block_pools;
   StaticSetup st_f, st_m;
   Arm fused, masked, one_token;  // one_token: the q_len = 1 fused step beside a multi-token one
   const int32_t q_len = opt.q_len;
   row["q_len"] = q_len;
   double bytes = 0;
   double requested_bytes = 0;  // static: K/V bytes the fused step asks for (bytes: their union)
-  if (layer_name == "dsa" && !opt.pools.empty()) {
-    return measure_pools(pools, device, lens, opt, read_gbs, res);
+  if ((layer_name == "dsa" || layer_name == "blocksparse") && !opt.pools.empty()) {
+    return measure_pools(layer_name, pools, block_pools, device, lens, opt, read_gbs, res);
   }
   if (layer_name == "dsa") {
     fused = dsa_arm(dsa_f, device, batch, process_dispatch_config(), q_len);
@@ -741,8 +921,9 @@ int main(int argc, char** argv) {
                  "each multi-token step the one-token step is timed too")
       ->check(CLI::Range(1, 16));
   app.add_option("--pools", opt.pools,
-                 "dsa: the step over engine-owned pools (KVStorage::kEnginePools, lengths and index keys from the "
-                 "engine): fp8 (656-byte MLA rows, vLLM's FP8 index-key blocks) or bf16; GPU only")
+                 "dsa and blocksparse: the step over engine-owned pools (KVStorage::kEnginePools, lengths and index "
+                 "keys from the engine): fp8 (dsa: 656-byte MLA rows and vLLM's FP8 index-key blocks; blocksparse: "
+                 "bf16 K/V and FP8 index keys) or bf16; GPU only; --layers static is skipped")
       ->check(CLI::IsMember({"fp8", "bf16"}));
   app.add_flag("--ragged", opt.ragged,
                "beside each batch, a ragged batch (lengths spread from 1K to the context, requests admitted per slot) "
@@ -789,6 +970,10 @@ int main(int argc, char** argv) {
   out["reps"] = opt.reps;
   int refused = 0;
   for (const std::string& layer : opt.layers) {
+    if (!opt.pools.empty() && layer == "static") {
+      std::printf("static: no engine-pools form (--pools covers dsa and blocksparse); skipped\n");
+      continue;
+    }
     for (int64_t context : opt.contexts) {
       for (int32_t batch : opt.batches) {
         const auto run = [&](const std::vector<int64_t>& lens) {

@@ -377,6 +377,23 @@ PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& tabl
   return k;
 }
 
+// The engine-pools fields every model's decode_pools shares: the lengths
+// (int32 [batch] on the layer's device, their host bound) and the index-key
+// pool with its table (default: the attention pool's).
+void pools_fields(EnginePagedKV& kv, const SparseLayer& layer, const std::string& op, const In& seq_lens,
+                  int64_t max_seq_len, const In& index_cache, const std::optional<In>& index_block_table,
+                  const In& block_table, int32_t index_dim) {
+  Tensor lens = describe(seq_lens, op, "seq_lens");
+  require_layer_device(lens, layer.device());
+  lens.require_int32();
+  lens.require_shape({layer.batch()}, "[batch]");
+  lens.require_contiguous();
+  kv.seq_lens = static_cast<const int32_t*>(lens.data);
+  kv.max_seq_len = max_seq_len;
+  kv.index_keys = index_pool(op, index_cache, index_block_table ? *index_block_table : block_table, layer.device(),
+                             layer.batch(), index_dim);
+}
+
 DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
   return d ? *d : process_dispatch_config();
 }
@@ -392,7 +409,8 @@ void bind_layers(nb::module_& m) {
              "writes each token's rows, the layer keeps only its indexer's keys. Fused path only.")
       .value("ENGINE_POOLS", KVStorage::kEnginePools,
              "Everything in the engine's pools: attention rows and index keys, the lengths passed each step\n"
-             "(DsaAttention.decode_pools). The layer keeps nothing per sequence. Fused path only.");
+             "(DsaAttention.decode_pools, BlockSparseAttention.decode_pools). The layer keeps nothing per\n"
+             "sequence. Fused path only.");
 
   nb::class_<LayerStep>(m, "LayerStep", "What a layer step did.")
       .def_ro("sparse", &LayerStep::sparse, "Some sequence's selection left something out.")
@@ -528,6 +546,37 @@ void bind_layers(nb::module_& m) {
           "slot b's blocks). The engine has written this token's K and V at position kv_lens[b] (the\n"
           "length before the call). No mask path: a step the dispatch would decline raises, and nothing\n"
           "is appended.")
+      .def(
+          "decode_pools",
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
+             const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len, const In& index_cache,
+             const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+            const std::string op = "BlockSparseAttention.decode_pools";
+            const auto& c = self.config();
+            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+            BlockSparseTokens t;
+            t.q = step_arg(op, q, "q", self.device(), self.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+            t.index_q = step_arg(op, index_q, "index_q", self.device(), self.dtype(), {B, Hk, D},
+                                 "[batch, num_kv_heads, head_dim]");
+            t.o = const_cast<void*>(
+                step_arg(op, In(o), "o", self.device(), self.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+            EnginePagedKV kv = block_engine_kv(self, op, k_cache, v_cache, block_table);
+            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table, c.head_dim);
+            return self.decode(t, kv, step_stream(stream, self));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"), nb::arg("index_cache"),
+          nb::arg("index_block_table").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+          "The stateless block-sparse step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS):\n"
+          "the engine has written this step's K and V rows and index key; the layer keeps nothing per\n"
+          "sequence. k_cache / v_cache [num_blocks, block_size, Hkv, D] as decode_paged takes them;\n"
+          "seq_lens int32 [B] on the device, each slot's length with this step's token (0: an empty slot,\n"
+          "zero output); max_seq_len a host bound on them (reserve() it before capturing); index_cache the\n"
+          "engine's index keys: the layer's dtype [num_blocks, block_size, D], or uint8 [num_blocks,\n"
+          "block_size, 132] in vLLM's FP8 layout at D = 128 (write_index_keys writes either);\n"
+          "index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable. A refused\n"
+          "sequence (a length past max_seq_len, a key block outside the pool) selects nothing and\n"
+          "check_errors() names it. Returns a LayerStep.")
       .def(
           "decode_multi",
           [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
@@ -685,15 +734,8 @@ void bind_layers(nb::module_& m) {
             const std::string op = "DsaAttention.decode_pools";
             const DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
             EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
-            Tensor lens = describe(seq_lens, op, "seq_lens");
-            require_layer_device(lens, self.device());
-            lens.require_int32();
-            lens.require_shape({self.batch()}, "[batch]");
-            lens.require_contiguous();
-            kv.seq_lens = static_cast<const int32_t*>(lens.data);
-            kv.max_seq_len = max_seq_len;
-            kv.index_keys = index_pool(op, index_cache, index_block_table ? *index_block_table : block_table,
-                                       self.device(), self.batch(), self.config().index_head_dim);
+            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
+                         self.config().index_head_dim);
             return self.decode(t, kv, step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("o"),

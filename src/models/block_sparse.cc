@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -122,10 +123,6 @@ const BlockSparseConfig& checked_config(const BlockSparseConfig& config, int32_t
                 "topk_blocks and local_blocks >= 1, and local_blocks - 1 <= topk_blocks (forced blocks must fit "
                 "the top-k)");
   }
-  if (config.kv_storage == KVStorage::kEnginePools) {
-    throw Error("BlockSparseAttention: KVStorage::kEnginePools is not supported yet (the block indexer reads index "
-                "keys the layer keeps); use KVStorage::kEnginePaged");
-  }
   if (int64_t{2} * config.topk_blocks * config.block_size > INT32_MAX / 2) {
     throw Error("BlockSparseAttention: 2 * topk_blocks * block_size must stay below 2^30 tokens");
   }
@@ -133,8 +130,9 @@ const BlockSparseConfig& checked_config(const BlockSparseConfig& config, int32_t
 }
 
 SparseLayer::CacheShape cache_shape(const BlockSparseConfig& c) {
-  // Engine-paged: the engine's pool holds K and V, the layer only the index keys.
-  if (c.kv_storage == KVStorage::kEnginePaged) return {1, 0, c.head_dim, c.head_dim};
+  // Engine-paged: the engine's pool holds K and V, the layer only the index
+  // keys (engine pools: not even those; the cache stays empty).
+  if (c.kv_storage != KVStorage::kLayerCache) return {1, 0, c.head_dim, c.head_dim};
   return {c.num_kv_heads + 1, c.num_kv_heads, c.head_dim, c.head_dim};
 }
 }  // namespace
@@ -165,6 +163,16 @@ StepTokens BlockSparseAttention::to_step(const BlockSparseTokens& t) const {
 }
 
 void BlockSparseAttention::check_tokens(const StepTokens& t, bool engine) const {
+  if (engine && engine_pools()) {
+    if (t.q == nullptr || t.index_q == nullptr || t.o == nullptr) {
+      throw Error("BlockSparseAttention (engine pools): q, index_q and o must be set");
+    }
+    if (t.k != nullptr || t.v != nullptr || t.index_k != nullptr) {
+      throw Error("BlockSparseAttention (engine pools): k, v and index_k must be null (the engine writes the token's "
+                  "K and V rows and its index key into its pools)");
+    }
+    return;
+  }
   if (engine) {
     if (t.q == nullptr || t.index_q == nullptr || t.index_k == nullptr || t.o == nullptr) {
       throw Error("BlockSparseAttention (engine-paged): q, index_q, index_k and o must be set");
@@ -218,6 +226,8 @@ void BlockSparseAttention::size_selection(int64_t capacity, int32_t /*q_len*/) {
     block_ids_ = Buffer(device(), requests * static_cast<size_t>(width()) * sizeof(int32_t));
     seq_lens_ = Buffer(device(), requests * sizeof(int32_t));
     fill_bytes(seq_lens_.data(), device(), 0, seq_lens_.bytes());
+    index_error_ = Buffer(device(), sizeof(int32_t));
+    fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
   }
   if (device() == Device::kCuda) {
     indexer_workspace_ = Buffer(
@@ -239,12 +249,16 @@ PagedSelection BlockSparseAttention::selection(int32_t q_len) const {
 }
 
 void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void* stream) {
-  const RowView k_rows = cache().k_rows().value();
+  // An engine-pools layer's cache is empty: its keys are the engine's.
+  const RowView k_rows = engine_pools() ? RowView{} : cache().k_rows().value();
   const int64_t dense_len = int64_t{2} * config_.topk_blocks * config_.block_size;
   if (device() == Device::kCuda) {
     detail::BlockIndexerArgs args;
     args.dtype = dtype();
-    if (engine_paged()) {
+    if (engine_pools()) {
+      args.paged = engine_kv()->index_keys;
+      args.error = index_error_.as<int32_t>();
+    } else if (engine_paged()) {
       args.index_keys = k_rows.data;
       args.key_seq_stride = k_rows.seq_stride;
     } else {
@@ -257,7 +271,9 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
     args.head_dim = config_.head_dim;
     args.capacity = capacity();
     args.kv_lens = device_lens();
-    args.max_kv_len = capacity();
+    // The engine's bound sizes the grids (a longer length is refused); the
+    // layer's own lengths never pass its capacity.
+    args.max_kv_len = engine_pools() ? live_bound() : capacity();
     args.block_size = config_.block_size;
     args.topk = config_.topk_blocks;
     args.local_blocks = config_.local_blocks;
@@ -268,6 +284,10 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
     args.workspace = indexer_workspace_.data();
     args.workspace_bytes = indexer_workspace_.bytes();
     detail::block_indexer_cuda(args, stream);
+    return;
+  }
+  if (engine_pools()) {
+    select_pools_cpu(tokens);
     return;
   }
   // Host: the same rule per sequence, at the length the device array holds;
@@ -301,6 +321,72 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
   }
 }
 
+// The host twin of the CUDA indexer over an engine's paged keys: the same
+// rule (top_blocks_cpu) per sequence at the engine's length, the keys read
+// through their block table (FP8 keys dequantized as e4m3 x scale), and the
+// same refusals: a length past max_seq_len or past the key table's row, or
+// a scored block whose keys lie in a block outside the pool, selects
+// nothing (ids -1, count -1) and sets its IndexKeyError bit.
+void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
+  const PagedIndexKeys& keys = engine_kv()->index_keys;
+  const size_t d = static_cast<size_t>(config_.head_dim);
+  const int32_t heads = config_.num_kv_heads;
+  const int64_t dense_len = int64_t{2} * config_.topk_blocks * config_.block_size;
+  const int64_t token_bytes = index_key_token_bytes(keys, config_.head_dim);
+  const int64_t block_bytes = index_key_block_bytes(keys, config_.head_dim);
+  const bool fp8 = keys.format == IndexKeyFormat::kE4m3;
+  std::vector<float> q(static_cast<size_t>(batch()) * heads * d);
+  to_float(dtype(), tokens.index_q, q.data(), q.size());
+  int32_t* ids = block_ids_.as<int32_t>();
+  int32_t* covered = seq_lens_.as<int32_t>();
+  int32_t& error = *index_error_.as<int32_t>();
+  std::fill(ids, ids + int64_t{num_requests()} * width(), -1);
+  for (int32_t b = 0; b < batch(); ++b) {
+    const int64_t len = device_lens()[b];
+    const int32_t* table = keys.block_table + int64_t{b} * keys.block_table_stride;
+    const auto refuse = [&](int32_t bit) {
+      error |= bit;
+      for (int32_t h = 0; h < heads; ++h) covered[int64_t{b} * heads + h] = -1;
+    };
+    if (len < 0 || len > live_bound() || len > int64_t{keys.max_blocks} * keys.block_size) {
+      refuse(kIndexErrorLength);
+      continue;
+    }
+    const int64_t num_blocks = len > 0 ? (len + config_.block_size - 1) / config_.block_size : 0;
+    std::vector<int32_t> kept;  // per KV head, blocks_per_request entries each
+    int32_t per = static_cast<int32_t>(num_blocks);
+    if (len > dense_len) {
+      // The keys the rule reads: blocks below the forced ones (as the CUDA score kernel).
+      const int64_t scored_end = std::min<int64_t>(num_blocks - 1, num_blocks - config_.local_blocks) * config_.block_size;
+      bool in_pool = true;
+      for (int64_t e = 0; e * keys.block_size < scored_end; ++e) in_pool = in_pool && table[e] >= 0 && table[e] < keys.num_blocks;
+      if (!in_pool) {
+        refuse(kIndexErrorBlock);
+        continue;
+      }
+      const auto key_row = [&](int32_t /*one*/, int64_t t, float* out) {
+        const char* row = static_cast<const char*>(keys.pool) + table[t / keys.block_size] * block_bytes;
+        const int64_t slot = t % keys.block_size;
+        if (!fp8) {
+          to_float(keys.dtype, row + slot * token_bytes, out, d);
+          return;
+        }
+        float scale;
+        std::memcpy(&scale, row + IndexKeyFp8::scale_offset(keys.block_size, static_cast<int32_t>(slot)), sizeof(float));
+        const auto* values = reinterpret_cast<const uint8_t*>(row + IndexKeyFp8::value_offset(keys.block_size, static_cast<int32_t>(slot)));
+        for (size_t i = 0; i < d; ++i) out[i] = e4m3_to_float(values[i]) * scale;
+      };
+      kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * heads * d, key_row);
+      per = blocks_per_request(config_, len);
+    }
+    for (int32_t h = 0; h < heads; ++h) {
+      const int64_t r = int64_t{b} * heads + h;
+      for (int32_t i = 0; i < per; ++i) ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
+      covered[r] = static_cast<int32_t>(selected_tokens(len));
+    }
+  }
+}
+
 void BlockSparseAttention::check_engine_kv(const EnginePagedKV& kv) const {
   if (kv.kv_format != KvFormat::kNative) {
     throw Error(std::string("BlockSparseAttention (engine-paged): kv.kv_format ") + kv_format_name(kv.kv_format) +
@@ -317,6 +403,36 @@ void BlockSparseAttention::check_engine_kv(const EnginePagedKV& kv) const {
     throw Error("BlockSparseAttention (engine-paged): the block table has " + std::to_string(kv.block_table.num_rows) +
                 " rows for " + std::to_string(batch()) + " slots");
   }
+  if (!engine_pools()) {
+    if (kv.index_keys.pool != nullptr || kv.seq_lens != nullptr) {
+      throw Error("BlockSparseAttention (engine-paged): kv.index_keys and kv.seq_lens are for KVStorage::kEnginePools "
+                  "layers; this layer keeps its index keys and lengths itself");
+    }
+    return;
+  }
+  const std::string problem = paged_index_keys_problem(kv.index_keys, config_.head_dim);
+  if (!problem.empty()) throw Error("BlockSparseAttention (engine pools): kv.index_keys: " + problem);
+  if (kv.index_keys.format == IndexKeyFormat::kNative && kv.index_keys.dtype != dtype()) {
+    throw Error(std::string("BlockSparseAttention (engine pools): kv.index_keys holds ") +
+                dtype_name(kv.index_keys.dtype) + " keys; the layer's index queries are " + dtype_name(dtype()));
+  }
+  if (int64_t{kv.index_keys.max_blocks} * kv.index_keys.block_size < kv.max_seq_len) {
+    throw Error("BlockSparseAttention (engine pools): kv.index_keys' table holds " +
+                std::to_string(kv.index_keys.max_blocks) + " blocks of " + std::to_string(kv.index_keys.block_size) +
+                " positions, fewer than max_seq_len = " + std::to_string(kv.max_seq_len));
+  }
+}
+
+void BlockSparseAttention::check_selection_errors(void* stream) {
+  if (index_error_.empty()) return;
+  if (device() == Device::kCuda) detail::cuda_stream_sync(stream);
+  const int32_t bits = download<int32_t>(device(), index_error_.data(), 1)[0];
+  if (bits == 0) return;
+  fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
+  std::string what;
+  if (bits & kIndexErrorLength) what += " a length past max_seq_len, negative or past its index-key table row;";
+  if (bits & kIndexErrorBlock) what += " a key block id outside the index-key pool;";
+  throw Error("BlockSparseAttention: the indexer refused sequences (they selected nothing):" + what);
 }
 
 LayerStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sparsepage/index_keys.h"
 #include "sparsepage/types.h"
 
 namespace sparsepage::detail {
@@ -24,6 +25,15 @@ struct BlockIndexerArgs {
   // apart) start at index_keys + b * key_seq_stride elements. Set: k_alloc is not read.
   const void* index_keys = nullptr;
   int64_t key_seq_stride = 0;
+  /// Or an engine's paged keys (paged.pool set; k_alloc and index_keys are
+  /// not read): native rows of `dtype`, or vLLM's FP8 blocks (head_dim 128),
+  /// position p of sequence b at slot p % paged.block_size of block
+  /// paged.block_table[b * block_table_stride + p / block_size]. One-token
+  /// steps only. A length past max_blocks x block_size is refused like one
+  /// past max_kv_len; a scored block whose key rows lie in a block outside
+  /// [0, num_blocks) is never read and refuses its sequence (both with
+  /// block_ids -1 and seq_lens -1, which the decode flags).
+  PagedIndexKeys paged{};
   const void* index_q = nullptr;   // [batch, q_len, num_kv_heads, head_dim]
   /// Query tokens per sequence (a multi-token step, models/block_sparse.h):
   /// a block scores the max over every token's index query, and the block of
@@ -42,6 +52,7 @@ struct BlockIndexerArgs {
   int32_t* block_ids = nullptr;      // out [batch * num_kv_heads, width]: the top blocks (increasing id), then the
                                      // final block (possibly partial), then -1
   int32_t* seq_lens = nullptr;       // out [batch * num_kv_heads]: tokens those blocks cover
+  int32_t* error = nullptr;          // device, may be null: IndexKeyError bits of refused sequences (or'ed)
   void* workspace = nullptr;         // caller-owned scratch
   size_t workspace_bytes = 0;        // >= block_indexer_workspace_bytes(...)
 };

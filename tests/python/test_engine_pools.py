@@ -112,3 +112,110 @@ def test_fp8_index_keys_are_vllms_bytes(rng):
         mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp.astype(np.float64) - 7))
         np.testing.assert_allclose(sign * mag * scale, keys[i].astype(np.float64), rtol=0.07, atol=scale * 2 ** -9)
     assert not flat[:, 128 * 4: 128 * 5].any(), "slot -1 wrote nothing"
+
+
+@pytest.mark.parametrize("fp8_keys", [False, True])
+def test_block_sparse_over_engine_pools_equals_the_engine_paged_layer(rng, fp8_keys):
+    """BlockSparseAttention.decode_pools: K/V rows and index keys in the engine's pools (the keys with a
+    table of their own), the lengths passed each step. A ragged batch with a free slot, one sequence in
+    its dense regime and one past it, against the engine-paged layer (which keeps the same index keys
+    itself) over the same K/V pools: the same blocks and the same output bits."""
+    B, H, D, max_blocks, key_block = 3, 2, 32, 12, 32
+    if fp8_keys:
+        D = 128  # vLLM's FP8 index keys hold 128 values
+    cfg = lambda s: sp.BlockSparseConfig(num_qo_heads=4, num_kv_heads=H, head_dim=D, block_size=16, topk_blocks=2,
+                                         local_blocks=1, capacity_step=64, kv_storage=s)
+    lens = np.array([0, 40, 150], np.int32)  # free, dense regime (<= 64), sparse
+    num_blocks = B * max_blocks + 2
+    table = rng.permutation(num_blocks).astype(np.int32)[: B * max_blocks].reshape(B, max_blocks).copy()
+    key_blocks = B * 6 + 1
+    key_table = rng.permutation(key_blocks).astype(np.int32)[: B * 6].reshape(B, 6).copy()
+    k_cache = np.full((num_blocks, BLOCK, H, D), np.nan, np.float16)  # NaN until the engine writes
+    v_cache = np.full((num_blocks, BLOCK, H, D), np.nan, np.float16)
+    if fp8_keys:
+        index_cache = np.full((key_blocks, key_block, 132), 0xFF, np.uint8)
+    else:
+        index_cache = np.full((key_blocks, key_block, D), np.nan, np.float16)
+    paged = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, cfg(sp.KVStorage.ENGINE_PAGED), B, gates_off())
+    paged.reserve(192)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            paged.release(b)
+            continue
+        pos = np.arange(n)
+        slots = table[b, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
+        k_cache.reshape(-1, H, D)[slots] = rng.standard_normal((n, H, D)).astype(np.float16)
+        v_cache.reshape(-1, H, D)[slots] = rng.standard_normal((n, H, D)).astype(np.float16)
+        key = rng.standard_normal((n, D)).astype(np.float16)
+        key_slots = key_table[b, pos // key_block].astype(np.int64) * key_block + pos % key_block
+        sp.write_index_keys(index_cache, key, key_slots)  # the engine's cache write
+        if fp8_keys:  # the engine-paged layer keeps the keys as the pool dequantizes them (exact in f16)
+            key = fp8_keys_of(index_cache, key_table[b, pos // key_block], pos % key_block)
+        paged.admit(b, key[None].copy())
+    pools = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, cfg(sp.KVStorage.ENGINE_POOLS), B)
+    pools.reserve(192)
+    q = rng.standard_normal((B, 4, D)).astype(np.float16)
+    index_q = rng.standard_normal((B, H, D)).astype(np.float16)
+    o_pools = np.full((B, 4, D), np.nan, np.float16)
+    step = pools.decode_pools(q, index_q, o_pools, k_cache, v_cache, table, lens, 150, index_cache, key_table)
+    assert step.fused and step.sparse
+    pools.check_errors()
+    # The engine-paged layer's step appends one more token: compare at the pools' next step instead.
+    nxt_k = rng.standard_normal((B, H, D)).astype(np.float16)
+    nxt_v = rng.standard_normal((B, H, D)).astype(np.float16)
+    nxt_key = rng.standard_normal((B, D)).astype(np.float16)
+    for b in range(1, B):
+        pos = int(lens[b])
+        slot = np.int64(table[b, pos // BLOCK]) * BLOCK + pos % BLOCK
+        k_cache.reshape(-1, H, D)[slot], v_cache.reshape(-1, H, D)[slot] = nxt_k[b], nxt_v[b]
+        key_slot = np.int64(key_table[b, pos // key_block]) * key_block + pos % key_block
+        sp.write_index_keys(index_cache, nxt_key[b][None].copy(), np.array([key_slot], np.int64))
+        if fp8_keys:
+            nxt_key[b] = fp8_keys_of(index_cache, key_table[b, pos // key_block : pos // key_block + 1],
+                                     np.array([pos % key_block]))[0]
+    lens2 = np.where(lens > 0, lens + 1, 0).astype(np.int32)
+    o_pools = np.full((B, 4, D), np.nan, np.float16)
+    pools.decode_pools(q, index_q, o_pools, k_cache, v_cache, table, lens2, 151, index_cache, key_table)
+    o_paged = np.full((B, 4, D), np.nan, np.float16)
+    paged.decode_paged(q, index_q, nxt_key[:, None, None].copy(), o_paged, k_cache, v_cache, table)
+    assert pools.last_blocks() == paged.last_blocks()
+    assert len(pools.last_blocks()[2]) == 3 and pools.last_blocks()[0] == []  # top-2 + the final block; free slot
+    assert np.all(o_pools[0] == 0), "a free slot writes zeros"
+    assert not np.isnan(o_pools).any()
+    np.testing.assert_array_equal(o_pools.view(np.uint16), o_paged.view(np.uint16))
+
+    # A length past the declared bound, and a key block outside the pool: the indexer refuses the
+    # sequence (the CPU decode then refuses the step) and check_errors() names why.
+    with pytest.raises(sp.Error):
+        pools.decode_pools(q, index_q, o_pools, k_cache, v_cache, table, np.array([0, 41, 160], np.int32), 151,
+                           index_cache, key_table)
+    with pytest.raises(sp.Error, match="max_seq_len"):
+        pools.check_errors()
+    pools.check_errors()  # the flags were read
+    bad_table = key_table.copy()
+    bad_table[2, 0] = key_blocks + 3
+    with pytest.raises(sp.Error):
+        pools.decode_pools(q, index_q, o_pools, k_cache, v_cache, table, lens2, 151, index_cache, bad_table)
+    with pytest.raises(sp.Error, match="outside the index-key pool"):
+        pools.check_errors()
+    with pytest.raises(sp.Error, match="keeps no sequences"):
+        pools.release(0)
+    with pytest.raises(sp.Error, match="seq_lens"):
+        pools.decode_pools(q, index_q, o_pools, k_cache, v_cache, table, lens2[:2].copy(), 151, index_cache, key_table)
+
+
+def e4m3_to_float(b):
+    b = np.asarray(b, np.uint8).astype(np.int32)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    mag = np.where(exp == 0, np.ldexp(man / 8.0, -6), np.ldexp(1.0 + man / 8.0, exp - 7))
+    return np.where((exp == 0xF) & (man == 7), np.nan, sign * mag).astype(np.float32)
+
+
+def fp8_keys_of(index_cache, blocks, slots):
+    """The keys at (block, slot) pairs of a vLLM FP8 index-key pool, dequantized (e4m3 x scale) as f16."""
+    per_block = index_cache.reshape(index_cache.shape[0], -1)[blocks]  # a block's values, then its scales
+    values = per_block[np.arange(len(slots))[:, None], np.asarray(slots)[:, None] * 128 + np.arange(128)]
+    scales = per_block[:, index_cache.shape[1] * 128:].copy().view(np.float32)[np.arange(len(slots)), slots]
+    return (e4m3_to_float(values) * scales[:, None]).astype(np.float16)

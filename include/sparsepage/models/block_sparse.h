@@ -37,6 +37,10 @@ struct BlockSparseConfig {
   /// Where the attention rows live. KVStorage::kEnginePaged: in an engine's
   /// paged pool that each step reads in place through its block table (see
   /// decode(tokens, kv)); the layer keeps only the index keys.
+  /// KVStorage::kEnginePools: the index keys too are the engine's
+  /// (EnginePagedKV::index_keys: rows of the layer's dtype, or vLLM's FP8
+  /// blocks at head_dim 128), and so are the lengths (EnginePagedKV::seq_lens);
+  /// the layer keeps nothing per sequence.
   KVStorage kv_storage = KVStorage::kLayerCache;
 
   /// The sparse regime: enough context that top-k leaves something out.
@@ -59,7 +63,8 @@ struct BlockSparseTokens {
   void* o = nullptr;
   /// KVStorage::kEnginePaged only, instead of k and v (which stay null: the
   /// engine has written the token's K and V rows into its pool): the
-  /// token's index key [batch, 1, 1, head_dim].
+  /// token's index key [batch, 1, 1, head_dim]. Null for KVStorage::kEnginePools
+  /// (the engine has written the key into its index-key pool as well).
   const void* index_k = nullptr;
 };
 
@@ -90,6 +95,14 @@ class BlockSparseAttention : public SparseLayer {
   /// place, position p of slot b at row `kv.block_table[b, p / block_size] *
   /// block_size + p % block_size`. The engine has written this token's K and
   /// V rows at position kv_lens()[b] (the length before the call).
+  /// KVStorage::kEnginePools: the stateless step. Nothing is appended; the
+  /// indexer scores the engine's keys (kv.index_keys, through their own
+  /// block table) with the engine's lengths (kv.seq_lens on the device, this
+  /// step's token included, 0 an empty slot whose output is zero; kv.max_seq_len
+  /// their host bound). A length past max_seq_len or past its key-table row,
+  /// or a needed key block outside the pool, refuses that sequence (nothing
+  /// selected, its output NaN on CUDA) and check_errors() names it.
+  /// Capturable once reserve(max_seq_len) has run.
   LayerStep decode(const BlockSparseTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr) {
     return step(to_step(tokens), kv, stream);
   }
@@ -113,6 +126,9 @@ class BlockSparseAttention : public SparseLayer {
   void build_mask(float* mask, int64_t pitch, void* stream) override;
   std::vector<std::vector<int32_t>> selected_positions() const override;
   void check_engine_kv(const EnginePagedKV& kv) const override;
+  void check_selection_errors(void* stream) override;
+  /// The indexer on the host over the engine's paged keys and lengths.
+  void select_pools_cpu(const StepTokens& tokens);
   int32_t num_requests() const { return batch() * config_.num_kv_heads; }
   /// Entries per request row: room for a dense-regime sequence's blocks.
   int32_t width() const { return 2 * config_.topk_blocks; }
@@ -121,6 +137,7 @@ class BlockSparseAttention : public SparseLayer {
   Buffer block_ids_;          // int32 [requests, width]: kept blocks (increasing), the final block last, then -1
   Buffer seq_lens_;           // int32 [requests]: tokens those blocks cover now
   Buffer indexer_workspace_;  // CUDA indexer scratch
+  Buffer index_error_;        // int32: IndexKeyError bits of sequences the indexer refused (engine pools)
 };
 
 /// Indexer block scores and top-k on the host, for `batch` sequences of one

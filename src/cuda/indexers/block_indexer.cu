@@ -3,7 +3,8 @@
 // bound max_kv_len; the live length of each sequence is read on the device,
 // so one captured graph serves a growing context:
 //   1. block_score_kernel: one CTA per (scored block, sequence) reads the
-//      block's index-key rows once (16-byte loads) and max-pools
+//      block's index-key rows once (16-byte loads; from an engine's paged
+//      pool through its block table, bf16 rows or FP8 blocks) and max-pools
 //      q_idx . k_idx for every KV head's index query at once on tensor cores
 //      (fp32 accumulation), writing fp32 scores to the workspace;
 //   2. block_topk_kernel: one CTA per request ranks its scores by a radix
@@ -19,6 +20,7 @@
 #include "core/require.h"
 #include "models/block_sparse_kernels.h"
 #include "cuda/primitives/common.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
 #include "cuda/primitives/radix_select.cuh"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "block_indexer_cuda: ", __VA_ARGS__)
@@ -48,16 +50,37 @@ constexpr int kTopkThreads = 256;
 // shared memory; longer ones re-read their scores from global memory.
 constexpr int kSmemItems = 4096;
 
+// Where the score kernel reads the index keys.
+enum class KeySource : int {
+  kRows = 0,      // the layer's rows: sequence b's at keys + b * key_seq_stride, dim apart
+  kPaged = 1,     // an engine's pool of native rows, through its block table
+  kPagedFp8 = 2,  // an engine's pool of vLLM's FP8 blocks (index_keys.h), through its block table
+};
+
+// An engine's paged keys (KeySource::kPaged*): position p of sequence b at
+// slot p % block_size of block table[b * table_stride + p / block_size].
+struct PagedKeys {
+  const unsigned char* pool;  // the blocks
+  const int32_t* table;       // [batch, table_stride]
+  int64_t table_stride;
+  int64_t block_bytes;        // bytes between blocks
+  int64_t token_bytes;        // native: bytes between a block's tokens
+  int64_t num_blocks;         // ids outside [0, num_blocks) are never read: they refuse the sequence
+  int64_t max_len;            // max_blocks x block_size: a longer sequence is refused
+  int32_t block_size;
+};
+
 struct ScoreParams {
-  const void* keys;        // sequence b's index key rows at keys + b * key_seq_stride, dim apart
+  const void* keys;        // kRows: sequence b's index key rows at keys + b * key_seq_stride, dim apart
   int64_t key_seq_stride;  // elements
+  PagedKeys paged;         // kPaged*
   const void* index_q;     // [batch, q_len, heads, dim]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, dim, block_size, local_blocks;
   int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
   int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
   int64_t dense_len;       // sequences of at most this many tokens keep every block: nothing to score
-  float* scores;           // [batch * heads, max_scored]
+  float* scores;           // [batch * heads, max_scored]: NaN for every head of a block whose keys were refused
   int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len] is not scored
 };
 
@@ -69,6 +92,15 @@ struct TopkParams {
   int32_t* block_ids;      // [batch * heads, width]
   int32_t* seq_lens;       // [batch * heads]
   int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
+  int64_t max_table_len;   // paged keys: longer sequences are refused too (else INT64_MAX)
+  int32_t* error;          // may be null: IndexKeyError bits of refused sequences
+};
+
+// One key row of the step: its bytes (null: past the block's live rows, or
+// in a refused block) and, for FP8 keys, its scale.
+struct KeyRow {
+  const unsigned char* ptr;
+  float scale;
 };
 
 // Fragment order. Lane (g, c) = (lane / 4, lane % 4) reads physical dims
@@ -88,8 +120,9 @@ __device__ __forceinline__ void mma_segment(float (&acc)[4], const uint4& row_g,
 // for every head h (and, in a multi-token step, every query token: NT n8
 // tiles of (token, head) columns). fmaxf drops a NaN dot as the CPU rule's
 // std::max does. NT = 1 is the one-token step.
-template <typename T, int NT>
+template <typename T, int NT, KeySource Src>
 __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __grid_constant__ ScoreParams p) {
+  static_assert(NT == 1 || Src == KeySource::kRows, "paged keys serve one-token steps");
   __shared__ float best_s[kScoreWarps][8 * NT];
   // NT > 1: every (token, head) query staged once per CTA (copied while the
   // keys load), rows padded by 16 bytes so the 8 rows g of a fragment load
@@ -103,6 +136,7 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
   if (len < 0 || len > p.max_kv_len) return;  // out of range: the top-k kernel poisons the sequence
+  if (Src != KeySource::kRows && len > p.paged.max_len) return;  // past its table row: likewise
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   // Past the scored blocks of this sequence, or a sequence that keeps them all.
   if (j >= num_blocks - 1 || len <= p.dense_len) return;
@@ -118,18 +152,48 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const int segments = p.dim / 32;
-  const T* keys = static_cast<const T*>(p.keys) + int64_t{b} * p.key_seq_stride + int64_t{j} * p.block_size * p.dim;
   const int rows = static_cast<int>(min(int64_t{p.block_size}, len - int64_t{j} * p.block_size));
-  const auto load = [&](int row, int s) {
-    return row < rows ? __ldg(reinterpret_cast<const uint4*>(keys + int64_t{row} * p.dim + s * 32 + c * 8))
-                      : make_uint4(0, 0, 0, 0);
+  // Row `row` of the block: the layer's rows, or the engine's through its
+  // table (a block id outside the pool is never read: it refuses the block).
+  bool refused = false;
+  const auto key_row = [&](int row) -> KeyRow {
+    if (row >= rows) return {nullptr, 0.0f};
+    if constexpr (Src == KeySource::kRows) {
+      const T* keys = static_cast<const T*>(p.keys) + int64_t{b} * p.key_seq_stride + int64_t{j} * p.block_size * p.dim;
+      return {reinterpret_cast<const unsigned char*>(keys + int64_t{row} * p.dim), 1.0f};
+    } else {
+      const int64_t pos = int64_t{j} * p.block_size + row;
+      const int64_t entry = pos / p.paged.block_size, slot = pos - entry * p.paged.block_size;
+      const int32_t id = __ldg(p.paged.table + int64_t{b} * p.paged.table_stride + entry);
+      if (id < 0 || id >= p.paged.num_blocks) {
+        refused = true;
+        return {nullptr, 0.0f};
+      }
+      const unsigned char* block = p.paged.pool + int64_t{id} * p.paged.block_bytes;
+      if constexpr (Src == KeySource::kPaged) return {block + slot * p.paged.token_bytes, 1.0f};
+      // The format's offsets (index_keys.h): the values at 128 slot, the scales after the block's values.
+      return {block + slot * 128, __ldg(reinterpret_cast<const float*>(block + int64_t{p.paged.block_size} * 128) + slot)};
+    }
+  };
+  // Segment s of a row as T fragments: 16 bytes of native keys, or 8 e4m3
+  // values widened to T (exact), their scale applied to the products.
+  const auto load = [&](const KeyRow& r, int s) -> uint4 {
+    if (r.ptr == nullptr) return make_uint4(0, 0, 0, 0);
+    if constexpr (Src == KeySource::kPagedFp8) {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(r.ptr + s * 32 + c * 8));
+      const uint2 lo = cuda::e4m3x4_to<T>(raw.x), hi = cuda::e4m3x4_to<T>(raw.y);
+      return make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      return __ldg(reinterpret_cast<const uint4*>(r.ptr + (s * 32 + c * 8) * int(sizeof(T))));
+    }
   };
   int t0 = warp * kStepTokens;
+  KeyRow rg = key_row(t0 + g), rg8 = key_row(t0 + g + 8);
   uint4 kg[kMaxSegments], kg8[kMaxSegments];
 #pragma unroll
   for (int s = 0; s < kMaxSegments; ++s) {
-    kg[s] = s < segments ? load(t0 + g, s) : make_uint4(0, 0, 0, 0);
-    kg8[s] = s < segments ? load(t0 + g + 8, s) : make_uint4(0, 0, 0, 0);
+    kg[s] = s < segments ? load(rg, s) : make_uint4(0, 0, 0, 0);
+    kg8[s] = s < segments ? load(rg8, s) : make_uint4(0, 0, 0, 0);
   }
   // Query of column (token, head) = (col / heads, col % heads) as B column
   // g of its n8 tile; columns past the last are zero and never read out.
@@ -172,6 +236,12 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       for (int s = 0; s < kMaxSegments; ++s) {
         if (s < segments) mma_segment<T>(acc, kg[s], kg8[s], q[s]);
       }
+      if constexpr (Src == KeySource::kPagedFp8) {  // each key's scale: rows g and g + 8
+        acc[0] *= rg.scale;
+        acc[1] *= rg.scale;
+        acc[2] *= rg8.scale;
+        acc[3] *= rg8.scale;
+      }
       if (t0 + g < rows) {
         best[nt][0] = fmaxf(best[nt][0], acc[0]);
         best[nt][1] = fmaxf(best[nt][1], acc[1]);
@@ -183,11 +253,13 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
     }
     const int next = t0 + kScoreWarps * kStepTokens;
     if (next < rows) {
+      rg = key_row(next + g);
+      rg8 = key_row(next + g + 8);
 #pragma unroll
       for (int s = 0; s < kMaxSegments; ++s) {
         if (s < segments) {
-          kg[s] = load(next + g, s);
-          kg8[s] = load(next + g + 8, s);
+          kg[s] = load(rg, s);
+          kg8[s] = load(rg8, s);
         }
       }
     }
@@ -203,7 +275,13 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       if (g == 0 && col < columns) best_s[warp][col] = best[nt][e];
     }
   }
-  __syncthreads();
+  // A key row in a block outside the pool: the block scores NaN for every
+  // head, which no real score is (fmaxf drops NaN dots), and the top-k
+  // kernel refuses the sequence.
+  if (__syncthreads_or(refused ? 1 : 0) != 0) {
+    if (threadIdx.x < p.heads) out[int64_t{threadIdx.x} * p.max_scored] = __int_as_float(0x7fffffff);
+    return;
+  }
   if (threadIdx.x < p.heads) {  // max over the warps (and the query tokens)
     float m = best_s[0][threadIdx.x];
     if constexpr (NT == 1) {
@@ -233,13 +311,20 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
   cuda::pdl_launch_dependents();     // a PDL-launched consumer (the attention) may start its prologue
   cuda::pdl_wait_primary();          // the score kernel's writes are complete and visible
   int32_t* out = p.block_ids + int64_t{r} * p.width;
-  if (len < 0 || len > p.max_kv_len) {
-    // A length outside the bound the scores were sized for would read past
-    // this request's score row and write before its id row. Nothing is
-    // selected, and the count -1 makes the decode poison this request and
-    // flag it (kDecodeErrorLength); the mask path sees the same length.
+  // A refused request selects nothing, and the count -1 makes the decode
+  // poison it and flag it (kDecodeErrorLength); the mask path sees the same
+  // length. `bit` also goes to the indexer's error word.
+  const auto refuse = [&](int32_t bit) {
     for (int32_t i = threadIdx.x; i < p.width; i += kTopkThreads) out[i] = -1;
-    if (threadIdx.x == 0) p.seq_lens[r] = -1;
+    if (threadIdx.x == 0) {
+      p.seq_lens[r] = -1;
+      if (p.error != nullptr) atomicOr(p.error, bit);
+    }
+  };
+  if (len < 0 || len > p.max_kv_len || len > p.max_table_len) {
+    // A length outside the bound the scores were sized for would read past
+    // this request's score row and write before its id row.
+    refuse(kIndexErrorLength);
     return;
   }
   // A free slot or an empty sequence (len <= 0) keeps nothing.
@@ -257,9 +342,22 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(const __grid_c
 
   cuda::RadixCut cut;
   const bool in_smem = scored <= kSmemItems;
+  // A NaN score marks a block whose keys lay outside the engine's pool.
+  int nan_seen = 0;
   if (in_smem) {
-    for (int32_t i = threadIdx.x; i < scored; i += kTopkThreads) items[i] = block_composite(s[i], i, id_bits);
-    __syncthreads();
+    for (int32_t i = threadIdx.x; i < scored; i += kTopkThreads) {
+      const float v = s[i];
+      nan_seen |= isnan(v) ? 1 : 0;
+      items[i] = block_composite(v, i, id_bits);
+    }
+  } else {
+    for (int32_t i = threadIdx.x; i < scored; i += kTopkThreads) nan_seen |= isnan(s[i]) ? 1 : 0;
+  }
+  if (__syncthreads_or(nan_seen) != 0) {  // also the barrier after the items
+    refuse(kIndexErrorBlock);
+    return;
+  }
+  if (in_smem) {
     cut = Select::run([&](int32_t i) { return items[i]; }, scored, keep, 32 + id_bits, select_storage);
   } else {
     cut = Select::run([&](int32_t i) { return block_composite(s[i], i, id_bits); }, scored, keep, 32 + id_bits,
@@ -318,25 +416,44 @@ size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_
 void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   REQUIRE(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
           std::string("dtype must be f16 or bf16, got ") + dtype_name(a.dtype));
-  REQUIRE((a.k_alloc != nullptr || a.index_keys != nullptr) && a.index_q != nullptr && a.kv_lens != nullptr &&
+  const bool paged = a.paged.pool != nullptr;
+  REQUIRE((a.k_alloc != nullptr || a.index_keys != nullptr || paged) && a.index_q != nullptr && a.kv_lens != nullptr &&
               a.block_ids != nullptr && a.seq_lens != nullptr && a.workspace != nullptr,
-          "k_alloc (or index_keys), index_q, kv_lens, block_ids, seq_lens and workspace must be set");
+          "k_alloc (or index_keys, or paged), index_q, kv_lens, block_ids, seq_lens and workspace must be set");
   REQUIRE(a.batch >= 1 && a.batch <= 65535, "batch = " + std::to_string(a.batch) + " must lie in [1, 65535]");
   REQUIRE(a.num_kv_heads >= 1 && a.num_kv_heads <= kMaxKvHeads,
           "num_kv_heads = " + std::to_string(a.num_kv_heads) + " must lie in [1, " + std::to_string(kMaxKvHeads) + "]");
   REQUIRE(a.head_dim >= 32 && a.head_dim % 32 == 0 && a.head_dim <= kMaxHeadDim,
           "head_dim = " + std::to_string(a.head_dim) + " must be a multiple of 32 in [32, " +
               std::to_string(kMaxHeadDim) + "] (tensor-core k-tiles read in 32-dim segments)");
-  // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
-  const bool own_keys = a.index_keys != nullptr;
-  const void* keys = own_keys ? a.index_keys
-                              : static_cast<const char*>(a.k_alloc) +
-                                    int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
-  const int64_t key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
-  REQUIRE(reinterpret_cast<uintptr_t>(keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
-  REQUIRE(key_seq_stride >= a.capacity * a.head_dim && key_seq_stride % 8 == 0,
-          "key_seq_stride = " + std::to_string(key_seq_stride) + " must hold capacity * head_dim = " +
-              std::to_string(a.capacity * a.head_dim) + " elements and be a multiple of 8 (16-byte rows)");
+  ScoreParams sp{};
+  KeySource source = KeySource::kRows;
+  int64_t max_table_len = INT64_MAX;
+  if (paged) {
+    const std::string problem = paged_index_keys_problem(a.paged, a.head_dim);
+    REQUIRE(problem.empty(), "paged: " + problem);
+    REQUIRE(a.paged.format == IndexKeyFormat::kE4m3 || a.paged.dtype == a.dtype,
+            std::string("paged: native keys are ") + dtype_name(a.paged.dtype) + ", the index queries " +
+                dtype_name(a.dtype));
+    REQUIRE(a.q_len == 1, "paged keys serve one-token steps; q_len = " + std::to_string(a.q_len));
+    source = a.paged.format == IndexKeyFormat::kE4m3 ? KeySource::kPagedFp8 : KeySource::kPaged;
+    max_table_len = int64_t{a.paged.max_blocks} * a.paged.block_size;
+    sp.paged = PagedKeys{static_cast<const unsigned char*>(a.paged.pool), a.paged.block_table,
+                         a.paged.block_table_stride, index_key_block_bytes(a.paged, a.head_dim),
+                         index_key_token_bytes(a.paged, a.head_dim), a.paged.num_blocks, max_table_len,
+                         a.paged.block_size};
+  } else {
+    // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
+    const bool own_keys = a.index_keys != nullptr;
+    sp.keys = own_keys ? a.index_keys
+                       : static_cast<const char*>(a.k_alloc) +
+                             int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
+    sp.key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
+    REQUIRE(reinterpret_cast<uintptr_t>(sp.keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
+    REQUIRE(sp.key_seq_stride >= a.capacity * a.head_dim && sp.key_seq_stride % 8 == 0,
+            "key_seq_stride = " + std::to_string(sp.key_seq_stride) + " must hold capacity * head_dim = " +
+                std::to_string(a.capacity * a.head_dim) + " elements and be a multiple of 8 (16-byte rows)");
+  }
   REQUIRE(a.block_size >= 1, "block_size = " + std::to_string(a.block_size) + " must be >= 1");
   REQUIRE(a.topk >= 1, "topk = " + std::to_string(a.topk) + " must be >= 1");
   REQUIRE(a.local_blocks >= 1 && a.local_blocks - 1 <= a.topk,
@@ -358,21 +475,36 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
           "dense_len = " + std::to_string(a.dense_len) + " keeps up to " +
               std::to_string((a.dense_len + a.block_size - 1) / a.block_size) + " blocks, more than width = " +
               std::to_string(a.width));
-  ScoreParams sp{keys, key_seq_stride, a.index_q, a.kv_lens, a.num_kv_heads, a.head_dim, a.block_size, a.local_blocks,
-                 a.q_len, max_scored_blocks(a.max_kv_len, a.block_size), a.dense_len,
-                 static_cast<float*>(a.workspace), a.max_kv_len};
+  sp.index_q = a.index_q;
+  sp.kv_lens = a.kv_lens;
+  sp.heads = a.num_kv_heads;
+  sp.dim = a.head_dim;
+  sp.block_size = a.block_size;
+  sp.local_blocks = a.local_blocks;
+  sp.q_len = a.q_len;
+  sp.max_scored = max_scored_blocks(a.max_kv_len, a.block_size);
+  sp.dense_len = a.dense_len;
+  sp.scores = static_cast<float*>(a.workspace);
+  sp.max_kv_len = a.max_kv_len;
   const dim3 grid(static_cast<unsigned>(sp.max_scored), static_cast<unsigned>(a.batch));
   const dim3 threads(kScoreThreads);
-  if (a.q_len == 1) {
-    if (a.dtype == DType::kBF16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, 1>, grid, threads, 0, s, sp);
+  const bool bf16 = a.dtype == DType::kBF16;
+  if (source == KeySource::kPagedFp8) {
+    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
+  } else if (source == KeySource::kPaged) {
+    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
+  } else if (a.q_len == 1) {
+    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kRows>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kRows>, grid, threads, 0, s, sp);
   } else {
-    if (a.dtype == DType::kBF16)
-      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles>, grid, threads, 0, s, sp);
+    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s, sp);
+    else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s, sp);
   }
   const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
-                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens, a.max_kv_len};
+                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens, a.max_kv_len, max_table_len,
+                      a.error};
   // Programmatic dependent launch: the top-k grid is scheduled while the
   // score grid drains, and waits for its writes inside the kernel.
   cuda::launch_with_pdl(block_topk_kernel, dim3(static_cast<unsigned>(a.batch * a.num_kv_heads)), dim3(kTopkThreads), 0,
