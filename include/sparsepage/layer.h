@@ -174,6 +174,14 @@ class SparseLayer {
   /// What the model's own kernels flagged (its selection's error word), as
   /// check_errors() reports it; the default has none.
   virtual void check_selection_errors(void* /*stream*/) {}
+  /// The indexer's IndexKeyError word (int32 on the layer's device, zeroed
+  /// when first asked for), for models whose indexer refuses rows of
+  /// engine pools; raise_index_errors() reads and clears it.
+  int32_t* index_error_word();
+  /// Reads and clears the word (after the stream's work); when a bit is set,
+  /// throws Error("<refused>:" then what each bit means: `length_what` for
+  /// kIndexErrorLength, `block_what` for kIndexErrorBlock).
+  void raise_index_errors(void* stream, const std::string& refused, const char* length_what, const char* block_what);
 
   /// The lengths the kernels read: [batch] on the device, including this
   /// step's tokens once it appended them (an engine-pools step: the
@@ -226,6 +234,7 @@ class SparseLayer {
   const EnginePagedKV* engine_kv_ = nullptr;
   // The token-by-token form of a multi-token step: one token's inputs.
   Buffer stage_q_, stage_q_extra_, stage_index_q_, stage_weights_, stage_o_;
+  Buffer index_error_;  // index_error_word()
 };
 
 }  // namespace sparsepage

@@ -226,8 +226,7 @@ void BlockSparseAttention::size_selection(int64_t capacity, int32_t /*q_len*/) {
     block_ids_ = Buffer(device(), requests * static_cast<size_t>(width()) * sizeof(int32_t));
     seq_lens_ = Buffer(device(), requests * sizeof(int32_t));
     fill_bytes(seq_lens_.data(), device(), 0, seq_lens_.bytes());
-    index_error_ = Buffer(device(), sizeof(int32_t));
-    fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
+    index_error_word();
   }
   if (device() == Device::kCuda) {
     indexer_workspace_ = Buffer(
@@ -257,7 +256,7 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
     args.dtype = dtype();
     if (engine_pools()) {
       args.paged = engine_kv()->index_keys;
-      args.error = index_error_.as<int32_t>();
+      args.error = index_error_word();
     } else if (engine_paged()) {
       args.index_keys = k_rows.data;
       args.key_seq_stride = k_rows.seq_stride;
@@ -339,7 +338,7 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
   to_float(dtype(), tokens.index_q, q.data(), q.size());
   int32_t* ids = block_ids_.as<int32_t>();
   int32_t* covered = seq_lens_.as<int32_t>();
-  int32_t& error = *index_error_.as<int32_t>();
+  int32_t& error = *index_error_word();
   std::fill(ids, ids + int64_t{num_requests()} * width(), -1);
   for (int32_t b = 0; b < batch(); ++b) {
     const int64_t len = device_lens()[b];
@@ -424,15 +423,9 @@ void BlockSparseAttention::check_engine_kv(const EnginePagedKV& kv) const {
 }
 
 void BlockSparseAttention::check_selection_errors(void* stream) {
-  if (index_error_.empty()) return;
-  if (device() == Device::kCuda) detail::cuda_stream_sync(stream);
-  const int32_t bits = download<int32_t>(device(), index_error_.data(), 1)[0];
-  if (bits == 0) return;
-  fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
-  std::string what;
-  if (bits & kIndexErrorLength) what += " a length past max_seq_len, negative or past its index-key table row;";
-  if (bits & kIndexErrorBlock) what += " a key block id outside the index-key pool;";
-  throw Error("BlockSparseAttention: the indexer refused sequences (they selected nothing):" + what);
+  raise_index_errors(stream, "BlockSparseAttention: the indexer refused sequences (they selected nothing)",
+                     "a length past max_seq_len, negative or past its index-key table row",
+                     "a key block id outside the index-key pool");
 }
 
 LayerStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream) {

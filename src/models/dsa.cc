@@ -207,8 +207,7 @@ SparseAttentionInputs DsaAttention::attention_inputs(const StepTokens& tokens, i
 void DsaAttention::size_selection(int64_t capacity, int32_t q_len) {
   const size_t b = static_cast<size_t>(batch()), k = static_cast<size_t>(config_.index_topk);
   if (positions_.empty()) {
-    index_error_ = Buffer(device(), sizeof(int32_t));
-    fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
+    index_error_word();
     positions_ = Buffer(device(), b * k * sizeof(int32_t));
     counts_ = Buffer(device(), b * sizeof(int32_t));
     fill_bytes(counts_.data(), device(), 0, counts_.bytes());
@@ -259,7 +258,7 @@ void DsaAttention::select(const StepTokens& tokens, int32_t q_len, void* stream)
     args.workspace_bytes = workspace_.bytes();
     args.positions = positions.as<int32_t>();
     args.counts = counts.as<int32_t>();
-    args.error = index_error_.as<int32_t>();
+    args.error = index_error_word();
     if (device() == Device::kCuda) {
       dsa_select_tokens_cuda(config_, batch(), args, stream);
     } else {
@@ -363,15 +362,9 @@ void DsaAttention::check_engine_kv(const EnginePagedKV& kv) const {
 }
 
 void DsaAttention::check_selection_errors(void* stream) {
-  if (index_error_.empty()) return;
-  if (device() == Device::kCuda) detail::cuda_stream_sync(stream);
-  const int32_t bits = download<int32_t>(device(), index_error_.data(), 1)[0];
-  if (bits == 0) return;
-  fill_bytes(index_error_.data(), device(), 0, sizeof(int32_t));
-  std::string what;
-  if (bits & kIndexErrorLength) what += " a length past max_seq_len, negative or past its block-table row;";
-  if (bits & kIndexErrorBlock) what += " a block id outside the index-key pool;";
-  throw Error("DsaAttention: the indexer refused rows (they selected nothing, their outputs are zero):" + what);
+  raise_index_errors(stream, "DsaAttention: the indexer refused rows (they selected nothing, their outputs are zero)",
+                     "a length past max_seq_len, negative or past its block-table row",
+                     "a block id outside the index-key pool");
 }
 
 // The mask of the one-token selection: entries of -1 past each count fall

@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "core/cuda_hooks.h"
+#include "sparsepage/index_keys.h"
+#include "sparsepage/memory.h"
 
 namespace sparsepage {
 
@@ -360,6 +362,27 @@ std::vector<std::vector<int32_t>> SparseLayer::last_mask_columns() {
   build_mask(fallback_.mask(), fallback_.capacity(), nullptr);
   const SparseAttentionInputs in = attention_inputs(StepTokens{}, 1);
   return mask_kept_columns(device_, fallback_.mask(), in.batch * in.num_kv_heads, fallback_.capacity());
+}
+
+int32_t* SparseLayer::index_error_word() {
+  if (index_error_.empty()) {
+    index_error_ = Buffer(device_, sizeof(int32_t));
+    fill_bytes(index_error_.data(), device_, 0, sizeof(int32_t));
+  }
+  return index_error_.as<int32_t>();
+}
+
+void SparseLayer::raise_index_errors(void* stream, const std::string& refused, const char* length_what,
+                                     const char* block_what) {
+  if (index_error_.empty()) return;
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  const int32_t bits = download<int32_t>(device_, index_error_.data(), 1)[0];
+  if (bits == 0) return;
+  fill_bytes(index_error_.data(), device_, 0, sizeof(int32_t));
+  std::string what;
+  if (bits & kIndexErrorLength) what += std::string(" ") + length_what + ";";
+  if (bits & kIndexErrorBlock) what += std::string(" ") + block_what + ";";
+  throw Error(refused + ":" + what);
 }
 
 }  // namespace sparsepage

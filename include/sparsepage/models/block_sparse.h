@@ -137,7 +137,6 @@ class BlockSparseAttention : public SparseLayer {
   Buffer block_ids_;          // int32 [requests, width]: kept blocks (increasing), the final block last, then -1
   Buffer seq_lens_;           // int32 [requests]: tokens those blocks cover now
   Buffer indexer_workspace_;  // CUDA indexer scratch
-  Buffer index_error_;        // int32: IndexKeyError bits of sequences the indexer refused (engine pools)
 };
 
 /// Indexer block scores and top-k on the host, for `batch` sequences of one

@@ -133,7 +133,6 @@ class DsaAttention : public SparseLayer {
   // multi-token steps: one row per (sequence, token), sized for q_len.
   Buffer positions_, counts_, row_offsets_, workspace_;
   Buffer token_positions_, token_counts_, token_workspace_;
-  Buffer index_error_;  // int32 on the device: the indexer's IndexKeyError bits over engine pools
   int32_t sized_q_len_ = 0;
 };
 
