@@ -239,6 +239,24 @@ struct DsaPoolsSetup {
 
 constexpr int32_t kPoolBlock = 64;
 
+// The engine's block table (one for the rows and the index keys), its
+// lengths and its key pool, as both pools setups pass them.
+void set_engine_tables(EnginePagedKV& kv, const Buffer& table, const Buffer& lens, int32_t batch, int32_t max_blocks,
+                       int64_t num_blocks, int64_t max_len, const PagedIndexKeys& keys) {
+  kv.block_table.data = table.as<int32_t>();
+  kv.block_table.num_rows = batch;
+  kv.block_table.max_blocks = max_blocks;
+  kv.block_table.row_stride = max_blocks;
+  kv.block_table.block_size = kPoolBlock;
+  kv.block_table.num_blocks = num_blocks;
+  kv.seq_lens = lens.as<int32_t>();
+  kv.max_seq_len = max_len;
+  kv.index_keys = keys;
+  kv.index_keys.block_table = table.as<int32_t>();
+  kv.index_keys.block_table_stride = max_blocks;
+  kv.index_keys.max_blocks = max_blocks;
+}
+
 void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
   const int32_t batch = static_cast<int32_t>(s.lens.size());
   const int64_t max_len = *std::max_element(s.lens.begin(), s.lens.end());
@@ -305,18 +323,7 @@ void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
     kv.k_extra.data = static_cast<const char*>(p.mla.data()) + 512 * 2;
     kv.k_extra.dim = 64;
   }
-  kv.block_table.data = p.table.as<int32_t>();
-  kv.block_table.num_rows = batch;
-  kv.block_table.max_blocks = max_blocks;
-  kv.block_table.row_stride = max_blocks;
-  kv.block_table.block_size = kPoolBlock;
-  kv.block_table.num_blocks = num_blocks;
-  kv.seq_lens = p.lens.as<int32_t>();
-  kv.max_seq_len = max_len;
-  kv.index_keys = keys;
-  kv.index_keys.block_table = p.table.as<int32_t>();
-  kv.index_keys.block_table_stride = max_blocks;
-  kv.index_keys.max_blocks = max_blocks;
+  set_engine_tables(kv, p.table, p.lens, batch, max_blocks, num_blocks, max_len, keys);
 }
 
 Arm dsa_pools_arm(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& lens, bool fp8) {
@@ -489,18 +496,7 @@ void build_block_pools(BlockPoolsSetup& s, Device device, BlockPools& p, uint64_
     view->head_stride = c.head_dim;
     view->capacity = rows;
   }
-  kv.block_table.data = p.table.as<int32_t>();
-  kv.block_table.num_rows = batch;
-  kv.block_table.max_blocks = max_blocks;
-  kv.block_table.row_stride = max_blocks;
-  kv.block_table.block_size = kPoolBlock;
-  kv.block_table.num_blocks = num_blocks;
-  kv.seq_lens = p.lens.as<int32_t>();
-  kv.max_seq_len = max_len;
-  kv.index_keys = keys;
-  kv.index_keys.block_table = p.table.as<int32_t>();
-  kv.index_keys.block_table_stride = max_blocks;
-  kv.index_keys.max_blocks = max_blocks;
+  set_engine_tables(kv, p.table, p.lens, batch, max_blocks, num_blocks, max_len, keys);
 }
 
 Arm block_pools_arm(BlockPoolsSetup& s, Device device, const std::vector<int64_t>& lens, bool fp8) {
