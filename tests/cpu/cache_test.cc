@@ -3,6 +3,7 @@
 #include <random>
 
 #include "sparsepage/cache.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {

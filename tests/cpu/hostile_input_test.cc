@@ -17,6 +17,7 @@
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {

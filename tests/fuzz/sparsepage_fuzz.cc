@@ -40,6 +40,7 @@
 #include "support/engine_problem.h"
 #include "support/fp8_problem.h"
 #include "support/multi_token.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {
