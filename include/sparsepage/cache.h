@@ -13,10 +13,9 @@
 
 namespace sparsepage {
 
-/// Storage mode of a dense cache. Raw modes store K/V as they come; the
-/// quantized modes store symmetric per-(b, h, t) int8 or packed 4-bit values
-/// with an fp32 scale and exist on the host only.
-enum class CacheMode : int32_t { kF16, kBF16, kInt8, kInt4 };
+/// Storage mode of a dense cache: the element type its K and V rows are
+/// stored (and appended) in.
+enum class CacheMode : int32_t { kF16, kBF16 };
 const char* cache_mode_name(CacheMode mode);
 
 /// A dense cache `[B, H, Cap, D]` growing `Cap` in steps of `capacity_step`.
@@ -46,15 +45,15 @@ class DenseKVCache {
   /// Appends `new_tokens` tokens to every active slot, each at its own
   /// length (live lengths stay below 2^31): `k_new` is `[B, k_heads,
   /// new_tokens, k_head_dim]` and `v_new` `[B, v_heads, new_tokens,
-  /// v_head_dim]`, contiguous, in `input_dtype`, on the cache's device (host
-  /// for quantized modes); the rows of free slots are skipped. Raw modes need
-  /// input_dtype == the storage dtype. Read the rows back through
-  /// `k_rows()`/`v_rows()` (raw modes) or `dequantized_window`. Synchronous.
+  /// v_head_dim]`, contiguous, in `input_dtype`, on the cache's device; the
+  /// rows of free slots are skipped. input_dtype must be the storage dtype.
+  /// Read the rows back through `k_rows()`/`v_rows()` or
+  /// `dequantized_window`. Synchronous.
   void append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
 
   /// Starts a request in slot `slot`: its prompt's `tokens` rows (`k_new`
   /// `[k_heads, tokens, k_head_dim]`, `v_new` `[v_heads, tokens,
-  /// v_head_dim]`, contiguous, raw modes, on the cache's device) become rows
+  /// v_head_dim]`, contiguous, on the cache's device) become rows
   /// 0 .. tokens - 1, its length becomes `tokens` and the slot is active
   /// (tokens = 0 starts an empty request). Grows the capacity when it must.
   /// Waits for the work queued on `stream` first (a replayed step may still
@@ -72,7 +71,7 @@ class DenseKVCache {
   /// capturing.
   void reserve(int64_t tokens);
 
-  /// The serving-step append of a raw-mode cache: one token per active
+  /// The serving-step append: one token per active
   /// slot, `k_new` `[B, k_heads, 1, k_head_dim]` and `v_new` `[B, v_heads, 1,
   /// v_head_dim]` in the storage dtype on the cache's device (rows of free
   /// slots are not read), written at each slot's device-side live length
@@ -106,17 +105,16 @@ class DenseKVCache {
   /// the `[batch, k_heads, capacity, k_head_dim]` (or V's) allocation, so
   /// row t of (sequence b, head h) is at `offset(b, h, t)`; the head stride
   /// is the capacity, never the live length. A head-trimmed view gives the
-  /// same rows (its heads are the first ones). Nothing for quantized modes,
-  /// whose rows are not raw fp16/bf16 (read `dequantized_window`), or before
-  /// the first allocation. The view stays valid until the cache grows.
+  /// same rows (its heads are the first ones). Nothing before the first
+  /// allocation. The view stays valid until the cache grows.
   std::optional<RowView> k_rows() const;
   std::optional<RowView> v_rows() const;
 
   /// A read-only view of the first `heads` heads of K and V (sharing storage).
   DenseKVCache head_trimmed(int32_t heads) const;
 
-  /// The window `[B, H, live_len(), D]` as fp32 (dequantized for quantized
-  /// modes); a slot's rows past its own length are zero.
+  /// The window `[B, H, live_len(), D]` as fp32 (on the host); a slot's rows
+  /// past its own length are zero.
   std::vector<float> dequantized_window(bool key) const;
 
   CacheMode mode() const { return mode_; }
@@ -129,8 +127,7 @@ class DenseKVCache {
   /// Each slot's activity (admit / release).
   const std::vector<uint8_t>& active() const { return active_; }
   int64_t capacity() const { return capacity_; }
-  /// Element type of the rows: the storage dtype of raw modes, kF32 (what
-  /// dequantized_window gives) for quantized ones.
+  /// Element type of the rows: the storage dtype.
   DType dtype() const;
   int32_t batch() const { return batch_; }
   int32_t k_heads() const { return k_heads_; }  // heads of the allocation (also in a head-trimmed view)

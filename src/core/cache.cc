@@ -3,7 +3,6 @@
 #include "core/cuda_hooks.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -22,54 +21,11 @@ uint64_t checked_mul(uint64_t a, uint64_t b, const std::string& what) {
   return a * b;
 }
 
-bool is_quantized(CacheMode mode) { return mode == CacheMode::kInt8 || mode == CacheMode::kInt4; }
-
 DType storage_dtype(CacheMode mode) { return mode == CacheMode::kF16 ? DType::kF16 : DType::kBF16; }
 
 // Bytes one row occupies in storage.
 size_t stored_row_bytes(CacheMode mode, int32_t dim) {
-  switch (mode) {
-    case CacheMode::kF16:
-    case CacheMode::kBF16: return static_cast<size_t>(dim) * 2;
-    case CacheMode::kInt8: return static_cast<size_t>(dim);
-    case CacheMode::kInt4: return static_cast<size_t>(dim + 1) / 2;  // two values a byte, low nibble first
-  }
-  return 0;
-}
-
-// Symmetric quantization with one fp32 scale per row: q = round(x / scale)
-// with scale = max|x| / qmax, so the largest magnitude maps to +-qmax.
-void quantize_row(CacheMode mode, const float* x, int32_t dim, uint8_t* out, float* scale) {
-  const int qmax = mode == CacheMode::kInt8 ? 127 : 7;
-  float absmax = 0.0f;
-  for (int32_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
-  *scale = absmax > 0.0f ? absmax / static_cast<float>(qmax) : 1.0f;
-  const float inv = 1.0f / *scale;
-  for (int32_t d = 0; d < dim; ++d) {
-    const int q = std::clamp(static_cast<int>(std::lrint(x[d] * inv)), -qmax, qmax);
-    if (mode == CacheMode::kInt8) {
-      out[d] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    } else {
-      const auto nibble = static_cast<uint8_t>(q + 8);  // 1..15
-      if (d % 2 == 0) {
-        out[d / 2] = nibble;
-      } else {
-        out[d / 2] = static_cast<uint8_t>(out[d / 2] | (nibble << 4));
-      }
-    }
-  }
-}
-
-void dequantize_row(CacheMode mode, const uint8_t* in, float scale, int32_t dim, float* x) {
-  for (int32_t d = 0; d < dim; ++d) {
-    int q;
-    if (mode == CacheMode::kInt8) {
-      q = static_cast<int8_t>(in[d]);
-    } else {
-      q = static_cast<int>((in[d / 2] >> ((d % 2) * 4)) & 0xF) - 8;
-    }
-    x[d] = static_cast<float>(q) * scale;
-  }
+  return static_cast<size_t>(dim) * dtype_size(storage_dtype(mode));
 }
 
 }  // namespace
@@ -78,18 +34,15 @@ const char* cache_mode_name(CacheMode mode) {
   switch (mode) {
     case CacheMode::kF16: return "f16";
     case CacheMode::kBF16: return "bf16";
-    case CacheMode::kInt8: return "int8";
-    case CacheMode::kInt4: return "int4";
   }
   return "unknown";
 }
 
-// K and V storage of one cache; scales only for quantized modes.
+// K and V storage of one cache.
 struct DenseKVCache::Storage {
   Buffer k, v;
-  Buffer k_scale, v_scale;  // fp32 [B, H, Cap]
-  Buffer live_lens;         // int32 [B] on the cache's device
-  Buffer active;            // int32 [B] on the cache's device: 1 active, 0 free
+  Buffer live_lens;  // int32 [B] on the cache's device
+  Buffer active;     // int32 [B] on the cache's device: 1 active, 0 free
 };
 
 DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
@@ -110,11 +63,8 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
                 ", dims " + std::to_string(k_head_dim) + "/" + std::to_string(v_head_dim) + ", step " +
                 std::to_string(capacity_step) + ")");
   }
-  if (mode != CacheMode::kF16 && mode != CacheMode::kBF16 && !is_quantized(mode)) {
+  if (mode != CacheMode::kF16 && mode != CacheMode::kBF16) {
     throw Error("DenseKVCache: mode " + std::to_string(static_cast<int32_t>(mode)) + " is not a CacheMode");
-  }
-  if (is_quantized(mode) && device != Device::kCpu) {
-    throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
   }
   lens_.assign(static_cast<size_t>(batch), 0);
   active_.assign(static_cast<size_t>(batch), 1);
@@ -155,7 +105,6 @@ void DenseKVCache::check_slot(int32_t slot, const char* who) const {
 
 void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int64_t tokens, void* stream) {
   check_slot(slot, "DenseKVCache::admit");
-  if (is_quantized(mode_)) throw Error("DenseKVCache::admit: quantized caches append through append()");
   if (tokens < 0 || tokens > INT32_MAX) {
     throw Error("DenseKVCache::admit: tokens = " + std::to_string(tokens) + " must lie in [0, 2^31 - 1]");
   }
@@ -210,7 +159,6 @@ void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int3
 void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream,
                                const char* who) {
   if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
-  if (is_quantized(mode_)) throw Error(std::string(who) + ": quantized caches append through append()");
   if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
     throw Error(std::string(who) + ": k_new and v_new must not be null");
@@ -316,10 +264,6 @@ void DenseKVCache::grow_to(int64_t needed) {
   };
   regrow(storage_->k, grown->k, k_heads_, stored_row_bytes(mode_, k_head_dim_));
   regrow(storage_->v, grown->v, v_heads_, stored_row_bytes(mode_, v_head_dim_));
-  if (is_quantized(mode_)) {
-    regrow(storage_->k_scale, grown->k_scale, k_heads_, sizeof(float));
-    regrow(storage_->v_scale, grown->v_scale, v_heads_, sizeof(float));
-  }
   grown->live_lens = std::move(storage_->live_lens);
   grown->active = std::move(storage_->active);
   storage_ = std::move(grown);  // views made earlier keep the old storage alive
@@ -332,7 +276,7 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
   if (new_tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
     throw Error("DenseKVCache::append: k_new and v_new must not be null");
   }
-  if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
+  if (input_dtype != storage_dtype(mode_)) {
     throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) +
                 " does not match the " + cache_mode_name(mode_) + " cache");
   }
@@ -344,11 +288,11 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
   // Whether one strided copy covers every slot: all active at one length.
   bool uniform = true;
   for (size_t b = 0; b < lens_.size(); ++b) uniform = uniform && active_[b] && lens_[b] == lens_[0];
-  auto write = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+  auto write = [&](const void* src, Buffer& dst, int32_t heads, int32_t dim) {
     if (new_tokens == 0 || heads == 0) return;  // also: no pointer arithmetic on an absent V
     const size_t row_bytes = stored_row_bytes(mode_, dim);
     const size_t src_bytes = static_cast<size_t>(new_tokens) * row_bytes;  // one (slot, head)'s new rows
-    if (!is_quantized(mode_) && uniform) {
+    if (uniform) {
       copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(lens_[0]) * row_bytes, device_,
               static_cast<size_t>(capacity_) * row_bytes, src, device_, src_bytes, src_bytes,
               static_cast<size_t>(batch_) * heads);
@@ -357,44 +301,29 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
     for (int32_t b = 0; b < batch_; ++b) {
       if (!active_[static_cast<size_t>(b)]) continue;
       const int64_t at = lens_[static_cast<size_t>(b)];
-      if (!is_quantized(mode_)) {
-        copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
-                device_, static_cast<size_t>(capacity_) * row_bytes,
-                static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
-                src_bytes, static_cast<size_t>(heads));
-        continue;
-      }
-      std::vector<float> row(static_cast<size_t>(dim));
-      const size_t in_bytes = dtype_size(input_dtype);
-      for (int64_t bh = int64_t{b} * heads; bh < int64_t{b + 1} * heads; ++bh) {
-        for (int64_t t = 0; t < new_tokens; ++t) {
-          const int64_t slot = bh * capacity_ + at + t;
-          to_float(input_dtype,
-                   static_cast<const char*>(src) + static_cast<size_t>((bh * new_tokens + t) * dim) * in_bytes,
-                   row.data(), row.size());
-          quantize_row(mode_, row.data(), dim, dst.as<uint8_t>() + static_cast<size_t>(slot) * row_bytes,
-                       scales.as<float>() + slot);
-        }
-      }
+      copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
+              device_, static_cast<size_t>(capacity_) * row_bytes,
+              static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
+              src_bytes, static_cast<size_t>(heads));
     }
   };
-  write(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
-  write(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
+  write(k_new, storage_->k, k_heads_, k_head_dim_);
+  write(v_new, storage_->v, v_heads_, v_head_dim_);
   for (size_t b = 0; b < lens_.size(); ++b) {
     if (active_[b]) lens_[b] += new_tokens;
   }
   write_device_state();
 }
 
-DType DenseKVCache::dtype() const { return is_quantized(mode_) ? DType::kF32 : storage_dtype(mode_); }
+DType DenseKVCache::dtype() const { return storage_dtype(mode_); }
 
 std::optional<RowView> DenseKVCache::k_rows() const {
-  if (is_quantized(mode_) || capacity_ == 0) return std::nullopt;
+  if (capacity_ == 0) return std::nullopt;
   return RowView::dense(storage_->k.data(), k_heads_, capacity_, k_head_dim_);
 }
 
 std::optional<RowView> DenseKVCache::v_rows() const {
-  if (is_quantized(mode_) || capacity_ == 0 || v_heads_ == 0) return std::nullopt;
+  if (capacity_ == 0 || v_heads_ == 0) return std::nullopt;
   return RowView::dense(storage_->v.data(), v_heads_, capacity_, v_head_dim_);
 }
 
@@ -430,8 +359,6 @@ DenseKVCache::DenseKVCache(const DenseKVCache& other)
   };
   clone(other.storage_->k, storage_->k);
   clone(other.storage_->v, storage_->v);
-  clone(other.storage_->k_scale, storage_->k_scale);
-  clone(other.storage_->v_scale, storage_->v_scale);
   clone(other.storage_->live_lens, storage_->live_lens);
   clone(other.storage_->active, storage_->active);
 }
@@ -457,7 +384,6 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
   const int32_t dim = key ? k_head_dim_ : v_head_dim_;
   const int32_t visible = is_head_trimmed() ? trimmed_heads_ : heads;
   const Buffer& data = key ? storage_->k : storage_->v;
-  const Buffer& scales = key ? storage_->k_scale : storage_->v_scale;
   const size_t row_bytes = stored_row_bytes(mode_, dim);
   const int64_t window = live_len();
   std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(window) * dim, 0.0f);
@@ -472,11 +398,7 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
         const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
         float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * window + t) * dim)];
         const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
-        if (is_quantized(mode_)) {
-          dequantize_row(mode_, src, scales.as<float>()[slot], dim, dst);
-        } else {
-          to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
-        }
+        to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
       }
     }
   }
