@@ -30,7 +30,7 @@ import torch
 from . import _core
 
 __all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSparseDecoder",
-           "MlaSlotDecoder", "PagedKVDecoder"]
+           "PagedKVDecoder"]
 
 _PLANS: dict = {}
 _next_handle = itertools.count(1)
@@ -330,10 +330,6 @@ class MlaSparseDecoder:
         return self._run(q_latent, q_pe, kv_cache, positions, scale=scale, topk_length=topk_length, o=o, lse=lse,
                          block_table=block_table, block_table_rows=token_to_request,
                          block_size=kv_cache.shape[1])
-
-
-#: The earlier name of :class:`MlaSparseDecoder`.
-MlaSlotDecoder = MlaSparseDecoder
 
 
 class PagedKVDecoder:

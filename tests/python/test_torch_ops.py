@@ -166,7 +166,7 @@ def test_runs_on_the_current_stream():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mla_slot_decoder_on_engine_cache(device):
+def test_mla_sparse_decoder_on_engine_cache(device):
     g = torch.Generator().manual_seed(5)
     dtype = dtype_for(device)
     T, H, topk, nb, bs = 3, 16, 64, 40, 64
@@ -174,7 +174,7 @@ def test_mla_slot_decoder_on_engine_cache(device):
     q_lat = torch.randn(T, H, 512, generator=g).to(dtype).to(device)
     q_pe = torch.randn(T, H, 64, generator=g).to(dtype).to(device)
     slots = torch.randint(0, nb * bs, (T, topk), generator=g, dtype=torch.int32).to(device)
-    dec = ops.MlaSlotDecoder(T, topk, H, device=device)
+    dec = ops.MlaSparseDecoder(T, topk, H, device=device)
     lse = torch.empty(T, H, device=device)
     o, _ = dec(q_lat, q_pe, kv, slots, scale=576 ** -0.5, lse=lse)
     rows = np64(kv.reshape(-1, 576))
