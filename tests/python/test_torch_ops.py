@@ -96,7 +96,7 @@ def test_merge_states_op(device):
     merged, merged_lse = ops.merge_states(o.to(device), lse.to(device))
     ref_o = np.empty((4, 5, 64), np.float32)
     ref_lse = np.empty((4, 5), np.float32)
-    sp.merge_states(o.numpy(), lse.numpy(), ref_o, ref_lse)
+    sp._core._merge_states(o.numpy(), lse.numpy(), ref_o, ref_lse)
     np.testing.assert_allclose(merged.cpu().numpy(), ref_o, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(merged_lse.cpu().numpy(), ref_lse, rtol=1e-6)
     a, la = ops.merge_state(o[0].to(device), lse[0].to(device), o[2].to(device), lse[2].to(device))
