@@ -266,14 +266,6 @@ struct DecodeParams {
 /// verification and MTP run 2 to 8.
 constexpr int32_t kMaxQueryTokens = 16;
 
-/// The strides q, q_extra and o are addressed with: the packed
-/// [num_sequences, q_len, num_kv_heads * group_size, dim] ones for
-/// QueryLayout::kPacked, the params' own for kStrided.
-struct QoStrides {
-  QueryStrides q, q_extra, o;
-};
-QoStrides qo_strides(const DecodeParams& params);
-
 /// Throws sparsepage::Error naming the first field that is inconsistent with
 /// itself or with `plan` (null pointers, dims, strides, counts). Host-side
 /// checks only: it never reads the arrays.

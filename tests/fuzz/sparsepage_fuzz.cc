@@ -30,6 +30,7 @@
 
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/query_strides.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/page_table.h"

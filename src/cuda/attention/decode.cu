@@ -14,6 +14,7 @@
 #include "cuda/attention/launch_partial.cuh"
 #include "sparsepage/decode.h"
 #include "sparsepage/detail/cuda_introspection.h"
+#include "sparsepage/detail/query_strides.h"
 
 namespace sparsepage {
 
