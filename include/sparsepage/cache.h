@@ -13,10 +13,9 @@
 
 namespace sparsepage {
 
-/// Storage mode of a dense cache. Raw modes store K/V as they come; the
-/// quantized modes store symmetric per-(b, h, t) int8 or packed 4-bit values
-/// with an fp32 scale and exist on the host only.
-enum class CacheMode : int32_t { kF16, kBF16, kInt8, kInt4 };
+/// Storage mode of a dense cache: the element type its K and V rows are
+/// stored (and appended) in.
+enum class CacheMode : int32_t { kF16, kBF16 };
 const char* cache_mode_name(CacheMode mode);
 
 /// A dense cache `[B, H, Cap, D]` growing `Cap` in steps of `capacity_step`.
@@ -46,15 +45,15 @@ class DenseKVCache {
   /// Appends `new_tokens` tokens to every active slot, each at its own
   /// length (live lengths stay below 2^31): `k_new` is `[B, k_heads,
   /// new_tokens, k_head_dim]` and `v_new` `[B, v_heads, new_tokens,
-  /// v_head_dim]`, contiguous, in `input_dtype`, on the cache's device (host
-  /// for quantized modes); the rows of free slots are skipped. Raw modes need
-  /// input_dtype == the storage dtype. Read the rows back through
-  /// `k_rows()`/`v_rows()` (raw modes) or `dequantized_window`. Synchronous.
+  /// v_head_dim]`, contiguous, in `input_dtype`, on the cache's device; the
+  /// rows of free slots are skipped. input_dtype must be the storage dtype.
+  /// Read the rows back through `k_rows()`/`v_rows()` or
+  /// `dequantized_window`. Synchronous.
   void append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
 
   /// Starts a request in slot `slot`: its prompt's `tokens` rows (`k_new`
   /// `[k_heads, tokens, k_head_dim]`, `v_new` `[v_heads, tokens,
-  /// v_head_dim]`, contiguous, raw modes, on the cache's device) become rows
+  /// v_head_dim]`, contiguous, on the cache's device) become rows
   /// 0 .. tokens - 1, its length becomes `tokens` and the slot is active
   /// (tokens = 0 starts an empty request). Grows the capacity when it must.
   /// Waits for the work queued on `stream` first (a replayed step may still
@@ -72,7 +71,7 @@ class DenseKVCache {
   /// capturing.
   void reserve(int64_t tokens);
 
-  /// The serving-step append of a raw-mode cache: one token per active
+  /// The serving-step append: one token per active
   /// slot, `k_new` `[B, k_heads, 1, k_head_dim]` and `v_new` `[B, v_heads, 1,
   /// v_head_dim]` in the storage dtype on the cache's device (rows of free
   /// slots are not read), written at each slot's device-side live length
@@ -106,17 +105,16 @@ class DenseKVCache {
   /// the `[batch, k_heads, capacity, k_head_dim]` (or V's) allocation, so
   /// row t of (sequence b, head h) is at `offset(b, h, t)`; the head stride
   /// is the capacity, never the live length. A head-trimmed view gives the
-  /// same rows (its heads are the first ones). Nothing for quantized modes,
-  /// whose rows are not raw fp16/bf16 (read `dequantized_window`), or before
-  /// the first allocation. The view stays valid until the cache grows.
+  /// same rows (its heads are the first ones). Nothing before the first
+  /// allocation. The view stays valid until the cache grows.
   std::optional<RowView> k_rows() const;
   std::optional<RowView> v_rows() const;
 
   /// A read-only view of the first `heads` heads of K and V (sharing storage).
   DenseKVCache head_trimmed(int32_t heads) const;
 
-  /// The window `[B, H, live_len(), D]` as fp32 (dequantized for quantized
-  /// modes); a slot's rows past its own length are zero.
+  /// The window `[B, H, live_len(), D]` as fp32 (on the host); a slot's rows
+  /// past its own length are zero.
   std::vector<float> dequantized_window(bool key) const;
 
   CacheMode mode() const { return mode_; }
@@ -129,8 +127,7 @@ class DenseKVCache {
   /// Each slot's activity (admit / release).
   const std::vector<uint8_t>& active() const { return active_; }
   int64_t capacity() const { return capacity_; }
-  /// Element type of the rows: the storage dtype of raw modes, kF32 (what
-  /// dequantized_window gives) for quantized ones.
+  /// Element type of the rows: the storage dtype.
   DType dtype() const;
   int32_t batch() const { return batch_; }
   int32_t k_heads() const { return k_heads_; }  // heads of the allocation (also in a head-trimmed view)
@@ -171,56 +168,6 @@ struct HeadFolding {
   int32_t group_size() const { return num_qo_heads / num_kv_heads; }
   int32_t num_requests() const { return batch * num_kv_heads; }
   int32_t request(int32_t b, int32_t kv_head) const { return b * num_kv_heads + kv_head; }
-};
-
-/// A paged cache: blocks of `block_size` tokens; the allocation is
-/// `[num_blocks, heads, block_size, head_dim]` for K and for V, so block id
-/// `blk` of head `h` is pool page `blk * heads + h` at page_size = block_size.
-/// Each sequence owns a block table.
-class PagedBlockPool {
- public:
-  PagedBlockPool(Device device, DType dtype, int32_t num_blocks, int32_t heads, int32_t block_size,
-                 int32_t k_head_dim, int32_t v_head_dim);
-
-  /// Adds a sequence and returns its id.
-  int32_t add_sequence();
-  /// Appends `new_tokens` tokens of `[heads, new_tokens, head_dim]` K and V
-  /// (host memory, pool dtype) to sequence `seq`, taking blocks from the free
-  /// list. Throws when the pool is full.
-  void append(int32_t seq, const void* k_new, const void* v_new, int64_t new_tokens);
-  const std::vector<int32_t>& block_table(int32_t seq) const;
-  int64_t seq_len(int32_t seq) const;
-
-  /// Pool page of block `block_id` for head `head`.
-  int32_t page(int32_t block_id, int32_t head) const { return block_id * heads_ + head; }
-
-  /// Block-granular page table for requests (seq, head) with the given
-  /// selected block ids (indices into each sequence's block table) — no
-  /// expansion to tokens: page_size = block_size. The final partial block
-  /// must be last when selected, as for selection_from_blocks. Returns the
-  /// structure and the host indices (pool pages) to upload.
-  std::pair<PageTableStructure, std::vector<int32_t>> block_page_table(
-      const std::vector<int32_t>& seqs, const std::vector<int32_t>& heads,
-      const std::vector<std::vector<int32_t>>& selected_blocks) const;
-
-  const void* k_data() const { return k_.data(); }
-  const void* v_data() const { return v_.data(); }
-  int64_t num_pages() const { return int64_t{num_blocks_} * heads_; }
-  int32_t block_size() const { return block_size_; }
-  int32_t heads() const { return heads_; }
-  int32_t k_head_dim() const { return k_head_dim_; }
-  int32_t v_head_dim() const { return v_head_dim_; }
-  DType dtype() const { return dtype_; }
-  Device device() const { return device_; }
-
- private:
-  Device device_;
-  DType dtype_;
-  int32_t num_blocks_, heads_, block_size_, k_head_dim_, v_head_dim_;
-  Buffer k_, v_;
-  std::vector<int32_t> free_blocks_;
-  std::vector<std::vector<int32_t>> block_tables_;
-  std::vector<int64_t> seq_lens_;
 };
 
 }  // namespace sparsepage

@@ -266,14 +266,6 @@ struct DecodeParams {
 /// verification and MTP run 2 to 8.
 constexpr int32_t kMaxQueryTokens = 16;
 
-/// The strides q, q_extra and o are addressed with: the packed
-/// [num_sequences, q_len, num_kv_heads * group_size, dim] ones for
-/// QueryLayout::kPacked, the params' own for kStrided.
-struct QoStrides {
-  QueryStrides q, q_extra, o;
-};
-QoStrides qo_strides(const DecodeParams& params);
-
 /// Throws sparsepage::Error naming the first field that is inconsistent with
 /// itself or with `plan` (null pointers, dims, strides, counts). Host-side
 /// checks only: it never reads the arrays.
@@ -330,25 +322,10 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
 /// on newer GPUs through its PTX, an `a` entry such as 90a only on its own).
 /// Host-only and pure: the dispatch asks it about the current device (or
 /// the one DispatchConfig::assume_sm names) and the launchers refuse by it.
-/// `built` names the architectures to judge by (as cuda_built_architectures
-/// gives them); null: this build's.
+/// `built` names the architectures to judge by, as CMake's list has them
+/// ("80,90a"); null: this build's.
 std::string cuda_arch_problem(int32_t sm, int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
                               const char* built = nullptr);
-/// Whether this build's sm_90a code (the wgmma kernels: MLA, and the 64-row
-/// multi-token CTA's Hopper form) runs on a GPU of compute capability `sm`:
-/// sm 90 and a "90a" entry in `built` (null: this build's). Host-only, pure.
-bool cuda_sm90a_code_runs(int32_t sm, const char* built = nullptr);
-/// The architectures this build's kernels were compiled for, as CMake had
-/// them ("90a", "80,90a,100"); empty without the CUDA backend.
-const char* cuda_built_architectures();
-/// Reads the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA (read once per
-/// process; `mma` runs the multi-token CTA's mma.sync form on sm_90a too, so
-/// that the form other GPUs run is tested on Hopper) and throws
-/// sparsepage::Error when it holds a value it does not take.
-/// A CUDA SparseDecoder (and so every layer) asks when it is made, before
-/// any step; without the CUDA backend there are no switches and it does
-/// nothing.
-void cuda_check_kernel_switches();
 /// Compute capability (major * 10 + minor) of the current CUDA device; 0
 /// without one.
 int32_t cuda_device_sm();
@@ -361,14 +338,14 @@ struct CudaLaunchShape {
   int32_t ctas_per_item = 1;
   int32_t ctas_per_sm = 2;
 };
-/// Throws when cuda_supports_head_dims is false for these dims.
-CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size);
-/// The same for a multi-token step of `q_len` query tokens per request of
-/// `group_size` heads (DecodeParams::q_len): at head dim 128 the 64-row
+/// The shape for `q_len` query tokens per request of `group_size` heads
+/// (DecodeParams::q_len; 1: a plain decode step). At head dim 128 the 64-row
 /// multi-token CTA runs from 17 query rows where sm_90a code runs (its wgmma
-/// form) and from 33 rows elsewhere (mma.sync); other steps run the 16-row tiles.
-CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
-                                         int32_t group_size, int32_t q_len);
+/// form) and from 33 rows elsewhere (mma.sync); other steps run the 16-row
+/// tiles, which see group_size * q_len query rows. Throws when
+/// cuda_supports_head_dims is false for these dims.
+CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size,
+                                  int32_t q_len = 1);
 
 /// CUDA backend, two steps.
 /// `upload_plan` copies the plan's work list and merge lists into the device
@@ -385,23 +362,11 @@ CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v
 /// error: its tokens are skipped.
 /// `stream` is a cudaStream_t (null: the default stream).
 void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream = nullptr);
-/// It returns the name of the kernel it launched (as cuda_decode_kernel_name
-/// gives it), decided once for the launch.
+/// It returns the name of the kernel it launched, for logs and benchmarks (a
+/// string literal, e.g. "64-row multi-token CTA, wgmma"), decided once for
+/// the launch.
 const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace,
                             void* stream = nullptr);
-/// How `run_decode_cuda` merges this plan's split requests: the size of the
-/// thread-block clusters whose CTAs merge one request through distributed
-/// shared memory (one launch, no fp32 partials), or 0 when the merge kernel
-/// runs (or nothing is split). Clusters take a uniform split (equal counts)
-/// at head dims 128/128 with a native dtype, on a device that can place
-/// them, of 2 CTAs per request (the size measured faster than the merge
-/// kernel).
-int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& plan);
-/// The kernel `run_decode_cuda` launches for these parameters and this plan,
-/// named for logs and benchmarks (a string literal, e.g. "64-row
-/// multi-token CTA, wgmma"); the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA is
-/// taken into account.
-const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan);
 /// Reads and clears the error flag (synchronizes). Nonzero: some request's
 /// output is NaN because it named something that must not be read
 /// (kDecodeErrorRejected) — a page id outside the pool, a position outside

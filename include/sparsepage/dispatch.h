@@ -32,7 +32,7 @@ struct SparseDecodeOutcome {
   int64_t selected_rows = 0;  // rows per request (max) for fused; total for reasons
   int64_t chunks = 0;         // work items of the plan
   bool merge = false;
-  const char* kernel = "";    // fused: the kernel that ran (cuda_decode_kernel_name, or "CPU loop")
+  const char* kernel = "";    // fused: the kernel that ran (as run_decode_cuda names it, or "CPU loop")
   std::string reason;         // fallbacks only
   bool fused() const { return kind == OutcomeKind::kFused; }
   /// The one-line description, e.g.

@@ -124,7 +124,7 @@ class MlaSparsePrefill {
   /// last run met an entry outside its token's window. CPU: nothing (errors
   /// were thrown by run()).
   void check_errors(void* stream = nullptr);
-  /// The kernel the last CUDA run launched (cuda_decode_kernel_name), or "cpu".
+  /// The kernel the last CUDA run launched (as run_decode_cuda names it), or "cpu".
   const char* kernel_name() const { return kernel_name_; }
   size_t workspace_bytes() const { return workspace_.bytes() + scratch_.bytes(); }
 

@@ -41,7 +41,7 @@ def main():
             q = torch.randn(B, H, LAT + ROPE, device=dev, dtype=dt, generator=g)
             q_lat, q_pe = q[..., :LAT].contiguous(), q[..., LAT:].contiguous()
             base = (torch.arange(B, device=dev, dtype=torch.int64) * L)[:, None]
-            dec = ops.MlaSlotDecoder(B, TOPK, H, device=dev)
+            dec = ops.MlaSparseDecoder(B, TOPK, H, device=dev)
             o_sp = torch.empty(B, H, LAT, device=dev, dtype=dt)
             sel = {}
 

@@ -58,14 +58,14 @@ def main():
     stream = torch.cuda.current_stream().cuda_stream
 
     def direct():
-        sp.paged_decode(plan.plan, q, k, k, o, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws,
-                        upload_plan=False, stream=stream)
+        sp._core._paged_decode(plan.plan, q, k, k, o, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws,
+                               upload_plan=False, stream=stream)
 
     dl = torch.utils.dlpack.to_dlpack
 
     def capsules():
-        sp.paged_decode(plan.plan, dl(q), dl(k), dl(k), dl(o), dl(indptr), dl(idx), dl(seq), page_size=1, scale=0.1,
-                        workspace=dl(ws), upload_plan=False, stream=stream)
+        sp._core._paged_decode(plan.plan, dl(q), dl(k), dl(k), dl(o), dl(indptr), dl(idx), dl(seq), page_size=1,
+                               scale=0.1, workspace=dl(ws), upload_plan=False, stream=stream)
 
     def exchange():  # the binding over the tensors themselves, through DLPack's C exchange table
         sp._core._paged_decode_exchange(plan.plan, q, k, k, o, indptr, idx, seq, 1, 0.1, None, None, None, None, ws, -1, 0, 0,

@@ -4,7 +4,10 @@ A sparse selection (top-k blocks or tokens) becomes a page table for a fused
 split-KV paged decode, with a CPU reference backend and a CUDA backend. This
 package binds the C++ library over DLPack tensors (numpy on the CPU, torch on
 the CPU or CUDA) and adds torch custom ops (:mod:`sparsepage.torch_ops`,
-imported on demand so that torch stays optional).
+imported on demand so that torch stays optional). The paged decode and the
+merge of partial states are called through ``sparsepage.torch_ops``
+(``paged_decode``, ``paged_decode_out``, ``merge_states``); over numpy
+arrays, the engine helpers of :mod:`sparsepage.engine` run it on the CPU.
 
 Errors from the library arrive as :class:`sparsepage.Error` (a ``ValueError``)
 carrying the library's message, which names the bad argument. What the

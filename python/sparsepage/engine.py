@@ -91,7 +91,7 @@ def mla_decode_slots(q_latent, q_pe, kv_cache, slot_ids, *, scale: float, topk_l
         o = _empty_like_shape(q_latent, (q_latent.shape[0], q_latent.shape[1], latent_dim))
     plan = _core.make_decode_plan([slot_ids.shape[-1]] * q_latent.shape[0], cpu_plan_shape(q_latent.shape[1], latent_dim))
     latent = kv_cache[..., :latent_dim]
-    _core.paged_decode(plan, q_latent, latent, latent, o, None, slot_ids, topk_length, page_size=1, scale=scale,
+    _core._paged_decode(plan, q_latent, latent, latent, o, None, slot_ids, topk_length, page_size=1, scale=scale,
                        lse=lse, q_extra=q_pe, k_extra=kv_cache[..., latent_dim:], skip_minus_one=True)
     return o, lse
 
@@ -122,7 +122,7 @@ def mla_decode_positions(q_latent, q_pe, kv_cache, positions, block_table, token
     plan = _core.make_decode_plan([positions.shape[-1]] * q_latent.shape[0],
                                   cpu_plan_shape(q_latent.shape[1], latent_dim))
     latent = kv_cache[..., :latent_dim]
-    _core.paged_decode(plan, q_latent, latent, latent, o, None, positions, topk_length, page_size=1, scale=scale,
+    _core._paged_decode(plan, q_latent, latent, latent, o, None, positions, topk_length, page_size=1, scale=scale,
                        lse=lse, q_extra=q_pe, k_extra=kv_cache[..., latent_dim:], skip_minus_one=True,
                        block_table=block_table, block_table_rows=token_to_request, block_size=block_size)
     return o, lse
@@ -157,6 +157,6 @@ def paged_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
         o = _empty_like_shape(q, (batch, num_qo_heads, v_cache.shape[-1]))
     counts = [block_tables.shape[1] * block_size] * (batch * num_kv_heads)
     plan = _core.make_decode_plan(counts, cpu_plan_shape(num_qo_heads // num_kv_heads, v_cache.shape[-1]))
-    _core.paged_decode(plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, page_size=block_size, scale=scale,
+    _core._paged_decode(plan, q, k_cache, v_cache, o, None, block_tables, seq_lens, page_size=block_size, scale=scale,
                        lse=lse, num_kv_heads=num_kv_heads, num_pool_pages=num_blocks)
     return o, lse

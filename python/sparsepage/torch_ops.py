@@ -30,7 +30,7 @@ import torch
 from . import _core
 
 __all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSparseDecoder",
-           "MlaSlotDecoder", "PagedKVDecoder"]
+           "PagedKVDecoder"]
 
 _PLANS: dict = {}
 _next_handle = itertools.count(1)
@@ -183,12 +183,31 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
                      block_size: int = 0) -> None:
     """The paged decode into caller-owned `o` (and optional fp32 `lse`): the op to capture.
 
-    Arguments as :func:`sparsepage.paged_decode`: q ``[S, Hkv * G, Dqk]`` and o
-    ``[S, Hkv * G, Dv]`` may be strided views (unit stride in the last dim); k, v, k_extra are
-    pools of rows (``[..., Hkv, dim]`` when ``num_kv_heads > 1``); page ids are a CSR table
-    (``indptr``) or, with ``indptr=None``, an index matrix ``[S, width]`` (``skip_minus_one``:
-    ``-1`` is padding; ``block_table``: ids are positions resolved through it). `workspace`
-    comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
+    * q ``[S, Hkv * G, Dqk]`` and o ``[S, Hkv * G, Dv]`` are views with unit stride in the last
+      dim (a slice of a packed QKV tensor, a column slice of a wider output); request
+      ``r = b * Hkv + h`` owns query heads ``h * G .. h * G + G - 1`` of sequence b (GQA folding;
+      ``num_kv_heads=1`` gives ``[R, G, D]``).
+    * k, v (and k_extra, the second K stream: MLA's rope keys with q_extra) are pools of rows:
+      the last dim is the row (stride 1) and the leading dims collapse into one row index with a
+      uniform stride (a column slice of wider rows works; V may alias K's first columns). With
+      ``num_kv_heads > 1`` a pool is ``[..., num_kv_heads, dim]``, e.g. an engine's paged
+      ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache, and each head reads its own
+      column.
+    * Page ids: with `indptr`, a CSR table (indices ``[pages]``); with ``indptr=None``, an index
+      matrix indices ``[S, width]`` (shared by the KV heads) or ``[S, Hkv, width]``, e.g. vLLM /
+      SGLang's ``[num_tokens, topk]`` slot ids, or a block table ``[S, max_blocks]`` at
+      ``page_size = block_size``. ``skip_minus_one``: ``-1`` ids are padding, skipped and never
+      read (o = 0, lse = -inf for a request with nothing else); other bad ids raise on the CPU
+      and give NaN plus the error flag on CUDA. ``block_table [rows, max_blocks]`` (with
+      `block_size`): ids are positions of each sequence, resolved to pool row
+      ``block_table[row, p // block_size] * block_size + p % block_size`` inside the kernel; row
+      b for sequence b, or ``block_table_rows[b]``; `num_pool_pages` then counts blocks.
+    * seq_lens ``[R]`` or ``[S]`` (per sequence): visible tokens now, at most the plan's counts;
+      None: the plan's counts. first_page_offset ``[R]``. All int32 on the tensors' device.
+    * `workspace` comes from ``plan.new_workspace()`` (the plan is already uploaded into it).
+      `num_pool_pages` defaults to the pools' rows // page_size. ``request_row_stride > 0``
+      selects window mode (page ids relative to each request's window of `window_len`
+      positions).
 
     In eager mode the launch skips torch's custom-op dispatcher (the same launch, without its
     per-call cost); under ``torch.compile`` it is the registered op ``sparsepage::paged_decode_out``.
@@ -330,10 +349,6 @@ class MlaSparseDecoder:
         return self._run(q_latent, q_pe, kv_cache, positions, scale=scale, topk_length=topk_length, o=o, lse=lse,
                          block_table=block_table, block_table_rows=token_to_request,
                          block_size=kv_cache.shape[1])
-
-
-#: The earlier name of :class:`MlaSparseDecoder`.
-MlaSlotDecoder = MlaSparseDecoder
 
 
 class PagedKVDecoder:

@@ -582,7 +582,10 @@ void bind_decode(nb::module_& m) {
         "current stream.");
   m.def("_has_exchange_api", [](nb::handle t) { return exchange_api_of(t) != nullptr; }, nb::arg("tensor"),
         "Internal: whether the tensor's type publishes DLPack's C exchange table (major version 1).");
-  m.def("paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+  // The keyword form of the same launch, over numpy arrays or DLPack tensors: what the engine
+  // helpers (sparsepage.engine) and the numpy tests call. The public decode is
+  // sparsepage.torch_ops.paged_decode / paged_decode_out, whose docstring documents the arguments.
+  m.def("_paged_decode", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::kw_only(), nb::arg("page_size"),
         nb::arg("scale"), nb::arg("first_page_offset") = nb::none(), nb::arg("lse") = nb::none(),
         nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("workspace") = nb::none(),
@@ -590,31 +593,9 @@ void bind_decode(nb::module_& m) {
         nb::arg("num_kv_heads") = 1, nb::arg("skip_minus_one") = false, nb::arg("block_table") = nb::none(),
         nb::arg("block_table_rows") = nb::none(), nb::arg("block_size") = 0, nb::arg("upload_plan") = true,
         nb::arg("stream") = 0,
-        "The fused paged decode, on the tensors' device.\n\n"
-        "q [S, Hkv * G, Dqk] and o [S, Hkv * G, Dv] are views with unit stride in the last dim (a slice of\n"
-        "a packed QKV tensor, a column slice of a wider output); request r = b * Hkv + h owns query heads\n"
-        "h * G .. h * G + G - 1 of sequence b (GQA folding; num_kv_heads = 1 gives [R, G, D]). k, v (and\n"
-        "k_extra) are pools of rows: the last dim is the row (stride 1) and the leading dims collapse into\n"
-        "one row index with a uniform stride (a column slice of wider rows works; V may alias K's first\n"
-        "columns). With num_kv_heads > 1 a pool is [..., num_kv_heads, dim], e.g. an engine's paged\n"
-        "[num_blocks, block_size, num_kv_heads, head_dim] cache, and each head reads its own column.\n\n"
-        "Page ids: with indptr, a CSR table (indices [pages]); with indptr None, an index matrix\n"
-        "indices [S, width] (shared by the KV heads) or [S, Hkv, width], e.g. vLLM / SGLang's\n"
-        "[num_tokens, topk] slot ids, or a block table [S, max_blocks] at page_size = block_size.\n"
-        "skip_minus_one: -1 ids are padding, skipped and never read (o = 0, lse = -inf for a request with\n"
-        "nothing else); other bad ids raise on the CPU and give NaN plus the error flag on CUDA.\n"
-        "block_table [rows, max_blocks] (with block_size): ids are positions of each sequence, resolved to\n"
-        "pool row block_table[row, p // block_size] * block_size + p % block_size inside the kernel; row b\n"
-        "for sequence b, or block_table_rows[b]; num_pool_pages then counts blocks.\n"
-        "seq_lens [R] or [S] (per sequence): visible tokens now, at most the plan's counts; None: the\n"
-        "plan's counts. first_page_offset [R]. All int32 on the tensors' device.\n\n"
-        "lse (optional) is fp32 [S, Hkv * G] (= [R, G]), the natural log of the summed exponentials of the\n"
-        "scaled scores; an empty request writes o = 0, lse = -inf. workspace: plan.workspace_bytes bytes\n"
-        "(required on CUDA; on the CPU a temporary is used when None). On CUDA the plan is uploaded into\n"
-        "the workspace first unless upload_plan=False (do it once per plan, before capturing a graph);\n"
-        "then the launch allocates nothing and synchronizes nothing. num_pool_pages defaults to the pools'\n"
-        "rows // page_size. request_row_stride > 0 selects window mode (page ids relative to each\n"
-        "request's window of window_len positions).");
+        "Internal: the paged decode into o (and lse), on the arrays' device, with keyword arguments as\n"
+        "sparsepage.torch_ops.paged_decode_out takes them. On the CPU workspace may be None (a temporary\n"
+        "is used); on CUDA the plan is uploaded into the workspace first unless upload_plan=False.");
 
   m.def(
       "upload_plan",
@@ -627,8 +608,8 @@ void bind_decode(nb::module_& m) {
       },
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Copies the plan's work and merge lists into a CUDA workspace (asynchronously on `stream`).\n"
-      "Do it when the plan changes, before capturing a graph; then call paged_decode with\n"
-      "upload_plan=False. A no-op for a CPU workspace.");
+      "Do it when the plan changes, before capturing a graph (torch_ops.DecodePlan.upload does).\n"
+      "A no-op for a CPU workspace.");
 
   m.def(
       "read_decode_error_flag",
@@ -642,11 +623,9 @@ void bind_decode(nb::module_& m) {
       "Reads and clears the CUDA error flag (synchronizes). Nonzero: some page id was outside the pool\n"
       "and that request's output is NaN. Always 0 on the CPU, whose backend raises instead.");
 
-  m.def("merge_states", &merge_states, nb::arg("o"), nb::arg("lse"), nb::arg("o_out"), nb::arg("lse_out") = nb::none(),
-        "Merges partial attention states by their lse (natural log): o [S, ..., D] and fp32 lse [S, ...]\n"
-        "hold S states over the same rows; o_out [..., D] (any float dtype) and lse_out [...] get the\n"
-        "merged state. An empty state (lse = -inf) weighs nothing; all empty gives o = 0, lse = -inf;\n"
-        "a NaN state poisons the row. CPU only (the library's CPU merge); see torch_ops for CUDA.");
+  m.def("_merge_states", &merge_states, nb::arg("o"), nb::arg("lse"), nb::arg("o_out"), nb::arg("lse_out") = nb::none(),
+        "Internal: the library's CPU merge (the tests' oracle for sparsepage.torch_ops.merge_states, the\n"
+        "public merge): o [S, ..., D] and fp32 lse [S, ...] merged into o_out [..., D] and lse_out [...].");
 
   m.def(
       "masked_decode",

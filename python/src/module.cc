@@ -62,7 +62,7 @@ void bind_vocabulary(nb::module_& m) {
       .def_ro("ctas_per_item", &CudaLaunchShape::ctas_per_item)
       .def_ro("ctas_per_sm", &CudaLaunchShape::ctas_per_sm);
   m.def("cuda_launch_shape", &cuda_launch_shape, nb::arg("head_dim_qk"), nb::arg("head_dim_v"),
-        nb::arg("head_dim_extra"), nb::arg("group_size"),
+        nb::arg("head_dim_extra"), nb::arg("group_size"), nb::arg("q_len") = 1,
         "CTAs per work item and per SM of the CUDA kernel for these dims (feeds PlanShape).");
 }
 

@@ -3,7 +3,6 @@
 #include "core/cuda_hooks.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -22,54 +21,11 @@ uint64_t checked_mul(uint64_t a, uint64_t b, const std::string& what) {
   return a * b;
 }
 
-bool is_quantized(CacheMode mode) { return mode == CacheMode::kInt8 || mode == CacheMode::kInt4; }
-
 DType storage_dtype(CacheMode mode) { return mode == CacheMode::kF16 ? DType::kF16 : DType::kBF16; }
 
 // Bytes one row occupies in storage.
 size_t stored_row_bytes(CacheMode mode, int32_t dim) {
-  switch (mode) {
-    case CacheMode::kF16:
-    case CacheMode::kBF16: return static_cast<size_t>(dim) * 2;
-    case CacheMode::kInt8: return static_cast<size_t>(dim);
-    case CacheMode::kInt4: return static_cast<size_t>(dim + 1) / 2;  // two values a byte, low nibble first
-  }
-  return 0;
-}
-
-// Symmetric quantization with one fp32 scale per row: q = round(x / scale)
-// with scale = max|x| / qmax, so the largest magnitude maps to +-qmax.
-void quantize_row(CacheMode mode, const float* x, int32_t dim, uint8_t* out, float* scale) {
-  const int qmax = mode == CacheMode::kInt8 ? 127 : 7;
-  float absmax = 0.0f;
-  for (int32_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
-  *scale = absmax > 0.0f ? absmax / static_cast<float>(qmax) : 1.0f;
-  const float inv = 1.0f / *scale;
-  for (int32_t d = 0; d < dim; ++d) {
-    const int q = std::clamp(static_cast<int>(std::lrint(x[d] * inv)), -qmax, qmax);
-    if (mode == CacheMode::kInt8) {
-      out[d] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    } else {
-      const auto nibble = static_cast<uint8_t>(q + 8);  // 1..15
-      if (d % 2 == 0) {
-        out[d / 2] = nibble;
-      } else {
-        out[d / 2] = static_cast<uint8_t>(out[d / 2] | (nibble << 4));
-      }
-    }
-  }
-}
-
-void dequantize_row(CacheMode mode, const uint8_t* in, float scale, int32_t dim, float* x) {
-  for (int32_t d = 0; d < dim; ++d) {
-    int q;
-    if (mode == CacheMode::kInt8) {
-      q = static_cast<int8_t>(in[d]);
-    } else {
-      q = static_cast<int>((in[d / 2] >> ((d % 2) * 4)) & 0xF) - 8;
-    }
-    x[d] = static_cast<float>(q) * scale;
-  }
+  return static_cast<size_t>(dim) * dtype_size(storage_dtype(mode));
 }
 
 }  // namespace
@@ -78,18 +34,15 @@ const char* cache_mode_name(CacheMode mode) {
   switch (mode) {
     case CacheMode::kF16: return "f16";
     case CacheMode::kBF16: return "bf16";
-    case CacheMode::kInt8: return "int8";
-    case CacheMode::kInt4: return "int4";
   }
   return "unknown";
 }
 
-// K and V storage of one cache; scales only for quantized modes.
+// K and V storage of one cache.
 struct DenseKVCache::Storage {
   Buffer k, v;
-  Buffer k_scale, v_scale;  // fp32 [B, H, Cap]
-  Buffer live_lens;         // int32 [B] on the cache's device
-  Buffer active;            // int32 [B] on the cache's device: 1 active, 0 free
+  Buffer live_lens;  // int32 [B] on the cache's device
+  Buffer active;     // int32 [B] on the cache's device: 1 active, 0 free
 };
 
 DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
@@ -110,11 +63,8 @@ DenseKVCache::DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t
                 ", dims " + std::to_string(k_head_dim) + "/" + std::to_string(v_head_dim) + ", step " +
                 std::to_string(capacity_step) + ")");
   }
-  if (mode != CacheMode::kF16 && mode != CacheMode::kBF16 && !is_quantized(mode)) {
+  if (mode != CacheMode::kF16 && mode != CacheMode::kBF16) {
     throw Error("DenseKVCache: mode " + std::to_string(static_cast<int32_t>(mode)) + " is not a CacheMode");
-  }
-  if (is_quantized(mode) && device != Device::kCpu) {
-    throw Error(std::string("DenseKVCache: ") + cache_mode_name(mode) + " caches live on the host only");
   }
   lens_.assign(static_cast<size_t>(batch), 0);
   active_.assign(static_cast<size_t>(batch), 1);
@@ -155,7 +105,6 @@ void DenseKVCache::check_slot(int32_t slot, const char* who) const {
 
 void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int64_t tokens, void* stream) {
   check_slot(slot, "DenseKVCache::admit");
-  if (is_quantized(mode_)) throw Error("DenseKVCache::admit: quantized caches append through append()");
   if (tokens < 0 || tokens > INT32_MAX) {
     throw Error("DenseKVCache::admit: tokens = " + std::to_string(tokens) + " must lie in [0, 2^31 - 1]");
   }
@@ -210,7 +159,6 @@ void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int3
 void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream,
                                const char* who) {
   if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
-  if (is_quantized(mode_)) throw Error(std::string(who) + ": quantized caches append through append()");
   if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
     throw Error(std::string(who) + ": k_new and v_new must not be null");
@@ -316,10 +264,6 @@ void DenseKVCache::grow_to(int64_t needed) {
   };
   regrow(storage_->k, grown->k, k_heads_, stored_row_bytes(mode_, k_head_dim_));
   regrow(storage_->v, grown->v, v_heads_, stored_row_bytes(mode_, v_head_dim_));
-  if (is_quantized(mode_)) {
-    regrow(storage_->k_scale, grown->k_scale, k_heads_, sizeof(float));
-    regrow(storage_->v_scale, grown->v_scale, v_heads_, sizeof(float));
-  }
   grown->live_lens = std::move(storage_->live_lens);
   grown->active = std::move(storage_->active);
   storage_ = std::move(grown);  // views made earlier keep the old storage alive
@@ -332,7 +276,7 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
   if (new_tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
     throw Error("DenseKVCache::append: k_new and v_new must not be null");
   }
-  if (!is_quantized(mode_) && input_dtype != storage_dtype(mode_)) {
+  if (input_dtype != storage_dtype(mode_)) {
     throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) +
                 " does not match the " + cache_mode_name(mode_) + " cache");
   }
@@ -344,11 +288,11 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
   // Whether one strided copy covers every slot: all active at one length.
   bool uniform = true;
   for (size_t b = 0; b < lens_.size(); ++b) uniform = uniform && active_[b] && lens_[b] == lens_[0];
-  auto write = [&](const void* src, Buffer& dst, Buffer& scales, int32_t heads, int32_t dim) {
+  auto write = [&](const void* src, Buffer& dst, int32_t heads, int32_t dim) {
     if (new_tokens == 0 || heads == 0) return;  // also: no pointer arithmetic on an absent V
     const size_t row_bytes = stored_row_bytes(mode_, dim);
     const size_t src_bytes = static_cast<size_t>(new_tokens) * row_bytes;  // one (slot, head)'s new rows
-    if (!is_quantized(mode_) && uniform) {
+    if (uniform) {
       copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(lens_[0]) * row_bytes, device_,
               static_cast<size_t>(capacity_) * row_bytes, src, device_, src_bytes, src_bytes,
               static_cast<size_t>(batch_) * heads);
@@ -357,44 +301,29 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
     for (int32_t b = 0; b < batch_; ++b) {
       if (!active_[static_cast<size_t>(b)]) continue;
       const int64_t at = lens_[static_cast<size_t>(b)];
-      if (!is_quantized(mode_)) {
-        copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
-                device_, static_cast<size_t>(capacity_) * row_bytes,
-                static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
-                src_bytes, static_cast<size_t>(heads));
-        continue;
-      }
-      std::vector<float> row(static_cast<size_t>(dim));
-      const size_t in_bytes = dtype_size(input_dtype);
-      for (int64_t bh = int64_t{b} * heads; bh < int64_t{b + 1} * heads; ++bh) {
-        for (int64_t t = 0; t < new_tokens; ++t) {
-          const int64_t slot = bh * capacity_ + at + t;
-          to_float(input_dtype,
-                   static_cast<const char*>(src) + static_cast<size_t>((bh * new_tokens + t) * dim) * in_bytes,
-                   row.data(), row.size());
-          quantize_row(mode_, row.data(), dim, dst.as<uint8_t>() + static_cast<size_t>(slot) * row_bytes,
-                       scales.as<float>() + slot);
-        }
-      }
+      copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
+              device_, static_cast<size_t>(capacity_) * row_bytes,
+              static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
+              src_bytes, static_cast<size_t>(heads));
     }
   };
-  write(k_new, storage_->k, storage_->k_scale, k_heads_, k_head_dim_);
-  write(v_new, storage_->v, storage_->v_scale, v_heads_, v_head_dim_);
+  write(k_new, storage_->k, k_heads_, k_head_dim_);
+  write(v_new, storage_->v, v_heads_, v_head_dim_);
   for (size_t b = 0; b < lens_.size(); ++b) {
     if (active_[b]) lens_[b] += new_tokens;
   }
   write_device_state();
 }
 
-DType DenseKVCache::dtype() const { return is_quantized(mode_) ? DType::kF32 : storage_dtype(mode_); }
+DType DenseKVCache::dtype() const { return storage_dtype(mode_); }
 
 std::optional<RowView> DenseKVCache::k_rows() const {
-  if (is_quantized(mode_) || capacity_ == 0) return std::nullopt;
+  if (capacity_ == 0) return std::nullopt;
   return RowView::dense(storage_->k.data(), k_heads_, capacity_, k_head_dim_);
 }
 
 std::optional<RowView> DenseKVCache::v_rows() const {
-  if (is_quantized(mode_) || capacity_ == 0 || v_heads_ == 0) return std::nullopt;
+  if (capacity_ == 0 || v_heads_ == 0) return std::nullopt;
   return RowView::dense(storage_->v.data(), v_heads_, capacity_, v_head_dim_);
 }
 
@@ -430,8 +359,6 @@ DenseKVCache::DenseKVCache(const DenseKVCache& other)
   };
   clone(other.storage_->k, storage_->k);
   clone(other.storage_->v, storage_->v);
-  clone(other.storage_->k_scale, storage_->k_scale);
-  clone(other.storage_->v_scale, storage_->v_scale);
   clone(other.storage_->live_lens, storage_->live_lens);
   clone(other.storage_->active, storage_->active);
 }
@@ -457,7 +384,6 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
   const int32_t dim = key ? k_head_dim_ : v_head_dim_;
   const int32_t visible = is_head_trimmed() ? trimmed_heads_ : heads;
   const Buffer& data = key ? storage_->k : storage_->v;
-  const Buffer& scales = key ? storage_->k_scale : storage_->v_scale;
   const size_t row_bytes = stored_row_bytes(mode_, dim);
   const int64_t window = live_len();
   std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(window) * dim, 0.0f);
@@ -472,11 +398,7 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
         const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
         float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * window + t) * dim)];
         const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
-        if (is_quantized(mode_)) {
-          dequantize_row(mode_, src, scales.as<float>()[slot], dim, dst);
-        } else {
-          to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
-        }
+        to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
       }
     }
   }
@@ -494,143 +416,6 @@ HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_k
                 " exceeds 2^31 - 1 requests");
   }
   return {batch, num_qo_heads, num_kv_heads};
-}
-
-PagedBlockPool::PagedBlockPool(Device device, DType dtype, int32_t num_blocks, int32_t heads, int32_t block_size,
-                               int32_t k_head_dim, int32_t v_head_dim)
-    : device_(device),
-      dtype_(dtype),
-      num_blocks_(num_blocks),
-      heads_(heads),
-      block_size_(block_size),
-      k_head_dim_(k_head_dim),
-      v_head_dim_(v_head_dim) {
-  if (num_blocks < 1 || heads < 1 || block_size < 1 || k_head_dim < 1 || v_head_dim < 1) {
-    throw Error("PagedBlockPool: num_blocks, heads, block_size and head dims must be at least 1");
-  }
-  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
-    throw Error("PagedBlockPool: dtype " + std::to_string(static_cast<int32_t>(dtype)) + " is not a DType");
-  }
-  if (int64_t{num_blocks} * heads * block_size > std::numeric_limits<int32_t>::max()) {
-    throw Error("PagedBlockPool: num_blocks * heads * block_size exceeds 2^31 - 1 rows");
-  }
-  const size_t rows = static_cast<size_t>(num_blocks) * heads * block_size;
-  k_ = Buffer(device, rows * k_head_dim * dtype_size(dtype));
-  v_ = Buffer(device, rows * v_head_dim * dtype_size(dtype));
-  for (int32_t b = num_blocks - 1; b >= 0; --b) free_blocks_.push_back(b);
-}
-
-int32_t PagedBlockPool::add_sequence() {
-  block_tables_.emplace_back();
-  seq_lens_.push_back(0);
-  return static_cast<int32_t>(block_tables_.size() - 1);
-}
-
-const std::vector<int32_t>& PagedBlockPool::block_table(int32_t seq) const {
-  if (seq < 0 || seq >= static_cast<int32_t>(block_tables_.size())) {
-    throw Error("PagedBlockPool: sequence " + std::to_string(seq) + " does not exist");
-  }
-  return block_tables_[static_cast<size_t>(seq)];
-}
-
-int64_t PagedBlockPool::seq_len(int32_t seq) const {
-  block_table(seq);
-  return seq_lens_[static_cast<size_t>(seq)];
-}
-
-void PagedBlockPool::append(int32_t seq, const void* k_new, const void* v_new, int64_t new_tokens) {
-  block_table(seq);
-  if (new_tokens < 0 || (new_tokens > 0 && (k_new == nullptr || v_new == nullptr))) {
-    throw Error("PagedBlockPool::append: need new_tokens >= 0 and non-null k_new / v_new (new_tokens = " +
-                std::to_string(new_tokens) + ")");
-  }
-  auto& table = block_tables_[static_cast<size_t>(seq)];
-  int64_t& len = seq_lens_[static_cast<size_t>(seq)];
-  // Check capacity before touching anything, so a failed append leaves the
-  // sequence and the free list as they were.
-  // Room left in the sequence's blocks plus the free ones, compared without
-  // forming len + new_tokens (INT64_MAX tokens used to overflow here).
-  const int64_t room = (static_cast<int64_t>(table.size()) + static_cast<int64_t>(free_blocks_.size())) * block_size_ - len;
-  if (new_tokens > room) {
-    throw Error("PagedBlockPool::append: " + std::to_string(new_tokens) + " tokens do not fit: " +
-                std::to_string(room) + " token slots are left (" + std::to_string(free_blocks_.size()) + " of " +
-                std::to_string(num_blocks_) + " blocks free)");
-  }
-  const int64_t blocks_needed =
-      (len + new_tokens + block_size_ - 1) / block_size_ - static_cast<int64_t>(table.size());
-  if (blocks_needed > static_cast<int64_t>(free_blocks_.size())) {
-    throw Error("PagedBlockPool::append: " + std::to_string(new_tokens) + " tokens need " +
-                std::to_string(blocks_needed) + " more blocks; " + std::to_string(free_blocks_.size()) + " of " +
-                std::to_string(num_blocks_) + " are free");
-  }
-  const size_t esize = dtype_size(dtype_);
-  int64_t t = 0;
-  while (t < new_tokens) {
-    const int64_t slot = len % block_size_;
-    if (slot == 0 && static_cast<int64_t>(table.size()) * block_size_ <= len) {
-      if (free_blocks_.empty()) {
-        throw Error("PagedBlockPool::append: the pool's " + std::to_string(num_blocks_) + " blocks are all in use");
-      }
-      table.push_back(free_blocks_.back());
-      free_blocks_.pop_back();
-    }
-    const int64_t run = std::min<int64_t>(block_size_ - slot, new_tokens - t);
-    const int64_t block = table.back();
-    // One 2-D copy per block run: each head's rows are contiguous in both.
-    auto put = [&](Buffer& dst, const void* src, int32_t dim) {
-      const size_t row_bytes = static_cast<size_t>(dim) * esize;
-      char* target = static_cast<char*>(dst.data()) +
-                     static_cast<size_t>((block * heads_ * block_size_ + slot)) * row_bytes;
-      copy_2d(target, device_, static_cast<size_t>(block_size_) * row_bytes,
-              static_cast<const char*>(src) + static_cast<size_t>(t) * row_bytes, Device::kCpu,
-              static_cast<size_t>(new_tokens) * row_bytes, static_cast<size_t>(run) * row_bytes,
-              static_cast<size_t>(heads_));
-    };
-    put(k_, k_new, k_head_dim_);
-    put(v_, v_new, v_head_dim_);
-    len += run;
-    t += run;
-  }
-}
-
-std::pair<PageTableStructure, std::vector<int32_t>> PagedBlockPool::block_page_table(
-    const std::vector<int32_t>& seqs, const std::vector<int32_t>& heads,
-    const std::vector<std::vector<int32_t>>& selected_blocks) const {
-  if (seqs.size() != heads.size() || seqs.size() != selected_blocks.size()) {
-    throw Error("PagedBlockPool::block_page_table: seqs, heads and selected_blocks need one entry per request");
-  }
-  std::vector<int32_t> seq_lens;
-  std::vector<int32_t> indices;
-  for (size_t r = 0; r < seqs.size(); ++r) {
-    const auto& table = block_table(seqs[r]);
-    const int64_t len = seq_lens_[static_cast<size_t>(seqs[r])];
-    if (heads[r] < 0 || heads[r] >= heads_) {
-      throw Error("PagedBlockPool::block_page_table: head " + std::to_string(heads[r]) + " is outside [0, " +
-                  std::to_string(heads_) + ")");
-    }
-    int64_t visible = 0;
-    const auto& blocks = selected_blocks[r];
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const int32_t b = blocks[i];
-      if (b < 0 || b >= static_cast<int32_t>(table.size())) {
-        throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) + " selects block " +
-                    std::to_string(b) + " of a sequence with " + std::to_string(table.size()) + " blocks");
-      }
-      const int64_t rows = std::min<int64_t>(block_size_, len - int64_t{b} * block_size_);
-      if (rows < block_size_ && i + 1 != blocks.size()) {
-        throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) +
-                    " lists the partial final block before its last entry");
-      }
-      visible += rows;
-      indices.push_back(page(table[static_cast<size_t>(b)], heads[r]));
-    }
-    if (visible > std::numeric_limits<int32_t>::max()) {
-      throw Error("PagedBlockPool::block_page_table: request " + std::to_string(r) + " selects " +
-                  std::to_string(visible) + " tokens, more than 2^31 - 1");
-    }
-    seq_lens.push_back(static_cast<int32_t>(visible));
-  }
-  return {build_page_table_structure(seq_lens, block_size_), indices};
 }
 
 }  // namespace sparsepage

@@ -10,6 +10,8 @@
 #include "core/decode_limits.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/query_strides.h"
+#include "sparsepage/detail/cuda_introspection.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "decode: ", __VA_ARGS__)
 

@@ -2,6 +2,7 @@
 // CUDA entry point reports that clearly instead of failing to link.
 #include "core/cuda_hooks.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/fp8.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/types.h"
@@ -30,10 +31,7 @@ void merge_partials_cuda(const MergePartialsArgs&, void*) { no_cuda("mla_sparse 
 }  // namespace detail
 
 bool cuda_supports_head_dims(int32_t, int32_t, int32_t) { return false; }
-CudaLaunchShape cuda_launch_shape(int32_t, int32_t, int32_t, int32_t) {
-  throw Error("cuda_launch_shape: sparsepage was built without CUDA");
-}
-CudaLaunchShape cuda_launch_shape_tokens(int32_t, int32_t, int32_t, int32_t, int32_t) {
+CudaLaunchShape cuda_launch_shape(int32_t, int32_t, int32_t, int32_t, int32_t) {
   throw Error("cuda_launch_shape: sparsepage was built without CUDA");
 }
 int32_t cuda_multiprocessor_count() { no_cuda("cuda_multiprocessor_count"); }

@@ -176,7 +176,7 @@ PlanShape decode_plan_shape(Device device, int32_t dim_qk, int32_t dim_v, int32_
   shape.head_dim_v = dim_v;
   shape.num_sms = machine_width(device);
   if (device == Device::kCuda) {
-    const CudaLaunchShape launch = cuda_launch_shape_tokens(dim_qk, dim_v, dim_extra, group, q_len);
+    const CudaLaunchShape launch = cuda_launch_shape(dim_qk, dim_v, dim_extra, group, q_len);
     shape.ctas_per_item = launch.ctas_per_item;
     shape.items_per_sm = launch.ctas_per_sm;
   }

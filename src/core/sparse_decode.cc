@@ -10,6 +10,7 @@
 #include "core/cuda_hooks.h"
 #include "core/require.h"
 #include "sparsepage/cache.h"
+#include "sparsepage/detail/cuda_introspection.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "sparse decode: ", __VA_ARGS__)
 
@@ -181,7 +182,7 @@ void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<i
     const bool row_tiles_only = in.kv_format != KvFormat::kNative || in.block_table.data != nullptr;
     const CudaLaunchShape launch =
         row_tiles_only ? cuda_launch_shape(in.k.dim, in.v.dim, extra, group)
-                       : cuda_launch_shape_tokens(in.k.dim, in.v.dim, extra, in.num_qo_heads / in.num_kv_heads, in.q_len);
+                       : cuda_launch_shape(in.k.dim, in.v.dim, extra, in.num_qo_heads / in.num_kv_heads, in.q_len);
     shape.ctas_per_item = launch.ctas_per_item;
     shape.items_per_sm = launch.ctas_per_sm;
   }

@@ -11,6 +11,7 @@
 #include "core/decode_limits.h"
 #include "cpu/plan_runner.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/query_strides.h"
 
 namespace sparsepage {
 namespace cpu {

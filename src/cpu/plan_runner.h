@@ -9,6 +9,7 @@
 #include "cpu/attention_cpu.h"
 #include "cpu/parallel.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/query_strides.h"
 #include "sparsepage/plan.h"
 
 namespace sparsepage::cpu {

@@ -9,6 +9,7 @@
 #include "core/cuda_hooks.h"
 #include "models/static_block_sparse_kernels.h"
 #include "models/kept_blocks.h"
+#include "sparsepage/detail/cuda_introspection.h"
 
 namespace sparsepage {
 namespace detail {

@@ -3,6 +3,7 @@
 #include <random>
 
 #include "sparsepage/cache.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -62,7 +63,7 @@ TEST(DenseCache, GrowsInStepsAndKeepsRows) {
   }
 }
 
-TEST(DenseCache, RowsOnlyForRawRows) {
+TEST(DenseCache, RowsOnceAllocated) {
   DenseKVCache raw(Device::kCpu, CacheMode::kF16, 1, 2, 2, 8, 8);
   EXPECT_FALSE(raw.k_rows().has_value()) << "nothing is allocated before the first append";
   std::vector<uint16_t> kv(2 * 3 * 8, float_to_f16(0.5f));
@@ -76,14 +77,6 @@ TEST(DenseCache, RowsOnlyForRawRows) {
   EXPECT_EQ(trimmed.k_rows()->seq_stride, raw.k_rows()->seq_stride);
   EXPECT_EQ(trimmed.dequantized_window(true).size(), 3u * 8u);
   EXPECT_THROW(raw.head_trimmed(3), Error);
-  for (CacheMode mode : {CacheMode::kInt8, CacheMode::kInt4}) {
-    DenseKVCache q(Device::kCpu, mode, 1, 2, 2, 8, 8);
-    std::vector<float> x(2 * 3 * 8, 0.25f);
-    q.append(x.data(), x.data(), DType::kF32, 3);
-    EXPECT_FALSE(q.k_rows().has_value()) << cache_mode_name(mode);
-    EXPECT_FALSE(q.v_rows().has_value()) << cache_mode_name(mode);
-    EXPECT_EQ(q.dtype(), DType::kF32) << cache_mode_name(mode);
-  }
 }
 
 TEST(DenseCache, RejectsBadInput) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/log.h"
 

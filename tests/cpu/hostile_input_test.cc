@@ -17,6 +17,7 @@
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -195,10 +196,10 @@ TEST(HostileCache, CopiesDoNotShareStorage) {
   b.append(z.data(), z.data(), DType::kBF16, 1);
   EXPECT_EQ(a.dequantized_window(true), (std::vector<float>{1, 1, 2, 2}));
   EXPECT_EQ(b.dequantized_window(true), (std::vector<float>{1, 1, 3, 3}));
-  DenseKVCache c(Device::kCpu, CacheMode::kInt8, 1, 1, 1, 2, 2, 8);
-  const std::vector<float> fx = {1, -1}, fy = {4, 4};
-  c.append(fx.data(), fx.data(), DType::kF32, 1);
-  c = a;  // copy assignment, too
+  DenseKVCache c(Device::kCpu, CacheMode::kF16, 1, 1, 1, 2, 2, 8);
+  const std::vector<uint16_t> fx = {float_to_f16(1), float_to_f16(-1)};
+  c.append(fx.data(), fx.data(), DType::kF16, 1);
+  c = a;  // copy assignment, too (over a cache of another mode)
   a.append(y.data(), y.data(), DType::kBF16, 1);
   EXPECT_EQ(c.live_len(), 2);
   EXPECT_EQ(c.dequantized_window(false), (std::vector<float>{1, 1, 2, 2}));

@@ -10,6 +10,7 @@
 #include "sparsepage/cache.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/sparse_decode.h"
+#include "support/quantized_rows.h"
 #include "support/reference.h"
 
 namespace sparsepage {
@@ -169,22 +170,19 @@ TEST(MaskPath, PagedDecodeOverKeptRowsAgreesAndHeadStrideIsCapacity) {
   EXPECT_GT(testing::relative_l2(run_paged_over_kept(cache, q, mask, live, live), masked_d), 0.1);
 }
 
-TEST(MaskPath, QuantizedCachesDequantize) {
-  for (CacheMode mode : {CacheMode::kInt8, CacheMode::kInt4}) {
+TEST(MaskPath, QuantizedWindowsDequantize) {
+  for (testing::QuantBits bits : {testing::QuantBits::kInt8, testing::QuantBits::kInt4}) {
     std::mt19937_64 rng(23);
-    DenseKVCache cache(Device::kCpu, mode, 1, 1, 1, 64, 64, 32);
     const auto k = testing::random_values(DType::kF32, 50 * 64, rng);
     const auto v = testing::random_values(DType::kF32, 50 * 64, rng);
-    cache.append(k.data(), v.data(), DType::kF32, 50);
-    EXPECT_FALSE(cache.k_rows().has_value()) << "quantized rows are not raw";
-    const auto kd = cache.dequantized_window(true);
     const auto kf = testing::as_float(DType::kF32, k);
+    const auto kd = testing::quantize_round_trip(bits, kf, 64);
     const std::vector<double> kref(kf.begin(), kf.end());
     const double err = testing::relative_l2(kd, kref);
-    EXPECT_LT(err, mode == CacheMode::kInt8 ? 0.01 : 0.15) << cache_mode_name(mode);
-    EXPECT_GT(err, 0.0) << "a quantized cache cannot be exact on random data";
+    EXPECT_LT(err, bits == testing::QuantBits::kInt8 ? 0.01 : 0.15) << testing::quant_bits_name(bits);
+    EXPECT_GT(err, 0.0) << "a quantized window cannot be exact on random data";
     // The mask path runs over the dequantized (f32) window.
-    const auto vd = cache.dequantized_window(false);
+    const auto vd = testing::quantize_round_trip(bits, testing::as_float(DType::kF32, v), 64);
     const auto q = testing::random_values(DType::kF32, 2 * 64, rng);
     MaskedDecodeParams p = testing::one_request_masked_params(DType::kF32, 2, 50, 64, q.data(), kd.data(), vd.data());
     std::vector<float> o(2 * 64, std::nanf(""));

@@ -19,6 +19,7 @@
 #include "sparsepage/plan.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
+#include "support/paged_block_pool.h"
 
 namespace sparsepage {
 namespace {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/cuda_test_util.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/models/dsa.h"
 #include "support/layer_checks.h"
 

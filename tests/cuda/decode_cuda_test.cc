@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/cuda_test_util.h"
+#include "sparsepage/detail/cuda_introspection.h"
 
 namespace sparsepage::testing {
 namespace {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/fp8.h"
 #include "support/fp8_problem.h"
 

@@ -15,6 +15,7 @@
 #include "cuda/cuda_test_util.h"
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"

@@ -33,6 +33,7 @@
 
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/query_strides.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/page_table.h"
@@ -47,6 +48,7 @@
 #include "support/engine_problem.h"
 #include "support/fp8_problem.h"
 #include "support/multi_token.h"
+#include "support/paged_block_pool.h"
 #include "support/reference.h"
 
 namespace sparsepage {

@@ -1,4 +1,5 @@
-"""The engines' own inputs through sparsepage.paged_decode on the CPU (numpy), against fp64:
+"""The engines' own inputs through the decode binding (sparsepage._core._paged_decode, what
+torch_ops.paged_decode_out and the engine helpers launch) on the CPU (numpy), against fp64:
 an index matrix instead of a CSR table (vLLM / SGLang's [num_tokens, topk] slot ids with -1
 padding and topk_length), request-local positions resolved through a block table, a block table
 as the page ids of [num_blocks, block_size, num_kv_heads, head_dim] pools with GQA folding, and
@@ -47,7 +48,7 @@ def test_block_table_pages_with_gqa_and_qkv_slice(rng, block_size):
     o = wide[:, :, 4:4 + D]
     lse = np.full((S, Hq), np.nan, np.float32)
     plan = cpu_plan([max_blocks * block_size] * (S * Hkv), G, D)
-    sp.paged_decode(plan, q, k_cache, v_cache, o, None, tables, lens, page_size=block_size, scale=0.2, lse=lse,
+    sp._core._paged_decode(plan, q, k_cache, v_cache, o, None, tables, lens, page_size=block_size, scale=0.2, lse=lse,
                     num_kv_heads=Hkv)
     flat_k, flat_v = k_cache.reshape(-1, Hkv, D), v_cache.reshape(-1, Hkv, D)
     for b in range(S):
@@ -77,7 +78,7 @@ def test_slot_id_matrix_with_minus_one_and_topk_length(rng):
     o = np.full((T, H, 512), np.nan, np.float32)
     lse = np.full((T, H), np.nan, np.float32)
     plan = cpu_plan([topk] * T, H, 512)
-    sp.paged_decode(plan, q_lat, kv[..., :512], kv[..., :512], o, None, slots, topk_length, page_size=1,
+    sp._core._paged_decode(plan, q_lat, kv[..., :512], kv[..., :512], o, None, slots, topk_length, page_size=1,
                     scale=576 ** -0.5, lse=lse, q_extra=q_pe, k_extra=kv[..., 512:], skip_minus_one=True)
     rows = kv.reshape(-1, 576)
     for t in range(T):
@@ -104,7 +105,7 @@ def test_positions_through_a_block_table_with_token_rows(rng):
     kv = nan_pool(rng, (num_blocks, bs, 576), np.concatenate(kept))
     o = np.full((T, H, 512), np.nan, np.float32)
     plan = cpu_plan([topk] * T, H, 512)
-    sp.paged_decode(plan, q_lat, kv[..., :512], kv[..., :512], o, None, positions, None, page_size=1, scale=0.05,
+    sp._core._paged_decode(plan, q_lat, kv[..., :512], kv[..., :512], o, None, positions, None, page_size=1, scale=0.05,
                     q_extra=q_pe, k_extra=kv[..., 512:], skip_minus_one=True, block_table=table,
                     block_table_rows=token_to_request, block_size=bs)
     rows = kv.reshape(-1, 576)
@@ -123,7 +124,7 @@ def engine_call(**overrides):
     kw = dict(page_size=1, scale=1.0, skip_minus_one=True)
     for key, value in overrides.items():
         (args if key in args else kw)[key] = value
-    sp.paged_decode(*args.values(), **kw)
+    sp._core._paged_decode(*args.values(), **kw)
 
 
 def test_engine_arguments_raise_with_the_exact_message():

@@ -1,4 +1,5 @@
-"""The paged decode over numpy arrays against the fp64 reference."""
+"""The paged decode binding (sparsepage._core._paged_decode, what torch_ops and the engine helpers
+launch) over numpy arrays against the fp64 reference."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def run_case(rng, dtype, *, num_requests=5, group=4, dqk=32, dv=32, page_size=4,
     plan = sp.make_decode_plan(lens, sp.PlanShape(group_size=group, head_dim_v=dv, num_sms=3,
                                                   fixed_chunk_tokens=fixed_chunk))
     scale = 1.0 / np.sqrt(dqk + extra_dim)
-    sp.paged_decode(plan, q, k, v, o, t.indptr, indices, t.seq_lens, page_size=page_size, scale=scale,
+    sp._core._paged_decode(plan, q, k, v, o, t.indptr, indices, t.seq_lens, page_size=page_size, scale=scale,
                     first_page_offset=fpo, lse=lse, q_extra=q_extra, k_extra=k_extra)
     tol = tolerance(dtype)
     for r, rows_r in enumerate(paged_rows(t.indptr, indices, lens, page_size, fpo)):
@@ -81,7 +82,7 @@ def test_dense_cache_window_mode(rng):
     q = rng.standard_normal((B * H, G, D)).astype(np.float32)
     o = np.empty((B * H, G, D), np.float32)
     plan = sp.make_decode_plan(counts, sp.PlanShape(group_size=G, head_dim_v=D, num_sms=2))
-    sp.paged_decode(plan, q, kc, vc, o, t.indptr, np.concatenate(picks), t.seq_lens, page_size=1, scale=0.25,
+    sp._core._paged_decode(plan, q, kc, vc, o, t.indptr, np.concatenate(picks), t.seq_lens, page_size=1, scale=0.25,
                     request_row_stride=cap, window_len=L)
     for r in range(B * H):
         b, h = divmod(r, H)
@@ -101,7 +102,7 @@ def test_strided_q_and_o(rng):
     v = rng.standard_normal((40, 8)).astype(np.float32)
     indices = rng.integers(0, 40, size=t.num_pages).astype(np.int32)
     wide = np.full((3, 2, 12), np.nan, np.float32)
-    sp.paged_decode(plan, q, k, v, wide[:, :, 2:10], t.indptr, indices, t.seq_lens, page_size=1, scale=0.3)
+    sp._core._paged_decode(plan, q, k, v, wide[:, :, 2:10], t.indptr, indices, t.seq_lens, page_size=1, scale=0.3)
     for r, rows in enumerate(paged_rows(t.indptr, indices, lens, 1)):
         ref, _ = attend(q[r], k[rows], v[rows], 0.3)
         np.testing.assert_allclose(wide[r, :, 2:10], ref, rtol=2e-5, atol=2e-5)
@@ -117,7 +118,7 @@ def bad_call(**overrides):
     kw = dict(page_size=2, scale=1.0)
     for key, value in overrides.items():
         (args if key in args else kw)[key] = value
-    sp.paged_decode(*args.values(), **kw)
+    sp._core._paged_decode(*args.values(), **kw)
 
 
 def test_bad_inputs_raise_with_the_exact_message():

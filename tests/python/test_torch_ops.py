@@ -96,7 +96,7 @@ def test_merge_states_op(device):
     merged, merged_lse = ops.merge_states(o.to(device), lse.to(device))
     ref_o = np.empty((4, 5, 64), np.float32)
     ref_lse = np.empty((4, 5), np.float32)
-    sp.merge_states(o.numpy(), lse.numpy(), ref_o, ref_lse)
+    sp._core._merge_states(o.numpy(), lse.numpy(), ref_o, ref_lse)
     np.testing.assert_allclose(merged.cpu().numpy(), ref_o, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(merged_lse.cpu().numpy(), ref_lse, rtol=1e-6)
     a, la = ops.merge_state(o[0].to(device), lse[0].to(device), o[2].to(device), lse[2].to(device))
@@ -166,7 +166,7 @@ def test_runs_on_the_current_stream():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mla_slot_decoder_on_engine_cache(device):
+def test_mla_sparse_decoder_on_engine_cache(device):
     g = torch.Generator().manual_seed(5)
     dtype = dtype_for(device)
     T, H, topk, nb, bs = 3, 16, 64, 40, 64
@@ -174,7 +174,7 @@ def test_mla_slot_decoder_on_engine_cache(device):
     q_lat = torch.randn(T, H, 512, generator=g).to(dtype).to(device)
     q_pe = torch.randn(T, H, 64, generator=g).to(dtype).to(device)
     slots = torch.randint(0, nb * bs, (T, topk), generator=g, dtype=torch.int32).to(device)
-    dec = ops.MlaSlotDecoder(T, topk, H, device=device)
+    dec = ops.MlaSparseDecoder(T, topk, H, device=device)
     lse = torch.empty(T, H, device=device)
     o, _ = dec(q_lat, q_pe, kv, slots, scale=576 ** -0.5, lse=lse)
     rows = np64(kv.reshape(-1, 576))

@@ -13,6 +13,8 @@
 #include "cuda/merge/decode_merge.cuh"
 #include "cuda/attention/launch_partial.cuh"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
+#include "sparsepage/detail/query_strides.h"
 
 namespace sparsepage {
 
@@ -164,12 +166,8 @@ bool cuda_supports_head_dims(int32_t head_dim_qk, int32_t head_dim_v, int32_t he
   return cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra) != cuda::TileShape::kNone;
 }
 
-CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size) {
-  return cuda_launch_shape_tokens(head_dim_qk, head_dim_v, head_dim_extra, group_size, 1);
-}
-
-CudaLaunchShape cuda_launch_shape_tokens(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra,
-                                         int32_t group_size, int32_t q_len) {
+CudaLaunchShape cuda_launch_shape(int32_t head_dim_qk, int32_t head_dim_v, int32_t head_dim_extra, int32_t group_size,
+                                  int32_t q_len) {
   const cuda::TileShape shape = cuda::select_tile_shape(head_dim_qk, head_dim_v, head_dim_extra);
   if (shape == cuda::TileShape::kNone) throw Error("cuda_launch_shape: no CUDA kernel for these head dims");
   if (group_size < 1) throw Error("cuda_launch_shape: group_size must be at least 1");

@@ -31,6 +31,7 @@
 #include "cuda/attention/gqa/decode_partial_multi_wgmma.cuh"
 #include "cuda/attention/mla/mla_ws_partial.cuh"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 
 namespace sparsepage {
 namespace cuda {
