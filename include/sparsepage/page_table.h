@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,12 +35,12 @@ PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_le
                                               int32_t page_size,
                                               const std::vector<int32_t>& first_page_offsets = {});
 
-/// Returns a description of the first invariant `table` breaks, or nothing.
-/// With `indices` (host copy) and `num_pool_pages` > 0 it also checks that
-/// every page id lies in [0, num_pool_pages).
-std::optional<std::string> validate_page_table(const PageTableStructure& table,
-                                               const std::vector<int32_t>* indices = nullptr,
-                                               int64_t num_pool_pages = 0);
+/// The first invariant `table` breaks, or "" when it keeps them all (the
+/// library's "problem" convention). With `indices` (host copy) and
+/// `num_pool_pages` > 0 it also checks that every page id lies in
+/// [0, num_pool_pages).
+std::string page_table_problem(const PageTableStructure& table, const std::vector<int32_t>* indices = nullptr,
+                               int64_t num_pool_pages = 0);
 
 /// Throws sparsepage::Error with the validator's message when `table` is invalid.
 void check_page_table(const PageTableStructure& table, const std::vector<int32_t>* indices = nullptr,

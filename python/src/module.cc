@@ -167,7 +167,8 @@ void bind_page_table(nb::module_& m) {
       "validate_page_table",
       [indices_of](const PageTableStructure& table, nb::handle indices, int64_t num_pool_pages) {
         auto v = indices_of(indices, "validate_page_table");
-        return validate_page_table(table, v ? &*v : nullptr, num_pool_pages);
+        const std::string problem = page_table_problem(table, v ? &*v : nullptr, num_pool_pages);
+        return problem.empty() ? std::optional<std::string>() : std::optional<std::string>(problem);
       },
       nb::arg("table"), nb::arg("indices") = nb::none(), nb::arg("num_pool_pages") = 0,
       "The first invariant `table` breaks, or None. With host `indices` and num_pool_pages > 0\n"

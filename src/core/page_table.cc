@@ -53,8 +53,8 @@ PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_le
   return table;
 }
 
-std::optional<std::string> validate_page_table(const PageTableStructure& t, const std::vector<int32_t>* indices,
-                                               int64_t num_pool_pages) {
+std::string page_table_problem(const PageTableStructure& t, const std::vector<int32_t>* indices,
+                               int64_t num_pool_pages) {
   std::ostringstream why;
   const size_t n = t.seq_lens.size();
   if (t.page_size < 1) {
@@ -133,14 +133,13 @@ std::optional<std::string> validate_page_table(const PageTableStructure& t, cons
       }
     }
   }
-  return std::nullopt;
+  return "";
 }
 
 void check_page_table(const PageTableStructure& table, const std::vector<int32_t>* indices,
                       int64_t num_pool_pages) {
-  if (auto problem = validate_page_table(table, indices, num_pool_pages)) {
-    throw Error("page table: " + *problem);
-  }
+  const std::string problem = page_table_problem(table, indices, num_pool_pages);
+  if (!problem.empty()) throw Error("page table: " + problem);
 }
 
 }  // namespace sparsepage

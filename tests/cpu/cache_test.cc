@@ -161,7 +161,7 @@ TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   EXPECT_EQ(table.seq_lens, (std::vector<int32_t>{6, 4}));  // full block + 2-token final block; one full block
   EXPECT_EQ(indices, (std::vector<int32_t>{pool.page(pool.block_table(a)[0], 0), pool.page(pool.block_table(a)[2], 0),
                                           pool.page(pool.block_table(a)[1], 1)}));
-  EXPECT_FALSE(validate_page_table(table, &indices, pool.num_pages()));
+  EXPECT_EQ(page_table_problem(table, &indices, pool.num_pages()), "");
   EXPECT_THROW(pool.block_page_table({a}, {0}, {{2, 0}}), Error) << "partial final block must be last";
   EXPECT_THROW(pool.block_page_table({a}, {0}, {{3}}), Error);
   EXPECT_THROW(pool.block_page_table({a}, {2}, {{0}}), Error);

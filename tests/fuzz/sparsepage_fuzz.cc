@@ -166,7 +166,7 @@ void fuzz_page_table(FuzzedDataProvider& in) {
   if (!accepted([&] { table = build_page_table_structure(lens, page_size, offsets); }, "build_page_table_structure")) {
     return;
   }
-  FUZZ_CHECK(!validate_page_table(table).has_value(), "a built table fails its own validator");
+  FUZZ_CHECK(page_table_problem(table).empty(), "a built table fails its own validator");
   FUZZ_CHECK(table.num_pages() >= 0 && table.num_requests() == static_cast<int32_t>(n), "table sizes");
   // Tamper with one field: the validator must describe it or accept it, never crash.
   PageTableStructure bad = table;
@@ -182,16 +182,16 @@ void fuzz_page_table(FuzzedDataProvider& in) {
     case 5: if (!bad.indptr.empty()) bad.indptr.pop_back(); break;
     default: bad.last_page_len.push_back(value); break;
   }
-  (void)validate_page_table(bad);
+  (void)page_table_problem(bad);
   // Indices against a pool.
   if (table.num_pages() <= 4096) {
     std::vector<int32_t> indices(static_cast<size_t>(table.num_pages()));
     for (int32_t& page : indices) page = in.ConsumeIntegralInRange<int32_t>(-1, 100);
     if (in.ConsumeBool() && !indices.empty()) indices.pop_back();
-    const auto problem = validate_page_table(table, &indices, 100);
+    const std::string problem = page_table_problem(table, &indices, 100);
     bool in_pool = static_cast<int64_t>(indices.size()) == table.num_pages();
     for (int32_t page : indices) in_pool = in_pool && page >= 0 && page < 100;
-    FUZZ_CHECK(problem.has_value() != in_pool, "validate_page_table disagrees about the indices");
+    FUZZ_CHECK(problem.empty() == in_pool, "page_table_problem disagrees about the indices");
   }
 }
 
@@ -763,7 +763,7 @@ void fuzz_caches(FuzzedDataProvider& in) {
   for (int i = in.ConsumeIntegralInRange<int>(0, 5); i > 0; --i) picks.push_back(in.ConsumeIntegralInRange<int32_t>(-1, blocks));
   std::pair<PageTableStructure, std::vector<int32_t>> table;
   if (accepted([&] { table = pool.block_page_table({seq}, {0}, {picks}); }, "block_page_table")) {
-    FUZZ_CHECK(!validate_page_table(table.first, &table.second, pool.num_pages()).has_value(),
+    FUZZ_CHECK(page_table_problem(table.first, &table.second, pool.num_pages()).empty(),
           "block_page_table made an invalid table");
   }
 }

@@ -5,7 +5,7 @@
 
 int main() {
   const auto table = sparsepage::build_page_table_structure({5, 0, 17}, 4, {1, 0, 3});
-  if (table.num_pages() != 2 + 0 + 5 || sparsepage::validate_page_table(table)) {
+  if (table.num_pages() != 2 + 0 + 5 || !sparsepage::page_table_problem(table).empty()) {
     std::printf("consumer: unexpected page table\n");
     return 1;
   }
