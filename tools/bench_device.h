@@ -13,7 +13,7 @@
 namespace sparsepage::bench {
 
 struct DeviceFacts {
-  std::string name;           // "NVIDIA H200" or "cpu (N threads)"
+  std::string name;  // "NVIDIA H200" or "cpu (N threads)"
   int32_t multiprocessors = 0;
   int64_t l2_bytes = 0;
   int64_t memory_bytes = 0;

@@ -151,8 +151,8 @@ Events::~Events() {
 }
 void Events::record(int32_t i, void* stream) {
   if (events_[static_cast<size_t>(i)] != nullptr)
-    SP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[static_cast<size_t>(i)]),
-                                  static_cast<cudaStream_t>(stream)));
+    SP_CUDA_CHECK(
+        cudaEventRecord(static_cast<cudaEvent_t>(events_[static_cast<size_t>(i)]), static_cast<cudaStream_t>(stream)));
 }
 double Events::elapsed_us(int32_t a, int32_t b) const {
   if (!available()) return 0.0;
@@ -177,7 +177,7 @@ double measured_read_bandwidth_gbs(Device device, int64_t bytes) {
       device,
       [&](void* stream) {
         read_kernel<<<sms * 8, 512, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const int4*>(data), vectors,
-                                                                          sink);
+                                                                            sink);
       },
       4, 9);
   SP_CUDA_CHECK(cudaFree(data));

@@ -69,7 +69,8 @@ int main() {
     cudaDeviceSynchronize();
     const auto h0 = std::chrono::steady_clock::now();
     for (int i = 0; i < burst; ++i) run_decode_cuda(p, plan, ws.data());
-    const double host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / burst;
+    const double host =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / burst;
     best = std::min(best, host);
   }
   cudaDeviceSynchronize();

@@ -99,8 +99,10 @@ int main(int argc, char** argv) {
   app.add_option("--q-len", opt.q_len, "query tokens per sequence (FlashMLA's s_q)")->check(CLI::Range(1, 16));
   app.add_option("--heads", opt.heads, "query heads (h_q)")->check(CLI::Range(1, 1024));
   app.add_option("--topk", opt.topk, "ids per query")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--extra-topk", opt.extra_topk, "ids per query in an extra cache (0: none)")->check(CLI::Range(0, 1 << 20));
-  app.add_option("--context", opt.context, "slots each sequence draws its ids from")->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_option("--extra-topk", opt.extra_topk, "ids per query in an extra cache (0: none)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--context", opt.context, "slots each sequence draws its ids from")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   app.add_option("--block-size", opt.block_size, "page_block_size")->check(CLI::Range(1, 4096));
   app.add_flag("--sink", opt.sink, "pass an attention sink per head (compat arm)");
   app.add_option("--reps", opt.reps, "timed graph replays (median reported)")->check(CLI::Range(3, 1000));
@@ -117,9 +119,10 @@ int main(int argc, char** argv) {
   }
   const bench::DeviceFacts facts = bench::device_facts(Device::kCuda);
   std::printf("device: %s (%d SMs, %.0f MB L2); V3.2 656-byte rows, %d heads, s_q %d, top-%d of %lld%s%s\n",
-              facts.name.c_str(), facts.multiprocessors, static_cast<double>(facts.l2_bytes) / 1e6, opt.heads, opt.q_len, opt.topk,
-              static_cast<long long>(opt.context),
-              opt.extra_topk ? (", extra top-" + std::to_string(opt.extra_topk)).c_str() : "", opt.sink ? ", sink" : "");
+              facts.name.c_str(), facts.multiprocessors, static_cast<double>(facts.l2_bytes) / 1e6, opt.heads,
+              opt.q_len, opt.topk, static_cast<long long>(opt.context),
+              opt.extra_topk ? (", extra top-" + std::to_string(opt.extra_topk)).c_str() : "",
+              opt.sink ? ", sink" : "");
   json results = json::array();
   int exit_code = 0;
   for (const int32_t batch : opt.batches) {
@@ -140,12 +143,15 @@ int main(int argc, char** argv) {
     const Buffer sink = upload(Device::kCuda, sink_host);
     // Enough selections that one replay's rows exceed twice the L2.
     const double selection_bytes = double(batch) * opt.q_len * (opt.topk + opt.extra_topk) * MlaFp8Row::kBytes;
-    const int32_t rotate = opt.rotate > 0 ? opt.rotate
-                                          : static_cast<int32_t>(std::clamp(std::ceil(2.0 * static_cast<double>(facts.l2_bytes) / selection_bytes), 1.0, 200.0));
+    const int32_t rotate =
+        opt.rotate > 0 ? opt.rotate
+                       : static_cast<int32_t>(std::clamp(
+                             std::ceil(2.0 * static_cast<double>(facts.l2_bytes) / selection_bytes), 1.0, 200.0));
     std::vector<Buffer> ids, extra_ids;
     for (int32_t i = 0; i < rotate; ++i) {
       ids.push_back(upload(Device::kCuda, random_ids(opt, batch, opt.topk, opt.context, 100 + i)));
-      if (opt.extra_topk > 0) extra_ids.push_back(upload(Device::kCuda, random_ids(opt, batch, opt.extra_topk, opt.context, 900 + i)));
+      if (opt.extra_topk > 0)
+        extra_ids.push_back(upload(Device::kCuda, random_ids(opt, batch, opt.extra_topk, opt.context, 900 + i)));
     }
 
     // The compat arm: its plan, workspace and params.
@@ -157,7 +163,8 @@ int main(int argc, char** argv) {
     const MlaSparsePlan plan = make_mla_sparse_plan({batch, opt.q_len, opt.heads, opt.topk, opt.extra_topk}, machine);
     Buffer ws(Device::kCuda, plan.workspace.total);
     upload_mla_sparse_plan_cuda(plan, ws.data());
-    Buffer o(Device::kCuda, static_cast<size_t>(queries) * 512 * 2), lse(Device::kCuda, static_cast<size_t>(queries) * 4);
+    Buffer o(Device::kCuda, static_cast<size_t>(queries) * 512 * 2),
+        lse(Device::kCuda, static_cast<size_t>(queries) * 4);
     MlaSparseParams p;
     p.batch = batch;
     p.q_len = opt.q_len;
@@ -217,7 +224,8 @@ int main(int argc, char** argv) {
     PlanShape dshape = machine;
     dshape.group_size = opt.heads;
     dshape.head_dim_v = 512;
-    const DecodePlan dplan = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(batch * opt.q_len), opt.topk), dshape);
+    const DecodePlan dplan =
+        make_decode_plan(std::vector<int32_t>(static_cast<size_t>(batch * opt.q_len), opt.topk), dshape);
     Buffer dws(Device::kCuda, std::max<size_t>(dplan.workspace.total, 256));
     upload_plan_cuda(dplan, dws.data());
 
@@ -230,7 +238,8 @@ int main(int argc, char** argv) {
     run_mla_sparse_cuda(check, check_plan, check_ws.data());
     const char* kernel = run_decode_cuda(d, dplan, dws.data());
     const double agreement = relative_l2(as_floats(o), as_floats(o2));
-    const uint32_t flags = read_mla_sparse_error_flag(check_plan, check_ws.data()) | read_decode_error_flag(dplan, dws.data());
+    const uint32_t flags =
+        read_mla_sparse_error_flag(check_plan, check_ws.data()) | read_decode_error_flag(dplan, dws.data());
     const bool ok = agreement < 1e-2 && flags == 0;
     std::printf("batch %d: %d selection(s) rotated; compat: %zu + %zu items, %d partials; decode: %zu items, %d "
                 "partials (%s); agreement %.2e, flags %u (%s)\n",
@@ -265,11 +274,20 @@ int main(int argc, char** argv) {
     const double main_flops = 2.0 * 1088.0 * opt.heads * double(batch) * opt.q_len * opt.topk;
     std::printf("batch %d: compat %.2f us (%.1f TFLOP/s) | decode, main cache only %.2f us (%.1f TFLOP/s)\n", batch,
                 compat_us, flops / (compat_us * 1e6), decode_us, main_flops / (decode_us * 1e6));
-    results.push_back({{"batch", batch}, {"q_len", opt.q_len}, {"heads", opt.heads}, {"topk", opt.topk},
-                       {"extra_topk", opt.extra_topk}, {"context", opt.context}, {"sink", opt.sink},
-                       {"rotate", rotate}, {"device", facts.name}, {"agreement_rel_l2", agreement},
-                       {"compat_cold_us", compat_us}, {"decode_cold_us", decode_us},
-                       {"compat_tflops", flops / (compat_us * 1e6)}, {"decode_tflops", main_flops / (decode_us * 1e6)}});
+    results.push_back({{"batch", batch},
+                       {"q_len", opt.q_len},
+                       {"heads", opt.heads},
+                       {"topk", opt.topk},
+                       {"extra_topk", opt.extra_topk},
+                       {"context", opt.context},
+                       {"sink", opt.sink},
+                       {"rotate", rotate},
+                       {"device", facts.name},
+                       {"agreement_rel_l2", agreement},
+                       {"compat_cold_us", compat_us},
+                       {"decode_cold_us", decode_us},
+                       {"compat_tflops", flops / (compat_us * 1e6)},
+                       {"decode_tflops", main_flops / (decode_us * 1e6)}});
   }
   std::printf("times: median of %d CUDA-graph replays, per launch (each replay rotates among the selections, so\n"
               "their rows exceed 2x the L2: cold); compat = both caches' partial kernels + the merge (+ sink),\n"

@@ -42,16 +42,16 @@ struct Options {
   int32_t batch = 1;
   int32_t reps = 15;
   int32_t steps = 20;
-  int64_t min_sparsity = -1;     // -1: the policy's value
+  int64_t min_sparsity = -1;  // -1: the policy's value
   std::string selection = "blocks";
-  int32_t rows = 2048;           // random mode: rows per request
+  int32_t rows = 2048;  // random mode: rows per request
   int32_t topk_blocks = 16, block_size = 128;
-  int32_t rotate = 0;            // 0: enough selections to defeat the L2
+  int32_t rotate = 0;                       // 0: enough selections to defeat the L2
   int32_t items_per_sm = 0, min_chunk = 0;  // plan tuning (0: defaults)
   bool cpu = false;
-  bool fused_only = false;       // check against the mask arm once, time only the fused arm
-  std::string kv_dtype = "bf16"; // fp8: the fused arm reads an FP8 cache (dsa: the 656-byte MLA rows;
-                                 // blocksparse: e4m3 K and V with per-head scales)
+  bool fused_only = false;        // check against the mask arm once, time only the fused arm
+  std::string kv_dtype = "bf16";  // fp8: the fused arm reads an FP8 cache (dsa: the 656-byte MLA rows;
+                                  // blocksparse: e4m3 K and V with per-head scales)
   std::string json_path;
 };
 
@@ -78,8 +78,9 @@ double worst_request_l2(const std::vector<float>& a, const std::vector<float>& b
   double worst = 0;
   for (int64_t r = 0; r < requests; ++r) {
     const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(r) * per);
-    worst = std::max(worst, relative_l2(std::vector<float>(a.begin() + at, a.begin() + at + static_cast<std::ptrdiff_t>(per)),
-                                        std::vector<float>(b.begin() + at, b.begin() + at + static_cast<std::ptrdiff_t>(per))));
+    worst = std::max(
+        worst, relative_l2(std::vector<float>(a.begin() + at, a.begin() + at + static_cast<std::ptrdiff_t>(per)),
+                           std::vector<float>(b.begin() + at, b.begin() + at + static_cast<std::ptrdiff_t>(per))));
   }
   return worst;
 }
@@ -124,7 +125,8 @@ SparseSelection make_positions(Device device, const Options& opt, int32_t reques
     ids.resize(static_cast<size_t>(std::min<int64_t>(opt.topk_blocks, blocks - 1)));
     ids.push_back(static_cast<int32_t>(blocks - 1));
     for (int32_t b : ids) {
-      for (int64_t t = int64_t{b} * opt.block_size; t < std::min<int64_t>((b + 1) * int64_t{opt.block_size}, context); ++t) {
+      for (int64_t t = int64_t{b} * opt.block_size; t < std::min<int64_t>((b + 1) * int64_t{opt.block_size}, context);
+           ++t) {
         r.push_back(static_cast<int32_t>(t));
       }
     }
@@ -212,7 +214,8 @@ int main(int argc, char** argv) {
               geo.v_aliases_k ? " (V = first columns of K)" : "", opt.batch);
   if (fp8) {
     std::printf("kv cache: fp8 for the fused arm (%s), holding exactly the bf16 values the mask arm reads\n",
-                geo.v_aliases_k ? "656-byte MLA rows: 512 e4m3 + 4 fp32 scales + 64 bf16 rope" : "e4m3 K and V, per-KV-head scales");
+                geo.v_aliases_k ? "656-byte MLA rows: 512 e4m3 + 4 fp32 scales + 64 bf16 rope"
+                                : "e4m3 K and V, per-KV-head scales");
   }
   if (opt.selection == "random") {
     std::printf("selection: %d distinct random rows per request\n", opt.rows);
@@ -221,8 +224,9 @@ int main(int argc, char** argv) {
                 opt.topk_blocks, opt.block_size);
   }
   std::printf("policy: kill switch %s, min sparsity %lld, floors %lld / %lld per request\n",
-              config.enabled ? "off (fused allowed)" : "ON (mask path pinned)", static_cast<long long>(config.min_sparsity),
-              static_cast<long long>(config.min_kv_tokens), static_cast<long long>(config.min_kv_tokens_per_request));
+              config.enabled ? "off (fused allowed)" : "ON (mask path pinned)",
+              static_cast<long long>(config.min_sparsity), static_cast<long long>(config.min_kv_tokens),
+              static_cast<long long>(config.min_kv_tokens_per_request));
 
   json results = json::array();
   struct Row {
@@ -245,12 +249,16 @@ int main(int argc, char** argv) {
     const int64_t cache_rows = int64_t{opt.batch} * geo.num_kv_heads * s.capacity;
     s.k = Buffer(device, static_cast<size_t>(cache_rows * geo.k_row_stride) * esize);
     // fp8: values the FP8 cache holds exactly, so both arms attend the same numbers.
-    if (fp8) bench::fill_e4m3_exact(device, s.k.data(), cache_rows * geo.k_row_stride, 1);
-    else bench::fill_random(device, DType::kBF16, s.k.data(), cache_rows * geo.k_row_stride, 1);
+    if (fp8)
+      bench::fill_e4m3_exact(device, s.k.data(), cache_rows * geo.k_row_stride, 1);
+    else
+      bench::fill_random(device, DType::kBF16, s.k.data(), cache_rows * geo.k_row_stride, 1);
     if (!geo.v_aliases_k) {
       s.v = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_v) * esize);
-      if (fp8) bench::fill_e4m3_exact(device, s.v.data(), cache_rows * geo.dim_v, 2);
-      else bench::fill_random(device, DType::kBF16, s.v.data(), cache_rows * geo.dim_v, 2);
+      if (fp8)
+        bench::fill_e4m3_exact(device, s.v.data(), cache_rows * geo.dim_v, 2);
+      else
+        bench::fill_random(device, DType::kBF16, s.v.data(), cache_rows * geo.dim_v, 2);
     }
     if (geo.dim_extra && !fp8) {
       s.k_extra = Buffer(device, static_cast<size_t>(cache_rows * geo.dim_extra) * esize);
@@ -322,13 +330,15 @@ int main(int argc, char** argv) {
     const int64_t fused_row_bytes = !fp8 ? row_bytes : geo.v_aliases_k ? 656 : geo.dim_qk + geo.dim_v;
     const int64_t fused_bytes = first.total() * fused_row_bytes;
     const int64_t mask_bytes = int64_t{requests} * context * (row_bytes + 4);  // K/V rows + the fp32 mask
-    row.rotate = opt.rotate > 0 ? opt.rotate
-                                : static_cast<int32_t>(std::clamp<int64_t>(
-                                      (2 * std::max<int64_t>(facts.l2_bytes, 1)) / std::max<int64_t>(fused_bytes, 1) + 1, 1, 64));
+    row.rotate = opt.rotate > 0
+                     ? opt.rotate
+                     : static_cast<int32_t>(std::clamp<int64_t>(
+                           (2 * std::max<int64_t>(facts.l2_bytes, 1)) / std::max<int64_t>(fused_bytes, 1) + 1, 1, 64));
     if (device == Device::kCpu) row.rotate = 1;
     std::vector<SparseSelection> selections;
     selections.push_back(make_positions(device, opt, requests, context, 100));
-    for (int32_t i = 1; i < row.rotate; ++i) selections.push_back(make_positions(device, opt, requests, context, 100 + i));
+    for (int32_t i = 1; i < row.rotate; ++i)
+      selections.push_back(make_positions(device, opt, requests, context, 100 + i));
 
     // Correctness first: both arms once, compared.
     SparseDecoder decoder(device, config);
@@ -346,7 +356,8 @@ int main(int argc, char** argv) {
     in.lse = nullptr;  // the timed launches write o only
     row.outcome = outcome.describe();
     std::printf("[context %lld] sparse arm: %s (stats delta: fused %+lld, fallbacks %+lld)\n",
-                static_cast<long long>(context), row.outcome.c_str(), static_cast<long long>(after.fused - before.fused),
+                static_cast<long long>(context), row.outcome.c_str(),
+                static_cast<long long>(after.fused - before.fused),
                 static_cast<long long>(after.fallbacks - before.fallbacks));
     if (outcome.fused()) {
       decoder.check_errors();
@@ -362,8 +373,8 @@ int main(int argc, char** argv) {
     }
     // The mask arm is timed unless --fused-only: it is what runs when the sparse arm declines.
     if (!opt.fused_only || !outcome.fused()) {
-      row.mask_us = bench::median_us_per_launch(device, [&](void* stream) { mask.run(in, selections[0], stream); },
-                                                opt.steps, opt.reps);
+      row.mask_us = bench::median_us_per_launch(
+          device, [&](void* stream) { mask.run(in, selections[0], stream); }, opt.steps, opt.reps);
     }
     row.mask_mb = double(mask.transient_bytes()) / 1e6;
     row.mask_gbs = double(mask_bytes) / (row.mask_us * 1e3);
@@ -373,8 +384,7 @@ int main(int argc, char** argv) {
           device, [&](void* stream) { decoder.try_fused(in8, selections[0], stream); }, opt.steps, opt.reps);
       size_t next = 0;
       row.fused_cold_us = bench::median_us_per_launch(
-          device,
-          [&](void* stream) { decoder.try_fused(in8, selections[next++ % selections.size()], stream); },
+          device, [&](void* stream) { decoder.try_fused(in8, selections[next++ % selections.size()], stream); },
           std::max<int32_t>(opt.steps, row.rotate), opt.reps);
       row.fused_gbs = double(fused_bytes) / (row.fused_cold_us * 1e3);
       row.fused_mb = double(decoder.transient_bytes()) / 1e6;
@@ -383,18 +393,25 @@ int main(int argc, char** argv) {
                   outcome.fused() ? "disagreed with the mask arm" : "fell back to the mask path");
     }
     rows.push_back(row);
-    results.push_back({{"context", context},       {"batch", opt.batch},
-                       {"geometry", geo.name},     {"backend", device_name(device)},
+    results.push_back({{"context", context},
+                       {"batch", opt.batch},
+                       {"geometry", geo.name},
+                       {"backend", device_name(device)},
                        {"kv_dtype", opt.kv_dtype},
-                       {"device", facts.name},     {"selected_per_request", row.selected},
+                       {"device", facts.name},
+                       {"selected_per_request", row.selected},
                        {"sparse_outcome", row.outcome},
-                       {"fused", outcome.fused()}, {"agreement_rel_l2", std::isfinite(row.agreement) ? json(row.agreement) : json(nullptr)},
-                       {"mask_us", row.mask_us},   {"mask_gbs", row.mask_gbs},
+                       {"fused", outcome.fused()},
+                       {"agreement_rel_l2", std::isfinite(row.agreement) ? json(row.agreement) : json(nullptr)},
+                       {"mask_us", row.mask_us},
+                       {"mask_gbs", row.mask_gbs},
                        {"fused_hot_us", std::isfinite(row.fused_hot_us) ? json(row.fused_hot_us) : json(nullptr)},
                        {"fused_cold_us", std::isfinite(row.fused_cold_us) ? json(row.fused_cold_us) : json(nullptr)},
                        {"fused_cold_gbs", std::isfinite(row.fused_gbs) ? json(row.fused_gbs) : json(nullptr)},
-                       {"rotate", row.rotate},     {"peak_read_gbs", peak_gbs},
-                       {"mask_transient_mb", row.mask_mb}, {"fused_transient_mb", row.fused_mb}});
+                       {"rotate", row.rotate},
+                       {"peak_read_gbs", peak_gbs},
+                       {"mask_transient_mb", row.mask_mb},
+                       {"fused_transient_mb", row.fused_mb}});
   }
 
   std::printf("\n%-8s %-6s %-8s %-9s | %-10s %-8s | %-10s %-10s %-8s %-6s | %-8s | %-9s %-9s\n", "context", "batch",
@@ -408,8 +425,8 @@ int main(int argc, char** argv) {
     if (timed) {
       char peak[16] = "-";
       if (peak_gbs > 0) std::snprintf(peak, sizeof(peak), "%.1f", 100.0 * r.fused_gbs / peak_gbs);
-      std::printf("%-10.2f %-10.2f %-8.1f %-6s | %-8.2f | %-9.1f %-9.1f\n", r.fused_hot_us, r.fused_cold_us, r.fused_gbs,
-                  peak, r.mask_us / r.fused_cold_us, r.mask_mb, r.fused_mb);
+      std::printf("%-10.2f %-10.2f %-8.1f %-6s | %-8.2f | %-9.1f %-9.1f\n", r.fused_hot_us, r.fused_cold_us,
+                  r.fused_gbs, peak, r.mask_us / r.fused_cold_us, r.mask_mb, r.fused_mb);
     } else {
       std::printf("%-10s %-10s %-8s %-6s | %-8s | %-9.1f %-9s  (%s)\n", "-", "-", "-", "-", "refused", r.mask_mb, "-",
                   r.outcome.c_str());
@@ -419,7 +436,8 @@ int main(int argc, char** argv) {
     // TFLOP/s counts 2 x (576 + 512) flops per head and selected token (the peers' convention).
     for (const Row& r : rows) {
       if (!std::isfinite(r.fused_cold_us)) continue;
-      const double flops = 2.0 * (geo.dim_qk + geo.dim_extra + geo.dim_v) * geo.num_qo_heads * double(r.selected) * opt.batch;
+      const double flops =
+          2.0 * (geo.dim_qk + geo.dim_extra + geo.dim_v) * geo.num_qo_heads * double(r.selected) * opt.batch;
       std::printf("context %lld: fused %.1f TFLOP/s (cold), %.1f (hot); mask %.1f\n", static_cast<long long>(r.context),
                   flops / (r.fused_cold_us * 1e6), flops / (r.fused_hot_us * 1e6), flops / (r.mask_us * 1e6));
     }

@@ -16,22 +16,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
-#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "bench_device.h"
+#include "sparsepage/fp8.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
-#include "sparsepage/fp8.h"
-#include "sparsepage/index_keys.h"
 
 using namespace sparsepage;
 using json = nlohmann::json;
@@ -45,19 +45,19 @@ struct Options {
   int32_t steps = 16;             // steps per timed run (the context grows by this much)
   int32_t reps = 5;               // timed runs; the median is reported
   bool cpu = false;
-  int32_t q_len = 1;              // query tokens per sequence per step (multi-token steps)
-  std::string pools;               // dsa, blocksparse: "fp8" or "bf16": the step over engine-owned pools (KVStorage::kEnginePools)
-  bool ragged = false;            // also a ragged batch (lengths spread from 1K to the context) beside the
-                                  // uniform batch of the same total tokens
+  int32_t q_len = 1;    // query tokens per sequence per step (multi-token steps)
+  std::string pools;    // dsa, blocksparse: "fp8" or "bf16": the step over engine-owned pools (KVStorage::kEnginePools)
+  bool ragged = false;  // also a ragged batch (lengths spread from 1K to the context) beside the
+                        // uniform batch of the same total tokens
   std::string json_path;
 };
 
 /// One layer under test: how to fill it, step it and read its output.
 struct Arm {
-  std::function<void(int64_t tokens, uint64_t seed)> fill;         // append random tokens (no attention)
+  std::function<void(int64_t tokens, uint64_t seed)> fill;                 // append random tokens (no attention)
   std::function<void(int32_t slot, int64_t tokens, uint64_t seed)> admit;  // one slot's random prompt
-  std::function<std::pair<bool, std::string>(void* stream)> step;  // one decode: fused?, outcome
-  std::function<std::vector<float>()> output;                      // the last step's output
+  std::function<std::pair<bool, std::string>(void* stream)> step;          // one decode: fused?, outcome
+  std::function<std::vector<float>()> output;                              // the last step's output
   std::function<void(void*, void*)> phase_events;
   std::function<void(int64_t)> reserve;
 };
@@ -114,8 +114,7 @@ struct BlockSparseSetup {
   Buffer o;
 };
 
-Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch,
-                     int32_t q_len) {
+Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, DispatchConfig dispatch, int32_t q_len) {
   const auto& c = s.config;
   // A step's q_len tokens: [batch, q_len, heads, dim] queries, token-major K/V slices.
   const size_t b = static_cast<size_t>(batch) * q_len, d = static_cast<size_t>(c.head_dim);
@@ -176,9 +175,8 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
   s.layer = std::make_unique<DsaAttention>(device, DType::kBF16, c, batch, dispatch);
   const size_t row = static_cast<size_t>(c.latent_dim + c.index_head_dim);
   s.tokens = random_buffers(device,
-                            {b * h * c.latent_dim * 2, b * h * c.rope_dim * 2,
-                             b * c.index_heads * c.index_head_dim * 2, b * c.index_heads * 4, b * row * 2,
-                             b * c.rope_dim * 2},
+                            {b * h * c.latent_dim * 2, b * h * c.rope_dim * 2, b * c.index_heads * c.index_head_dim * 2,
+                             b * c.index_heads * 4, b * row * 2, b * c.rope_dim * 2},
                             {false, false, false, true, false, false}, 91);
   s.o = Buffer(device, b * h * c.latent_dim * 2);
   Arm arm;
@@ -190,7 +188,8 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
     for (int64_t at = 0; at < tokens; at += chunk) {
       const int64_t n = std::min(chunk, tokens - at);
       bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * n * row), seed + 2 * at);
-      bench::fill_random(device, DType::kBF16, pe.data(), static_cast<int64_t>(b * n * cfg.rope_dim), seed + 2 * at + 1);
+      bench::fill_random(device, DType::kBF16, pe.data(), static_cast<int64_t>(b * n * cfg.rope_dim),
+                         seed + 2 * at + 1);
       s.layer->append_tokens(k.data(), pe.data(), n);
     }
   };
@@ -376,8 +375,8 @@ double dsa_pools_check(DsaPoolsSetup& s, Device device) {
   for (int32_t b : {0, batch - 1}) {
     std::vector<std::vector<uint8_t>> rows;
     for (int32_t pos : selected[static_cast<size_t>(b)]) {
-      const int64_t slot = int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock +
-                           pos % kPoolBlock;
+      const int64_t slot =
+          int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock + pos % kPoolBlock;
       rows.push_back(download<uint8_t>(device, static_cast<const char*>(p.mla.data()) + slot * p.row_bytes,
                                        static_cast<size_t>(p.row_bytes)));
     }
@@ -550,15 +549,18 @@ double block_pools_check(BlockPoolsSetup& s, Device device) {
       std::vector<std::vector<uint16_t>> vs;
       double mx = -INFINITY;
       for (int32_t blk : blocks[static_cast<size_t>(b * hk + kvh)]) {
-        for (int64_t pos = int64_t{blk} * c.block_size; pos < std::min<int64_t>(len, int64_t{blk + 1} * c.block_size); ++pos) {
-          const int64_t row = int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock +
-                              pos % kPoolBlock;
+        for (int64_t pos = int64_t{blk} * c.block_size; pos < std::min<int64_t>(len, int64_t{blk + 1} * c.block_size);
+             ++pos) {
+          const int64_t row =
+              int64_t{p.host_table[static_cast<size_t>(b) * max_blocks + pos / kPoolBlock]} * kPoolBlock +
+              pos % kPoolBlock;
           const size_t at = static_cast<size_t>((row * hk + kvh) * d) * 2;
           const auto k = download<uint16_t>(device, static_cast<const char*>(p.k.data()) + at, static_cast<size_t>(d));
           vs.push_back(download<uint16_t>(device, static_cast<const char*>(p.v.data()) + at, static_cast<size_t>(d)));
           double dot = 0;
           for (int32_t i = 0; i < d; ++i) {
-            dot += double(bf16_to_float(q[static_cast<size_t>((b * c.num_qo_heads + h) * d + i)])) * bf16_to_float(k[static_cast<size_t>(i)]);
+            dot += double(bf16_to_float(q[static_cast<size_t>((b * c.num_qo_heads + h) * d + i)])) *
+                   bf16_to_float(k[static_cast<size_t>(i)]);
           }
           sc.push_back(dot / std::sqrt(double(d)));
           mx = std::max(mx, sc.back());
@@ -596,8 +598,9 @@ Arm static_arm(StaticSetup& s, Device device, int32_t batch, DispatchConfig disp
   const auto& c = s.config;
   const size_t b = static_cast<size_t>(batch), d = static_cast<size_t>(c.head_dim);
   s.layer = std::make_unique<StaticBlockSparseAttention>(device, DType::kBF16, c, batch, dispatch);
-  s.tokens = random_buffers(device, {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * c.num_kv_heads * d * 2},
-                            {false, false, false}, 55);
+  s.tokens =
+      random_buffers(device, {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * c.num_kv_heads * d * 2},
+                     {false, false, false}, 55);
   s.o = Buffer(device, b * c.num_qo_heads * d * 2);
   Arm arm;
   arm.fill = [&s, device, b, d](int64_t tokens, uint64_t seed) {
@@ -676,18 +679,21 @@ Result measure_pools(const std::string& layer_name, DsaPoolsSetup& s, BlockPools
                 opt.pools.c_str(), row["ragged"].get<bool>() ? " ragged " : "");
   res.line = head;
   if (!did_fuse || !(err < 1e-2)) {
-    res.line += "REFUSED: " + std::string(!did_fuse ? "the step did not fuse (" + outcome + ")"
-                                                    : "the output disagrees with fp64 (rel L2 " + std::to_string(err) + ")");
+    res.line +=
+        "REFUSED: " + std::string(!did_fuse ? "the step did not fuse (" + outcome + ")"
+                                            : "the output disagrees with fp64 (rel L2 " + std::to_string(err) + ")");
     row["refused"] = res.line;
     return res;
   }
   double bytes = 0;  // the index key of every position and the selected rows
   for (int64_t len : lens) {
     if (dsa) {
-      bytes += double(len) * (fp8 ? 132 : 256) + double(std::min<int64_t>(len, s.config.index_topk)) * (fp8 ? 656 : 1152);
+      bytes +=
+          double(len) * (fp8 ? 132 : 256) + double(std::min<int64_t>(len, s.config.index_topk)) * (fp8 ? 656 : 1152);
     } else {
       const auto& c = bs.config;
-      const int64_t kept = c.sparse_regime(len) ? std::min<int64_t>(len, int64_t{c.topk_blocks + 1} * c.block_size) : len;
+      const int64_t kept =
+          c.sparse_regime(len) ? std::min<int64_t>(len, int64_t{c.topk_blocks + 1} * c.block_size) : len;
       bytes += double(len) * (fp8 ? 132 : 2.0 * c.head_dim) + double(kept) * c.num_kv_heads * c.head_dim * 4.0;
     }
   }
@@ -791,7 +797,8 @@ Result measure(const std::string& layer_name, Device device, const std::vector<i
       arm->fill(context - q_len, 1234);
       continue;
     }
-    for (int32_t b = 0; b < batch; ++b) arm->admit(b, lens[static_cast<size_t>(b)] - q_len, 1234 + 7 * static_cast<uint64_t>(b));
+    for (int32_t b = 0; b < batch; ++b)
+      arm->admit(b, lens[static_cast<size_t>(b)] - q_len, 1234 + 7 * static_cast<uint64_t>(b));
   }
 
   // The sampled step: the same tokens through both arms, then agreement.
@@ -855,7 +862,8 @@ Result measure(const std::string& layer_name, Device device, const std::vector<i
       // The token-by-token baseline synchronizes (not capturable): the
       // comparison is the one-token fused step, from a graph as well.
       one_token.step(nullptr);
-      const double one = bench::median_us_per_launch(device, [&](void* st) { one_token.step(st); }, opt.steps, opt.reps);
+      const double one = bench::median_us_per_launch(
+          device, [&](void* st) { one_token.step(st); }, opt.steps, opt.reps);
       row["graph_us"] = graph;
       row["one_token_graph_us"] = one;
       row["ratio_to_one_token"] = graph / one;
@@ -901,7 +909,8 @@ Result measure(const std::string& layer_name, Device device, const std::vector<i
 
 int main(int argc, char** argv) {
   CLI::App app{"sparse_step_bench: whole decode steps (append + indexer + attention) of the block-sparse, DSA and "
-               "static block-sparse layers, the context growing one token per step, eager and replayed from a CUDA graph, beside the "
+               "static block-sparse layers, the context growing one token per step, eager and replayed from a CUDA "
+               "graph, beside the "
                "mask-path step and the read-time floor"};
   Options opt;
   app.add_option("--layers", opt.layers, "blocksparse, dsa and/or static (Phi-3-small's per-query-head pattern)")
@@ -929,7 +938,8 @@ int main(int argc, char** argv) {
 
   const Device device = !opt.cpu && cuda_available() ? Device::kCuda : Device::kCpu;
   const bench::DeviceFacts facts = bench::device_facts(device);
-  if (opt.batches.empty()) opt.batches = device == Device::kCuda ? std::vector<int32_t>{1, 8, 32} : std::vector<int32_t>{1};
+  if (opt.batches.empty())
+    opt.batches = device == Device::kCuda ? std::vector<int32_t>{1, 8, 32} : std::vector<int32_t>{1};
   if (device == Device::kCpu) {  // a CPU step takes milliseconds: fewer of them
     if (app.count("--steps") == 0) opt.steps = 4;
     if (app.count("--reps") == 0) opt.reps = 3;

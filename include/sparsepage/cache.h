@@ -32,8 +32,8 @@ const char* cache_mode_name(CacheMode mode);
 /// batch). Rows past a slot's live length are unspecified.
 class DenseKVCache {
  public:
-  DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads,
-               int32_t k_head_dim, int32_t v_head_dim, int64_t capacity_step = 256);
+  DenseKVCache(Device device, CacheMode mode, int32_t batch, int32_t k_heads, int32_t v_heads, int32_t k_head_dim,
+               int32_t v_head_dim, int64_t capacity_step = 256);
 
   /// A copy owns a copy of the rows (device to device on CUDA): appending
   /// to one never changes the other. Only `head_trimmed` views share rows.
@@ -149,9 +149,9 @@ class DenseKVCache {
   int32_t batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_;
   int64_t capacity_step_;
   int64_t capacity_ = 0;
-  std::vector<int64_t> lens_;     // [batch] host copy of each slot's live length
-  std::vector<uint8_t> active_;   // [batch] 1 active, 0 free
-  int32_t trimmed_heads_ = -1;  // >= 0 for a head-trimmed view
+  std::vector<int64_t> lens_;    // [batch] host copy of each slot's live length
+  std::vector<uint8_t> active_;  // [batch] 1 active, 0 free
+  int32_t trimmed_heads_ = -1;   // >= 0 for a head-trimmed view
   std::shared_ptr<Storage> storage_;
 };
 

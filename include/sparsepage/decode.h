@@ -184,7 +184,7 @@ enum class QueryLayout : int32_t {
 /// anything from 0 up to what the plan was made for, so one plan (and one
 /// captured CUDA graph) serves steps whose counts change on the device.
 struct DecodeParams {
-  DType dtype = DType::kBF16;        // q, pools and o share it (K and V: see kv_format)
+  DType dtype = DType::kBF16;  // q, pools and o share it (K and V: see kv_format)
   KvFormat kv_format = KvFormat::kNative;
   // kE4m3PerHead: the per-KV-head scales of K and V (device memory on CUDA);
   // null otherwise.
@@ -193,17 +193,17 @@ struct DecodeParams {
 
   // Page table (docs/DESIGN.md: the page table).
   IndexLayout index_layout = IndexLayout::kCsr;
-  const int32_t* indptr = nullptr;            // kCsr: [num_requests + 1]; kMatrix: unused
-  const int32_t* indices = nullptr;           // page ids (kCsr: [indptr[num_requests]])
-  const int32_t* first_page_offset = nullptr; // [num_requests]; may be null (all zero)
+  const int32_t* indptr = nullptr;             // kCsr: [num_requests + 1]; kMatrix: unused
+  const int32_t* indices = nullptr;            // page ids (kCsr: [indptr[num_requests]])
+  const int32_t* first_page_offset = nullptr;  // [num_requests]; may be null (all zero)
   // Visible tokens, in [0, the plan's count]; may be null: every request
   // sees the count the plan was made for (e.g. full top-k rows). The CPU
   // backend refuses an entry outside by name; on CUDA it poisons the
   // requests that read it (NaN, kDecodeErrorLength).
-  const int32_t* seq_lens = nullptr;          // [num_requests] or [num_sequences] (seq_lens_index)
+  const int32_t* seq_lens = nullptr;  // [num_requests] or [num_sequences] (seq_lens_index)
   SeqLensIndex seq_lens_index = SeqLensIndex::kPerRequest;
   int32_t num_requests = 0;
-  int32_t num_kv_heads = 1;    // requests per sequence: r = b * num_kv_heads + h
+  int32_t num_kv_heads = 1;  // requests per sequence: r = b * num_kv_heads + h
   int32_t page_size = 1;
   PageAddressing addressing = PageAddressing::kPoolPages;
   IndexPadding padding = IndexPadding::kNone;
@@ -231,9 +231,9 @@ struct DecodeParams {
   int32_t index_width = 0;
   int64_t index_seq_stride = 0;
   int64_t index_head_stride = 0;
-  BlockTable block_table;      // kBlockTable only
+  BlockTable block_table;  // kBlockTable only
 
-  int32_t group_size = 1;      // query heads per request
+  int32_t group_size = 1;  // query heads per request
   // Query tokens per request (multi-token steps: speculative verification,
   // MTP). A request's query rows are q_len tokens x group_size heads, and the
   // plan is made for group_size * q_len rows (PlanShape::group_size). Token t
@@ -246,20 +246,20 @@ struct DecodeParams {
   // 64) takes q_len = 1 on CUDA (make each token a request, as DSA does).
   int32_t q_len = 1;
   QueryLayout qo_layout = QueryLayout::kPacked;
-  const void* q = nullptr;     // [num_requests, group_size, k.dim] (kPacked) or q_strides
-  QueryStrides q_strides;      // kStrided only
-  RowView k;                   // K rows, dim = head_dim_qk
-  RowView v;                   // V rows, dim = head_dim_v; may alias k's first columns
+  const void* q = nullptr;        // [num_requests, group_size, k.dim] (kPacked) or q_strides
+  QueryStrides q_strides;         // kStrided only
+  RowView k;                      // K rows, dim = head_dim_qk
+  RowView v;                      // V rows, dim = head_dim_v; may alias k's first columns
   const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
   QueryStrides q_extra_strides;   // kStrided only
-  RowView k_extra;             // second K stream; data null when absent
-  float scale = 1.0f;          // applied to q.k (and q_extra.k_extra)
+  RowView k_extra;                // second K stream; data null when absent
+  float scale = 1.0f;             // applied to q.k (and q_extra.k_extra)
 
-  void* o = nullptr;           // [num_requests, group_size, v.dim] (kPacked) or o_strides
-  QueryStrides o_strides;      // kStrided only; heads and sequences must not overlap
-  float* lse = nullptr;        // [num_requests, group_size], packed; may be null. Natural log (base e)
-                               // of the sum of exp(scaled scores); -inf for an empty request.
-                               // q_len > 1: [num_sequences, q_len, num_kv_heads, group_size]
+  void* o = nullptr;       // [num_requests, group_size, v.dim] (kPacked) or o_strides
+  QueryStrides o_strides;  // kStrided only; heads and sequences must not overlap
+  float* lse = nullptr;    // [num_requests, group_size], packed; may be null. Natural log (base e)
+                           // of the sum of exp(scaled scores); -inf for an empty request.
+                           // q_len > 1: [num_sequences, q_len, num_kv_heads, group_size]
 };
 
 /// Most query tokens one request may carry (DecodeParams::q_len): speculative
@@ -286,11 +286,10 @@ int64_t window_lens_bound(const DecodeParams& params);
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace);
 
 /// Why the CUDA kernels cannot read these streams as laid out, or "" when they
-/// can (native K and V; the launch overload below judges the fp8 formats): f16/bf16 elements, 16-byte aligned bases, row, head and sequence
-/// strides in whole 16-byte pieces (rows are copied 16 bytes at a time), and a
-/// V wider than 256 (the MLA latent) read as K's own columns. Host-only. The
-/// CUDA entry points throw it and the dispatch policy declines with it, so a
-/// layout the policy accepts always launches.
+/// can (native K and V; the launch overload below judges the fp8 formats): f16/bf16 elements, 16-byte aligned bases,
+/// row, head and sequence strides in whole 16-byte pieces (rows are copied 16 bytes at a time), and a V wider than 256
+/// (the MLA latent) read as K's own columns. Host-only. The CUDA entry points throw it and the dispatch policy declines
+/// with it, so a layout the policy accepts always launches.
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o);
 /// The same for a whole launch: the streams above, and strided q, q_extra and

@@ -12,14 +12,14 @@ namespace sparsepage {
 
 enum class OutcomeKind : int32_t {
   kFused = 0,
-  kKillSwitch,         // SPARSEPAGE_SPARSE_DECODE pins the dense path
-  kBelowFloor,         // too few selected rows to beat the alternative kernel
-  kBelowSparsity,      // live window not enough times the selected count
-  kNonRawCache,        // quantized, pool-backed or head-trimmed cache
-  kUnsupportedHeadDim, // no fused kernel for these head dims
-  kNoDevice,           // the fused path needs a GPU the process does not have
-  kUnsupportedLayout,  // dtype, alignment or row strides the fused kernel cannot read
-  kUnsupportedArch,    // no kernel for this GPU architecture in this build (cuda_arch_problem)
+  kKillSwitch,          // SPARSEPAGE_SPARSE_DECODE pins the dense path
+  kBelowFloor,          // too few selected rows to beat the alternative kernel
+  kBelowSparsity,       // live window not enough times the selected count
+  kNonRawCache,         // quantized, pool-backed or head-trimmed cache
+  kUnsupportedHeadDim,  // no fused kernel for these head dims
+  kNoDevice,            // the fused path needs a GPU the process does not have
+  kUnsupportedLayout,   // dtype, alignment or row strides the fused kernel cannot read
+  kUnsupportedArch,     // no kernel for this GPU architecture in this build (cuda_arch_problem)
   kCount
 };
 const char* outcome_kind_name(OutcomeKind kind);
@@ -32,8 +32,8 @@ struct SparseDecodeOutcome {
   int64_t selected_rows = 0;  // rows per request (max) for fused; total for reasons
   int64_t chunks = 0;         // work items of the plan
   bool merge = false;
-  const char* kernel = "";    // fused: the kernel that ran (as run_decode_cuda names it, or "CPU loop")
-  std::string reason;         // fallbacks only
+  const char* kernel = "";  // fused: the kernel that ran (as run_decode_cuda names it, or "CPU loop")
+  std::string reason;       // fallbacks only
   bool fused() const { return kind == OutcomeKind::kFused; }
   /// The one-line description, e.g.
   /// "fused sparse launch (4 request(s) x 2048 selected rows, 256 chunks, merge on;
@@ -83,16 +83,16 @@ bool parse_debug_switch(const char* value);
 
 /// The facts a decision is made from.
 struct DispatchInput {
-  int64_t num_requests = 0;     // folded: batch * num_kv_heads
-  int64_t selected_rows = 0;    // total selected rows across requests
-  int64_t live_len = 0;         // tokens in the cache (per request)
-  bool raw_cache = true;        // raw fp16/bf16 rows
+  int64_t num_requests = 0;   // folded: batch * num_kv_heads
+  int64_t selected_rows = 0;  // total selected rows across requests
+  int64_t live_len = 0;       // tokens in the cache (per request)
+  bool raw_cache = true;      // raw fp16/bf16 rows
   bool head_dims_supported = true;
   bool device_available = true;
-  bool layout_supported = true;   // dtype, KV format, alignment, row strides
-  std::string layout_problem;     // why not (cuda_layout_problem), named in the decline; may be empty
-  std::string arch_problem;       // cuda_arch_problem for the device; empty: a kernel exists
-  int64_t chunks = 0;           // filled into the outcome when fused
+  bool layout_supported = true;  // dtype, KV format, alignment, row strides
+  std::string layout_problem;    // why not (cuda_layout_problem), named in the decline; may be empty
+  std::string arch_problem;      // cuda_arch_problem for the device; empty: a kernel exists
+  int64_t chunks = 0;            // filled into the outcome when fused
   bool merge = false;
 };
 

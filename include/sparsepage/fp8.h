@@ -18,10 +18,10 @@ namespace sparsepage {
 struct MlaFp8Row {
   static constexpr int32_t kLatent = 512;
   static constexpr int32_t kRope = 64;
-  static constexpr int32_t kBlock = 128;                        // latent values per scale
-  static constexpr int32_t kScaleOffset = kLatent;              // bytes
+  static constexpr int32_t kBlock = 128;                                    // latent values per scale
+  static constexpr int32_t kScaleOffset = kLatent;                          // bytes
   static constexpr int32_t kRopeOffset = kLatent + 4 * (kLatent / kBlock);  // 528
-  static constexpr int32_t kBytes = kRopeOffset + 2 * kRope;    // 656
+  static constexpr int32_t kBytes = kRopeOffset + 2 * kRope;                // 656
 };
 
 /// The decode's K, V and second-stream views of `rows` rows of the format at

@@ -54,8 +54,8 @@ enum class IndexKeyFormat : int32_t {
 
 /// The FP8 format's constants and byte offsets inside one block.
 struct IndexKeyFp8 {
-  static constexpr int32_t kDim = 128;          // values per key: one quantization block
-  static constexpr int32_t kTokenBytes = 132;   // 128 e4m3 values + one fp32 scale
+  static constexpr int32_t kDim = 128;         // values per key: one quantization block
+  static constexpr int32_t kTokenBytes = 132;  // 128 e4m3 values + one fp32 scale
   static constexpr int64_t value_offset(int32_t /*block_size*/, int32_t slot) { return int64_t{slot} * kDim; }
   static constexpr int64_t scale_offset(int32_t block_size, int32_t slot) {
     return int64_t{block_size} * kDim + 4 * int64_t{slot};
@@ -106,8 +106,8 @@ enum class IndexQueryFormat : int32_t {
 };
 
 /// Bits of the indexer's and the write op's device error word. A refused
-/// row of the indexer selects nothing (positions -1, count -1, which the decode flags and poisons for that request alone); a refused
-/// token of the write op is not written.
+/// row of the indexer selects nothing (positions -1, count -1, which the decode flags and poisons for that request
+/// alone); a refused token of the write op is not written.
 enum IndexKeyError : int32_t {
   /// A sequence's length is negative, over max_kv_len, or longer than its
   /// block-table row holds (max_blocks x block_size).

@@ -29,14 +29,14 @@ namespace sparsepage {
 /// One step's per-token inputs, by role; each model's token struct says
 /// which it uses and converts to this. All on the layer's device.
 struct StepTokens {
-  const void* q = nullptr;              // [batch, q_len, num_qo_heads, dim]
-  const void* q_extra = nullptr;        // [batch, q_len, num_qo_heads, extra_dim] (MLA rope queries) or null
-  const void* index_q = nullptr;        // the indexer's queries, [batch, q_len, ...] or null
-  const float* index_weights = nullptr; // the indexer's weights, [batch, q_len, ...] or null
-  const void* k = nullptr;              // this step's cache K rows, [q_len, batch, k_heads, 1, k_dim]
-  const void* v = nullptr;              // this step's cache V rows, [q_len, batch, v_heads, 1, v_dim] or null
-  const void* index_k = nullptr;        // engine-paged layers: this step's index keys [batch, 1, 1, dim]
-  void* o = nullptr;                    // [batch, q_len, num_qo_heads, v_dim]
+  const void* q = nullptr;               // [batch, q_len, num_qo_heads, dim]
+  const void* q_extra = nullptr;         // [batch, q_len, num_qo_heads, extra_dim] (MLA rope queries) or null
+  const void* index_q = nullptr;         // the indexer's queries, [batch, q_len, ...] or null
+  const float* index_weights = nullptr;  // the indexer's weights, [batch, q_len, ...] or null
+  const void* k = nullptr;               // this step's cache K rows, [q_len, batch, k_heads, 1, k_dim]
+  const void* v = nullptr;               // this step's cache V rows, [q_len, batch, v_heads, 1, v_dim] or null
+  const void* index_k = nullptr;         // engine-paged layers: this step's index keys [batch, 1, 1, dim]
+  void* o = nullptr;                     // [batch, q_len, num_qo_heads, v_dim]
 };
 
 /// What a step did.
@@ -44,8 +44,8 @@ struct LayerStep {
   /// Some sequence's selection left something out (by the host's lengths;
   /// inside a captured step the lengths at capture time).
   bool sparse = false;
-  bool fused = false;            // the fused paged decode ran (else the mask path)
-  SparseDecodeOutcome outcome;   // the policy's outcome
+  bool fused = false;           // the fused paged decode ran (else the mask path)
+  SparseDecodeOutcome outcome;  // the policy's outcome
 };
 
 /// The skeleton. Public: the batch, the cache and inspection of the last

@@ -20,9 +20,9 @@ namespace sparsepage {
 struct MaskedDecodeParams {
   DType dtype = DType::kBF16;  // q, streams and o share it (kF32 for dequantized caches)
   int32_t batch = 0;
-  int32_t num_kv_heads = 0;    // attention KV heads
+  int32_t num_kv_heads = 0;  // attention KV heads
   int32_t group_size = 1;
-  int64_t live_len = 0;            // live tokens (an upper bound when live_lens is set)
+  int64_t live_len = 0;  // live tokens (an upper bound when live_lens is set)
   /// Per-sequence live lengths [batch], read where the kernel runs (device
   /// memory on CUDA), each in [0, live_len]; null: live_len for every
   /// sequence. An entry outside is refused by name on the CPU; the CUDA
@@ -30,16 +30,16 @@ struct MaskedDecodeParams {
   /// and reads none of its rows.
   /// With them one launch (and one captured graph) serves a growing context.
   const int32_t* live_lens = nullptr;
-  const void* q = nullptr;         // [batch * num_kv_heads, group_size, k.dim]
+  const void* q = nullptr;  // [batch * num_kv_heads, group_size, k.dim]
   RowView k;
   RowView v;
-  const void* q_extra = nullptr;   // [batch * num_kv_heads, group_size, k_extra.dim] or null
-  RowView k_extra;                 // data null when absent
-  const float* mask = nullptr;     // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
-  int64_t mask_pitch = 0;          // floats per request's mask row, >= live_len; 0: live_len
+  const void* q_extra = nullptr;  // [batch * num_kv_heads, group_size, k_extra.dim] or null
+  RowView k_extra;                // data null when absent
+  const float* mask = nullptr;    // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
+  int64_t mask_pitch = 0;         // floats per request's mask row, >= live_len; 0: live_len
   float scale = 1.0f;
-  void* o = nullptr;               // [batch * num_kv_heads, group_size, v.dim]
-  float* lse = nullptr;            // [batch * num_kv_heads, group_size] or null
+  void* o = nullptr;     // [batch * num_kv_heads, group_size, v.dim]
+  float* lse = nullptr;  // [batch * num_kv_heads, group_size] or null
 };
 
 void check_masked_decode_params(const MaskedDecodeParams& params);
@@ -56,8 +56,7 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
 /// count must be at most `max_rows`: the CPU backend throws otherwise, the
 /// CUDA backend (which cannot read the counts on the host) copies the first
 /// `max_rows`.
-void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests,
-                 int64_t max_rows, DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst,
-                 void* stream = nullptr);
+void gather_rows(Device device, const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
+                 DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream = nullptr);
 
 }  // namespace sparsepage

@@ -27,8 +27,14 @@ class Buffer {
 
   void* data() { return data_; }
   const void* data() const { return data_; }
-  template <typename T> T* as() { return static_cast<T*>(data_); }
-  template <typename T> const T* as() const { return static_cast<const T*>(data_); }
+  template <typename T>
+  T* as() {
+    return static_cast<T*>(data_);
+  }
+  template <typename T>
+  const T* as() const {
+    return static_cast<const T*>(data_);
+  }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
   bool empty() const { return bytes_ == 0; }
@@ -45,8 +51,8 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 
 /// Copies `height` rows of `width` bytes; rows start every `dst_pitch` /
 /// `src_pitch` bytes (synchronous). This is how caches grow and append.
-void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, Device src_device,
-             size_t src_pitch, size_t width, size_t height);
+void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, Device src_device, size_t src_pitch,
+             size_t width, size_t height);
 
 /// Fills `bytes` of `dst` with the byte `value` (0xFF makes f32/f16/bf16 NaN).
 void fill_bytes(void* dst, Device device, int value, size_t bytes);

@@ -41,10 +41,10 @@ const char* mla_cache_format_name(MlaCacheFormat format);
 struct MlaModel1Block {
   static constexpr int32_t kNope = 448;
   static constexpr int32_t kRope = 64;
-  static constexpr int32_t kTile = 64;                   // values per scale
-  static constexpr int32_t kScales = kNope / kTile;      // 7
-  static constexpr int32_t kTokenBytes = kNope + 2 * kRope;  // 576
-  static constexpr int32_t kScaleBytes = 8;              // 7 scales and one unused byte
+  static constexpr int32_t kTile = 64;                                  // values per scale
+  static constexpr int32_t kScales = kNope / kTile;                     // 7
+  static constexpr int32_t kTokenBytes = kNope + 2 * kRope;             // 576
+  static constexpr int32_t kScaleBytes = 8;                             // 7 scales and one unused byte
   static constexpr int32_t kBytesPerToken = kTokenBytes + kScaleBytes;  // 584
 };
 
@@ -58,9 +58,9 @@ int32_t mla_bytes_per_token(MlaCacheFormat format);
 struct MlaSparseCache {
   const void* data = nullptr;  // block 0's first byte; null: no such cache (the extra one)
   int64_t num_blocks = 0;
-  int32_t block_size = 0;      // tokens per block (FlashMLA's page_block_size)
-  int64_t block_stride = 0;    // bytes between blocks: >= block_size * row_stride (kV32), >= block_size * 584 (kModel1)
-  int64_t row_stride = 0;      // kV32: bytes between a block's rows (>= 656); kModel1: unused (the layout fixes it)
+  int32_t block_size = 0;    // tokens per block (FlashMLA's page_block_size)
+  int64_t block_stride = 0;  // bytes between blocks: >= block_size * row_stride (kV32), >= block_size * 584 (kModel1)
+  int64_t row_stride = 0;    // kV32: bytes between a block's rows (>= 656); kModel1: unused (the layout fixes it)
   // Slot ids block * block_size + offset: query token t of sequence b reads
   // indices[b * index_batch_stride + t * index_token_stride + i] for
   // i < topk_length[b] (or topk). -1 means "no token": never read, adds
@@ -68,7 +68,7 @@ struct MlaSparseCache {
   const int32_t* indices = nullptr;  // [batch, q_len, topk]
   int32_t topk = 0;
   int64_t index_batch_stride = 0, index_token_stride = 0;  // elements
-  const int32_t* topk_length = nullptr;  // [batch], each in [0, topk]; null: every id is read
+  const int32_t* topk_length = nullptr;                    // [batch], each in [0, topk]; null: every id is read
 
   int64_t num_slots() const { return num_blocks * block_size; }
 };
@@ -76,7 +76,7 @@ struct MlaSparseCache {
 /// One decode launch. Pointers are in the memory of the backend that runs it.
 struct MlaSparseParams {
   MlaCacheFormat format = MlaCacheFormat::kV32;  // both caches'
-  DType dtype = DType::kBF16;  // q and o (CUDA: bf16)
+  DType dtype = DType::kBF16;                    // q and o (CUDA: bf16)
   int32_t batch = 0, q_len = 1, num_heads = 0;
   // [batch, q_len, num_heads, mla_head_dim_qk(format)], unit stride in the
   // last dim; a sequence's tokens must be heads apart: q_token_stride =
@@ -112,13 +112,13 @@ struct MlaSparseShape {
 /// so run_decode_cuda launches their partial kernels alone.
 struct MlaSparsePlan {
   MlaSparseShape shape;
-  DecodePlan main;   // items over `cache`
-  DecodePlan extra;  // items over `extra` (no requests without one)
+  DecodePlan main;                      // items over `cache`
+  DecodePlan extra;                     // items over `extra` (no requests without one)
   std::vector<int32_t> merge_indptr;    // [num_requests + 1]
   std::vector<int32_t> merge_requests;  // [num_requests]: 0 .. num_requests - 1
   int32_t num_partials = 0;
-  int32_t max_partials = 0;             // most slots of one request
-  WorkspaceLayout workspace;            // partials, both work lists, the merge lists, the error flag
+  int32_t max_partials = 0;   // most slots of one request
+  WorkspaceLayout workspace;  // partials, both work lists, the merge lists, the error flag
 
   int32_t num_requests() const { return shape.batch * shape.q_len; }
 };

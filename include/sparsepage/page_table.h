@@ -31,8 +31,7 @@ struct PageTableStructure {
 /// may be empty (all zero) or hold one offset per request.
 /// Throws sparsepage::Error naming the argument on bad input (negative counts,
 /// page_size < 1, an offset outside [0, page_size), more than 2^31-1 pages).
-PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_lens,
-                                              int32_t page_size,
+PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_lens, int32_t page_size,
                                               const std::vector<int32_t>& first_page_offsets = {});
 
 /// The first invariant `table` breaks, or "" when it keeps them all (the

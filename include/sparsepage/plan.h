@@ -48,10 +48,10 @@ struct PlanShape {
 struct WorkspaceLayout {
   size_t partial_o = 0;
   size_t partial_lse = 0;
-  size_t work_items = 0;     // WorkItem[num_items] (device copy for the GPU backend)
-  size_t merge_indptr = 0;   // int32 [num_merge_requests + 1] into partial slots
-  size_t merge_requests = 0; // int32 [num_merge_requests]
-  size_t error_flag = 0;     // uint32 [2]: the kinds the kernels met, the first request (decode.h's DecodeErrors)
+  size_t work_items = 0;      // WorkItem[num_items] (device copy for the GPU backend)
+  size_t merge_indptr = 0;    // int32 [num_merge_requests + 1] into partial slots
+  size_t merge_requests = 0;  // int32 [num_merge_requests]
+  size_t error_flag = 0;      // uint32 [2]: the kinds the kernels met, the first request (decode.h's DecodeErrors)
   size_t total = 0;
 };
 
@@ -96,7 +96,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
 /// splits (its requests all span the live window). Same checks and same
 /// choices as make_decode_plan: one split policy for both.
 struct UniformSplit {
-  int64_t chunk_tokens = 0;        // >= shape.chunk_granule, a multiple of it
+  int64_t chunk_tokens = 0;  // >= shape.chunk_granule, a multiple of it
   int64_t chunks_per_request = 1;
 };
 UniformSplit make_uniform_split(int64_t requests, int64_t tokens, const PlanShape& shape);

@@ -1,15 +1,15 @@
-// The sparse decode entry point (docs/DESIGN.md: dense caches as pools, the paged decode, the dispatch policy): a selection over a
-// dense cache becomes a page table, the policy decides, and the fused paged
-// decode runs — or the decline comes back so the caller runs its mask path.
+// The sparse decode entry point (docs/DESIGN.md: dense caches as pools, the paged decode, the dispatch policy): a
+// selection over a dense cache becomes a page table, the policy decides, and the fused paged decode runs — or the
+// decline comes back so the caller runs its mask path.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "sparsepage/decode.h"
-#include "sparsepage/mask_path.h"
 #include "sparsepage/dispatch.h"
 #include "sparsepage/index_keys.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/selection.h"
 
@@ -24,19 +24,19 @@ struct SparseAttentionInputs {
   int32_t batch = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
-  int64_t live_len = 0;     // live tokens (an upper bound when live_lens is set)
+  int64_t live_len = 0;  // live tokens (an upper bound when live_lens is set)
   /// Per-sequence live lengths [batch] on the inputs' device, each <=
   /// live_len, read where the kernels run: a step captured in a CUDA graph
   /// keeps checking positions against the window as it grows. Null:
   /// live_len for every sequence.
   const int32_t* live_lens = nullptr;
-  bool raw_cache = true;    // false for quantized, pool-backed or head-trimmed caches
+  bool raw_cache = true;  // false for quantized, pool-backed or head-trimmed caches
   /// Where request r = b * num_kv_heads + h finds row t of each stream:
   /// `RowView::offset(b, h, t)`; a dense `[B, H, Cap, D]` cache gives
   /// `RowView::dense(data, H, Cap, D)`. K may carry extra heads or columns.
   RowView k;
-  RowView v;                // may alias K's first columns
-  RowView k_extra;          // second K stream (MLA rope keys); data null when absent
+  RowView v;        // may alias K's first columns
+  RowView k_extra;  // second K stream (MLA rope keys); data null when absent
   /// How K and V are stored (decode.h); the fp8 forms count K and V strides
   /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
   KvFormat kv_format = KvFormat::kNative;
@@ -51,8 +51,8 @@ struct SparseAttentionInputs {
   const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
   const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
   float scale = 1.0f;
-  void* o = nullptr;        // [batch, num_qo_heads, v.dim]
-  float* lse = nullptr;     // [batch, num_qo_heads] or null
+  void* o = nullptr;     // [batch, num_qo_heads, v.dim]
+  float* lse = nullptr;  // [batch, num_qo_heads] or null
   /// Query tokens per sequence (a multi-token step, decode.h's q_len): q and
   /// o are then [batch, q_len, num_qo_heads, dim], lse [batch, q_len,
   /// num_qo_heads], and token t sees the selected positions below its
@@ -122,7 +122,7 @@ struct PagedSelection {
   const int32_t* pages = nullptr;     // [num_requests, width]; entries past a request's pages are never read
   const int32_t* seq_lens = nullptr;  // [num_requests] tokens attended, in [0, width * page_size]
   int32_t num_requests = 0;
-  int32_t width = 0;                  // pages per row: the bound the plan is made for
+  int32_t width = 0;  // pages per row: the bound the plan is made for
   int32_t page_size = 1;
   /// Host-side upper bound on any request's seq_lens entry (<= width *
   /// page_size): what the dispatch policy counts as selected.
@@ -207,7 +207,7 @@ class SparseDecoder {
   DecodePlan plan_;
   std::vector<int32_t> planned_counts_;
   int32_t planned_group_ = 0, planned_dim_v_ = 0, planned_width_ = -1, planned_page_size_ = 0;  // group: query rows
-  int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;  // 0: PlanShape defaults
+  int32_t items_per_sm_ = 0, min_chunk_tokens_ = 0;                                             // 0: PlanShape defaults
   int32_t launched_kv_heads_ = 0;  // of the last launch: check_errors names (sequence, KV head)
   Buffer workspace_;
   Buffer structure_;  // int32 indptr [R+1], first_page_offset [R], seq_lens [R]
@@ -234,8 +234,8 @@ class MaskPath {
   std::vector<int32_t> prepared_counts_;
   int64_t prepared_live_len_ = -1;
   int32_t prepared_group_ = 0, prepared_dim_qk_ = 0, prepared_dim_v_ = 0;
-  Buffer mask_;       // fp32 [num_requests, live_len]
-  Buffer offsets_;    // int32 [num_requests + 1]
+  Buffer mask_;     // fp32 [num_requests, live_len]
+  Buffer offsets_;  // int32 [num_requests + 1]
   Buffer workspace_;
 };
 

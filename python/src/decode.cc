@@ -138,8 +138,8 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
   p.o_strides = query_strides_of(o, "[num_sequences, num_kv_heads * group_size, head_dim_v]");
   const int64_t sequences = q.shape[0];
   if (q.shape[1] % num_kv_heads != 0)
-    q.fail("has " + std::to_string(q.shape[1]) + " heads, not a multiple of num_kv_heads = " +
-           std::to_string(num_kv_heads));
+    q.fail("has " + std::to_string(q.shape[1]) +
+           " heads, not a multiple of num_kv_heads = " + std::to_string(num_kv_heads));
   p.num_kv_heads = num_kv_heads;
   p.num_requests = to_int32(sequences * num_kv_heads, op, "num_requests");
   p.group_size = to_int32(q.shape[1] / num_kv_heads, op, "group_size");
@@ -162,7 +162,8 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
     p.index_layout = IndexLayout::kMatrix;
     if (indices.ndim() != 2 && indices.ndim() != 3)
       indices.fail("must be an index matrix [num_sequences, width] or [num_sequences, num_kv_heads, width] "
-                   "when indptr is None, got shape " + indices.shape_str());
+                   "when indptr is None, got shape " +
+                   indices.shape_str());
     const int last = indices.ndim() - 1;
     if (indices.shape[last] > 1 && indices.strides[last] != 1) indices.fail("must have unit stride in its last dim");
     if (indices.shape[0] != sequences)
@@ -201,7 +202,8 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
     require_same_dtype(dtype, *q_extra);
     require_same_dtype(dtype, *k_extra);
     p.k_extra = pool_of_heads(*k_extra, num_kv_heads, &e_rows);
-    q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim}, "[num_sequences, num_qo_heads, k_extra's row width]");
+    q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim},
+                           "[num_sequences, num_qo_heads, k_extra's row width]");
     p.q_extra_strides = query_strides_of(*q_extra, "[num_sequences, num_qo_heads, head_dim_extra]");
     p.q_extra = q_extra->data;
   }
@@ -278,8 +280,8 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
       // The CPU backend reads indptr[num_requests] page ids: make sure they exist.
       const int64_t pages = p.num_requests > 0 ? p.indptr[p.num_requests] : 0;
       if (pages > indices.shape[0])
-        indices.fail("holds " + std::to_string(indices.shape[0]) + " page ids but indptr[num_requests] = " +
-                     std::to_string(pages));
+        indices.fail("holds " + std::to_string(indices.shape[0]) +
+                     " page ids but indptr[num_requests] = " + std::to_string(pages));
     }
     HostScratch scratch;
     void* workspace = workspace_of(ws, plan.workspace.total);
@@ -327,8 +329,8 @@ void paged_decode(const DecodePlan& plan, const In& q, const In& k, const In& v,
 void paged_decode_exchange(const DecodePlan& plan, nb::handle q, nb::handle k, nb::handle v, nb::handle o,
                            nb::handle indptr, nb::handle indices, nb::handle seq_lens, int32_t page_size, float scale,
                            nb::handle first_page_offset, nb::handle lse, nb::handle q_extra, nb::handle k_extra,
-                           nb::handle workspace, int64_t num_pool_pages, int64_t request_row_stride,
-                           int64_t window_len, int32_t num_kv_heads, bool skip_minus_one, nb::handle block_table,
+                           nb::handle workspace, int64_t num_pool_pages, int64_t request_row_stride, int64_t window_len,
+                           int32_t num_kv_heads, bool skip_minus_one, nb::handle block_table,
                            nb::handle block_table_rows, int32_t block_size) {
   const std::string op = "paged_decode";
   const dlpack_abi::ExchangeApi* api = exchange_api_of(q);
@@ -384,7 +386,8 @@ void merge_states(const In& o_in, const In& lse_in, const Out& o_out_in, const O
     if (lse.shape[i] != o.shape[i]) lse.fail("must be o's shape without its last dim, got " + lse.shape_str());
   if (o_out.ndim() != o.ndim() - 1) o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
   for (int i = 0; i < o_out.ndim(); ++i)
-    if (o_out.shape[i] != o.shape[i + 1]) o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
+    if (o_out.shape[i] != o.shape[i + 1])
+      o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
   const DType in_dtype = o.float_dtype(), out_dtype = o_out.float_dtype();
   if (lse_out) {
     lse_out->require_float32();
@@ -422,8 +425,8 @@ struct Inputs {
 
 // [batch, num_qo_heads, dim] q and o over [B, H, Cap, D] allocations.
 Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
-                   int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse_in,
-                   const OptIn& q_extra_in, const OptIn& k_extra_in, bool raw_cache) {
+                   int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse_in, const OptIn& q_extra_in,
+                   const OptIn& k_extra_in, bool raw_cache) {
   const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
                o = describe(o_in, op, "o");
   const auto lse = describe(lse_in, op, "lse");
@@ -431,8 +434,8 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
   const auto k_extra = describe(k_extra_in, op, "k_extra");
   Inputs r{{}, q};
   SparseAttentionInputs& in = r.in;
-  in.device = common_device(op, {&q, &k, &v, &o, lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr,
-                                 k_extra ? &*k_extra : nullptr});
+  in.device = common_device(
+      op, {&q, &k, &v, &o, lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr, k_extra ? &*k_extra : nullptr});
   q.require_ndim(3, "[batch, num_qo_heads, head_dim_qk]");
   o.require_ndim(3, "[batch, num_qo_heads, head_dim_v]");
   require_dense_qo(q);
@@ -453,9 +456,11 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
   const bool heads_ok = num_kv_heads >= 1 && in.num_qo_heads % num_kv_heads == 0;
   for (const Tensor* t : {&k, &v}) {
     if (heads_ok && t->shape[1] < num_kv_heads)
-      t->fail("has " + std::to_string(t->shape[1]) + " heads, fewer than num_kv_heads = " + std::to_string(num_kv_heads));
+      t->fail("has " + std::to_string(t->shape[1]) +
+              " heads, fewer than num_kv_heads = " + std::to_string(num_kv_heads));
   }
-  if (q.shape[2] != in.k.dim) q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(in.k.dim) + " wide");
+  if (q.shape[2] != in.k.dim)
+    q.fail("has head_dim " + std::to_string(q.shape[2]) + " but k's rows are " + std::to_string(in.k.dim) + " wide");
   o.require_shape({q.shape[0], q.shape[1], in.v.dim}, "[batch, num_qo_heads, v's head_dim]");
   if (q_extra || k_extra) {
     if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
@@ -466,8 +471,8 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
     in.k_extra = dense_of(*k_extra, &eb);
     if (eb != in.batch) k_extra->fail("has batch " + std::to_string(eb) + " but q has " + std::to_string(in.batch));
     if (heads_ok && k_extra->shape[1] < num_kv_heads)
-      k_extra->fail("has " + std::to_string(k_extra->shape[1]) + " heads, fewer than num_kv_heads = " +
-                    std::to_string(num_kv_heads));
+      k_extra->fail("has " + std::to_string(k_extra->shape[1]) +
+                    " heads, fewer than num_kv_heads = " + std::to_string(num_kv_heads));
     q_extra->require_shape({q.shape[0], q.shape[1], in.k_extra.dim}, "[batch, num_qo_heads, k_extra's head_dim]");
     in.q_extra = q_extra->data;
   }
@@ -492,7 +497,8 @@ SparseSelection make_selection_from(const std::string& op, Device device, const 
                                     Buffer& buffer, void* stream) {
   const Tensor positions = describe(positions_in, op, "positions");
   require_index_array(positions, "[total selected] (requests concatenated)");
-  if (positions.device != device) positions.fail(std::string("lives on ") + device_name(positions.device) + ", the inputs on " + device_name(device));
+  if (positions.device != device)
+    positions.fail(std::string("lives on ") + device_name(positions.device) + ", the inputs on " + device_name(device));
   SparseSelection selection;
   selection.counts = host_int32(counts_in, op, "counts");
   int64_t total = 0;
@@ -501,7 +507,8 @@ SparseSelection make_selection_from(const std::string& op, Device device, const 
     total += selection.counts[i];
   }
   if (total != positions.shape[0])
-    positions.fail("holds " + std::to_string(positions.shape[0]) + " positions but counts sum to " + std::to_string(total));
+    positions.fail("holds " + std::to_string(positions.shape[0]) + " positions but counts sum to " +
+                   std::to_string(total));
   const size_t bytes = static_cast<size_t>(total) * sizeof(int32_t);
   if (buffer.bytes() < bytes || buffer.device() != device) buffer = Buffer(device, std::max<size_t>(bytes, 4));
   sync_stream(device, stream);
@@ -541,11 +548,11 @@ struct PyMaskPath {
   Buffer selection_buffer;
 };
 
-#define SP_DENSE_ARGS                                                                                            \
+#define SP_DENSE_ARGS \
   nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("positions"), nb::arg("counts"), nb::kw_only(), \
-      nb::arg("num_kv_heads"), nb::arg("live_len"), nb::arg("scale"), nb::arg("lse") = nb::none(),                \
-      nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), nb::arg("raw_cache") = true,              \
-      nb::arg("stream") = 0
+      nb::arg("num_kv_heads"), nb::arg("live_len"), nb::arg("scale"), \
+      nb::arg("lse") = nb::none(), nb::arg("q_extra") = nb::none(), nb::arg("k_extra") = nb::none(), \
+      nb::arg("raw_cache") = true, nb::arg("stream") = 0
 
 const std::string kDenseDoc =
     "q: [batch, num_qo_heads, head_dim_qk] (contiguous); k, v (and k_extra): the cache's whole\n"
@@ -580,8 +587,9 @@ void bind_decode(nb::module_& m) {
         nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
         "Internal: paged_decode over tensors described through their type's DLPack exchange table, on its\n"
         "current stream.");
-  m.def("_has_exchange_api", [](nb::handle t) { return exchange_api_of(t) != nullptr; }, nb::arg("tensor"),
-        "Internal: whether the tensor's type publishes DLPack's C exchange table (major version 1).");
+  m.def(
+      "_has_exchange_api", [](nb::handle t) { return exchange_api_of(t) != nullptr; }, nb::arg("tensor"),
+      "Internal: whether the tensor's type publishes DLPack's C exchange table (major version 1).");
   // The keyword form of the same launch, over numpy arrays or DLPack tensors: what the engine
   // helpers (sparsepage.engine) and the numpy tests call. The public decode is
   // sparsepage.torch_ops.paged_decode / paged_decode_out, whose docstring documents the arguments.
@@ -711,13 +719,11 @@ void bind_decode(nb::module_& m) {
               throw Error(std::string("SparseDecoder.try_fused: the decoder runs on ") + device_name(self.device) +
                           " but the inputs live on " + device_name(r.in.device));
             DeviceGuard guard(r.q);
-            return with_selection("SparseDecoder.try_fused", self.device, positions, counts, self.selection_buffer,
-                                  stream_ptr(stream), [&](const SparseSelection& s) {
-                                    return self.decoder.try_fused(r.in, s, stream_ptr(stream));
-                                  });
+            return with_selection(
+                "SparseDecoder.try_fused", self.device, positions, counts, self.selection_buffer, stream_ptr(stream),
+                [&](const SparseSelection& s) { return self.decoder.try_fused(r.in, s, stream_ptr(stream)); });
           },
-          SP_DENSE_ARGS,
-          kTryFusedDoc.c_str())
+          SP_DENSE_ARGS, kTryFusedDoc.c_str())
       .def(
           "decide",
           [](PySparseDecoder& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
@@ -732,7 +738,8 @@ void bind_decode(nb::module_& m) {
           },
           SP_DENSE_ARGS, "The pure decision for these inputs, without running anything (not counted).")
       .def(
-          "check_errors", [](PySparseDecoder& self, uintptr_t stream) { self.decoder.check_errors(stream_ptr(stream)); },
+          "check_errors",
+          [](PySparseDecoder& self, uintptr_t stream) { self.decoder.check_errors(stream_ptr(stream)); },
           nb::arg("stream") = 0, "Synchronizes; raises when the last CUDA launch met a position outside a window.")
       .def(
           "set_plan_tuning",

@@ -20,13 +20,15 @@ namespace {
 
 // A tensor argument on the layer's device.
 void require_layer_device(const Tensor& t, Device device) {
-  if (t.device != device) t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
+  if (t.device != device)
+    t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
 }
 
 // A data argument: on the layer's device, in the layer's dtype.
 void require_layer_data(const Tensor& t, Device device, DType dtype) {
   require_layer_device(t, device);
-  if (t.float_dtype() != dtype) t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+  if (t.float_dtype() != dtype)
+    t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
 }
 
 // A step argument: on the layer's device, in `dtype`, contiguous, of `shape`.
@@ -83,8 +85,10 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
   require_layer_data(t, device, dtype);
   t.require_ndim(heads > 0 ? 4 : 3, layout);
   const int last = t.ndim() - 1;
-  if (heads > 0 && t.shape[2] != heads) t.fail("has " + std::to_string(t.shape[2]) + " heads; the layer has " + std::to_string(heads) + " " + layout);
-  if (t.shape[last] != width) t.fail("rows are " + std::to_string(t.shape[last]) + " wide, expected " + std::to_string(width) + " " + layout);
+  if (heads > 0 && t.shape[2] != heads)
+    t.fail("has " + std::to_string(t.shape[2]) + " heads; the layer has " + std::to_string(heads) + " " + layout);
+  if (t.shape[last] != width)
+    t.fail("rows are " + std::to_string(t.shape[last]) + " wide, expected " + std::to_string(width) + " " + layout);
   if (t.shape[last] > 1 && t.strides[last] != 1) t.fail("must have unit stride in its last dim");
   if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1]) {
     t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
@@ -106,7 +110,8 @@ BlockTable engine_table(const std::string& op, const In& a, Device device, int32
   require_layer_device(t, device);
   t.require_int32();
   t.require_ndim(2, "[batch, max_blocks]");
-  if (t.shape[0] != batch) t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
+  if (t.shape[0] != batch)
+    t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
   if (t.shape[1] > 1 && t.strides[1] != 1) t.fail("must have unit stride in its last dim");
   BlockTable b;
   b.data = static_cast<const int32_t*>(t.data);
@@ -179,7 +184,8 @@ BlockSparseTokens block_tokens(const BlockSparseAttention& l, const std::string&
   if (q_len == nullptr) {
     t.q = step_arg(op, q, "q", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
     t.index_q = step_arg(op, index_q, "index_q", dev, dt, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
-    t.k = step_arg(op, k, "k", dev, dt, {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
+    t.k = step_arg(op, k, "k", dev, dt, {B, Hk + 1, 1, D},
+                   "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
     t.v = step_arg(op, v, "v", dev, dt, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
     t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
     return t;
@@ -204,7 +210,8 @@ BlockSparseTokens block_engine_tokens(const BlockSparseAttention& l, const std::
   t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
   t.index_q = step_arg(op, index_q, "index_q", l.device(), l.dtype(), {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
   t.index_k = step_arg(op, index_k, "index_k", l.device(), l.dtype(), {B, 1, 1, D}, "[batch, 1, 1, head_dim]");
-  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+  t.o =
+      const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
   return t;
 }
 
@@ -232,7 +239,8 @@ StaticBlockSparseTokens static_tokens(const StaticBlockSparseAttention& l, const
   t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
   t.k = step_arg(op, k, "k", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
   t.v = step_arg(op, v, "v", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+  t.o =
+      const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
   return t;
 }
 
@@ -281,7 +289,8 @@ DsaTokens dsa_tokens(const DsaAttention& l, const std::string& op, const In& q_l
   }
   t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", l.device(), l.dtype(), {T, B, 1, 1, L + ID},
                            "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
-  t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");
+  t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {T, B, 1, 1, R},
+                    "[q_len, batch, 1, 1, rope_dim] (token-major)");
   return t;
 }
 
@@ -315,7 +324,8 @@ EnginePagedKV dsa_fp8_kv(const DsaAttention& l, Tensor& t, const std::string& op
 EnginePagedKV dsa_engine_kv(const DsaAttention& l, const std::string& op, const In& kv_cache, const In& block_table) {
   const int32_t L = l.config().latent_dim, R = l.config().rope_dim;
   const char* layout = "[num_blocks, block_size, latent_dim + rope_dim]";
-  if (Tensor t = describe(kv_cache, op, "kv_cache"); t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt)) {
+  if (Tensor t = describe(kv_cache, op, "kv_cache");
+      t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt)) {
     return dsa_fp8_kv(l, t, op, block_table);
   }
   int32_t bs = 0;
@@ -346,14 +356,16 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
       t.fail("holds " + std::to_string(t.shape[2]) + " bytes per token; vLLM's FP8 index keys take 132");
     }
     k.format = IndexKeyFormat::kE4m3;
-    if (t.shape[0] > 1 && !(t.strides[2] == 1 && t.strides[1] == t.shape[2] && t.strides[0] == t.shape[1] * t.shape[2])) {
+    if (t.shape[0] > 1 &&
+        !(t.strides[2] == 1 && t.strides[1] == t.shape[2] && t.strides[0] == t.shape[1] * t.shape[2])) {
       t.fail("must be contiguous within each block (its values, then its scales)");
     }
     k.block_stride_bytes = t.strides[0];
   } else {
     k.format = IndexKeyFormat::kNative;
     k.dtype = t.float_dtype();
-    if (t.shape[2] != dim) t.fail("rows are " + std::to_string(t.shape[2]) + " wide; the layer's index_head_dim is " + std::to_string(dim));
+    if (t.shape[2] != dim)
+      t.fail("rows are " + std::to_string(t.shape[2]) + " wide; the layer's index_head_dim is " + std::to_string(dim));
     if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
     const int64_t e = static_cast<int64_t>(dtype_size(k.dtype));
     k.token_stride_bytes = t.strides[1] * e;
@@ -369,7 +381,8 @@ PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& tabl
   require_layer_device(tb, device);
   tb.require_int32();
   tb.require_ndim(2, "[batch, max_blocks]");
-  if (tb.shape[0] != batch) tb.fail("has " + std::to_string(tb.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
+  if (tb.shape[0] != batch)
+    tb.fail("has " + std::to_string(tb.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
   if (tb.shape[1] > 1 && tb.strides[1] != 1) tb.fail("must have unit stride in its last dim");
   k.block_table = static_cast<const int32_t*>(tb.data);
   k.block_table_stride = tb.shape[0] > 1 ? tb.strides[0] : tb.shape[1];
@@ -397,7 +410,6 @@ void pools_fields(EnginePagedKV& kv, const SparseLayer& layer, const std::string
 DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
   return d ? *d : process_dispatch_config();
 }
-
 
 }  // namespace
 
@@ -458,12 +470,16 @@ void bind_layers(nb::module_& m) {
           "Ends the request in `slot`: later steps skip it (its output rows are zero).")
       .def(
           "sync_live_len",
-          [](SparseLayer& self, const std::optional<uintptr_t>& stream) { self.sync_live_len(step_stream(stream, self)); },
+          [](SparseLayer& self, const std::optional<uintptr_t>& stream) {
+            self.sync_live_len(step_stream(stream, self));
+          },
           nb::arg("stream").none() = nb::none(),
           "After replaying captured steps: reads the device-side lengths back (synchronizes).")
       .def(
           "check_errors",
-          [](SparseLayer& self, const std::optional<uintptr_t>& stream) { self.check_errors(step_stream(stream, self)); },
+          [](SparseLayer& self, const std::optional<uintptr_t>& stream) {
+            self.check_errors(step_stream(stream, self));
+          },
           nb::arg("stream").none() = nb::none(),
           "Synchronizes and raises sparsepage.Error naming what the last steps' kernels flagged on the\n"
           "device (a position outside its window, a length out of range, an engine block outside its\n"
@@ -478,8 +494,8 @@ void bind_layers(nb::module_& m) {
           "__init__",
           [](BlockSparseConfig* c, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
              int32_t topk_blocks, int32_t local_blocks, int64_t capacity_step, KVStorage kv_storage) {
-            new (c) BlockSparseConfig{num_qo_heads, num_kv_heads, head_dim, block_size, topk_blocks, local_blocks,
-                                      capacity_step};
+            new (c) BlockSparseConfig{num_qo_heads, num_kv_heads, head_dim,     block_size,
+                                      topk_blocks,  local_blocks, capacity_step};
             c->kv_storage = kv_storage;
           },
           nb::kw_only(), nb::arg("num_qo_heads") = 64, nb::arg("num_kv_heads") = 4, nb::arg("head_dim") = 128,
@@ -517,8 +533,8 @@ void bind_layers(nb::module_& m) {
             self.prefill_token(block_tokens(self, "BlockSparseAttention.prefill_token", q, index_q, k, v, o, nullptr),
                                step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends the token and attends causally to the whole window (dense).")
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+          nb::arg("stream").none() = nb::none(), "Appends the token and attends causally to the whole window (dense).")
       .def(
           "decode",
           [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
@@ -526,7 +542,8 @@ void bind_layers(nb::module_& m) {
             return self.decode(block_tokens(self, "BlockSparseAttention.decode", q, index_q, k, v, o, nullptr),
                                step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+          nb::arg("stream").none() = nb::none(),
           "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
           "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
           "same set on a decline. Returns a LayerStep.")
@@ -582,10 +599,12 @@ void bind_layers(nb::module_& m) {
           [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
              const std::optional<uintptr_t>& stream) {
             int32_t q_len = 0;
-            const BlockSparseTokens t = block_tokens(self, "BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
+            const BlockSparseTokens t =
+                block_tokens(self, "BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
             return self.decode(t, q_len, step_stream(stream, self));
           },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+          nb::arg("stream").none() = nb::none(),
           "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
           "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
           "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
@@ -593,16 +612,17 @@ void bind_layers(nb::module_& m) {
           "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
       .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
-  nb::class_<StaticBlockSparseConfig>(m, "StaticBlockSparseConfig",
-                                      "Geometry of the static per-query-head block pattern (Phi-3-small's by default):\n"
-                                      "query head h in query block i keeps key block j <= i when i - j < local_blocks\n"
-                                      "or (j + h * head_sliding_step + 1) % vert_stride == 0.")
+  nb::class_<StaticBlockSparseConfig>(
+      m, "StaticBlockSparseConfig",
+      "Geometry of the static per-query-head block pattern (Phi-3-small's by default):\n"
+      "query head h in query block i keeps key block j <= i when i - j < local_blocks\n"
+      "or (j + h * head_sliding_step + 1) % vert_stride == 0.")
       .def(
           "__init__",
           [](StaticBlockSparseConfig* c, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim,
              int32_t block_size, int32_t local_blocks, int32_t vert_stride, int64_t capacity_step) {
-            new (c) StaticBlockSparseConfig{num_qo_heads, num_kv_heads, head_dim, block_size,
-                                            local_blocks, vert_stride, capacity_step};
+            new (c) StaticBlockSparseConfig{num_qo_heads, num_kv_heads, head_dim,     block_size,
+                                            local_blocks, vert_stride,  capacity_step};
           },
           nb::arg("num_qo_heads") = 32, nb::arg("num_kv_heads") = 8, nb::arg("head_dim") = 128,
           nb::arg("block_size") = 64, nb::arg("local_blocks") = 16, nb::arg("vert_stride") = 8,
@@ -651,8 +671,8 @@ void bind_layers(nb::module_& m) {
           "__init__",
           [](DsaConfig* c, int32_t num_qo_heads, int32_t latent_dim, int32_t rope_dim, int32_t index_heads,
              int32_t index_head_dim, int32_t index_topk, float scale, int64_t capacity_step, KVStorage kv_storage) {
-            new (c) DsaConfig{num_qo_heads, latent_dim, rope_dim, index_heads, index_head_dim, index_topk, scale,
-                              capacity_step, kv_storage};
+            new (c) DsaConfig{num_qo_heads, latent_dim, rope_dim,      index_heads, index_head_dim,
+                              index_topk,   scale,      capacity_step, kv_storage};
           },
           nb::kw_only(), nb::arg("num_qo_heads") = 128, nb::arg("latent_dim") = 512, nb::arg("rope_dim") = 64,
           nb::arg("index_heads") = 64, nb::arg("index_head_dim") = 128, nb::arg("index_topk") = 2048,
@@ -730,7 +750,8 @@ void bind_layers(nb::module_& m) {
           "decode_pools",
           [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
              const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
-             const In& index_cache, const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+             const In& index_cache, const std::optional<In>& index_block_table,
+             const std::optional<uintptr_t>& stream) {
             const std::string op = "DsaAttention.decode_pools";
             const DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
             EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
@@ -792,11 +813,13 @@ void bind_layers(nb::module_& m) {
       [](const DsaConfig& config, int32_t batch, int64_t kv_len, const In& q_index, const In& weights,
          const In& index_keys) {
         const std::string op = "dsa_select_tokens_cpu";
-        const std::vector<float> q = host_floats(op, q_index, "q_index", {batch, config.index_heads, config.index_head_dim},
-                                                 "[batch, index_heads, index_head_dim]");
-        const std::vector<float> w = host_floats(op, weights, "weights", {batch, config.index_heads}, "[batch, index_heads]");
-        const std::vector<float> keys = host_floats(op, index_keys, "index_keys", {batch, kv_len, config.index_head_dim},
-                                                    "[batch, kv_len, index_head_dim]");
+        const std::vector<float> q =
+            host_floats(op, q_index, "q_index", {batch, config.index_heads, config.index_head_dim},
+                        "[batch, index_heads, index_head_dim]");
+        const std::vector<float> w =
+            host_floats(op, weights, "weights", {batch, config.index_heads}, "[batch, index_heads]");
+        const std::vector<float> keys = host_floats(
+            op, index_keys, "index_keys", {batch, kv_len, config.index_head_dim}, "[batch, kv_len, index_head_dim]");
         Rows rows = dsa_select_tokens_cpu(config, batch, kv_len, q.data(), w.data(), keys);
         std::vector<int32_t> flat;
         for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
@@ -830,7 +853,8 @@ void bind_layers(nb::module_& m) {
           if (!stream) {
             nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
             if (modules.contains("torch")) {
-              st = stream_ptr(nb::cast<uintptr_t>(nb::module_::import_("torch").attr("cuda").attr("current_stream")().attr("cuda_stream")));
+              st = stream_ptr(nb::cast<uintptr_t>(
+                  nb::module_::import_("torch").attr("cuda").attr("current_stream")().attr("cuda_stream")));
             }
           }
           write_index_keys_cuda(pool, dim, k.float_dtype(), k.data, k.shape[1], static_cast<const int64_t*>(sl.data),
@@ -876,7 +900,8 @@ void bind_layers(nb::module_& m) {
         a.dtype = k.float_dtype();
         if (q.float_dtype() != a.dtype) q.fail("must have k_cache's dtype");
         const int32_t batch = to_int32(q.shape[0], op, "q_index.shape[0]");
-        if (k.shape[0] != batch) k.fail("has batch " + std::to_string(k.shape[0]) + " but q_index " + std::to_string(batch));
+        if (k.shape[0] != batch)
+          k.fail("has batch " + std::to_string(k.shape[0]) + " but q_index " + std::to_string(batch));
         l.require_shape({batch}, "[batch]");
         c.require_shape({batch}, "[batch]");
         p.require_shape({batch, config.index_topk}, "[batch, index_topk]");
@@ -898,7 +923,8 @@ void bind_layers(nb::module_& m) {
       "The DSA indexer on the GPU (graph-capturable): k_cache is the layer's K allocation\n"
       "[batch, 1, capacity, latent_dim + index_head_dim]; kv_lens int32 [batch] live lengths read on\n"
       "the device (<= max_kv_len); workspace of dsa_indexer_workspace_bytes(config, batch, max_kv_len)\n"
-      "bytes, 16-byte aligned; positions int32 out [batch, index_topk], increasing, -1 past counts (int32 out [batch]).");
+      "bytes, 16-byte aligned; positions int32 out [batch, index_topk], increasing, -1 past counts (int32 out "
+      "[batch]).");
 }
 
 }  // namespace sparsepage::py

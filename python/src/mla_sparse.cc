@@ -47,9 +47,10 @@ void require_vector(const Tensor& t, int64_t n, const char* layout) {
 // [batch, q_len, topk] as an MlaSparseCache (byte strides from the tensor).
 MlaSparseCache cache_of(const Tensor& k, const Tensor& ids, const std::optional<Tensor>& lengths, MlaCacheFormat format,
                         int64_t batch, int64_t q_len) {
-  const bool bytes = k.dtype.bits == 8 && k.dtype.lanes == 1 &&
-                     (k.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) ||
-                      k.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int) || k.dtype.code == kDLFloat8E4m3fn);
+  const bool bytes =
+      k.dtype.bits == 8 && k.dtype.lanes == 1 &&
+      (k.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) ||
+       k.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int) || k.dtype.code == kDLFloat8E4m3fn);
   if (!bytes)
     k.fail("has dtype " + k.dtype_str() + "; an FP8 cache is passed as its bytes (uint8, int8 or float8_e4m3fn)");
   if (k.ndim() != 3 && k.ndim() != 4)
@@ -114,8 +115,8 @@ void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h
   const auto extra_lengths = describe_optional(extra_len_h, op, "extra_topk_length");
   const auto lse = describe_optional(lse_h, op, "lse");
   const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
-  const Device device = common_device(op, {&q, &k, &ids, &o, &ws, opt(lengths), opt(sink), opt(extra_k), opt(extra_ids),
-                                           opt(extra_lengths), opt(lse)});
+  const Device device = common_device(
+      op, {&q, &k, &ids, &o, &ws, opt(lengths), opt(sink), opt(extra_k), opt(extra_ids), opt(extra_lengths), opt(lse)});
 
   q.require_ndim(4, "[batch, seq_len_q, num_heads_q, head_dim]");
   require_last_dim_unit(q);

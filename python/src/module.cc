@@ -47,13 +47,16 @@ void bind_vocabulary(nb::module_& m) {
       .value("cuda", Device::kCuda);
 
   m.def("cuda_available", &cuda_available, "True when this build has the CUDA backend and a GPU is visible.");
-  m.def("built_with_cuda", []() {
+  m.def(
+      "built_with_cuda",
+      []() {
 #ifdef SPARSEPAGE_WITH_CUDA
-    return true;
+        return true;
 #else
-    return false;
+        return false;
 #endif
-  }, "True when this extension was built with the CUDA backend.");
+      },
+      "True when this extension was built with the CUDA backend.");
   m.def("cuda_multiprocessor_count", &cuda_multiprocessor_count,
         "Multiprocessors of the current CUDA device (what a plan fills).");
   m.def("cuda_supports_head_dims", &cuda_supports_head_dims, nb::arg("head_dim_qk"), nb::arg("head_dim_v"),
@@ -76,33 +79,34 @@ void bind_page_table(nb::module_& m) {
           [](PageTableStructure* t, int32_t page_size, nb::handle indptr, nb::handle last_page_len,
              nb::handle first_page_offset, nb::handle seq_lens) {
             const std::string op = "PageTableStructure";
-            new (t) PageTableStructure{page_size, host_int32(indptr, op, "indptr"),
-                                       host_int32(last_page_len, op, "last_page_len"),
-                                       host_int32(first_page_offset, op, "first_page_offset"),
-                                       host_int32(seq_lens, op, "seq_lens")};
+            new (t) PageTableStructure{
+                page_size, host_int32(indptr, op, "indptr"), host_int32(last_page_len, op, "last_page_len"),
+                host_int32(first_page_offset, op, "first_page_offset"), host_int32(seq_lens, op, "seq_lens")};
           },
           nb::kw_only(), nb::arg("page_size"), nb::arg("indptr"), nb::arg("last_page_len"),
           nb::arg("first_page_offset"), nb::arg("seq_lens"),
           "A structure from explicit arrays (host values), e.g. to validate one built elsewhere.")
       .def_ro("page_size", &PageTableStructure::page_size)
-      .def_prop_ro("indptr", [](const PageTableStructure& t) { return numpy_int32(t.indptr, {t.indptr.size()}); },
-                   "int32 [num_requests + 1]")
-      .def_prop_ro("last_page_len",
-                   [](const PageTableStructure& t) { return numpy_int32(t.last_page_len, {t.last_page_len.size()}); },
-                   "int32 [num_requests]; 0 for an empty request")
-      .def_prop_ro("first_page_offset",
-                   [](const PageTableStructure& t) {
-                     return numpy_int32(t.first_page_offset, {t.first_page_offset.size()});
-                   },
-                   "int32 [num_requests], each in [0, page_size)")
-      .def_prop_ro("seq_lens", [](const PageTableStructure& t) { return numpy_int32(t.seq_lens, {t.seq_lens.size()}); },
-                   "int32 [num_requests]: visible tokens")
+      .def_prop_ro(
+          "indptr", [](const PageTableStructure& t) { return numpy_int32(t.indptr, {t.indptr.size()}); },
+          "int32 [num_requests + 1]")
+      .def_prop_ro(
+          "last_page_len",
+          [](const PageTableStructure& t) { return numpy_int32(t.last_page_len, {t.last_page_len.size()}); },
+          "int32 [num_requests]; 0 for an empty request")
+      .def_prop_ro(
+          "first_page_offset",
+          [](const PageTableStructure& t) { return numpy_int32(t.first_page_offset, {t.first_page_offset.size()}); },
+          "int32 [num_requests], each in [0, page_size)")
+      .def_prop_ro(
+          "seq_lens", [](const PageTableStructure& t) { return numpy_int32(t.seq_lens, {t.seq_lens.size()}); },
+          "int32 [num_requests]: visible tokens")
       .def_prop_ro("num_requests", &PageTableStructure::num_requests)
       .def_prop_ro("num_pages", &PageTableStructure::num_pages, "Length `indices` must have.")
       .def_prop_ro("total_tokens", &PageTableStructure::total_tokens)
       .def("__repr__", [](const PageTableStructure& t) {
-        return "PageTableStructure(page_size=" + std::to_string(t.page_size) + ", seq_lens=" +
-               repr_counts(t.seq_lens) + ", num_pages=" + std::to_string(t.num_pages()) + ")";
+        return "PageTableStructure(page_size=" + std::to_string(t.page_size) + ", seq_lens=" + repr_counts(t.seq_lens) +
+               ", num_pages=" + std::to_string(t.num_pages()) + ")";
       });
 
   m.def(
@@ -113,13 +117,16 @@ void bind_page_table(nb::module_& m) {
         const Device device = common_device(op, {&s, &d});
         if (s.float_dtype() != DType::kBF16) s.fail("has dtype " + s.dtype_str() + "; the format's source is bfloat16");
         s.require_ndim(2, "[rows, 576] (512 latent then 64 rope values)");
-        if (s.shape[1] != MlaFp8Row::kLatent + MlaFp8Row::kRope) s.fail("rows are " + std::to_string(s.shape[1]) + " values wide, not 576");
+        if (s.shape[1] != MlaFp8Row::kLatent + MlaFp8Row::kRope)
+          s.fail("rows are " + std::to_string(s.shape[1]) + " values wide, not 576");
         if (s.strides[1] != 1) s.fail("must have unit stride in its last dim");
         if (d.dtype.code != static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) || d.dtype.bits != 8)
           d.fail("has dtype " + d.dtype_str() + "; FP8 rows are uint8");
         d.require_ndim(2, "[rows, row_bytes >= 656]");
-        if (d.shape[0] != s.shape[0]) d.fail("has " + std::to_string(d.shape[0]) + " rows; src has " + std::to_string(s.shape[0]));
-        if (d.shape[1] < MlaFp8Row::kBytes) d.fail("rows are " + std::to_string(d.shape[1]) + " bytes, fewer than the format's 656");
+        if (d.shape[0] != s.shape[0])
+          d.fail("has " + std::to_string(d.shape[0]) + " rows; src has " + std::to_string(s.shape[0]));
+        if (d.shape[1] < MlaFp8Row::kBytes)
+          d.fail("rows are " + std::to_string(d.shape[1]) + " bytes, fewer than the format's 656");
         if (d.strides[1] != 1) d.fail("must have unit stride in its last dim");
         const int64_t src_stride = s.shape[0] > 1 ? s.strides[0] : s.shape[1];
         const int64_t dst_stride = d.shape[0] > 1 ? d.strides[0] : d.shape[1];
@@ -189,8 +196,8 @@ void bind_plan(nb::module_& m) {
           "__init__",
           [](PlanShape* s, int32_t group_size, int32_t head_dim_v, int32_t num_sms, int32_t items_per_sm,
              int32_t ctas_per_item, int32_t min_chunk_tokens, int32_t chunk_granule, int32_t fixed_chunk_tokens) {
-            new (s) PlanShape{group_size, head_dim_v, num_sms, items_per_sm, ctas_per_item, min_chunk_tokens,
-                              chunk_granule, fixed_chunk_tokens};
+            new (s) PlanShape{group_size,    head_dim_v,       num_sms,       items_per_sm,
+                              ctas_per_item, min_chunk_tokens, chunk_granule, fixed_chunk_tokens};
           },
           nb::kw_only(), nb::arg("group_size") = 1, nb::arg("head_dim_v") = 128, nb::arg("num_sms") = 132,
           nb::arg("items_per_sm") = 2, nb::arg("ctas_per_item") = 1, nb::arg("min_chunk_tokens") = 128,
@@ -213,20 +220,24 @@ void bind_plan(nb::module_& m) {
       .def_ro("num_partials", &DecodePlan::num_partials)
       .def_prop_ro("needs_merge", &DecodePlan::needs_merge)
       .def_prop_ro("num_work_items", [](const DecodePlan& p) { return p.work.size(); })
-      .def_prop_ro("workspace_bytes", [](const DecodePlan& p) { return p.workspace.total; },
-                   "Bytes of workspace `paged_decode` needs (uint8 tensor on the decode's device).")
-      .def_prop_ro("work",
-                   [](const DecodePlan& p) {
-                     std::vector<int32_t> flat;
-                     for (const WorkItem& w : p.work) flat.insert(flat.end(), {w.request, w.token_begin, w.token_end, w.partial});
-                     return numpy_int32(std::move(flat), {p.work.size(), 4});
-                   },
-                   "int32 [num_work_items, 4]: request, token_begin, token_end, partial slot (-1: direct)")
+      .def_prop_ro(
+          "workspace_bytes", [](const DecodePlan& p) { return p.workspace.total; },
+          "Bytes of workspace `paged_decode` needs (uint8 tensor on the decode's device).")
+      .def_prop_ro(
+          "work",
+          [](const DecodePlan& p) {
+            std::vector<int32_t> flat;
+            for (const WorkItem& w : p.work)
+              flat.insert(flat.end(), {w.request, w.token_begin, w.token_end, w.partial});
+            return numpy_int32(std::move(flat), {p.work.size(), 4});
+          },
+          "int32 [num_work_items, 4]: request, token_begin, token_end, partial slot (-1: direct)")
       .def_prop_ro("seq_lens", [](const DecodePlan& p) { return numpy_int32(p.seq_lens, {p.seq_lens.size()}); })
       .def("__repr__", [](const DecodePlan& p) {
-        return "DecodePlan(num_requests=" + std::to_string(p.num_requests) + ", group_size=" +
-               std::to_string(p.group_size) + ", work_items=" + std::to_string(p.work.size()) + ", merge=" +
-               (p.needs_merge() ? "on" : "off") + ", workspace_bytes=" + std::to_string(p.workspace.total) + ")";
+        return "DecodePlan(num_requests=" + std::to_string(p.num_requests) +
+               ", group_size=" + std::to_string(p.group_size) + ", work_items=" + std::to_string(p.work.size()) +
+               ", merge=" + (p.needs_merge() ? "on" : "off") +
+               ", workspace_bytes=" + std::to_string(p.workspace.total) + ")";
       });
 
   m.def(
@@ -297,16 +308,21 @@ void bind_dispatch(nb::module_& m) {
       .def_ro("fused", &DispatchStats::fused)
       .def_ro("fallbacks", &DispatchStats::fallbacks)
       .def_ro("fused_rows", &DispatchStats::fused_rows)
-      .def_prop_ro("by_kind", [](const DispatchStats& s) {
-        nb::dict d;
-        for (int k = 0; k < static_cast<int>(OutcomeKind::kCount); ++k)
-          d[outcome_kind_name(static_cast<OutcomeKind>(k))] = s.by_kind[k];
-        return d;
-      }, "Counts per outcome kind name.");
+      .def_prop_ro(
+          "by_kind",
+          [](const DispatchStats& s) {
+            nb::dict d;
+            for (int k = 0; k < static_cast<int>(OutcomeKind::kCount); ++k)
+              d[outcome_kind_name(static_cast<OutcomeKind>(k))] = s.by_kind[k];
+            return d;
+          },
+          "Counts per outcome kind name.");
   m.def("dispatch_stats", &dispatch_stats, "Running totals of the outcomes recorded in this process.");
-  m.def("reset_dispatch_stats", &reset_dispatch_stats, "Zeroes the totals and re-arms the once-per-kind announcements.");
+  m.def("reset_dispatch_stats", &reset_dispatch_stats,
+        "Zeroes the totals and re-arms the once-per-kind announcements.");
   m.def("outcome_kind_name", &outcome_kind_name);
-  m.def("parse_enable_switch", [](std::optional<std::string> v) { return parse_enable_switch(v ? v->c_str() : nullptr); });
+  m.def("parse_enable_switch",
+        [](std::optional<std::string> v) { return parse_enable_switch(v ? v->c_str() : nullptr); });
 }
 
 }  // namespace

@@ -210,8 +210,7 @@ Device common_device(const std::string& op, std::initializer_list<const Tensor*>
     }
     if (t->device != first->device || t->device_id != first->device_id) {
       throw Error(op + ": " + t->name + " lives on " + device_name(t->device) + ":" + std::to_string(t->device_id) +
-                  " but " + first->name + " on " + device_name(first->device) + ":" +
-                  std::to_string(first->device_id));
+                  " but " + first->name + " on " + device_name(first->device) + ":" + std::to_string(first->device_id));
     }
   }
   if (first == nullptr) throw Error(op + ": no tensor arguments");
@@ -227,8 +226,8 @@ RowView pool_of(const Tensor& t, int64_t* num_rows) {
   int64_t expected = row_stride;
   for (int i = last - 1; i >= 0; --i) {
     if (t.shape[i] != 1 && t.strides[i] != expected)
-      t.fail("is not a uniform pool of rows: stride " + std::to_string(t.strides[i]) + " of dim " +
-             std::to_string(i) + " should be " + std::to_string(expected));
+      t.fail("is not a uniform pool of rows: stride " + std::to_string(t.strides[i]) + " of dim " + std::to_string(i) +
+             " should be " + std::to_string(expected));
     expected *= t.shape[i];
   }
   int64_t rows = 1;
@@ -257,8 +256,8 @@ RowView dense_of(const Tensor& t, int32_t* batch) {
   for (const int64_t stride : {s.seq_stride, s.head_stride, s.row_stride}) {
     if (stride < 0) t.fail("has a negative stride");
   }
-  const std::string problem = row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2],
-                                               dtype_size(t.float_dtype()));
+  const std::string problem =
+      row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2], dtype_size(t.float_dtype()));
   if (!problem.empty()) throw Error(t.op + ": " + problem);
   if (batch) *batch = to_int32(t.shape[0], t.op, t.name + "'s batch");
   return s;
@@ -295,10 +294,12 @@ std::vector<int32_t> host_int32(nb::handle values, const std::string& op, const 
     using nb::dlpack::dtype_code;
     std::vector<int32_t> out(static_cast<size_t>(t.shape[0]));
     const bool is_int = t.dtype.code == static_cast<uint8_t>(dtype_code::Int);
-    if (!(is_int && (t.dtype.bits == 32 || t.dtype.bits == 64))) t.fail("has dtype " + t.dtype_str() + "; expected int32 or int64");
+    if (!(is_int && (t.dtype.bits == 32 || t.dtype.bits == 64)))
+      t.fail("has dtype " + t.dtype_str() + "; expected int32 or int64");
     for (size_t i = 0; i < out.size(); ++i) {
       const char* p = static_cast<const char*>(t.data) + static_cast<int64_t>(i) * t.strides[0] * (t.dtype.bits / 8);
-      const int64_t v = t.dtype.bits == 32 ? *reinterpret_cast<const int32_t*>(p) : *reinterpret_cast<const int64_t*>(p);
+      const int64_t v =
+          t.dtype.bits == 32 ? *reinterpret_cast<const int32_t*>(p) : *reinterpret_cast<const int64_t*>(p);
       out[i] = to_int32(v, op, name + "[" + std::to_string(i) + "]");
     }
     return out;

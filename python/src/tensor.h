@@ -34,7 +34,7 @@ struct NotImplemented : std::runtime_error {
 
 /// One tensor argument, described.
 struct Tensor {
-  std::string op, name;     // for messages: "<op>: <name> ..."
+  std::string op, name;  // for messages: "<op>: <name> ..."
   void* data = nullptr;
   Device device = Device::kCpu;
   int device_id = 0;

@@ -98,8 +98,8 @@ void DenseKVCache::read_device_lens() {
 void DenseKVCache::check_slot(int32_t slot, const char* who) const {
   if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
   if (slot < 0 || slot >= batch_) {
-    throw Error(std::string(who) + ": slot = " + std::to_string(slot) + " is outside [0, batch = " +
-                std::to_string(batch_) + ")");
+    throw Error(std::string(who) + ": slot = " + std::to_string(slot) +
+                " is outside [0, batch = " + std::to_string(batch_) + ")");
   }
 }
 
@@ -156,8 +156,7 @@ void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int3
   append_rows(k_new, v_new, tokens, stream, "DenseKVCache::append_step_tokens");
 }
 
-void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream,
-                               const char* who) {
+void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who) {
   if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
   if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
@@ -240,8 +239,8 @@ void DenseKVCache::grow_to(int64_t needed) {
   // capacity and then the byte size, and writes went far past the allocation.
   const int64_t steps = needed / capacity_step_ + (needed % capacity_step_ != 0 ? 1 : 0);
   if (steps > std::numeric_limits<int64_t>::max() / capacity_step_) {
-    throw Error("DenseKVCache: growing to " + std::to_string(needed) + " tokens in steps of capacity_step = " +
-                std::to_string(capacity_step_) + " overflows the capacity");
+    throw Error("DenseKVCache: growing to " + std::to_string(needed) +
+                " tokens in steps of capacity_step = " + std::to_string(capacity_step_) + " overflows the capacity");
   }
   const int64_t new_capacity = steps * capacity_step_;
   // Every byte count below, checked before anything is allocated or copied.
@@ -249,8 +248,8 @@ void DenseKVCache::grow_to(int64_t needed) {
     return static_cast<size_t>(checked_mul(
         checked_mul(checked_mul(static_cast<uint64_t>(batch_), static_cast<uint64_t>(heads), "DenseKVCache size"),
                     static_cast<uint64_t>(new_capacity),
-                    "DenseKVCache: capacity " + std::to_string(new_capacity) + " (capacity_step = " +
-                        std::to_string(capacity_step_) + ")"),
+                    "DenseKVCache: capacity " + std::to_string(new_capacity) +
+                        " (capacity_step = " + std::to_string(capacity_step_) + ")"),
         row_bytes, "DenseKVCache: capacity " + std::to_string(new_capacity) + " times the row size"));
   };
   bytes_of(k_heads_, stored_row_bytes(mode_, k_head_dim_));
@@ -277,8 +276,8 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
     throw Error("DenseKVCache::append: k_new and v_new must not be null");
   }
   if (input_dtype != storage_dtype(mode_)) {
-    throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) +
-                " does not match the " + cache_mode_name(mode_) + " cache");
+    throw Error(std::string("DenseKVCache::append: input dtype ") + dtype_name(input_dtype) + " does not match the " +
+                cache_mode_name(mode_) + " cache");
   }
   if (new_tokens > std::numeric_limits<int32_t>::max() - live_len()) {
     throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) +
@@ -303,8 +302,8 @@ void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtyp
       const int64_t at = lens_[static_cast<size_t>(b)];
       copy_2d(static_cast<char*>(dst.data()) + static_cast<size_t>(int64_t{b} * heads * capacity_ + at) * row_bytes,
               device_, static_cast<size_t>(capacity_) * row_bytes,
-              static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes,
-              src_bytes, static_cast<size_t>(heads));
+              static_cast<const char*>(src) + static_cast<size_t>(b) * heads * src_bytes, device_, src_bytes, src_bytes,
+              static_cast<size_t>(heads));
     }
   };
   write(k_new, storage_->k, k_heads_, k_head_dim_);
@@ -408,8 +407,8 @@ std::vector<float> DenseKVCache::dequantized_window(bool key) const {
 HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_kv_heads) {
   if (batch < 0 || num_qo_heads < 1 || num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) {
     throw Error("HeadFolding: num_qo_heads = " + std::to_string(num_qo_heads) +
-                " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads) +
-                " (batch " + std::to_string(batch) + ")");
+                " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads) + " (batch " +
+                std::to_string(batch) + ")");
   }
   if (int64_t{batch} * num_kv_heads > std::numeric_limits<int32_t>::max()) {
     throw Error("HeadFolding: batch * num_kv_heads = " + std::to_string(int64_t{batch} * num_kv_heads) +

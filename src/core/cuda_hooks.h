@@ -41,7 +41,7 @@ struct AppendTokenArgs {
   int32_t batch = 0, k_heads = 0, v_heads = 0;
   int64_t k_row_bytes = 0, v_row_bytes = 0;  // multiples of 4
   int64_t capacity = 0;
-  int32_t tokens = 1;               // rows per sequence, at live_lens[b] .. + tokens - 1
+  int32_t tokens = 1;  // rows per sequence, at live_lens[b] .. + tokens - 1
 };
 void append_token_cuda(const AppendTokenArgs& args, void* stream);
 
@@ -52,18 +52,18 @@ void append_token_cuda(const AppendTokenArgs& args, void* stream);
 /// finalize). Request r = b * tokens + t writes o at b * o_seq + (t * heads
 /// + g) * o_head. Device pointers; asynchronous on `stream`.
 struct MergePartialsArgs {
-  DType dtype = DType::kBF16;           // o
-  const float* partial_o = nullptr;     // [num_partials, heads, dv]
-  const float* partial_lse = nullptr;   // [num_partials, heads]
+  DType dtype = DType::kBF16;               // o
+  const float* partial_o = nullptr;         // [num_partials, heads, dv]
+  const float* partial_lse = nullptr;       // [num_partials, heads]
   const int32_t* merge_indptr = nullptr;    // [num_requests + 1]
   const int32_t* merge_requests = nullptr;  // [num_requests]
   int32_t num_requests = 0, max_partials = 0;
   int32_t heads = 0, tokens = 1, dv = 0;
   int64_t o_seq = 0, o_head = 0;
   void* o = nullptr;
-  float* lse = nullptr;                 // [num_requests, heads] or null
-  const float* sink = nullptr;          // [heads] or null
-  float empty_lse = 0.0f;               // the lse of a row that attended nothing
+  float* lse = nullptr;         // [num_requests, heads] or null
+  const float* sink = nullptr;  // [heads] or null
+  float empty_lse = 0.0f;       // the lse of a row that attended nothing
 };
 void merge_partials_cuda(const MergePartialsArgs& args, void* stream);
 
@@ -76,8 +76,8 @@ void merge_partials_cuda(const MergePartialsArgs& args, void* stream);
 namespace sparsepage::detail {
 
 /// Device half of gather_rows (src/cuda/attention/mask_path.cu).
-void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
-                      DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
+void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows, DType dtype,
+                      const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
 
 /// Device half of selection_from_blocks (src/cuda/indexers/selection.cu). All arrays
 /// are device arrays; offending rows are written as -1.
@@ -92,4 +92,3 @@ namespace sparsepage::detail {
 void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32_t num_requests, int64_t live_len,
                          float* mask, void* stream);
 }  // namespace sparsepage::detail
-

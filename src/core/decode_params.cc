@@ -10,14 +10,13 @@
 #include "core/decode_limits.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
-#include "sparsepage/detail/query_strides.h"
 #include "sparsepage/detail/cuda_introspection.h"
+#include "sparsepage/detail/query_strides.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "decode: ", __VA_ARGS__)
 
 namespace sparsepage {
 namespace {
-
 
 // The output rows of o (num_sequences x q_len tokens x num_kv_heads *
 // group_size heads of dim elements) must not overlap, or two CTAs would write
@@ -59,7 +58,8 @@ std::string row_view_problem(const RowView& view, const char* name, int64_t sequ
   if (view.seq_stride < 0 || view.head_stride < 0 || view.capacity < 0)
     return n + ".seq_stride, " + n + ".head_stride and " + n + ".capacity must not be negative";
   if (rows > view.capacity)
-    return n + ": " + std::to_string(rows) + " rows per head exceed " + n + ".capacity = " + std::to_string(view.capacity);
+    return n + ": " + std::to_string(rows) + " rows per head exceed " + n +
+           ".capacity = " + std::to_string(view.capacity);
   if (rows <= 0 || sequences <= 0 || heads <= 0) return {};
   // Distinct rows must not overlap: taking the levels (row, head, sequence)
   // from the smallest stride up, each stride must clear everything the
@@ -162,8 +162,8 @@ std::string block_table_problem(const BlockTable& t, int64_t sequences) {
   if (t.block_size < 1) return "block_table.block_size = " + std::to_string(t.block_size) + " must be at least 1";
   if (t.max_blocks < 0) return "block_table.max_blocks = " + std::to_string(t.max_blocks) + " is negative";
   if (t.row_stride < t.max_blocks)
-    return "block_table.row_stride = " + std::to_string(t.row_stride) + " is smaller than block_table.max_blocks = " +
-           std::to_string(t.max_blocks);
+    return "block_table.row_stride = " + std::to_string(t.row_stride) +
+           " is smaller than block_table.max_blocks = " + std::to_string(t.max_blocks);
   if (t.num_blocks < 0) return "block_table.num_blocks = " + std::to_string(t.num_blocks) + " is negative";
   if (t.num_blocks > (int64_t{1} << 62) / t.block_size) return "block_table.num_blocks * block_size overflows";
   if (t.num_rows < 1) return "block_table.num_rows = " + std::to_string(t.num_rows) + " must be at least 1";
@@ -187,9 +187,10 @@ QoStrides qo_strides(const DecodeParams& p) {
 std::string cuda_layout_problem(DType dtype, const void* q, const void* q_extra, const RowView& k, const RowView& v,
                                 const RowView& k_extra, const void* o) {
   if (dtype != DType::kBF16 && dtype != DType::kF16)
-    return std::string("dtype ") + dtype_name(dtype) + " is not supported on CUDA (the tensor-core kernels take bf16 and f16)";
-  const std::pair<const void*, const char*> bases[] = {{q, "q"},           {q_extra, "q_extra"}, {k.data, "k.data"},
-                                                       {v.data, "v.data"}, {k_extra.data, "k_extra.data"}, {o, "o"}};
+    return std::string("dtype ") + dtype_name(dtype) +
+           " is not supported on CUDA (the tensor-core kernels take bf16 and f16)";
+  const std::pair<const void*, const char*> bases[] = {
+      {q, "q"}, {q_extra, "q_extra"}, {k.data, "k.data"}, {v.data, "v.data"}, {k_extra.data, "k_extra.data"}, {o, "o"}};
   for (const auto& [ptr, name] : bases) {
     if (ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
       return std::string(name) + " must be 16-byte aligned on CUDA";
@@ -219,8 +220,9 @@ std::string cuda_fp8_problem(const DecodeParams& p) {
   const std::string name = std::string("kv_format ") + kv_format_name(p.kv_format);
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   if (p.kv_format == KvFormat::kE4m3PerHead && !(p.k.dim == 128 && p.v.dim == 128 && de == 0))
-    return name + " runs on CUDA at head dim 128 only (K and V 128, no second stream), not qk = " +
-           std::to_string(p.k.dim) + ", v = " + std::to_string(p.v.dim) + ", extra = " + std::to_string(de);
+    return name +
+           " runs on CUDA at head dim 128 only (K and V 128, no second stream), not qk = " + std::to_string(p.k.dim) +
+           ", v = " + std::to_string(p.v.dim) + ", extra = " + std::to_string(de);
   if (p.kv_format == KvFormat::kE4m3Mla && !(p.dtype == DType::kBF16 && p.k.dim == 512 && p.v.dim == 512 && de == 64))
     return name + " runs on CUDA at the MLA shape (512 + 64, bf16) only";
   const std::pair<const RowView*, const char*> streams[] = {{&p.k, "k"}, {&p.v, "v"}};
@@ -229,8 +231,8 @@ std::string cuda_fp8_problem(const DecodeParams& p) {
         {s->row_stride, ".row_stride"}, {s->seq_stride, ".seq_stride"}, {s->head_stride, ".head_stride"}};
     for (const auto& [stride, field] : strides) {
       if (stride % 16 != 0)
-        return std::string(n) + field + " = " + std::to_string(stride) + " must be a multiple of 16 bytes for " +
-               name + " on CUDA (rows are copied in 16-byte pieces)";
+        return std::string(n) + field + " = " + std::to_string(stride) + " must be a multiple of 16 bytes for " + name +
+               " on CUDA (rows are copied in 16-byte pieces)";
     }
   }
   return {};
@@ -282,8 +284,8 @@ std::string kv_format_problem(const DecodeParams& p) {
   if (f != KvFormat::kE4m3Mla) return {};
   if (p.dtype != DType::kBF16) return name + " stores its rope as bf16: dtype must be bf16, not " + dtype_name(p.dtype);
   if (p.k.dim != 512 || p.v.dim != 512)
-    return name + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) + ", v.dim = " +
-           std::to_string(p.v.dim);
+    return name + " has 512 latent values per row: k.dim = " + std::to_string(p.k.dim) +
+           ", v.dim = " + std::to_string(p.v.dim);
   if (p.v.data != p.k.data || p.v.row_stride != p.k.row_stride || p.v.seq_stride != p.k.seq_stride ||
       p.v.head_stride != p.k.head_stride)
     return name + ": V is the latent of K's rows, so v must be the same view as k";
@@ -316,16 +318,17 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
   check_kv_format(p);
   REQUIRE(p.num_requests >= 0, "num_requests = " + std::to_string(p.num_requests) + " is negative");
   REQUIRE(p.num_requests == plan.num_requests, "num_requests = " + std::to_string(p.num_requests) +
-                                                   " but the plan was made for " +
-                                                   std::to_string(plan.num_requests));
+                                                   " but the plan was made for " + std::to_string(plan.num_requests));
   REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
-  REQUIRE(p.q_len >= 1 && p.q_len <= max_q_len, "q_len = " + std::to_string(p.q_len) + " must lie in [1, " +
-                                                    std::to_string(max_q_len) + "]");
-  REQUIRE(int64_t{p.group_size} * p.q_len == plan.group_size, p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) +
-                                                      " but the plan was made for " + std::to_string(plan.group_size)
-                                                : "group_size * q_len = " + std::to_string(p.group_size) + " * " +
-                                                      std::to_string(p.q_len) + " query rows per request but the "
-                                                      "plan was made for " + std::to_string(plan.group_size));
+  REQUIRE(p.q_len >= 1 && p.q_len <= max_q_len,
+          "q_len = " + std::to_string(p.q_len) + " must lie in [1, " + std::to_string(max_q_len) + "]");
+  REQUIRE(int64_t{p.group_size} * p.q_len == plan.group_size,
+          p.q_len == 1 ? "group_size = " + std::to_string(p.group_size) + " but the plan was made for " +
+                             std::to_string(plan.group_size)
+                       : "group_size * q_len = " + std::to_string(p.group_size) + " * " + std::to_string(p.q_len) +
+                             " query rows per request but the "
+                             "plan was made for " +
+                             std::to_string(plan.group_size));
   REQUIRE(p.page_size >= 1, "page_size = " + std::to_string(p.page_size) + " must be at least 1");
   REQUIRE(p.num_indices >= 0, "num_indices = " + std::to_string(p.num_indices) + " is negative");
   REQUIRE(p.indices != nullptr || p.num_indices == 0,
@@ -333,9 +336,9 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
   REQUIRE(p.num_pool_pages >= 0, "num_pool_pages = " + std::to_string(p.num_pool_pages) + " is negative");
   REQUIRE(std::isfinite(p.scale), "scale is not finite");
   REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
-  REQUIRE(p.num_requests % p.num_kv_heads == 0, "num_requests = " + std::to_string(p.num_requests) +
-                                                    " is not a multiple of num_kv_heads = " +
-                                                    std::to_string(p.num_kv_heads));
+  REQUIRE(p.num_requests % p.num_kv_heads == 0,
+          "num_requests = " + std::to_string(p.num_requests) +
+              " is not a multiple of num_kv_heads = " + std::to_string(p.num_kv_heads));
   const bool window = p.addressing == PageAddressing::kWindow;
   const bool block_table = p.addressing == PageAddressing::kBlockTable;
   REQUIRE(window || block_table || p.addressing == PageAddressing::kPoolPages,
@@ -352,14 +355,16 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
   // The causal limit among a step's tokens is a position limit: it needs
   // page ids that are positions, and each sequence's live length.
   REQUIRE(p.q_len == 1 || window || block_table,
-          "q_len = " + std::to_string(p.q_len) + " needs positions: kPoolPages page ids are not positions, so a "
-          "multi-token step's causal limit cannot be applied (use kWindow or kBlockTable addressing)");
+          "q_len = " + std::to_string(p.q_len) +
+              " needs positions: kPoolPages page ids are not positions, so a "
+              "multi-token step's causal limit cannot be applied (use kWindow or kBlockTable addressing)");
   REQUIRE(p.q_len == 1 || p.kv_format == KvFormat::kNative,
           "q_len = " + std::to_string(p.q_len) + " with kv_format " + kv_format_name(p.kv_format) +
               ": multi-token steps read bf16/f16 K and V (FP8 caches take one query token per request)");
   REQUIRE(p.q_len == 1 || !block_table || p.window_lens != nullptr || p.window_len > 0,
-          "q_len = " + std::to_string(p.q_len) + " with block-table addressing needs each sequence's live length "
-          "(window_lens, or window_len > 0) for the causal limit");
+          "q_len = " + std::to_string(p.q_len) +
+              " with block-table addressing needs each sequence's live length "
+              "(window_lens, or window_len > 0) for the causal limit");
   if (p.num_requests == 0) return;
   const bool matrix = p.index_layout == IndexLayout::kMatrix;
   const int64_t sequences = p.num_requests / p.num_kv_heads;
@@ -414,9 +419,10 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
   // Window mode with per-sequence lengths reaches up to their bound (a
   // declared capacity may exceed window_len: the context grows on the device).
   const int64_t window_rows = p.window_lens != nullptr ? std::max(p.window_len, window_lens_bound(p)) : p.window_len;
-  const long double reach = window        ? static_cast<long double>(window_rows)
-                            : block_table ? static_cast<long double>(p.block_table.num_blocks) * p.block_table.block_size
-                                          : static_cast<long double>(p.num_pool_pages) * p.page_size;
+  const long double reach = window ? static_cast<long double>(window_rows)
+                            : block_table
+                                ? static_cast<long double>(p.block_table.num_blocks) * p.block_table.block_size
+                                : static_cast<long double>(p.num_pool_pages) * p.page_size;
   const int64_t rows = static_cast<int64_t>(std::min<long double>(reach, 9.2e18L));
   const size_t esize = dtype_size(p.dtype);
   const bool fp8 = p.kv_format != KvFormat::kNative;

@@ -74,9 +74,8 @@ const char* outcome_kind_name(OutcomeKind kind) {
 std::string SparseDecodeOutcome::describe() const {
   std::ostringstream line;
   if (fused()) {
-    line << "fused sparse launch (" << requests << " request(s) x "
-         << (requests > 0 ? selected_rows / requests : 0) << " selected rows, " << chunks << " chunks, merge "
-         << (merge ? "on" : "off");
+    line << "fused sparse launch (" << requests << " request(s) x " << (requests > 0 ? selected_rows / requests : 0)
+         << " selected rows, " << chunks << " chunks, merge " << (merge ? "on" : "off");
     if (kernel != nullptr && *kernel != '\0') line << "; " << kernel;
     line << ")";
   } else {
@@ -160,18 +159,19 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   if (!in.layout_supported) {
     // The launchers' own reason when the caller has it (an fp8 cache at a
     // shape without an fp8 kernel, say), else the general requirement.
-    return decline(OutcomeKind::kUnsupportedLayout, in,
-                   !in.layout_problem.empty()
-                       ? "the fused kernel cannot read this layout: " + in.layout_problem
-                       : "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
+    return decline(
+        OutcomeKind::kUnsupportedLayout, in,
+        !in.layout_problem.empty()
+            ? "the fused kernel cannot read this layout: " + in.layout_problem
+            : "the fused kernel needs f16/bf16 rows, 16-byte aligned bases and row strides in 16-byte pieces");
   }
   const int64_t requests = std::max<int64_t>(in.num_requests, 1);
   const int64_t per_request = in.selected_rows / requests;
   // Compared by division: config values come from the environment and a
   // product could overflow.
   if (config.min_sparsity > 0 && per_request > 0 && in.live_len / config.min_sparsity < per_request) {
-    why << "live window of " << in.live_len << " tokens is less than " << config.min_sparsity << "x the "
-        << per_request << " selected rows per request (minimum sparsity " << config.min_sparsity << ")";
+    why << "live window of " << in.live_len << " tokens is less than " << config.min_sparsity << "x the " << per_request
+        << " selected rows per request (minimum sparsity " << config.min_sparsity << ")";
     return decline(OutcomeKind::kBelowSparsity, in, why.str());
   }
   // The batched floor is per request, times the folded request count
@@ -180,7 +180,7 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   // must not reach the product, where it overflowed (found by the fuzzer).
   const int64_t max = std::numeric_limits<int64_t>::max();
   const int64_t per_request_floor = std::max<int64_t>(config.min_kv_tokens_per_request, 0);
-  const int64_t floor = in.num_requests <= 1 ? config.min_kv_tokens
+  const int64_t floor = in.num_requests <= 1                 ? config.min_kv_tokens
                         : per_request_floor > max / requests ? max
                                                              : per_request_floor * requests;
   if (in.selected_rows < floor) {

@@ -40,7 +40,8 @@ std::string quantize_mla_fp8_problem(DType dtype, const void* src, int64_t rows,
   if (dst_row_bytes < MlaFp8Row::kBytes)
     return "dst_row_bytes = " + std::to_string(dst_row_bytes) + " is smaller than the format's 656 bytes";
   if (dst_row_bytes % 16 != 0)
-    return "dst_row_bytes = " + std::to_string(dst_row_bytes) + " must be a multiple of 16 (rows are written in 16-byte pieces)";
+    return "dst_row_bytes = " + std::to_string(dst_row_bytes) +
+           " must be a multiple of 16 (rows are written in 16-byte pieces)";
   if (static_cast<long double>(rows) * static_cast<long double>(std::max<int64_t>(dst_row_bytes, src_row_stride * 2)) >=
       4.6e18L)
     return "rows = " + std::to_string(rows) + " span more than 2^62 bytes";

@@ -24,7 +24,8 @@ float load_key_value(DType dtype, const void* keys, int64_t i) {
 
 // One key of 128 values quantized into a block slot (values and scale), by
 // the rule the CUDA kernel applies lane by lane.
-void quantize_key(DType dtype, const void* key, IndexScaleFormat format, unsigned char* values, unsigned char* scale_at) {
+void quantize_key(DType dtype, const void* key, IndexScaleFormat format, unsigned char* values,
+                  unsigned char* scale_at) {
   float x[IndexKeyFp8::kDim];
   float amax = 0.0f;
   for (int32_t i = 0; i < IndexKeyFp8::kDim; ++i) {
@@ -93,8 +94,8 @@ std::string paged_index_keys_problem(const PagedIndexKeys& k, int32_t dim) {
   if (k.block_table == nullptr) return "block_table is null";
   if (k.max_blocks < 1) return "max_blocks = " + std::to_string(k.max_blocks) + " must be at least 1";
   if (k.block_table_stride < k.max_blocks)
-    return "block_table_stride = " + std::to_string(k.block_table_stride) + " is less than max_blocks = " +
-           std::to_string(k.max_blocks);
+    return "block_table_stride = " + std::to_string(k.block_table_stride) +
+           " is less than max_blocks = " + std::to_string(k.max_blocks);
   return {};
 }
 
@@ -184,7 +185,8 @@ void write_index_keys_cpu(const PagedIndexKeys& pool, int32_t dim, DType key_dty
 
 void quantize_index_queries_cpu(DType dtype, const void* q, const float* weights, int64_t rows, int32_t heads,
                                 void* q_fp8, float* weights_out) {
-  const std::string problem = detail::quantize_index_queries_problem(dtype, q, weights, rows, heads, q_fp8, weights_out);
+  const std::string problem =
+      detail::quantize_index_queries_problem(dtype, q, weights, rows, heads, q_fp8, weights_out);
   if (!problem.empty()) throw Error("quantize_index_queries_cpu: " + problem);
   constexpr int32_t kDim = IndexKeyFp8::kDim;
   for (int64_t r = 0; r < rows * heads; ++r) {

@@ -2,8 +2,8 @@
 
 #include <cstddef>
 #include <cstdlib>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 
@@ -35,8 +35,7 @@ Buffer::Buffer(Device device, size_t bytes) : bytes_(bytes), device_(device) {
 
 Buffer::~Buffer() { release(); }
 
-Buffer::Buffer(Buffer&& other) noexcept
-    : data_(other.data_), bytes_(other.bytes_), device_(other.device_) {
+Buffer::Buffer(Buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_), device_(other.device_) {
   other.data_ = nullptr;
   other.bytes_ = 0;
 }
@@ -74,8 +73,8 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   detail::cuda_copy(dst, dst_device == Device::kCuda, src, src_device == Device::kCuda, bytes);
 }
 
-void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, Device src_device,
-             size_t src_pitch, size_t width, size_t height) {
+void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, Device src_device, size_t src_pitch,
+             size_t width, size_t height) {
   if (width == 0 || height == 0) return;
   if (dst == nullptr || src == nullptr) throw Error("copy_2d: dst and src must not be null");
   if (width > dst_pitch || width > src_pitch) {
@@ -88,8 +87,8 @@ void copy_2d(void* dst, Device dst_device, size_t dst_pitch, const void* src, De
     }
     return;
   }
-  detail::cuda_copy_2d(dst, dst_device == Device::kCuda, dst_pitch, src, src_device == Device::kCuda, src_pitch,
-                       width, height);
+  detail::cuda_copy_2d(dst, dst_device == Device::kCuda, dst_pitch, src, src_device == Device::kCuda, src_pitch, width,
+                       height);
 }
 
 void fill_bytes(void* dst, Device device, int value, size_t bytes) {

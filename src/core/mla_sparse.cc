@@ -122,7 +122,8 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
     fail("batch, q_len and num_heads must be at least 1 (got " + std::to_string(shape.batch) + ", " +
          std::to_string(shape.q_len) + ", " + std::to_string(shape.num_heads) + ")");
   if (shape.topk < 1) fail("topk = " + std::to_string(shape.topk) + " must be at least 1");
-  if (shape.extra_topk < 0) fail("extra_topk = " + std::to_string(shape.extra_topk) + " is negative (0: no extra cache)");
+  if (shape.extra_topk < 0)
+    fail("extra_topk = " + std::to_string(shape.extra_topk) + " is negative (0: no extra cache)");
   const int64_t requests = int64_t{shape.batch} * shape.q_len;
   if (requests > std::numeric_limits<int32_t>::max()) fail("batch * q_len does not fit in int32");
   PlanShape ps = machine;
@@ -144,19 +145,21 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
   size_t i = 0, j = 0;
   int64_t slot = 0;
   for (int32_t r = 0; r < requests; ++r) {
-    for (; i < plan.main.work.size() && plan.main.work[i].request == r; ++i) plan.main.work[i].partial = static_cast<int32_t>(slot++);
+    for (; i < plan.main.work.size() && plan.main.work[i].request == r; ++i)
+      plan.main.work[i].partial = static_cast<int32_t>(slot++);
     for (; j < plan.extra.work.size() && plan.extra.work[j].request == r; ++j)
       plan.extra.work[j].partial = static_cast<int32_t>(slot++);
     if (slot > std::numeric_limits<int32_t>::max()) fail("more than 2^31 - 1 partial slots");
     plan.merge_indptr.push_back(static_cast<int32_t>(slot));
     plan.merge_requests.push_back(r);
-    plan.max_partials = std::max(plan.max_partials, plan.merge_indptr[static_cast<size_t>(r) + 1] - plan.merge_indptr[r]);
+    plan.max_partials =
+        std::max(plan.max_partials, plan.merge_indptr[static_cast<size_t>(r) + 1] - plan.merge_indptr[r]);
   }
   plan.num_partials = static_cast<int32_t>(slot);
   for (DecodePlan* sub : {&plan.main, &plan.extra}) {
     sub->merge_requests.clear();  // the merge is the plan's own: run_decode_cuda launches the partials alone
     sub->merge_indptr.clear();
-    sub->uniform_chunks = 0;      // every item reads its slot from the list
+    sub->uniform_chunks = 0;  // every item reads its slot from the list
     sub->uniform_chunk_tokens = 0;
     sub->num_partials = plan.num_partials;
   }
@@ -192,18 +195,21 @@ void check_mla_sparse_plan(const MlaSparsePlan& plan) {
     fail("the shape's batch, q_len, num_heads, topk must be at least 1 and extra_topk not negative");
   const int64_t requests = int64_t{s.batch} * s.q_len;
   if (requests > std::numeric_limits<int32_t>::max()) fail("batch * q_len does not fit in int32");
-  if (plan.merge_indptr.size() != static_cast<size_t>(requests) + 1 || plan.merge_requests.size() != static_cast<size_t>(requests))
+  if (plan.merge_indptr.size() != static_cast<size_t>(requests) + 1 ||
+      plan.merge_requests.size() != static_cast<size_t>(requests))
     fail("merge_indptr must have num_requests + 1 entries and merge_requests num_requests");
   if (plan.merge_indptr.front() != 0 || plan.merge_indptr.back() != plan.num_partials)
     fail("merge_indptr must run from 0 to num_partials = " + std::to_string(plan.num_partials));
   int32_t most = 0;
   for (int64_t r = 0; r < requests; ++r) {
-    if (plan.merge_requests[static_cast<size_t>(r)] != r) fail("merge_requests[" + std::to_string(r) + "] is not " + std::to_string(r));
+    if (plan.merge_requests[static_cast<size_t>(r)] != r)
+      fail("merge_requests[" + std::to_string(r) + "] is not " + std::to_string(r));
     const int32_t count = plan.merge_indptr[static_cast<size_t>(r) + 1] - plan.merge_indptr[static_cast<size_t>(r)];
     if (count < 1) fail("request " + std::to_string(r) + " has no partial slot");
     most = std::max(most, count);
   }
-  if (plan.max_partials != most) fail("max_partials = " + std::to_string(plan.max_partials) + " but a request has " + std::to_string(most));
+  if (plan.max_partials != most)
+    fail("max_partials = " + std::to_string(plan.max_partials) + " but a request has " + std::to_string(most));
   std::vector<uint8_t> used(static_cast<size_t>(plan.num_partials), 0);
   const auto check_sub = [&](const DecodePlan& sub, int32_t count, const char* name) {
     const std::string n(name);
@@ -218,7 +224,8 @@ void check_mla_sparse_plan(const MlaSparsePlan& plan) {
       fail(n + " must have no merge lists of its own, no uniform split and the plan's num_partials");
     size_t i = 0;
     for (int64_t r = 0; r < expected_requests; ++r) {
-      if (sub.seq_lens[static_cast<size_t>(r)] != count) fail(n + ".seq_lens[" + std::to_string(r) + "] is not " + std::to_string(count));
+      if (sub.seq_lens[static_cast<size_t>(r)] != count)
+        fail(n + ".seq_lens[" + std::to_string(r) + "] is not " + std::to_string(count));
       int64_t covered = 0;
       const size_t first = i;
       for (; i < sub.work.size() && sub.work[i].request == r; ++i) {
@@ -227,8 +234,8 @@ void check_mla_sparse_plan(const MlaSparsePlan& plan) {
           fail(n + ".work[" + std::to_string(i) + "] covers [" + std::to_string(w.token_begin) + ", " +
                std::to_string(w.token_end) + ") of request " + std::to_string(r));
         covered = w.token_end;
-        if (w.partial < plan.merge_indptr[static_cast<size_t>(r)] || w.partial >= plan.merge_indptr[static_cast<size_t>(r) + 1] ||
-            used[static_cast<size_t>(w.partial)] != 0)
+        if (w.partial < plan.merge_indptr[static_cast<size_t>(r)] ||
+            w.partial >= plan.merge_indptr[static_cast<size_t>(r) + 1] || used[static_cast<size_t>(w.partial)] != 0)
           fail(n + ".work[" + std::to_string(i) + "] has slot " + std::to_string(w.partial) + ", outside request " +
                std::to_string(r) + "'s merge range or already used");
         used[static_cast<size_t>(w.partial)] = 1;
@@ -280,8 +287,9 @@ std::string mla_sparse_problem(const MlaSparseParams& p, const MlaSparsePlan& pl
   // stride is fixed by how they are folded.
   if (p.q_batch_stride < 0 || p.q_token_stride < 0 || p.q_head_stride < 0) return "q's strides must not be negative";
   if (p.q_len > 1 && p.q_token_stride != int64_t{p.num_heads} * p.q_head_stride)
-    return "q_token_stride = " + std::to_string(p.q_token_stride) + " must be num_heads * q_head_stride = " +
-           std::to_string(int64_t{p.num_heads} * p.q_head_stride) + " (each query token of a sequence is decoded "
+    return "q_token_stride = " + std::to_string(p.q_token_stride) +
+           " must be num_heads * q_head_stride = " + std::to_string(int64_t{p.num_heads} * p.q_head_stride) +
+           " (each query token of a sequence is decoded "
            "as one request, the tokens heads apart; make q contiguous over its tokens and heads)";
   if (!std::isfinite(p.scale)) return "scale is not finite";
   std::string problem = cache_problem(p, p.cache, "cache", s.topk);
@@ -306,7 +314,8 @@ std::string cuda_mla_sparse_problem(const MlaSparseParams& p) {
     if (c->data == nullptr) continue;
     const std::string name = cache_name(p, *c);
     if (c->block_stride != int64_t{c->block_size} * c->row_stride)
-      return name + ".block_stride = " + std::to_string(c->block_stride) + " bytes: the CUDA kernel reads a cache "
+      return name + ".block_stride = " + std::to_string(c->block_stride) +
+             " bytes: the CUDA kernel reads a cache "
              "whose blocks follow each other without gaps (block_size * row_stride = " +
              std::to_string(int64_t{c->block_size} * c->row_stride) + ")";
     if (c->row_stride % 16 != 0)

@@ -9,9 +9,7 @@
 
 namespace sparsepage {
 namespace {
-[[noreturn]] void no_cuda(const char* what) {
-  throw Error(std::string(what) + ": sparsepage was built without CUDA");
-}
+[[noreturn]] void no_cuda(const char* what) { throw Error(std::string(what) + ": sparsepage was built without CUDA"); }
 }  // namespace
 
 namespace detail {
@@ -43,9 +41,7 @@ uint32_t read_decode_error_flag(const DecodePlan&, void*, void*) { no_cuda("read
 DecodeErrors read_decode_errors(const DecodePlan&, void*, void*) { no_cuda("read_decode_errors"); }
 const char* cuda_decode_kernel_name(const DecodeParams&, const DecodePlan&) { no_cuda("cuda_decode_kernel_name"); }
 void cuda_check_kernel_switches() {}  // no CUDA kernels, no switches
-size_t masked_decode_workspace_bytes(const MaskedDecodeParams&, int32_t) {
-  no_cuda("masked_decode_workspace_bytes");
-}
+size_t masked_decode_workspace_bytes(const MaskedDecodeParams&, int32_t) { no_cuda("masked_decode_workspace_bytes"); }
 void run_masked_decode_cuda(const MaskedDecodeParams&, void*, void*) { no_cuda("run_masked_decode_cuda"); }
 void quantize_mla_fp8_cuda(DType, const void*, int64_t, int64_t, void*, int64_t, void*) {
   no_cuda("quantize_mla_fp8_cuda");
@@ -54,12 +50,11 @@ void quantize_mla_fp8_cuda(DType, const void*, int64_t, int64_t, void*, int64_t,
 }  // namespace sparsepage
 
 namespace sparsepage::detail {
-void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const RowView&, int64_t, void*,
-                      void*) {
+void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const RowView&, int64_t, void*, void*) {
   throw Error("gather_rows(Device::kCuda): sparsepage was built without CUDA");
 }
-void selection_from_blocks_cuda(const int32_t*, const int32_t*, const int32_t*, const int64_t*, const int64_t*,
-                                int32_t, int32_t, int32_t*, void*) {
+void selection_from_blocks_cuda(const int32_t*, const int32_t*, const int32_t*, const int64_t*, const int64_t*, int32_t,
+                                int32_t, int32_t*, void*) {
   throw Error("selection_from_blocks(Device::kCuda): sparsepage was built without CUDA");
 }
 }  // namespace sparsepage::detail
@@ -69,4 +64,3 @@ void selection_mask_cuda(const int32_t*, const int32_t*, int32_t, int64_t, float
   throw Error("build_selection_mask(Device::kCuda): sparsepage was built without CUDA");
 }
 }  // namespace sparsepage::detail
-

@@ -19,8 +19,8 @@ PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_le
     throw Error("page table: page_size = " + std::to_string(page_size) + " must be at least 1");
   }
   if (!first_page_offsets.empty() && first_page_offsets.size() != seq_lens.size()) {
-    throw Error("page table: first_page_offsets has " + std::to_string(first_page_offsets.size()) +
-                " entries for " + std::to_string(seq_lens.size()) + " requests");
+    throw Error("page table: first_page_offsets has " + std::to_string(first_page_offsets.size()) + " entries for " +
+                std::to_string(seq_lens.size()) + " requests");
   }
   PageTableStructure table;
   table.page_size = page_size;
@@ -33,8 +33,7 @@ PageTableStructure build_page_table_structure(const std::vector<int32_t>& seq_le
     const int64_t len = seq_lens[r];
     const int64_t offset = first_page_offsets.empty() ? 0 : first_page_offsets[r];
     if (len < 0) {
-      throw Error("page table: seq_lens[" + std::to_string(r) + "] = " + std::to_string(len) +
-                  " is negative");
+      throw Error("page table: seq_lens[" + std::to_string(r) + "] = " + std::to_string(len) + " is negative");
     }
     if (offset < 0 || offset >= page_size) {
       throw Error("page table: first_page_offsets[" + std::to_string(r) + "] = " + std::to_string(offset) +
@@ -79,8 +78,8 @@ std::string page_table_problem(const PageTableStructure& t, const std::vector<in
   }
   for (size_t r = 0; r < n; ++r) {
     if (t.indptr[r + 1] < t.indptr[r]) {
-      why << "indptr decreases at request " << r << ": indptr[" << r << "] = " << t.indptr[r] << " > indptr["
-          << r + 1 << "] = " << t.indptr[r + 1];
+      why << "indptr decreases at request " << r << ": indptr[" << r << "] = " << t.indptr[r] << " > indptr[" << r + 1
+          << "] = " << t.indptr[r + 1];
       return why.str();
     }
     const int64_t len = t.seq_lens[r];
@@ -136,8 +135,7 @@ std::string page_table_problem(const PageTableStructure& t, const std::vector<in
   return "";
 }
 
-void check_page_table(const PageTableStructure& table, const std::vector<int32_t>* indices,
-                      int64_t num_pool_pages) {
+void check_page_table(const PageTableStructure& table, const std::vector<int32_t>* indices, int64_t num_pool_pages) {
   const std::string problem = page_table_problem(table, indices, num_pool_pages);
   if (!problem.empty()) throw Error("page table: " + problem);
 }

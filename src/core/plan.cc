@@ -143,7 +143,8 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
   plan.num_partials = next_partial;
   // Uniform when every request has the same count (so the same chunks): the
   // items above are then exactly r * chunks + c with partial slots in order.
-  if (!seq_lens.empty() && std::all_of(seq_lens.begin(), seq_lens.end(), [&](int32_t len) { return len == seq_lens[0]; })) {
+  if (!seq_lens.empty() &&
+      std::all_of(seq_lens.begin(), seq_lens.end(), [&](int32_t len) { return len == seq_lens[0]; })) {
     plan.uniform_chunks = static_cast<int32_t>(plan.work.size() / seq_lens.size());
     plan.uniform_chunk_tokens = plan.work[0].token_end;  // the first chunk is a whole one
   }
@@ -155,11 +156,10 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
     plan.workspace.total = static_cast<size_t>(round_up(static_cast<int64_t>(offset + bytes), kAlign));
     return offset;
   };
-  const size_t rows = checked_bytes(static_cast<size_t>(plan.num_partials), static_cast<size_t>(shape.group_size),
-                                    "partial rows");
-  const size_t partial_o_bytes =
-      checked_bytes(checked_bytes(rows, static_cast<size_t>(shape.head_dim_v), "partial outputs"), sizeof(float),
-                    "partial outputs");
+  const size_t rows =
+      checked_bytes(static_cast<size_t>(plan.num_partials), static_cast<size_t>(shape.group_size), "partial rows");
+  const size_t partial_o_bytes = checked_bytes(
+      checked_bytes(rows, static_cast<size_t>(shape.head_dim_v), "partial outputs"), sizeof(float), "partial outputs");
   if (partial_o_bytes > (size_t{1} << 56)) {
     throw Error("plan: the partial outputs need " + std::to_string(partial_o_bytes) +
                 " bytes of workspace; group_size * head_dim_v is too large for this many chunks");
@@ -216,13 +216,16 @@ void check_decode_plan(const DecodePlan& plan) {
     const bool direct = plan.work[first].partial < 0;
     if (direct != (items == 1)) fail("request " + std::to_string(r) + " mixes direct output and partial slots");
   }
-  if (i != plan.work.size()) fail("work[" + std::to_string(i) + "] names request " + std::to_string(plan.work[i].request) +
-                                  " out of order or out of range");
+  if (i != plan.work.size())
+    fail("work[" + std::to_string(i) + "] names request " + std::to_string(plan.work[i].request) +
+         " out of order or out of range");
   // A uniform split must be exactly what its two numbers describe.
-  if (plan.uniform_chunks < 0 || plan.uniform_chunk_tokens < 0) fail("uniform_chunks and uniform_chunk_tokens must not be negative");
+  if (plan.uniform_chunks < 0 || plan.uniform_chunk_tokens < 0)
+    fail("uniform_chunks and uniform_chunk_tokens must not be negative");
   if (plan.uniform_chunks > 0) {
     const int64_t chunks = plan.uniform_chunks, chunk = plan.uniform_chunk_tokens;
-    if (static_cast<int64_t>(plan.work.size()) != requests * chunks) fail("uniform_chunks disagrees with the work list's size");
+    if (static_cast<int64_t>(plan.work.size()) != requests * chunks)
+      fail("uniform_chunks disagrees with the work list's size");
     for (size_t w = 0; w < plan.work.size(); ++w) {
       const WorkItem& item = plan.work[w];
       const int64_t r = static_cast<int64_t>(w) / chunks, c = static_cast<int64_t>(w) % chunks;

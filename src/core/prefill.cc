@@ -114,9 +114,8 @@ void check_mla(const MlaPrefillParams& p, Device device) {
           who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
               " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
   REQUIRE(device == Device::kCpu || p.max_logits == nullptr,
-          who +
-              "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
-              "(within 2^8 of the true one), so pass max_logits = null on CUDA");
+          who + "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
+                "(within 2^8 of the true one), so pass max_logits = null on CUDA");
 }
 
 int64_t index_token_stride(const MlaPrefillParams& p) {
@@ -269,9 +268,8 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
 void MlaSparsePrefill::check_errors(void* stream) {
   if (device_ != Device::kCuda || !prepared_) return;
   const uint32_t flag = read_decode_error_flag(plan_, workspace_.data(), stream);
-  REQUIRE(flag == 0,
-          "MlaSparsePrefill: an index entry named a position outside its token's window (a later "
-          "position, a negative id other than -1, or past the rows): those tokens' out and lse are NaN");
+  REQUIRE(flag == 0, "MlaSparsePrefill: an index entry named a position outside its token's window (a later "
+                     "position, a negative id other than -1, or past the rows): those tokens' out and lse are NaN");
 }
 
 // ---- DsaPrefillIndexer ---------------------------------------------------------
@@ -620,12 +618,10 @@ void GqaBlockPrefill::check_errors(void* stream) {
                256);
   const auto bad = download<uint32_t>(device_, scratch_.as<char>() + windows_bytes, 1);
   fill_bytes(scratch_.as<char>() + windows_bytes, device_, 0, sizeof(uint32_t));
-  REQUIRE(bad[0] == 0,
-          "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
-          "was below num_tokens): its tokens' o and lse are NaN");
-  REQUIRE(flags == 0,
-          "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "
-          "query blocks' o and lse are NaN");
+  REQUIRE(bad[0] == 0, "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
+                       "was below num_tokens): its tokens' o and lse are NaN");
+  REQUIRE(flags == 0, "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "
+                      "query blocks' o and lse are NaN");
 }
 
 // ---- BlockPrefillIndexer ------------------------------------------------------

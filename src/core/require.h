@@ -9,7 +9,7 @@
 
 /// Throws sparsepage::Error(prefix + message) when `ok` is false. `message`
 /// (any expression convertible to std::string) is evaluated only then.
-#define SPARSEPAGE_REQUIRE(ok, prefix, ...)                                              \
-  do {                                                                                   \
+#define SPARSEPAGE_REQUIRE(ok, prefix, ...) \
+  do { \
     if (!(ok)) throw ::sparsepage::Error(std::string(prefix) + std::string(__VA_ARGS__)); \
   } while (0)

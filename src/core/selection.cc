@@ -19,8 +19,7 @@ int64_t checked_total(const std::vector<int32_t>& counts) {
   int64_t sum = 0;
   for (size_t r = 0; r < counts.size(); ++r) {
     if (counts[r] < 0) {
-      throw Error("SparseSelection: counts[" + std::to_string(r) + "] = " + std::to_string(counts[r]) +
-                  " is negative");
+      throw Error("SparseSelection: counts[" + std::to_string(r) + "] = " + std::to_string(counts[r]) + " is negative");
     }
     sum += counts[r];
   }
@@ -53,7 +52,8 @@ std::vector<std::vector<int32_t>> SparseSelection::materialize() const {
   std::vector<std::vector<int32_t>> rows(counts.size());
   size_t at = 0;
   for (size_t r = 0; r < counts.size(); ++r) {
-    rows[r].assign(flat.begin() + static_cast<std::ptrdiff_t>(at), flat.begin() + static_cast<std::ptrdiff_t>(at + counts[r]));
+    rows[r].assign(flat.begin() + static_cast<std::ptrdiff_t>(at),
+                   flat.begin() + static_cast<std::ptrdiff_t>(at + counts[r]));
     at += static_cast<size_t>(counts[r]);
   }
   return rows;
@@ -96,8 +96,8 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
   if (block_size < 1) throw Error("selection_from_blocks: block_size = " + std::to_string(block_size) + " < 1");
   if (row_base.size() != n || live_lens.size() != n) {
     throw Error("selection_from_blocks: block_counts, row_base and live_lens must have one entry per request (" +
-                std::to_string(n) + ", " + std::to_string(row_base.size()) + ", " +
-                std::to_string(live_lens.size()) + ")");
+                std::to_string(n) + ", " + std::to_string(row_base.size()) + ", " + std::to_string(live_lens.size()) +
+                ")");
   }
   SparseSelection selection;
   std::vector<int32_t> block_offsets(n + 1, 0), row_offsets(n + 1, 0);
@@ -112,8 +112,8 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
     if (blocks > 0 && tail != 0) rows -= block_size - tail;
     if (block_offsets[r] + blocks > std::numeric_limits<int32_t>::max() ||
         row_offsets[r] + rows > std::numeric_limits<int32_t>::max()) {
-      throw Error("selection_from_blocks: more than 2^31 - 1 blocks or rows in total (at request " +
-                  std::to_string(r) + ")");
+      throw Error("selection_from_blocks: more than 2^31 - 1 blocks or rows in total (at request " + std::to_string(r) +
+                  ")");
     }
     block_offsets[r + 1] = block_offsets[r] + static_cast<int32_t>(blocks);
     row_offsets[r + 1] = row_offsets[r] + static_cast<int32_t>(rows);
@@ -151,8 +151,9 @@ SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector
       const int64_t rows = std::min<int64_t>(block_size, live - first);
       if (ids[i] < 0 || rows <= 0 || (rows < block_size && !last_entry)) {
         throw Error("selection_from_blocks: request " + std::to_string(r) + " names block " + std::to_string(ids[i]) +
-                    (rows < block_size && rows > 0 ? " (the partial final block) before its last entry"
-                                                   : " outside its live window of " + std::to_string(live) + " tokens"));
+                    (rows < block_size && rows > 0
+                         ? " (the partial final block) before its last entry"
+                         : " outside its live window of " + std::to_string(live) + " tokens"));
       }
       if (rows < block_size && live % block_size == 0) {
         throw Error("selection_from_blocks: request " + std::to_string(r) + " block " + std::to_string(ids[i]) +

@@ -42,8 +42,8 @@ void check_inputs(const SparseAttentionInputs& in) {
           "dtype " + std::to_string(static_cast<int32_t>(in.dtype)) + " is not a DType");
   REQUIRE(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
   REQUIRE(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
-          "num_qo_heads = " + std::to_string(in.num_qo_heads) + " must be a positive multiple of num_kv_heads = " +
-              std::to_string(in.num_kv_heads));
+          "num_qo_heads = " + std::to_string(in.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + std::to_string(in.num_kv_heads));
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   REQUIRE(requests <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
@@ -82,9 +82,9 @@ void check_inputs(const SparseAttentionInputs& in) {
 void check_inputs(const SparseAttentionInputs& in, const SparseSelection& selection) {
   check_inputs(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
-  REQUIRE(selection.num_requests() == requests, "the selection has " + std::to_string(selection.num_requests()) +
-                                                    " requests, expected batch * num_kv_heads = " +
-                                                    std::to_string(requests));
+  REQUIRE(selection.num_requests() == requests,
+          "the selection has " + std::to_string(selection.num_requests()) +
+              " requests, expected batch * num_kv_heads = " + std::to_string(requests));
   REQUIRE(selection.total() == 0 || selection.indices.device() == in.device,
           std::string("the selection lives on ") + device_name(selection.indices.device()) + ", the inputs on " +
               device_name(in.device));
@@ -118,9 +118,8 @@ SparseDecodeOutcome SparseDecoder::decide_counts(const SparseAttentionInputs& in
   d.live_len = in.live_len;
   d.raw_cache = in.raw_cache;
   d.device_available = device_ == Device::kCpu || cuda_available();
-  d.head_dims_supported =
-      device_ == Device::kCpu ||
-      cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
+  d.head_dims_supported = device_ == Device::kCpu ||
+                          cuda_supports_head_dims(in.k.dim, in.v.dim, in.k_extra.data != nullptr ? in.k_extra.dim : 0);
   if (device_ == Device::kCuda) d.layout_problem = cuda_layout_problem_of(in);
   d.layout_supported = d.layout_problem.empty();
   if (device_ == Device::kCuda && d.device_available && d.head_dims_supported) {
@@ -138,15 +137,16 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
 SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const PagedSelection& selection) const {
   check_inputs(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
-  REQUIRE(selection.num_requests == requests, "the selection has " + std::to_string(selection.num_requests) +
-                                                  " requests, expected batch * num_kv_heads = " +
-                                                  std::to_string(requests));
+  REQUIRE(selection.num_requests == requests,
+          "the selection has " + std::to_string(selection.num_requests) +
+              " requests, expected batch * num_kv_heads = " + std::to_string(requests));
   REQUIRE(selection.width >= 1 && selection.page_size >= 1,
           "a paged selection needs width >= 1 and page_size >= 1 (got " + std::to_string(selection.width) + ", " +
               std::to_string(selection.page_size) + ")");
   REQUIRE(int64_t{selection.width} * selection.page_size <= INT32_MAX,
           "width * page_size must stay below 2^31 tokens per request");
-  REQUIRE(selection.pages != nullptr && selection.seq_lens != nullptr, "the selection's pages and seq_lens must be set");
+  REQUIRE(selection.pages != nullptr && selection.seq_lens != nullptr,
+          "the selection's pages and seq_lens must be set");
   REQUIRE(selection.max_selected >= 0 && selection.max_selected <= int64_t{selection.width} * selection.page_size,
           "max_selected = " + std::to_string(selection.max_selected) + " must lie in [0, width * page_size = " +
               std::to_string(int64_t{selection.width} * selection.page_size) + "]");
@@ -163,8 +163,7 @@ SparseDecodeOutcome SparseDecoder::require_fused(const SparseAttentionInputs& in
 
 bool SparseDecoder::plan_stands(const SparseAttentionInputs& in, int32_t pages_per_request, int32_t page_size) const {
   return !workspace_.empty() && in.num_qo_heads / in.num_kv_heads * in.q_len == planned_group_ &&
-         in.v.dim == planned_dim_v_ &&
-         pages_per_request == planned_width_ && page_size == planned_page_size_;
+         in.v.dim == planned_dim_v_ && pages_per_request == planned_width_ && page_size == planned_page_size_;
 }
 
 void SparseDecoder::prepare(const SparseAttentionInputs& in, const std::vector<int32_t>& counts,
@@ -236,8 +235,8 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
 }
 
 void SparseDecoder::require_device(const SparseAttentionInputs& in) const {
-  REQUIRE(in.device == device_, std::string("inputs on ") + device_name(in.device) + ", decoder on " +
-                                    device_name(device_));
+  REQUIRE(in.device == device_,
+          std::string("inputs on ") + device_name(in.device) + ", decoder on " + device_name(device_));
 }
 
 SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDecodeOutcome outcome, void* stream) {
@@ -288,9 +287,9 @@ SparseDecodeOutcome SparseDecoder::run_fused(const SparseAttentionInputs& in, co
   REQUIRE(outcome.fused(), "run_fused was handed a declined decision (" + outcome.reason + "); use try_fused");
   // Planned once for the bound; compared in place, so a step allocates nothing.
   const int32_t bound = selection.width * selection.page_size;
-  const bool same_bound = planned_counts_.size() == static_cast<size_t>(selection.num_requests) &&
-                          std::all_of(planned_counts_.begin(), planned_counts_.end(),
-                                      [bound](int32_t c) { return c == bound; });
+  const bool same_bound =
+      planned_counts_.size() == static_cast<size_t>(selection.num_requests) &&
+      std::all_of(planned_counts_.begin(), planned_counts_.end(), [bound](int32_t c) { return c == bound; });
   if (!plan_stands(in, selection.width, selection.page_size) || !same_bound) {
     prepare(in, std::vector<int32_t>(static_cast<size_t>(selection.num_requests), bound), selection.width,
             selection.page_size, stream);
@@ -332,7 +331,7 @@ void SparseDecoder::check_errors(void* stream) {
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
   REQUIRE(in.q_len == 1, "the mask path takes one query token per sequence (q_len = " + std::to_string(in.q_len) +
-                            "); a multi-token step runs on the fused path");
+                             "); a multi-token step runs on the fused path");
   REQUIRE(in.block_table.data == nullptr,
           "the mask path reads dense caches; an engine's paged pool (block_table set) has only the fused path");
   REQUIRE(in.kv_format == KvFormat::kNative, std::string("the mask path reads bf16/f16 K and V; kv_format ") +
@@ -386,15 +385,15 @@ void build_selection_mask(Device device, const int32_t* positions, const int32_t
 std::vector<std::vector<int32_t>> mask_kept_columns(Device device, const float* mask, int32_t num_requests,
                                                     int64_t live_len) {
   REQUIRE(num_requests >= 0 && live_len >= 0 && live_len <= std::numeric_limits<int32_t>::max(),
-          "mask_kept_columns: num_requests = " + std::to_string(num_requests) + " and live_len = " +
-              std::to_string(live_len) + " must lie in [0, 2^31 - 1]");
+          "mask_kept_columns: num_requests = " + std::to_string(num_requests) +
+              " and live_len = " + std::to_string(live_len) + " must lie in [0, 2^31 - 1]");
   REQUIRE(mask != nullptr || int64_t{num_requests} * live_len == 0, "mask_kept_columns: mask is null");
-  const std::vector<float> host =
-      download<float>(device, mask, static_cast<size_t>(int64_t{num_requests} * live_len));
+  const std::vector<float> host = download<float>(device, mask, static_cast<size_t>(int64_t{num_requests} * live_len));
   std::vector<std::vector<int32_t>> columns(static_cast<size_t>(num_requests));
   for (int32_t r = 0; r < num_requests; ++r) {
     for (int64_t t = 0; t < live_len; ++t) {
-      if (host[static_cast<size_t>(int64_t{r} * live_len + t)] == 0.0f) columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
+      if (host[static_cast<size_t>(int64_t{r} * live_len + t)] == 0.0f)
+        columns[static_cast<size_t>(r)].push_back(static_cast<int32_t>(t));
     }
   }
   return columns;
@@ -424,8 +423,8 @@ void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selec
               in.v.dim == prepared_dim_v_ && offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4,
           "MaskPath::run with counts or shapes other than prepare() saw; call prepare() again");
   check_inputs(in, selection);
-  build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(),
-                       static_cast<int32_t>(requests), in.live_len, mask_.as<float>(), stream);
+  build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(), static_cast<int32_t>(requests),
+                       in.live_len, mask_.as<float>(), stream);
   MaskedDecodeParams m = masked_params(in);
   m.mask = mask_.as<float>();
   if (device_ == Device::kCuda) {

@@ -24,7 +24,7 @@ uint16_t float_to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
   if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);  // keep it a NaN
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+  bits += 0x7FFF + ((bits >> 16) & 1);                                       // round to nearest even
   return static_cast<uint16_t>(bits >> 16);
 }
 
@@ -40,9 +40,9 @@ uint16_t float_to_f16(float value) {
   std::memcpy(&x, &value, 4);
   const uint32_t sign = (x >> 16) & 0x8000;
   const uint32_t abs = x & 0x7FFFFFFF;
-  if (abs > 0x7F800000) return static_cast<uint16_t>(sign | 0x7E00);  // NaN
+  if (abs > 0x7F800000) return static_cast<uint16_t>(sign | 0x7E00);   // NaN
   if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to inf
-  if (abs < 0x38800000) {                                             // subnormal or zero
+  if (abs < 0x38800000) {                                              // subnormal or zero
     // value * 2^24 rounded to nearest even is the subnormal's mantissa.
     float magnitude;
     std::memcpy(&magnitude, &abs, 4);
@@ -111,9 +111,7 @@ float e4m3_to_float(uint8_t bits) {
 void to_float(DType dtype, const void* src, float* dst, size_t count) {
   if (count == 0) return;  // empty vectors pass null data; memcpy(null, null, 0) is undefined
   switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, count * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, count * 4); return;
     case DType::kBF16: {
       // bf16 is the top half of an fp32 (NaN and inf included): a shift the
       // compiler vectorizes, where the CPU backend converts every row it reads.
@@ -136,9 +134,7 @@ void to_float(DType dtype, const void* src, float* dst, size_t count) {
 void from_float(DType dtype, const float* src, void* dst, size_t count) {
   if (count == 0) return;  // as in to_float (found by the fuzzer under UBSan)
   switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, count * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, count * 4); return;
     case DType::kBF16: {
       auto* out = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < count; ++i) out[i] = float_to_bf16(src[i]);

@@ -48,9 +48,7 @@ struct ChunkQuery {
 inline void load_kv_row(const ChunkQuery& q, const void* row, float* dst, int dim, float head_scale) {
   const auto* bytes = static_cast<const uint8_t*>(row);
   switch (q.kv_format) {
-    case KvFormat::kNative:
-      to_float(q.dtype, row, dst, static_cast<size_t>(dim));
-      return;
+    case KvFormat::kNative: to_float(q.dtype, row, dst, static_cast<size_t>(dim)); return;
     case KvFormat::kE4m3PerHead:
       for (int i = 0; i < dim; ++i) dst[i] = e4m3_to_float(bytes[i]) * head_scale;
       return;
@@ -115,8 +113,10 @@ ChunkState attend_chunk(const ChunkQuery& q, int64_t begin, int64_t end, Rows&& 
         // A masked-out position is excluded whatever its score; a NaN score
         // of a visible position poisons the row (NaN never passes).
         float b;
-        if constexpr (std::is_invocable_v<Bias&, int64_t, int>) b = bias(tile + j, g);  // per query row
-        else b = bias(tile + j);
+        if constexpr (std::is_invocable_v<Bias&, int64_t, int>)
+          b = bias(tile + j, g);  // per query row
+        else
+          b = bias(tile + j);
         s[j] = b == -std::numeric_limits<float>::infinity() ? b : dot * q.scale + b;
         poisoned[g] = poisoned[g] || std::isnan(s[j]);
         tile_max = std::max(tile_max, s[j]);

@@ -122,9 +122,9 @@ void check_indices_cpu(const DecodeParams& p, const DecodePlan& plan) {
     if (p.indptr[0] != 0) fail("indptr[0] = " + std::to_string(p.indptr[0]) + ", expected 0");
     for (int32_t r = 0; r < p.num_requests; ++r) {
       if (p.indptr[r + 1] < p.indptr[r]) {
-        fail("indptr decreases at request " + std::to_string(r) + ": indptr[" + std::to_string(r) + "] = " +
-             std::to_string(p.indptr[r]) + " > indptr[" + std::to_string(r + 1) + "] = " +
-             std::to_string(p.indptr[r + 1]));
+        fail("indptr decreases at request " + std::to_string(r) + ": indptr[" + std::to_string(r) +
+             "] = " + std::to_string(p.indptr[r]) + " > indptr[" + std::to_string(r + 1) +
+             "] = " + std::to_string(p.indptr[r + 1]));
       }
     }
     if (p.indptr[p.num_requests] > p.num_indices) {
@@ -183,8 +183,8 @@ void check_indices_cpu(const DecodeParams& p, const DecodePlan& plan) {
           const int32_t block = row[pos / t.block_size];
           if (block < 0 || block >= t.num_blocks) {
             fail("block " + std::to_string(block) + " (block table entry " + std::to_string(pos / t.block_size) +
-                 " of request " + std::to_string(r) + "'s row, reached through " + where +
-                 ") is outside the pool's " + std::to_string(t.num_blocks) + " blocks");
+                 " of request " + std::to_string(r) + "'s row, reached through " + where + ") is outside the pool's " +
+                 std::to_string(t.num_blocks) + " blocks");
           }
         }
       } else if (page < 0 || page >= p.num_pool_pages) {
@@ -232,8 +232,8 @@ void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void*
   // K and V elements: one byte in the fp8 formats (the second stream stays dtype).
   const int64_t kv_size = p.kv_format == KvFormat::kNative ? esize : 1;
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
-  cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
-                       p.o, p.lse, qo_strides(p), p.q_len};
+  cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim,       de,     p.num_kv_heads, p.q, p.q_extra,
+                       p.scale, p.o,          p.lse,   qo_strides(p), p.q_len};
   out.kv_format = p.kv_format;
   out.k_scale = p.k_scale;
   out.v_scale = p.v_scale;

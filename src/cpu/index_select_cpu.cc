@@ -41,14 +41,16 @@ class Twin {
     const std::string what = std::string(who) + ": ";
     if (sequences < 1) throw Error(what + "sequences = " + std::to_string(sequences) + " must be at least 1");
     if (a.q_len < 1 || a.q_len > kMaxQueryTokens)
-      throw Error(what + "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) + "]");
+      throw Error(what + "q_len = " + std::to_string(a.q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) +
+                  "]");
     if (c.index_topk < 1 || c.index_heads < 1 || c.index_head_dim < 1 || c.latent_dim < 0)
       throw Error(what + "index_topk, index_heads and index_head_dim must be at least 1 and latent_dim not negative");
     if (a.dtype != DType::kBF16 && a.dtype != DType::kF16)
       throw Error(what + "dtype must be f16 or bf16, got " + dtype_name(a.dtype));
     if (a.q_index == nullptr || a.weights == nullptr || a.kv_lens == nullptr)
       throw Error(what + "q_index, weights and kv_lens must be set");
-    if (writes && (a.positions == nullptr || a.counts == nullptr)) throw Error(what + "positions and counts must be set");
+    if (writes && (a.positions == nullptr || a.counts == nullptr))
+      throw Error(what + "positions and counts must be set");
     if (a.max_kv_len < 1 || a.max_kv_len > std::numeric_limits<int32_t>::max())
       throw Error(what + "max_kv_len = " + std::to_string(a.max_kv_len) + " must lie in [1, 2^31)");
     const std::string source = detail::index_source_problem(c, a);
@@ -150,7 +152,8 @@ class Twin {
   const void* native_key(int32_t seq, int64_t t) const {
     if (a_.key_layout == IndexKeyLayout::kDense) {
       const int64_t row = int64_t{seq} * a_.capacity + t;
-      return static_cast<const uint16_t*>(a_.k_cache) + row * (int64_t{c_.latent_dim} + c_.index_head_dim) + c_.latent_dim;
+      return static_cast<const uint16_t*>(a_.k_cache) + row * (int64_t{c_.latent_dim} + c_.index_head_dim) +
+             c_.latent_dim;
     }
     const int64_t block = table(seq, t / a_.paged.block_size);
     return pool() + block * block_bytes_ + (t % a_.paged.block_size) * token_bytes_;

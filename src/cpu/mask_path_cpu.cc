@@ -29,12 +29,11 @@ void check_masked_decode_params(const MaskedDecodeParams& p) {
   REQUIRE(p.num_kv_heads >= 1, "num_kv_heads = " + std::to_string(p.num_kv_heads) + " must be at least 1");
   REQUIRE(p.group_size >= 1, "group_size = " + std::to_string(p.group_size) + " must be at least 1");
   REQUIRE(p.live_len >= 0, "live_len = " + std::to_string(p.live_len) + " is negative");
-  REQUIRE(p.live_len <= std::numeric_limits<int32_t>::max(), "live_len = " + std::to_string(p.live_len) +
-                                                                 " exceeds 2^31 - 1 tokens");
+  REQUIRE(p.live_len <= std::numeric_limits<int32_t>::max(),
+          "live_len = " + std::to_string(p.live_len) + " exceeds 2^31 - 1 tokens");
   REQUIRE(std::isfinite(p.scale), "scale is not finite");
-  REQUIRE(p.mask_pitch == 0 || p.mask_pitch >= p.live_len, "mask_pitch = " + std::to_string(p.mask_pitch) +
-                                                               " is smaller than live_len = " +
-                                                               std::to_string(p.live_len));
+  REQUIRE(p.mask_pitch == 0 || p.mask_pitch >= p.live_len,
+          "mask_pitch = " + std::to_string(p.mask_pitch) + " is smaller than live_len = " + std::to_string(p.live_len));
   REQUIRE(int64_t{p.batch} * p.num_kv_heads <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(int64_t{p.batch} * p.num_kv_heads) + " exceeds 2^31 - 1 requests");
   if (p.batch == 0) return;
@@ -55,8 +54,8 @@ void check_live_lens_cpu(const MaskedDecodeParams& p) {
   if (p.live_lens == nullptr) return;
   for (int32_t b = 0; b < p.batch; ++b) {
     REQUIRE(p.live_lens[b] >= 0 && p.live_lens[b] <= p.live_len,
-            "live_lens[" + std::to_string(b) + "] = " + std::to_string(p.live_lens[b]) + " is outside [0, live_len = " +
-                std::to_string(p.live_len) + "]");
+            "live_lens[" + std::to_string(b) + "] = " + std::to_string(p.live_lens[b]) +
+                " is outside [0, live_len = " + std::to_string(p.live_len) + "]");
   }
 }
 
@@ -72,14 +71,16 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   shape.head_dim_v = p.v.dim;
   shape.num_sms = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   shape.min_chunk_tokens = 512;
-  const DecodePlan plan =
-      make_decode_plan(std::vector<int32_t>(static_cast<size_t>(num_requests), static_cast<int32_t>(p.live_len)),
-                       shape);
+  const DecodePlan plan = make_decode_plan(
+      std::vector<int32_t>(static_cast<size_t>(num_requests), static_cast<int32_t>(p.live_len)), shape);
   Buffer workspace(Device::kCpu, plan.workspace.total);
   const int32_t de = p.k_extra.data ? p.k_extra.dim : 0;
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
-  const cpu::PlanOutputs out{p.dtype, p.group_size, p.k.dim, p.v.dim, de, p.num_kv_heads, p.q, p.q_extra, p.scale,
-                             p.o, p.lse, cpu::packed_qo_strides(p.num_kv_heads, p.group_size, p.k.dim, de, p.v.dim)};
+  const cpu::PlanOutputs out{
+      p.dtype, p.group_size, p.k.dim,
+      p.v.dim, de,           p.num_kv_heads,
+      p.q,     p.q_extra,    p.scale,
+      p.o,     p.lse,        cpu::packed_qo_strides(p.num_kv_heads, p.group_size, p.k.dim, de, p.v.dim)};
   auto row_start = [&](const RowView& s, int32_t r) {
     return static_cast<const char*>(s.data) + s.offset(r / p.num_kv_heads, r % p.num_kv_heads, 0) * esize;
   };
@@ -97,9 +98,7 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
     const float* mask = p.mask ? p.mask + static_cast<int64_t>(r) * pitch : nullptr;
     return [mask](int64_t t) { return mask ? mask[t] : 0.0f; };
   };
-  auto visible = [&p](int32_t r) {
-    return p.live_lens ? int64_t{p.live_lens[r / p.num_kv_heads]} : p.live_len;
-  };
+  auto visible = [&p](int32_t r) { return p.live_lens ? int64_t{p.live_lens[r / p.num_kv_heads]} : p.live_len; };
   cpu::run_plan(plan, out, workspace.data(), rows_of, bias_of, visible);
 }
 

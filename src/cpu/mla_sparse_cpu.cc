@@ -121,8 +121,10 @@ void run_mla_sparse_cpu(const MlaSparseParams& p, const MlaSparsePlan& plan, voi
     std::vector<float> row(static_cast<size_t>(dqk));
     auto rows = [&](int64_t i) {
       // attend_chunk reads the row before it asks for the next one.
-      if (ids[i] == -1) std::fill(row.begin(), row.end(), 0.0f);  // never read; -inf keeps it out
-      else dequantize_slot(p.format, c, ids[i], row.data());
+      if (ids[i] == -1)
+        std::fill(row.begin(), row.end(), 0.0f);  // never read; -inf keeps it out
+      else
+        dequantize_slot(p.format, c, ids[i], row.data());
       return cpu::TokenRows{row.data(), row.data(), nullptr};
     };
     auto bias = [&](int64_t i) { return ids[i] == -1 ? kNegInf : 0.0f; };
@@ -135,7 +137,8 @@ void run_mla_sparse_cpu(const MlaSparseParams& p, const MlaSparsePlan& plan, voi
 
   cpu::parallel_for(plan.num_requests(), [&](int64_t r) {
     std::vector<const float*> o_parts, lse_parts;
-    for (int32_t s = plan.merge_indptr[static_cast<size_t>(r)]; s < plan.merge_indptr[static_cast<size_t>(r) + 1]; ++s) {
+    for (int32_t s = plan.merge_indptr[static_cast<size_t>(r)]; s < plan.merge_indptr[static_cast<size_t>(r) + 1];
+         ++s) {
       o_parts.push_back(partial_o + static_cast<size_t>(s) * heads * dv);
       lse_parts.push_back(partial_lse + static_cast<size_t>(s) * heads);
     }

@@ -16,8 +16,7 @@ namespace sparsepage::cpu {
 /// rethrown here after every thread has joined, so nothing escapes a thread.
 template <typename Body>
 void parallel_for(int64_t count, Body&& body) {
-  const int64_t threads =
-      std::min<int64_t>(count, std::max<unsigned>(1, std::thread::hardware_concurrency()));
+  const int64_t threads = std::min<int64_t>(count, std::max<unsigned>(1, std::thread::hardware_concurrency()));
   if (threads <= 1) {
     for (int64_t i = 0; i < count; ++i) body(i);
     return;

@@ -24,13 +24,13 @@ struct PlanOutputs {
   int32_t group_size;
   int32_t dim_qk, dim_v, dim_extra;  // dim_extra 0 without a second stream
   int32_t num_kv_heads;
-  const void* q;                     // dim_qk per head
-  const void* q_extra;               // dim_extra per head, or null
+  const void* q;        // dim_qk per head
+  const void* q_extra;  // dim_extra per head, or null
   float scale;
-  void* o;                           // dim_v per head
-  float* lse;                        // [num_sequences, q_len, num_kv_heads, group_size] (packed) or null
+  void* o;     // dim_v per head
+  float* lse;  // [num_sequences, q_len, num_kv_heads, group_size] (packed) or null
   QoStrides strides;
-  int32_t q_len = 1;                 // query tokens per request
+  int32_t q_len = 1;  // query tokens per request
   int32_t rows() const { return group_size * q_len; }
   KvFormat kv_format = KvFormat::kNative;  // how K and V rows are stored
   const float* k_scale = nullptr;          // kE4m3PerHead: [num_kv_heads]
@@ -101,8 +101,9 @@ void run_plan(const DecodePlan& plan, const PlanOutputs& out, void* workspace, R
     const std::vector<float> q = load_heads(out, out.q, out.strides.q, item.request, out.dim_qk);
     std::vector<float> q_extra;
     if (de > 0) q_extra = load_heads(out, out.q_extra, out.strides.q_extra, item.request, out.dim_extra);
-    ChunkQuery query{out.dtype,  out.rows(), out.dim_qk, out.dim_v, out.dim_extra, q.data(),
-                     de > 0 ? q_extra.data() : nullptr, out.scale};
+    ChunkQuery query{
+        out.dtype, out.rows(), out.dim_qk, out.dim_v, out.dim_extra, q.data(), de > 0 ? q_extra.data() : nullptr,
+        out.scale};
     query.kv_format = out.kv_format;
     if (out.kv_format == KvFormat::kE4m3PerHead) {
       const int32_t head = item.request % out.num_kv_heads;

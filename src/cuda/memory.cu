@@ -69,15 +69,15 @@ void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* s
                   size_t src_pitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return;
   if (dst == nullptr || src == nullptr) throw Error("copy_2d: null pointer");
-  SP_CUDA_CHECK(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height,
-                             copy_kind(dst_on_device, src_on_device)));
+  SP_CUDA_CHECK(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height, copy_kind(dst_on_device, src_on_device)));
   if (dst_on_device && src_on_device) finish_device_work();
 }
 
 void cuda_stream_sync(void* stream) { SP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
 void cuda_record_event(void* event, void* stream) {
-  if (event != nullptr) SP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  if (event != nullptr)
+    SP_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
 
 bool cuda_stream_capturing(void* stream) {

@@ -25,8 +25,8 @@ int32_t blocks_per_request(const BlockSparseConfig& c, int64_t kv_len) {
 
 // The additive mask of a block list: 0 at the live positions of each listed
 // block (entries of -1 are unused), -inf elsewhere; rows `pitch` apart.
-void block_mask_cpu(const int32_t* blocks, int32_t requests, int32_t num_kv_heads, int32_t width,
-                    int32_t block_size, const int32_t* kv_lens, int64_t pitch, float* mask) {
+void block_mask_cpu(const int32_t* blocks, int32_t requests, int32_t num_kv_heads, int32_t width, int32_t block_size,
+                    const int32_t* kv_lens, int64_t pitch, float* mask) {
   std::fill(mask, mask + int64_t{requests} * pitch, -kInf);
   for (int32_t r = 0; r < requests; ++r) {
     const int64_t kv_len = kv_lens[r / num_kv_heads];
@@ -58,7 +58,8 @@ std::vector<int32_t> top_blocks_cpu(const BlockSparseConfig& c, int32_t batch, i
   const int64_t scored = num_blocks - 1;  // the final block is appended, not scored
   const int32_t heads = c.num_kv_heads;
   const size_t d = static_cast<size_t>(c.head_dim);
-  const int64_t forced = std::min<int64_t>(num_blocks - c.local_blocks, std::max<int64_t>(kv_len - q_len, 0) / c.block_size);
+  const int64_t forced =
+      std::min<int64_t>(num_blocks - c.local_blocks, std::max<int64_t>(kv_len - q_len, 0) / c.block_size);
   // score[(b * heads + h) * scored + j]
   std::vector<float> score(static_cast<size_t>(int64_t{batch} * heads * scored));
   cpu::parallel_for(int64_t{batch} * scored, [&](int64_t item) {
@@ -139,8 +140,8 @@ SparseLayer::CacheShape cache_shape(const BlockSparseConfig& c) {
 
 BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
                                            DispatchConfig dispatch)
-    : SparseLayer("BlockSparseAttention", device, dtype, batch, config.kv_storage, cache_shape(checked_config(config, batch)),
-                  config.capacity_step, dispatch),
+    : SparseLayer("BlockSparseAttention", device, dtype, batch, config.kv_storage,
+                  cache_shape(checked_config(config, batch)), config.capacity_step, dispatch),
       config_(config) {}
 
 int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
@@ -229,9 +230,9 @@ void BlockSparseAttention::size_selection(int64_t capacity, int32_t /*q_len*/) {
     index_error_word();
   }
   if (device() == Device::kCuda) {
-    indexer_workspace_ = Buffer(
-        device(), std::max<size_t>(256, detail::block_indexer_workspace_bytes(batch(), config_.num_kv_heads, capacity,
-                                                                              config_.block_size)));
+    indexer_workspace_ =
+        Buffer(device(), std::max<size_t>(256, detail::block_indexer_workspace_bytes(batch(), config_.num_kv_heads,
+                                                                                     capacity, config_.block_size)));
   }
 }
 
@@ -306,7 +307,8 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
     int32_t per = static_cast<int32_t>(num_blocks);
     if (len > dense_len) {
       const auto key_row = [&](int32_t /*one*/, int64_t t, float* out) {
-        to_float(dtype(), static_cast<const char*>(k_rows.data) + static_cast<size_t>(k_rows.offset(b, key_head, t)) * esize,
+        to_float(dtype(),
+                 static_cast<const char*>(k_rows.data) + static_cast<size_t>(k_rows.offset(b, key_head, t)) * esize,
                  out, d);
       };
       kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * q_per_seq, key_row, q_len);
@@ -314,7 +316,8 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
     }
     for (int32_t h = 0; h < config_.num_kv_heads; ++h) {
       const int64_t r = int64_t{b} * config_.num_kv_heads + h;
-      for (int32_t i = 0; i < per; ++i) ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
+      for (int32_t i = 0; i < per; ++i)
+        ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
       covered[r] = static_cast<int32_t>(selected_tokens(len));
     }
   }
@@ -356,9 +359,11 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
     int32_t per = static_cast<int32_t>(num_blocks);
     if (len > dense_len) {
       // The keys the rule reads: blocks below the forced ones (as the CUDA score kernel).
-      const int64_t scored_end = std::min<int64_t>(num_blocks - 1, num_blocks - config_.local_blocks) * config_.block_size;
+      const int64_t scored_end =
+          std::min<int64_t>(num_blocks - 1, num_blocks - config_.local_blocks) * config_.block_size;
       bool in_pool = true;
-      for (int64_t e = 0; e * keys.block_size < scored_end; ++e) in_pool = in_pool && table[e] >= 0 && table[e] < keys.num_blocks;
+      for (int64_t e = 0; e * keys.block_size < scored_end; ++e)
+        in_pool = in_pool && table[e] >= 0 && table[e] < keys.num_blocks;
       if (!in_pool) {
         refuse(kIndexErrorBlock);
         continue;
@@ -371,8 +376,10 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
           return;
         }
         float scale;
-        std::memcpy(&scale, row + IndexKeyFp8::scale_offset(keys.block_size, static_cast<int32_t>(slot)), sizeof(float));
-        const auto* values = reinterpret_cast<const uint8_t*>(row + IndexKeyFp8::value_offset(keys.block_size, static_cast<int32_t>(slot)));
+        std::memcpy(&scale, row + IndexKeyFp8::scale_offset(keys.block_size, static_cast<int32_t>(slot)),
+                    sizeof(float));
+        const auto* values = reinterpret_cast<const uint8_t*>(
+            row + IndexKeyFp8::value_offset(keys.block_size, static_cast<int32_t>(slot)));
         for (size_t i = 0; i < d; ++i) out[i] = e4m3_to_float(values[i]) * scale;
       };
       kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * heads * d, key_row);
@@ -380,7 +387,8 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
     }
     for (int32_t h = 0; h < heads; ++h) {
       const int64_t r = int64_t{b} * heads + h;
-      for (int32_t i = 0; i < per; ++i) ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
+      for (int32_t i = 0; i < per; ++i)
+        ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
       covered[r] = static_cast<int32_t>(selected_tokens(len));
     }
   }

@@ -20,7 +20,7 @@ namespace sparsepage::detail {
 /// head_dim a multiple of 32 up to 128 (the tensor-core score layout); batch <= 65535.
 struct BlockIndexerArgs {
   DType dtype = DType::kBF16;
-  const void* k_alloc = nullptr;   // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
+  const void* k_alloc = nullptr;  // [batch, num_kv_heads + 1, capacity, head_dim]; index key at head num_kv_heads
   // Or the index keys in a cache of their own: sequence b's rows (head_dim
   // apart) start at index_keys + b * key_seq_stride elements. Set: k_alloc is not read.
   const void* index_keys = nullptr;
@@ -34,7 +34,7 @@ struct BlockIndexerArgs {
   /// [0, num_blocks) is never read and refuses its sequence (both with
   /// block_ids -1 and seq_lens -1, which the decode flags).
   PagedIndexKeys paged{};
-  const void* index_q = nullptr;   // [batch, q_len, num_kv_heads, head_dim]
+  const void* index_q = nullptr;  // [batch, q_len, num_kv_heads, head_dim]
   /// Query tokens per sequence (a multi-token step, models/block_sparse.h):
   /// a block scores the max over every token's index query, and the block of
   /// the first new token is force-kept. q_len * num_kv_heads <= 32.
@@ -45,16 +45,16 @@ struct BlockIndexerArgs {
                                      // a free slot, which keeps nothing)
   int64_t max_kv_len = 0;            // host bound (<= capacity) sizing the grids and the workspace
   int32_t block_size = 0, topk = 0, local_blocks = 0;
-  int32_t width = 0;                 // entries per request row in block_ids, >= topk + 1
+  int32_t width = 0;  // entries per request row in block_ids, >= topk + 1
   /// Sequences of at most this many tokens (the model's dense regime) keep
   /// every block, so their rows must fit `width`; 0: none.
   int64_t dense_len = 0;
-  int32_t* block_ids = nullptr;      // out [batch * num_kv_heads, width]: the top blocks (increasing id), then the
-                                     // final block (possibly partial), then -1
-  int32_t* seq_lens = nullptr;       // out [batch * num_kv_heads]: tokens those blocks cover
-  int32_t* error = nullptr;          // device, may be null: IndexKeyError bits of refused sequences (or'ed)
-  void* workspace = nullptr;         // caller-owned scratch
-  size_t workspace_bytes = 0;        // >= block_indexer_workspace_bytes(...)
+  int32_t* block_ids = nullptr;  // out [batch * num_kv_heads, width]: the top blocks (increasing id), then the
+                                 // final block (possibly partial), then -1
+  int32_t* seq_lens = nullptr;   // out [batch * num_kv_heads]: tokens those blocks cover
+  int32_t* error = nullptr;      // device, may be null: IndexKeyError bits of refused sequences (or'ed)
+  void* workspace = nullptr;     // caller-owned scratch
+  size_t workspace_bytes = 0;    // >= block_indexer_workspace_bytes(...)
 };
 size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
 void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);

@@ -69,7 +69,8 @@ void check_dsa_indexer_cuda(const DsaConfig& c, int32_t batch) {
   }
   if (int64_t{c.index_heads} * c.index_head_dim > kDsaMaxQueryElements) {
     throw Error(what + "index_heads * index_head_dim = " + std::to_string(int64_t{c.index_heads} * c.index_head_dim) +
-                " exceeds " + std::to_string(kDsaMaxQueryElements) + " (one sequence's index queries are staged in "
+                " exceeds " + std::to_string(kDsaMaxQueryElements) +
+                " (one sequence's index queries are staged in "
                 "shared memory)");
   }
 }
@@ -110,8 +111,8 @@ SparseLayer::CacheShape cache_shape(const DsaConfig& c) {
 }  // namespace
 
 DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
-    : SparseLayer("DsaAttention", device, dtype, batch, config.kv_storage, cache_shape(checked_config(device, config, batch)),
-                  config.capacity_step, dispatch),
+    : SparseLayer("DsaAttention", device, dtype, batch, config.kv_storage,
+                  cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(checked_config(device, config, batch)) {}
 
 StepTokens DsaAttention::to_step(const DsaTokens& t) const {
@@ -151,8 +152,8 @@ void DsaAttention::check_tokens(const StepTokens& t, bool engine) const {
     }
     return;
   }
-  if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr ||
-      t.k == nullptr || t.v == nullptr || t.o == nullptr) {
+  if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr || t.k == nullptr ||
+      t.v == nullptr || t.o == nullptr) {
     throw Error("DsaAttention: every DsaTokens pointer (q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, "
                 "o) must be set");
   }
@@ -314,15 +315,18 @@ void DsaAttention::select_cpu(const StepTokens& tokens, int32_t q_len, int32_t* 
           keys.resize(static_cast<size_t>(len) * d);
           for (int64_t pos = 0; pos < len; ++pos) {
             const auto element = static_cast<size_t>(k_rows.offset(b, 0, pos) + index_key_column());
-            to_float(dtype(), static_cast<const char*>(k_rows.data) + element * esize, &keys[static_cast<size_t>(pos) * d], d);
+            to_float(dtype(), static_cast<const char*>(k_rows.data) + element * esize,
+                     &keys[static_cast<size_t>(pos) * d], d);
           }
         }
-        const std::vector<float> window_keys(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(window * int64_t(d)));
+        const std::vector<float> window_keys(keys.begin(),
+                                             keys.begin() + static_cast<std::ptrdiff_t>(window * int64_t(d)));
         kept = dsa_select_tokens_cpu(config_, 1, window, q_all.data() + static_cast<size_t>(row) * heads * d,
                                      tokens.index_weights + static_cast<size_t>(row) * heads, window_keys)[0];
       }
       int32_t* out = positions + row * topk;
-      for (int32_t i = 0; i < topk; ++i) out[i] = i < static_cast<int32_t>(kept.size()) ? kept[static_cast<size_t>(i)] : -1;
+      for (int32_t i = 0; i < topk; ++i)
+        out[i] = i < static_cast<int32_t>(kept.size()) ? kept[static_cast<size_t>(i)] : -1;
       counts[row] = static_cast<int32_t>(kept.size());
     }
   }

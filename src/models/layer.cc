@@ -66,8 +66,8 @@ SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t b
       dtype_(dtype),
       batch_(batch),
       storage_(storage),
-      cache_(device, cache_mode(name_, dtype), batch, shape.k_heads, shape.v_heads,
-             shape.k_dim, shape.v_dim, capacity_step),
+      cache_(device, cache_mode(name_, dtype), batch, shape.k_heads, shape.v_heads, shape.k_dim, shape.v_dim,
+             capacity_step),
       // No mask path behind an engine's pool: only what the fused path cannot do declines.
       decoder_(device, storage != KVStorage::kLayerCache ? dispatch.without_performance_gates() : dispatch),
       multi_decoder_(device, dispatch) {
@@ -114,7 +114,8 @@ void SparseLayer::reserve(int64_t tokens) {
 
 void SparseLayer::refuse_on_engine_pools(const char* what) const {
   if (engine_pools()) {
-    throw Error(name_ + "::" + what + ": an engine-pools layer keeps no sequences; the engine owns them and passes "
+    throw Error(name_ + "::" + what +
+                ": an engine-pools layer keeps no sequences; the engine owns them and passes "
                 "their lengths with each step");
   }
 }
@@ -123,7 +124,7 @@ void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
   refuse_on_engine_pools("append_tokens");
   if (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr)) {
     throw Error(name_ + (engine_paged() ? "::append_tokens (engine-paged): k (the index keys) must be set and v null"
-                                         : "::append_tokens: k and v must be set"));
+                                        : "::append_tokens: k and v must be set"));
   }
   as_layer(name_, "append_tokens", [&] { cache_.append(k, v, dtype_, tokens); });
   size_step_buffers(1);
@@ -133,7 +134,7 @@ void SparseLayer::admit(int32_t slot, const void* k, const void* v, int64_t toke
   refuse_on_engine_pools("admit");
   if (tokens > 0 && (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr))) {
     throw Error(name_ + (engine_paged() ? "::admit (engine-paged): k (the prompt's index keys) must be set and v null"
-                                         : "::admit: k and v must be set"));
+                                        : "::admit: k and v must be set"));
   }
   as_layer(name_, "admit", [&] { cache_.admit(slot, k, v, tokens, stream); });
   size_step_buffers(1);
@@ -169,13 +170,15 @@ LayerStep SparseLayer::step(const StepTokens& tokens, void* stream) {
   have_selection_ = true;
   last_q_len_ = 1;
   LayerStep step;
-  for (size_t b = 0; b < kv_lens().size(); ++b) step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  for (size_t b = 0; b < kv_lens().size(); ++b)
+    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
   return finish(step, decoder_, attention_inputs(tokens, 1), selection(1), stream);
 }
 
 void SparseLayer::prefill_step(const StepTokens& tokens, void* stream) {
   if (engine_paged()) {
-    throw Error(name_ + "::prefill_token: an engine-paged layer has no mask path; the engine prefills and append_tokens() or "
+    throw Error(name_ +
+                "::prefill_token: an engine-paged layer has no mask path; the engine prefills and append_tokens() or "
                 "admit() takes the prompt's index keys");
   }
   check_tokens(tokens, false);
@@ -187,12 +190,13 @@ void SparseLayer::prefill_step(const StepTokens& tokens, void* stream) {
 
 LayerStep SparseLayer::step(const StepTokens& tokens, int32_t q_len, void* stream) {
   if (q_len < 1 || q_len > kMaxQueryTokens) {
-    throw Error(name_ + "::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " + std::to_string(kMaxQueryTokens) +
-                "]");
+    throw Error(name_ + "::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " +
+                std::to_string(kMaxQueryTokens) + "]");
   }
   if (q_len == 1) return step(tokens, stream);
   if (engine_paged()) {
-    throw Error(name_ + "::decode: multi-token steps read the layer's own cache; an engine-paged layer takes one token per "
+    throw Error(name_ +
+                "::decode: multi-token steps read the layer's own cache; an engine-paged layer takes one token per "
                 "step (decode(tokens, kv))");
   }
   check_tokens(tokens, false);
@@ -223,7 +227,8 @@ LayerStep SparseLayer::fused_tokens(const StepTokens& tokens, int32_t q_len, voi
   step.outcome = multi_decoder_.try_fused(attention_inputs(tokens, q_len), selection(q_len), stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
-    throw Error(name_ + "::decode: the multi-token step was declined after its tokens were appended: " + step.outcome.reason);
+    throw Error(name_ +
+                "::decode: the multi-token step was declined after its tokens were appended: " + step.outcome.reason);
   }
   return step;
 }
@@ -270,7 +275,7 @@ LayerStep SparseLayer::token_by_token(const StepTokens& tokens, int32_t q_len, v
 LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream) {
   if (!engine_paged()) {
     throw Error(name_ + "::decode(tokens, kv): the layer keeps its own cache; construct it with kv_storage = "
-                "KVStorage::kEnginePaged to read an engine's pool");
+                        "KVStorage::kEnginePaged to read an engine's pool");
   }
   check_tokens(tokens, true);
   check_engine_kv(kv);
@@ -287,7 +292,8 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   in.kv_format = kv.kv_format;
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine-paged)");
-  if (device_ == Device::kCpu) check_table_on_host(name_ + " (engine-paged)", kv.block_table, lens_after(1), cache_.active());
+  if (device_ == Device::kCpu)
+    check_table_on_host(name_ + " (engine-paged)", kv.block_table, lens_after(1), cache_.active());
   cache_.append_token(tokens.index_k, nullptr, stream);
   detail::cuda_record_event(after_append_, stream);
   select(tokens, 1, stream);
@@ -295,7 +301,8 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   have_selection_ = true;
   last_q_len_ = 1;
   LayerStep step;
-  for (size_t b = 0; b < kv_lens().size(); ++b) step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  for (size_t b = 0; b < kv_lens().size(); ++b)
+    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
   step.outcome = decoder_.run_fused(in, selection(1), decided, stream);
   step.fused = step.outcome.fused();
   return step;
@@ -303,8 +310,10 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
 
 LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream) {
   if (kv.seq_lens == nullptr || kv.max_seq_len < 1 || kv.max_seq_len > INT32_MAX) {
-    throw Error(name_ + " (engine pools): kv.seq_lens (the engine's lengths, on the device) and kv.max_seq_len (their "
-                "host bound, 1 .. 2^31 - 1) must be given; got max_seq_len = " + std::to_string(kv.max_seq_len));
+    throw Error(name_ +
+                " (engine pools): kv.seq_lens (the engine's lengths, on the device) and kv.max_seq_len (their "
+                "host bound, 1 .. 2^31 - 1) must be given; got max_seq_len = " +
+                std::to_string(kv.max_seq_len));
   }
   if (kv.max_seq_len > sized_capacity_) reserve(kv.max_seq_len);  // allocates: reserve() before capturing
   engine_lens_ = kv.seq_lens;
@@ -358,7 +367,8 @@ std::vector<std::vector<int32_t>> SparseLayer::last_mask_columns() {
   if (!have_selection_) throw Error(name_ + "::last_mask_columns: no decode has run yet");
   if (engine_paged()) throw Error(name_ + "::last_mask_columns: an engine-paged layer has no mask path");
   refuse_on_engine_pools("last_mask_columns");
-  if (last_q_len_ != 1) throw Error(name_ + "::last_mask_columns: the mask path takes one-token steps; the last was multi-token");
+  if (last_q_len_ != 1)
+    throw Error(name_ + "::last_mask_columns: the mask path takes one-token steps; the last was multi-token");
   build_mask(fallback_.mask(), fallback_.capacity(), nullptr);
   const SparseAttentionInputs in = attention_inputs(StepTokens{}, 1);
   return mask_kept_columns(device_, fallback_.mask(), in.batch * in.num_kv_heads, fallback_.capacity());

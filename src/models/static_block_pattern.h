@@ -16,10 +16,10 @@ namespace sparsepage::detail {
 
 /// The numbers the rule needs (checked by the layer before any use).
 struct StaticPattern {
-  int32_t block_size = 64;         // >= 1
-  int32_t local_blocks = 16;       // >= 1: the query's own block is always kept
-  int32_t vert_stride = 8;         // >= 1
-  int32_t head_sliding_step = 1;   // how far each query head shifts the vertical blocks
+  int32_t block_size = 64;        // >= 1
+  int32_t local_blocks = 16;      // >= 1: the query's own block is always kept
+  int32_t vert_stride = 8;        // >= 1
+  int32_t head_sliding_step = 1;  // how far each query head shifts the vertical blocks
 };
 
 /// The rule itself: key block `j` is kept for query block `i` of query head

@@ -7,8 +7,8 @@
 #include <utility>
 
 #include "core/cuda_hooks.h"
-#include "models/static_block_sparse_kernels.h"
 #include "models/kept_blocks.h"
+#include "models/static_block_sparse_kernels.h"
 #include "sparsepage/detail/cuda_introspection.h"
 
 namespace sparsepage {
@@ -71,10 +71,9 @@ const StaticBlockSparseConfig& checked_config(Device device, const StaticBlockSp
       c.block_size < 1 || c.local_blocks < 1 || c.vert_stride < 1 || c.capacity_step < 1) {
     throw Error("StaticBlockSparseAttention: need num_qo_heads a positive multiple of num_kv_heads, and head_dim, "
                 "block_size, local_blocks, vert_stride and capacity_step >= 1 (got " +
-                std::to_string(c.num_qo_heads) + " query heads over " + std::to_string(c.num_kv_heads) +
-                ", head_dim " + std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size) +
-                ", local_blocks " + std::to_string(c.local_blocks) + ", vert_stride " + std::to_string(c.vert_stride) +
-                ")");
+                std::to_string(c.num_qo_heads) + " query heads over " + std::to_string(c.num_kv_heads) + ", head_dim " +
+                std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size) + ", local_blocks " +
+                std::to_string(c.local_blocks) + ", vert_stride " + std::to_string(c.vert_stride) + ")");
   }
   // Both CUDA paths (fused and mask) run the same tile instantiations; a
   // build without CUDA says so at the first allocation instead.
@@ -84,8 +83,8 @@ const StaticBlockSparseConfig& checked_config(Device device, const StaticBlockSp
                 " (the kernels take 64, 128 or 256)");
   }
   if (int64_t{batch} * c.num_qo_heads > INT32_MAX) {
-    throw Error("StaticBlockSparseAttention: batch * num_qo_heads = " + std::to_string(int64_t{batch} * c.num_qo_heads) +
-                " requests exceed 2^31 - 1");
+    throw Error("StaticBlockSparseAttention: batch * num_qo_heads = " +
+                std::to_string(int64_t{batch} * c.num_qo_heads) + " requests exceed 2^31 - 1");
   }
   return c;
 }
@@ -95,10 +94,11 @@ SparseLayer::CacheShape cache_shape(const StaticBlockSparseConfig& c) {
 }
 }  // namespace
 
-StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config,
-                                                       int32_t batch, DispatchConfig dispatch)
-    : SparseLayer("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache, cache_shape(checked_config(device, config, batch)),
-                  config.capacity_step, dispatch),
+StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtype,
+                                                       const StaticBlockSparseConfig& config, int32_t batch,
+                                                       DispatchConfig dispatch)
+    : SparseLayer("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache,
+                  cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(config) {}
 
 int64_t StaticBlockSparseAttention::max_kept_tokens(int64_t kv_len) const {

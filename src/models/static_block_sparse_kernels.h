@@ -23,10 +23,10 @@ struct StaticPagesArgs {
   StaticPattern pattern;
   const int32_t* kv_lens = nullptr;  // [batch] live tokens per sequence
   int32_t batch = 0, num_qo_heads = 0, num_kv_heads = 0;
-  int32_t width = 0;                 // page ids per request row
-  int32_t* pages = nullptr;          // out [batch * num_qo_heads, width]
-  int32_t* seq_lens = nullptr;       // out [batch * num_qo_heads]
-  int32_t* window_lens = nullptr;    // out [batch * num_kv_heads]
+  int32_t width = 0;               // page ids per request row
+  int32_t* pages = nullptr;        // out [batch * num_qo_heads, width]
+  int32_t* seq_lens = nullptr;     // out [batch * num_qo_heads]
+  int32_t* window_lens = nullptr;  // out [batch * num_kv_heads]
 };
 void static_pages_cpu(const StaticPagesArgs& args);
 void static_pages_cuda(const StaticPagesArgs& args, void* stream);
@@ -39,8 +39,8 @@ struct StaticMaskArgs {
   StaticPattern pattern;
   const int32_t* kv_lens = nullptr;  // [batch]
   int32_t batch = 0, num_qo_heads = 0;
-  int64_t pitch = 0;                 // floats per request row (the capacity)
-  float* mask = nullptr;             // out [batch * num_qo_heads, pitch]
+  int64_t pitch = 0;      // floats per request row (the capacity)
+  float* mask = nullptr;  // out [batch * num_qo_heads, pitch]
 };
 void static_mask_cpu(const StaticMaskArgs& args);
 void static_mask_cuda(const StaticMaskArgs& args, void* stream);

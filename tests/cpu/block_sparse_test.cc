@@ -80,4 +80,3 @@ TEST(BlockSparse, BelowTheSparseRegimeAttendsEverything) {
 
 }  // namespace
 }  // namespace sparsepage
-

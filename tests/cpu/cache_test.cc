@@ -120,8 +120,7 @@ TEST(Layout, RowViewProblemNamesOverlappingRows) {
             std::string::npos);
   EXPECT_NE(row_view_problem({&x, 64, 128, 0, 0}, "k", 1, 1, 8, 2).find("row_stride"), std::string::npos);
   EXPECT_NE(row_view_problem({nullptr, 128, 128, 0, 0}, "q", 1, 1, 8, 2).find("q.data is null"), std::string::npos);
-  EXPECT_NE(row_view_problem({&x, 1 << 30, 128, 0, 0}, "k", 1, 1, int64_t{1} << 33, 2).find("2^62"),
-            std::string::npos);
+  EXPECT_NE(row_view_problem({&x, 1 << 30, 128, 0, 0}, "k", 1, 1, int64_t{1} << 33, 2).find("2^62"), std::string::npos);
 }
 
 TEST(Layout, HeadFoldingReshapesQueries) {
@@ -160,7 +159,7 @@ TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   EXPECT_EQ(table.page_size, 4);
   EXPECT_EQ(table.seq_lens, (std::vector<int32_t>{6, 4}));  // full block + 2-token final block; one full block
   EXPECT_EQ(indices, (std::vector<int32_t>{pool.page(pool.block_table(a)[0], 0), pool.page(pool.block_table(a)[2], 0),
-                                          pool.page(pool.block_table(a)[1], 1)}));
+                                           pool.page(pool.block_table(a)[1], 1)}));
   EXPECT_EQ(page_table_problem(table, &indices, pool.num_pages()), "");
   EXPECT_THROW(pool.block_page_table({a}, {0}, {{2, 0}}), Error) << "partial final block must be last";
   EXPECT_THROW(pool.block_page_table({a}, {0}, {{3}}), Error);
@@ -173,7 +172,6 @@ TEST(PagedPool, BlockTablesAndBlockGranularPages) {
   pool.append(b, k.data(), k.data(), 1);  // the free blocks are still there
   EXPECT_EQ(pool.seq_len(b), 4);
 }
-
 
 // Continuous batching at the cache: slots join with their own prompts,
 // leave, and the step appends land at each slot's own length, skipping free
@@ -199,7 +197,8 @@ TEST(DenseCache, SlotsJoinLeaveAndGrowAtTheirOwnLengths) {
     const auto* kb = reinterpret_cast<const uint16_t*>(k.data());
     for (int b = 0; b < B; ++b) {
       if (!cache.active()[b]) continue;
-      for (int h = 0; h < H; ++h) expect[b][h].insert(expect[b][h].end(), kb + (b * H + h) * D, kb + (b * H + h + 1) * D);
+      for (int h = 0; h < H; ++h)
+        expect[b][h].insert(expect[b][h].end(), kb + (b * H + h) * D, kb + (b * H + h + 1) * D);
     }
   };
   prompt(0, 5);

@@ -9,8 +9,8 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
-#include <string>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 

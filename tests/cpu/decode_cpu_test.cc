@@ -226,7 +226,8 @@ TEST(DecodeCpu, IndexOutsideThePoolIsAnErrorNotARead) {
     run_decode_cpu(pb.host_params(o.data(), nullptr), plan, workspace.data());
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("indices[13] = 64 is outside the pool [0, 64)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("indices[13] = 64 is outside the pool [0, 64)"), std::string::npos)
+        << e.what();
   }
   pb.indices[13] = -1;
   EXPECT_THROW(run_decode_cpu(pb.host_params(o.data(), nullptr), plan, workspace.data()), Error);

@@ -220,8 +220,9 @@ TEST(DecodeTableChecks, WindowModeRejectsPositionsAtOrPastTheWindow) {
     p.k = {k.data(), dim, dim, cap * dim};
     p.v = {v.data(), dim, dim, cap * dim};
     p.o = o.data();
-    EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); },
-                                    "indices[2] = " + std::to_string(bad) + " names positions outside request 1's window"))
+    EXPECT_TRUE(
+        throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); },
+                            "indices[2] = " + std::to_string(bad) + " names positions outside request 1's window"))
         << bad;
     // Page size 4: the last page's last visible slot decides.
     const std::vector<int32_t> lens4 = {6};
@@ -247,7 +248,8 @@ TEST(DecodeTableChecks, WindowModeRejectsPositionsAtOrPastTheWindow) {
     p.num_requests = 2;
     p.page_size = 1;
     p.window_len = cap + 1;
-    EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "rows of different sequences would overlap"));
+    EXPECT_TRUE(
+        throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "rows of different sequences would overlap"));
     p.first_page_offset = nullptr;
     p.page_size = 1;
   }
@@ -272,8 +274,11 @@ TEST(DecodeTableChecks, SparseDecoderRejectsASelectedPositionAtLiveLen) {
   config.min_sparsity = 0;
   SparseDecoder decoder(Device::kCpu, config);
   EXPECT_TRUE(decoder.try_fused(in, make_selection(Device::kCpu, {{0, 19}})).fused());
-  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(in, make_selection(Device::kCpu, {{0, 20}})); },
-                                  "names positions outside request 0's window of 20 tokens"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        decoder.try_fused(in, make_selection(Device::kCpu, {{0, 20}}));
+      },
+      "names positions outside request 0's window of 20 tokens"));
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -40,7 +40,8 @@ struct WindowProblem {
   std::vector<float> k, v, q, o;
   std::vector<float> lse;
 
-  WindowProblem(int64_t capacity, std::vector<int64_t> rows_with_values) : cap(capacity), valid(std::move(rows_with_values)) {
+  WindowProblem(int64_t capacity, std::vector<int64_t> rows_with_values)
+      : cap(capacity), valid(std::move(rows_with_values)) {
     const size_t rows = size_t(kBatch) * kHeads * size_t(cap);
     k.assign(rows * kDim, kNaN);
     v.assign(rows * kDim, kNaN);
@@ -177,8 +178,11 @@ TEST(DeviceLengths, SparseDecoderChecksPositionsAgainstLiveLens) {
   SparseDecoder decoder(Device::kCpu, config);
   EXPECT_TRUE(decoder.try_fused(in, make_selection(Device::kCpu, {{9}, {9}, {5}, {0, 5}})).fused());
   EXPECT_TRUE(std::isfinite(w.o[3 * WindowProblem::kDim]));
-  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(in, make_selection(Device::kCpu, {{9}, {9}, {5}, {6}})); },
-                                  "request 3's window of 6 tokens"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        decoder.try_fused(in, make_selection(Device::kCpu, {{9}, {9}, {5}, {6}}));
+      },
+      "request 3's window of 6 tokens"));
 }
 
 // window_lens past the rows a (sequence, head) holds would read the next
@@ -210,7 +214,8 @@ TEST(DeviceLengths, WindowLensOutsideTheirBoundAreRefused) {
   p.v.capacity = RowView::kUnknownCapacity;
   p.window_len = 13;
   lens[0] = 14;
-  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "window_lens[0] = 14 is outside [0, 13]"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "window_lens[0] = 14 is outside [0, 13]"));
   EXPECT_EQ(window_lens_bound(p), 13);
   p.k.capacity = 16;  // the smallest declared capacity rules
   EXPECT_EQ(window_lens_bound(p), 16);
@@ -327,8 +332,8 @@ TEST(DeviceLengths, ADenseViewOfAnEmptyCacheHoldsNoRows) {
   EXPECT_TRUE(throws_error_naming([&] { decoder.decide(in, make_selection(Device::kCpu, {{0}})); },
                                   "4 rows per head exceed k.capacity = 0"));
   MaskPath mask(Device::kCpu);
-  EXPECT_TRUE(throws_error_naming([&] { mask.prepare(in, make_selection(Device::kCpu, {{0}})); },
-                                  "exceed k.capacity = 0"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { mask.prepare(in, make_selection(Device::kCpu, {{0}})); }, "exceed k.capacity = 0"));
   // The FP8 MLA views of an empty pool, read as a pool of pages.
   const MlaFp8Views views = mla_fp8_views(storage.data(), 0);
   EXPECT_EQ(views.k.capacity, 0);
@@ -377,9 +382,8 @@ TEST(DeviceLengths, NullIndicesAreNamedUnlessThereAreNone) {
 // name 2^30 rows behind one id outside the window are refused by that id.
 TEST(DeviceLengths, SelectionFromBlocksJudgesIdsBeforeAllocating) {
   const Buffer ids = upload(Device::kCpu, std::vector<int32_t>{5});
-  EXPECT_TRUE(throws_error_naming(
-      [&] { selection_from_blocks(ids, {1}, 1 << 30, {0}, {int64_t{1} << 30}); },
-      "names block 5 outside its live window"));
+  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {1}, 1 << 30, {0}, {int64_t{1} << 30}); },
+                                  "names block 5 outside its live window"));
 }
 
 }  // namespace

@@ -72,7 +72,8 @@ TEST(Policy, EachDeclineNamesItsNumbers) {
     const char* words;
   };
   const Case cases[] = {
-      {OutcomeKind::kKillSwitch, [](DispatchInput&, DispatchConfig& c) { c.enabled = false; }, "SPARSEPAGE_SPARSE_DECODE"},
+      {OutcomeKind::kKillSwitch, [](DispatchInput&, DispatchConfig& c) { c.enabled = false; },
+       "SPARSEPAGE_SPARSE_DECODE"},
       {OutcomeKind::kNoDevice, [](DispatchInput& i, DispatchConfig&) { i.device_available = false; }, "no GPU"},
       {OutcomeKind::kNonRawCache, [](DispatchInput& i, DispatchConfig&) { i.raw_cache = false; }, "raw fp16/bf16"},
       {OutcomeKind::kUnsupportedHeadDim, [](DispatchInput& i, DispatchConfig&) { i.head_dims_supported = false; },

@@ -9,8 +9,8 @@
 
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
-#include "support/reference.h"
 #include "support/layer_checks.h"
+#include "support/reference.h"
 #include "support/toy_model.h"
 
 namespace sparsepage {
@@ -44,11 +44,11 @@ TEST(Dsa, IndexerRuleOnAHandMadeCase) {
   const float q[] = {1, 0, 0, 1};
   const float w[] = {1, -2};
   // Token keys: I(t) = relu(k.x) - 2 relu(k.y).
-  const std::vector<float> keys = {3, 0,    // I = 3
-                                   3, 1,    // I = 1
-                                   -5, -5,  // I = 0 (both ReLUs clip)
-                                   2, 0,    // I = 2
-                                   0, -1};  // I = 0
+  const std::vector<float> keys = {3,  0,    // I = 3
+                                   3,  1,    // I = 1
+                                   -5, -5,   // I = 0 (both ReLUs clip)
+                                   2,  0,    // I = 2
+                                   0,  -1};  // I = 0
   EXPECT_EQ(dsa_select_tokens_cpu(c, 1, 5, q, w, keys), (std::vector<std::vector<int32_t>>{{0, 3}}));
   c.index_topk = 4;
   EXPECT_EQ(dsa_select_tokens_cpu(c, 1, 5, q, w, keys), (std::vector<std::vector<int32_t>>{{0, 3, 1, 2}}))
@@ -123,7 +123,9 @@ TEST(Dsa, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
   std::iota(all.begin(), all.end(), 0);
   EXPECT_EQ(layer.last_selected_positions(), (std::vector<std::vector<int32_t>>{all}));
   EXPECT_EQ(step.outcome.kind, OutcomeKind::kBelowSparsity) << "a full selection is dense work: the gate declines";
-  EXPECT_LT(testing::relative_l2(testing::as_float(DType::kBF16, tok.o), testing::dsa_reference(layer, kSmall, tok.q, tok.q_pe, 0, all)), 1e-2);
+  EXPECT_LT(testing::relative_l2(testing::as_float(DType::kBF16, tok.o),
+                                 testing::dsa_reference(layer, kSmall, tok.q, tok.q_pe, 0, all)),
+            1e-2);
 }
 
 TEST(Dsa, GreedyDecodeEquality) {

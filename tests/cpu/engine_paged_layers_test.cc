@@ -14,9 +14,7 @@ TEST(EnginePagedLayers, BlockSparseMatchesItsOwnCacheAndFp64) {
 TEST(EnginePagedLayers, DsaMatchesItsOwnCache) { testing::check_engine_paged_dsa(Device::kCpu); }
 TEST(EnginePagedLayers, DsaOverAnFp8PoolMatchesItsOwnCache) { testing::check_engine_paged_dsa_fp8(Device::kCpu); }
 
-TEST(EnginePagedLayers, MisuseIsRefusedByNameAndAppendsNothing) {
-  testing::check_engine_paged_errors(Device::kCpu);
-}
+TEST(EnginePagedLayers, MisuseIsRefusedByNameAndAppendsNothing) { testing::check_engine_paged_errors(Device::kCpu); }
 
 }  // namespace
 }  // namespace sparsepage

@@ -71,7 +71,8 @@ TEST(Fp8MlaRoundingBound, ItReportsAnErrorPastIt) {
   EXPECT_NE(testing::outside_bound(exact, want, bound, o, lse).find("request 0 head 1: lse off by"), std::string::npos);
   lse = as_floats(want.lse);
   o[5 * 512 + 7] += static_cast<float>(2 * bound.o[5 * 512 + 7]) + 1e-6f;
-  EXPECT_NE(testing::outside_bound(exact, want, bound, o, lse).find("request 1 head 1: o[7] off by"), std::string::npos);
+  EXPECT_NE(testing::outside_bound(exact, want, bound, o, lse).find("request 1 head 1: o[7] off by"),
+            std::string::npos);
   // NaN is never within a bound.
   o = as_floats(want.o);
   o[3] = std::nanf("");

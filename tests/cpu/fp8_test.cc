@@ -42,8 +42,8 @@ TEST(E4m3, EveryEncodingRoundTrips) {
 }
 
 TEST(E4m3, RoundsToNearestEvenAndSaturates) {
-  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);   // halfway 1 / 1.125: even (1)
-  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);   // halfway 1.125 / 1.25: even (1.25)
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);  // halfway 1 / 1.125: even (1)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);  // halfway 1.125 / 1.25: even (1.25)
   EXPECT_EQ(float_to_e4m3(1.05f), 0x38);
   EXPECT_EQ(float_to_e4m3(1.07f), 0x39);
   EXPECT_EQ(float_to_e4m3(-1.2f), 0xBA);
@@ -111,15 +111,18 @@ TEST(QuantizeMlaFp8, NanBlockGetsNanScale) {
 TEST(QuantizeMlaFp8, RefusesBadArgumentsByName) {
   std::vector<uint16_t> src(576);
   std::vector<uint8_t> dst(1024);
-  EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kF16, src.data(), 1, 576, dst.data()); }, "dtype f16"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kF16, src.data(), 1, 576, dst.data()); }, "dtype f16"));
   EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, src.data(), 1, 500, dst.data()); },
                                   "src_row_stride = 500"));
   EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, src.data(), 1, 576, dst.data(), 640); },
                                   "dst_row_bytes = 640"));
   EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, src.data(), 1, 576, dst.data(), 664); },
                                   "multiple of 16"));
-  EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, nullptr, 1, 576, dst.data()); }, "src is null"));
-  EXPECT_TRUE(throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, src.data(), -1, 576, dst.data()); }, "rows = -1"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, nullptr, 1, 576, dst.data()); }, "src is null"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { quantize_mla_fp8_cpu(DType::kBF16, src.data(), -1, 576, dst.data()); }, "rows = -1"));
   EXPECT_TRUE(throws_error_naming([] { mla_fp8_views(nullptr, 4, 600); }, "row_bytes = 600"));
 }
 
@@ -326,7 +329,8 @@ TEST(SparseDecoderFp8, FusesOnTheCpuAndTheMaskPathRefusesByName) {
   }
   EXPECT_LT(std::sqrt(err / norm), 1e-2);
   MaskPath mask(Device::kCpu);
-  EXPECT_TRUE(throws_error_naming([&] { mask.prepare(in, selection); }, "kv_format e4m3 per head has only the fused path"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { mask.prepare(in, selection); }, "kv_format e4m3 per head has only the fused path"));
 }
 
 TEST(DispatchFp8, DeclinesByTheLayoutProblemItIsGiven) {

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "sparsepage/cache.h"
-#include "sparsepage/mask_path.h"
 #include "sparsepage/dispatch.h"
+#include "sparsepage/mask_path.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
@@ -136,8 +136,7 @@ TEST(HostileSizes, DenseCacheCapacityStepNearTwoToTheSixty) {
   DenseKVCache cache(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 8, 8, 16);
   const std::vector<uint16_t> row(8);
   EXPECT_TRUE(throws_error_naming(
-      [&] { cache.append(row.data(), row.data(), DType::kBF16, std::numeric_limits<int64_t>::max()); },
-      "new_tokens"));
+      [&] { cache.append(row.data(), row.data(), DType::kBF16, std::numeric_limits<int64_t>::max()); }, "new_tokens"));
 }
 
 TEST(HostileSizes, PagedPoolAppendAndBlockTable) {
@@ -145,8 +144,8 @@ TEST(HostileSizes, PagedPoolAppendAndBlockTable) {
   const int32_t seq = pool.add_sequence();
   const std::vector<uint16_t> kv(2 * 6);
   pool.append(seq, kv.data(), kv.data(), 6);
-  EXPECT_TRUE(throws_error_naming(
-      [&] { pool.append(seq, kv.data(), kv.data(), std::numeric_limits<int64_t>::max()); }, "do not fit"));
+  EXPECT_TRUE(throws_error_naming([&] { pool.append(seq, kv.data(), kv.data(), std::numeric_limits<int64_t>::max()); },
+                                  "do not fit"));
   EXPECT_EQ(pool.seq_len(seq), 6);
   EXPECT_EQ(pool.block_table(seq).size(), 2u);
   EXPECT_TRUE(throws_error_naming([&] { pool.append(seq, nullptr, kv.data(), 1); }, "non-null"));
@@ -409,8 +408,8 @@ TEST(HostileHelpers, EnumValuesOutsideTheirTypeAreRefused) {
   std::vector<float> x(4, 1.0f), y(4, 2.0f);
   EXPECT_TRUE(throws_error_naming([&] { to_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
   EXPECT_TRUE(throws_error_naming([&] { from_float(bad, x.data(), y.data(), 4); }, "dtype 7 is not a DType"));
-  EXPECT_TRUE(throws_error_naming(
-      [] { DenseKVCache c(Device::kCpu, static_cast<CacheMode>(9), 1, 1, 1, 4, 4); }, "mode 9 is not a CacheMode"));
+  EXPECT_TRUE(throws_error_naming([] { DenseKVCache c(Device::kCpu, static_cast<CacheMode>(9), 1, 1, 1, 4, 4); },
+                                  "mode 9 is not a CacheMode"));
   EXPECT_TRUE(throws_error_naming([&] { PagedBlockPool pool(Device::kCpu, bad, 1, 1, 4, 4, 4); }, "not a DType"));
   MaskedDecodeParams m = testing_one_request(x, bad);
   EXPECT_TRUE(throws_error_naming([&] { run_masked_decode_cpu(m); }, "dtype 7 is not a DType"));

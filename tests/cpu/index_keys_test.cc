@@ -156,7 +156,8 @@ TEST(IndexKeysWrite, Ue8m0ScaleIsVllmsExpressionForEveryHalfMagnitude) {
       float got;
       std::memcpy(&got, pool.data() + (i / 64) * 64 * 132 + 64 * 128 + (i % 64) * 4, 4);
       const float want = vllm_key_scale(amax, IndexScaleFormat::kUe8m0);
-      if (got != want && ++mismatches < 5) ADD_FAILURE() << dtype_name(dtype) << " amax " << amax << ": scale " << got << " vs " << want;
+      if (got != want && ++mismatches < 5)
+        ADD_FAILURE() << dtype_name(dtype) << " amax " << amax << ": scale " << got << " vs " << want;
     }
     EXPECT_EQ(mismatches, 0) << dtype_name(dtype);
   }
@@ -164,7 +165,7 @@ TEST(IndexKeysWrite, Ue8m0ScaleIsVllmsExpressionForEveryHalfMagnitude) {
 
 TEST(IndexKeysWrite, NanValuesStayNanAndInfinitySaturatesTheScale) {
   std::vector<float> keys(2 * 128, 1.0f);
-  keys[7] = NAN;                                         // key 0: scale from the other values (amax 1)
+  keys[7] = NAN;                                           // key 0: scale from the other values (amax 1)
   keys[128 + 3] = std::numeric_limits<float>::infinity();  // key 1: scale inf
   const std::vector<uint8_t> src = bf16_bytes(keys);
   std::vector<uint8_t> pool(static_cast<size_t>(8 * 132), 0xAA);
@@ -317,10 +318,10 @@ TEST(IndexKeysTwin, Fp8ScoresAreTheDequantizedPoolsInFp64) {
 TEST(IndexKeysTwin, ExactProblemsScoreAsTheRuleOnEverySource) {
   // Keys and queries in [-4, 4]: FP8 quantization is exact, so each source
   // gives the fp64 rule's scores exactly (NaN where the NaN key sits).
-  for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-           {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+  for (const auto& [layout, format] :
+       std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
     for (const IndexQueryFormat qf : {IndexQueryFormat::kNative, IndexQueryFormat::kE4m3}) {
       if (qf == IndexQueryFormat::kE4m3 && format != IndexKeyFormat::kE4m3) continue;
       IndexKeysSpec s = spec_of(layout, format, {200, 63, 1});
@@ -336,7 +337,7 @@ TEST(IndexKeysTwin, ExactProblemsScoreAsTheRuleOnEverySource) {
             EXPECT_TRUE(std::isnan(scores[size_t(r)][t])) << "row " << r << " t " << t;
           } else {
             ASSERT_EQ(double(scores[size_t(r)][t]), want[t]) << "layout " << int(layout) << " format " << int(format)
-                                                            << " q " << int(qf) << " row " << r << " t " << t;
+                                                             << " q " << int(qf) << " row " << r << " t " << t;
           }
         }
       }
@@ -373,10 +374,10 @@ TEST(IndexKeysTwin, KeepsTheTopKWithTiesToTheLowerPositionAndNanLast) {
   // with multi-token rows whose windows differ.
   const std::vector<int32_t> lens = {0, 1, 48, 49, 50, 1000, 333};
   for (const int32_t q_len : {1, 3}) {
-    for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-             {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-             {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-             {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+    for (const auto& [layout, format] :
+         std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                                {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                                {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
       IndexKeysSpec s = spec_of(layout, format, lens);
       s.q_len = q_len;
       s.seed = uint64_t(q_len) * 10 + uint64_t(format);
@@ -396,10 +397,10 @@ TEST(IndexKeysTwin, MixedLengthsInOneCallSelectAsTheRule) {
     const testing::MixedLengthSteps m = testing::mixed_length_steps(48, bound);
     for (const int32_t q_len : {1, 3}) {
       if (bound > 448 && q_len > 1) continue;  // the slices once: the brute force is slow
-      for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-               {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-               {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-               {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+      for (const auto& [layout, format] :
+           std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                                  {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                                  {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
         IndexKeysSpec s = spec_of(layout, format, m.built);
         s.dim = format == IndexKeyFormat::kE4m3 ? 128 : 64;
         s.block_size = bound > 448 ? 64 : 16;
@@ -421,10 +422,10 @@ TEST(IndexKeysTwin, MixedLengthsInOneCallSelectAsTheRule) {
 
 TEST(IndexKeysTwin, TheSameKeysSelectTheSameOnEverySource) {
   std::vector<IndexSelection> got;
-  for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-           {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+  for (const auto& [layout, format] :
+       std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
     IndexKeysSpec s = spec_of(layout, format, {500, 90, 17});
     s.seed = 77;  // the same keys and queries for every source
     got.push_back(testing::run_index_twin(make_index_keys_problem(s)));
@@ -472,8 +473,7 @@ TEST(IndexKeysTwin, BlocksNoSequenceOwnsAndSlotsPastTheLengthChangeNothing) {
 
 TEST(IndexKeysTwin, LengthsPastTheBoundAreFlaggedNotRead) {
   for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-           {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+           {IndexKeyLayout::kDense, IndexKeyFormat::kNative}, {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
     IndexKeysSpec s = spec_of(layout, format, {300, 100, 300});
     s.spare_blocks = 0;
     s.extra_table_entries = 0;
@@ -524,31 +524,38 @@ TEST(IndexKeysTwin, BadDescriptionsAreNamed) {
   EXPECT_TRUE(throws_error_naming([&] { run([&](DsaIndexerArgs& a) { a.paged.pool = storage.data() + 4; }); },
                                   "16-byte aligned"));
   EXPECT_TRUE(throws_error_naming([&] { run([](DsaIndexerArgs& a) { a.paged.block_size = 24; }); }, "block_size = 24"));
-  EXPECT_TRUE(throws_error_naming([&] { run([](DsaIndexerArgs& a) { a.max_kv_len = int64_t{a.paged.max_blocks} * 16 + 1; }); },
-                                  "exceeds what a block-table row holds"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { run([](DsaIndexerArgs& a) { a.max_kv_len = int64_t{a.paged.max_blocks} * 16 + 1; }); },
+                          "exceeds what a block-table row holds"));
   EXPECT_TRUE(throws_error_naming([&] { run([](DsaIndexerArgs& a) { a.paged.block_table = nullptr; }); },
                                   "block_table is null"));
   EXPECT_TRUE(throws_error_naming([&] { run([](DsaIndexerArgs& a) { a.paged.block_table_stride = 1; }); },
                                   "block_table_stride = 1"));
-  EXPECT_TRUE(throws_error_naming([&] {
-    run([](DsaIndexerArgs& a) {
-      a.paged.format = IndexKeyFormat::kNative;
-      a.q_format = IndexQueryFormat::kE4m3;
-    });
-  }, "q_format kE4m3 needs FP8 keys"));
-  EXPECT_TRUE(throws_error_naming([&] {
-    run([](DsaIndexerArgs& a) {
-      a.paged.format = IndexKeyFormat::kNative;
-      a.paged.dtype = DType::kF16;
-    });
-  }, "native paged keys are f16"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        run([](DsaIndexerArgs& a) {
+          a.paged.format = IndexKeyFormat::kNative;
+          a.q_format = IndexQueryFormat::kE4m3;
+        });
+      },
+      "q_format kE4m3 needs FP8 keys"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        run([](DsaIndexerArgs& a) {
+          a.paged.format = IndexKeyFormat::kNative;
+          a.paged.dtype = DType::kF16;
+        });
+      },
+      "native paged keys are f16"));
   DsaConfig wide = pb.config;
   wide.index_head_dim = 64;
-  EXPECT_TRUE(throws_error_naming([&] {
-    DsaIndexerArgs a = pb.args(storage.data(), pb.table.data(), pb.q.data(), pb.weights.data(), pb.spec.kv_lens.data(),
-                               positions.data(), counts.data(), &error);
-    dsa_select_tokens_cpu(wide, pb.sequences, a);
-  }, "128 values per key"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        DsaIndexerArgs a = pb.args(storage.data(), pb.table.data(), pb.q.data(), pb.weights.data(),
+                                   pb.spec.kv_lens.data(), positions.data(), counts.data(), &error);
+        dsa_select_tokens_cpu(wide, pb.sequences, a);
+      },
+      "128 values per key"));
 }
 
 }  // namespace

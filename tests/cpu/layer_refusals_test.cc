@@ -78,7 +78,8 @@ TEST(LayerRefusals, StaticSelectionSurvivesTheCacheGrowing) {
   const auto prompt = testing::random_values(DType::kBF16, 2 * kv * 6, rng);
   layer.append_tokens(prompt.data(), prompt.data(), 6);
   const auto q = testing::random_values(DType::kBF16, 2 * qo, rng);
-  const auto k = testing::random_values(DType::kBF16, 2 * kv, rng), v = testing::random_values(DType::kBF16, 2 * kv, rng);
+  const auto k = testing::random_values(DType::kBF16, 2 * kv, rng),
+             v = testing::random_values(DType::kBF16, 2 * kv, rng);
   std::vector<uint8_t> o(2 * qo * 2);
   layer.decode(StaticBlockSparseTokens{q.data(), k.data(), v.data(), o.data()});
   const auto blocks = layer.last_blocks();

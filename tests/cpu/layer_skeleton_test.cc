@@ -32,7 +32,9 @@ class WindowAttention : public SparseLayer {
       : SparseLayer("WindowAttention", Device::kCpu, DType::kBF16, batch, KVStorage::kLayerCache,
                     {kKvHeads, kKvHeads, kDim, kDim}, 64, dispatch),
         window_(window) {}
-  LayerStep decode(const WindowTokens& t) { return step({t.q, nullptr, nullptr, nullptr, t.k, t.v, nullptr, t.o}, nullptr); }
+  LayerStep decode(const WindowTokens& t) {
+    return step({t.q, nullptr, nullptr, nullptr, t.k, t.v, nullptr, t.o}, nullptr);
+  }
 
  private:
   int32_t requests() const { return batch() * kKvHeads; }
@@ -72,13 +74,15 @@ class WindowAttention : public SparseLayer {
   }
   PagedSelection selection(int32_t q_len) const override {
     PagedSelection s{pages_.as<int32_t>(), counts_.as<int32_t>(), requests(), window_, 1, 0};
-    for (int64_t len : lens_after(q_len)) s.max_selected = std::max<int64_t>(s.max_selected, std::min<int64_t>(len, window_));
+    for (int64_t len : lens_after(q_len))
+      s.max_selected = std::max<int64_t>(s.max_selected, std::min<int64_t>(len, window_));
     return s;
   }
   void select(const StepTokens&, int32_t, void*) override {
     for (int32_t r = 0; r < requests(); ++r) {
       const int64_t len = device_lens()[r / kKvHeads], first = std::max<int64_t>(0, len - window_);
-      for (int32_t i = 0; i < window_; ++i) pages_.as<int32_t>()[r * window_ + i] = first + i < len ? int32_t(first + i) : -1;
+      for (int32_t i = 0; i < window_; ++i)
+        pages_.as<int32_t>()[r * window_ + i] = first + i < len ? int32_t(first + i) : -1;
       counts_.as<int32_t>()[r] = int32_t(len - first);
     }
   }
@@ -92,7 +96,8 @@ class WindowAttention : public SparseLayer {
   std::vector<std::vector<int32_t>> selected_positions() const override {
     std::vector<std::vector<int32_t>> out(static_cast<size_t>(requests()));
     for (int32_t r = 0; r < requests(); ++r) {
-      out[size_t(r)].assign(pages_.as<int32_t>() + r * window_, pages_.as<int32_t>() + r * window_ + counts_.as<int32_t>()[r]);
+      out[size_t(r)].assign(pages_.as<int32_t>() + r * window_,
+                            pages_.as<int32_t>() + r * window_ + counts_.as<int32_t>()[r]);
     }
     return out;
   }
@@ -114,7 +119,9 @@ std::vector<double> window_reference(const WindowAttention& layer, const std::ve
   double m = -INFINITY;
   for (int64_t t = first; t < len; ++t) {
     double dot = 0;
-    for (int32_t i = 0; i < d; ++i) dot += double(qf[size_t((b * WindowAttention::kQoHeads + head) * d + i)]) * bf16_to_float(kd[k.offset(b, kv, t) + i]);
+    for (int32_t i = 0; i < d; ++i)
+      dot += double(qf[size_t((b * WindowAttention::kQoHeads + head) * d + i)]) *
+             bf16_to_float(kd[k.offset(b, kv, t) + i]);
     s.push_back(dot / std::sqrt(double(d)));
     m = std::max(m, s.back());
   }

@@ -236,8 +236,7 @@ TEST(GatherPath, RowsOutsideThePoolAreNotRead) {
   const std::vector<int32_t> rows = {0, 4, -1};
   const std::vector<int32_t> offsets = {0, 3};
   std::vector<uint16_t> out(3 * 8);
-  gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, 3, DType::kBF16, RowView{pool.data(), 8, 8}, 4,
-              out.data());
+  gather_rows(Device::kCpu, rows.data(), offsets.data(), 1, 3, DType::kBF16, RowView{pool.data(), 8, 8}, 4, out.data());
   EXPECT_EQ(bf16_to_float(out[0]), 1.0f);
   EXPECT_TRUE(std::isnan(bf16_to_float(out[8])));
   EXPECT_TRUE(std::isnan(bf16_to_float(out[16])));

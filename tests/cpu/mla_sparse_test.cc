@@ -66,8 +66,8 @@ TEST(MlaSparse, V32RowsMatchTheReference) {
       spec.topk_length = true;
       spec.seed = 10 + block_size + fixed;
       const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
-      expect_reference(pb, run_cpu(pb, fixed), "block_size " + std::to_string(block_size) + ", fixed chunk " +
-                                                   std::to_string(fixed));
+      expect_reference(pb, run_cpu(pb, fixed),
+                       "block_size " + std::to_string(block_size) + ", fixed chunk " + std::to_string(fixed));
     }
   }
 }
@@ -149,8 +149,10 @@ TEST(MlaSparse, TheExtraCacheIsTheUnionOfBothSets) {
   }
   EXPECT_LT(std::sqrt(diff / norm), 4e-3);  // two bf16 roundings of the same fp64-summed values
   for (size_t i = 0; i < a.lse.size(); ++i) {
-    if (std::isinf(b.lse[i])) EXPECT_EQ(a.lse[i], b.lse[i]) << i;
-    else EXPECT_NEAR(a.lse[i], b.lse[i], 1e-5 * std::max(1.0f, std::fabs(b.lse[i]))) << i;
+    if (std::isinf(b.lse[i]))
+      EXPECT_EQ(a.lse[i], b.lse[i]) << i;
+    else
+      EXPECT_NEAR(a.lse[i], b.lse[i], 1e-5 * std::max(1.0f, std::fabs(b.lse[i]))) << i;
   }
   // And without the extra cache's rows the outputs differ: the test can fail.
   MlaSparseProblem main_only = two;
@@ -369,7 +371,8 @@ TEST(MlaSparse, EditedPlansAreRefused) {
   EXPECT_EQ(plan.max_partials, 4 + 2);  // 100 tokens in chunks of 32, and 40
   MlaSparsePlan bad = plan;
   bad.extra.work[0].partial = bad.main.work[0].partial;
-  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "outside request 0's merge range or already used"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); },
+                                           "outside request 0's merge range or already used"));
   bad = plan;
   bad.main.work[1].token_begin += 1;
   EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "main.work[1] covers [33, 64)"));
@@ -379,8 +382,11 @@ TEST(MlaSparse, EditedPlansAreRefused) {
   bad = plan;
   bad.main.uniform_chunks = 1;
   EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "no uniform split"));
-  EXPECT_TRUE(testing::throws_error_naming([&] { make_mla_sparse_plan({1, 1, 8, 0, 0}, testing::mla_sparse_cpu_machine()); },
-                                           "topk = 0 must be at least 1"));
+  EXPECT_TRUE(testing::throws_error_naming(
+      [&] {
+        make_mla_sparse_plan({1, 1, 8, 0, 0}, testing::mla_sparse_cpu_machine());
+      },
+      "topk = 0 must be at least 1"));
 }
 
 }  // namespace

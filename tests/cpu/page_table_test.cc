@@ -38,10 +38,11 @@ TEST(PageTable, BuilderRejectsBadInputNamingIt) {
   EXPECT_NE(message([] { build_page_table_structure({1, -2}, 4); }).find("seq_lens[1] = -2"), std::string::npos);
   EXPECT_NE(message([] { build_page_table_structure({1}, 4, {4}); }).find("first_page_offsets[0] = 4"),
             std::string::npos);
-  EXPECT_NE(message([] { build_page_table_structure({1, 2}, 4, {0}); }).find("1 entries for 2 requests"),
+  EXPECT_NE(message([] {
+              build_page_table_structure({1, 2}, 4, {0});
+            }).find("1 entries for 2 requests"),
             std::string::npos);
-  EXPECT_NE(message([] { build_page_table_structure({2000000000, 2000000000}, 1); }).find("2^31"),
-            std::string::npos);
+  EXPECT_NE(message([] { build_page_table_structure({2000000000, 2000000000}, 1); }).find("2^31"), std::string::npos);
 }
 
 // Each invariant, broken on its own, is named by the validator.
@@ -84,8 +85,7 @@ TEST(PageTable, ValidatorChecksIndicesAgainstThePool) {
   EXPECT_NE(page_table_problem(t, &indices, 8).find("indices has 2 entries, indptr[num_requests] = 3"),
             std::string::npos);
   indices = {0, 8, 3};
-  EXPECT_NE(page_table_problem(t, &indices, 8).find("indices[1] = 8 is outside the pool [0, 8)"),
-            std::string::npos);
+  EXPECT_NE(page_table_problem(t, &indices, 8).find("indices[1] = 8 is outside the pool [0, 8)"), std::string::npos);
   indices = {0, 1, -3};
   EXPECT_NE(page_table_problem(t, &indices, 8).find("indices[2] = -3"), std::string::npos);
 }

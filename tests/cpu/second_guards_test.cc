@@ -90,7 +90,8 @@ TEST(SecondGuards, ADecreasingIndptrIsNamedWithPagesOfFour) {
   std::vector<int32_t> bad = d.indptr;  // {0, 2, 4, 5}
   bad[2] = 1;
   p.indptr = bad.data();
-  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "indptr decreases at request 1: indptr[1] = 2 > indptr[2] = 1"));
+  EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); },
+                                  "indptr decreases at request 1: indptr[1] = 2 > indptr[2] = 1"));
   EXPECT_TRUE(std::isnan(d.o[0]) && std::isnan(d.lse[2]));
 }
 
@@ -134,7 +135,8 @@ TEST(SecondGuards, ANegativeFloorNeverDeclines) {
   in.live_len = 1000;
   DispatchConfig config;
   config.min_sparsity = 0;
-  for (const int64_t floor : {int64_t{-1}, -(int64_t{1} << 61), -(int64_t{1} << 62), std::numeric_limits<int64_t>::min()}) {
+  for (const int64_t floor :
+       {int64_t{-1}, -(int64_t{1} << 61), -(int64_t{1} << 62), std::numeric_limits<int64_t>::min()}) {
     config.min_kv_tokens_per_request = floor;
     for (const int64_t requests : {int64_t{2}, int64_t{7}, int64_t{1} << 40}) {
       in.num_requests = requests;
@@ -314,14 +316,18 @@ TEST(SecondGuards, GatherRowsRefusesMoreRowsThanMaxRows) {
   std::vector<float> dst(3 * 2 * 2, kNaN);
   const std::vector<int32_t> first_too_long = {0, 3, 4};
   EXPECT_TRUE(throws_error_naming(
-      [&] { gather_rows(Device::kCpu, rows.data(), first_too_long.data(), 2, 2, DType::kF32, {pool.data(), 2, 2}, 8,
-                        dst.data()); },
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), first_too_long.data(), 2, 2, DType::kF32, {pool.data(), 2, 2}, 8,
+                    dst.data());
+      },
       "request 0 has 3 rows, outside [0, max_rows = 2]"));
   const std::vector<int32_t> second_too_long = {0, 1, 4, 6};
   std::vector<uint16_t> pool16(8 * 2, float_to_bf16(1.0f)), dst16(3 * 2 * 2, 0xFFFF);
   EXPECT_TRUE(throws_error_naming(
-      [&] { gather_rows(Device::kCpu, rows.data(), second_too_long.data(), 3, 2, DType::kBF16,
-                        {pool16.data(), 2, 2}, 8, dst16.data()); },
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), second_too_long.data(), 3, 2, DType::kBF16, {pool16.data(), 2, 2}, 8,
+                    dst16.data());
+      },
       "request 1 has 3 rows, outside [0, max_rows = 2]"));
   for (uint16_t x : dst16) EXPECT_EQ(x, 0xFFFF) << "a refused gather wrote a row";
   for (float x : dst) EXPECT_TRUE(std::isnan(x)) << "a refused gather wrote a row";
@@ -345,7 +351,8 @@ TEST(SecondGuards, GatherRowsWritesNaNForRowsOutsideThePool) {
 TEST(SecondGuards, AnAssignedCacheOwnsItsRows) {
   DenseKVCache a(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 2, 2, 2);
   DenseKVCache b(Device::kCpu, CacheMode::kBF16, 1, 1, 1, 2, 2, 2);
-  std::vector<uint16_t> one = {float_to_bf16(1.0f), float_to_bf16(2.0f)}, two = {float_to_bf16(3.0f), float_to_bf16(4.0f)};
+  std::vector<uint16_t> one = {float_to_bf16(1.0f), float_to_bf16(2.0f)},
+                        two = {float_to_bf16(3.0f), float_to_bf16(4.0f)};
   b.append(one.data(), one.data(), DType::kBF16, 1);
   a = b;
   b.append(two.data(), two.data(), DType::kBF16, 1);
@@ -359,17 +366,24 @@ TEST(SecondGuards, AnAssignedCacheOwnsItsRows) {
 // The page-table builder refuses an offset of a whole page, and a negative
 // one, naming the request.
 TEST(SecondGuards, TheBuilderRefusesOffsetsOutsideThePage) {
-  EXPECT_TRUE(throws_error_naming([&] { build_page_table_structure({3, 5}, 8, {0, 8}); },
-                                  "first_page_offsets[1] = 8 is outside [0, page_size = 8)"));
-  EXPECT_TRUE(throws_error_naming([&] { build_page_table_structure({3, 5, 2}, 8, {0, 1, -1}); },
-                                  "first_page_offsets[2] = -1 is outside [0, page_size = 8)"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        build_page_table_structure({3, 5}, 8, {0, 8});
+      },
+      "first_page_offsets[1] = 8 is outside [0, page_size = 8)"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        build_page_table_structure({3, 5, 2}, 8, {0, 1, -1});
+      },
+      "first_page_offsets[2] = -1 is outside [0, page_size = 8)"));
 }
 
 // check_page_table (the throwing form) names a last_page_len on an empty request.
 TEST(SecondGuards, CheckPageTableNamesALastPageLenOnAnEmptyRequest) {
   PageTableStructure t = build_page_table_structure({4, 0, 2}, 4);
   t.last_page_len[1] = 4;
-  EXPECT_TRUE(throws_error_naming([&] { check_page_table(t); }, "last_page_len[1] = 4 on an empty request, expected 0"));
+  EXPECT_TRUE(
+      throws_error_naming([&] { check_page_table(t); }, "last_page_len[1] = 4 on an empty request, expected 0"));
 }
 
 // build_selection_mask names host offsets that decrease, leaving the mask.
@@ -468,8 +482,11 @@ TEST(SecondGuards, ANonFiniteScaleIsNamed) {
   DispatchConfig config;
   config.min_sparsity = 0;
   SparseDecoder decoder(Device::kCpu, config);
-  EXPECT_TRUE(throws_error_naming([&] { decoder.try_fused(in, make_selection(Device::kCpu, {{1, 2}})); },
-                                  "scale is not finite"));
+  EXPECT_TRUE(throws_error_naming(
+      [&] {
+        decoder.try_fused(in, make_selection(Device::kCpu, {{1, 2}}));
+      },
+      "scale is not finite"));
   EXPECT_TRUE(std::isnan(o[0]));
 }
 
@@ -560,7 +577,9 @@ TEST(SecondGuards, GatherRowsWithNoRoomRefusesAnyRow) {
   const std::vector<int32_t> rows = {1}, offsets = {0, 0, 1};
   float dst = kNaN;
   EXPECT_TRUE(throws_error_naming(
-      [&] { gather_rows(Device::kCpu, rows.data(), offsets.data(), 2, 0, DType::kF32, {pool.data(), 3, 3}, 4, &dst); },
+      [&] {
+        gather_rows(Device::kCpu, rows.data(), offsets.data(), 2, 0, DType::kF32, {pool.data(), 3, 3}, 4, &dst);
+      },
       "request 1 has 1 rows, outside [0, max_rows = 0]"));
   const std::vector<int32_t> none = {0, 0, 0};
   EXPECT_NO_THROW(gather_rows(Device::kCpu, rows.data(), none.data(), 2, 0, DType::kF32, {pool.data(), 3, 3}, 4, &dst));

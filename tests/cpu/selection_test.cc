@@ -33,9 +33,9 @@ TEST(Selection, FromBlocksRejectsRowsOutsideTheWindow) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  expect_error({3}, 1, 10, "outside its live window");        // block 3 starts at row 12 >= 10
-  expect_error({2, 0}, 2, 10, "before its last entry");        // partial block not last
-  expect_error({0, 1}, 2, 10, "not among its blocks");         // partial final block missing
+  expect_error({3}, 1, 10, "outside its live window");   // block 3 starts at row 12 >= 10
+  expect_error({2, 0}, 2, 10, "before its last entry");  // partial block not last
+  expect_error({0, 1}, 2, 10, "not among its blocks");   // partial final block missing
   expect_error({-1}, 1, 8, "outside its live window");
   const Buffer few = upload(Device::kCpu, std::vector<int32_t>{0});
   EXPECT_THROW(selection_from_blocks(few, {2}, 4, {0}, {8}), Error);

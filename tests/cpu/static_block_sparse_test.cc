@@ -82,8 +82,8 @@ TEST(StaticBlockSparse, EnumerationMatchesTheRuleEverywhere) {
 
 TEST(StaticBlockSparse, SetEqualityWithTheMaskPath) {
   // Contexts on and off block boundaries (16), below and above the sparsity gate.
-  testing::check_static_set_equality(
-      Device::kCpu, kSmall, {{1, 1}, {1, 40}, {1, 192}, {2, 193}, {1, 256}, {3, 257}, {2, 400}, {1, 1000}});
+  testing::check_static_set_equality(Device::kCpu, kSmall,
+                                     {{1, 1}, {1, 40}, {1, 192}, {2, 193}, {1, 256}, {3, 257}, {2, 400}, {1, 1000}});
 }
 
 TEST(StaticBlockSparse, SetEqualityAtPhi3SmallGeometry) {
@@ -106,15 +106,20 @@ TEST(StaticBlockSparse, GreedyDecodeEqualityAtBatch2) { testing::check_static_gr
 TEST(StaticBlockSparse, RefusesBadConfigurationsByName) {
   StaticBlockSparseConfig c = kSmall;
   c.vert_stride = 0;
-  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); }, "vert_stride 0"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); },
+                                           "vert_stride 0"));
   c = kSmall;
   c.num_qo_heads = 7;
-  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); }, "7 query heads over 2"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); },
+                                           "7 query heads over 2"));
   c = kSmall;
   c.local_blocks = 0;
-  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); }, "local_blocks 0"));
-  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kF32, kSmall, 1); }, "f16 or bf16"));
-  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, kSmall, 0); }, "batch = 0"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, c, 1); },
+                                           "local_blocks 0"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kF32, kSmall, 1); },
+                                           "f16 or bf16"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCpu, DType::kBF16, kSmall, 0); },
+                                           "batch = 0"));
 }
 
 TEST(StaticBlockSparse, ABadDecodeAppendsNothing) {
@@ -123,8 +128,11 @@ TEST(StaticBlockSparse, ABadDecodeAppendsNothing) {
   const auto q = testing::random_values(DType::kBF16, 8 * 64, rng);
   const auto kv = testing::random_values(DType::kBF16, 2 * 64, rng);
   std::vector<uint8_t> o(8 * 64 * 2);
-  EXPECT_TRUE(testing::throws_error_naming([&] { layer.decode({q.data(), kv.data(), kv.data(), nullptr}); },
-                                            "(q, k, v, o) must be set"));
+  EXPECT_TRUE(testing::throws_error_naming(
+      [&] {
+        layer.decode({q.data(), kv.data(), kv.data(), nullptr});
+      },
+      "(q, k, v, o) must be set"));
   EXPECT_EQ(layer.kv_len(), 0);
   layer.decode({q.data(), kv.data(), kv.data(), o.data()});
   EXPECT_EQ(layer.kv_len(), 1);

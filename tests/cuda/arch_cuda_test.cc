@@ -25,8 +25,7 @@ struct Token {
     q_pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.num_qo_heads * c.rope_dim, rng));
     q_index = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.index_heads * c.index_head_dim, rng));
     weights = upload(Device::kCuda, std::vector<float>(b * c.index_heads, 0.5f));
-    k_row = upload(Device::kCuda,
-                   testing::random_values(DType::kBF16, b * (c.latent_dim + c.index_head_dim), rng));
+    k_row = upload(Device::kCuda, testing::random_values(DType::kBF16, b * (c.latent_dim + c.index_head_dim), rng));
     k_pe = upload(Device::kCuda, testing::random_values(DType::kBF16, b * c.rope_dim, rng));
     o = upload(Device::kCuda, testing::nan_values(DType::kBF16, b * c.num_qo_heads * c.latent_dim));
   }

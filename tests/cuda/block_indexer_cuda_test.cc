@@ -12,8 +12,8 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
-#include "models/block_sparse_kernels.h"
 #include "cuda/cuda_test_util.h"
+#include "models/block_sparse_kernels.h"
 #include "sparsepage/models/block_sparse.h"
 
 namespace sparsepage {
@@ -118,8 +118,8 @@ void expect_matches_cpu(BlockProblem& pb, const DeviceBlockIndexer& dev, const s
     const int32_t keep = std::min(pb.config.topk_blocks, nb - 1);
     const std::vector<int32_t> want_all = pb.cpu(b, len);
     for (int32_t h = 0; h < heads; ++h) {
-      const std::string at = what + ", sequence " + std::to_string(b) + " head " + std::to_string(h) + " length " +
-                             std::to_string(len);
+      const std::string at =
+          what + ", sequence " + std::to_string(b) + " head " + std::to_string(h) + " length " + std::to_string(len);
       const int32_t r = b * heads + h;
       std::vector<int32_t> got(ids.begin() + r * width, ids.begin() + r * width + keep);
       std::vector<int32_t> want(want_all.begin() + h * (keep + 1), want_all.begin() + h * (keep + 1) + keep);
@@ -144,10 +144,10 @@ TEST(BlockIndexerCuda, MatchesTheCpuRuleOnExactScores) {
   const std::vector<Case> cases = {
       // the shipped geometry; a partial final block (8192 under the sanitizers)
       {{16, 4, 128, 128, 16, 1, 4096}, 2, {testing::quick_mode() ? 8192 : 32768, 5000}},
-      {{8, 2, 64, 16, 4, 2, 64}, 3, {301, 64, 17}},         // scored count below topk; one block only
-      {{8, 2, 64, 16, 4, 3, 64}, 1, {1}},                   // a single token
-      {{8, 1, 32, 16, 8, 2, 64}, 1, {16 * 5000 + 3}},       // more scored blocks than shared memory ranks
-      {{8, 8, 128, 64, 32, 4, 64}, 2, {9000, 8999}},        // eight KV heads, wider top-k
+      {{8, 2, 64, 16, 4, 2, 64}, 3, {301, 64, 17}},    // scored count below topk; one block only
+      {{8, 2, 64, 16, 4, 3, 64}, 1, {1}},              // a single token
+      {{8, 1, 32, 16, 8, 2, 64}, 1, {16 * 5000 + 3}},  // more scored blocks than shared memory ranks
+      {{8, 8, 128, 64, 32, 4, 64}, 2, {9000, 8999}},   // eight KV heads, wider top-k
       // 256, 257 and 1000 scored blocks: one per top-k thread, one more, many.
       {{8, 2, 64, 16, 8, 2, 64}, 3, {16 * 256 + 1, 16 * 257 + 1, 16 * 1000 + 5}},
   };
@@ -170,8 +170,9 @@ TEST(BlockIndexerCuda, ReadsTheLengthsOnTheDevice) {
   const BlockSparseConfig config{16, 4, 128, 128, 16, 2, 4096};
   BlockProblem pb = make_problem(config, 3, 20000, 31);
   DeviceBlockIndexer dev(pb, 20000, config.topk_blocks + 1);
-  for (const std::vector<int32_t>& lens : {std::vector<int32_t>{20000, 4224, 4225}, std::vector<int32_t>{130, 20000, 2049},
-                                           std::vector<int32_t>{4353, 1, 19999}}) {
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>{20000, 4224, 4225}, std::vector<int32_t>{130, 20000, 2049},
+        std::vector<int32_t>{4353, 1, 19999}}) {
     dev.set_lens(lens);
     detail::block_indexer_cuda(dev.args, nullptr);
     testing::cuda_ok(cudaDeviceSynchronize(), "indexer");
@@ -195,8 +196,8 @@ TEST(BlockIndexerCuda, OneGraphServesAGrowingContext) {
   detail::block_indexer_cuda(dev.args, stream);
   testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
   testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (const std::vector<int32_t>& lens : {std::vector<int32_t>{4100, 4100}, std::vector<int32_t>{4224, 4225},
-                                           std::vector<int32_t>{12000, 5555}}) {
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>{4100, 4100}, std::vector<int32_t>{4224, 4225}, std::vector<int32_t>{12000, 5555}}) {
     dev.set_lens(lens);
     testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
     testing::cuda_ok(cudaStreamSynchronize(stream), "sync");

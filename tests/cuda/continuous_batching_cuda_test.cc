@@ -89,7 +89,7 @@ TEST(ContinuousBatchingCuda, OneGraphServesAChangingBatch) {
   for (int model = 0; model < 3; ++model) {
     GraphRunner runner;
     testing::ContinuousBatchingRun run = cuda_run(31 + model);
-    run.bad_call = 0;        // the eager tests cover refused calls
+    run.bad_call = 0;         // the eager tests cover refused calls
     run.always_fused = true;  // one plan for the graph: every step fuses
     run.runner = [&](const std::function<LayerStep(void*)>& step) { return runner(step); };
     const auto stats = model == 0   ? testing::check_block_sparse_continuous_batching(Device::kCuda, run)

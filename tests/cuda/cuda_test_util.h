@@ -18,10 +18,9 @@
 #include "sparsepage/plan.h"
 #include "support/reference.h"
 
-#define SKIP_WITHOUT_CUDA()                                                      \
-  do {                                                                           \
-    if (!::sparsepage::cuda_available())                                         \
-      GTEST_SKIP() << "no CUDA device: sparsepage::cuda_available() is false";   \
+#define SKIP_WITHOUT_CUDA() \
+  do { \
+    if (!::sparsepage::cuda_available()) GTEST_SKIP() << "no CUDA device: sparsepage::cuda_available() is false"; \
   } while (0)
 
 namespace sparsepage::testing {
@@ -106,9 +105,7 @@ struct DecodeOutput {
 inline size_t o_count(const PagedProblem& pb) {
   return static_cast<size_t>(pb.num_requests()) * pb.spec.group_size * pb.spec.dim_v;
 }
-inline size_t lse_count(const PagedProblem& pb) {
-  return static_cast<size_t>(pb.num_requests()) * pb.spec.group_size;
-}
+inline size_t lse_count(const PagedProblem& pb) { return static_cast<size_t>(pb.num_requests()) * pb.spec.group_size; }
 
 /// Runs the fused decode on the GPU with outputs and workspace poisoned
 /// (0xFF = NaN), so anything left unwritten fails the comparison.

@@ -236,12 +236,12 @@ TEST(DecodeCudaGraph, ManyReplaysOfSplitLaunchesEqualTheEagerLaunch) {
   SKIP_WITHOUT_CUDA();
   expect_replays_equal_eager(16, {2048, 2048, 2048, 2048}, 0);  // uniform split: items from the CTA index
   expect_replays_equal_eager(24, {1000, 1000, 1000}, 64);       // uniform, two head tiles, short last chunks
-  expect_replays_equal_eager(16, {2048, 2048, 1500, 0}, 0);   // the plan's own split, from the work list
-  expect_replays_equal_eager(16, {2048, 2048, 1500, 0}, 64);  // 32 partials per long request
-  expect_replays_equal_eager(24, {700, 129, 64, 1000}, 64);   // two head tiles; a single-chunk request
+  expect_replays_equal_eager(16, {2048, 2048, 1500, 0}, 0);     // the plan's own split, from the work list
+  expect_replays_equal_eager(16, {2048, 2048, 1500, 0}, 64);    // 32 partials per long request
+  expect_replays_equal_eager(24, {700, 129, 64, 1000}, 64);     // two head tiles; a single-chunk request
   std::vector<int32_t> many(96);
   for (size_t r = 0; r < many.size(); ++r) many[r] = 100 + static_cast<int32_t>(r * 37 % 900);
-  expect_replays_equal_eager(16, many, 128);                   // 96 split requests
+  expect_replays_equal_eager(16, many, 128);  // 96 split requests
 }
 
 TEST(DecodeCudaAddressing, PoolBeyond2To31ElementsIsAddressedIn64Bits) {
@@ -262,8 +262,10 @@ TEST(DecodeCudaAddressing, PoolBeyond2To31ElementsIsAddressedIn64Bits) {
   for (int64_t start : region_start) {
     k_rows.push_back(random_values(DType::kBF16, kRegion * kDim, rng));
     v_rows.push_back(random_values(DType::kBF16, kRegion * kDim, rng));
-    copy_bytes(k.as<uint8_t>() + start * kDim * 2, Device::kCuda, k_rows.back().data(), Device::kCpu, k_rows.back().size());
-    copy_bytes(v.as<uint8_t>() + start * kDim * 2, Device::kCuda, v_rows.back().data(), Device::kCpu, v_rows.back().size());
+    copy_bytes(k.as<uint8_t>() + start * kDim * 2, Device::kCuda, k_rows.back().data(), Device::kCpu,
+               k_rows.back().size());
+    copy_bytes(v.as<uint8_t>() + start * kDim * 2, Device::kCuda, v_rows.back().data(), Device::kCpu,
+               v_rows.back().size());
   }
   auto value = [&](const std::vector<std::vector<uint8_t>>& rows, int64_t row, int64_t d) {
     const int region = row >= region_start[0] ? 0 : 1;
@@ -313,7 +315,8 @@ TEST(DecodeCudaAddressing, PoolBeyond2To31ElementsIsAddressedIn64Bits) {
     for (int32_t r = 0; r < 2; ++r) {
       std::vector<int64_t> rows;
       for (int32_t t = 0; t < seq_lens[r]; ++t)
-        rows.push_back(int64_t{indices[static_cast<size_t>(table.indptr[r] + t / page_size)]} * page_size + t % page_size);
+        rows.push_back(int64_t{indices[static_cast<size_t>(table.indptr[r] + t / page_size)]} * page_size +
+                       t % page_size);
       for (int32_t g = 0; g < 16; ++g) {
         const size_t qrow = static_cast<size_t>(r * 16 + g);
         std::vector<double> s;

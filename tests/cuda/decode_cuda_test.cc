@@ -117,19 +117,19 @@ struct ClusterCase {
 TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfTwoCtasAndMatchesTheReference) {
   SKIP_WITHOUT_CUDA();
   const std::vector<ClusterCase> cases = {
-      {kBF16, 16, {2048, 2048, 2048, 2048}, 128, 0},    // the batch-1 shape: 16 chunks per request
-      {kBF16, 16, {2048, 2048, 2048, 2048}, 256, 0},    // 8 chunks
-      {kBF16, 16, {2048, 2048, 2048}, 1024, 2},         // the batch-32 and 64 shape: 2 chunks
-      {kF16, 16, {1000, 1000}, 512, 2},                 // a short second chunk
-      {kF16, 16, {2048, 2048}, 64, 0},                  // 32 chunks
-      {kBF16, 16, {8192}, 64, 0},                       // 128 chunks: 8 merge lanes of two batches each
-      {kF16, 16, {4480, 4480}, 64, 0},                  // 70 chunks: a lane's second batch mostly past the end
-      {kBF16, 32, {1024, 1024}, 128, 0},                // 8 chunks x 2 head tiles
-      {kBF16, 32, {1024, 1024}, 1024, 0},               // 1 chunk x 2 head tiles: nothing split
-      {kF16, 4, {700, 700, 700}, 64, 0},                // 4 heads of the 16-row tile, a short last chunk
-      {kBF16, 24, {640, 640}, 128, 0},                  // a partial second head tile, 5 chunks
-      {kBF16, 16, {2048, 1000}, 128, 0},                // not uniform: the merge kernel
-      {kBF16, 16, {100, 100}, 1 << 20, 0},              // nothing split
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 128, 0},  // the batch-1 shape: 16 chunks per request
+      {kBF16, 16, {2048, 2048, 2048, 2048}, 256, 0},  // 8 chunks
+      {kBF16, 16, {2048, 2048, 2048}, 1024, 2},       // the batch-32 and 64 shape: 2 chunks
+      {kF16, 16, {1000, 1000}, 512, 2},               // a short second chunk
+      {kF16, 16, {2048, 2048}, 64, 0},                // 32 chunks
+      {kBF16, 16, {8192}, 64, 0},                     // 128 chunks: 8 merge lanes of two batches each
+      {kF16, 16, {4480, 4480}, 64, 0},                // 70 chunks: a lane's second batch mostly past the end
+      {kBF16, 32, {1024, 1024}, 128, 0},              // 8 chunks x 2 head tiles
+      {kBF16, 32, {1024, 1024}, 1024, 0},             // 1 chunk x 2 head tiles: nothing split
+      {kF16, 4, {700, 700, 700}, 64, 0},              // 4 heads of the 16-row tile, a short last chunk
+      {kBF16, 24, {640, 640}, 128, 0},                // a partial second head tile, 5 chunks
+      {kBF16, 16, {2048, 1000}, 128, 0},              // not uniform: the merge kernel
+      {kBF16, 16, {100, 100}, 1 << 20, 0},            // nothing split
   };
   for (const ClusterCase& c : cases) {
     // Under the sanitizers the cases of more than 4096 tokens in all stay out
@@ -157,7 +157,8 @@ TEST(DecodeCudaClusterMerge, TakesUniformSplitsOfTwoCtasAndMatchesTheReference) 
     expect_matches_reference(pb, split, ref, what);
     EXPECT_EQ(split.error_flag, 0u) << what;
     EXPECT_LT(relative_l2(split.o, to_double(whole.o)), 1e-2) << what;
-    for (size_t i = 0; i < split.lse.size(); ++i) EXPECT_NEAR(split.lse[i], whole.lse[i], 1e-3) << what << ", lse " << i;
+    for (size_t i = 0; i < split.lse.size(); ++i)
+      EXPECT_NEAR(split.lse[i], whole.lse[i], 1e-3) << what << ", lse " << i;
   }
 }
 
@@ -168,7 +169,7 @@ TEST(DecodeCudaSupport, ReportsExactlyTheBuiltHeadDims) {
   EXPECT_TRUE(cuda_supports_head_dims(256, 64, 0));
   EXPECT_TRUE(cuda_supports_head_dims(64, 64, 64));
   EXPECT_TRUE(cuda_supports_head_dims(128, 64, 64));
-  EXPECT_FALSE(cuda_supports_head_dims(64, 128, 0));   // v wider than qk
+  EXPECT_FALSE(cuda_supports_head_dims(64, 128, 0));  // v wider than qk
   EXPECT_FALSE(cuda_supports_head_dims(96, 96, 0));
   EXPECT_FALSE(cuda_supports_head_dims(256, 256, 64));
   EXPECT_TRUE(cuda_supports_head_dims(512, 512, 64));  // MLA, V aliasing K

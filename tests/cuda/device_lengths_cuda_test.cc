@@ -87,14 +87,16 @@ void expect_poisoned_exactly(const EngineProblem& pb, const EngineRun& got, cons
     const bool bad = std::find(poisoned.begin(), poisoned.end(), r) != poisoned.end();
     for (size_t g = 0; g < G; ++g) {
       const size_t row = size_t(r) * G + g;
-      const std::vector<float> o(got.out.o.begin() + std::ptrdiff_t(row * dv), got.out.o.begin() + std::ptrdiff_t((row + 1) * dv));
+      const std::vector<float> o(got.out.o.begin() + std::ptrdiff_t(row * dv),
+                                 got.out.o.begin() + std::ptrdiff_t((row + 1) * dv));
       if (bad) {
         size_t finite = std::isnan(got.out.lse[row]) ? 0 : 1;
         for (float x : o) finite += std::isnan(x) ? 0 : 1;
         ASSERT_EQ(finite, 0u) << what << ": request " << r << " head " << g << " must be NaN";
         continue;
       }
-      const std::vector<double> want(ref.o.begin() + std::ptrdiff_t(row * dv), ref.o.begin() + std::ptrdiff_t((row + 1) * dv));
+      const std::vector<double> want(ref.o.begin() + std::ptrdiff_t(row * dv),
+                                     ref.o.begin() + std::ptrdiff_t((row + 1) * dv));
       if (std::isinf(ref.lse[row])) {
         EXPECT_TRUE(std::isinf(got.out.lse[row]) && got.out.lse[row] < 0) << what << ": request " << r;
         continue;
@@ -227,14 +229,16 @@ TEST(DeviceLengthsCuda, TheFp8MlaKernelsPoisonOnlyTheBadRequest) {
       const std::string what = std::to_string(heads) + " heads, seq_lens[1] = " + std::to_string(bad);
       const size_t per = size_t(heads) * 512;
       for (int r = 0; r < 3; ++r) {
-        const std::vector<float> o_r(got_o.begin() + r * std::ptrdiff_t(per), got_o.begin() + (r + 1) * std::ptrdiff_t(per));
+        const std::vector<float> o_r(got_o.begin() + r * std::ptrdiff_t(per),
+                                     got_o.begin() + (r + 1) * std::ptrdiff_t(per));
         if (r == 1) {
           size_t finite = 0;
           for (float x : o_r) finite += std::isnan(x) ? 0 : 1;
           for (int g = 0; g < heads; ++g) finite += std::isnan(got_lse[size_t(heads + g)]) ? 0 : 1;
           EXPECT_EQ(finite, 0u) << what;
         } else {
-          const std::vector<double> want(ref.o.begin() + r * std::ptrdiff_t(per), ref.o.begin() + (r + 1) * std::ptrdiff_t(per));
+          const std::vector<double> want(ref.o.begin() + r * std::ptrdiff_t(per),
+                                         ref.o.begin() + (r + 1) * std::ptrdiff_t(per));
           EXPECT_LT(relative_l2(o_r, want), 1e-2) << what << ", request " << r;
         }
       }
@@ -391,8 +395,10 @@ TEST(DeviceLengthsCuda, TheBlockIndexerMarksALengthOutOfRange) {
     for (int32_t r = 0; r < batch * heads; ++r) {
       for (int32_t i = 0; i < width; ++i) {
         const size_t at = size_t(r * width + i);
-        if (r / heads == 2) EXPECT_EQ(got.first[at], -1) << "kv_lens[2] = " << bad << ", request " << r;
-        else EXPECT_EQ(got.first[at], good.first[at]) << "kv_lens[2] = " << bad << ", request " << r;
+        if (r / heads == 2)
+          EXPECT_EQ(got.first[at], -1) << "kv_lens[2] = " << bad << ", request " << r;
+        else
+          EXPECT_EQ(got.first[at], good.first[at]) << "kv_lens[2] = " << bad << ", request " << r;
       }
       EXPECT_EQ(got.second[size_t(r)], r / heads == 2 ? -1 : good.second[size_t(r)]) << "kv_lens[2] = " << bad;
     }
@@ -473,7 +479,8 @@ TEST(DeviceLengthsCuda, AnAppendWithoutRoomWritesNothingAndSaysSo) {
   const std::vector<int32_t> after = download<int32_t>(Device::kCuda, cache.device_live_lens(), 3);
   EXPECT_EQ(after, (std::vector<int32_t>{2, -1, -1}));
   const std::vector<uint16_t> rows = download<uint16_t>(Device::kCuda, k.data, size_t(3 * 16 * 8));
-  for (size_t i = 16 * 8; i < rows.size(); ++i) ASSERT_EQ(rows[i], before[i]) << "sequence " << i / (16 * 8) << " was written";
+  for (size_t i = 16 * 8; i < rows.size(); ++i)
+    ASSERT_EQ(rows[i], before[i]) << "sequence " << i / (16 * 8) << " was written";
   EXPECT_TRUE(throws_error_naming([&] { cache.sync_live_len(); }, "sequence 1's device length -1"));
 }
 

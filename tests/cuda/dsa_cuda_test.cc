@@ -111,8 +111,7 @@ struct IndexerProblem {
   }
   // Rows of a [batch, topk] output: counts must be min(topk, kv_len) and the
   // entries past them -1.
-  static Rows read_back(const Buffer& positions, const Buffer& counts, int32_t batch, int32_t topk,
-                        int64_t kv_len) {
+  static Rows read_back(const Buffer& positions, const Buffer& counts, int32_t batch, int32_t topk, int64_t kv_len) {
     const auto flat = download<int32_t>(Device::kCuda, positions.data(), size_t(batch) * size_t(topk));
     const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(batch));
     const int64_t keep = std::min<int64_t>(topk, kv_len);
@@ -185,10 +184,10 @@ void expect_same_sets(const Rows& gpu, const Rows& cpu, int64_t kv_len, const st
 TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
   SKIP_WITHOUT_CUDA();
   const std::vector<IndexerCase> cases = {
-      {4, 64, 64, 2, 50, DType::kBF16, false},        // the window fits the top-k: everything
-      {4, 64, 64, 2, 64, DType::kBF16, false},        // exactly fits
-      {4, 128, 256, 3, 257, DType::kBF16, false},     // one position dropped
-      {4, 128, 128, 3, 4999, DType::kBF16, true},     // several CTAs and a partial tile; an all-zero row
+      {4, 64, 64, 2, 50, DType::kBF16, false},     // the window fits the top-k: everything
+      {4, 64, 64, 2, 64, DType::kBF16, false},     // exactly fits
+      {4, 128, 256, 3, 257, DType::kBF16, false},  // one position dropped
+      {4, 128, 128, 3, 4999, DType::kBF16, true},  // several CTAs and a partial tile; an all-zero row
       {4, 64, 200, 2, 3001, DType::kF16, false},
       {20, 64, 100, 2, 1000, DType::kBF16, false},    // heads not a multiple of the 16 head groups
       {64, 128, 2048, 1, 8192, DType::kBF16, false},  // the production indexer shape
@@ -196,7 +195,7 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnExactScores) {
       // stages (on a 132-SM H200: 33 CTAs per sequence, about 10 tiles each,
       // four stages), so the empty-barrier waits and parity flips run
       {64, 128, 2048, 8, 20000, DType::kBF16, false},
-      {4, 64, 3000, 1, 70000, DType::kBF16, false},   // 35 slices, a long list of candidates
+      {4, 64, 3000, 1, 70000, DType::kBF16, false},  // 35 slices, a long list of candidates
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const IndexerCase& c = cases[i];
@@ -334,7 +333,8 @@ TEST(DsaIndexerCuda, MatchesTheCpuRuleOnRealScoresUpToRounding) {
     std::vector<int32_t> differ;
     std::set_symmetric_difference(g.begin(), g.end(), c.begin(), c.end(), std::back_inserter(differ));
     for (int32_t t : differ) {
-      EXPECT_LT(std::fabs(s[size_t(t)] - threshold), 1e-5 * magnitude) << "position " << t << " swapped far from the threshold";
+      EXPECT_LT(std::fabs(s[size_t(t)] - threshold), 1e-5 * magnitude)
+          << "position " << t << " swapped far from the threshold";
     }
     EXPECT_LE(differ.size(), 4u);
     // The duplicated rows are all in or all out.
@@ -457,8 +457,8 @@ TEST(DsaIndexerCuda, OneGraphServesAGrowingContext) {
   dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);
   testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
   testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (const std::vector<int32_t>& lens : {std::vector<int32_t>{5000, 5000}, std::vector<int32_t>{5001, 9000},
-                                           std::vector<int32_t>{8999, 300}}) {
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>{5000, 5000}, std::vector<int32_t>{5001, 9000}, std::vector<int32_t>{8999, 300}}) {
     dev.set_lens(lens, stream);
     testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
     testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
@@ -581,7 +581,7 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
     const LayerTokens tok(c, batch, rng);
     DeviceTokens dev(tok, o_elems);
     std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, o_elems);
-    const DsaTokens host{tok.q.data(), tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
+    const DsaTokens host{tok.q.data(),     tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
                          tok.k_row.data(), tok.k_pe.data(), o_cpu.data()};
     fused.prefill_token(dev.view());
     DeviceTokens dev_masked(tok, o_elems);
@@ -599,7 +599,7 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
     const LayerTokens tok(c, batch, rng);
     DeviceTokens a_dev(tok, o_elems), b_dev(tok, o_elems);
     std::vector<uint8_t> o_cpu = testing::nan_values(DType::kBF16, o_elems);
-    const DsaTokens host{tok.q.data(), tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
+    const DsaTokens host{tok.q.data(),     tok.q_pe.data(), tok.q_index.data(), tok.weights.data(),
                          tok.k_row.data(), tok.k_pe.data(), o_cpu.data()};
     const LayerStep a = fused.decode(a_dev.view());
     const LayerStep b = masked.decode(b_dev.view());

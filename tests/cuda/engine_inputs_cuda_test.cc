@@ -165,22 +165,21 @@ EngineSpec gqa_slots_per_head() {
   return s;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, EngineInputsCuda,
-    ::testing::Values(Named{"mla_slot_ids_padded", mla_slots(false)},
-                      Named{"mla_slot_ids_strided_q", mla_slots(true)},
-                      Named{"mla_positions_block_table_g16", mla_positions(16)},
-                      Named{"mla_positions_block_table_g128_strided",
-                            [] {
-                              EngineSpec s = mla_positions(128);
-                              s.strided_qo = true;
-                              return s;
-                            }()},
-                      Named{"gqa_block_pages_bs16_d128_strided", gqa_pages(16, 128, true)},
-                      Named{"gqa_block_pages_bs32_d64", gqa_pages(32, 64, false)},
-                      Named{"gqa_block_pages_bs64_d128_strided", gqa_pages(64, 128, true)},
-                      Named{"gqa_slot_ids_per_head_strided", gqa_slots_per_head()}),
-    [](const auto& param_info) { return std::string(param_info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineInputsCuda,
+                         ::testing::Values(Named{"mla_slot_ids_padded", mla_slots(false)},
+                                           Named{"mla_slot_ids_strided_q", mla_slots(true)},
+                                           Named{"mla_positions_block_table_g16", mla_positions(16)},
+                                           Named{"mla_positions_block_table_g128_strided",
+                                                 [] {
+                                                   EngineSpec s = mla_positions(128);
+                                                   s.strided_qo = true;
+                                                   return s;
+                                                 }()},
+                                           Named{"gqa_block_pages_bs16_d128_strided", gqa_pages(16, 128, true)},
+                                           Named{"gqa_block_pages_bs32_d64", gqa_pages(32, 64, false)},
+                                           Named{"gqa_block_pages_bs64_d128_strided", gqa_pages(64, 128, true)},
+                                           Named{"gqa_slot_ids_per_head_strided", gqa_slots_per_head()}),
+                         [](const auto& param_info) { return std::string(param_info.param.name); });
 
 /// Request `bad` is NaN (o and lse), every other request matches fp64, and
 /// the error flag is set.
@@ -290,7 +289,8 @@ TEST(EngineInputsCudaGraph, ReplaysWithChangedLengthsAndPadding) {
     }
   }
   for (const EngineProblem* step : std::initializer_list<const EngineProblem*>{&first, &next}) {
-    cuda_ok(cudaMemcpy(d.indices.data(), step->indices.data(), step->indices.size() * 4, cudaMemcpyHostToDevice), "ids");
+    cuda_ok(cudaMemcpy(d.indices.data(), step->indices.data(), step->indices.size() * 4, cudaMemcpyHostToDevice),
+            "ids");
     cuda_ok(cudaMemcpy(d.lens.data(), step->lens.data(), step->lens.size() * 4, cudaMemcpyHostToDevice), "lens");
     d.poison();
     cuda_ok(cudaGraphLaunch(exec, stream), "replay");

@@ -6,8 +6,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -27,9 +27,9 @@ TEST(QuantizeMlaFp8Cuda, SameBytesAsTheCpuQuantizer) {
   std::uniform_real_distribution<float> u(-5.f, 5.f);
   std::vector<uint16_t> src(static_cast<size_t>(rows * 576));
   for (auto& x : src) x = float_to_bf16(u(rng) * std::exp2(u(rng)));
-  for (int i = 0; i < 128; ++i) src[7 * 576 + 256 + i] = 0;                          // an all-zero block
-  src[9 * 576 + 17] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());        // a NaN block
-  src[11 * 576 + 3] = float_to_bf16(std::numeric_limits<float>::infinity());         // an inf block
+  for (int i = 0; i < 128; ++i) src[7 * 576 + 256 + i] = 0;                    // an all-zero block
+  src[9 * 576 + 17] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());  // a NaN block
+  src[11 * 576 + 3] = float_to_bf16(std::numeric_limits<float>::infinity());   // an inf block
   std::vector<uint8_t> cpu(static_cast<size_t>(rows * 672), 0xAB);
   quantize_mla_fp8_cpu(DType::kBF16, src.data(), rows, 576, cpu.data(), 672);
   const Buffer dsrc = upload(Device::kCuda, src);
@@ -222,13 +222,14 @@ TEST(DecodeCudaFp8, MlaIdOutsideThePoolPoisonsThatRequestOnly) {
       indices[static_cast<size_t>(pb.table.indptr[1] + 64 + 40)] = bad;
       for (const int32_t chunk : {64, 0}) {
         const GpuRun got = run_gpu(f, testing::cuda_plan_shape(heads, 512, chunk), indices, false);
-        const std::string what = std::to_string(heads) + " heads, id " + std::to_string(bad) + ", chunk " +
-                                 std::to_string(chunk);
+        const std::string what =
+            std::to_string(heads) + " heads, id " + std::to_string(bad) + ", chunk " + std::to_string(chunk);
         EXPECT_NE(got.error_flag, 0u) << what;
         const size_t per_request = static_cast<size_t>(heads) * 512;
         size_t finite = 0;
         for (size_t i = per_request; i < 2 * per_request; ++i) finite += !std::isnan(got.o[i]);
-        for (size_t i = static_cast<size_t>(heads); i < 2 * static_cast<size_t>(heads); ++i) finite += !std::isnan(got.lse[i]);
+        for (size_t i = static_cast<size_t>(heads); i < 2 * static_cast<size_t>(heads); ++i)
+          finite += !std::isnan(got.lse[i]);
         EXPECT_EQ(finite, 0u) << what << ": request 1's o and lse must be NaN";
         for (const int r : {0, 2}) {
           const std::vector<float> o(got.o.begin() + r * per_request, got.o.begin() + (r + 1) * per_request);
@@ -250,7 +251,8 @@ TEST(DecodeCudaFp8, UnsupportedShapesAreRefusedByName) {
   const testing::PagedProblem pb = testing::make_problem(spec, rng);
   const Fp8Problem f = testing::make_fp8_per_head(pb, 1);
   EXPECT_TRUE(testing::throws_error_naming(
-      [&] { run_gpu(f, testing::cuda_plan_shape(spec.group_size, spec.dim_v), pb.indices, false); }, "head dim 128 only"));
+      [&] { run_gpu(f, testing::cuda_plan_shape(spec.group_size, spec.dim_v), pb.indices, false); },
+      "head dim 128 only"));
 }
 
 }  // namespace

@@ -58,8 +58,7 @@ GpuResult run_mla_fp8(const testing::Fp8Problem& f, int32_t chunk) {
   p.seq_lens = lens.as<int32_t>();
   p.q = q.data();
   p.q_extra = q_extra.data();
-  const DecodePlan plan =
-      make_decode_plan(pb.table.seq_lens, testing::cuda_plan_shape(pb.spec.group_size, 512, chunk));
+  const DecodePlan plan = make_decode_plan(pb.table.seq_lens, testing::cuda_plan_shape(pb.spec.group_size, 512, chunk));
   Buffer ws(Device::kCuda, std::max<size_t>(plan.workspace.total, 256));
   fill_bytes(ws.data(), Device::kCuda, 0xFF, ws.bytes());
   upload_plan_cuda(plan, ws.data());
@@ -100,18 +99,19 @@ TEST(Fp8MlaRounding, MatchesTheRoundedDequantizationAndStaysWithinTheBoundOfTheE
     const testing::Reference rounded_ref = testing::reference_attention(rounded);
     const testing::Fp8RoundingBound bound = testing::mla_rounding_bound(exact, pb.token_rows());
     for (const int32_t chunk : {0, 64}) {
-      const std::string what = std::to_string(heads) + " heads, chunk " + std::to_string(chunk) + ", kernel \"" +
-                               cuda_decode_kernel_name(exact.host_params(nullptr, nullptr),
-                                                       make_decode_plan(pb.table.seq_lens,
-                                                                        testing::cuda_plan_shape(heads, 512, chunk))) +
-                               "\"";
+      const std::string what =
+          std::to_string(heads) + " heads, chunk " + std::to_string(chunk) + ", kernel \"" +
+          cuda_decode_kernel_name(exact.host_params(nullptr, nullptr),
+                                  make_decode_plan(pb.table.seq_lens, testing::cuda_plan_shape(heads, 512, chunk))) +
+          "\"";
       const GpuResult got = run_mla_fp8(exact, chunk);
       EXPECT_EQ(got.errors.kinds, 0u) << what;
       EXPECT_EQ(testing::compare_per_request(pb, rounded_ref, got.o, got.lse, 1e-2, 1e-3), "")
           << what << ": against fp64 over the bf16-rounded dequantization";
       EXPECT_EQ(testing::outside_bound(exact, exact_ref, bound, got.o, got.lse), "")
-          << what << ": against fp64 over the exact dequantization (largest scale * sum |q k| = "
-          << bound.largest_score_sum << ")";
+          << what
+          << ": against fp64 over the exact dequantization (largest scale * sum |q k| = " << bound.largest_score_sum
+          << ")";
     }
   }
 }

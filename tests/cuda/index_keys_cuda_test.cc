@@ -130,7 +130,8 @@ TEST(IndexKeysWriteCuda, WritesTheCpuTwinsBytes) {
           // 100 keys of varied magnitude (one all zero, one with a NaN, one with an
           // infinity), at distinct slots with -1 padding between.
           std::vector<float> keys(100 * 128);
-          for (size_t i = 0; i < keys.size(); ++i) keys[i] = unit(rng) * float(1 + (i / 128) % 7) * 0.01f * float(i % 13);
+          for (size_t i = 0; i < keys.size(); ++i)
+            keys[i] = unit(rng) * float(1 + (i / 128) % 7) * 0.01f * float(i % 13);
           std::fill_n(keys.begin() + 5 * 128, 128, 0.0f);
           keys[9 * 128 + 4] = NAN;
           keys[11 * 128 + 100] = INFINITY;
@@ -140,7 +141,8 @@ TEST(IndexKeysWriteCuda, WritesTheCpuTwinsBytes) {
           std::vector<int64_t> slots;
           for (int i = 0; i < 100; ++i) slots.push_back(i % 4 == 2 ? -1 : all[size_t(i) % all.size()]);
           if (block_size == 8) {  // fewer slots than keys: keep them distinct
-            for (size_t i = 0; i < slots.size(); ++i) if (i >= all.size()) slots[i] = -1;
+            for (size_t i = 0; i < slots.size(); ++i)
+              if (i >= all.size()) slots[i] = -1;
           }
           std::vector<uint8_t> src(keys.size() * 2);
           from_float(dtype, keys.data(), src.data(), keys.size());
@@ -235,10 +237,10 @@ TEST(IndexKeysCuda, MatchesTheTwinOnExactProblems) {
   // Ragged lengths: empty, inside the top-k, one over, several tiles and
   // slices, a partial last block; on every source.
   const std::vector<int32_t> ragged = {0, 1, 256, 257, 4099, 700, 2500};
-  for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-           {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+  for (const auto& [layout, format] :
+       std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
     specs.push_back(production(layout, format, ragged));
   }
   // FP8 over each block size the tile addressing distinguishes, with padded
@@ -353,10 +355,10 @@ TEST(IndexKeysCuda, BlocksNoSequenceOwnsChangeNothing) {
 
 TEST(IndexKeysCuda, RefusedLengthsAndBlocksAreFlaggedAsTheTwinFlagsThem) {
   SKIP_WITHOUT_CUDA();
-  for (const auto& [layout, format] : std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{
-           {IndexKeyLayout::kDense, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
-           {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
+  for (const auto& [layout, format] :
+       std::vector<std::pair<IndexKeyLayout, IndexKeyFormat>>{{IndexKeyLayout::kDense, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kNative},
+                                                              {IndexKeyLayout::kPaged, IndexKeyFormat::kE4m3}}) {
     IndexKeysSpec s = production(layout, format, {1000, 1000, 1000, 100});
     s.spare_blocks = 0;
     s.extra_table_entries = 0;
@@ -399,8 +401,7 @@ TEST(IndexKeysCuda, BadDescriptionsAreNamedBeforeAnyLaunch) {
   expect_named([](DsaIndexerArgs& a) { a.paged.block_size = 48; }, "block_size = 48", pb.config);
   expect_named([](DsaIndexerArgs& a) { a.max_kv_len = int64_t{a.paged.max_blocks} * 64 + 1; },
                "exceeds what a block-table row holds", pb.config);
-  expect_named([](DsaIndexerArgs& a) { a.paged.block_stride_bytes = 64 * 132 - 16; }, "block_stride_bytes",
-               pb.config);
+  expect_named([](DsaIndexerArgs& a) { a.paged.block_stride_bytes = 64 * 132 - 16; }, "block_stride_bytes", pb.config);
   DsaConfig narrow = pb.config;
   narrow.index_heads = 32;
   expect_named([](DsaIndexerArgs&) {}, "64 index heads x 128 only", narrow);
@@ -453,9 +454,11 @@ TEST(IndexKeysCuda, GraphReplaysFollowTheLengths) {
       std::vector<int64_t> slots(size_t(pb.sequences));
       for (int32_t b = 0; b < pb.sequences; ++b) {
         const int64_t t = lens[size_t(b)];
-        slots[size_t(b)] = growth[size_t(b)] == 0 ? -1
-                                                  : int64_t{pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(t / s.block_size)]} *
-                                                            s.block_size + t % s.block_size;
+        slots[size_t(b)] =
+            growth[size_t(b)] == 0
+                ? -1
+                : int64_t{pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(t / s.block_size)]} * s.block_size +
+                      t % s.block_size;
         lens[size_t(b)] += growth[size_t(b)];
       }
       std::vector<uint8_t> bytes(keys.size() * 2);
@@ -486,8 +489,9 @@ TEST(IndexKeysCuda, GraphReplaysFollowTheLengths) {
       prepare(growth[r]);
       testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
       testing::cuda_ok(cudaStreamSynchronize(stream), "replay sync");
-      testing::expect_same_selection(pb, dev.read(), testing::run_index_twin(pb),
-                                     ("replay " + std::to_string(r) + " format " + std::to_string(int(format))).c_str());
+      testing::expect_same_selection(
+          pb, dev.read(), testing::run_index_twin(pb),
+          ("replay " + std::to_string(r) + " format " + std::to_string(int(format))).c_str());
       EXPECT_EQ(download<uint8_t>(Device::kCuda, dev.storage.data(), pb.storage.size()), pb.storage)
           << "the pool after replay " << r;
     }

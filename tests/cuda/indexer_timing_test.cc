@@ -7,16 +7,16 @@
 // replay exceed twice the L2, as a model's layers would.
 #include <algorithm>
 #include <cstdio>
-#include <numeric>
 #include <cstdlib>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/cuda_hooks.h"
+#include "cuda/cuda_test_util.h"
 #include "models/block_sparse_kernels.h"
 #include "models/dsa_kernels.h"
-#include "cuda/cuda_test_util.h"
 #include "sparsepage/index_keys.h"
 #include "sparsepage/models/dsa.h"
 
@@ -112,8 +112,8 @@ TEST(IndexerTiming, BlockIndexer) {
   if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
   std::printf("device copy bandwidth (read + write): %.0f GB/s\n", copy_gbps());
   const int32_t heads = 4, dim = 128, block = 128, topk = 16;
-  for (const auto& [batch, ctx] : std::vector<std::pair<int32_t, int64_t>>{
-           {1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {32, 131072}}) {
+  for (const auto& [batch, ctx] :
+       std::vector<std::pair<int32_t, int64_t>>{{1, 32768}, {8, 32768}, {32, 32768}, {1, 131072}, {32, 131072}}) {
     if (!shape_selected(batch, ctx)) continue;
     const size_t index_bytes = size_t(batch) * size_t(ctx) * dim * 2;
     const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
@@ -152,9 +152,11 @@ TEST(IndexerTiming, BlockIndexer) {
     };
     const double warm = median_us_per_launch(16, [&](int, cudaStream_t s) { run(0, s); });
     const double cold = median_us_per_launch(std::max(16, copies), run);
-    std::printf("TIMING block-indexer batch %d context %lld: warm %.1f us, cold %.1f us (%d caches), index keys %.1f MB "
-                "-> %.0f GB/s cold\n",
-                batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6, double(index_bytes) / cold / 1e3);
+    std::printf(
+        "TIMING block-indexer batch %d context %lld: warm %.1f us, cold %.1f us (%d caches), index keys %.1f MB "
+        "-> %.0f GB/s cold\n",
+        batch, static_cast<long long>(ctx), warm, cold, copies, double(index_bytes) / 1e6,
+        double(index_bytes) / cold / 1e3);
     const auto got = download<int32_t>(Device::kCuda, seq.data(), 1);
     EXPECT_EQ(got[0], topk * block + block) << "selected tokens of request 0";
   }
@@ -172,8 +174,8 @@ TEST(IndexerTiming, DsaIndexer) {
     int64_t ctx;
     int32_t q_len;
   };
-  for (const auto& [batch, ctx, q_len] :
-       std::vector<Shape>{{1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {32, 32768, 2}, {32, 32768, 4}}) {
+  for (const auto& [batch, ctx, q_len] : std::vector<Shape>{
+           {1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {32, 32768, 2}, {32, 32768, 4}}) {
     if (!shape_selected(batch, ctx, q_len)) continue;
     const int32_t rows = batch * q_len;  // (sequence, token) rows
     const size_t row = size_t(c.latent_dim + c.index_head_dim) * 2;
@@ -271,9 +273,13 @@ TEST(IndexerTiming, DsaIndexerPaged) {
                             kPatternKeys);
       testing::cuda_ok(cudaDeviceSynchronize(), "pattern");
     }
-    for (const auto& [batch, ctx, q_len] : std::vector<Shape>{
-             {1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {8, 131072, 1}, {32, 131072, 1},
-             {32, 32768, 2}}) {
+    for (const auto& [batch, ctx, q_len] : std::vector<Shape>{{1, 32768, 1},
+                                                              {8, 32768, 1},
+                                                              {32, 32768, 1},
+                                                              {1, 131072, 1},
+                                                              {8, 131072, 1},
+                                                              {32, 131072, 1},
+                                                              {32, 32768, 2}}) {
       if (!shape_selected(batch, ctx, q_len)) continue;
       const int32_t rows = batch * q_len;
       const int64_t blocks_per_seq = ctx / kBlock;

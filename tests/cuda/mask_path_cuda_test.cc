@@ -65,7 +65,8 @@ std::vector<uint8_t> dense_rows(DType dtype, int64_t batch, int64_t heads, int32
     for (int64_t h = 0; h < live_heads; ++h)
       for (int64_t t = 0; t < live; ++t) {
         const auto row = random_values(dtype, static_cast<size_t>(dim), rng);
-        std::copy(row.begin(), row.end(), out.begin() + static_cast<std::ptrdiff_t>(((b * heads + h) * capacity + t) * stride * esize));
+        std::copy(row.begin(), row.end(),
+                  out.begin() + static_cast<std::ptrdiff_t>(((b * heads + h) * capacity + t) * stride * esize));
       }
   return out;
 }
@@ -78,7 +79,8 @@ DenseProblem make_dense(const DenseCase& c, uint64_t seed) {
   const size_t g_rows = static_cast<size_t>(pb.requests() * c.group_size);
   pb.q = random_values(c.dtype, g_rows * c.dim_qk, rng);
   pb.k = dense_rows(c.dtype, c.batch, c.k_heads, c.heads, c.capacity, c.live_len, pb.k_stride, c.dim_qk, rng);
-  if (!c.v_aliases_k) pb.v = dense_rows(c.dtype, c.batch, c.heads, c.heads, c.capacity, c.live_len, c.dim_v, c.dim_v, rng);
+  if (!c.v_aliases_k)
+    pb.v = dense_rows(c.dtype, c.batch, c.heads, c.heads, c.capacity, c.live_len, c.dim_v, c.dim_v, rng);
   if (c.dim_extra > 0) {
     pb.q_extra = random_values(c.dtype, g_rows * c.dim_extra, rng);
     pb.e = dense_rows(c.dtype, c.batch, c.heads, c.heads, c.capacity, c.live_len, c.dim_extra, c.dim_extra, rng);
@@ -93,7 +95,8 @@ DenseProblem make_dense(const DenseCase& c, uint64_t seed) {
     }
     // Request 1 sees nothing at all: o = 0, lse = -inf, and no NaN.
     if (pb.requests() > 1)
-      std::fill(pb.mask.begin() + c.live_len, pb.mask.begin() + 2 * c.live_len, -std::numeric_limits<float>::infinity());
+      std::fill(pb.mask.begin() + c.live_len, pb.mask.begin() + 2 * c.live_len,
+                -std::numeric_limits<float>::infinity());
   }
   return pb;
 }
@@ -110,7 +113,8 @@ Reference dense_reference(const DenseProblem& pb) {
   ref.lse.assign(static_cast<size_t>(pb.requests() * c.group_size), -std::numeric_limits<double>::infinity());
   for (int64_t r = 0; r < pb.requests(); ++r) {
     const int64_t b = r / c.heads, h = r % c.heads;
-    const int64_t k0 = (b * c.k_heads + h) * c.capacity, v0 = (b * v_heads + h) * c.capacity, e0 = (b * c.heads + h) * c.capacity;
+    const int64_t k0 = (b * c.k_heads + h) * c.capacity, v0 = (b * v_heads + h) * c.capacity,
+                  e0 = (b * c.heads + h) * c.capacity;
     for (int64_t g = 0; g < c.group_size; ++g) {
       const int64_t qrow = r * c.group_size + g;
       std::vector<double> s(static_cast<size_t>(c.live_len));
@@ -119,7 +123,8 @@ Reference dense_reference(const DenseProblem& pb) {
         const double bias = pb.mask.empty() ? 0.0 : pb.mask[static_cast<size_t>(r * c.live_len + t)];
         double dot = 0;
         for (int64_t d = 0; d < c.dim_qk; ++d) dot += double{q[qrow * c.dim_qk + d]} * k[(k0 + t) * pb.k_stride + d];
-        for (int64_t d = 0; d < c.dim_extra; ++d) dot += double{qe[qrow * c.dim_extra + d]} * e[(e0 + t) * c.dim_extra + d];
+        for (int64_t d = 0; d < c.dim_extra; ++d)
+          dot += double{qe[qrow * c.dim_extra + d]} * e[(e0 + t) * c.dim_extra + d];
         s[t] = std::isinf(bias) ? bias : dot * pb.scale + bias;
         mx = std::max(mx, s[t]);
       }
@@ -151,8 +156,8 @@ TEST_P(MaskedDecodeCuda, MatchesCpuMaskPathAndReference) {
   // CPU mask path.
   std::vector<uint8_t> o_cpu(o_elems * esize);
   std::vector<float> lse_cpu(lse_elems);
-  run_masked_decode_cpu(pb.params(pb.q.data(), pb.q_extra.data(), pb.k.data(), pb.v.data(), pb.e.data(),
-                                  pb.mask.data(), o_cpu.data(), lse_cpu.data()));
+  run_masked_decode_cpu(pb.params(pb.q.data(), pb.q_extra.data(), pb.k.data(), pb.v.data(), pb.e.data(), pb.mask.data(),
+                                  o_cpu.data(), lse_cpu.data()));
 
   // CUDA mask path, outputs poisoned.
   Buffer q = upload(Device::kCuda, pb.q), qe = upload(Device::kCuda, pb.q_extra), k = upload(Device::kCuda, pb.k);
@@ -184,8 +189,7 @@ INSTANTIATE_TEST_SUITE_P(
         DenseCase{"bf16_g16_d128_extra_k_head", DType::kBF16, 2, 4, 5, 16, 128, 128, 0, 1280, 1000, false, 0,
                   MaskKind::kRandom},
         DenseCase{"f16_g4_d64_e64_nomask", DType::kF16, 3, 2, 2, 4, 64, 64, 64, 400, 333, false, 0, MaskKind::kNone},
-        DenseCase{"bf16_g8_d256_long", DType::kBF16, 1, 2, 2, 8, 256, 256, 0, 4096, 4000, false, 0,
-                  MaskKind::kRandom},
+        DenseCase{"bf16_g8_d256_long", DType::kBF16, 1, 2, 2, 8, 256, 256, 0, 4096, 4000, false, 0, MaskKind::kRandom},
         DenseCase{"f16_g16_alias_d128", DType::kF16, 2, 2, 2, 16, 128, 128, 0, 600, 555, true, 64, MaskKind::kRandom},
         DenseCase{"bf16_g1_d128_v64_empty_window", DType::kBF16, 2, 2, 2, 1, 128, 64, 0, 64, 0, false, 0,
                   MaskKind::kNone},
@@ -207,7 +211,11 @@ bool same_value(float a, float b) { return (std::isnan(a) && std::isnan(b)) || a
 TEST(GatherRowsCuda, MatchesHostGather) {
   SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(41);
-  struct Shape { DType dtype; int32_t dim; int64_t stride; };
+  struct Shape {
+    DType dtype;
+    int32_t dim;
+    int64_t stride;
+  };
   for (const Shape& s : {Shape{DType::kBF16, 128, 136}, Shape{DType::kF16, 5, 7}, Shape{DType::kF32, 64, 64}}) {
     const int64_t pool_rows = 1000;
     const auto pool = random_values(s.dtype, static_cast<size_t>(pool_rows * s.stride), rng);
@@ -216,8 +224,8 @@ TEST(GatherRowsCuda, MatchesHostGather) {
     const int64_t max_rows = 6;
     const size_t out_bytes = static_cast<size_t>(3 * max_rows * s.dim) * dtype_size(s.dtype);
     std::vector<uint8_t> host(out_bytes);
-    gather_rows(Device::kCpu, rows.data(), offsets.data(), 3, max_rows, s.dtype,
-                RowView{pool.data(), s.stride, s.dim}, pool_rows, host.data());
+    gather_rows(Device::kCpu, rows.data(), offsets.data(), 3, max_rows, s.dtype, RowView{pool.data(), s.stride, s.dim},
+                pool_rows, host.data());
     Buffer d_pool = upload(Device::kCuda, pool), d_rows = upload(Device::kCuda, rows);
     Buffer d_offsets = upload(Device::kCuda, offsets), d_out(Device::kCuda, out_bytes);
     fill_bytes(d_out.data(), Device::kCuda, 0x5A, out_bytes);
@@ -227,7 +235,8 @@ TEST(GatherRowsCuda, MatchesHostGather) {
     const auto want = as_float(s.dtype, host);
     const auto got = as_float(s.dtype, download<uint8_t>(Device::kCuda, d_out.data(), out_bytes));
     for (size_t i = 0; i < want.size(); ++i)
-      ASSERT_TRUE(same_value(got[i], want[i])) << dtype_name(s.dtype) << " element " << i << ": " << got[i] << " vs " << want[i];
+      ASSERT_TRUE(same_value(got[i], want[i]))
+          << dtype_name(s.dtype) << " element " << i << ": " << got[i] << " vs " << want[i];
   }
 }
 

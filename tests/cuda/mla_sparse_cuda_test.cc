@@ -115,11 +115,11 @@ struct Case {
 TEST(MlaSparseCuda, V32MatchesTheReferenceAndTheCpu) {
   SKIP_WITHOUT_CUDA();
   const Case cases[] = {
-      {128, 1, 2048, 0, false, false, 0},   // the DSA shape, one query token
-      {128, 2, 2048, 128, true, true, 0},   // MTP, the extra cache, the sink, lengths
-      {64, 2, 512, 64, true, true, 128},    // one head tile, forced splits
-      {16, 3, 96, 40, true, true, 64},      // a part-filled head tile, topk off the 64-row tile
-      {128, 1, 128, 0, true, true, 64},     // short rows split in two
+      {128, 1, 2048, 0, false, false, 0},  // the DSA shape, one query token
+      {128, 2, 2048, 128, true, true, 0},  // MTP, the extra cache, the sink, lengths
+      {64, 2, 512, 64, true, true, 128},   // one head tile, forced splits
+      {16, 3, 96, 40, true, true, 64},     // a part-filled head tile, topk off the 64-row tile
+      {128, 1, 128, 0, true, true, 64},    // short rows split in two
   };
   for (const Case& c : cases) {
     MlaSparseSpec spec;
@@ -168,8 +168,10 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
   const MlaRun a = run_gpu(two), b = run_gpu(one);
   EXPECT_LT(testing::relative_l2(a.o, std::vector<double>(b.o.begin(), b.o.end())), 1e-2);
   for (size_t i = 0; i < a.lse.size(); ++i) {
-    if (std::isinf(b.lse[i])) EXPECT_EQ(a.lse[i], b.lse[i]) << i;
-    else EXPECT_NEAR(a.lse[i], b.lse[i], 1e-3 * std::max(1.0f, std::fabs(b.lse[i]))) << i;
+    if (std::isinf(b.lse[i]))
+      EXPECT_EQ(a.lse[i], b.lse[i]) << i;
+    else
+      EXPECT_NEAR(a.lse[i], b.lse[i], 1e-3 * std::max(1.0f, std::fabs(b.lse[i]))) << i;
   }
   EXPECT_EQ(testing::compare_mla_sparse(two, testing::mla_sparse_reference(two), a.o, a.lse, 1e-2, 1e-3), "");
 }
@@ -207,7 +209,8 @@ TEST(MlaSparseCuda, AnOutOfRangeIdIsFlaggedAndPoisonsOnlyItsQuery) {
   spec.extra_topk = 32;
   spec.seed = 47;
   MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
-  pb.extra.indices[(1 * 2 + 1) * 32 + 5] = static_cast<int32_t>(pb.extra.slots());  // (b 1, t 1): one past the extra pool
+  pb.extra.indices[(1 * 2 + 1) * 32 + 5] =
+      static_cast<int32_t>(pb.extra.slots());  // (b 1, t 1): one past the extra pool
   pb.relink();
   const MlaRun run = run_gpu(pb);
   EXPECT_NE(run.error_flag, 0u);
@@ -258,14 +261,20 @@ TEST(MlaSparseCuda, ACapturedGraphFollowsNewIdsAndLengths) {
     pb.extra = fresh.extra;
     pb.relink();
     const DeviceMla nd(pb);
-    for (auto [dst, src] : {std::pair{&d.q, &nd.q}, {&d.k, &nd.k}, {&d.ids, &nd.ids}, {&d.len, &nd.len},
-                            {&d.ek, &nd.ek}, {&d.eids, &nd.eids}, {&d.elen, &nd.elen}}) {
+    for (auto [dst, src] : {std::pair{&d.q, &nd.q},
+                            {&d.k, &nd.k},
+                            {&d.ids, &nd.ids},
+                            {&d.len, &nd.len},
+                            {&d.ek, &nd.ek},
+                            {&d.eids, &nd.eids},
+                            {&d.elen, &nd.elen}}) {
       copy_bytes(dst->data(), Device::kCuda, src->data(), Device::kCuda, src->bytes());
     }
     fill_bytes(o.data(), Device::kCuda, 0xFF, o.bytes());
     testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
     testing::cuda_ok(cudaStreamSynchronize(stream), "replay");
-    const std::vector<float> got_o = testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
+    const std::vector<float> got_o =
+        testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
     const std::vector<float> got_lse = download<float>(Device::kCuda, lse.data(), queries(pb));
     EXPECT_EQ(testing::compare_mla_sparse(pb, testing::mla_sparse_reference(pb), got_o, got_lse, 1e-2, 1e-3), "")
         << "replay " << step;

@@ -138,7 +138,8 @@ TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
   testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
   testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   // New contents, same counts.
-  const SparseSelection fresh = make_selection(Device::kCuda, {SmallDecode::positions(rng), SmallDecode::positions(rng)});
+  const SparseSelection fresh =
+      make_selection(Device::kCuda, {SmallDecode::positions(rng), SmallDecode::positions(rng)});
   copy_bytes(t.selection.indices.data(), Device::kCuda, fresh.indices.data(), Device::kCuda, fresh.indices.bytes());
   const auto q_new = testing::random_values(DType::kBF16, size_t(2 * 4 * 64), rng);
   copy_bytes(t.q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());

@@ -36,27 +36,26 @@ struct Case {
 
 std::vector<Case> cases() {
   return {
-      {DType::kBF16, 4, 4, 64, 3, {130, 200, 64}, 0, 128},      // one 16-row tile: 4 tokens x 4 heads
-      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 0, 128},      // the block-sparse geometry: 4 tiles per item
-      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 128, 128},    // the same, split and merged
-      {DType::kF16, 3, 3, 16, 5, {33, 47, 80}, 0, 128},         // 9 rows, tokens unaligned to tiles
-      {DType::kBF16, 6, 3, 16, 12, {190, 161}, 64, 64},         // 18 rows over 2 tiles, split
-      {DType::kBF16, 1, 8, 1, 300, {400, 17}, 64, 128},         // token pages, 8 tokens, split
-      {DType::kBF16, 32, 2, 64, 6, {300}, 0, 256},              // 2 tiles per token, wide head
+      {DType::kBF16, 4, 4, 64, 3, {130, 200, 64}, 0, 128},    // one 16-row tile: 4 tokens x 4 heads
+      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 0, 128},    // the block-sparse geometry: 4 tiles per item
+      {DType::kBF16, 16, 4, 128, 17, {2200, 385}, 128, 128},  // the same, split and merged
+      {DType::kF16, 3, 3, 16, 5, {33, 47, 80}, 0, 128},       // 9 rows, tokens unaligned to tiles
+      {DType::kBF16, 6, 3, 16, 12, {190, 161}, 64, 64},       // 18 rows over 2 tiles, split
+      {DType::kBF16, 1, 8, 1, 300, {400, 17}, 64, 128},       // token pages, 8 tokens, split
+      {DType::kBF16, 32, 2, 64, 6, {300}, 0, 256},            // 2 tiles per token, wide head
       // The 64-row multi-token CTA (head dim 128; from 17 rows on wgmma, from 33 on mma.sync):
-      {DType::kBF16, 16, 2, 64, 9, {700, 333}, 0, 128},         // 32 rows: the block-sparse geometry's 2 tokens
-      {DType::kF16, 10, 2, 16, 20, {300, 41}, 64, 128},         // 20 rows, 44 of the 64 padding, split
-      {DType::kBF16, 6, 6, 16, 9, {150, 97}, 0, 128},           // 36 rows, 28 of the 64 padding
-      {DType::kF16, 8, 8, 32, 7, {230, 180, 41}, 64, 128},      // 64 rows, split and merged
-      {DType::kBF16, 12, 8, 1, 200, {260, 300}, 64, 128},       // 96 rows: two CTAs, a token across them
-      {DType::kBF16, 16, 8, 128, 5, {1000}, 0, 128},            // 128 rows: two CTAs
+      {DType::kBF16, 16, 2, 64, 9, {700, 333}, 0, 128},     // 32 rows: the block-sparse geometry's 2 tokens
+      {DType::kF16, 10, 2, 16, 20, {300, 41}, 64, 128},     // 20 rows, 44 of the 64 padding, split
+      {DType::kBF16, 6, 6, 16, 9, {150, 97}, 0, 128},       // 36 rows, 28 of the 64 padding
+      {DType::kF16, 8, 8, 32, 7, {230, 180, 41}, 64, 128},  // 64 rows, split and merged
+      {DType::kBF16, 12, 8, 1, 200, {260, 300}, 64, 128},   // 96 rows: two CTAs, a token across them
+      {DType::kBF16, 16, 8, 128, 5, {1000}, 0, 128},        // 128 rows: two CTAs
   };
 }
 
 std::string describe(const Case& c) {
   return "G " + std::to_string(c.group_size) + " q_len " + std::to_string(c.q_len) + " page " +
-         std::to_string(c.page_size) + " dim " + std::to_string(c.head_dim) + " chunk " +
-         std::to_string(c.fixed_chunk);
+         std::to_string(c.page_size) + " dim " + std::to_string(c.head_dim) + " chunk " + std::to_string(c.fixed_chunk);
 }
 
 testing::MultiTokenProblem problem_of(const Case& c, uint64_t seed) {
@@ -144,8 +143,8 @@ TEST(MultiTokenCuda, RefusedByName) {
                                            "kPoolPages page ids are not positions"));
   DecodeParams many = p;
   many.q_len = 99;
-  EXPECT_TRUE(testing::throws_error_naming([&] { run_decode_cuda(many, plan, ws.data()); },
-                                           "q_len = 99 must lie in [1, 16]"));
+  EXPECT_TRUE(
+      testing::throws_error_naming([&] { run_decode_cuda(many, plan, ws.data()); }, "q_len = 99 must lie in [1, 16]"));
   // The MLA kernel takes one token per request.
   DecodeParams mla = p;
   mla.group_size = 1;
@@ -192,7 +191,7 @@ TEST(MultiTokenCuda, BlockSparseLayerOnTheSixtyFourRowCta) {
   const char* env = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
   const std::string choice = env != nullptr ? env : "";
   const char* expected = choice == "mma" || !cuda_sm90a_code_runs(cuda_device_sm()) ? "64-row multi-token CTA, mma.sync"
-                                                                                   : "64-row multi-token CTA, wgmma";
+                                                                                    : "64-row multi-token CTA, wgmma";
   EXPECT_EQ(kernel, expected);
 }
 
@@ -248,7 +247,7 @@ TEST(KernelSwitches, ABadValueIsRefusedWhenADecoderIsMade) {
   if (v == nullptr || std::string(v) != "bogus")
     GTEST_SKIP() << "runs with SPARSEPAGE_MULTI_TOKEN_CTA=bogus, in its own ctest process";
   EXPECT_TRUE(testing::throws_error_naming([] { SparseDecoder d(Device::kCuda, DispatchConfig::defaults()); },
-                                  "SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto' or 'mma', not 'bogus'"));
+                                           "SPARSEPAGE_MULTI_TOKEN_CTA must be 'auto' or 'mma', not 'bogus'"));
   EXPECT_TRUE(testing::throws_error_naming(
       [] { BlockSparseAttention layer(Device::kCuda, DType::kBF16, testing::small_block_sparse_config(), 1); },
       "SPARSEPAGE_MULTI_TOKEN_CTA"));
@@ -289,7 +288,8 @@ TEST(MultiTokenAppendCuda, SourcesOffTheSixteenByteGridAppendTheSameRows) {
   gpu.append_token(static_cast<const char*>(kd.data()) + 4, static_cast<const char*>(vd.data()) + 4, nullptr);
   cpu.append_token(k.data(), v.data(), nullptr);
   EXPECT_EQ(download<int32_t>(Device::kCuda, gpu.device_live_lens(), kBatch), (std::vector<int32_t>{1, 1}));
-  for (bool key : {true, false}) EXPECT_EQ(gpu.dequantized_window(key), cpu.dequantized_window(key)) << (key ? "K" : "V");
+  for (bool key : {true, false})
+    EXPECT_EQ(gpu.dequantized_window(key), cpu.dequantized_window(key)) << (key ? "K" : "V");
   // Off the 4-byte grid: refused by name, nothing appended.
   EXPECT_TRUE(testing::throws_error_naming(
       [&] { gpu.append_token(static_cast<const char*>(kd.data()) + 2, vd.data(), nullptr); },

@@ -32,10 +32,10 @@ using testing::MlaPrefillSpec;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The MLA kernel and the DSA indexer need sm_90a code on an sm_90 GPU.
-#define SKIP_WITHOUT_HOPPER()                                                                               \
-  do {                                                                                                      \
-    SKIP_WITHOUT_CUDA();                                                                                    \
-    if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty())                                         \
+#define SKIP_WITHOUT_HOPPER() \
+  do { \
+    SKIP_WITHOUT_CUDA(); \
+    if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty()) \
       GTEST_SKIP() << "the MLA kernel needs sm_90a: " << cuda_arch_problem(cuda_device_sm(), 512, 512, 64); \
   } while (0)
 

@@ -79,8 +79,8 @@ TEST(StaticBlockSparseCuda, DevicePagesEqualTheCpuTwin) {
 TEST(StaticBlockSparseCuda, RefusesAHeadDimWithoutAKernel) {
   StaticBlockSparseConfig c;
   c.head_dim = 96;
-  EXPECT_TRUE(testing::throws_error_naming(
-      [&] { StaticBlockSparseAttention(Device::kCuda, DType::kBF16, c, 1); }, "no CUDA kernel for head_dim 96"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { StaticBlockSparseAttention(Device::kCuda, DType::kBF16, c, 1); },
+                                           "no CUDA kernel for head_dim 96"));
 }
 
 }  // namespace

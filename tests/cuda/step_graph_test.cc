@@ -40,8 +40,7 @@ void refill(StepBuffers& s, const std::vector<bool>& is_f32, std::mt19937_64& rn
     } else {
       host = testing::random_values(DType::kBF16, bytes / 2, rng);
     }
-    testing::cuda_ok(cudaMemcpyAsync(s.inputs[i].data(), host.data(), bytes, cudaMemcpyHostToDevice, stream),
-                     "refill");
+    testing::cuda_ok(cudaMemcpyAsync(s.inputs[i].data(), host.data(), bytes, cudaMemcpyHostToDevice, stream), "refill");
     testing::cuda_ok(cudaStreamSynchronize(stream), "refill sync");
   }
 }
@@ -81,8 +80,8 @@ void append_same_prompt(Layer& a, Layer& b, size_t k_elems, size_t v_elems, int6
 /// step replayed, `eager` by calling decode. `step(layer, buffers, stream)`
 /// issues one decode.
 template <class Layer, class Step>
-void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuffers& e,
-                          const std::vector<bool>& is_f32, int steps, Step&& step) {
+void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuffers& e, const std::vector<bool>& is_f32,
+                          int steps, Step&& step) {
   // The prefix was written on the legacy default stream, which a
   // non-blocking stream does not wait for.
   testing::cuda_ok(cudaDeviceSynchronize(), "prefix");
@@ -169,8 +168,8 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
   DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
   const size_t b = batch, h = c.num_qo_heads;
   // q_latent, q_pe, q_index, index_weights (f32), k_cache_row, k_pe
-  const std::vector<size_t> bytes = {b * h * 512 * 2, b * h * 64 * 2, b * 4 * 64 * 2, b * 4 * 4,
-                                     b * (512 + 64) * 2, b * 64 * 2};
+  const std::vector<size_t> bytes = {b * h * 512 * 2, b * h * 64 * 2,     b * 4 * 64 * 2,
+                                     b * 4 * 4,       b * (512 + 64) * 2, b * 64 * 2};
   const std::vector<bool> is_f32 = {false, false, false, true, false, false};
   StepBuffers g = make_buffers(bytes, b * h * 512 * 2);
   StepBuffers e = make_buffers(bytes, b * h * 512 * 2);
@@ -211,19 +210,18 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   StaticBlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
   StaticBlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
   const size_t d = 128, b = batch;
-  const std::vector<size_t> bytes = {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2, b * c.num_kv_heads * d * 2};
+  const std::vector<size_t> bytes = {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2,
+                                     b * c.num_kv_heads * d * 2};
   StepBuffers g = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(3, false);
   std::mt19937_64 rng(9);
   const int64_t prompt = 4000;
-  append_same_prompt(graphed, eager, b * c.num_kv_heads * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
-                     rng);
+  append_same_prompt(graphed, eager, b * c.num_kv_heads * prompt * d, b * c.num_kv_heads * prompt * d, prompt, rng);
   graphed.reserve(4200);
   eager.reserve(4200);
   auto step = [fused](StaticBlockSparseAttention& layer, StepBuffers& s, cudaStream_t stream) {
-    const LayerStep r =
-        layer.decode({s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.o.data()}, stream);
+    const LayerStep r = layer.decode({s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.o.data()}, stream);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
   replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
@@ -273,8 +271,8 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
   const size_t b = batch, h = c.num_qo_heads, t = q_len;
   // q_latent, q_pe, q_index [b, t, ...], index_weights (f32) [b, t, 4], k_cache_row, k_pe [t, b, ...]
-  const std::vector<size_t> bytes = {b * t * h * 512 * 2, b * t * h * 64 * 2, b * t * 4 * 64 * 2, b * t * 4 * 4,
-                                     t * b * (512 + 64) * 2, t * b * 64 * 2};
+  const std::vector<size_t> bytes = {b * t * h * 512 * 2, b * t * h * 64 * 2,     b * t * 4 * 64 * 2,
+                                     b * t * 4 * 4,       t * b * (512 + 64) * 2, t * b * 64 * 2};
   const std::vector<bool> is_f32 = {false, false, false, true, false, false};
   StepBuffers g = make_buffers(bytes, b * t * h * 512 * 2);
   StepBuffers e = make_buffers(bytes, b * t * h * 512 * 2);
@@ -285,7 +283,7 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   eager.reserve(256);
   auto step = [](DsaAttention& layer, StepBuffers& s, cudaStream_t stream) {
     const DsaTokens tok{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
-                        s.inputs[4].data(),  s.inputs[5].data(), s.o.data()};
+                        s.inputs[4].data(), s.inputs[5].data(), s.o.data()};
     const LayerStep r = layer.decode(tok, q_len, stream);
     ASSERT_TRUE(r.sparse);
     ASSERT_TRUE(r.fused) << r.outcome.describe();

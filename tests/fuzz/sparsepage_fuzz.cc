@@ -35,16 +35,16 @@
 #include "sparsepage/decode.h"
 #include "sparsepage/detail/query_strides.h"
 #include "sparsepage/dispatch.h"
+#include "sparsepage/fp8.h"
+#include "sparsepage/layer.h"
 #include "sparsepage/mask_path.h"
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+#include "sparsepage/models/static_block_sparse.h"
 #include "sparsepage/page_table.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/selection.h"
 #include "sparsepage/sparse_decode.h"
-#include "sparsepage/fp8.h"
-#include "sparsepage/layer.h"
-#include "sparsepage/models/block_sparse.h"
-#include "sparsepage/models/dsa.h"
-#include "sparsepage/models/static_block_sparse.h"
 #include "support/engine_problem.h"
 #include "support/fp8_problem.h"
 #include "support/multi_token.h"
@@ -60,9 +60,9 @@ namespace {
 }
 
 // The message is built only on failure: plans may hold millions of items.
-#define FUZZ_CHECK(ok, what)   \
-  do {                         \
-    if (!(ok)) finding(what);  \
+#define FUZZ_CHECK(ok, what) \
+  do { \
+    if (!(ok)) finding(what); \
   } while (0)
 
 // Runs `call`; returns whether it was accepted. Any exception other than
@@ -92,7 +92,8 @@ class Guarded {
   size_t bytes() const { return bytes_; }
   void check_canaries(const char* what) const {
     for (size_t i = 0; i < kGuard; ++i) {
-      FUZZ_CHECK(data_[i] == kCanary && data_[kGuard + bytes_ + i] == kCanary, std::string(what) + ": canary overwritten");
+      FUZZ_CHECK(data_[i] == kCanary && data_[kGuard + bytes_ + i] == kCanary,
+                 std::string(what) + ": canary overwritten");
     }
   }
   std::vector<uint8_t> payload() const { return {begin(), begin() + bytes_}; }
@@ -133,7 +134,7 @@ void compare_allowing_nan(const testing::Reference& ref, const std::vector<float
       FUZZ_CHECK(std::isinf(lse[h]) && lse[h] < 0, where + "lse should be -inf");
     } else {
       FUZZ_CHECK(std::fabs(double{lse[h]} - ref.lse[h]) <= kLseTolerance,
-            where + "lse " + sci(lse[h]) + " vs fp64 " + sci(ref.lse[h]));
+                 where + "lse " + sci(lse[h]) + " vs fp64 " + sci(ref.lse[h]));
     }
     double diff = 0.0, norm = 0.0;
     for (size_t d = h * dv; d < (h + 1) * dv; ++d) {
@@ -147,7 +148,7 @@ void compare_allowing_nan(const testing::Reference& ref, const std::vector<float
     // one V row (values are in [-1, 1]): an output that cancels to nearly 0
     // still carries the fp32 score error times |V|.
     FUZZ_CHECK(std::sqrt(diff) <= o_tol * std::max(std::sqrt(norm), 0.1 * std::sqrt(static_cast<double>(dim_v))),
-          where + "o off by " + sci(std::sqrt(diff)) + " (norm " + sci(std::sqrt(norm)) + ")");
+               where + "o off by " + sci(std::sqrt(diff)) + " (norm " + sci(std::sqrt(norm)) + ")");
   }
 }
 
@@ -174,12 +175,22 @@ void fuzz_page_table(FuzzedDataProvider& in) {
   const int32_t value = in.ConsumeIntegral<int32_t>();
   const size_t at = n == 0 ? 0 : in.ConsumeIntegralInRange<size_t>(0, n - 1);
   switch (which) {
-    case 0: if (!bad.indptr.empty()) bad.indptr[std::min(at, bad.indptr.size() - 1)] = value; break;
-    case 1: if (n) bad.last_page_len[at] = value; break;
-    case 2: if (n) bad.first_page_offset[at] = value; break;
-    case 3: if (n) bad.seq_lens[at] = value; break;
+    case 0:
+      if (!bad.indptr.empty()) bad.indptr[std::min(at, bad.indptr.size() - 1)] = value;
+      break;
+    case 1:
+      if (n) bad.last_page_len[at] = value;
+      break;
+    case 2:
+      if (n) bad.first_page_offset[at] = value;
+      break;
+    case 3:
+      if (n) bad.seq_lens[at] = value;
+      break;
     case 4: bad.page_size = value; break;
-    case 5: if (!bad.indptr.empty()) bad.indptr.pop_back(); break;
+    case 5:
+      if (!bad.indptr.empty()) bad.indptr.pop_back();
+      break;
     default: bad.last_page_len.push_back(value); break;
   }
   (void)page_table_problem(bad);
@@ -203,7 +214,8 @@ void fuzz_plan(FuzzedDataProvider& in) {
   shape.num_sms = in.ConsumeIntegralInRange<int32_t>(-1, 200);
   shape.items_per_sm = in.ConsumeIntegralInRange<int32_t>(-1, 16);
   shape.ctas_per_item = in.ConsumeIntegralInRange<int32_t>(-1, 8);
-  shape.min_chunk_tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-1, 4096) : in.ConsumeIntegral<int32_t>();
+  shape.min_chunk_tokens =
+      in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-1, 4096) : in.ConsumeIntegral<int32_t>();
   shape.chunk_granule = in.ConsumeIntegralInRange<int32_t>(-1, 256);
   shape.fixed_chunk_tokens = in.ConsumeBool() ? 0 : in.ConsumeIntegralInRange<int32_t>(-1, 4096);
   std::vector<int32_t> lens;
@@ -223,13 +235,14 @@ void fuzz_plan(FuzzedDataProvider& in) {
   for (const WorkItem& w : plan.work) {
     FUZZ_CHECK(w.request >= 0 && w.request < static_cast<int32_t>(n), "plan: request out of range");
     const size_t r = static_cast<size_t>(w.request);
-    FUZZ_CHECK(w.token_begin == covered[r] && w.token_end >= w.token_begin && w.token_end <= lens[r], "plan: gap or overlap");
+    FUZZ_CHECK(w.token_begin == covered[r] && w.token_end >= w.token_begin && w.token_end <= lens[r],
+               "plan: gap or overlap");
     FUZZ_CHECK(w.token_end - w.token_begin <= plan.chunk_tokens, "plan: chunk longer than chunk_tokens");
     covered[r] = w.token_end;
     ++items_of[r];
     if (w.partial >= 0) {
       FUZZ_CHECK(w.partial < plan.num_partials && !slot_used[static_cast<size_t>(w.partial)],
-            "plan: partial slot reused or out of range");
+                 "plan: partial slot reused or out of range");
       slot_used[static_cast<size_t>(w.partial)] = true;
     }
   }
@@ -237,7 +250,8 @@ void fuzz_plan(FuzzedDataProvider& in) {
   FUZZ_CHECK(plan.merge_indptr.size() == plan.merge_requests.size() + 1, "plan: merge lists");
   FUZZ_CHECK(plan.merge_indptr.back() == plan.num_partials, "plan: merge_indptr does not end at num_partials");
   const WorkspaceLayout& ws = plan.workspace;
-  for (size_t offset : {ws.partial_o, ws.partial_lse, ws.work_items, ws.merge_indptr, ws.merge_requests, ws.error_flag}) {
+  for (size_t offset :
+       {ws.partial_o, ws.partial_lse, ws.work_items, ws.merge_indptr, ws.merge_requests, ws.error_flag}) {
     FUZZ_CHECK(offset % 256 == 0 && offset <= ws.total, "plan: workspace offset");
   }
 }
@@ -253,8 +267,8 @@ void fuzz_decode(FuzzedDataProvider& in) {
   spec.group_size = in.ConsumeIntegralInRange<int32_t>(1, 5);
   spec.dim_qk = in.ConsumeIntegralInRange<int32_t>(1, 24);
   spec.v_aliases_k = in.ConsumeBool();
-  spec.dim_v = spec.v_aliases_k ? in.ConsumeIntegralInRange<int32_t>(1, spec.dim_qk)
-                                : in.ConsumeIntegralInRange<int32_t>(1, 24);
+  spec.dim_v =
+      spec.v_aliases_k ? in.ConsumeIntegralInRange<int32_t>(1, spec.dim_qk) : in.ConsumeIntegralInRange<int32_t>(1, 24);
   spec.dim_extra = in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(1, 8) : 0;
   spec.k_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
   spec.v_row_padding = in.ConsumeIntegralInRange<int32_t>(0, 5);
@@ -291,9 +305,15 @@ void fuzz_decode(FuzzedDataProvider& in) {
   int64_t window_stride = 0;  // rows between requests' windows (edit 10)
   switch (edit) {
     case 1: indptr[at] = value; break;
-    case 2: if (!pb.indices.empty()) pb.indices[at % pb.indices.size()] = value; break;
-    case 3: if (n) first[at % n] = value; break;
-    case 4: if (n) lens[at % n] = value; break;
+    case 2:
+      if (!pb.indices.empty()) pb.indices[at % pb.indices.size()] = value;
+      break;
+    case 3:
+      if (n) first[at % n] = value;
+      break;
+    case 4:
+      if (n) lens[at % n] = value;
+      break;
     case 5: p.num_indices = value; break;
     case 6: p.page_size = std::min(value, spec.page_size); break;
     case 7: p.num_pool_pages = std::min<int64_t>(value, spec.pool_pages); break;
@@ -313,8 +333,8 @@ void fuzz_decode(FuzzedDataProvider& in) {
       if (value % 7 == 0) plan.workspace.total = static_cast<size_t>(value);
       break;
     case 10:  // window mode: request r's rows start window_stride rows into each stream
-      window_stride = std::max<int64_t>(
-          0, std::min<int64_t>(value, pool_rows / static_cast<int64_t>(std::max<size_t>(n, 1))));
+      window_stride =
+          std::max<int64_t>(0, std::min<int64_t>(value, pool_rows / static_cast<int64_t>(std::max<size_t>(n, 1))));
       p.addressing = PageAddressing::kWindow;
       p.k.seq_stride = window_stride * p.k.row_stride;
       p.v.seq_stride = window_stride * p.v.row_stride;
@@ -438,7 +458,7 @@ void fuzz_engine_inputs(FuzzedDataProvider& in) {
     case 1:  // a visible id out of range: past the pool, the table's positions or the blocks; or -2
       if (first_visible < 0) break;
       pb.indices[static_cast<size_t>(first_visible)] =
-          in.ConsumeBool() ? -2
+          in.ConsumeBool()                                 ? -2
           : spec.index == testing::EngineIndex::kSlotIds   ? static_cast<int32_t>(pb.pool_slots())
           : spec.index == testing::EngineIndex::kPositions ? pb.max_blocks * spec.block_size
                                                            : spec.num_blocks;
@@ -498,8 +518,8 @@ void fuzz_engine_inputs(FuzzedDataProvider& in) {
   std::vector<float> got_lse(heads);
   if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
   const testing::EngineOutput got = testing::unpack_output(pb, o.payload(), got_lse);
-  const std::string mismatch = testing::compare_engine(pb, testing::engine_reference(pb), got,
-                                                       o_tolerance(spec.dtype), kLseTolerance);
+  const std::string mismatch =
+      testing::compare_engine(pb, testing::engine_reference(pb), got, o_tolerance(spec.dtype), kLseTolerance);
   FUZZ_CHECK(mismatch.empty(), "engine inputs: " + mismatch);
   FUZZ_CHECK(got.gaps_untouched, "engine inputs: a strided o's gaps were written");
 }
@@ -525,7 +545,8 @@ void fuzz_selection_paths(FuzzedDataProvider& in) {
     const size_t count = in.ConsumeIntegralInRange<size_t>(0, 40);
     for (size_t i = 0; i < count; ++i) {
       int32_t pos = live > 0 ? in.ConsumeIntegralInRange<int32_t>(0, static_cast<int32_t>(live - 1)) : 0;
-      if (in.ConsumeIntegralInRange<int>(0, 15) == 0) pos = in.ConsumeIntegralInRange<int32_t>(-2, static_cast<int32_t>(cap) + 2);
+      if (in.ConsumeIntegralInRange<int>(0, 15) == 0)
+        pos = in.ConsumeIntegralInRange<int32_t>(-2, static_cast<int32_t>(cap) + 2);
       in_window = in_window && pos >= 0 && pos < live;
       r.push_back(pos);
     }
@@ -688,8 +709,8 @@ void fuzz_caches(FuzzedDataProvider& in) {
   // step in between asks the allocator for terabytes, which is honest and
   // fails cleanly, but trips the fuzzer's malloc limit).
   const int64_t huge_steps[] = {int64_t{1} << 62, std::numeric_limits<int64_t>::max(), (int64_t{1} << 62) + 12345};
-  const int64_t step = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(-1, 40)
-                                        : huge_steps[in.ConsumeIntegralInRange<int>(0, 2)];
+  const int64_t step =
+      in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(-1, 40) : huge_steps[in.ConsumeIntegralInRange<int>(0, 2)];
   // Token counts are what the buffers hold, or ones that must be refused.
   const int64_t hostile_tokens[] = {-1, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
                                     int64_t{1} << 40};
@@ -708,8 +729,10 @@ void fuzz_caches(FuzzedDataProvider& in) {
     const int64_t tokens = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(0, 20)
                                             : hostile_tokens[in.ConsumeIntegralInRange<int>(0, 3)];
     const int64_t sane = std::clamp<int64_t>(tokens, 0, 20);
-    std::vector<uint16_t> k(static_cast<size_t>(batch * k_heads * sane * dk)), v(static_cast<size_t>(batch * v_heads * sane * dv));
-    for (size_t i = 0; i < k.size(); ++i) k[i] = float_to_bf16(static_cast<float>(in.ConsumeIntegralInRange<int>(-8, 8)));
+    std::vector<uint16_t> k(static_cast<size_t>(batch * k_heads * sane * dk)),
+        v(static_cast<size_t>(batch * v_heads * sane * dv));
+    for (size_t i = 0; i < k.size(); ++i)
+      k[i] = float_to_bf16(static_cast<float>(in.ConsumeIntegralInRange<int>(-8, 8)));
     const int64_t live_before = cache->live_len();
     const bool ok = accepted([&] { cache->append(k.data(), v.data(), DType::kBF16, tokens); }, "append");
     if (!ok) {
@@ -730,8 +753,9 @@ void fuzz_caches(FuzzedDataProvider& in) {
   const int64_t live = cache->live_len();
   for (size_t bh = 0; bh < shadow.size(); ++bh) {
     for (int64_t i = 0; i < live * dk; ++i) {
-      FUZZ_CHECK(window[bh * static_cast<size_t>(live * dk) + static_cast<size_t>(i)] == bf16_to_float(shadow[bh][static_cast<size_t>(i)]),
-            "dense cache window differs from what was appended");
+      FUZZ_CHECK(window[bh * static_cast<size_t>(live * dk) + static_cast<size_t>(i)] ==
+                     bf16_to_float(shadow[bh][static_cast<size_t>(i)]),
+                 "dense cache window differs from what was appended");
     }
   }
   for (size_t c = 0; c < copies.size(); ++c) {
@@ -743,7 +767,8 @@ void fuzz_caches(FuzzedDataProvider& in) {
   }
 
   // A paged pool: appends and block-granular tables against a shadow.
-  const int32_t blocks = in.ConsumeIntegralInRange<int32_t>(1, 8), block_size = in.ConsumeIntegralInRange<int32_t>(1, 8);
+  const int32_t blocks = in.ConsumeIntegralInRange<int32_t>(1, 8),
+                block_size = in.ConsumeIntegralInRange<int32_t>(1, 8);
   PagedBlockPool pool(Device::kCpu, DType::kBF16, blocks, 1, block_size, 1, 1);
   const int32_t seq = pool.add_sequence();
   for (int steps = in.ConsumeIntegralInRange<int>(0, 4); steps > 0; --steps) {
@@ -754,17 +779,18 @@ void fuzz_caches(FuzzedDataProvider& in) {
     const size_t blocks_before = pool.block_table(seq).size();
     if (!accepted([&] { pool.append(seq, kv.data(), kv.data(), tokens); }, "PagedBlockPool::append")) {
       FUZZ_CHECK(pool.seq_len(seq) == before && pool.block_table(seq).size() == blocks_before,
-            "a refused append changed the sequence");
+                 "a refused append changed the sequence");
       continue;
     }
     FUZZ_CHECK(tokens >= 0 && tokens <= 30, "an append larger than the buffer was accepted");
   }
   std::vector<int32_t> picks;
-  for (int i = in.ConsumeIntegralInRange<int>(0, 5); i > 0; --i) picks.push_back(in.ConsumeIntegralInRange<int32_t>(-1, blocks));
+  for (int i = in.ConsumeIntegralInRange<int>(0, 5); i > 0; --i)
+    picks.push_back(in.ConsumeIntegralInRange<int32_t>(-1, blocks));
   std::pair<PageTableStructure, std::vector<int32_t>> table;
   if (accepted([&] { table = pool.block_page_table({seq}, {0}, {picks}); }, "block_page_table")) {
     FUZZ_CHECK(page_table_problem(table.first, &table.second, pool.num_pages()).empty(),
-          "block_page_table made an invalid table");
+               "block_page_table made an invalid table");
   }
 }
 
@@ -859,7 +885,6 @@ void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
   }
 }
 
-
 // ---- per-sequence window lengths, multi-token steps, a strided o ---------
 // A multi-token (or one-token) step over a dense window cache
 // (support/multi_token.h): each sequence's live length is its window_lens
@@ -909,8 +934,8 @@ void fuzz_window_lengths(FuzzedDataProvider& in) {
                              window.data(), o.data(), static_cast<float*>(lse.data()));
   if (strided) {
     p.qo_layout = QueryLayout::kStrided;
-    p.q_strides = qo_strides(pb.params(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                       nullptr)).q;
+    p.q_strides =
+        qo_strides(pb.params(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr)).q;
     p.o_strides = os;
   }
   enum class Expect { kExact, kRefused };
@@ -1057,14 +1082,17 @@ void fuzz_fp8(FuzzedDataProvider& in) {
   const DecodePlan plan = make_decode_plan(pb.table.seq_lens, shape);
   const size_t heads = n * static_cast<size_t>(spec.group_size);
   const size_t esize = dtype_size(spec.dtype);
-  Guarded o(heads * static_cast<size_t>(spec.dim_v) * esize), lse(heads * sizeof(float)), ws(plan.workspace.total, 0xFF);
+  Guarded o(heads * static_cast<size_t>(spec.dim_v) * esize), lse(heads * sizeof(float)),
+      ws(plan.workspace.total, 0xFF);
   DecodeParams p = f.host_params(o.data(), static_cast<float*>(lse.data()));
   bool refuse = false;
   std::vector<int32_t> indices = pb.indices;
   switch (in.ConsumeIntegralInRange<int>(0, 5)) {
     case 1:  // a scale missing, or scales given to the MLA rows
-      if (mla) p.k_scale = f.k.empty() ? nullptr : reinterpret_cast<const float*>(f.k.data());
-      else p.v_scale = nullptr;
+      if (mla)
+        p.k_scale = f.k.empty() ? nullptr : reinterpret_cast<const float*>(f.k.data());
+      else
+        p.v_scale = nullptr;
       refuse = true;
       break;
     case 2:  // not a KvFormat
@@ -1073,8 +1101,10 @@ void fuzz_fp8(FuzzedDataProvider& in) {
       break;
     case 3:  // MLA rows too short for the scales, or V not K's view; a per-head K narrower than its row
       if (mla) {
-        if (in.ConsumeBool()) p.k.row_stride = p.v.row_stride = in.ConsumeIntegralInRange<int64_t>(512, 527);
-        else p.v.seq_stride = 16;
+        if (in.ConsumeBool())
+          p.k.row_stride = p.v.row_stride = in.ConsumeIntegralInRange<int64_t>(512, 527);
+        else
+          p.v.seq_stride = 16;
         refuse = true;
       }
       break;
@@ -1137,15 +1167,15 @@ void fuzz_fp8(FuzzedDataProvider& in) {
     }
     for (size_t e = 0; e < o_elements; ++e) {
       if (in_row[e]) continue;
-      for (size_t k = 0; k < esize; ++k) FUZZ_CHECK(bytes[e * esize + k] == Guarded::kCanary, "a gap of an FP8 decode's o was written");
+      for (size_t k = 0; k < esize; ++k)
+        FUZZ_CHECK(bytes[e * esize + k] == Guarded::kCanary, "a gap of an FP8 decode's o was written");
     }
   }
   std::vector<float> got_lse(heads);
   if (heads > 0) std::memcpy(got_lse.data(), lse.begin(), heads * sizeof(float));
-  compare_allowing_nan(testing::reference_attention(f), testing::as_float(spec.dtype, packed_o), got_lse,
-                       spec.dim_v, o_tolerance(spec.dtype), mla ? "fp8 mla" : "fp8 per head");
+  compare_allowing_nan(testing::reference_attention(f), testing::as_float(spec.dtype, packed_o), got_lse, spec.dim_v,
+                       o_tolerance(spec.dtype), mla ? "fp8 mla" : "fp8 per head");
 }
-
 
 // ---- layer step sequences --------------------------------------------------
 // One of the three layers (tests/support/continuous_batching.h drives them
@@ -1185,7 +1215,8 @@ struct Spec {
 
 std::unique_ptr<SparseLayer> make_layer(const Spec& s, int32_t batch) {
   switch (s.model) {
-    case Model::kBlockSparse: return std::make_unique<BlockSparseAttention>(Device::kCpu, s.dtype, s.bs, batch, s.dispatch);
+    case Model::kBlockSparse:
+      return std::make_unique<BlockSparseAttention>(Device::kCpu, s.dtype, s.bs, batch, s.dispatch);
     case Model::kDsa: return std::make_unique<DsaAttention>(Device::kCpu, s.dtype, s.dsa, batch, s.dispatch);
     default: return std::make_unique<StaticBlockSparseAttention>(Device::kCpu, s.dtype, s.st, batch, s.dispatch);
   }
@@ -1264,8 +1295,14 @@ void check_bad_configuration(Spec s, FuzzedDataProvider& in) {
   int32_t batch = 2;
   std::string want;
   switch (in.ConsumeIntegralInRange<int>(0, 4)) {
-    case 0: batch = in.ConsumeBool() ? 0 : -1; want = "batch"; break;
-    case 1: s.dtype = DType::kF32; want = "f16 or bf16"; break;
+    case 0:
+      batch = in.ConsumeBool() ? 0 : -1;
+      want = "batch";
+      break;
+    case 1:
+      s.dtype = DType::kF32;
+      want = "f16 or bf16";
+      break;
     case 2:  // heads that do not divide, or none
       if (s.model == Model::kDsa) {
         s.dsa.num_qo_heads = 0;
@@ -1437,7 +1474,8 @@ void expect_refused(SparseLayer& layer, Call&& call, const std::string& want, co
     finding(std::string(what) + " threw a non-sparsepage exception: " + e.what());
   }
   FUZZ_CHECK(refused, std::string(what) + " was accepted");
-  FUZZ_CHECK(LayerState(layer) == before, std::string(what) + ": a refused call changed the layer's lengths, slots or capacity");
+  FUZZ_CHECK(LayerState(layer) == before,
+             std::string(what) + ": a refused call changed the layer's lengths, slots or capacity");
 }
 
 void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
@@ -1557,7 +1595,8 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
         want = run_step(spec, *twin, d, o_twin.data(), form, q_len, -1);
         o.check_canaries("layer o");
         o_twin.check_canaries("twin o");
-        FUZZ_CHECK(o.payload() == o_twin.payload(), "a layer's output differs from its twin's (a refused call left a trace)");
+        FUZZ_CHECK(o.payload() == o_twin.payload(),
+                   "a layer's output differs from its twin's (a refused call left a trace)");
         FUZZ_CHECK(got.fused == want.fused && got.sparse == want.sparse, "the layer and its twin ran different paths");
         const std::vector<uint8_t> bytes = o.payload();
         for (int32_t b = 0; b < batch; ++b) {
@@ -1566,7 +1605,8 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
                                                  bytes.begin() + static_cast<std::ptrdiff_t>((b + 1) * row));
           if (!r.lone) {
             if (form == Form::kPrefill) continue;  // prefill writes what the mask path gives a free slot
-            for (float x : testing::as_float(spec.dtype, mine)) FUZZ_CHECK(x == 0.0f, "a free slot's output is not zero");
+            for (float x : testing::as_float(spec.dtype, mine))
+              FUZZ_CHECK(x == 0.0f, "a free slot's output is not zero");
             continue;
           }
           StepData lone_d(spec, 1, q_len);
@@ -1579,9 +1619,9 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
           const std::vector<float> l = testing::as_float(spec.dtype, lone_o.payload());
           const std::vector<double> ref(l.begin(), l.end());
           for (float x : g) FUZZ_CHECK(!std::isnan(x), "NaN in an active slot's output");
-          FUZZ_CHECK(testing::relative_l2(g, ref) < 1e-2,
-                     "slot " + std::to_string(b) + "'s output differs from its lone run's by " +
-                         sci(testing::relative_l2(g, ref)));
+          FUZZ_CHECK(testing::relative_l2(g, ref) < 1e-2, "slot " + std::to_string(b) +
+                                                              "'s output differs from its lone run's by " +
+                                                              sci(testing::relative_l2(g, ref)));
         }
         same_state("step");
         if (form == Form::kPrefill) break;
@@ -1607,7 +1647,8 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
         break;
       }
       default: {  // a call that must be refused
-        const int32_t bad_slots[] = {-1, batch, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
+        const int32_t bad_slots[] = {-1, batch, std::numeric_limits<int32_t>::min(),
+                                     std::numeric_limits<int32_t>::max()};
         const int64_t bad_tokens[] = {-1, std::numeric_limits<int64_t>::min(), int64_t{1} << 31,
                                       std::numeric_limits<int64_t>::max()};
         const int32_t bad_q_lens[] = {0, -1, kMaxQueryTokens + 1, std::numeric_limits<int32_t>::min()};
@@ -1616,34 +1657,39 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
         const std::vector<uint8_t> rows = testing::random_values(spec.dtype, 64, rows_rng);
         switch (in.ConsumeIntegralInRange<int>(0, 7)) {
           case 0:
-            expect_refused(*layer, [&] { layer->admit(bad_slots[pick], rows.data(), rows.data(), 0); }, "slot",
-                           "admit into a slot outside the batch");
+            expect_refused(
+                *layer, [&] { layer->admit(bad_slots[pick], rows.data(), rows.data(), 0); }, "slot",
+                "admit into a slot outside the batch");
             break;
           case 1:
-            expect_refused(*layer, [&] { layer->admit(0, rows.data(), rows.data(), bad_tokens[pick]); }, "tokens",
-                           "admit of a bad token count");
+            expect_refused(
+                *layer, [&] { layer->admit(0, rows.data(), rows.data(), bad_tokens[pick]); }, "tokens",
+                "admit of a bad token count");
             break;
           case 2: {
             const bool no_k = in.ConsumeBool();
-            expect_refused(*layer,
-                           [&] { layer->admit(0, no_k ? nullptr : rows.data(), no_k ? rows.data() : nullptr, 1); },
-                           "must be set", "admit without rows");
+            expect_refused(
+                *layer, [&] { layer->admit(0, no_k ? nullptr : rows.data(), no_k ? rows.data() : nullptr, 1); },
+                "must be set", "admit without rows");
             break;
           }
           case 3:
-            expect_refused(*layer, [&] { layer->release(bad_slots[pick]); }, "slot", "release of a slot outside the batch");
+            expect_refused(
+                *layer, [&] { layer->release(bad_slots[pick]); }, "slot", "release of a slot outside the batch");
             break;
           case 4:
-            expect_refused(*layer, [&] { layer->reserve(bad_tokens[pick]); }, "tokens",
-                           "reserve of a bad token count");
+            expect_refused(
+                *layer, [&] { layer->reserve(bad_tokens[pick]); }, "tokens", "reserve of a bad token count");
             break;
           case 5: {  // a lockstep append of a bad count, or without rows
             if (in.ConsumeBool()) {
-              expect_refused(*layer, [&] { layer->append_tokens(rows.data(), rows.data(), bad_tokens[pick]); },
-                             "tokens", "append_tokens of a bad token count");
+              expect_refused(
+                  *layer, [&] { layer->append_tokens(rows.data(), rows.data(), bad_tokens[pick]); }, "tokens",
+                  "append_tokens of a bad token count");
             } else {
-              expect_refused(*layer, [&] { layer->append_tokens(nullptr, rows.data(), 1); }, "must be set",
-                             "append_tokens without rows");
+              expect_refused(
+                  *layer, [&] { layer->append_tokens(nullptr, rows.data(), 1); }, "must be set",
+                  "append_tokens without rows");
             }
             break;
           }
@@ -1654,14 +1700,17 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
             if (kind == 0) {
               const int drop = in.ConsumeIntegralInRange<int>(0, spec.pointers - 1);
               const Form form = spec.prefill && in.ConsumeBool() ? Form::kPrefill : Form::kDecode;
-              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), form, 1, drop); }, "must be set",
-                             "a step with a null token pointer");
+              expect_refused(
+                  *layer, [&] { run_step(spec, *layer, d, o.data(), form, 1, drop); }, "must be set",
+                  "a step with a null token pointer");
             } else if (kind == 1 && spec.multi_token) {
-              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), Form::kDecodeQLen, bad_q_lens[pick], -1); },
-                             "q_len", "a step with q_len outside [1, kMaxQueryTokens]");
+              expect_refused(
+                  *layer, [&] { run_step(spec, *layer, d, o.data(), Form::kDecodeQLen, bad_q_lens[pick], -1); },
+                  "q_len", "a step with q_len outside [1, kMaxQueryTokens]");
             } else if (spec.model != Model::kStatic) {
-              expect_refused(*layer, [&] { run_step(spec, *layer, d, o.data(), Form::kEngineForm, 1, -1); }, "kv_storage",
-                             "the engine-pool form on a layer with its own cache");
+              expect_refused(
+                  *layer, [&] { run_step(spec, *layer, d, o.data(), Form::kEngineForm, 1, -1); }, "kv_storage",
+                  "the engine-pool form on a layer with its own cache");
             }
             o.check_canaries("refused step o");
             FUZZ_CHECK(o.payload() == std::vector<uint8_t>(o.bytes(), 0xFF), "a refused step wrote its output");
@@ -1669,7 +1718,8 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
           }
           default: {  // the mask path's columns before any step
             if (!layer->last_selected_positions().empty()) break;
-            expect_refused(*layer, [&] { (void)layer->last_mask_columns(); }, "no decode", "last_mask_columns before a step");
+            expect_refused(
+                *layer, [&] { (void)layer->last_mask_columns(); }, "no decode", "last_mask_columns before a step");
             break;
           }
         }

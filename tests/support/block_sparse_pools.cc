@@ -74,18 +74,24 @@ struct Engine {
   int64_t reused = 0;
 
   Engine(Device d, bool fp8_keys, std::mt19937_64& rng)
-      : device(d), c(pools_config(KVStorage::kEnginePools)), fp8(fp8_keys),
+      : device(d),
+        c(pools_config(KVStorage::kEnginePools)),
+        fp8(fp8_keys),
         kv_blocks(static_cast<int32_t>(kSlots * kBound / kKvBlock + 8)),
         key_blocks(static_cast<int32_t>(kSlots * kBound / kKeyBlock + 4)),
-        kv_max_blocks(static_cast<int32_t>(kBound / kKvBlock)), key_max_blocks(static_cast<int32_t>(kBound / kKeyBlock)),
+        kv_max_blocks(static_cast<int32_t>(kBound / kKvBlock)),
+        key_max_blocks(static_cast<int32_t>(kBound / kKeyBlock)),
         row_elems(int64_t{c.num_kv_heads} * c.head_dim),
         key_token_bytes(fp8_keys ? IndexKeyFp8::kTokenBytes : int64_t{c.head_dim} * 2),
         kv_table(static_cast<size_t>(kSlots) * kv_max_blocks, -1),
-        key_table(static_cast<size_t>(kSlots) * key_max_blocks, -1), lens(kSlots, 0),
-        kv_free(kv_blocks, rng), key_free(key_blocks, rng) {
+        key_table(static_cast<size_t>(kSlots) * key_max_blocks, -1),
+        lens(kSlots, 0),
+        kv_free(kv_blocks, rng),
+        key_free(key_blocks, rng) {
     k_pool.assign(static_cast<size_t>(int64_t{kv_blocks} * kKvBlock * row_elems * 2), 0xFF);  // NaN
     v_pool = k_pool;
-    key_pool.assign(static_cast<size_t>(int64_t{key_blocks} * kKeyBlock * key_token_bytes), 0xFF);  // NaN values and scales
+    key_pool.assign(static_cast<size_t>(int64_t{key_blocks} * kKeyBlock * key_token_bytes),
+                    0xFF);  // NaN values and scales
     d_k = Buffer(d, k_pool.size());
     d_v = Buffer(d, v_pool.size());
     d_keys = Buffer(d, key_pool.size());
@@ -129,7 +135,8 @@ struct Engine {
     for (int32_t i = 0; i < c.head_dim; ++i) {
       // e4m3 x a power-of-two scale: exact in bf16.
       const uint16_t bits = float_to_bf16(
-          e4m3_to_float(block[IndexKeyFp8::value_offset(kKeyBlock, static_cast<int32_t>(pos % kKeyBlock)) + i]) * scale);
+          e4m3_to_float(block[IndexKeyFp8::value_offset(kKeyBlock, static_cast<int32_t>(pos % kKeyBlock)) + i]) *
+          scale);
       std::memcpy(&out[size_t(i) * 2], &bits, 2);
     }
     return out;
@@ -149,7 +156,8 @@ struct Engine {
       int32_t& id = key_table[static_cast<size_t>(b * key_max_blocks + e)];
       if (id < 0) continue;
       const size_t first = static_cast<size_t>(int64_t{id} * kKeyBlock * key_token_bytes);
-      std::fill(key_pool.begin() + first, key_pool.begin() + first + size_t(kKeyBlock * key_token_bytes), uint8_t{0xFF});
+      std::fill(key_pool.begin() + first, key_pool.begin() + first + size_t(kKeyBlock * key_token_bytes),
+                uint8_t{0xFF});
       key_free.give(id);
       id = -1;
     }
@@ -197,7 +205,8 @@ struct StepInputs {
   Buffer q, iq, twin_key, o, twin_o;
   size_t q_elems, iq_elems, key_elems;
   StepInputs(Device d, const BlockSparseConfig& c)
-      : q_elems(size_t(c.num_qo_heads) * c.head_dim), iq_elems(size_t(c.num_kv_heads) * c.head_dim),
+      : q_elems(size_t(c.num_qo_heads) * c.head_dim),
+        iq_elems(size_t(c.num_kv_heads) * c.head_dim),
         key_elems(size_t(c.head_dim)) {
     q = Buffer(d, kSlots * q_elems * 2);
     iq = Buffer(d, kSlots * iq_elems * 2);
@@ -214,8 +223,8 @@ struct Request {
 // The scripted run: step -> (slot, prompt) joins (prompt 0: the slot's request leaves).
 const std::multimap<int32_t, std::pair<int32_t, int64_t>> kScript = {
     {0, {1, 200}}, {0, {2, 700}}, {0, {3, 1100}},  // slot 0 starts empty
-    {4, {3, 0}},   {5, {0, 900}},                    // slot 3 leaves; slot 0 takes its blocks
-    {8, {1, 0}},   {9, {1, 30}},  {9, {3, 508}},     // slot 3 crosses into the sparse regime (512)
+    {4, {3, 0}},   {5, {0, 900}},                  // slot 3 leaves; slot 0 takes its blocks
+    {8, {1, 0}},   {9, {1, 30}},  {9, {3, 508}},   // slot 3 crosses into the sparse regime (512)
     {12, {2, 0}},
 };
 constexpr int32_t kSteps = 15;
@@ -301,7 +310,8 @@ void drive(Device device, const BlockPoolsRun& run, BlockPoolsStats& stats) {
                              std::to_string(eng.lens[size_t(s)]);
       const auto first_o = o.begin() + std::ptrdiff_t(s * in.q_elems);
       if (!live[size_t(s)]) {
-        for (auto x = first_o; x != first_o + std::ptrdiff_t(in.q_elems); ++x) ASSERT_EQ(*x & 0x7FFF, 0) << at << ": free slot";
+        for (auto x = first_o; x != first_o + std::ptrdiff_t(in.q_elems); ++x)
+          ASSERT_EQ(*x & 0x7FFF, 0) << at << ": free slot";
         for (int32_t h = 0; h < c.num_kv_heads; ++h) EXPECT_TRUE(blocks[size_t(s * c.num_kv_heads + h)].empty()) << at;
         ++stats.free_rows;
         continue;
@@ -409,15 +419,19 @@ void check_block_sparse_engine_pools_refusals(Device device, bool fp8_keys) {
     }
   };
   const int32_t saved_len = eng.lens[1];
-  refused("a length past max_seq_len", [&](Engine& e) { e.lens[1] = static_cast<int32_t>(kStepBound + 3); }, "max_seq_len");
-  refused("a negative length", [&](Engine& e) { e.lens[1] = -5; }, "max_seq_len");
+  refused(
+      "a length past max_seq_len", [&](Engine& e) { e.lens[1] = static_cast<int32_t>(kStepBound + 3); }, "max_seq_len");
+  refused(
+      "a negative length", [&](Engine& e) { e.lens[1] = -5; }, "max_seq_len");
   eng.lens[1] = saved_len;
   int32_t& entry = eng.key_table[size_t(1 * eng.key_max_blocks + 3)];  // a scored block's keys
   const int32_t saved_entry = entry;
-  refused("a key block past the pool", [&](Engine& e) { e.key_table[size_t(1 * e.key_max_blocks + 3)] = e.key_blocks + 2; },
-          "outside the index-key pool");
-  refused("a negative key block", [&](Engine& e) { e.key_table[size_t(1 * e.key_max_blocks + 3)] = -7; },
-          "outside the index-key pool");
+  refused(
+      "a key block past the pool", [&](Engine& e) { e.key_table[size_t(1 * e.key_max_blocks + 3)] = e.key_blocks + 2; },
+      "outside the index-key pool");
+  refused(
+      "a negative key block", [&](Engine& e) { e.key_table[size_t(1 * e.key_max_blocks + 3)] = -7; },
+      "outside the index-key pool");
   entry = saved_entry;
   eng.upload_all();
   EXPECT_EQ(pools_before(), pools) << "a refused step wrote into the engine's pools";

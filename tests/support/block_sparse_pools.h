@@ -29,11 +29,11 @@ struct BlockPoolsRun {
 };
 
 struct BlockPoolsStats {
-  int64_t compared_rows = 0;   // (step, live slot) outputs compared
-  int64_t sparse_rows = 0;     // of those, in the sparse regime
-  int64_t free_rows = 0;       // (step, free slot) outputs checked to be zero
-  int64_t reused_blocks = 0;   // blocks handed out again after a release
-  int64_t bitwise_rows = 0;    // outputs compared bit for bit
+  int64_t compared_rows = 0;  // (step, live slot) outputs compared
+  int64_t sparse_rows = 0;    // of those, in the sparse regime
+  int64_t free_rows = 0;      // (step, free slot) outputs checked to be zero
+  int64_t reused_blocks = 0;  // blocks handed out again after a release
+  int64_t bitwise_rows = 0;   // outputs compared bit for bit
 };
 
 BlockPoolsStats check_block_sparse_engine_pools(Device device, const BlockPoolsRun& run);

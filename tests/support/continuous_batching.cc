@@ -254,8 +254,8 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
         ASSERT_FALSE(std::isnan(got[i])) << name << ": NaN in slot " << s << " at step " << step;
       }
       std::vector<double> ref(want.begin(), want.end());
-      ASSERT_LT(relative_l2(got, ref), 1e-2) << name << ": request " << r.id << " differs from its lone run at step "
-                                             << step;
+      ASSERT_LT(relative_l2(got, ref), 1e-2)
+          << name << ": request " << r.id << " differs from its lone run at step " << step;
       ++r.tokens;
       ++stats.compared_rows;
       stats.longest = std::max(stats.longest, batched->kv_lens()[s]);
@@ -270,7 +270,9 @@ ContinuousBatchingStats check_block_sparse_continuous_batching(Device device, co
   const bool cuda = device == Device::kCuda;
   BlockSparseConfig c{cuda ? 64 : 8, cuda ? 4 : 2, cuda ? 128 : 32, 16, 4, 2, 64};
   Model<BlockSparseAttention, BlockSparseTokens> m;
-  m.make = [c](Device d, int32_t b, DispatchConfig dc) { return std::make_unique<BlockSparseAttention>(d, kDt, c, b, dc); };
+  m.make = [c](Device d, int32_t b, DispatchConfig dc) {
+    return std::make_unique<BlockSparseAttention>(d, kDt, c, b, dc);
+  };
   const size_t d = static_cast<size_t>(c.head_dim);
   m.q = m.o = static_cast<size_t>(c.num_qo_heads) * d;
   m.index_q = static_cast<size_t>(c.num_kv_heads) * d;
@@ -323,7 +325,9 @@ ContinuousBatchingStats check_static_continuous_batching(Device device, const Co
   const bool cuda = device == Device::kCuda;
   StaticBlockSparseConfig c{cuda ? 32 : 8, cuda ? 8 : 2, cuda ? 128 : 32, 16, 3, 4, 64};
   Model<StaticBlockSparseAttention, StaticBlockSparseTokens> m;
-  m.make = [c](Device d, int32_t b, DispatchConfig dc) { return std::make_unique<StaticBlockSparseAttention>(d, kDt, c, b, dc); };
+  m.make = [c](Device d, int32_t b, DispatchConfig dc) {
+    return std::make_unique<StaticBlockSparseAttention>(d, kDt, c, b, dc);
+  };
   const size_t d = static_cast<size_t>(c.head_dim);
   m.q = m.o = static_cast<size_t>(c.num_qo_heads) * d;
   m.k = m.v = static_cast<size_t>(c.num_kv_heads) * d;

@@ -15,10 +15,10 @@ namespace sparsepage::testing {
 struct ContinuousBatchingRun {
   int32_t slots = 4;
   int32_t steps = 200;
-  int32_t max_prompt = 300;   // prompts of 1 .. max_prompt tokens
-  double join = 0.35;         // per step: chance a free slot admits a request
-  double leave = 0.04;        // per step and request: chance it finishes
-  double bad_call = 0.05;     // per step: chance a refused call is tried first (and must change nothing)
+  int32_t max_prompt = 300;  // prompts of 1 .. max_prompt tokens
+  double join = 0.35;        // per step: chance a free slot admits a request
+  double leave = 0.04;       // per step and request: chance it finishes
+  double bad_call = 0.05;    // per step: chance a refused call is tried first (and must change nothing)
   uint64_t seed = 1;
   /// The dispatch's performance gates off, so every step of the batched
   /// layer fuses (what a captured step needs to keep one plan).
@@ -33,11 +33,11 @@ struct ContinuousBatchingRun {
 
 /// What a run covered, for the caller's own assertions.
 struct ContinuousBatchingStats {
-  int64_t compared_rows = 0;    // (step, live slot) outputs compared with the lone run
+  int64_t compared_rows = 0;  // (step, live slot) outputs compared with the lone run
   int64_t admitted = 0, released = 0;
   int64_t fused_steps = 0, sparse_steps = 0;
   int64_t refused_calls = 0;
-  int64_t longest = 0;          // the longest sequence seen
+  int64_t longest = 0;  // the longest sequence seen
 };
 
 ContinuousBatchingStats check_block_sparse_continuous_batching(Device device, const ContinuousBatchingRun& run);

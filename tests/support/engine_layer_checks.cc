@@ -34,8 +34,7 @@ struct EnginePool {
   Buffer table_dev;
 
   EnginePool(Device d, int32_t b, int32_t blocks_per_seq, int64_t elems, int32_t num_pools, std::mt19937_64& rng)
-      : device(d), batch(b), max_blocks(blocks_per_seq), row_elems(elems),
-        num_blocks(int64_t{b} * blocks_per_seq + 3) {
+      : device(d), batch(b), max_blocks(blocks_per_seq), row_elems(elems), num_blocks(int64_t{b} * blocks_per_seq + 3) {
     std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), rng);
@@ -99,7 +98,8 @@ const BlockSparseConfig kBlockConfig = [] {
 struct BlockTokens {
   int32_t heads, dim;
   std::vector<std::vector<uint8_t>> k, v, ik;  // [batch][t * heads * dim] and [batch][t * dim]
-  BlockTokens(int32_t batch, int32_t h, int32_t d) : heads(h), dim(d), k(size_t(batch)), v(size_t(batch)), ik(size_t(batch)) {}
+  BlockTokens(int32_t batch, int32_t h, int32_t d)
+      : heads(h), dim(d), k(size_t(batch)), v(size_t(batch)), ik(size_t(batch)) {}
   void add(int32_t b, std::mt19937_64& rng) {
     auto append = [&](std::vector<uint8_t>& dst, size_t n) {
       const auto fresh = random_values(kDt, n, rng);
@@ -152,7 +152,10 @@ struct BlockArms {
   BlockTokens tok;
 
   BlockArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch)
-      : device(d), batch(b), c(kBlockConfig), dense(d, kDt, kBlockConfig, b, always_fuse()),
+      : device(d),
+        batch(b),
+        c(kBlockConfig),
+        dense(d, kDt, kBlockConfig, b, always_fuse()),
         engine(d, kDt, engine_config(), b, engine_dispatch),
         pool(d, b, max_blocks, int64_t{kBlockConfig.num_kv_heads} * kBlockConfig.head_dim, 2, rng),
         tok(b, kBlockConfig.num_kv_heads, kBlockConfig.head_dim) {}
@@ -178,8 +181,10 @@ struct BlockArms {
       for (int64_t t = 0; t < n; ++t) {
         tok.add(b, rng);
         for (int32_t hh = 0; hh < h; ++hh) {
-          std::memcpy(&dk[((size_t(b) * (h + 1) + hh) * n + t) * d * 2], at(tok.k[size_t(b)], (size_t(t) * h + hh) * d), d * 2);
-          std::memcpy(&dv[((size_t(b) * h + hh) * n + t) * d * 2], at(tok.v[size_t(b)], (size_t(t) * h + hh) * d), d * 2);
+          std::memcpy(&dk[((size_t(b) * (h + 1) + hh) * n + t) * d * 2], at(tok.k[size_t(b)], (size_t(t) * h + hh) * d),
+                      d * 2);
+          std::memcpy(&dv[((size_t(b) * h + hh) * n + t) * d * 2], at(tok.v[size_t(b)], (size_t(t) * h + hh) * d),
+                      d * 2);
         }
         std::memcpy(&dk[((size_t(b) * (h + 1) + h) * n + t) * d * 2], at(tok.ik[size_t(b)], size_t(t) * d), d * 2);
         std::memcpy(&ek[(size_t(b) * n + t) * d * 2], at(tok.ik[size_t(b)], size_t(t) * d), d * 2);
@@ -254,9 +259,14 @@ struct DsaArms {
   }
   DsaArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch,
           bool fp8_pool = false)
-      : device(d), batch(b), c(kDsaConfig), dense(d, kDt, kDsaConfig, b, always_fuse().without_performance_gates()),
-        engine(d, kDt, engine_config(), b, engine_dispatch), fp8(fp8_pool),
-        pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : kDsaConfig.latent_dim + kDsaConfig.rope_dim, 1, rng) {}
+      : device(d),
+        batch(b),
+        c(kDsaConfig),
+        dense(d, kDt, kDsaConfig, b, always_fuse().without_performance_gates()),
+        engine(d, kDt, engine_config(), b, engine_dispatch),
+        fp8(fp8_pool),
+        pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : kDsaConfig.latent_dim + kDsaConfig.rope_dim, 1, rng) {
+  }
   EnginePagedKV kv() const {
     if (fp8) {
       const MlaFp8Views v = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock, MlaFp8Row::kBytes);
@@ -357,7 +367,8 @@ struct DsaArms {
     Buffer o1 = upload(device, nan_values(kDt, size_t(batch) * c.num_qo_heads * c.latent_dim));
     Buffer o2 = upload(device, nan_values(kDt, size_t(batch) * c.num_qo_heads * c.latent_dim));
     StepOut out;
-    out.dense_step = dense.decode({bq.data(), bpe.data(), bqi.data(), bw.as<float>(), bk.data(), bkpe.data(), o1.data()});
+    out.dense_step =
+        dense.decode({bq.data(), bpe.data(), bqi.data(), bw.as<float>(), bk.data(), bkpe.data(), o1.data()});
     DsaTokens et{bq.data(), bpe.data(), bqi.data(), bw.as<float>(), nullptr, nullptr, o2.data()};
     et.index_k = bik.data();
     out.engine_step = engine.decode(et, kv());
@@ -403,8 +414,8 @@ void check_engine_paged_block_sparse(Device device) {
       EXPECT_EQ(arms.engine.last_blocks(), arms.dense.last_blocks()) << "step " << s;
       EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions()) << "step " << s;
       ASSERT_FALSE(has_nan(out.engine_o)) << "step " << s;
-      EXPECT_TRUE(out.engine_o == out.dense_o) << "step " << s
-                                               << ": the engine pool's output differs from the layer cache's";
+      EXPECT_TRUE(out.engine_o == out.dense_o)
+          << "step " << s << ": the engine pool's output differs from the layer cache's";
     }
     EXPECT_EQ(arms.engine.kv_len(), 903);
   }
@@ -424,8 +435,8 @@ void check_engine_paged_dsa(Device device) {
       EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions())
           << "prompt " << prompt << ", step " << s;
       ASSERT_FALSE(has_nan(out.engine_o)) << "prompt " << prompt << ", step " << s;
-      EXPECT_TRUE(out.engine_o == out.dense_o) << "prompt " << prompt << ", step " << s
-                                               << ": the engine pool's output differs from the layer cache's";
+      EXPECT_TRUE(out.engine_o == out.dense_o)
+          << "prompt " << prompt << ", step " << s << ": the engine pool's output differs from the layer cache's";
     }
   }
 }
@@ -443,7 +454,8 @@ void check_engine_paged_dsa_fp8(Device device) {
       const std::string at = "prompt " + std::to_string(prompt) + ", step " + std::to_string(s);
       ASSERT_TRUE(out.dense_step.fused) << out.dense_step.outcome.reason;
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
-      EXPECT_EQ(std::string(out.engine_step.outcome.kernel), device == Device::kCuda ? cuda_fp8_mla_kernel : "CPU loop");
+      EXPECT_EQ(std::string(out.engine_step.outcome.kernel),
+                device == Device::kCuda ? cuda_fp8_mla_kernel : "CPU loop");
       EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions()) << at;
       ASSERT_FALSE(has_nan(out.engine_o)) << at;
       // The same dequantized values through two kernels: equal up to the

@@ -51,7 +51,9 @@ void check_dsa_engine_pools(Device device, bool fp8) {
   for (int32_t b = 0, next = 0; b < batch; ++b) {
     for (int32_t j = 0; j < (lens[b] + block - 1) / block; ++j) table[size_t(b * max_blocks + j)] = ids[size_t(next++)];
   }
-  const auto slot_of = [&](int32_t b, int64_t p) { return int64_t{table[size_t(b * max_blocks + p / block)]} * block + p % block; };
+  const auto slot_of = [&](int32_t b, int64_t p) {
+    return int64_t{table[size_t(b * max_blocks + p / block)]} * block + p % block;
+  };
 
   // The engine's pools, on the host first: MLA rows (bf16 576-wide or 656-byte FP8) and index keys.
   const int64_t rows = int64_t{num_blocks} * block;
@@ -164,7 +166,8 @@ void check_dsa_engine_pools(Device device, bool fp8) {
   const auto got = layer.last_selected_positions();
   ASSERT_EQ(int(got.size()), batch);
   for (int32_t b = 0; b < batch; ++b) {
-    std::vector<int32_t> want(want_pos.begin() + b * c.index_topk, want_pos.begin() + b * c.index_topk + want_cnt[size_t(b)]);
+    std::vector<int32_t> want(want_pos.begin() + b * c.index_topk,
+                              want_pos.begin() + b * c.index_topk + want_cnt[size_t(b)]);
     std::vector<int32_t> have = got[size_t(b)];
     std::sort(want.begin(), want.end());
     std::sort(have.begin(), have.end());
@@ -202,7 +205,8 @@ void check_dsa_engine_pools(Device device, bool fp8) {
       for (int32_t p : got[size_t(b)]) {
         double dot = 0;
         for (int i = 0; i < 576; ++i) {
-          const double qv = i < 512 ? qf[size_t((b * c.num_qo_heads + h) * 512 + i)] : qpf[size_t((b * c.num_qo_heads + h) * 64 + i - 512)];
+          const double qv = i < 512 ? qf[size_t((b * c.num_qo_heads + h) * 512 + i)]
+                                    : qpf[size_t((b * c.num_qo_heads + h) * 64 + i - 512)];
           dot += qv * row_value(slot_of(b, p), i);
         }
         sc.push_back(dot * scale);

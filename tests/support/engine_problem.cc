@@ -14,7 +14,8 @@ constexpr int32_t kNeverRead = 0x7fffffff;  // table entries no visible token ma
 
 void write_values(std::vector<uint8_t>& buf, DType dtype, int64_t offset, int32_t count, std::mt19937_64& rng) {
   const auto values = random_values(dtype, static_cast<size_t>(count), rng);
-  std::copy(values.begin(), values.end(), buf.begin() + static_cast<std::ptrdiff_t>(offset * int64_t(dtype_size(dtype))));
+  std::copy(values.begin(), values.end(),
+            buf.begin() + static_cast<std::ptrdiff_t>(offset * int64_t(dtype_size(dtype))));
 }
 
 std::vector<float> read_values(const std::vector<uint8_t>& buf, DType dtype, int64_t offset, int32_t count) {
@@ -61,8 +62,7 @@ EngineProblem make_engine_problem(const EngineSpec& spec, uint64_t seed) {
     std::uniform_int_distribution<int32_t> any_slot(0, static_cast<int32_t>(pb.pool_slots() - 1));
     for (int32_t i = 0; i < rows * spec.topk; ++i) pb.indices.push_back(pad(rng) ? -1 : any_slot(rng));
     // With padding, the last row is all padding: nothing to attend.
-    if (spec.pad_fraction > 0)
-      std::fill(pb.indices.end() - spec.topk, pb.indices.end(), -1);
+    if (spec.pad_fraction > 0) std::fill(pb.indices.end() - spec.topk, pb.indices.end(), -1);
   } else if (spec.index == EngineIndex::kPositions) {
     pb.width = spec.topk;
     pb.max_blocks = (spec.context + bs - 1) / bs;
@@ -225,12 +225,10 @@ DecodeParams EngineProblem::params(const EngineArrays& a) const {
     case EngineIndex::kPositions:
       p.padding = IndexPadding::kMinusOneSkips;
       p.addressing = PageAddressing::kBlockTable;
-      p.block_table = {a.block_table, max_blocks, max_blocks, table_rows, spec.block_size, spec.num_blocks,
-                       a.row_of_sequence};
+      p.block_table = {a.block_table,   max_blocks,      max_blocks,       table_rows,
+                       spec.block_size, spec.num_blocks, a.row_of_sequence};
       break;
-    case EngineIndex::kBlockPages:
-      p.num_pool_pages = spec.num_blocks;
-      break;
+    case EngineIndex::kBlockPages: p.num_pool_pages = spec.num_blocks; break;
   }
   p.qo_layout = spec.strided_qo ? QueryLayout::kStrided : QueryLayout::kPacked;
   p.q = a.q;
@@ -266,14 +264,16 @@ EngineReference engine_reference(const EngineProblem& pb) {
     // The request's rows, converted once for all its query heads.
     std::vector<std::vector<float>> keys, values;
     for (int64_t slot : slots) {
-      keys.push_back(read_values(pb.k_pool, dt, slot * pb.k_row_stride + h * pb.k_head_stride, pb.dim_qk + pb.dim_extra));
+      keys.push_back(
+          read_values(pb.k_pool, dt, slot * pb.k_row_stride + h * pb.k_head_stride, pb.dim_qk + pb.dim_extra));
       values.push_back(read_values(v_pool, dt, slot * pb.v_row_stride + h * pb.v_head_stride, pb.dim_v));
     }
     for (int32_t g = 0; g < G; ++g) {
       const auto q = read_values(pb.q_buf, dt, head_at(pb, pb.q_strides, r, g), pb.dim_qk);
-      const auto qe = pb.dim_extra > 0 ? read_values(pb.q_buf, dt, pb.q_offset_extra + head_at(pb, pb.q_extra_strides, r, g),
-                                                     pb.dim_extra)
-                                       : std::vector<float>{};
+      const auto qe =
+          pb.dim_extra > 0
+              ? read_values(pb.q_buf, dt, pb.q_offset_extra + head_at(pb, pb.q_extra_strides, r, g), pb.dim_extra)
+              : std::vector<float>{};
       std::vector<double> scores;
       double mx = -std::numeric_limits<double>::infinity();
       for (const auto& k : keys) {
@@ -318,18 +318,19 @@ EngineOutput unpack_output(const EngineProblem& pb, const std::vector<uint8_t>& 
   return out;
 }
 
-std::string compare_engine(const EngineProblem& pb, const EngineReference& ref, const EngineOutput& got,
-                           double o_tol, double lse_tol) {
+std::string compare_engine(const EngineProblem& pb, const EngineReference& ref, const EngineOutput& got, double o_tol,
+                           double lse_tol) {
   const size_t heads = static_cast<size_t>(pb.num_requests()) * pb.spec.group_size;
   const size_t dv = static_cast<size_t>(pb.dim_v);
   for (size_t i = 0; i < heads; ++i) {
-    const std::string where = "request " + std::to_string(i / pb.spec.group_size) + " head " +
-                              std::to_string(i % pb.spec.group_size) + ": ";
+    const std::string where =
+        "request " + std::to_string(i / pb.spec.group_size) + " head " + std::to_string(i % pb.spec.group_size) + ": ";
     if (std::isinf(ref.lse[i])) {
       for (size_t d = 0; d < dv; ++d) {
         if (got.o[i * dv + d] != 0.0f) return where + "empty request has o = " + std::to_string(got.o[i * dv + d]);
       }
-      if (!(std::isinf(got.lse[i]) && got.lse[i] < 0)) return where + "lse " + std::to_string(got.lse[i]) + ", expected -inf";
+      if (!(std::isinf(got.lse[i]) && got.lse[i] < 0))
+        return where + "lse " + std::to_string(got.lse[i]) + ", expected -inf";
       continue;
     }
     double err = 0.0, norm = 0.0;

@@ -34,17 +34,17 @@ struct EngineSpec {
   int32_t num_seqs = 3;
   int32_t num_kv_heads = 1;
   int32_t group_size = 16;
-  bool mla = true;                 // K rows of 512 + 64 with V = the latent (num_kv_heads 1)
-  int32_t head_dim = 128;          // not MLA: K and V width
+  bool mla = true;         // K rows of 512 + 64 with V = the latent (num_kv_heads 1)
+  int32_t head_dim = 128;  // not MLA: K and V width
   int32_t block_size = 64;
   int32_t num_blocks = 64;
   EngineIndex index = EngineIndex::kSlotIds;
-  int32_t topk = 128;              // kSlotIds / kPositions: ids per request
-  int32_t context = 500;           // kPositions / kBlockPages: longest sequence
-  bool per_head_indices = false;   // kSlotIds: one row per (sequence, KV head)
-  double pad_fraction = 0.0;       // share of ids that are -1 (kSlotIds / kPositions)
-  bool lengths = false;            // kSlotIds / kPositions: topk_length-style per-request counts
-  bool strided_qo = false;         // q (and q_extra) slices of a packed buffer, o a column slice
+  int32_t topk = 128;             // kSlotIds / kPositions: ids per request
+  int32_t context = 500;          // kPositions / kBlockPages: longest sequence
+  bool per_head_indices = false;  // kSlotIds: one row per (sequence, KV head)
+  double pad_fraction = 0.0;      // share of ids that are -1 (kSlotIds / kPositions)
+  bool lengths = false;           // kSlotIds / kPositions: topk_length-style per-request counts
+  bool strided_qo = false;        // q (and q_extra) slices of a packed buffer, o a column slice
 };
 
 /// Pointers to a problem's arrays (host, or device copies).
@@ -65,17 +65,17 @@ struct EngineProblem {
   EngineSpec spec;
   int32_t dim_qk = 0, dim_v = 0, dim_extra = 0;
   int32_t page_size = 1;
-  int32_t width = 0;                    // ids per request row
-  std::vector<int32_t> plan_counts;     // per request: the bound the plan is made for
-  std::vector<int32_t> indices;         // the index matrix
-  std::vector<int32_t> lens;            // per request (kSlotIds / kPositions) or sequence (kBlockPages); may be empty
-  std::vector<int32_t> block_table;     // kPositions: [table_rows, max_blocks]
-  std::vector<int32_t> row_of_sequence; // kPositions
+  int32_t width = 0;                     // ids per request row
+  std::vector<int32_t> plan_counts;      // per request: the bound the plan is made for
+  std::vector<int32_t> indices;          // the index matrix
+  std::vector<int32_t> lens;             // per request (kSlotIds / kPositions) or sequence (kBlockPages); may be empty
+  std::vector<int32_t> block_table;      // kPositions: [table_rows, max_blocks]
+  std::vector<int32_t> row_of_sequence;  // kPositions
   int32_t table_rows = 0, max_blocks = 0;
   std::vector<uint8_t> q_buf, k_pool, v_pool;  // q_buf holds q (and q_extra) at the strides below
-  int64_t q_offset_extra = 0;           // elements from q_buf's start to q_extra
+  int64_t q_offset_extra = 0;                  // elements from q_buf's start to q_extra
   QueryStrides q_strides, q_extra_strides, o_strides;
-  int64_t o_elements = 0;               // elements of the o buffer (strided: with gaps)
+  int64_t o_elements = 0;  // elements of the o buffer (strided: with gaps)
   int64_t k_row_stride = 0, k_head_stride = 0, v_row_stride = 0, v_head_stride = 0;
   float scale = 1.0f;
   /// Per request: the pool slots it attends, in order (padding dropped).
@@ -108,7 +108,7 @@ EngineOutput unpack_output(const EngineProblem& pb, const std::vector<uint8_t>& 
 /// Per (request, head): o within `o_tol` relative L2 of fp64 (NaN fails),
 /// lse within `lse_tol`, an empty request exactly o = 0 and lse = -inf.
 /// Returns the first mismatch, or "".
-std::string compare_engine(const EngineProblem& pb, const EngineReference& ref, const EngineOutput& got,
-                           double o_tol, double lse_tol);
+std::string compare_engine(const EngineProblem& pb, const EngineReference& ref, const EngineOutput& got, double o_tol,
+                           double lse_tol);
 
 }  // namespace sparsepage::testing

@@ -59,9 +59,11 @@ Fp8Problem make_fp8_per_head(const PagedProblem& base, int32_t num_kv_heads) {
   f.v.assign(static_cast<size_t>(rows * f.v_row_bytes), 0x7F);
   for (int64_t row = 0; row < rows; ++row) {
     for (int32_t d = 0; d < s.dim_qk; ++d)
-      f.k[static_cast<size_t>(row * f.k_row_bytes + d)] = float_to_e4m3(k[static_cast<size_t>(row * base.k_row_stride + d)] * 448.0f);
+      f.k[static_cast<size_t>(row * f.k_row_bytes + d)] =
+          float_to_e4m3(k[static_cast<size_t>(row * base.k_row_stride + d)] * 448.0f);
     for (int32_t d = 0; d < s.dim_v; ++d)
-      f.v[static_cast<size_t>(row * f.v_row_bytes + d)] = float_to_e4m3(v[static_cast<size_t>(row * base.v_row_stride + d)] * 448.0f);
+      f.v[static_cast<size_t>(row * f.v_row_bytes + d)] =
+          float_to_e4m3(v[static_cast<size_t>(row * base.v_row_stride + d)] * 448.0f);
   }
   for (int32_t h = 0; h < num_kv_heads; ++h) {
     f.k_scale.push_back(static_cast<float>(h + 1) / 448.0f);
@@ -260,8 +262,8 @@ std::string outside_bound(const Fp8Problem& f, const Reference& ref, const Fp8Ro
       const size_t i = row * s.dim_v + d;
       const double err = std::fabs(double{o[i]} - ref.o[i]);
       if (!(err <= bound.o[i])) {
-        report(row, "o[" + std::to_string(d) + "] off by " + std::to_string(err) + " > bound " +
-                        std::to_string(bound.o[i]));
+        report(row,
+               "o[" + std::to_string(d) + "] off by " + std::to_string(err) + " > bound " + std::to_string(bound.o[i]));
       }
     }
   }

@@ -18,9 +18,9 @@ struct Fp8Problem {
   const PagedProblem* base = nullptr;  // page table, q, q_extra, the bf16 rope pool
   KvFormat format = KvFormat::kNative;
   int32_t num_kv_heads = 1;
-  std::vector<uint8_t> k, v;           // e4m3 rows (kE4m3Mla: the 656-byte rows in k)
+  std::vector<uint8_t> k, v;  // e4m3 rows (kE4m3Mla: the 656-byte rows in k)
   int64_t k_row_bytes = 0, v_row_bytes = 0;
-  std::vector<float> k_scale, v_scale; // kE4m3PerHead: [num_kv_heads]
+  std::vector<float> k_scale, v_scale;  // kE4m3PerHead: [num_kv_heads]
 
   /// kE4m3Mla: model the CUDA kernels' dequantization, which rounds each
   /// value (e4m3 times its block's scale, in fp32) to bf16 before the
@@ -39,8 +39,8 @@ struct Fp8Problem {
 /// exact dequantization (docs/RELIABILITY.md, "FP8 MLA rounding"), from the
 /// data: per (request, head) the lse bound, per output element the o bound.
 struct Fp8RoundingBound {
-  std::vector<double> o;    // [R, G, dim_v]
-  std::vector<double> lse;  // [R, G]
+  std::vector<double> o;         // [R, G, dim_v]
+  std::vector<double> lse;       // [R, G]
   double largest_score_sum = 0;  // the largest A = scale * sum |q k| met (for messages)
 };
 Fp8RoundingBound mla_rounding_bound(const Fp8Problem& exact, const std::vector<std::vector<int64_t>>& rows);

@@ -49,8 +49,8 @@ PagedIndexKeys IndexKeysProblem::paged(void* pool, const int32_t* table_ptr) con
 }
 
 DsaIndexerArgs IndexKeysProblem::args(void* storage_ptr, const int32_t* table_ptr, const void* q_ptr,
-                                      const float* w_ptr, const int32_t* lens_ptr, int32_t* positions,
-                                      int32_t* counts, int32_t* error) const {
+                                      const float* w_ptr, const int32_t* lens_ptr, int32_t* positions, int32_t* counts,
+                                      int32_t* error) const {
   DsaIndexerArgs a;
   a.dtype = spec.dtype;
   a.kv_lens = lens_ptr;
@@ -181,8 +181,8 @@ IndexKeysProblem make_index_keys_problem(const IndexKeysSpec& spec) {
     total += need[size_t(b)];
   }
   pb.num_blocks = total + spec.spare_blocks;
-  pb.max_blocks = static_cast<int32_t>(
-      std::max<int64_t>((pb.max_kv_len + spec.block_size - 1) / spec.block_size, 1) + spec.extra_table_entries);
+  pb.max_blocks = static_cast<int32_t>(std::max<int64_t>((pb.max_kv_len + spec.block_size - 1) / spec.block_size, 1) +
+                                       spec.extra_table_entries);
   std::vector<int32_t> ids(static_cast<size_t>(pb.num_blocks));
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -215,7 +215,8 @@ IndexKeysProblem make_index_keys_problem(const IndexKeysSpec& spec) {
     const auto [b, t] = live[i];
     src.insert(src.end(), pb.key(b, t), pb.key(b, t) + spec.dim);
     slots.push_back(int64_t{pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(t / spec.block_size)]} *
-                        spec.block_size + t % spec.block_size);
+                        spec.block_size +
+                    t % spec.block_size);
     if (i % 7 == 3) {  // a padding token: its key is poison, its slot -1
       src.insert(src.end(), size_t(spec.dim), NAN);
       slots.push_back(-1);
@@ -263,9 +264,8 @@ IndexSelection run_index_twin(const IndexKeysProblem& pb) {
 
 std::vector<std::vector<float>> index_twin_scores(const IndexKeysProblem& pb) {
   std::vector<uint8_t> storage = pb.storage;
-  const DsaIndexerArgs a =
-      pb.args(storage.data(), pb.table.data(), pb.q.data(), pb.weights.data(), pb.spec.kv_lens.data(), nullptr,
-              nullptr, nullptr);
+  const DsaIndexerArgs a = pb.args(storage.data(), pb.table.data(), pb.q.data(), pb.weights.data(),
+                                   pb.spec.kv_lens.data(), nullptr, nullptr, nullptr);
   return dsa_index_scores_cpu(pb.config, pb.sequences, a);
 }
 

@@ -30,11 +30,11 @@ struct IndexKeysSpec {
   IndexKeyFormat format = IndexKeyFormat::kE4m3;
   IndexQueryFormat q_format = IndexQueryFormat::kNative;
   int32_t block_size = 64;
-  std::vector<int32_t> kv_lens;       // per sequence
-  int64_t max_kv_len = 0;             // 0: the longest length
-  int32_t spare_blocks = 3;           // pool blocks no sequence owns
-  int32_t extra_table_entries = 2;    // entries past each sequence's blocks (ids outside the pool)
-  int64_t block_pad_bytes = 0;        // padding after each block (a multiple of 16)
+  std::vector<int32_t> kv_lens;     // per sequence
+  int64_t max_kv_len = 0;           // 0: the longest length
+  int32_t spare_blocks = 3;         // pool blocks no sequence owns
+  int32_t extra_table_entries = 2;  // entries past each sequence's blocks (ids outside the pool)
+  int64_t block_pad_bytes = 0;      // padding after each block (a multiple of 16)
   bool exact = true;
   uint64_t seed = 1;
 };
@@ -44,16 +44,16 @@ struct IndexKeysProblem {
   DsaConfig config;
   int32_t sequences = 0;
   int64_t max_kv_len = 0;
-  int64_t capacity = 0;              // dense: rows per sequence
-  int64_t longest = 0;               // the longest length
-  std::vector<float> keys;           // [sequences, longest, dim]: the logical keys (exact in dtype)
-  std::vector<uint8_t> storage;      // the pool (paged) or the K rows (dense)
-  std::vector<int32_t> table;        // [sequences, max_blocks]
+  int64_t capacity = 0;          // dense: rows per sequence
+  int64_t longest = 0;           // the longest length
+  std::vector<float> keys;       // [sequences, longest, dim]: the logical keys (exact in dtype)
+  std::vector<uint8_t> storage;  // the pool (paged) or the K rows (dense)
+  std::vector<int32_t> table;    // [sequences, max_blocks]
   int32_t max_blocks = 0;
   int64_t num_blocks = 0;
-  std::vector<int32_t> owned;        // pool blocks some sequence owns, ascending
-  std::vector<uint8_t> q;            // q_index bytes: dtype, or e4m3 for q_format kE4m3
-  std::vector<float> weights;        // [rows, heads] (scales folded in for kE4m3)
+  std::vector<int32_t> owned;  // pool blocks some sequence owns, ascending
+  std::vector<uint8_t> q;      // q_index bytes: dtype, or e4m3 for q_format kE4m3
+  std::vector<float> weights;  // [rows, heads] (scales folded in for kE4m3)
 
   int32_t rows() const { return sequences * spec.q_len; }
   const float* key(int32_t seq, int64_t t) const {

@@ -144,7 +144,8 @@ void check_block_sparse_greedy_equality(Device device, int32_t batch) {
 }
 
 std::vector<double> dsa_reference(const DsaAttention& layer, const DsaConfig& c, const std::vector<uint8_t>& q_bytes,
-                                  const std::vector<uint8_t>& q_pe_bytes, int32_t b, const std::vector<int32_t>& positions) {
+                                  const std::vector<uint8_t>& q_pe_bytes, int32_t b,
+                                  const std::vector<int32_t>& positions) {
   const RowView k_rows = layer.cache().k_rows().value(), pe_rows = layer.cache().v_rows().value();
   const auto* k = static_cast<const uint16_t*>(k_rows.data);
   const auto* pe = static_cast<const uint16_t*>(pe_rows.data);

@@ -172,7 +172,7 @@ MlaSparseProblem make_mla_sparse_problem(const MlaSparseSpec& spec) {
     std::uniform_real_distribution<float> around(-2.0f, 8.0f);
     for (int32_t h = 0; h < spec.num_heads; ++h) {
       const int kind = h % 7;
-      pb.sink.push_back(kind == 1 ? -std::numeric_limits<float>::infinity()
+      pb.sink.push_back(kind == 1   ? -std::numeric_limits<float>::infinity()
                         : kind == 2 ? std::numeric_limits<float>::infinity()
                         : kind == 3 ? 1e4f
                                     : around(rng));
@@ -225,7 +225,8 @@ MlaSparseReference mla_sparse_reference(const MlaSparseProblem& pb) {
 
 MlaSparseProblem merge_into_one_cache(const MlaSparseProblem& pb) {
   const MlaSparseSpec& s = pb.spec;
-  if (s.extra_topk == 0 || s.block_size != s.extra_block_size || pb.cache.view.block_stride != pb.extra.view.block_stride)
+  if (s.extra_topk == 0 || s.block_size != s.extra_block_size ||
+      pb.cache.view.block_stride != pb.extra.view.block_stride)
     throw Error("merge_into_one_cache: needs an extra cache of the main one's block size and stride");
   MlaSparseProblem one = pb;
   one.spec.topk = s.topk + s.extra_topk;
@@ -282,9 +283,12 @@ std::string compare_mla_sparse(const MlaSparseProblem& pb, const MlaSparseRefere
           << ")";
     const double want = ref.lse[query];
     if (std::isinf(want)) {
-      if (!(std::isinf(lse[query]) && lse[query] > 0)) return where.str() + ": lse " + std::to_string(lse[query]) + ", expected +inf";
+      if (!(std::isinf(lse[query]) && lse[query] > 0))
+        return where.str() + ": lse " + std::to_string(lse[query]) + ", expected +inf";
       for (size_t i = 0; i < dv; ++i)
-        if (o[query * dv + i] != 0.0f) return where.str() + ": attended nothing but o[" + std::to_string(i) + "] = " + std::to_string(o[query * dv + i]);
+        if (o[query * dv + i] != 0.0f)
+          return where.str() + ": attended nothing but o[" + std::to_string(i) +
+                 "] = " + std::to_string(o[query * dv + i]);
       continue;
     }
     if (!(std::fabs(lse[query] - want) <= lse_tol * std::max(1.0, std::fabs(want))))
@@ -297,8 +301,9 @@ std::string compare_mla_sparse(const MlaSparseProblem& pb, const MlaSparseRefere
       norm += w * w;
     }
     if (norm == 0.0 ? diff != 0.0 : std::sqrt(diff / norm) > o_tol)
-      return where.str() + ": o's relative L2 error " + std::to_string(norm == 0.0 ? std::sqrt(diff) : std::sqrt(diff / norm)) +
-             " exceeds " + std::to_string(o_tol);
+      return where.str() + ": o's relative L2 error " +
+             std::to_string(norm == 0.0 ? std::sqrt(diff) : std::sqrt(diff / norm)) + " exceeds " +
+             std::to_string(o_tol);
   }
   return {};
 }

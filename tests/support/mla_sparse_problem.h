@@ -24,7 +24,7 @@ struct MlaSparseSpec {
   int64_t row_pad = 0;    // kV32: bytes past 656 in each row (a multiple of 16 keeps CUDA's grid)
   int64_t block_pad = 0;  // bytes past a block's own (0: contiguous blocks)
   bool topk_length = false, extra_topk_length = false;  // per-sequence lengths in [0, topk]
-  double minus_one = 0.1;  // share of visible ids that are -1
+  double minus_one = 0.1;                               // share of visible ids that are -1
   bool sink = false;
   uint64_t seed = 1;
 };
@@ -36,21 +36,19 @@ struct MlaSparseHostCache {
   std::vector<int32_t> indices;      // [batch, q_len, topk]
   std::vector<int32_t> topk_length;  // [batch] or empty
   std::vector<double> values;
-  MlaSparseCache view;               // data and the arrays point into this struct (host)
+  MlaSparseCache view;  // data and the arrays point into this struct (host)
   int64_t slots() const { return view.num_slots(); }
 };
 
 struct MlaSparseProblem {
   MlaSparseSpec spec;
-  std::vector<uint16_t> q;   // bf16 [batch, q_len, num_heads, head_dim_qk]
-  std::vector<float> sink;   // [num_heads] or empty
+  std::vector<uint16_t> q;  // bf16 [batch, q_len, num_heads, head_dim_qk]
+  std::vector<float> sink;  // [num_heads] or empty
   float scale = 0.0f;
   MlaSparseHostCache cache, extra;
 
   int32_t head_dim_qk() const { return mla_head_dim_qk(spec.format); }
-  MlaSparseShape shape() const {
-    return {spec.batch, spec.q_len, spec.num_heads, spec.topk, spec.extra_topk};
-  }
+  MlaSparseShape shape() const { return {spec.batch, spec.q_len, spec.num_heads, spec.topk, spec.extra_topk}; }
   /// Host params over this problem's arrays (o bf16 [batch, q_len, heads, 512]).
   MlaSparseParams host_params(void* o, float* lse) const;
   /// Re-points the views into the vectors (after a copy or a move).

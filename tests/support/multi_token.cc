@@ -30,8 +30,8 @@ PlanShape plan_shape(Device device, int32_t rows, int32_t head_dim_v, int32_t fi
 // Runs one planned decode on `device` and returns o (as float) and lse.
 MultiTokenResult run_planned(const DecodeParams& params, const std::vector<int32_t>& counts, Device device,
                              int32_t fixed_chunk_tokens, Buffer& o, Buffer& lse, size_t o_elems, size_t lse_elems) {
-  const DecodePlan plan = make_decode_plan(
-      counts, plan_shape(device, params.group_size * params.q_len, params.v.dim, fixed_chunk_tokens));
+  const DecodePlan plan =
+      make_decode_plan(counts, plan_shape(device, params.group_size * params.q_len, params.v.dim, fixed_chunk_tokens));
   Buffer workspace(device, std::max<size_t>(plan.workspace.total, 256));
   MultiTokenResult result;
   if (device == Device::kCuda) {
@@ -217,8 +217,8 @@ MultiTokenResult run_as_single_tokens(const MultiTokenProblem& pb, Device device
     Buffer lse = upload(device, std::vector<float>(static_cast<size_t>(pb.num_requests()) * s.group_size, kNaN));
     // Token t's rows of q and o: [batch, hq, d] views with the sequence stride of all q_len tokens.
     const size_t token_offset = static_cast<size_t>(t) * hq * d * esize;
-    DecodeParams p = pb.params(k.data(), v.data(), static_cast<const char*>(q.data()) + token_offset,
-                               ptr.as<int32_t>(), ids.as<int32_t>(), lens.as<int32_t>(), live_d.as<int32_t>(),
+    DecodeParams p = pb.params(k.data(), v.data(), static_cast<const char*>(q.data()) + token_offset, ptr.as<int32_t>(),
+                               ids.as<int32_t>(), lens.as<int32_t>(), live_d.as<int32_t>(),
                                static_cast<char*>(o.data()) + token_offset, lse.as<float>());
     p.q_len = 1;
     p.page_size = 1;
@@ -246,9 +246,9 @@ MultiTokenResult run_as_single_tokens(const MultiTokenProblem& pb, Device device
   return all;
 }
 
-std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<float>& o,
-                                const std::vector<float>& lse, const std::vector<double>& ref_o,
-                                const std::vector<double>& ref_lse, double o_tol, double lse_tol) {
+std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<float>& o, const std::vector<float>& lse,
+                                const std::vector<double>& ref_o, const std::vector<double>& ref_lse, double o_tol,
+                                double lse_tol) {
   const auto& s = pb.spec;
   const size_t hq = static_cast<size_t>(pb.num_qo_heads()), d = static_cast<size_t>(s.head_dim);
   const size_t rows = static_cast<size_t>(pb.batch) * s.q_len * hq;
@@ -268,8 +268,7 @@ std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<f
       continue;
     }
     const double lse_err = std::fabs(double{lse[i]} - ref_lse[i]);
-    if (!(lse_err <= lse_tol))
-      return where + "lse " + std::to_string(lse[i]) + " vs " + std::to_string(ref_lse[i]);
+    if (!(lse_err <= lse_tol)) return where + "lse " + std::to_string(lse[i]) + " vs " + std::to_string(ref_lse[i]);
   }
   return "";
 }

@@ -23,8 +23,8 @@ struct MultiTokenSpec {
   int32_t q_len = 4;
   int32_t page_size = 16;
   int32_t head_dim = 128;
-  int32_t pages_per_request = 6;   // selected pages (at most the window's)
-  int64_t capacity = 0;            // rows per (sequence, head); 0: the longest window + 8
+  int32_t pages_per_request = 6;  // selected pages (at most the window's)
+  int64_t capacity = 0;           // rows per (sequence, head); 0: the longest window + 8
   uint64_t seed = 1;
 };
 
@@ -36,11 +36,11 @@ struct MultiTokenProblem {
   MultiTokenSpec spec;
   int32_t batch = 0;
   int64_t capacity = 0;
-  std::vector<uint8_t> k, v;             // [batch, num_kv_heads, capacity, head_dim]
-  std::vector<uint8_t> q;                // [batch, q_len, num_qo_heads, head_dim]
-  std::vector<int32_t> pages;            // [requests, pages_per_request] window page ids, the final page last
-  std::vector<int32_t> seq_lens;         // [requests] tokens the pages cover (the final page cut at the window)
-  std::vector<int32_t> indptr;           // [requests + 1] CSR over `pages`
+  std::vector<uint8_t> k, v;      // [batch, num_kv_heads, capacity, head_dim]
+  std::vector<uint8_t> q;         // [batch, q_len, num_qo_heads, head_dim]
+  std::vector<int32_t> pages;     // [requests, pages_per_request] window page ids, the final page last
+  std::vector<int32_t> seq_lens;  // [requests] tokens the pages cover (the final page cut at the window)
+  std::vector<int32_t> indptr;    // [requests + 1] CSR over `pages`
 
   int32_t num_requests() const { return batch * spec.num_kv_heads; }
   int32_t num_qo_heads() const { return spec.num_kv_heads * spec.group_size; }
@@ -49,8 +49,8 @@ struct MultiTokenProblem {
   /// Params over the given pointers (host or device copies of the arrays
   /// above; the caller plans for group_size * q_len rows).
   DecodeParams params(const void* k_data, const void* v_data, const void* q_data, const int32_t* indptr_data,
-                      const int32_t* pages_data, const int32_t* seq_lens_data, const int32_t* live_lens_data,
-                      void* o, float* lse) const;
+                      const int32_t* pages_data, const int32_t* seq_lens_data, const int32_t* live_lens_data, void* o,
+                      float* lse) const;
 };
 
 MultiTokenProblem make_multi_token_problem(const MultiTokenSpec& spec);
@@ -78,9 +78,9 @@ MultiTokenResult run_as_single_tokens(const MultiTokenProblem& pb, Device device
 
 /// Per-row relative L2 of o (at most o_tol) and |lse - ref| (at most
 /// lse_tol); the first mismatch, described, or "".
-std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<float>& o,
-                                const std::vector<float>& lse, const std::vector<double>& ref_o,
-                                const std::vector<double>& ref_lse, double o_tol, double lse_tol);
+std::string compare_multi_token(const MultiTokenProblem& pb, const std::vector<float>& o, const std::vector<float>& lse,
+                                const std::vector<double>& ref_o, const std::vector<double>& ref_lse, double o_tol,
+                                double lse_tol);
 
 /// A multi-token step's cache append against the same tokens appended one
 /// at a time: two bf16 caches on `device` (3 sequences, K 3 heads x k_dim,

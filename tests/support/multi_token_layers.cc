@@ -239,8 +239,8 @@ void check_block_sparse_multi_token(Device device, const BlockSparseConfig& conf
   expect_matches_reference(s, o, layer.last_selected_positions(), "fused multi-token step");
 }
 
-void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch,
-                                          int64_t prompt, int32_t q_len, bool kill) {
+void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
+                                          int32_t q_len, bool kill) {
   const DType dtype = DType::kBF16;
   const Scenario s = make_scenario(config, batch, prompt, q_len, 99 + static_cast<uint64_t>(prompt));
   ASSERT_FALSE(config.sparse_regime(s.len()) && !kill) << "pick a context below the sparse regime";
@@ -283,7 +283,7 @@ struct DsaScenario {
   DsaConfig config;
   int32_t batch = 2, q_len = 4;
   int64_t prompt = 0;
-  std::vector<float> k_rows, pe;       // [b][pos][latent + index], [b][pos][rope]
+  std::vector<float> k_rows, pe;                 // [b][pos][latent + index], [b][pos][rope]
   std::vector<float> q, q_pe, q_index, weights;  // [b][t][...]
   int64_t len() const { return prompt + q_len; }
   size_t k_width() const { return static_cast<size_t>(config.latent_dim + config.index_head_dim); }
@@ -343,7 +343,8 @@ std::vector<int32_t> dsa_expected(const DsaScenario& s, int32_t b, int32_t t) {
   const size_t d = static_cast<size_t>(c.index_head_dim), len = static_cast<size_t>(s.len());
   std::vector<float> keys;
   for (int64_t pos = 0; pos < window; ++pos) {
-    const float* src = &s.k_rows[(static_cast<size_t>(b) * len + static_cast<size_t>(pos)) * s.k_width() + c.latent_dim];
+    const float* src =
+        &s.k_rows[(static_cast<size_t>(b) * len + static_cast<size_t>(pos)) * s.k_width() + c.latent_dim];
     keys.insert(keys.end(), src, src + d);
   }
   const size_t row = static_cast<size_t>(b) * s.q_len + t;
@@ -355,9 +356,11 @@ std::vector<int32_t> dsa_expected(const DsaScenario& s, int32_t b, int32_t t) {
 }
 
 // fp64 MLA attention of (b, t) over `positions`: [heads, latent].
-std::vector<double> dsa_rows_reference(const DsaScenario& s, int32_t b, int32_t t, const std::vector<int32_t>& positions) {
+std::vector<double> dsa_rows_reference(const DsaScenario& s, int32_t b, int32_t t,
+                                       const std::vector<int32_t>& positions) {
   const auto& c = s.config;
-  const size_t len = static_cast<size_t>(s.len()), lat = static_cast<size_t>(c.latent_dim), rope = static_cast<size_t>(c.rope_dim);
+  const size_t len = static_cast<size_t>(s.len()), lat = static_cast<size_t>(c.latent_dim),
+               rope = static_cast<size_t>(c.rope_dim);
   const double scale = static_cast<double>(1.0f / std::sqrt(static_cast<float>(c.latent_dim + c.rope_dim)));
   std::vector<double> out(static_cast<size_t>(c.num_qo_heads) * lat, 0.0);
   for (size_t h = 0; h < static_cast<size_t>(c.num_qo_heads); ++h) {
@@ -407,7 +410,8 @@ void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch
   DsaAttention layer(device, dtype, config, batch, dispatch);
   {
     const Buffer k = upload(device, to_dtype(dtype, dsa_rows(s.k_rows, s, s.k_width(), 0, prompt, false)));
-    const Buffer pe = upload(device, to_dtype(dtype, dsa_rows(s.pe, s, static_cast<size_t>(config.rope_dim), 0, prompt, false)));
+    const Buffer pe =
+        upload(device, to_dtype(dtype, dsa_rows(s.pe, s, static_cast<size_t>(config.rope_dim), 0, prompt, false)));
     layer.append_tokens(k.data(), pe.data(), prompt);
   }
   const Buffer q = upload(device, to_dtype(dtype, s.q)), q_pe = upload(device, to_dtype(dtype, s.q_pe));
@@ -449,7 +453,8 @@ void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch
       const size_t row0 = (static_cast<size_t>(b) * q_len + t) * rows_per_token;
       const std::vector<float> o_bt(got.begin() + static_cast<std::ptrdiff_t>(row0),
                                     got.begin() + static_cast<std::ptrdiff_t>(row0 + rows_per_token));
-      EXPECT_LE(relative_l2(o_bt, ref), 1e-2) << (kill ? "kill switch" : "fused") << ", sequence " << b << " token " << t;
+      EXPECT_LE(relative_l2(o_bt, ref), 1e-2)
+          << (kill ? "kill switch" : "fused") << ", sequence " << b << " token " << t;
     }
   }
 }

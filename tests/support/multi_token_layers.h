@@ -29,8 +29,8 @@ void check_block_sparse_multi_token(Device device, const BlockSparseConfig& conf
 /// (each token against fp64 causal attention over the whole window) or
 /// under the kill switch (`kill`: the last token against fp64 over its own
 /// selection, and no output left unwritten).
-void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch,
-                                          int64_t prompt, int32_t q_len, bool kill);
+void check_block_sparse_multi_token_dense(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
+                                          int32_t q_len, bool kill);
 
 /// A small DSA geometry on the MLA shape (16 query heads, latent 512 + rope
 /// 64; 8 index heads of 64; top-64).

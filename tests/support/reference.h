@@ -33,14 +33,14 @@ struct ProblemSpec {
   int32_t group_size = 4;
   int32_t dim_qk = 128;
   int32_t dim_v = 128;
-  int32_t dim_extra = 0;        // second K stream when > 0
-  bool v_aliases_k = false;     // V = the first dim_v columns of K's rows
-  int32_t k_row_padding = 0;    // K rows carry this many extra elements
-  int32_t v_row_padding = 0;    // V rows too (a separate V only), so K and V strides differ
+  int32_t dim_extra = 0;          // second K stream when > 0
+  bool v_aliases_k = false;       // V = the first dim_v columns of K's rows
+  int32_t k_row_padding = 0;      // K rows carry this many extra elements
+  int32_t v_row_padding = 0;      // V rows too (a separate V only), so K and V strides differ
   int32_t extra_row_padding = 0;  // and second-stream rows
   int64_t pool_pages = 4096;
-  bool allow_duplicates = true; // pages drawn with replacement
-  float scale = 0.0f;           // 0: 1/sqrt(dim_qk + dim_extra)
+  bool allow_duplicates = true;  // pages drawn with replacement
+  float scale = 0.0f;            // 0: 1/sqrt(dim_qk + dim_extra)
 };
 
 /// A problem in host memory; every pool row that no visible token resolves
@@ -49,7 +49,7 @@ struct PagedProblem {
   ProblemSpec spec;
   PageTableStructure table;
   std::vector<int32_t> indices;
-  std::vector<uint8_t> q, q_extra;       // [R, G, dim_qk], [R, G, dim_extra]
+  std::vector<uint8_t> q, q_extra;  // [R, G, dim_qk], [R, G, dim_extra]
   std::vector<uint8_t> k_pool, v_pool, e_pool;
   int64_t k_row_stride = 0, v_row_stride = 0, e_row_stride = 0;
   float scale = 1.0f;

@@ -112,8 +112,7 @@ void check_static_set_equality(Device device, const StaticBlockSparseConfig& con
   EXPECT_GT(fused_cases, 0) << "the contexts must include steps that fuse";
 }
 
-void check_static_against_reference(Device device, const StaticBlockSparseConfig& c, int32_t batch,
-                                    int64_t context) {
+void check_static_against_reference(Device device, const StaticBlockSparseConfig& c, int32_t batch, int64_t context) {
   const int32_t hq = c.num_qo_heads, hkv = c.num_kv_heads, group = c.group_size(), dim = c.head_dim;
   const int64_t prompt = context - 1;
   const int64_t query_block = (context - 1) / c.block_size;

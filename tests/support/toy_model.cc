@@ -167,8 +167,9 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
     std::vector<float> q, k, v, iq;
     for (const auto& x : xs) {
       const std::vector<float> h = rms_norm(x);
-      for (auto [out, weight, n] : {std::make_tuple(&q, &w.wq, qo), std::make_tuple(&k, &w.wk, kv + (is_static ? 0 : hd)),
-                                    std::make_tuple(&v, &w.wv, kv), std::make_tuple(&iq, &w.wiq, is_static ? 0 : kv)}) {
+      for (auto [out, weight, n] :
+           {std::make_tuple(&q, &w.wq, qo), std::make_tuple(&k, &w.wk, kv + (is_static ? 0 : hd)),
+            std::make_tuple(&v, &w.wv, kv), std::make_tuple(&iq, &w.wiq, is_static ? 0 : kv)}) {
         if (n == 0) continue;
         const std::vector<float> y = matvec(h, *weight, n);
         out->insert(out->end(), y.begin(), y.end());
@@ -198,8 +199,9 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
     }
     const std::vector<float> attn = read_output(device_, o);
     for (size_t b = 0; b < xs.size(); ++b) {
-      add_block(xs[b], std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(b * qo),
-                                          attn.begin() + static_cast<std::ptrdiff_t>((b + 1) * qo)),
+      add_block(xs[b],
+                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(b * qo),
+                                   attn.begin() + static_cast<std::ptrdiff_t>((b + 1) * qo)),
                 w.wo, w.w1, w.w2);
     }
   }
@@ -292,9 +294,9 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
     const Buffer k_pe = to_device(device_, DType::kBF16, matvec(hn, w.w_kr, static_cast<size_t>(a.rope_dim)));
     const Buffer q = to_device(device_, DType::kBF16, matvec(hn, w.w_q, h * static_cast<size_t>(a.latent_dim)));
     const Buffer q_pe = to_device(device_, DType::kBF16, matvec(hn, w.w_qr, h * static_cast<size_t>(a.rope_dim)));
-    const Buffer q_index = to_device(
-        device_, DType::kBF16,
-        matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
+    const Buffer q_index =
+        to_device(device_, DType::kBF16,
+                  matvec(hn, w.w_qi, static_cast<size_t>(a.index_heads) * static_cast<size_t>(a.index_head_dim)));
     const Buffer weights = upload(device_, matvec(hn, w.w_w, static_cast<size_t>(a.index_heads)));
     Buffer o = poisoned_output(device_, h * static_cast<size_t>(a.latent_dim));
     const DsaTokens tokens{q.data(), q_pe.data(), q_index.data(), weights.as<float>(), k.data(), k_pe.data(), o.data()};

@@ -27,7 +27,7 @@ struct ToyModelConfig {
   // kStaticBlockSparse: 8 q heads over 2 KV heads, head dim 64, blocks of 16, 2 local blocks, vertical stride 4.
   // Its prompt runs through decode too (the pattern holds at every position).
   StaticBlockSparseConfig static_attention{8, 2, 64, 16, 2, 4, 64};
-  int32_t batch = 1;   // sequences decoded side by side through one layer call
+  int32_t batch = 1;  // sequences decoded side by side through one layer call
   uint64_t seed = 1234;
 };
 

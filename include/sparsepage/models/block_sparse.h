@@ -29,7 +29,7 @@ namespace sparsepage {
 struct BlockSparseConfig {
   int32_t num_qo_heads = 64;
   int32_t num_kv_heads = 4;
-  int32_t head_dim = 128;   // also the index head dim (the index key is a K head)
+  int32_t head_dim = 128;  // also the index head dim (the index key is a K head)
   int32_t block_size = 128;
   int32_t topk_blocks = 16;
   int32_t local_blocks = 1;  // >= 1: the final block is always kept

@@ -61,13 +61,13 @@ struct DsaConfig {
 /// to the queries, weights and o, and takes q_len k_cache_row / k_pe slices,
 /// token-major.
 struct DsaTokens {
-  const void* q_latent = nullptr;    // [batch, num_qo_heads, latent_dim] (absorbed queries)
-  const void* q_pe = nullptr;        // [batch, num_qo_heads, rope_dim]
-  const void* q_index = nullptr;     // [batch, index_heads, index_head_dim]
+  const void* q_latent = nullptr;        // [batch, num_qo_heads, latent_dim] (absorbed queries)
+  const void* q_pe = nullptr;            // [batch, num_qo_heads, rope_dim]
+  const void* q_index = nullptr;         // [batch, index_heads, index_head_dim]
   const float* index_weights = nullptr;  // [batch, index_heads]
-  const void* k_cache_row = nullptr; // [batch, 1, 1, latent_dim + index_head_dim]: kv_latent then indexer key
-  const void* k_pe = nullptr;        // [batch, 1, 1, rope_dim]
-  void* o = nullptr;                 // [batch, num_qo_heads, latent_dim]
+  const void* k_cache_row = nullptr;     // [batch, 1, 1, latent_dim + index_head_dim]: kv_latent then indexer key
+  const void* k_pe = nullptr;            // [batch, 1, 1, rope_dim]
+  void* o = nullptr;                     // [batch, num_qo_heads, latent_dim]
   /// KVStorage::kEnginePaged only, instead of k_cache_row and k_pe (which
   /// stay null: the engine has written the token's MLA row into its pool):
   /// the token's indexer key [batch, 1, 1, index_head_dim].
@@ -149,20 +149,20 @@ std::vector<std::vector<int32_t>> dsa_select_tokens_cpu(const DsaConfig& config,
 /// workspace come from the host bound max_kv_len, so a graph captured once
 /// replays correctly while the lengths grow up to that bound.
 struct DsaIndexerArgs {
-  DType dtype = DType::kBF16;      // of k_cache and q_index: f16 or bf16
-  const void* k_cache = nullptr;   // the layer's K buffer: [batch * capacity, latent_dim + index_head_dim], row
-                                   // b * capacity + t, index key at columns latent_dim ..; 16-byte aligned
-  int64_t capacity = 0;            // rows per sequence in k_cache
+  DType dtype = DType::kBF16;        // of k_cache and q_index: f16 or bf16
+  const void* k_cache = nullptr;     // the layer's K buffer: [batch * capacity, latent_dim + index_head_dim], row
+                                     // b * capacity + t, index key at columns latent_dim ..; 16-byte aligned
+  int64_t capacity = 0;              // rows per sequence in k_cache
   const int32_t* kv_lens = nullptr;  // DEVICE [batch]: live positions per sequence, 0 <= kv_lens[b] <= max_kv_len
-  int64_t max_kv_len = 0;          // HOST bound, 1 <= max_kv_len <= capacity: sizes the grids and the workspace
-  const void* q_index = nullptr;   // [batch, index_heads, index_head_dim]; 16-byte aligned
-  const float* weights = nullptr;  // [batch, index_heads]
-  void* workspace = nullptr;       // caller-owned scratch, >= dsa_indexer_workspace_bytes(config, batch, max_kv_len)
-                                   // bytes, 16-byte aligned
+  int64_t max_kv_len = 0;            // HOST bound, 1 <= max_kv_len <= capacity: sizes the grids and the workspace
+  const void* q_index = nullptr;     // [batch, index_heads, index_head_dim]; 16-byte aligned
+  const float* weights = nullptr;    // [batch, index_heads]
+  void* workspace = nullptr;         // caller-owned scratch, >= dsa_indexer_workspace_bytes(config, batch, max_kv_len)
+                                     // bytes, 16-byte aligned
   size_t workspace_bytes = 0;
-  int32_t* positions = nullptr;    // out [batch, index_topk]: the kept positions of sequence b in increasing order,
-                                   // then -1 up to index_topk
-  int32_t* counts = nullptr;       // out [batch]: min(index_topk, kv_lens[b]), written on the device
+  int32_t* positions = nullptr;  // out [batch, index_topk]: the kept positions of sequence b in increasing order,
+                                 // then -1 up to index_topk
+  int32_t* counts = nullptr;     // out [batch]: min(index_topk, kv_lens[b]), written on the device
   /// Multi-token steps: each sequence has q_len query tokens, each with its
   /// own top-k over its own causal window. q_index is then [batch, q_len,
   /// index_heads, index_head_dim], weights [batch, q_len, index_heads],
@@ -203,7 +203,6 @@ size_t dsa_indexer_workspace_bytes(const DsaConfig& config, int32_t batch, int64
 /// of 16 up to 256 and latent_dim a multiple of 8; index_heads *
 /// index_head_dim <= 16384 (one sequence's index queries are staged in shared
 /// memory); batch <= 65535; max_kv_len < 2^31.
-void dsa_select_tokens_cuda(const DsaConfig& config, int32_t batch, const DsaIndexerArgs& args,
-                            void* stream = nullptr);
+void dsa_select_tokens_cuda(const DsaConfig& config, int32_t batch, const DsaIndexerArgs& args, void* stream = nullptr);
 
 }  // namespace sparsepage

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "core/decode_limits.h"
-#include "cuda/primitives/common.cuh"
 #include "cuda/attention/decode_fp8.h"
-#include "cuda/merge/decode_merge.cuh"
 #include "cuda/attention/launch_partial.cuh"
+#include "cuda/merge/decode_merge.cuh"
+#include "cuda/primitives/common.cuh"
 #include "sparsepage/decode.h"
 #include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/detail/query_strides.h"
@@ -72,7 +72,8 @@ bool uses_engine_inputs(const DecodeParams& params) {
 
 template <class Source>
 bool cluster_fits(DType dtype, int32_t size) {
-  return dtype == DType::kBF16 ? cuda::cluster_fits<__nv_bfloat16, Source>(size) : cuda::cluster_fits<__half, Source>(size);
+  return dtype == DType::kBF16 ? cuda::cluster_fits<__nv_bfloat16, Source>(size)
+                               : cuda::cluster_fits<__half, Source>(size);
 }
 
 /// cuda_merge_cluster_size for parameters already checked. The engines'
@@ -86,8 +87,7 @@ int32_t cluster_size_for(const DecodeParams& params, const DecodePlan& plan) {
       cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len) !=
           cuda::MultiTokenCtaKind::kRowTiles)
     return 0;
-  const int64_t cluster =
-      int64_t{plan.uniform_chunks} * cuda::ctas_per_item(shape, params.group_size * params.q_len);
+  const int64_t cluster = int64_t{plan.uniform_chunks} * cuda::ctas_per_item(shape, params.group_size * params.q_len);
   if (cluster > cuda::kClusterMergeCtas) return 0;
   const auto size = static_cast<int32_t>(cluster);
   const bool fits = uses_engine_inputs(params) ? cluster_fits<cuda::EnginePagedSource>(params.dtype, size)
@@ -150,7 +150,8 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
       return "MLA FP8 (656-byte rows), wgmma, warp-specialized";
     case DecodeKernel::kMla: return "MLA, wgmma, warp-specialized";
     case DecodeKernel::kMultiToken:
-      return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma" : "64-row multi-token CTA, mma.sync";
+      return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma"
+                                                        : "64-row multi-token CTA, mma.sync";
     case DecodeKernel::kRowTiles: break;
   }
   return "16-row tiles, mma.sync";
@@ -200,8 +201,8 @@ void upload_plan_cuda(const DecodePlan& plan, void* workspace, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const WorkspaceLayout& ws = plan.workspace;
   if (!plan.work.empty())
-    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.work_items), plan.work.data(),
-                                  plan.work.size() * sizeof(WorkItem), cudaMemcpyHostToDevice, s));
+    SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.work_items), plan.work.data(), plan.work.size() * sizeof(WorkItem),
+                                  cudaMemcpyHostToDevice, s));
   if (!plan.merge_indptr.empty())
     SP_CUDA_CHECK(cudaMemcpyAsync(at(workspace, ws.merge_indptr), plan.merge_indptr.data(),
                                   plan.merge_indptr.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
@@ -232,8 +233,9 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
   auto s = static_cast<cudaStream_t>(stream);
 
   cuda::PagedSource::Params p;
-  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra,
-                                              params.num_kv_heads, params.group_size, params.scale);
+  static_cast<cuda::PartialCommon&>(p) =
+      cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra, params.num_kv_heads,
+                          params.group_size, params.scale);
   if (plan.uniform_chunks > 0) {
     // Each CTA computes its item from its index: no list to read first.
     p.work = nullptr;
@@ -301,24 +303,31 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
     const int32_t cluster = choice.cluster;
     const bool bf16 = params.dtype == DType::kBF16;
     if (engine_inputs) {
-      if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::EnginePagedSource>(p, items, cluster, s);
-      else cuda::launch_partial_cluster<__half, cuda::EnginePagedSource>(p, items, cluster, s);
+      if (bf16)
+        cuda::launch_partial_cluster<__nv_bfloat16, cuda::EnginePagedSource>(p, items, cluster, s);
+      else
+        cuda::launch_partial_cluster<__half, cuda::EnginePagedSource>(p, items, cluster, s);
     } else {
-      if (bf16) cuda::launch_partial_cluster<__nv_bfloat16, cuda::PagedSource>(p, items, cluster, s);
-      else cuda::launch_partial_cluster<__half, cuda::PagedSource>(p, items, cluster, s);
+      if (bf16)
+        cuda::launch_partial_cluster<__nv_bfloat16, cuda::PagedSource>(p, items, cluster, s);
+      else
+        cuda::launch_partial_cluster<__half, cuda::PagedSource>(p, items, cluster, s);
     }
     return name;
   }
   if (choice.kind == DecodeKernel::kFp8) {
-    cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items, s);
+    cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items,
+                             s);
   } else if (engine_inputs) {
     cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
   } else {
     cuda::launch_partial<cuda::PagedSource>(p, shape, params.dtype, items, s);
   }
   if (plan.needs_merge()) {
-    if (params.dtype == DType::kBF16) run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
-    else run_merge<__half>(params, qo, plan, workspace, s);
+    if (params.dtype == DType::kBF16)
+      run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
+    else
+      run_merge<__half>(params, qo, plan, workspace, s);
   }
   return name;
 }

@@ -33,8 +33,8 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_i
 template <class Source>
 bool pairs_run(int32_t group_size) {
   if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;
-  return clusters_fit(mla_partial_kernel<MlaWsFp8PairCta<Source>>, MlaWsFp8PairTile::kThreads, MlaWsFp8PairTile::kSmemBytes,
-                      MlaWsFp8PairTile::kClusterCtas);
+  return clusters_fit(mla_partial_kernel<MlaWsFp8PairCta<Source>>, MlaWsFp8PairTile::kThreads,
+                      MlaWsFp8PairTile::kSmemBytes, MlaWsFp8PairTile::kClusterCtas);
 }
 
 /// The warp-specialized kernel: as CTA pairs when an item has two head tiles

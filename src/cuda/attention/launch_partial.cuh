@@ -41,8 +41,8 @@ enum class TileShape { kNone, kK64V64, kK128V128, kK192V128, kK256V256, kMla };
 /// The instantiation that runs head dims (qk, v, extra), or kNone.
 inline TileShape select_tile_shape(int32_t dqk, int32_t dv, int32_t de) {
   if (dqk == 512 && dv == 512 && de == 64) return TileShape::kMla;  // needs V aliasing K
-  const bool dims_ok = (dqk == 64 || dqk == 128 || dqk == 256) && (dv == 64 || dv == 128 || dv == 256) &&
-                       dv <= dqk && (de == 0 || de == 64);
+  const bool dims_ok = (dqk == 64 || dqk == 128 || dqk == 256) && (dv == 64 || dv == 128 || dv == 256) && dv <= dqk &&
+                       (de == 0 || de == 64);
   if (!dims_ok) return TileShape::kNone;
   switch (dqk + de) {
     case 64: return TileShape::kK64V64;
@@ -108,8 +108,8 @@ inline MultiTokenCtaKind multi_token_cta_kind(TileShape shape, int32_t head_dim_
                                               int32_t head_dim_extra, int32_t group_size, int32_t q_len) {
   const int64_t rows = int64_t{group_size} * q_len;
   if (q_len < 2 || rows <= kQueryTile || shape != TileShape::kK128V128) return MultiTokenCtaKind::kRowTiles;
-  if (multi_token_cta_choice() == MultiTokenChoice::kAuto && cuda_sm90a_code_runs(cuda_device_sm()) && head_dim_qk == 128 &&
-      head_dim_v == 128 && head_dim_extra == 0)
+  if (multi_token_cta_choice() == MultiTokenChoice::kAuto && cuda_sm90a_code_runs(cuda_device_sm()) &&
+      head_dim_qk == 128 && head_dim_v == 128 && head_dim_extra == 0)
     return MultiTokenCtaKind::kWgmma;
   return rows > 2 * kQueryTile ? MultiTokenCtaKind::kMma : MultiTokenCtaKind::kRowTiles;
 }
@@ -213,10 +213,12 @@ template <typename T, class Source>
 void launch_partial_cluster(const typename Source::Params& p, int32_t num_items, int32_t cluster, cudaStream_t stream) {
   auto kernel = partial_cluster_kernel<T, 128, 128, Source>;
   const int64_t ctas = int64_t{num_items} * ((int64_t{p.group_size} * p.q_len + kQueryTile - 1) / kQueryTile);
-  if (ctas > INT32_MAX || ctas % cluster != 0) throw Error("decode: the cluster merge's grid does not divide into clusters");
+  if (ctas > INT32_MAX || ctas % cluster != 0)
+    throw Error("decode: the cluster merge's grid does not divide into clusters");
   cudaLaunchAttribute attribute[2];
-  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(ctas), kThreads, static_cast<unsigned>(cluster),
-                                                          cluster_smem_bytes<Source>(), stream, attribute);
+  const cudaLaunchConfig_t config =
+      cluster_launch_config(static_cast<unsigned>(ctas), kThreads, static_cast<unsigned>(cluster),
+                            cluster_smem_bytes<Source>(), stream, attribute);
   SP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
@@ -224,7 +226,8 @@ template <typename T, class Source>
 int32_t resident_ctas_typed(TileShape shape) {
   switch (shape) {
     case TileShape::kK64V64:
-      return resident_ctas_once(partial_kernel<T, 64, 64, Source>, kThreads, TileConfig<64, 64, Source::kHasBias>::kSmemBytes);
+      return resident_ctas_once(partial_kernel<T, 64, 64, Source>, kThreads,
+                                TileConfig<64, 64, Source::kHasBias>::kSmemBytes);
     case TileShape::kK128V128:
       return resident_ctas_once(partial_kernel<T, 128, 128, Source>, kThreads,
                                 TileConfig<128, 128, Source::kHasBias>::kSmemBytes);
@@ -258,9 +261,8 @@ inline void check_stream_layout(const char* api, DType dtype, const void* q, con
                                 const RowView& v, const RowView& extra, const void* o) {
   const int32_t extra_dim = extra.data ? extra.dim : 0;
   if (select_tile_shape(k.dim, v.dim, extra_dim) == TileShape::kNone)
-    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(k.dim) +
-                ", v = " + std::to_string(v.dim) + ", extra = " + std::to_string(extra_dim) +
-                " (see cuda_supports_head_dims)");
+    throw Error(std::string(api) + ": no CUDA kernel for head dims qk = " + std::to_string(k.dim) + ", v = " +
+                std::to_string(v.dim) + ", extra = " + std::to_string(extra_dim) + " (see cuda_supports_head_dims)");
   const std::string problem = cuda_layout_problem(dtype, q, q_extra, k, v, extra, o);
   if (!problem.empty()) throw Error(std::string(api) + ": " + problem);
   const std::string arch = cuda_arch_problem(cuda_device_sm(), k.dim, v.dim, extra_dim);
@@ -334,7 +336,8 @@ void launch_mla(const typename Source::Params& p, int32_t num_items, cudaStream_
 }
 
 template <typename T, class Source>
-void launch_multi_token(const typename Source::Params& p, MultiTokenCtaKind kind, int32_t num_items, cudaStream_t stream) {
+void launch_multi_token(const typename Source::Params& p, MultiTokenCtaKind kind, int32_t num_items,
+                        cudaStream_t stream) {
   const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
   if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
   const dim3 grid(static_cast<unsigned>(ctas));
@@ -369,7 +372,8 @@ void launch_partial_typed(const typename Source::Params& p, TileShape shape, int
 }
 
 template <class Source>
-void launch_partial(const typename Source::Params& p, TileShape shape, DType dtype, int32_t num_items, cudaStream_t stream) {
+void launch_partial(const typename Source::Params& p, TileShape shape, DType dtype, int32_t num_items,
+                    cudaStream_t stream) {
   if (dtype == DType::kBF16) return launch_partial_typed<__nv_bfloat16, Source>(p, shape, num_items, stream);
   return launch_partial_typed<__half, Source>(p, shape, num_items, stream);
 }

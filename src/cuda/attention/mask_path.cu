@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda/primitives/common.cuh"
-#include "cuda/merge/decode_merge.cuh"
-#include "cuda/attention/launch_partial.cuh"
 #include "core/cuda_hooks.h"
+#include "cuda/attention/launch_partial.cuh"
+#include "cuda/merge/decode_merge.cuh"
+#include "cuda/primitives/common.cuh"
 #include "sparsepage/mask_path.h"
 
 namespace sparsepage {
@@ -57,11 +57,9 @@ MaskedSplit masked_split(const MaskedDecodeParams& params, int32_t num_sms) {
 void check_masked_cuda_layout(const MaskedDecodeParams& params) {
   const char* api = "run_masked_decode_cuda";
   if (params.dtype == DType::kF32)
-    throw Error(std::string(api) +
-                ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
-                "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
-  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k, params.v,
-                            params.k_extra, params.o);
+    throw Error(std::string(api) + ": f32 is not supported on CUDA (the tensor-core tile takes bf16/f16); "
+                                   "run dequantized f32 caches through run_masked_decode_cpu or convert them to bf16");
+  cuda::check_stream_layout(api, params.dtype, params.q, params.q_extra, params.k, params.v, params.k_extra, params.o);
   if (params.live_len > int64_t{INT32_MAX} - cuda::kTileRows)
     throw Error(std::string(api) + ": live_len = " + std::to_string(params.live_len) + " is too large");
 }
@@ -86,8 +84,9 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
   auto* ws = static_cast<unsigned char*>(workspace);
 
   cuda::DenseSource::Params p;
-  static_cast<cuda::PartialCommon&>(p) = cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra, params.num_kv_heads, params.group_size,
-                                              params.scale);
+  static_cast<cuda::PartialCommon&>(p) =
+      cuda::stream_params(params.q, params.q_extra, params.k, params.v, params.k_extra, params.num_kv_heads,
+                          params.group_size, params.scale);
   p.work = nullptr;
   p.chunks_per_request = static_cast<int32_t>(split.split.chunks_per_request);
   p.chunk_tokens = static_cast<int32_t>(split.split.chunk_tokens);
@@ -119,8 +118,10 @@ void run_masked_decode_cuda(const MaskedDecodeParams& params, void* workspace, v
     m.o = params.o;
     m.lse = params.lse;
     const auto num_merge = static_cast<int32_t>(split.requests);
-    if (params.dtype == DType::kBF16) cuda::launch_merge<__nv_bfloat16>(m, p.chunks_per_request, num_merge, s);
-    else cuda::launch_merge<__half>(m, p.chunks_per_request, num_merge, s);
+    if (params.dtype == DType::kBF16)
+      cuda::launch_merge<__nv_bfloat16>(m, p.chunks_per_request, num_merge, s);
+    else
+      cuda::launch_merge<__half>(m, p.chunks_per_request, num_merge, s);
   }
 }
 
@@ -132,11 +133,11 @@ struct GatherParams {
   const int32_t* rows = nullptr;     // selection rows
   const int32_t* offsets = nullptr;  // [num_requests + 1]
   const void* pool = nullptr;
-  int64_t stride_words = 0;          // pool row stride in words
-  int64_t row_words = 0;             // words per copied row
+  int64_t stride_words = 0;  // pool row stride in words
+  int64_t row_words = 0;     // words per copied row
   int64_t num_pool_rows = 0;
   int64_t max_rows = 0;
-  void* dst = nullptr;               // [num_requests, max_rows, row_words]
+  void* dst = nullptr;  // [num_requests, max_rows, row_words]
 };
 
 /// Word type W is 16 bytes when every row is 16-byte aligned, else one element.
@@ -156,8 +157,10 @@ __global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
     memset(&value, 0, sizeof(W));
     if (i < count) {
       const int64_t row = p.rows[begin + i];
-      if (row >= 0 && row < p.num_pool_rows) value = pool[row * p.stride_words + w];
-      else memset(&value, 0xFF, sizeof(W));
+      if (row >= 0 && row < p.num_pool_rows)
+        value = pool[row * p.stride_words + w];
+      else
+        memset(&value, 0xFF, sizeof(W));
     }
     dst[idx] = value;
   }
@@ -169,8 +172,8 @@ __global__ void gather_rows_kernel(const __grid_constant__ GatherParams p) {
 
 namespace sparsepage::detail {
 
-void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows,
-                      DType dtype, const RowView& pool, int64_t num_pool_rows, void* dst, void* stream) {
+void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows, DType dtype,
+                      const RowView& pool, int64_t num_pool_rows, void* dst, void* stream) {
   // gather_rows (src/cpu/mask_path_cpu.cc) checked the pool and the counts.
   if (num_requests == 0 || max_rows == 0) return;
   if (dst == nullptr || offsets == nullptr) throw Error("gather_rows: null dst or offsets");
@@ -194,9 +197,12 @@ void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_r
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024)),
                   static_cast<unsigned>(num_requests));
   auto s = static_cast<cudaStream_t>(stream);
-  if (vec16) gather_rows_kernel<uint4><<<grid, 256, 0, s>>>(p);
-  else if (elem == 4) gather_rows_kernel<uint32_t><<<grid, 256, 0, s>>>(p);
-  else gather_rows_kernel<uint16_t><<<grid, 256, 0, s>>>(p);
+  if (vec16)
+    gather_rows_kernel<uint4><<<grid, 256, 0, s>>>(p);
+  else if (elem == 4)
+    gather_rows_kernel<uint32_t><<<grid, 256, 0, s>>>(p);
+  else
+    gather_rows_kernel<uint16_t><<<grid, 256, 0, s>>>(p);
   SP_CUDA_CHECK_LAUNCH();
 }
 

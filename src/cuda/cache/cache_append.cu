@@ -23,7 +23,8 @@ constexpr int kAppendBatch = 4;  // words per thread loaded before any is stored
 // Only after the CTA-wide barrier does thread 0 publish the new length, so
 // no thread reads a half-advanced value.
 template <typename Word>
-__global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __grid_constant__ detail::AppendTokenArgs a) {
+__global__ void __launch_bounds__(kAppendThreads)
+    append_token_kernel(const __grid_constant__ detail::AppendTokenArgs a) {
   // Launched as a programmatic dependent: wait for the previous kernel (it
   // may have produced the new rows), then let the step's next kernel (the
   // indexer) be scheduled while this one drains; it waits for us in turn.
@@ -69,8 +70,10 @@ __global__ void __launch_bounds__(kAppendThreads) append_token_kernel(const __gr
 #pragma unroll
     for (int u = 0; u < kAppendBatch; ++u) {
       if (x0 + u * kAppendThreads + static_cast<int>(threadIdx.x) >= total) break;
-      if (to_k[u]) static_cast<Word*>(a.k)[at[u] + t * k_words] = word[u];
-      else static_cast<Word*>(a.v)[at[u] + t * v_words] = word[u];
+      if (to_k[u])
+        static_cast<Word*>(a.k)[at[u] + t * k_words] = word[u];
+      else
+        static_cast<Word*>(a.v)[at[u] + t * v_words] = word[u];
     }
   }
   __syncthreads();
@@ -86,7 +89,8 @@ void append_token_cuda(const AppendTokenArgs& a, void* stream) {
   if (a.batch < 1 || a.tokens < 1 || a.k_row_bytes % 4 != 0 || a.v_row_bytes % 4 != 0)
     throw Error("append_token: batch and tokens must be at least 1 and rows whole 4-byte words");
   // The kernel counts a sequence's words in int, a batch of them past the last.
-  const int64_t words = int64_t{a.tokens} * (int64_t{a.k_heads} * a.k_row_bytes + int64_t{a.v_heads} * a.v_row_bytes) / 4;
+  const int64_t words =
+      int64_t{a.tokens} * (int64_t{a.k_heads} * a.k_row_bytes + int64_t{a.v_heads} * a.v_row_bytes) / 4;
   if (words > INT32_MAX - kAppendThreads * kAppendBatch)
     throw Error("append_token: " + std::to_string(words) + " 4-byte words per sequence are too many");
   if (!aligned(a.k_new, 4) || !aligned(a.v_new, 4)) throw Error("append_token: k_new and v_new must be 4-byte aligned");
@@ -94,8 +98,10 @@ void append_token_cuda(const AppendTokenArgs& a, void* stream) {
                     aligned(a.k_new, 16) && aligned(a.v_new, 16);
   const dim3 grid(static_cast<unsigned>(a.batch));
   auto s = static_cast<cudaStream_t>(stream);
-  if (wide) cuda::launch_with_pdl(append_token_kernel<uint4>, grid, dim3(kAppendThreads), 0, s, a);
-  else cuda::launch_with_pdl(append_token_kernel<uint32_t>, grid, dim3(kAppendThreads), 0, s, a);
+  if (wide)
+    cuda::launch_with_pdl(append_token_kernel<uint4>, grid, dim3(kAppendThreads), 0, s, a);
+  else
+    cuda::launch_with_pdl(append_token_kernel<uint32_t>, grid, dim3(kAppendThreads), 0, s, a);
 }
 }  // namespace detail
 

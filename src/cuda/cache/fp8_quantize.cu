@@ -79,7 +79,8 @@ void quantize_mla_fp8_cuda(DType dtype, const void* src, int64_t rows, int64_t s
   if (!problem.empty()) throw Error("quantize_mla_fp8_cuda: " + problem);
   if (rows == 0) return;
   const int64_t ctas = (rows + kQuantizeThreads / 32 - 1) / (kQuantizeThreads / 32);
-  if (ctas > INT32_MAX) throw Error("quantize_mla_fp8_cuda: rows = " + std::to_string(rows) + " is too many for one launch");
+  if (ctas > INT32_MAX)
+    throw Error("quantize_mla_fp8_cuda: rows = " + std::to_string(rows) + " is too many for one launch");
   QuantizeArgs a{static_cast<const __nv_bfloat16*>(src), rows, src_row_stride, static_cast<unsigned char*>(dst),
                  dst_row_bytes};
   quantize_mla_fp8_kernel<<<static_cast<unsigned>(ctas), kQuantizeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);

@@ -40,10 +40,10 @@ __device__ __forceinline__ float warp_amax(const float (&x)[4]) {
 
 /// e4m3(x[i] / scale) for the lane's four values, packed low byte first.
 __device__ __forceinline__ uint32_t e4m3x4(const float (&x)[4], float scale) {
-  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-      make_float2(index_div(x[0], scale), index_div(x[1], scale)), __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-      make_float2(index_div(x[2], scale), index_div(x[3], scale)), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(index_div(x[0], scale), index_div(x[1], scale)), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(index_div(x[2], scale), index_div(x[3], scale)), __NV_SATFINITE, __NV_E4M3);
   return uint32_t{lo} | (uint32_t{hi} << 16);
 }
 

@@ -20,19 +20,19 @@ namespace {
 constexpr int kWarpsPerCta = 8;
 
 struct WriteArgs {
-  const void* keys;       // [num_tokens, key_stride] in T
-  int64_t key_stride;     // elements
-  const int64_t* slots;   // [num_tokens]: block * block_size + offset, -1 skips
+  const void* keys;      // [num_tokens, key_stride] in T
+  int64_t key_stride;    // elements
+  const int64_t* slots;  // [num_tokens]: block * block_size + offset, -1 skips
   int64_t num_tokens;
   unsigned char* pool;
-  int64_t pool_slots;     // num_blocks * block_size
+  int64_t pool_slots;  // num_blocks * block_size
   int32_t block_size;
-  int64_t block_bytes;    // bytes between blocks
-  int64_t token_bytes;    // native: bytes between a block's tokens
-  int32_t dim;            // values per key (128 for FP8)
-  int32_t fp8;            // 1: quantize into the FP8 format; 0: copy native keys
+  int64_t block_bytes;  // bytes between blocks
+  int64_t token_bytes;  // native: bytes between a block's tokens
+  int32_t dim;          // values per key (128 for FP8)
+  int32_t fp8;          // 1: quantize into the FP8 format; 0: copy native keys
   IndexScaleFormat scale_format;
-  int32_t* error;         // may be null
+  int32_t* error;  // may be null
 };
 
 template <typename T>
@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) write_index_keys_kernel(con
     float x[4];
     cuda::load4(key, lane, x);
     const float scale = index_key_scale(cuda::warp_amax(x), a.scale_format);
-    *reinterpret_cast<uint32_t*>(b + IndexKeyFp8::value_offset(a.block_size, offset) + 4 * lane) = cuda::e4m3x4(x, scale);
+    *reinterpret_cast<uint32_t*>(b + IndexKeyFp8::value_offset(a.block_size, offset) + 4 * lane) =
+        cuda::e4m3x4(x, scale);
     if (lane == 0) *reinterpret_cast<float*>(b + IndexKeyFp8::scale_offset(a.block_size, offset)) = scale;
   } else {
     // 8 bytes (4 values) per lane and step.
@@ -65,15 +66,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) write_index_keys_kernel(con
 }
 
 struct QueryArgs {
-  const void* q;          // [rows * heads, 128] in T
-  const float* weights;   // [rows * heads]
-  int64_t count;          // rows * heads
-  unsigned char* q_fp8;   // [rows * heads, 128]
-  float* weights_out;     // [rows * heads]
+  const void* q;         // [rows * heads, 128] in T
+  const float* weights;  // [rows * heads]
+  int64_t count;         // rows * heads
+  unsigned char* q_fp8;  // [rows * heads, 128]
+  float* weights_out;    // [rows * heads]
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kWarpsPerCta * 32) quantize_index_queries_kernel(const __grid_constant__ QueryArgs a) {
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    quantize_index_queries_kernel(const __grid_constant__ QueryArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t r = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32;
   if (r >= a.count) return;
@@ -86,7 +88,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) quantize_index_queries_kern
 
 unsigned ctas_for(int64_t warps, const char* who) {
   const int64_t ctas = (warps + kWarpsPerCta - 1) / kWarpsPerCta;
-  if (ctas > INT32_MAX) throw Error(std::string(who) + ": " + std::to_string(warps) + " rows are too many for one launch");
+  if (ctas > INT32_MAX)
+    throw Error(std::string(who) + ": " + std::to_string(warps) + " rows are too many for one launch");
   return static_cast<unsigned>(ctas);
 }
 

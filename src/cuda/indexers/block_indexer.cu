@@ -18,10 +18,10 @@
 
 #include "core/cuda_hooks.h"
 #include "core/require.h"
-#include "models/block_sparse_kernels.h"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/fp8_convert.cuh"
 #include "cuda/primitives/radix_select.cuh"
+#include "models/block_sparse_kernels.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "block_indexer_cuda: ", __VA_ARGS__)
 
@@ -63,10 +63,10 @@ struct PagedKeys {
   const unsigned char* pool;  // the blocks
   const int32_t* table;       // [batch, table_stride]
   int64_t table_stride;
-  int64_t block_bytes;        // bytes between blocks
-  int64_t token_bytes;        // native: bytes between a block's tokens
-  int64_t num_blocks;         // ids outside [0, num_blocks) are never read: they refuse the sequence
-  int64_t max_len;            // max_blocks x block_size: a longer sequence is refused
+  int64_t block_bytes;  // bytes between blocks
+  int64_t token_bytes;  // native: bytes between a block's tokens
+  int64_t num_blocks;   // ids outside [0, num_blocks) are never read: they refuse the sequence
+  int64_t max_len;      // max_blocks x block_size: a longer sequence is refused
   int32_t block_size;
 };
 
@@ -77,23 +77,23 @@ struct ScoreParams {
   const void* index_q;     // [batch, q_len, heads, dim]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, dim, block_size, local_blocks;
-  int32_t q_len;           // query tokens per sequence: a block scores the max over all of them
-  int32_t max_scored;      // score row pitch: blocks scored at max_kv_len
-  int64_t dense_len;       // sequences of at most this many tokens keep every block: nothing to score
-  float* scores;           // [batch * heads, max_scored]: NaN for every head of a block whose keys were refused
-  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len] is not scored
+  int32_t q_len;       // query tokens per sequence: a block scores the max over all of them
+  int32_t max_scored;  // score row pitch: blocks scored at max_kv_len
+  int64_t dense_len;   // sequences of at most this many tokens keep every block: nothing to score
+  float* scores;       // [batch * heads, max_scored]: NaN for every head of a block whose keys were refused
+  int64_t max_kv_len;  // a kv_lens entry outside [0, max_kv_len] is not scored
 };
 
 struct TopkParams {
   const float* scores;     // [batch * heads, max_scored]
   const int32_t* kv_lens;  // [batch], device
   int32_t heads, block_size, topk, width, max_scored;
-  int64_t dense_len;       // sequences of at most this many tokens keep every block
-  int32_t* block_ids;      // [batch * heads, width]
-  int32_t* seq_lens;       // [batch * heads]
-  int64_t max_kv_len;      // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
-  int64_t max_table_len;   // paged keys: longer sequences are refused too (else INT64_MAX)
-  int32_t* error;          // may be null: IndexKeyError bits of refused sequences
+  int64_t dense_len;      // sequences of at most this many tokens keep every block
+  int32_t* block_ids;     // [batch * heads, width]
+  int32_t* seq_lens;      // [batch * heads]
+  int64_t max_kv_len;     // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
+  int64_t max_table_len;  // paged keys: longer sequences are refused too (else INT64_MAX)
+  int32_t* error;         // may be null: IndexKeyError bits of refused sequences
 };
 
 // One key row of the step: its bytes (null: past the block's live rows, or
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   cuda::pdl_launch_dependents();
   const int b = blockIdx.y, j = blockIdx.x;
   const int64_t len = p.kv_lens[b];
-  if (len < 0 || len > p.max_kv_len) return;  // out of range: the top-k kernel poisons the sequence
+  if (len < 0 || len > p.max_kv_len) return;                     // out of range: the top-k kernel poisons the sequence
   if (Src != KeySource::kRows && len > p.paged.max_len) return;  // past its table row: likewise
   const int64_t num_blocks = (len + p.block_size - 1) / p.block_size;
   // Past the scored blocks of this sequence, or a sequence that keeps them all.
@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
   int64_t forced = num_blocks - p.local_blocks;
   if constexpr (NT > 1) forced = min(forced, max(len - p.q_len, int64_t{0}) / p.block_size);
   if (j >= forced) {
-    for (int h = threadIdx.x; h < p.heads; h += kScoreThreads) out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
+    for (int h = threadIdx.x; h < p.heads; h += kScoreThreads)
+      out[int64_t{h} * p.max_scored] = __int_as_float(0x7f800000);
     return;
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -172,7 +173,8 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       const unsigned char* block = p.paged.pool + int64_t{id} * p.paged.block_bytes;
       if constexpr (Src == KeySource::kPaged) return {block + slot * p.paged.token_bytes, 1.0f};
       // The format's offsets (index_keys.h): the values at 128 slot, the scales after the block's values.
-      return {block + slot * 128, __ldg(reinterpret_cast<const float*>(block + int64_t{p.paged.block_size} * 128) + slot)};
+      return {block + slot * 128,
+              __ldg(reinterpret_cast<const float*>(block + int64_t{p.paged.block_size} * 128) + slot)};
     }
   };
   // Segment s of a row as T fragments: 16 bytes of native keys, or 8 e4m3
@@ -204,8 +206,9 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
 #pragma unroll
     for (int s = 0; s < kMaxSegments; ++s) {
       if constexpr (NT == 1) {
-        q[s] = s < segments && col < columns ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
-                                             : make_uint4(0, 0, 0, 0);
+        q[s] = s < segments && col < columns
+                   ? *reinterpret_cast<const uint4*>(qb + int64_t{col} * p.dim + s * 32 + c * 8)
+                   : make_uint4(0, 0, 0, 0);
       } else {
         q[s] = s < segments && col < columns ? q_s[col * kQPitch + s * 4 + c] : make_uint4(0, 0, 0, 0);
       }
@@ -438,18 +441,23 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
     REQUIRE(a.q_len == 1, "paged keys serve one-token steps; q_len = " + std::to_string(a.q_len));
     source = a.paged.format == IndexKeyFormat::kE4m3 ? KeySource::kPagedFp8 : KeySource::kPaged;
     max_table_len = int64_t{a.paged.max_blocks} * a.paged.block_size;
-    sp.paged = PagedKeys{static_cast<const unsigned char*>(a.paged.pool), a.paged.block_table,
-                         a.paged.block_table_stride, index_key_block_bytes(a.paged, a.head_dim),
-                         index_key_token_bytes(a.paged, a.head_dim), a.paged.num_blocks, max_table_len,
+    sp.paged = PagedKeys{static_cast<const unsigned char*>(a.paged.pool),
+                         a.paged.block_table,
+                         a.paged.block_table_stride,
+                         index_key_block_bytes(a.paged, a.head_dim),
+                         index_key_token_bytes(a.paged, a.head_dim),
+                         a.paged.num_blocks,
+                         max_table_len,
                          a.paged.block_size};
   } else {
     // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
     const bool own_keys = a.index_keys != nullptr;
     sp.keys = own_keys ? a.index_keys
-                       : static_cast<const char*>(a.k_alloc) +
-                             int64_t{a.num_kv_heads} * a.capacity * a.head_dim * static_cast<int64_t>(dtype_size(a.dtype));
+                       : static_cast<const char*>(a.k_alloc) + int64_t{a.num_kv_heads} * a.capacity * a.head_dim *
+                                                                   static_cast<int64_t>(dtype_size(a.dtype));
     sp.key_seq_stride = own_keys ? a.key_seq_stride : int64_t{a.num_kv_heads + 1} * a.capacity * a.head_dim;
-    REQUIRE(reinterpret_cast<uintptr_t>(sp.keys) % 16 == 0, "the index keys (k_alloc or index_keys) must be 16-byte aligned");
+    REQUIRE(reinterpret_cast<uintptr_t>(sp.keys) % 16 == 0,
+            "the index keys (k_alloc or index_keys) must be 16-byte aligned");
     REQUIRE(sp.key_seq_stride >= a.capacity * a.head_dim && sp.key_seq_stride % 8 == 0,
             "key_seq_stride = " + std::to_string(sp.key_seq_stride) + " must hold capacity * head_dim = " +
                 std::to_string(a.capacity * a.head_dim) + " elements and be a multiple of 8 (16-byte rows)");
@@ -473,8 +481,8 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
               std::to_string(kMaxColumns) + " (the (token, head) index queries of a multi-token step)");
   REQUIRE(a.dense_len <= 0 || (a.dense_len + a.block_size - 1) / a.block_size <= a.width,
           "dense_len = " + std::to_string(a.dense_len) + " keeps up to " +
-              std::to_string((a.dense_len + a.block_size - 1) / a.block_size) + " blocks, more than width = " +
-              std::to_string(a.width));
+              std::to_string((a.dense_len + a.block_size - 1) / a.block_size) +
+              " blocks, more than width = " + std::to_string(a.width));
   sp.index_q = a.index_q;
   sp.kv_lens = a.kv_lens;
   sp.heads = a.num_kv_heads;
@@ -490,20 +498,39 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
   const dim3 threads(kScoreThreads);
   const bool bf16 = a.dtype == DType::kBF16;
   if (source == KeySource::kPagedFp8) {
-    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
+    if (bf16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
+    else
+      cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPagedFp8>, grid, threads, 0, s, sp);
   } else if (source == KeySource::kPaged) {
-    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
+    if (bf16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
+    else
+      cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kPaged>, grid, threads, 0, s, sp);
   } else if (a.q_len == 1) {
-    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kRows>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kRows>, grid, threads, 0, s, sp);
+    if (bf16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, 1, KeySource::kRows>, grid, threads, 0, s, sp);
+    else
+      cuda::launch_with_pdl(block_score_kernel<__half, 1, KeySource::kRows>, grid, threads, 0, s, sp);
   } else {
-    if (bf16) cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s, sp);
-    else cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s, sp);
+    if (bf16)
+      cuda::launch_with_pdl(block_score_kernel<__nv_bfloat16, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s,
+                            sp);
+    else
+      cuda::launch_with_pdl(block_score_kernel<__half, kMaxTokenTiles, KeySource::kRows>, grid, threads, 0, s, sp);
   }
-  const TopkParams tp{static_cast<const float*>(a.workspace), a.kv_lens, a.num_kv_heads, a.block_size, a.topk,
-                      a.width, sp.max_scored, a.dense_len, a.block_ids, a.seq_lens, a.max_kv_len, max_table_len,
+  const TopkParams tp{static_cast<const float*>(a.workspace),
+                      a.kv_lens,
+                      a.num_kv_heads,
+                      a.block_size,
+                      a.topk,
+                      a.width,
+                      sp.max_scored,
+                      a.dense_len,
+                      a.block_ids,
+                      a.seq_lens,
+                      a.max_kv_len,
+                      max_table_len,
                       a.error};
   // Programmatic dependent launch: the top-k grid is scheduled while the
   // score grid drains, and waits for its writes inside the kernel.

@@ -45,12 +45,12 @@
 #include "core/index_key_map.h"
 #include "core/index_keys_checks.h"
 #include "core/require.h"
-#include "models/dsa_kernels.h"
+#include "cuda/indexers/dsa_indexer.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/radix_select.cuh"
 #include "cuda/primitives/wgmma.cuh"
-#include "cuda/indexers/dsa_indexer.cuh"
+#include "models/dsa_kernels.h"
 #include "sparsepage/models/dsa.h"
 
 #define REQUIRE(ok, ...) SPARSEPAGE_REQUIRE(ok, "dsa_select_tokens_cuda: ", __VA_ARGS__)
@@ -66,10 +66,10 @@ using namespace dsa;
 // warpgroup computes S = K Q^T for 64 positions x 64 index heads per wgmma
 // chain (M = positions, N = heads, K = the index head dim).
 constexpr int kScoreThreads = 128;
-constexpr int kHeadChunk = 64;    // wgmma N: index heads per chain
-constexpr int kStages = 4;        // three tiles in flight while one is scored
+constexpr int kHeadChunk = 64;      // wgmma N: index heads per chain
+constexpr int kStages = 4;          // three tiles in flight while one is scored
 constexpr int kScoreCtasPerSm = 2;  // resident score CTAs per SM the grid is sized for
-constexpr int kSlice = 2048;  // positions per classify and compact CTA
+constexpr int kSlice = 2048;        // positions per classify and compact CTA
 constexpr int kClassifyThreads = 256;
 constexpr int kCompactThreads = kSlice / 8;  // 8 consecutive positions per thread
 constexpr int kCutItems = 2048;  // fine-bin candidates ranked in shared memory; more rank from global memory
@@ -122,7 +122,7 @@ struct GroupScoreLayout {
   static constexpr size_t kHist = kWeights + size_t{kTokens} * kGroupHeads * sizeof(float);
   static constexpr size_t kBarriers = kHist + size_t{kTokens} * kBins * sizeof(int32_t);
   static constexpr size_t kFlags = kBarriers + 2 * kStages * sizeof(uint64_t);  // int32: rows refused (bit tl)
-  static constexpr size_t kSmemBytes = kFlags + 16 + 1024;                        // + alignment slack
+  static constexpr size_t kSmemBytes = kFlags + 16 + 1024;                      // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "a multi-token score CTA fits one SM's shared memory");
 };
 
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kScoreThreads) dsa_score_kernel(const __grid_c
     const float s = q4 == 1 ? part[1] : part[0];
     record_score(out, hist_s, t, s, live, lane);
   }
-  __syncthreads();  // every position is in the shared histogram (every issued tile was waited for)
+  __syncthreads();           // every position is in the shared histogram (every issued tile was waited for)
   cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
   if (tid == 0 && *flags_s != 0) atomicOr(&p.row_error[b], *flags_s);
   int32_t* hist = p.hist + int64_t{b} * kBins;
@@ -376,12 +376,12 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   int32_t* hist_s = reinterpret_cast<int32_t*>(gen + L::kHist);
   const int tid = threadIdx.x, lane = tid % 32;
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
-  const uint32_t empty = full + 8 * kGroupStages;                      // empty[s] at empty + 8 s
+  const uint32_t empty = full + 8 * kGroupStages;                    // empty[s] at empty + 8 s
   uint32_t* refused_s = reinterpret_cast<uint32_t*>(gen + L::kFlags);
   if (tid == 0) {
     for (int s = 0; s < kGroupStages; ++s) {
-      cuda::mbar::init(full + 8 * s, 1);      // the producer's expect_tx; TMA completes the bytes
-      cuda::mbar::init(empty + 8 * s, 128);   // every thread of the warpgroup that scored the stage
+      cuda::mbar::init(full + 8 * s, 1);     // the producer's expect_tx; TMA completes the bytes
+      cuda::mbar::init(empty + 8 * s, 128);  // every thread of the warpgroup that scored the stage
     }
     cuda::mbar::init_fence();
     *refused_s = 0;
@@ -393,8 +393,9 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   for (int i = tid; i < kTokens * kGroupHeads * 16; i += kGroupThreads) {
     const int r = i / 16, piece = i % 16;  // r = tl * 64 + h
     const bool live = r / kGroupHeads < ntok;
-    cuda::cp_async_16(base + static_cast<uint32_t>(L::kQ + (piece / 8) * L::kQSlab + r * 128) + (((piece % 8) ^ (r % 8)) << 4),
-                      live ? q + int64_t{r} * kGroupDim + piece * 8 : q, live);
+    cuda::cp_async_16(
+        base + static_cast<uint32_t>(L::kQ + (piece / 8) * L::kQSlab + r * 128) + (((piece % 8) ^ (r % 8)) << 4),
+        live ? q + int64_t{r} * kGroupDim + piece * 8 : q, live);
   }
   cuda::cp_async_commit();
   for (int r = tid; r < kTokens * kGroupHeads; r += kGroupThreads) {
@@ -405,7 +406,9 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   cuda::wgmma::fence_proxy_async();  // ... and are visible to the tensor cores
   __syncthreads();                   // for all, and the barriers are initialised
 
-  const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kGroupStages) * L::kStageBytes); };
+  const auto stage_of = [&](int64_t i) {
+    return base + static_cast<uint32_t>(L::kKeys + (i % kGroupStages) * L::kStageBytes);
+  };
   if (tid >= kGroupConsumers * 128) {
     // A producer warp, for its warpgroup's tiles: tile i once the stage's
     // previous tile (i - kGroupStages) has been released, one box per slab
@@ -414,7 +417,8 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
 #pragma unroll
     for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
     const uint32_t refused = produce_key_tiles<kGroupStages, kTokens>(
-        p, seq, tile0, ntiles, len, windows, full, empty, lane, [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
+        p, seq, tile0, ntiles, len, windows, full, empty, lane,
+        [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
           if (lane == 0) {
             for (int sl = 0; sl < 2; ++sl) {
               tma_load_3d(stage_of(i) + sl * kSlabBytes + j * p.box_rows * 128, &p.keys, bar, sl * 64, box.y, box.z);
@@ -449,7 +453,9 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
         for (int kk = 0; kk < kGroupDim / 16; ++kk) {
           // k-step kk: slab kk / 4, 32 bytes per step inside the 128-byte row.
           const uint64_t a = kd + static_cast<uint64_t>(((kk / 4) * kSlabBytes + (kk % 4) * 32) >> 4);
-          const uint64_t b = qd + static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
+          const uint64_t b =
+              qd +
+              static_cast<uint64_t>(((kk / 4) * L::kQSlab + c * kChainTokens * kGroupHeads * 128 + (kk % 4) * 32) >> 4);
           if constexpr (kChainTokens == 1) {
             cuda::wgmma::mma_m64n64k16<T>(d[c], a, b, kk > 0);
           } else {
@@ -504,7 +510,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
       if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
     }
   }
-  __syncthreads();  // every scored position is in its row's shared histogram
+  __syncthreads();           // every scored position is in its row's shared histogram
   cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
   if (tid < ntok && ((*refused_s >> tid) & 1u) != 0) atomicOr(&p.row_error[row0 + tid], kIndexErrorBlock);
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
@@ -647,8 +653,8 @@ __device__ void pick_cut(const IndexerParams& p, int b, uint32_t threshold, int3
       if (cut.keeps(sh.items[i] & fine_mask)) keep(sh.items[i]);
     }
   } else {  // a wide tie (e.g. many equal scores): rank every candidate from global memory
-    const cuda::RadixCut cut = Select::run([&](int32_t i) { return __ldcg(&cands[i]); }, n, wanted,
-                                           kLowKeyBits + p.position_bits, sh.select);
+    const cuda::RadixCut cut =
+        Select::run([&](int32_t i) { return __ldcg(&cands[i]); }, n, wanted, kLowKeyBits + p.position_bits, sh.select);
     for_each_candidate(cands, n, [&](uint64_t x) {
       if (fine_of(x) == fine_bin && cut.keeps(x)) keep(x);
     });
@@ -705,7 +711,8 @@ __global__ void __launch_bounds__(kClassifyThreads) dsa_classify_kernel(const __
   for (int e = 0; e < kWordsPerWarp; ++e) {
     if ((cand[e] >> lane) & 1u) {
       const int64_t t = w_first + e * 32 + lane;
-      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] = candidate_composite(cuda::score_key(v[e]), t, p.position_bits);
+      cands[slot + __popc(cand[e] & ((1u << lane) - 1))] =
+          candidate_composite(cuda::score_key(v[e]), t, p.position_bits);
     }
     slot += __popc(cand[e]);
   }
@@ -772,7 +779,8 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   if (first >= len) return;
   // Every read is requested before any is used: one round trip.
   const int64_t t0 = first + 8 * int64_t{threadIdx.x};
-  const float4* src = reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
+  const float4* src =
+      reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
   const float4 lo = src[0], hi = src[1];
   const uint64_t cut = p.cut[b];
   int32_t before = 0;
@@ -788,7 +796,8 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int64_t t = t0 + j;
-    const uint64_t x = (static_cast<uint64_t>(cuda::score_key(v[j])) << p.position_bits) | (low - static_cast<uint64_t>(t));
+    const uint64_t x =
+        (static_cast<uint64_t>(cuda::score_key(v[j])) << p.position_bits) | (low - static_cast<uint64_t>(t));
     if (t < len && x >= cut) keep |= 1u << j;
   }
   int32_t slot;
@@ -850,7 +859,8 @@ CUtensorMap encode_key_map(const detail::KeyTensorMap& m) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
     SP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
-    if (fn == nullptr || status != cudaDriverEntryPointSuccess) throw Error("dsa_select_tokens_cuda: no cuTensorMapEncodeTiled");
+    if (fn == nullptr || status != cudaDriverEntryPointSuccess)
+      throw Error("dsa_select_tokens_cuda: no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(fn);
   }();
   const CUtensorMapDataType type = m.element == detail::KeyMapElement::kU8    ? CU_TENSOR_MAP_DATA_TYPE_UINT8
@@ -916,9 +926,12 @@ void launch_scores(const IndexerParams& p, int32_t batch, int64_t max_kv_len, cu
     // four tokens per key tile (one token too: the producer warp and the
     // two consumer warpgroups beat dsa_score_kernel's one warpgroup per CTA
     // at every measured shape, PERFORMANCE.md).
-    if (p.q_len == 1) launch_group_scores<T, 1>(p, stream);
-    else if (p.q_len == 2) launch_group_scores<T, 2>(p, stream);
-    else launch_group_scores<T, 4>(p, stream);
+    if (p.q_len == 1)
+      launch_group_scores<T, 1>(p, stream);
+    else if (p.q_len == 2)
+      launch_group_scores<T, 2>(p, stream);
+    else
+      launch_group_scores<T, 4>(p, stream);
   } else if (p.dim == 128) {
     // Each (sequence, token) row on its own; the production head dim (128)
     // gets an unrolled k-chain, others loop.
@@ -969,9 +982,9 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
                 ", index_head_dim = " + std::to_string(c.index_head_dim) + ")");
   } else {
     REQUIRE(reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0, "k_cache must be 16-byte aligned");
-    REQUIRE(a.capacity >= 1 && a.max_kv_len <= a.capacity,
-            "need 1 <= max_kv_len <= capacity (max_kv_len " + std::to_string(a.max_kv_len) + ", capacity " +
-                std::to_string(a.capacity) + ")");
+    REQUIRE(a.capacity >= 1 && a.max_kv_len <= a.capacity, "need 1 <= max_kv_len <= capacity (max_kv_len " +
+                                                               std::to_string(a.max_kv_len) + ", capacity " +
+                                                               std::to_string(a.capacity) + ")");
   }
   const Workspace ws(batch, a.max_kv_len);
   REQUIRE(a.workspace != nullptr && a.workspace_bytes >= ws.total,
@@ -979,9 +992,9 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
               std::to_string(ws.total));
   REQUIRE(reinterpret_cast<uintptr_t>(a.workspace) % 16 == 0, "the workspace must be 16-byte aligned");
   const size_t smem = ScoreLayout(c.index_heads, c.index_head_dim).smem_bytes();
-  REQUIRE(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) + " with index_head_dim = " +
-                                  std::to_string(c.index_head_dim) + " needs " + std::to_string(smem) +
-                                  " bytes of shared memory (max 232448)");
+  REQUIRE(smem <= 227 * 1024, "index_heads = " + std::to_string(c.index_heads) +
+                                  " with index_head_dim = " + std::to_string(c.index_head_dim) + " needs " +
+                                  std::to_string(smem) + " bytes of shared memory (max 232448)");
   auto* base = static_cast<unsigned char*>(a.workspace);
   IndexerParams p{};
   p.k_cache = a.k_cache;

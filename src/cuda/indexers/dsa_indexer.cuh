@@ -50,40 +50,40 @@ struct IndexerParams {
   const float* weights;    // [batch, heads]
   const int32_t* kv_lens;  // [sequences], device
   int64_t row_stride, capacity;
-  int64_t pitch;           // row pitch of scores and candidates (whole slices)
-  int64_t slices;          // kSlice-position slices per sequence
-  int64_t max_kv_len;      // the host bound: a longer (or negative) length refuses its sequence's rows
+  int64_t pitch;       // row pitch of scores and candidates (whole slices)
+  int64_t slices;      // kSlice-position slices per sequence
+  int64_t max_kv_len;  // the host bound: a longer (or negative) length refuses its sequence's rows
   int32_t batch, key_offset, heads, dim, topk;
-  int32_t position_bits;   // bits of a position below max_kv_len
-  int32_t* hist;           // [batch, kBins]: score keys' top 12 bits
-  int32_t* cand_count;     // [batch]
-  int32_t* done;           // [batch]: classify CTAs finished (the last one picks the cut)
-  int32_t* slice_kept;     // [batch, slices]: kept positions per slice
-  int32_t* row_error;      // [batch]: IndexKeyError bits of a row the score kernel refused (cleared by the clear kernel)
-  uint64_t* cut;           // [batch]: the smallest kept (score key, position) composite
-  float* scores;           // [batch, pitch]
-  uint64_t* candidates;    // [batch, pitch]: threshold-bin composites, in arrival order
-  int32_t* positions;      // out [batch, topk]
-  int32_t* counts;         // out [batch]
-  int32_t* error;          // out, may be null: IndexKeyError bits of refused rows
+  int32_t position_bits;  // bits of a position below max_kv_len
+  int32_t* hist;          // [batch, kBins]: score keys' top 12 bits
+  int32_t* cand_count;    // [batch]
+  int32_t* done;          // [batch]: classify CTAs finished (the last one picks the cut)
+  int32_t* slice_kept;    // [batch, slices]: kept positions per slice
+  int32_t* row_error;     // [batch]: IndexKeyError bits of a row the score kernel refused (cleared by the clear kernel)
+  uint64_t* cut;          // [batch]: the smallest kept (score key, position) composite
+  float* scores;          // [batch, pitch]
+  uint64_t* candidates;   // [batch, pitch]: threshold-bin composites, in arrival order
+  int32_t* positions;     // out [batch, topk]
+  int32_t* counts;        // out [batch]
+  int32_t* error;         // out, may be null: IndexKeyError bits of refused rows
   // Multi-token steps: `batch` rows are (sequence, token) pairs, row b =
   // sequence b / q_len, token b % q_len, which reads its sequence's keys
   // below kv_lens[sequence] - (q_len - 1 - token): its own causal window.
   int32_t q_len;
   // Paged keys (IndexKeyLayout::kPaged): position p of sequence s is row p %
   // block_size of block block_table[s * table_stride + p / block_size].
-  int32_t paged;                // 0: dense rows, 1: paged blocks
-  const int32_t* block_table;   // [sequences, table_stride]
+  int32_t paged;               // 0: dense rows, 1: paged blocks
+  const int32_t* block_table;  // [sequences, table_stride]
   int64_t table_stride;
-  int32_t max_blocks;           // entries of a row that may be read
+  int32_t max_blocks;  // entries of a row that may be read
   int32_t block_size;
-  int32_t box_rows;             // rows per TMA box: 64 dense, min(64, block_size) paged
+  int32_t box_rows;  // rows per TMA box: 64 dense, min(64, block_size) paged
   int64_t num_blocks;
-  const unsigned char* pool;    // FP8: the blocks (the scales' bulk copies)
-  int64_t block_bytes;          // FP8: bytes between blocks
-  int32_t q_e4m3;               // FP8: q_index is e4m3 with the scales in the weights (else native, quantized here)
-  DType dtype;                  // of q_index (and native keys)
-  int32_t wave;                 // grouped score grids: resident CTAs the live tiles are shared among (group_work)
+  const unsigned char* pool;  // FP8: the blocks (the scales' bulk copies)
+  int64_t block_bytes;        // FP8: bytes between blocks
+  int32_t q_e4m3;             // FP8: q_index is e4m3 with the scales in the weights (else native, quantized here)
+  DType dtype;                // of q_index (and native keys)
+  int32_t wave;               // grouped score grids: resident CTAs the live tiles are shared among (group_work)
 };
 
 // Sequence `seq`'s live length, or -1 when it is refused: negative, past
@@ -203,7 +203,7 @@ __device__ __forceinline__ int64_t first_entry(const IndexerParams& p, int64_t t
 // (the bound with one group) and those past the last run have nothing to
 // do (ntiles = 0). Every thread of the CTA calls it (it synchronizes).
 struct GroupWork {
-  int seq = 0, first = 0;          // the group's sequence and first token
+  int seq = 0, first = 0;         // the group's sequence and first token
   int64_t tile0 = 0, ntiles = 0;  // the CTA's run of the group's tiles (0: none)
 };
 
@@ -315,11 +315,10 @@ inline unsigned group_grid(const IndexerParams& p, int tokens_per_group) {
 // Box (x, y, z) of the 3-d tensor `map` into shared memory at dst; its bytes
 // complete on `bar`. Out-of-bounds elements arrive as zeros.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int x, int y, int z) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
-      : "memory");
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+               : "memory");
 }
 // `bytes` (a multiple of 16, 16-byte aligned ends) from global memory to
 // shared memory at dst, completing on `bar`.

@@ -67,13 +67,13 @@ template <int kTokens>
 struct Fp8Layout {
   static constexpr int kStages = Fp8Shape<kTokens>::kStages;
   static constexpr size_t kQ = 0;  // kTokens x 64 rows of 128 e4m3 values, row tl * 64 + h, one swizzled slab
-  static constexpr size_t kKeys = kQ + size_t{kTokens} * kGroupHeads * 128;       // [kStages] key tiles
+  static constexpr size_t kKeys = kQ + size_t{kTokens} * kGroupHeads * 128;        // [kStages] key tiles
   static constexpr size_t kScales = kKeys + size_t{kStages} * kKeyTileBytes;       // [kStages][64] fp32
   static constexpr size_t kWeights = kScales + size_t{kStages} * kTileTokens * 4;  // [kTokens * 64] fp32 w'
   static constexpr size_t kHist = kWeights + size_t{kTokens} * kGroupHeads * 4;    // [kTokens][kBins]
   static constexpr size_t kBarriers = kHist + size_t{kTokens} * kBins * 4;         // full[kStages], empty[kStages]
   static constexpr size_t kFlags = kBarriers + 2 * size_t{kStages} * 8;            // int32: refused rows (bit tl)
-  static constexpr size_t kSmemBytes = kFlags + 16 + 1024;                          // + alignment slack
+  static constexpr size_t kSmemBytes = kFlags + 16 + 1024;                         // + alignment slack
   static_assert(kKeys % 1024 == 0, "key tiles sit on the 128-byte swizzle's 1024-byte period");
   static_assert((kSmemBytes + 1024) * Fp8Shape<kTokens>::kCtasPerSm <= 228 * 1024,
                 "the CTAs per SM the grid is sized for fit its shared memory");
@@ -118,7 +118,7 @@ __device__ __forceinline__ void stage_queries(const IndexerParams& p, int64_t ro
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int r = r0 + u;
-      const bool live = r / kGroupHeads < ntok;  // warp-uniform
+      const bool live = r / kGroupHeads < ntok;    // warp-uniform
       const int64_t row = row0 * kGroupHeads + r;  // (token row, head)
       raw[u] = live ? __ldcg(reinterpret_cast<const uint2*>(q16 + row * 128) + lane) : make_uint2(0u, 0u);
       w[u] = live ? __ldcg(&p.weights[row]) : 0.0f;
@@ -136,8 +136,8 @@ __device__ __forceinline__ void stage_queries(const IndexerParams& p, int64_t ro
       const int r = r0 + u;
       const float s = index_query_scale(cuda::warp_amax(x[u]));
       const uint32_t word = cuda::e4m3x4(x[u], s);  // zeros for absent rows
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(q_base + static_cast<uint32_t>(r * 128 + (((lane / 4) ^ (r % 8)) << 4) +
-                                                                                   (lane % 4) * 4)),
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(
+                       q_base + static_cast<uint32_t>(r * 128 + (((lane / 4) ^ (r % 8)) << 4) + (lane % 4) * 4)),
                    "r"(word)
                    : "memory");
       if (lane == 0) w_s[r] = w[u] * s;
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   uint32_t* refused_s = reinterpret_cast<uint32_t*>(gen + L::kFlags);
   const int tid = threadIdx.x, lane = tid % 32;
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
-  const uint32_t empty = full + 8 * kStages;                           // empty[s] at empty + 8 s
+  const uint32_t empty = full + 8 * kStages;                         // empty[s] at empty + 8 s
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       cuda::mbar::init(full + 8 * s, 1);     // the producer's expect_tx; TMA and the bulk copies complete the bytes
@@ -189,7 +189,9 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   __syncthreads();  // the barriers are initialised, the histograms cleared
 
   const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row
-  const auto stage_of = [&](int64_t i) { return base + static_cast<uint32_t>(L::kKeys + (i % kStages) * kKeyTileBytes); };
+  const auto stage_of = [&](int64_t i) {
+    return base + static_cast<uint32_t>(L::kKeys + (i % kStages) * kKeyTileBytes);
+  };
   if (tid >= kConsumerThreads) {
     // A producer warp, for its warpgroup's tiles: per box (a block, or a 64-row piece of one) its
     // values by TMA and its scales by a bulk copy, onto the stage's barrier.
@@ -197,7 +199,8 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
 #pragma unroll
     for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
     const uint32_t refused = produce_key_tiles<kStages, kTokens>(
-        p, seq, tile0, ntiles, len, windows, full, empty, lane, [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
+        p, seq, tile0, ntiles, len, windows, full, empty, lane,
+        [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
           const uint32_t rows = static_cast<uint32_t>(p.box_rows);
           if (lane == 0) {
             tma_load_3d(stage_of(i) + j * rows * 128, &p.keys, bar, 0, box.y, box.z);
@@ -292,7 +295,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
       if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
     }
   }
-  __syncthreads();  // every scored position is in its row's shared histogram
+  __syncthreads();           // every scored position is in its row's shared histogram
   cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
   if (tid < ntok && ((*refused_s >> tid) & 1u) != 0) atomicOr(&p.row_error[row0 + tid], kIndexErrorBlock);
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
@@ -313,16 +316,19 @@ void launch(const IndexerParams& p, cudaStream_t stream) {
   cuda::configure_smem_once(dsa_score_fp8_kernel<kTokens>, smem);
   IndexerParams q = p;
   q.wave = Fp8Shape<kTokens>::kCtasPerSm * cuda_multiprocessor_count();
-  cuda::launch_with_pdl(dsa_score_fp8_kernel<kTokens>, dim3(group_grid(q, kTokens)), dim3(kGroupThreads), smem,
-                        stream, q);
+  cuda::launch_with_pdl(dsa_score_fp8_kernel<kTokens>, dim3(group_grid(q, kTokens)), dim3(kGroupThreads), smem, stream,
+                        q);
 }
 
 }  // namespace
 
 void launch_fp8_scores(const IndexerParams& p, cudaStream_t stream) {
-  if (p.q_len == 1) launch<1>(p, stream);
-  else if (p.q_len == 2) launch<2>(p, stream);
-  else launch<4>(p, stream);
+  if (p.q_len == 1)
+    launch<1>(p, stream);
+  else if (p.q_len == 2)
+    launch<2>(p, stream);
+  else
+    launch<4>(p, stream);
 }
 
 }  // namespace dsa

@@ -1,7 +1,7 @@
 // Device pass of selection_from_blocks: block ids -> token rows, one thread
 // per output row (O(selected)), one grid row per request.
-#include "cuda/primitives/common.cuh"
 #include "core/cuda_hooks.h"
+#include "cuda/primitives/common.cuh"
 
 namespace sparsepage {
 namespace detail {
@@ -15,7 +15,7 @@ struct BlocksToRowsParams {
   const int64_t* row_base;       // [num_requests]
   const int64_t* live_lens;      // [num_requests]
   int32_t block_size;
-  int32_t* rows_out;             // [row_offsets[num_requests]]
+  int32_t* rows_out;  // [row_offsets[num_requests]]
 };
 
 __global__ void blocks_to_rows_kernel(const __grid_constant__ BlocksToRowsParams p) {
@@ -36,14 +36,13 @@ __global__ void blocks_to_rows_kernel(const __grid_constant__ BlocksToRowsParams
       const bool last = j == num_blocks - 1;
       // Full blocks anywhere; the partial block only as the request's last
       // entry, which is what the host-side row count assumed.
-      const bool ok = block >= 0 && (block < full_blocks ? !(last && has_partial)
-                                                         : block == full_blocks && has_partial && last);
+      const bool ok =
+          block >= 0 && (block < full_blocks ? !(last && has_partial) : block == full_blocks && has_partial && last);
       if (ok) row = p.row_base[r] + block * p.block_size + slot;
     }
     p.rows_out[out_begin + i] = (row >= 0 && row <= INT32_MAX) ? static_cast<int32_t>(row) : -1;
   }
 }
-
 
 __global__ void fill_neg_inf_kernel(float* mask, int64_t total) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
@@ -63,10 +62,9 @@ __global__ void scatter_positions_kernel(const int32_t* positions, const int32_t
 
 }  // namespace
 
-void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_offsets,
-                                const int32_t* row_offsets, const int64_t* row_base,
-                                const int64_t* live_lens, int32_t num_requests, int32_t block_size,
-                                int32_t* rows_out, void* stream) {
+void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_offsets, const int32_t* row_offsets,
+                                const int64_t* row_base, const int64_t* live_lens, int32_t num_requests,
+                                int32_t block_size, int32_t* rows_out, void* stream) {
   if (num_requests <= 0) return;
   if (block_size < 1) throw Error("selection_from_blocks: block_size must be >= 1");
   if (num_requests > 65535) throw Error("selection_from_blocks: more than 65535 requests on CUDA");
@@ -77,7 +75,6 @@ void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_o
   blocks_to_rows_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(p);
   SP_CUDA_CHECK_LAUNCH();
 }
-
 
 void selection_mask_cuda(const int32_t* positions, const int32_t* offsets, int32_t num_requests, int64_t live_len,
                          float* mask, void* stream) {

@@ -39,8 +39,8 @@ __global__ void static_mask_kernel(const StaticMaskArgs a) {
     const int64_t r = i / a.pitch, t = i % a.pitch;
     const int32_t b = static_cast<int32_t>(r / a.num_qo_heads), h = static_cast<int32_t>(r % a.num_qo_heads);
     const int64_t len = a.kv_lens[b];
-    const bool kept = t < len && static_block_kept(a.pattern, h, (len - 1) / a.pattern.block_size,
-                                                   t / a.pattern.block_size);
+    const bool kept =
+        t < len && static_block_kept(a.pattern, h, (len - 1) / a.pattern.block_size, t / a.pattern.block_size);
     a.mask[i] = kept ? 0.0f : neg_inf;
   }
 }

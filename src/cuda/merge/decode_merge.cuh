@@ -34,16 +34,16 @@ inline int32_t merge_lanes(int32_t max_partials) {
 }
 
 struct MergeParams {
-  const float* partial_o = nullptr;       // [num_partials, group_size, partial_dv]
-  const float* partial_lse = nullptr;     // [num_partials, group_size]
-  const int32_t* merge_indptr = nullptr;  // [num_merge + 1] slots, or null: uniform
+  const float* partial_o = nullptr;         // [num_partials, group_size, partial_dv]
+  const float* partial_lse = nullptr;       // [num_partials, group_size]
+  const int32_t* merge_indptr = nullptr;    // [num_merge + 1] slots, or null: uniform
   const int32_t* merge_requests = nullptr;  // [num_merge] requests, or null: uniform
-  int32_t chunks_per_request = 1;         // uniform: merge i owns slots [i * c, (i + 1) * c)
-  int32_t lanes = 1;                      // lanes per output, each taking every lanes-th partial (launch_merge sets it)
-  int32_t group_size = 1;                 // query rows per request: heads x q_len tokens
-  int32_t heads = 0;                      // query heads per request (decode.h's group_size); 0: group_size
-  int32_t q_len = 1;                      // query tokens per request; row i = token i / heads
-  int64_t o_tok = 0;                      // o's elements between a sequence's tokens (q_len > 1)
+  int32_t chunks_per_request = 1;           // uniform: merge i owns slots [i * c, (i + 1) * c)
+  int32_t lanes = 1;       // lanes per output, each taking every lanes-th partial (launch_merge sets it)
+  int32_t group_size = 1;  // query rows per request: heads x q_len tokens
+  int32_t heads = 0;       // query heads per request (decode.h's group_size); 0: group_size
+  int32_t q_len = 1;       // query tokens per request; row i = token i / heads
+  int64_t o_tok = 0;       // o's elements between a sequence's tokens (q_len > 1)
   int32_t dv = 0;
   int32_t partial_dv = 0;
   // o's strides (decode.h's QueryStrides): head g of request r at
@@ -51,14 +51,15 @@ struct MergeParams {
   int32_t num_kv_heads = 1;
   int64_t o_seq = 0, o_head = 0;
   void* o = nullptr;
-  float* lse = nullptr;                   // [num_sequences, q_len, num_kv_heads, heads] or null
+  float* lse = nullptr;  // [num_sequences, q_len, num_kv_heads, heads] or null
   // The finalize of the FlashMLA-shaped decode (mla_sparse.h). An attention
   // sink is one more logit in each row's softmax denominator that adds no
   // value: row g's output is divided by sum + exp(sink[g] - max) instead of
   // sum, i.e. scaled by exp(lse) / (exp(lse) + exp(sink[g])), while the lse
   // written stays the sink-free one. -inf changes nothing; +inf gives o = 0.
-  const float* sink = nullptr;            // [heads], indexed by the head within a request; null: none
-  float empty_lse = -std::numeric_limits<float>::infinity();  // the lse of a row that attended nothing (FlashMLA's: +inf)
+  const float* sink = nullptr;  // [heads], indexed by the head within a request; null: none
+  float empty_lse =
+      -std::numeric_limits<float>::infinity();  // the lse of a row that attended nothing (FlashMLA's: +inf)
 };
 
 /// CTAs of the merge kernel per SM that leave ptxas the registers for a
@@ -73,7 +74,8 @@ constexpr int merge_min_ctas(int batch) { return batch >= 8 ? 16 : batch >= 4 ? 
 /// lanes, each over every lanes-th partial, kBatch partials' loads at a time,
 /// their states combined by shuffles.
 template <typename T, int kBatch>
-__global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_kernel(const __grid_constant__ MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch))
+    merge_kernel(const __grid_constant__ MergeParams p) {
   pdl_wait_primary();  // partials are complete and visible past this point
   const int i = blockIdx.x;
   int32_t begin, end, request;
@@ -167,10 +169,9 @@ __global__ void __launch_bounds__(kMergeThreads, merge_min_ctas(kBatch)) merge_k
     lse = nan_f32();
   }
   const int64_t out_row = ((int64_t{seq} * p.q_len + token) * p.num_kv_heads + kv_head) * heads + g;
-  T* dst = static_cast<T*>(p.o) + seq * p.o_seq + int64_t{token} * p.o_tok +
-           (int64_t{kv_head} * heads + g) * p.o_head + col;
-  *reinterpret_cast<uint2*>(dst) =
-      make_uint2(ElemTraits<T>::pack2(o.x, o.y), ElemTraits<T>::pack2(o.z, o.w));
+  T* dst =
+      static_cast<T*>(p.o) + seq * p.o_seq + int64_t{token} * p.o_tok + (int64_t{kv_head} * heads + g) * p.o_head + col;
+  *reinterpret_cast<uint2*>(dst) = make_uint2(ElemTraits<T>::pack2(o.x, o.y), ElemTraits<T>::pack2(o.z, o.w));
   if (col == 0 && p.lse != nullptr) p.lse[out_row] = lse;
 }
 
@@ -188,7 +189,9 @@ void launch_merge(const MergeParams& params, int32_t max_partials, int32_t num_m
     throw Error("merge: " + std::to_string(p.group_size) + " query rows of width " + std::to_string(p.dv) +
                 " need more than 65535 merge CTAs per request");
   const dim3 grid(static_cast<unsigned>(num_merge), static_cast<unsigned>(blocks_y));
-  auto kernel = max_partials <= 2 ? merge_kernel<T, 2> : max_partials <= 4 ? merge_kernel<T, 4> : merge_kernel<T, kMergeBatch>;
+  auto kernel = max_partials <= 2   ? merge_kernel<T, 2>
+                : max_partials <= 4 ? merge_kernel<T, 4>
+                                    : merge_kernel<T, kMergeBatch>;
   launch_with_pdl(kernel, grid, dim3(kMergeThreads), 0, stream, p);
 }
 

@@ -69,9 +69,10 @@ __device__ __forceinline__ void sync_relaxed() {
 /// shared::cluster address `dst` (a peer CTA's) with the bulk-copy engine;
 /// completes `bytes` transaction bytes on that CTA's mbarrier at `bar`.
 __device__ __forceinline__ void copy_bulk(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "r"(src), "r"(bytes), "r"(bar)
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "r"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /// Waits until this thread's bulk copies have read their sources.

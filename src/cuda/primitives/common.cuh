@@ -21,17 +21,17 @@ namespace sparsepage {
 namespace cuda {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
-  throw Error(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) +
-              ") in " + call + " at " + file + ":" + std::to_string(line));
+  throw Error(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ") in " + call +
+              " at " + file + ":" + std::to_string(line));
 }
 
 }  // namespace cuda
 }  // namespace sparsepage
 
 /// Checks a CUDA runtime call and throws sparsepage::Error naming it.
-#define SP_CUDA_CHECK(call)                                                          \
-  do {                                                                               \
-    cudaError_t sp_err_ = (call);                                                    \
+#define SP_CUDA_CHECK(call) \
+  do { \
+    cudaError_t sp_err_ = (call); \
     if (sp_err_ != cudaSuccess) ::sparsepage::cuda::throw_cuda_error(sp_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
@@ -46,8 +46,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- element types --------------------------------------------------------
 
-template <typename T> struct ElemTraits;
-template <> struct ElemTraits<__nv_bfloat16> {
+template <typename T>
+struct ElemTraits;
+template <>
+struct ElemTraits<__nv_bfloat16> {
   static constexpr bool kBF16 = true;
   __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
@@ -57,7 +59,8 @@ template <> struct ElemTraits<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
 };
-template <> struct ElemTraits<__half> {
+template <>
+struct ElemTraits<__half> {
   static constexpr bool kBF16 = false;
   __device__ static float to_float(__half x) { return __half2float(x); }
   __device__ static __half from_float(float x) { return __float2half_rn(x); }
@@ -94,8 +97,7 @@ __device__ __forceinline__ float neg_inf_f32() { return __int_as_float(0xff80000
 __device__ __forceinline__ bool online_softmax_rebase(const float (&tile_max)[2], float (&m)[2], float (&l)[2],
                                                       float (&alpha)[2], float (&base)[2]) {
   constexpr float kRescaleLog2 = 8.f;
-  const bool rescale =
-      __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
+  const bool rescale = __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
   alpha[0] = alpha[1] = 1.f;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -120,8 +122,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 /// read and the destination is zeroed (src-size 0), so tails and rejected rows
 /// still leave finite zeros in shared memory.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
 }
 /// As cp_async_16 with the source size given: 16 copies, 0 zero-fills.
 __device__ __forceinline__ void cp_async_16_n(uint32_t dst, const void* src, int src_bytes) {
@@ -167,17 +168,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
 
@@ -239,9 +238,10 @@ void configure_smem_once(void (*kernel)(Params), size_t smem_bytes) {
   std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(kernel, device);
   if (std::find(configured.begin(), configured.end(), key) != configured.end()) return;
-  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  SP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     cudaSharedmemCarveoutMaxShared));
+  SP_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  SP_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   configured.push_back(key);
 }
 

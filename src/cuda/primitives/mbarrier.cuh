@@ -26,13 +26,12 @@ __device__ __forceinline__ void arrive_on_copies(uint32_t bar) {
 }
 /// Waits until the phase with parity `parity` has completed.
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  asm volatile("{\n.reg .pred done;\n"
+               "WAIT_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+               "r"(parity)
+               : "memory");
 }
 /// Arrives, and expects `bytes` more transaction bytes in the current phase.
 __device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {

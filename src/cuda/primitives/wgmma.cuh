@@ -44,8 +44,8 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
 }
 
 #define SP_WGMMA_N32_OUTS \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define SP_WGMMA_N32(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
   "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {" \
@@ -63,22 +63,22 @@ __device__ __forceinline__ void mma_m64n32k16(float (&d)[16], uint64_t a, uint64
 }
 
 #define SP_WGMMA_N256_OUTS \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), \
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), \
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), \
+      "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), \
+      "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), \
+      "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), \
+      "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), \
+      "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), \
+      "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), \
+      "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), \
+      "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 // The 128 accumulator operands of an m64n256 shape, %0 to %127.
 #define SP_WGMMA_N256_D \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -92,8 +92,7 @@ __device__ __forceinline__ void mma_m64n32k16(float (&d)[16], uint64_t a, uint64
 
 #define SP_WGMMA_N256(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {" SP_WGMMA_N256_D \
-  "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+  "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {" SP_WGMMA_N256_D "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
 
 /// D[64x256] (+)= A[64x16] B[16x256]: A K-major, B MN-major (rows of contiguous n).
 template <typename T>
@@ -132,7 +131,7 @@ __device__ __forceinline__ void mma_m64n256k16_rs(float (&d)[128], const uint32_
 /// as the queries of a score product S = K Q^T).
 enum class BMajor { kMN = 1, kK = 0 };
 
-#define SP_F32X8(j)                                                                                        \
+#define SP_F32X8(j) \
   "+f"(d[j]), "+f"(d[j + 1]), "+f"(d[j + 2]), "+f"(d[j + 3]), "+f"(d[j + 4]), "+f"(d[j + 5]), "+f"(d[j + 6]), \
       "+f"(d[j + 7])
 #define SP_WGMMA_N128SS_OUTS \
@@ -146,8 +145,7 @@ enum class BMajor { kMN = 1, kK = 0 };
 
 #define SP_WGMMA_N128SS(TY) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" SP_WGMMA_N128_D \
-  "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" SP_WGMMA_N128_D "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
 
 /// D[64x128] (+)= A[64x16] B[16x128]: A K-major, B MN-major unless told
 /// K-major. `d` points at 64 accumulators: either half of m64n256k16's,
@@ -186,7 +184,7 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[8][4], uint64_t a, uint
 /// the same order: d[4 j + e] is d[j][e]), as the DSA indexer keeps them.
 template <typename T>
 __device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
-  mma_m64n64k16<T>(reinterpret_cast<float (&)[8][4]>(d), a, b, accumulate);
+  mma_m64n64k16<T>(reinterpret_cast<float(&)[8][4]>(d), a, b, accumulate);
 }
 
 #define SP_WGMMA_N128_RS(TY) \
@@ -214,7 +212,8 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[
 /// The same over [n8 tile][4] accumulators (the same registers in the same
 /// order: d[j][e] is element 4 j + e).
 template <typename T>
-__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b,
+                                                  int accumulate) {
   mma_m64n128k16_rs<T>(&d[0][0], a, b, accumulate);
 }
 

@@ -15,15 +15,15 @@
 // mma.sync throughput), so the padding costs no time and keeps one code path.
 #pragma once
 
-#include "cuda/primitives/common.cuh"
 #include "cuda/merge/decode_merge.cuh"
+#include "cuda/primitives/common.cuh"
 #include "sparsepage/decode.h"
 #include "sparsepage/plan.h"
 
 namespace sparsepage {
 namespace cuda {
 
-constexpr int kTileRows = 64;    // gathered rows per stage (16 per warp)
+constexpr int kTileRows = 64;  // gathered rows per stage (16 per warp)
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kQueryTile = 16;   // query heads per CTA: one MMA M tile
@@ -54,8 +54,8 @@ struct PagedTable {
   const int32_t* seq_lens = nullptr;           // visible tokens (clip the plan's items); may be null
   bool lens_per_sequence = false;              // seq_lens[b] instead of seq_lens[r]
   int32_t page_size = 1;
-  int32_t page_shift = 0;                      // log2(page_size), or -1 when not a power of two
-  int64_t num_pool_pages = 0;                  // pool mode: ids in [0, num_pool_pages)
+  int32_t page_shift = 0;      // log2(page_size), or -1 when not a power of two
+  int64_t num_pool_pages = 0;  // pool mode: ids in [0, num_pool_pages)
   PageAddressing addressing = PageAddressing::kPoolPages;
   // -1 ids are padding: their tokens are skipped (IndexPadding::kMinusOneSkips).
   bool skip_minus_one = false;
@@ -66,7 +66,7 @@ struct PagedTable {
   int64_t index_seq_stride = 0, index_head_stride = 0;
   // Window mode (decode.h): ids are pages of the request's own rows and
   // every position is checked against its sequence's live length.
-  const int32_t* window_lens = nullptr;        // [num_sequences] or null: window_len for all
+  const int32_t* window_lens = nullptr;  // [num_sequences] or null: window_len for all
   int64_t window_len = 0;
   // The most any window_lens entry may say (the host's bound, decode.h:
   // window_lens): the rows each (sequence, head) holds in window mode, the
@@ -75,7 +75,7 @@ struct PagedTable {
   int64_t max_window_len = 0;
   // Block-table mode (decode.h): ids are pages of the sequence's positions.
   BlockTable block_table;
-  int32_t block_shift = 0;                     // log2(block_size), or -1
+  int32_t block_shift = 0;  // log2(block_size), or -1
 };
 
 /// Dense-allocation row source parameters: token t of a request is row t of
@@ -90,11 +90,11 @@ struct DenseTable {
 /// pointers. Request r is (sequence r / num_kv_heads, head r % num_kv_heads);
 /// each stream's rows for it start at base + seq * seq_stride + head * head_stride.
 struct PartialCommon {
-  const void* q = nullptr;        // [num_requests, group_size, dqk]
-  const void* q_extra = nullptr;  // [num_requests, group_size, de] or null
-  const void* k = nullptr;        // K pool base
-  const void* v = nullptr;        // V pool base (may equal k)
-  const void* k_extra = nullptr;  // second K stream base or null
+  const void* q = nullptr;                           // [num_requests, group_size, dqk]
+  const void* q_extra = nullptr;                     // [num_requests, group_size, de] or null
+  const void* k = nullptr;                           // K pool base
+  const void* v = nullptr;                           // V pool base (may equal k)
+  const void* k_extra = nullptr;                     // second K stream base or null
   int64_t k_stride = 0, v_stride = 0, e_stride = 0;  // elements between rows
   int64_t k_seq = 0, v_seq = 0, e_seq = 0;           // elements between sequences
   int64_t k_head = 0, v_head = 0, e_head = 0;        // elements between KV heads
@@ -104,8 +104,8 @@ struct PartialCommon {
   // q, q_extra and o (decode.h's QueryStrides, elements): query head g of
   // request r at (r / num_kv_heads) * *_seq + ((r % num_kv_heads) * group_size + g) * *_head.
   int64_t q_seq = 0, q_head = 0, qe_seq = 0, qe_head = 0, o_seq = 0, o_head = 0;
-  bool v_aliases_k = false;       // V is K's first dv columns at K's rows: load rows once
-  float scale_log2 = 0.f;         // scale * log2(e)
+  bool v_aliases_k = false;  // V is K's first dv columns at K's rows: load rows once
+  float scale_log2 = 0.f;    // scale * log2(e)
   // Multi-token steps (decode.h's q_len): a request's query rows are q_len
   // tokens x group_size heads, row i = token i / group_size, head i %
   // group_size; token t adds t * *_tok to its q, q_extra and o addresses and
@@ -118,12 +118,12 @@ struct PartialCommon {
   int32_t num_items = 0;           // the list's items: the last of a request knows its planned count
   int32_t chunks_per_request = 1;  // uniform split: item i -> request i / chunks_per_request
   int32_t chunk_tokens = 0;
-  int32_t uniform_len = 0;         // tokens per request in the uniform split (an upper bound with live_lens)
+  int32_t uniform_len = 0;  // tokens per request in the uniform split (an upper bound with live_lens)
 
-  void* o = nullptr;               // [num_requests, group_size, dv], input dtype
-  float* lse = nullptr;            // [num_requests, group_size] or null
-  float* partial_o = nullptr;      // [num_partials, group_size, partial_dv]
-  float* partial_lse = nullptr;    // [num_partials, group_size]
+  void* o = nullptr;             // [num_requests, group_size, dv], input dtype
+  float* lse = nullptr;          // [num_requests, group_size] or null
+  float* partial_o = nullptr;    // [num_partials, group_size, partial_dv]
+  float* partial_lse = nullptr;  // [num_partials, group_size]
   int32_t partial_dv = 0;
   uint32_t* error_flag = nullptr;  // uint32 [2] (report_decode_error); may be null
 };
@@ -136,8 +136,8 @@ struct PartialParams : PartialCommon {
 };
 
 /// Element offset of query head `head` of `request` in a q-shaped view.
-__device__ inline int64_t head_offset(const PartialCommon& p, int64_t seq_stride, int64_t head_stride,
-                                      int32_t request, int32_t head) {
+__device__ inline int64_t head_offset(const PartialCommon& p, int64_t seq_stride, int64_t head_stride, int32_t request,
+                                      int32_t head) {
   const int32_t seq = request / p.num_kv_heads;
   return seq * seq_stride + (int64_t{request - seq * p.num_kv_heads} * p.group_size + head) * head_stride;
 }
@@ -258,13 +258,13 @@ struct PagedSourceT {
   using Params = PartialParams<PagedTable>;
   static constexpr bool kHasBias = false;
   static constexpr bool kMaySkip = kEngineInputs;  // -1 padding (IndexPadding::kMinusOneSkips)
-  const int32_t* pages;  // this request's page ids
-  const int32_t* table_row;  // block-table mode: this sequence's row (null: reject every token)
+  const int32_t* pages;                            // this request's page ids
+  const int32_t* table_row;                        // block-table mode: this sequence's row (null: reject every token)
   int32_t num_pages, first_offset, page_size, page_shift, seq_len;
   int64_t num_pool_pages;
   PageAddressing addressing;
   bool skip_minus_one;
-  int64_t window_len;    // window mode: the sequence's live length
+  int64_t window_len;  // window mode: the sequence's live length
 
   /// Reads the request's lengths and offsets; false when one is out of
   /// range (every token is then rejected). `planned`: the request's planned
@@ -392,8 +392,10 @@ __device__ inline bool lengths_out_of_range(const PartialParams<PagedTable>& p, 
       int32_t lo = 0, hi = p.num_items;
       while (lo < hi) {
         const int32_t mid = (lo + hi) / 2;
-        if (p.work[mid].request <= request) lo = mid + 1;
-        else hi = mid;
+        if (p.work[mid].request <= request)
+          lo = mid + 1;
+        else
+          hi = mid;
       }
       planned = lo > 0 && p.work[lo - 1].request == request ? p.work[lo - 1].token_end : INT64_MAX;
     }
@@ -429,9 +431,9 @@ struct DenseSource {
   using Params = PartialParams<DenseTable>;
   static constexpr bool kHasBias = true;
   static constexpr bool kMaySkip = false;  // masked rows leave the softmax through bias()
-  const float* mask;  // this request's mask row, or null
-  int32_t live;       // the sequence's live tokens
-  bool rejected;      // a live length outside [0, live_len]: every token rejected
+  const float* mask;                       // this request's mask row, or null
+  int32_t live;                            // the sequence's live tokens
+  bool rejected;                           // a live length outside [0, live_len]: every token rejected
 
   /// False when the sequence's live length lies outside [0, live_len] (the
   /// uniform split's length): the request is poisoned, nothing is read.

@@ -24,16 +24,16 @@ struct PartialCta {
   using Params = typename Source::Params;
   const Params& p;
   Source src;
-  T* stages;      // kS x [64 x DK K rows, 64 x DV V rows], swizzled
-  T* q_tile;      // [16 x DK], swizzled, rows >= heads zero
-  int32_t* ids;   // kIdSlots x kIdSlotInts
+  T* stages;     // kS x [64 x DK K rows, 64 x DV V rows], swizzled
+  T* q_tile;     // [16 x DK], swizzled, rows >= heads zero
+  int32_t* ids;  // kIdSlots x kIdSlotInts
   const T* k_base;
   const T* v_base;
   const T* e_base;
   int tid, warp, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
-  int tile_rows;  // query rows per CTA: kQueryTile, or kMultiRows for the multi-token CTA
-  bool bad = false;  // this thread met a page id outside the pool
+  int tile_rows;             // query rows per CTA: kQueryTile, or kMultiRows for the multi-token CTA
+  bool bad = false;          // this thread met a page id outside the pool
   uint32_t skip_stages = 0;  // bit s: the tile in stage s holds padding (-1) rows of this warp's 16
 
   // Per-warp online-softmax state for query rows lane/4 and lane/4 + 8.
@@ -77,8 +77,8 @@ struct PartialCta {
     const int dq_chunks = p.dqk / 8;
     // This CTA's first head in q and q_extra (one division per CTA, not per chunk).
     const T* q0 = static_cast<const T*>(p.q) + head_offset(p, p.q_seq, p.q_head, request, head0);
-    const T* e0 = p.q_extra ? static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0)
-                            : nullptr;
+    const T* e0 =
+        p.q_extra ? static_cast<const T*>(p.q_extra) + head_offset(p, p.qe_seq, p.qe_head, request, head0) : nullptr;
     for (int idx = tid; idx < tile_rows * kKChunks; idx += kThreads) {
       const int row = idx / kKChunks, c = idx % kKChunks;
       T* dst = q_tile + Cfg::tile_offset(row, c, kKChunks);
@@ -89,7 +89,8 @@ struct PartialCta {
       const T* g = c < dq_chunks ? q0 + row * p.q_head + c * 8 : e0 + row * p.qe_head + (c - dq_chunks) * 8;
       if (p.q_len > 1) {  // rows of several tokens: each row finds its own token
         g = c < dq_chunks
-                ? static_cast<const T*>(p.q) + query_row_offset(p, p.q_seq, p.q_tok, p.q_head, request, head0 + row) + c * 8
+                ? static_cast<const T*>(p.q) + query_row_offset(p, p.q_seq, p.q_tok, p.q_head, request, head0 + row) +
+                      c * 8
                 : static_cast<const T*>(p.q_extra) +
                       query_row_offset(p, p.qe_seq, p.qe_tok, p.qe_head, request, head0 + row) + (c - dq_chunks) * 8;
       }
@@ -157,7 +158,8 @@ struct PartialCta {
         const int idx = i * 32 + lane;
         const int lr = idx / kKChunks, c = idx % kKChunks;
         const int n = __shfl_sync(0xffffffffu, fill, lr);
-        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n, policy);
+        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), shfl_ptr(k_row, lr) + c * 8, n,
+                             policy);
       }
     } else {
 #pragma unroll
@@ -167,7 +169,8 @@ struct PartialCta {
         const int n = __shfl_sync(0xffffffffu, fill, lr);
         const T* gk = shfl_ptr(k_row, lr) + c * 8;
         const T* ge = shfl_ptr(e_row, lr) + (c - dq_chunks) * 8;
-        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n, policy);
+        cp_async_16_n_policy(smem_u32(kt + Cfg::tile_offset(row0 + lr, c, kKChunks)), c < dq_chunks ? gk : ge, n,
+                             policy);
       }
     }
     if (p.v_aliases_k) return resolved;
@@ -314,8 +317,8 @@ struct PartialCta {
       }
     }
     // The two n8 score tiles are exactly the A fragment of a k16 MMA.
-    const uint32_t a[4] = {Tr::pack2(s[0][0], s[0][1]), Tr::pack2(s[0][2], s[0][3]),
-                           Tr::pack2(s[1][0], s[1][1]), Tr::pack2(s[1][2], s[1][3])};
+    const uint32_t a[4] = {Tr::pack2(s[0][0], s[0][1]), Tr::pack2(s[0][2], s[0][3]), Tr::pack2(s[1][0], s[1][1]),
+                           Tr::pack2(s[1][2], s[1][3])};
     if (rescale) {
 #pragma unroll
       for (int nt = 0; nt < DV / 8; ++nt) {
@@ -418,7 +421,7 @@ struct PartialCta {
       warp_m[warp][lane >> 2] = m[0], warp_m[warp][(lane >> 2) + 8] = m[1];
       warp_l[warp][lane >> 2] = l[0], warp_l[warp][(lane >> 2) + 8] = l[1];
     }
-    const bool any_bad = __syncthreads_or(bad);  // also: stages are free for the reduction
+    const bool any_bad = __syncthreads_or(bad);     // also: stages are free for the reduction
     float* red = reinterpret_cast<float*>(stages);  // [kWarps][16][kReducePitch]
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -486,7 +489,6 @@ struct PartialCta {
     }
     if (any_bad && tid == 0) report_rejected(p, request);
   }
-
 };
 
 template <typename T, int DK, int DV, class Source>

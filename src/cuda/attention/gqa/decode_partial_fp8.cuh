@@ -32,8 +32,7 @@ struct PartialFp8Cta : PartialCta<T, 128, 128, Source> {
   const unsigned char* v8;
   float k_scale, v_scale;
 
-  __device__ PartialFp8Cta(const Fp8Params<typename Source::Params>& params, unsigned char* smem)
-      : Base(params, smem) {
+  __device__ PartialFp8Cta(const Fp8Params<typename Source::Params>& params, unsigned char* smem) : Base(params, smem) {
     const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
     k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
     v8 = static_cast<const unsigned char*>(params.v) + seq * params.v_seq + head * params.v_head;
@@ -78,10 +77,10 @@ struct PartialFp8Cta : PartialCta<T, 128, 128, Source> {
       const int idx = i * 32 + lane;
       const int lr = idx / 16, c = idx % 16;
       const int n = __shfl_sync(0xffffffffu, fill, lr);
-      const auto* gk = reinterpret_cast<const unsigned char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<long long>(k_row), lr));
-      const auto* gv = reinterpret_cast<const unsigned char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<long long>(v_row), lr));
+      const auto* gk =
+          reinterpret_cast<const unsigned char*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(k_row), lr));
+      const auto* gv =
+          reinterpret_cast<const unsigned char*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(v_row), lr));
       cp_async_16_n(dst + lr * kRawRowBytes + c * 16, c < 8 ? gk + c * 16 : gv + (c - 8) * 16, n);
     }
   }

@@ -71,9 +71,7 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
   __device__ MultiTokenCta(const Params& params, unsigned char* smem) : Base(params, smem, kMultiRows) {}
 
   static_assert(kWarps == 4, "softmax() reads a stage's four late bytes as one 32-bit word");
-  __device__ uint8_t* late_bytes() {
-    return reinterpret_cast<uint8_t*>(this->ids + Cfg::kIdSlots * kIdSlotInts);
-  }
+  __device__ uint8_t* late_bytes() { return reinterpret_cast<uint8_t*>(this->ids + Cfg::kIdSlots * kIdSlotInts); }
 
   /// The base copy, and whether this warp's rows of the tile lie at or past
   /// the first token's causal limit (live length - (q_len - 1)): only such
@@ -237,7 +235,8 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
         [&] {  // this warp's 16 query rows of the 64, into registers
 #pragma unroll
           for (int kk = 0; kk < DK / 16; ++kk)
-            ldmatrix_x4(this->qf[kk], smem_u32(q_tile + swizzle(warp * 16 + (lane & 15), 2 * kk + (lane >> 4), kKChunks)));
+            ldmatrix_x4(this->qf[kk],
+                        smem_u32(q_tile + swizzle(warp * 16 + (lane & 15), 2 * kk + (lane >> 4), kKChunks)));
         },
         [&](int t) {
           float s[8][4] = {};
@@ -265,8 +264,8 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
       // Nothing seen: o = 0, lse = -inf; a rejected page or NaN inputs: NaN.
       const bool poisoned = any_bad || isnan(l[i]);
       const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      T* o_row = partial < 0 ? static_cast<T*>(p.o) + query_row_offset(p, p.o_seq, p.o_tok, p.o_head, request, row)
-                             : nullptr;
+      T* o_row =
+          partial < 0 ? static_cast<T*>(p.o) + query_row_offset(p, p.o_seq, p.o_tok, p.o_head, request, row) : nullptr;
       float* part_row = partial < 0 ? nullptr : p.partial_o + (int64_t{partial} * rows + row) * p.partial_dv;
 #pragma unroll
       for (int nt = 0; nt < DV / 8; ++nt) {
@@ -281,7 +280,7 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
         }
       }
       if ((lane & 3) == 0) {
-        const float lse = poisoned ? nan_f32()
+        const float lse = poisoned     ? nan_f32()
                           : l[i] > 0.f ? ((m[i] == neg_inf_f32() ? 0.f : m[i]) + log2f(l[i])) * kLn2
                                        : neg_inf_f32();
         if (partial < 0) {
@@ -296,7 +295,8 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
 };
 
 template <typename T, int DK, int DV, class Source>
-__global__ void __launch_bounds__(kThreads, 2) multi_token_kernel(const __grid_constant__ typename Source::Params params) {
+__global__ void __launch_bounds__(kThreads, 2)
+    multi_token_kernel(const __grid_constant__ typename Source::Params params) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();

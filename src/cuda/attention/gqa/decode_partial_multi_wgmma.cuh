@@ -93,18 +93,20 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   /// and no Q fragments: Q stays in shared memory, where wgmma reads it. No
   /// zero_v_tail: this CTA runs only at dv = 128 (multi_token_cta_kind).
   __device__ void run() {
-    this->template pipeline<true>([] {}, [&](int t) {
-      float s[8][4];
-      scores(t % kS, s);
-      this->softmax(t, s);
-      pv(t, s);
-    });
+    this->template pipeline<true>([] {},
+                                  [&](int t) {
+                                    float s[8][4];
+                                    scores(t % kS, s);
+                                    this->softmax(t, s);
+                                    pv(t, s);
+                                  });
     this->finish();
   }
 };
 
 template <typename T, class Source>
-__global__ void __launch_bounds__(kThreads, 2) multi_token_wgmma_kernel(const __grid_constant__ typename Source::Params params) {
+__global__ void __launch_bounds__(kThreads, 2)
+    multi_token_wgmma_kernel(const __grid_constant__ typename Source::Params params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();

@@ -27,14 +27,14 @@ namespace sparsepage {
 namespace cuda {
 
 struct MlaTile {
-  static constexpr int kHeads = 64;       // query heads per CTA: the wgmma M
-  static constexpr int kTokens = 64;      // gathered rows per stage
-  static constexpr int kLatent = 512;     // V = K's first 512 columns
-  static constexpr int kRope = 64;        // the second K stream
+  static constexpr int kHeads = 64;    // query heads per CTA: the wgmma M
+  static constexpr int kTokens = 64;   // gathered rows per stage
+  static constexpr int kLatent = 512;  // V = K's first 512 columns
+  static constexpr int kRope = 64;     // the second K stream
   static constexpr int kCols = kLatent + kRope;
-  static constexpr int kSlabs = kCols / 64;           // 128-byte column slabs per tile
-  static constexpr int kPieces = kCols / 8;           // 16-byte pieces per row
-  static constexpr int kSlabBytes = 64 * 128;         // one slab of 64 rows
+  static constexpr int kSlabs = kCols / 64;    // 128-byte column slabs per tile
+  static constexpr int kPieces = kCols / 8;    // 16-byte pieces per row
+  static constexpr int kSlabBytes = 64 * 128;  // one slab of 64 rows
   static constexpr int kTileBytes = kSlabs * kSlabBytes;
   static_assert(kTokens <= kIdSlotInts, "a tile's page ids fit a slot");
 };
@@ -122,7 +122,7 @@ struct MlaCtaShare {
   const T* e_base;
   int tid, wg, wt, lane;
   int32_t request, tok_begin, len, partial, head0, heads;
-  bool bad = false;    // this thread met a page id outside the pool
+  bool bad = false;  // this thread met a page id outside the pool
 
   __device__ MlaCtaShare(const Params& params, unsigned char* smem) : p(params) {
     const uint32_t raw = smem_u32(smem);
@@ -160,7 +160,8 @@ struct MlaCtaShare {
 /// mla_ws_fp8_pair.cuh); Cta::KernelParams is what its launch passes, and
 /// Cta::run() is the CTA's whole work.
 template <class Cta>
-__global__ void __launch_bounds__(Cta::kThreads, 1) mla_partial_kernel(const __grid_constant__ typename Cta::KernelParams params) {
+__global__ void __launch_bounds__(Cta::kThreads, 1)
+    mla_partial_kernel(const __grid_constant__ typename Cta::KernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();

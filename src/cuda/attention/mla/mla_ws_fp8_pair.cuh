@@ -45,8 +45,8 @@
 // one-CTA kernel (mla_ws_fp8_partial.cuh) runs.
 #pragma once
 
-#include "cuda/primitives/fp8_convert.cuh"
 #include "cuda/attention/mla/mla_ws_fp8_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {
@@ -107,7 +107,8 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
     const unsigned char* k_row = k8 + (own >= 0 ? own * this->p.k_stride : 0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      g.raw[j] = own >= 0 ? __ldg(reinterpret_cast<const uint4*>(k_row + (piece + 8 * j) * 16)) : make_uint4(0, 0, 0, 0);
+      g.raw[j] =
+          own >= 0 ? __ldg(reinterpret_cast<const uint4*>(k_row + (piece + 8 * j) * 16)) : make_uint4(0, 0, 0, 0);
     g.scale = own >= 0 ? __ldg(reinterpret_cast<const float4*>(k_row + MlaFp8Row::kScaleOffset))
                        : make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -136,8 +137,8 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
       const uint32_t slab_off = row_off + static_cast<uint32_t>((piece / 4 + 2 * j) * L::kSlabBytes);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 v = e4m3x8_to_bf16_scaled(h == 0 ? g.raw[j].x : g.raw[j].z, h == 0 ? g.raw[j].y : g.raw[j].w,
-                                              scales[j]);
+        const uint4 v =
+            e4m3x8_to_bf16_scaled(h == 0 ? g.raw[j].x : g.raw[j].z, h == 0 ? g.raw[j].y : g.raw[j].w, scales[j]);
         *reinterpret_cast<uint4*>(this->gen + slab_off + ((((piece & 3) * 2 + h) ^ (row & 7)) << 4)) = v;
       }
     }

@@ -38,8 +38,8 @@
 // (the first converted while the second lands), both measured slower.
 #pragma once
 
-#include "cuda/primitives/fp8_convert.cuh"
 #include "cuda/attention/mla/mla_ws_partial.cuh"
+#include "cuda/primitives/fp8_convert.cuh"
 #include "sparsepage/fp8.h"
 
 namespace sparsepage {
@@ -67,15 +67,15 @@ struct MlaWsFp8Threads : Layout {
 /// of the rows' block scales for the two stages.
 struct MlaWsFp8Smem {
   MlaWsSmemHead head;
-  float maxima[2][2][MlaTile::kHeads];   // [tile parity][warpgroup][head]
-  float4 scales[2][MlaTile::kTokens];    // [stage][row]: the row's 4 fp32 block scales
+  float maxima[2][2][MlaTile::kHeads];  // [tile parity][warpgroup][head]
+  float4 scales[2][MlaTile::kTokens];   // [stage][row]: the row's 4 fp32 block scales
 };
 
 struct MlaWsFp8Tile : MlaWsFp8Threads<MlaWsTile> {
   using L = MlaTile;
   using Smem = MlaWsFp8Smem;
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 2
-  static constexpr int kRawBlockBytes = 64 * 64;  // R(s): 64 rows x 64 e4m3 bytes
+  static constexpr int kRawBlockBytes = 64 * 64;                              // R(s): 64 rows x 64 e4m3 bytes
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   static_assert(2 * kRawBlockBytes == L::kSlabBytes, "two raw blocks per slab area");
@@ -168,7 +168,8 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
   /// Raw piece (row, q) of block s: 16 e4m3 values and their scale.
   __device__ void load_piece(int tile, int s, int row, int q, uint4& raw, float& scale) const {
     raw = *reinterpret_cast<const uint4*>(this->gen + this->stage_offset(tile) + W::raw_block(s) + row * 64 + q * 16);
-    scale = *reinterpret_cast<const float*>(this->gen + kScales + (tile & 1) * kScaleStageBytes + row * 16 + (s / 2) * 4);
+    scale =
+        *reinterpret_cast<const float*>(this->gen + kScales + (tile & 1) * kScaleStageBytes + row * 16 + (s / 2) * 4);
   }
 
   /// The piece's 16 values, times the scale in fp32 and rounded to bf16, into chunks
@@ -249,7 +250,10 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
         cp_async_commit();
       }
       // Groups in flight: tile u's rows, tile 1's (u == 0 only), the next ids.
-      if (u == 0) cp_async_wait<2>(); else cp_async_wait<1>();
+      if (u == 0)
+        cp_async_wait<2>();
+      else
+        cp_async_wait<1>();
       this->producer_sync(MlaWsBarrier::kRowsLanded);
       convert_tile(u);
     }

@@ -49,9 +49,9 @@
 #include <cstddef>
 
 #include "cuda/attention/gqa/decode_partial.cuh"
+#include "cuda/attention/mla/mla_partial.cuh"
 #include "cuda/primitives/cluster.cuh"
 #include "cuda/primitives/mbarrier.cuh"
-#include "cuda/attention/mla/mla_partial.cuh"
 #include "cuda/primitives/wgmma.cuh"
 
 namespace sparsepage {
@@ -74,12 +74,12 @@ struct MlaWsSmemHead {
   MlaSwizzledTile q;
   MlaSwizzledTile stage[2];
   int32_t ids[kMlaWsIdSlots][kIdSlotInts];  // page ids, a ring of tiles
-  uint64_t full[2];        // per stage: its rows (and ids) landed
-  uint64_t empty[2];       // per stage: the consumers no longer read it
-  uint64_t done;           // every producer thread is done (the flag below is set)
-  uint64_t peer_empty[2];  // CTA pairs: the peer's consumers released the stage
-  uint64_t peer_full[2];   // CTA pairs: the peer's rows of the stage landed
-  uint32_t bad_flag;       // a producer met a rejected page id
+  uint64_t full[2];                         // per stage: its rows (and ids) landed
+  uint64_t empty[2];                        // per stage: the consumers no longer read it
+  uint64_t done;                            // every producer thread is done (the flag below is set)
+  uint64_t peer_empty[2];                   // CTA pairs: the peer's consumers released the stage
+  uint64_t peer_full[2];                    // CTA pairs: the peer's rows of the stage landed
+  uint32_t bad_flag;                        // a producer met a rejected page id
 };
 static_assert(offsetof(MlaWsSmemHead, q) % 1024 == 0 && offsetof(MlaWsSmemHead, stage) % 1024 == 0 &&
                   sizeof(MlaSwizzledTile) % 1024 == 0,
@@ -103,21 +103,22 @@ struct MlaWsColumnSmem {
 static_assert(offsetof(MlaWsTokenSmem, maxima) % 16 == 0 && offsetof(MlaWsColumnSmem, maxima) % 16 == 0,
               "the exchange starts 16-byte aligned");
 static_assert(sizeof(MlaWsColumnSmem::wg0_scores) <= MlaTile::kSlabBytes, "warpgroup 1's half fits the rope slab");
-static_assert(sizeof(MlaWsColumnSmem::maxima) >= 2 * MlaTile::kHeads * sizeof(float), "the row sums fit the maxima's slot");
+static_assert(sizeof(MlaWsColumnSmem::maxima) >= 2 * MlaTile::kHeads * sizeof(float),
+              "the row sums fit the maxima's slot");
 
 struct MlaWsTile {
   using L = MlaTile;
   using Smem = MlaWsTokenSmem;
-  static constexpr int kThreads = 384;          // two consumer warpgroups + one producer warpgroup
+  static constexpr int kThreads = 384;  // two consumer warpgroups + one producer warpgroup
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerRegs = 232;     // 2 x 232 + 40 = 3 x 168, all that 384 threads get
+  static constexpr int kConsumerRegs = 232;  // 2 x 232 + 40 = 3 x 168, all that 384 threads get
   static constexpr int kProducerRegs = 40;
-  static constexpr bool kPvHalves = false;      // P V as one m64n256k16 per k-step
-  static constexpr int kClusterCtas = 1;        // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
+  static constexpr bool kPvHalves = false;  // P V as one m64n256k16 per k-step
+  static constexpr int kClusterCtas = 1;    // 2: the FP8 pair kernel (mla_ws_fp8_pair.cuh) shares stages
   static constexpr int kRowsPerThread = L::kTokens / (kProducerThreads / 8);  // 4
-  static constexpr int kMaxSlots = 2;           // row maxima slots, by tile parity
-  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + the alignment slack
+  static constexpr int kMaxSlots = 2;                                         // row maxima slots, by tile parity
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;                   // + the alignment slack
   static_assert(kSmemBytes <= 232448, "one CTA per SM on sm_90");
   // S split by tokens: each consumer warpgroup scores 32 of the tile's 64
   // tokens over all 576 columns (m64n32k16), so each reads all of Q.
@@ -148,19 +149,19 @@ struct MlaWsColumnTile : MlaWsTile {
 /// consumer warpgroups, the producer ones the producer warpgroup(s).
 enum class MlaWsBarrier : int {
   // consumers
-  kQLanded = 1,      // Q is in shared memory
-  kScoresSwapped,    // S split by columns: both halves of the partial sums handed over
-  kMaximaSwapped,    // the row maxima exchanged; both S(t) done, so the rope slab is free
-  kPComplete,        // the other warpgroup's P is in the P tile
-  kMaximaRead,       // the end: the last maxima are read, so the row sums may go over them
-  kSumsWritten,      // the end: both warpgroups' row sums are written
+  kQLanded = 1,    // Q is in shared memory
+  kScoresSwapped,  // S split by columns: both halves of the partial sums handed over
+  kMaximaSwapped,  // the row maxima exchanged; both S(t) done, so the rope slab is free
+  kPComplete,      // the other warpgroup's P is in the P tile
+  kMaximaRead,     // the end: the last maxima are read, so the row sums may go over them
+  kSumsWritten,    // the end: both warpgroups' row sums are written
   // producers
-  kFirstIdsVisible,  // FP8 one CTA: the ids of tiles 0 and 1
-  kTileIdsVisible,   // every producer thread's ids of tile u
-  kRowsLanded,       // FP8 one CTA: every producer thread's raw rows of tile u
-  kRawLowRead,       // FP8 one CTA: raw blocks 0-3 are read (slabs 4-5 may go over them)
-  kRawHighRead,      // FP8 one CTA: raw blocks 4-7 are read (slabs 6-7 may go over them)
-  kOwnRowsConverted, // FP8 pairs: every own row of tile u is converted (the send may start)
+  kFirstIdsVisible,   // FP8 one CTA: the ids of tiles 0 and 1
+  kTileIdsVisible,    // every producer thread's ids of tile u
+  kRowsLanded,        // FP8 one CTA: every producer thread's raw rows of tile u
+  kRawLowRead,        // FP8 one CTA: raw blocks 0-3 are read (slabs 4-5 may go over them)
+  kRawHighRead,       // FP8 one CTA: raw blocks 4-7 are read (slabs 6-7 may go over them)
+  kOwnRowsConverted,  // FP8 pairs: every own row of tile u is converted (the send may start)
 };
 static_assert(static_cast<int>(MlaWsBarrier::kOwnRowsConverted) < 16, "sm_90 has 16 named barriers");
 
@@ -189,9 +190,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
   using Params = typename S::Params;
   using KernelParams = Params;  // what mla_partial_kernel takes (the FP8 CTAs: Fp8Params)
   static constexpr int kThreads = W::kThreads;
+  using S::bad;  // set by producer threads only
   using S::p, S::src, S::base, S::gen, S::k_base, S::e_base, S::tid, S::wg, S::wt, S::lane;
   using S::request, S::tok_begin, S::len, S::partial, S::head0, S::heads, S::tile_tokens;
-  using S::bad;  // set by producer threads only
   using Smem = typename W::Smem;
 
   __device__ MlaWsCta(const Params& params, unsigned char* smem) : S(params, smem) {}
@@ -594,9 +595,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     // take more than the launch gave: 65536 / threads per thread, rounded
     // down to 8 (168 at 384 threads, 128 at 512). Asking for more hangs.
     constexpr int kLaunchRegs = 65536 / W::kThreads / 8 * 8;
-    static_assert(W::kConsumerThreads * W::kConsumerRegs + W::kProducerThreads * W::kProducerRegs <=
-                      W::kThreads * kLaunchRegs,
-                  "setmaxnreg asks for more than the launch gave");
+    static_assert(
+        W::kConsumerThreads * W::kConsumerRegs + W::kProducerThreads * W::kProducerRegs <= W::kThreads * kLaunchRegs,
+        "setmaxnreg asks for more than the launch gave");
     if (tid == 0) {
       for (int s = 0; s < 2; ++s) {
         // Each producer thread's arrival (its rows landed, or converted), and the ids'.
