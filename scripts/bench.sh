@@ -6,13 +6,17 @@
 #      attention), the context growing one token
 #      per step, eager and replayed from a CUDA graph, beside the mask-path
 #      step and the read-time floor; JSON and plots (build/bench/);
-#   2. sparse_paged_decode_bench: the attention kernel alone, the mask arm
+#   2. on a GPU, the steps engines run: the DSA layer over engine-owned FP8
+#      pools (656-byte MLA rows, vLLM's FP8 index-key blocks) behind
+#      shuffled block tables, uniform and ragged batches, and the
+#      block-sparse layer over engine pools with FP8 index keys;
+#   3. sparse_paged_decode_bench: the attention kernel alone, the mask arm
 #      against the fused sparse arm over the same selection;
-#   3. prefill: sparse_prefill_bench (prompts prefilled in chunks per layer
+#   4. prefill: sparse_prefill_bench (prompts prefilled in chunks per layer
 #      kind, checked before timing), then python/benchmarks/prefill_vs_dense.py
 #      (dense causal attention of the same prompts; skips without torch).
-# STEP_ARGS, KERNEL_ARGS and PREFILL_ARGS pass options to each (see their
-# --help); BENCH_PREFILL=0 leaves stage 3 out.
+# STEP_ARGS, POOLS_ARGS, KERNEL_ARGS and PREFILL_ARGS pass options to each
+# (see their --help); BENCH_PREFILL=0 leaves stage 4 out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh >/dev/null
@@ -28,6 +32,11 @@ if bash scripts/install-python-deps.sh --plots >/dev/null 2>&1; then
 else
   echo "plots: skipped (could not install matplotlib into .venv)"
 fi
+echo "== the steps over engine-owned FP8 pools (sparse_step_bench --pools fp8; GPU only)"
+"$build/tools/sparse_step_bench" --layers dsa --pools fp8 --ragged --batches 1 8 32 --contexts 32768 131072 \
+  --json "$out/pools_dsa.json" ${POOLS_ARGS:-} || echo "DSA pools stage: failed"
+"$build/tools/sparse_step_bench" --layers blocksparse --pools fp8 --batches 1 8 32 --contexts 32768 131072 \
+  --json "$out/pools_blocksparse.json" ${POOLS_ARGS:-} || echo "block-sparse pools stage: failed"
 echo "== the attention kernel alone (sparse_paged_decode_bench)"
 "$build/tools/sparse_paged_decode_bench" --json "$out/kernel.json" ${KERNEL_ARGS:-}
 if [[ ${BENCH_PREFILL:-1} != 0 ]]; then
