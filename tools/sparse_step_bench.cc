@@ -362,6 +362,30 @@ Arm dsa_pools_arm(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& l
 /// The last pools step against fp64 attention over its own selected
 /// positions, for the first and the last sequence and two heads each, the
 /// rows read back one by one and dequantized: the relative L2 error (worst).
+// The relative L2 error of one output row `o` (dim values) against the fp64
+// softmax over `scores` (already scaled) of the kept rows' values
+// value(j, i); INFINITY when an output is not finite or the reference is
+// zero and the output is not.
+template <typename Value>
+double softmax_row_error(const std::vector<double>& scores, int32_t dim, Value&& value, const float* o) {
+  double mx = -INFINITY, sum = 0, diff = 0, norm = 0;
+  for (double x : scores) mx = std::max(mx, x);
+  std::vector<double> ref(static_cast<size_t>(dim), 0.0);
+  for (size_t j = 0; j < scores.size(); ++j) {
+    const double w = std::exp(scores[j] - mx);
+    sum += w;
+    for (int32_t i = 0; i < dim; ++i) ref[static_cast<size_t>(i)] += w * value(j, i);
+  }
+  for (int32_t i = 0; i < dim; ++i) {
+    const double r = scores.empty() ? 0.0 : ref[static_cast<size_t>(i)] / sum;
+    const double g = o[i];
+    if (!std::isfinite(g)) return INFINITY;
+    diff += (g - r) * (g - r);
+    norm += r * r;
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : (diff > 0 ? INFINITY : 0.0);
+}
+
 double dsa_pools_check(DsaPoolsSetup& s, Device device) {
   const DsaPools& p = s.copies[(s.next + s.copies.size() - 1) % s.copies.size()];
   const auto selected = s.layer->last_selected_positions();
@@ -391,8 +415,7 @@ double dsa_pools_check(DsaPoolsSetup& s, Device device) {
       return ((x >> 7) ? -mag : mag) * sc;
     };
     for (int32_t h : {0, h_count - 1}) {
-      std::vector<double> sc, ref(512, 0.0);
-      double mx = -INFINITY, sum = 0, diff = 0, norm = 0;
+      std::vector<double> sc;
       for (const auto& r : rows) {
         double dot = 0;
         for (int i = 0; i < 576; ++i) {
@@ -401,21 +424,12 @@ double dsa_pools_check(DsaPoolsSetup& s, Device device) {
           dot += double(bf16_to_float(qv)) * value(r, i);
         }
         sc.push_back(dot * scale);
-        mx = std::max(mx, sc.back());
       }
-      for (size_t j = 0; j < rows.size(); ++j) {
-        const double w = std::exp(sc[j] - mx);
-        sum += w;
-        for (int i = 0; i < 512; ++i) ref[static_cast<size_t>(i)] += w * value(rows[j], i);
-      }
-      for (int i = 0; i < 512; ++i) {
-        const double r = rows.empty() ? 0.0 : ref[static_cast<size_t>(i)] / sum;
-        const double g = o[static_cast<size_t>((b * h_count + h) * 512 + i)];
-        if (!std::isfinite(g)) return INFINITY;
-        diff += (g - r) * (g - r);
-        norm += r * r;
-      }
-      worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : (diff > 0 ? INFINITY : 0.0));
+      const double err = softmax_row_error(
+          sc, 512, [&](size_t j, int32_t i) { return value(rows[j], i); },
+          &o[static_cast<size_t>((b * h_count + h) * 512)]);
+      if (!std::isfinite(err)) return err;
+      worst = std::max(worst, err);
     }
   }
   return worst;
@@ -545,9 +559,8 @@ double block_pools_check(BlockPoolsSetup& s, Device device) {
     const int64_t len = s.lens[static_cast<size_t>(b)];
     for (int32_t h : {0, c.num_qo_heads - 1}) {
       const int32_t kvh = h / c.group_size();
-      std::vector<double> sc, ref(static_cast<size_t>(d), 0.0);
+      std::vector<double> sc;
       std::vector<std::vector<uint16_t>> vs;
-      double mx = -INFINITY;
       for (int32_t blk : blocks[static_cast<size_t>(b * hk + kvh)]) {
         for (int64_t pos = int64_t{blk} * c.block_size; pos < std::min<int64_t>(len, int64_t{blk + 1} * c.block_size);
              ++pos) {
@@ -563,23 +576,13 @@ double block_pools_check(BlockPoolsSetup& s, Device device) {
                    bf16_to_float(k[static_cast<size_t>(i)]);
           }
           sc.push_back(dot / std::sqrt(double(d)));
-          mx = std::max(mx, sc.back());
         }
       }
-      double sum = 0, diff = 0, norm = 0;
-      for (size_t j = 0; j < vs.size(); ++j) {
-        const double w = std::exp(sc[j] - mx);
-        sum += w;
-        for (int32_t i = 0; i < d; ++i) ref[static_cast<size_t>(i)] += w * bf16_to_float(vs[j][static_cast<size_t>(i)]);
-      }
-      for (int32_t i = 0; i < d; ++i) {
-        const double r = vs.empty() ? 0.0 : ref[static_cast<size_t>(i)] / sum;
-        const double g = o[static_cast<size_t>((b * c.num_qo_heads + h) * d + i)];
-        if (!std::isfinite(g)) return INFINITY;
-        diff += (g - r) * (g - r);
-        norm += r * r;
-      }
-      worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : (diff > 0 ? INFINITY : 0.0));
+      const double err = softmax_row_error(
+          sc, d, [&](size_t j, int32_t i) { return double(bf16_to_float(vs[j][static_cast<size_t>(i)])); },
+          &o[static_cast<size_t>((b * c.num_qo_heads + h) * d)]);
+      if (!std::isfinite(err)) return err;
+      worst = std::max(worst, err);
     }
   }
   return worst;
