@@ -11,47 +11,11 @@
 #include <functional>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/graph_runner.h"
 #include "support/continuous_batching.h"
 
 namespace sparsepage {
 namespace {
-
-// Captures the step at its second call (the first runs eagerly and plans),
-// then replays that graph for every later call, on a stream of its own.
-class GraphRunner {
- public:
-  GraphRunner() { testing::cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
-  ~GraphRunner() {
-    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-    if (graph_ != nullptr) cudaGraphDestroy(graph_);
-    cudaStreamDestroy(stream_);
-  }
-  LayerStep operator()(const std::function<LayerStep(void*)>& step) {
-    if (calls_++ == 0) {
-      const LayerStep s = step(stream_);
-      testing::cuda_ok(cudaStreamSynchronize(stream_), "eager step");
-      return s;
-    }
-    if (exec_ == nullptr) {
-      testing::cuda_ok(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), "begin capture");
-      captured_ = step(stream_);
-      testing::cuda_ok(cudaStreamEndCapture(stream_, &graph_), "end capture");
-      testing::cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
-    }
-    testing::cuda_ok(cudaGraphLaunch(exec_, stream_), "replay");
-    testing::cuda_ok(cudaStreamSynchronize(stream_), "replayed step");
-    ++replays_;
-    return captured_;
-  }
-  int64_t replays() const { return replays_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-  LayerStep captured_;
-  int64_t calls_ = 0, replays_ = 0;
-};
 
 void expect_coverage(const testing::ContinuousBatchingStats& s, int64_t sparse_len) {
   EXPECT_GE(s.compared_rows, 150);
@@ -87,7 +51,7 @@ TEST(ContinuousBatchingCuda, StaticPatternMatchesLoneRuns) {
 TEST(ContinuousBatchingCuda, OneGraphServesAChangingBatch) {
   SKIP_WITHOUT_CUDA();
   for (int model = 0; model < 3; ++model) {
-    GraphRunner runner;
+    testing::GraphRunner runner;
     testing::ContinuousBatchingRun run = cuda_run(31 + model);
     run.bad_call = 0;         // the eager tests cover refused calls
     run.always_fused = true;  // one plan for the graph: every step fuses

@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/graph_runner.h"
 #include "support/block_sparse_pools.h"
 #include "support/engine_pools.h"
 
@@ -19,44 +20,6 @@ TEST(EnginePoolsCuda, DsaStepOverFp8Pools) {
   SKIP_WITHOUT_CUDA();
   testing::check_dsa_engine_pools(Device::kCuda, true);
 }
-
-// Runs the first step eagerly (it plans), captures the second in a CUDA
-// graph and replays that graph for it and every later step, on a stream of
-// its own, while the engine changes lengths, tables and pools between replays.
-class GraphRunner {
- public:
-  GraphRunner() { testing::cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
-  ~GraphRunner() {
-    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-    if (graph_ != nullptr) cudaGraphDestroy(graph_);
-    cudaStreamDestroy(stream_);
-  }
-  LayerStep operator()(const std::function<LayerStep(void*)>& step) {
-    if (calls_++ == 0) {
-      const LayerStep s = step(stream_);
-      testing::cuda_ok(cudaStreamSynchronize(stream_), "eager step");
-      return s;
-    }
-    if (exec_ == nullptr) {
-      testing::cuda_ok(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), "begin capture");
-      captured_ = step(stream_);
-      testing::cuda_ok(cudaStreamEndCapture(stream_, &graph_), "end capture");
-      testing::cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
-    }
-    testing::cuda_ok(cudaGraphLaunch(exec_, stream_), "replay");
-    testing::cuda_ok(cudaStreamSynchronize(stream_), "replayed step");
-    ++replays_;
-    return captured_;
-  }
-  int64_t replays() const { return replays_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-  LayerStep captured_;
-  int64_t calls_ = 0, replays_ = 0;
-};
 
 void expect_block_coverage(const testing::BlockPoolsStats& s, bool bitwise) {
   EXPECT_GE(s.compared_rows, 40);
@@ -84,7 +47,7 @@ TEST(EnginePoolsCuda, BlockSparseRaggedBatchOverFp8Keys) {
 TEST(EnginePoolsCuda, BlockSparseCapturedStepReplayedAsLengthsChange) {
   SKIP_WITHOUT_CUDA();
   for (const bool fp8 : {false, true}) {
-    GraphRunner graph;
+    testing::GraphRunner graph;
     testing::BlockPoolsRun run;
     run.fp8_keys = fp8;
     run.runner = [&graph](const std::function<LayerStep(void*)>& step) { return graph(step); };
