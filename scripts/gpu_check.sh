@@ -45,36 +45,55 @@ if [[ $STAGES == *sanitize* ]]; then
   # and initcheck, in SHARD_COUNT shards (gtest's own: test i of the run
   # order goes to shard i % SHARD_COUNT), with the tests that are slow only
   # for their size at their quick size (SPARSEPAGE_TEST_QUICK=1,
-  # tests/cuda/cuda_test_util.h). One shard under the four tools is sized to
-  # fit one ten-minute call: SHARDS="0", then "1", ... (default: every shard,
-  # in one long call). Each (tool, shard) has SANITIZE_TIMEOUT seconds
-  # (default 140, so four fit in 600) and prints one line: rc, seconds,
-  # tests passed / failed, and the tool's summary; "TIMEOUT" when it ran
-  # out (then raise SHARD_COUNT). The >2^31-element pool test moves
-  # gigabytes, and the greedy test is a timing sweep: they stay out.
+  # tests/cuda/cuda_test_util.h). SANITIZE_JOBS (tool, shard) pairs run at
+  # once on the one GPU (default 8: the tools spend most of their time on
+  # the host, so the pairs overlap well), SHARDS picks shards (default:
+  # all). Each pair has SANITIZE_TIMEOUT seconds (default 400) and prints
+  # one line: rc, seconds, tests passed / failed, and the tool's summary;
+  # "TIMEOUT" when it ran out (then raise SHARD_COUNT). The >2^31-element
+  # pool test moves gigabytes, and the greedy test is a timing sweep: they
+  # stay out.
   shard_count=${SHARD_COUNT:-6}
   shards=${SHARDS:-$(seq -s ' ' 0 $((shard_count - 1)))}
+  sanitize_one() {  # tool shard -> log, and one result line in log.result
+    local tool=$1 shard=$2 log="$OUT/sanitizer_$1_shard$2of${shard_count}.log" start rc
+    start=$(date +%s)
+    GTEST_TOTAL_SHARDS=$shard_count GTEST_SHARD_INDEX=$shard SPARSEPAGE_TEST_QUICK=1 \
+      timeout "${SANITIZE_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
+      --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" > "$log" 2>&1
+    rc=$?
+    local secs=$(( $(date +%s) - start )) state=""
+    [ $rc -eq 124 ] && state=" TIMEOUT"
+    echo "$rc sanitize $tool shard $shard/$shard_count:$state rc=$rc, ${secs}s," \
+      "$(grep -cE '^\[       OK \]' "$log") passed," \
+      "$(grep -cE '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$' "$log") failed," \
+      "$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1 | sed 's/^=* *//')" > "$log.result"
+  }
+  pairs=()
   for shard in $shards; do
-    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-      log="$OUT/sanitizer_${tool}_shard${shard}of${shard_count}.log"
-      start=$(date +%s)
-      GTEST_TOTAL_SHARDS=$shard_count GTEST_SHARD_INDEX=$shard SPARSEPAGE_TEST_QUICK=1 \
-        timeout "${SANITIZE_TIMEOUT:-140}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
-        --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" > "$log" 2>&1
-      rc=$?
-      secs=$(( $(date +%s) - start ))
-      passed=$(grep -cE '^\[       OK \]' "$log")
-      failed_tests=$(grep -cE '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$' "$log")
-      tool_summary=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1 | sed 's/^=* *//')
-      state=""
-      [ $rc -eq 124 ] && state=" TIMEOUT"
-      note "sanitize $tool shard $shard/$shard_count:$state rc=$rc, ${secs}s, $passed passed, $failed_tests failed, ${tool_summary:-no summary}"
-      if [ $rc -ne 0 ]; then
-        failed=1
-        grep -E "^========= (Invalid|Race|Barrier|Uninitialized|Error)|Failure|FAILED" -A3 "$log" | head -20
-      fi
-    done
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do pairs+=("$tool $shard"); done
   done
+  running=0
+  for pair in "${pairs[@]}"; do
+    # shellcheck disable=SC2086
+    sanitize_one $pair &
+    running=$((running + 1))
+    if [ $running -ge "${SANITIZE_JOBS:-8}" ]; then wait -n; running=$((running - 1)); fi
+  done
+  wait
+  for pair in "${pairs[@]}"; do
+    set -- $pair
+    log="$OUT/sanitizer_$1_shard$2of${shard_count}.log"
+    read -r rc line < "$log.result" || { rc=1; line="sanitize $1 shard $2: no result"; }
+    note "$line"
+    if [ "$rc" -ne 0 ]; then
+      failed=1
+      grep -E "^========= (Invalid|Race|Barrier|Uninitialized|Error)|Failure|FAILED" -A3 "$log" | head -20
+    fi
+  done
+  # One line over every pair: what a reader checks first.
+  errs=$(cat "$OUT"/sanitizer_*.log.result | grep -cvE '^0 ')
+  note "sanitizers: ${#pairs[@]} (tool, shard) pairs, $errs not clean"
 fi
 if [[ $STAGES == *soak* ]]; then
   # Continuous batching for minutes: each layer SOAK_STEPS steps (default
