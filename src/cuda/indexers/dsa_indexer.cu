@@ -777,11 +777,25 @@ __global__ void __launch_bounds__(kCompactThreads) dsa_compact_kernel(const __gr
   }
   const int64_t first = int64_t{blockIdx.x} * kSlice;
   if (first >= len) return;
-  // Every read is requested before any is used: one round trip.
+  // Every read is requested before any is used: one round trip. The row's
+  // last slice reads only what the score kernel wrote (below len), so no
+  // stale score is ever loaded, even one the cut would ignore.
   const int64_t t0 = first + 8 * int64_t{threadIdx.x};
-  const float4* src =
-      reinterpret_cast<const float4*>(p.scores + int64_t{b} * p.pitch + t0);  // whole slices: in the row
-  const float4 lo = src[0], hi = src[1];
+  const float* row = p.scores + int64_t{b} * p.pitch + t0;
+  float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+  if (t0 + 8 <= len) {
+    lo = reinterpret_cast<const float4*>(row)[0];
+    hi = reinterpret_cast<const float4*>(row)[1];
+  } else if (t0 < len) {  // the thread that holds len: one score at a time
+    const int64_t n = len - t0;
+    lo.x = row[0];
+    if (n > 1) lo.y = row[1];
+    if (n > 2) lo.z = row[2];
+    if (n > 3) lo.w = row[3];
+    if (n > 4) hi.x = row[4];
+    if (n > 5) hi.y = row[5];
+    if (n > 6) hi.z = row[6];
+  }
   const uint64_t cut = p.cut[b];
   int32_t before = 0;
   for (int64_t s = threadIdx.x; s < int64_t{blockIdx.x}; s += kCompactThreads) {
