@@ -51,8 +51,8 @@ if [[ $STAGES == *sanitize* ]]; then
   # all). Each pair has SANITIZE_TIMEOUT seconds (default 400) and prints
   # one line: rc, seconds, tests passed / failed, and the tool's summary;
   # "TIMEOUT" when it ran out (then raise SHARD_COUNT). The >2^31-element
-  # pool test moves gigabytes, and the greedy test is a timing sweep: they
-  # stay out.
+  # pool test moves gigabytes, the greedy test is a timing sweep and the
+  # soak has its own stage: they stay out.
   shard_count=${SHARD_COUNT:-6}
   shards=${SHARDS:-$(seq -s ' ' 0 $((shard_count - 1)))}
   sanitize_one() {  # tool shard -> log, and one result line in log.result
@@ -60,7 +60,7 @@ if [[ $STAGES == *sanitize* ]]; then
     start=$(date +%s)
     GTEST_TOTAL_SHARDS=$shard_count GTEST_SHARD_INDEX=$shard SPARSEPAGE_TEST_QUICK=1 \
       timeout "${SANITIZE_TIMEOUT:-400}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$T" \
-      --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*}" > "$log" 2>&1
+      --gtest_filter="${SANITIZE_FILTER:--*Beyond2To31*:*Greedy*:*.Soak}" > "$log" 2>&1
     rc=$?
     local secs=$(( $(date +%s) - start )) state=""
     [ $rc -eq 124 ] && state=" TIMEOUT"
