@@ -100,7 +100,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_mla_p16_offset_g16_d512_e64", kF16, 16, true, 16, 512, 512, 64, true, 128, {300, 5}},
         // A partial second head tile (80 = 64 + 16) and one exact tile.
         Case{"f16_mla_p1_g80_d512_e64", kF16, 1, false, 80, 512, 512, 64, true, 128, {2100, 64, 1}},
-        Case{"bf16_mla_p2_offset_g64_d512_e64", kBF16, 2, true, 64, 512, 512, 64, true, 128, {129, 0, 640}}),
+        Case{"bf16_mla_p2_offset_g64_d512_e64", kBF16, 2, true, 64, 512, 512, 64, true, 128, {129, 0, 640}},
+        // Batch 1 of the DSA step (top-2048): one request is a uniform split,
+        // its items computed from the CTA index; 64-token chunks give the
+        // merge 32 partials per head, the most a 2048-row request makes.
+        Case{"bf16_batch1_mla_p1_g128_d512_e64", kBF16, 1, false, 128, 512, 512, 64, true, 128, {2048}}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
 
 // The merge inside thread-block clusters: which plans take it (uniform

@@ -196,6 +196,34 @@ TEST(DecodeCudaFp8, MlaRowsMatchFp64Reference) {
   check_all_ways(testing::make_fp8_mla(small), "mla, 16 heads");
 }
 
+TEST(DecodeCudaFp8, MlaBatchOneMatchesFp64ReferenceAtEverySplit) {
+  // Batch 1 of the DSA step: one request of 2048 rows is a uniform split
+  // (items from the CTA index), run in 64-, 128- (the library plan's
+  // batch-1 split), 256-token chunks (32, 16 and 8 partials per head for
+  // the merge) and whole, then with every third id -1 (skipped).
+  // Unselected pool rows and the outputs start as NaN (make_problem,
+  // run_gpu).
+  SKIP_WITHOUT_CUDA();
+  if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty()) GTEST_SKIP() << "no MLA kernel for this GPU";
+  std::mt19937_64 rng(47);
+  testing::ProblemSpec spec;
+  spec.seq_lens = testing::quick_lens({2048});
+  spec.group_size = 128;
+  spec.dim_qk = spec.dim_v = 512;
+  spec.dim_extra = 64;
+  spec.v_aliases_k = true;
+  spec.pool_pages = 16384;
+  const testing::PagedProblem pb = testing::make_problem(spec, rng);
+  const testing::Fp8Problem f = testing::make_fp8_mla(pb);
+  check_all_ways(f, "mla, batch 1");
+  const testing::Reference ref = testing::reference_attention(f);
+  for (int32_t chunk : {128, 1 << 20}) {
+    const GpuRun got = run_gpu(f, testing::cuda_plan_shape(spec.group_size, spec.dim_v, chunk), pb.indices, false);
+    EXPECT_EQ(got.error_flag, 0u);
+    EXPECT_EQ(testing::compare_per_request(pb, ref, got.o, got.lse, 1e-2, 1e-2), "") << "mla, batch 1, chunk " << chunk;
+  }
+}
+
 TEST(DecodeCudaFp8, MlaIdOutsideThePoolPoisonsThatRequestOnly) {
   // 128 heads run as CTA pairs (each CTA dequantizes half of a tile's rows,
   // both resolve every id); 16 heads as one CTA. The bad id sits in the
