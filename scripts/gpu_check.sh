@@ -46,9 +46,9 @@ if [[ $STAGES == *sanitize* ]]; then
   # order goes to shard i % SHARD_COUNT), with the tests that are slow only
   # for their size at their quick size (SPARSEPAGE_TEST_QUICK=1,
   # tests/cuda/cuda_test_util.h). SANITIZE_JOBS (tool, shard) pairs run at
-  # once on the one GPU (default 8: the tools spend most of their time on
-  # the host, so the pairs overlap well), SHARDS picks shards (default:
-  # all). Each pair has SANITIZE_TIMEOUT seconds (default 400) and prints
+  # once on the one GPU (default 8), SHARDS picks shards and SANITIZE_TOOLS
+  # the tools (default: all; a whole pass takes more than one ten-minute
+  # call). Each pair has SANITIZE_TIMEOUT seconds (default 400) and prints
   # one line: rc, seconds, tests passed / failed, and the tool's summary;
   # "TIMEOUT" when it ran out (then raise SHARD_COUNT). The >2^31-element
   # pool test moves gigabytes, the greedy test is a timing sweep and the
