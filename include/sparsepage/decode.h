@@ -260,6 +260,15 @@ struct DecodeParams {
   float* lse = nullptr;    // [num_requests, group_size], packed; may be null. Natural log (base e)
                            // of the sum of exp(scaled scores); -inf for an empty request.
                            // q_len > 1: [num_sequences, q_len, num_kv_heads, group_size]
+
+  // CUDA scheduling, no effect on the result: set when the requests may see
+  // fewer tokens than the plan was made for (seq_lens below the plan's
+  // counts, as in a ragged batch planned for its selection's width). A
+  // request split into chunks then shares the tokens it sees evenly among
+  // them, instead of its first chunks taking them all; each chunk waits for
+  // its request's count before it starts, which costs a little at batch 1,
+  // so it is off by default. The CPU backend ignores it.
+  bool balance_live_counts = false;
 };
 
 /// Most query tokens one request may carry (DecodeParams::q_len): speculative

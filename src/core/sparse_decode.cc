@@ -299,6 +299,7 @@ SparseDecodeOutcome SparseDecoder::run_fused(const SparseAttentionInputs& in, co
   p.num_indices = int64_t{selection.num_requests} * selection.width;
   p.seq_lens = selection.seq_lens;
   p.page_size = selection.page_size;
+  p.balance_live_counts = selection.max_selected < bound;  // this step's requests see fewer rows than the width
   return launch(p, outcome, stream);
 }
 

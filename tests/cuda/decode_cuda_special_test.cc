@@ -244,6 +244,43 @@ TEST(DecodeCudaGraph, ManyReplaysOfSplitLaunchesEqualTheEagerLaunch) {
   expect_replays_equal_eager(16, many, 128);  // 96 split requests
 }
 
+// A uniform split planned for a bound its requests do not reach (a ragged
+// batch planned for its selection's width): with balance_live_counts each
+// request's chunks share the tokens it sees, without it the first chunks take
+// them. Both must equal the fp64 reference over the tokens each request sees,
+// flag nothing, and write every output (poisoned before the launch).
+TEST(DecodeCudaBalance, ChunksShareTheLiveCountOfARequestBelowItsPlan) {
+  SKIP_WITHOUT_CUDA();
+  const std::vector<int32_t> live = {4096, 2176, 100, 0, 1000, 4095, 64, 3000};
+  std::mt19937_64 rng(0xba1);
+  const PagedProblem pb = make_problem(small_spec(1, live), rng);
+  const Reference ref = reference_attention(pb, pb.token_rows());
+  for (const int32_t fixed_chunk : {0, 512}) {
+    const DecodePlan plan =
+        make_decode_plan(std::vector<int32_t>(live.size(), 4096), cuda_plan_shape(16, 128, fixed_chunk));
+    ASSERT_GT(plan.uniform_chunks, 1) << "the test needs a uniform split into chunks";
+    for (const bool balance : {false, true}) {
+      const std::string what = "chunk " + std::to_string(fixed_chunk) + (balance ? ", balanced" : ", as planned");
+      DeviceProblem dp(pb);
+      Buffer o(Device::kCuda, o_count(pb) * 2), lse(Device::kCuda, lse_count(pb) * 4);
+      fill_bytes(o.data(), Device::kCuda, 0xFF, o.bytes());
+      fill_bytes(lse.data(), Device::kCuda, 0xFF, lse.bytes());
+      Buffer ws(Device::kCuda, plan.workspace.total);
+      fill_bytes(ws.data(), Device::kCuda, 0xFF, ws.bytes());
+      upload_plan_cuda(plan, ws.data(), nullptr);
+      DecodeParams params = dp.params(pb, o.data(), lse.as<float>());
+      params.balance_live_counts = balance;
+      run_decode_cuda(params, plan, ws.data(), nullptr);
+      cuda_ok(cudaDeviceSynchronize(), "decode");
+      DecodeOutput got;
+      got.o = as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
+      got.lse = download<float>(Device::kCuda, lse.data(), lse_count(pb));
+      expect_matches_reference(pb, got, ref, what);
+      EXPECT_EQ(read_decode_error_flag(plan, ws.data(), nullptr), 0u) << what;
+    }
+  }
+}
+
 TEST(DecodeCudaAddressing, PoolBeyond2To31ElementsIsAddressedIn64Bits) {
   SKIP_WITHOUT_CUDA();
   // 17M rows x 128 bf16 = 2.18e9 elements per pool: row * 128 overflows int32.

@@ -242,6 +242,7 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
     p.chunks_per_request = plan.uniform_chunks;
     p.chunk_tokens = plan.uniform_chunk_tokens;
     p.uniform_len = plan.seq_lens.empty() ? 0 : plan.seq_lens[0];
+    p.balance_live = params.balance_live_counts;
   } else {
     p.work = reinterpret_cast<const WorkItem*>(at(workspace, plan.workspace.work_items));
     p.num_items = static_cast<int32_t>(plan.work.size());

@@ -119,6 +119,7 @@ struct PartialCommon {
   int32_t chunks_per_request = 1;  // uniform split: item i -> request i / chunks_per_request
   int32_t chunk_tokens = 0;
   int32_t uniform_len = 0;  // tokens per request in the uniform split (an upper bound with live_lens)
+  bool balance_live = false;  // uniform split: chunks share the request's visible tokens (open_item)
 
   void* o = nullptr;             // [num_requests, group_size, dv], input dtype
   float* lse = nullptr;          // [num_requests, group_size] or null
@@ -209,8 +210,22 @@ __device__ inline ItemShare<T> open_item(const typename Source::Params& p, int32
   s.tok_begin = w.token_begin;
   const int64_t seq = w.request / p.num_kv_heads, head = w.request % p.num_kv_heads;
   const bool lengths_ok = src.init(p, w.request, seq, head, planned_count(p, index, w));
-  const int64_t end = min(int64_t{w.token_end}, int64_t{src.visible_tokens()});
-  s.len = static_cast<int32_t>(max(int64_t{0}, end - w.token_begin));
+  const int64_t visible = src.visible_tokens();
+  int64_t begin = w.token_begin;
+  if (p.balance_live && lengths_ok && p.work == nullptr && p.chunks_per_request > 1) {
+    // The uniform split was planned for the bound; a request that sees
+    // fewer rows (a ragged batch, a selection narrower than its table)
+    // shares them evenly among its chunks, so its first chunks do not carry
+    // them alone. Equal to the planned chunks when the request sees the
+    // bound. (visible <= uniform_len < 2^31 here: 32-bit arithmetic.)
+    const int32_t seen = static_cast<int32_t>(visible);
+    const int32_t per = (seen + p.chunks_per_request - 1) / p.chunks_per_request;
+    const int32_t chunk = (per + kTileRows - 1) / kTileRows * kTileRows;
+    s.tok_begin = min(index % p.chunks_per_request * chunk, seen);
+    s.len = min(chunk, seen - s.tok_begin);
+  } else {
+    s.len = static_cast<int32_t>(max(int64_t{0}, min(int64_t{w.token_end}, visible) - begin));
+  }
   if (!lengths_ok) s.len = max(s.len, 1);
   s.k_base = static_cast<const T*>(p.k) + seq * p.k_seq + head * p.k_head;
   s.v_base = static_cast<const T*>(p.v) + seq * p.v_seq + head * p.v_head;
