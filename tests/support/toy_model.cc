@@ -239,11 +239,80 @@ std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>
   return out;
 }
 
+// The toy's layers are position-wise but for attention, so a chunk runs
+// each (sequence, token) row through the dense parts and the chunk's rows
+// through one prefill() call per layer.
+void ToyModel::forward_chunk(const std::vector<std::vector<int32_t>>& tokens) {
+  const bool is_static = config_.kind == ToyAttention::kStaticBlockSparse;
+  const auto& a = config_.attention;
+  const auto& sa = config_.static_attention;
+  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
+  const size_t qo = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd;
+  const size_t kv = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd;
+  const size_t batch = tokens.size(), n = tokens[0].size();
+  std::vector<std::vector<float>> xs;  // row b * n + t
+  for (size_t b = 0; b < batch; ++b) {
+    for (size_t t = 0; t < n; ++t) {
+      xs.push_back(embed_with_position(weights_->embed, tokens[b][t], d, position_ + static_cast<int64_t>(t)));
+    }
+  }
+  position_ += static_cast<int64_t>(n);
+  const size_t k_width = kv + (is_static ? 0 : hd);
+  for (int32_t l = 0; l < config_.layers; ++l) {
+    const auto& w = weights_->layers[static_cast<size_t>(l)];
+    // q and index_q [batch, n, ...]; k and v token-major [n, batch, ...].
+    std::vector<float> q(batch * n * qo), iq(batch * n * kv), k(batch * n * k_width), v(batch * n * kv);
+    for (size_t b = 0; b < batch; ++b) {
+      for (size_t t = 0; t < n; ++t) {
+        const std::vector<float> h = rms_norm(xs[b * n + t]);
+        const size_t row = b * n + t, token_major = t * batch + b;
+        const std::vector<float> qr = matvec(h, w.wq, qo), kr = matvec(h, w.wk, k_width), vr = matvec(h, w.wv, kv);
+        std::copy(qr.begin(), qr.end(), q.begin() + static_cast<std::ptrdiff_t>(row * qo));
+        std::copy(kr.begin(), kr.end(), k.begin() + static_cast<std::ptrdiff_t>(token_major * k_width));
+        std::copy(vr.begin(), vr.end(), v.begin() + static_cast<std::ptrdiff_t>(token_major * kv));
+        if (!is_static) {
+          const std::vector<float> ir = matvec(h, w.wiq, kv);
+          std::copy(ir.begin(), ir.end(), iq.begin() + static_cast<std::ptrdiff_t>(row * kv));
+        }
+      }
+    }
+    const Buffer qd = to_device(device_, DType::kBF16, q), kd = to_device(device_, DType::kBF16, k);
+    const Buffer vd = to_device(device_, DType::kBF16, v);
+    Buffer o = poisoned_output(device_, batch * n * qo);
+    const auto chunk = static_cast<int32_t>(n);
+    if (is_static) {
+      static_layers_[static_cast<size_t>(l)]->prefill({qd.data(), kd.data(), vd.data(), o.data()}, chunk);
+    } else {
+      const Buffer iqd = to_device(device_, DType::kBF16, iq);
+      layers_[static_cast<size_t>(l)]->prefill({qd.data(), iqd.data(), kd.data(), vd.data(), o.data()}, chunk);
+    }
+    const std::vector<float> attn = read_output(device_, o);
+    for (size_t r = 0; r < xs.size(); ++r) {
+      add_block(xs[r],
+                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(r * qo),
+                                   attn.begin() + static_cast<std::ptrdiff_t>((r + 1) * qo)),
+                w.wo, w.w1, w.w2);
+    }
+  }
+}
+
 std::vector<std::vector<int32_t>> ToyModel::generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps) {
   if (static_cast<int32_t>(prompts.size()) != config_.batch) throw Error("ToyModel::generate: one prompt per sequence");
   margins_.assign(prompts.size(), {});
+  std::vector<std::vector<int32_t>> rest = prompts;
+  if (config_.prefill_chunk > 0) {
+    const auto chunk = static_cast<size_t>(config_.prefill_chunk);
+    while (rest[0].size() > chunk) {  // keeps the last prompt token for the first decode
+      std::vector<std::vector<int32_t>> tokens;
+      for (auto& p : rest) {
+        tokens.emplace_back(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(chunk));
+        p.erase(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(chunk));
+      }
+      forward_chunk(tokens);
+    }
+  }
   return greedy(
-      prompts, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); }, &margins_);
+      rest, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); }, &margins_);
 }
 
 struct DsaToyModel::Weights {

@@ -29,6 +29,10 @@ struct ToyModelConfig {
   StaticBlockSparseConfig static_attention{8, 2, 64, 16, 2, 4, 64};
   int32_t batch = 1;  // sequences decoded side by side through one layer call
   uint64_t seed = 1234;
+  /// > 0: the prompt (all but its last token) goes through the layers'
+  /// chunked prefill (prefill()) in chunks of this many tokens per
+  /// sequence, its remainder token by token as with 0.
+  int32_t prefill_chunk = 0;
 };
 
 class ToyModel {
@@ -50,6 +54,8 @@ class ToyModel {
  private:
   struct Weights;
   std::vector<std::vector<float>> forward(const std::vector<int32_t>& tokens, bool prefill);
+  /// One chunk of the prompt: tokens[b] are sequence b's next chunk tokens.
+  void forward_chunk(const std::vector<std::vector<int32_t>>& tokens);
   Device device_;
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;
