@@ -6,6 +6,7 @@
 // prompt; and bad chunks refused by name before anything changes.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <vector>
 
 #include "support/layer_checks.h"
@@ -95,6 +96,16 @@ TEST(LayerPrefillCpu, ToyModelGreedyTokensAfterAChunkedPrompt) {
     EXPECT_EQ(got, want) << (is_static ? "static" : "block-sparse");
     EXPECT_GT(chunked.sparse_steps(), 0) << "decode must reach the sparse regime";
   }
+}
+
+// Chunks through fixed input buffers, rewritten in place (the form a
+// captured chunk replays on CUDA), against the same chunks run afresh.
+TEST(LayerPrefillCpu, ChunksThroughFixedBuffers) {
+  const auto eager = [](const std::function<void(void*)>& chunk) { chunk(nullptr); };
+  const PrefillOracles o;
+  testing::check_dsa_prefill_replay(Device::kCpu, dsa_config(), {{0, 30, 64}, 8, 6}, 4, o, eager);
+  testing::check_block_sparse_prefill_replay(Device::kCpu, block_config(), {{0, 16, 64}, 32, 7}, 4, o, eager);
+  testing::check_static_prefill_replay(Device::kCpu, static_config(), {{0, 32, 16}, 16, 8}, 4, o, eager);
 }
 
 TEST(LayerPrefillCpu, BadChunksAreRefusedByNameBeforeAnythingChanges) { testing::check_prefill_refusals(Device::kCpu); }

@@ -444,7 +444,73 @@ void check_prefill(Device device, const Driver& d, const LayerPrefillCase& c, co
   }
 }
 
+template <class Driver>
+void check_replay(Device device, const Driver& d, const LayerPrefillCase& c, int32_t chunks,
+                  const PrefillOracles& oracles, const ChunkRunner& run) {
+  std::mt19937_64 rng(c.seed);
+  Batch<Driver> batch(d, device, c, rng);
+  const int32_t n = c.num_tokens;
+  const int64_t e = d.o_elems();
+  auto layer = batch.make(device);
+  auto twin = batch.make(device);
+  int64_t longest = 0;
+  for (int64_t p : c.prompt) longest = std::max(longest, p);
+  layer->reserve(longest + int64_t{chunks} * n);  // a captured chunk cannot grow the cache
+  // The captured chunk reads these buffers: each chunk's inputs are written into them.
+  const std::vector<Field> fields = d.fields();
+  std::vector<Buffer> in;
+  for (const Field& f : fields) {
+    in.emplace_back(
+        device, std::max<size_t>(16, static_cast<size_t>(int64_t{batch.batch} * n * f.elems) * dtype_size(f.dtype)));
+  }
+  const size_t o_count = static_cast<size_t>(int64_t{batch.batch} * n * e);
+  Buffer o = poisoned(device, o_count);
+  const typename Driver::Tokens tokens = d.tokens(in, o.data());
+  for (int32_t i = 0; i < chunks; ++i) {
+    const Chunk chunk(batch.batch, n, fields, rng);
+    const std::vector<Buffer> fresh = chunk.slice(device, 0, n);
+    for (size_t f = 0; f < fields.size(); ++f) {
+      copy_bytes(in[f].data(), device, fresh[f].data(), device,
+                 static_cast<size_t>(int64_t{batch.batch} * n * fields[f].elems) * dtype_size(fields[f].dtype));
+    }
+    fill_bytes(o.data(), device, 0xFF, o.bytes());
+    run([&](void* stream) { layer->prefill(tokens, n, stream); });
+    const std::vector<float> got = read_bf16(device, o, o_count);
+    Buffer want_o = poisoned(device, o_count);
+    twin->prefill(d.tokens(fresh, want_o.data()), n);
+    const std::vector<float> want = read_bf16(device, want_o, o_count);
+    for (int32_t b = 0; b < batch.batch; ++b) {
+      if (!batch.active(b)) continue;
+      for (int32_t t = 0; t < n; ++t) {
+        const std::vector<float> row(got.begin() + (int64_t{b} * n + t) * e,
+                                     got.begin() + (int64_t{b} * n + t + 1) * e);
+        const std::vector<double> ref(want.begin() + (int64_t{b} * n + t) * e,
+                                      want.begin() + (int64_t{b} * n + t + 1) * e);
+        EXPECT_LT(relative_l2(row, ref), oracles.tol) << "chunk " << i << ", " << where(b, t);
+      }
+    }
+  }
+  layer->check_errors();
+  layer->sync_live_len();
+  EXPECT_EQ(layer->kv_lens(), twin->kv_lens());
+}
+
 }  // namespace
+
+void check_dsa_prefill_replay(Device device, const DsaConfig& config, const LayerPrefillCase& c, int32_t chunks,
+                              const PrefillOracles& o, const ChunkRunner& run) {
+  check_replay(device, DsaDriver{config}, c, chunks, o, run);
+}
+
+void check_block_sparse_prefill_replay(Device device, const BlockSparseConfig& config, const LayerPrefillCase& c,
+                                       int32_t chunks, const PrefillOracles& o, const ChunkRunner& run) {
+  check_replay(device, BlockSparseDriver{config}, c, chunks, o, run);
+}
+
+void check_static_prefill_replay(Device device, const StaticBlockSparseConfig& config, const LayerPrefillCase& c,
+                                 int32_t chunks, const PrefillOracles& o, const ChunkRunner& run) {
+  check_replay(device, StaticDriver{config}, c, chunks, o, run);
+}
 
 void check_dsa_prefill(Device device, const DsaConfig& config, const LayerPrefillCase& c, const PrefillOracles& o) {
   DsaDriver d{config};

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "sparsepage/models/block_sparse.h"
@@ -47,6 +48,21 @@ void check_block_sparse_prefill(Device device, const BlockSparseConfig& config, 
                                 const PrefillOracles& o);
 void check_static_prefill(Device device, const StaticBlockSparseConfig& config, const LayerPrefillCase& c,
                           const PrefillOracles& o);
+
+/// Runs `chunk(stream)` the way a serving loop does; a CUDA suite passes a
+/// runner that captures the second call in a graph and replays it.
+using ChunkRunner = std::function<void(const std::function<void(void*)>&)>;
+
+/// `chunks` chunks of c.num_tokens tokens, each with fresh inputs written
+/// into the same device buffers, through `run` after reserve(); each
+/// chunk's output against the same chunk run eagerly on a twin (within
+/// o.tol), and the lengths (read back with sync_live_len) against it.
+void check_dsa_prefill_replay(Device device, const DsaConfig& config, const LayerPrefillCase& c, int32_t chunks,
+                              const PrefillOracles& o, const ChunkRunner& run);
+void check_block_sparse_prefill_replay(Device device, const BlockSparseConfig& config, const LayerPrefillCase& c,
+                                       int32_t chunks, const PrefillOracles& o, const ChunkRunner& run);
+void check_static_prefill_replay(Device device, const StaticBlockSparseConfig& config, const LayerPrefillCase& c,
+                                 int32_t chunks, const PrefillOracles& o, const ChunkRunner& run);
 
 /// Bad chunks refused by name before anything changes (the lengths and the
 /// cache rows stay, and a later good chunk runs): num_tokens < 1, a null
