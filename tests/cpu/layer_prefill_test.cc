@@ -98,6 +98,20 @@ TEST(LayerPrefillCpu, ToyModelGreedyTokensAfterAChunkedPrompt) {
   }
 }
 
+// The DSA toy model at the MLA prefill's shape: a prompt within top-k
+// (prefill_token() is dense, and so is the chunk) in chunks of 16, then
+// greedy decode past top-k.
+TEST(LayerPrefillCpu, DsaToyModelGreedyTokensAfterAChunkedPrompt) {
+  testing::DsaToyConfig config = testing::DsaToyConfig::cuda_shape();
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 33; ++i) prompt.push_back((i * 11 + 2) % 96);
+  testing::DsaToyModel tokenwise(Device::kCpu, config, testing::always_fuse());
+  config.prefill_chunk = 16;
+  testing::DsaToyModel chunked(Device::kCpu, config, testing::always_fuse());
+  EXPECT_EQ(chunked.generate(prompt, 24), tokenwise.generate(prompt, 24));
+  EXPECT_GT(chunked.sparse_steps(), 0) << "decode must pass top-k";
+}
+
 // Chunks through fixed input buffers, rewritten in place (the form a
 // captured chunk replays on CUDA), against the same chunks run afresh.
 TEST(LayerPrefillCpu, ChunksThroughFixedBuffers) {

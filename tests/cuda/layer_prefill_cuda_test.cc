@@ -117,6 +117,19 @@ TEST(LayerPrefillCuda, ToyModelGreedyTokensAfterAChunkedPrompt) {
   EXPECT_GT(chunked.sparse_steps(), 0);
 }
 
+TEST(LayerPrefillCuda, DsaToyModelGreedyTokensAfterAChunkedPrompt) {
+  SKIP_WITHOUT_CUDA();
+  testing::DsaToyConfig config = testing::DsaToyConfig::cuda_shape();
+  config.attention.num_qo_heads = 64;  // the MLA prefill runs 64 heads per CTA
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 33; ++i) prompt.push_back((i * 11 + 2) % 96);
+  testing::DsaToyModel tokenwise(Device::kCuda, config, testing::always_fuse());
+  config.prefill_chunk = 16;
+  testing::DsaToyModel chunked(Device::kCuda, config, testing::always_fuse());
+  EXPECT_EQ(chunked.generate(prompt, 24), tokenwise.generate(prompt, 24));
+  EXPECT_GT(chunked.sparse_steps(), 0);
+}
+
 TEST(LayerPrefillCuda, BadChunksAreRefusedByNameBeforeAnythingChanges) {
   SKIP_WITHOUT_CUDA();
   testing::check_prefill_refusals(Device::kCuda);

@@ -75,6 +75,10 @@ struct DsaToyConfig {
   int32_t layers = 2;
   DsaConfig attention{8, 64, 16, 4, 32, 32, 0.0f, 64};  // 8 heads, latent 64 + rope 16, 4 index heads of 32, top 32
   uint64_t seed = 4321;
+  /// > 0: the prompt (all but its last token) goes through prefill() in
+  /// chunks of this many tokens, its remainder token by token (the layer's
+  /// chunked prefill takes latent 512 + rope 64: cuda_shape()).
+  int32_t prefill_chunk = 0;
   /// The same model at latent 512 + rope 64 (index heads of 64), which both backends run.
   static DsaToyConfig cuda_shape() {
     DsaToyConfig c;
@@ -96,6 +100,7 @@ class DsaToyModel {
  private:
   struct Weights;
   std::vector<float> forward(int32_t token, bool prefill);
+  void forward_chunk(const std::vector<int32_t>& tokens);
   Device device_;
   DsaToyConfig config_;
   std::unique_ptr<Weights> weights_;
