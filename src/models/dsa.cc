@@ -351,6 +351,10 @@ std::string DsaAttention::prefill_refusal(int32_t /*num_tokens*/, const std::vec
     return std::string("the fused MLA prefill reads bf16 on CUDA, not ") + dtype_name(dtype()) +
            " (prefill_token() serves it)";
   }
+  if (device() == Device::kCuda && config_.num_qo_heads % 64 != 0) {
+    return "the fused MLA prefill runs 64 query heads per CTA on CUDA: num_qo_heads = " +
+           std::to_string(config_.num_qo_heads) + " is not a multiple of 64 (prefill_token() serves it)";
+  }
   // The prefill indexer reads the index key at column latent_dim of rows
   // latent_dim + index_head_dim long, capacity rows per sequence: the
   // layer's own cache (one K head of that width, dense).

@@ -92,8 +92,9 @@ class DsaAttention : public SparseLayer {
   /// causal window (every position while the window fits, so short
   /// sequences attend densely), then the fused MLA prefill attends them:
   /// the same sets and outputs as decoding the tokens one by one.
-  /// Refused by name: latent_dim / rope_dim other than 512 / 64, and f16 on
-  /// CUDA (the MLA prefill kernel reads bf16).
+  /// Refused by name: latent_dim / rope_dim other than 512 / 64, and on
+  /// CUDA f16 (the MLA prefill kernel reads bf16) or num_qo_heads not a
+  /// multiple of 64 (64 heads per CTA).
   void prefill(const DsaTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
     prefill_chunk(to_step(tokens), num_tokens, stream);
   }
