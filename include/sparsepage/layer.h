@@ -22,6 +22,7 @@
 
 #include "sparsepage/cache.h"
 #include "sparsepage/dispatch.h"
+#include "sparsepage/prefill.h"
 #include "sparsepage/sparse_decode.h"
 
 namespace sparsepage {
@@ -119,6 +120,12 @@ class SparseLayer {
   /// range, an engine block id outside its pool), clearing the flags. Steps
   /// never read back, so a serving loop calls this when it chooses to.
   void check_errors(void* stream = nullptr);
+  /// Positions the last prefill chunk attended (a host copy for tests and
+  /// debugging; reads after the default stream): one row per (slot, chunk
+  /// token, query head) for the GQA layers, per (slot, chunk token) for
+  /// DSA, rows of free slots empty. Each row holds the kept positions up to
+  /// the token's own, sorted. Empty before the first chunk.
+  std::vector<std::vector<int32_t>> last_prefill_positions() const;
   /// Columns the mask path keeps for the last step (its mask's 0 entries),
   /// built on the layer's device from the same selection. Throws before
   /// the first step and for engine-paged layers (no mask path there).
@@ -137,6 +144,17 @@ class SparseLayer {
   /// Prefill through the mask path, one token per active slot: appends it
   /// and attends the whole causal window (dense). The oracle of prefill.
   void prefill_step(const StepTokens& tokens, void* stream);
+  /// Chunked prefill through the model's fused sparse prefill: appends
+  /// `num_tokens` tokens to every active slot (each chunk is the last
+  /// num_tokens positions of its sequence; slots may differ in length), runs
+  /// the model's prefill indexer over the chunk, then its fused prefill
+  /// kernel, writing o for every chunk token. A chunk the fused prefill
+  /// cannot take is refused by name before anything changes (no fallback:
+  /// the model's prefill_token() or decode() serve those). Inputs as the
+  /// multi-token step's: q, q_extra, index_q, index_weights and o [batch,
+  /// num_tokens, ...], k and v token-major [num_tokens, batch, heads, 1,
+  /// dim]. Rows of free slots are not read; their o rows are zeroed.
+  void prefill_chunk(const StepTokens& tokens, int32_t num_tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
   /// before anything changes. An engine-pools layer appends nothing and
@@ -174,6 +192,23 @@ class SparseLayer {
   /// What the model's own kernels flagged (its selection's error word), as
   /// check_errors() reports it; the default has none.
   virtual void check_selection_errors(void* /*stream*/) {}
+  /// Why the fused prefill cannot take a chunk of num_tokens tokens per
+  /// active slot, the slots' lengths after it being `lens` (free slots
+  /// included, unchanged); empty when it can. Pure: decides before anything
+  /// changes. The default: the model has no fused prefill.
+  virtual std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const;
+  /// Runs the model's prefill indexer then its fused prefill kernel for the
+  /// slots [first_slot, first_slot + chunk.batch) after the chunk was
+  /// appended (chunk.kv_lens: those slots' device lengths; chunk.kv_len: the
+  /// capacity, their bound). `tokens` is already moved to first_slot. Sizes
+  /// its buffers for the chunk shape when they are too small (allocates).
+  virtual void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream);
+  /// The positions the last chunk attended, rows as last_prefill_positions()
+  /// says, for the slots whose lengths after the chunk are `lens` (0: free).
+  virtual std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,
+                                                              int32_t num_tokens) const;
+  /// What the prefill kernels flagged on the device (check_errors() reports it).
+  virtual void check_prefill_errors(void* /*stream*/) {}
   /// The indexer's IndexKeyError word (int32 on the layer's device, zeroed
   /// when first asked for), for models whose indexer refuses rows of
   /// engine pools; raise_index_errors() reads and clears it.
@@ -225,6 +260,9 @@ class SparseLayer {
   int32_t sized_q_len_ = 0;
   bool have_selection_ = false;
   int32_t last_q_len_ = 1;
+  // The last prefill chunk: its tokens per slot and the slots' lengths after it (0: free).
+  int32_t prefill_tokens_ = 0;
+  std::vector<int64_t> prefill_lens_;
   void* after_append_ = nullptr;
   void* after_select_ = nullptr;
   // An engine-pools step's lengths and pools (valid during the step; the

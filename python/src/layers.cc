@@ -244,6 +244,24 @@ StaticBlockSparseTokens static_tokens(const StaticBlockSparseAttention& l, const
   return t;
 }
 
+// A prefill chunk's tensors: q and o [B, n, Hq, D], k and v [n, B, Hkv, 1, D] token-major.
+StaticBlockSparseTokens static_chunk_tokens(const StaticBlockSparseAttention& l, const std::string& op, const In& q,
+                                            const In& k, const In& v, const Out& o, int32_t* n) {
+  const auto& c = l.config();
+  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
+  *n = step_q_len(op, q, "q", q_layout);
+  const int64_t T = *n;
+  StaticBlockSparseTokens t;
+  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, T, Hq, D}, q_layout);
+  t.k = step_arg(op, k, "k", l.device(), l.dtype(), {T, B, Hk, 1, D},
+                 "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
+  t.v = step_arg(op, v, "v", l.device(), l.dtype(), {T, B, Hk, 1, D},
+                 "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
+  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, T, Hq, D}, q_layout));
+  return t;
+}
+
 // ---- DSA step tensors ----
 // The queries, index weights and output of a step (q_len = 0: one token, no q_len dim).
 DsaTokens dsa_queries(const DsaAttention& l, const std::string& op, const In& q_latent, const In& q_pe,
@@ -487,7 +505,11 @@ void bind_layers(nb::module_& m) {
       .def("last_selected_positions", &SparseLayer::last_selected_positions,
            "Positions the last step's page table attends, per request (host copy).")
       .def("last_mask_columns", &SparseLayer::last_mask_columns,
-           "Columns the mask path keeps for the last step, per request (built on the device).");
+           "Columns the mask path keeps for the last step, per request (built on the device).")
+      .def("last_prefill_positions", &SparseLayer::last_prefill_positions,
+           "Positions the last prefill chunk attended (host copy): one row per (slot, chunk token, query\n"
+           "head) for the block-sparse and static layers, per (slot, chunk token) for DSA; each row the\n"
+           "kept positions up to the token's own, sorted; rows of free slots empty.");
 
   nb::class_<BlockSparseConfig>(m, "BlockSparseConfig", "Geometry of the block-sparse (MiniMax-M3-style) layer.")
       .def(
@@ -610,6 +632,22 @@ void bind_layers(nb::module_& m) {
           "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
           "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
           "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
+      .def(
+          "prefill",
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
+            int32_t n = 0;
+            const BlockSparseTokens t = block_tokens(self, "BlockSparseAttention.prefill", q, index_q, k, v, o, &n);
+            self.prefill(t, n, step_stream(stream, self));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+          nb::arg("stream").none() = nb::none(),
+          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot, then the block\n"
+          "prefill indexer and the fused block prefill (each query block keeps what one multi-token\n"
+          "decode step of its tokens would; every block while it ends in the dense regime). Tensors as\n"
+          "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
+          "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
+          "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
       .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
   nb::class_<StaticBlockSparseConfig>(
@@ -663,6 +701,21 @@ void bind_layers(nb::module_& m) {
           },
           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
           "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
+      .def(
+          "prefill",
+          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
+             const std::optional<uintptr_t>& stream) {
+            int32_t n = 0;
+            const StaticBlockSparseTokens t =
+                static_chunk_tokens(self, "StaticBlockSparseAttention.prefill", q, k, v, o, &n);
+            self.prefill(t, n, step_stream(stream, self));
+          },
+          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot and attends each query\n"
+          "head's pattern through the fused block prefill (the same sets and outputs as decoding the\n"
+          "tokens one by one). q and o [B, num_tokens, Hq, D]; k and v [num_tokens, B, Hkv, 1, D],\n"
+          "token-major. Refuses, before anything changes, a chunk whose start is not a multiple of\n"
+          "block_size.")
       .def("last_blocks", &StaticBlockSparseAttention::last_blocks,
            "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).");
 
@@ -788,7 +841,23 @@ void bind_layers(nb::module_& m) {
           "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
           "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
           "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
-          "one row per (sequence, token). Returns a LayerStep.");
+          "one row per (sequence, token). Returns a LayerStep.")
+      .def(
+          "prefill",
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
+            int32_t n = 0;
+            const DsaTokens t = dsa_tokens(self, "DsaAttention.prefill", q_latent, q_pe, q_index, index_weights,
+                                           k_cache_row, k_pe, o, &n);
+            self.prefill(t, n, step_stream(stream, self));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
+          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+          "Chunked prefill: appends num_tokens = q_latent.shape[1] tokens per active slot, then the DSA\n"
+          "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
+          "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
+          "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
+          "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.");
 
   m.def(
       "select_top_blocks_cpu",

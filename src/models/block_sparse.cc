@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/cuda_hooks.h"
+#include "core/decode_limits.h"
 #include "cpu/dot.h"
 #include "cpu/parallel.h"
 #include "models/block_sparse_kernels.h"
@@ -142,7 +143,9 @@ BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const Blo
                                            DispatchConfig dispatch)
     : SparseLayer("BlockSparseAttention", device, dtype, batch, config.kv_storage,
                   cache_shape(checked_config(config, batch)), config.capacity_step, dispatch),
-      config_(config) {}
+      config_(config),
+      prefill_indexer_(device),
+      gqa_prefill_(device) {}
 
 int64_t BlockSparseAttention::selected_tokens(int64_t kv_len) const {
   if (kv_len <= 0) return 0;
@@ -442,6 +445,136 @@ LayerStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t 
                 std::to_string(config_.num_kv_heads) + " exceeds the CUDA indexer's 32 (token, head) index queries");
   }
   return step(to_step(tokens), q_len, stream);
+}
+
+namespace detail {
+// The CPU twin of src/cuda/models/block_prefill_regime.cu.
+void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
+  const int32_t nqb = (a.num_tokens + a.block_size - 1) / a.block_size;
+  const int64_t lists = int64_t{a.batch} * nqb * a.num_kv_heads;
+  for (int64_t l = 0; l < lists; ++l) {
+    const int32_t b = static_cast<int32_t>(l / (int64_t{nqb} * a.num_kv_heads));
+    const int32_t i = static_cast<int32_t>(l / a.num_kv_heads % nqb);
+    const int64_t len = a.kv_lens[b];
+    const int64_t own = (len - a.num_tokens) / a.block_size + i;
+    const int64_t end = std::min<int64_t>((own + 1) * a.block_size, len);
+    int32_t* ids = a.block_ids + l * a.width;
+    if (end <= a.dense_len) {
+      for (int32_t j = 0; j < a.width; ++j) ids[j] = j <= own ? j : -1;
+      a.counts[l] = static_cast<int32_t>(end);
+    } else {
+      const int32_t* from = a.indexer_ids + l * a.indexer_width;
+      for (int32_t j = 0; j < a.width; ++j) ids[j] = j < a.indexer_width ? from[j] : -1;
+      a.counts[l] = a.indexer_counts[l];
+    }
+  }
+}
+}  // namespace detail
+
+std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
+  const int32_t bs = config_.block_size;
+  if (bs > detail::kMaxQueryBlockTokens) {
+    return "block_size = " + std::to_string(bs) + " is above the block prefill's " +
+           std::to_string(detail::kMaxQueryBlockTokens) + " tokens per query block";
+  }
+  if (device() == Device::kCuda && (config_.head_dim != 128 || (bs != 64 && bs != 128))) {
+    return "the CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128, not " + std::to_string(bs) +
+           "-token blocks at head_dim " + std::to_string(config_.head_dim);
+  }
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (cache().active()[b] == 0) continue;
+    const int64_t start = lens[b] - num_tokens;
+    if (start % bs != 0) {
+      return "slot " + std::to_string(b) + "'s chunk would start at position " + std::to_string(start) +
+             ", not a multiple of block_size = " + std::to_string(bs) +
+             " (query blocks must be key blocks: prefill whole blocks, the prompt's tail with prefill_token() or "
+             "decode())";
+    }
+  }
+  return {};
+}
+
+void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk,
+                                       void* stream) {
+  const int32_t n = chunk.num_tokens, bs = config_.block_size, heads = config_.num_kv_heads;
+  const int32_t blocks = (n + bs - 1) / bs, indexer_width = config_.topk_blocks + 1;
+  if (blocks > prefill_sized_blocks_) {
+    const size_t lists = static_cast<size_t>(batch()) * static_cast<size_t>(blocks) * static_cast<size_t>(heads);
+    prefill_indexer_ids_ = Buffer(device(), lists * static_cast<size_t>(indexer_width) * sizeof(int32_t));
+    prefill_indexer_counts_ = Buffer(device(), lists * sizeof(int32_t));
+    prefill_ids_ = Buffer(device(), lists * static_cast<size_t>(width()) * sizeof(int32_t));
+    prefill_counts_ = Buffer(device(), lists * sizeof(int32_t));
+    prefill_sized_blocks_ = blocks;
+  }
+  // Lists of slot b start at b * blocks * heads (the buffers' rows per slot follow the chunk's query blocks).
+  const int64_t list0 = int64_t{first_slot} * blocks * heads;
+  const auto esize = static_cast<int64_t>(dtype_size(dtype()));
+  const auto slot_rows = [&](RowView rows, int32_t head) {
+    rows.data = static_cast<const char*>(rows.data) + (first_slot * rows.seq_stride + head * rows.head_stride) * esize;
+    return rows;
+  };
+  BlockPrefillIndexerParams ip;
+  ip.dtype = dtype();
+  ip.chunk = chunk;
+  ip.num_kv_heads = heads;
+  ip.head_dim = config_.head_dim;
+  ip.block_size = bs;
+  ip.top_blocks = config_.topk_blocks;
+  ip.local_blocks = config_.local_blocks;
+  ip.index_keys = slot_rows(cache().k_rows().value(), heads);  // the index key rides at head num_kv_heads
+  ip.q_index = tokens.index_q;
+  ip.block_ids = prefill_indexer_ids_.as<int32_t>() + list0 * indexer_width;
+  ip.counts = prefill_indexer_counts_.as<int32_t>() + list0;
+  prefill_indexer_.run(ip, stream);
+
+  // The decode's dense regime: a query block ending within it keeps every block.
+  detail::BlockPrefillRegimeArgs ra;
+  ra.kv_lens = chunk.kv_lens;
+  ra.batch = chunk.batch;
+  ra.num_tokens = n;
+  ra.num_kv_heads = heads;
+  ra.block_size = bs;
+  ra.dense_len = int64_t{2} * config_.topk_blocks * bs;
+  ra.indexer_ids = ip.block_ids;
+  ra.indexer_counts = ip.counts;
+  ra.indexer_width = indexer_width;
+  ra.block_ids = prefill_ids_.as<int32_t>() + list0 * width();
+  ra.counts = prefill_counts_.as<int32_t>() + list0;
+  ra.width = width();
+  if (device() == Device::kCuda) {
+    detail::block_prefill_regime_cuda(ra, stream);
+  } else {
+    detail::block_prefill_regime_cpu(ra);
+  }
+
+  GqaPrefillParams gp;
+  gp.dtype = dtype();
+  gp.chunk = chunk;
+  gp.num_qo_heads = config_.num_qo_heads;
+  gp.num_kv_heads = heads;
+  gp.block_size = bs;
+  gp.q = tokens.q;
+  gp.k = slot_rows(cache().k_rows().value(), 0);
+  gp.v = slot_rows(cache().v_rows().value(), 0);
+  gp.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  gp.o = tokens.o;
+  gp.selection.layout = BlockSelectionLayout::kPerKvHead;
+  gp.selection.block_ids = ra.block_ids;
+  gp.selection.counts = ra.counts;
+  gp.selection.width = width();
+  gqa_prefill_.run(gp, stream);
+}
+
+std::vector<std::vector<int32_t>> BlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,
+                                                                          int32_t num_tokens) const {
+  const int32_t blocks = (num_tokens + config_.block_size - 1) / config_.block_size;
+  BlockPrefillSelection s;
+  s.layout = BlockSelectionLayout::kPerKvHead;
+  s.block_ids = prefill_ids_.as<int32_t>();
+  s.counts = prefill_counts_.as<int32_t>();
+  s.width = width();
+  return detail::gqa_chunk_positions(device(), s, int64_t{blocks} * config_.num_kv_heads, config_.num_qo_heads,
+                                     config_.num_kv_heads, config_.block_size, lens, num_tokens);
 }
 
 // The additive mask of the kept blocks over the capacity, positions past

@@ -59,6 +59,27 @@ struct BlockIndexerArgs {
 size_t block_indexer_workspace_bytes(int32_t batch, int32_t num_kv_heads, int64_t max_kv_len, int32_t block_size);
 void block_indexer_cuda(const BlockIndexerArgs& args, void* stream);
 
+/// The block-sparse layer's prefill selection from the prefill indexer's
+/// (models/block_sparse.h: chunked prefill): list (b, i, h) of query block i
+/// whose key block is own = (kv_lens[b] - num_tokens) / block_size + i and
+/// whose last position ends at end = min((own + 1) * block_size, kv_lens[b])
+/// keeps every block 0 .. own (count end) when end <= dense_len, the
+/// decode's dense regime; else the indexer's list (its count, its ids, then
+/// -1 up to width). Lists are [batch, num_query_blocks, num_kv_heads].
+struct BlockPrefillRegimeArgs {
+  const int32_t* kv_lens = nullptr;  // [batch] each slot's length with the chunk
+  int32_t batch = 0, num_tokens = 0, num_kv_heads = 0, block_size = 0;
+  int64_t dense_len = 0;
+  const int32_t* indexer_ids = nullptr;     // [lists, indexer_width]
+  const int32_t* indexer_counts = nullptr;  // [lists]
+  int32_t indexer_width = 0;
+  int32_t* block_ids = nullptr;  // out [lists, width]; width >= indexer_width and >= dense_len / block_size
+  int32_t* counts = nullptr;     // out [lists]
+  int32_t width = 0;
+};
+void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& args);
+void block_prefill_regime_cuda(const BlockPrefillRegimeArgs& args, void* stream);
+
 /// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0
 /// where the token's block is one of the request's `width` entries of
 /// block_ids (-1 entries match nothing) and t < kv_lens[b] (device [batch]),

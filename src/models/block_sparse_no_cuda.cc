@@ -10,4 +10,7 @@ void block_indexer_cuda(const BlockIndexerArgs&, void*) {
 void block_mask_cuda(const int32_t*, int32_t, int32_t, int32_t, int32_t, const int32_t*, int64_t, float*, void*) {
   throw Error("block mask on Device::kCuda: sparsepage was built without CUDA");
 }
+void block_prefill_regime_cuda(const BlockPrefillRegimeArgs&, void*) {
+  throw Error("block-sparse prefill selection on Device::kCuda: sparsepage was built without CUDA");
+}
 }  // namespace sparsepage::detail

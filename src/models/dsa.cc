@@ -113,7 +113,9 @@ SparseLayer::CacheShape cache_shape(const DsaConfig& c) {
 DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
     : SparseLayer("DsaAttention", device, dtype, batch, config.kv_storage,
                   cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
-      config_(checked_config(device, config, batch)) {}
+      config_(checked_config(device, config, batch)),
+      prefill_indexer_(device),
+      mla_prefill_(device) {}
 
 StepTokens DsaAttention::to_step(const DsaTokens& t) const {
   StepTokens s;
@@ -338,6 +340,96 @@ LayerStep DsaAttention::decode(const DsaTokens& tokens, int32_t q_len, void* str
                 " (sequence, token) rows exceed 65535");
   }
   return step(to_step(tokens), q_len, stream);
+}
+
+std::string DsaAttention::prefill_refusal(int32_t /*num_tokens*/, const std::vector<int64_t>& /*lens*/) const {
+  if (config_.latent_dim != 512 || config_.rope_dim != 64) {
+    return "the fused MLA prefill takes latent_dim 512 with rope_dim 64, not " + std::to_string(config_.latent_dim) +
+           " with " + std::to_string(config_.rope_dim) + " (prefill_token() serves other shapes)";
+  }
+  if (device() == Device::kCuda && dtype() != DType::kBF16) {
+    return std::string("the fused MLA prefill reads bf16 on CUDA, not ") + dtype_name(dtype()) +
+           " (prefill_token() serves it)";
+  }
+  if (device() == Device::kCuda && config_.num_qo_heads % 64 != 0) {
+    return "the fused MLA prefill runs 64 query heads per CTA on CUDA: num_qo_heads = " +
+           std::to_string(config_.num_qo_heads) + " is not a multiple of 64 (prefill_token() serves it)";
+  }
+  // The prefill indexer reads the index key at column latent_dim of rows
+  // latent_dim + index_head_dim long, capacity rows per sequence: the
+  // layer's own cache (one K head of that width, dense).
+  return {};
+}
+
+void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) {
+  const int32_t n = chunk.num_tokens, topk = config_.index_topk;
+  if (n > prefill_sized_tokens_) {
+    const size_t rows = static_cast<size_t>(batch()) * static_cast<size_t>(n);
+    prefill_positions_ = Buffer(device(), rows * static_cast<size_t>(topk) * sizeof(int32_t));
+    prefill_counts_ = Buffer(device(), rows * sizeof(int32_t));
+    prefill_sized_tokens_ = n;
+  }
+  const size_t esize = dtype_size(dtype());
+  // Rows of (slot, token) are n apart per slot: the slot's first row.
+  const int64_t row0 = int64_t{first_slot} * n;
+  const auto slot_rows = [&](RowView rows) {
+    rows.data = static_cast<const char*>(rows.data) + first_slot * rows.seq_stride * static_cast<int64_t>(esize);
+    return rows;
+  };
+  const RowView k_rows = slot_rows(cache().k_rows().value());
+  DsaPrefillIndexerParams ip;
+  ip.dtype = dtype();
+  ip.chunk = chunk;
+  ip.index_heads = config_.index_heads;
+  ip.index_head_dim = config_.index_head_dim;
+  ip.topk = topk;
+  ip.k_cache = k_rows.data;
+  ip.key_column = config_.latent_dim;
+  ip.capacity = capacity();
+  ip.q_index = tokens.index_q;
+  ip.weights = tokens.index_weights;
+  ip.positions = prefill_positions_.as<int32_t>() + row0 * topk;
+  ip.counts = prefill_counts_.as<int32_t>() + row0;
+  prefill_indexer_.run(ip, stream);
+
+  MlaPrefillParams mp;
+  mp.dtype = dtype();
+  mp.chunk = chunk;
+  mp.num_heads = config_.num_qo_heads;
+  mp.topk = topk;
+  mp.q = tokens.q;
+  mp.q_rope = tokens.q_extra;
+  mp.kv = k_rows;  // kv_latent: the first latent_dim columns of the K rows (K and V)
+  mp.kv.dim = config_.latent_dim;
+  mp.kv_rope = slot_rows(cache().v_rows().value());
+  mp.indices = ip.positions;
+  mp.topk_length = ip.counts;
+  mp.scale = config_.scale;
+  mp.out = tokens.o;
+  mla_prefill_.run(mp, stream);
+}
+
+std::vector<std::vector<int32_t>> DsaAttention::prefill_positions(const std::vector<int64_t>& lens,
+                                                                  int32_t num_tokens) const {
+  const int32_t topk = config_.index_topk;
+  const size_t rows = static_cast<size_t>(batch()) * static_cast<size_t>(num_tokens);
+  const auto flat = download<int32_t>(device(), prefill_positions_.data(), rows * static_cast<size_t>(topk));
+  const auto counts = download<int32_t>(device(), prefill_counts_.data(), rows);
+  std::vector<std::vector<int32_t>> out(rows);
+  for (int32_t b = 0; b < batch(); ++b) {
+    if (lens[static_cast<size_t>(b)] == 0) continue;  // a free slot
+    for (int32_t t = 0; t < num_tokens; ++t) {
+      const size_t r = static_cast<size_t>(b) * static_cast<size_t>(num_tokens) + static_cast<size_t>(t);
+      const int64_t pos = lens[static_cast<size_t>(b)] - num_tokens + t;
+      auto& kept = out[r];
+      for (int32_t i = 0; i < std::min(counts[r], topk); ++i) {
+        const int32_t p = flat[r * static_cast<size_t>(topk) + static_cast<size_t>(i)];
+        if (p >= 0 && p <= pos) kept.push_back(p);
+      }
+      std::sort(kept.begin(), kept.end());
+    }
+  }
+  return out;
 }
 
 void DsaAttention::check_engine_kv(const EnginePagedKV& kv) const {

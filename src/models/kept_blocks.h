@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "sparsepage/memory.h"
+#include "sparsepage/prefill.h"
 
 namespace sparsepage::detail {
 
@@ -36,6 +38,39 @@ inline std::vector<std::vector<int32_t>> kept_block_positions(Device device,
       const size_t page = static_cast<size_t>(token / block_size);
       out[r].push_back(static_cast<int32_t>(int64_t{blocks[r].at(page)} * block_size + token % block_size));
     }
+  }
+  return out;
+}
+
+/// The positions the last prefill chunk of a GQA layer attended, per
+/// (slot, chunk token, query head): `selection` is the chunk's selection on
+/// `device` over every slot of the batch (`lists_per_slot` lists a slot),
+/// `lens` the slots' lengths after the chunk (0: a free slot, whose rows
+/// stay empty). The library's gqa_prefill_attended per active slot.
+inline std::vector<std::vector<int32_t>> gqa_chunk_positions(Device device, BlockPrefillSelection selection,
+                                                             int64_t lists_per_slot, int32_t num_qo_heads,
+                                                             int32_t num_kv_heads, int32_t block_size,
+                                                             const std::vector<int64_t>& lens, int32_t num_tokens) {
+  const auto batch = static_cast<int64_t>(lens.size());
+  const auto width = static_cast<size_t>(selection.width);
+  const auto lists = static_cast<size_t>(batch * lists_per_slot);
+  const auto ids = download<int32_t>(device, selection.block_ids, lists * width);
+  const auto counts = download<int32_t>(device, selection.counts, lists);
+  const int64_t rows_per_slot = int64_t{num_tokens} * num_qo_heads;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(batch * rows_per_slot));
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lens[static_cast<size_t>(b)] == 0) continue;
+    GqaPrefillParams p;
+    p.chunk.num_tokens = num_tokens;
+    p.chunk.kv_len = lens[static_cast<size_t>(b)];
+    p.num_qo_heads = num_qo_heads;
+    p.num_kv_heads = num_kv_heads;
+    p.block_size = block_size;
+    p.selection = selection;
+    p.selection.block_ids = ids.data() + static_cast<size_t>(b * lists_per_slot) * width;
+    p.selection.counts = counts.data() + static_cast<size_t>(b * lists_per_slot);
+    auto rows = gqa_prefill_attended(p);
+    for (size_t r = 0; r < rows.size(); ++r) out[static_cast<size_t>(b * rows_per_slot) + r] = std::move(rows[r]);
   }
   return out;
 }

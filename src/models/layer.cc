@@ -188,6 +188,95 @@ void SparseLayer::prefill_step(const StepTokens& tokens, void* stream) {
   fallback_.run(attention_inputs(tokens, 1), false, stream);
 }
 
+std::string SparseLayer::prefill_refusal(int32_t /*num_tokens*/, const std::vector<int64_t>& /*lens*/) const {
+  return "the model has no fused prefill";
+}
+
+void SparseLayer::run_prefill(const StepTokens& /*tokens*/, int32_t /*first_slot*/, const PrefillChunk& /*chunk*/,
+                              void* /*stream*/) {
+  throw Error(name_ + "::prefill: the model has no fused prefill");
+}
+
+std::vector<std::vector<int32_t>> SparseLayer::prefill_positions(const std::vector<int64_t>& /*lens*/,
+                                                                 int32_t /*num_tokens*/) const {
+  return {};
+}
+
+void SparseLayer::prefill_chunk(const StepTokens& tokens, int32_t num_tokens, void* stream) {
+  const std::string who = name_ + "::prefill";
+  if (engine_paged()) {
+    throw Error(who +
+                ": an engine-paged layer's rows are the engine's, which the fused prefill does not read; the engine "
+                "prefills and append_tokens() or admit() takes the prompt's index keys");
+  }
+  if (num_tokens < 1) throw Error(who + ": num_tokens = " + std::to_string(num_tokens) + " must be at least 1");
+  check_tokens(tokens, false);
+  // Decided before anything changes, on the host's lengths after the chunk.
+  const std::vector<int64_t> lens = lens_after(num_tokens);
+  bool any_active = false, all_active = true;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    any_active = any_active || cache_.active()[b] != 0;
+    all_active = all_active && cache_.active()[b] != 0;
+  }
+  if (!any_active) throw Error(who + ": every slot is free (admit() a request first)");
+  for (int64_t len : lens) {
+    if (len > INT32_MAX) {
+      throw Error(who + ": a slot would reach " + std::to_string(len) + " positions, past int32 positions");
+    }
+  }
+  const std::string refused = prefill_refusal(num_tokens, lens);
+  if (!refused.empty()) throw Error(who + ": " + refused);
+
+  cache_.reserve(cache_.live_len() + num_tokens);  // allocates only when the capacity must grow
+  size_step_buffers(1);
+  cache_.append_step_tokens(tokens.k, tokens.v, num_tokens, stream);
+  detail::cuda_record_event(after_append_, stream);
+  PrefillChunk chunk;
+  chunk.num_tokens = num_tokens;
+  chunk.kv_len = capacity();  // the bound of every slot's length: a captured chunk replays as they grow
+  if (all_active) {
+    chunk.batch = batch_;
+    chunk.kv_lens = device_lens();
+    run_prefill(tokens, 0, chunk, stream);
+  } else {
+    // The kernels take consecutive sequences each holding the chunk: with a
+    // free slot in the batch, each active slot is a chunk of its own (one
+    // chunk shape, so the kernels' plans are made once).
+    const TokenBytes bytes = token_bytes();
+    const auto n = static_cast<size_t>(num_tokens);
+    if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);  // the zeroing below is synchronous
+    for (int32_t b = 0; b < batch_; ++b) {
+      const size_t first = static_cast<size_t>(b) * n;
+      if (cache_.active()[static_cast<size_t>(b)] == 0) {
+        fill_bytes(static_cast<char*>(tokens.o) + first * bytes.o, device_, 0, n * bytes.o);
+        continue;
+      }
+      const auto at = [&](const void* p, size_t row_bytes) -> const void* {
+        return p == nullptr ? nullptr : static_cast<const char*>(p) + first * row_bytes;
+      };
+      StepTokens slot;
+      slot.q = at(tokens.q, bytes.q);
+      slot.q_extra = at(tokens.q_extra, bytes.q_extra);
+      slot.index_q = at(tokens.index_q, bytes.index_q);
+      slot.index_weights = static_cast<const float*>(at(tokens.index_weights, bytes.index_weights));
+      slot.o = static_cast<char*>(tokens.o) + first * bytes.o;
+      chunk.batch = 1;
+      chunk.kv_lens = device_lens() + b;
+      run_prefill(slot, b, chunk, stream);
+    }
+  }
+  prefill_tokens_ = num_tokens;
+  prefill_lens_ = lens;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (cache_.active()[b] == 0) prefill_lens_[b] = 0;
+  }
+}
+
+std::vector<std::vector<int32_t>> SparseLayer::last_prefill_positions() const {
+  if (prefill_tokens_ == 0) return {};
+  return prefill_positions(prefill_lens_, prefill_tokens_);
+}
+
 LayerStep SparseLayer::step(const StepTokens& tokens, int32_t q_len, void* stream) {
   if (q_len < 1 || q_len > kMaxQueryTokens) {
     throw Error(name_ + "::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " +
@@ -347,6 +436,7 @@ void SparseLayer::check_errors(void* stream) {
   // Every flag is read (and so cleared) before the first report is thrown.
   std::string what;
   for (const auto& check : {std::function<void()>([&] { check_selection_errors(stream); }),
+                            std::function<void()>([&] { check_prefill_errors(stream); }),
                             std::function<void()>([&] { decoder_.check_errors(stream); }),
                             std::function<void()>([&] { multi_decoder_.check_errors(stream); })}) {
     try {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/cuda_hooks.h"
+#include "core/decode_limits.h"
 #include "models/kept_blocks.h"
 #include "models/static_block_sparse_kernels.h"
 #include "sparsepage/detail/cuda_introspection.h"
@@ -99,7 +100,8 @@ StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtyp
                                                        DispatchConfig dispatch)
     : SparseLayer("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache,
                   cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
-      config_(config) {}
+      config_(config),
+      gqa_prefill_(device) {}
 
 int64_t StaticBlockSparseAttention::max_kept_tokens(int64_t kv_len) const {
   int64_t most = 0;
@@ -222,6 +224,91 @@ void StaticBlockSparseAttention::select(const StepTokens& /*tokens*/, int32_t /*
   } else {
     detail::static_pages_cpu(a);
   }
+}
+
+std::string StaticBlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
+  const int32_t bs = config_.block_size;
+  if (bs > detail::kMaxQueryBlockTokens) {
+    return "block_size = " + std::to_string(bs) + " is above the block prefill's " +
+           std::to_string(detail::kMaxQueryBlockTokens) + " tokens per query block";
+  }
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (cache().active()[b] == 0) continue;
+    const int64_t start = lens[b] - num_tokens;
+    if (start % bs != 0) {
+      return "slot " + std::to_string(b) + "'s chunk would start at position " + std::to_string(start) +
+             ", not a multiple of block_size = " + std::to_string(bs) +
+             " (query blocks must be key blocks: prefill whole blocks, the prompt's tail with decode())";
+    }
+  }
+  return {};
+}
+
+StaticPrefillParams StaticBlockSparseAttention::prefill_pattern(const PrefillChunk& chunk) const {
+  StaticPrefillParams p;
+  p.chunk = chunk;
+  p.num_qo_heads = config_.num_qo_heads;
+  p.num_kv_heads = config_.num_kv_heads;
+  p.block_size = config_.block_size;
+  p.local_blocks = config_.local_blocks;
+  p.vert_stride = config_.vert_stride;
+  return p;
+}
+
+void StaticBlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk,
+                                             void* stream) {
+  const int32_t n = chunk.num_tokens, bs = config_.block_size, hq = config_.num_qo_heads;
+  const int32_t blocks = (n + bs - 1) / bs;
+  StaticPrefillParams sp = prefill_pattern(chunk);
+  // The kept count never shrinks as the query block moves on: the count at
+  // the capacity (chunk.kv_len) bounds every list until the cache grows.
+  const int32_t width = static_prefill_width(sp, chunk.kv_len);
+  if (blocks > prefill_sized_blocks_ || width != prefill_width_) {
+    const size_t lists = static_cast<size_t>(batch()) * static_cast<size_t>(blocks) * static_cast<size_t>(hq);
+    prefill_ids_ = Buffer(device(), lists * static_cast<size_t>(width) * sizeof(int32_t));
+    prefill_counts_ = Buffer(device(), lists * sizeof(int32_t));
+    prefill_sized_blocks_ = blocks;
+    prefill_width_ = width;
+  }
+  const int64_t list0 = int64_t{first_slot} * blocks * hq;  // a slot's lists: [num_kv_heads, blocks, group_size]
+  sp.width = width;
+  sp.block_ids = prefill_ids_.as<int32_t>() + list0 * width;
+  sp.counts = prefill_counts_.as<int32_t>() + list0;
+  static_prefill_blocks(device(), sp, stream);
+
+  const auto esize = static_cast<int64_t>(dtype_size(dtype()));
+  const auto slot_rows = [&](RowView rows) {
+    rows.data = static_cast<const char*>(rows.data) + first_slot * rows.seq_stride * esize;
+    return rows;
+  };
+  GqaPrefillParams gp;
+  gp.dtype = dtype();
+  gp.chunk = chunk;
+  gp.num_qo_heads = hq;
+  gp.num_kv_heads = config_.num_kv_heads;
+  gp.block_size = bs;
+  gp.q = tokens.q;
+  gp.k = slot_rows(cache().k_rows().value());
+  gp.v = slot_rows(cache().v_rows().value());
+  gp.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  gp.o = tokens.o;
+  gp.selection.layout = BlockSelectionLayout::kPerQueryHead;
+  gp.selection.block_ids = sp.block_ids;
+  gp.selection.counts = sp.counts;
+  gp.selection.width = width;
+  gqa_prefill_.run(gp, stream);
+}
+
+std::vector<std::vector<int32_t>> StaticBlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,
+                                                                                int32_t num_tokens) const {
+  const int32_t blocks = (num_tokens + config_.block_size - 1) / config_.block_size;
+  BlockPrefillSelection s;
+  s.layout = BlockSelectionLayout::kPerQueryHead;
+  s.block_ids = prefill_ids_.as<int32_t>();
+  s.counts = prefill_counts_.as<int32_t>();
+  s.width = prefill_width_;
+  return detail::gqa_chunk_positions(device(), s, int64_t{blocks} * config_.num_qo_heads, config_.num_qo_heads,
+                                     config_.num_kv_heads, config_.block_size, lens, num_tokens);
 }
 
 void StaticBlockSparseAttention::check_engine_kv(const EnginePagedKV& /*kv*/) const {

@@ -239,11 +239,80 @@ std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>
   return out;
 }
 
+// The toy's layers are position-wise but for attention, so a chunk runs
+// each (sequence, token) row through the dense parts and the chunk's rows
+// through one prefill() call per layer.
+void ToyModel::forward_chunk(const std::vector<std::vector<int32_t>>& tokens) {
+  const bool is_static = config_.kind == ToyAttention::kStaticBlockSparse;
+  const auto& a = config_.attention;
+  const auto& sa = config_.static_attention;
+  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
+  const size_t qo = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd;
+  const size_t kv = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd;
+  const size_t batch = tokens.size(), n = tokens[0].size();
+  std::vector<std::vector<float>> xs;  // row b * n + t
+  for (size_t b = 0; b < batch; ++b) {
+    for (size_t t = 0; t < n; ++t) {
+      xs.push_back(embed_with_position(weights_->embed, tokens[b][t], d, position_ + static_cast<int64_t>(t)));
+    }
+  }
+  position_ += static_cast<int64_t>(n);
+  const size_t k_width = kv + (is_static ? 0 : hd);
+  for (int32_t l = 0; l < config_.layers; ++l) {
+    const auto& w = weights_->layers[static_cast<size_t>(l)];
+    // q and index_q [batch, n, ...]; k and v token-major [n, batch, ...].
+    std::vector<float> q(batch * n * qo), iq(batch * n * kv), k(batch * n * k_width), v(batch * n * kv);
+    for (size_t b = 0; b < batch; ++b) {
+      for (size_t t = 0; t < n; ++t) {
+        const std::vector<float> h = rms_norm(xs[b * n + t]);
+        const size_t row = b * n + t, token_major = t * batch + b;
+        const std::vector<float> qr = matvec(h, w.wq, qo), kr = matvec(h, w.wk, k_width), vr = matvec(h, w.wv, kv);
+        std::copy(qr.begin(), qr.end(), q.begin() + static_cast<std::ptrdiff_t>(row * qo));
+        std::copy(kr.begin(), kr.end(), k.begin() + static_cast<std::ptrdiff_t>(token_major * k_width));
+        std::copy(vr.begin(), vr.end(), v.begin() + static_cast<std::ptrdiff_t>(token_major * kv));
+        if (!is_static) {
+          const std::vector<float> ir = matvec(h, w.wiq, kv);
+          std::copy(ir.begin(), ir.end(), iq.begin() + static_cast<std::ptrdiff_t>(row * kv));
+        }
+      }
+    }
+    const Buffer qd = to_device(device_, DType::kBF16, q), kd = to_device(device_, DType::kBF16, k);
+    const Buffer vd = to_device(device_, DType::kBF16, v);
+    Buffer o = poisoned_output(device_, batch * n * qo);
+    const auto chunk = static_cast<int32_t>(n);
+    if (is_static) {
+      static_layers_[static_cast<size_t>(l)]->prefill({qd.data(), kd.data(), vd.data(), o.data()}, chunk);
+    } else {
+      const Buffer iqd = to_device(device_, DType::kBF16, iq);
+      layers_[static_cast<size_t>(l)]->prefill({qd.data(), iqd.data(), kd.data(), vd.data(), o.data()}, chunk);
+    }
+    const std::vector<float> attn = read_output(device_, o);
+    for (size_t r = 0; r < xs.size(); ++r) {
+      add_block(xs[r],
+                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(r * qo),
+                                   attn.begin() + static_cast<std::ptrdiff_t>((r + 1) * qo)),
+                w.wo, w.w1, w.w2);
+    }
+  }
+}
+
 std::vector<std::vector<int32_t>> ToyModel::generate(const std::vector<std::vector<int32_t>>& prompts, int32_t steps) {
   if (static_cast<int32_t>(prompts.size()) != config_.batch) throw Error("ToyModel::generate: one prompt per sequence");
   margins_.assign(prompts.size(), {});
+  std::vector<std::vector<int32_t>> rest = prompts;
+  if (config_.prefill_chunk > 0) {
+    const auto chunk = static_cast<size_t>(config_.prefill_chunk);
+    while (rest[0].size() > chunk) {  // keeps the last prompt token for the first decode
+      std::vector<std::vector<int32_t>> tokens;
+      for (auto& p : rest) {
+        tokens.emplace_back(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(chunk));
+        p.erase(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(chunk));
+      }
+      forward_chunk(tokens);
+    }
+  }
   return greedy(
-      prompts, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); }, &margins_);
+      rest, steps, [this](const std::vector<int32_t>& t, bool prefill) { return forward(t, prefill); }, &margins_);
 }
 
 struct DsaToyModel::Weights {
@@ -312,10 +381,57 @@ std::vector<float> DsaToyModel::forward(int32_t token, bool prefill) {
   return logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab));
 }
 
+// A chunk of the prompt: each token's projections as forward() makes them,
+// [1, n, ...] (the cache rows token-major, the same order at batch 1), and
+// one prefill() per layer.
+void DsaToyModel::forward_chunk(const std::vector<int32_t>& tokens) {
+  const auto& a = config_.attention;
+  const size_t d = static_cast<size_t>(config_.d_model), h = static_cast<size_t>(a.num_qo_heads);
+  const size_t n = tokens.size(), L = static_cast<size_t>(a.latent_dim), R = static_cast<size_t>(a.rope_dim);
+  const size_t IH = static_cast<size_t>(a.index_heads), ID = static_cast<size_t>(a.index_head_dim);
+  std::vector<std::vector<float>> xs;
+  for (int32_t token : tokens) xs.push_back(embed_with_position(weights_->embed, token, d, position_++));
+  for (int32_t l = 0; l < config_.layers; ++l) {
+    const auto& w = weights_->layers[static_cast<size_t>(l)];
+    std::vector<float> k_rows, k_pe, q, q_pe, q_index, weights;
+    for (const auto& x : xs) {
+      const std::vector<float> hn = rms_norm(x);
+      for (auto [out, weight, width] :
+           {std::make_tuple(&k_rows, &w.w_kv, L), std::make_tuple(&k_rows, &w.w_ik, ID),
+            std::make_tuple(&k_pe, &w.w_kr, R), std::make_tuple(&q, &w.w_q, h * L),
+            std::make_tuple(&q_pe, &w.w_qr, h * R), std::make_tuple(&q_index, &w.w_qi, IH * ID),
+            std::make_tuple(&weights, &w.w_w, IH)}) {
+        const std::vector<float> y = matvec(hn, *weight, width);
+        out->insert(out->end(), y.begin(), y.end());
+      }
+    }
+    const Buffer kd = to_device(device_, DType::kBF16, k_rows), ped = to_device(device_, DType::kBF16, k_pe);
+    const Buffer qd = to_device(device_, DType::kBF16, q), qped = to_device(device_, DType::kBF16, q_pe);
+    const Buffer qid = to_device(device_, DType::kBF16, q_index);
+    const Buffer wd = upload(device_, weights);
+    Buffer o = poisoned_output(device_, n * h * L);
+    layers_[static_cast<size_t>(l)]->prefill(
+        {qd.data(), qped.data(), qid.data(), wd.as<float>(), kd.data(), ped.data(), o.data()}, static_cast<int32_t>(n));
+    const std::vector<float> attn = read_output(device_, o);
+    for (size_t t = 0; t < n; ++t) {
+      add_block(xs[t],
+                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(t * h * L),
+                                   attn.begin() + static_cast<std::ptrdiff_t>((t + 1) * h * L)),
+                w.wo, w.w1, w.w2);
+    }
+  }
+}
+
 std::vector<int32_t> DsaToyModel::generate(const std::vector<int32_t>& prompt, int32_t steps) {
   margins_.assign(1, {});
+  std::vector<int32_t> rest = prompt;
+  const auto chunk = static_cast<size_t>(std::max(config_.prefill_chunk, 0));
+  while (chunk > 0 && rest.size() > chunk) {  // keeps the last prompt token for the first decode
+    forward_chunk(std::vector<int32_t>(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(chunk)));
+    rest.erase(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(chunk));
+  }
   return greedy(
-             {prompt}, steps,
+             {rest}, steps,
              [this](const std::vector<int32_t>& t, bool prefill) {
                return std::vector<std::vector<float>>{forward(t[0], prefill)};
              },

@@ -29,6 +29,10 @@ struct ToyModelConfig {
   StaticBlockSparseConfig static_attention{8, 2, 64, 16, 2, 4, 64};
   int32_t batch = 1;  // sequences decoded side by side through one layer call
   uint64_t seed = 1234;
+  /// > 0: the prompt (all but its last token) goes through the layers'
+  /// chunked prefill (prefill()) in chunks of this many tokens per
+  /// sequence, its remainder token by token as with 0.
+  int32_t prefill_chunk = 0;
 };
 
 class ToyModel {
@@ -50,6 +54,8 @@ class ToyModel {
  private:
   struct Weights;
   std::vector<std::vector<float>> forward(const std::vector<int32_t>& tokens, bool prefill);
+  /// One chunk of the prompt: tokens[b] are sequence b's next chunk tokens.
+  void forward_chunk(const std::vector<std::vector<int32_t>>& tokens);
   Device device_;
   ToyModelConfig config_;
   std::unique_ptr<Weights> weights_;
@@ -69,6 +75,10 @@ struct DsaToyConfig {
   int32_t layers = 2;
   DsaConfig attention{8, 64, 16, 4, 32, 32, 0.0f, 64};  // 8 heads, latent 64 + rope 16, 4 index heads of 32, top 32
   uint64_t seed = 4321;
+  /// > 0: the prompt (all but its last token) goes through prefill() in
+  /// chunks of this many tokens, its remainder token by token (the layer's
+  /// chunked prefill takes latent 512 + rope 64: cuda_shape()).
+  int32_t prefill_chunk = 0;
   /// The same model at latent 512 + rope 64 (index heads of 64), which both backends run.
   static DsaToyConfig cuda_shape() {
     DsaToyConfig c;
@@ -90,6 +100,7 @@ class DsaToyModel {
  private:
   struct Weights;
   std::vector<float> forward(int32_t token, bool prefill);
+  void forward_chunk(const std::vector<int32_t>& tokens);
   Device device_;
   DsaToyConfig config_;
   std::unique_ptr<Weights> weights_;

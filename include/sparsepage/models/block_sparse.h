@@ -80,6 +80,23 @@ class BlockSparseAttention : public SparseLayer {
   /// Prefill keeps the mask path: appends the token of every active slot
   /// and attends the whole causal window (dense).
   void prefill_token(const BlockSparseTokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
+  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
+  /// active slot, the inputs as a multi-token step's. Each query block of
+  /// the chunk (block_size tokens, the last possibly fewer) keeps for each
+  /// KV head what one multi-token decode step of its tokens would: while
+  /// the block ends within the dense regime (2 * topk_blocks * block_size
+  /// positions) every block, else the prefill indexer's top topk_blocks by
+  /// the scores max-pooled over the block's tokens, the forced local blocks
+  /// and its own block last; the fused GQA block prefill then attends them,
+  /// each token up to its own position. Refused by name: a chunk whose start
+  /// (some slot's length before it) is not a multiple of block_size (query
+  /// blocks must be key blocks: prefill in multiples of block_size, the
+  /// prompt's tail by decode() or prefill_token()), block_size above 256,
+  /// and on CUDA head_dim other than 128 or block_size other than 64 or 128
+  /// (the prefill indexer's block scores).
+  void prefill(const BlockSparseTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), num_tokens, stream);
+  }
   /// One token per active slot: appends it, runs the indexer and attends the
   /// kept blocks (fused, or the block mask over the same set on a decline).
   /// Every input is checked before the cache changes.
@@ -129,6 +146,11 @@ class BlockSparseAttention : public SparseLayer {
   void check_selection_errors(void* stream) override;
   /// The indexer on the host over the engine's paged keys and lengths.
   void select_pools_cpu(const StepTokens& tokens);
+  std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const override;
+  void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) override;
+  std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,
+                                                      int32_t num_tokens) const override;
+  void check_prefill_errors(void* stream) override { gqa_prefill_.check_errors(stream); }
   int32_t num_requests() const { return batch() * config_.num_kv_heads; }
   /// Entries per request row: room for a dense-regime sequence's blocks.
   int32_t width() const { return 2 * config_.topk_blocks; }
@@ -137,6 +159,12 @@ class BlockSparseAttention : public SparseLayer {
   Buffer block_ids_;          // int32 [requests, width]: kept blocks (increasing), the final block last, then -1
   Buffer seq_lens_;           // int32 [requests]: tokens those blocks cover now
   Buffer indexer_workspace_;  // CUDA indexer scratch
+  // Chunked prefill: lists [batch, query blocks, num_kv_heads], the
+  // indexer's (width topk_blocks + 1) and the attended ones (width()).
+  BlockPrefillIndexer prefill_indexer_;
+  GqaBlockPrefill gqa_prefill_;
+  Buffer prefill_indexer_ids_, prefill_indexer_counts_, prefill_ids_, prefill_counts_;
+  int32_t prefill_sized_blocks_ = 0;  // query blocks per slot the buffers hold
 };
 
 /// Indexer block scores and top-k on the host, for `batch` sequences of one

@@ -86,6 +86,18 @@ class DsaAttention : public SparseLayer {
   /// Prefill keeps the mask path: appends the token of every active slot
   /// and attends the whole causal window (dense).
   void prefill_token(const DsaTokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
+  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
+  /// active slot, the inputs as a multi-token step's. The DSA prefill
+  /// indexer keeps each token's top index_topk positions over its own
+  /// causal window (every position while the window fits, so short
+  /// sequences attend densely), then the fused MLA prefill attends them:
+  /// the same sets and outputs as decoding the tokens one by one.
+  /// Refused by name: latent_dim / rope_dim other than 512 / 64, and on
+  /// CUDA f16 (the MLA prefill kernel reads bf16) or num_qo_heads not a
+  /// multiple of 64 (64 heads per CTA).
+  void prefill(const DsaTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), num_tokens, stream);
+  }
   /// One token per active slot: appends it, runs the indexer, attends the
   /// kept positions (fused, or the mask path over the same positions).
   LayerStep decode(const DsaTokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }
@@ -127,6 +139,11 @@ class DsaAttention : public SparseLayer {
   /// Columns of the layer's K rows where the indexer key starts.
   int32_t index_key_column() const { return engine_paged() ? 0 : config_.latent_dim; }
   void select_cpu(const StepTokens& tokens, int32_t q_len, int32_t* positions, int32_t* counts) const;
+  std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const override;
+  void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) override;
+  std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,
+                                                      int32_t num_tokens) const override;
+  void check_prefill_errors(void* stream) override { mla_prefill_.check_errors(stream); }
 
   DsaConfig config_;
   // One-token steps: [batch, index_topk] positions, [batch] counts;
@@ -134,6 +151,11 @@ class DsaAttention : public SparseLayer {
   Buffer positions_, counts_, row_offsets_, workspace_;
   Buffer token_positions_, token_counts_, token_workspace_;
   int32_t sized_q_len_ = 0;
+  // Chunked prefill: [batch, tokens, index_topk] positions and [batch, tokens] counts.
+  DsaPrefillIndexer prefill_indexer_;
+  MlaSparsePrefill mla_prefill_;
+  Buffer prefill_positions_, prefill_counts_;
+  int32_t prefill_sized_tokens_ = 0;
 };
 
 /// The indexer on the host: for each sequence, the top `topk` positions of

@@ -75,6 +75,20 @@ class StaticBlockSparseAttention : public SparseLayer {
     return step(to_step(tokens), stream);
   }
 
+  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
+  /// active slot, inputs as decode()'s with a num_tokens dim after batch in
+  /// q and o ([batch, num_tokens, heads, head_dim]) and k, v token-major
+  /// ([num_tokens, batch, num_kv_heads, 1, head_dim]). Each query block of
+  /// the chunk keeps, per query head, the pattern's blocks (static_prefill_blocks)
+  /// and the fused GQA block prefill attends them, each token up to its own
+  /// position: the same sets and outputs as decoding the tokens one by one.
+  /// Refused by name: a chunk whose start (some slot's length before it) is
+  /// not a multiple of block_size (query blocks must be key blocks), and
+  /// block_size above 256.
+  void prefill(const StaticBlockSparseTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), num_tokens, stream);
+  }
+
   const StaticBlockSparseConfig& config() const { return config_; }
   /// Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).
   std::vector<std::vector<int32_t>> last_blocks() const;
@@ -96,6 +110,12 @@ class StaticBlockSparseAttention : public SparseLayer {
   void build_mask(float* mask, int64_t pitch, void* stream) override;
   std::vector<std::vector<int32_t>> selected_positions() const override;
   void check_engine_kv(const EnginePagedKV& kv) const override;
+  std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const override;
+  void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) override;
+  std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,
+                                                      int32_t num_tokens) const override;
+  void check_prefill_errors(void* stream) override { gqa_prefill_.check_errors(stream); }
+  StaticPrefillParams prefill_pattern(const PrefillChunk& chunk) const;
   int32_t num_requests() const { return batch() * config_.num_qo_heads; }
 
   StaticBlockSparseConfig config_;
@@ -103,6 +123,12 @@ class StaticBlockSparseAttention : public SparseLayer {
   Buffer pages_;        // int32 [requests, width]: kept blocks increasing (the final block last), then -1
   Buffer seq_lens_;     // int32 [requests]: tokens those blocks cover now
   Buffer window_lens_;  // int32 [batch * num_kv_heads]: each (sequence, KV head) range's live length
+  // Chunked prefill: per-query-head lists [batch, num_kv_heads, query
+  // blocks, group_size, prefill_width_] and their counts.
+  GqaBlockPrefill gqa_prefill_;
+  Buffer prefill_ids_, prefill_counts_;
+  int32_t prefill_width_ = 0;
+  int32_t prefill_sized_blocks_ = 0;  // query blocks per slot the buffers hold
 };
 
 }  // namespace sparsepage
