@@ -16,11 +16,11 @@
 namespace sparsepage {
 
 /// One decode step's attention inputs over a dense cache, on one device.
-/// Requests are folded: r = b * num_kv_heads + h owns query heads
-/// h * G .. (h + 1) * G - 1 of sequence b (G = num_qo_heads / num_kv_heads).
-struct SparseAttentionInputs {
+/// The operands are packed: q [batch, num_qo_heads, k.dim], o [batch,
+/// num_qo_heads, v.dim], lse [batch, num_qo_heads] (AttentionOperands'
+/// request rows, G = num_qo_heads / num_kv_heads).
+struct SparseAttentionInputs : AttentionOperands {
   Device device = Device::kCpu;
-  DType dtype = DType::kBF16;
   int32_t batch = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
@@ -31,12 +31,8 @@ struct SparseAttentionInputs {
   /// live_len for every sequence.
   const int32_t* live_lens = nullptr;
   bool raw_cache = true;  // false for quantized, pool-backed or head-trimmed caches
-  /// Where request r = b * num_kv_heads + h finds row t of each stream:
-  /// `RowView::offset(b, h, t)`; a dense `[B, H, Cap, D]` cache gives
-  /// `RowView::dense(data, H, Cap, D)`. K may carry extra heads or columns.
-  RowView k;
-  RowView v;        // may alias K's first columns
-  RowView k_extra;  // second K stream (MLA rope keys); data null when absent
+  // A dense `[B, H, Cap, D]` cache's streams are `RowView::dense(data, H,
+  // Cap, D)`; K may carry extra heads or columns.
   /// How K and V are stored (decode.h); the fp8 forms count K and V strides
   /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
   KvFormat kv_format = KvFormat::kNative;
@@ -48,11 +44,6 @@ struct SparseAttentionInputs {
   /// head (PageAddressing::kBlockTable); positions stay below live_lens.
   /// The fused path only: the mask path reads dense caches.
   BlockTable block_table;
-  const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
-  const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
-  float scale = 1.0f;
-  void* o = nullptr;     // [batch, num_qo_heads, v.dim]
-  float* lse = nullptr;  // [batch, num_qo_heads] or null
   /// Query tokens per sequence (a multi-token step, decode.h's q_len): q and
   /// o are then [batch, q_len, num_qo_heads, dim], lse [batch, q_len,
   /// num_qo_heads], and token t sees the selected positions below its
