@@ -102,24 +102,6 @@ struct EnginePagedKV {
   PagedIndexKeys index_keys;
 };
 
-/// A selection as a serving step produces it on the device: a fixed-width
-/// matrix of page ids per request and the tokens each request attends, both
-/// device data, so a step whose counts change needs no host round trip.
-/// Pages are pages of the request's own window: token positions when
-/// page_size is 1, blocks of page_size positions otherwise (a block-sparse
-/// selection feeds its block ids directly; a partial final block is the
-/// request's last page, cut by seq_lens).
-struct PagedSelection {
-  const int32_t* pages = nullptr;     // [num_requests, width]; entries past a request's pages are never read
-  const int32_t* seq_lens = nullptr;  // [num_requests] tokens attended, in [0, width * page_size]
-  int32_t num_requests = 0;
-  int32_t width = 0;  // pages per row: the bound the plan is made for
-  int32_t page_size = 1;
-  /// Host-side upper bound on any request's seq_lens entry (<= width *
-  /// page_size): what the dispatch policy counts as selected.
-  int64_t max_selected = 0;
-};
-
 /// Runs sparse decodes on one device. It keeps the plan, the page-table
 /// structure and the workspace between calls and re-plans only when the
 /// per-request counts change, so a serving loop with fixed top-k counts
