@@ -176,6 +176,27 @@ enum class QueryLayout : int32_t {
   kStrided = 1,
 };
 
+/// The operands of one attention call: the queries, the rows they attend
+/// and the outputs. The fused decode (DecodeParams), the mask path
+/// (MaskedDecodeParams) and the entry point (SparseAttentionInputs) each
+/// extend it, so one converts to another by copying this part once.
+/// Request r = b * num_kv_heads + h owns query heads h * G .. (h + 1) * G - 1
+/// of sequence b (G = group_size), so [num_requests, group_size, dim] is
+/// [batch, num_qo_heads, dim]; packed unless DecodeParams::qo_layout says
+/// otherwise.
+struct AttentionOperands {
+  DType dtype = DType::kBF16;     // q, the rows and o share it (K and V: see kv_format where there is one)
+  const void* q = nullptr;        // [num_requests, group_size, k.dim]
+  RowView k;                      // K rows, dim = head_dim_qk; row t of request r at k.offset(b, h, t)
+  RowView v;                      // V rows, dim = head_dim_v; may alias k's first columns
+  const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
+  RowView k_extra;                // second K stream (MLA rope keys); data null when absent
+  float scale = 1.0f;             // applied to q.k (and q_extra.k_extra)
+  void* o = nullptr;              // [num_requests, group_size, v.dim]
+  float* lse = nullptr;           // [num_requests, group_size], packed; may be null. Natural log (base e)
+                                  // of the sum of exp(scaled scores); -inf for an empty request.
+};
+
 /// Everything a decode launch reads and writes. All pointers live in the
 /// memory of the backend that runs it. Pass by value.
 ///
@@ -183,8 +204,7 @@ enum class QueryLayout : int32_t {
 /// kernel runs (device memory on CUDA) and each request's entry may be
 /// anything from 0 up to what the plan was made for, so one plan (and one
 /// captured CUDA graph) serves steps whose counts change on the device.
-struct DecodeParams {
-  DType dtype = DType::kBF16;  // q, pools and o share it (K and V: see kv_format)
+struct DecodeParams : AttentionOperands {
   KvFormat kv_format = KvFormat::kNative;
   // kE4m3PerHead: the per-KV-head scales of K and V (device memory on CUDA);
   // null otherwise.
@@ -244,22 +264,12 @@ struct DecodeParams {
   // page * page_size + slot); kPoolPages ids are not positions, so q_len > 1
   // is refused there by name. 1 .. kMaxQueryTokens; the MLA shape (512, 512,
   // 64) takes q_len = 1 on CUDA (make each token a request, as DSA does).
+  // lse is then [num_sequences, q_len, num_kv_heads, group_size].
   int32_t q_len = 1;
   QueryLayout qo_layout = QueryLayout::kPacked;
-  const void* q = nullptr;        // [num_requests, group_size, k.dim] (kPacked) or q_strides
-  QueryStrides q_strides;         // kStrided only
-  RowView k;                      // K rows, dim = head_dim_qk
-  RowView v;                      // V rows, dim = head_dim_v; may alias k's first columns
-  const void* q_extra = nullptr;  // [num_requests, group_size, k_extra.dim]; null without a second stream
-  QueryStrides q_extra_strides;   // kStrided only
-  RowView k_extra;                // second K stream; data null when absent
-  float scale = 1.0f;             // applied to q.k (and q_extra.k_extra)
-
-  void* o = nullptr;       // [num_requests, group_size, v.dim] (kPacked) or o_strides
-  QueryStrides o_strides;  // kStrided only; heads and sequences must not overlap
-  float* lse = nullptr;    // [num_requests, group_size], packed; may be null. Natural log (base e)
-                           // of the sum of exp(scaled scores); -inf for an empty request.
-                           // q_len > 1: [num_sequences, q_len, num_kv_heads, group_size]
+  QueryStrides q_strides;        // kStrided only
+  QueryStrides q_extra_strides;  // kStrided only
+  QueryStrides o_strides;        // kStrided only; heads and sequences must not overlap
 
   // CUDA scheduling, no effect on the result: set when the requests may see
   // fewer tokens than the plan was made for (seq_lens below the plan's

@@ -17,8 +17,8 @@ namespace sparsepage {
 /// (sequence b, KV head h) request r = b * num_kv_heads + h, whose row t of
 /// each stream is at `RowView::offset(b, h, t)` (a dense `[B, H, Cap, D]`
 /// allocation: `RowView::dense`).
-struct MaskedDecodeParams {
-  DType dtype = DType::kBF16;  // q, streams and o share it (kF32 for dequantized caches)
+/// The operands are packed (dtype kF32 too, for dequantized caches).
+struct MaskedDecodeParams : AttentionOperands {
   int32_t batch = 0;
   int32_t num_kv_heads = 0;  // attention KV heads
   int32_t group_size = 1;
@@ -30,16 +30,8 @@ struct MaskedDecodeParams {
   /// and reads none of its rows.
   /// With them one launch (and one captured graph) serves a growing context.
   const int32_t* live_lens = nullptr;
-  const void* q = nullptr;  // [batch * num_kv_heads, group_size, k.dim]
-  RowView k;
-  RowView v;
-  const void* q_extra = nullptr;  // [batch * num_kv_heads, group_size, k_extra.dim] or null
-  RowView k_extra;                // data null when absent
-  const float* mask = nullptr;    // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
-  int64_t mask_pitch = 0;         // floats per request's mask row, >= live_len; 0: live_len
-  float scale = 1.0f;
-  void* o = nullptr;     // [batch * num_kv_heads, group_size, v.dim]
-  float* lse = nullptr;  // [batch * num_kv_heads, group_size] or null
+  const float* mask = nullptr;  // [batch * num_kv_heads, mask_pitch] additive (0 keeps, -inf drops); null: no mask
+  int64_t mask_pitch = 0;       // floats per request's mask row, >= live_len; 0: live_len
 };
 
 void check_masked_decode_params(const MaskedDecodeParams& params);

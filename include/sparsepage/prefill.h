@@ -138,6 +138,7 @@ class MlaSparsePrefill {
              kv_format == o.kv_format && need_lse_scratch == o.need_lse_scratch;
     }
   };
+  static Shape shape_of(const MlaPrefillParams& params);
   Device device_;
   Shape shape_;
   bool prepared_ = false;
@@ -291,6 +292,7 @@ class GqaBlockPrefill {
              dim_v == o.dim_v && layout == o.layout && lse == o.lse;
     }
   };
+  static Shape shape_of(const GqaPrefillParams& params);
   Device device_;
   Shape shape_;
   bool prepared_ = false;

@@ -16,11 +16,11 @@
 namespace sparsepage {
 
 /// One decode step's attention inputs over a dense cache, on one device.
-/// Requests are folded: r = b * num_kv_heads + h owns query heads
-/// h * G .. (h + 1) * G - 1 of sequence b (G = num_qo_heads / num_kv_heads).
-struct SparseAttentionInputs {
+/// The operands are packed: q [batch, num_qo_heads, k.dim], o [batch,
+/// num_qo_heads, v.dim], lse [batch, num_qo_heads] (AttentionOperands'
+/// request rows, G = num_qo_heads / num_kv_heads).
+struct SparseAttentionInputs : AttentionOperands {
   Device device = Device::kCpu;
-  DType dtype = DType::kBF16;
   int32_t batch = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
@@ -31,12 +31,8 @@ struct SparseAttentionInputs {
   /// live_len for every sequence.
   const int32_t* live_lens = nullptr;
   bool raw_cache = true;  // false for quantized, pool-backed or head-trimmed caches
-  /// Where request r = b * num_kv_heads + h finds row t of each stream:
-  /// `RowView::offset(b, h, t)`; a dense `[B, H, Cap, D]` cache gives
-  /// `RowView::dense(data, H, Cap, D)`. K may carry extra heads or columns.
-  RowView k;
-  RowView v;        // may alias K's first columns
-  RowView k_extra;  // second K stream (MLA rope keys); data null when absent
+  // A dense `[B, H, Cap, D]` cache's streams are `RowView::dense(data, H,
+  // Cap, D)`; K may carry extra heads or columns.
   /// How K and V are stored (decode.h); the fp8 forms count K and V strides
   /// in bytes. k_scale / v_scale: kE4m3PerHead's [num_kv_heads] scales.
   KvFormat kv_format = KvFormat::kNative;
@@ -48,11 +44,6 @@ struct SparseAttentionInputs {
   /// head (PageAddressing::kBlockTable); positions stay below live_lens.
   /// The fused path only: the mask path reads dense caches.
   BlockTable block_table;
-  const void* q = nullptr;        // [batch, num_qo_heads, k.dim]
-  const void* q_extra = nullptr;  // [batch, num_qo_heads, k_extra.dim] or null
-  float scale = 1.0f;
-  void* o = nullptr;     // [batch, num_qo_heads, v.dim]
-  float* lse = nullptr;  // [batch, num_qo_heads] or null
   /// Query tokens per sequence (a multi-token step, decode.h's q_len): q and
   /// o are then [batch, q_len, num_qo_heads, dim], lse [batch, q_len,
   /// num_qo_heads], and token t sees the selected positions below its
@@ -109,24 +100,6 @@ struct EnginePagedKV {
   /// The indexer's keys in the engine's paged pool (index_keys.h: native or
   /// vLLM's FP8 layout, with their own block table).
   PagedIndexKeys index_keys;
-};
-
-/// A selection as a serving step produces it on the device: a fixed-width
-/// matrix of page ids per request and the tokens each request attends, both
-/// device data, so a step whose counts change needs no host round trip.
-/// Pages are pages of the request's own window: token positions when
-/// page_size is 1, blocks of page_size positions otherwise (a block-sparse
-/// selection feeds its block ids directly; a partial final block is the
-/// request's last page, cut by seq_lens).
-struct PagedSelection {
-  const int32_t* pages = nullptr;     // [num_requests, width]; entries past a request's pages are never read
-  const int32_t* seq_lens = nullptr;  // [num_requests] tokens attended, in [0, width * page_size]
-  int32_t num_requests = 0;
-  int32_t width = 0;  // pages per row: the bound the plan is made for
-  int32_t page_size = 1;
-  /// Host-side upper bound on any request's seq_lens entry (<= width *
-  /// page_size): what the dispatch policy counts as selected.
-  int64_t max_selected = 0;
 };
 
 /// Runs sparse decodes on one device. It keeps the plan, the page-table

@@ -83,6 +83,44 @@ RowView sequence_view(const RowView& view, int64_t b, size_t element_size) {
   return v;
 }
 
+void check_dtype(DType dtype, Device device, const std::string& who) {
+  REQUIRE(dtype == DType::kBF16 || dtype == DType::kF16 || (device == Device::kCpu && dtype == DType::kF32),
+          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(dtype));
+}
+
+/// Query blocks must be key blocks: each sequence's chunk starts at a
+/// multiple of block_size. Checked wherever the lengths are on the host (no
+/// kv_lens, or a CPU run); a CUDA run reads kv_lens on the device and flags
+/// a misaligned sequence there.
+void check_block_starts(const PrefillChunk& c, int32_t block_size, Device device, const std::string& who) {
+  if (c.kv_lens != nullptr && device == Device::kCuda) return;
+  const std::vector<int64_t> lens = host_lengths(c, who);
+  for (int32_t b = 0; b < c.batch; ++b) {
+    const int64_t start = lens[static_cast<size_t>(b)] - c.num_tokens;
+    REQUIRE(start % block_size == 0, who + "sequence " + to_string(b) + "'s chunk starts at position " +
+                                         to_string(start) +
+                                         ", not a multiple of block_size = " + to_string(block_size));
+  }
+}
+
+/// The fused decode on the backend's device; returns the kernel's name ("cpu" on the CPU).
+const char* run_decode(Device device, const DecodeParams& d, const DecodePlan& plan, void* workspace, void* stream,
+                       int32_t max_q_len) {
+  if (device == Device::kCuda) return detail::run_decode_cuda(d, plan, workspace, stream, max_q_len);
+  detail::run_decode_cpu(d, plan, workspace, max_q_len);
+  return "cpu";
+}
+
+/// One small prefill kernel on the backend's device.
+template <typename Args>
+void launch(Device device, void (*cpu)(const Args&), void (*cuda)(const Args&, void*), const Args& args, void* stream) {
+  if (device == Device::kCuda) {
+    cuda(args, stream);
+  } else {
+    cpu(args);
+  }
+}
+
 // ---- MLA --------------------------------------------------------------------
 
 constexpr int32_t kLatent = 512, kRope = 64;
@@ -90,8 +128,7 @@ constexpr int32_t kLatent = 512, kRope = 64;
 void check_mla(const MlaPrefillParams& p, Device device) {
   const std::string who = "MlaSparsePrefill: ";
   check_chunk(p.chunk, who);
-  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
-          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  check_dtype(p.dtype, device, who);
   REQUIRE(device != Device::kCuda || p.dtype == DType::kBF16,
           who + "the MLA kernel reads bf16 queries and rows on CUDA, not " + dtype_name(p.dtype));
   REQUIRE(p.kv_format == KvFormat::kNative || p.kv_format == KvFormat::kE4m3Mla,
@@ -186,8 +223,7 @@ PlanShape decode_plan_shape(Device device, int32_t dim_qk, int32_t dim_v, int32_
 
 // ---- MlaSparsePrefill -------------------------------------------------------
 
-void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
-  check_mla(p, device_);
+MlaSparsePrefill::Shape MlaSparsePrefill::shape_of(const MlaPrefillParams& p) {
   Shape s;
   s.batch = p.chunk.batch;
   s.num_tokens = p.chunk.num_tokens;
@@ -195,6 +231,12 @@ void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
   s.topk = p.topk;
   s.kv_format = p.kv_format;
   s.need_lse_scratch = p.lse == nullptr && p.attn_sink != nullptr;
+  return s;
+}
+
+void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
+  check_mla(p, device_);
+  const Shape s = shape_of(p);
   // The plan: one sequence's tokens as requests of topk entries each (the
   // per-token topk_length is read where the kernel runs), 64 heads per CTA.
   const PlanShape shape = decode_plan_shape(device_, kLatent, kLatent, kRope, p.num_heads, 1);
@@ -210,13 +252,7 @@ void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
 
 void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
   check_mla(p, device_);
-  Shape s;
-  s.batch = p.chunk.batch;
-  s.num_tokens = p.chunk.num_tokens;
-  s.num_heads = p.num_heads;
-  s.topk = p.topk;
-  s.kv_format = p.kv_format;
-  s.need_lse_scratch = p.lse == nullptr && p.attn_sink != nullptr;
+  const Shape s = shape_of(p);
   if (!prepared_ || !(s == shape_)) prepare(p, stream);
   const int32_t n = s.num_tokens;
   const size_t tokens = static_cast<size_t>(s.batch) * static_cast<size_t>(n);
@@ -225,21 +261,12 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
                : s.need_lse_scratch
                    ? reinterpret_cast<float*>(scratch_.as<char>() + round_up(tokens * sizeof(int32_t), 256))
                    : nullptr;
-  detail::TokenWindowsArgs w{p.chunk.kv_lens, p.chunk.kv_len, s.batch, n, windows};
-  if (device_ == Device::kCuda) {
-    detail::token_windows_cuda(w, stream);
-  } else {
-    (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked before anything runs
-    detail::token_windows_cpu(w);
-  }
+  const detail::TokenWindowsArgs w{p.chunk, windows};
+  if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked first
+  launch(device_, detail::token_windows_cpu, detail::token_windows_cuda, w, stream);
   for (int32_t b = 0; b < s.batch; ++b) {
     const DecodeParams d = mla_decode_params(p, b, windows, lse);
-    if (device_ == Device::kCuda) {
-      kernel_name_ = detail::run_decode_cuda(d, plan_, workspace_.data(), stream, kMaxQueryTokens);
-    } else {
-      detail::run_decode_cpu(d, plan_, workspace_.data(), kMaxQueryTokens);
-      kernel_name_ = "cpu";
-    }
+    kernel_name_ = run_decode(device_, d, plan_, workspace_.data(), stream, kMaxQueryTokens);
   }
   if (lse != nullptr) {
     const QueryStrides os = view_strides(p.qo_layout, p.out_strides, n, p.num_heads, kLatent);
@@ -256,11 +283,7 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
     e.out_seq = os.seq_stride;
     e.out_token = os.token_stride;
     e.out_head = os.head_stride;
-    if (device_ == Device::kCuda) {
-      detail::mla_epilogue_cuda(e, stream);
-    } else {
-      detail::mla_epilogue_cpu(e);
-    }
+    launch(device_, detail::mla_epilogue_cpu, detail::mla_epilogue_cuda, e, stream);
   }
   if (p.max_logits != nullptr) detail::mla_max_logits_cpu(p, windows);  // CPU only (check_mla)
 }
@@ -279,8 +302,7 @@ namespace {
 void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   const std::string who = "DsaPrefillIndexer: ";
   check_chunk(p.chunk, who);
-  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
-          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  check_dtype(p.dtype, device, who);
   REQUIRE(p.index_heads >= 1 && p.index_head_dim >= 1 && p.topk >= 1,
           who + "index_heads, index_head_dim and topk must be at least 1");
   REQUIRE(p.key_column >= 0, who + "key_column = " + to_string(p.key_column) + " is negative");
@@ -362,8 +384,7 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
     return;
   }
   const int32_t passes = (n + rows_per_pass_ - 1) / rows_per_pass_;
-  detail::PassLensArgs pl{p.chunk.kv_lens, p.chunk.kv_len, p.chunk.batch,      n,
-                          rows_per_pass_,  passes,         lens_.as<int32_t>()};
+  const detail::PassLensArgs pl{p.chunk, rows_per_pass_, passes, lens_.as<int32_t>()};
   detail::pass_lens_cuda(pl, stream);
   const size_t esize = dtype_size(p.dtype);
   const int64_t row = int64_t{p.key_column} + p.index_head_dim;
@@ -399,8 +420,7 @@ int32_t query_blocks(int32_t num_tokens, int32_t block_size) { return (num_token
 void check_gqa(const GqaPrefillParams& p, Device device) {
   const std::string who = "GqaBlockPrefill: ";
   check_chunk(p.chunk, who);
-  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
-          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  check_dtype(p.dtype, device, who);
   REQUIRE(p.num_kv_heads >= 1 && p.num_qo_heads >= 1 && p.num_qo_heads % p.num_kv_heads == 0,
           who + "num_qo_heads = " + to_string(p.num_qo_heads) +
               " must be a positive multiple of num_kv_heads = " + to_string(p.num_kv_heads));
@@ -418,11 +438,7 @@ void check_gqa(const GqaPrefillParams& p, Device device) {
               p.selection.layout == BlockSelectionLayout::kPerQueryHead,
           who + "selection.layout is not a BlockSelectionLayout value");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
-  if (p.chunk.kv_lens == nullptr) {
-    REQUIRE((p.chunk.kv_len - p.chunk.num_tokens) % p.block_size == 0,
-            who + "the chunk starts at position " + to_string(p.chunk.kv_len - p.chunk.num_tokens) +
-                ", not a multiple of block_size = " + to_string(p.block_size) + " (query blocks must be key blocks)");
-  }
+  check_block_starts(p.chunk, p.block_size, device, who);
 }
 
 /// How many (sequence-local) lists one launch of part `full` covers, and
@@ -448,8 +464,7 @@ size_t GqaBlockPrefill::workspace_bytes() const {
   return total;
 }
 
-void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
-  check_gqa(p, device_);
+GqaBlockPrefill::Shape GqaBlockPrefill::shape_of(const GqaPrefillParams& p) {
   Shape s;
   s.batch = p.chunk.batch;
   s.num_tokens = p.chunk.num_tokens;
@@ -461,6 +476,12 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
   s.dim_v = p.v.dim;
   s.layout = p.selection.layout;
   s.lse = p.lse != nullptr;
+  return s;
+}
+
+void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
+  check_gqa(p, device_);
+  const Shape s = shape_of(p);
   const LaunchGeometry geo = geometry(p);
   const int32_t full = s.num_tokens / s.block_size, tail = s.num_tokens % s.block_size;
   parts_[0].query_blocks = full;
@@ -496,17 +517,7 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
 
 void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
   check_gqa(p, device_);
-  Shape s;
-  s.batch = p.chunk.batch;
-  s.num_tokens = p.chunk.num_tokens;
-  s.num_qo_heads = p.num_qo_heads;
-  s.num_kv_heads = p.num_kv_heads;
-  s.block_size = p.block_size;
-  s.width = p.selection.width;
-  s.dim_qk = p.k.dim;
-  s.dim_v = p.v.dim;
-  s.layout = p.selection.layout;
-  s.lse = p.lse != nullptr;
+  const Shape s = shape_of(p);
   if (!prepared_ || !(s == shape_)) prepare(p, stream);
   const int32_t n = s.num_tokens, bs = s.block_size, nqb = query_blocks(n, bs);
   const int32_t hq = s.num_qo_heads, hkv = s.num_kv_heads, g = hq / hkv;
@@ -515,18 +526,8 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
   const size_t windows_bytes = round_up(static_cast<size_t>(s.batch) * static_cast<size_t>(nqb) * sizeof(int32_t), 256);
   auto* bad_chunk = reinterpret_cast<uint32_t*>(scratch_.as<char>() + windows_bytes);
   float* staged_lse = reinterpret_cast<float*>(scratch_.as<char>() + windows_bytes + 256);
-  detail::BlockWindowsArgs w{p.chunk.kv_lens, p.chunk.kv_len, s.batch, n, bs, windows, bad_chunk};
-  if (device_ == Device::kCuda) {
-    detail::block_windows_cuda(w, stream);
-  } else {
-    const std::vector<int64_t> lens = host_lengths(p.chunk, "GqaBlockPrefill: ");
-    for (int32_t b = 0; b < s.batch; ++b) {
-      REQUIRE((lens[static_cast<size_t>(b)] - n) % bs == 0,
-              "GqaBlockPrefill: sequence " + to_string(b) + "'s chunk starts at position " +
-                  to_string(lens[static_cast<size_t>(b)] - n) + ", not a multiple of block_size = " + to_string(bs));
-    }
-    detail::block_windows_cpu(w);
-  }
+  const detail::BlockWindowsArgs w{p.chunk, bs, windows, bad_chunk};
+  launch(device_, detail::block_windows_cpu, detail::block_windows_cuda, w, stream);
   const bool per_kv = s.layout == BlockSelectionLayout::kPerKvHead;
   const int64_t width = s.width;
   for (int32_t b = 0; b < s.batch; ++b) {
@@ -586,23 +587,13 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.k.data = offset_bytes(d.k.data, int64_t{kv} * p.k.head_stride, esize);
           d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
         }
-        if (device_ == Device::kCuda) {
-          kernel_name_ =
-              detail::run_decode_cuda(d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
-        } else {
-          detail::run_decode_cpu(d, part.plan, part.workspace.data(), detail::kMaxQueryBlockTokens);
-          kernel_name_ = "cpu";
-        }
+        kernel_name_ = run_decode(device_, d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
       }
     }
   }
   if (!per_kv && p.lse != nullptr) {
     const detail::LseGatherArgs l{s.batch, hkv, n, g, staged_lse, p.lse};
-    if (device_ == Device::kCuda) {
-      detail::lse_gather_cuda(l, stream);
-    } else {
-      detail::lse_gather_cpu(l);
-    }
+    launch(device_, detail::lse_gather_cpu, detail::lse_gather_cuda, l, stream);
   }
 }
 
@@ -631,8 +622,7 @@ namespace {
 void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
   const std::string who = "BlockPrefillIndexer: ";
   check_chunk(p.chunk, who);
-  REQUIRE(p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (device == Device::kCpu && p.dtype == DType::kF32),
-          who + "dtype must be bf16 or f16 (or f32 on the CPU), not " + dtype_name(p.dtype));
+  check_dtype(p.dtype, device, who);
   REQUIRE(p.num_kv_heads >= 1 && p.head_dim >= 1 && p.block_size >= 1,
           who + "num_kv_heads, head_dim and block_size must be at least 1");
   REQUIRE(p.local_blocks >= 1 && p.top_blocks >= p.local_blocks - 1,
@@ -654,11 +644,7 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
             who + "block_size = " + to_string(p.block_size) +
                 ": the CUDA block scores run 64- or 128-token blocks (the CPU backend takes any)");
   }
-  if (p.chunk.kv_lens == nullptr) {
-    REQUIRE((p.chunk.kv_len - p.chunk.num_tokens) % p.block_size == 0,
-            who + "the chunk starts at position " + to_string(p.chunk.kv_len - p.chunk.num_tokens) +
-                ", not a multiple of block_size = " + to_string(p.block_size));
-  }
+  check_block_starts(p.chunk, p.block_size, device, who);
 }
 
 int32_t key_blocks(int64_t kv_len, int32_t block_size) {
@@ -687,21 +673,9 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
       block_size_ != p.block_size || kv_len_ != p.chunk.kv_len) {
     prepare(p, stream);
   }
-  if (device_ == Device::kCpu) {
-    const std::vector<int64_t> lens = host_lengths(p.chunk, "BlockPrefillIndexer: ");
-    for (int32_t b = 0; b < p.chunk.batch; ++b) {
-      REQUIRE((lens[static_cast<size_t>(b)] - p.chunk.num_tokens) % p.block_size == 0,
-              "BlockPrefillIndexer: sequence " + to_string(b) + "'s chunk starts at position " +
-                  to_string(lens[static_cast<size_t>(b)] - p.chunk.num_tokens) +
-                  ", not a multiple of block_size = " + to_string(p.block_size));
-    }
-  }
   detail::BlockScoresArgs sa;
   sa.dtype = p.dtype;
-  sa.kv_lens = p.chunk.kv_lens;
-  sa.kv_len = p.chunk.kv_len;
-  sa.batch = p.chunk.batch;
-  sa.num_tokens = p.chunk.num_tokens;
+  sa.chunk = p.chunk;
   sa.num_kv_heads = p.num_kv_heads;
   sa.head_dim = p.head_dim;
   sa.block_size = p.block_size;
@@ -711,10 +685,7 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   sa.key_blocks = key_blocks(p.chunk.kv_len, p.block_size);
   sa.scores = scores_.as<float>();
   detail::BlockSelectArgs se;
-  se.kv_lens = p.chunk.kv_lens;
-  se.kv_len = p.chunk.kv_len;
-  se.batch = p.chunk.batch;
-  se.num_tokens = p.chunk.num_tokens;
+  se.chunk = p.chunk;
   se.num_kv_heads = p.num_kv_heads;
   se.block_size = p.block_size;
   se.top_blocks = p.top_blocks;
@@ -723,13 +694,8 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   se.scores = scores_.as<float>();
   se.block_ids = p.block_ids;
   se.counts = p.counts;
-  if (device_ == Device::kCuda) {
-    detail::block_scores_cuda(sa, stream);
-    detail::block_select_cuda(se, stream);
-  } else {
-    detail::block_scores_cpu(sa);
-    detail::block_select_cpu(se);
-  }
+  launch(device_, detail::block_scores_cpu, detail::block_scores_cuda, sa, stream);
+  launch(device_, detail::block_select_cpu, detail::block_select_cuda, se, stream);
 }
 
 // ---- the static pattern -------------------------------------------------------
@@ -738,10 +704,7 @@ namespace {
 
 detail::StaticBlocksArgs static_args(const StaticPrefillParams& p) {
   detail::StaticBlocksArgs a;
-  a.kv_lens = p.chunk.kv_lens;
-  a.kv_len = p.chunk.kv_len;
-  a.batch = p.chunk.batch;
-  a.num_tokens = p.chunk.num_tokens;
+  a.chunk = p.chunk;
   a.num_qo_heads = p.num_qo_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.block_size = p.block_size;
@@ -784,12 +747,8 @@ int32_t static_prefill_width(const StaticPrefillParams& p, int64_t kv_len) {
 void static_prefill_blocks(Device device, const StaticPrefillParams& p, void* stream) {
   check_static(p, true);
   const detail::StaticBlocksArgs a = static_args(p);
-  if (device == Device::kCuda) {
-    detail::static_blocks_cuda(a, stream);
-  } else {
-    (void)host_lengths(p.chunk, "static_prefill_blocks: ");
-    detail::static_blocks_cpu(a);
-  }
+  if (device == Device::kCpu) (void)host_lengths(p.chunk, "static_prefill_blocks: ");
+  launch(device, detail::static_blocks_cpu, detail::static_blocks_cuda, a, stream);
 }
 
 // ---- attended sets (tests) ------------------------------------------------------

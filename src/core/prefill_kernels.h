@@ -26,12 +26,10 @@ void mla_max_logits_cpu(const MlaPrefillParams& params, const int32_t* windows);
 void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& params, const std::vector<int64_t>& lens);
 
 /// Each query token's window: windows[b * num_tokens + t] = L_b - num_tokens
-/// + t + 1, L_b = kv_lens[b] (or kv_len when kv_lens is null); 0 when L_b <
-/// num_tokens (every entry of such a token is then refused).
+/// + t + 1 (L_b of the chunk); 0 when L_b < num_tokens (every entry of such
+/// a token is then refused).
 struct TokenWindowsArgs {
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0;
+  PrefillChunk chunk;
   int32_t* windows = nullptr;  // out [batch * num_tokens]
 };
 void token_windows_cpu(const TokenWindowsArgs& args);
@@ -42,9 +40,8 @@ void token_windows_cuda(const TokenWindowsArgs& args, void* stream);
 /// every block of a sequence whose start is not a multiple of block_size or
 /// whose L_b < num_tokens, which also sets *bad_chunk (may be null).
 struct BlockWindowsArgs {
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0, block_size = 0;
+  PrefillChunk chunk;
+  int32_t block_size = 0;
   int32_t* windows = nullptr;  // out [batch * num_query_blocks]
   uint32_t* bad_chunk = nullptr;
 };
@@ -85,9 +82,8 @@ void lse_gather_cuda(const LseGatherArgs& args, void* stream);
 /// last token (what the decode indexer reads as the sequence length of a
 /// multi-token step of that pass's rows).
 struct PassLensArgs {
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0, rows_per_pass = 0, passes = 0;
+  PrefillChunk chunk;
+  int32_t rows_per_pass = 0, passes = 0;
   int32_t* lens = nullptr;  // out [batch * passes]
 };
 void pass_lens_cuda(const PassLensArgs& args, void* stream);
@@ -98,9 +94,8 @@ void pass_lens_cuda(const PassLensArgs& args, void* stream);
 /// other entries are not written. NaN products are ignored by the max.
 struct BlockScoresArgs {
   DType dtype = DType::kBF16;
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, local_blocks = 1;
+  PrefillChunk chunk;
+  int32_t num_kv_heads = 0, head_dim = 0, block_size = 0, local_blocks = 1;
   RowView keys;                   // position p of sequence b at keys.offset(b, 0, p)
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim]
   int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
@@ -112,9 +107,8 @@ void block_scores_cuda(const BlockScoresArgs& args, void* stream);
 /// The top blocks of each (sequence, query block, KV head) from the scores
 /// above: a kPerKvHead selection (prefill.h) of width top_blocks + 1.
 struct BlockSelectArgs {
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0, num_kv_heads = 0, block_size = 0, top_blocks = 0, local_blocks = 1;
+  PrefillChunk chunk;
+  int32_t num_kv_heads = 0, block_size = 0, top_blocks = 0, local_blocks = 1;
   int32_t key_blocks = 0;
   const float* scores = nullptr;
   int32_t* block_ids = nullptr;  // out [batch, num_query_blocks, num_kv_heads, top_blocks + 1]
@@ -125,9 +119,8 @@ void block_select_cuda(const BlockSelectArgs& args, void* stream);
 
 /// static_prefill_blocks (prefill.h) on each backend.
 struct StaticBlocksArgs {
-  const int32_t* kv_lens = nullptr;
-  int64_t kv_len = 0;
-  int32_t batch = 0, num_tokens = 0, num_qo_heads = 0, num_kv_heads = 0;
+  PrefillChunk chunk;
+  int32_t num_qo_heads = 0, num_kv_heads = 0;
   int32_t block_size = 0, local_blocks = 0, vert_stride = 0, head_sliding_step = 1;
   int32_t width = 0;
   int32_t* block_ids = nullptr;

@@ -17,21 +17,13 @@
 namespace sparsepage {
 namespace {
 
-// The fields of a launch the inputs' streams give: dtype and KV format (with
-// its scales), q, K, V, the optional second stream, o. The layout and the
-// KV format's checks depend on these alone.
+// The fields of a launch the inputs give directly: the operands and the KV
+// format (with its scales). The layout and the KV format's checks depend on
+// these alone.
 DecodeParams stream_fields(const SparseAttentionInputs& in) {
   DecodeParams p;
-  p.dtype = in.dtype;
+  static_cast<AttentionOperands&>(p) = in;
   p.kv_format = in.kv_format;
-  p.q = in.q;
-  p.k = in.k;
-  p.v = in.v;
-  if (in.k_extra.data != nullptr) {
-    p.q_extra = in.q_extra;
-    p.k_extra = in.k_extra;
-  }
-  p.o = in.o;
   p.k_scale = in.k_scale;
   p.v_scale = in.v_scale;
   return p;
@@ -229,8 +221,6 @@ DecodeParams SparseDecoder::base_params(const SparseAttentionInputs& in) const {
   }
   p.group_size = in.num_qo_heads / in.num_kv_heads;
   p.q_len = in.q_len;
-  p.scale = in.scale;
-  p.lse = in.lse;
   return p;
 }
 
@@ -338,20 +328,12 @@ MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
   REQUIRE(in.kv_format == KvFormat::kNative, std::string("the mask path reads bf16/f16 K and V; kv_format ") +
                                                  kv_format_name(in.kv_format) + " has only the fused path");
   MaskedDecodeParams m;
-  m.dtype = in.dtype;
+  static_cast<AttentionOperands&>(m) = in;
   m.batch = in.batch;
   m.num_kv_heads = in.num_kv_heads;
   m.group_size = in.num_qo_heads / in.num_kv_heads;
   m.live_len = in.live_len;
   m.live_lens = in.live_lens;
-  m.q = in.q;
-  m.k = in.k;
-  m.v = in.v;
-  m.q_extra = in.q_extra;
-  m.k_extra = in.k_extra;
-  m.scale = in.scale;
-  m.o = in.o;
-  m.lse = in.lse;
   return m;
 }
 

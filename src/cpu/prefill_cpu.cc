@@ -22,7 +22,7 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-int64_t length_of(const int32_t* kv_lens, int64_t kv_len, int32_t b) { return kv_lens ? kv_lens[b] : kv_len; }
+int64_t length_of(const PrefillChunk& c, int32_t b) { return c.kv_lens ? c.kv_lens[b] : c.kv_len; }
 
 /// (score descending, then id ascending), NaN ranking with -inf: the order
 /// the GPU's composite keys give (cuda/primitives/radix_select.cuh).
@@ -35,25 +35,25 @@ bool ranks_before(float sx, int64_t x, float sy, int64_t y) {
 }  // namespace
 
 void token_windows_cpu(const TokenWindowsArgs& a) {
-  for (int32_t b = 0; b < a.batch; ++b) {
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b);
-    for (int32_t t = 0; t < a.num_tokens; ++t) {
-      a.windows[int64_t{b} * a.num_tokens + t] =
-          len < a.num_tokens ? 0 : static_cast<int32_t>(len - a.num_tokens + t + 1);
+  for (int32_t b = 0; b < a.chunk.batch; ++b) {
+    const int64_t len = length_of(a.chunk, b);
+    for (int32_t t = 0; t < a.chunk.num_tokens; ++t) {
+      a.windows[int64_t{b} * a.chunk.num_tokens + t] =
+          len < a.chunk.num_tokens ? 0 : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
     }
   }
 }
 
 void block_windows_cpu(const BlockWindowsArgs& a) {
-  const int32_t blocks = (a.num_tokens + a.block_size - 1) / a.block_size;
-  for (int32_t b = 0; b < a.batch; ++b) {
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b);
-    const int64_t start = len - a.num_tokens;
+  const int32_t blocks = (a.chunk.num_tokens + a.block_size - 1) / a.block_size;
+  for (int32_t b = 0; b < a.chunk.batch; ++b) {
+    const int64_t len = length_of(a.chunk, b);
+    const int64_t start = len - a.chunk.num_tokens;
     const bool bad = start < 0 || start % a.block_size != 0;
     if (bad && a.bad_chunk != nullptr) *a.bad_chunk = 1;
     for (int32_t i = 0; i < blocks; ++i) {
       a.windows[int64_t{b} * blocks + i] =
-          bad ? 0 : static_cast<int32_t>(start + std::min<int64_t>(int64_t{i + 1} * a.block_size, a.num_tokens));
+          bad ? 0 : static_cast<int32_t>(start + std::min<int64_t>(int64_t{i + 1} * a.block_size, a.chunk.num_tokens));
     }
   }
 }
@@ -191,11 +191,11 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
 }
 
 void block_scores_cpu(const BlockScoresArgs& a) {
-  const int32_t n = a.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
+  const int32_t n = a.chunk.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
   const int32_t blocks = (n + bs - 1) / bs;
   const size_t d = static_cast<size_t>(a.head_dim), esize = dtype_size(a.dtype);
-  for (int32_t b = 0; b < a.batch; ++b) {
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b), start = len - n;
+  for (int32_t b = 0; b < a.chunk.batch; ++b) {
+    const int64_t len = length_of(a.chunk, b), start = len - n;
     std::vector<float> keys(static_cast<size_t>(len) * d);
     for (int64_t pos = 0; pos < len; ++pos) {
       to_float(a.dtype, static_cast<const char*>(a.keys.data) + a.keys.offset(b, 0, pos) * static_cast<int64_t>(esize),
@@ -225,10 +225,10 @@ void block_scores_cpu(const BlockScoresArgs& a) {
 }
 
 void block_select_cpu(const BlockSelectArgs& a) {
-  const int32_t n = a.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
+  const int32_t n = a.chunk.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
   const int32_t blocks = (n + bs - 1) / bs, width = a.top_blocks + 1;
-  for (int32_t b = 0; b < a.batch; ++b) {
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b), start = len - n;
+  for (int32_t b = 0; b < a.chunk.batch; ++b) {
+    const int64_t len = length_of(a.chunk, b), start = len - n;
     for (int32_t i = 0; i < blocks; ++i) {
       const int64_t query_block = start / bs + i;
       const int64_t end = start + std::min<int64_t>(int64_t{i + 1} * bs, n);  // the query block's window end
@@ -255,11 +255,11 @@ void block_select_cpu(const BlockSelectArgs& a) {
 }
 
 void static_blocks_cpu(const StaticBlocksArgs& a) {
-  const int32_t n = a.num_tokens, bs = a.block_size, blocks = (n + bs - 1) / bs;
+  const int32_t n = a.chunk.num_tokens, bs = a.block_size, blocks = (n + bs - 1) / bs;
   const int32_t g = a.num_qo_heads / a.num_kv_heads;
   const StaticPattern pattern{bs, a.local_blocks, a.vert_stride, a.head_sliding_step};
-  for (int32_t b = 0; b < a.batch; ++b) {
-    const int64_t start = length_of(a.kv_lens, a.kv_len, b) - n;
+  for (int32_t b = 0; b < a.chunk.batch; ++b) {
+    const int64_t start = length_of(a.chunk, b) - n;
     for (int32_t kv = 0; kv < a.num_kv_heads; ++kv) {
       for (int32_t i = 0; i < blocks; ++i) {
         const int64_t end = start + std::min<int64_t>(int64_t{i + 1} * bs, n);

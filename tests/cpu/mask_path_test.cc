@@ -366,5 +366,50 @@ TEST(MaskPath, BadParamsAreNamed) {
   }
 }
 
+// The entry point's inputs convert to the mask path by their shared
+// operands: every operand arrives, and the path's own fields come from the
+// inputs. (The fused path's conversion is exercised by every fused test.)
+TEST(MaskPath, InputsConvertWithEveryOperand) {
+  int32_t cells[8] = {};
+  float lse[1] = {};
+  SparseAttentionInputs in;
+  in.dtype = DType::kF16;
+  in.batch = 3;
+  in.num_qo_heads = 8;
+  in.num_kv_heads = 2;
+  in.live_len = 40;
+  in.live_lens = &cells[0];
+  in.q = &cells[1];
+  in.q_extra = &cells[2];
+  in.k = RowView::dense(&cells[3], 2, 64, 16);
+  in.v = RowView::dense(&cells[4], 2, 64, 8);
+  in.k_extra = RowView::dense(&cells[5], 2, 64, 4);
+  in.scale = 0.25f;
+  in.o = &cells[6];
+  in.lse = lse;
+  const auto same_operands = [&](const AttentionOperands& got) {
+    EXPECT_EQ(got.dtype, in.dtype);
+    EXPECT_EQ(got.q, in.q);
+    EXPECT_EQ(got.q_extra, in.q_extra);
+    EXPECT_EQ(got.k.data, in.k.data);
+    EXPECT_EQ(got.k.head_stride, in.k.head_stride);
+    EXPECT_EQ(got.v.data, in.v.data);
+    EXPECT_EQ(got.v.dim, in.v.dim);
+    EXPECT_EQ(got.k_extra.data, in.k_extra.data);
+    EXPECT_EQ(got.k_extra.dim, in.k_extra.dim);
+    EXPECT_EQ(got.scale, in.scale);
+    EXPECT_EQ(got.o, in.o);
+    EXPECT_EQ(got.lse, in.lse);
+  };
+  const MaskedDecodeParams m = masked_params(in);
+  same_operands(m);
+  EXPECT_EQ(m.batch, 3);
+  EXPECT_EQ(m.num_kv_heads, 2);
+  EXPECT_EQ(m.group_size, 4);
+  EXPECT_EQ(m.live_len, 40);
+  EXPECT_EQ(m.live_lens, in.live_lens);
+  EXPECT_EQ(m.mask, nullptr);
+}
+
 }  // namespace
 }  // namespace sparsepage

@@ -18,28 +18,29 @@ int grid_for(int64_t total) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 132 * 16)));
 }
 
-__device__ __forceinline__ int64_t length_of(const int32_t* kv_lens, int64_t kv_len, int64_t b) {
-  return kv_lens != nullptr ? int64_t{kv_lens[b]} : kv_len;
+__device__ __forceinline__ int64_t length_of(const PrefillChunk& c, int64_t b) {
+  return c.kv_lens != nullptr ? int64_t{c.kv_lens[b]} : c.kv_len;
 }
 
 __global__ void token_windows_kernel(const TokenWindowsArgs a) {
-  const int64_t total = int64_t{a.batch} * a.num_tokens;
+  const int64_t total = int64_t{a.chunk.batch} * a.chunk.num_tokens;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t b = i / a.num_tokens, t = i % a.num_tokens;
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b);
-    a.windows[i] = len < a.num_tokens ? 0 : static_cast<int32_t>(len - a.num_tokens + t + 1);
+    const int64_t b = i / a.chunk.num_tokens, t = i % a.chunk.num_tokens;
+    const int64_t len = length_of(a.chunk, b);
+    a.windows[i] = len < a.chunk.num_tokens ? 0 : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
   }
 }
 
 __global__ void block_windows_kernel(const BlockWindowsArgs a) {
-  const int32_t blocks = (a.num_tokens + a.block_size - 1) / a.block_size;
-  const int64_t total = int64_t{a.batch} * blocks;
+  const int32_t blocks = (a.chunk.num_tokens + a.block_size - 1) / a.block_size;
+  const int64_t total = int64_t{a.chunk.batch} * blocks;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t b = i / blocks, q = i % blocks;
-    const int64_t start = length_of(a.kv_lens, a.kv_len, b) - a.num_tokens;
+    const int64_t start = length_of(a.chunk, b) - a.chunk.num_tokens;
     const bool bad = start < 0 || start % a.block_size != 0;
     if (bad && q == 0 && a.bad_chunk != nullptr) atomicOr(a.bad_chunk, 1u);
-    a.windows[i] = bad ? 0 : static_cast<int32_t>(start + min(int64_t{(q + 1) * a.block_size}, int64_t{a.num_tokens}));
+    a.windows[i] =
+        bad ? 0 : static_cast<int32_t>(start + min(int64_t{(q + 1) * a.block_size}, int64_t{a.chunk.num_tokens}));
   }
 }
 
@@ -83,24 +84,25 @@ __global__ void lse_gather_kernel(const LseGatherArgs a) {
 }
 
 __global__ void pass_lens_kernel(const PassLensArgs a) {
-  const int64_t total = int64_t{a.batch} * a.passes;
+  const int64_t total = int64_t{a.chunk.batch} * a.passes;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t b = i / a.passes, pass = i % a.passes;
-    const int64_t len = length_of(a.kv_lens, a.kv_len, b);
-    a.lens[i] = static_cast<int32_t>(len - a.num_tokens + min(int64_t{a.num_tokens}, (pass + 1) * a.rows_per_pass));
+    const int64_t len = length_of(a.chunk, b);
+    a.lens[i] =
+        static_cast<int32_t>(len - a.chunk.num_tokens + min(int64_t{a.chunk.num_tokens}, (pass + 1) * a.rows_per_pass));
   }
 }
 
 }  // namespace
 
 void token_windows_cuda(const TokenWindowsArgs& a, void* stream) {
-  const int64_t total = int64_t{a.batch} * a.num_tokens;
+  const int64_t total = int64_t{a.chunk.batch} * a.chunk.num_tokens;
   token_windows_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   SP_CUDA_CHECK_LAUNCH();
 }
 
 void block_windows_cuda(const BlockWindowsArgs& a, void* stream) {
-  const int64_t total = int64_t{a.batch} * ((a.num_tokens + a.block_size - 1) / a.block_size);
+  const int64_t total = int64_t{a.chunk.batch} * ((a.chunk.num_tokens + a.block_size - 1) / a.block_size);
   block_windows_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   SP_CUDA_CHECK_LAUNCH();
 }
@@ -129,7 +131,7 @@ void lse_gather_cuda(const LseGatherArgs& a, void* stream) {
 }
 
 void pass_lens_cuda(const PassLensArgs& a, void* stream) {
-  const int64_t total = int64_t{a.batch} * a.passes;
+  const int64_t total = int64_t{a.chunk.batch} * a.passes;
   pass_lens_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   SP_CUDA_CHECK_LAUNCH();
 }

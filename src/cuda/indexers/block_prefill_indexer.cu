@@ -32,8 +32,8 @@ constexpr int kChunks = kDim / 8;  // 16-byte pieces per row
 constexpr int kKSteps = kDim / 16;
 constexpr int kKeyBlocksPerCta = 8;  // key blocks one CTA scores against its Q tile
 
-__device__ __forceinline__ int64_t length_of(const int32_t* kv_lens, int64_t kv_len, int64_t b) {
-  return kv_lens != nullptr ? int64_t{kv_lens[b]} : kv_len;
+__device__ __forceinline__ int64_t length_of(const PrefillChunk& c, int64_t b) {
+  return c.kv_lens != nullptr ? int64_t{c.kv_lens[b]} : c.kv_len;
 }
 
 /// Shared memory: the query block's Q tile, then two key-block stages, each
@@ -68,19 +68,19 @@ __global__ void __launch_bounds__(kScoreThreads) block_scores_kernel(const Block
   T* stages = reinterpret_cast<T*>(smem + ScoreSmem<kBlock>::kTileBytes);
   __shared__ float warp_max[kScoreWarps];
 
-  const int32_t query_blocks = (a.num_tokens + kBlock - 1) / kBlock;
+  const int32_t query_blocks = (a.chunk.num_tokens + kBlock - 1) / kBlock;
   const int64_t list = blockIdx.y;
   const int32_t h = static_cast<int32_t>(list % a.num_kv_heads);
   const int64_t i = (list / a.num_kv_heads) % query_blocks, b = list / (int64_t{a.num_kv_heads} * query_blocks);
-  const int64_t start = length_of(a.kv_lens, a.kv_len, b) - a.num_tokens;
+  const int64_t start = length_of(a.chunk, b) - a.chunk.num_tokens;
   if (start < 0 || start % kBlock != 0) return;                    // refused where the attention runs (block windows)
   const int64_t scored = start / kBlock + i + 1 - a.local_blocks;  // key blocks below the forced ones
   const int64_t j0 = int64_t{blockIdx.x} * kKeyBlocksPerCta;
   const int64_t j1 = min(scored, j0 + kKeyBlocksPerCta);
   if (j0 >= j1) return;
-  const int valid = static_cast<int>(min(int64_t{kBlock}, a.num_tokens - i * kBlock));  // query rows of the block
+  const int valid = static_cast<int>(min(int64_t{kBlock}, a.chunk.num_tokens - i * kBlock));  // query rows of the block
 
-  const T* q = static_cast<const T*>(a.q_index) + ((b * a.num_tokens + i * kBlock) * a.num_kv_heads + h) * kDim;
+  const T* q = static_cast<const T*>(a.q_index) + ((b * a.chunk.num_tokens + i * kBlock) * a.num_kv_heads + h) * kDim;
   const T* keys = static_cast<const T*>(a.keys.data) + b * a.keys.seq_stride;
   load_tile<T, kBlock>(q_tile, q, int64_t{a.num_kv_heads} * kDim, valid);
   cuda::cp_async_commit();
@@ -163,10 +163,10 @@ __global__ void __launch_bounds__(kSelectThreads) block_select_kernel(const Bloc
   __shared__ typename Select::Storage select;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int32_t offset;
-  const int32_t query_blocks = (a.num_tokens + a.block_size - 1) / a.block_size;
+  const int32_t query_blocks = (a.chunk.num_tokens + a.block_size - 1) / a.block_size;
   const int64_t list = blockIdx.x;
   const int64_t i = (list / a.num_kv_heads) % query_blocks, b = list / (int64_t{a.num_kv_heads} * query_blocks);
-  const int64_t start = length_of(a.kv_lens, a.kv_len, b) - a.num_tokens;
+  const int64_t start = length_of(a.chunk, b) - a.chunk.num_tokens;
   const int32_t width = a.top_blocks + 1;
   int32_t* ids = a.block_ids + list * width;
   if (start < 0 || start % a.block_size != 0) {  // refused where the attention runs (block windows)
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kSelectThreads) block_select_kernel(const Bloc
     return;
   }
   const int64_t query_block = start / a.block_size + i;
-  const int64_t end = start + min(int64_t{a.block_size} * (i + 1), int64_t{a.num_tokens});
+  const int64_t end = start + min(int64_t{a.block_size} * (i + 1), int64_t{a.chunk.num_tokens});
   const int64_t keep = min(int64_t{a.top_blocks}, query_block);
   const int32_t n = static_cast<int32_t>(query_block);  // candidates: blocks 0 .. query_block - 1
   const int bits = cuda::position_bits(a.key_blocks);
@@ -207,17 +207,17 @@ __global__ void __launch_bounds__(kSelectThreads) block_select_kernel(const Bloc
 // ---- 3. the static pattern ---------------------------------------------------
 
 __global__ void static_blocks_kernel(const StaticBlocksArgs a) {
-  const int32_t blocks = (a.num_tokens + a.block_size - 1) / a.block_size;
+  const int32_t blocks = (a.chunk.num_tokens + a.block_size - 1) / a.block_size;
   const int32_t g = a.num_qo_heads / a.num_kv_heads;
   const StaticPattern pattern{a.block_size, a.local_blocks, a.vert_stride, a.head_sliding_step};
-  const int64_t lists = int64_t{a.batch} * a.num_kv_heads * blocks * g;
+  const int64_t lists = int64_t{a.chunk.batch} * a.num_kv_heads * blocks * g;
   const int64_t total = lists * a.width;
   for (int64_t x = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; x < total; x += int64_t{gridDim.x} * blockDim.x) {
     const int64_t list = x / a.width, e = x % a.width;
     const int64_t gg = list % g, i = (list / g) % blocks, kv = (list / (int64_t{g} * blocks)) % a.num_kv_heads;
     const int64_t b = list / (int64_t{g} * blocks * a.num_kv_heads);
-    const int64_t start = length_of(a.kv_lens, a.kv_len, b) - a.num_tokens;
-    const int64_t end = start + min(int64_t{i + 1} * a.block_size, int64_t{a.num_tokens});
+    const int64_t start = length_of(a.chunk, b) - a.chunk.num_tokens;
+    const int64_t end = start + min(int64_t{i + 1} * a.block_size, int64_t{a.chunk.num_tokens});
     const int32_t h = static_cast<int32_t>(kv * g + gg);
     const StaticKeptBlocks kept = static_kept_blocks(pattern, h, end);
     a.block_ids[x] = e < kept.count() ? static_cast<int32_t>(kept.at(e)) : -1;
@@ -230,7 +230,7 @@ void launch_scores(const BlockScoresArgs& a, cudaStream_t stream) {
   auto kernel = block_scores_kernel<T, kBlock>;
   constexpr size_t smem = ScoreSmem<kBlock>::kBytes;
   cuda::configure_smem_once(kernel, smem);
-  const int64_t lists = int64_t{a.batch} * ((a.num_tokens + kBlock - 1) / kBlock) * a.num_kv_heads;
+  const int64_t lists = int64_t{a.chunk.batch} * ((a.chunk.num_tokens + kBlock - 1) / kBlock) * a.num_kv_heads;
   const int64_t ranges = std::max<int64_t>(1, (a.key_blocks + kKeyBlocksPerCta - 1) / kKeyBlocksPerCta);
   if (lists > 65535) throw Error("BlockPrefillIndexer: more than 65535 (sequence, query block, KV head) lists");
   kernel<<<dim3(static_cast<unsigned>(ranges), static_cast<unsigned>(lists)), kScoreThreads, smem, stream>>>(a);
@@ -263,7 +263,8 @@ void block_scores_cuda(const BlockScoresArgs& a, void* stream) {
 }
 
 void block_select_cuda(const BlockSelectArgs& a, void* stream) {
-  const int64_t lists = int64_t{a.batch} * ((a.num_tokens + a.block_size - 1) / a.block_size) * a.num_kv_heads;
+  const int64_t lists =
+      int64_t{a.chunk.batch} * ((a.chunk.num_tokens + a.block_size - 1) / a.block_size) * a.num_kv_heads;
   if (lists == 0) return;
   block_select_kernel<<<static_cast<unsigned>(lists), kSelectThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   SP_CUDA_CHECK_LAUNCH();
@@ -271,7 +272,7 @@ void block_select_cuda(const BlockSelectArgs& a, void* stream) {
 
 void static_blocks_cuda(const StaticBlocksArgs& a, void* stream) {
   const int64_t total =
-      int64_t{a.batch} * a.num_qo_heads * ((a.num_tokens + a.block_size - 1) / a.block_size) * a.width;
+      int64_t{a.chunk.batch} * a.num_qo_heads * ((a.chunk.num_tokens + a.block_size - 1) / a.block_size) * a.width;
   if (total == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
   static_blocks_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(a);

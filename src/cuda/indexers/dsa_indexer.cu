@@ -358,16 +358,14 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   constexpr int kGroupStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
-  const GroupWork work = group_work<kTokens, kGroupThreads>(p);
+  GroupWork work = group_work<kTokens, kGroupThreads>(p);
   if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
     cuda::pdl_wait_primary();
     return;
   }
-  const int seq = work.seq, first = work.first;
-  const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = checked_seq_len(p, seq);
-  const auto window = [&](int tl) { return token_window(seq_len, p.q_len, first + tl); };
-  const int64_t len = window(ntok - 1);  // the group's longest window
+  work.read_rows<kTokens>(p);
+  const int seq = work.seq, first = work.first, ntok = work.ntok;
+  const int64_t len = work.window(p, ntok - 1);  // the group's longest window
   const int64_t tile0 = work.tile0, ntiles = work.ntiles;
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -414,8 +412,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     // previous tile (i - kGroupStages) has been released, one box per slab
     // and block (produce_key_tiles).
     int64_t windows[kTokens];
-#pragma unroll
-    for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    work.scored_windows(p, windows);
     const uint32_t refused = produce_key_tiles<kGroupStages, kTokens>(
         p, seq, tile0, ntiles, len, windows, full, empty, lane,
         [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
@@ -436,8 +433,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
     const int warp = (tid % 128) / 32, q4 = lane % 4;  // warp within the warpgroup
     const uint64_t qd = cuda::wgmma::desc_sw128(base + static_cast<uint32_t>(L::kQ), 16, 1024);
     int64_t tlen[kTokens];  // each row's window, 0 for rows absent or not scored
-#pragma unroll
-    for (int tl = 0; tl < kTokens; ++tl) tlen[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    work.scored_windows(p, tlen);
     for (int64_t i = wg; i < ntiles; i += kGroupConsumers) {
       const uint32_t s = static_cast<uint32_t>(i % kGroupStages);
       cuda::mbar::wait(full + 8 * s, static_cast<uint32_t>((i / kGroupStages) & 1));
@@ -470,34 +466,11 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
         cuda::wgmma::wait<kChains - 1 - c>();
         cuda::wgmma::pin(d[c]);
         if (c == kChains - 1) cuda::mbar::arrive(empty + 8 * s);  // this thread's reads of the stage are done
-        // d[c][32 u + 4 j + e] is head 8 j + 2 q4 + e of token c kChainTokens + u
-        // at the first row (position), d[c][32 u + 4 j + 2 + e] at the second. The chain's
-        // tokens' sums are formed, then reduced and written together, so
-        // their dependency chains overlap; rows that are absent or not
-        // scored (their window fits the top-k) write nothing.
         float part[kChainTokens][2];
-#pragma unroll
-        for (int u = 0; u < kChainTokens; ++u) {
-          const int tl = c * kChainTokens + u;
-          part[u][0] = part[u][1] = 0.0f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 w = *reinterpret_cast<const float2*>(&w_s[tl * kGroupHeads + 8 * j + 2 * q4]);
-            part[u][0] += w.x * relu_keep_nan(d[c][32 * u + 4 * j]);
-            part[u][1] += w.x * relu_keep_nan(d[c][32 * u + 4 * j + 2]);
-            part[u][0] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 1]);
-            part[u][1] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 3]);
-          }
-        }
-#pragma unroll
-        for (int m = 1; m <= 2; m *= 2) {
-#pragma unroll
-          for (int u = 0; u < kChainTokens; ++u) {
-            part[u][0] += __shfl_xor_sync(0xffffffffu, part[u][0], m);
-            part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
-          }
-        }
-        // Lane 4g writes the first row of group g, lane 4g + 1 the second.
+        weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
+        // Lane 4g writes the first row of group g, lane 4g + 1 the second;
+        // rows that are absent or not scored (their window fits the top-k)
+        // write nothing.
 #pragma unroll
         for (int u = 0; u < kChainTokens; ++u) {
           const int tl = c * kChainTokens + u;
@@ -516,7 +489,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
     const int tl = i / kBins;
     const int32_t v = hist_s[i];
-    if (v != 0 && window(tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
+    if (v != 0 && work.window(p, tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
   }
 #else
   __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
@@ -1020,7 +993,6 @@ void detail::dsa_select_tokens_cuda(const DsaConfig& c, int32_t sequences, const
   p.max_kv_len = a.max_kv_len;
   p.pitch = ws.pitch;
   p.slices = ws.slices;
-  p.max_kv_len = a.max_kv_len;
   p.batch = batch;
   p.q_len = a.q_len;
   p.key_offset = c.latent_dim;

@@ -205,7 +205,60 @@ __device__ __forceinline__ int64_t first_entry(const IndexerParams& p, int64_t t
 struct GroupWork {
   int seq = 0, first = 0;         // the group's sequence and first token
   int64_t tile0 = 0, ntiles = 0;  // the CTA's run of the group's tiles (0: none)
+  int ntok = 0;                   // the group's tokens (<= kTokens); set by read_rows
+  int64_t seq_len = 0;            // the sequence's checked length (-1: refused); set by read_rows
+
+  // Only a CTA with tiles reads its sequence's length.
+  template <int kTokens>
+  __device__ __forceinline__ void read_rows(const IndexerParams& p) {
+    ntok = min(kTokens, p.q_len - first);
+    seq_len = checked_seq_len(p, seq);
+  }
+  // Token tl's causal window.
+  __device__ __forceinline__ int64_t window(const IndexerParams& p, int tl) const {
+    return token_window(seq_len, p.q_len, first + tl);
+  }
+  // Each token's window where it is scored (present, its window longer
+  // than the top-k), else 0.
+  template <int kTokens>
+  __device__ __forceinline__ void scored_windows(const IndexerParams& p, int64_t (&out)[kTokens]) const {
+#pragma unroll
+    for (int tl = 0; tl < kTokens; ++tl) out[tl] = tl < ntok && window(p, tl) > p.topk ? window(p, tl) : 0;
+  }
 };
+
+// A grouped score kernel's epilogue sums for chain c of one key tile:
+// d[32 u + 4 j + e] is head 8 j + 2 q4 + e of the chain's token u at the
+// thread's first row (position), d[32 u + 4 j + 2 + e] at its second. Each
+// token's ReLU'd dots weighted by its heads' weights (w_s, [tokens, 64]),
+// summed over the quad's heads: part[u][0] the first row, part[u][1] the
+// second. The tokens' sums are formed, then reduced together, so their
+// dependency chains overlap.
+template <int kChainTokens>
+__device__ __forceinline__ void weighted_head_sums(const float (&d)[32 * kChainTokens], const float* w_s, int c, int q4,
+                                                   float (&part)[kChainTokens][2]) {
+#pragma unroll
+  for (int u = 0; u < kChainTokens; ++u) {
+    const int tl = c * kChainTokens + u;
+    part[u][0] = part[u][1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 w = *reinterpret_cast<const float2*>(&w_s[tl * kGroupHeads + 8 * j + 2 * q4]);
+      part[u][0] += w.x * relu_keep_nan(d[32 * u + 4 * j]);
+      part[u][1] += w.x * relu_keep_nan(d[32 * u + 4 * j + 2]);
+      part[u][0] += w.y * relu_keep_nan(d[32 * u + 4 * j + 1]);
+      part[u][1] += w.y * relu_keep_nan(d[32 * u + 4 * j + 3]);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+#pragma unroll
+    for (int u = 0; u < kChainTokens; ++u) {
+      part[u][0] += __shfl_xor_sync(0xffffffffu, part[u][0], m);
+      part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
+    }
+  }
+}
 
 // Exclusive prefix of x over the CTA's threads (kThreads, a multiple of 32),
 // and the total; `sums` holds kThreads / 32 values of shared memory.

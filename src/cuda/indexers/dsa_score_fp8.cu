@@ -156,16 +156,14 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
-  const GroupWork work = group_work<kTokens, kGroupThreads>(p);
+  GroupWork work = group_work<kTokens, kGroupThreads>(p);
   if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
     cuda::pdl_wait_primary();
     return;
   }
-  const int seq = work.seq, first = work.first;
-  const int ntok = min(kTokens, p.q_len - first);
-  const int64_t seq_len = checked_seq_len(p, seq);
-  const auto window = [&](int tl) { return token_window(seq_len, p.q_len, first + tl); };
-  const int64_t len = window(ntok - 1);  // the group's longest window
+  work.read_rows<kTokens>(p);
+  const int seq = work.seq, first = work.first, ntok = work.ntok;
+  const int64_t len = work.window(p, ntok - 1);  // the group's longest window
   const int64_t tile0 = work.tile0, ntiles = work.ntiles;
   const uint32_t raw = cuda::smem_u32(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -196,8 +194,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
     // A producer warp, for its warpgroup's tiles: per box (a block, or a 64-row piece of one) its
     // values by TMA and its scales by a bulk copy, onto the stage's barrier.
     int64_t windows[kTokens];
-#pragma unroll
-    for (int tl = 0; tl < kTokens; ++tl) windows[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    work.scored_windows(p, windows);
     const uint32_t refused = produce_key_tiles<kStages, kTokens>(
         p, seq, tile0, ntiles, len, windows, full, empty, lane,
         [&](const KeyBox& box, int j, int64_t i, uint32_t bar) {
@@ -224,8 +221,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
     const int warp = (tid % 128) / 32, q4 = lane % 4;  // warp within the warpgroup
     const uint64_t qd = cuda::wgmma::desc_sw128(base + static_cast<uint32_t>(L::kQ), 16, 1024);
     int64_t tlen[kTokens];  // each row's window, 0 for rows absent or not scored
-#pragma unroll
-    for (int tl = 0; tl < kTokens; ++tl) tlen[tl] = tl < ntok && window(tl) > p.topk ? window(tl) : 0;
+    work.scored_windows(p, tlen);
     const int r_lo = warp * 16 + lane / 4;  // the thread's first row (position) of a tile; the second is + 8
     for (int64_t i = wg; i < ntiles; i += kGroupConsumers) {
       const uint32_t s = static_cast<uint32_t>(i % kStages);
@@ -257,30 +253,8 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
         cuda::wgmma::wait<kChains - 1 - c>();
         cuda::wgmma::pin(d[c]);
         if (c == kChains - 1) cuda::mbar::arrive(empty + 8 * s);  // this thread's reads of the stage are done
-        // d[c][32 u + 4 j + e] is head 8 j + 2 q4 + e of token c kChainTokens + u
-        // at the first row, d[c][32 u + 4 j + 2 + e] at the second.
         float part[kChainTokens][2];
-#pragma unroll
-        for (int u = 0; u < kChainTokens; ++u) {
-          const int tl = c * kChainTokens + u;
-          part[u][0] = part[u][1] = 0.0f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 w = *reinterpret_cast<const float2*>(&w_s[tl * kGroupHeads + 8 * j + 2 * q4]);
-            part[u][0] += w.x * relu_keep_nan(d[c][32 * u + 4 * j]);
-            part[u][1] += w.x * relu_keep_nan(d[c][32 * u + 4 * j + 2]);
-            part[u][0] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 1]);
-            part[u][1] += w.y * relu_keep_nan(d[c][32 * u + 4 * j + 3]);
-          }
-        }
-#pragma unroll
-        for (int m = 1; m <= 2; m *= 2) {
-#pragma unroll
-          for (int u = 0; u < kChainTokens; ++u) {
-            part[u][0] += __shfl_xor_sync(0xffffffffu, part[u][0], m);
-            part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
-          }
-        }
+        weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
         // Lane 4g writes the first row of group g, lane 4g + 1 the second,
         // each times its key's scale.
 #pragma unroll
@@ -301,7 +275,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
     const int tl = i / kBins;
     const int32_t v = hist_s[i];
-    if (v != 0 && window(tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
+    if (v != 0 && work.window(p, tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
   }
 #else
   __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
