@@ -112,7 +112,7 @@ struct Blocks {
     std::vector<int32_t> ids(row(b), row(b) + held[size_t(b)]);
     for (int32_t j = 0; j < held[size_t(b)]; ++j) row(b)[j] = -1 - static_cast<int32_t>(rng() % 3);
     held[size_t(b)] = 0;
-    free.insert(free.begin(), ids.begin(), ids.end());  // reused once the list runs down
+    free.insert(free.begin(), ids.begin(), ids.end());  // handed out again, in a shuffled order
     std::shuffle(free.begin(), free.end(), rng);
     return ids;
   }
@@ -572,9 +572,9 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     r.key_pool = Buffer(Device::kCpu, static_cast<size_t>(r.keys->num_blocks * r.key_block_bytes()));
     std::memset(r.key_pool.data(), 0xFF, r.key_pool.bytes());
   }
-  // Every slot starts with an empty request (as a layer's own slots do).
   r.tag = r.name + (form == Form::kDsaPaged ? " (engine-paged" : " (engine pools") + (r.fp8_rows ? ", FP8 rows" : "") +
           (r.fp8_keys ? ", FP8 keys" : "") + (r.mapped ? ", row_of_sequence" : "") + ", " + dtype_name(r.dt) + ")";
+  // Every slot starts with an empty request (as a layer's own slots do).
   r.active.assign(size_t(r.batch), 1);
   r.id.resize(size_t(r.batch));
   std::iota(r.id.begin(), r.id.end(), 0);
