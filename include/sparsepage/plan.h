@@ -109,4 +109,18 @@ UniformSplit make_uniform_split(int64_t requests, int64_t tokens, const PlanShap
 /// plan's fields are public, and the backend indexes with them).
 void check_decode_plan(const DecodePlan& plan);
 
+/// The plan as data: int64 words that hold every field, so a framework op
+/// can take the plan as an argument (a CPU int64 tensor, as FlashInfer's ops
+/// take their plan_info) and rebuild it, with no registry of live plans.
+/// The words start with a magic number carrying the format's version and
+/// their own count.
+std::vector<int64_t> serialize_decode_plan(const DecodePlan& plan);
+
+/// Rebuilds the plan serialize_decode_plan wrote. Throws sparsepage::Error
+/// naming what is wrong with `words` (another format or version, a count
+/// that disagrees with the words given, a truncated or padded blob, a field
+/// outside its range) before it allocates, then runs check_decode_plan on
+/// the result, so an edited blob is refused like an edited plan.
+DecodePlan deserialize_decode_plan(const int64_t* words, size_t count);
+
 }  // namespace sparsepage

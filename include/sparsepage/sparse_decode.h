@@ -136,7 +136,8 @@ class SparseDecoder {
 
   /// For a caller with no mask path to fall back to (a layer over an
   /// engine's pool): throws Error naming `who` and the reason when decide()
-  /// would not fuse these inputs, and returns the fused decision otherwise.
+  /// would not fuse these inputs or refuses them (its message after `who`),
+  /// and returns the fused decision otherwise.
   /// Pure, like decide().
   SparseDecodeOutcome require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
                                     const std::string& who) const;

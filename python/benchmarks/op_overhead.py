@@ -75,7 +75,7 @@ def main():
         ops.paged_decode_out(plan, q, k, k, indptr, idx, seq, page_size=1, scale=0.1, workspace=ws, o=o)
 
     def dispatcher():
-        torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, k, indptr, idx, seq, None, None, None, ws, o, None,
+        torch.ops.sparsepage.paged_decode_out(plan.plan_info, q, k, k, indptr, idx, seq, None, None, None, ws, o, None,
                                               1, 0.1, -1, 0, 0, 1, False, None, None, 0)
 
     # The engine-facing op over a paged [num_blocks, 16, 1, 128] cache and its block table (the same

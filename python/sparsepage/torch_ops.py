@@ -10,10 +10,13 @@ namespace, each with a fake (meta) implementation, so that
 * the caller passes the workspace (``DecodePlan.new_workspace()``), so a step
   allocates only what the caller lets it.
 
-The split-KV plan is host data made from per-request counts. A
-:class:`DecodePlan` registers it under an integer handle, which is what the
-ops take; a model keeps one plan per distinct set of counts (for fixed top-k
-counts, one for the whole run) and uploads it before capture.
+The split-KV plan is host data made from per-request counts. The ops take
+it as data, as FlashInfer's take their ``plan_info``: :attr:`DecodePlan.plan_info`
+is a CPU int64 tensor holding the plan's serialized form, from which the op
+rebuilds it, so a traced or captured function holds no hidden registry state
+and a plan can be rebuilt from its data alone (:meth:`DecodePlan.from_plan_info`).
+A model keeps one plan per distinct set of counts (for fixed top-k counts, one
+for the whole run) and uploads it into its workspace before capture.
 
 lse tensors are fp32 natural logarithms of the summed exponentials of the
 scaled scores; an empty request gives ``o = 0`` and ``lse = -inf``.
@@ -21,7 +24,6 @@ scaled scores; an empty request gives ``o = 0`` and ``lse = -inf``.
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -31,10 +33,6 @@ from . import _core
 
 __all__ = ["DecodePlan", "paged_decode", "paged_decode_out", "merge_states", "merge_state", "MlaSparseDecoder",
            "PagedKVDecoder"]
-
-_PLANS: dict = {}
-_next_handle = itertools.count(1)
-
 
 # torch's current raw stream in one C call (the public torch.cuda.current_stream(device)
 # builds Python objects and costs microseconds a call); the public call where it is missing.
@@ -79,12 +77,23 @@ class DecodePlan:
         else:
             shape = _core.PlanShape(group_size=group_size, head_dim_v=head_dim_v, num_sms=max(1, os.cpu_count() or 1),
                                     fixed_chunk_tokens=fixed_chunk_tokens)
-        self.plan = _core.make_decode_plan(self.seq_lens, shape)
-        self.handle = next(_next_handle)
-        _PLANS[self.handle] = self.plan
+        self._set(_core.make_decode_plan(self.seq_lens, shape))
 
-    def __del__(self):
-        _PLANS.pop(getattr(self, "handle", None), None)
+    def _set(self, plan) -> None:
+        self.plan = plan
+        # The plan as data: what the custom ops take (a CPU int64 tensor; see from_plan_info).
+        self.plan_info = torch.from_numpy(_core.serialize_decode_plan(plan))
+
+    @classmethod
+    def from_plan_info(cls, plan_info: torch.Tensor, device="cpu") -> "DecodePlan":
+        """The plan rebuilt from its data (``plan.plan_info``); raises sparsepage.Error naming what
+        is wrong with a corrupted, truncated or foreign blob. `device` is where the decode runs (the
+        data does not record it)."""
+        self = cls.__new__(cls)
+        self.device = torch.device(device)
+        self._set(_core.deserialize_decode_plan(plan_info.detach().cpu().contiguous()))
+        self.seq_lens = [int(x) for x in self.plan.seq_lens]
+        return self
 
     @property
     def workspace_bytes(self) -> int:
@@ -152,24 +161,23 @@ def _eager(*tensors) -> bool:
 
 
 @torch.library.custom_op("sparsepage::paged_decode_out", mutates_args=("o", "lse", "workspace"))
-def _paged_decode_out(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: Optional[torch.Tensor],
-                      indices: torch.Tensor, seq_lens: Optional[torch.Tensor],
+def _paged_decode_out(plan_info: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      indptr: Optional[torch.Tensor], indices: torch.Tensor, seq_lens: Optional[torch.Tensor],
                       first_page_offset: Optional[torch.Tensor], q_extra: Optional[torch.Tensor],
                       k_extra: Optional[torch.Tensor], workspace: torch.Tensor, o: torch.Tensor,
                       lse: Optional[torch.Tensor], page_size: int, scale: float, num_pool_pages: int,
                       request_row_stride: int, window_len: int, num_kv_heads: int, skip_minus_one: bool,
                       block_table: Optional[torch.Tensor], block_table_rows: Optional[torch.Tensor],
                       block_size: int) -> None:
-    p = _PLANS.get(plan)
-    if p is None:
-        raise _core.Error(f"paged_decode: plan handle {plan} is not live (keep its DecodePlan alive)")
+    # The plan from its data (DecodePlan.plan_info): the op holds no state of its own.
+    p = _core.deserialize_decode_plan(plan_info)
     _decode(p, q, k, v, o, indptr, indices, seq_lens, page_size, scale, first_page_offset, lse, q_extra, k_extra,
             workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
             block_table_rows, block_size)
 
 
 @_paged_decode_out.register_fake
-def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
+def _(plan_info, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse, page_size,
       scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
       block_table_rows, block_size):
     return None
@@ -217,29 +225,30 @@ def paged_decode_out(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, pa
                 q_extra, k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads,
                 skip_minus_one, block_table, block_table_rows, block_size)
         return
-    torch.ops.sparsepage.paged_decode_out(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra,
-                                          k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
+    torch.ops.sparsepage.paged_decode_out(plan.plan_info, q, k, v, indptr, indices, seq_lens, first_page_offset,
+                                          q_extra, k_extra, workspace, o, lse, page_size, float(scale), num_pool_pages,
                                           request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table,
                                           block_table_rows, block_size)
 
 
 @torch.library.custom_op("sparsepage::paged_decode", mutates_args=("workspace",))
-def _paged_decode(plan: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indptr: Optional[torch.Tensor],
-                  indices: torch.Tensor, seq_lens: Optional[torch.Tensor], first_page_offset: Optional[torch.Tensor],
-                  q_extra: Optional[torch.Tensor], k_extra: Optional[torch.Tensor], workspace: torch.Tensor,
-                  page_size: int, scale: float, num_pool_pages: int, request_row_stride: int, window_len: int,
-                  num_kv_heads: int, skip_minus_one: bool, block_table: Optional[torch.Tensor],
-                  block_table_rows: Optional[torch.Tensor], block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _paged_decode(plan_info: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  indptr: Optional[torch.Tensor], indices: torch.Tensor, seq_lens: Optional[torch.Tensor],
+                  first_page_offset: Optional[torch.Tensor], q_extra: Optional[torch.Tensor],
+                  k_extra: Optional[torch.Tensor], workspace: torch.Tensor, page_size: int, scale: float,
+                  num_pool_pages: int, request_row_stride: int, window_len: int, num_kv_heads: int,
+                  skip_minus_one: bool, block_table: Optional[torch.Tensor], block_table_rows: Optional[torch.Tensor],
+                  block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     o = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-    _paged_decode_out(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o, lse,
-                      page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
-                      block_table, block_table_rows, block_size)
+    _paged_decode_out(plan_info, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, o,
+                      lse, page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads,
+                      skip_minus_one, block_table, block_table_rows, block_size)
     return o, lse
 
 
 @_paged_decode.register_fake
-def _(plan, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, page_size, scale,
+def _(plan_info, q, k, v, indptr, indices, seq_lens, first_page_offset, q_extra, k_extra, workspace, page_size, scale,
       num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one, block_table, block_table_rows,
       block_size):
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[-1])),
@@ -260,7 +269,7 @@ def paged_decode(plan: DecodePlan, q, k, v, indptr, indices, seq_lens, *, page_s
                 q_extra, k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads,
                 skip_minus_one, block_table, block_table_rows, block_size)
         return o, lse
-    return torch.ops.sparsepage.paged_decode(plan.handle, q, k, v, indptr, indices, seq_lens, first_page_offset,
+    return torch.ops.sparsepage.paged_decode(plan.plan_info, q, k, v, indptr, indices, seq_lens, first_page_offset,
                                              q_extra, k_extra, workspace, page_size, float(scale), num_pool_pages,
                                              request_row_stride, window_len, num_kv_heads, skip_minus_one,
                                              block_table, block_table_rows, block_size)

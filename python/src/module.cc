@@ -247,6 +247,31 @@ void bind_plan(nb::module_& m) {
       },
       nb::arg("seq_lens"), nb::arg("shape"),
       "Plans the split-KV decode from per-request visible counts (host values). Reads no device memory.");
+
+  m.def(
+      "serialize_decode_plan",
+      [](const DecodePlan& plan) {
+        auto* heap = new std::vector<int64_t>(serialize_decode_plan(plan));
+        nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+        const size_t shape[1] = {heap->size()};
+        return nb::ndarray<nb::numpy, int64_t>(heap->data(), 1, shape, owner).cast();
+      },
+      nb::arg("plan"),
+      "The plan as data: a numpy int64 array holding every field (deserialize_decode_plan rebuilds it).\n"
+      "What the torch ops take as their plan argument (a CPU int64 tensor), so no registry holds plans.");
+  m.def(
+      "deserialize_decode_plan",
+      [](const In& words) {
+        const Tensor t = describe(words, "deserialize_decode_plan", "words");
+        if (t.device != Device::kCpu) t.fail("must be host values (a CPU array), not a CUDA tensor");
+        t.require_ndim(1, "of int64 words");
+        if (t.dtype != nb::dtype<int64_t>()) t.fail("has dtype " + t.dtype_str() + "; expected int64");
+        t.require_contiguous();
+        return deserialize_decode_plan(static_cast<const int64_t*>(t.data), static_cast<size_t>(t.shape[0]));
+      },
+      nb::arg("words"),
+      "Rebuilds a plan from serialize_decode_plan's words (a 1-D int64 CPU array: numpy or a torch tensor).\n"
+      "Raises sparsepage.Error naming what is wrong with a corrupted, truncated or foreign blob.");
 }
 
 void bind_dispatch(nb::module_& m) {

@@ -1,6 +1,7 @@
 #include "sparsepage/plan.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -247,6 +248,10 @@ void check_decode_plan(const DecodePlan& plan) {
   for (size_t m = 0; m < plan.merge_requests.size(); ++m) {
     const int32_t r = plan.merge_requests[m];
     if (plan.merge_indptr[m + 1] < plan.merge_indptr[m]) fail("merge_indptr decreases at " + std::to_string(m));
+    // Slots past num_partials are never looked up (a later entry may decrease back to it).
+    if (plan.merge_indptr[m] < 0 || plan.merge_indptr[m + 1] > plan.num_partials)
+      fail("merge_indptr[" + std::to_string(m + 1) + "] = " + std::to_string(plan.merge_indptr[m + 1]) +
+           " lies outside [0, num_partials = " + std::to_string(plan.num_partials) + "]");
     for (int32_t slot = plan.merge_indptr[m]; slot < plan.merge_indptr[m + 1]; ++slot) {
       if (partial_owner[static_cast<size_t>(slot)] != r) {
         fail("merge slot " + std::to_string(slot) + " is listed for request " + std::to_string(r) +
@@ -272,6 +277,112 @@ void check_decode_plan(const DecodePlan& plan) {
     }
     previous_end = region[0] + region[1];
   }
+}
+
+namespace {
+
+// The serialized form: a header of kPlanHeaderWords words, then the work
+// items (four words each), merge_requests, merge_indptr and seq_lens.
+constexpr int64_t kPlanMagic = 0x5350504C414E0001;  // "SPPLAN", format version 1
+constexpr size_t kPlanHeaderWords = 20;
+
+}  // namespace
+
+std::vector<int64_t> serialize_decode_plan(const DecodePlan& plan) {
+  const WorkspaceLayout& ws = plan.workspace;
+  std::vector<int64_t> out = {kPlanMagic,
+                              0,  // the word count, filled in below
+                              plan.num_requests,
+                              plan.group_size,
+                              plan.head_dim_v,
+                              plan.chunk_tokens,
+                              plan.num_partials,
+                              plan.uniform_chunks,
+                              plan.uniform_chunk_tokens,
+                              static_cast<int64_t>(ws.partial_o),
+                              static_cast<int64_t>(ws.partial_lse),
+                              static_cast<int64_t>(ws.work_items),
+                              static_cast<int64_t>(ws.merge_indptr),
+                              static_cast<int64_t>(ws.merge_requests),
+                              static_cast<int64_t>(ws.error_flag),
+                              static_cast<int64_t>(ws.total),
+                              static_cast<int64_t>(plan.work.size()),
+                              static_cast<int64_t>(plan.merge_requests.size()),
+                              static_cast<int64_t>(plan.merge_indptr.size()),
+                              static_cast<int64_t>(plan.seq_lens.size())};
+  out.reserve(kPlanHeaderWords + 4 * plan.work.size() + plan.merge_requests.size() + plan.merge_indptr.size() +
+              plan.seq_lens.size());
+  for (const WorkItem& w : plan.work) out.insert(out.end(), {w.request, w.token_begin, w.token_end, w.partial});
+  for (const auto* list : {&plan.merge_requests, &plan.merge_indptr, &plan.seq_lens})
+    out.insert(out.end(), list->begin(), list->end());
+  out[1] = static_cast<int64_t>(out.size());
+  return out;
+}
+
+DecodePlan deserialize_decode_plan(const int64_t* words, size_t count) {
+  const auto fail = [](const std::string& message) { throw Error("deserialize_decode_plan: " + message); };
+  if (words == nullptr && count > 0) fail("words is null");
+  if (count < kPlanHeaderWords)
+    fail("the blob has " + std::to_string(count) + " words, fewer than the " + std::to_string(kPlanHeaderWords) +
+         "-word header (truncated, or not a plan)");
+  if (words[0] != kPlanMagic) fail("word 0 is not the plan format's magic number (another format or version)");
+  if (words[1] != static_cast<int64_t>(count))
+    fail("the blob says it holds " + std::to_string(words[1]) + " words but " + std::to_string(count) +
+         " were given (truncated or padded)");
+  const auto int32_field = [&](size_t i, const char* name) {
+    if (words[i] < std::numeric_limits<int32_t>::min() || words[i] > std::numeric_limits<int32_t>::max())
+      fail(std::string(name) + " = " + std::to_string(words[i]) + " does not fit in int32");
+    return static_cast<int32_t>(words[i]);
+  };
+  const auto size_field = [&](size_t i, const char* name) {
+    if (words[i] < 0) fail(std::string(name) + " = " + std::to_string(words[i]) + " is negative");
+    return static_cast<size_t>(words[i]);
+  };
+  DecodePlan plan;
+  plan.num_requests = int32_field(2, "num_requests");
+  plan.group_size = int32_field(3, "group_size");
+  plan.head_dim_v = int32_field(4, "head_dim_v");
+  plan.chunk_tokens = int32_field(5, "chunk_tokens");
+  plan.num_partials = int32_field(6, "num_partials");
+  plan.uniform_chunks = int32_field(7, "uniform_chunks");
+  plan.uniform_chunk_tokens = int32_field(8, "uniform_chunk_tokens");
+  if (plan.chunk_tokens < 0) fail("chunk_tokens = " + std::to_string(plan.chunk_tokens) + " is negative");
+  WorkspaceLayout& ws = plan.workspace;
+  ws.partial_o = size_field(9, "workspace.partial_o");
+  ws.partial_lse = size_field(10, "workspace.partial_lse");
+  ws.work_items = size_field(11, "workspace.work_items");
+  ws.merge_indptr = size_field(12, "workspace.merge_indptr");
+  ws.merge_requests = size_field(13, "workspace.merge_requests");
+  ws.error_flag = size_field(14, "workspace.error_flag");
+  ws.total = size_field(15, "workspace.total");
+  // The lists' lengths, each checked against the words left before any is allocated.
+  const size_t left = count - kPlanHeaderWords;
+  const size_t n_work = size_field(16, "the work item count"), n_merge = size_field(17, "the merge_requests count"),
+               n_indptr = size_field(18, "the merge_indptr count"), n_lens = size_field(19, "the seq_lens count");
+  if (n_work > left / 4 || n_merge > left || n_indptr > left || n_lens > left ||
+      4 * n_work + n_merge + n_indptr + n_lens != left) {
+    fail("the lists' lengths (" + std::to_string(n_work) + " work items, " + std::to_string(n_merge) + " + " +
+         std::to_string(n_indptr) + " merge entries, " + std::to_string(n_lens) + " seq_lens) do not fill the " +
+         std::to_string(left) + " words after the header");
+  }
+  size_t at = kPlanHeaderWords;
+  const auto list = [&](size_t n, const char* name) {
+    std::vector<int32_t> values(n);
+    for (size_t i = 0; i < n; ++i, ++at) values[i] = int32_field(at, name);
+    return values;
+  };
+  const std::vector<int32_t> work = list(4 * n_work, "a work item field");
+  plan.work.resize(n_work);
+  for (size_t i = 0; i < n_work; ++i) plan.work[i] = {work[4 * i], work[4 * i + 1], work[4 * i + 2], work[4 * i + 3]};
+  plan.merge_requests = list(n_merge, "a merge_requests entry");
+  plan.merge_indptr = list(n_indptr, "a merge_indptr entry");
+  plan.seq_lens = list(n_lens, "a seq_lens entry");
+  try {
+    check_decode_plan(plan);
+  } catch (const Error& e) {
+    fail(e.what());
+  }
+  return plan;
 }
 
 }  // namespace sparsepage

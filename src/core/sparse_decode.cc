@@ -147,7 +147,14 @@ SparseDecodeOutcome SparseDecoder::decide(const SparseAttentionInputs& in, const
 
 SparseDecodeOutcome SparseDecoder::require_fused(const SparseAttentionInputs& in, const PagedSelection& selection,
                                                  const std::string& who) const {
-  const SparseDecodeOutcome d = decide(in, selection);
+  // The caller's own views (an engine's pools) are judged here: their
+  // refusal names the caller too, as the decline does.
+  SparseDecodeOutcome d;
+  try {
+    d = decide(in, selection);
+  } catch (const Error& e) {
+    throw Error(who + ": " + e.what());
+  }
   if (d.fused()) return d;
   throw Error(who + ": the fused path declined (" + outcome_kind_name(d.kind) + ": " + d.reason +
               ") and there is no mask path to fall back to; nothing was changed");

@@ -420,6 +420,12 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
   in.kv_format = kv.kv_format;
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine pools)");
+  if (device_ == Device::kCpu) {  // as the engine-paged step: the table judged before the selection is written
+    // A length outside [0, max_seq_len] is the indexer's to refuse and flag, as on CUDA.
+    std::vector<int64_t> lens(static_cast<size_t>(batch_));
+    for (int32_t b = 0; b < batch_; ++b) lens[size_t(b)] = kv.seq_lens[b] <= kv.max_seq_len ? kv.seq_lens[b] : 0;
+    check_table_on_host(name_ + " (engine pools)", kv.block_table, lens, std::vector<uint8_t>(size_t(batch_), 1));
+  }
   detail::cuda_record_event(after_append_, stream);  // nothing appended: the engine wrote its rows
   select(tokens, 1, stream);
   detail::cuda_record_event(after_select_, stream);

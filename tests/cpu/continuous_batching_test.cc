@@ -66,7 +66,27 @@ TEST(ContinuousBatching, SoakAllThreeLayers) {
     EXPECT_GE(s.admitted, 50) << "model " << model << ": slots must be reused many times";
     EXPECT_GE(s.released, 40) << "model " << model;
     EXPECT_GE(s.refused_calls, 150) << "model " << model;
+    EXPECT_EQ(s.steps, run.steps) << "model " << model;
   }
+}
+
+// The timed form the GPU soak uses (SPARSEPAGE_SOAK_SECONDS): it steps until
+// its time is up, and a request leaves at `steps` decode tokens, so no
+// sequence outgrows the capacity reserved up front however long it runs.
+TEST(ContinuousBatching, ATimedRunLastsItsTimeAndCapsEachRequest) {
+  testing::ContinuousBatchingRun run;
+  run.seconds = 1.0;
+  run.steps = 20;  // the cap on a request's decode tokens
+  run.max_prompt = 30;
+  run.leave = 0.0;  // only the cap ends a request
+  run.join = 1.0;
+  run.seed = 14;
+  const auto s = testing::check_static_continuous_batching(Device::kCpu, run);
+  EXPECT_GE(s.seconds, 1.0);
+  EXPECT_GT(s.steps, 2 * run.steps) << "enough steps that requests reach the cap";
+  EXPECT_GE(s.compared_rows, s.steps);
+  EXPECT_GE(s.released, 4) << "requests at the cap must leave";
+  EXPECT_LE(s.longest, run.max_prompt + run.steps + 1) << "a request outgrew the cap";
 }
 
 }  // namespace

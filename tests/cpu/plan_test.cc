@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "sparsepage/plan.h"
 #include "sparsepage/types.h"
@@ -176,6 +178,121 @@ TEST(Plan, RejectsBadShapes) {
   shape.num_sms = 0;
   EXPECT_THROW(make_decode_plan({1}, shape), Error);
   EXPECT_THROW(make_decode_plan({1, -1}, PlanShape{}), Error);
+}
+
+// ---- the plan as data (serialize_decode_plan / deserialize_decode_plan) ----
+
+void expect_same_plan(const DecodePlan& a, const DecodePlan& b) {
+  EXPECT_EQ(a.num_requests, b.num_requests);
+  EXPECT_EQ(a.group_size, b.group_size);
+  EXPECT_EQ(a.head_dim_v, b.head_dim_v);
+  EXPECT_EQ(a.chunk_tokens, b.chunk_tokens);
+  EXPECT_EQ(a.num_partials, b.num_partials);
+  EXPECT_EQ(a.uniform_chunks, b.uniform_chunks);
+  EXPECT_EQ(a.uniform_chunk_tokens, b.uniform_chunk_tokens);
+  ASSERT_EQ(a.work.size(), b.work.size());
+  for (size_t i = 0; i < a.work.size(); ++i) {
+    EXPECT_EQ(a.work[i].request, b.work[i].request) << i;
+    EXPECT_EQ(a.work[i].token_begin, b.work[i].token_begin) << i;
+    EXPECT_EQ(a.work[i].token_end, b.work[i].token_end) << i;
+    EXPECT_EQ(a.work[i].partial, b.work[i].partial) << i;
+  }
+  EXPECT_EQ(a.merge_requests, b.merge_requests);
+  EXPECT_EQ(a.merge_indptr, b.merge_indptr);
+  EXPECT_EQ(a.seq_lens, b.seq_lens);
+  const WorkspaceLayout &x = a.workspace, &y = b.workspace;
+  EXPECT_EQ(x.partial_o, y.partial_o);
+  EXPECT_EQ(x.partial_lse, y.partial_lse);
+  EXPECT_EQ(x.work_items, y.work_items);
+  EXPECT_EQ(x.merge_indptr, y.merge_indptr);
+  EXPECT_EQ(x.merge_requests, y.merge_requests);
+  EXPECT_EQ(x.error_flag, y.error_flag);
+  EXPECT_EQ(x.total, y.total);
+}
+
+PlanShape plan_shape(int32_t group_size) {
+  PlanShape shape;
+  shape.group_size = group_size;
+  shape.head_dim_v = 128;
+  shape.num_sms = 16;
+  return shape;
+}
+
+std::vector<DecodePlan> sample_plans() {
+  PlanShape split = plan_shape(4);
+  split.num_sms = 132;
+  PlanShape fixed = plan_shape(8);
+  fixed.fixed_chunk_tokens = 64;
+  return {make_decode_plan({100000, 3, 0, 70000}, split),  // split requests, merge lists, an empty request
+          make_decode_plan({512, 512, 512}, split),        // a uniform split
+          make_decode_plan({0, 5, 300, 77, 16, 513}, fixed), make_decode_plan({7}, plan_shape(1)),
+          make_decode_plan({}, plan_shape(2))};
+}
+
+TEST(PlanAsData, ARoundTripGivesTheSamePlan) {
+  for (const DecodePlan& plan : sample_plans()) {
+    const std::vector<int64_t> words = serialize_decode_plan(plan);
+    const DecodePlan back = deserialize_decode_plan(words.data(), words.size());
+    expect_same_plan(plan, back);
+    EXPECT_EQ(serialize_decode_plan(back), words);
+  }
+  EXPECT_GT(sample_plans()[0].merge_requests.size(), 0u) << "the samples must include merge lists";
+  EXPECT_GT(sample_plans()[1].uniform_chunks, 0) << "and a uniform split";
+}
+
+void expect_refused(const std::vector<int64_t>& words, size_t count, const std::string& want) {
+  try {
+    (void)deserialize_decode_plan(words.data(), count);
+    ADD_FAILURE() << "accepted; wanted an error naming: " << want;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("deserialize_decode_plan: ", 0), 0u) << what;
+    EXPECT_NE(what.find(want), std::string::npos) << what;
+  }
+}
+
+TEST(PlanAsData, CorruptedOrTruncatedBlobsAreRefusedByName) {
+  const DecodePlan plan = sample_plans()[0];
+  const std::vector<int64_t> words = serialize_decode_plan(plan);
+  ASSERT_GT(words.size(), 24u);
+  expect_refused(words, words.size() - 1, "truncated or padded");
+  expect_refused(words, 5, "fewer than the 20-word header");
+  std::vector<int64_t> padded = words;
+  padded.push_back(0);
+  expect_refused(padded, padded.size(), "truncated or padded");
+  const auto edited = [&](size_t i, int64_t value) {
+    std::vector<int64_t> w = words;
+    w[i] = value;
+    return w;
+  };
+  expect_refused(edited(0, words[0] + 1), words.size(), "magic number");
+  expect_refused(edited(3, int64_t{1} << 40), words.size(), "group_size = 1099511627776 does not fit in int32");
+  expect_refused(edited(15, -8), words.size(), "workspace.total = -8 is negative");
+  expect_refused(edited(16, words[16] + 1), words.size(), "do not fill");
+  expect_refused(edited(16, int64_t{1} << 61), words.size(), "do not fill");
+  expect_refused(edited(19, -1), words.size(), "the seq_lens count = -1 is negative");
+  // A field inside its range that disagrees with the rest: check_decode_plan's words.
+  expect_refused(edited(20 + 2, words[22] + 1), words.size(), "plan: work[");
+  expect_refused(edited(6, words[6] + 1), words.size(), "plan: merge_indptr");
+  expect_refused(edited(15, 16), words.size(), "plan: the workspace layout");
+  std::vector<int64_t> none;
+  EXPECT_THROW((void)deserialize_decode_plan(nullptr, 20), Error);
+  expect_refused(none, 0, "fewer than the 20-word header");
+}
+
+// A merge list whose first entry runs past num_partials while a later one
+// decreases back to it: the check names it instead of reading past the
+// slot owners (found writing the deserializer, which feeds it any lists).
+TEST(PlanAsData, AMergeListPastTheSlotsIsNamedNotRead) {
+  DecodePlan plan = sample_plans()[0];
+  ASSERT_GE(plan.merge_indptr.size(), 3u);
+  plan.merge_indptr[1] = plan.num_partials + 5;
+  try {
+    check_decode_plan(plan);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lies outside [0, num_partials"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

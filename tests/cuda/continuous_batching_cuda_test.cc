@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 
@@ -76,24 +77,47 @@ namespace sparsepage {
 namespace {
 
 // The GPU soak: each layer for SPARSEPAGE_SOAK_STEPS steps (default 300;
-// scripts/gpu_check.sh's soak stage asks for thousands), requests joining
-// and leaving often, refused calls mixed in, every live request checked
-// against its lone run at every step.
+// scripts/gpu_check.sh's soak stage asks for thousands), or, with
+// SPARSEPAGE_SOAK_SECONDS set, for a third of that many seconds each (the
+// stage's timed form, sized for one device call), requests joining and
+// leaving often, refused calls mixed in, every live request checked against
+// its lone run at every step. Each layer prints what it covered.
 TEST(ContinuousBatchingCuda, Soak) {
   SKIP_WITHOUT_CUDA();
   testing::ContinuousBatchingRun run;
   run.steps = 300;
   if (const char* s = std::getenv("SPARSEPAGE_SOAK_STEPS")) run.steps = std::max(300, std::atoi(s));
+  double seconds = 0.0;
+  if (const char* s = std::getenv("SPARSEPAGE_SOAK_SECONDS")) seconds = std::atof(s);
+  if (seconds > 0.0) {
+    run.seconds = seconds / 3.0;  // each layer its share
+    run.steps = 2000;             // a request's longest decode; the capacity reserved for it
+  }
   run.max_prompt = 150;
   run.leave = 0.03;
   run.join = 0.5;
   run.bad_call = 0.1;
   int64_t model = 0;
+  const char* names[] = {"block-sparse", "DSA", "static"};
   for (auto check : {testing::check_block_sparse_continuous_batching, testing::check_dsa_continuous_batching,
                      testing::check_static_continuous_batching}) {
-    run.seed = 200 + static_cast<uint64_t>(model++);
+    run.seed = 200 + static_cast<uint64_t>(model);
     const auto s = check(Device::kCuda, run);
-    EXPECT_GE(s.compared_rows, 2 * run.steps) << "model " << model;
+    std::printf("soak %s: %lld steps in %.1f s, %lld requests admitted, %lld released, %lld refused calls, %lld checks "
+                "passed (%lld outputs and selections against lone runs, %lld refusals), longest %lld tokens\n",
+                names[model], static_cast<long long>(s.steps), s.seconds, static_cast<long long>(s.admitted),
+                static_cast<long long>(s.released), static_cast<long long>(s.refused_calls),
+                static_cast<long long>(s.compared_rows + s.refused_calls), static_cast<long long>(s.compared_rows),
+                static_cast<long long>(s.refused_calls), static_cast<long long>(s.longest));
+    std::fflush(stdout);
+    ++model;
+    if (seconds > 0.0) {
+      EXPECT_GE(s.seconds, run.seconds) << "model " << model << ": the run stopped before its time";
+      EXPECT_GE(s.steps, 300) << "model " << model;
+    } else {
+      EXPECT_EQ(s.steps, run.steps) << "model " << model;
+    }
+    EXPECT_GE(s.compared_rows, 2 * s.steps) << "model " << model;
     EXPECT_GE(s.admitted, 15) << "model " << model;
   }
 }

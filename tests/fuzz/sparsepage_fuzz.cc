@@ -2,10 +2,11 @@
 // page tables, plans, the paged decode, selections with the mask
 // path and the fused path, the caches, the engines' inputs, per-sequence
 // window lengths with multi-token steps, the FP8 KV formats (packed or
-// strided o), and step sequences of the three model layers with slots
-// joining and leaving. The last input byte picks the target (see
-// LLVMFuzzerTestOneInput); the rest drives its structure, and a seed taken
-// from the input fills values, so short inputs reach deep states.
+// strided o), step sequences of the three model layers with slots joining
+// and leaving, and the layers' engine forms (engine_forms_fuzz.cc). The last
+// input byte picks the target (see LLVMFuzzerTestOneInput); the rest drives
+// its structure, and a seed taken from the input fills values, so short
+// inputs reach deep states. Shared helpers: fuzz_support.h.
 //
 // What every target asserts, besides "no crash, no sanitizer report":
 // - a refusal is a sparsepage::Error (any other exception aborts), and a
@@ -31,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz/fuzz_support.h"
 #include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/detail/query_strides.h"
@@ -54,58 +56,6 @@
 namespace sparsepage {
 namespace {
 
-[[noreturn]] void finding(const std::string& what) {
-  std::fprintf(stderr, "sparsepage_fuzz finding: %s\n", what.c_str());
-  std::abort();
-}
-
-// The message is built only on failure: plans may hold millions of items.
-#define FUZZ_CHECK(ok, what) \
-  do { \
-    if (!(ok)) finding(what); \
-  } while (0)
-
-// Runs `call`; returns whether it was accepted. Any exception other than
-// sparsepage::Error is a finding (std::length_error, bad_alloc, ...).
-template <typename Call>
-bool accepted(Call&& call, const char* what) {
-  try {
-    call();
-    return true;
-  } catch (const Error&) {
-    return false;
-  } catch (const std::exception& e) {
-    finding(std::string(what) + " threw a non-sparsepage exception: " + e.what());
-  }
-}
-
-// A byte buffer with canaries on both sides of its payload.
-class Guarded {
- public:
-  static constexpr size_t kGuard = 64;
-  static constexpr uint8_t kCanary = 0xA5;
-  explicit Guarded(size_t bytes, uint8_t fill = 0xFF) : bytes_(bytes), data_(bytes + 2 * kGuard, kCanary) {
-    std::fill(data_.begin() + kGuard, data_.begin() + static_cast<std::ptrdiff_t>(kGuard + bytes), fill);
-  }
-  void* data() { return data_.data() + kGuard; }
-  const uint8_t* begin() const { return data_.data() + kGuard; }
-  size_t bytes() const { return bytes_; }
-  void check_canaries(const char* what) const {
-    for (size_t i = 0; i < kGuard; ++i) {
-      FUZZ_CHECK(data_[i] == kCanary && data_[kGuard + bytes_ + i] == kCanary,
-                 std::string(what) + ": canary overwritten");
-    }
-  }
-  std::vector<uint8_t> payload() const { return {begin(), begin() + bytes_}; }
-
- private:
-  size_t bytes_;
-  std::vector<uint8_t> data_;
-};
-
-// Tolerances against fp64: f32 outputs carry fp32 score rounding; bf16 and
-// f16 outputs are rounded to 8 / 11 mantissa bits. lse is fp32 either way.
-double o_tolerance(DType dtype) { return dtype == DType::kF32 ? 1e-4 : dtype == DType::kF16 ? 4e-3 : 2e-2; }
 constexpr double kLseTolerance = 1e-3;
 
 DType pick_dtype(FuzzedDataProvider& in) {
@@ -1351,12 +1301,6 @@ void check_bad_configuration(Spec s, FuzzedDataProvider& in) {
   finding("a bad layer configuration (" + want + ") was accepted");
 }
 
-uint64_t mix(uint64_t seed, int64_t a, int64_t b) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(a) * 0xBF58476D1CE4E5B9ull ^
-               static_cast<uint64_t>(b + 7) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 // One step's inputs for `batch` slots and q_len tokens, in the layers'
 // layouts: q, q_extra, index_q, weights and o [batch, q_len, ...], k and v
 // token-major [q_len, batch, ...]. Rows of free slots are NaN.
@@ -1742,9 +1686,14 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   // The last input byte picks the target: below 243 as b % 9 (the first
-  // nine targets, as the corpus was made for them), 243 .. 255 the layer
-  // step sequences (one model per value mod 3).
+  // nine targets, as the corpus was made for them), 243 .. 251 the layer
+  // step sequences (one model per value mod 3), 252 .. 255 the layers'
+  // engine forms (one form per value mod 3).
   const uint8_t target = in.ConsumeIntegral<uint8_t>();
+  if (target >= 252) {
+    sparsepage::engine_forms::fuzz(in, (target - 252) % 3);
+    return 0;
+  }
   if (target >= 243) {
     sparsepage::layer_steps::fuzz_layer_steps(in, static_cast<sparsepage::layer_steps::Model>((target - 243) % 3));
     return 0;

@@ -139,3 +139,40 @@ def test_bad_inputs_raise_with_the_exact_message():
         bad_call(indices=np.array([0, 1], np.int32))
     with pytest.raises(sp.Error, match=r"^paged_decode: q has head_dim 4 but k's rows are 8 wide$"):
         bad_call(q=np.zeros((2, 2, 4), np.float32))
+
+
+def test_a_plan_as_data_round_trips_and_runs(rng):
+    """The plan's serialized form (what the torch ops take): rebuilt, it is the same plan and
+    drives the same decode; a corrupted or truncated blob is refused by name."""
+    lens = [0, 5, 300, 77, 16, 513]
+    plan = sp.make_decode_plan(lens, sp.PlanShape(group_size=2, head_dim_v=8, num_sms=3, fixed_chunk_tokens=64))
+    words = sp.serialize_decode_plan(plan)
+    assert words.dtype == np.int64 and words.ndim == 1
+    back = sp.deserialize_decode_plan(words)
+    assert back.needs_merge and back.num_partials == plan.num_partials
+    np.testing.assert_array_equal(back.work, plan.work)
+    np.testing.assert_array_equal(back.seq_lens, plan.seq_lens)
+    np.testing.assert_array_equal(sp.serialize_decode_plan(back), words)
+    t = sp.build_page_table_structure(lens, 16)
+    indices = rng.integers(0, 40, t.num_pages).astype(np.int32)
+    k = rng.standard_normal((40 * 16, 8)).astype(np.float32)
+    q = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    outs = []
+    for p in (plan, back):
+        o = np.full((6, 2, 8), np.nan, np.float32)
+        sp._core._paged_decode(p, q, k, k, o, t.indptr, indices, t.seq_lens, page_size=16, scale=0.3)
+        outs.append(o)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+    with pytest.raises(sp.Error, match=r"^deserialize_decode_plan: .*truncated or padded"):
+        sp.deserialize_decode_plan(words[:-1])
+    bad = words.copy()
+    bad[0] += 1
+    with pytest.raises(sp.Error, match=r"magic number"):
+        sp.deserialize_decode_plan(bad)
+    bad = words.copy()
+    bad[21] += 3  # work[0].token_begin: the plan's own check names it
+    with pytest.raises(sp.Error, match=r"^deserialize_decode_plan: plan: work\["):
+        sp.deserialize_decode_plan(bad)
+    with pytest.raises(sp.Error, match=r"words has dtype int32; expected int64"):
+        sp.deserialize_decode_plan(words.astype(np.int32))

@@ -87,6 +87,30 @@ def test_bad_input_errors_pass_through_the_op():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_op_takes_its_plan_as_data(device):
+    """No registry: the op runs from plan_info (a CPU int64 tensor) alone, after the DecodePlan
+    that made it is gone, and a plan rebuilt from that data is the same plan."""
+    assert not hasattr(ops, "_PLANS")
+    c = paged_case(device)
+    plan = ops.DecodePlan(c["lens"], group_size=8, head_dim_qk=128, head_dim_v=128, device=device,
+                          fixed_chunk_tokens=64)
+    ws = plan.new_workspace()
+    info = plan.plan_info
+    assert info.dtype == torch.int64 and info.device.type == "cpu" and info.dim() == 1
+    rebuilt = ops.DecodePlan.from_plan_info(info, device=device)
+    assert rebuilt.seq_lens == plan.seq_lens and rebuilt.workspace_bytes == plan.workspace_bytes
+    torch.testing.assert_close(rebuilt.plan_info, info, rtol=0, atol=0)
+    assert (torch.from_numpy(rebuilt.plan.work) == torch.from_numpy(plan.plan.work)).all()
+    del plan, rebuilt
+    o, lse = torch.ops.sparsepage.paged_decode(info, c["q"], c["k"], c["v"], c["indptr"], c["indices"],
+                                               c["seq_lens"], None, None, None, ws, c["page_size"], 128 ** -0.5, -1,
+                                               0, 0, 1, False, None, None, 0)
+    check_against_reference(c, o, lse, 128 ** -0.5)
+    with pytest.raises(sp.Error, match=r"^deserialize_decode_plan: .*truncated or padded"):
+        ops.DecodePlan.from_plan_info(info[:-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_merge_states_op(device):
     g = torch.Generator().manual_seed(3)
     o = torch.randn(3, 4, 5, 64, generator=g)

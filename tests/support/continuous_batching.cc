@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -155,7 +156,12 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
   const char* progress_env = std::getenv("SPARSEPAGE_TEST_PROGRESS");
   const bool progress = progress_env != nullptr;
   const bool each_call = progress && std::string(progress_env) == "calls";
-  for (int32_t step = 0; step < run.steps; ++step) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const bool timed = run.seconds > 0.0;
+  for (int32_t step = 0; timed ? elapsed() < run.seconds : step < run.steps; ++step) {
+    stats.steps = step + 1;
     if (progress && step % 25 == 0) std::fprintf(stderr, "%s: step %d\n", name.c_str(), step);
     // A refused call first, now and then: it must change nothing.
     if (std::bernoulli_distribution(run.bad_call)(rng)) {
@@ -170,7 +176,8 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
     }
     // Requests leave, then join.
     for (int32_t s = 0; s < run.slots; ++s) {
-      if (slot[s] && std::bernoulli_distribution(run.leave)(rng)) {
+      // A timed run's requests leave at `steps` tokens too: the capacity reserved above holds.
+      if (slot[s] && (std::bernoulli_distribution(run.leave)(rng) || (timed && slot[s]->tokens >= run.steps))) {
         lone.erase(slot[s]->id);
         slot[s].reset();
         batched->release(s);
@@ -261,6 +268,7 @@ void drive(Device device, const Model<Layer, Tokens>& m, const ContinuousBatchin
       stats.longest = std::max(stats.longest, batched->kv_lens()[s]);
     }
   }
+  stats.seconds = elapsed();
 }
 
 }  // namespace

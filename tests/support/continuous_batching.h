@@ -20,6 +20,11 @@ struct ContinuousBatchingRun {
   double leave = 0.04;       // per step and request: chance it finishes
   double bad_call = 0.05;    // per step: chance a refused call is tried first (and must change nothing)
   uint64_t seed = 1;
+  /// A duration instead of a step count (> 0): steps go on until this many
+  /// seconds have passed (checked after each step). `steps` then caps each
+  /// request's decode tokens (a request that reaches it leaves), so the
+  /// capacity reserved up front holds for any duration.
+  double seconds = 0.0;
   /// The dispatch's performance gates off, so every step of the batched
   /// layer fuses (what a captured step needs to keep one plan).
   bool always_fused = false;
@@ -33,7 +38,9 @@ struct ContinuousBatchingRun {
 
 /// What a run covered, for the caller's own assertions.
 struct ContinuousBatchingStats {
-  int64_t compared_rows = 0;  // (step, live slot) outputs compared with the lone run
+  int64_t steps = 0;          // batched steps run
+  double seconds = 0.0;       // wall time of the run
+  int64_t compared_rows = 0;  // (step, live slot) outputs and selections compared with the lone run
   int64_t admitted = 0, released = 0;
   int64_t fused_steps = 0, sparse_steps = 0;
   int64_t refused_calls = 0;
