@@ -26,7 +26,9 @@ void expect_coverage(const testing::ContinuousBatchingStats& s, int64_t sparse_l
   EXPECT_GE(s.compared_rows, full ? 150 : 40);
   EXPECT_GE(s.admitted, full ? 6 : 2);
   EXPECT_GE(s.released, full ? 2 : 1);
-  if (full) EXPECT_GT(s.longest, sparse_len) << "some sequence must reach its sparse regime";
+  if (full) {
+    EXPECT_GT(s.longest, sparse_len) << "some sequence must reach its sparse regime";
+  }
   EXPECT_GT(s.fused_steps, 0);
 }
 

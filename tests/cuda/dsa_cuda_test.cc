@@ -521,6 +521,20 @@ TEST(DsaIndexerCuda, BadArgumentsAreNamed) {
 
 const DsaConfig kGpuLayer{16, 512, 64, 4, 128, 64, 0.0f, 128};
 
+// kGpuLayer, or under the sanitizers (testing::quick_mode()) the same layer
+// at top-32 with `quick_capacity_step`: a shorter context then reaches the
+// same regimes (sparse past twice the top-k, as the sparsity gate asks, or a
+// window that fits the top-k while the indexer still scores a capacity past
+// it) and the same cache growth.
+DsaConfig gpu_layer(int64_t quick_capacity_step) {
+  DsaConfig c = kGpuLayer;
+  if (testing::quick_mode()) {
+    c.index_topk = 32;
+    c.capacity_step = quick_capacity_step;
+  }
+  return c;
+}
+
 // One token's inputs for a batch, host bytes; index inputs exact (see the top).
 struct LayerTokens {
   std::vector<uint8_t> q, q_pe, q_index, k_row, k_pe;
@@ -570,8 +584,7 @@ std::set<int32_t> as_set(const std::vector<int32_t>& v) { return {v.begin(), v.e
 // Feeds the same `context - 1` prefill tokens and then `steps` decode tokens
 // to a fused and a kill-switched GPU layer and to the CPU layer, comparing
 // every decode step (and the last prefill) on outputs and attended sets.
-void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint64_t seed) {
-  const DsaConfig& c = kGpuLayer;
+void check_layer_against_cpu(const DsaConfig& c, int32_t batch, int64_t context, int32_t steps, uint64_t seed) {
   const size_t o_elems = size_t(batch) * c.num_qo_heads * c.latent_dim;
   std::mt19937_64 rng(seed);
   DsaAttention fused(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
@@ -639,12 +652,24 @@ void check_layer_against_cpu(int32_t batch, int64_t context, int32_t steps, uint
 
 TEST(DsaCuda, SparseDecodeMatchesTheCpuLayerFusedAndMasked) {
   SKIP_WITHOUT_CUDA();
-  check_layer_against_cpu(2, 200, 3, 61);
+  // Full: 199 prefill tokens (the cache grows 128 -> 256), top-64 of 200..202.
+  // Quick: 65 prefill tokens (it grows 32 -> 64 -> 96), top-32 of 66..68.
+  const DsaConfig c = gpu_layer(32);
+  const int64_t context = testing::quick_mode() ? 66 : 200;
+  ASSERT_GE(context, 2 * c.index_topk) << "every decode step must be sparse and pass the 2x sparsity gate";
+  ASSERT_GT(context - 1, c.capacity_step) << "the prefill must grow the cache";
+  check_layer_against_cpu(c, 2, context, 3, 61);
 }
 
 TEST(DsaCuda, EveryTokenIsKeptWhileTheWindowFitsTheTopk) {
   SKIP_WITHOUT_CUDA();
-  check_layer_against_cpu(1, 40, 2, 62);
+  // The window (40, 41; quick: 20, 21) fits the top-k (64; quick: 32) while
+  // the capacity (128; quick: 64) passes it, so the indexer still scores.
+  const DsaConfig c = gpu_layer(64);
+  const int64_t context = testing::quick_mode() ? 20 : 40;
+  ASSERT_LT(context + 1, c.index_topk);
+  ASSERT_GT(c.capacity_step, c.index_topk);
+  check_layer_against_cpu(c, 1, context, 2, 62);
 }
 
 // docs/DESIGN.md: greedy equality on the GPU: the fused path and the mask path decode the same

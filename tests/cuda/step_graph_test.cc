@@ -5,6 +5,9 @@
 // through partial final blocks. A twin layer fed the same tokens runs the
 // same steps eagerly; the outputs must be identical bit for bit, on the
 // fused path and under the kill switch (the mask path).
+//
+// Under the sanitizers (testing::quick_mode()) each test replays a quarter
+// as many steps from a prompt that much closer to the same boundary.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -127,10 +130,11 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   const bool fused = GetParam();
   const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
   // Blocks of 128, top 4: the sparse regime starts past 1024 tokens and the
-  // 2x sparsity gate passes from about 1300. The replays run 1381 -> 1461,
-  // across the block boundary at 1408.
+  // 2x sparsity gate passes from about 1300. The replays run 1381 -> 1461
+  // (quick: 1397 -> 1417), across the block boundary at 1408.
   const BlockSparseConfig c{16, 2, 128, 128, 4, 2, 4096};
   const int32_t batch = 3;
+  const bool quick = testing::quick_mode();
   BlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
   BlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
   const size_t d = 128, b = batch;
@@ -139,9 +143,9 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
   StepBuffers g = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(4, false);
-  // The same 1380-token prompt in both caches (its attention ran elsewhere).
+  // The same prompt in both caches (its attention ran elsewhere).
   std::mt19937_64 rng(7);
-  const int64_t prompt = 1380;
+  const int64_t prompt = quick ? 1396 : 1380;
   append_same_prompt(graphed, eager, b * (c.num_kv_heads + 1) * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
                      rng);
   graphed.reserve(1600);
@@ -153,17 +157,19 @@ TEST_P(StepGraph, BlockSparseStepReplaysAsTheContextGrows) {
     ASSERT_TRUE(r.sparse);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
-  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+  replay_against_eager(graphed, eager, g, e, is_f32, quick ? 20 : 80, step);
 }
 
 TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
   SKIP_WITHOUT_CUDA();
   const bool fused = GetParam();
   const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
-  // Top 32 of a window that grows 100 -> 180 (past twice the top-k, so the
-  // sparsity gate lets the fused path run).
+  // Top 32 of a window that grows 100 -> 180 (quick: 116 -> 136), past
+  // twice the top-k, so the sparsity gate lets the fused path run, and
+  // across the indexer's 64-token key tiles at 128.
   const DsaConfig c{16, 512, 64, 4, 64, 32, 0.0f, 256};
   const int32_t batch = 2;
+  const bool quick = testing::quick_mode();
   DsaAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
   DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
   const size_t b = batch, h = c.num_qo_heads;
@@ -177,10 +183,10 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
     return DsaTokens{s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.inputs[3].as<float>(),
                      s.inputs[4].data(), s.inputs[5].data(), s.o.data()};
   };
-  // The same 100-token prompt in both caches: a few tokens through prefill,
-  // the rest appended (their attention ran elsewhere).
+  // The same prompt in both caches: a few tokens through prefill, the rest
+  // appended (their attention ran elsewhere).
   std::mt19937_64 rng(8);
-  const int64_t bulk = 96;
+  const int64_t bulk = quick ? 112 : 96;
   append_same_prompt(graphed, eager, b * (512 + 64) * bulk, b * 64 * bulk, bulk, rng);
   for (int t = 0; t < 4; ++t) {
     refill(g, is_f32, rng, nullptr);
@@ -194,7 +200,7 @@ TEST_P(StepGraph, DsaStepReplaysAsTheContextGrows) {
     ASSERT_TRUE(r.sparse);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
-  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+  replay_against_eager(graphed, eager, g, e, is_f32, quick ? 20 : 80, step);
 }
 
 TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
@@ -202,11 +208,12 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   const bool fused = GetParam();
   const DispatchConfig dispatch = fused ? testing::always_fuse() : testing::kill_switch();
   // Phi-3-small's pattern (blocks of 64, 16 local, vertical stride 8, 32
-  // query heads over 8): the replays run 4001 -> 4081, across the block
-  // boundary at 4032 (a new query block moves the local run and the
-  // vertical blocks) and through partial final blocks.
+  // query heads over 8): the replays run 4001 -> 4081 (quick: 4021 ->
+  // 4041), across the block boundary at 4032 (a new query block moves the
+  // local run and the vertical blocks) and through partial final blocks.
   const StaticBlockSparseConfig c;
   const int32_t batch = 3;
+  const bool quick = testing::quick_mode();
   StaticBlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, dispatch);
   StaticBlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, dispatch);
   const size_t d = 128, b = batch;
@@ -216,7 +223,7 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
   StepBuffers e = make_buffers(bytes, b * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(3, false);
   std::mt19937_64 rng(9);
-  const int64_t prompt = 4000;
+  const int64_t prompt = quick ? 4020 : 4000;
   append_same_prompt(graphed, eager, b * c.num_kv_heads * prompt * d, b * c.num_kv_heads * prompt * d, prompt, rng);
   graphed.reserve(4200);
   eager.reserve(4200);
@@ -224,7 +231,7 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
     const LayerStep r = layer.decode({s.inputs[0].data(), s.inputs[1].data(), s.inputs[2].data(), s.o.data()}, stream);
     ASSERT_EQ(r.fused, fused) << r.outcome.describe();
   };
-  replay_against_eager(graphed, eager, g, e, is_f32, 80, step);
+  replay_against_eager(graphed, eager, g, e, is_f32, quick ? 20 : 80, step);
 }
 
 // Multi-token steps (speculative verification, MTP): the fused q_len = 4
@@ -233,10 +240,12 @@ TEST_P(StepGraph, StaticBlockSparseStepReplaysAsTheContextGrows) {
 TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
   SKIP_WITHOUT_CUDA();
   // As the one-token test: blocks of 128, top 4; the replays run 1384 -> 1464
-  // four tokens at a time, across the block boundary at 1408 (a step whose
-  // tokens straddle it has causal limits cutting the final blocks).
+  // (quick: 1400 -> 1420) four tokens at a time, across the block boundary
+  // at 1408 (a step whose tokens straddle it has causal limits cutting the
+  // final blocks).
   const BlockSparseConfig c{16, 2, 128, 128, 4, 2, 4096};
   const int32_t batch = 2, q_len = 4;
+  const bool quick = testing::quick_mode();
   BlockSparseAttention graphed(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
   BlockSparseAttention eager(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
   const size_t d = 128, b = batch, t = q_len;
@@ -247,7 +256,7 @@ TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
   StepBuffers e = make_buffers(bytes, b * t * c.num_qo_heads * d * 2);
   const std::vector<bool> is_f32(4, false);
   std::mt19937_64 rng(17);
-  const int64_t prompt = 1380;
+  const int64_t prompt = quick ? 1396 : 1380;
   append_same_prompt(graphed, eager, b * (c.num_kv_heads + 1) * prompt * d, b * c.num_kv_heads * prompt * d, prompt,
                      rng);
   graphed.reserve(1600);
@@ -259,14 +268,16 @@ TEST(StepGraphMultiToken, BlockSparseFourTokenStepReplaysAsTheContextGrows) {
     ASSERT_TRUE(r.sparse);
     ASSERT_TRUE(r.fused) << r.outcome.describe();
   };
-  replay_against_eager(graphed, eager, g, e, is_f32, 20, step);
+  replay_against_eager(graphed, eager, g, e, is_f32, quick ? 5 : 20, step);
 }
 
 TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   SKIP_WITHOUT_CUDA();
-  // Top 32 per token of a window that grows 100 -> 180, two tokens a step.
+  // Top 32 per token of a window that grows 100 -> 180 (quick: 114 -> 134,
+  // across the indexer's key tile boundary at 128), two tokens a step.
   const DsaConfig c{16, 512, 64, 4, 64, 32, 0.0f, 256};
   const int32_t batch = 2, q_len = 2;
+  const bool quick = testing::quick_mode();
   DsaAttention graphed(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
   DsaAttention eager(Device::kCuda, DType::kBF16, c, batch, testing::always_fuse());
   const size_t b = batch, h = c.num_qo_heads, t = q_len;
@@ -277,7 +288,7 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
   StepBuffers g = make_buffers(bytes, b * t * h * 512 * 2);
   StepBuffers e = make_buffers(bytes, b * t * h * 512 * 2);
   std::mt19937_64 rng(18);
-  const int64_t prompt = 100;
+  const int64_t prompt = quick ? 112 : 100;
   append_same_prompt(graphed, eager, b * (512 + 64) * prompt, b * 64 * prompt, prompt, rng);
   graphed.reserve(256);
   eager.reserve(256);
@@ -288,7 +299,7 @@ TEST(StepGraphMultiToken, DsaTwoTokenStepReplaysAsTheContextGrows) {
     ASSERT_TRUE(r.sparse);
     ASSERT_TRUE(r.fused) << r.outcome.describe();
   };
-  replay_against_eager(graphed, eager, g, e, is_f32, 40, step);
+  replay_against_eager(graphed, eager, g, e, is_f32, quick ? 10 : 40, step);
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, StepGraph, ::testing::Values(true, false),

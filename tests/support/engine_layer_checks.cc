@@ -94,6 +94,12 @@ const BlockSparseConfig kBlockConfig = [] {
   return c;
 }();
 
+BlockSparseConfig block_config(int32_t topk_blocks) {
+  BlockSparseConfig c = kBlockConfig;
+  c.topk_blocks = topk_blocks;
+  return c;
+}
+
 // Every token's rows, per sequence: attention K and V [heads, dim] and the index key [dim].
 struct BlockTokens {
   int32_t heads, dim;
@@ -151,16 +157,17 @@ struct BlockArms {
   EnginePool pool;
   BlockTokens tok;
 
-  BlockArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch)
+  BlockArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch,
+            const BlockSparseConfig& config = kBlockConfig)
       : device(d),
         batch(b),
-        c(kBlockConfig),
-        dense(d, kDt, kBlockConfig, b, always_fuse()),
-        engine(d, kDt, engine_config(), b, engine_dispatch),
-        pool(d, b, max_blocks, int64_t{kBlockConfig.num_kv_heads} * kBlockConfig.head_dim, 2, rng),
-        tok(b, kBlockConfig.num_kv_heads, kBlockConfig.head_dim) {}
-  static BlockSparseConfig engine_config() {
-    BlockSparseConfig e = kBlockConfig;
+        c(config),
+        dense(d, kDt, config, b, always_fuse()),
+        engine(d, kDt, engine_config(config), b, engine_dispatch),
+        pool(d, b, max_blocks, int64_t{config.num_kv_heads} * config.head_dim, 2, rng),
+        tok(b, config.num_kv_heads, config.head_dim) {}
+  static BlockSparseConfig engine_config(const BlockSparseConfig& config) {
+    BlockSparseConfig e = config;
     e.kv_storage = KVStorage::kEnginePaged;
     return e;
   }
@@ -241,6 +248,12 @@ struct BlockArms {
 
 const DsaConfig kDsaConfig{16, 512, 64, 4, 128, 64, 0.0f, 128};
 
+DsaConfig dsa_config(int32_t index_topk) {
+  DsaConfig c = kDsaConfig;
+  c.index_topk = index_topk;
+  return c;
+}
+
 struct DsaArms {
   Device device;
   int32_t batch;
@@ -252,21 +265,20 @@ struct DsaArms {
   bool fp8;
   EnginePool pool;
 
-  static DsaConfig engine_config() {
-    DsaConfig e = kDsaConfig;
+  static DsaConfig engine_config(const DsaConfig& config) {
+    DsaConfig e = config;
     e.kv_storage = KVStorage::kEnginePaged;
     return e;
   }
   DsaArms(Device d, int32_t b, int32_t max_blocks, std::mt19937_64& rng, DispatchConfig engine_dispatch,
-          bool fp8_pool = false)
+          bool fp8_pool = false, const DsaConfig& config = kDsaConfig)
       : device(d),
         batch(b),
-        c(kDsaConfig),
-        dense(d, kDt, kDsaConfig, b, always_fuse().without_performance_gates()),
-        engine(d, kDt, engine_config(), b, engine_dispatch),
+        c(config),
+        dense(d, kDt, config, b, always_fuse().without_performance_gates()),
+        engine(d, kDt, engine_config(config), b, engine_dispatch),
         fp8(fp8_pool),
-        pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : kDsaConfig.latent_dim + kDsaConfig.rope_dim, 1, rng) {
-  }
+        pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : config.latent_dim + config.rope_dim, 1, rng) {}
   EnginePagedKV kv() const {
     if (fp8) {
       const MlaFp8Views v = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock, MlaFp8Row::kBytes);
@@ -385,27 +397,28 @@ bool has_nan(const std::vector<uint8_t>& bf16) {
 
 }  // namespace
 
-void check_engine_paged_block_sparse(Device device) {
+void check_engine_paged_block_sparse(Device device, const EnginePagedSizes& sizes) {
   std::mt19937_64 rng(4242);
   const int32_t batch = 2;
-  // Dense regime (kv_len <= 2 * topk * block = 512): every block, through the fused path.
+  const BlockSparseConfig config = block_config(sizes.block_topk);
+  // Dense regime (kv_len <= 2 * topk * block, 512 at the full sizes): every block, through the fused path.
   {
-    BlockArms arms(device, batch, 24, rng, always_fuse());
-    arms.prompt(300, rng);
+    BlockArms arms(device, batch, sizes.block_dense_table, rng, always_fuse(), config);
+    arms.prompt(sizes.block_dense_prompt, rng);
     for (int s = 0; s < 2; ++s) {
       const auto out = arms.step(rng);
       ASSERT_FALSE(out.engine_step.sparse);
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
       ASSERT_FALSE(has_nan(out.engine_o)) << "dense-regime step " << s << ": an output unwritten or a NaN row read";
-      const auto ref = block_reference(arms.tok, out.q, batch, kBlockConfig.num_qo_heads, arms.engine.kv_len());
+      const auto ref = block_reference(arms.tok, out.q, batch, config.num_qo_heads, arms.engine.kv_len());
       const double err = relative_l2(as_float(kDt, out.engine_o), ref);
       EXPECT_LT(err, 1e-2) << "dense-regime step " << s << " against fp64 over the whole window";
     }
   }
   // Sparse regime: the same blocks as the layer's own cache, the same bits.
   {
-    BlockArms arms(device, batch, 64, rng, always_fuse());
-    arms.prompt(900, rng);
+    BlockArms arms(device, batch, sizes.block_sparse_table, rng, always_fuse(), config);
+    arms.prompt(sizes.block_sparse_prompt, rng);
     for (int s = 0; s < 3; ++s) {
       const auto out = arms.step(rng);
       ASSERT_TRUE(out.engine_step.sparse);
@@ -417,21 +430,22 @@ void check_engine_paged_block_sparse(Device device) {
       EXPECT_TRUE(out.engine_o == out.dense_o)
           << "step " << s << ": the engine pool's output differs from the layer cache's";
     }
-    EXPECT_EQ(arms.engine.kv_len(), 903);
+    EXPECT_EQ(arms.engine.kv_len(), sizes.block_sparse_prompt + 3);
   }
 }
 
-void check_engine_paged_dsa(Device device) {
+void check_engine_paged_dsa(Device device, const EnginePagedSizes& sizes) {
   std::mt19937_64 rng(777);
   const int32_t batch = 2;
-  for (const int64_t prompt : {int64_t{40}, int64_t{150}}) {  // below and above index_topk = 64
-    DsaArms arms(device, batch, 16, rng, always_fuse());
+  const DsaConfig config = dsa_config(sizes.dsa_topk);
+  for (const int64_t prompt : {sizes.dsa_short_prompt, sizes.dsa_long_prompt}) {  // below and above index_topk
+    DsaArms arms(device, batch, 16, rng, always_fuse(), /*fp8_pool=*/false, config);
     arms.prompt(prompt, rng);
     for (int s = 0; s < 3; ++s) {
       const auto out = arms.step(rng);
       ASSERT_TRUE(out.dense_step.fused) << out.dense_step.outcome.reason;
       ASSERT_TRUE(out.engine_step.fused) << out.engine_step.outcome.reason;
-      EXPECT_EQ(out.engine_step.sparse, prompt + s + 1 > kDsaConfig.index_topk);
+      EXPECT_EQ(out.engine_step.sparse, prompt + s + 1 > config.index_topk);
       EXPECT_EQ(arms.engine.last_selected_positions(), arms.dense.last_selected_positions())
           << "prompt " << prompt << ", step " << s;
       ASSERT_FALSE(has_nan(out.engine_o)) << "prompt " << prompt << ", step " << s;
@@ -441,13 +455,14 @@ void check_engine_paged_dsa(Device device) {
   }
 }
 
-void check_engine_paged_dsa_fp8(Device device) {
+void check_engine_paged_dsa_fp8(Device device, const EnginePagedSizes& sizes) {
   // 16 query heads: one head tile, so the one-CTA FP8 kernel (no CTA pair).
   const std::string cuda_fp8_mla_kernel = "MLA FP8 (656-byte rows), wgmma, warp-specialized";
   std::mt19937_64 rng(4711);
   const int32_t batch = 2;
-  for (const int64_t prompt : {int64_t{40}, int64_t{150}}) {  // below and above index_topk = 64
-    DsaArms arms(device, batch, 16, rng, always_fuse(), /*fp8_pool=*/true);
+  const DsaConfig config = dsa_config(sizes.dsa_topk);
+  for (const int64_t prompt : {sizes.dsa_short_prompt, sizes.dsa_long_prompt}) {  // below and above index_topk
+    DsaArms arms(device, batch, 16, rng, always_fuse(), /*fp8_pool=*/true, config);
     arms.prompt(prompt, rng);
     for (int s = 0; s < 3; ++s) {
       const auto out = arms.step(rng);
@@ -467,8 +482,8 @@ void check_engine_paged_dsa_fp8(Device device) {
     }
   }
   // Only the MLA row formats reach the attention.
-  DsaArms arms(device, 1, 16, rng, always_fuse(), /*fp8_pool=*/true);
-  arms.prompt(100, rng);
+  DsaArms arms(device, 1, 16, rng, always_fuse(), /*fp8_pool=*/true, config);
+  arms.prompt(sizes.dsa_misuse_prompt, rng);
   EnginePagedKV per_head = arms.kv();
   per_head.kv_format = KvFormat::kE4m3PerHead;
   const DsaArms::EngineToken token(device, rng);
@@ -477,14 +492,14 @@ void check_engine_paged_dsa_fp8(Device device) {
   EnginePagedKV short_rows = arms.kv();  // 520-byte rows cannot hold the latent bytes and the scales
   short_rows.k.row_stride = short_rows.v.row_stride = 520;
   EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, short_rows); }, "528"));
-  EXPECT_EQ(arms.engine.kv_len(), 100) << "a refused step appended";
+  EXPECT_EQ(arms.engine.kv_len(), sizes.dsa_misuse_prompt) << "a refused step appended";
 }
 
-void check_engine_paged_errors(Device device) {
+void check_engine_paged_errors(Device device, const EnginePagedSizes& sizes) {
   std::mt19937_64 rng(99);
   {
     BlockArms arms(device, 1, 64, rng, always_fuse());
-    arms.prompt(600, rng);
+    arms.prompt(sizes.block_misuse_prompt, rng);
     const int64_t before = arms.engine.kv_len();
     const Buffer q = upload(device, random_values(kDt, size_t(kBlockConfig.num_qo_heads) * 128, rng));
     const Buffer iq = upload(device, random_values(kDt, size_t(kBlockConfig.num_kv_heads) * 128, rng));
@@ -500,7 +515,7 @@ void check_engine_paged_errors(Device device) {
     with_k.k = ik.data();
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(with_k, arms.kv()); }, "k and v must be null"));
     EnginePagedKV narrow = arms.kv();
-    narrow.block_table.max_blocks = 8;  // 128 positions for a 601-token window
+    narrow.block_table.max_blocks = 8;  // 128 positions for a 601-token window (quick: 201)
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, narrow); }, "cannot hold live_len"));
     if (device == Device::kCpu) {  // a host table: an entry outside the pool is refused before the append
       EnginePagedKV bad = arms.kv();
@@ -515,20 +530,20 @@ void check_engine_paged_errors(Device device) {
     EXPECT_EQ(arms.engine.kv_len(), before) << "a refused step appended";
     // The kill switch: the dispatch declines, and there is no mask path to take.
     BlockArms killed(device, 1, 64, rng, kill_switch());
-    killed.prompt(600, rng);
+    killed.prompt(sizes.block_misuse_prompt, rng);
     EXPECT_TRUE(throws_error_naming([&] { killed.engine.decode(t, killed.kv()); }, "declined"));
-    EXPECT_EQ(killed.engine.kv_len(), 600) << "a declined step appended";
+    EXPECT_EQ(killed.engine.kv_len(), sizes.block_misuse_prompt) << "a declined step appended";
     EXPECT_TRUE(throws_error_naming([&] { killed.engine.prefill_token(t); }, "no mask path"));
   }
   {
-    DsaArms arms(device, 1, 16, rng, kill_switch());
-    arms.prompt(100, rng);
+    DsaArms arms(device, 1, 16, rng, kill_switch(), /*fp8_pool=*/false, dsa_config(sizes.dsa_topk));
+    arms.prompt(sizes.dsa_misuse_prompt, rng);
     const DsaArms::EngineToken token(device, rng);
     const DsaTokens t = token.tokens();
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t, arms.kv()); }, "declined"));
     EXPECT_TRUE(throws_error_naming([&] { arms.engine.decode(t); }, "decode(tokens, kv)"));
     EXPECT_TRUE(throws_error_naming([&] { arms.dense.decode(t, arms.kv()); }, "kv_storage"));
-    EXPECT_EQ(arms.engine.kv_len(), 100) << "a refused step appended";
+    EXPECT_EQ(arms.engine.kv_len(), sizes.dsa_misuse_prompt) << "a refused step appended";
   }
 }
 

@@ -240,6 +240,8 @@ MixedLengthSteps mixed_length_steps(int32_t topk, int32_t bound) {
   if (bound > 4097) {
     m.steps.push_back({0, 2047, 2048, 2049, 20, 4097, 0, bound});
     m.steps.push_back({2049, 0, topk, 4096, 64, 0, 1, 2048});
+  } else if (bound > 2049) {  // the first slice's edge only
+    m.steps.push_back({0, 2047, 2048, 2049, 20, 0, 1, bound});
   }
   m.built.assign(8, 0);
   for (std::vector<int32_t>& step : m.steps) {

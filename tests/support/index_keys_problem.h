@@ -73,8 +73,9 @@ IndexKeysProblem make_index_keys_problem(const IndexKeysSpec& spec);
 /// The lengths of a continuous batch's steps, for one call each: released
 /// slots (0), windows that fit the top-k (1 .. topk, not scored) and scored
 /// ones side by side, on both sides of the top-k, of multiples of 64 (a key
-/// tile) and, when `bound` reaches past them, of 2048 (a classify slice),
-/// the bound itself, and steps where all but one or every slot is empty.
+/// tile) and, when `bound` reaches past them, of 2048 and 4096 (classify
+/// slices), the bound itself, and steps where all but one or every slot is
+/// empty.
 /// Every step has 8 sequences, each at most `bound`; `built` is each
 /// sequence's longest length over the steps (what a problem is made with,
 /// so every step's windows hold written keys).

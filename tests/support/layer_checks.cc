@@ -46,12 +46,11 @@ TokenBuffers random_tokens(Device device, const BlockSparseConfig& c, int32_t ba
 
 }  // namespace
 
-void check_block_sparse_set_equality(Device device) {
-  const BlockSparseConfig config{8, 2, 64, 16, 4, 2, 64};
+void check_block_sparse_set_equality(Device device, const BlockSparseConfig& config,
+                                     const std::vector<std::pair<int32_t, int64_t>>& batch_contexts) {
   // K carries the index key at head num_kv_heads, so K and V have different
   // sequence strides: every batch must fuse, each stream at its own rows.
-  for (const auto& [batch, context] :
-       std::vector<std::pair<int32_t, int64_t>>{{1, 150}, {1, 160}, {1, 257}, {3, 300}, {8, 201}}) {
+  for (const auto& [batch, context] : batch_contexts) {
     SCOPED_TRACE("batch " + std::to_string(batch) + " context " + std::to_string(context));
     std::mt19937_64 rng(static_cast<uint64_t>(context));
     BlockSparseAttention fused(device, DType::kBF16, config, batch, always_fuse());

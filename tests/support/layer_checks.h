@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsepage/memory.h"
+#include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
 
@@ -18,11 +20,15 @@ DispatchConfig always_fuse();
 /// always_fuse() with the kill switch off: every decode takes the mask path.
 DispatchConfig kill_switch();
 
-/// Block-sparse decode at four context lengths (one with a partial final
-/// block): the positions the page table attends equal the columns the mask
-/// path keeps, the count is a function of kv_len, and the fused output
-/// matches the mask path's.
-void check_block_sparse_set_equality(Device device);
+/// Block-sparse decode at each (batch, context), each in the sparse regime
+/// (contexts with a partial and with a full final block): the positions the
+/// page table attends equal the columns the mask path keeps, the count is a
+/// function of kv_len, and the fused output matches the mask path's. The
+/// defaults are the full sizes; the CUDA suite's quick mode passes smaller.
+void check_block_sparse_set_equality(Device device,
+                                     const BlockSparseConfig& config = BlockSparseConfig{8, 2, 64, 16, 4, 2, 64},
+                                     const std::vector<std::pair<int32_t, int64_t>>& batch_contexts = {
+                                         {1, 150}, {1, 160}, {1, 257}, {3, 300}, {8, 201}});
 
 /// The toy transformer decodes 64 greedy tokens identically with the fused
 /// path and with the kill switch (mask path), in the sparse regime, for
