@@ -209,6 +209,9 @@ class SparseLayer {
                                                               int32_t num_tokens) const;
   /// What the prefill kernels flagged on the device (check_errors() reports it).
   virtual void check_prefill_errors(void* /*stream*/) {}
+  /// `rows` (a view of the layer's cache) from slot `first_slot` and head
+  /// `head` on: what run_prefill hands its kernels for a chunk of slots.
+  RowView slot_rows(RowView rows, int32_t first_slot, int32_t head = 0) const;
   /// The indexer's IndexKeyError word (int32 on the layer's device, zeroed
   /// when first asked for), for models whose indexer refuses rows of
   /// engine pools; raise_index_errors() reads and clears it.

@@ -508,11 +508,6 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   }
   // Lists of slot b start at b * blocks * heads (the buffers' rows per slot follow the chunk's query blocks).
   const int64_t list0 = int64_t{first_slot} * blocks * heads;
-  const auto esize = static_cast<int64_t>(dtype_size(dtype()));
-  const auto slot_rows = [&](RowView rows, int32_t head) {
-    rows.data = static_cast<const char*>(rows.data) + (first_slot * rows.seq_stride + head * rows.head_stride) * esize;
-    return rows;
-  };
   BlockPrefillIndexerParams ip;
   ip.dtype = dtype();
   ip.chunk = chunk;
@@ -521,7 +516,7 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   ip.block_size = bs;
   ip.top_blocks = config_.topk_blocks;
   ip.local_blocks = config_.local_blocks;
-  ip.index_keys = slot_rows(cache().k_rows().value(), heads);  // the index key rides at head num_kv_heads
+  ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, heads);  // the index key rides at head num_kv_heads
   ip.q_index = tokens.index_q;
   ip.block_ids = prefill_indexer_ids_.as<int32_t>() + list0 * indexer_width;
   ip.counts = prefill_indexer_counts_.as<int32_t>() + list0;
@@ -547,34 +542,19 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
     detail::block_prefill_regime_cpu(ra);
   }
 
-  GqaPrefillParams gp;
-  gp.dtype = dtype();
-  gp.chunk = chunk;
-  gp.num_qo_heads = config_.num_qo_heads;
-  gp.num_kv_heads = heads;
-  gp.block_size = bs;
-  gp.q = tokens.q;
-  gp.k = slot_rows(cache().k_rows().value(), 0);
-  gp.v = slot_rows(cache().v_rows().value(), 0);
-  gp.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  gp.o = tokens.o;
-  gp.selection.layout = BlockSelectionLayout::kPerKvHead;
-  gp.selection.block_ids = ra.block_ids;
-  gp.selection.counts = ra.counts;
-  gp.selection.width = width();
-  gqa_prefill_.run(gp, stream);
+  const BlockPrefillSelection kept{BlockSelectionLayout::kPerKvHead, ra.block_ids, ra.counts, width()};
+  gqa_prefill_.run(detail::gqa_chunk_params(dtype(), chunk, detail::gqa_geometry(config_), tokens,
+                                            slot_rows(cache().k_rows().value(), first_slot),
+                                            slot_rows(cache().v_rows().value(), first_slot), kept),
+                   stream);
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,
                                                                           int32_t num_tokens) const {
-  const int32_t blocks = (num_tokens + config_.block_size - 1) / config_.block_size;
-  BlockPrefillSelection s;
-  s.layout = BlockSelectionLayout::kPerKvHead;
-  s.block_ids = prefill_ids_.as<int32_t>();
-  s.counts = prefill_counts_.as<int32_t>();
-  s.width = width();
-  return detail::gqa_chunk_positions(device(), s, int64_t{blocks} * config_.num_kv_heads, config_.num_qo_heads,
-                                     config_.num_kv_heads, config_.block_size, lens, num_tokens);
+  const BlockPrefillSelection kept{BlockSelectionLayout::kPerKvHead, prefill_ids_.as<int32_t>(),
+                                   prefill_counts_.as<int32_t>(), width()};
+  return detail::gqa_chunk_positions(device(), kept, config_.num_kv_heads, detail::gqa_geometry(config_), lens,
+                                     num_tokens);
 }
 
 // The additive mask of the kept blocks over the capacity, positions past

@@ -369,14 +369,9 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
     prefill_counts_ = Buffer(device(), rows * sizeof(int32_t));
     prefill_sized_tokens_ = n;
   }
-  const size_t esize = dtype_size(dtype());
   // Rows of (slot, token) are n apart per slot: the slot's first row.
   const int64_t row0 = int64_t{first_slot} * n;
-  const auto slot_rows = [&](RowView rows) {
-    rows.data = static_cast<const char*>(rows.data) + first_slot * rows.seq_stride * static_cast<int64_t>(esize);
-    return rows;
-  };
-  const RowView k_rows = slot_rows(cache().k_rows().value());
+  const RowView k_rows = slot_rows(cache().k_rows().value(), first_slot);
   DsaPrefillIndexerParams ip;
   ip.dtype = dtype();
   ip.chunk = chunk;
@@ -401,7 +396,7 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
   mp.q_rope = tokens.q_extra;
   mp.kv = k_rows;  // kv_latent: the first latent_dim columns of the K rows (K and V)
   mp.kv.dim = config_.latent_dim;
-  mp.kv_rope = slot_rows(cache().v_rows().value());
+  mp.kv_rope = slot_rows(cache().v_rows().value(), first_slot);
   mp.indices = ip.positions;
   mp.topk_length = ip.counts;
   mp.scale = config_.scale;

@@ -1,13 +1,15 @@
-// Host copies of a block-sparse layer's last selection, for tests and
-// debugging: the kept block matrix read back, and the positions a
-// block-granular page table attends. The block-sparse and static-pattern
-// layers both keep their selection in this form.
+// What the block-sparse and static-pattern layers share: host copies of
+// their last selection for tests and debugging (the kept block matrix read
+// back, the positions a block-granular page table attends), and the GQA
+// half of their prefill chunks.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "sparsepage/layer.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/prefill.h"
 
@@ -42,30 +44,61 @@ inline std::vector<std::vector<int32_t>> kept_block_positions(Device device,
   return out;
 }
 
+/// The GQA shape of a block layer (block-sparse or static pattern), from
+/// its config.
+struct GqaChunkGeometry {
+  int32_t num_qo_heads, num_kv_heads, block_size, head_dim;
+};
+template <class Config>
+GqaChunkGeometry gqa_geometry(const Config& c) {
+  return {c.num_qo_heads, c.num_kv_heads, c.block_size, c.head_dim};
+}
+
+/// The attention half of a block layer's prefill chunk: GQA over the kept
+/// blocks of `kept`, reading the layer's K and V rows `k`, `v` (already at
+/// the chunk's first slot) and the chunk's q and o from `tokens`.
+inline GqaPrefillParams gqa_chunk_params(DType dtype, const PrefillChunk& chunk, const GqaChunkGeometry& g,
+                                         const StepTokens& tokens, RowView k, RowView v, BlockPrefillSelection kept) {
+  GqaPrefillParams p;
+  p.dtype = dtype;
+  p.chunk = chunk;
+  p.num_qo_heads = g.num_qo_heads;
+  p.num_kv_heads = g.num_kv_heads;
+  p.block_size = g.block_size;
+  p.q = tokens.q;
+  p.k = k;
+  p.v = v;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  p.o = tokens.o;
+  p.selection = kept;
+  return p;
+}
+
 /// The positions the last prefill chunk of a GQA layer attended, per
 /// (slot, chunk token, query head): `selection` is the chunk's selection on
-/// `device` over every slot of the batch (`lists_per_slot` lists a slot),
-/// `lens` the slots' lengths after the chunk (0: a free slot, whose rows
-/// stay empty). The library's gqa_prefill_attended per active slot.
+/// `device` over every slot of the batch (`lists_per_block` lists per query
+/// block of a slot), `lens` the slots' lengths after the chunk (0: a free
+/// slot, whose rows stay empty). The library's gqa_prefill_attended per
+/// active slot.
 inline std::vector<std::vector<int32_t>> gqa_chunk_positions(Device device, BlockPrefillSelection selection,
-                                                             int64_t lists_per_slot, int32_t num_qo_heads,
-                                                             int32_t num_kv_heads, int32_t block_size,
+                                                             int32_t lists_per_block, const GqaChunkGeometry& g,
                                                              const std::vector<int64_t>& lens, int32_t num_tokens) {
+  const int64_t lists_per_slot = int64_t{(num_tokens + g.block_size - 1) / g.block_size} * lists_per_block;
   const auto batch = static_cast<int64_t>(lens.size());
   const auto width = static_cast<size_t>(selection.width);
   const auto lists = static_cast<size_t>(batch * lists_per_slot);
   const auto ids = download<int32_t>(device, selection.block_ids, lists * width);
   const auto counts = download<int32_t>(device, selection.counts, lists);
-  const int64_t rows_per_slot = int64_t{num_tokens} * num_qo_heads;
+  const int64_t rows_per_slot = int64_t{num_tokens} * g.num_qo_heads;
   std::vector<std::vector<int32_t>> out(static_cast<size_t>(batch * rows_per_slot));
   for (int64_t b = 0; b < batch; ++b) {
     if (lens[static_cast<size_t>(b)] == 0) continue;
     GqaPrefillParams p;
     p.chunk.num_tokens = num_tokens;
     p.chunk.kv_len = lens[static_cast<size_t>(b)];
-    p.num_qo_heads = num_qo_heads;
-    p.num_kv_heads = num_kv_heads;
-    p.block_size = block_size;
+    p.num_qo_heads = g.num_qo_heads;
+    p.num_kv_heads = g.num_kv_heads;
+    p.block_size = g.block_size;
     p.selection = selection;
     p.selection.block_ids = ids.data() + static_cast<size_t>(b * lists_per_slot) * width;
     p.selection.counts = counts.data() + static_cast<size_t>(b * lists_per_slot);

@@ -192,6 +192,12 @@ std::string SparseLayer::prefill_refusal(int32_t /*num_tokens*/, const std::vect
   return "the model has no fused prefill";
 }
 
+RowView SparseLayer::slot_rows(RowView rows, int32_t first_slot, int32_t head) const {
+  const auto esize = static_cast<int64_t>(dtype_size(dtype_));
+  rows.data = static_cast<const char*>(rows.data) + (first_slot * rows.seq_stride + head * rows.head_stride) * esize;
+  return rows;
+}
+
 void SparseLayer::run_prefill(const StepTokens& /*tokens*/, int32_t /*first_slot*/, const PrefillChunk& /*chunk*/,
                               void* /*stream*/) {
   throw Error(name_ + "::prefill: the model has no fused prefill");

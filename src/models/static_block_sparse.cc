@@ -276,39 +276,19 @@ void StaticBlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t f
   sp.counts = prefill_counts_.as<int32_t>() + list0;
   static_prefill_blocks(device(), sp, stream);
 
-  const auto esize = static_cast<int64_t>(dtype_size(dtype()));
-  const auto slot_rows = [&](RowView rows) {
-    rows.data = static_cast<const char*>(rows.data) + first_slot * rows.seq_stride * esize;
-    return rows;
-  };
-  GqaPrefillParams gp;
-  gp.dtype = dtype();
-  gp.chunk = chunk;
-  gp.num_qo_heads = hq;
-  gp.num_kv_heads = config_.num_kv_heads;
-  gp.block_size = bs;
-  gp.q = tokens.q;
-  gp.k = slot_rows(cache().k_rows().value());
-  gp.v = slot_rows(cache().v_rows().value());
-  gp.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  gp.o = tokens.o;
-  gp.selection.layout = BlockSelectionLayout::kPerQueryHead;
-  gp.selection.block_ids = sp.block_ids;
-  gp.selection.counts = sp.counts;
-  gp.selection.width = width;
-  gqa_prefill_.run(gp, stream);
+  const BlockPrefillSelection kept{BlockSelectionLayout::kPerQueryHead, sp.block_ids, sp.counts, width};
+  gqa_prefill_.run(detail::gqa_chunk_params(dtype(), chunk, detail::gqa_geometry(config_), tokens,
+                                            slot_rows(cache().k_rows().value(), first_slot),
+                                            slot_rows(cache().v_rows().value(), first_slot), kept),
+                   stream);
 }
 
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,
                                                                                 int32_t num_tokens) const {
-  const int32_t blocks = (num_tokens + config_.block_size - 1) / config_.block_size;
-  BlockPrefillSelection s;
-  s.layout = BlockSelectionLayout::kPerQueryHead;
-  s.block_ids = prefill_ids_.as<int32_t>();
-  s.counts = prefill_counts_.as<int32_t>();
-  s.width = prefill_width_;
-  return detail::gqa_chunk_positions(device(), s, int64_t{blocks} * config_.num_qo_heads, config_.num_qo_heads,
-                                     config_.num_kv_heads, config_.block_size, lens, num_tokens);
+  const BlockPrefillSelection kept{BlockSelectionLayout::kPerQueryHead, prefill_ids_.as<int32_t>(),
+                                   prefill_counts_.as<int32_t>(), prefill_width_};
+  return detail::gqa_chunk_positions(device(), kept, config_.num_qo_heads, detail::gqa_geometry(config_), lens,
+                                     num_tokens);
 }
 
 void StaticBlockSparseAttention::check_engine_kv(const EnginePagedKV& /*kv*/) const {
