@@ -543,10 +543,7 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   }
 
   const BlockPrefillSelection kept{BlockSelectionLayout::kPerKvHead, ra.block_ids, ra.counts, width()};
-  gqa_prefill_.run(detail::gqa_chunk_params(dtype(), chunk, detail::gqa_geometry(config_), tokens,
-                                            slot_rows(cache().k_rows().value(), first_slot),
-                                            slot_rows(cache().v_rows().value(), first_slot), kept),
-                   stream);
+  detail::run_gqa_chunk(gqa_prefill_, cache(), first_slot, chunk, detail::gqa_geometry(config_), tokens, kept, stream);
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,
