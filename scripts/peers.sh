@@ -13,7 +13,7 @@
 #
 # Environment:
 #   PEERS_DIR     writable work folder outside the repository (default: <repo>/../peers)
-#   PEERS_BENCH   the peer drivers (default: <repo>/../shared/peers-bench; see its README.md)
+#   PEERS_BENCH   the peer drivers, kept outside the repository (default: <repo>/../shared/peers-bench)
 #   PEERS_MIRROR  a folder of bare mirrors named <owner>+<name>/repo to read the sources from;
 #                 unset: clone them from https://github.com into $PEERS_DIR/git
 #   BUILD_DIR     our CUDA build (default: build) for `ship`
