@@ -473,25 +473,11 @@ void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
 
 std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
   const int32_t bs = config_.block_size;
-  if (bs > detail::kMaxQueryBlockTokens) {
-    return "block_size = " + std::to_string(bs) + " is above the block prefill's " +
-           std::to_string(detail::kMaxQueryBlockTokens) + " tokens per query block";
-  }
   if (device() == Device::kCuda && (config_.head_dim != 128 || (bs != 64 && bs != 128))) {
     return "the CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128, not " + std::to_string(bs) +
            "-token blocks at head_dim " + std::to_string(config_.head_dim);
   }
-  for (size_t b = 0; b < lens.size(); ++b) {
-    if (cache().active()[b] == 0) continue;
-    const int64_t start = lens[b] - num_tokens;
-    if (start % bs != 0) {
-      return "slot " + std::to_string(b) + "'s chunk would start at position " + std::to_string(start) +
-             ", not a multiple of block_size = " + std::to_string(bs) +
-             " (query blocks must be key blocks: prefill whole blocks, the prompt's tail with prefill_token() or "
-             "decode())";
-    }
-  }
-  return {};
+  return detail::block_chunk_refusal(bs, cache().active(), lens, num_tokens, "prefill_token() or decode()");
 }
 
 void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk,

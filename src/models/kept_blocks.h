@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -42,6 +43,29 @@ inline std::vector<std::vector<int32_t>> kept_block_positions(Device device,
     }
   }
   return out;
+}
+
+/// Why a block layer cannot prefill a chunk of `num_tokens` tokens that
+/// leaves its slots at `lens` (only `active` slots count), or "": the block
+/// prefill's query blocks must be key blocks, so every chunk starts on a
+/// block boundary, and a query block holds at most kMaxQueryBlockTokens.
+/// `tail` says what serves the prompt's last partial block instead.
+inline std::string block_chunk_refusal(int32_t block_size, const std::vector<uint8_t>& active,
+                                       const std::vector<int64_t>& lens, int32_t num_tokens, const char* tail) {
+  if (block_size > kMaxQueryBlockTokens) {
+    return "block_size = " + std::to_string(block_size) + " is above the block prefill's " +
+           std::to_string(kMaxQueryBlockTokens) + " tokens per query block";
+  }
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (active[b] == 0) continue;
+    const int64_t start = lens[b] - num_tokens;
+    if (start % block_size != 0) {
+      return "slot " + std::to_string(b) + "'s chunk would start at position " + std::to_string(start) +
+             ", not a multiple of block_size = " + std::to_string(block_size) +
+             " (query blocks must be key blocks: prefill whole blocks, the prompt's tail with " + tail + ")";
+    }
+  }
+  return {};
 }
 
 /// The GQA shape of a block layer (block-sparse or static pattern), from

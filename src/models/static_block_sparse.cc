@@ -227,21 +227,7 @@ void StaticBlockSparseAttention::select(const StepTokens& /*tokens*/, int32_t /*
 }
 
 std::string StaticBlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
-  const int32_t bs = config_.block_size;
-  if (bs > detail::kMaxQueryBlockTokens) {
-    return "block_size = " + std::to_string(bs) + " is above the block prefill's " +
-           std::to_string(detail::kMaxQueryBlockTokens) + " tokens per query block";
-  }
-  for (size_t b = 0; b < lens.size(); ++b) {
-    if (cache().active()[b] == 0) continue;
-    const int64_t start = lens[b] - num_tokens;
-    if (start % bs != 0) {
-      return "slot " + std::to_string(b) + "'s chunk would start at position " + std::to_string(start) +
-             ", not a multiple of block_size = " + std::to_string(bs) +
-             " (query blocks must be key blocks: prefill whole blocks, the prompt's tail with decode())";
-    }
-  }
-  return {};
+  return detail::block_chunk_refusal(config_.block_size, cache().active(), lens, num_tokens, "decode()");
 }
 
 StaticPrefillParams StaticBlockSparseAttention::prefill_pattern(const PrefillChunk& chunk) const {
