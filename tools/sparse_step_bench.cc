@@ -256,24 +256,42 @@ void set_engine_tables(EnginePagedKV& kv, const Buffer& table, const Buffer& len
   kv.index_keys.max_blocks = max_blocks;
 }
 
-void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
-  const int32_t batch = static_cast<int32_t>(s.lens.size());
-  const int64_t max_len = *std::max_element(s.lens.begin(), s.lens.end());
-  const int32_t max_blocks = static_cast<int32_t>((max_len + kPoolBlock - 1) / kPoolBlock);
+// The engine's block table: each sequence's blocks drawn from a shuffled
+// free list of a pool with 8 spare blocks (what an allocator hands out after
+// churn), as both pools setups build it; rows of max_blocks entries.
+struct ShuffledTable {
+  std::vector<int32_t> host;
+  int64_t max_len = 0, num_blocks = 0;
+  int32_t max_blocks = 0;
+};
+
+ShuffledTable shuffled_block_table(const std::vector<int64_t>& lens, uint64_t seed) {
+  ShuffledTable t;
+  t.max_len = *std::max_element(lens.begin(), lens.end());
+  t.max_blocks = static_cast<int32_t>((t.max_len + kPoolBlock - 1) / kPoolBlock);
   int64_t used = 0;
-  for (int64_t len : s.lens) used += (len + kPoolBlock - 1) / kPoolBlock;
-  const int64_t num_blocks = used + 8;
-  std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+  for (int64_t len : lens) used += (len + kPoolBlock - 1) / kPoolBlock;
+  t.num_blocks = used + 8;
+  std::vector<int32_t> ids(static_cast<size_t>(t.num_blocks));
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 rng(seed);
   std::shuffle(ids.begin(), ids.end(), rng);
-  p.host_table.assign(static_cast<size_t>(batch) * max_blocks, 0);
+  t.host.assign(lens.size() * static_cast<size_t>(t.max_blocks), 0);
   size_t next = 0;
-  for (int32_t b = 0; b < batch; ++b) {
-    for (int64_t j = 0; j < (s.lens[static_cast<size_t>(b)] + kPoolBlock - 1) / kPoolBlock; ++j) {
-      p.host_table[static_cast<size_t>(b) * max_blocks + static_cast<size_t>(j)] = ids[next++];
+  for (size_t b = 0; b < lens.size(); ++b) {
+    for (int64_t j = 0; j < (lens[b] + kPoolBlock - 1) / kPoolBlock; ++j) {
+      t.host[b * static_cast<size_t>(t.max_blocks) + static_cast<size_t>(j)] = ids[next++];
     }
   }
+  return t;
+}
+
+void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
+  const int32_t batch = static_cast<int32_t>(s.lens.size());
+  const ShuffledTable table = shuffled_block_table(s.lens, seed);
+  const int64_t max_len = table.max_len, num_blocks = table.num_blocks;
+  const int32_t max_blocks = table.max_blocks;
+  p.host_table = table.host;
   const int64_t rows = num_blocks * kPoolBlock;
   p.row_bytes = s.fp8 ? MlaFp8Row::kBytes : 576 * 2;
   p.mla = Buffer(device, static_cast<size_t>(rows * p.row_bytes));
@@ -460,22 +478,10 @@ struct BlockPoolsSetup {
 void build_block_pools(BlockPoolsSetup& s, Device device, BlockPools& p, uint64_t seed) {
   const auto& c = s.config;
   const int32_t batch = static_cast<int32_t>(s.lens.size());
-  const int64_t max_len = *std::max_element(s.lens.begin(), s.lens.end());
-  const int32_t max_blocks = static_cast<int32_t>((max_len + kPoolBlock - 1) / kPoolBlock);
-  int64_t used = 0;
-  for (int64_t len : s.lens) used += (len + kPoolBlock - 1) / kPoolBlock;
-  const int64_t num_blocks = used + 8;
-  std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::mt19937_64 rng(seed);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  p.host_table.assign(static_cast<size_t>(batch) * max_blocks, 0);
-  size_t next = 0;
-  for (int32_t b = 0; b < batch; ++b) {
-    for (int64_t j = 0; j < (s.lens[static_cast<size_t>(b)] + kPoolBlock - 1) / kPoolBlock; ++j) {
-      p.host_table[static_cast<size_t>(b) * max_blocks + static_cast<size_t>(j)] = ids[next++];
-    }
-  }
+  const ShuffledTable table = shuffled_block_table(s.lens, seed);
+  const int64_t max_len = table.max_len, num_blocks = table.num_blocks;
+  const int32_t max_blocks = table.max_blocks;
+  p.host_table = table.host;
   const int64_t rows = num_blocks * kPoolBlock, row_elems = int64_t{c.num_kv_heads} * c.head_dim;
   p.k = Buffer(device, static_cast<size_t>(rows * row_elems * 2));
   p.v = Buffer(device, static_cast<size_t>(rows * row_elems * 2));
