@@ -21,26 +21,15 @@ TEST(EnginePoolsCuda, DsaStepOverFp8Pools) {
   testing::check_dsa_engine_pools(Device::kCuda, true);
 }
 
-void expect_block_coverage(const testing::BlockPoolsStats& s, bool bitwise) {
-  EXPECT_GE(s.compared_rows, 40);
-  EXPECT_GE(s.sparse_rows, 20) << "sequences in their sparse regime";
-  EXPECT_GE(s.compared_rows - s.sparse_rows, 10) << "sequences in their dense regime";
-  EXPECT_GE(s.free_rows, 4);
-  EXPECT_GT(s.reused_blocks, 0) << "a released request's blocks must be handed out again";
-  if (bitwise) {
-    EXPECT_EQ(s.bitwise_rows, s.compared_rows);
-  }
-}
-
 TEST(EnginePoolsCuda, BlockSparseRaggedBatchOverBf16Pools) {
   SKIP_WITHOUT_CUDA();
-  expect_block_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, {}), true);
+  testing::expect_block_pools_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, {}), true);
 }
 TEST(EnginePoolsCuda, BlockSparseRaggedBatchOverFp8Keys) {
   SKIP_WITHOUT_CUDA();
   testing::BlockPoolsRun run;
   run.fp8_keys = true;
-  expect_block_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, run), true);
+  testing::expect_block_pools_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, run), true);
 }
 // One step captured and replayed while the lengths change, requests leave
 // and their blocks are reused.
@@ -51,7 +40,7 @@ TEST(EnginePoolsCuda, BlockSparseCapturedStepReplayedAsLengthsChange) {
     testing::BlockPoolsRun run;
     run.fp8_keys = fp8;
     run.runner = [&graph](const std::function<LayerStep(void*)>& step) { return graph(step); };
-    expect_block_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, run), false);
+    testing::expect_block_pools_coverage(testing::check_block_sparse_engine_pools(Device::kCuda, run), false);
     EXPECT_GE(graph.replays(), 12) << (fp8 ? "FP8 keys" : "bf16 keys");
   }
 }

@@ -470,4 +470,15 @@ void check_block_sparse_engine_pools_refusals(Device device, bool fp8_keys) {
   EXPECT_TRUE(throws_error_naming([&] { paged.decode(pt, kv); }, "KVStorage::kEnginePools"));
 }
 
+void expect_block_pools_coverage(const BlockPoolsStats& s, bool bitwise) {
+  EXPECT_GE(s.compared_rows, 40);
+  EXPECT_GE(s.sparse_rows, 20) << "sequences in their sparse regime";
+  EXPECT_GE(s.compared_rows - s.sparse_rows, 10) << "sequences in their dense regime";
+  EXPECT_GE(s.free_rows, 4);
+  EXPECT_GT(s.reused_blocks, 0) << "a released request's blocks must be handed out again";
+  if (bitwise) {
+    EXPECT_EQ(s.bitwise_rows, s.compared_rows);
+  }
+}
+
 }  // namespace sparsepage::testing

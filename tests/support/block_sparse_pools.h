@@ -37,6 +37,10 @@ struct BlockPoolsStats {
 };
 
 BlockPoolsStats check_block_sparse_engine_pools(Device device, const BlockPoolsRun& run);
+/// What every backend's run must have covered: sparse and dense sequences,
+/// free slots, reused blocks; `bitwise`: every output equal to its twin bit
+/// for bit (the bf16-keys form).
+void expect_block_pools_coverage(const BlockPoolsStats& s, bool bitwise);
 
 /// Refusals: a length past max_seq_len, a negative one, and a key block id
 /// outside the pool each refuse their sequence (check_errors() names them,
