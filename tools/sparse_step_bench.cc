@@ -256,6 +256,12 @@ void set_engine_tables(EnginePagedKV& kv, const Buffer& table, const Buffer& len
   kv.index_keys.max_blocks = max_blocks;
 }
 
+// Pool copies rotated among replays: enough that one replay's distinct rows
+// and keys (`bytes` a copy) exceed 150 MB, 2.5x the L2; at most 16.
+int64_t pool_copies(int64_t bytes) {
+  return std::clamp<int64_t>((int64_t{150} << 20) / std::max<int64_t>(bytes, 1) + 1, 1, 16);
+}
+
 // The engine's block table: each sequence's blocks drawn from a shuffled
 // free list of a pool with 8 spare blocks (what an allocator hands out after
 // churn), as both pools setups build it; rows of max_blocks entries.
@@ -353,10 +359,9 @@ Arm dsa_pools_arm(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& l
   s.tokens = random_buffers(device, {b * h * 512 * 2, b * h * 64 * 2, b * 64 * 128 * 2, b * 64 * 4},
                             {false, false, false, true}, 93);
   s.o = Buffer(device, b * h * 512 * 2);
-  // Enough copies that one replay's distinct rows and keys exceed 150 MB (2.5x the L2), at most 16.
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // one copy's rows and keys
   for (int64_t len : lens) bytes += len * ((fp8 ? 656 : 1152) + (fp8 ? 132 : 256));
-  const int64_t copies = std::clamp<int64_t>((int64_t{150} << 20) / std::max<int64_t>(bytes, 1) + 1, 1, 16);
+  const int64_t copies = pool_copies(bytes);
   s.copies.resize(static_cast<size_t>(copies));
   for (size_t i = 0; i < s.copies.size(); ++i) build_pools(s, device, s.copies[i], 500 + 31 * i);
   s.layer->reserve(*std::max_element(lens.begin(), lens.end()));
@@ -527,10 +532,9 @@ Arm block_pools_arm(BlockPoolsSetup& s, Device device, const std::vector<int64_t
   s.layer = std::make_unique<BlockSparseAttention>(device, DType::kBF16, c, static_cast<int32_t>(b));
   s.tokens = random_buffers(device, {b * c.num_qo_heads * d * 2, b * c.num_kv_heads * d * 2}, {false, false}, 95);
   s.o = Buffer(device, b * c.num_qo_heads * d * 2);
-  // Enough copies that one replay's distinct rows and keys exceed 150 MB (2.5x the L2), at most 16.
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // one copy's rows and keys
   for (int64_t len : lens) bytes += len * ((fp8 ? 132 : 256) + 2 * c.num_kv_heads * c.head_dim * 2);
-  const int64_t copies = std::clamp<int64_t>((int64_t{150} << 20) / std::max<int64_t>(bytes, 1) + 1, 1, 16);
+  const int64_t copies = pool_copies(bytes);
   s.copies.resize(static_cast<size_t>(copies));
   for (size_t i = 0; i < s.copies.size(); ++i) build_block_pools(s, device, s.copies[i], 700 + 31 * i);
   s.layer->reserve(*std::max_element(lens.begin(), lens.end()));
