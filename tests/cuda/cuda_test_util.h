@@ -37,6 +37,10 @@ inline bool quick_mode() {
   return quick;
 }
 
+/// `steps` decode steps, or under quick_mode() 8: the greedy tests still
+/// compare every layer's fused and mask paths, over fewer tokens.
+inline int32_t quick_steps(int32_t steps) { return quick_mode() ? std::min(steps, 8) : steps; }
+
 /// `lens` as they are, or under quick_mode() each capped at `cap` tokens
 /// (0, 1 and the other short edge cases stay; equal counts stay equal).
 inline std::vector<int32_t> quick_lens(std::vector<int32_t> lens, int32_t cap = 512) {

@@ -681,7 +681,7 @@ TEST(DsaCuda, GreedyDecodeMatchesTheMaskPathAndTheCpu) {
   std::uniform_int_distribution<int32_t> token(0, config.vocab - 1);
   std::vector<int32_t> prompt(100);
   for (int32_t& t : prompt) t = token(rng);
-  const int32_t steps = 32;
+  const int32_t steps = testing::quick_steps(32);
   testing::DsaToyModel fused(Device::kCuda, config, testing::always_fuse());
   testing::DsaToyModel masked(Device::kCuda, config, testing::kill_switch());
   testing::DsaToyModel cpu(Device::kCpu, config, testing::always_fuse());

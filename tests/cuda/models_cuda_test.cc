@@ -33,12 +33,12 @@ TEST(BlockSparseCuda, SetEqualityWithTheMaskPath) {
 
 TEST(BlockSparseCuda, GreedyDecodeEquality) {
   SKIP_WITHOUT_CUDA();
-  testing::check_block_sparse_greedy_equality(Device::kCuda, 1);
+  testing::check_block_sparse_greedy_equality(Device::kCuda, 1, testing::quick_steps(64));
 }
 
 TEST(BlockSparseCuda, GreedyDecodeEqualityAtBatch3) {
   SKIP_WITHOUT_CUDA();
-  testing::check_block_sparse_greedy_equality(Device::kCuda, 3);
+  testing::check_block_sparse_greedy_equality(Device::kCuda, 3, testing::quick_steps(64));
 }
 
 // A selection naming a position past the live window must never read another

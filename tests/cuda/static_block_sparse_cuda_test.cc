@@ -47,7 +47,7 @@ TEST(StaticBlockSparseCuda, MatchesTheFp64ReferenceWithUnusedRowsPoisoned) {
 
 TEST(StaticBlockSparseCuda, GreedyDecodeEquality) {
   SKIP_WITHOUT_CUDA();
-  testing::check_static_greedy_equality(Device::kCuda, 2);
+  testing::check_static_greedy_equality(Device::kCuda, 2, testing::quick_steps(64));
 }
 
 // The device kernel and its CPU twin write the same page matrix, and the

@@ -121,7 +121,7 @@ void expect_same_greedy_tokens(const std::vector<std::vector<int32_t>>& got,
   EXPECT_GE(2 * compared, total) << what << ": fewer than half the tokens were compared before near-ties";
 }
 
-void check_block_sparse_greedy_equality(Device device, int32_t batch) {
+void check_block_sparse_greedy_equality(Device device, int32_t batch, int32_t steps) {
   ToyModelConfig config;
   config.batch = batch;
   std::mt19937_64 rng(99);
@@ -133,7 +133,6 @@ void check_block_sparse_greedy_equality(Device device, int32_t batch) {
   ASSERT_TRUE(config.attention.sparse_regime(160));
   ToyModel fused(device, config, always_fuse());
   ToyModel masked(device, config, kill_switch());
-  const int32_t steps = 64;
   const auto a = fused.generate(prompts, steps);
   const auto b = masked.generate(prompts, steps);
   EXPECT_EQ(fused.sparse_steps(), steps * config.layers);

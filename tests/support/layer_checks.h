@@ -30,10 +30,10 @@ void check_block_sparse_set_equality(Device device,
                                      const std::vector<std::pair<int32_t, int64_t>>& batch_contexts = {
                                          {1, 150}, {1, 160}, {1, 257}, {3, 300}, {8, 201}});
 
-/// The toy transformer decodes 64 greedy tokens identically with the fused
-/// path and with the kill switch (mask path), in the sparse regime, for
-/// `batch` sequences side by side.
-void check_block_sparse_greedy_equality(Device device, int32_t batch);
+/// The toy transformer decodes `steps` greedy tokens identically with the
+/// fused path and with the kill switch (mask path), in the sparse regime,
+/// for `batch` sequences side by side.
+void check_block_sparse_greedy_equality(Device device, int32_t batch, int32_t steps = 64);
 
 /// Static per-query-head block-sparse decode (tests/support/static_layer_checks.cc)
 /// at each (batch, context): per query head, the positions the page table
@@ -52,9 +52,9 @@ void check_static_set_equality(Device device, const StaticBlockSparseConfig& con
 void check_static_against_reference(Device device, const StaticBlockSparseConfig& config, int32_t batch,
                                     int64_t context);
 
-/// The toy transformer over static block-sparse layers decodes 64 greedy
-/// tokens identically with the fused path and with the kill switch.
-void check_static_greedy_equality(Device device, int32_t batch);
+/// The toy transformer over static block-sparse layers decodes `steps`
+/// greedy tokens identically with the fused path and with the kill switch.
+void check_static_greedy_equality(Device device, int32_t batch, int32_t steps = 64);
 
 /// Greedy tokens of two arms that attend the same positions with bf16
 /// rounding in another order (`got`, `ref`: per sequence). They must agree

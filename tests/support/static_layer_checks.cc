@@ -210,7 +210,7 @@ void check_static_against_reference(Device device, const StaticBlockSparseConfig
   }
 }
 
-void check_static_greedy_equality(Device device, int32_t batch) {
+void check_static_greedy_equality(Device device, int32_t batch, int32_t steps) {
   ToyModelConfig config;
   config.kind = ToyAttention::kStaticBlockSparse;
   config.batch = batch;
@@ -222,7 +222,6 @@ void check_static_greedy_equality(Device device, int32_t batch) {
   }
   ToyModel fused(device, config, always_fuse());
   ToyModel masked(device, config, kill_switch());
-  const int32_t steps = 64;
   const auto a = fused.generate(prompts, steps);
   const auto b = masked.generate(prompts, steps);
   EXPECT_EQ(fused.sparse_steps(), steps * config.layers) << "every decode step drops blocks";
