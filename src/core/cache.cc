@@ -255,8 +255,11 @@ void DenseKVCache::grow_to(int64_t needed) {
   bytes_of(k_heads_, stored_row_bytes(mode_, k_head_dim_));
   bytes_of(v_heads_, stored_row_bytes(mode_, v_head_dim_));
   auto grown = std::make_shared<Storage>();
+  // Rows no token has reached yet are zeros, never uninitialized memory: a
+  // later growth copies them, and host copies of the window read them.
   auto regrow = [&](Buffer& old, Buffer& fresh, int32_t heads, size_t row_bytes) {
     fresh = Buffer(device_, bytes_of(heads, row_bytes));
+    fill_bytes(fresh.data(), device_, 0, fresh.bytes());
     copy_2d(fresh.data(), device_, static_cast<size_t>(new_capacity) * row_bytes, old.data(), device_,
             static_cast<size_t>(capacity_) * row_bytes, static_cast<size_t>(live_len()) * row_bytes,
             static_cast<size_t>(batch_) * heads);

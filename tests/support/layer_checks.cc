@@ -109,7 +109,8 @@ void expect_same_greedy_tokens(const std::vector<std::vector<int32_t>>& got,
     const auto split = std::mismatch(got[s].begin(), got[s].end(), ref[s].begin());
     const auto at = static_cast<size_t>(split.first - got[s].begin());
     compared += at;
-    EXPECT_GE(std::set<int32_t>(got[s].begin(), got[s].end()).size(), 8u) << "a degenerate generation proves little";
+    EXPECT_GE(std::set<int32_t>(got[s].begin(), got[s].end()).size(), std::min<size_t>(8, got[s].size() / 2))
+        << "a degenerate generation proves little";
     if (at == got[s].size()) continue;
     EXPECT_LT(ref_margins[s][at], kNearTie)
         << what << ": sequence " << s << " step " << at << " chose " << got[s][at] << " and " << ref[s][at]
