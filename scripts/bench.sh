@@ -14,7 +14,8 @@
 #      against the fused sparse arm over the same selection;
 #   4. prefill: sparse_prefill_bench (prompts prefilled in chunks per layer
 #      kind, checked before timing), then python/benchmarks/prefill_vs_dense.py
-#      (dense causal attention of the same prompts; skips without torch).
+#      (dense causal attention of the same prompts; skips without torch),
+#      and plots of both (build/bench/prefill_<kind>.png).
 # STEP_ARGS, POOLS_ARGS, KERNEL_ARGS and PREFILL_ARGS pass options to each
 # (see their --help); BENCH_PREFILL=0 leaves stage 4 out.
 set -euo pipefail
@@ -43,4 +44,8 @@ if [[ ${BENCH_PREFILL:-1} != 0 ]]; then
   echo "== prefill in chunks (sparse_prefill_bench), then dense attention of the same prompts"
   "$build/tools/sparse_prefill_bench" --json "$out/prefill.json" ${PREFILL_ARGS:-}
   python3 python/benchmarks/prefill_vs_dense.py --json "$out/prefill_dense.json" || echo "prefill_vs_dense: failed"
+  dense=(); [ -s "$out/prefill_dense.json" ] && dense=(--dense "$out/prefill_dense.json")
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import matplotlib" 2>/dev/null; then
+    .venv/bin/python scripts/plot_prefill.py "$out/prefill.json" "$out" "${dense[@]}" || echo "prefill plots: failed"
+  fi
 fi
