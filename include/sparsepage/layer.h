@@ -155,6 +155,18 @@ class SparseLayer {
   /// num_tokens, ...], k and v token-major [num_tokens, batch, heads, 1,
   /// dim]. Rows of free slots are not read; their o rows are zeroed.
   void prefill_chunk(const StepTokens& tokens, int32_t num_tokens, void* stream);
+  /// Chunked prefill over an engine's paged pool (KVStorage::kEnginePaged):
+  /// the engine has written the chunk's K/V rows into `kv` at each active
+  /// slot's positions kv_lens()[b] .. + num_tokens - 1; appends the chunk's
+  /// index keys (tokens.index_k, token-major [num_tokens, batch, 1, 1, dim];
+  /// k and v null), runs the model's prefill indexer over them, then its
+  /// fused prefill reading the rows through kv.block_table (row b for slot
+  /// b; row_of_sequence null). Refused by name before anything changes as
+  /// prefill_chunk is, and besides: a table row too short for a slot's
+  /// length, on the CPU a block id outside the pool (on CUDA the kernels
+  /// flag it and check_errors() names it), and an engine-pools layer (its
+  /// paged index keys are not read by the prefill indexers).
+  void prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
   /// before anything changes. An engine-pools layer appends nothing and
@@ -212,6 +224,9 @@ class SparseLayer {
   /// `rows` (a view of the layer's cache) from slot `first_slot` and head
   /// `head` on: what run_prefill hands its kernels for a chunk of slots.
   RowView slot_rows(RowView rows, int32_t first_slot, int32_t head = 0) const;
+  /// The engine's block table of the chunk under way (engine_kv() set) from
+  /// slot `first_slot` on: what run_prefill hands its kernels over a pool.
+  BlockTable slot_table(int32_t first_slot) const;
   /// The indexer's IndexKeyError word (int32 on the layer's device, zeroed
   /// when first asked for), for models whose indexer refuses rows of
   /// engine pools; raise_index_errors() reads and clears it.
@@ -229,7 +244,7 @@ class SparseLayer {
   bool engine_paged() const { return storage_ != KVStorage::kLayerCache; }
   /// Everything in the engine's pools, lengths passed each step.
   bool engine_pools() const { return storage_ == KVStorage::kEnginePools; }
-  /// The engine's pools of the step under way (engine forms only, else null).
+  /// The engine's pools of the step or prefill chunk under way (engine forms only, else null).
   const EnginePagedKV* engine_kv() const { return engine_kv_; }
   /// The largest per-slot length the step buffers serve.
   int64_t capacity() const { return engine_pools() ? sized_capacity_ : cache_.capacity(); }
@@ -248,6 +263,12 @@ class SparseLayer {
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
                    const PagedSelection& selection, void* stream);
   LayerStep pools_step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
+  /// The host's lengths after a prefill chunk of num_tokens, or Error naming
+  /// why the chunk is refused (before anything changes).
+  std::vector<int64_t> prefill_lens(const std::string& who, int32_t num_tokens) const;
+  /// A prefill chunk after its rows were appended: the model's run_prefill
+  /// over every active slot (`lens`: the host's lengths after it).
+  void run_chunk(const StepTokens& tokens, int32_t num_tokens, const std::vector<int64_t>& lens, void* stream);
   void refuse_on_engine_pools(const char* what) const;
 
   std::string name_;

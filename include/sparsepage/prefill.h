@@ -97,6 +97,13 @@ struct MlaPrefillParams {
   int64_t index_token_stride = 0;
   int64_t index_seq_stride = 0;
   const int32_t* topk_length = nullptr;  // [batch, num_tokens] entries to read per token (<= topk), or null
+  /// An engine's paged pool instead of per-sequence rows (block_table.data
+  /// set): kv and kv_rope are views of the pool's num_blocks * block_size
+  /// rows (seq_stride 0), and position p of sequence b is pool row
+  /// block_table[b, p / block_size] * block_size + p % block_size (row b:
+  /// row_of_sequence must be null). Ids outside [0, num_blocks) are errors
+  /// as entries outside a window are (CPU: thrown; CUDA: NaN and the flag).
+  BlockTable block_table;
   float scale = 0.0f;                    // softmax scale (sm_scale); must be finite
   const float* attn_sink = nullptr;      // [num_heads] fp32, or null
   void* out = nullptr;                   // [batch, num_tokens, num_heads, 512] (packed, or out_strides)
@@ -133,9 +140,10 @@ class MlaSparsePrefill {
     int32_t batch = 0, num_tokens = 0, num_heads = 0, topk = 0;
     KvFormat kv_format = KvFormat::kNative;
     bool need_lse_scratch = false;
+    bool paged = false;  // rows through a block table
     bool operator==(const Shape& o) const {
       return batch == o.batch && num_tokens == o.num_tokens && num_heads == o.num_heads && topk == o.topk &&
-             kv_format == o.kv_format && need_lse_scratch == o.need_lse_scratch;
+             kv_format == o.kv_format && need_lse_scratch == o.need_lse_scratch && paged == o.paged;
     }
   };
   static Shape shape_of(const MlaPrefillParams& params);
@@ -145,6 +153,7 @@ class MlaSparsePrefill {
   DecodePlan plan_;   // one sequence's tokens as requests
   Buffer workspace_;  // the plan's workspace (CUDA)
   Buffer scratch_;    // int32 windows [batch * num_tokens], then fp32 lse [batch * num_tokens * num_heads]
+  Buffer table_rows_;  // paged: int32 [batch * num_tokens], each token's table row (its sequence)
   const char* kernel_name_ = "";
 };
 
@@ -251,6 +260,11 @@ struct GqaPrefillParams {
   const void* q = nullptr;  // [batch, num_tokens, num_qo_heads, k.dim], packed
   RowView k;                // row p of (sequence b, KV head h) at k.offset(b, h, p)
   RowView v;
+  /// An engine's paged pool instead (block_table.data set): k and v are
+  /// views of the pool's rows (seq_stride 0), position p of sequence b at
+  /// row block_table[b, p / block_size] * block_size + p % block_size of
+  /// them (table row b: row_of_sequence must be null); as MlaPrefillParams.
+  BlockTable block_table;
   float scale = 0.0f;
   void* o = nullptr;     // [batch, num_tokens, num_qo_heads, v.dim], packed
   float* lse = nullptr;  // [batch, num_tokens, num_qo_heads] (natural log) or null
@@ -262,7 +276,10 @@ struct GqaPrefillParams {
 /// head's query heads, so a gathered row is read once per 64 query rows
 /// (the 64-row multi-token CTA at head dim 128) and each token's causal
 /// limit is applied by position. Per-query-head lists run one request per
-/// (query block, query head) over its KV head's rows.
+/// (query block, query head) over its KV head's rows. Over a block table
+/// (an engine's pool) the rows are read through the engine-input kernels,
+/// which keep every query row on the 16-row tiles (CUDA): the same answer,
+/// each gathered row read once per 16 query rows.
 class GqaBlockPrefill {
  public:
   explicit GqaBlockPrefill(Device device) : device_(device) {}
@@ -286,10 +303,11 @@ class GqaBlockPrefill {
     int32_t dim_qk = 0, dim_v = 0;
     BlockSelectionLayout layout = BlockSelectionLayout::kPerKvHead;
     bool lse = false;
+    bool paged = false;  // rows through a block table
     bool operator==(const Shape& o) const {
       return batch == o.batch && num_tokens == o.num_tokens && num_qo_heads == o.num_qo_heads &&
              num_kv_heads == o.num_kv_heads && block_size == o.block_size && width == o.width && dim_qk == o.dim_qk &&
-             dim_v == o.dim_v && layout == o.layout && lse == o.lse;
+             dim_v == o.dim_v && layout == o.layout && lse == o.lse && paged == o.paged;
     }
   };
   static Shape shape_of(const GqaPrefillParams& params);
@@ -298,6 +316,7 @@ class GqaBlockPrefill {
   bool prepared_ = false;
   Part parts_[2];
   Buffer scratch_;  // int32 windows [batch, num_query_blocks], the alignment flag, fp32 lse staging
+  Buffer table_rows_;  // paged: int32 [batch, num_query_blocks], each query block's table row (its sequence)
   const char* kernel_name_ = "";
 };
 

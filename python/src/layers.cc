@@ -648,6 +648,35 @@ void bind_layers(nb::module_& m) {
           "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
           "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
           "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def(
+          "prefill_paged",
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
+             const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
+            const std::string op = "BlockSparseAttention.prefill_paged";
+            const auto& c = self.config();
+            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+            const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
+            const int32_t n = step_q_len(op, q, "q", q_layout);
+            BlockSparseTokens t;
+            t.q = step_arg(op, q, "q", self.device(), self.dtype(), {B, n, Hq, D}, q_layout);
+            t.index_q = step_arg(op, index_q, "index_q", self.device(), self.dtype(), {B, n, Hk, D},
+                                 "[batch, num_tokens, num_kv_heads, head_dim]");
+            t.index_k = step_arg(op, index_k, "index_k", self.device(), self.dtype(), {n, B, 1, 1, D},
+                                 "[num_tokens, batch, 1, 1, head_dim] (token-major)");
+            t.o = const_cast<void*>(step_arg(op, In(o), "o", self.device(), self.dtype(), {B, n, Hq, D},
+                                             "[batch, num_tokens, num_qo_heads, head_dim]"));
+            self.prefill(t, block_engine_kv(self, op, k_cache, v_cache, block_table), n, step_stream(stream, self));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
+          "Chunked prefill over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): the engine\n"
+          "has written the chunk's K and V rows into k_cache / v_cache [num_blocks, block_size, Hkv, D]\n"
+          "at each active slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the\n"
+          "chunk's index keys index_k [num_tokens, B, 1, 1, D] (token-major), runs the block prefill\n"
+          "indexer and the fused block prefill reading the rows through block_table int32 [B,\n"
+          "max_blocks]. q and o [B, num_tokens, Hq, D], index_q [B, num_tokens, Hkv, D]. The same\n"
+          "selection and answer as prefill over the layer's own cache, with its refusals, and a table\n"
+          "row too short for a slot refused before anything changes.")
       .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
   nb::class_<StaticBlockSparseConfig>(

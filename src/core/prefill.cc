@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <thread>
@@ -103,6 +104,48 @@ void check_block_starts(const PrefillChunk& c, int32_t block_size, Device device
   }
 }
 
+/// A prefill over an engine's paged pool (`table` set): the table must
+/// address the chunk's sequences by row (sequence b reads row b) and reach
+/// every position the host knows of, and the row views are the pool's
+/// (no per-sequence stride: the table places each position).
+void check_prefill_table(const BlockTable& table, const PrefillChunk& c, std::initializer_list<const RowView*> views,
+                         Device device, const std::string& who) {
+  if (table.data == nullptr) return;
+  REQUIRE(table.row_of_sequence == nullptr,
+          who + "block_table.row_of_sequence must be null: sequence b of a chunk reads table row b");
+  const std::string problem = block_table_problem(table, c.batch);
+  REQUIRE(problem.empty(), who + problem);
+  for (const RowView* v : views) {
+    REQUIRE(v->seq_stride == 0, who + "a view over a block-table pool has seq_stride 0 (the table places each "
+                                      "position), not " + to_string(v->seq_stride));
+  }
+  if (c.kv_lens != nullptr && device == Device::kCuda) return;  // read on the device: past the table is flagged
+  const int64_t reach = int64_t{table.max_blocks} * table.block_size;
+  const std::vector<int64_t> lens = host_lengths(c, who);
+  for (int32_t b = 0; b < c.batch; ++b) {
+    REQUIRE(lens[static_cast<size_t>(b)] <= reach,
+            who + "sequence " + to_string(b) + " holds " + to_string(lens[static_cast<size_t>(b)]) +
+                " positions, past its block-table row's " + to_string(table.max_blocks) + " blocks of " +
+                to_string(table.block_size));
+  }
+}
+
+/// Each launch sequence's table row over a paged chunk: `per_sequence`
+/// entries of b for each sequence b (uploaded once per shape).
+Buffer table_row_map(Device device, int32_t batch, int32_t per_sequence) {
+  std::vector<int32_t> rows(static_cast<size_t>(batch) * static_cast<size_t>(per_sequence));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i / static_cast<size_t>(per_sequence));
+  return upload(device, rows);
+}
+
+/// Moves a decode's rows onto `table` (the engine's pool): positions resolve
+/// through it, launch sequence s reading table row rows[s].
+void address_by_table(DecodeParams& d, const BlockTable& table, const int32_t* rows) {
+  d.addressing = PageAddressing::kBlockTable;
+  d.block_table = table;
+  d.block_table.row_of_sequence = rows;
+}
+
 /// The fused decode on the backend's device; returns the kernel's name ("cpu" on the CPU).
 const char* run_decode(Device device, const DecodeParams& d, const DecodePlan& plan, void* workspace, void* stream,
                        int32_t max_q_len) {
@@ -147,9 +190,11 @@ void check_mla(const MlaPrefillParams& p, Device device) {
           who + "index_token_stride = " + to_string(p.index_token_stride) + " is below topk = " + to_string(p.topk));
   REQUIRE(p.index_token_stride >= 0 && p.index_seq_stride >= 0, who + "index strides must not be negative");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
-  REQUIRE(p.kv.capacity == 0 || p.chunk.kv_len <= p.kv.capacity,
+  // Over a block table the capacity is the pool's rows, not positions.
+  REQUIRE(p.block_table.data != nullptr || p.kv.capacity == 0 || p.chunk.kv_len <= p.kv.capacity,
           who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
               " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
+  check_prefill_table(p.block_table, p.chunk, {&p.kv, &p.kv_rope}, device, who);
   REQUIRE(device == Device::kCpu || p.max_logits == nullptr,
           who + "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
                 "(within 2^8 of the true one), so pass max_logits = null on CUDA");
@@ -165,7 +210,8 @@ int64_t index_seq_stride(const MlaPrefillParams& p) {
 /// The fused decode's params for sequence b's tokens: each token a request
 /// (one "KV head", its own sequence of the window), its index row read in
 /// place (kMatrix, -1 skipped), its window `windows[t]` = pos + 1.
-DecodeParams mla_decode_params(const MlaPrefillParams& p, int32_t b, const int32_t* windows, float* lse) {
+DecodeParams mla_decode_params(const MlaPrefillParams& p, int32_t b, const int32_t* windows, float* lse,
+                               const int32_t* table_rows) {
   const int32_t n = p.chunk.num_tokens;
   const size_t esize = dtype_size(p.dtype);
   const size_t kv_size = p.kv_format == KvFormat::kNative ? esize : 1;  // fp8 rows count bytes
@@ -202,6 +248,7 @@ DecodeParams mla_decode_params(const MlaPrefillParams& p, int32_t b, const int32
   d.k_extra = sequence_view(p.kv_rope, b, esize);
   d.scale = p.scale;
   d.lse = lse != nullptr ? lse + int64_t{b} * n * p.num_heads : nullptr;
+  if (p.block_table.data != nullptr) address_by_table(d, p.block_table, table_rows + int64_t{b} * n);
   return d;
 }
 
@@ -231,6 +278,7 @@ MlaSparsePrefill::Shape MlaSparsePrefill::shape_of(const MlaPrefillParams& p) {
   s.topk = p.topk;
   s.kv_format = p.kv_format;
   s.need_lse_scratch = p.lse == nullptr && p.attn_sink != nullptr;
+  s.paged = p.block_table.data != nullptr;
   return s;
 }
 
@@ -246,6 +294,7 @@ void MlaSparsePrefill::prepare(const MlaPrefillParams& p, void* stream) {
   const size_t tokens = static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens);
   const size_t lse_bytes = s.need_lse_scratch ? tokens * static_cast<size_t>(s.num_heads) * sizeof(float) : 0;
   scratch_ = Buffer(device_, round_up(tokens * sizeof(int32_t), 256) + lse_bytes);
+  table_rows_ = s.paged ? table_row_map(device_, s.batch, s.num_tokens) : Buffer();  // each token a launch sequence
   shape_ = s;
   prepared_ = true;
 }
@@ -265,7 +314,7 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
   if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked first
   launch(device_, detail::token_windows_cpu, detail::token_windows_cuda, w, stream);
   for (int32_t b = 0; b < s.batch; ++b) {
-    const DecodeParams d = mla_decode_params(p, b, windows, lse);
+    const DecodeParams d = mla_decode_params(p, b, windows, lse, table_rows_.as<int32_t>());
     kernel_name_ = run_decode(device_, d, plan_, workspace_.data(), stream, kMaxQueryTokens);
   }
   if (lse != nullptr) {
@@ -439,6 +488,7 @@ void check_gqa(const GqaPrefillParams& p, Device device) {
           who + "selection.layout is not a BlockSelectionLayout value");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
   check_block_starts(p.chunk, p.block_size, device, who);
+  check_prefill_table(p.block_table, p.chunk, {&p.k, &p.v}, device, who);
 }
 
 /// How many (sequence-local) lists one launch of part `full` covers, and
@@ -476,6 +526,7 @@ GqaBlockPrefill::Shape GqaBlockPrefill::shape_of(const GqaPrefillParams& p) {
   s.dim_v = p.v.dim;
   s.layout = p.selection.layout;
   s.lse = p.lse != nullptr;
+  s.paged = p.block_table.data != nullptr;
   return s;
 }
 
@@ -496,7 +547,10 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
     const int32_t requests = part.query_blocks * geo.lists_per_block;
     // Planned for the lists' bound; the counts the selection writes are read
     // where the kernel runs (an early query block keeps few blocks).
-    const PlanShape shape = decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
+    // Over a block table every query row runs on the 16-row tiles (the
+    // 64-row CTAs read the library's own tables only): plan for those.
+    const PlanShape shape = s.paged ? decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group * part.tokens, 1)
+                                    : decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
     part.plan = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), s.width * s.block_size), shape);
     part.workspace = Buffer(device_, std::max<size_t>(part.plan.workspace.total, 256));
     if (device_ == Device::kCuda) upload_plan_cuda(part.plan, part.workspace.data(), stream);
@@ -511,6 +565,8 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
                  : 0;
   scratch_ = Buffer(device_, round_up(windows * sizeof(int32_t), 256) + 256 + lse_bytes);
   fill_bytes(scratch_.data(), device_, 0, scratch_.bytes());  // the alignment flag starts clear
+  // Each query block is a launch sequence (per KV head and per query head alike).
+  table_rows_ = s.paged ? table_row_map(device_, s.batch, query_blocks(s.num_tokens, s.block_size)) : Buffer();
   shape_ = s;
   prepared_ = true;
 }
@@ -587,6 +643,7 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.k.data = offset_bytes(d.k.data, int64_t{kv} * p.k.head_stride, esize);
           d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
         }
+        if (s.paged) address_by_table(d, p.block_table, table_rows_.as<int32_t>() + int64_t{b} * nqb + qb0);
         kernel_name_ = run_decode(device_, d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
       }
     }

@@ -502,7 +502,9 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   ip.block_size = bs;
   ip.top_blocks = config_.topk_blocks;
   ip.local_blocks = config_.local_blocks;
-  ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, heads);  // the index key rides at head num_kv_heads
+  // The index key rides at head num_kv_heads of the layer's K rows; an
+  // engine-paged layer keeps the keys alone (head 0).
+  ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, engine_paged() ? 0 : heads);
   ip.q_index = tokens.index_q;
   ip.block_ids = prefill_indexer_ids_.as<int32_t>() + list0 * indexer_width;
   ip.counts = prefill_indexer_counts_.as<int32_t>() + list0;
@@ -529,7 +531,14 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   }
 
   const BlockPrefillSelection kept{BlockSelectionLayout::kPerKvHead, ra.block_ids, ra.counts, width()};
-  detail::run_gqa_chunk(gqa_prefill_, cache(), first_slot, chunk, detail::gqa_geometry(config_), tokens, kept, stream);
+  if (engine_kv() != nullptr) {  // engine-paged: K and V in the engine's pool, through its block table
+    detail::run_gqa_chunk(gqa_prefill_, dtype(), engine_kv()->k, engine_kv()->v, slot_table(first_slot), chunk,
+                          detail::gqa_geometry(config_), tokens, kept, stream);
+  } else {
+    detail::run_gqa_chunk(gqa_prefill_, dtype(), slot_rows(cache().k_rows().value(), first_slot),
+                          slot_rows(cache().v_rows().value(), first_slot), BlockTable{}, chunk,
+                          detail::gqa_geometry(config_), tokens, kept, stream);
+  }
 }
 
 std::vector<std::vector<int32_t>> BlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,

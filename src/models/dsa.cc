@@ -357,7 +357,8 @@ std::string DsaAttention::prefill_refusal(int32_t /*num_tokens*/, const std::vec
   }
   // The prefill indexer reads the index key at column latent_dim of rows
   // latent_dim + index_head_dim long, capacity rows per sequence: the
-  // layer's own cache (one K head of that width, dense).
+  // layer's own cache (one K head of that width, dense; an engine-paged
+  // layer's: the keys alone, column 0).
   return {};
 }
 
@@ -382,7 +383,7 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
   ip.index_head_dim = config_.index_head_dim;
   ip.topk = topk;
   ip.k_cache = k_rows.data;
-  ip.key_column = config_.latent_dim;
+  ip.key_column = engine_paged() ? 0 : config_.latent_dim;  // an engine-paged layer keeps the keys alone
   ip.capacity = capacity();
   ip.q_index = tokens.index_q;
   ip.weights = tokens.index_weights;
@@ -397,9 +398,16 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
   mp.topk = topk;
   mp.q = tokens.q;
   mp.q_rope = tokens.q_extra;
-  mp.kv = k_rows;  // kv_latent: the first latent_dim columns of the K rows (K and V)
-  mp.kv.dim = config_.latent_dim;
-  mp.kv_rope = slot_rows(cache().v_rows().value(), first_slot);
+  if (engine_kv() != nullptr) {  // engine-paged: the MLA rows in the engine's pool, through its block table
+    mp.kv = engine_kv()->k;
+    mp.kv_rope = engine_kv()->k_extra;
+    mp.kv_format = engine_kv()->kv_format;
+    mp.block_table = slot_table(first_slot);
+  } else {
+    mp.kv = k_rows;  // kv_latent: the first latent_dim columns of the K rows (K and V)
+    mp.kv.dim = config_.latent_dim;
+    mp.kv_rope = slot_rows(cache().v_rows().value(), first_slot);
+  }
   mp.indices = ip.positions;
   mp.topk_length = ip.counts;
   mp.scale = config_.scale;

@@ -79,25 +79,23 @@ GqaChunkGeometry gqa_geometry(const Config& c) {
 }
 
 /// The attention half of a block layer's prefill chunk: GQA over the kept
-/// blocks of `kept` for the slots from `first_slot` on, reading the layer's
-/// own K and V rows in `cache` and the chunk's q and o from `tokens`.
-inline void run_gqa_chunk(GqaBlockPrefill& prefill, const DenseKVCache& cache, int32_t first_slot,
-                          const PrefillChunk& chunk, const GqaChunkGeometry& g, const StepTokens& tokens,
-                          BlockPrefillSelection kept, void* stream) {
-  const auto esize = static_cast<int64_t>(dtype_size(cache.dtype()));
-  const auto from_slot = [&](RowView rows) {
-    rows.data = static_cast<const char*>(rows.data) + first_slot * rows.seq_stride * esize;
-    return rows;
-  };
+/// blocks of `kept` for the chunk's slots, reading K and V through `k` and
+/// `v` (the layer's own rows from the chunk's first slot on; or an engine's
+/// pool, with `table` its block table from that slot on) and the chunk's q
+/// and o from `tokens`.
+inline void run_gqa_chunk(GqaBlockPrefill& prefill, DType dtype, const RowView& k, const RowView& v,
+                          const BlockTable& table, const PrefillChunk& chunk, const GqaChunkGeometry& g,
+                          const StepTokens& tokens, BlockPrefillSelection kept, void* stream) {
   GqaPrefillParams p;
-  p.dtype = cache.dtype();
+  p.dtype = dtype;
   p.chunk = chunk;
   p.num_qo_heads = g.num_qo_heads;
   p.num_kv_heads = g.num_kv_heads;
   p.block_size = g.block_size;
   p.q = tokens.q;
-  p.k = from_slot(cache.k_rows().value());
-  p.v = from_slot(cache.v_rows().value());
+  p.k = k;
+  p.v = v;
+  p.block_table = table;
   p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
   p.o = tokens.o;
   p.selection = kept;

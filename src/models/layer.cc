@@ -208,22 +208,12 @@ std::vector<std::vector<int32_t>> SparseLayer::prefill_positions(const std::vect
   return {};
 }
 
-void SparseLayer::prefill_chunk(const StepTokens& tokens, int32_t num_tokens, void* stream) {
-  const std::string who = name_ + "::prefill";
-  if (engine_paged()) {
-    throw Error(who +
-                ": an engine-paged layer's rows are the engine's, which the fused prefill does not read; the engine "
-                "prefills and append_tokens() or admit() takes the prompt's index keys");
-  }
+std::vector<int64_t> SparseLayer::prefill_lens(const std::string& who, int32_t num_tokens) const {
   if (num_tokens < 1) throw Error(who + ": num_tokens = " + std::to_string(num_tokens) + " must be at least 1");
-  check_tokens(tokens, false);
   // Decided before anything changes, on the host's lengths after the chunk.
   const std::vector<int64_t> lens = lens_after(num_tokens);
-  bool any_active = false, all_active = true;
-  for (size_t b = 0; b < lens.size(); ++b) {
-    any_active = any_active || cache_.active()[b] != 0;
-    all_active = all_active && cache_.active()[b] != 0;
-  }
+  bool any_active = false;
+  for (size_t b = 0; b < lens.size(); ++b) any_active = any_active || cache_.active()[b] != 0;
   if (!any_active) throw Error(who + ": every slot is free (admit() a request first)");
   for (int64_t len : lens) {
     if (len > INT32_MAX) {
@@ -232,11 +222,76 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, int32_t num_tokens, vo
   }
   const std::string refused = prefill_refusal(num_tokens, lens);
   if (!refused.empty()) throw Error(who + ": " + refused);
+  return lens;
+}
 
+void SparseLayer::prefill_chunk(const StepTokens& tokens, int32_t num_tokens, void* stream) {
+  const std::string who = name_ + "::prefill";
+  if (engine_paged()) {
+    throw Error(who +
+                ": an engine-paged layer's rows are the engine's: pass its pool (prefill(tokens, kv, num_tokens))");
+  }
+  check_tokens(tokens, false);
+  const std::vector<int64_t> lens = prefill_lens(who, num_tokens);
   cache_.reserve(cache_.live_len() + num_tokens);  // allocates only when the capacity must grow
   size_step_buffers(1);
   cache_.append_step_tokens(tokens.k, tokens.v, num_tokens, stream);
+  run_chunk(tokens, num_tokens, lens, stream);
+}
+
+void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream) {
+  const std::string who = name_ + "::prefill(tokens, kv)";
+  if (!engine_paged()) {
+    throw Error(who + ": the layer keeps its own cache; prefill(tokens, num_tokens) reads it");
+  }
+  if (engine_pools()) {
+    throw Error(who +
+                ": an engine-pools layer's index keys are paged in the engine's pool, which the prefill indexers "
+                "do not read (they score dense key rows); a KVStorage::kEnginePaged layer prefills over the "
+                "engine's K/V pool, keeping the index keys itself");
+  }
+  check_tokens(tokens, true);
+  check_engine_kv(kv);
+  if (kv.block_table.row_of_sequence != nullptr) {
+    throw Error(who + ": kv.block_table.row_of_sequence must be null: the prefill reads table row b for slot b");
+  }
+  const std::vector<int64_t> lens = prefill_lens(who, num_tokens);
+  // Every entry the chunk's positions reach must name a pool block: judged
+  // on the host where the table is host memory (CPU), before anything is
+  // appended; on CUDA the kernels flag the requests that read a bad entry.
+  const int64_t reach = int64_t{kv.block_table.max_blocks} * kv.block_table.block_size;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (cache_.active()[b] != 0 && lens[b] > reach) {
+      throw Error(who + ": slot " + std::to_string(b) + " would hold " + std::to_string(lens[b]) +
+                  " positions, past its block-table row's " + std::to_string(kv.block_table.max_blocks) +
+                  " blocks of " + std::to_string(kv.block_table.block_size));
+    }
+  }
+  if (device_ == Device::kCpu) check_table_on_host(who, kv.block_table, lens, cache_.active());
+  cache_.reserve(cache_.live_len() + num_tokens);  // allocates only when the capacity must grow
+  size_step_buffers(1);
+  engine_kv_ = &kv;
+  struct Clear {  // the pools are the caller's: forget them when the chunk returns, thrown or not
+    const EnginePagedKV*& kv;
+    ~Clear() { kv = nullptr; }
+  } clear{engine_kv_};
+  // tokens.index_k is [num_tokens, batch, 1, 1, dim]: the chunk's index keys, token-major.
+  cache_.append_step_tokens(tokens.index_k, nullptr, num_tokens, stream);
+  run_chunk(tokens, num_tokens, lens, stream);
+}
+
+BlockTable SparseLayer::slot_table(int32_t first_slot) const {
+  BlockTable t = engine_kv_->block_table;
+  t.data += int64_t{first_slot} * t.row_stride;
+  t.num_rows -= first_slot;
+  return t;
+}
+
+void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const std::vector<int64_t>& lens,
+                            void* stream) {
   detail::cuda_record_event(after_append_, stream);
+  bool all_active = true;
+  for (size_t b = 0; b < lens.size(); ++b) all_active = all_active && cache_.active()[b] != 0;
   PrefillChunk chunk;
   chunk.num_tokens = num_tokens;
   chunk.kv_len = capacity();  // the bound of every slot's length: a captured chunk replays as they grow

@@ -263,7 +263,9 @@ void StaticBlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t f
   static_prefill_blocks(device(), sp, stream);
 
   const BlockPrefillSelection kept{BlockSelectionLayout::kPerQueryHead, sp.block_ids, sp.counts, width};
-  detail::run_gqa_chunk(gqa_prefill_, cache(), first_slot, chunk, detail::gqa_geometry(config_), tokens, kept, stream);
+  detail::run_gqa_chunk(gqa_prefill_, dtype(), slot_rows(cache().k_rows().value(), first_slot),
+                        slot_rows(cache().v_rows().value(), first_slot), BlockTable{}, chunk,
+                        detail::gqa_geometry(config_), tokens, kept, stream);
 }
 
 std::vector<std::vector<int32_t>> StaticBlockSparseAttention::prefill_positions(const std::vector<int64_t>& lens,

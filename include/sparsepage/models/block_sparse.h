@@ -97,6 +97,18 @@ class BlockSparseAttention : public SparseLayer {
   void prefill(const BlockSparseTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
     prefill_chunk(to_step(tokens), num_tokens, stream);
   }
+  /// Chunked prefill over an engine's paged pool (KVStorage::kEnginePaged;
+  /// SparseLayer::prefill_chunk(tokens, kv, num_tokens)): the engine has
+  /// written the chunk's K and V rows into `kv` at each active slot's
+  /// positions kv_lens()[b] .. kv_lens()[b] + num_tokens - 1; tokens.index_k
+  /// holds the chunk's index keys [num_tokens, batch, 1, 1, head_dim] (k and
+  /// v null). The same selection and answer as prefill(tokens, num_tokens)
+  /// over the layer's own cache, with the same refusals, and a table row
+  /// too short for a slot (or, on the CPU, a block id outside the pool)
+  /// refused before anything changes. Not for KVStorage::kEnginePools.
+  void prefill(const BlockSparseTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), kv, num_tokens, stream);
+  }
   /// One token per active slot: appends it, runs the indexer and attends the
   /// kept blocks (fused, or the block mask over the same set on a decline).
   /// Every input is checked before the cache changes.

@@ -98,6 +98,19 @@ class DsaAttention : public SparseLayer {
   void prefill(const DsaTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
     prefill_chunk(to_step(tokens), num_tokens, stream);
   }
+  /// Chunked prefill over an engine's paged MLA pool (KVStorage::kEnginePaged;
+  /// SparseLayer::prefill_chunk(tokens, kv, num_tokens)): the engine has
+  /// written the chunk's MLA rows (bf16, or the 656-byte FP8 rows) into `kv`
+  /// at each active slot's positions kv_lens()[b] .. + num_tokens - 1;
+  /// tokens.index_k holds the chunk's index keys [num_tokens, batch, 1, 1,
+  /// index_head_dim] (k_cache_row and k_pe null). The same selection and
+  /// answer as prefill(tokens, num_tokens) over the layer's own cache, with
+  /// the same refusals, and a table row too short for a slot (or, on the
+  /// CPU, a block id outside the pool) refused before anything changes. Not
+  /// for KVStorage::kEnginePools.
+  void prefill(const DsaTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), kv, num_tokens, stream);
+  }
   /// One token per active slot: appends it, runs the indexer, attends the
   /// kept positions (fused, or the mask path over the same positions).
   LayerStep decode(const DsaTokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }

@@ -1,0 +1,53 @@
+// Chunked prefill over an engine's paged pool on the CPU backend
+// (prefill(tokens, kv, num_tokens), KVStorage::kEnginePaged): against the
+// layer over its own cache, fp64 and token-by-token engine-paged decode, in
+// ragged batches with a free slot; bad chunks refused by name, the layer
+// unchanged.
+#include <gtest/gtest.h>
+
+#include "support/engine_prefill.h"
+
+namespace sparsepage {
+namespace {
+
+using testing::EnginePrefillCase;
+
+// Blocks of 16, top-2 (the dense regime ends at 64 tokens).
+BlockSparseConfig block_config() { return {8, 2, 64, 16, 2, 1, 64}; }
+
+// The MLA prefill's shape at 4 heads, top-24.
+DsaConfig dsa_config() { return {4, 512, 64, 4, 64, 24, 0.0f, 64}; }
+
+TEST(EnginePrefillCpu, BlockSparseMatchesItsOwnCacheFp64AndDecode) {
+  // Dense, sparse, and crossing into the sparse regime inside the chunk.
+  for (const EnginePrefillCase& c :
+       {EnginePrefillCase{{0}, 48, 1}, EnginePrefillCase{{64}, 40, 2}, EnginePrefillCase{{32}, 64, 3}}) {
+    SCOPED_TRACE("prompt " + std::to_string(c.prompt[0]) + ", chunk " + std::to_string(c.num_tokens));
+    testing::check_engine_paged_block_prefill(Device::kCpu, block_config(), c);
+  }
+}
+
+TEST(EnginePrefillCpu, BlockSparseRaggedBatchWithAFreeSlot) {
+  testing::check_engine_paged_block_prefill(Device::kCpu, block_config(), {{0, 48, 96}, 32, 4});
+  testing::check_engine_paged_block_prefill(Device::kCpu, block_config(), {{16, -1, 80}, 20, 5});  // a partial block
+}
+
+TEST(EnginePrefillCpu, DsaMatchesItsOwnCacheFp64AndDecode) {
+  for (const EnginePrefillCase& c :
+       {EnginePrefillCase{{0}, 16, 1}, EnginePrefillCase{{40}, 12, 2}, EnginePrefillCase{{16}, 16, 3}}) {
+    SCOPED_TRACE("prompt " + std::to_string(c.prompt[0]) + ", chunk " + std::to_string(c.num_tokens));
+    testing::check_engine_paged_dsa_prefill(Device::kCpu, dsa_config(), c);
+  }
+}
+
+TEST(EnginePrefillCpu, DsaRaggedBatchWithAFreeSlot) {
+  testing::check_engine_paged_dsa_prefill(Device::kCpu, dsa_config(), {{5, 40, 17}, 8, 4});
+  testing::check_engine_paged_dsa_prefill(Device::kCpu, dsa_config(), {{30, -1, 9}, 6, 5});
+}
+
+TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
+  testing::check_engine_prefill_refusals(Device::kCpu);
+}
+
+}  // namespace
+}  // namespace sparsepage

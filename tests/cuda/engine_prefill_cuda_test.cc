@@ -1,0 +1,56 @@
+// Chunked prefill over an engine's paged pool on CUDA (prefill(tokens, kv,
+// num_tokens), KVStorage::kEnginePaged): the CPU suite's checks
+// (tests/cpu/engine_prefill_test.cc) at the shapes the CUDA prefill kernels
+// take: against the layer over its own cache, fp64 and token-by-token
+// engine-paged decode, in ragged batches with a free slot, and bad chunks
+// refused by name. Every test skips without a GPU.
+#include <gtest/gtest.h>
+
+#include "cuda/cuda_test_util.h"
+#include "support/engine_prefill.h"
+
+namespace sparsepage {
+namespace {
+
+using testing::EnginePrefillCase;
+
+// The CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128;
+// top-2: the dense regime ends at 256 tokens.
+BlockSparseConfig block_config() { return {8, 2, 128, 64, 2, 1, 256}; }
+
+// 64 query heads: the MLA prefill runs 64 heads per CTA.
+DsaConfig dsa_config() { return {64, 512, 64, 8, 64, 64, 0.0f, 256}; }
+
+TEST(EnginePrefillCuda, BlockSparseMatchesItsOwnCacheFp64AndDecode) {
+  SKIP_WITHOUT_CUDA();
+  for (const EnginePrefillCase& c : {EnginePrefillCase{{0}, 128, 1}, EnginePrefillCase{{256}, 192, 2}}) {
+    SCOPED_TRACE("prompt " + std::to_string(c.prompt[0]) + ", chunk " + std::to_string(c.num_tokens));
+    testing::check_engine_paged_block_prefill(Device::kCuda, block_config(), c);
+  }
+}
+
+TEST(EnginePrefillCuda, BlockSparseRaggedBatchWithAFreeSlot) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_paged_block_prefill(Device::kCuda, block_config(), {{0, -1, 320}, 100, 3});
+}
+
+TEST(EnginePrefillCuda, DsaMatchesItsOwnCacheFp64AndDecode) {
+  SKIP_WITHOUT_CUDA();
+  for (const EnginePrefillCase& c : {EnginePrefillCase{{0}, 32, 1}, EnginePrefillCase{{100}, 24, 2}}) {
+    SCOPED_TRACE("prompt " + std::to_string(c.prompt[0]) + ", chunk " + std::to_string(c.num_tokens));
+    testing::check_engine_paged_dsa_prefill(Device::kCuda, dsa_config(), c);
+  }
+}
+
+TEST(EnginePrefillCuda, DsaRaggedBatchWithAFreeSlot) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_paged_dsa_prefill(Device::kCuda, dsa_config(), {{10, 90, -1}, 16, 3});
+}
+
+TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_prefill_refusals(Device::kCuda);
+}
+
+}  // namespace
+}  // namespace sparsepage

@@ -1,0 +1,76 @@
+"""Chunked prefill over an engine's paged pool (KVStorage.ENGINE_PAGED, prefill_paged) on the CPU
+backend, with numpy arrays: the engine's K/V pools [num_blocks, block_size, heads, dim] are read in
+place through a shuffled block table, every row the engine has not written is NaN, and the chunk
+must keep what the same layer over its own cache keeps for the same prompt and give the same
+output; a chunk the layer refuses changes nothing."""
+
+import numpy as np
+import pytest
+
+import sparsepage as sp
+
+ENGINE_BLOCK = 16
+
+
+def config(kv_storage):
+    return sp.BlockSparseConfig(num_qo_heads=8, num_kv_heads=2, head_dim=16, block_size=8, topk_blocks=2,
+                                local_blocks=1, capacity_step=32, kv_storage=kv_storage)
+
+
+def gates_off():
+    c = sp.DispatchConfig.defaults()
+    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
+    return c
+
+
+def grid(rng, *shape):
+    """Multiples of 1/4: f16 holds them and their products exactly, so both forms score alike."""
+    return (rng.integers(-4, 5, size=shape) / 4).astype(np.float16)
+
+
+@pytest.mark.parametrize("prompt,n", [(16, 24), (40, 16)])
+def test_prefill_over_an_engine_pool_equals_its_own_cache(rng, prompt, n):
+    B, Hq, H, D = 2, 8, 2, 16
+    own = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config(sp.KVStorage.LAYER_CACHE), B, gates_off())
+    eng = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config(sp.KVStorage.ENGINE_PAGED), B, gates_off())
+    total = prompt + n
+    keys = grid(rng, B, H + 1, total, D)  # attention keys, then the index key
+    vals = grid(rng, B, H, total, D)
+    own.append_tokens(keys[:, :, :prompt].copy(), vals[:, :, :prompt].copy())
+    eng.append_tokens(keys[:, H:, :prompt].copy(), None)
+    max_blocks = total // ENGINE_BLOCK + 2
+    num_blocks = B * max_blocks + 3
+    table = rng.permutation(num_blocks).astype(np.int32)[: B * max_blocks].reshape(B, max_blocks).copy()
+    k_cache = np.full((num_blocks, ENGINE_BLOCK, H, D), np.nan, np.float16)
+    v_cache = np.full_like(k_cache, np.nan)
+    for b in range(B):  # the engine writes the prompt's and the chunk's rows
+        for p in range(total):
+            k_cache[table[b, p // ENGINE_BLOCK], p % ENGINE_BLOCK] = keys[b, :H, p]
+            v_cache[table[b, p // ENGINE_BLOCK], p % ENGINE_BLOCK] = vals[b, :, p]
+    q, iq = grid(rng, B, n, Hq, D), grid(rng, B, n, H, D)
+    chunk_k = np.ascontiguousarray(keys[:, :, prompt:].transpose(2, 0, 1, 3)[:, :, :, None, :])  # [n, B, H + 1, 1, D]
+    chunk_v = np.ascontiguousarray(vals[:, :, prompt:].transpose(2, 0, 1, 3)[:, :, :, None, :])
+    index_k = np.ascontiguousarray(chunk_k[:, :, H:])  # [n, B, 1, 1, D]
+    o_own, o_eng = np.full((B, n, Hq, D), np.nan, np.float16), np.full((B, n, Hq, D), np.nan, np.float16)
+    own.prefill(q, iq, chunk_k, chunk_v, o_own)
+
+    # A refused chunk (its table row too short for the chunk) changes nothing.
+    with pytest.raises(sp.Error, match="past its block-table row"):
+        eng.prefill_paged(q, iq, index_k, o_eng, k_cache, v_cache, table[:, : total // ENGINE_BLOCK - 1].copy())
+    assert eng.kv_lens == [prompt] * B
+
+    eng.prefill_paged(q, iq, index_k, o_eng, k_cache, v_cache, table)
+    assert eng.kv_lens == own.kv_lens == [total] * B
+    assert eng.last_prefill_positions() == own.last_prefill_positions()
+    assert not np.isnan(o_eng).any()
+    np.testing.assert_allclose(o_eng.astype(np.float32), o_own.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+def test_prefill_paged_on_a_layer_cache_layer_is_refused_by_name(rng):
+    B, Hq, H, D, n = 1, 8, 2, 16, 8
+    own = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config(sp.KVStorage.LAYER_CACHE), B, gates_off())
+    pool = np.zeros((4, ENGINE_BLOCK, H, D), np.float16)
+    with pytest.raises(sp.Error, match="keeps its own cache"):
+        own.prefill_paged(grid(rng, B, n, Hq, D), grid(rng, B, n, H, D), grid(rng, n, B, 1, 1, D),
+                          np.zeros((B, n, Hq, D), np.float16), pool, pool.copy(), np.arange(4, dtype=np.int32)[None])
+    assert own.kv_lens == [0]

@@ -1,0 +1,565 @@
+#include "support/engine_prefill.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparsepage/memory.h"
+#include "support/expect_error.h"
+#include "support/layer_checks.h"
+#include "support/reference.h"
+
+namespace sparsepage::testing {
+namespace {
+
+constexpr DType kDt = DType::kBF16;
+constexpr int32_t kEngineBlock = 16;  // the engine's block size (vLLM's default)
+
+// Multiples of 1/4 in [-1, 1]: bf16 holds them, and their products and sums
+// exactly, so the indexers score the same on every backend and form.
+std::vector<float> grid(std::mt19937_64& rng, size_t count) {
+  std::uniform_int_distribution<int> level(-4, 4);
+  std::vector<float> v(count);
+  for (float& x : v) x = static_cast<float>(level(rng)) / 4.0f;
+  return v;
+}
+
+Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
+  std::vector<uint8_t> bytes(std::max<size_t>(x.size(), 8) * dtype_size(dtype), 0);
+  if (!x.empty()) from_float(dtype, x.data(), bytes.data(), x.size());
+  return upload(device, bytes);
+}
+
+Buffer poisoned(Device device, size_t count) {
+  Buffer o(device, std::max<size_t>(count, 8) * 2);
+  fill_bytes(o.data(), device, 0xFF, o.bytes());
+  return o;
+}
+
+std::vector<float> read_bf16(Device device, const Buffer& o, size_t count) {
+  const auto bytes = download<uint8_t>(device, o.data(), count * 2);
+  std::vector<float> x(count);
+  to_float(kDt, bytes.data(), x.data(), count);
+  return x;
+}
+
+DispatchConfig fused() { return always_fuse().without_performance_gates(); }
+
+// An engine's paged allocations: `pools` pools of rows `row_elems` bf16
+// values wide, blocks of 16 rows handed to the slots in a shuffled order
+// (a few spare), every row NaN until the engine writes it.
+struct Pool {
+  Device device;
+  int32_t batch, max_blocks;
+  int64_t row_elems, num_blocks;
+  std::vector<int32_t> table;  // [batch, max_blocks]
+  std::vector<Buffer> pools;
+  Buffer table_dev;
+
+  Pool(Device d, int32_t b, int32_t blocks_per_slot, int64_t elems, int32_t num_pools, std::mt19937_64& rng)
+      : device(d), batch(b), max_blocks(blocks_per_slot), row_elems(elems), num_blocks(int64_t{b} * blocks_per_slot + 3) {
+    std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table.assign(ids.begin(), ids.begin() + int64_t{b} * blocks_per_slot);
+    for (int32_t i = 0; i < num_pools; ++i)
+      pools.push_back(upload(d, nan_values(kDt, static_cast<size_t>(num_blocks * kEngineBlock * row_elems))));
+    table_dev = upload(d, table);
+  }
+  // Writes `row` (row_elems values) at position `pos` of slot `b` of pool `i`.
+  void write(int32_t i, int32_t b, int64_t pos, const float* row) {
+    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
+    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
+    std::vector<uint8_t> bytes(static_cast<size_t>(row_elems) * 2);
+    from_float(kDt, row, bytes.data(), static_cast<size_t>(row_elems));
+    copy_bytes(static_cast<char*>(pools[static_cast<size_t>(i)].data()) + slot * row_elems * 2, device, bytes.data(),
+               Device::kCpu, bytes.size());
+  }
+  BlockTable block_table() const {
+    BlockTable t;
+    t.data = table_dev.as<int32_t>();
+    t.row_stride = max_blocks;
+    t.max_blocks = max_blocks;
+    t.num_rows = batch;
+    t.block_size = kEngineBlock;
+    t.num_blocks = num_blocks;
+    return t;
+  }
+  // `dim` values at column `column` of pool i's rows, `heads` heads `dim` apart.
+  RowView rows(int32_t i, int64_t column, int32_t dim, int32_t heads) const {
+    RowView v;
+    v.data = static_cast<const char*>(pools[static_cast<size_t>(i)].data()) + column * 2;
+    v.row_stride = row_elems;
+    v.dim = dim;
+    v.head_stride = heads > 1 ? dim : 0;
+    v.capacity = num_blocks * kEngineBlock;
+    return v;
+  }
+};
+
+// Per slot, the rows of every position the test writes (prompt and chunk),
+// `elems` values each, and a per-(slot, token) query-side field.
+using SlotRows = std::vector<std::vector<float>>;
+
+SlotRows slot_rows(std::mt19937_64& rng, const std::vector<int64_t>& total, int64_t elems) {
+  SlotRows r;
+  for (int64_t p : total) r.push_back(grid(rng, static_cast<size_t>(p * elems)));
+  return r;
+}
+
+// Positions [from, to) of `rows` (elems each) as [to - from, elems] head-major
+// when `heads` > 1 ([heads, to - from, dim]).
+std::vector<float> head_major(const std::vector<float>& rows, int64_t from, int64_t to, int32_t heads, int32_t dim) {
+  std::vector<float> out(static_cast<size_t>((to - from) * heads * dim));
+  for (int64_t p = from; p < to; ++p)
+    for (int32_t h = 0; h < heads; ++h)
+      std::copy_n(rows.begin() + (p * heads + h) * dim, dim, out.begin() + ((h * (to - from)) + (p - from)) * dim);
+  return out;
+}
+
+// Token-major chunk rows [n, batch, elems] of each slot's positions [len0, len0 + n).
+std::vector<float> token_major(const SlotRows& rows, const std::vector<int64_t>& len0, int32_t n, int64_t elems) {
+  const auto batch = static_cast<int64_t>(rows.size());
+  std::vector<float> out(static_cast<size_t>(n * batch * elems), 0.0f);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (rows[static_cast<size_t>(b)].empty()) continue;  // a free slot: not read
+    for (int32_t t = 0; t < n; ++t)
+      std::copy_n(rows[static_cast<size_t>(b)].begin() + (len0[static_cast<size_t>(b)] + t) * elems, elems,
+                  out.begin() + (t * batch + b) * elems);
+  }
+  return out;
+}
+
+// Token t of a [batch, n, elems] field: [batch, elems].
+std::vector<float> token_slice(const std::vector<float>& x, int32_t batch, int32_t n, int64_t elems, int32_t t) {
+  std::vector<float> out(static_cast<size_t>(batch * elems));
+  for (int32_t b = 0; b < batch; ++b)
+    std::copy_n(x.begin() + (int64_t{b} * n + t) * elems, elems, out.begin() + b * elems);
+  return out;
+}
+
+std::vector<float> slice(const std::vector<float>& x, int64_t from, int64_t count) {
+  return {x.begin() + from, x.begin() + from + count};
+}
+std::vector<double> widen(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+
+bool has_nan(const std::vector<float>& x) {
+  return std::any_of(x.begin(), x.end(), [](float v) { return std::isnan(v); });
+}
+
+// The slots' lengths before and after the chunk (a free slot: 0 and 0).
+struct Lengths {
+  std::vector<int64_t> before, after;
+  Lengths(const EnginePrefillCase& c) {
+    for (int64_t p : c.prompt) {
+      before.push_back(std::max<int64_t>(p, 0));
+      after.push_back(p < 0 ? 0 : p + c.num_tokens);
+    }
+  }
+  bool active(int32_t b) const { return after[static_cast<size_t>(b)] > 0; }
+};
+
+int32_t blocks_for(const Lengths& l) {
+  return static_cast<int32_t>(*std::max_element(l.after.begin(), l.after.end()) / kEngineBlock + 2);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- block-sparse
+
+void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
+  const Lengths len(c);
+  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
+  const SlotRows ik = slot_rows(rng, len.after, d);
+  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+
+  BlockSparseConfig own_cfg = cfg, engine_cfg = cfg;
+  own_cfg.kv_storage = KVStorage::kLayerCache;
+  engine_cfg.kv_storage = KVStorage::kEnginePaged;
+  BlockSparseAttention own(device, kDt, own_cfg, batch, fused());
+  BlockSparseAttention engine(device, kDt, engine_cfg, batch, fused());
+  BlockSparseAttention twin(device, kDt, engine_cfg, batch, fused());  // the token-by-token oracle
+  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!len.active(b)) {
+      for (SparseLayer* layer : {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine),
+                                 static_cast<SparseLayer*>(&twin)})
+        layer->release(b);
+      continue;
+    }
+    const int64_t l0 = len.before[size_t(b)];
+    // The own cache's K rows: the attention heads, then the index key at head hkv.
+    std::vector<float> own_k = head_major(k[size_t(b)], 0, l0, hkv, d);
+    const std::vector<float> keys = head_major(ik[size_t(b)], 0, l0, 1, d);
+    own_k.insert(own_k.end(), keys.begin(), keys.end());
+    const Buffer k_dev = to_device(device, kDt, own_k), v_dev = to_device(device, kDt, head_major(v[size_t(b)], 0, l0, hkv, d));
+    const Buffer ik_dev = to_device(device, kDt, keys);
+    own.admit(b, k_dev.data(), v_dev.data(), l0);
+    engine.admit(b, ik_dev.data(), nullptr, l0);
+    twin.admit(b, ik_dev.data(), nullptr, l0);
+    // The engine writes every row of the prompt and the chunk before the chunk.
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+    }
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, d, hkv);
+  kv.v = pool.rows(1, 0, d, hkv);
+  kv.block_table = pool.block_table();
+
+  // The chunk: the own cache's k token-major [n, batch, hkv + 1, 1, d] (K heads, then the index key).
+  SlotRows own_rows(static_cast<size_t>(batch));
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!len.active(b)) continue;
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      auto& r = own_rows[size_t(b)];
+      r.insert(r.end(), k[size_t(b)].begin() + p * hkv * d, k[size_t(b)].begin() + (p + 1) * hkv * d);
+      r.insert(r.end(), ik[size_t(b)].begin() + p * d, ik[size_t(b)].begin() + (p + 1) * d);
+    }
+  }
+  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
+  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
+  const Buffer own_k = to_device(device, kDt, token_major(own_rows, len.before, n, int64_t{hkv + 1} * d));
+  const Buffer own_v = to_device(device, kDt, token_major(v, len.before, n, int64_t{hkv} * d));
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
+  Buffer own_o = poisoned(device, o_count), engine_o = poisoned(device, o_count);
+  own.prefill({q_dev.data(), iq_dev.data(), own_k.data(), own_v.data(), own_o.data()}, n);
+  BlockSparseTokens et;
+  et.q = q_dev.data();
+  et.index_q = iq_dev.data();
+  et.index_k = index_k.data();
+  et.o = engine_o.data();
+  engine.prefill(et, kv, n);
+  engine.check_errors();
+  EXPECT_EQ(engine.kv_lens(), own.kv_lens());
+  EXPECT_EQ(engine.kv_lens(), len.after);
+
+  const auto positions = engine.last_prefill_positions();
+  ASSERT_EQ(positions, own.last_prefill_positions()) << "the engine form kept other positions than the own cache";
+  const std::vector<float> got = read_bf16(device, engine_o, o_count), mine = read_bf16(device, own_o, o_count);
+  const int64_t row = int64_t{hq} * d;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t at = (int64_t{b} * n + t) * row;
+      const std::vector<float> o = slice(got, at, row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_LT(relative_l2(o, widen(slice(mine, at, row))), 1e-3) << "slot " << b << " token " << t << " vs own cache";
+      // fp64 over the positions the chunk reports.
+      const int64_t pos = len.before[size_t(b)] + t;
+      std::vector<double> ref(static_cast<size_t>(row), 0.0);
+      for (int32_t h = 0; h < hq; ++h) {
+        const auto& set = positions[static_cast<size_t>((int64_t{b} * n + t) * hq + h)];
+        ASSERT_FALSE(set.empty());
+        const int32_t kvh = h / (hq / hkv);
+        std::vector<double> scores;
+        for (int32_t p : set) {
+          ASSERT_LE(p, pos) << "a position past the token's own";
+          double s = 0;
+          for (int32_t i = 0; i < d; ++i)
+            s += double{q[size_t(at + int64_t{h} * d + i)]} * k[size_t(b)][size_t((int64_t{p} * hkv + kvh) * d + i)];
+          scores.push_back(s * scale);
+        }
+        softmax_weighted_sum(
+            scores, d,
+            [&](size_t j, int64_t i) { return double{v[size_t(b)][size_t((int64_t{set[j]} * hkv + kvh) * d + i)]}; },
+            ref.data() + int64_t{h} * d);
+      }
+      EXPECT_LT(relative_l2(o, ref), 1e-2) << "slot " << b << " token " << t << " vs fp64";
+    }
+  }
+
+  // Token by token through the engine-paged decode: in the dense regime a
+  // one-token step keeps the whole window, as the chunk's query block does.
+  const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
+  for (int32_t t = 0; t < n; ++t) {
+    const Buffer qt = to_device(device, kDt, token_slice(q, batch, n, row, t));
+    const Buffer iqt = to_device(device, kDt, token_slice(iq, batch, n, int64_t{hkv} * d, t));
+    std::vector<float> keys(static_cast<size_t>(int64_t{batch} * d), 0.0f);
+    for (int32_t b = 0; b < batch; ++b) {
+      if (len.active(b))
+        std::copy_n(ik[size_t(b)].begin() + (len.before[size_t(b)] + t) * d, d, keys.begin() + int64_t{b} * d);
+    }
+    const Buffer ikt = to_device(device, kDt, keys);
+    Buffer ot = poisoned(device, static_cast<size_t>(int64_t{batch} * row));
+    BlockSparseTokens one;
+    one.q = qt.data();
+    one.index_q = iqt.data();
+    one.index_k = ikt.data();
+    one.o = ot.data();
+    twin.decode(one, kv);
+    const auto selected = twin.last_selected_positions();
+    const std::vector<float> o = read_bf16(device, ot, static_cast<size_t>(int64_t{batch} * row));
+    for (int32_t b = 0; b < batch; ++b) {
+      if (!len.active(b) || len.before[size_t(b)] + t + 1 > dense_len) continue;
+      for (int32_t h = 0; h < hq; ++h) {
+        EXPECT_EQ(positions[static_cast<size_t>((int64_t{b} * n + t) * hq + h)],
+                  selected[static_cast<size_t>(int64_t{b} * hkv + h / (hq / hkv))])
+            << "slot " << b << " token " << t << " head " << h;
+      }
+      EXPECT_LT(relative_l2(slice(o, int64_t{b} * row, row), widen(slice(got, (int64_t{b} * n + t) * row, row))), 1e-2)
+          << "slot " << b << " token " << t << " vs decode";
+    }
+  }
+}
+
+// ---------------------------------------------------------------- DSA
+
+void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
+  const int32_t ih = cfg.index_heads, id = cfg.index_head_dim;
+  const Lengths len(c);
+  const SlotRows mla = slot_rows(rng, len.after, dl + dr);  // the engine's rows: latent then rope
+  const SlotRows ik = slot_rows(rng, len.after, id);
+  const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
+  const std::vector<float> q = grid(rng, static_cast<size_t>(batch * n * q_row));
+  const std::vector<float> q_pe = grid(rng, static_cast<size_t>(batch * n * pe_row));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(batch * n * iq_row));
+  const std::vector<float> w = grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+
+  DsaConfig own_cfg = cfg, engine_cfg = cfg;
+  own_cfg.kv_storage = KVStorage::kLayerCache;
+  engine_cfg.kv_storage = KVStorage::kEnginePaged;
+  DsaAttention own(device, kDt, own_cfg, batch, fused());
+  DsaAttention engine(device, kDt, engine_cfg, batch, fused());
+  DsaAttention twin(device, kDt, engine_cfg, batch, fused());
+  Pool pool(device, batch, blocks_for(len), dl + dr, 1, rng);
+  // The own cache's rows: K = latent then index key, V = rope.
+  SlotRows own_k(static_cast<size_t>(batch)), own_v(static_cast<size_t>(batch));
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      const float* r = mla[size_t(b)].data() + p * (dl + dr);
+      own_k[size_t(b)].insert(own_k[size_t(b)].end(), r, r + dl);
+      own_k[size_t(b)].insert(own_k[size_t(b)].end(), ik[size_t(b)].begin() + p * id, ik[size_t(b)].begin() + (p + 1) * id);
+      own_v[size_t(b)].insert(own_v[size_t(b)].end(), r + dl, r + dl + dr);
+      pool.write(0, b, p, r);
+    }
+  }
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!len.active(b)) {
+      for (SparseLayer* layer : {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine),
+                                 static_cast<SparseLayer*>(&twin)})
+        layer->release(b);
+      continue;
+    }
+    const int64_t l0 = len.before[size_t(b)];
+    const Buffer k_dev = to_device(device, kDt, slice(own_k[size_t(b)], 0, l0 * (dl + id)));
+    const Buffer v_dev = to_device(device, kDt, slice(own_v[size_t(b)], 0, l0 * dr));
+    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, l0 * id));
+    own.admit(b, k_dev.data(), v_dev.data(), l0);
+    engine.admit(b, ik_dev.data(), nullptr, l0);
+    twin.admit(b, ik_dev.data(), nullptr, l0);
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, dl, 1);
+  kv.v = kv.k;
+  kv.k_extra = pool.rows(0, dl, dr, 1);
+  kv.block_table = pool.block_table();
+
+  const size_t o_count = static_cast<size_t>(batch * n * q_row);
+  const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
+  const Buffer iq_dev = to_device(device, kDt, iq), w_dev = to_device(device, DType::kF32, w);
+  const Buffer k_chunk = to_device(device, kDt, token_major(own_k, len.before, n, dl + id));
+  const Buffer v_chunk = to_device(device, kDt, token_major(own_v, len.before, n, dr));
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
+  Buffer own_o = poisoned(device, o_count), engine_o = poisoned(device, o_count);
+  DsaTokens ot{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), k_chunk.data(), v_chunk.data(),
+               own_o.data()};
+  own.prefill(ot, n);
+  DsaTokens et{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, engine_o.data(),
+               index_k.data()};
+  engine.prefill(et, kv, n);
+  engine.check_errors();
+  EXPECT_EQ(engine.kv_lens(), own.kv_lens());
+  EXPECT_EQ(engine.kv_lens(), len.after);
+
+  const auto positions = engine.last_prefill_positions();
+  ASSERT_EQ(positions, own.last_prefill_positions()) << "the engine form kept other positions than the own cache";
+  const std::vector<float> got = read_bf16(device, engine_o, o_count), mine = read_bf16(device, own_o, o_count);
+  const double scale = own.config().scale;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t r = int64_t{b} * n + t;
+      const std::vector<float> o = slice(got, r * q_row, q_row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_LT(relative_l2(o, widen(slice(mine, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+      const int64_t pos = len.before[size_t(b)] + t;
+      const auto& set = positions[static_cast<size_t>(r)];
+      ASSERT_FALSE(set.empty());
+      ASSERT_LE(static_cast<int64_t>(set.size()), int64_t{cfg.index_topk});
+      std::vector<double> ref(static_cast<size_t>(q_row), 0.0);
+      for (int32_t head = 0; head < h; ++head) {
+        std::vector<double> scores;
+        for (int32_t p : set) {
+          ASSERT_LE(p, pos);
+          const float* row = mla[size_t(b)].data() + int64_t{p} * (dl + dr);
+          double s = 0;
+          for (int32_t i = 0; i < dl; ++i) s += double{q[size_t(r * q_row + int64_t{head} * dl + i)]} * row[i];
+          for (int32_t i = 0; i < dr; ++i) s += double{q_pe[size_t(r * pe_row + int64_t{head} * dr + i)]} * row[dl + i];
+          scores.push_back(s * scale);
+        }
+        softmax_weighted_sum(
+            scores, dl, [&](size_t j, int64_t i) { return double{mla[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
+            ref.data() + int64_t{head} * dl);
+      }
+      EXPECT_LT(relative_l2(o, ref), 1e-2) << "slot " << b << " token " << t << " vs fp64";
+    }
+  }
+
+  // Token by token through the engine-paged decode: the DSA prefill keeps
+  // each token what a one-token step at its position keeps.
+  for (int32_t t = 0; t < n; ++t) {
+    const Buffer qt = to_device(device, kDt, token_slice(q, batch, n, q_row, t));
+    const Buffer pet = to_device(device, kDt, token_slice(q_pe, batch, n, pe_row, t));
+    const Buffer iqt = to_device(device, kDt, token_slice(iq, batch, n, iq_row, t));
+    const Buffer wt = to_device(device, DType::kF32, token_slice(w, batch, n, ih, t));
+    std::vector<float> keys(static_cast<size_t>(int64_t{batch} * id), 0.0f);
+    for (int32_t b = 0; b < batch; ++b) {
+      if (len.active(b))
+        std::copy_n(ik[size_t(b)].begin() + (len.before[size_t(b)] + t) * id, id, keys.begin() + int64_t{b} * id);
+    }
+    const Buffer ikt = to_device(device, kDt, keys);
+    Buffer o_t = poisoned(device, static_cast<size_t>(batch * q_row));
+    twin.decode(DsaTokens{qt.data(), pet.data(), iqt.data(), wt.as<float>(), nullptr, nullptr, o_t.data(), ikt.data()},
+                kv);
+    const auto selected = twin.last_selected_positions();
+    const std::vector<float> o = read_bf16(device, o_t, static_cast<size_t>(batch * q_row));
+    for (int32_t b = 0; b < batch; ++b) {
+      if (!len.active(b)) continue;
+      const int64_t r = int64_t{b} * n + t;
+      std::vector<int32_t> sel = selected[static_cast<size_t>(b)];
+      std::sort(sel.begin(), sel.end());
+      EXPECT_EQ(positions[static_cast<size_t>(r)], sel) << "slot " << b << " token " << t;
+      EXPECT_LT(relative_l2(slice(o, int64_t{b} * q_row, q_row), widen(slice(got, r * q_row, q_row))), 1e-2)
+          << "slot " << b << " token " << t << " vs decode";
+    }
+  }
+}
+
+// ---------------------------------------------------------------- refusals
+
+void check_engine_prefill_refusals(Device device) {
+  // Blocks of 16, top-2: two slots at 16 and 32 positions, a chunk of 16.
+  const BlockSparseConfig cfg{8, 2, 64, 16, 2, 1, 64, KVStorage::kEnginePaged};
+  const int32_t batch = 2, n = 16, hq = 8, hkv = 2, d = 64;
+  std::mt19937_64 rng(7);
+  const std::vector<int64_t> prompt{16, 32};
+  const SlotRows k = slot_rows(rng, {48, 48}, int64_t{hkv} * d), v = slot_rows(rng, {48, 48}, int64_t{hkv} * d);
+  const SlotRows ik = slot_rows(rng, {48, 48}, d);
+  Pool pool(device, batch, 4, int64_t{hkv} * d, 2, rng);
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < prompt[size_t(b)] + n; ++p) {
+      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+    }
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, d, hkv);
+  kv.v = pool.rows(1, 0, d, hkv);
+  kv.block_table = pool.block_table();
+  const auto make = [&] {
+    auto layer = std::make_unique<BlockSparseAttention>(device, kDt, cfg, batch, fused());
+    for (int32_t b = 0; b < batch; ++b) {
+      const Buffer keys = to_device(device, kDt, slice(ik[size_t(b)], 0, prompt[size_t(b)] * d));
+      layer->admit(b, keys.data(), nullptr, prompt[size_t(b)]);
+    }
+    return layer;
+  };
+  const Buffer q = to_device(device, kDt, grid(rng, size_t{batch} * n * hq * d));
+  const Buffer iq = to_device(device, kDt, grid(rng, size_t{batch} * n * hkv * d));
+  const Buffer index_k = to_device(device, kDt, token_major(ik, {16, 32}, n, d));
+  const size_t o_count = size_t{batch} * n * hq * d;
+  Buffer o = poisoned(device, o_count);
+  BlockSparseTokens good;
+  good.q = q.data();
+  good.index_q = iq.data();
+  good.index_k = index_k.data();
+  good.o = o.data();
+
+  auto layer = make();
+  const auto lens = layer->kv_lens();
+  const auto refused = [&](const std::function<void()>& call, const std::string& needle) {
+    EXPECT_TRUE(throws_error_naming(call, needle));
+    EXPECT_EQ(layer->kv_lens(), lens) << "a refused chunk changed the lengths (" << needle << ")";
+  };
+  refused([&] { layer->prefill(good, kv, 0); }, "num_tokens = 0");
+  BlockSparseTokens with_k = good;
+  with_k.k = index_k.data();
+  refused([&] { layer->prefill(with_k, kv, n); }, "k and v must be null");
+  BlockSparseTokens no_key = good;
+  no_key.index_k = nullptr;
+  refused([&] { layer->prefill(no_key, kv, n); }, "index_k");
+  EnginePagedKV narrow = kv;
+  narrow.block_table.max_blocks = 2;  // 32 positions: slot 1 would hold 48
+  refused([&] { layer->prefill(good, narrow, n); }, "past its block-table row");
+  const Buffer rows = upload(device, std::vector<int32_t>{1, 0});
+  EnginePagedKV mapped = kv;
+  mapped.block_table.row_of_sequence = rows.as<int32_t>();
+  refused([&] { layer->prefill(good, mapped, n); }, "row_of_sequence must be null");
+  refused([&] { layer->prefill(good, n); }, "pass its pool");
+  if (device == Device::kCpu) {  // a host table: judged before anything is appended
+    std::vector<int32_t> entries = pool.table;
+    entries[size_t(kv.block_table.row_stride) + 2] = static_cast<int32_t>(pool.num_blocks);  // slot 1, positions 32..47
+    EnginePagedKV bad = kv;
+    bad.block_table.data = entries.data();
+    refused([&] { layer->prefill(good, bad, n); }, "is outside the pool");
+  }
+
+  // A chunk starting off the block grid (slot 0 holds 8 positions).
+  auto misaligned = std::make_unique<BlockSparseAttention>(device, kDt, cfg, batch, fused());
+  const Buffer eight = to_device(device, kDt, slice(ik[0], 0, 8 * d));
+  const Buffer sixteen = to_device(device, kDt, slice(ik[1], 0, 16 * d));
+  misaligned->admit(0, eight.data(), nullptr, 8);
+  misaligned->admit(1, sixteen.data(), nullptr, 16);
+  EXPECT_TRUE(throws_error_naming([&] { misaligned->prefill(good, kv, n); }, "not a multiple of block_size"));
+  EXPECT_EQ(misaligned->kv_lens(), (std::vector<int64_t>{8, 16}));
+
+  // A layer over its own cache, and an engine-pools layer, refuse the form by name.
+  BlockSparseConfig own_cfg = cfg;
+  own_cfg.kv_storage = KVStorage::kLayerCache;
+  BlockSparseAttention own(device, kDt, own_cfg, batch, fused());
+  EXPECT_TRUE(throws_error_naming([&] { own.prefill(good, kv, n); }, "keeps its own cache"));
+  BlockSparseConfig pools_cfg = cfg;
+  pools_cfg.kv_storage = KVStorage::kEnginePools;
+  BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(good, kv, n); }, "engine-pools layer"));
+
+  // Nothing changed: a good chunk now answers as on a fresh layer.
+  layer->prefill(good, kv, n);
+  layer->check_errors();
+  const auto got = read_bf16(device, o, o_count);
+  auto fresh = make();
+  Buffer o2 = poisoned(device, o_count);
+  BlockSparseTokens again = good;
+  again.o = o2.data();
+  fresh->prefill(again, kv, n);
+  EXPECT_EQ(layer->last_prefill_positions(), fresh->last_prefill_positions());
+  const auto want = read_bf16(device, o2, o_count);
+  ASSERT_FALSE(has_nan(got));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(layer->kv_lens(), (std::vector<int64_t>{32, 48}));
+}
+
+}  // namespace sparsepage::testing

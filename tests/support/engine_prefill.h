@@ -1,0 +1,45 @@
+// Chunked prefill over an engine's paged pool (KVStorage::kEnginePaged,
+// prefill(tokens, kv, num_tokens)) on either backend; the CPU and CUDA
+// suites call these with their device.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparsepage/models/block_sparse.h"
+#include "sparsepage/models/dsa.h"
+
+namespace sparsepage::testing {
+
+/// A batch and the chunk it prefills over the engine's pool.
+struct EnginePrefillCase {
+  /// Each slot's length before the chunk (its prompt admitted); a negative
+  /// entry: a free (released) slot.
+  std::vector<int64_t> prompt;
+  int32_t num_tokens = 0;
+  uint64_t seed = 1;
+};
+
+/// One chunk through the engine-paged layer over a pool of 16-row blocks
+/// handed out in a shuffled order, every row the engine did not write NaN,
+/// the output NaN-poisoned first, against: the layer over its own cache
+/// prefilling the same chunk (the same positions per row, outputs within
+/// 1e-3 relative L2), fp64 attention over the positions it reports (each
+/// within the token's causal window; 1e-2), token-by-token engine-paged
+/// decode of the same tokens on a twin (DSA: every token; block-sparse:
+/// the tokens whose window is in the dense regime, where a one-token step
+/// keeps what the chunk's query block keeps: the same positions, outputs
+/// within 1e-2), zero outputs for free slots and the lengths the own-cache
+/// layer reaches.
+void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c);
+void check_engine_paged_dsa_prefill(Device device, const DsaConfig& config, const EnginePrefillCase& c);
+
+/// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
+/// then a good chunk gives the answer a fresh twin gives): a misaligned
+/// chunk, num_tokens < 1, k / v passed or index_k missing, a table row
+/// too short, a table with row_of_sequence, (CPU) a block id outside the
+/// pool, the engine form on a layer-cache layer and the layer-cache form on
+/// an engine-paged one, and an engine-pools layer.
+void check_engine_prefill_refusals(Device device);
+
+}  // namespace sparsepage::testing
