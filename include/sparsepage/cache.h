@@ -95,8 +95,6 @@ class DenseKVCache {
   /// Per-slot live lengths [batch] int32 on the cache's device: what
   /// kernels read to know how far each sequence has grown.
   const int32_t* device_live_lens() const;
-  /// Per-slot activity [batch] int32 (1 active, 0 free) on the cache's device.
-  const int32_t* device_active() const;
   /// Reads the device-side lengths back into live_lens() (synchronizes);
   /// needed after replaying captured append_token steps.
   void sync_live_len(void* stream = nullptr);

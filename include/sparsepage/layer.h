@@ -258,6 +258,8 @@ class SparseLayer {
 
  private:
   void size_step_buffers(int32_t q_len);
+  void select_step(const StepTokens& tokens, int32_t q_len, void* stream);  // after the append, between the events
+  bool any_sparse(int32_t q_len) const;  // an active slot's first step token is in its sparse regime
   LayerStep fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep token_by_token(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,

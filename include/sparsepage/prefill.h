@@ -385,13 +385,10 @@ void static_prefill_blocks(Device device, const StaticPrefillParams& params, voi
 
 // ---- for tests and debugging --------------------------------------------------
 
-/// The positions each query row attends, per (sequence, token) of the chunk
-/// (row b * num_tokens + t), sorted and without duplicates: the valid
-/// entries of an MLA prefill's index rows. Host arrays; kv_lens host or null.
-std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& params);
-/// The same for a GQA block prefill, per (sequence, token, query head) (row
-/// (b * num_tokens + t) * num_qo_heads + h): the positions of its list's
-/// blocks below pos(b, t) + 1. Host arrays.
+/// The positions each query row of a GQA block prefill attends, per
+/// (sequence, token, query head) (row (b * num_tokens + t) * num_qo_heads +
+/// h), sorted and without duplicates: the positions of its list's blocks
+/// below pos(b, t) + 1. Host arrays.
 std::vector<std::vector<int32_t>> gqa_prefill_attended(const GqaPrefillParams& params);
 
 }  // namespace sparsepage

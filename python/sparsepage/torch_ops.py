@@ -118,18 +118,13 @@ class DecodePlan:
 _to_dlpack = torch.utils.dlpack.to_dlpack
 
 
-def _dl(t):
-    """A DLPack capsule of `t` (None stays None). torch's ``Tensor.__dlpack__`` is Python code
-    that costs several microseconds a tensor; ``to_dlpack`` is one C call, and nanobind takes
-    the capsule as it is."""
-    return None if t is None else _to_dlpack(t)
-
-
 def _capsule_decode(plan, q, k, v, o, indptr, indices, seq_lens, page_size, scale, first_page_offset, lse, q_extra,
                     k_extra, workspace, num_pool_pages, request_row_stride, window_len, num_kv_heads, skip_minus_one,
                     block_table, block_table_rows, block_size):
     """The launch over DLPack capsules, on q's current stream: the exchange entry's twin (same
-    arguments, same order) for torch without the exchange table."""
+    arguments, same order) for torch without the exchange table. The capsules come from
+    ``to_dlpack``, one C call (``Tensor.__dlpack__`` is Python code costing several microseconds
+    a tensor); nanobind takes them as they are."""
     dl = _to_dlpack
     _core._paged_decode_positional(
         plan, dl(q), dl(k), dl(v), dl(o), None if indptr is None else dl(indptr), dl(indices),

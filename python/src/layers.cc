@@ -31,16 +31,24 @@ void require_layer_data(const Tensor& t, Device device, DType dtype) {
     t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
 }
 
-// A step argument: on the layer's device, in `dtype`, contiguous, of `shape`.
-const void* step_arg(const std::string& op, const In& a, const char* name, Device device, DType dtype,
-                     std::initializer_list<int64_t> shape, const char* layout, Tensor* keep = nullptr) {
-  Tensor t = describe(a, op, name);
-  require_layer_data(t, device, dtype);
-  t.require_shape(shape, layout);
-  t.require_contiguous();
-  if (keep) *keep = t;
-  return t.data;
-}
+// The step arguments of one call `op` on layer `l`: each on the layer's
+// device, in its dtype, contiguous, of `shape`; out() checks the output o.
+struct StepArgs {
+  StepArgs(const SparseLayer& l, std::string call) : op(std::move(call)), device(l.device()), dtype(l.dtype()) {}
+  const void* in(const In& a, const char* name, std::initializer_list<int64_t> shape, const char* layout) const {
+    Tensor t = describe(a, op, name);
+    require_layer_data(t, device, dtype);
+    t.require_shape(shape, layout);
+    t.require_contiguous();
+    return t.data;
+  }
+  void* out(const Out& o, std::initializer_list<int64_t> shape, const char* layout) const {
+    return const_cast<void*>(in(In(o), "o", shape, layout));
+  }
+  std::string op;
+  Device device;
+  DType dtype;
+};
 
 // The fp32 index weights of a step: on the layer's device, contiguous, of `shape`.
 const float* weights_arg(const std::string& op, const In& a, Device device, std::initializer_list<int64_t> shape,
@@ -103,37 +111,46 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
   return v;
 }
 
-// The engine's block table: int32 [batch, max_blocks] on the layer's device, unit stride in its last dim.
-BlockTable engine_table(const std::string& op, const In& a, Device device, int32_t batch, int32_t block_size,
-                        int64_t num_blocks) {
-  Tensor t = describe(a, op, "block_table");
+// A block table: int32 [batch, max_blocks] on the layer's device, unit stride in its last dim.
+Tensor table_arg(const std::string& op, const In& a, const char* name, Device device, int32_t batch) {
+  Tensor t = describe(a, op, name);
   require_layer_device(t, device);
   t.require_int32();
   t.require_ndim(2, "[batch, max_blocks]");
   if (t.shape[0] != batch)
     t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
   if (t.shape[1] > 1 && t.strides[1] != 1) t.fail("must have unit stride in its last dim");
+  return t;
+}
+int64_t table_row_stride(const Tensor& t) { return t.shape[0] > 1 ? t.strides[0] : t.shape[1]; }
+
+// The engine's block table of its attention pool.
+BlockTable engine_table(const std::string& op, const In& a, Device device, int32_t batch, int32_t block_size,
+                        int64_t num_blocks) {
+  const Tensor t = table_arg(op, a, "block_table", device, batch);
   BlockTable b;
   b.data = static_cast<const int32_t*>(t.data);
   b.num_rows = batch;
   b.max_blocks = to_int32(t.shape[1], op, "block_table's width");
-  b.row_stride = t.shape[0] > 1 ? t.strides[0] : t.shape[1];
+  b.row_stride = table_row_stride(t);
   b.block_size = block_size;
   b.num_blocks = num_blocks;
   return b;
 }
 
-// The stream a step runs on: the caller's, or (None) torch's current stream
-// for the layer's device when torch is loaded (as torch's own ops do), else
-// the default stream.
-void* step_stream(const std::optional<uintptr_t>& stream, const SparseLayer& layer) {
-  if (stream) return stream_ptr(*stream);
-  if (layer.device() != Device::kCuda) return nullptr;
+// The stream a CUDA call runs on when the caller names none: torch's current
+// stream when torch is loaded (as torch's own ops do), else the default stream.
+void* torch_current_stream() {
   nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
   if (!modules.contains("torch")) return nullptr;
   nb::object cuda = nb::module_::import_("torch").attr("cuda");
-  const auto raw = nb::cast<uintptr_t>(cuda.attr("current_stream")().attr("cuda_stream"));
-  return stream_ptr(raw);
+  return stream_ptr(nb::cast<uintptr_t>(cuda.attr("current_stream")().attr("cuda_stream")));
+}
+
+// The stream a step runs on: the caller's, or (None) torch_current_stream().
+void* step_stream(const std::optional<uintptr_t>& stream, const SparseLayer& layer) {
+  if (stream) return stream_ptr(*stream);
+  return layer.device() == Device::kCuda ? torch_current_stream() : nullptr;
 }
 
 // A prompt's rows in the layer's cache layout: [rows, cache heads, tokens,
@@ -155,10 +172,11 @@ PromptRows prompt_rows(const SparseLayer& layer, const std::string& op, const In
   rows.tokens = n;
   const std::string k_layout = std::string(one_slot ? "[" : "[batch, ") + std::to_string(c.k_heads()) + ", tokens, " +
                                std::to_string(c.k_head_dim()) + "] (the layer's cache K rows)";
-  rows.k = step_arg(op, k, "k", layer.device(), layer.dtype(),
-                    one_slot ? std::initializer_list<int64_t>{c.k_heads(), n, c.k_head_dim()}
-                             : std::initializer_list<int64_t>{layer.batch(), c.k_heads(), n, c.k_head_dim()},
-                    k_layout.c_str());
+  const StepArgs a(layer, op);
+  rows.k = a.in(k, "k",
+                one_slot ? std::initializer_list<int64_t>{c.k_heads(), n, c.k_head_dim()}
+                         : std::initializer_list<int64_t>{layer.batch(), c.k_heads(), n, c.k_head_dim()},
+                k_layout.c_str());
   if (c.v_heads() == 0) {
     if (v) throw Error(op + ": v must be None for an engine-paged layer (it keeps only its index keys)");
     return rows;
@@ -166,52 +184,50 @@ PromptRows prompt_rows(const SparseLayer& layer, const std::string& op, const In
   if (!v) throw Error(op + ": v must be given");
   const std::string v_layout = std::string(one_slot ? "[" : "[batch, ") + std::to_string(c.v_heads()) + ", tokens, " +
                                std::to_string(c.v_head_dim()) + "] (the layer's cache V rows)";
-  rows.v = step_arg(op, *v, "v", layer.device(), layer.dtype(),
-                    one_slot ? std::initializer_list<int64_t>{c.v_heads(), n, c.v_head_dim()}
-                             : std::initializer_list<int64_t>{layer.batch(), c.v_heads(), n, c.v_head_dim()},
-                    v_layout.c_str());
+  rows.v = a.in(*v, "v",
+                one_slot ? std::initializer_list<int64_t>{c.v_heads(), n, c.v_head_dim()}
+                         : std::initializer_list<int64_t>{layer.batch(), c.v_heads(), n, c.v_head_dim()},
+                v_layout.c_str());
   return rows;
 }
 
 // ---- block-sparse step tensors ----
-BlockSparseTokens block_tokens(const BlockSparseAttention& l, const std::string& op, const In& q, const In& index_q,
-                               const In& k, const In& v, const Out& o, int32_t* q_len) {
+// The queries and output of a step: one token (q_len null), or *q_len tokens
+// (a q_len dim after batch).
+BlockSparseTokens block_queries(const BlockSparseAttention& l, const StepArgs& a, const In& q, const In& index_q,
+                                const Out& o, const int32_t* q_len) {
   const auto& c = l.config();
   const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
-  const Device dev = l.device();
-  const DType dt = l.dtype();
   BlockSparseTokens t;
   if (q_len == nullptr) {
-    t.q = step_arg(op, q, "q", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-    t.index_q = step_arg(op, index_q, "index_q", dev, dt, {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
-    t.k = step_arg(op, k, "k", dev, dt, {B, Hk + 1, 1, D},
-                   "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
-    t.v = step_arg(op, v, "v", dev, dt, {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+    t.q = a.in(q, "q", {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.index_q = a.in(index_q, "index_q", {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
+    t.o = a.out(o, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
     return t;
   }
-  const char* q_layout = "[batch, q_len, num_qo_heads, head_dim]";
-  *q_len = step_q_len(op, q, "q", q_layout);
   const int64_t T = *q_len;
-  t.q = step_arg(op, q, "q", dev, dt, {B, T, Hq, D}, q_layout);
-  t.index_q = step_arg(op, index_q, "index_q", dev, dt, {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
-  t.k = step_arg(op, k, "k", dev, dt, {T, B, Hk + 1, 1, D},
-                 "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
-  t.v = step_arg(op, v, "v", dev, dt, {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
-  t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]"));
+  t.q = a.in(q, "q", {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]");
+  t.index_q = a.in(index_q, "index_q", {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
+  t.o = a.out(o, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]");
   return t;
 }
 
-BlockSparseTokens block_engine_tokens(const BlockSparseAttention& l, const std::string& op, const In& q,
-                                      const In& index_q, const In& index_k, const Out& o) {
-  const auto& c = l.config();
-  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
-  BlockSparseTokens t;
-  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-  t.index_q = step_arg(op, index_q, "index_q", l.device(), l.dtype(), {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
-  t.index_k = step_arg(op, index_k, "index_k", l.device(), l.dtype(), {B, 1, 1, D}, "[batch, 1, 1, head_dim]");
-  t.o =
-      const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+BlockSparseTokens block_tokens(const BlockSparseAttention& l, const std::string& op, const In& q, const In& index_q,
+                               const In& k, const In& v, const Out& o, int32_t* q_len) {
+  const int64_t B = l.batch(), Hk = l.config().num_kv_heads, D = l.config().head_dim;
+  const StepArgs a(l, op);
+  if (q_len == nullptr) {
+    BlockSparseTokens t = block_queries(l, a, q, index_q, o, nullptr);
+    t.k = a.in(k, "k", {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
+    t.v = a.in(v, "v", {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    return t;
+  }
+  *q_len = step_q_len(op, q, "q", "[batch, q_len, num_qo_heads, head_dim]");
+  const int64_t T = *q_len;
+  BlockSparseTokens t = block_queries(l, a, q, index_q, o, q_len);
+  t.k = a.in(k, "k", {T, B, Hk + 1, 1, D},
+             "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
+  t.v = a.in(v, "v", {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
   return t;
 }
 
@@ -231,84 +247,74 @@ EnginePagedKV block_engine_kv(const BlockSparseAttention& l, const std::string& 
 }
 
 // ---- static-pattern step tensors ----
+// One token's (n null), or a prefill chunk's of *n tokens: q and o [B, n,
+// Hq, D], k and v [n, B, Hkv, 1, D] token-major.
 StaticBlockSparseTokens static_tokens(const StaticBlockSparseAttention& l, const std::string& op, const In& q,
-                                      const In& k, const In& v, const Out& o) {
+                                      const In& k, const In& v, const Out& o, int32_t* n) {
   const auto& c = l.config();
   const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  const StepArgs a(l, op);
   StaticBlockSparseTokens t;
-  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-  t.k = step_arg(op, k, "k", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-  t.v = step_arg(op, v, "v", l.device(), l.dtype(), {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
-  t.o =
-      const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
-  return t;
-}
-
-// A prefill chunk's tensors: q and o [B, n, Hq, D], k and v [n, B, Hkv, 1, D] token-major.
-StaticBlockSparseTokens static_chunk_tokens(const StaticBlockSparseAttention& l, const std::string& op, const In& q,
-                                            const In& k, const In& v, const Out& o, int32_t* n) {
-  const auto& c = l.config();
-  const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+  if (n == nullptr) {
+    t.q = a.in(q, "q", {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    t.k = a.in(k, "k", {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    t.v = a.in(v, "v", {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
+    t.o = a.out(o, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
+    return t;
+  }
   const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
   *n = step_q_len(op, q, "q", q_layout);
   const int64_t T = *n;
-  StaticBlockSparseTokens t;
-  t.q = step_arg(op, q, "q", l.device(), l.dtype(), {B, T, Hq, D}, q_layout);
-  t.k = step_arg(op, k, "k", l.device(), l.dtype(), {T, B, Hk, 1, D},
-                 "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
-  t.v = step_arg(op, v, "v", l.device(), l.dtype(), {T, B, Hk, 1, D},
-                 "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
-  t.o = const_cast<void*>(step_arg(op, In(o), "o", l.device(), l.dtype(), {B, T, Hq, D}, q_layout));
+  t.q = a.in(q, "q", {B, T, Hq, D}, q_layout);
+  t.k = a.in(k, "k", {T, B, Hk, 1, D}, "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
+  t.v = a.in(v, "v", {T, B, Hk, 1, D}, "[num_tokens, batch, num_kv_heads, 1, head_dim] (token-major)");
+  t.o = a.out(o, {B, T, Hq, D}, q_layout);
   return t;
 }
 
 // ---- DSA step tensors ----
 // The queries, index weights and output of a step (q_len = 0: one token, no q_len dim).
-DsaTokens dsa_queries(const DsaAttention& l, const std::string& op, const In& q_latent, const In& q_pe,
-                      const In& q_index, const In& index_weights, const Out& o, int64_t T) {
+DsaTokens dsa_queries(const DsaAttention& l, const StepArgs& a, const In& q_latent, const In& q_pe, const In& q_index,
+                      const In& index_weights, const Out& o, int64_t T) {
   const auto& c = l.config();
   const int64_t B = l.batch(), H = c.num_qo_heads, L = c.latent_dim, R = c.rope_dim, IH = c.index_heads,
                 ID = c.index_head_dim;
-  const Device dev = l.device();
-  const DType dt = l.dtype();
   DsaTokens t;
   if (T == 0) {
-    t.q_latent = step_arg(op, q_latent, "q_latent", dev, dt, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
-    t.q_pe = step_arg(op, q_pe, "q_pe", dev, dt, {B, H, R}, "[batch, num_qo_heads, rope_dim]");
-    t.q_index = step_arg(op, q_index, "q_index", dev, dt, {B, IH, ID}, "[batch, index_heads, index_head_dim]");
-    t.index_weights = weights_arg(op, index_weights, dev, {B, IH}, "[batch, index_heads]");
-    t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, H, L}, "[batch, num_qo_heads, latent_dim]"));
+    t.q_latent = a.in(q_latent, "q_latent", {B, H, L}, "[batch, num_qo_heads, latent_dim]");
+    t.q_pe = a.in(q_pe, "q_pe", {B, H, R}, "[batch, num_qo_heads, rope_dim]");
+    t.q_index = a.in(q_index, "q_index", {B, IH, ID}, "[batch, index_heads, index_head_dim]");
+    t.index_weights = weights_arg(a.op, index_weights, a.device, {B, IH}, "[batch, index_heads]");
+    t.o = a.out(o, {B, H, L}, "[batch, num_qo_heads, latent_dim]");
     return t;
   }
-  t.q_latent = step_arg(op, q_latent, "q_latent", dev, dt, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]");
-  t.q_pe = step_arg(op, q_pe, "q_pe", dev, dt, {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
-  t.q_index = step_arg(op, q_index, "q_index", dev, dt, {B, T, IH, ID}, "[batch, q_len, index_heads, index_head_dim]");
-  t.index_weights = weights_arg(op, index_weights, dev, {B, T, IH}, "[batch, q_len, index_heads]");
-  t.o = const_cast<void*>(step_arg(op, In(o), "o", dev, dt, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]"));
+  t.q_latent = a.in(q_latent, "q_latent", {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]");
+  t.q_pe = a.in(q_pe, "q_pe", {B, T, H, R}, "[batch, q_len, num_qo_heads, rope_dim]");
+  t.q_index = a.in(q_index, "q_index", {B, T, IH, ID}, "[batch, q_len, index_heads, index_head_dim]");
+  t.index_weights = weights_arg(a.op, index_weights, a.device, {B, T, IH}, "[batch, q_len, index_heads]");
+  t.o = a.out(o, {B, T, H, L}, "[batch, q_len, num_qo_heads, latent_dim]");
   return t;
 }
 
 DsaTokens dsa_tokens(const DsaAttention& l, const std::string& op, const In& q_latent, const In& q_pe,
                      const In& q_index, const In& index_weights, const In& k_cache_row, const In& k_pe, const Out& o,
                      int32_t* q_len) {
-  const auto& c = l.config();
-  const int64_t B = l.batch(), L = c.latent_dim, R = c.rope_dim, ID = c.index_head_dim;
+  const int64_t B = l.batch(), L = l.config().latent_dim, R = l.config().rope_dim, ID = l.config().index_head_dim;
+  const StepArgs a(l, op);
   int64_t T = 0;
   if (q_len != nullptr) {
     *q_len = step_q_len(op, q_latent, "q_latent", "[batch, q_len, num_qo_heads, latent_dim]");
     T = *q_len;
   }
-  DsaTokens t = dsa_queries(l, op, q_latent, q_pe, q_index, index_weights, o, T);
+  DsaTokens t = dsa_queries(l, a, q_latent, q_pe, q_index, index_weights, o, T);
   if (T == 0) {
-    t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", l.device(), l.dtype(), {B, 1, 1, L + ID},
-                             "[batch, 1, 1, latent_dim + index_head_dim]");
-    t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {B, 1, 1, R}, "[batch, 1, 1, rope_dim]");
+    t.k_cache_row = a.in(k_cache_row, "k_cache_row", {B, 1, 1, L + ID}, "[batch, 1, 1, latent_dim + index_head_dim]");
+    t.k_pe = a.in(k_pe, "k_pe", {B, 1, 1, R}, "[batch, 1, 1, rope_dim]");
     return t;
   }
-  t.k_cache_row = step_arg(op, k_cache_row, "k_cache_row", l.device(), l.dtype(), {T, B, 1, 1, L + ID},
-                           "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
-  t.k_pe = step_arg(op, k_pe, "k_pe", l.device(), l.dtype(), {T, B, 1, 1, R},
-                    "[q_len, batch, 1, 1, rope_dim] (token-major)");
+  t.k_cache_row = a.in(k_cache_row, "k_cache_row", {T, B, 1, 1, L + ID},
+                       "[q_len, batch, 1, 1, latent_dim + index_head_dim] (token-major)");
+  t.k_pe = a.in(k_pe, "k_pe", {T, B, 1, 1, R}, "[q_len, batch, 1, 1, rope_dim] (token-major)");
   return t;
 }
 
@@ -395,15 +401,9 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
 PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& table, Device device, int32_t batch,
                           int32_t dim) {
   PagedIndexKeys k = index_cache_pool(op, cache, device, dim);
-  Tensor tb = describe(table, op, "index_block_table");
-  require_layer_device(tb, device);
-  tb.require_int32();
-  tb.require_ndim(2, "[batch, max_blocks]");
-  if (tb.shape[0] != batch)
-    tb.fail("has " + std::to_string(tb.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
-  if (tb.shape[1] > 1 && tb.strides[1] != 1) tb.fail("must have unit stride in its last dim");
+  const Tensor tb = table_arg(op, table, "index_block_table", device, batch);
   k.block_table = static_cast<const int32_t*>(tb.data);
-  k.block_table_stride = tb.shape[0] > 1 ? tb.strides[0] : tb.shape[1];
+  k.block_table_stride = table_row_stride(tb);
   k.max_blocks = to_int32(tb.shape[1], op, "index_block_table's width");
   return k;
 }
@@ -574,8 +574,11 @@ void bind_layers(nb::module_& m) {
           [](BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
              const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
             const std::string op = "BlockSparseAttention.decode_paged";
-            return self.decode(block_engine_tokens(self, op, q, index_q, index_k, o),
-                               block_engine_kv(self, op, k_cache, v_cache, block_table), step_stream(stream, self));
+            const StepArgs a(self, op);
+            BlockSparseTokens t = block_queries(self, a, q, index_q, o, nullptr);
+            t.index_k =
+                a.in(index_k, "index_k", {self.batch(), 1, 1, self.config().head_dim}, "[batch, 1, 1, head_dim]");
+            return self.decode(t, block_engine_kv(self, op, k_cache, v_cache, block_table), step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
           nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
@@ -591,16 +594,10 @@ void bind_layers(nb::module_& m) {
              const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len, const In& index_cache,
              const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
             const std::string op = "BlockSparseAttention.decode_pools";
-            const auto& c = self.config();
-            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
-            BlockSparseTokens t;
-            t.q = step_arg(op, q, "q", self.device(), self.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
-            t.index_q = step_arg(op, index_q, "index_q", self.device(), self.dtype(), {B, Hk, D},
-                                 "[batch, num_kv_heads, head_dim]");
-            t.o = const_cast<void*>(
-                step_arg(op, In(o), "o", self.device(), self.dtype(), {B, Hq, D}, "[batch, num_qo_heads, head_dim]"));
+            const BlockSparseTokens t = block_queries(self, StepArgs(self, op), q, index_q, o, nullptr);
             EnginePagedKV kv = block_engine_kv(self, op, k_cache, v_cache, block_table);
-            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table, c.head_dim);
+            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
+                         self.config().head_dim);
             return self.decode(t, kv, step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
@@ -725,7 +722,7 @@ void bind_layers(nb::module_& m) {
           "decode",
           [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
              const std::optional<uintptr_t>& stream) {
-            return self.decode(static_tokens(self, "StaticBlockSparseAttention.decode", q, k, v, o),
+            return self.decode(static_tokens(self, "StaticBlockSparseAttention.decode", q, k, v, o, nullptr),
                                step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
@@ -735,8 +732,7 @@ void bind_layers(nb::module_& m) {
           [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
              const std::optional<uintptr_t>& stream) {
             int32_t n = 0;
-            const StaticBlockSparseTokens t =
-                static_chunk_tokens(self, "StaticBlockSparseAttention.prefill", q, k, v, o, &n);
+            const StaticBlockSparseTokens t = static_tokens(self, "StaticBlockSparseAttention.prefill", q, k, v, o, &n);
             self.prefill(t, n, step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
@@ -813,9 +809,10 @@ void bind_layers(nb::module_& m) {
              const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
              const std::optional<uintptr_t>& stream) {
             const std::string op = "DsaAttention.decode_paged";
-            DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
-            t.index_k = step_arg(op, index_k, "index_k", self.device(), self.dtype(),
-                                 {self.batch(), 1, 1, self.config().index_head_dim}, "[batch, 1, 1, index_head_dim]");
+            const StepArgs a(self, op);
+            DsaTokens t = dsa_queries(self, a, q_latent, q_pe, q_index, index_weights, o, 0);
+            t.index_k = a.in(index_k, "index_k", {self.batch(), 1, 1, self.config().index_head_dim},
+                             "[batch, 1, 1, index_head_dim]");
             return self.decode(t, dsa_engine_kv(self, op, kv_cache, block_table), step_stream(stream, self));
           },
           nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
@@ -835,7 +832,7 @@ void bind_layers(nb::module_& m) {
              const In& index_cache, const std::optional<In>& index_block_table,
              const std::optional<uintptr_t>& stream) {
             const std::string op = "DsaAttention.decode_pools";
-            const DsaTokens t = dsa_queries(self, op, q_latent, q_pe, q_index, index_weights, o, 0);
+            const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, 0);
             EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
             pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
                          self.config().index_head_dim);
@@ -947,14 +944,7 @@ void bind_layers(nb::module_& m) {
         sl.require_contiguous();
         if (common_device(op, {&c, &k, &sl}) == Device::kCuda) {
           DeviceGuard guard(c);
-          void* st = stream ? stream_ptr(*stream) : nullptr;
-          if (!stream) {
-            nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
-            if (modules.contains("torch")) {
-              st = stream_ptr(nb::cast<uintptr_t>(
-                  nb::module_::import_("torch").attr("cuda").attr("current_stream")().attr("cuda_stream")));
-            }
-          }
+          void* st = stream ? stream_ptr(*stream) : torch_current_stream();
           write_index_keys_cuda(pool, dim, k.float_dtype(), k.data, k.shape[1], static_cast<const int64_t*>(sl.data),
                                 k.shape[0], IndexScaleFormat::kUe8m0, nullptr, st);
         } else {

@@ -146,7 +146,6 @@ void DenseKVCache::reserve(int64_t tokens) {
 }
 
 const int32_t* DenseKVCache::device_live_lens() const { return storage_->live_lens.as<int32_t>(); }
-const int32_t* DenseKVCache::device_active() const { return storage_->active.as<int32_t>(); }
 
 void DenseKVCache::append_token(const void* k_new, const void* v_new, void* stream) {
   append_rows(k_new, v_new, 1, stream, "DenseKVCache::append_token");

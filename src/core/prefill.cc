@@ -810,27 +810,6 @@ void static_prefill_blocks(Device device, const StaticPrefillParams& p, void* st
 
 // ---- attended sets (tests) ------------------------------------------------------
 
-std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& p) {
-  check_chunk(p.chunk, "mla_prefill_attended: ");
-  const std::vector<int64_t> lens = host_lengths(p.chunk, "mla_prefill_attended: ");
-  const int32_t n = p.chunk.num_tokens;
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(p.chunk.batch) * static_cast<size_t>(n));
-  for (int32_t b = 0; b < p.chunk.batch; ++b) {
-    for (int32_t t = 0; t < n; ++t) {
-      const int32_t* row = p.indices + int64_t{b} * index_seq_stride(p) + int64_t{t} * index_token_stride(p);
-      const int32_t count = p.topk_length != nullptr ? std::min(p.topk, p.topk_length[int64_t{b} * n + t]) : p.topk;
-      const int64_t pos = lens[static_cast<size_t>(b)] - n + t;
-      auto& kept = out[static_cast<size_t>(int64_t{b} * n + t)];
-      for (int32_t i = 0; i < count; ++i) {
-        if (row[i] >= 0 && row[i] <= pos) kept.push_back(row[i]);
-      }
-      std::sort(kept.begin(), kept.end());
-      kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
-    }
-  }
-  return out;
-}
-
 std::vector<std::vector<int32_t>> gqa_prefill_attended(const GqaPrefillParams& p) {
   check_chunk(p.chunk, "gqa_prefill_attended: ");
   const std::vector<int64_t> lens = host_lengths(p.chunk, "gqa_prefill_attended: ");

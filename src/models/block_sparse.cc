@@ -300,14 +300,10 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
   const size_t q_per_seq = static_cast<size_t>(q_len) * static_cast<size_t>(config_.num_kv_heads) * d;
   std::vector<float> q(static_cast<size_t>(batch()) * q_per_seq);
   to_float(dtype(), tokens.index_q, q.data(), q.size());
-  int32_t* ids = block_ids_.as<int32_t>();
-  int32_t* covered = seq_lens_.as<int32_t>();
-  std::fill(ids, ids + int64_t{num_requests()} * width(), -1);
+  std::fill(block_ids_.as<int32_t>(), block_ids_.as<int32_t>() + int64_t{num_requests()} * width(), -1);
   for (int32_t b = 0; b < batch(); ++b) {
     const int64_t len = device_lens()[b];
-    const int64_t num_blocks = len > 0 ? (len + config_.block_size - 1) / config_.block_size : 0;
-    std::vector<int32_t> kept;  // per KV head, blocks_per_request entries each
-    int32_t per = static_cast<int32_t>(num_blocks);
+    std::vector<int32_t> kept;
     if (len > dense_len) {
       const auto key_row = [&](int32_t /*one*/, int64_t t, float* out) {
         to_float(dtype(),
@@ -315,14 +311,19 @@ void BlockSparseAttention::select(const StepTokens& tokens, int32_t q_len, void*
                  out, d);
       };
       kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * q_per_seq, key_row, q_len);
-      per = blocks_per_request(config_, len);
     }
-    for (int32_t h = 0; h < config_.num_kv_heads; ++h) {
-      const int64_t r = int64_t{b} * config_.num_kv_heads + h;
-      for (int32_t i = 0; i < per; ++i)
-        ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
-      covered[r] = static_cast<int32_t>(selected_tokens(len));
-    }
+    write_lists_cpu(b, len, kept);
+  }
+}
+
+void BlockSparseAttention::write_lists_cpu(int32_t b, int64_t len, const std::vector<int32_t>& kept) {
+  const int32_t per = kept.empty() ? static_cast<int32_t>((len + config_.block_size - 1) / config_.block_size)
+                                   : blocks_per_request(config_, len);
+  for (int32_t h = 0; h < config_.num_kv_heads; ++h) {
+    const int64_t r = int64_t{b} * config_.num_kv_heads + h;
+    for (int32_t i = 0; i < per; ++i)
+      block_ids_.as<int32_t>()[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
+    seq_lens_.as<int32_t>()[r] = static_cast<int32_t>(selected_tokens(len));
   }
 }
 
@@ -342,10 +343,9 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
   const bool fp8 = keys.format == IndexKeyFormat::kE4m3;
   std::vector<float> q(static_cast<size_t>(batch()) * heads * d);
   to_float(dtype(), tokens.index_q, q.data(), q.size());
-  int32_t* ids = block_ids_.as<int32_t>();
   int32_t* covered = seq_lens_.as<int32_t>();
   int32_t& error = *index_error_word();
-  std::fill(ids, ids + int64_t{num_requests()} * width(), -1);
+  std::fill(block_ids_.as<int32_t>(), block_ids_.as<int32_t>() + int64_t{num_requests()} * width(), -1);
   for (int32_t b = 0; b < batch(); ++b) {
     const int64_t len = device_lens()[b];
     const int32_t* table = keys.block_table + int64_t{b} * keys.block_table_stride;
@@ -357,10 +357,9 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
       refuse(kIndexErrorLength);
       continue;
     }
-    const int64_t num_blocks = len > 0 ? (len + config_.block_size - 1) / config_.block_size : 0;
-    std::vector<int32_t> kept;  // per KV head, blocks_per_request entries each
-    int32_t per = static_cast<int32_t>(num_blocks);
+    std::vector<int32_t> kept;
     if (len > dense_len) {
+      const int64_t num_blocks = (len + config_.block_size - 1) / config_.block_size;
       // The keys the rule reads: blocks below the forced ones (as the CUDA score kernel).
       const int64_t scored_end =
           std::min<int64_t>(num_blocks - 1, num_blocks - config_.local_blocks) * config_.block_size;
@@ -386,14 +385,8 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
         for (size_t i = 0; i < d; ++i) out[i] = e4m3_to_float(values[i]) * scale;
       };
       kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * heads * d, key_row);
-      per = blocks_per_request(config_, len);
     }
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t r = int64_t{b} * heads + h;
-      for (int32_t i = 0; i < per; ++i)
-        ids[r * width() + i] = kept.empty() ? i : kept[static_cast<size_t>(h * per + i)];
-      covered[r] = static_cast<int32_t>(selected_tokens(len));
-    }
+    write_lists_cpu(b, len, kept);
   }
 }
 
@@ -448,26 +441,10 @@ LayerStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t 
 }
 
 namespace detail {
-// The CPU twin of src/cuda/models/block_prefill_regime.cu.
 void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
   const int32_t nqb = (a.num_tokens + a.block_size - 1) / a.block_size;
   const int64_t lists = int64_t{a.batch} * nqb * a.num_kv_heads;
-  for (int64_t l = 0; l < lists; ++l) {
-    const int32_t b = static_cast<int32_t>(l / (int64_t{nqb} * a.num_kv_heads));
-    const int32_t i = static_cast<int32_t>(l / a.num_kv_heads % nqb);
-    const int64_t len = a.kv_lens[b];
-    const int64_t own = (len - a.num_tokens) / a.block_size + i;
-    const int64_t end = std::min<int64_t>((own + 1) * a.block_size, len);
-    int32_t* ids = a.block_ids + l * a.width;
-    if (end <= a.dense_len) {
-      for (int32_t j = 0; j < a.width; ++j) ids[j] = j <= own ? j : -1;
-      a.counts[l] = static_cast<int32_t>(end);
-    } else {
-      const int32_t* from = a.indexer_ids + l * a.indexer_width;
-      for (int32_t j = 0; j < a.width; ++j) ids[j] = j < a.indexer_width ? from[j] : -1;
-      a.counts[l] = a.indexer_counts[l];
-    }
-  }
+  for (int64_t l = 0; l < lists; ++l) block_prefill_regime_list(a, nqb, l);
 }
 }  // namespace detail
 

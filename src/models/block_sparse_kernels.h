@@ -80,6 +80,32 @@ struct BlockPrefillRegimeArgs {
 void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& args);
 void block_prefill_regime_cuda(const BlockPrefillRegimeArgs& args, void* stream);
 
+#if defined(__CUDACC__)
+#define SP_REGIME_FN __host__ __device__ inline
+#else
+#define SP_REGIME_FN inline
+#endif
+/// List l of the rule above, with nqb query blocks per slot: the CPU loop
+/// and the CUDA kernel both run it.
+SP_REGIME_FN void block_prefill_regime_list(const BlockPrefillRegimeArgs& a, int32_t nqb, int64_t l) {
+  const int32_t b = static_cast<int32_t>(l / (int64_t{nqb} * a.num_kv_heads));
+  const int32_t i = static_cast<int32_t>(l / a.num_kv_heads % nqb);
+  const int64_t len = a.kv_lens[b];
+  const int64_t own = (len - a.num_tokens) / a.block_size + i;
+  const int64_t block_end = (own + 1) * a.block_size;
+  const int64_t end = block_end < len ? block_end : len;
+  int32_t* ids = a.block_ids + l * a.width;
+  if (end <= a.dense_len) {
+    for (int32_t j = 0; j < a.width; ++j) ids[j] = j <= own ? j : -1;
+    a.counts[l] = static_cast<int32_t>(end);
+  } else {
+    const int32_t* from = a.indexer_ids + l * a.indexer_width;
+    for (int32_t j = 0; j < a.width; ++j) ids[j] = j < a.indexer_width ? from[j] : -1;
+    a.counts[l] = a.indexer_counts[l];
+  }
+}
+#undef SP_REGIME_FN
+
 /// Block mask [batch * num_kv_heads, max_kv_len] (row pitch max_kv_len): 0
 /// where the token's block is one of the request's `width` entries of
 /// block_ids (-1 entries match nothing) and t < kv_lens[b] (device [batch]),

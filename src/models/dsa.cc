@@ -248,19 +248,25 @@ PagedSelection DsaAttention::selection(int32_t q_len) const {
 void DsaAttention::select(const StepTokens& tokens, int32_t q_len, void* stream) {
   Buffer& positions = q_len > 1 ? token_positions_ : positions_;
   Buffer& counts = q_len > 1 ? token_counts_ : counts_;
-  if (engine_pools()) {  // the engine's paged keys, its lengths
-    DsaIndexerArgs args;
-    args.dtype = dtype();
+  if (!engine_pools() && device() != Device::kCuda) {
+    select_cpu(tokens, q_len, positions.as<int32_t>(), counts.as<int32_t>());
+    return;
+  }
+  Buffer& workspace = q_len > 1 ? token_workspace_ : workspace_;
+  DsaIndexerArgs args;
+  args.dtype = dtype();
+  args.kv_lens = device_lens();
+  args.q_index = tokens.index_q;
+  args.weights = tokens.index_weights;
+  args.workspace = workspace.data();
+  args.workspace_bytes = workspace.bytes();
+  args.positions = positions.as<int32_t>();
+  args.counts = counts.as<int32_t>();
+  args.q_len = q_len;
+  if (engine_pools()) {  // the engine's paged keys, its lengths (one-token steps only)
     args.key_layout = IndexKeyLayout::kPaged;
     args.paged = engine_kv()->index_keys;
-    args.kv_lens = device_lens();
     args.max_kv_len = live_bound();
-    args.q_index = tokens.index_q;
-    args.weights = tokens.index_weights;
-    args.workspace = workspace_.data();
-    args.workspace_bytes = workspace_.bytes();
-    args.positions = positions.as<int32_t>();
-    args.counts = counts.as<int32_t>();
     args.error = index_error_word();
     if (device() == Device::kCuda) {
       dsa_select_tokens_cuda(config_, batch(), args, stream);
@@ -269,24 +275,9 @@ void DsaAttention::select(const StepTokens& tokens, int32_t q_len, void* stream)
     }
     return;
   }
-  if (device() != Device::kCuda) {
-    select_cpu(tokens, q_len, positions.as<int32_t>(), counts.as<int32_t>());
-    return;
-  }
-  Buffer& workspace = q_len > 1 ? token_workspace_ : workspace_;
-  DsaIndexerArgs args;
-  args.dtype = dtype();
   args.k_cache = cache().k_rows().value().data;
   args.capacity = capacity();
-  args.kv_lens = device_lens();
   args.max_kv_len = capacity();
-  args.q_index = tokens.index_q;
-  args.weights = tokens.index_weights;
-  args.workspace = workspace.data();
-  args.workspace_bytes = workspace.bytes();
-  args.positions = positions.as<int32_t>();
-  args.counts = counts.as<int32_t>();
-  args.q_len = q_len;
   // The indexer finds its key index_key_column() columns into each K row.
   DsaConfig rule = config_;
   rule.latent_dim = index_key_column();

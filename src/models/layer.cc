@@ -156,6 +156,20 @@ LayerStep SparseLayer::finish(LayerStep step, SparseDecoder& decoder, const Spar
   return step;
 }
 
+void SparseLayer::select_step(const StepTokens& tokens, int32_t q_len, void* stream) {
+  detail::cuda_record_event(after_append_, stream);
+  select(tokens, q_len, stream);
+  detail::cuda_record_event(after_select_, stream);
+  have_selection_ = true;
+  last_q_len_ = q_len;
+}
+
+bool SparseLayer::any_sparse(int32_t q_len) const {
+  for (size_t b = 0; b < kv_lens().size(); ++b)
+    if (cache_.active()[b] && sparse_at(kv_lens()[b] - (q_len - 1))) return true;
+  return false;
+}
+
 LayerStep SparseLayer::step(const StepTokens& tokens, void* stream) {
   if (engine_paged()) {
     throw Error(name_ + "::decode: an engine-paged layer reads the engine's pool; pass the pool (decode(tokens, kv))");
@@ -164,14 +178,9 @@ LayerStep SparseLayer::step(const StepTokens& tokens, void* stream) {
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers(1);
   cache_.append_token(tokens.k, tokens.v, stream);
-  detail::cuda_record_event(after_append_, stream);
-  select(tokens, 1, stream);
-  detail::cuda_record_event(after_select_, stream);
-  have_selection_ = true;
-  last_q_len_ = 1;
+  select_step(tokens, 1, stream);
   LayerStep step;
-  for (size_t b = 0; b < kv_lens().size(); ++b)
-    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  step.sparse = any_sparse(1);
   return finish(step, decoder_, attention_inputs(tokens, 1), selection(1), stream);
 }
 
@@ -365,15 +374,9 @@ LayerStep SparseLayer::step(const StepTokens& tokens, int32_t q_len, void* strea
 LayerStep SparseLayer::fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream) {
   // tokens.k and tokens.v are [q_len, batch, heads, dim]: the q_len slices in one launch.
   cache_.append_step_tokens(tokens.k, tokens.v, q_len, stream);
-  detail::cuda_record_event(after_append_, stream);
-  select(tokens, q_len, stream);
-  detail::cuda_record_event(after_select_, stream);
-  have_selection_ = true;
-  last_q_len_ = q_len;
+  select_step(tokens, q_len, stream);
   LayerStep step;
-  for (size_t b = 0; b < kv_lens().size(); ++b) {
-    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b] - (q_len - 1)));
-  }
+  step.sparse = any_sparse(q_len);
   step.outcome = multi_decoder_.try_fused(attention_inputs(tokens, q_len), selection(q_len), stream);
   step.fused = step.outcome.fused();
   if (!step.fused) {  // decided fused above on the same facts; a change here is a bug, never a wrong answer
@@ -445,14 +448,9 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   if (device_ == Device::kCpu)
     check_table_on_host(name_ + " (engine-paged)", kv.block_table, lens_after(1), cache_.active());
   cache_.append_token(tokens.index_k, nullptr, stream);
-  detail::cuda_record_event(after_append_, stream);
-  select(tokens, 1, stream);
-  detail::cuda_record_event(after_select_, stream);
-  have_selection_ = true;
-  last_q_len_ = 1;
+  select_step(tokens, 1, stream);
   LayerStep step;
-  for (size_t b = 0; b < kv_lens().size(); ++b)
-    step.sparse = step.sparse || (cache_.active()[b] && sparse_at(kv_lens()[b]));
+  step.sparse = any_sparse(1);
   step.outcome = decoder_.run_fused(in, selection(1), decided, stream);
   step.fused = step.outcome.fused();
   return step;
@@ -487,11 +485,7 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
     for (int32_t b = 0; b < batch_; ++b) lens[size_t(b)] = kv.seq_lens[b] <= kv.max_seq_len ? kv.seq_lens[b] : 0;
     check_table_on_host(name_ + " (engine pools)", kv.block_table, lens, std::vector<uint8_t>(size_t(batch_), 1));
   }
-  detail::cuda_record_event(after_append_, stream);  // nothing appended: the engine wrote its rows
-  select(tokens, 1, stream);
-  detail::cuda_record_event(after_select_, stream);
-  have_selection_ = true;
-  last_q_len_ = 1;
+  select_step(tokens, 1, stream);  // nothing appended: the engine wrote its rows
   LayerStep step;
   step.sparse = sparse_at(kv.max_seq_len);
   step.outcome = decoder_.run_fused(in, shape, decided, stream);

@@ -151,7 +151,7 @@ TEST(MlaPrefillCpu, AttendsTheMaskPathsColumns) {
   const auto pb = testing::make_mla_prefill_problem(spec);
   const MlaOutputs got = run_mla_cpu(pb, false);
   const MlaPrefillParams p = pb.host_params(nullptr, nullptr, nullptr);
-  const auto attended = mla_prefill_attended(p);
+  const auto attended = testing::mla_prefill_attended(p);
   const int32_t n = spec.num_tokens, heads = spec.num_heads;
   const int64_t live = pb.kv_len;
   std::vector<int32_t> offsets = {0}, positions;

@@ -311,6 +311,28 @@ void mla_token_by_token_cpu(const MlaPrefillProblem& pb, std::vector<float>& out
   }
 }
 
+std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& p) {
+  const int32_t n = p.chunk.num_tokens;
+  const int64_t token_stride = p.index_token_stride > 0 ? p.index_token_stride : p.topk;
+  const int64_t seq_stride = p.index_seq_stride > 0 ? p.index_seq_stride : int64_t{n} * token_stride;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(p.chunk.batch) * static_cast<size_t>(n));
+  for (int32_t b = 0; b < p.chunk.batch; ++b) {
+    const int64_t len = p.chunk.kv_lens != nullptr ? p.chunk.kv_lens[b] : p.chunk.kv_len;
+    for (int32_t t = 0; t < n; ++t) {
+      const int32_t* row = p.indices + int64_t{b} * seq_stride + int64_t{t} * token_stride;
+      const int32_t count = p.topk_length != nullptr ? std::min(p.topk, p.topk_length[int64_t{b} * n + t]) : p.topk;
+      const int64_t pos = len - n + t;
+      auto& kept = out[static_cast<size_t>(int64_t{b} * n + t)];
+      for (int32_t i = 0; i < count; ++i) {
+        if (row[i] >= 0 && row[i] <= pos) kept.push_back(row[i]);
+      }
+      std::sort(kept.begin(), kept.end());
+      kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
+    }
+  }
+  return out;
+}
+
 // ---- GQA ---------------------------------------------------------------------
 
 GqaPrefillProblem make_gqa_prefill_problem(const GqaPrefillSpec& spec) {

@@ -77,6 +77,11 @@ std::string compare_mla_prefill(const MlaPrefillProblem& pb, const MlaPrefillRef
 /// with its window pos + 1; the outputs laid out as the prefill's, lse in the
 /// decode's convention (-inf for nothing attended).
 void mla_token_by_token_cpu(const MlaPrefillProblem& pb, std::vector<float>& out, std::vector<float>& lse);
+/// The positions each query row of an MLA prefill attends, per (sequence,
+/// token) of the chunk (row b * num_tokens + t), sorted and without
+/// duplicates: the valid entries of its index rows. Host arrays; kv_lens
+/// host or null.
+std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& p);
 
 // ---- GQA over blocks -------------------------------------------------------
 

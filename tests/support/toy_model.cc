@@ -110,6 +110,31 @@ std::vector<float> read_output(Device device, const Buffer& o) {
   return x;
 }
 
+// add_block on each row r of xs, with row r of the layer's output o.
+template <typename LayerWeights>
+void add_blocks(std::vector<std::vector<float>>& xs, Device device, const Buffer& o, const LayerWeights& w) {
+  const std::vector<float> attn = read_output(device, o);
+  const size_t width = attn.size() / xs.size();
+  for (size_t r = 0; r < xs.size(); ++r) {
+    const auto row = attn.begin() + static_cast<std::ptrdiff_t>(r * width);
+    add_block(xs[r], std::vector<float>(row, row + static_cast<std::ptrdiff_t>(width)), w.wo, w.w1, w.w2);
+  }
+}
+
+// A ToyModel token's widths: d the model's, hd a head's, qo the queries',
+// kv the K (or V) heads'.
+struct Widths {
+  size_t d, hd, qo, kv;
+};
+Widths widths_of(const ToyModelConfig& c) {
+  const bool is_static = c.kind == ToyAttention::kStaticBlockSparse;
+  const auto& a = c.attention;
+  const auto& sa = c.static_attention;
+  const size_t hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
+  return {static_cast<size_t>(c.d_model), hd, static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd,
+          static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd};
+}
+
 // Host fp32 -> the layer's dtype on its device.
 Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
   std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
@@ -153,11 +178,7 @@ ToyModel::~ToyModel() = default;
 
 std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& tokens, bool prefill) {
   const bool is_static = config_.kind == ToyAttention::kStaticBlockSparse;
-  const auto& a = config_.attention;
-  const auto& sa = config_.static_attention;
-  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
-  const size_t qo = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd;
-  const size_t kv = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd;
+  const auto [d, hd, qo, kv] = widths_of(config_);
   std::vector<std::vector<float>> xs;
   for (int32_t token : tokens) xs.push_back(embed_with_position(weights_->embed, token, d, position_));
   ++position_;
@@ -197,13 +218,7 @@ std::vector<std::vector<float>> ToyModel::forward(const std::vector<int32_t>& to
         fused_steps_ += step.fused ? 1 : 0;
       }
     }
-    const std::vector<float> attn = read_output(device_, o);
-    for (size_t b = 0; b < xs.size(); ++b) {
-      add_block(xs[b],
-                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(b * qo),
-                                   attn.begin() + static_cast<std::ptrdiff_t>((b + 1) * qo)),
-                w.wo, w.w1, w.w2);
-    }
+    add_blocks(xs, device_, o, w);
   }
   std::vector<std::vector<float>> logits;
   for (const auto& x : xs) logits.push_back(logits_of(x, weights_->unembed, static_cast<size_t>(config_.vocab)));
@@ -244,11 +259,7 @@ std::vector<std::vector<int32_t>> greedy(const std::vector<std::vector<int32_t>>
 // through one prefill() call per layer.
 void ToyModel::forward_chunk(const std::vector<std::vector<int32_t>>& tokens) {
   const bool is_static = config_.kind == ToyAttention::kStaticBlockSparse;
-  const auto& a = config_.attention;
-  const auto& sa = config_.static_attention;
-  const size_t d = static_cast<size_t>(config_.d_model), hd = static_cast<size_t>(is_static ? sa.head_dim : a.head_dim);
-  const size_t qo = static_cast<size_t>(is_static ? sa.num_qo_heads : a.num_qo_heads) * hd;
-  const size_t kv = static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd;
+  const auto [d, hd, qo, kv] = widths_of(config_);
   const size_t batch = tokens.size(), n = tokens[0].size();
   std::vector<std::vector<float>> xs;  // row b * n + t
   for (size_t b = 0; b < batch; ++b) {
@@ -286,13 +297,7 @@ void ToyModel::forward_chunk(const std::vector<std::vector<int32_t>>& tokens) {
       const Buffer iqd = to_device(device_, DType::kBF16, iq);
       layers_[static_cast<size_t>(l)]->prefill({qd.data(), iqd.data(), kd.data(), vd.data(), o.data()}, chunk);
     }
-    const std::vector<float> attn = read_output(device_, o);
-    for (size_t r = 0; r < xs.size(); ++r) {
-      add_block(xs[r],
-                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(r * qo),
-                                   attn.begin() + static_cast<std::ptrdiff_t>((r + 1) * qo)),
-                w.wo, w.w1, w.w2);
-    }
+    add_blocks(xs, device_, o, w);
   }
 }
 
@@ -412,13 +417,7 @@ void DsaToyModel::forward_chunk(const std::vector<int32_t>& tokens) {
     Buffer o = poisoned_output(device_, n * h * L);
     layers_[static_cast<size_t>(l)]->prefill(
         {qd.data(), qped.data(), qid.data(), wd.as<float>(), kd.data(), ped.data(), o.data()}, static_cast<int32_t>(n));
-    const std::vector<float> attn = read_output(device_, o);
-    for (size_t t = 0; t < n; ++t) {
-      add_block(xs[t],
-                std::vector<float>(attn.begin() + static_cast<std::ptrdiff_t>(t * h * L),
-                                   attn.begin() + static_cast<std::ptrdiff_t>((t + 1) * h * L)),
-                w.wo, w.w1, w.w2);
-    }
+    add_blocks(xs, device_, o, w);
   }
 }
 

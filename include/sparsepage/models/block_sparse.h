@@ -158,6 +158,9 @@ class BlockSparseAttention : public SparseLayer {
   void check_selection_errors(void* stream) override;
   /// The indexer on the host over the engine's paged keys and lengths.
   void select_pools_cpu(const StepTokens& tokens);
+  /// Sequence b's host lists at length len: `kept`, the indexer's
+  /// blocks_per_request per KV head, or every block when empty (dense regime).
+  void write_lists_cpu(int32_t b, int64_t len, const std::vector<int32_t>& kept);
   std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const override;
   void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) override;
   std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,

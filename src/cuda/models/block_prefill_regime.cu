@@ -12,26 +12,11 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// The same rule as block_prefill_regime_cpu (src/models/block_sparse.cc).
 __global__ void block_prefill_regime_kernel(const BlockPrefillRegimeArgs a) {
   const int32_t nqb = (a.num_tokens + a.block_size - 1) / a.block_size;
   const int64_t lists = int64_t{a.batch} * nqb * a.num_kv_heads;
   for (int64_t l = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; l < lists; l += int64_t{gridDim.x} * blockDim.x) {
-    const int32_t b = static_cast<int32_t>(l / (int64_t{nqb} * a.num_kv_heads));
-    const int32_t i = static_cast<int32_t>(l / a.num_kv_heads % nqb);
-    const int64_t len = a.kv_lens[b];
-    const int64_t own = (len - a.num_tokens) / a.block_size + i;
-    const int64_t block_end = (own + 1) * a.block_size;
-    const int64_t end = block_end < len ? block_end : len;
-    int32_t* ids = a.block_ids + l * a.width;
-    if (end <= a.dense_len) {
-      for (int32_t j = 0; j < a.width; ++j) ids[j] = j <= own ? j : -1;
-      a.counts[l] = static_cast<int32_t>(end);
-    } else {
-      const int32_t* from = a.indexer_ids + l * a.indexer_width;
-      for (int32_t j = 0; j < a.width; ++j) ids[j] = j < a.indexer_width ? from[j] : -1;
-      a.counts[l] = a.indexer_counts[l];
-    }
+    block_prefill_regime_list(a, nqb, l);
   }
 }
 
