@@ -654,14 +654,12 @@ void bind_layers(nb::module_& m) {
             const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
             const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
             const int32_t n = step_q_len(op, q, "q", q_layout);
+            const StepArgs a(self, op);
             BlockSparseTokens t;
-            t.q = step_arg(op, q, "q", self.device(), self.dtype(), {B, n, Hq, D}, q_layout);
-            t.index_q = step_arg(op, index_q, "index_q", self.device(), self.dtype(), {B, n, Hk, D},
-                                 "[batch, num_tokens, num_kv_heads, head_dim]");
-            t.index_k = step_arg(op, index_k, "index_k", self.device(), self.dtype(), {n, B, 1, 1, D},
-                                 "[num_tokens, batch, 1, 1, head_dim] (token-major)");
-            t.o = const_cast<void*>(step_arg(op, In(o), "o", self.device(), self.dtype(), {B, n, Hq, D},
-                                             "[batch, num_tokens, num_qo_heads, head_dim]"));
+            t.q = a.in(q, "q", {B, n, Hq, D}, q_layout);
+            t.index_q = a.in(index_q, "index_q", {B, n, Hk, D}, "[batch, num_tokens, num_kv_heads, head_dim]");
+            t.index_k = a.in(index_k, "index_k", {n, B, 1, 1, D}, "[num_tokens, batch, 1, 1, head_dim] (token-major)");
+            t.o = a.out(o, {B, n, Hq, D}, "[batch, num_tokens, num_qo_heads, head_dim]");
             self.prefill(t, block_engine_kv(self, op, k_cache, v_cache, block_table), n, step_stream(stream, self));
           },
           nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
