@@ -45,6 +45,12 @@ TEST(EnginePrefillCpu, DsaRaggedBatchWithAFreeSlot) {
   testing::check_engine_paged_dsa_prefill(Device::kCpu, dsa_config(), {{30, -1, 9}, 6, 5});
 }
 
+TEST(EnginePrefillCpu, DsaOverFp8RowsMatchesFp64AndDecode) {
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{0}, 16, 6});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{40}, 12, 7});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{5, -1, 30}, 8, 8});
+}
+
 TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
   testing::check_engine_prefill_refusals(Device::kCpu);
 }

@@ -47,6 +47,12 @@ TEST(EnginePrefillCuda, DsaRaggedBatchWithAFreeSlot) {
   testing::check_engine_paged_dsa_prefill(Device::kCuda, dsa_config(), {{10, 90, -1}, 16, 3});
 }
 
+TEST(EnginePrefillCuda, DsaOverFp8RowsMatchesFp64AndDecode) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCuda, dsa_config(), {{0}, 32, 6});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCuda, dsa_config(), {{100, -1, 10}, 24, 7});
+}
+
 TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_prefill_refusals(Device::kCuda);

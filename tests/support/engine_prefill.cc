@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/fp8.h"
 #include "sparsepage/memory.h"
 #include "support/expect_error.h"
 #include "support/layer_checks.h"
@@ -75,10 +77,14 @@ struct Pool {
   }
   // Writes `row` (row_elems values) at position `pos` of slot `b` of pool `i`.
   void write(int32_t i, int32_t b, int64_t pos, const float* row) {
-    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
-    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
     std::vector<uint8_t> bytes(static_cast<size_t>(row_elems) * 2);
     from_float(kDt, row, bytes.data(), static_cast<size_t>(row_elems));
+    write_bytes(i, b, pos, bytes);
+  }
+  // The same with the row's bytes as they are (row_elems * 2 of them).
+  void write_bytes(int32_t i, int32_t b, int64_t pos, const std::vector<uint8_t>& bytes) {
+    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
+    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
     copy_bytes(static_cast<char*>(pools[static_cast<size_t>(i)].data()) + slot * row_elems * 2, device, bytes.data(),
                Device::kCpu, bytes.size());
   }
@@ -321,7 +327,34 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
 
 // ---------------------------------------------------------------- DSA
 
-void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+namespace {
+
+// The 656-byte FP8 MLA row (fp8.h) of `row` (latent then rope), and the
+// values a reader takes from it: the latent e4m3 byte times its block's
+// scale (CUDA rounds that to bf16 before its tensor cores read it; the CPU
+// backend keeps it exact: docs/RELIABILITY.md, "FP8 MLA rounding"), the
+// rope as written.
+std::vector<uint8_t> fp8_row(const float* row) {
+  std::vector<uint8_t> bf16(size_t{MlaFp8Row::kLatent + MlaFp8Row::kRope} * 2), out(MlaFp8Row::kBytes);
+  from_float(kDt, row, bf16.data(), MlaFp8Row::kLatent + MlaFp8Row::kRope);
+  quantize_mla_fp8_cpu(kDt, bf16.data(), 1, MlaFp8Row::kLatent + MlaFp8Row::kRope, out.data());
+  return out;
+}
+void dequantize(Device device, const std::vector<uint8_t>& fp8, const float* row, float* out) {
+  for (int32_t i = 0; i < MlaFp8Row::kLatent; ++i) {
+    float scale = 0.0f;
+    std::memcpy(&scale, &fp8[size_t(MlaFp8Row::kScaleOffset + 4 * (i / MlaFp8Row::kBlock))], 4);
+    const float x = e4m3_to_float(fp8[size_t(i)]) * scale;
+    out[i] = device == Device::kCuda ? bf16_to_float(float_to_bf16(x)) : x;
+  }
+  std::copy_n(row + MlaFp8Row::kLatent, MlaFp8Row::kRope, out + MlaFp8Row::kLatent);
+}
+
+// The DSA checks over a bf16 pool or (fp8) the engines' 656-byte FP8 rows.
+// Over FP8 rows the own cache holds other values (the bf16 rows), so only
+// its positions are compared; the outputs are checked against fp64 over
+// the dequantized rows and the token-by-token decode over the same pool.
+void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8) {
   std::mt19937_64 rng(c.seed);
   const auto batch = static_cast<int32_t>(c.prompt.size());
   const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
@@ -341,16 +374,25 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
   DsaAttention own(device, kDt, own_cfg, batch, fused());
   DsaAttention engine(device, kDt, engine_cfg, batch, fused());
   DsaAttention twin(device, kDt, engine_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), dl + dr, 1, rng);
+  Pool pool(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  // Every byte 0xFF: e4m3, fp32 scale and bf16 rope NaN alike in rows the engine did not write.
+  if (fp8) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
   // The own cache's rows: K = latent then index key, V = rope.
   SlotRows own_k(static_cast<size_t>(batch)), own_v(static_cast<size_t>(batch));
+  SlotRows read = mla;  // the values the attention reads: over FP8 rows, dequantized
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
       const float* r = mla[size_t(b)].data() + p * (dl + dr);
       own_k[size_t(b)].insert(own_k[size_t(b)].end(), r, r + dl);
       own_k[size_t(b)].insert(own_k[size_t(b)].end(), ik[size_t(b)].begin() + p * id, ik[size_t(b)].begin() + (p + 1) * id);
       own_v[size_t(b)].insert(own_v[size_t(b)].end(), r + dl, r + dl + dr);
-      pool.write(0, b, p, r);
+      if (!fp8) {
+        pool.write(0, b, p, r);
+        continue;
+      }
+      const std::vector<uint8_t> bytes = fp8_row(r);
+      pool.write_bytes(0, b, p, bytes);
+      dequantize(device, bytes, r, read[size_t(b)].data() + p * (dl + dr));
     }
   }
   for (int32_t b = 0; b < batch; ++b) {
@@ -373,6 +415,13 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
   kv.v = kv.k;
   kv.k_extra = pool.rows(0, dl, dr, 1);
   kv.block_table = pool.block_table();
+  if (fp8) {
+    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
+    kv.k = views.k;
+    kv.v = views.v;
+    kv.k_extra = views.k_extra;
+    kv.kv_format = KvFormat::kE4m3Mla;
+  }
 
   const size_t o_count = static_cast<size_t>(batch * n * q_row);
   const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
@@ -404,7 +453,9 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
         continue;
       }
       ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
-      EXPECT_LT(relative_l2(o, widen(slice(mine, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+      if (!fp8) {
+        EXPECT_LT(relative_l2(o, widen(slice(mine, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+      }
       const int64_t pos = len.before[size_t(b)] + t;
       const auto& set = positions[static_cast<size_t>(r)];
       ASSERT_FALSE(set.empty());
@@ -414,14 +465,14 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
         std::vector<double> scores;
         for (int32_t p : set) {
           ASSERT_LE(p, pos);
-          const float* row = mla[size_t(b)].data() + int64_t{p} * (dl + dr);
+          const float* row = read[size_t(b)].data() + int64_t{p} * (dl + dr);
           double s = 0;
           for (int32_t i = 0; i < dl; ++i) s += double{q[size_t(r * q_row + int64_t{head} * dl + i)]} * row[i];
           for (int32_t i = 0; i < dr; ++i) s += double{q_pe[size_t(r * pe_row + int64_t{head} * dr + i)]} * row[dl + i];
           scores.push_back(s * scale);
         }
         softmax_weighted_sum(
-            scores, dl, [&](size_t j, int64_t i) { return double{mla[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
+            scores, dl, [&](size_t j, int64_t i) { return double{read[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
             ref.data() + int64_t{head} * dl);
       }
       EXPECT_LT(relative_l2(o, ref), 1e-2) << "slot " << b << " token " << t << " vs fp64";
@@ -456,6 +507,15 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
           << "slot " << b << " token " << t << " vs decode";
     }
   }
+}
+
+}  // namespace
+
+void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+  check_dsa_prefill(device, cfg, c, false);
+}
+void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+  check_dsa_prefill(device, cfg, c, true);
 }
 
 // ---------------------------------------------------------------- refusals

@@ -33,6 +33,15 @@ struct EnginePrefillCase {
 /// layer reaches.
 void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c);
 void check_engine_paged_dsa_prefill(Device device, const DsaConfig& config, const EnginePrefillCase& c);
+/// The DSA chunk over the engines' 656-byte FP8 MLA rows (KvFormat::kE4m3Mla;
+/// every unwritten byte 0xFF, NaN in each field): the own-cache layer's
+/// positions (its outputs read other values: the bf16 rows), fp64 over the
+/// documented dequantization of the rows at the positions it reports (the
+/// exact one on the CPU, rounded to bf16 on CUDA as docs/RELIABILITY.md "FP8
+/// MLA rounding" says; 1e-2 relative L2), and the token-by-token
+/// engine-paged decode over the same pool (the same positions, outputs
+/// within 1e-2).
+void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& config, const EnginePrefillCase& c);
 
 /// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
 /// then a good chunk gives the answer a fresh twin gives): a misaligned
