@@ -354,14 +354,41 @@ void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   check_dtype(p.dtype, device, who);
   REQUIRE(p.index_heads >= 1 && p.index_head_dim >= 1 && p.topk >= 1,
           who + "index_heads, index_head_dim and topk must be at least 1");
+  REQUIRE(p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr && p.counts != nullptr,
+          who + "q_index, weights, positions and counts must be set");
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    const std::string problem = paged_index_keys_problem(p.paged, p.index_head_dim);
+    REQUIRE(problem.empty(), who + "paged: " + problem);
+    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
+            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
+    const int64_t reach = int64_t{p.paged.max_blocks} * p.paged.block_size;
+    REQUIRE(p.chunk.kv_len <= reach, who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+                                         " positions are past the key table's " + to_string(p.paged.max_blocks) +
+                                         " blocks of " + to_string(p.paged.block_size));
+    return;
+  }
+  REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
   REQUIRE(p.key_column >= 0, who + "key_column = " + to_string(p.key_column) + " is negative");
-  REQUIRE(p.k_cache != nullptr && p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr &&
-              p.counts != nullptr,
-          who + "k_cache, q_index, weights, positions and counts must be set");
+  REQUIRE(p.k_cache != nullptr, who + "k_cache must be set (dense keys)");
   REQUIRE(p.capacity >= p.chunk.kv_len, who + "capacity = " + to_string(p.capacity) +
                                             " rows per sequence is below "
                                             "chunk.kv_len = " +
                                             to_string(p.chunk.kv_len));
+}
+
+/// The decode indexer's key source for sequence b of the chunk: its rows of
+/// the dense cache, or its row of the engine's key table.
+void set_key_source(DsaIndexerArgs& a, const DsaPrefillIndexerParams& p, int32_t b) {
+  a.key_layout = p.key_layout;
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    a.paged = p.paged;
+    a.paged.block_table = p.paged.block_table + int64_t{b} * p.paged.block_table_stride;
+    a.error = p.error;
+    return;
+  }
+  const int64_t row = int64_t{p.key_column} + p.index_head_dim;
+  a.k_cache = offset_bytes(p.k_cache, int64_t{b} * p.capacity * row, dtype_size(p.dtype));
+  a.capacity = p.capacity;
 }
 
 DsaConfig dsa_rule(const DsaPrefillIndexerParams& p) {
@@ -436,7 +463,6 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
   const detail::PassLensArgs pl{p.chunk, rows_per_pass_, passes, lens_.as<int32_t>()};
   detail::pass_lens_cuda(pl, stream);
   const size_t esize = dtype_size(p.dtype);
-  const int64_t row = int64_t{p.key_column} + p.index_head_dim;
   for (int32_t b = 0; b < p.chunk.batch; ++b) {
     for (int32_t i = 0; i < passes; ++i) {
       const int32_t t0 = i * rows_per_pass_;
@@ -444,8 +470,7 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
       const int64_t first = int64_t{b} * n + t0;  // the pass's first (sequence, token) row
       DsaIndexerArgs a;
       a.dtype = p.dtype;
-      a.k_cache = offset_bytes(p.k_cache, int64_t{b} * p.capacity * row, esize);
-      a.capacity = p.capacity;
+      set_key_source(a, p, b);
       a.kv_lens = lens_.as<int32_t>() + int64_t{b} * passes + i;
       a.max_kv_len = p.chunk.kv_len - n + t0 + rows;  // the host bound of this pass's window end
       a.q_index = offset_bytes(p.q_index, first * p.index_heads * p.index_head_dim, esize);

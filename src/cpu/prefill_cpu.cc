@@ -14,6 +14,7 @@
 #include "cpu/dot.h"
 #include "cpu/parallel.h"
 #include "models/static_block_pattern.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/types.h"
 
@@ -156,6 +157,35 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
   rule.index_heads = p.index_heads;
   rule.index_head_dim = p.index_head_dim;
   rule.index_topk = p.topk;
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    // The decode indexer's twin reads the engine's keys (native or FP8)
+    // through the table, each token of the chunk against its own causal
+    // window: passes of up to kMaxQueryTokens tokens of one sequence, as
+    // the CUDA indexer's passes, each a multi-token row set whose window
+    // ends at its last token.
+    for (int32_t b = 0; b < p.chunk.batch; ++b) {
+      for (int32_t t0 = 0; t0 < n; t0 += kMaxQueryTokens) {
+        const int32_t rows = std::min(kMaxQueryTokens, n - t0);
+        const auto end = static_cast<int32_t>(lens[static_cast<size_t>(b)] - n + t0 + rows);
+        const int64_t first = int64_t{b} * n + t0;  // the pass's first (sequence, token) row
+        DsaIndexerArgs a;
+        a.dtype = p.dtype;
+        a.key_layout = IndexKeyLayout::kPaged;
+        a.paged = p.paged;
+        a.paged.block_table = p.paged.block_table + int64_t{b} * p.paged.block_table_stride;
+        a.kv_lens = &end;
+        a.max_kv_len = p.chunk.kv_len;
+        a.q_index = static_cast<const char*>(p.q_index) + first * static_cast<int64_t>(heads * d * esize);
+        a.weights = p.weights + first * static_cast<int64_t>(heads);
+        a.positions = p.positions + first * p.topk;
+        a.counts = p.counts + first;
+        a.q_len = rows;
+        a.error = p.error;
+        dsa_select_tokens_cpu(rule, 1, a);
+      }
+    }
+    return;
+  }
   const int64_t row_elems = int64_t{p.key_column} + p.index_head_dim;
   for (int32_t b = 0; b < p.chunk.batch; ++b) {
     const int64_t len = lens[static_cast<size_t>(b)];

@@ -473,6 +473,10 @@ void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
 
 std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
   const int32_t bs = config_.block_size;
+  if (engine_pools()) {
+    return "the block prefill indexer reads the layer's own index keys, not an engine's paged ones: prefill "
+           "over the engine's pool with a KVStorage::kEnginePaged layer, or decode() token by token";
+  }
   if (device() == Device::kCuda && (config_.head_dim != 128 || (bs != 64 && bs != 128))) {
     return "the CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128, not " + std::to_string(bs) +
            "-token blocks at head_dim " + std::to_string(config_.head_dim);

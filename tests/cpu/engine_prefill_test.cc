@@ -51,6 +51,20 @@ TEST(EnginePrefillCpu, DsaOverFp8RowsMatchesFp64AndDecode) {
   testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{5, -1, 30}, 8, 8});
 }
 
+// The pools form: index keys of 128 values (vLLM's FP8 blocks hold 128).
+DsaConfig pools_config() { return {4, 512, 64, 4, 128, 24, 0.0f, 64}; }
+
+TEST(EnginePoolsPrefillCpu, DsaOverBf16KeysMatchesTheEnginePagedPrefill) {
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{0}, 16, 1}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40, -1, 9}, 20, 2}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40, 9, 70}, 8, 5}, false, false);
+}
+
+TEST(EnginePoolsPrefillCpu, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40}, 12, 3}, true, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{5, 33, -1}, 18, 4}, true, true);
+}
+
 TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
   testing::check_engine_prefill_refusals(Device::kCpu);
 }

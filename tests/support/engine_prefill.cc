@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sparsepage/fp8.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/memory.h"
 #include "support/expect_error.h"
 #include "support/layer_checks.h"
@@ -518,6 +519,140 @@ void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& cfg, con
   check_dsa_prefill(device, cfg, c, true);
 }
 
+void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8_keys,
+                                    bool fp8_rows) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
+  const int32_t ih = cfg.index_heads, id = cfg.index_head_dim;
+  const Lengths len(c);
+  const SlotRows mla = slot_rows(rng, len.after, dl + dr);
+  const SlotRows ik = slot_rows(rng, len.after, id);
+  const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
+  const std::vector<float> q = grid(rng, static_cast<size_t>(batch * n * q_row));
+  const std::vector<float> q_pe = grid(rng, static_cast<size_t>(batch * n * pe_row));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(batch * n * iq_row));
+  const std::vector<float> w = grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+
+  DsaConfig paged_cfg = cfg, pools_cfg = cfg;
+  paged_cfg.kv_storage = KVStorage::kEnginePaged;
+  pools_cfg.kv_storage = KVStorage::kEnginePools;
+  DsaAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
+  DsaAttention pools(device, kDt, pools_cfg, batch, fused());
+  Pool pool(device, batch, blocks_for(len), fp8_rows ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  if (fp8_rows) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
+  // The engine's index keys: blocks of 16 through the MLA pool's table, every unwritten byte 0xFF (NaN).
+  PagedIndexKeys host_keys;
+  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  host_keys.dtype = kDt;
+  host_keys.num_blocks = pool.num_blocks;
+  host_keys.block_size = kEngineBlock;
+  host_keys.block_table = pool.table.data();
+  host_keys.block_table_stride = pool.max_blocks;
+  host_keys.max_blocks = pool.max_blocks;
+  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, id)), 0xFF);
+  host_keys.pool = key_bytes.data();
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      const float* r = mla[size_t(b)].data() + p * (dl + dr);
+      if (fp8_rows) {
+        pool.write_bytes(0, b, p, fp8_row(r));
+      } else {
+        pool.write(0, b, p, r);
+      }
+      std::vector<uint8_t> key(static_cast<size_t>(id) * 2);
+      from_float(kDt, ik[size_t(b)].data() + p * id, key.data(), static_cast<size_t>(id));
+      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
+                           p % kEngineBlock;
+      write_index_keys_cpu(host_keys, id, kDt, key.data(), id, &slot, 1);
+    }
+    if (!len.active(b)) {
+      paged.release(b);
+      continue;
+    }
+    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * id));
+    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, dl, 1);
+  kv.v = kv.k;
+  kv.k_extra = pool.rows(0, dl, dr, 1);
+  kv.block_table = pool.block_table();
+  if (fp8_rows) {
+    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
+    kv.k = views.k;
+    kv.v = views.v;
+    kv.k_extra = views.k_extra;
+    kv.kv_format = KvFormat::kE4m3Mla;
+  }
+  // The pools form: the keys and the lengths (with the chunk; 0 free) the engine's, a bound above them.
+  const Buffer keys_dev = upload(device, key_bytes);
+  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+  const Buffer lens_dev = upload(device, lens32);
+  EnginePagedKV pkv = kv;
+  pkv.index_keys = host_keys;
+  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  pkv.seq_lens = lens_dev.as<int32_t>();
+  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 3;
+
+  const size_t o_count = static_cast<size_t>(batch * n * q_row);
+  const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
+  const Buffer iq_dev = to_device(device, kDt, iq), w_dev = to_device(device, DType::kF32, w);
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
+  Buffer paged_o = poisoned(device, o_count), pools_o = poisoned(device, o_count);
+  paged.prefill(DsaTokens{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr,
+                          paged_o.data(), index_k.data()},
+                kv, n);
+  const DsaTokens pt{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, pools_o.data()};
+
+  // Refused by name, nothing written: a chunk with index_k, no lengths, a length below the chunk.
+  DsaTokens with_key = pt;
+  with_key.index_k = index_k.data();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(with_key, pkv, n); }, "index_k must be null"));
+  EnginePagedKV no_lens = pkv;
+  no_lens.seq_lens = nullptr;
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, no_lens, n); }, "kv.seq_lens"));
+  const int32_t first_active = static_cast<int32_t>(
+      std::find_if(len.after.begin(), len.after.end(), [](int64_t x) { return x > 0; }) - len.after.begin());
+  std::vector<int32_t> short_lens = lens32;
+  short_lens[size_t(first_active)] = n - 1;
+  const Buffer short_dev = upload(device, short_lens);
+  EnginePagedKV too_short = pkv;
+  too_short.seq_lens = short_dev.as<int32_t>();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, too_short, n); },
+                                  "kv.seq_lens[" + std::to_string(first_active) + "] = " + std::to_string(n - 1)));
+  const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
+      << "a refused chunk wrote o";
+
+  pools.prefill(pt, pkv, n);
+  pools.check_errors();
+  paged.check_errors();
+  EXPECT_EQ(pools.kv_lens(), std::vector<int64_t>(size_t(batch), 0)) << "an engine-pools layer keeps no lengths";
+  const auto positions = pools.last_prefill_positions();
+  ASSERT_EQ(positions.size(), size_t(batch) * size_t(n));
+  // The keys are multiples of 1/4 and so are the FP8 blocks' (exact at their
+  // power-of-two scales): the scores, and so the sets, are the bf16 ones.
+  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t r = int64_t{b} * n + t;
+      const std::vector<float> o = slice(got, r * q_row, q_row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        EXPECT_TRUE(positions[size_t(r)].empty());
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_EQ(int64_t(positions[size_t(r)].size()),
+                std::min<int64_t>(cfg.index_topk, len.before[size_t(b)] + t + 1));
+      EXPECT_LT(relative_l2(o, widen(slice(want, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- refusals
 
 void check_engine_prefill_refusals(Device device) {
@@ -604,7 +739,7 @@ void check_engine_prefill_refusals(Device device) {
   BlockSparseConfig pools_cfg = cfg;
   pools_cfg.kv_storage = KVStorage::kEnginePools;
   BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
-  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(good, kv, n); }, "engine-pools layer"));
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(good, kv, n); }, "engine pools"));
 
   // Nothing changed: a good chunk now answers as on a fresh layer.
   layer->prefill(good, kv, n);
