@@ -187,7 +187,8 @@ struct DsaPrefillIndexerParams {
   PagedIndexKeys paged;
   /// kPaged, may be null: the int32 IndexKeyError word (device memory on
   /// CUDA), or'ed into for a sequence whose length or needed blocks are
-  /// refused (its tokens then select nothing: count 0, positions -1).
+  /// refused (its tokens then select nothing: positions -1 and count -1,
+  /// the decode indexer's mark).
   int32_t* error = nullptr;
   const void* q_index = nullptr;   // [batch, num_tokens, index_heads, index_head_dim]
   const float* weights = nullptr;  // [batch, num_tokens, index_heads]

@@ -417,7 +417,11 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
     mp.kv_rope = slot_rows(cache().v_rows().value(), first_slot);
   }
   mp.indices = ip.positions;
-  mp.topk_length = ip.counts;
+  // Over engine pools a row the indexer refuses (a key block outside the
+  // pool) keeps count -1, the decode indexer's mark, and positions all -1:
+  // read without counts, the -1-padded rows select nothing for it (zero
+  // output, as the decode step's refused rows) on both backends.
+  mp.topk_length = engine_pools() ? nullptr : ip.counts;
   mp.scale = config_.scale;
   mp.out = tokens.o;
   mla_prefill_.run(mp, stream);

@@ -651,6 +651,40 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
       EXPECT_LT(relative_l2(o, widen(slice(want, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
     }
   }
+
+  // A key block id outside the pool is judged where it is read (on the
+  // device): flagged, and the tokens that needed it (windows past the
+  // top-k) select nothing, their outputs zero; the other tokens keep
+  // their answers.
+  std::vector<int32_t> bad_table = pool.table;
+  bad_table[size_t(int64_t{first_active} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+  const Buffer bad_dev = upload(device, bad_table);
+  EnginePagedKV bad = pkv;
+  bad.index_keys.block_table = bad_dev.as<int32_t>();
+  Buffer bad_o = poisoned(device, o_count);
+  DsaTokens bt = pt;
+  bt.o = bad_o.data();
+  pools.prefill(bt, bad, n);
+  const bool scored = len.after[size_t(first_active)] > cfg.index_topk;  // some token of the slot read its keys
+  if (scored) {
+    EXPECT_TRUE(throws_error_naming([&] { pools.check_errors(); }, "a block id outside the index-key pool"));
+  } else {
+    EXPECT_NO_THROW(pools.check_errors()) << "no token read a key";
+  }
+  const std::vector<float> flagged = read_bf16(device, bad_o, o_count);
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!len.active(b)) continue;
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t r = int64_t{b} * n + t;
+      const std::vector<float> o = slice(flagged, r * q_row, q_row);
+      if (b == first_active && len.before[size_t(b)] + t + 1 > cfg.index_topk) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; }))
+            << "slot " << b << " token " << t << " read a refused key block";
+      } else {
+        EXPECT_EQ(o, slice(got, r * q_row, q_row)) << "slot " << b << " token " << t;
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- refusals
