@@ -712,13 +712,27 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
               "need local_blocks >= 1 and top_blocks >= local_blocks - 1 (forced blocks must fit the top-k); got "
               "local_blocks = " +
               to_string(p.local_blocks) + ", top_blocks = " + to_string(p.top_blocks));
-  REQUIRE(p.index_keys.data != nullptr && p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
-          who + "index_keys.data, q_index, block_ids and counts must be set");
-  REQUIRE(p.index_keys.dim == p.head_dim,
-          who + "index_keys.dim = " + to_string(p.index_keys.dim) + " must equal head_dim = " + to_string(p.head_dim));
-  REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
-          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
-              " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
+  REQUIRE(p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
+          who + "q_index, block_ids and counts must be set");
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    REQUIRE(device == Device::kCpu, who + "the CUDA block scores read dense index keys only (paged keys: the CPU "
+                                          "backend)");
+    const std::string problem = paged_index_keys_problem(p.paged, p.head_dim);
+    REQUIRE(problem.empty(), who + "paged: " + problem);
+    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
+            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
+    REQUIRE(p.chunk.kv_len <= int64_t{p.paged.max_blocks} * p.paged.block_size,
+            who + "chunk.kv_len = " + to_string(p.chunk.kv_len) + " positions are past the key table's " +
+                to_string(p.paged.max_blocks) + " blocks of " + to_string(p.paged.block_size));
+  } else {
+    REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
+    REQUIRE(p.index_keys.data != nullptr, who + "index_keys.data must be set (dense keys)");
+    REQUIRE(p.index_keys.dim == p.head_dim, who + "index_keys.dim = " + to_string(p.index_keys.dim) +
+                                                " must equal head_dim = " + to_string(p.head_dim));
+    REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
+            who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+                " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
+  }
   if (device == Device::kCuda) {
     REQUIRE(p.head_dim == 128, who + "head_dim = " + to_string(p.head_dim) +
                                    ": the CUDA block scores run at index dim 128 (the CPU backend takes any)");
@@ -763,6 +777,8 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   sa.block_size = p.block_size;
   sa.local_blocks = p.local_blocks;
   sa.keys = p.index_keys;
+  sa.key_layout = p.key_layout;
+  sa.paged = p.paged;
   sa.q_index = p.q_index;
   sa.key_blocks = key_blocks(p.chunk.kv_len, p.block_size);
   sa.scores = scores_.as<float>();

@@ -25,6 +25,37 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 int64_t length_of(const PrefillChunk& c, int32_t b) { return c.kv_lens ? c.kv_lens[b] : c.kv_len; }
 
+/// Positions [0, count) of sequence b's keys in an engine's paged pool, as
+/// floats (FP8: the e4m3 value times the key's scale, as the block decode
+/// indexer's twin reads them). A block id outside the pool is refused by
+/// name before any key is read.
+void paged_keys_cpu(const PagedIndexKeys& k, size_t d, int32_t b, int64_t count, float* out) {
+  const int32_t* table = k.block_table + int64_t{b} * k.block_table_stride;
+  const int64_t blocks = (count + k.block_size - 1) / k.block_size;
+  for (int64_t e = 0; e < blocks; ++e) {
+    if (table[e] < 0 || table[e] >= k.num_blocks) {
+      throw Error("BlockPrefillIndexer: sequence " + std::to_string(b) + "'s key-table entry " + std::to_string(e) +
+                  " = " + std::to_string(table[e]) + " is outside the index-key pool [0, " +
+                  std::to_string(k.num_blocks) + ")");
+    }
+  }
+  const auto dim = static_cast<int32_t>(d);
+  const int64_t token_bytes = index_key_token_bytes(k, dim), block_bytes = index_key_block_bytes(k, dim);
+  for (int64_t t = 0; t < count; ++t) {
+    const char* block = static_cast<const char*>(k.pool) + table[t / k.block_size] * block_bytes;
+    const auto slot = static_cast<int32_t>(t % k.block_size);
+    float* row = out + t * static_cast<int64_t>(d);
+    if (k.format == IndexKeyFormat::kNative) {
+      to_float(k.dtype, block + slot * token_bytes, row, d);
+      continue;
+    }
+    float scale;
+    std::memcpy(&scale, block + IndexKeyFp8::scale_offset(k.block_size, slot), sizeof(float));
+    const auto* values = reinterpret_cast<const uint8_t*>(block + IndexKeyFp8::value_offset(k.block_size, slot));
+    for (size_t i = 0; i < d; ++i) row[i] = e4m3_to_float(values[i]) * scale;
+  }
+}
+
 /// (score descending, then id ascending), NaN ranking with -inf: the order
 /// the GPU's composite keys give (cuda/primitives/radix_select.cuh).
 bool ranks_before(float sx, int64_t x, float sy, int64_t y) {
@@ -227,9 +258,16 @@ void block_scores_cpu(const BlockScoresArgs& a) {
   for (int32_t b = 0; b < a.chunk.batch; ++b) {
     const int64_t len = length_of(a.chunk, b), start = len - n;
     std::vector<float> keys(static_cast<size_t>(len) * d);
-    for (int64_t pos = 0; pos < len; ++pos) {
-      to_float(a.dtype, static_cast<const char*>(a.keys.data) + a.keys.offset(b, 0, pos) * static_cast<int64_t>(esize),
-               &keys[static_cast<size_t>(pos) * d], d);
+    if (a.key_layout == IndexKeyLayout::kPaged) {
+      // The keys the scores read: those of blocks below the query blocks' forced ones.
+      const int64_t scored_end = std::max<int64_t>(0, (start / bs + blocks - a.local_blocks)) * bs;
+      paged_keys_cpu(a.paged, d, b, std::min(len, scored_end), keys.data());
+    } else {
+      for (int64_t pos = 0; pos < len; ++pos) {
+        to_float(a.dtype,
+                 static_cast<const char*>(a.keys.data) + a.keys.offset(b, 0, pos) * static_cast<int64_t>(esize),
+                 &keys[static_cast<size_t>(pos) * d], d);
+      }
     }
     std::vector<float> q(static_cast<size_t>(n) * heads * d);
     to_float(a.dtype, static_cast<const char*>(a.q_index) + int64_t{b} * n * heads * static_cast<int64_t>(d * esize),

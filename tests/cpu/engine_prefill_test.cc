@@ -65,6 +65,18 @@ TEST(EnginePoolsPrefillCpu, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
   testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{5, 33, -1}, 18, 4}, true, true);
 }
 
+// Blocks of 16 at head_dim 128 (vLLM's FP8 key blocks hold 128 values), top-2.
+BlockSparseConfig pools_block_config() { return {8, 2, 128, 16, 2, 1, 64}; }
+
+TEST(EnginePoolsPrefillCpu, BlockSparseOverBf16AndFp8KeysMatchesTheEnginePagedPrefill) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{64}, 48, 1}, fp8);
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{0, 96, 32}, 32, 2}, fp8);
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{80, -1, 16}, 20, 3}, fp8);
+  }
+}
+
 TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
   testing::check_engine_prefill_refusals(Device::kCpu);
 }

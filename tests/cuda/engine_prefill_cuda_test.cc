@@ -70,6 +70,11 @@ TEST(EnginePoolsPrefillCuda, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
   testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, -1, 10}, 24, 5}, true, true);
 }
 
+TEST(EnginePoolsPrefillCuda, BlockSparseIsRefusedByName) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{64, 128}, 64, 6}, false);
+}
+
 TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_prefill_refusals(Device::kCuda);

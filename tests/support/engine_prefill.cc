@@ -687,6 +687,126 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
   }
 }
 
+void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c,
+                                      bool fp8_keys) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
+  const Lengths len(c);
+  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
+  const SlotRows ik = slot_rows(rng, len.after, d);
+  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+
+  BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
+  paged_cfg.kv_storage = KVStorage::kEnginePaged;
+  pools_cfg.kv_storage = KVStorage::kEnginePools;
+  BlockSparseAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
+  BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
+  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  PagedIndexKeys host_keys;
+  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  host_keys.dtype = kDt;
+  host_keys.num_blocks = pool.num_blocks;
+  host_keys.block_size = kEngineBlock;
+  host_keys.block_table = pool.table.data();
+  host_keys.block_table_stride = pool.max_blocks;
+  host_keys.max_blocks = pool.max_blocks;
+  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, d)), 0xFF);
+  host_keys.pool = key_bytes.data();
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+      std::vector<uint8_t> key(static_cast<size_t>(d) * 2);
+      from_float(kDt, ik[size_t(b)].data() + p * d, key.data(), static_cast<size_t>(d));
+      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
+                           p % kEngineBlock;
+      write_index_keys_cpu(host_keys, d, kDt, key.data(), d, &slot, 1);
+    }
+    if (!len.active(b)) {
+      paged.release(b);
+      continue;
+    }
+    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
+    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, d, hkv);
+  kv.v = pool.rows(1, 0, d, hkv);
+  kv.block_table = pool.block_table();
+  const Buffer keys_dev = upload(device, key_bytes);
+  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+  const Buffer lens_dev = upload(device, lens32);
+  EnginePagedKV pkv = kv;
+  pkv.index_keys = host_keys;
+  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  pkv.seq_lens = lens_dev.as<int32_t>();
+  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 5;
+
+  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
+  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
+  Buffer pools_o = poisoned(device, o_count);
+  BlockSparseTokens pt;
+  pt.q = q_dev.data();
+  pt.index_q = iq_dev.data();
+  pt.o = pools_o.data();
+  if (device == Device::kCuda) {  // the CUDA block scores read dense keys only
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, pkv, n); }, "reads dense index keys"));
+    return;
+  }
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
+  Buffer paged_o = poisoned(device, o_count);
+  BlockSparseTokens et = pt;
+  et.index_k = index_k.data();
+  et.o = paged_o.data();
+  paged.prefill(et, kv, n);
+
+  // A chunk off the block grid (the engine's lengths one longer) is refused by name, o untouched.
+  std::vector<int32_t> off = lens32;
+  for (int32_t& x : off) x = x > 0 ? x + 1 : 0;
+  const Buffer off_dev = upload(device, off);
+  EnginePagedKV misaligned = pkv;
+  misaligned.seq_lens = off_dev.as<int32_t>();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, misaligned, n); }, "not a multiple of block_size"));
+  const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }));
+
+  pools.prefill(pt, pkv, n);
+  pools.check_errors();
+  const auto positions = pools.last_prefill_positions();
+  ASSERT_EQ(positions.size(), size_t(batch) * size_t(n) * size_t(hq));
+  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
+  const int64_t row = int64_t{hq} * d;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t at = (int64_t{b} * n + t) * row;
+      const std::vector<float> o = slice(got, at, row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_LT(relative_l2(o, widen(slice(want, at, row))), 1e-3) << "slot " << b << " token " << t;
+    }
+  }
+
+  // A key block id outside the pool that a scored block needs is refused by name.
+  const int32_t first_active = static_cast<int32_t>(
+      std::find_if(len.after.begin(), len.after.end(), [](int64_t x) { return x > 0; }) - len.after.begin());
+  std::vector<int32_t> bad_table = pool.table;
+  bad_table[size_t(int64_t{first_active} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+  const Buffer bad_dev = upload(device, bad_table);
+  EnginePagedKV bad = pkv;
+  bad.index_keys.block_table = bad_dev.as<int32_t>();
+  const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
+  if (len.after[size_t(first_active)] > dense_len + cfg.block_size) {
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, bad, n); }, "outside the index-key pool"));
+  }
+}
+
 // ---------------------------------------------------------------- refusals
 
 void check_engine_prefill_refusals(Device device) {

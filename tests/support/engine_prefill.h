@@ -55,6 +55,16 @@ void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& config, 
 void check_engine_pools_dsa_prefill(Device device, const DsaConfig& config, const EnginePrefillCase& c, bool fp8_keys,
                                     bool fp8_rows);
 
+/// The block-sparse chunk over engine-owned pools (the engine's K/V rows
+/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths):
+/// on the CPU against the engine-paged prefill of the same chunk (the same
+/// positions, outputs within 1e-3, free slots zero), a chunk off the block
+/// grid refused by name before o is written, and a key block id outside
+/// the pool refused by name; on CUDA, refused by name (the CUDA block
+/// scores read dense keys only).
+void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c,
+                                      bool fp8_keys);
+
 /// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
 /// then a good chunk gives the answer a fresh twin gives): a misaligned
 /// chunk, num_tokens < 1, k / v passed or index_k missing, a table row
