@@ -97,11 +97,13 @@ struct BlockScoresArgs {
   PrefillChunk chunk;
   int32_t num_kv_heads = 0, head_dim = 0, block_size = 0, local_blocks = 1;
   RowView keys;                   // position p of sequence b at keys.offset(b, 0, p)
-  IndexKeyLayout key_layout = IndexKeyLayout::kDense;  // kPaged: `paged` instead of keys (CPU)
-  PagedIndexKeys paged;
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim]
   int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
   float* scores = nullptr;
+  // kPaged (the CPU backend only): `paged` instead of keys. Last, so the
+  // CUDA kernel's view of the fields above is unchanged.
+  IndexKeyLayout key_layout = IndexKeyLayout::kDense;
+  PagedIndexKeys paged;
 };
 void block_scores_cpu(const BlockScoresArgs& args);
 void block_scores_cuda(const BlockScoresArgs& args, void* stream);
