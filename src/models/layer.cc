@@ -319,13 +319,21 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
   const std::string refused = prefill_refusal(num_tokens, lens);
   if (!refused.empty()) throw Error(who + ": " + refused);
   if (device_ == Device::kCpu) check_table_on_host(who, kv.block_table, lens, active);
+  // The chunk's lengths and pools while it runs; the last decode step's
+  // lengths stay for that step's readers (the chunk's are kept on the host).
+  struct Restore {  // thrown or not
+    SparseLayer& layer;
+    const int32_t* lens;
+    int64_t bound;
+    ~Restore() {
+      layer.engine_lens_ = lens;
+      layer.engine_bound_ = bound;
+      layer.engine_kv_ = nullptr;
+    }
+  } restore{*this, engine_lens_, engine_bound_};
   engine_lens_ = kv.seq_lens;
   engine_bound_ = kv.max_seq_len;
   engine_kv_ = &kv;
-  struct Clear {  // the pools are the caller's: forget them when the chunk returns, thrown or not
-    const EnginePagedKV*& kv;
-    ~Clear() { kv = nullptr; }
-  } clear{engine_kv_};
   run_chunk(tokens, num_tokens, lens, active, stream);
 }
 
