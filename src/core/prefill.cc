@@ -777,8 +777,6 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   sa.block_size = p.block_size;
   sa.local_blocks = p.local_blocks;
   sa.keys = p.index_keys;
-  sa.key_layout = p.key_layout;
-  sa.paged = p.paged;
   sa.q_index = p.q_index;
   sa.key_blocks = key_blocks(p.chunk.kv_len, p.block_size);
   sa.scores = scores_.as<float>();
@@ -792,7 +790,12 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   se.scores = scores_.as<float>();
   se.block_ids = p.block_ids;
   se.counts = p.counts;
-  launch(device_, detail::block_scores_cpu, detail::block_scores_cuda, sa, stream);
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    detail::block_scores_cpu(sa, &p.paged);  // check_block_indexer: the CPU backend only
+  } else {
+    launch(device_, +[](const detail::BlockScoresArgs& a) { detail::block_scores_cpu(a); }, detail::block_scores_cuda,
+           sa, stream);
+  }
   launch(device_, detail::block_select_cpu, detail::block_select_cuda, se, stream);
 }
 

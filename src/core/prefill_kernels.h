@@ -100,12 +100,11 @@ struct BlockScoresArgs {
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim]
   int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
   float* scores = nullptr;
-  // kPaged (the CPU backend only): `paged` instead of keys. Last, so the
-  // CUDA kernel's view of the fields above is unchanged.
-  IndexKeyLayout key_layout = IndexKeyLayout::kDense;
-  PagedIndexKeys paged;
 };
-void block_scores_cpu(const BlockScoresArgs& args);
+/// `paged` non-null (the CPU backend only): the keys are read from an
+/// engine's paged pool (prefill.h, BlockPrefillIndexerParams::paged), args.keys
+/// unused. Kept out of BlockScoresArgs, the CUDA kernel's parameter.
+void block_scores_cpu(const BlockScoresArgs& args, const PagedIndexKeys* paged = nullptr);
 void block_scores_cuda(const BlockScoresArgs& args, void* stream);
 
 /// The top blocks of each (sequence, query block, KV head) from the scores

@@ -251,17 +251,17 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
   }
 }
 
-void block_scores_cpu(const BlockScoresArgs& a) {
+void block_scores_cpu(const BlockScoresArgs& a, const PagedIndexKeys* paged) {
   const int32_t n = a.chunk.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
   const int32_t blocks = (n + bs - 1) / bs;
   const size_t d = static_cast<size_t>(a.head_dim), esize = dtype_size(a.dtype);
   for (int32_t b = 0; b < a.chunk.batch; ++b) {
     const int64_t len = length_of(a.chunk, b), start = len - n;
     std::vector<float> keys(static_cast<size_t>(len) * d);
-    if (a.key_layout == IndexKeyLayout::kPaged) {
+    if (paged != nullptr) {
       // The keys the scores read: those of blocks below the query blocks' forced ones.
       const int64_t scored_end = std::max<int64_t>(0, (start / bs + blocks - a.local_blocks)) * bs;
-      paged_keys_cpu(a.paged, d, b, std::min(len, scored_end), keys.data());
+      paged_keys_cpu(*paged, d, b, std::min(len, scored_end), keys.data());
     } else {
       for (int64_t pos = 0; pos < len; ++pos) {
         to_float(a.dtype,
