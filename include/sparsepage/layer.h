@@ -164,8 +164,15 @@ class SparseLayer {
   /// b; row_of_sequence null). Refused by name before anything changes as
   /// prefill_chunk is, and besides: a table row too short for a slot's
   /// length, on the CPU a block id outside the pool (on CUDA the kernels
-  /// flag it and check_errors() names it), and an engine-pools layer (its
-  /// paged index keys are not read by the prefill indexers).
+  /// flag it and check_errors() names it).
+  /// An engine-pools layer appends nothing: the engine has written the
+  /// chunk's rows and index keys (kv.index_keys) and passes each slot's
+  /// length with the chunk in kv.seq_lens (0: a free slot, whose o rows are
+  /// zeroed; else at least num_tokens), which are read back once to shape
+  /// the chunk (so this form synchronizes on CUDA and is not captured);
+  /// tokens.index_k stays null. The prefill indexers read the keys through
+  /// kv.index_keys' table (native or FP8). A length outside [num_tokens,
+  /// max_seq_len] is refused by name.
   void prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
@@ -269,8 +276,12 @@ class SparseLayer {
   /// why the chunk is refused (before anything changes).
   std::vector<int64_t> prefill_lens(const std::string& who, int32_t num_tokens) const;
   /// A prefill chunk after its rows were appended: the model's run_prefill
-  /// over every active slot (`lens`: the host's lengths after it).
-  void run_chunk(const StepTokens& tokens, int32_t num_tokens, const std::vector<int64_t>& lens, void* stream);
+  /// over every active slot (`lens`: the host's lengths after it; `active`:
+  /// which slots hold the chunk).
+  void run_chunk(const StepTokens& tokens, int32_t num_tokens, const std::vector<int64_t>& lens,
+                 const std::vector<uint8_t>& active, void* stream);
+  /// prefill_chunk over engine pools: the engine's lengths and keys, nothing appended.
+  void pools_prefill(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
   void refuse_on_engine_pools(const char* what) const;
 
   std::string name_;

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "sparsepage/decode.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/memory.h"
 
 namespace sparsepage {
@@ -170,13 +171,25 @@ struct DsaPrefillIndexerParams {
   int32_t index_heads = 64;
   int32_t index_head_dim = 128;
   int32_t topk = 2048;
-  /// The index keys: position p of sequence b at row b * capacity + p of
-  /// k_cache, columns key_column .. key_column + index_head_dim, rows
-  /// key_column + index_head_dim elements long (the DSA layer's K buffer:
-  /// the latent, then the key; a key-only cache: key_column 0). 16-byte aligned.
+  /// Where the keys are: kDense reads k_cache below; kPaged reads `paged`
+  /// (an engine's pool of native or FP8 keys through its block table, row b
+  /// of the table for sequence b; index_keys.h), as the decode indexer does.
+  IndexKeyLayout key_layout = IndexKeyLayout::kDense;
+  /// kDense: position p of sequence b at row b * capacity + p of k_cache,
+  /// columns key_column .. key_column + index_head_dim, rows key_column +
+  /// index_head_dim elements long (the DSA layer's K buffer: the latent,
+  /// then the key; a key-only cache: key_column 0). 16-byte aligned.
   const void* k_cache = nullptr;
   int32_t key_column = 0;
-  int64_t capacity = 0;            // rows per sequence (>= kv_len)
+  int64_t capacity = 0;  // rows per sequence (>= kv_len)
+  /// kPaged: the engine's keys (chunk.kv_len must fit max_blocks x block_size;
+  /// FP8 keys at 64 index heads x 128 on CUDA).
+  PagedIndexKeys paged;
+  /// kPaged, may be null: the int32 IndexKeyError word (device memory on
+  /// CUDA), or'ed into for a sequence whose length or needed blocks are
+  /// refused (its tokens then select nothing: positions -1 and count -1,
+  /// the decode indexer's mark).
+  int32_t* error = nullptr;
   const void* q_index = nullptr;   // [batch, num_tokens, index_heads, index_head_dim]
   const float* weights = nullptr;  // [batch, num_tokens, index_heads]
   int32_t* positions = nullptr;    // out [batch, num_tokens, topk]: kept positions increasing, then -1
@@ -184,9 +197,9 @@ struct DsaPrefillIndexerParams {
 };
 
 /// The DSA indexer over a chunk. CUDA: the decode indexer's kernels (scores
-/// on warpgroup MMAs, bf16/f16 keys; no FP8 keys yet), each pass scoring a
-/// tile-row of `rows_per_pass` tokens of one sequence against its causal
-/// windows, so the fp32 scores of a tile-row (rows x context, 12 bytes a
+/// on warpgroup MMAs; dense or paged bf16/f16 keys, or paged FP8 keys), each
+/// pass scoring a tile-row of `rows_per_pass` tokens of one sequence against
+/// its causal windows, so the fp32 scores of a tile-row (rows x context, 12 bytes a
 /// position with the select's candidates) are the only thing materialised,
 /// never [num_tokens, context]. Why materialise a tile-row at all: the
 /// top-k reads every score twice (histogram, then the cut), and a score
@@ -341,6 +354,13 @@ struct BlockPrefillIndexerParams {
   /// (the block-sparse layer's K allocation at head num_kv_heads, or a
   /// key-only cache).
   RowView index_keys;
+  /// kPaged (CPU only so far): the keys are an engine's paged pool instead
+  /// (`paged`, native or FP8 at head_dim 128; row b of its table for
+  /// sequence b), read as the block decode indexer reads them (FP8: e4m3 x
+  /// the key's scale); index_keys is unused. A block id outside the pool
+  /// that a scored key block needs is refused by name.
+  IndexKeyLayout key_layout = IndexKeyLayout::kDense;
+  PagedIndexKeys paged;
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim], packed
   /// Out: a kPerKvHead selection of width top_blocks + 1.
   int32_t* block_ids = nullptr;  // [batch, num_query_blocks, num_kv_heads, top_blocks + 1]

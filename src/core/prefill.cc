@@ -354,14 +354,41 @@ void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   check_dtype(p.dtype, device, who);
   REQUIRE(p.index_heads >= 1 && p.index_head_dim >= 1 && p.topk >= 1,
           who + "index_heads, index_head_dim and topk must be at least 1");
+  REQUIRE(p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr && p.counts != nullptr,
+          who + "q_index, weights, positions and counts must be set");
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    const std::string problem = paged_index_keys_problem(p.paged, p.index_head_dim);
+    REQUIRE(problem.empty(), who + "paged: " + problem);
+    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
+            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
+    const int64_t reach = int64_t{p.paged.max_blocks} * p.paged.block_size;
+    REQUIRE(p.chunk.kv_len <= reach, who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+                                         " positions are past the key table's " + to_string(p.paged.max_blocks) +
+                                         " blocks of " + to_string(p.paged.block_size));
+    return;
+  }
+  REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
   REQUIRE(p.key_column >= 0, who + "key_column = " + to_string(p.key_column) + " is negative");
-  REQUIRE(p.k_cache != nullptr && p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr &&
-              p.counts != nullptr,
-          who + "k_cache, q_index, weights, positions and counts must be set");
+  REQUIRE(p.k_cache != nullptr, who + "k_cache must be set (dense keys)");
   REQUIRE(p.capacity >= p.chunk.kv_len, who + "capacity = " + to_string(p.capacity) +
                                             " rows per sequence is below "
                                             "chunk.kv_len = " +
                                             to_string(p.chunk.kv_len));
+}
+
+/// The decode indexer's key source for sequence b of the chunk: its rows of
+/// the dense cache, or its row of the engine's key table.
+void set_key_source(DsaIndexerArgs& a, const DsaPrefillIndexerParams& p, int32_t b) {
+  a.key_layout = p.key_layout;
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    a.paged = p.paged;
+    a.paged.block_table = p.paged.block_table + int64_t{b} * p.paged.block_table_stride;
+    a.error = p.error;
+    return;
+  }
+  const int64_t row = int64_t{p.key_column} + p.index_head_dim;
+  a.k_cache = offset_bytes(p.k_cache, int64_t{b} * p.capacity * row, dtype_size(p.dtype));
+  a.capacity = p.capacity;
 }
 
 DsaConfig dsa_rule(const DsaPrefillIndexerParams& p) {
@@ -436,7 +463,6 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
   const detail::PassLensArgs pl{p.chunk, rows_per_pass_, passes, lens_.as<int32_t>()};
   detail::pass_lens_cuda(pl, stream);
   const size_t esize = dtype_size(p.dtype);
-  const int64_t row = int64_t{p.key_column} + p.index_head_dim;
   for (int32_t b = 0; b < p.chunk.batch; ++b) {
     for (int32_t i = 0; i < passes; ++i) {
       const int32_t t0 = i * rows_per_pass_;
@@ -444,8 +470,7 @@ void DsaPrefillIndexer::run(const DsaPrefillIndexerParams& p, void* stream) {
       const int64_t first = int64_t{b} * n + t0;  // the pass's first (sequence, token) row
       DsaIndexerArgs a;
       a.dtype = p.dtype;
-      a.k_cache = offset_bytes(p.k_cache, int64_t{b} * p.capacity * row, esize);
-      a.capacity = p.capacity;
+      set_key_source(a, p, b);
       a.kv_lens = lens_.as<int32_t>() + int64_t{b} * passes + i;
       a.max_kv_len = p.chunk.kv_len - n + t0 + rows;  // the host bound of this pass's window end
       a.q_index = offset_bytes(p.q_index, first * p.index_heads * p.index_head_dim, esize);
@@ -687,13 +712,27 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
               "need local_blocks >= 1 and top_blocks >= local_blocks - 1 (forced blocks must fit the top-k); got "
               "local_blocks = " +
               to_string(p.local_blocks) + ", top_blocks = " + to_string(p.top_blocks));
-  REQUIRE(p.index_keys.data != nullptr && p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
-          who + "index_keys.data, q_index, block_ids and counts must be set");
-  REQUIRE(p.index_keys.dim == p.head_dim,
-          who + "index_keys.dim = " + to_string(p.index_keys.dim) + " must equal head_dim = " + to_string(p.head_dim));
-  REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
-          who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
-              " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
+  REQUIRE(p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
+          who + "q_index, block_ids and counts must be set");
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    REQUIRE(device == Device::kCpu, who + "the CUDA block scores read dense index keys only (paged keys: the CPU "
+                                          "backend)");
+    const std::string problem = paged_index_keys_problem(p.paged, p.head_dim);
+    REQUIRE(problem.empty(), who + "paged: " + problem);
+    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
+            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
+    REQUIRE(p.chunk.kv_len <= int64_t{p.paged.max_blocks} * p.paged.block_size,
+            who + "chunk.kv_len = " + to_string(p.chunk.kv_len) + " positions are past the key table's " +
+                to_string(p.paged.max_blocks) + " blocks of " + to_string(p.paged.block_size));
+  } else {
+    REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
+    REQUIRE(p.index_keys.data != nullptr, who + "index_keys.data must be set (dense keys)");
+    REQUIRE(p.index_keys.dim == p.head_dim, who + "index_keys.dim = " + to_string(p.index_keys.dim) +
+                                                " must equal head_dim = " + to_string(p.head_dim));
+    REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
+            who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
+                " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
+  }
   if (device == Device::kCuda) {
     REQUIRE(p.head_dim == 128, who + "head_dim = " + to_string(p.head_dim) +
                                    ": the CUDA block scores run at index dim 128 (the CPU backend takes any)");
@@ -751,7 +790,12 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   se.scores = scores_.as<float>();
   se.block_ids = p.block_ids;
   se.counts = p.counts;
-  launch(device_, detail::block_scores_cpu, detail::block_scores_cuda, sa, stream);
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    detail::block_scores_cpu(sa, &p.paged);  // check_block_indexer: the CPU backend only
+  } else {
+    launch(device_, +[](const detail::BlockScoresArgs& a) { detail::block_scores_cpu(a); }, detail::block_scores_cuda,
+           sa, stream);
+  }
   launch(device_, detail::block_select_cpu, detail::block_select_cuda, se, stream);
 }
 

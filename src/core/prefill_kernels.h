@@ -101,7 +101,10 @@ struct BlockScoresArgs {
   int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
   float* scores = nullptr;
 };
-void block_scores_cpu(const BlockScoresArgs& args);
+/// `paged` non-null (the CPU backend only): the keys are read from an
+/// engine's paged pool (prefill.h, BlockPrefillIndexerParams::paged), args.keys
+/// unused. Kept out of BlockScoresArgs, the CUDA kernel's parameter.
+void block_scores_cpu(const BlockScoresArgs& args, const PagedIndexKeys* paged = nullptr);
 void block_scores_cuda(const BlockScoresArgs& args, void* stream);
 
 /// The top blocks of each (sequence, query block, KV head) from the scores

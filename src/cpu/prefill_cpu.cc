@@ -14,6 +14,7 @@
 #include "cpu/dot.h"
 #include "cpu/parallel.h"
 #include "models/static_block_pattern.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/types.h"
 
@@ -23,6 +24,37 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 int64_t length_of(const PrefillChunk& c, int32_t b) { return c.kv_lens ? c.kv_lens[b] : c.kv_len; }
+
+/// Positions [0, count) of sequence b's keys in an engine's paged pool, as
+/// floats (FP8: the e4m3 value times the key's scale, as the block decode
+/// indexer's twin reads them). A block id outside the pool is refused by
+/// name before any key is read.
+void paged_keys_cpu(const PagedIndexKeys& k, size_t d, int32_t b, int64_t count, float* out) {
+  const int32_t* table = k.block_table + int64_t{b} * k.block_table_stride;
+  const int64_t blocks = (count + k.block_size - 1) / k.block_size;
+  for (int64_t e = 0; e < blocks; ++e) {
+    if (table[e] < 0 || table[e] >= k.num_blocks) {
+      throw Error("BlockPrefillIndexer: sequence " + std::to_string(b) + "'s key-table entry " + std::to_string(e) +
+                  " = " + std::to_string(table[e]) + " is outside the index-key pool [0, " +
+                  std::to_string(k.num_blocks) + ")");
+    }
+  }
+  const auto dim = static_cast<int32_t>(d);
+  const int64_t token_bytes = index_key_token_bytes(k, dim), block_bytes = index_key_block_bytes(k, dim);
+  for (int64_t t = 0; t < count; ++t) {
+    const char* block = static_cast<const char*>(k.pool) + table[t / k.block_size] * block_bytes;
+    const auto slot = static_cast<int32_t>(t % k.block_size);
+    float* row = out + t * static_cast<int64_t>(d);
+    if (k.format == IndexKeyFormat::kNative) {
+      to_float(k.dtype, block + slot * token_bytes, row, d);
+      continue;
+    }
+    float scale;
+    std::memcpy(&scale, block + IndexKeyFp8::scale_offset(k.block_size, slot), sizeof(float));
+    const auto* values = reinterpret_cast<const uint8_t*>(block + IndexKeyFp8::value_offset(k.block_size, slot));
+    for (size_t i = 0; i < d; ++i) row[i] = e4m3_to_float(values[i]) * scale;
+  }
+}
 
 /// (score descending, then id ascending), NaN ranking with -inf: the order
 /// the GPU's composite keys give (cuda/primitives/radix_select.cuh).
@@ -156,6 +188,35 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
   rule.index_heads = p.index_heads;
   rule.index_head_dim = p.index_head_dim;
   rule.index_topk = p.topk;
+  if (p.key_layout == IndexKeyLayout::kPaged) {
+    // The decode indexer's twin reads the engine's keys (native or FP8)
+    // through the table, each token of the chunk against its own causal
+    // window: passes of up to kMaxQueryTokens tokens of one sequence, as
+    // the CUDA indexer's passes, each a multi-token row set whose window
+    // ends at its last token.
+    for (int32_t b = 0; b < p.chunk.batch; ++b) {
+      for (int32_t t0 = 0; t0 < n; t0 += kMaxQueryTokens) {
+        const int32_t rows = std::min(kMaxQueryTokens, n - t0);
+        const auto end = static_cast<int32_t>(lens[static_cast<size_t>(b)] - n + t0 + rows);
+        const int64_t first = int64_t{b} * n + t0;  // the pass's first (sequence, token) row
+        DsaIndexerArgs a;
+        a.dtype = p.dtype;
+        a.key_layout = IndexKeyLayout::kPaged;
+        a.paged = p.paged;
+        a.paged.block_table = p.paged.block_table + int64_t{b} * p.paged.block_table_stride;
+        a.kv_lens = &end;
+        a.max_kv_len = p.chunk.kv_len;
+        a.q_index = static_cast<const char*>(p.q_index) + first * static_cast<int64_t>(heads * d * esize);
+        a.weights = p.weights + first * static_cast<int64_t>(heads);
+        a.positions = p.positions + first * p.topk;
+        a.counts = p.counts + first;
+        a.q_len = rows;
+        a.error = p.error;
+        dsa_select_tokens_cpu(rule, 1, a);
+      }
+    }
+    return;
+  }
   const int64_t row_elems = int64_t{p.key_column} + p.index_head_dim;
   for (int32_t b = 0; b < p.chunk.batch; ++b) {
     const int64_t len = lens[static_cast<size_t>(b)];
@@ -190,16 +251,23 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& p, const std::vector
   }
 }
 
-void block_scores_cpu(const BlockScoresArgs& a) {
+void block_scores_cpu(const BlockScoresArgs& a, const PagedIndexKeys* paged) {
   const int32_t n = a.chunk.num_tokens, bs = a.block_size, heads = a.num_kv_heads;
   const int32_t blocks = (n + bs - 1) / bs;
   const size_t d = static_cast<size_t>(a.head_dim), esize = dtype_size(a.dtype);
   for (int32_t b = 0; b < a.chunk.batch; ++b) {
     const int64_t len = length_of(a.chunk, b), start = len - n;
     std::vector<float> keys(static_cast<size_t>(len) * d);
-    for (int64_t pos = 0; pos < len; ++pos) {
-      to_float(a.dtype, static_cast<const char*>(a.keys.data) + a.keys.offset(b, 0, pos) * static_cast<int64_t>(esize),
-               &keys[static_cast<size_t>(pos) * d], d);
+    if (paged != nullptr) {
+      // The keys the scores read: those of blocks below the query blocks' forced ones.
+      const int64_t scored_end = std::max<int64_t>(0, (start / bs + blocks - a.local_blocks)) * bs;
+      paged_keys_cpu(*paged, d, b, std::min(len, scored_end), keys.data());
+    } else {
+      for (int64_t pos = 0; pos < len; ++pos) {
+        to_float(a.dtype,
+                 static_cast<const char*>(a.keys.data) + a.keys.offset(b, 0, pos) * static_cast<int64_t>(esize),
+                 &keys[static_cast<size_t>(pos) * d], d);
+      }
     }
     std::vector<float> q(static_cast<size_t>(n) * heads * d);
     to_float(a.dtype, static_cast<const char*>(a.q_index) + int64_t{b} * n * heads * static_cast<int64_t>(d * esize),

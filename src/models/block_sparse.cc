@@ -450,9 +450,19 @@ void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
 
 std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
   const int32_t bs = config_.block_size;
+  if (engine_pools() && device() == Device::kCuda) {
+    return "the CUDA block prefill indexer reads dense index keys, not an engine's paged ones (the CPU backend "
+           "reads them): prefill over the engine's pool with a KVStorage::kEnginePaged layer, or decode() token by "
+           "token";
+  }
   if (device() == Device::kCuda && (config_.head_dim != 128 || (bs != 64 && bs != 128))) {
     return "the CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128, not " + std::to_string(bs) +
            "-token blocks at head_dim " + std::to_string(config_.head_dim);
+  }
+  if (engine_pools()) {  // the engine's lengths: a free slot has length 0
+    std::vector<uint8_t> active(lens.size());
+    for (size_t b = 0; b < lens.size(); ++b) active[b] = lens[b] > 0 ? 1 : 0;
+    return detail::block_chunk_refusal(bs, active, lens, num_tokens, "decode()");
   }
   return detail::block_chunk_refusal(bs, cache().active(), lens, num_tokens, "prefill_token() or decode()");
 }
@@ -481,7 +491,13 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
   ip.local_blocks = config_.local_blocks;
   // The index key rides at head num_kv_heads of the layer's K rows; an
   // engine-paged layer keeps the keys alone (head 0).
-  ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, engine_paged() ? 0 : heads);
+  if (engine_pools()) {  // the engine's paged keys, from the chunk's first slot's table row on
+    ip.key_layout = IndexKeyLayout::kPaged;
+    ip.paged = engine_kv()->index_keys;
+    ip.paged.block_table += int64_t{first_slot} * ip.paged.block_table_stride;
+  } else {
+    ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, engine_paged() ? 0 : heads);
+  }
   ip.q_index = tokens.index_q;
   ip.block_ids = prefill_indexer_ids_.as<int32_t>() + list0 * indexer_width;
   ip.counts = prefill_indexer_counts_.as<int32_t>() + list0;

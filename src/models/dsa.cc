@@ -366,16 +366,24 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
   }
   // Rows of (slot, token) are n apart per slot: the slot's first row.
   const int64_t row0 = int64_t{first_slot} * n;
-  const RowView k_rows = slot_rows(cache().k_rows().value(), first_slot);
   DsaPrefillIndexerParams ip;
   ip.dtype = dtype();
   ip.chunk = chunk;
   ip.index_heads = config_.index_heads;
   ip.index_head_dim = config_.index_head_dim;
   ip.topk = topk;
-  ip.k_cache = k_rows.data;
-  ip.key_column = engine_paged() ? 0 : config_.latent_dim;  // an engine-paged layer keeps the keys alone
-  ip.capacity = capacity();
+  RowView k_rows;
+  if (engine_pools()) {  // the engine's paged keys, from the chunk's first slot's table row on
+    ip.key_layout = IndexKeyLayout::kPaged;
+    ip.paged = engine_kv()->index_keys;
+    ip.paged.block_table += int64_t{first_slot} * ip.paged.block_table_stride;
+    ip.error = index_error_word();
+  } else {
+    k_rows = slot_rows(cache().k_rows().value(), first_slot);
+    ip.k_cache = k_rows.data;
+    ip.key_column = engine_paged() ? 0 : config_.latent_dim;  // an engine-paged layer keeps the keys alone
+    ip.capacity = capacity();
+  }
   ip.q_index = tokens.index_q;
   ip.weights = tokens.index_weights;
   ip.positions = prefill_positions_.as<int32_t>() + row0 * topk;
@@ -400,7 +408,11 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
     mp.kv_rope = slot_rows(cache().v_rows().value(), first_slot);
   }
   mp.indices = ip.positions;
-  mp.topk_length = ip.counts;
+  // Over engine pools a row the indexer refuses (a key block outside the
+  // pool) keeps count -1, the decode indexer's mark, and positions all -1:
+  // read without counts, the -1-padded rows select nothing for it (zero
+  // output, as the decode step's refused rows) on both backends.
+  mp.topk_length = engine_pools() ? nullptr : ip.counts;
   mp.scale = config_.scale;
   mp.out = tokens.o;
   mla_prefill_.run(mp, stream);

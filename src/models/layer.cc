@@ -245,7 +245,7 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, int32_t num_tokens, vo
   cache_.reserve(cache_.live_len() + num_tokens);  // allocates only when the capacity must grow
   size_step_buffers(1);
   cache_.append_step_tokens(tokens.k, tokens.v, num_tokens, stream);
-  run_chunk(tokens, num_tokens, lens, stream);
+  run_chunk(tokens, num_tokens, lens, cache_.active(), stream);
 }
 
 void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream) {
@@ -253,14 +253,12 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
   if (!engine_paged()) {
     throw Error(who + ": the layer keeps its own cache; prefill(tokens, num_tokens) reads it");
   }
-  if (engine_pools()) {
-    throw Error(who +
-                ": an engine-pools layer's index keys are paged in the engine's pool, which the prefill indexers "
-                "do not read (they score dense key rows); a KVStorage::kEnginePaged layer prefills over the "
-                "engine's K/V pool, keeping the index keys itself");
-  }
   check_tokens(tokens, true);
   check_engine_kv(kv);
+  if (engine_pools()) {
+    pools_prefill(tokens, kv, num_tokens, stream);
+    return;
+  }
   if (kv.block_table.row_of_sequence != nullptr) {
     throw Error(who + ": kv.block_table.row_of_sequence must be null: the prefill reads table row b for slot b");
   }
@@ -286,7 +284,66 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
   } clear{engine_kv_};
   // tokens.index_k is [num_tokens, batch, 1, 1, dim]: the chunk's index keys, token-major.
   cache_.append_step_tokens(tokens.index_k, nullptr, num_tokens, stream);
-  run_chunk(tokens, num_tokens, lens, stream);
+  run_chunk(tokens, num_tokens, lens, cache_.active(), stream);
+}
+
+void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream) {
+  const std::string who = name_ + "::prefill(tokens, kv) (engine pools)";
+  if (num_tokens < 1) throw Error(who + ": num_tokens = " + std::to_string(num_tokens) + " must be at least 1");
+  if (kv.seq_lens == nullptr || kv.max_seq_len < 1 || kv.max_seq_len > INT32_MAX) {
+    throw Error(who +
+                ": kv.seq_lens (each slot's length with the chunk, on the device) and kv.max_seq_len (their host "
+                "bound, 1 .. 2^31 - 1) must be given; got max_seq_len = " +
+                std::to_string(kv.max_seq_len));
+  }
+  if (kv.block_table.row_of_sequence != nullptr) {
+    throw Error(who + ": kv.block_table.row_of_sequence must be null: the prefill reads table row b for slot b");
+  }
+  // The chunk's shape (which slots hold it, whether the fused prefill takes
+  // it) is decided on the host: the lengths are read back once.
+  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
+  const std::vector<int32_t> seq = download<int32_t>(device_, kv.seq_lens, static_cast<size_t>(batch_));
+  std::vector<int64_t> lens(seq.begin(), seq.end());
+  std::vector<uint8_t> active(static_cast<size_t>(batch_), 0);
+  const int64_t reach = int64_t{kv.block_table.max_blocks} * kv.block_table.block_size;
+  for (int32_t b = 0; b < batch_; ++b) {
+    const int64_t len = lens[size_t(b)];
+    if (len == 0) continue;  // a free slot: its o rows are zeroed
+    if (len < num_tokens || len > kv.max_seq_len) {
+      throw Error(who + ": kv.seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) +
+                  " must be 0 (a free slot) or lie in [num_tokens = " + std::to_string(num_tokens) +
+                  ", max_seq_len = " + std::to_string(kv.max_seq_len) + "] (the chunk is each slot's last " +
+                  std::to_string(num_tokens) + " positions)");
+    }
+    if (len > reach) {
+      throw Error(who + ": slot " + std::to_string(b) + " holds " + std::to_string(len) +
+                  " positions, past its block-table row's " + std::to_string(kv.block_table.max_blocks) +
+                  " blocks of " + std::to_string(kv.block_table.block_size));
+    }
+    active[size_t(b)] = 1;
+  }
+  if (std::find(active.begin(), active.end(), 1) == active.end()) {
+    throw Error(who + ": every slot is free (kv.seq_lens is 0 everywhere)");
+  }
+  const std::string refused = prefill_refusal(num_tokens, lens);
+  if (!refused.empty()) throw Error(who + ": " + refused);
+  if (device_ == Device::kCpu) check_table_on_host(who, kv.block_table, lens, active);
+  // The chunk's lengths and pools while it runs; the last decode step's
+  // lengths stay for that step's readers (the chunk's are kept on the host).
+  struct Restore {  // thrown or not
+    SparseLayer& layer;
+    const int32_t* lens;
+    int64_t bound;
+    ~Restore() {
+      layer.engine_lens_ = lens;
+      layer.engine_bound_ = bound;
+      layer.engine_kv_ = nullptr;
+    }
+  } restore{*this, engine_lens_, engine_bound_};
+  engine_lens_ = kv.seq_lens;
+  engine_bound_ = kv.max_seq_len;
+  engine_kv_ = &kv;
+  run_chunk(tokens, num_tokens, lens, active, stream);
 }
 
 BlockTable SparseLayer::slot_table(int32_t first_slot) const {
@@ -297,13 +354,15 @@ BlockTable SparseLayer::slot_table(int32_t first_slot) const {
 }
 
 void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const std::vector<int64_t>& lens,
-                            void* stream) {
+                            const std::vector<uint8_t>& active, void* stream) {
   detail::cuda_record_event(after_append_, stream);
   bool all_active = true;
-  for (size_t b = 0; b < lens.size(); ++b) all_active = all_active && cache_.active()[b] != 0;
+  for (size_t b = 0; b < lens.size(); ++b) all_active = all_active && active[b] != 0;
   PrefillChunk chunk;
   chunk.num_tokens = num_tokens;
-  chunk.kv_len = capacity();  // the bound of every slot's length: a captured chunk replays as they grow
+  // The bound of every slot's length: the capacity (a captured chunk
+  // replays as they grow), or the engine's bound.
+  chunk.kv_len = engine_pools() ? engine_bound_ : capacity();
   if (all_active) {
     chunk.batch = batch_;
     chunk.kv_lens = device_lens();
@@ -317,7 +376,7 @@ void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const 
     if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);  // the zeroing below is synchronous
     for (int32_t b = 0; b < batch_; ++b) {
       const size_t first = static_cast<size_t>(b) * n;
-      if (cache_.active()[static_cast<size_t>(b)] == 0) {
+      if (active[static_cast<size_t>(b)] == 0) {
         fill_bytes(static_cast<char*>(tokens.o) + first * bytes.o, device_, 0, n * bytes.o);
         continue;
       }
@@ -338,7 +397,7 @@ void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const 
   prefill_tokens_ = num_tokens;
   prefill_lens_ = lens;
   for (size_t b = 0; b < lens.size(); ++b) {
-    if (cache_.active()[b] == 0) prefill_lens_[b] = 0;
+    if (active[b] == 0) prefill_lens_[b] = 0;
   }
 }
 

@@ -45,6 +45,38 @@ TEST(EnginePrefillCpu, DsaRaggedBatchWithAFreeSlot) {
   testing::check_engine_paged_dsa_prefill(Device::kCpu, dsa_config(), {{30, -1, 9}, 6, 5});
 }
 
+TEST(EnginePrefillCpu, DsaOverFp8RowsMatchesFp64AndDecode) {
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{0}, 16, 6});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{40}, 12, 7});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCpu, dsa_config(), {{5, -1, 30}, 8, 8});
+}
+
+// The pools form: index keys of 128 values (vLLM's FP8 blocks hold 128).
+DsaConfig pools_config() { return {4, 512, 64, 4, 128, 24, 0.0f, 64}; }
+
+TEST(EnginePoolsPrefillCpu, DsaOverBf16KeysMatchesTheEnginePagedPrefill) {
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{0}, 16, 1}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40, -1, 9}, 20, 2}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40, 9, 70}, 8, 5}, false, false);
+}
+
+TEST(EnginePoolsPrefillCpu, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{40}, 12, 3}, true, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCpu, pools_config(), {{5, 33, -1}, 18, 4}, true, true);
+}
+
+// Blocks of 16 at head_dim 128 (vLLM's FP8 key blocks hold 128 values), top-2.
+BlockSparseConfig pools_block_config() { return {8, 2, 128, 16, 2, 1, 64}; }
+
+TEST(EnginePoolsPrefillCpu, BlockSparseOverBf16AndFp8KeysMatchesTheEnginePagedPrefill) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{64}, 48, 1}, fp8);
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{0, 96, 32}, 32, 2}, fp8);
+    testing::check_engine_pools_block_prefill(Device::kCpu, pools_block_config(), {{80, -1, 16}, 20, 3}, fp8);
+  }
+}
+
 TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
   testing::check_engine_prefill_refusals(Device::kCpu);
 }

@@ -47,6 +47,34 @@ TEST(EnginePrefillCuda, DsaRaggedBatchWithAFreeSlot) {
   testing::check_engine_paged_dsa_prefill(Device::kCuda, dsa_config(), {{10, 90, -1}, 16, 3});
 }
 
+TEST(EnginePrefillCuda, DsaOverFp8RowsMatchesFp64AndDecode) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCuda, dsa_config(), {{0}, 32, 6});
+  testing::check_engine_paged_dsa_prefill_fp8(Device::kCuda, dsa_config(), {{100, -1, 10}, 24, 7});
+}
+
+// The pools form at the indexer's production geometry (64 index heads x
+// 128: the FP8 keys' scoring kernel takes only that).
+DsaConfig pools_config() { return {64, 512, 64, 64, 128, 64, 0.0f, 256}; }
+
+TEST(EnginePoolsPrefillCuda, DsaOverBf16KeysMatchesTheEnginePagedPrefill) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{0}, 32, 1}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, 40, 70}, 24, 2}, false, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, -1, 10}, 24, 3}, false, false);
+}
+
+TEST(EnginePoolsPrefillCuda, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, 40, 70}, 24, 4}, true, false);
+  testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, -1, 10}, 24, 5}, true, true);
+}
+
+TEST(EnginePoolsPrefillCuda, BlockSparseIsRefusedByName) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{64, 128}, 64, 6}, false);
+}
+
 TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_prefill_refusals(Device::kCuda);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -11,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/fp8.h"
+#include "sparsepage/index_keys.h"
 #include "sparsepage/memory.h"
 #include "support/expect_error.h"
 #include "support/layer_checks.h"
@@ -75,10 +78,14 @@ struct Pool {
   }
   // Writes `row` (row_elems values) at position `pos` of slot `b` of pool `i`.
   void write(int32_t i, int32_t b, int64_t pos, const float* row) {
-    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
-    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
     std::vector<uint8_t> bytes(static_cast<size_t>(row_elems) * 2);
     from_float(kDt, row, bytes.data(), static_cast<size_t>(row_elems));
+    write_bytes(i, b, pos, bytes);
+  }
+  // The same with the row's bytes as they are (row_elems * 2 of them).
+  void write_bytes(int32_t i, int32_t b, int64_t pos, const std::vector<uint8_t>& bytes) {
+    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
+    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
     copy_bytes(static_cast<char*>(pools[static_cast<size_t>(i)].data()) + slot * row_elems * 2, device, bytes.data(),
                Device::kCpu, bytes.size());
   }
@@ -321,7 +328,34 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
 
 // ---------------------------------------------------------------- DSA
 
-void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+namespace {
+
+// The 656-byte FP8 MLA row (fp8.h) of `row` (latent then rope), and the
+// values a reader takes from it: the latent e4m3 byte times its block's
+// scale (CUDA rounds that to bf16 before its tensor cores read it; the CPU
+// backend keeps it exact: docs/RELIABILITY.md, "FP8 MLA rounding"), the
+// rope as written.
+std::vector<uint8_t> fp8_row(const float* row) {
+  std::vector<uint8_t> bf16(size_t{MlaFp8Row::kLatent + MlaFp8Row::kRope} * 2), out(MlaFp8Row::kBytes);
+  from_float(kDt, row, bf16.data(), MlaFp8Row::kLatent + MlaFp8Row::kRope);
+  quantize_mla_fp8_cpu(kDt, bf16.data(), 1, MlaFp8Row::kLatent + MlaFp8Row::kRope, out.data());
+  return out;
+}
+void dequantize(Device device, const std::vector<uint8_t>& fp8, const float* row, float* out) {
+  for (int32_t i = 0; i < MlaFp8Row::kLatent; ++i) {
+    float scale = 0.0f;
+    std::memcpy(&scale, &fp8[size_t(MlaFp8Row::kScaleOffset + 4 * (i / MlaFp8Row::kBlock))], 4);
+    const float x = e4m3_to_float(fp8[size_t(i)]) * scale;
+    out[i] = device == Device::kCuda ? bf16_to_float(float_to_bf16(x)) : x;
+  }
+  std::copy_n(row + MlaFp8Row::kLatent, MlaFp8Row::kRope, out + MlaFp8Row::kLatent);
+}
+
+// The DSA checks over a bf16 pool or (fp8) the engines' 656-byte FP8 rows.
+// Over FP8 rows the own cache holds other values (the bf16 rows), so only
+// its positions are compared; the outputs are checked against fp64 over
+// the dequantized rows and the token-by-token decode over the same pool.
+void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8) {
   std::mt19937_64 rng(c.seed);
   const auto batch = static_cast<int32_t>(c.prompt.size());
   const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
@@ -341,16 +375,25 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
   DsaAttention own(device, kDt, own_cfg, batch, fused());
   DsaAttention engine(device, kDt, engine_cfg, batch, fused());
   DsaAttention twin(device, kDt, engine_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), dl + dr, 1, rng);
+  Pool pool(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  // Every byte 0xFF: e4m3, fp32 scale and bf16 rope NaN alike in rows the engine did not write.
+  if (fp8) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
   // The own cache's rows: K = latent then index key, V = rope.
   SlotRows own_k(static_cast<size_t>(batch)), own_v(static_cast<size_t>(batch));
+  SlotRows read = mla;  // the values the attention reads: over FP8 rows, dequantized
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
       const float* r = mla[size_t(b)].data() + p * (dl + dr);
       own_k[size_t(b)].insert(own_k[size_t(b)].end(), r, r + dl);
       own_k[size_t(b)].insert(own_k[size_t(b)].end(), ik[size_t(b)].begin() + p * id, ik[size_t(b)].begin() + (p + 1) * id);
       own_v[size_t(b)].insert(own_v[size_t(b)].end(), r + dl, r + dl + dr);
-      pool.write(0, b, p, r);
+      if (!fp8) {
+        pool.write(0, b, p, r);
+        continue;
+      }
+      const std::vector<uint8_t> bytes = fp8_row(r);
+      pool.write_bytes(0, b, p, bytes);
+      dequantize(device, bytes, r, read[size_t(b)].data() + p * (dl + dr));
     }
   }
   for (int32_t b = 0; b < batch; ++b) {
@@ -373,6 +416,13 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
   kv.v = kv.k;
   kv.k_extra = pool.rows(0, dl, dr, 1);
   kv.block_table = pool.block_table();
+  if (fp8) {
+    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
+    kv.k = views.k;
+    kv.v = views.v;
+    kv.k_extra = views.k_extra;
+    kv.kv_format = KvFormat::kE4m3Mla;
+  }
 
   const size_t o_count = static_cast<size_t>(batch * n * q_row);
   const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
@@ -404,7 +454,9 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
         continue;
       }
       ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
-      EXPECT_LT(relative_l2(o, widen(slice(mine, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+      if (!fp8) {
+        EXPECT_LT(relative_l2(o, widen(slice(mine, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+      }
       const int64_t pos = len.before[size_t(b)] + t;
       const auto& set = positions[static_cast<size_t>(r)];
       ASSERT_FALSE(set.empty());
@@ -414,14 +466,14 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
         std::vector<double> scores;
         for (int32_t p : set) {
           ASSERT_LE(p, pos);
-          const float* row = mla[size_t(b)].data() + int64_t{p} * (dl + dr);
+          const float* row = read[size_t(b)].data() + int64_t{p} * (dl + dr);
           double s = 0;
           for (int32_t i = 0; i < dl; ++i) s += double{q[size_t(r * q_row + int64_t{head} * dl + i)]} * row[i];
           for (int32_t i = 0; i < dr; ++i) s += double{q_pe[size_t(r * pe_row + int64_t{head} * dr + i)]} * row[dl + i];
           scores.push_back(s * scale);
         }
         softmax_weighted_sum(
-            scores, dl, [&](size_t j, int64_t i) { return double{mla[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
+            scores, dl, [&](size_t j, int64_t i) { return double{read[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
             ref.data() + int64_t{head} * dl);
       }
       EXPECT_LT(relative_l2(o, ref), 1e-2) << "slot " << b << " token " << t << " vs fp64";
@@ -455,6 +507,303 @@ void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const E
       EXPECT_LT(relative_l2(slice(o, int64_t{b} * q_row, q_row), widen(slice(got, r * q_row, q_row))), 1e-2)
           << "slot " << b << " token " << t << " vs decode";
     }
+  }
+}
+
+}  // namespace
+
+void check_engine_paged_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+  check_dsa_prefill(device, cfg, c, false);
+}
+void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& cfg, const EnginePrefillCase& c) {
+  check_dsa_prefill(device, cfg, c, true);
+}
+
+void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8_keys,
+                                    bool fp8_rows) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
+  const int32_t ih = cfg.index_heads, id = cfg.index_head_dim;
+  const Lengths len(c);
+  const SlotRows mla = slot_rows(rng, len.after, dl + dr);
+  const SlotRows ik = slot_rows(rng, len.after, id);
+  const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
+  const std::vector<float> q = grid(rng, static_cast<size_t>(batch * n * q_row));
+  const std::vector<float> q_pe = grid(rng, static_cast<size_t>(batch * n * pe_row));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(batch * n * iq_row));
+  const std::vector<float> w = grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+
+  DsaConfig paged_cfg = cfg, pools_cfg = cfg;
+  paged_cfg.kv_storage = KVStorage::kEnginePaged;
+  pools_cfg.kv_storage = KVStorage::kEnginePools;
+  DsaAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
+  DsaAttention pools(device, kDt, pools_cfg, batch, fused());
+  Pool pool(device, batch, blocks_for(len), fp8_rows ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  if (fp8_rows) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
+  // The engine's index keys: blocks of 16 through the MLA pool's table, every unwritten byte 0xFF (NaN).
+  PagedIndexKeys host_keys;
+  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  host_keys.dtype = kDt;
+  host_keys.num_blocks = pool.num_blocks;
+  host_keys.block_size = kEngineBlock;
+  host_keys.block_table = pool.table.data();
+  host_keys.block_table_stride = pool.max_blocks;
+  host_keys.max_blocks = pool.max_blocks;
+  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, id)), 0xFF);
+  host_keys.pool = key_bytes.data();
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      const float* r = mla[size_t(b)].data() + p * (dl + dr);
+      if (fp8_rows) {
+        pool.write_bytes(0, b, p, fp8_row(r));
+      } else {
+        pool.write(0, b, p, r);
+      }
+      std::vector<uint8_t> key(static_cast<size_t>(id) * 2);
+      from_float(kDt, ik[size_t(b)].data() + p * id, key.data(), static_cast<size_t>(id));
+      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
+                           p % kEngineBlock;
+      write_index_keys_cpu(host_keys, id, kDt, key.data(), id, &slot, 1);
+    }
+    if (!len.active(b)) {
+      paged.release(b);
+      continue;
+    }
+    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * id));
+    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, dl, 1);
+  kv.v = kv.k;
+  kv.k_extra = pool.rows(0, dl, dr, 1);
+  kv.block_table = pool.block_table();
+  if (fp8_rows) {
+    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
+    kv.k = views.k;
+    kv.v = views.v;
+    kv.k_extra = views.k_extra;
+    kv.kv_format = KvFormat::kE4m3Mla;
+  }
+  // The pools form: the keys and the lengths (with the chunk; 0 free) the engine's, a bound above them.
+  const Buffer keys_dev = upload(device, key_bytes);
+  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+  const Buffer lens_dev = upload(device, lens32);
+  EnginePagedKV pkv = kv;
+  pkv.index_keys = host_keys;
+  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  pkv.seq_lens = lens_dev.as<int32_t>();
+  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 3;
+
+  const size_t o_count = static_cast<size_t>(batch * n * q_row);
+  const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
+  const Buffer iq_dev = to_device(device, kDt, iq), w_dev = to_device(device, DType::kF32, w);
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
+  Buffer paged_o = poisoned(device, o_count), pools_o = poisoned(device, o_count);
+  paged.prefill(DsaTokens{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr,
+                          paged_o.data(), index_k.data()},
+                kv, n);
+  const DsaTokens pt{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, pools_o.data()};
+
+  // Refused by name, nothing written: a chunk with index_k, no lengths, a length below the chunk.
+  DsaTokens with_key = pt;
+  with_key.index_k = index_k.data();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(with_key, pkv, n); }, "index_k must be null"));
+  EnginePagedKV no_lens = pkv;
+  no_lens.seq_lens = nullptr;
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, no_lens, n); }, "kv.seq_lens"));
+  const int32_t first_active = static_cast<int32_t>(
+      std::find_if(len.after.begin(), len.after.end(), [](int64_t x) { return x > 0; }) - len.after.begin());
+  std::vector<int32_t> short_lens = lens32;
+  short_lens[size_t(first_active)] = n - 1;
+  const Buffer short_dev = upload(device, short_lens);
+  EnginePagedKV too_short = pkv;
+  too_short.seq_lens = short_dev.as<int32_t>();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, too_short, n); },
+                                  "kv.seq_lens[" + std::to_string(first_active) + "] = " + std::to_string(n - 1)));
+  const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
+      << "a refused chunk wrote o";
+
+  pools.prefill(pt, pkv, n);
+  pools.check_errors();
+  paged.check_errors();
+  EXPECT_EQ(pools.kv_lens(), std::vector<int64_t>(size_t(batch), 0)) << "an engine-pools layer keeps no lengths";
+  const auto positions = pools.last_prefill_positions();
+  ASSERT_EQ(positions.size(), size_t(batch) * size_t(n));
+  // The keys are multiples of 1/4 and so are the FP8 blocks' (exact at their
+  // power-of-two scales): the scores, and so the sets, are the bf16 ones.
+  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t r = int64_t{b} * n + t;
+      const std::vector<float> o = slice(got, r * q_row, q_row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        EXPECT_TRUE(positions[size_t(r)].empty());
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_EQ(int64_t(positions[size_t(r)].size()),
+                std::min<int64_t>(cfg.index_topk, len.before[size_t(b)] + t + 1));
+      EXPECT_LT(relative_l2(o, widen(slice(want, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
+    }
+  }
+
+  // A key block id outside the pool is judged where it is read (on the
+  // device): flagged, and the tokens that needed it (windows past the
+  // top-k) select nothing, their outputs zero; the other tokens keep
+  // their answers.
+  std::vector<int32_t> bad_table = pool.table;
+  bad_table[size_t(int64_t{first_active} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+  const Buffer bad_dev = upload(device, bad_table);
+  EnginePagedKV bad = pkv;
+  bad.index_keys.block_table = bad_dev.as<int32_t>();
+  Buffer bad_o = poisoned(device, o_count);
+  DsaTokens bt = pt;
+  bt.o = bad_o.data();
+  pools.prefill(bt, bad, n);
+  const bool scored = len.after[size_t(first_active)] > cfg.index_topk;  // some token of the slot read its keys
+  if (scored) {
+    EXPECT_TRUE(throws_error_naming([&] { pools.check_errors(); }, "a block id outside the index-key pool"));
+  } else {
+    EXPECT_NO_THROW(pools.check_errors()) << "no token read a key";
+  }
+  const std::vector<float> flagged = read_bf16(device, bad_o, o_count);
+  for (int32_t b = 0; b < batch; ++b) {
+    if (!len.active(b)) continue;
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t r = int64_t{b} * n + t;
+      const std::vector<float> o = slice(flagged, r * q_row, q_row);
+      if (b == first_active && len.before[size_t(b)] + t + 1 > cfg.index_topk) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; }))
+            << "slot " << b << " token " << t << " read a refused key block";
+      } else {
+        EXPECT_EQ(o, slice(got, r * q_row, q_row)) << "slot " << b << " token " << t;
+      }
+    }
+  }
+}
+
+void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c,
+                                      bool fp8_keys) {
+  std::mt19937_64 rng(c.seed);
+  const auto batch = static_cast<int32_t>(c.prompt.size());
+  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
+  const Lengths len(c);
+  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
+  const SlotRows ik = slot_rows(rng, len.after, d);
+  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+
+  BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
+  paged_cfg.kv_storage = KVStorage::kEnginePaged;
+  pools_cfg.kv_storage = KVStorage::kEnginePools;
+  BlockSparseAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
+  BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
+  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  PagedIndexKeys host_keys;
+  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  host_keys.dtype = kDt;
+  host_keys.num_blocks = pool.num_blocks;
+  host_keys.block_size = kEngineBlock;
+  host_keys.block_table = pool.table.data();
+  host_keys.block_table_stride = pool.max_blocks;
+  host_keys.max_blocks = pool.max_blocks;
+  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, d)), 0xFF);
+  host_keys.pool = key_bytes.data();
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+      std::vector<uint8_t> key(static_cast<size_t>(d) * 2);
+      from_float(kDt, ik[size_t(b)].data() + p * d, key.data(), static_cast<size_t>(d));
+      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
+                           p % kEngineBlock;
+      write_index_keys_cpu(host_keys, d, kDt, key.data(), d, &slot, 1);
+    }
+    if (!len.active(b)) {
+      paged.release(b);
+      continue;
+    }
+    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
+    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+  }
+  EnginePagedKV kv;
+  kv.k = pool.rows(0, 0, d, hkv);
+  kv.v = pool.rows(1, 0, d, hkv);
+  kv.block_table = pool.block_table();
+  const Buffer keys_dev = upload(device, key_bytes);
+  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+  const Buffer lens_dev = upload(device, lens32);
+  EnginePagedKV pkv = kv;
+  pkv.index_keys = host_keys;
+  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  pkv.seq_lens = lens_dev.as<int32_t>();
+  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 5;
+
+  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
+  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
+  Buffer pools_o = poisoned(device, o_count);
+  BlockSparseTokens pt;
+  pt.q = q_dev.data();
+  pt.index_q = iq_dev.data();
+  pt.o = pools_o.data();
+  if (device == Device::kCuda) {  // the CUDA block scores read dense keys only
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, pkv, n); }, "reads dense index keys"));
+    return;
+  }
+  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
+  Buffer paged_o = poisoned(device, o_count);
+  BlockSparseTokens et = pt;
+  et.index_k = index_k.data();
+  et.o = paged_o.data();
+  paged.prefill(et, kv, n);
+
+  // A chunk off the block grid (the engine's lengths one longer) is refused by name, o untouched.
+  std::vector<int32_t> off = lens32;
+  for (int32_t& x : off) x = x > 0 ? x + 1 : 0;
+  const Buffer off_dev = upload(device, off);
+  EnginePagedKV misaligned = pkv;
+  misaligned.seq_lens = off_dev.as<int32_t>();
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, misaligned, n); }, "not a multiple of block_size"));
+  const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }));
+
+  pools.prefill(pt, pkv, n);
+  pools.check_errors();
+  const auto positions = pools.last_prefill_positions();
+  ASSERT_EQ(positions.size(), size_t(batch) * size_t(n) * size_t(hq));
+  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
+  const int64_t row = int64_t{hq} * d;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t t = 0; t < n; ++t) {
+      const int64_t at = (int64_t{b} * n + t) * row;
+      const std::vector<float> o = slice(got, at, row);
+      if (!len.active(b)) {
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; })) << "free slot " << b;
+        continue;
+      }
+      ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
+      EXPECT_LT(relative_l2(o, widen(slice(want, at, row))), 1e-3) << "slot " << b << " token " << t;
+    }
+  }
+
+  // A key block id outside the pool that a scored block needs is refused by name.
+  const int32_t first_active = static_cast<int32_t>(
+      std::find_if(len.after.begin(), len.after.end(), [](int64_t x) { return x > 0; }) - len.after.begin());
+  std::vector<int32_t> bad_table = pool.table;
+  bad_table[size_t(int64_t{first_active} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+  const Buffer bad_dev = upload(device, bad_table);
+  EnginePagedKV bad = pkv;
+  bad.index_keys.block_table = bad_dev.as<int32_t>();
+  const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
+  if (len.after[size_t(first_active)] > dense_len + cfg.block_size) {
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, bad, n); }, "outside the index-key pool"));
   }
 }
 
@@ -544,7 +893,7 @@ void check_engine_prefill_refusals(Device device) {
   BlockSparseConfig pools_cfg = cfg;
   pools_cfg.kv_storage = KVStorage::kEnginePools;
   BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
-  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(good, kv, n); }, "engine-pools layer"));
+  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(good, kv, n); }, "engine pools"));
 
   // Nothing changed: a good chunk now answers as on a fresh layer.
   layer->prefill(good, kv, n);

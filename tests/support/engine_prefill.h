@@ -33,13 +33,45 @@ struct EnginePrefillCase {
 /// layer reaches.
 void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c);
 void check_engine_paged_dsa_prefill(Device device, const DsaConfig& config, const EnginePrefillCase& c);
+/// The DSA chunk over the engines' 656-byte FP8 MLA rows (KvFormat::kE4m3Mla;
+/// every unwritten byte 0xFF, NaN in each field): the own-cache layer's
+/// positions (its outputs read other values: the bf16 rows), fp64 over the
+/// documented dequantization of the rows at the positions it reports (the
+/// exact one on the CPU, rounded to bf16 on CUDA as docs/RELIABILITY.md "FP8
+/// MLA rounding" says; 1e-2 relative L2), and the token-by-token
+/// engine-paged decode over the same pool (the same positions, outputs
+/// within 1e-2).
+void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& config, const EnginePrefillCase& c);
+
+/// The DSA chunk over engine-owned pools (KVStorage::kEnginePools): the
+/// engine's index keys (bf16 rows, or with fp8_keys vLLM's FP8 blocks) and
+/// MLA rows (bf16, or with fp8_rows the 656-byte FP8 rows) through a
+/// shuffled table, the lengths passed (a free slot: 0) under a looser
+/// bound, against the engine-paged prefill of the same chunk over the same
+/// rows, the layer keeping the keys: the same positions (the test's keys
+/// quantize exactly), outputs within 1e-3, zero rows for free slots; and a
+/// chunk with index_k, without lengths or with a length below the chunk
+/// refused by name before o is written.
+void check_engine_pools_dsa_prefill(Device device, const DsaConfig& config, const EnginePrefillCase& c, bool fp8_keys,
+                                    bool fp8_rows);
+
+/// The block-sparse chunk over engine-owned pools (the engine's K/V rows
+/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths):
+/// on the CPU against the engine-paged prefill of the same chunk (the same
+/// positions, outputs within 1e-3, free slots zero), a chunk off the block
+/// grid refused by name before o is written, and a key block id outside
+/// the pool refused by name; on CUDA, refused by name (the CUDA block
+/// scores read dense keys only).
+void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c,
+                                      bool fp8_keys);
 
 /// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
 /// then a good chunk gives the answer a fresh twin gives): a misaligned
 /// chunk, num_tokens < 1, k / v passed or index_k missing, a table row
 /// too short, a table with row_of_sequence, (CPU) a block id outside the
 /// pool, the engine form on a layer-cache layer and the layer-cache form on
-/// an engine-paged one, and an engine-pools layer.
+/// an engine-paged one, and an engine-pools block-sparse layer (tokens the
+/// pools form refuses).
 void check_engine_prefill_refusals(Device device);
 
 }  // namespace sparsepage::testing

@@ -106,8 +106,11 @@ class DsaAttention : public SparseLayer {
   /// index_head_dim] (k_cache_row and k_pe null). The same selection and
   /// answer as prefill(tokens, num_tokens) over the layer's own cache, with
   /// the same refusals, and a table row too short for a slot (or, on the
-  /// CPU, a block id outside the pool) refused before anything changes. Not
-  /// for KVStorage::kEnginePools.
+  /// CPU, a block id outside the pool) refused before anything changes.
+  /// KVStorage::kEnginePools: the engine has written the rows and the index
+  /// keys (kv.index_keys, native or FP8) and passes the lengths with the
+  /// chunk (kv.seq_lens, 0 for a free slot; read back once, so not
+  /// capturable); index_k stays null and nothing is appended.
   void prefill(const DsaTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
     prefill_chunk(to_step(tokens), kv, num_tokens, stream);
   }
