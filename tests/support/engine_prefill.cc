@@ -258,6 +258,12 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
   const std::vector<float> got = read_bf16(device, engine_o, o_count), mine = read_bf16(device, own_o, o_count);
   const int64_t row = int64_t{hq} * d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // The same positions either way. On the CPU both forms run one loop; on
+  // CUDA the engine form runs the engine-input kernel (16-row tiles) and the
+  // own cache the multi-token one (64-row tiles), so P and o are rounded to
+  // bf16 from sums taken in another order (up to 3.3e-3 relative L2 on the
+  // H200): there the bound is the bf16 one every fused path meets.
+  const double own_tolerance = device == Device::kCuda ? 1e-2 : 1e-3;
   for (int32_t b = 0; b < batch; ++b) {
     for (int32_t t = 0; t < n; ++t) {
       const int64_t at = (int64_t{b} * n + t) * row;
@@ -267,7 +273,8 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
         continue;
       }
       ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
-      EXPECT_LT(relative_l2(o, widen(slice(mine, at, row))), 1e-3) << "slot " << b << " token " << t << " vs own cache";
+      EXPECT_LT(relative_l2(o, widen(slice(mine, at, row))), own_tolerance)
+          << "slot " << b << " token " << t << " vs own cache";
       // fp64 over the positions the chunk reports.
       const int64_t pos = len.before[size_t(b)] + t;
       std::vector<double> ref(static_cast<size_t>(row), 0.0);
@@ -810,14 +817,20 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
 // ---------------------------------------------------------------- refusals
 
 void check_engine_prefill_refusals(Device device) {
-  // Blocks of 16, top-2: two slots at 16 and 32 positions, a chunk of 16.
-  const BlockSparseConfig cfg{8, 2, 64, 16, 2, 1, 64, KVStorage::kEnginePaged};
-  const int32_t batch = 2, n = 16, hq = 8, hkv = 2, d = 64;
+  // Top-2 blocks of bs (16 on the CPU; on CUDA 64 at head_dim 128, the
+  // shapes its prefill indexer takes, so that no shape refusal comes first):
+  // two slots at bs and 2 bs positions, a chunk of bs.
+  const BlockSparseConfig cfg = device == Device::kCuda
+                                    ? BlockSparseConfig{8, 2, 128, 64, 2, 1, 256, KVStorage::kEnginePaged}
+                                    : BlockSparseConfig{8, 2, 64, 16, 2, 1, 64, KVStorage::kEnginePaged};
+  const int32_t bs = cfg.block_size, batch = 2, n = bs, hq = 8, hkv = 2, d = cfg.head_dim;
   std::mt19937_64 rng(7);
-  const std::vector<int64_t> prompt{16, 32};
-  const SlotRows k = slot_rows(rng, {48, 48}, int64_t{hkv} * d), v = slot_rows(rng, {48, 48}, int64_t{hkv} * d);
-  const SlotRows ik = slot_rows(rng, {48, 48}, d);
-  Pool pool(device, batch, 4, int64_t{hkv} * d, 2, rng);
+  const std::vector<int64_t> prompt{bs, 2 * bs};
+  const int64_t per_slot = 3 * int64_t{bs};
+  const SlotRows k = slot_rows(rng, {per_slot, per_slot}, int64_t{hkv} * d);
+  const SlotRows v = slot_rows(rng, {per_slot, per_slot}, int64_t{hkv} * d);
+  const SlotRows ik = slot_rows(rng, {per_slot, per_slot}, d);
+  Pool pool(device, batch, static_cast<int32_t>(per_slot / kEngineBlock) + 1, int64_t{hkv} * d, 2, rng);
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < prompt[size_t(b)] + n; ++p) {
       pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
@@ -838,7 +851,7 @@ void check_engine_prefill_refusals(Device device) {
   };
   const Buffer q = to_device(device, kDt, grid(rng, size_t{batch} * n * hq * d));
   const Buffer iq = to_device(device, kDt, grid(rng, size_t{batch} * n * hkv * d));
-  const Buffer index_k = to_device(device, kDt, token_major(ik, {16, 32}, n, d));
+  const Buffer index_k = to_device(device, kDt, token_major(ik, prompt, n, d));
   const size_t o_count = size_t{batch} * n * hq * d;
   Buffer o = poisoned(device, o_count);
   BlockSparseTokens good;
@@ -861,7 +874,7 @@ void check_engine_prefill_refusals(Device device) {
   no_key.index_k = nullptr;
   refused([&] { layer->prefill(no_key, kv, n); }, "index_k");
   EnginePagedKV narrow = kv;
-  narrow.block_table.max_blocks = 2;  // 32 positions: slot 1 would hold 48
+  narrow.block_table.max_blocks = 2 * bs / kEngineBlock;  // 2 bs positions: slot 1 would hold 3 bs
   refused([&] { layer->prefill(good, narrow, n); }, "past its block-table row");
   const Buffer rows = upload(device, std::vector<int32_t>{1, 0});
   EnginePagedKV mapped = kv;
@@ -908,7 +921,7 @@ void check_engine_prefill_refusals(Device device) {
   const auto want = read_bf16(device, o2, o_count);
   ASSERT_FALSE(has_nan(got));
   EXPECT_EQ(got, want);
-  EXPECT_EQ(layer->kv_lens(), (std::vector<int64_t>{32, 48}));
+  EXPECT_EQ(layer->kv_lens(), (std::vector<int64_t>{2 * bs, 3 * bs}));
 }
 
 }  // namespace sparsepage::testing
