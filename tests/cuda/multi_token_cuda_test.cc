@@ -312,6 +312,7 @@ TEST(MultiTokenAppendCuda, RefusesPastTheCapacityByName) {
   SKIP_WITHOUT_CUDA();
   DenseKVCache cache(Device::kCuda, CacheMode::kBF16, 2, 1, 1, 8, 8, 8);
   Buffer rows(Device::kCuda, size_t{2} * 8 * 8 * 2);
+  fill_bytes(rows.data(), Device::kCuda, 0, rows.bytes());
   cache.append(rows.data(), rows.data(), DType::kBF16, 6);
   EXPECT_TRUE(testing::throws_error_naming([&] { cache.append_step_tokens(rows.data(), rows.data(), 3); },
                                            "append_step_tokens: live_len = 6 plus 3 tokens exceeds capacity 8"));
