@@ -296,7 +296,11 @@ SparseDecodeOutcome SparseDecoder::run_fused(const SparseAttentionInputs& in, co
   p.num_indices = int64_t{selection.num_requests} * selection.width;
   p.seq_lens = selection.seq_lens;
   p.page_size = selection.page_size;
-  p.balance_live_counts = selection.max_selected < bound;  // this step's requests see fewer rows than the width
+  // Share each request's live count among its chunks only when every
+  // request sees at most 3/4 of the width: balancing shrinks the longest
+  // chunk by that ratio, and below a quarter's gain the count's read ahead
+  // of each chunk's first row costs more than it saves.
+  p.balance_live_counts = 4 * selection.max_selected <= 3 * int64_t{bound};
   return launch(p, outcome, stream);
 }
 
