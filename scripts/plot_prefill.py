@@ -51,9 +51,9 @@ def main() -> int:
         for chunk in sorted({r["chunk"] for r in mine}):
             rows = [dict(r, ms=r["total_us"] / 1e3) for r in mine if r["chunk"] == chunk]
             ax.plot(*series(rows, "ms"), "-", marker="o", label=f"sparsepage, chunks of {chunk}")
-        largest = max(r["chunk"] for r in mine)
+        smallest = min(r["chunk"] for r in mine)  # it has every prompt
         floors = [dict(r, flop=r["flop_floor_us"] / 1e3, read=r["read_floor_us"] / 1e3 or None)
-                  for r in mine if r["chunk"] == largest]
+                  for r in mine if r["chunk"] == smallest]
         ax.plot(*series(floors, "flop"), ":", color="gray", label="FLOP floor of the selection")
         ax.plot(*series(floors, "read"), "--", color="gray", label="read floor of the selection")
         for arm, style in (("sdpa", "-."), ("flashinfer", (0, (3, 1, 1, 1)))):
