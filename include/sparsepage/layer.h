@@ -272,6 +272,8 @@ class SparseLayer {
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,
                    const PagedSelection& selection, void* stream);
   LayerStep pools_step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
+  /// A one-token step's attention inputs over the engine's rows and table.
+  SparseAttentionInputs engine_inputs(const StepTokens& tokens, const EnginePagedKV& kv) const;
   /// The host's lengths after a prefill chunk of num_tokens, or Error naming
   /// why the chunk is refused (before anything changes).
   std::vector<int64_t> prefill_lens(const std::string& who, int32_t num_tokens) const;

@@ -484,6 +484,16 @@ LayerStep SparseLayer::token_by_token(const StepTokens& tokens, int32_t q_len, v
   return step;
 }
 
+SparseAttentionInputs SparseLayer::engine_inputs(const StepTokens& tokens, const EnginePagedKV& kv) const {
+  SparseAttentionInputs in = attention_inputs(tokens, 1);
+  in.k = kv.k;
+  in.v = kv.v;
+  in.k_extra = kv.k_extra;
+  in.block_table = kv.block_table;
+  in.kv_format = kv.kv_format;
+  return in;
+}
+
 LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream) {
   if (!engine_paged()) {
     throw Error(name_ + "::decode(tokens, kv): the layer keeps its own cache; construct it with kv_storage = "
@@ -495,13 +505,8 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers(1);
   // Decided before anything changes: there is no mask path to fall back to.
-  SparseAttentionInputs in = attention_inputs(tokens, 1);
+  SparseAttentionInputs in = engine_inputs(tokens, kv);
   for (int64_t len : lens_after(1)) in.live_len = std::max(in.live_len, len);
-  in.k = kv.k;
-  in.v = kv.v;
-  in.k_extra = kv.k_extra;
-  in.block_table = kv.block_table;
-  in.kv_format = kv.kv_format;
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine-paged)");
   if (device_ == Device::kCpu)
@@ -530,12 +535,7 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
     const EnginePagedKV*& kv;
     ~Clear() { kv = nullptr; }
   } clear{engine_kv_};
-  SparseAttentionInputs in = attention_inputs(tokens, 1);
-  in.k = kv.k;
-  in.v = kv.v;
-  in.k_extra = kv.k_extra;
-  in.block_table = kv.block_table;
-  in.kv_format = kv.kv_format;
+  SparseAttentionInputs in = engine_inputs(tokens, kv);
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine pools)");
   if (device_ == Device::kCpu) {  // as the engine-paged step: the table judged before the selection is written
