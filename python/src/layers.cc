@@ -881,7 +881,59 @@ void bind_layers(nb::module_& m) {
           "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
           "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
           "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
-          "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.");
+          "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def(
+          "prefill_paged",
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
+             const std::optional<uintptr_t>& stream) {
+            const std::string op = "DsaAttention.prefill_paged";
+            const int32_t n = step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]");
+            const StepArgs a(self, op);
+            DsaTokens t = dsa_queries(self, a, q_latent, q_pe, q_index, index_weights, o, n);
+            t.index_k = a.in(index_k, "index_k", {n, self.batch(), 1, 1, self.config().index_head_dim},
+                             "[num_tokens, batch, 1, 1, index_head_dim] (token-major)");
+            self.prefill(t, dsa_engine_kv(self, op, kv_cache, block_table), n, step_stream(stream, self));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
+          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
+          "Chunked prefill over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): the\n"
+          "engine has written the chunk's rows into kv_cache (as decode_paged takes it: bf16 rows\n"
+          "[num_blocks, block_size, latent_dim + rope_dim] or the 656-byte FP8 rows) at each active\n"
+          "slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the chunk's indexer keys\n"
+          "index_k [num_tokens, B, 1, 1, index_head_dim] (token-major), runs the DSA prefill indexer and\n"
+          "the fused MLA prefill reading the rows through block_table int32 [B, max_blocks]. Queries,\n"
+          "index_weights and o as prefill's, num_tokens = q_latent.shape[1]. The same selection and\n"
+          "answer as prefill over the layer's own cache, with its refusals, and a table row too short\n"
+          "for a slot refused before anything changes.")
+      .def(
+          "prefill_pools",
+          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+             const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+             const In& index_cache, const std::optional<In>& index_block_table,
+             const std::optional<uintptr_t>& stream) {
+            const std::string op = "DsaAttention.prefill_pools";
+            const int32_t n = step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]");
+            const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, n);
+            EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
+            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
+                         self.config().index_head_dim);
+            self.prefill(t, kv, n, step_stream(stream, self));
+          },
+          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("o"),
+          nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
+          nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+          nb::arg("stream").none() = nb::none(),
+          "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
+          "has written the chunk's MLA rows and index keys; the layer appends nothing and keeps nothing.\n"
+          "kv_cache, block_table, index_cache and index_block_table as decode_pools takes them; seq_lens\n"
+          "int32 [B] each slot's length with the chunk (0: a free slot, zero output), its chunk the last\n"
+          "num_tokens = q_latent.shape[1] positions; max_seq_len a host bound on them. Queries,\n"
+          "index_weights and o as prefill's. The same selection and answer as prefill_paged over a layer\n"
+          "that keeps the same keys. The lengths are read back once (on the GPU this synchronizes; not\n"
+          "capturable). Refused by name before anything is written: a length other than 0 below\n"
+          "num_tokens or above max_seq_len, or past the table's row, and every slot free. A key block id\n"
+          "outside the pool selects nothing for the tokens that needed it and check_errors() names it.");
 
   m.def(
       "select_top_blocks_cpu",
