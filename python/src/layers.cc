@@ -414,6 +414,8 @@ PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& tabl
 void pools_fields(EnginePagedKV& kv, const SparseLayer& layer, const std::string& op, const In& seq_lens,
                   int64_t max_seq_len, const In& index_cache, const std::optional<In>& index_block_table,
                   const In& block_table, int32_t index_dim) {
+  if (layer.kv_storage() != KVStorage::kEnginePools)
+    throw Error(op + ": the layer was made with another kv_storage; the *_pools calls need KVStorage.ENGINE_POOLS");
   Tensor lens = describe(seq_lens, op, "seq_lens");
   require_layer_device(lens, layer.device());
   lens.require_int32();

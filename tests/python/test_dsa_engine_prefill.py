@@ -120,7 +120,7 @@ def test_prefill_paged_equals_prefill_over_its_own_cache(rng, prompts, n):
     with pytest.raises(sp.Error, match="DsaAttention::prefill.*past its block-table row"):
         eng.prefill_paged(*p.queries(), index_k, o_eng, kv_cache, short)
     lens = np.array(p.total, np.int32)
-    with pytest.raises(sp.Error, match=r"DsaAttention \(engine-paged\): .*index_k and o must be set"):
+    with pytest.raises(sp.Error, match=r"prefill_pools: the layer was made with another kv_storage; .*ENGINE_POOLS"):
         eng.prefill_pools(*p.queries(), o_eng, kv_cache, table, lens, max(p.total), np.zeros((8, 16, ID), np.float16))
     assert eng.kv_lens == before
     assert np.isnan(o_eng).all(), "a refused chunk wrote o"
