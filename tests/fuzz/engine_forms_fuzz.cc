@@ -30,7 +30,12 @@
 //     the index scores, the kept blocks of the block rule, every position
 //     in the dense regime) and its output the fp64 attention over the rows
 //     the engine wrote there, dequantized by this file's own e4m3 decoder;
-//     free and empty slots output zeros.
+//     free and empty slots output zeros;
+//   - prefill chunks (prefill(tokens, kv, n)) interleave with the steps,
+//     with the edits an engine-form chunk must refuse (prefill_chunk below
+//     says which and what an accepted chunk must give);
+//   - a twin layer given only the accepted calls, over the same pools,
+//     writes the same bits for every accepted step and chunk.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -133,6 +138,7 @@ struct Run {
   DsaConfig dsa;
   BlockSparseConfig bs;
   std::unique_ptr<SparseLayer> layer;
+  std::unique_ptr<SparseLayer> twin;  // given only the accepted calls, over the same pools
   std::string name;
   std::string tag;      // the run's form, for findings
   int64_t max_len = 0;  // the longest a request may grow
@@ -437,6 +443,27 @@ void call_chunk(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int3
   return own_cache ? l.prefill(t, n) : l.prefill(t, kv, n);
 }
 
+// Runs `run` (a call on r.layer) on the twin instead, which never saw a
+// refused call, into a buffer filled as o was; with `o` given, the twin
+// must write exactly o's bytes (a refused call left no trace in the layer).
+void on_twin(Run& r, const Guarded* o, const std::string& what, const std::function<void(void*)>& run) {
+  Guarded o_twin(o ? o->bytes() : 8);  // 0xFF throughout, as the layer's o was before its call
+  std::swap(r.layer, r.twin);
+  std::string why;
+  try {
+    run(o_twin.data());
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  std::swap(r.layer, r.twin);
+  FUZZ_CHECK(why.empty(), r.tag + ": the twin refused " + what + ": " + why);
+  o_twin.check_canaries("twin o");
+  if (o) {
+    FUZZ_CHECK(o_twin.payload() == o->payload(),
+               r.tag + ": " + what + ": the layer's output differs from its twin's (a refused call left a trace)");
+  }
+}
+
 // ---- the oracle ----
 // Each slot's positions by the selection rule over the engine's values.
 std::vector<std::vector<int32_t>> expected_selection(Run& r, const Inputs& in, const std::vector<int32_t>& lens,
@@ -595,6 +622,7 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     c.kv_storage = form == Form::kDsaPaged ? KVStorage::kEnginePaged : KVStorage::kEnginePools;
     r.layer = std::make_unique<DsaAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     c.scale = static_cast<DsaAttention&>(*r.layer).config().scale;  // the default filled in
+    r.twin = std::make_unique<DsaAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     r.name = "DsaAttention";
     r.latent = c.latent_dim;
     r.rope = c.rope_dim;
@@ -617,6 +645,7 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     c.capacity_step = in.ConsumeIntegralInRange<int64_t>(1, 8);
     c.kv_storage = KVStorage::kEnginePools;
     r.layer = std::make_unique<BlockSparseAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
+    r.twin = std::make_unique<BlockSparseAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     r.name = "BlockSparseAttention";
     r.heads = c.num_qo_heads;
     r.kv_heads = c.num_kv_heads;
@@ -805,7 +834,43 @@ void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t
       }
       what = "a chunk length outside [num_tokens, max_seq_len]";
       break;
-    case 8:  // engine pools without their lengths or bound
+    case 8: {  // engine pools: a key block a chunk position reaches, outside the key pool
+      if (!r.pools() || live < 0 || r.mapped) break;
+      std::vector<int32_t> key_table = r.keys->table;
+      const int64_t reach = (lens[size_t(live)] + r.keys->block_size - 1) / r.keys->block_size;
+      key_table[size_t(live) * r.keys->max_blocks + size_t(in.ConsumeIntegralInRange<int64_t>(0, reach - 1))] =
+          junk[in.ConsumeIntegralInRange<int>(0, 3)];
+      kv.index_keys.block_table = key_table.data();
+      // Judged where it is read: refused by name, or run with the tokens
+      // that needed it selecting nothing and check_errors() naming it.
+      // Either way no NaN, nothing outside o, and the flags clear.
+      Guarded o(static_cast<size_t>(int64_t{r.batch} * n * r.heads * (r.dsa_model() ? r.latent : r.head_dim)) * 2);
+      std::string refused, flagged;
+      try {
+        call_chunk(r, inputs, o.data(), kv, n, -1, false, false);
+      } catch (const Error& e) {
+        refused = e.what();
+      }
+      o.check_canaries("chunk o, a key block outside the pool");
+      try {
+        r.layer->check_errors();
+      } catch (const Error& e) {
+        flagged = e.what();
+      }
+      for (const std::string& m : {refused, flagged})
+        FUZZ_CHECK(m.empty() || m.find(r.name) == 0,
+                   r.tag + ": a key block outside the pool: the error does not name the layer: " + m);
+      if (refused.empty()) {  // ran: the tokens that needed the block select nothing (zeros), no NaN
+        for (float x : testing::as_float(r.dt, o.payload()))
+          FUZZ_CHECK(!std::isnan(x), r.tag + ": a key block outside the pool: NaN in o");
+      } else {
+        FUZZ_CHECK(o.payload() == std::vector<uint8_t>(o.bytes(), 0xFF),
+                   r.tag + ": a key block outside the pool: a refused chunk wrote its output");
+      }
+      FUZZ_CHECK(accepted([&] { r.layer->check_errors(); }, "check_errors"), r.name + ": check_errors did not clear");
+      return;  // the engine retries these tokens: the next step rewrites the same rows
+    }
+    case 9:  // engine pools without their lengths or bound
       if (!r.pools()) break;
       if (in.ConsumeBool()) {
         kv.seq_lens = nullptr;
@@ -838,6 +903,7 @@ void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t
   o.check_canaries("chunk o");
   FUZZ_CHECK(why.empty(), r.tag + ": a valid chunk of " + std::to_string(n) + " tokens was refused: " + why);
   FUZZ_CHECK(accepted([&] { r.layer->check_errors(); }, "check_errors"), r.tag + ": an accepted chunk left a flag");
+  on_twin(r, &o, "a valid chunk", [&](void* out) { call_chunk(r, inputs, out, kv, n, -1, false, false); });
   const size_t row = size_t(n) * r.heads * (r.dsa_model() ? r.latent : r.head_dim);
   const std::vector<float> out = testing::as_float(r.dt, o.payload());
   const auto positions = r.layer->last_prefill_positions();
@@ -900,6 +966,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
         }
         FUZZ_CHECK(accepted([&] { r.layer->admit(b, prompt ? keys.data() : nullptr, nullptr, prompt); }, "admit"),
                    r.name + ": admit of a valid prompt was refused");
+        r.twin->admit(b, prompt ? keys.data() : nullptr, nullptr, prompt);
       }
       continue;
     }
@@ -909,6 +976,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
       if (!r.active[size_t(b)]) continue;
       if (r.form == Form::kDsaPaged) {
         FUZZ_CHECK(accepted([&] { r.layer->release(b); }, "release"), r.name + ": release was refused");
+        r.twin->release(b);
       }
       r.active[size_t(b)] = 0;
       r.len[size_t(b)] = 0;
@@ -919,7 +987,10 @@ void fuzz(FuzzedDataProvider& in, int which) {
     // its longest leaves first.
     for (int32_t b = 0; b < r.batch; ++b) {
       if (r.active[size_t(b)] && r.len[size_t(b)] >= r.max_len) {
-        if (r.form == Form::kDsaPaged) r.layer->release(b);
+        if (r.form == Form::kDsaPaged) {
+          r.layer->release(b);
+          r.twin->release(b);
+        }
         r.active[size_t(b)] = 0;
         r.len[size_t(b)] = 0;
         r.poison_released(b, rng);
@@ -954,6 +1025,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
       }
       FUZZ_CHECK(ran, r.name + ": a valid engine step was refused: " + why);
       check_step(r, inputs, o, lens, bound);
+      on_twin(r, &o, "a valid step", [&](void* out) { call(r, inputs, out, kv, -1, false); });
       for (int32_t b = 0; b < r.batch; ++b)
         if (r.active[size_t(b)]) ++r.len[size_t(b)];
       continue;
@@ -1163,8 +1235,10 @@ void fuzz(FuzzedDataProvider& in, int which) {
         break;
     }
     expect_refused(r, o, expect, what, [&] { call(r, inputs, o.data(), kv, drop, extra); });
-    if (expect == Expect::kRuns) {  // ran: as the untouched step
+    if (expect == Expect::kRuns) {  // ran: as the untouched step, bit for bit
       check_step(r, inputs, o, lens, bound);
+      const EnginePagedKV untouched = make_kv(r, lens, bound);
+      on_twin(r, &o, "an edit no position reaches", [&](void* out) { call(r, inputs, out, untouched, -1, false); });
       for (int32_t b = 0; b < r.batch; ++b)
         if (r.active[size_t(b)]) ++r.len[size_t(b)];
     }

@@ -3,7 +3,8 @@
 // path and the fused path, the caches, the engines' inputs, per-sequence
 // window lengths with multi-token steps, the FP8 KV formats (packed or
 // strided o), step sequences of the three model layers with slots joining
-// and leaving, and the layers' engine forms (engine_forms_fuzz.cc). The last
+// and leaving and chunked prefill between the steps, and the layers' engine
+// forms with their prefill chunks (engine_forms_fuzz.cc). The last
 // input byte picks the target (see LLVMFuzzerTestOneInput); the rest drives
 // its structure, and a seed taken from the input fills values, so short
 // inputs reach deep states. Shared helpers: fuzz_support.h.
