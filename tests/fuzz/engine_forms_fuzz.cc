@@ -749,7 +749,7 @@ void expect_refused(Run& r, Guarded& o, Expect expect, const char* what, const s
 // (expect_refused), and the next step still matches fp64. Accepted: no NaN
 // in a live slot's rows, zeros for free slots, every attended position in
 // the token's causal window, the lengths advanced by n.
-void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t step) {
+void prefill_chunk(Run& r, FuzzedDataProvider& in, int64_t step) {
   int32_t n = in.ConsumeIntegralInRange<int32_t>(1, 6);
   if (!r.dsa_model() && in.ConsumeBool()) n = r.bs.block_size * in.ConsumeIntegralInRange<int32_t>(1, 2);
   bool any_active = false, aligned = true;
@@ -885,11 +885,13 @@ void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t
   // layer every chunk starting on a block.
   if (*what == 0 && !any_active) what = "a chunk with every slot free";
   if (*what == 0 && !aligned) what = "a chunk off the block grid";
-  if (*what == 0 && r.dsa_model() && (r.latent != 512 || r.rope != 64)) what = "a DSA shape the fused MLA prefill cannot take";
+  if (*what == 0 && r.dsa_model() && (r.latent != 512 || r.rope != 64))
+    what = "a DSA shape the fused MLA prefill cannot take";
   const int64_t o_elems = int64_t{r.batch} * n * r.heads * (r.dsa_model() ? r.latent : r.head_dim);
   Guarded o(static_cast<size_t>(std::max<int64_t>(o_elems, 1)) * 2);
   if (*what != 0) {
-    expect_refused(r, o, Expect::kRefused, what, [&] { call_chunk(r, inputs, o.data(), kv, n, drop, extra, own_cache); });
+    expect_refused(r, o, Expect::kRefused, what,
+                   [&] { call_chunk(r, inputs, o.data(), kv, n, drop, extra, own_cache); });
     return;  // the rows written stay; the next step writes the same values there
   }
   std::string why;
@@ -913,7 +915,8 @@ void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t
     for (size_t i = 0; i < row; ++i) {
       const float x = out[size_t(b) * row + i];
       FUZZ_CHECK(r.active[size_t(b)] ? !std::isnan(x) : x == 0.0f,
-                 r.tag + ": slot " + std::to_string(b) + (r.active[size_t(b)] ? ": NaN in a chunk row" : ": a free slot's chunk row is not zero"));
+                 r.tag + ": slot " + std::to_string(b) +
+                     (r.active[size_t(b)] ? ": NaN in a chunk row" : ": a free slot's chunk row is not zero"));
     }
     for (size_t i = 0; i < per_slot; ++i) {
       const auto& kept = positions[size_t(b) * per_slot + i];
@@ -931,7 +934,6 @@ void prefill_chunk(Run& r, FuzzedDataProvider& in, std::mt19937_64& rng, int64_t
     for (int32_t b = 0; b < r.batch; ++b)
       FUZZ_CHECK(r.layer->kv_lens()[size_t(b)] == r.len[size_t(b)], r.tag + ": a chunk did not advance a length by n");
   }
-  (void)rng;
 }
 
 }  // namespace
@@ -945,7 +947,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
   for (int64_t step = 0; step < calls; ++step) {
     const int op = in.ConsumeIntegralInRange<int>(0, 11);
     if (op >= 10) {
-      prefill_chunk(r, in, rng, step);
+      prefill_chunk(r, in, step);
       continue;
     }
     // A request joins a free slot with a prompt the engine has written.

@@ -1743,10 +1743,10 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
                      "a slot's lone chunk was refused");
           lone_o.check_canaries("lone chunk o");
           const auto lone_pos = r.lone->last_prefill_positions();
-          FUZZ_CHECK(lone_pos.size() == per_slot &&
-                         std::equal(lone_pos.begin(), lone_pos.end(),
-                                    positions.begin() + static_cast<std::ptrdiff_t>(b * per_slot)),
-                     "slot " + std::to_string(b) + "'s chunk attended other positions than its lone run");
+          FUZZ_CHECK(
+              lone_pos.size() == per_slot && std::equal(lone_pos.begin(), lone_pos.end(),
+                                                        positions.begin() + static_cast<std::ptrdiff_t>(b * per_slot)),
+              "slot " + std::to_string(b) + "'s chunk attended other positions than its lone run");
           const std::vector<float> l = testing::as_float(spec.dtype, lone_o.payload());
           const std::vector<double> ref(l.begin(), l.end());
           FUZZ_CHECK(testing::relative_l2(mine, ref) < 1e-2, "slot " + std::to_string(b) +
