@@ -448,6 +448,31 @@ void block_prefill_regime_cpu(const BlockPrefillRegimeArgs& a) {
 }
 }  // namespace detail
 
+// The CPU block scores read each slot's index keys through the engine's
+// key table, the blocks below its query blocks' forced ones
+// (block_scores_cpu); an entry there outside the key pool is refused here,
+// before the chunk writes o (the scores would refuse it mid-chunk, after
+// the rows of the slots before it).
+std::string BlockSparseAttention::pools_key_table_refusal(const PagedIndexKeys& keys, int32_t num_tokens,
+                                                          const std::vector<int64_t>& lens) const {
+  const int32_t bs = config_.block_size, blocks = (num_tokens + bs - 1) / bs;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (lens[b] == 0) continue;  // a free slot: not read
+    const int64_t start = lens[b] - num_tokens;
+    const int64_t scored_end = std::max<int64_t>(0, start / bs + blocks - config_.local_blocks) * bs;
+    const int64_t read = std::min(lens[b], scored_end);
+    const int32_t* row = keys.block_table + static_cast<int64_t>(b) * keys.block_table_stride;
+    for (int64_t e = 0; e < (read + keys.block_size - 1) / keys.block_size; ++e) {
+      if (row[e] < 0 || row[e] >= keys.num_blocks) {
+        return "slot " + std::to_string(b) + "'s index-key table entry " + std::to_string(e) + " = " +
+               std::to_string(row[e]) + " is outside the index-key pool [0, " + std::to_string(keys.num_blocks) +
+               ") (the block scores read it)";
+      }
+    }
+  }
+  return {};
+}
+
 std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
   const int32_t bs = config_.block_size;
   if (engine_pools() && device() == Device::kCuda) {
@@ -462,7 +487,11 @@ std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std:
   if (engine_pools()) {  // the engine's lengths: a free slot has length 0
     std::vector<uint8_t> active(lens.size());
     for (size_t b = 0; b < lens.size(); ++b) active[b] = lens[b] > 0 ? 1 : 0;
-    return detail::block_chunk_refusal(bs, active, lens, num_tokens, "decode()");
+    std::string refused = detail::block_chunk_refusal(bs, active, lens, num_tokens, "decode()");
+    if (refused.empty() && device() == Device::kCpu && engine_kv() != nullptr) {
+      refused = pools_key_table_refusal(engine_kv()->index_keys, num_tokens, lens);
+    }
+    return refused;
   }
   return detail::block_chunk_refusal(bs, cache().active(), lens, num_tokens, "prefill_token() or decode()");
 }

@@ -325,11 +325,10 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
   if (std::find(active.begin(), active.end(), 1) == active.end()) {
     throw Error(who + ": every slot is free (kv.seq_lens is 0 everywhere)");
   }
-  const std::string refused = prefill_refusal(num_tokens, lens);
-  if (!refused.empty()) throw Error(who + ": " + refused);
-  if (device_ == Device::kCpu) check_table_on_host(who, kv.block_table, lens, active);
-  // The chunk's lengths and pools while it runs; the last decode step's
-  // lengths stay for that step's readers (the chunk's are kept on the host).
+  // The chunk's lengths and pools while it runs (prefill_refusal reads the
+  // pools too: a model may judge the engine's tables on the host); the last
+  // decode step's lengths stay for that step's readers (the chunk's are
+  // kept on the host).
   struct Restore {  // thrown or not
     SparseLayer& layer;
     const int32_t* lens;
@@ -343,6 +342,9 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
   engine_lens_ = kv.seq_lens;
   engine_bound_ = kv.max_seq_len;
   engine_kv_ = &kv;
+  const std::string refused = prefill_refusal(num_tokens, lens);
+  if (!refused.empty()) throw Error(who + ": " + refused);
+  if (device_ == Device::kCpu) check_table_on_host(who, kv.block_table, lens, active);
   run_chunk(tokens, num_tokens, lens, active, stream);
 }
 

@@ -30,7 +30,12 @@
 //     the index scores, the kept blocks of the block rule, every position
 //     in the dense regime) and its output the fp64 attention over the rows
 //     the engine wrote there, dequantized by this file's own e4m3 decoder;
-//     free and empty slots output zeros.
+//     free and empty slots output zeros;
+//   - prefill chunks (prefill(tokens, kv, n)) interleave with the steps,
+//     with the edits an engine-form chunk must refuse (prefill_chunk below
+//     says which and what an accepted chunk must give);
+//   - a twin layer given only the accepted calls, over the same pools,
+//     writes the same bits for every accepted step and chunk.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -133,6 +138,7 @@ struct Run {
   DsaConfig dsa;
   BlockSparseConfig bs;
   std::unique_ptr<SparseLayer> layer;
+  std::unique_ptr<SparseLayer> twin;  // given only the accepted calls, over the same pools
   std::string name;
   std::string tag;      // the run's form, for findings
   int64_t max_len = 0;  // the longest a request may grow
@@ -363,6 +369,101 @@ LayerStep call(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int d
   return static_cast<BlockSparseAttention&>(*r.layer).decode(t, kv);
 }
 
+// A prefill chunk's inputs: q, q_extra, index_q, weights and o [batch, n,
+// ...], index_k token-major [n, batch, dim] (the engine-paged DSA form);
+// rows of free slots NaN. Token t of slot s is position r.len[s] + t.
+Inputs make_chunk_inputs(const Run& r, int32_t n, int64_t step) {
+  Inputs in;
+  const size_t rows = static_cast<size_t>(r.batch) * static_cast<size_t>(n);
+  const int32_t q_dim = r.dsa_model() ? r.latent : r.head_dim;
+  const int32_t iq_heads = r.dsa_model() ? r.index_heads : r.kv_heads;
+  const size_t q_row = size_t(r.heads) * q_dim, e_row = size_t(r.heads) * r.rope, i_row = size_t(iq_heads) * r.key_dim;
+  in.q = testing::nan_values(r.dt, rows * q_row);
+  in.q_extra = testing::nan_values(r.dt, std::max<size_t>(rows * e_row, 1));
+  in.index_q = testing::nan_values(r.dt, rows * i_row);
+  in.index_k = testing::nan_values(r.dt, rows * r.key_dim);
+  in.weights.assign(std::max<size_t>(rows * r.index_heads, 1), std::numeric_limits<float>::quiet_NaN());
+  for (int32_t s = 0; s < r.batch; ++s) {
+    if (!r.active[size_t(s)]) continue;
+    const int64_t request = r.id[size_t(s)];
+    for (int32_t t = 0; t < n; ++t) {
+      const size_t row = size_t(s) * size_t(n) + size_t(t);
+      const auto put = [&](std::vector<uint8_t>& dst, size_t per, int64_t what) {
+        const auto v = r.values(request, 3000000 + step * 64 + t, what, per);
+        std::copy(v.begin(), v.end(), dst.begin() + static_cast<std::ptrdiff_t>(row * per * 2));
+      };
+      put(in.q, q_row, 0);
+      put(in.q_extra, e_row, 1);
+      put(in.index_q, i_row, 2);
+      if (r.form == Form::kDsaPaged) {
+        const auto key = r.index_key(request, r.len[size_t(s)] + t);
+        std::copy(key.begin(), key.end(),
+                  in.index_k.begin() + static_cast<std::ptrdiff_t>((size_t(t) * r.batch + s) * r.key_dim * 2));
+      }
+      std::mt19937_64 rng(mix(r.seed, request, 4000000 + step * 64 + t));
+      std::uniform_real_distribution<float> w(0.1f, 1.0f);
+      for (int32_t j = 0; j < r.index_heads; ++j) in.weights[row * r.index_heads + size_t(j)] = w(rng);
+    }
+  }
+  return in;
+}
+
+// One chunk through prefill(tokens, kv, n), token pointer `drop` (if >= 0)
+// null; `extra`: the field the form does not take set; `own_cache`: the
+// layer-cache form prefill(tokens, n), which an engine layer refuses.
+void call_chunk(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int32_t n, int drop, bool extra,
+                bool own_cache) {
+  if (r.dsa_model()) {
+    std::vector<const void*> p = {in.q.data(),
+                                  in.q_extra.data(),
+                                  in.index_q.data(),
+                                  in.weights.data(),
+                                  o,
+                                  r.form == Form::kDsaPaged ? in.index_k.data() : nullptr};
+    if (drop >= 0) p[size_t(drop)] = nullptr;
+    DsaTokens t;
+    t.q_latent = p[0];
+    t.q_pe = p[1];
+    t.q_index = p[2];
+    t.index_weights = static_cast<const float*>(p[3]);
+    t.o = const_cast<void*>(p[4]);
+    t.index_k = p[5];
+    if (extra) t.index_k = r.form == Form::kDsaPaged ? nullptr : in.index_k.data();
+    auto& l = static_cast<DsaAttention&>(*r.layer);
+    return own_cache ? l.prefill(t, n) : l.prefill(t, kv, n);
+  }
+  std::vector<const void*> p = {in.q.data(), in.index_q.data(), o};
+  if (drop >= 0) p[size_t(drop)] = nullptr;
+  BlockSparseTokens t;
+  t.q = p[0];
+  t.index_q = p[1];
+  t.o = const_cast<void*>(p[2]);
+  if (extra) t.index_k = in.index_k.data();  // the engine-paged form's keys: the engine's pool has them
+  auto& l = static_cast<BlockSparseAttention&>(*r.layer);
+  return own_cache ? l.prefill(t, n) : l.prefill(t, kv, n);
+}
+
+// Runs `run` (a call on r.layer) on the twin instead, which never saw a
+// refused call, into a buffer filled as o was; with `o` given, the twin
+// must write exactly o's bytes (a refused call left no trace in the layer).
+void on_twin(Run& r, const Guarded* o, const std::string& what, const std::function<void(void*)>& run) {
+  Guarded o_twin(o ? o->bytes() : 8);  // 0xFF throughout, as the layer's o was before its call
+  std::swap(r.layer, r.twin);
+  std::string why;
+  try {
+    run(o_twin.data());
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  std::swap(r.layer, r.twin);
+  FUZZ_CHECK(why.empty(), r.tag + ": the twin refused " + what + ": " + why);
+  o_twin.check_canaries("twin o");
+  if (o) {
+    FUZZ_CHECK(o_twin.payload() == o->payload(),
+               r.tag + ": " + what + ": the layer's output differs from its twin's (a refused call left a trace)");
+  }
+}
+
 // ---- the oracle ----
 // Each slot's positions by the selection rule over the engine's values.
 std::vector<std::vector<int32_t>> expected_selection(Run& r, const Inputs& in, const std::vector<int32_t>& lens,
@@ -506,9 +607,14 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     r.dt = r.fp8_rows || in.ConsumeBool() ? DType::kBF16 : DType::kF16;
     DsaConfig& c = r.dsa;
     c.num_qo_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
-    // The FP8 rows fix the MLA shape (512 + 64); bf16 rows may be small.
-    c.latent_dim = r.fp8_rows ? MlaFp8Row::kLatent : 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+    // The FP8 rows fix the MLA shape (512 + 64), which the fused prefill
+    // takes; bf16 rows may be small (their chunks refused) or that shape.
+    c.latent_dim = r.fp8_rows ? MlaFp8Row::kLatent : 8 * in.ConsumeIntegralInRange<int32_t>(1, 3);
     c.rope_dim = r.fp8_rows ? MlaFp8Row::kRope : 4 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+    if (c.latent_dim == 24) {
+      c.latent_dim = MlaFp8Row::kLatent;
+      c.rope_dim = MlaFp8Row::kRope;
+    }
     c.index_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
     c.index_head_dim = r.fp8_keys ? IndexKeyFp8::kDim : 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
     c.index_topk = in.ConsumeIntegralInRange<int32_t>(1, 6);
@@ -516,6 +622,7 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     c.kv_storage = form == Form::kDsaPaged ? KVStorage::kEnginePaged : KVStorage::kEnginePools;
     r.layer = std::make_unique<DsaAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     c.scale = static_cast<DsaAttention&>(*r.layer).config().scale;  // the default filled in
+    r.twin = std::make_unique<DsaAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     r.name = "DsaAttention";
     r.latent = c.latent_dim;
     r.rope = c.rope_dim;
@@ -538,6 +645,7 @@ void setup(Run& r, FuzzedDataProvider& in, Form form) {
     c.capacity_step = in.ConsumeIntegralInRange<int64_t>(1, 8);
     c.kv_storage = KVStorage::kEnginePools;
     r.layer = std::make_unique<BlockSparseAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
+    r.twin = std::make_unique<BlockSparseAttention>(Device::kCpu, r.dt, c, r.batch, dispatch);
     r.name = "BlockSparseAttention";
     r.heads = c.num_qo_heads;
     r.kv_heads = c.num_kv_heads;
@@ -635,6 +743,199 @@ void expect_refused(Run& r, Guarded& o, Expect expect, const char* what, const s
   FUZZ_CHECK(accepted([&] { r.layer->check_errors(); }, "check_errors"), r.name + ": check_errors did not clear");
 }
 
+// A prefill chunk of n tokens per active slot, the engine having written
+// their rows (and, engine pools, their keys) first; sometimes one hostile
+// edit. A refusal: Error naming the layer, o and the layer as they were
+// (expect_refused), and the next step still matches fp64. Accepted: no NaN
+// in a live slot's rows, zeros for free slots, every attended position in
+// the token's causal window, the lengths advanced by n.
+void prefill_chunk(Run& r, FuzzedDataProvider& in, int64_t step) {
+  int32_t n = in.ConsumeIntegralInRange<int32_t>(1, 6);
+  if (!r.dsa_model() && in.ConsumeBool()) n = r.bs.block_size * in.ConsumeIntegralInRange<int32_t>(1, 2);
+  bool any_active = false, aligned = true;
+  for (int32_t b = 0; b < r.batch; ++b) {
+    if (!r.active[size_t(b)]) continue;
+    if (r.len[size_t(b)] + n > r.max_len) return;  // past the engine's longest request: not this op
+    any_active = true;
+    if (!r.dsa_model()) aligned = aligned && r.len[size_t(b)] % r.bs.block_size == 0;
+  }
+  for (int32_t b = 0; b < r.batch; ++b)
+    if (r.active[size_t(b)])
+      for (int32_t t = 0; t < n; ++t) r.write(b, r.len[size_t(b)] + t);
+  const Inputs inputs = make_chunk_inputs(r, n, step);
+  std::vector<int32_t> lens(size_t(r.batch), 0);  // after the chunk
+  int64_t longest = 0;
+  for (int32_t b = 0; b < r.batch; ++b) {
+    lens[size_t(b)] = r.active[size_t(b)] ? static_cast<int32_t>(r.len[size_t(b)] + n) : 0;
+    longest = std::max<int64_t>(longest, lens[size_t(b)]);
+  }
+  int64_t bound = std::max<int64_t>(1, longest + in.ConsumeIntegralInRange<int64_t>(0, 3));
+  bound = std::min<int64_t>(bound, int64_t{r.att->max_blocks} * r.att->block_size);
+  if (r.pools()) bound = std::min<int64_t>(bound, int64_t{r.keys->max_blocks} * r.keys->block_size);
+  std::vector<int32_t> bad_lens = lens;
+  EnginePagedKV kv = make_kv(r, bad_lens, bound);
+  Blocks att_copy = *r.att;  // edits of the table go to a copy
+  std::vector<int32_t> identity(size_t(r.att->rows));
+  std::iota(identity.begin(), identity.end(), 0);
+  kv.block_table.data = att_copy.table.data();
+  // The prefill reads row b for slot b: a shuffled table cannot be prefilled.
+  const char* what = r.mapped ? "a chunk with row_of_sequence set" : "";
+  if (r.mapped) kv.block_table.row_of_sequence = att_copy.row_of.data();
+  int drop = -1;
+  bool extra = false, own_cache = false;
+  int32_t live = -1;
+  for (int32_t b = 0; b < r.batch; ++b)
+    if (lens[size_t(b)] > 0 && (live < 0 || in.ConsumeBool())) live = b;
+  const int32_t junk[] = {-1, -2, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
+                          static_cast<int32_t>(r.att->num_blocks)};
+  switch (in.ConsumeIntegralInRange<int>(0, 11)) {
+    case 0: {
+      const int32_t bad[] = {0, -1, std::numeric_limits<int32_t>::min()};
+      n = bad[in.ConsumeIntegralInRange<int>(0, 2)];
+      what = "a chunk of num_tokens < 1";
+      break;
+    }
+    case 1:
+      drop = in.ConsumeIntegralInRange<int>(0, r.dsa_model() ? (r.form == Form::kDsaPaged ? 5 : 4) : 2);
+      what = "a chunk with a null token pointer";
+      break;
+    case 2:
+      extra = true;
+      what = "a chunk with a token field its form does not take";
+      break;
+    case 3:
+      own_cache = true;
+      what = "the layer-cache prefill on an engine layer";
+      break;
+    case 4:
+      if (r.mapped) break;
+      kv.block_table.row_of_sequence = identity.data();
+      what = "a chunk with row_of_sequence set";
+      break;
+    case 5:  // a table row too short for a length after the chunk
+      if (longest <= r.att->block_size) break;
+      kv.block_table.max_blocks = static_cast<int32_t>((longest - 1) / r.att->block_size);
+      what = "a block table row too short for the chunk";
+      break;
+    case 6: {  // a block id a chunk position reaches, outside the pool
+      if (live < 0 || r.mapped) break;
+      const int64_t reach = (lens[size_t(live)] + r.att->block_size - 1) / r.att->block_size;
+      att_copy.row(live)[in.ConsumeIntegralInRange<int64_t>(0, reach - 1)] = junk[in.ConsumeIntegralInRange<int>(0, 4)];
+      what = "a chunk reaching a block id outside the pool";
+      break;
+    }
+    case 7:  // engine pools: a length past max_seq_len, below the chunk, or negative
+      if (!r.pools() || live < 0) break;
+      {
+        const int32_t bad[] = {static_cast<int32_t>(bound + 1), n - 1, -1, std::numeric_limits<int32_t>::max()};
+        const int32_t v = bad[in.ConsumeIntegralInRange<int>(0, 3)];
+        if (v == 0) break;  // a free slot: valid
+        bad_lens[size_t(live)] = v;
+      }
+      what = "a chunk length outside [num_tokens, max_seq_len]";
+      break;
+    case 8: {  // engine pools: a key block a chunk position reaches, outside the key pool
+      if (!r.pools() || live < 0 || r.mapped) break;
+      std::vector<int32_t> key_table = r.keys->table;
+      const int64_t reach = (lens[size_t(live)] + r.keys->block_size - 1) / r.keys->block_size;
+      key_table[size_t(live) * r.keys->max_blocks + size_t(in.ConsumeIntegralInRange<int64_t>(0, reach - 1))] =
+          junk[in.ConsumeIntegralInRange<int>(0, 3)];
+      kv.index_keys.block_table = key_table.data();
+      // Judged where it is read: refused by name, or run with the tokens
+      // that needed it selecting nothing and check_errors() naming it.
+      // Either way no NaN, nothing outside o, and the flags clear.
+      Guarded o(static_cast<size_t>(int64_t{r.batch} * n * r.heads * (r.dsa_model() ? r.latent : r.head_dim)) * 2);
+      std::string refused, flagged;
+      try {
+        call_chunk(r, inputs, o.data(), kv, n, -1, false, false);
+      } catch (const Error& e) {
+        refused = e.what();
+      }
+      o.check_canaries("chunk o, a key block outside the pool");
+      try {
+        r.layer->check_errors();
+      } catch (const Error& e) {
+        flagged = e.what();
+      }
+      for (const std::string& m : {refused, flagged})
+        FUZZ_CHECK(m.empty() || m.find(r.name) == 0,
+                   r.tag + ": a key block outside the pool: the error does not name the layer: " + m);
+      if (refused.empty()) {  // ran: the tokens that needed the block select nothing (zeros), no NaN
+        for (float x : testing::as_float(r.dt, o.payload()))
+          FUZZ_CHECK(!std::isnan(x), r.tag + ": a key block outside the pool: NaN in o");
+      } else {
+        FUZZ_CHECK(o.payload() == std::vector<uint8_t>(o.bytes(), 0xFF),
+                   r.tag + ": a key block outside the pool: a refused chunk wrote its output");
+      }
+      FUZZ_CHECK(accepted([&] { r.layer->check_errors(); }, "check_errors"), r.name + ": check_errors did not clear");
+      return;  // the engine retries these tokens: the next step rewrites the same rows
+    }
+    case 9:  // engine pools without their lengths or bound
+      if (!r.pools()) break;
+      if (in.ConsumeBool()) {
+        kv.seq_lens = nullptr;
+      } else {
+        kv.max_seq_len = in.ConsumeBool() ? 0 : int64_t{std::numeric_limits<int32_t>::max()} + 1;
+      }
+      what = "engine pools without their lengths or bound";
+      break;
+    default: break;  // a good chunk
+  }
+  // Which good chunks the layer takes: an active slot, and for the block
+  // layer every chunk starting on a block.
+  if (*what == 0 && !any_active) what = "a chunk with every slot free";
+  if (*what == 0 && !aligned) what = "a chunk off the block grid";
+  if (*what == 0 && r.dsa_model() && (r.latent != 512 || r.rope != 64))
+    what = "a DSA shape the fused MLA prefill cannot take";
+  const int64_t o_elems = int64_t{r.batch} * n * r.heads * (r.dsa_model() ? r.latent : r.head_dim);
+  Guarded o(static_cast<size_t>(std::max<int64_t>(o_elems, 1)) * 2);
+  if (*what != 0) {
+    expect_refused(r, o, Expect::kRefused, what,
+                   [&] { call_chunk(r, inputs, o.data(), kv, n, drop, extra, own_cache); });
+    return;  // the rows written stay; the next step writes the same values there
+  }
+  std::string why;
+  try {
+    call_chunk(r, inputs, o.data(), kv, n, -1, false, false);
+  } catch (const Error& e) {
+    why = e.what();
+  } catch (const std::exception& e) {
+    finding(r.name + ": a prefill chunk threw a non-sparsepage exception: " + e.what());
+  }
+  o.check_canaries("chunk o");
+  FUZZ_CHECK(why.empty(), r.tag + ": a valid chunk of " + std::to_string(n) + " tokens was refused: " + why);
+  FUZZ_CHECK(accepted([&] { r.layer->check_errors(); }, "check_errors"), r.tag + ": an accepted chunk left a flag");
+  on_twin(r, &o, "a valid chunk", [&](void* out) { call_chunk(r, inputs, out, kv, n, -1, false, false); });
+  const size_t row = size_t(n) * r.heads * (r.dsa_model() ? r.latent : r.head_dim);
+  const std::vector<float> out = testing::as_float(r.dt, o.payload());
+  const auto positions = r.layer->last_prefill_positions();
+  FUZZ_CHECK(positions.size() % size_t(r.batch) == 0, r.tag + ": last_prefill_positions: not one row set per slot");
+  const size_t per_slot = positions.size() / size_t(r.batch);
+  for (int32_t b = 0; b < r.batch; ++b) {
+    for (size_t i = 0; i < row; ++i) {
+      const float x = out[size_t(b) * row + i];
+      FUZZ_CHECK(r.active[size_t(b)] ? !std::isnan(x) : x == 0.0f,
+                 r.tag + ": slot " + std::to_string(b) +
+                     (r.active[size_t(b)] ? ": NaN in a chunk row" : ": a free slot's chunk row is not zero"));
+    }
+    for (size_t i = 0; i < per_slot; ++i) {
+      const auto& kept = positions[size_t(b) * per_slot + i];
+      if (!r.active[size_t(b)]) {
+        FUZZ_CHECK(kept.empty(), r.tag + ": a free slot attended positions");
+        continue;
+      }
+      const int64_t own = r.len[size_t(b)] + static_cast<int64_t>(i / (per_slot / size_t(n)));
+      FUZZ_CHECK(!kept.empty() && std::is_sorted(kept.begin(), kept.end()) && kept.front() >= 0 && kept.back() <= own,
+                 r.tag + ": a chunk token attended positions outside its causal window");
+    }
+    if (r.active[size_t(b)]) r.len[size_t(b)] += n;
+  }
+  if (!r.pools()) {
+    for (int32_t b = 0; b < r.batch; ++b)
+      FUZZ_CHECK(r.layer->kv_lens()[size_t(b)] == r.len[size_t(b)], r.tag + ": a chunk did not advance a length by n");
+  }
+}
+
 }  // namespace
 
 void fuzz(FuzzedDataProvider& in, int which) {
@@ -644,7 +945,11 @@ void fuzz(FuzzedDataProvider& in, int which) {
   Guarded o(r.o_elems() * 2);
   const int32_t calls = in.ConsumeIntegralInRange<int32_t>(1, 10);
   for (int64_t step = 0; step < calls; ++step) {
-    const int op = in.ConsumeIntegralInRange<int>(0, 9);
+    const int op = in.ConsumeIntegralInRange<int>(0, 11);
+    if (op >= 10) {
+      prefill_chunk(r, in, step);
+      continue;
+    }
     // A request joins a free slot with a prompt the engine has written.
     if (op == 0) {
       int32_t b = 0;
@@ -663,6 +968,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
         }
         FUZZ_CHECK(accepted([&] { r.layer->admit(b, prompt ? keys.data() : nullptr, nullptr, prompt); }, "admit"),
                    r.name + ": admit of a valid prompt was refused");
+        r.twin->admit(b, prompt ? keys.data() : nullptr, nullptr, prompt);
       }
       continue;
     }
@@ -672,6 +978,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
       if (!r.active[size_t(b)]) continue;
       if (r.form == Form::kDsaPaged) {
         FUZZ_CHECK(accepted([&] { r.layer->release(b); }, "release"), r.name + ": release was refused");
+        r.twin->release(b);
       }
       r.active[size_t(b)] = 0;
       r.len[size_t(b)] = 0;
@@ -682,7 +989,10 @@ void fuzz(FuzzedDataProvider& in, int which) {
     // its longest leaves first.
     for (int32_t b = 0; b < r.batch; ++b) {
       if (r.active[size_t(b)] && r.len[size_t(b)] >= r.max_len) {
-        if (r.form == Form::kDsaPaged) r.layer->release(b);
+        if (r.form == Form::kDsaPaged) {
+          r.layer->release(b);
+          r.twin->release(b);
+        }
         r.active[size_t(b)] = 0;
         r.len[size_t(b)] = 0;
         r.poison_released(b, rng);
@@ -717,6 +1027,7 @@ void fuzz(FuzzedDataProvider& in, int which) {
       }
       FUZZ_CHECK(ran, r.name + ": a valid engine step was refused: " + why);
       check_step(r, inputs, o, lens, bound);
+      on_twin(r, &o, "a valid step", [&](void* out) { call(r, inputs, out, kv, -1, false); });
       for (int32_t b = 0; b < r.batch; ++b)
         if (r.active[size_t(b)]) ++r.len[size_t(b)];
       continue;
@@ -926,8 +1237,10 @@ void fuzz(FuzzedDataProvider& in, int which) {
         break;
     }
     expect_refused(r, o, expect, what, [&] { call(r, inputs, o.data(), kv, drop, extra); });
-    if (expect == Expect::kRuns) {  // ran: as the untouched step
+    if (expect == Expect::kRuns) {  // ran: as the untouched step, bit for bit
       check_step(r, inputs, o, lens, bound);
+      const EnginePagedKV untouched = make_kv(r, lens, bound);
+      on_twin(r, &o, "an edit no position reaches", [&](void* out) { call(r, inputs, out, untouched, -1, false); });
       for (int32_t b = 0; b < r.batch; ++b)
         if (r.active[size_t(b)]) ++r.len[size_t(b)];
     }

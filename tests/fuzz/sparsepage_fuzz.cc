@@ -3,7 +3,8 @@
 // path and the fused path, the caches, the engines' inputs, per-sequence
 // window lengths with multi-token steps, the FP8 KV formats (packed or
 // strided o), step sequences of the three model layers with slots joining
-// and leaving, and the layers' engine forms (engine_forms_fuzz.cc). The last
+// and leaving and chunked prefill between the steps, and the layers' engine
+// forms with their prefill chunks (engine_forms_fuzz.cc). The last
 // input byte picks the target (see LLVMFuzzerTestOneInput); the rest drives
 // its structure, and a seed taken from the input fills values, so short
 // inputs reach deep states. Shared helpers: fuzz_support.h.
@@ -1206,8 +1207,13 @@ Spec make_spec(Model model, FuzzedDataProvider& in) {
     case Model::kDsa: {
       DsaConfig& c = s.dsa;
       c.num_qo_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
-      c.latent_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      // Small dims, or the one MLA shape the fused prefill takes (512 + 64).
+      c.latent_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 3);
       c.rope_dim = 4 * in.ConsumeIntegralInRange<int32_t>(1, 2);
+      if (c.latent_dim == 24) {
+        c.latent_dim = 512;
+        c.rope_dim = 64;
+      }
       c.index_heads = in.ConsumeIntegralInRange<int32_t>(1, 2);
       c.index_head_dim = 8 * in.ConsumeIntegralInRange<int32_t>(1, 2);
       c.index_topk = in.ConsumeIntegralInRange<int32_t>(1, 6);
@@ -1379,6 +1385,46 @@ LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form
       auto& l = static_cast<StaticBlockSparseAttention&>(layer);
       return l.decode(StaticBlockSparseTokens{p[0], p[1], p[2], out});
     }
+  }
+}
+
+// One chunk of n tokens through the model's chunked prefill over its own
+// cache (prefill(tokens, n)), the token pointer `drop` (if >= 0) null; with
+// `engine_form`, the engine-pool form, which a layer with its own cache refuses.
+void run_chunk(const Spec& s, SparseLayer& layer, StepData& d, void* o, int32_t n, int drop, bool engine_form) {
+  std::vector<const void*> p;
+  switch (s.model) {
+    case Model::kBlockSparse: p = {d.q.data(), d.index_q.data(), d.k.data(), d.v.data(), o}; break;
+    case Model::kDsa:
+      p = {d.q.data(), d.q_extra.data(), d.index_q.data(), d.weights.data(), d.k.data(), d.v.data(), o};
+      break;
+    default: p = {d.q.data(), d.k.data(), d.v.data(), o}; break;
+  }
+  if (drop >= 0) p[static_cast<size_t>(drop)] = nullptr;
+  void* out = const_cast<void*>(p.back());
+  const EnginePagedKV no_pool;
+  switch (s.model) {
+    case Model::kBlockSparse: {
+      auto& l = static_cast<BlockSparseAttention&>(layer);
+      const BlockSparseTokens t{p[0], p[1], p[2], p[3], out};
+      return engine_form ? l.prefill(t, no_pool, n) : l.prefill(t, n);
+    }
+    case Model::kDsa: {
+      auto& l = static_cast<DsaAttention&>(layer);
+      DsaTokens t;
+      t.q_latent = p[0];
+      t.q_pe = p[1];
+      t.q_index = p[2];
+      t.index_weights = static_cast<const float*>(p[3]);
+      t.k_cache_row = p[4];
+      t.k_pe = p[5];
+      t.o = out;
+      return engine_form ? l.prefill(t, no_pool, n) : l.prefill(t, n);
+    }
+    default:
+      // The static layer has no engine form: a null o stands in for a bad call.
+      return static_cast<StaticBlockSparseAttention&>(layer).prefill(
+          StaticBlockSparseTokens{p[0], p[1], p[2], engine_form ? nullptr : out}, n);
   }
 }
 
@@ -1588,6 +1634,126 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
             FUZZ_CHECK(sel == lone_sel, "slot " + std::to_string(b) + " selected other positions than its lone run");
           }
         }
+        break;
+      }
+      case 9:
+      case 10: {  // a prefill chunk: random n, aligned or not; a hostile one sometimes
+        int32_t n = in.ConsumeIntegralInRange<int32_t>(1, 9);
+        const int32_t bs = spec.model == Model::kBlockSparse ? spec.bs.block_size
+                           : spec.model == Model::kStatic    ? spec.st.block_size
+                                                             : 1;
+        if (in.ConsumeBool()) n = bs * in.ConsumeIntegralInRange<int32_t>(1, 3);  // whole blocks
+        int drop = -1;
+        bool engine_form = false;
+        const int hostile = in.ConsumeIntegralInRange<int>(0, 5);
+        std::string want;  // what a hostile chunk's refusal names
+        if (hostile == 1) {
+          const int32_t bad[] = {0, -1, std::numeric_limits<int32_t>::min()};
+          n = bad[in.ConsumeIntegralInRange<int>(0, 2)];
+          want = "num_tokens";
+        } else if (hostile == 2) {
+          drop = in.ConsumeIntegralInRange<int>(0, spec.pointers - 1);
+          want = "must be set";
+        } else if (hostile == 3) {
+          engine_form = true;
+          want = spec.model == Model::kStatic ? "must be set" : "own cache";
+        }
+        // Which good chunks the fused prefill takes: an active slot, and for
+        // the block layers every active slot's chunk starting on a block.
+        bool any_active = false, aligned = true;
+        for (int32_t b = 0; b < batch; ++b) {
+          if (!layer->cache().active()[static_cast<size_t>(b)]) continue;
+          any_active = true;
+          aligned = aligned && layer->kv_lens()[static_cast<size_t>(b)] % bs == 0;
+        }
+        const bool good = want.empty();
+        if (good && !any_active) want = "every slot is free";
+        if (good && any_active && !aligned) want = "block_size";
+        if (good && any_active && spec.model == Model::kDsa && (spec.dsa.latent_dim != 512 || spec.dsa.rope_dim != 64))
+          want = "latent_dim 512";
+        const int32_t rows = std::max<int32_t>(n, 1);
+        StepData d(spec, batch, rows);
+        for (int32_t b = 0; b < batch; ++b) {
+          Request& r = slots[static_cast<size_t>(b)];
+          if (!r.lone) continue;
+          for (int32_t t = 0; t < rows; ++t) d.fill(spec, b, t, seed, r.id, r.next + t);
+        }
+        const size_t row = static_cast<size_t>(rows) * spec.o * esize;  // one slot's o bytes
+        Guarded o(static_cast<size_t>(batch) * row), o_twin(static_cast<size_t>(batch) * row);
+        if (!want.empty()) {  // refused by name, nothing changed (the twin, which never sees it, checks the rest)
+          expect_refused(
+              *layer, [&] { run_chunk(spec, *layer, d, o.data(), n, drop, engine_form); }, want,
+              "a prefill chunk the layer cannot take");
+          o.check_canaries("refused chunk o");
+          FUZZ_CHECK(o.payload() == std::vector<uint8_t>(o.bytes(), 0xFF), "a refused chunk wrote its output");
+          same_state("a refused chunk");
+          break;
+        }
+        const std::vector<int64_t> lens_before = layer->kv_lens();
+        std::string why;
+        try {
+          run_chunk(spec, *layer, d, o.data(), n, -1, false);
+        } catch (const Error& e) {
+          why = e.what();
+        } catch (const std::exception& e) {
+          finding(std::string("a prefill chunk threw a non-sparsepage exception: ") + e.what());
+        }
+        FUZZ_CHECK(why.empty(), "a valid prefill chunk of " + std::to_string(n) + " tokens was refused: " + why);
+        run_chunk(spec, *twin, d, o_twin.data(), n, -1, false);
+        o.check_canaries("chunk o");
+        o_twin.check_canaries("twin chunk o");
+        FUZZ_CHECK(o.payload() == o_twin.payload(),
+                   "a chunk's output differs from its twin's (a refused call left a trace)");
+        const auto positions = layer->last_prefill_positions();
+        FUZZ_CHECK(positions == twin->last_prefill_positions(), "the layer and its twin's chunks attended differently");
+        FUZZ_CHECK(!positions.empty() && positions.size() % static_cast<size_t>(batch) == 0,
+                   "last_prefill_positions: not one row set per slot");
+        const size_t per_slot = positions.size() / static_cast<size_t>(batch);
+        const std::vector<uint8_t> bytes = o.payload();
+        for (int32_t b = 0; b < batch; ++b) {
+          Request& r = slots[static_cast<size_t>(b)];
+          const auto mine = testing::as_float(
+              spec.dtype, std::vector<uint8_t>(bytes.begin() + static_cast<std::ptrdiff_t>(b * row),
+                                               bytes.begin() + static_cast<std::ptrdiff_t>((b + 1) * row)));
+          const int64_t len = layer->kv_lens()[static_cast<size_t>(b)];
+          if (!r.lone) {
+            for (float x : mine) FUZZ_CHECK(x == 0.0f, "a free slot's chunk output is not zero");
+            FUZZ_CHECK(len == 0, "a chunk gave a free slot a length");
+            for (size_t i = 0; i < per_slot; ++i)
+              FUZZ_CHECK(positions[static_cast<size_t>(b) * per_slot + i].empty(), "a free slot attended positions");
+            continue;
+          }
+          FUZZ_CHECK(len == lens_before[static_cast<size_t>(b)] + n, "a chunk did not advance a slot's length by n");
+          for (float x : mine) FUZZ_CHECK(!std::isnan(x), "NaN in an active slot's chunk output");
+          // Each row: positions in the token's causal window, sorted.
+          for (size_t i = 0; i < per_slot; ++i) {
+            const auto& row_pos = positions[static_cast<size_t>(b) * per_slot + i];
+            const int64_t token = static_cast<int64_t>(i) / static_cast<int64_t>(per_slot / static_cast<size_t>(n));
+            const int64_t own = len - n + token;
+            FUZZ_CHECK(!row_pos.empty() && std::is_sorted(row_pos.begin(), row_pos.end()) && row_pos.front() >= 0 &&
+                           row_pos.back() <= own,
+                       "a chunk token attended positions outside its causal window");
+          }
+          // The slot alone, prefilling the same chunk: the same positions, the same answer.
+          StepData lone_d(spec, 1, n);
+          for (int32_t t = 0; t < n; ++t) lone_d.fill(spec, 0, t, seed, r.id, r.next + t);
+          r.next += n;
+          Guarded lone_o(row);
+          FUZZ_CHECK(accepted([&] { run_chunk(spec, *r.lone, lone_d, lone_o.data(), n, -1, false); }, "lone chunk"),
+                     "a slot's lone chunk was refused");
+          lone_o.check_canaries("lone chunk o");
+          const auto lone_pos = r.lone->last_prefill_positions();
+          FUZZ_CHECK(
+              lone_pos.size() == per_slot && std::equal(lone_pos.begin(), lone_pos.end(),
+                                                        positions.begin() + static_cast<std::ptrdiff_t>(b * per_slot)),
+              "slot " + std::to_string(b) + "'s chunk attended other positions than its lone run");
+          const std::vector<float> l = testing::as_float(spec.dtype, lone_o.payload());
+          const std::vector<double> ref(l.begin(), l.end());
+          FUZZ_CHECK(testing::relative_l2(mine, ref) < 1e-2, "slot " + std::to_string(b) +
+                                                                 "'s chunk output differs from its lone run's by " +
+                                                                 sci(testing::relative_l2(mine, ref)));
+        }
+        same_state("prefill chunk");
         break;
       }
       default: {  // a call that must be refused

@@ -800,17 +800,33 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
     }
   }
 
-  // A key block id outside the pool that a scored block needs is refused by name.
-  const int32_t first_active = static_cast<int32_t>(
-      std::find_if(len.after.begin(), len.after.end(), [](int64_t x) { return x > 0; }) - len.after.begin());
-  std::vector<int32_t> bad_table = pool.table;
-  bad_table[size_t(int64_t{first_active} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
-  const Buffer bad_dev = upload(device, bad_table);
-  EnginePagedKV bad = pkv;
-  bad.index_keys.block_table = bad_dev.as<int32_t>();
-  const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
-  if (len.after[size_t(first_active)] > dense_len + cfg.block_size) {
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, bad, n); }, "outside the index-key pool"));
+  // A key block id outside the pool that the block scores read is refused
+  // by the layer's name before o is written, in the first active slot or
+  // the last (after a free slot's rows and the other slots': the CPU scores
+  // once refused it mid-chunk, under the indexer's name, with those rows
+  // already written).
+  std::vector<int32_t> actives;
+  for (int32_t b = 0; b < batch; ++b)
+    if (len.active(b)) actives.push_back(b);
+  for (const int32_t b : {actives.front(), actives.back()}) {
+    const int64_t start = len.after[size_t(b)] - n, blocks = (n + cfg.block_size - 1) / cfg.block_size;
+    const int64_t scored_end = std::max<int64_t>(0, start / cfg.block_size + blocks - cfg.local_blocks);
+    if (scored_end == 0) continue;  // the scores read no key of this slot
+    std::vector<int32_t> bad_table = pool.table;
+    bad_table[size_t(int64_t{b} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+    const Buffer bad_dev = upload(device, bad_table);
+    EnginePagedKV bad = pkv;
+    bad.index_keys.block_table = bad_dev.as<int32_t>();
+    Buffer bad_o = poisoned(device, o_count);
+    BlockSparseTokens bt = pt;
+    bt.o = bad_o.data();
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); },
+                                    "BlockSparseAttention::prefill(tokens, kv) (engine pools): slot " +
+                                        std::to_string(b) + "'s index-key table entry 0"));
+    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); }, "outside the index-key pool"));
+    const std::vector<float> kept = read_bf16(device, bad_o, o_count);
+    EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](float x) { return std::isnan(x); }))
+        << "a refused chunk wrote o (slot " << b << ")";
   }
 }
 

@@ -165,6 +165,10 @@ class BlockSparseAttention : public SparseLayer {
   /// blocks_per_request per KV head, or every block when empty (dense regime).
   void write_lists_cpu(int32_t b, int64_t len, const std::vector<int32_t>& kept);
   std::string prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const override;
+  /// A chunk over engine pools on the CPU: why an index-key table entry the
+  /// block scores read is outside the key pool (empty: none).
+  std::string pools_key_table_refusal(const PagedIndexKeys& keys, int32_t num_tokens,
+                                      const std::vector<int64_t>& lens) const;
   void run_prefill(const StepTokens& tokens, int32_t first_slot, const PrefillChunk& chunk, void* stream) override;
   std::vector<std::vector<int32_t>> prefill_positions(const std::vector<int64_t>& lens,
                                                       int32_t num_tokens) const override;
