@@ -79,9 +79,11 @@ if [[ $STAGES == *sanitize* ]]; then
       "$(grep -cE '^\[  FAILED  \] [A-Za-z].* \([0-9]+ ms\)$' "$log") failed," \
       "$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1 | sed 's/^=* *//')" > "$log.result"
   }
+  # The slowest tool first (racecheck, then memcheck), so that the long
+  # pairs start while every slot is free and none is left for the tail.
   pairs=()
-  for shard in $shards; do
-    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do pairs+=("$tool $shard"); done
+  for tool in ${SANITIZE_TOOLS:-racecheck memcheck initcheck synccheck}; do
+    for shard in $shards; do pairs+=("$tool $shard"); done
   done
   running=0
   for pair in "${pairs[@]}"; do
