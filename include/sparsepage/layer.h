@@ -50,7 +50,8 @@ struct LayerStep {
 };
 
 /// The skeleton. Public: the batch, the cache and inspection of the last
-/// step; each model adds its decode() forms, which call step().
+/// step; a model derives from LayerForms (below) over its token struct,
+/// which gives it the typed decode() and prefill() forms.
 class SparseLayer {
  public:
   /// The rows the layer keeps per slot: its own cache's heads and dims.
@@ -187,6 +188,9 @@ class SparseLayer {
   virtual TokenBytes token_bytes() const = 0;
   /// The most query tokens a fused step takes (1: no multi-token steps).
   virtual int32_t max_query_tokens() const { return 1; }
+  /// Why a step of q_len tokens per slot is refused whatever its path (a
+  /// kernel's limit on this model's shape); empty when it is not.
+  virtual std::string query_tokens_refusal(int32_t /*q_len*/) const { return {}; }
   /// The attention inputs over the layer's own rows for a step of q_len
   /// tokens (shapes, queries, scale, output; lengths read on the device).
   virtual SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const = 0;
@@ -312,6 +316,78 @@ class SparseLayer {
   // The token-by-token form of a multi-token step: one token's inputs.
   Buffer stage_q_, stage_q_extra_, stage_index_q_, stage_weights_, stage_o_;
   Buffer index_error_;  // index_error_word()
+};
+
+/// The forms every model offers over its token struct `Tokens`; the model
+/// supplies to_step() (its fields by role) and the skeleton's hooks. What a
+/// step or chunk keeps is the model's rule (its class comment).
+template <class Tokens>
+class LayerForms : public SparseLayer {
+ public:
+  /// One token per active slot: appends it, runs the model's selection and
+  /// attends what it kept (fused, or the mask path over the same set on a
+  /// decline). Every input is checked before the cache changes.
+  LayerStep decode(const Tokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }
+  /// A multi-token step (speculative verification, MTP) of q_len tokens
+  /// per slot, the inputs with a q_len dim after batch (k and v
+  /// token-major): fused where the model has a multi-token selection and the
+  /// policy agrees, else q_len one-token steps (exact, not capturable).
+  LayerStep decode(const Tokens& tokens, int32_t q_len, void* stream = nullptr) {
+    return step(to_step(tokens), q_len, stream);
+  }
+  /// Prefill through the mask path, the oracle: appends the token of every
+  /// active slot and attends its whole causal window (dense).
+  void prefill_token(const Tokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
+  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
+  /// active slot, the inputs as a multi-token step's; the model's prefill
+  /// indexer, then its fused prefill. Refused by name, before anything
+  /// changes, where the model's prefill cannot take the chunk.
+  void prefill(const Tokens& tokens, int32_t num_tokens, void* stream = nullptr) {
+    prefill_chunk(to_step(tokens), num_tokens, stream);
+  }
+
+ protected:
+  using SparseLayer::SparseLayer;
+  /// The model's token struct by role (no copies: pointers only).
+  virtual StepTokens to_step(const Tokens& tokens) const = 0;
+};
+
+/// The forms of models that also read an engine's pools (KVStorage
+/// kEnginePaged or kEnginePools; EnginePagedKV says what each reads).
+template <class Tokens>
+class EngineLayerForms : public LayerForms<Tokens> {
+ public:
+  using LayerForms<Tokens>::decode;
+  using LayerForms<Tokens>::prefill;
+  /// One token per active slot over the engine's pools
+  /// (SparseLayer::step(tokens, kv)): kEnginePaged appends the token's index
+  /// key, runs the selection and attends the kept rows of `kv` in place,
+  /// position p of slot b at row `kv.block_table[b, p / block_size] *
+  /// block_size + p % block_size` (the engine has written the token's rows
+  /// at position kv_lens()[b], the length before the call). kEnginePools is
+  /// stateless: nothing is appended, the selection reads the engine's keys
+  /// (kv.index_keys) and lengths (kv.seq_lens on the device, this token
+  /// included, 0 a slot not in this call, whose output is zero;
+  /// kv.max_seq_len their host bound). A length past its bound or its table
+  /// row, or a block outside its pool, refuses that sequence and
+  /// check_errors() names it. Capturable once reserve(max_seq_len) has run.
+  LayerStep decode(const Tokens& tokens, const EnginePagedKV& kv, void* stream = nullptr) {
+    return this->step(this->to_step(tokens), kv, stream);
+  }
+  /// Chunked prefill over the engine's pools (SparseLayer::prefill_chunk(
+  /// tokens, kv, num_tokens)): the same selection and answer as
+  /// prefill(tokens, num_tokens) over the layer's own cache, with the same
+  /// refusals. kEnginePaged: tokens.index_k holds the chunk's index keys
+  /// (token-major) and the engine has written its rows at each active
+  /// slot's positions kv_lens()[b] onwards. kEnginePools: the engine's keys
+  /// and lengths with the chunk (kv.seq_lens, 0 a slot not in this call;
+  /// read back once, so not capturable), nothing appended.
+  void prefill(const Tokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
+    this->prefill_chunk(this->to_step(tokens), kv, num_tokens, stream);
+  }
+
+ protected:
+  using LayerForms<Tokens>::LayerForms;
 };
 
 }  // namespace sparsepage

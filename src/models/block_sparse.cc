@@ -141,7 +141,7 @@ SparseLayer::CacheShape cache_shape(const BlockSparseConfig& c) {
 
 BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
                                            DispatchConfig dispatch)
-    : SparseLayer("BlockSparseAttention", device, dtype, batch, config.kv_storage,
+    : EngineLayerForms("BlockSparseAttention", device, dtype, batch, config.kv_storage,
                   cache_shape(checked_config(config, batch)), config.capacity_step, dispatch),
       config_(config),
       prefill_indexer_(device),
@@ -432,12 +432,12 @@ void BlockSparseAttention::check_selection_errors(void* stream) {
                      "a key block id outside the index-key pool");
 }
 
-LayerStep BlockSparseAttention::decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream) {
+std::string BlockSparseAttention::query_tokens_refusal(int32_t q_len) const {
   if (device() == Device::kCuda && q_len > 1 && int64_t{q_len} * config_.num_kv_heads > 32) {
-    throw Error("BlockSparseAttention::decode: q_len * num_kv_heads = " + std::to_string(q_len) + " * " +
-                std::to_string(config_.num_kv_heads) + " exceeds the CUDA indexer's 32 (token, head) index queries");
+    return "q_len * num_kv_heads = " + std::to_string(q_len) + " * " + std::to_string(config_.num_kv_heads) +
+           " exceeds the CUDA indexer's 32 (token, head) index queries";
   }
-  return step(to_step(tokens), q_len, stream);
+  return {};
 }
 
 namespace detail {

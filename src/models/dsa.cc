@@ -111,7 +111,7 @@ SparseLayer::CacheShape cache_shape(const DsaConfig& c) {
 }  // namespace
 
 DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
-    : SparseLayer("DsaAttention", device, dtype, batch, config.kv_storage,
+    : EngineLayerForms("DsaAttention", device, dtype, batch, config.kv_storage,
                   cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(checked_config(device, config, batch)),
       prefill_indexer_(device),
@@ -325,12 +325,11 @@ void DsaAttention::select_cpu(const StepTokens& tokens, int32_t q_len, int32_t* 
   }
 }
 
-LayerStep DsaAttention::decode(const DsaTokens& tokens, int32_t q_len, void* stream) {
+std::string DsaAttention::query_tokens_refusal(int32_t q_len) const {
   if (int64_t{batch()} * q_len > 65535) {
-    throw Error("DsaAttention::decode: batch * q_len = " + std::to_string(int64_t{batch()} * q_len) +
-                " (sequence, token) rows exceed 65535");
+    return "batch * q_len = " + std::to_string(int64_t{batch()} * q_len) + " (sequence, token) rows exceed 65535";
   }
-  return step(to_step(tokens), q_len, stream);
+  return {};
 }
 
 std::string DsaAttention::prefill_refusal(int32_t /*num_tokens*/, const std::vector<int64_t>& /*lens*/) const {

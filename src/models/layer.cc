@@ -413,6 +413,8 @@ LayerStep SparseLayer::step(const StepTokens& tokens, int32_t q_len, void* strea
     throw Error(name_ + "::decode: q_len = " + std::to_string(q_len) + " must lie in [1, " +
                 std::to_string(kMaxQueryTokens) + "]");
   }
+  const std::string refused = query_tokens_refusal(q_len);
+  if (!refused.empty()) throw Error(name_ + "::decode: " + refused);
   if (q_len == 1) return step(tokens, stream);
   if (engine_paged()) {
     throw Error(name_ +

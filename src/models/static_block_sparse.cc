@@ -98,7 +98,7 @@ SparseLayer::CacheShape cache_shape(const StaticBlockSparseConfig& c) {
 StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtype,
                                                        const StaticBlockSparseConfig& config, int32_t batch,
                                                        DispatchConfig dispatch)
-    : SparseLayer("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache,
+    : LayerForms("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache,
                   cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(config),
       gqa_prefill_(device) {}

@@ -25,18 +25,18 @@ struct WindowTokens {
 };
 
 // ---- the model: hooks only ----
-class WindowAttention : public SparseLayer {
+class WindowAttention : public LayerForms<WindowTokens> {
  public:
   static constexpr int32_t kQoHeads = 4, kKvHeads = 2, kDim = 16;
   WindowAttention(int32_t batch, int32_t window, DispatchConfig dispatch)
-      : SparseLayer("WindowAttention", Device::kCpu, DType::kBF16, batch, KVStorage::kLayerCache,
-                    {kKvHeads, kKvHeads, kDim, kDim}, 64, dispatch),
+      : LayerForms("WindowAttention", Device::kCpu, DType::kBF16, batch, KVStorage::kLayerCache,
+                   {kKvHeads, kKvHeads, kDim, kDim}, 64, dispatch),
         window_(window) {}
-  LayerStep decode(const WindowTokens& t) {
-    return step({t.q, nullptr, nullptr, nullptr, t.k, t.v, nullptr, t.o}, nullptr);
-  }
 
  private:
+  StepTokens to_step(const WindowTokens& t) const override {
+    return {t.q, nullptr, nullptr, nullptr, t.k, t.v, nullptr, t.o};
+  }
   int32_t requests() const { return batch() * kKvHeads; }
   void check_tokens(const StepTokens& t, bool) const override {
     if (t.q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {

@@ -71,73 +71,31 @@ struct BlockSparseTokens {
 /// The block-sparse layer: the skeleton (sparsepage/layer.h) with the block
 /// indexer as its selection, attending the kept blocks as block-granular
 /// pages (page_size = block_size; the partial final block cut by the
-/// device-side count).
-class BlockSparseAttention : public SparseLayer {
+/// device-side count). Its forms (LayerForms, EngineLayerForms):
+///  * decode(tokens, q_len): one selection serves the q_len tokens (a block
+///    scores the max over the tokens' index queries, and the block of the
+///    first new token is force-kept besides the final one); the fused
+///    kernel applies each token's causal limit by position. On CUDA
+///    q_len * num_kv_heads <= 32.
+///  * prefill(tokens, num_tokens): each query block of the chunk
+///    (block_size tokens, the last possibly fewer) keeps for each KV head
+///    what one multi-token step of its tokens would: every block while it
+///    ends within the dense regime, else the prefill indexer's top
+///    topk_blocks by the scores max-pooled over the block's tokens, the
+///    forced local blocks and its own block last; the fused GQA block
+///    prefill attends them, each token up to its own position. Refused by
+///    name: a chunk whose start (some slot's length before it) is not a
+///    multiple of block_size (query blocks must be key blocks: the prompt's
+///    tail goes by decode() or prefill_token()), block_size above 256, and
+///    on CUDA head_dim other than 128 or block_size other than 64 or 128
+///    (the prefill indexer's block scores).
+///  * over an engine's pools: the index keys are [batch, 1, 1, head_dim]
+///    per token (tokens.index_k, kEnginePaged); kEnginePools prefill runs
+///    on the CPU backend only (refused by name on CUDA).
+class BlockSparseAttention : public EngineLayerForms<BlockSparseTokens> {
  public:
   BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
                        DispatchConfig dispatch = process_dispatch_config());
-
-  /// Prefill keeps the mask path: appends the token of every active slot
-  /// and attends the whole causal window (dense).
-  void prefill_token(const BlockSparseTokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
-  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
-  /// active slot, the inputs as a multi-token step's. Each query block of
-  /// the chunk (block_size tokens, the last possibly fewer) keeps for each
-  /// KV head what one multi-token decode step of its tokens would: while
-  /// the block ends within the dense regime (2 * topk_blocks * block_size
-  /// positions) every block, else the prefill indexer's top topk_blocks by
-  /// the scores max-pooled over the block's tokens, the forced local blocks
-  /// and its own block last; the fused GQA block prefill then attends them,
-  /// each token up to its own position. Refused by name: a chunk whose start
-  /// (some slot's length before it) is not a multiple of block_size (query
-  /// blocks must be key blocks: prefill in multiples of block_size, the
-  /// prompt's tail by decode() or prefill_token()), block_size above 256,
-  /// and on CUDA head_dim other than 128 or block_size other than 64 or 128
-  /// (the prefill indexer's block scores).
-  void prefill(const BlockSparseTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
-    prefill_chunk(to_step(tokens), num_tokens, stream);
-  }
-  /// Chunked prefill over an engine's paged pool (KVStorage::kEnginePaged;
-  /// SparseLayer::prefill_chunk(tokens, kv, num_tokens)): the engine has
-  /// written the chunk's K and V rows into `kv` at each active slot's
-  /// positions kv_lens()[b] .. kv_lens()[b] + num_tokens - 1; tokens.index_k
-  /// holds the chunk's index keys [num_tokens, batch, 1, 1, head_dim] (k and
-  /// v null). The same selection and answer as prefill(tokens, num_tokens)
-  /// over the layer's own cache, with the same refusals, and a table row
-  /// too short for a slot (or, on the CPU, a block id outside the pool)
-  /// refused before anything changes. KVStorage::kEnginePools (the CPU
-  /// backend only; refused by name on CUDA): the engine's index keys
-  /// (kv.index_keys) and lengths with the chunk (kv.seq_lens, 0 for a free
-  /// slot; read back once), index_k null, nothing appended.
-  void prefill(const BlockSparseTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
-    prefill_chunk(to_step(tokens), kv, num_tokens, stream);
-  }
-  /// One token per active slot: appends it, runs the indexer and attends the
-  /// kept blocks (fused, or the block mask over the same set on a decline).
-  /// Every input is checked before the cache changes.
-  LayerStep decode(const BlockSparseTokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }
-  /// A multi-token step (speculative verification, MTP) of q_len tokens per
-  /// slot: one selection serves them (a block scores the max over the
-  /// tokens' index queries, and the block of the first new token is
-  /// force-kept besides the final one); the fused kernel applies each
-  /// token's causal limit by position. On CUDA q_len * num_kv_heads <= 32.
-  LayerStep decode(const BlockSparseTokens& tokens, int32_t q_len, void* stream = nullptr);
-  /// Over an engine's paged pool (KVStorage::kEnginePaged): appends the
-  /// index key, runs the indexer and attends the kept blocks of `kv` in
-  /// place, position p of slot b at row `kv.block_table[b, p / block_size] *
-  /// block_size + p % block_size`. The engine has written this token's K and
-  /// V rows at position kv_lens()[b] (the length before the call).
-  /// KVStorage::kEnginePools: the stateless step. Nothing is appended; the
-  /// indexer scores the engine's keys (kv.index_keys, through their own
-  /// block table) with the engine's lengths (kv.seq_lens on the device, this
-  /// step's token included, 0 an empty slot whose output is zero; kv.max_seq_len
-  /// their host bound). A length past max_seq_len or past its key-table row,
-  /// or a needed key block outside the pool, refuses that sequence (nothing
-  /// selected, its output NaN on CUDA) and check_errors() names it.
-  /// Capturable once reserve(max_seq_len) has run.
-  LayerStep decode(const BlockSparseTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr) {
-    return step(to_step(tokens), kv, stream);
-  }
 
   const BlockSparseConfig& config() const { return config_; }
   /// Tokens a sequence of `kv_len` tokens attends (the per-sequence rule).
@@ -146,7 +104,8 @@ class BlockSparseAttention : public SparseLayer {
   std::vector<std::vector<int32_t>> last_blocks() const;
 
  private:
-  StepTokens to_step(const BlockSparseTokens& t) const;
+  StepTokens to_step(const BlockSparseTokens& t) const override;
+  std::string query_tokens_refusal(int32_t q_len) const override;
   void check_tokens(const StepTokens& tokens, bool engine) const override;
   TokenBytes token_bytes() const override;
   int32_t max_query_tokens() const override { return kMaxQueryTokens; }

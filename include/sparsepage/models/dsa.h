@@ -77,69 +77,36 @@ struct DsaTokens {
 /// The DSA layer: the skeleton (sparsepage/layer.h) with the lightning
 /// indexer as its selection (top-k positions and their count per sequence,
 /// both device data) and the MLA attention over them through the fused
-/// paged decode's second K stream.
-class DsaAttention : public SparseLayer {
+/// paged decode's second K stream. Its forms (LayerForms, EngineLayerForms):
+///  * decode(tokens, q_len): one top-k per token, each token's indexer
+///    limited to the context up to its own position. Each token becomes a
+///    request of the fused decode (tokens fold as the "KV heads" of their
+///    sequence, sharing its rows), so the MLA kernel runs unchanged;
+///    last_selected_positions() then has one row per (sequence, token).
+///    batch * q_len <= 65535.
+///  * prefill(tokens, num_tokens): the prefill indexer keeps each token's
+///    top index_topk positions over its own causal window (every position
+///    while the window fits, so short sequences attend densely), then the
+///    fused MLA prefill attends them: the same sets and outputs as decoding
+///    the tokens one by one. Refused by name: latent_dim / rope_dim other
+///    than 512 / 64, and on CUDA f16 (the MLA prefill reads bf16) or
+///    num_qo_heads not a multiple of 64 (64 heads per CTA).
+///  * over an engine's MLA pool: K = V = the latent columns and k_extra the
+///    rope columns; with kv.kv_format = KvFormat::kE4m3Mla the pool holds
+///    the engines' 656-byte FP8 rows (fp8.h; a bf16 layer), dequantized in
+///    the kernel. kEnginePaged takes the token's indexer key
+///    [batch, 1, 1, index_head_dim] in tokens.index_k (k_cache_row and k_pe
+///    null); kEnginePools reads the engine's index keys, native or FP8.
+class DsaAttention : public EngineLayerForms<DsaTokens> {
  public:
   DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch,
                DispatchConfig dispatch = process_dispatch_config());
 
-  /// Prefill keeps the mask path: appends the token of every active slot
-  /// and attends the whole causal window (dense).
-  void prefill_token(const DsaTokens& tokens, void* stream = nullptr) { prefill_step(to_step(tokens), stream); }
-  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
-  /// active slot, the inputs as a multi-token step's. The DSA prefill
-  /// indexer keeps each token's top index_topk positions over its own
-  /// causal window (every position while the window fits, so short
-  /// sequences attend densely), then the fused MLA prefill attends them:
-  /// the same sets and outputs as decoding the tokens one by one.
-  /// Refused by name: latent_dim / rope_dim other than 512 / 64, and on
-  /// CUDA f16 (the MLA prefill kernel reads bf16) or num_qo_heads not a
-  /// multiple of 64 (64 heads per CTA).
-  void prefill(const DsaTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
-    prefill_chunk(to_step(tokens), num_tokens, stream);
-  }
-  /// Chunked prefill over an engine's paged MLA pool (KVStorage::kEnginePaged;
-  /// SparseLayer::prefill_chunk(tokens, kv, num_tokens)): the engine has
-  /// written the chunk's MLA rows (bf16, or the 656-byte FP8 rows) into `kv`
-  /// at each active slot's positions kv_lens()[b] .. + num_tokens - 1;
-  /// tokens.index_k holds the chunk's index keys [num_tokens, batch, 1, 1,
-  /// index_head_dim] (k_cache_row and k_pe null). The same selection and
-  /// answer as prefill(tokens, num_tokens) over the layer's own cache, with
-  /// the same refusals, and a table row too short for a slot (or, on the
-  /// CPU, a block id outside the pool) refused before anything changes.
-  /// KVStorage::kEnginePools: the engine has written the rows and the index
-  /// keys (kv.index_keys, native or FP8) and passes the lengths with the
-  /// chunk (kv.seq_lens, 0 for a free slot; read back once, so not
-  /// capturable); index_k stays null and nothing is appended.
-  void prefill(const DsaTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
-    prefill_chunk(to_step(tokens), kv, num_tokens, stream);
-  }
-  /// One token per active slot: appends it, runs the indexer, attends the
-  /// kept positions (fused, or the mask path over the same positions).
-  LayerStep decode(const DsaTokens& tokens, void* stream = nullptr) { return step(to_step(tokens), stream); }
-  /// A multi-token step (speculative verification, MTP) with one top-k per
-  /// token, each token's indexer limited to the context up to its own
-  /// position. Each token becomes a request of the fused decode (tokens fold
-  /// as the "KV heads" of their sequence, sharing its rows), so the MLA
-  /// kernel runs unchanged. last_selected_positions() then has one row per
-  /// (sequence, token). batch * q_len <= 65535.
-  LayerStep decode(const DsaTokens& tokens, int32_t q_len, void* stream = nullptr);
-  /// Over an engine's paged MLA pool (KVStorage::kEnginePaged): appends the
-  /// indexer key, runs the indexer, and attends the kept positions of `kv`
-  /// in place (K = V = the latent columns, k_extra = the rope columns),
-  /// position p of slot b at row `kv.block_table[b, p / block_size] *
-  /// block_size + p % block_size`. With kv.kv_format = KvFormat::kE4m3Mla
-  /// the pool holds the engines' 656-byte FP8 rows (fp8.h; a bf16 layer),
-  /// dequantized in the kernel. The engine has written this token's row at
-  /// position kv_lens()[b] (the length before the call).
-  LayerStep decode(const DsaTokens& tokens, const EnginePagedKV& kv, void* stream = nullptr) {
-    return step(to_step(tokens), kv, stream);
-  }
-
   const DsaConfig& config() const { return config_; }
 
  private:
-  StepTokens to_step(const DsaTokens& t) const;
+  StepTokens to_step(const DsaTokens& t) const override;
+  std::string query_tokens_refusal(int32_t q_len) const override;
   void check_tokens(const StepTokens& tokens, bool engine) const override;
   TokenBytes token_bytes() const override;
   int32_t max_query_tokens() const override { return kMaxQueryTokens; }

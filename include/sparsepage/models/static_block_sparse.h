@@ -64,30 +64,20 @@ struct StaticBlockSparseTokens {
 /// context length runs the pattern: while the window is within the local
 /// run it keeps everything, and the dispatch's sparsity gate sends such
 /// steps to the mask path.
-class StaticBlockSparseAttention : public SparseLayer {
+///
+/// Its prefill(tokens, num_tokens) (LayerForms) takes q and o as
+/// [batch, num_tokens, heads, head_dim] and k, v token-major ([num_tokens,
+/// batch, num_kv_heads, 1, head_dim]); each query block of the chunk keeps,
+/// per query head, the pattern's blocks (static_prefill_blocks) and the
+/// fused GQA block prefill attends them, each token up to its own position:
+/// the same sets and outputs as decoding the tokens one by one. Refused by
+/// name: a chunk whose start (some slot's length before it) is not a
+/// multiple of block_size (query blocks must be key blocks), and block_size
+/// above 256. A multi-token decode runs token by token (no fused form).
+class StaticBlockSparseAttention : public LayerForms<StaticBlockSparseTokens> {
  public:
   StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config, int32_t batch,
                              DispatchConfig dispatch = process_dispatch_config());
-
-  /// Appends the token of every active slot and attends the pattern. Every
-  /// input is checked before the cache changes.
-  LayerStep decode(const StaticBlockSparseTokens& tokens, void* stream = nullptr) {
-    return step(to_step(tokens), stream);
-  }
-
-  /// Chunked prefill (SparseLayer::prefill_chunk): num_tokens tokens per
-  /// active slot, inputs as decode()'s with a num_tokens dim after batch in
-  /// q and o ([batch, num_tokens, heads, head_dim]) and k, v token-major
-  /// ([num_tokens, batch, num_kv_heads, 1, head_dim]). Each query block of
-  /// the chunk keeps, per query head, the pattern's blocks (static_prefill_blocks)
-  /// and the fused GQA block prefill attends them, each token up to its own
-  /// position: the same sets and outputs as decoding the tokens one by one.
-  /// Refused by name: a chunk whose start (some slot's length before it) is
-  /// not a multiple of block_size (query blocks must be key blocks), and
-  /// block_size above 256.
-  void prefill(const StaticBlockSparseTokens& tokens, int32_t num_tokens, void* stream = nullptr) {
-    prefill_chunk(to_step(tokens), num_tokens, stream);
-  }
 
   const StaticBlockSparseConfig& config() const { return config_; }
   /// Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).
@@ -99,7 +89,7 @@ class StaticBlockSparseAttention : public SparseLayer {
   int32_t width() const { return width_; }
 
  private:
-  StepTokens to_step(const StaticBlockSparseTokens& t) const;
+  StepTokens to_step(const StaticBlockSparseTokens& t) const override;
   void check_tokens(const StepTokens& tokens, bool engine) const override;
   TokenBytes token_bytes() const override;
   SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const override;
