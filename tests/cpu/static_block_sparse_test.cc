@@ -139,5 +139,37 @@ TEST(StaticBlockSparse, ABadDecodeAppendsNothing) {
   EXPECT_TRUE(layer.last_mask_columns().size() == 8u);
 }
 
+// The static layer has no fused multi-token form: decode(tokens, q_len)
+// runs q_len one-token steps, which must equal calling decode q_len times.
+TEST(StaticBlockSparse, AMultiTokenDecodeEqualsOneTokenSteps) {
+  constexpr int32_t kBatch = 2, kQLen = 3, kHeads = 8, kKvHeads = 2, kDim = 64;
+  StaticBlockSparseAttention multi(Device::kCpu, DType::kBF16, kSmall, kBatch, testing::always_fuse());
+  StaticBlockSparseAttention single(Device::kCpu, DType::kBF16, kSmall, kBatch, testing::always_fuse());
+  std::mt19937_64 rng(9);
+  const size_t q_row = size_t{kHeads} * kDim, kv_row = size_t{kKvHeads} * kDim;
+  const auto prompt = testing::random_values(DType::kBF16, kBatch * kv_row * 40, rng);
+  multi.append_tokens(prompt.data(), prompt.data(), 40);
+  single.append_tokens(prompt.data(), prompt.data(), 40);
+  const auto q = testing::random_values(DType::kBF16, kBatch * kQLen * q_row, rng);  // [batch, q_len, heads, dim]
+  const auto k = testing::random_values(DType::kBF16, kQLen * kBatch * kv_row, rng);  // [q_len, batch, ...]
+  const auto v = testing::random_values(DType::kBF16, kQLen * kBatch * kv_row, rng);
+  std::vector<uint8_t> o(kBatch * kQLen * q_row * 2, 0xFF), o_one(kBatch * q_row * 2);
+  multi.decode({q.data(), k.data(), v.data(), o.data()}, kQLen);
+  for (size_t t = 0; t < kQLen; ++t) {
+    std::vector<uint8_t> q_t(kBatch * q_row * 2);
+    for (size_t b = 0; b < kBatch; ++b)
+      std::copy_n(q.data() + (b * kQLen + t) * q_row * 2, q_row * 2, q_t.data() + b * q_row * 2);
+    const size_t kv_at = t * kBatch * kv_row * 2;
+    single.decode({q_t.data(), k.data() + kv_at, v.data() + kv_at, o_one.data()});
+    for (size_t b = 0; b < kBatch; ++b) {
+      EXPECT_TRUE(std::equal(o_one.begin() + b * q_row * 2, o_one.begin() + (b + 1) * q_row * 2,
+                             o.begin() + (b * kQLen + t) * q_row * 2))
+          << "token " << t << " of slot " << b;
+    }
+  }
+  EXPECT_EQ(multi.kv_lens(), single.kv_lens());
+  EXPECT_EQ(multi.kv_len(), 43);
+}
+
 }  // namespace
 }  // namespace sparsepage
