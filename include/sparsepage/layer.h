@@ -232,6 +232,9 @@ class SparseLayer {
                                                               int32_t num_tokens) const;
   /// What the prefill kernels flagged on the device (check_errors() reports it).
   virtual void check_prefill_errors(void* /*stream*/) {}
+  /// Sizes a chunk's position lists, `lists` of `width` int32 entries and
+  /// their counts, and clears them (entries -1, counts 0) for run_prefill.
+  void size_prefill_lists(Buffer& ids, Buffer& counts, size_t lists, int32_t width) const;
   /// `rows` (a view of the layer's cache) from slot `first_slot` and head
   /// `head` on: what run_prefill hands its kernels for a chunk of slots.
   RowView slot_rows(RowView rows, int32_t first_slot, int32_t head = 0) const;

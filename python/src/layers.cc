@@ -431,6 +431,22 @@ DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
   return d ? *d : process_dispatch_config();
 }
 
+// A model layer's class: its constructor (the process's dispatch unless one
+// is given) and its config, as every model binds them.
+template <class Layer, class Config>
+nb::class_<Layer, SparseLayer> layer_class(nb::module_& m, const char* name, const char* doc) {
+  nb::class_<Layer, SparseLayer> c(m, name, doc);
+  c.def(
+       "__init__",
+       [](Layer* self, Device device, DType dtype, const Config& config, int32_t batch,
+          const std::optional<DispatchConfig>& dispatch) {
+         new (self) Layer(device, dtype, config, batch, dispatch_or_process(dispatch));
+       },
+       nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
+      .def_prop_ro("config", &Layer::config);
+  return c;
+}
+
 }  // namespace
 
 void bind_layers(nb::module_& m) {
@@ -535,21 +551,13 @@ void bind_layers(nb::module_& m) {
       .def_rw("capacity_step", &BlockSparseConfig::capacity_step)
       .def("sparse_regime", &BlockSparseConfig::sparse_regime, nb::arg("kv_len"));
 
-  nb::class_<BlockSparseAttention, SparseLayer>(
+  layer_class<BlockSparseAttention, BlockSparseConfig>(
       m, "BlockSparseAttention",
       "The block-sparse attention layer: an indexer keeps the top-k key blocks per KV head and decode\n"
       "attends them through the fused paged decode, falling back to the mask path on any decline. The\n"
       "layer owns its dense [B, H, Cap, D] cache (f16 or bf16). Step tensors: q [B, Hq, D], index_q\n"
       "[B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the index key), v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "__init__",
-          [](BlockSparseAttention* self, Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
-             const std::optional<DispatchConfig>& dispatch) {
-            new (self) BlockSparseAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
-          },
-          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
-      .def_prop_ro("config", &BlockSparseAttention::config)
       .def(
           "prefill_token",
           [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
@@ -703,21 +711,13 @@ void bind_layers(nb::module_& m) {
       .def("kept_tokens", &StaticBlockSparseConfig::kept_tokens, nb::arg("head"), nb::arg("kv_len"),
            "Tokens query head `head` attends at decode with `kv_len` tokens in the cache.");
 
-  nb::class_<StaticBlockSparseAttention, SparseLayer>(
+  layer_class<StaticBlockSparseAttention, StaticBlockSparseConfig>(
       m, "StaticBlockSparseAttention",
       "Static per-query-head block-sparse attention (Phi-3-small-style): each query head attends its\n"
       "pattern's key blocks through the fused paged decode (one request per query head), falling back\n"
       "to the mask path over the same set on any decline. The layer owns its dense [B, Hkv, Cap, D]\n"
       "cache (f16 or bf16). Step tensors: q [B, Hq, D], k and v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "__init__",
-          [](StaticBlockSparseAttention* self, Device device, DType dtype, const StaticBlockSparseConfig& config,
-             int32_t batch, const std::optional<DispatchConfig>& dispatch) {
-            new (self) StaticBlockSparseAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
-          },
-          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
-      .def_prop_ro("config", &StaticBlockSparseAttention::config)
       .def(
           "decode",
           [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
@@ -765,21 +765,13 @@ void bind_layers(nb::module_& m) {
       .def_rw("scale", &DsaConfig::scale)
       .def_rw("capacity_step", &DsaConfig::capacity_step);
 
-  nb::class_<DsaAttention, SparseLayer>(
+  layer_class<DsaAttention, DsaConfig>(
       m, "DsaAttention",
       "The DSA layer: MLA attention over the top-k tokens of a lightning indexer, through the fused\n"
       "paged decode's second K stream. Step tensors (contiguous, on the layer's device, in its dtype\n"
       "except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope], q_index\n"
       "[B, index_heads, index_head_dim], index_weights [B, index_heads], k_cache_row\n"
       "[B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
-      .def(
-          "__init__",
-          [](DsaAttention* self, Device device, DType dtype, const DsaConfig& config, int32_t batch,
-             const std::optional<DispatchConfig>& dispatch) {
-            new (self) DsaAttention(device, dtype, config, batch, dispatch_or_process(dispatch));
-          },
-          nb::arg("device"), nb::arg("dtype"), nb::arg("config"), nb::arg("batch"), nb::arg("dispatch") = nb::none())
-      .def_prop_ro("config", &DsaAttention::config)
       .def(
           "prefill_token",
           [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,

@@ -356,11 +356,7 @@ void DsaAttention::run_prefill(const StepTokens& tokens, int32_t first_slot, con
   const int32_t n = chunk.num_tokens, topk = config_.index_topk;
   if (n > prefill_sized_tokens_) {
     const size_t rows = static_cast<size_t>(batch()) * static_cast<size_t>(n);
-    prefill_positions_ = Buffer(device(), rows * static_cast<size_t>(topk) * sizeof(int32_t));
-    prefill_counts_ = Buffer(device(), rows * sizeof(int32_t));
-    // A free slot's rows are never written: they read as empty (count 0).
-    fill_bytes(prefill_positions_.data(), device(), 0xff, prefill_positions_.bytes());
-    fill_bytes(prefill_counts_.data(), device(), 0, prefill_counts_.bytes());
+    size_prefill_lists(prefill_positions_, prefill_counts_, rows, topk);
     prefill_sized_tokens_ = n;
   }
   // Rows of (slot, token) are n apart per slot: the slot's first row.

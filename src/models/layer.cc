@@ -348,6 +348,14 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
   run_chunk(tokens, num_tokens, lens, active, stream);
 }
 
+void SparseLayer::size_prefill_lists(Buffer& ids, Buffer& counts, size_t lists, int32_t width) const {
+  ids = Buffer(device_, lists * static_cast<size_t>(width) * sizeof(int32_t));
+  counts = Buffer(device_, lists * sizeof(int32_t));
+  // A free slot's lists are never written: they read as empty (count 0).
+  fill_bytes(ids.data(), device_, 0xff, ids.bytes());
+  fill_bytes(counts.data(), device_, 0, counts.bytes());
+}
+
 BlockTable SparseLayer::slot_table(int32_t first_slot) const {
   BlockTable t = engine_kv_->block_table;
   t.data += int64_t{first_slot} * t.row_stride;

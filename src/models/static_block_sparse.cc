@@ -251,11 +251,7 @@ void StaticBlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t f
   const int32_t width = static_prefill_width(sp, chunk.kv_len);
   if (blocks > prefill_sized_blocks_ || width != prefill_width_) {
     const size_t lists = static_cast<size_t>(batch()) * static_cast<size_t>(blocks) * static_cast<size_t>(hq);
-    prefill_ids_ = Buffer(device(), lists * static_cast<size_t>(width) * sizeof(int32_t));
-    prefill_counts_ = Buffer(device(), lists * sizeof(int32_t));
-    // A free slot's lists are never written: they read as empty (count 0).
-    fill_bytes(prefill_ids_.data(), device(), 0xff, prefill_ids_.bytes());
-    fill_bytes(prefill_counts_.data(), device(), 0, prefill_counts_.bytes());
+    size_prefill_lists(prefill_ids_, prefill_counts_, lists, width);
     prefill_sized_blocks_ = blocks;
     prefill_width_ = width;
   }

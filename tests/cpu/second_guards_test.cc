@@ -28,6 +28,22 @@ using testing::throws_error_naming;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// fp32 inputs over `batch` requests of one head: K (and V) dense rows of 4
+// values, 8 a request, `live_len` of them live.
+SparseAttentionInputs f32_inputs(int32_t batch, int64_t live_len, const float* k, const float* q, float* o) {
+  SparseAttentionInputs in;
+  in.dtype = DType::kF32;
+  in.batch = batch;
+  in.num_qo_heads = 1;
+  in.num_kv_heads = 1;
+  in.live_len = live_len;
+  in.k = RowView::dense(k, 1, 8, 4);
+  in.v = in.k;
+  in.q = q;
+  in.o = o;
+  return in;
+}
+
 // A shared fp32 pool of `rows` rows of width 4 (row t holds t / 8 + d / 16),
 // one query head per request, CSR page ids into it.
 struct PoolDecode {
@@ -153,16 +169,7 @@ TEST(SecondGuards, NegativeSelectionCountsAreRefusedByTheMaskPath) {
   sel.counts = {3, -1};
   EXPECT_TRUE(throws_error_naming([&] { sel.offsets(); }, "counts[1] = -1 is negative"));
   std::vector<float> k(64, 0.5f), q(8, 1.0f), o(8, kNaN);
-  SparseAttentionInputs in;
-  in.dtype = DType::kF32;
-  in.batch = 2;
-  in.num_qo_heads = 1;
-  in.num_kv_heads = 1;
-  in.live_len = 4;
-  in.k = RowView::dense(k.data(), 1, 8, 4);
-  in.v = in.k;
-  in.q = q.data();
-  in.o = o.data();
+  SparseAttentionInputs in = f32_inputs(2, 4, k.data(), q.data(), o.data());
   MaskPath mask(Device::kCpu);
   EXPECT_TRUE(throws_error_naming([&] { mask.prepare(in, sel); }, "counts[1] = -1 is negative"));
   EXPECT_TRUE(std::isnan(o[0]));
@@ -468,16 +475,7 @@ TEST(SecondGuards, ANonFiniteScaleIsNamed) {
   p.scale = kNaN;
   EXPECT_TRUE(throws_error_naming([&] { run_decode_cpu(p, plan, ws.data()); }, "scale is not finite"));
   std::vector<float> k(32, 0.5f), q(4, 1.0f), o(4, kNaN);
-  SparseAttentionInputs in;
-  in.dtype = DType::kF32;
-  in.batch = 1;
-  in.num_qo_heads = 1;
-  in.num_kv_heads = 1;
-  in.live_len = 8;
-  in.k = RowView::dense(k.data(), 1, 8, 4);
-  in.v = in.k;
-  in.q = q.data();
-  in.o = o.data();
+  SparseAttentionInputs in = f32_inputs(1, 8, k.data(), q.data(), o.data());
   in.scale = std::numeric_limits<float>::infinity();
   DispatchConfig config;
   config.min_sparsity = 0;
@@ -493,16 +491,7 @@ TEST(SecondGuards, ANonFiniteScaleIsNamed) {
 // A kv_format outside the enum is named by the fused path before it plans.
 TEST(SecondGuards, AKvFormatOutsideTheEnumIsNamedByTheFusedPath) {
   std::vector<float> k(32, 0.5f), q(4, 1.0f), o(4, kNaN);
-  SparseAttentionInputs in;
-  in.dtype = DType::kF32;
-  in.batch = 1;
-  in.num_qo_heads = 1;
-  in.num_kv_heads = 1;
-  in.live_len = 8;
-  in.k = RowView::dense(k.data(), 1, 8, 4);
-  in.v = in.k;
-  in.q = q.data();
-  in.o = o.data();
+  SparseAttentionInputs in = f32_inputs(1, 8, k.data(), q.data(), o.data());
   in.kv_format = static_cast<KvFormat>(7);
   SparseDecoder decoder(Device::kCpu);
   EXPECT_TRUE(throws_error_naming([&] { decoder.decide(in, make_selection(Device::kCpu, {{1}})); },

@@ -340,31 +340,41 @@ EnginePagedKV make_kv(Run& r, const std::vector<int32_t>& lens, int64_t bound) {
   return kv;
 }
 
-LayerStep call(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int drop, bool extra) {
-  if (r.dsa_model()) {
-    std::vector<const void*> p = {in.q.data(),
-                                  in.q_extra.data(),
-                                  in.index_q.data(),
-                                  in.weights.data(),
-                                  o,
-                                  r.form == Form::kDsaPaged ? in.index_k.data() : nullptr};
-    if (drop >= 0) p[size_t(drop)] = nullptr;
-    DsaTokens t;
-    t.q_latent = p[0];
-    t.q_pe = p[1];
-    t.q_index = p[2];
-    t.index_weights = static_cast<const float*>(p[3]);
-    t.o = const_cast<void*>(p[4]);
-    t.index_k = p[5];
-    if (extra) t.k_cache_row = in.index_k.data();  // the layer-cache form's row: the engine wrote it
-    return static_cast<DsaAttention&>(*r.layer).decode(t, kv);
-  }
+// The form's tokens over `in` and `o`, the token pointer `drop` (if >= 0) null.
+DsaTokens dsa_tokens(const Run& r, const Inputs& in, void* o, int drop) {
+  std::vector<const void*> p = {in.q.data(),
+                                in.q_extra.data(),
+                                in.index_q.data(),
+                                in.weights.data(),
+                                o,
+                                r.form == Form::kDsaPaged ? in.index_k.data() : nullptr};
+  if (drop >= 0) p[size_t(drop)] = nullptr;
+  DsaTokens t;
+  t.q_latent = p[0];
+  t.q_pe = p[1];
+  t.q_index = p[2];
+  t.index_weights = static_cast<const float*>(p[3]);
+  t.o = const_cast<void*>(p[4]);
+  t.index_k = p[5];
+  return t;
+}
+BlockSparseTokens block_tokens(const Inputs& in, void* o, int drop) {
   std::vector<const void*> p = {in.q.data(), in.index_q.data(), o};
   if (drop >= 0) p[size_t(drop)] = nullptr;
   BlockSparseTokens t;
   t.q = p[0];
   t.index_q = p[1];
   t.o = const_cast<void*>(p[2]);
+  return t;
+}
+
+LayerStep call(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int drop, bool extra) {
+  if (r.dsa_model()) {
+    DsaTokens t = dsa_tokens(r, in, o, drop);
+    if (extra) t.k_cache_row = in.index_k.data();  // the layer-cache form's row: the engine wrote it
+    return static_cast<DsaAttention&>(*r.layer).decode(t, kv);
+  }
+  BlockSparseTokens t = block_tokens(in, o, drop);
   if (extra) t.index_k = in.index_q.data();  // the engine-paged form's key: the engine's pool has it
   return static_cast<BlockSparseAttention&>(*r.layer).decode(t, kv);
 }
@@ -414,30 +424,12 @@ Inputs make_chunk_inputs(const Run& r, int32_t n, int64_t step) {
 void call_chunk(Run& r, const Inputs& in, void* o, const EnginePagedKV& kv, int32_t n, int drop, bool extra,
                 bool own_cache) {
   if (r.dsa_model()) {
-    std::vector<const void*> p = {in.q.data(),
-                                  in.q_extra.data(),
-                                  in.index_q.data(),
-                                  in.weights.data(),
-                                  o,
-                                  r.form == Form::kDsaPaged ? in.index_k.data() : nullptr};
-    if (drop >= 0) p[size_t(drop)] = nullptr;
-    DsaTokens t;
-    t.q_latent = p[0];
-    t.q_pe = p[1];
-    t.q_index = p[2];
-    t.index_weights = static_cast<const float*>(p[3]);
-    t.o = const_cast<void*>(p[4]);
-    t.index_k = p[5];
+    DsaTokens t = dsa_tokens(r, in, o, drop);
     if (extra) t.index_k = r.form == Form::kDsaPaged ? nullptr : in.index_k.data();
     auto& l = static_cast<DsaAttention&>(*r.layer);
     return own_cache ? l.prefill(t, n) : l.prefill(t, kv, n);
   }
-  std::vector<const void*> p = {in.q.data(), in.index_q.data(), o};
-  if (drop >= 0) p[size_t(drop)] = nullptr;
-  BlockSparseTokens t;
-  t.q = p[0];
-  t.index_q = p[1];
-  t.o = const_cast<void*>(p[2]);
+  BlockSparseTokens t = block_tokens(in, o, drop);
   if (extra) t.index_k = in.index_k.data();  // the engine-paged form's keys: the engine's pool has them
   auto& l = static_cast<BlockSparseAttention&>(*r.layer);
   return own_cache ? l.prefill(t, n) : l.prefill(t, kv, n);

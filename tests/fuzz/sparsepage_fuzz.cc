@@ -1323,9 +1323,12 @@ struct StepData {
     v = testing::nan_values(s.dtype, n * s.v);
     weights.assign(n * s.weights, std::numeric_limits<float>::quiet_NaN());
   }
-  // Token t of slot `slot` from request `id`'s input number `j`.
-  void fill(const Spec& s, int32_t slot, int32_t t, uint64_t seed, int64_t id, int64_t j) {
-    std::mt19937_64 rng(mix(seed, id, j));
+  // The q_len tokens of slot `slot`: token t from request `id`'s input number next + t.
+  void fill(const Spec& s, int32_t slot, uint64_t seed, int64_t id, int64_t next) {
+    for (int32_t t = 0; t < q_len; ++t) fill_token(s, slot, t, mix(seed, id, next + t));
+  }
+  void fill_token(const Spec& s, int32_t slot, int32_t t, uint64_t token_seed) {
+    std::mt19937_64 rng(token_seed);
     const size_t esize = dtype_size(s.dtype);
     const size_t qrow = static_cast<size_t>(slot) * static_cast<size_t>(q_len) + static_cast<size_t>(t);
     const size_t krow = static_cast<size_t>(t) * static_cast<size_t>(batch) + static_cast<size_t>(slot);
@@ -1346,8 +1349,14 @@ struct StepData {
 // The call forms of a step.
 enum class Form { kDecode, kDecodeQLen, kPrefill, kEngineForm };
 
-// Runs one step form on `layer` with the token pointer `drop` (if >= 0) null.
-LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form form, int32_t q_len, int drop) {
+// The model's tokens over `d` and `o`, the token pointer `drop` (if >= 0,
+// in the model's field order) null.
+struct Tokens {
+  BlockSparseTokens block;
+  DsaTokens dsa;
+  StaticBlockSparseTokens fixed;
+};
+Tokens tokens(const Spec& s, StepData& d, void* o, int drop) {
   std::vector<const void*> p;
   switch (s.model) {
     case Model::kBlockSparse: p = {d.q.data(), d.index_q.data(), d.k.data(), d.v.data(), o}; break;
@@ -1358,33 +1367,41 @@ LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form
   }
   if (drop >= 0) p[static_cast<size_t>(drop)] = nullptr;
   void* out = const_cast<void*>(p.back());
+  Tokens t;
+  switch (s.model) {
+    case Model::kBlockSparse: t.block = BlockSparseTokens{p[0], p[1], p[2], p[3], out}; break;
+    case Model::kDsa:
+      t.dsa.q_latent = p[0];
+      t.dsa.q_pe = p[1];
+      t.dsa.q_index = p[2];
+      t.dsa.index_weights = static_cast<const float*>(p[3]);
+      t.dsa.k_cache_row = p[4];
+      t.dsa.k_pe = p[5];
+      t.dsa.o = out;
+      break;
+    default: t.fixed = StaticBlockSparseTokens{p[0], p[1], p[2], out}; break;
+  }
+  return t;
+}
+
+// Runs one step form on `layer` with the token pointer `drop` (if >= 0) null.
+LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form form, int32_t q_len, int drop) {
+  const Tokens t = tokens(s, d, o, drop);
   const EnginePagedKV no_pool;
   switch (s.model) {
     case Model::kBlockSparse: {
       auto& l = static_cast<BlockSparseAttention&>(layer);
-      const BlockSparseTokens t{p[0], p[1], p[2], p[3], out};
-      if (form == Form::kPrefill) return l.prefill_token(t), LayerStep{};
-      if (form == Form::kEngineForm) return l.decode(t, no_pool);
-      return form == Form::kDecodeQLen ? l.decode(t, q_len) : l.decode(t);
+      if (form == Form::kPrefill) return l.prefill_token(t.block), LayerStep{};
+      if (form == Form::kEngineForm) return l.decode(t.block, no_pool);
+      return form == Form::kDecodeQLen ? l.decode(t.block, q_len) : l.decode(t.block);
     }
     case Model::kDsa: {
       auto& l = static_cast<DsaAttention&>(layer);
-      DsaTokens t;
-      t.q_latent = p[0];
-      t.q_pe = p[1];
-      t.q_index = p[2];
-      t.index_weights = static_cast<const float*>(p[3]);
-      t.k_cache_row = p[4];
-      t.k_pe = p[5];
-      t.o = out;
-      if (form == Form::kPrefill) return l.prefill_token(t), LayerStep{};
-      if (form == Form::kEngineForm) return l.decode(t, no_pool);
-      return form == Form::kDecodeQLen ? l.decode(t, q_len) : l.decode(t);
+      if (form == Form::kPrefill) return l.prefill_token(t.dsa), LayerStep{};
+      if (form == Form::kEngineForm) return l.decode(t.dsa, no_pool);
+      return form == Form::kDecodeQLen ? l.decode(t.dsa, q_len) : l.decode(t.dsa);
     }
-    default: {
-      auto& l = static_cast<StaticBlockSparseAttention&>(layer);
-      return l.decode(StaticBlockSparseTokens{p[0], p[1], p[2], out});
-    }
+    default: return static_cast<StaticBlockSparseAttention&>(layer).decode(t.fixed);
   }
 }
 
@@ -1392,39 +1409,21 @@ LayerStep run_step(const Spec& s, SparseLayer& layer, StepData& d, void* o, Form
 // cache (prefill(tokens, n)), the token pointer `drop` (if >= 0) null; with
 // `engine_form`, the engine-pool form, which a layer with its own cache refuses.
 void run_chunk(const Spec& s, SparseLayer& layer, StepData& d, void* o, int32_t n, int drop, bool engine_form) {
-  std::vector<const void*> p;
-  switch (s.model) {
-    case Model::kBlockSparse: p = {d.q.data(), d.index_q.data(), d.k.data(), d.v.data(), o}; break;
-    case Model::kDsa:
-      p = {d.q.data(), d.q_extra.data(), d.index_q.data(), d.weights.data(), d.k.data(), d.v.data(), o};
-      break;
-    default: p = {d.q.data(), d.k.data(), d.v.data(), o}; break;
-  }
-  if (drop >= 0) p[static_cast<size_t>(drop)] = nullptr;
-  void* out = const_cast<void*>(p.back());
+  Tokens t = tokens(s, d, o, drop);
   const EnginePagedKV no_pool;
   switch (s.model) {
     case Model::kBlockSparse: {
       auto& l = static_cast<BlockSparseAttention&>(layer);
-      const BlockSparseTokens t{p[0], p[1], p[2], p[3], out};
-      return engine_form ? l.prefill(t, no_pool, n) : l.prefill(t, n);
+      return engine_form ? l.prefill(t.block, no_pool, n) : l.prefill(t.block, n);
     }
     case Model::kDsa: {
       auto& l = static_cast<DsaAttention&>(layer);
-      DsaTokens t;
-      t.q_latent = p[0];
-      t.q_pe = p[1];
-      t.q_index = p[2];
-      t.index_weights = static_cast<const float*>(p[3]);
-      t.k_cache_row = p[4];
-      t.k_pe = p[5];
-      t.o = out;
-      return engine_form ? l.prefill(t, no_pool, n) : l.prefill(t, n);
+      return engine_form ? l.prefill(t.dsa, no_pool, n) : l.prefill(t.dsa, n);
     }
     default:
       // The static layer has no engine form: a null o stands in for a bad call.
-      return static_cast<StaticBlockSparseAttention&>(layer).prefill(
-          StaticBlockSparseTokens{p[0], p[1], p[2], engine_form ? nullptr : out}, n);
+      if (engine_form) t.fixed.o = nullptr;
+      return static_cast<StaticBlockSparseAttention&>(layer).prefill(t.fixed, n);
   }
 }
 
@@ -1433,6 +1432,14 @@ struct Request {
   int64_t next = 0;  // inputs drawn so far (each decode token or appended chunk takes one number)
   std::unique_ptr<SparseLayer> lone;
 };
+
+// `rows` tokens a slot: each occupied slot's next inputs, a free slot's rows NaN.
+StepData slot_data(const Spec& s, const std::vector<Request>& slots, int32_t rows, uint64_t seed) {
+  StepData d(s, static_cast<int32_t>(slots.size()), rows);
+  for (size_t b = 0; b < slots.size(); ++b)
+    if (slots[b].lone) d.fill(s, static_cast<int32_t>(b), seed, slots[b].id, slots[b].next);
+  return d;
+}
 
 struct LayerState {
   std::vector<int64_t> lens;
@@ -1571,12 +1578,7 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
           form = Form::kDecodeQLen;
           q_len = in.ConsumeIntegralInRange<int32_t>(1, 4);
         }
-        StepData d(spec, batch, q_len);
-        for (int32_t b = 0; b < batch; ++b) {
-          Request& r = slots[static_cast<size_t>(b)];
-          if (!r.lone) continue;
-          for (int32_t t = 0; t < q_len; ++t) d.fill(spec, b, t, seed, r.id, r.next + t);
-        }
+        StepData d = slot_data(spec, slots, q_len, seed);
         const size_t row = static_cast<size_t>(q_len) * spec.o * esize;  // one slot's o bytes
         Guarded o(static_cast<size_t>(batch) * row), o_twin(static_cast<size_t>(batch) * row);
         LayerStep got, want;
@@ -1600,7 +1602,7 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
             continue;
           }
           StepData lone_d(spec, 1, q_len);
-          for (int32_t t = 0; t < q_len; ++t) lone_d.fill(spec, 0, t, seed, r.id, r.next + t);
+          lone_d.fill(spec, 0, seed, r.id, r.next);
           r.next += q_len;
           Guarded lone_o(row);
           run_step(spec, *r.lone, lone_d, lone_o.data(), form, q_len, -1);
@@ -1672,12 +1674,7 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
         if (good && any_active && spec.model == Model::kDsa && (spec.dsa.latent_dim != 512 || spec.dsa.rope_dim != 64))
           want = "latent_dim 512";
         const int32_t rows = std::max<int32_t>(n, 1);
-        StepData d(spec, batch, rows);
-        for (int32_t b = 0; b < batch; ++b) {
-          Request& r = slots[static_cast<size_t>(b)];
-          if (!r.lone) continue;
-          for (int32_t t = 0; t < rows; ++t) d.fill(spec, b, t, seed, r.id, r.next + t);
-        }
+        StepData d = slot_data(spec, slots, rows, seed);
         const size_t row = static_cast<size_t>(rows) * spec.o * esize;  // one slot's o bytes
         Guarded o(static_cast<size_t>(batch) * row), o_twin(static_cast<size_t>(batch) * row);
         if (!want.empty()) {  // refused by name, nothing changed (the twin, which never sees it, checks the rest)
@@ -1736,7 +1733,7 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
           }
           // The slot alone, prefilling the same chunk: the same positions, the same answer.
           StepData lone_d(spec, 1, n);
-          for (int32_t t = 0; t < n; ++t) lone_d.fill(spec, 0, t, seed, r.id, r.next + t);
+          lone_d.fill(spec, 0, seed, r.id, r.next);
           r.next += n;
           Guarded lone_o(row);
           FUZZ_CHECK(accepted([&] { run_chunk(spec, *r.lone, lone_d, lone_o.data(), n, -1, false); }, "lone chunk"),

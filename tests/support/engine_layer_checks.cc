@@ -6,12 +6,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <numeric>
 #include <random>
 
 #include "sparsepage/fp8.h"
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
+#include "support/engine_pool.h"
 #include "support/expect_error.h"
 #include "support/layer_checks.h"
 #include "support/reference.h"
@@ -20,58 +20,6 @@ namespace sparsepage::testing {
 namespace {
 
 constexpr DType kDt = DType::kBF16;
-constexpr int32_t kEngineBlock = 16;  // the engine's block size (vLLM's default)
-
-// An engine's paged allocations: `pools` pools of rows of `row_elems`
-// elements, blocks handed to the sequences in a shuffled order, a few spare
-// blocks left over, and every row NaN until the engine writes it.
-struct EnginePool {
-  Device device;
-  int32_t batch, max_blocks;
-  int64_t row_elems, num_blocks;
-  std::vector<int32_t> table;  // [batch, max_blocks]
-  std::vector<Buffer> pools;
-  Buffer table_dev;
-
-  EnginePool(Device d, int32_t b, int32_t blocks_per_seq, int64_t elems, int32_t num_pools, std::mt19937_64& rng)
-      : device(d), batch(b), max_blocks(blocks_per_seq), row_elems(elems), num_blocks(int64_t{b} * blocks_per_seq + 3) {
-    std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    table.assign(ids.begin(), ids.begin() + int64_t{b} * blocks_per_seq);
-    for (int32_t i = 0; i < num_pools; ++i) {
-      pools.push_back(upload(d, nan_values(kDt, static_cast<size_t>(num_blocks * kEngineBlock * row_elems))));
-    }
-    table_dev = upload(d, table);
-  }
-  // Writes `row` (row_elems bf16 values) at position `pos` of sequence `b` of pool `i`.
-  void write(int32_t i, int32_t b, int64_t pos, const uint8_t* row) {
-    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
-    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
-    copy_bytes(static_cast<char*>(pools[static_cast<size_t>(i)].data()) + slot * row_elems * 2, device, row,
-               Device::kCpu, static_cast<size_t>(row_elems) * 2);
-  }
-  BlockTable block_table() const {
-    BlockTable t;
-    t.data = table_dev.as<int32_t>();
-    t.row_stride = max_blocks;
-    t.max_blocks = max_blocks;
-    t.num_rows = batch;
-    t.block_size = kEngineBlock;
-    t.num_blocks = num_blocks;
-    return t;
-  }
-  // Rows `dim` wide at column `column` of pool i's rows, `heads` heads `head_stride` apart.
-  RowView rows(int32_t i, int64_t column, int32_t dim, int32_t heads, int64_t head_stride) const {
-    RowView v;
-    v.data = static_cast<const char*>(pools[static_cast<size_t>(i)].data()) + column * 2;
-    v.row_stride = row_elems;
-    v.dim = dim;
-    v.head_stride = heads > 1 ? head_stride : 0;
-    v.capacity = num_blocks * kEngineBlock;
-    return v;
-  }
-};
 
 // bf16 bytes of `count` values at element `offset` of `bytes`.
 const uint8_t* at(const std::vector<uint8_t>& bytes, size_t offset) { return bytes.data() + offset * 2; }
@@ -172,13 +120,7 @@ struct BlockArms {
     return e;
   }
   // [num_blocks, 16, heads, dim] K and V pools: head h at column h * dim of a row.
-  EnginePagedKV kv() const {
-    EnginePagedKV kv;
-    kv.k = pool.rows(0, 0, c.head_dim, c.num_kv_heads, c.head_dim);
-    kv.v = pool.rows(1, 0, c.head_dim, c.num_kv_heads, c.head_dim);
-    kv.block_table = pool.block_table();
-    return kv;
-  }
+  EnginePagedKV kv() const { return pool.kv(c.head_dim, c.num_kv_heads); }
   // The prompt: `n` tokens into both arms (the engine's rows written by "the engine").
   void prompt(int64_t n, std::mt19937_64& rng) {
     const int32_t h = c.num_kv_heads, d = c.head_dim;
@@ -195,8 +137,8 @@ struct BlockArms {
         }
         std::memcpy(&dk[((size_t(b) * (h + 1) + h) * n + t) * d * 2], at(tok.ik[size_t(b)], size_t(t) * d), d * 2);
         std::memcpy(&ek[(size_t(b) * n + t) * d * 2], at(tok.ik[size_t(b)], size_t(t) * d), d * 2);
-        pool.write(0, b, t, at(tok.k[size_t(b)], size_t(t) * h * d));
-        pool.write(1, b, t, at(tok.v[size_t(b)], size_t(t) * h * d));
+        pool.write_bytes(0, b, t, at(tok.k[size_t(b)], size_t(t) * h * d));
+        pool.write_bytes(1, b, t, at(tok.v[size_t(b)], size_t(t) * h * d));
       }
     }
     const Buffer bk = upload(device, dk), bv = upload(device, dv), be = upload(device, ek);
@@ -219,8 +161,8 @@ struct BlockArms {
       std::memcpy(&dk[(size_t(b) * (h + 1) + h) * d * 2], at(tok.ik[size_t(b)], size_t(pos) * d), size_t(d) * 2);
       std::memcpy(&dv[size_t(b) * h * d * 2], at(tok.v[size_t(b)], size_t(pos) * h * d), size_t(h) * d * 2);
       std::memcpy(&ek[size_t(b) * d * 2], at(tok.ik[size_t(b)], size_t(pos) * d), size_t(d) * 2);
-      pool.write(0, b, pos, at(tok.k[size_t(b)], size_t(pos) * h * d));
-      pool.write(1, b, pos, at(tok.v[size_t(b)], size_t(pos) * h * d));
+      pool.write_bytes(0, b, pos, at(tok.k[size_t(b)], size_t(pos) * h * d));
+      pool.write_bytes(1, b, pos, at(tok.v[size_t(b)], size_t(pos) * h * d));
     }
     const auto q = random_values(kDt, size_t(batch) * c.num_qo_heads * d, rng);
     const auto iq = random_values(kDt, size_t(batch) * h * d, rng);
@@ -279,25 +221,7 @@ struct DsaArms {
         engine(d, kDt, engine_config(config), b, engine_dispatch),
         fp8(fp8_pool),
         pool(d, b, max_blocks, fp8_pool ? MlaFp8Row::kBytes / 2 : config.latent_dim + config.rope_dim, 1, rng) {}
-  EnginePagedKV kv() const {
-    if (fp8) {
-      const MlaFp8Views v = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock, MlaFp8Row::kBytes);
-      EnginePagedKV kv;
-      kv.k = v.k;
-      kv.v = v.v;
-      kv.k_extra = v.k_extra;
-      kv.block_table = pool.block_table();
-      kv.kv_format = KvFormat::kE4m3Mla;
-      return kv;
-    }
-    const RowView latent = pool.rows(0, 0, c.latent_dim, 1, 0);
-    EnginePagedKV kv;
-    kv.k = latent;
-    kv.v = latent;
-    kv.k_extra = pool.rows(0, c.latent_dim, c.rope_dim, 1, 0);
-    kv.block_table = pool.block_table();
-    return kv;
-  }
+  EnginePagedKV kv() const { return pool.mla_kv(c.latent_dim, c.rope_dim, fp8); }
   // `n` tokens: per sequence a latent, an index key and a rope row each.
   struct Rows {
     std::vector<uint8_t> latent, ik, pe;
@@ -321,11 +245,11 @@ struct DsaArms {
         std::memcpy(row.data(), at(r.latent, bi * lw), size_t(lw) * 2);
         std::memcpy(row.data() + size_t(lw) * 2, at(r.pe, bi * pw), size_t(pw) * 2);
         if (!fp8) {
-          pool.write(0, b, first + i, row.data());
+          pool.write_bytes(0, b, first + i, row.data());
           continue;
         }
         quantize_mla_fp8_cpu(kDt, row.data(), 1, lw + pw, fp8_row.data());
-        pool.write(0, b, first + i, fp8_row.data());
+        pool.write_bytes(0, b, first + i, fp8_row.data());
         for (int32_t d = 0; d < lw; ++d) {  // the dense arm holds the dequantized latent, rounded to bf16
           float scale = 0.f;
           std::memcpy(&scale, &fp8_row[size_t(MlaFp8Row::kScaleOffset + 4 * (d / MlaFp8Row::kBlock))], 4);

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "sparsepage/fp8.h"
 #include "sparsepage/index_keys.h"
 #include "sparsepage/memory.h"
+#include "support/engine_pool.h"
 #include "support/expect_error.h"
 #include "support/layer_checks.h"
 #include "support/reference.h"
@@ -23,93 +23,8 @@ namespace sparsepage::testing {
 namespace {
 
 constexpr DType kDt = DType::kBF16;
-constexpr int32_t kEngineBlock = 16;  // the engine's block size (vLLM's default)
-
-// Multiples of 1/4 in [-1, 1]: bf16 holds them, and their products and sums
-// exactly, so the indexers score the same on every backend and form.
-std::vector<float> grid(std::mt19937_64& rng, size_t count) {
-  std::uniform_int_distribution<int> level(-4, 4);
-  std::vector<float> v(count);
-  for (float& x : v) x = static_cast<float>(level(rng)) / 4.0f;
-  return v;
-}
-
-Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
-  std::vector<uint8_t> bytes(std::max<size_t>(x.size(), 8) * dtype_size(dtype), 0);
-  if (!x.empty()) from_float(dtype, x.data(), bytes.data(), x.size());
-  return upload(device, bytes);
-}
-
-Buffer poisoned(Device device, size_t count) {
-  Buffer o(device, std::max<size_t>(count, 8) * 2);
-  fill_bytes(o.data(), device, 0xFF, o.bytes());
-  return o;
-}
-
-std::vector<float> read_bf16(Device device, const Buffer& o, size_t count) {
-  const auto bytes = download<uint8_t>(device, o.data(), count * 2);
-  std::vector<float> x(count);
-  to_float(kDt, bytes.data(), x.data(), count);
-  return x;
-}
 
 DispatchConfig fused() { return always_fuse().without_performance_gates(); }
-
-// An engine's paged allocations: `pools` pools of rows `row_elems` bf16
-// values wide, blocks of 16 rows handed to the slots in a shuffled order
-// (a few spare), every row NaN until the engine writes it.
-struct Pool {
-  Device device;
-  int32_t batch, max_blocks;
-  int64_t row_elems, num_blocks;
-  std::vector<int32_t> table;  // [batch, max_blocks]
-  std::vector<Buffer> pools;
-  Buffer table_dev;
-
-  Pool(Device d, int32_t b, int32_t blocks_per_slot, int64_t elems, int32_t num_pools, std::mt19937_64& rng)
-      : device(d), batch(b), max_blocks(blocks_per_slot), row_elems(elems), num_blocks(int64_t{b} * blocks_per_slot + 3) {
-    std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    table.assign(ids.begin(), ids.begin() + int64_t{b} * blocks_per_slot);
-    for (int32_t i = 0; i < num_pools; ++i)
-      pools.push_back(upload(d, nan_values(kDt, static_cast<size_t>(num_blocks * kEngineBlock * row_elems))));
-    table_dev = upload(d, table);
-  }
-  // Writes `row` (row_elems values) at position `pos` of slot `b` of pool `i`.
-  void write(int32_t i, int32_t b, int64_t pos, const float* row) {
-    std::vector<uint8_t> bytes(static_cast<size_t>(row_elems) * 2);
-    from_float(kDt, row, bytes.data(), static_cast<size_t>(row_elems));
-    write_bytes(i, b, pos, bytes);
-  }
-  // The same with the row's bytes as they are (row_elems * 2 of them).
-  void write_bytes(int32_t i, int32_t b, int64_t pos, const std::vector<uint8_t>& bytes) {
-    const int64_t block = table[static_cast<size_t>(int64_t{b} * max_blocks + pos / kEngineBlock)];
-    const int64_t slot = block * kEngineBlock + pos % kEngineBlock;
-    copy_bytes(static_cast<char*>(pools[static_cast<size_t>(i)].data()) + slot * row_elems * 2, device, bytes.data(),
-               Device::kCpu, bytes.size());
-  }
-  BlockTable block_table() const {
-    BlockTable t;
-    t.data = table_dev.as<int32_t>();
-    t.row_stride = max_blocks;
-    t.max_blocks = max_blocks;
-    t.num_rows = batch;
-    t.block_size = kEngineBlock;
-    t.num_blocks = num_blocks;
-    return t;
-  }
-  // `dim` values at column `column` of pool i's rows, `heads` heads `dim` apart.
-  RowView rows(int32_t i, int64_t column, int32_t dim, int32_t heads) const {
-    RowView v;
-    v.data = static_cast<const char*>(pools[static_cast<size_t>(i)].data()) + column * 2;
-    v.row_stride = row_elems;
-    v.dim = dim;
-    v.head_stride = heads > 1 ? dim : 0;
-    v.capacity = num_blocks * kEngineBlock;
-    return v;
-  }
-};
 
 // Per slot, the rows of every position the test writes (prompt and chunk),
 // `elems` values each, and a per-(slot, token) query-side field.
@@ -117,7 +32,7 @@ using SlotRows = std::vector<std::vector<float>>;
 
 SlotRows slot_rows(std::mt19937_64& rng, const std::vector<int64_t>& total, int64_t elems) {
   SlotRows r;
-  for (int64_t p : total) r.push_back(grid(rng, static_cast<size_t>(p * elems)));
+  for (int64_t p : total) r.push_back(quarter_grid(rng, static_cast<size_t>(p * elems)));
   return r;
 }
 
@@ -177,6 +92,47 @@ int32_t blocks_for(const Lengths& l) {
   return static_cast<int32_t>(*std::max_element(l.after.begin(), l.after.end()) / kEngineBlock + 2);
 }
 
+// The engine's index keys `dim` values wide (bf16 rows, or with fp8 vLLM's
+// FP8 blocks) in blocks of 16 through the pool's table, every unwritten byte
+// 0xFF (NaN), written on the host; then, with the engine's lengths, on the device.
+struct EngineKeys {
+  const EnginePool& pool;
+  int32_t dim;
+  PagedIndexKeys host;
+  std::vector<uint8_t> bytes;
+  Buffer keys_dev, lens_dev;
+
+  EngineKeys(const EnginePool& p, bool fp8, int32_t key_dim) : pool(p), dim(key_dim) {
+    host.format = fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+    host.dtype = kDt;
+    host.num_blocks = pool.num_blocks;
+    host.block_size = kEngineBlock;
+    host.block_table = pool.table.data();
+    host.block_table_stride = pool.max_blocks;
+    host.max_blocks = pool.max_blocks;
+    bytes.assign(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host, dim)), 0xFF);
+    host.pool = bytes.data();
+  }
+  // Slot b's key at position p (dim values).
+  void write(int32_t b, int64_t p, const float* key) {
+    std::vector<uint8_t> row(static_cast<size_t>(dim) * 2);
+    from_float(kDt, key, row.data(), static_cast<size_t>(dim));
+    const int64_t slot = pool.slot(b, p);
+    write_index_keys_cpu(host, dim, kDt, row.data(), dim, &slot, 1);
+  }
+  // `kv` for the pools form: the keys, and the lengths `lens` (with the chunk; 0 free) under `bound`.
+  EnginePagedKV pools_kv(EnginePagedKV kv, const std::vector<int32_t>& lens, int64_t bound) {
+    keys_dev = upload(pool.device, bytes);
+    lens_dev = upload(pool.device, lens);
+    kv.index_keys = host;
+    kv.index_keys.pool = const_cast<void*>(keys_dev.data());
+    kv.index_keys.block_table = pool.table_dev.as<int32_t>();
+    kv.seq_lens = lens_dev.as<int32_t>();
+    kv.max_seq_len = bound;
+    return kv;
+  }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------- block-sparse
@@ -188,8 +144,8 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
   const Lengths len(c);
   const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
   const SlotRows ik = slot_rows(rng, len.after, d);
-  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
 
   BlockSparseConfig own_cfg = cfg, engine_cfg = cfg;
   own_cfg.kv_storage = KVStorage::kLayerCache;
@@ -197,7 +153,7 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
   BlockSparseAttention own(device, kDt, own_cfg, batch, fused());
   BlockSparseAttention engine(device, kDt, engine_cfg, batch, fused());
   BlockSparseAttention twin(device, kDt, engine_cfg, batch, fused());  // the token-by-token oracle
-  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
   for (int32_t b = 0; b < batch; ++b) {
     if (!len.active(b)) {
       for (SparseLayer* layer : {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine),
@@ -221,10 +177,7 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
       pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
     }
   }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, d, hkv);
-  kv.v = pool.rows(1, 0, d, hkv);
-  kv.block_table = pool.block_table();
+  const EnginePagedKV kv = pool.kv(d, hkv);
 
   // The chunk: the own cache's k token-major [n, batch, hkv + 1, 1, d] (K heads, then the index key).
   SlotRows own_rows(static_cast<size_t>(batch));
@@ -371,10 +324,10 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   const SlotRows mla = slot_rows(rng, len.after, dl + dr);  // the engine's rows: latent then rope
   const SlotRows ik = slot_rows(rng, len.after, id);
   const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
-  const std::vector<float> q = grid(rng, static_cast<size_t>(batch * n * q_row));
-  const std::vector<float> q_pe = grid(rng, static_cast<size_t>(batch * n * pe_row));
-  const std::vector<float> iq = grid(rng, static_cast<size_t>(batch * n * iq_row));
-  const std::vector<float> w = grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(batch * n * q_row));
+  const std::vector<float> q_pe = quarter_grid(rng, static_cast<size_t>(batch * n * pe_row));
+  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(batch * n * iq_row));
+  const std::vector<float> w = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
 
   DsaConfig own_cfg = cfg, engine_cfg = cfg;
   own_cfg.kv_storage = KVStorage::kLayerCache;
@@ -382,7 +335,7 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   DsaAttention own(device, kDt, own_cfg, batch, fused());
   DsaAttention engine(device, kDt, engine_cfg, batch, fused());
   DsaAttention twin(device, kDt, engine_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  EnginePool pool(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
   // Every byte 0xFF: e4m3, fp32 scale and bf16 rope NaN alike in rows the engine did not write.
   if (fp8) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
   // The own cache's rows: K = latent then index key, V = rope.
@@ -399,7 +352,7 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
         continue;
       }
       const std::vector<uint8_t> bytes = fp8_row(r);
-      pool.write_bytes(0, b, p, bytes);
+      pool.write_bytes(0, b, p, bytes.data());
       dequantize(device, bytes, r, read[size_t(b)].data() + p * (dl + dr));
     }
   }
@@ -418,18 +371,7 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
     engine.admit(b, ik_dev.data(), nullptr, l0);
     twin.admit(b, ik_dev.data(), nullptr, l0);
   }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, dl, 1);
-  kv.v = kv.k;
-  kv.k_extra = pool.rows(0, dl, dr, 1);
-  kv.block_table = pool.block_table();
-  if (fp8) {
-    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
-    kv.k = views.k;
-    kv.v = views.v;
-    kv.k_extra = views.k_extra;
-    kv.kv_format = KvFormat::kE4m3Mla;
-  }
+  const EnginePagedKV kv = pool.mla_kv(dl, dr, fp8);
 
   const size_t o_count = static_cast<size_t>(batch * n * q_row);
   const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
@@ -536,42 +478,28 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
   const SlotRows mla = slot_rows(rng, len.after, dl + dr);
   const SlotRows ik = slot_rows(rng, len.after, id);
   const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
-  const std::vector<float> q = grid(rng, static_cast<size_t>(batch * n * q_row));
-  const std::vector<float> q_pe = grid(rng, static_cast<size_t>(batch * n * pe_row));
-  const std::vector<float> iq = grid(rng, static_cast<size_t>(batch * n * iq_row));
-  const std::vector<float> w = grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(batch * n * q_row));
+  const std::vector<float> q_pe = quarter_grid(rng, static_cast<size_t>(batch * n * pe_row));
+  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(batch * n * iq_row));
+  const std::vector<float> w = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
 
   DsaConfig paged_cfg = cfg, pools_cfg = cfg;
   paged_cfg.kv_storage = KVStorage::kEnginePaged;
   pools_cfg.kv_storage = KVStorage::kEnginePools;
   DsaAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
   DsaAttention pools(device, kDt, pools_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), fp8_rows ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+  EnginePool pool(device, batch, blocks_for(len), fp8_rows ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
   if (fp8_rows) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
-  // The engine's index keys: blocks of 16 through the MLA pool's table, every unwritten byte 0xFF (NaN).
-  PagedIndexKeys host_keys;
-  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-  host_keys.dtype = kDt;
-  host_keys.num_blocks = pool.num_blocks;
-  host_keys.block_size = kEngineBlock;
-  host_keys.block_table = pool.table.data();
-  host_keys.block_table_stride = pool.max_blocks;
-  host_keys.max_blocks = pool.max_blocks;
-  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, id)), 0xFF);
-  host_keys.pool = key_bytes.data();
+  EngineKeys keys(pool, fp8_keys, id);
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
       const float* r = mla[size_t(b)].data() + p * (dl + dr);
       if (fp8_rows) {
-        pool.write_bytes(0, b, p, fp8_row(r));
+        pool.write_bytes(0, b, p, fp8_row(r).data());
       } else {
         pool.write(0, b, p, r);
       }
-      std::vector<uint8_t> key(static_cast<size_t>(id) * 2);
-      from_float(kDt, ik[size_t(b)].data() + p * id, key.data(), static_cast<size_t>(id));
-      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
-                           p % kEngineBlock;
-      write_index_keys_cpu(host_keys, id, kDt, key.data(), id, &slot, 1);
+      keys.write(b, p, ik[size_t(b)].data() + p * id);
     }
     if (!len.active(b)) {
       paged.release(b);
@@ -580,28 +508,10 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
     const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * id));
     paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
   }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, dl, 1);
-  kv.v = kv.k;
-  kv.k_extra = pool.rows(0, dl, dr, 1);
-  kv.block_table = pool.block_table();
-  if (fp8_rows) {
-    const MlaFp8Views views = mla_fp8_views(pool.pools[0].data(), pool.num_blocks * kEngineBlock);
-    kv.k = views.k;
-    kv.v = views.v;
-    kv.k_extra = views.k_extra;
-    kv.kv_format = KvFormat::kE4m3Mla;
-  }
+  const EnginePagedKV kv = pool.mla_kv(dl, dr, fp8_rows);
   // The pools form: the keys and the lengths (with the chunk; 0 free) the engine's, a bound above them.
-  const Buffer keys_dev = upload(device, key_bytes);
   const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
-  const Buffer lens_dev = upload(device, lens32);
-  EnginePagedKV pkv = kv;
-  pkv.index_keys = host_keys;
-  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
-  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
-  pkv.seq_lens = lens_dev.as<int32_t>();
-  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 3;
+  const EnginePagedKV pkv = keys.pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 3);
 
   const size_t o_count = static_cast<size_t>(batch * n * q_row);
   const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
@@ -702,34 +612,21 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
   const Lengths len(c);
   const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
   const SlotRows ik = slot_rows(rng, len.after, d);
-  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
 
   BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
   paged_cfg.kv_storage = KVStorage::kEnginePaged;
   pools_cfg.kv_storage = KVStorage::kEnginePools;
   BlockSparseAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
   BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
-  PagedIndexKeys host_keys;
-  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-  host_keys.dtype = kDt;
-  host_keys.num_blocks = pool.num_blocks;
-  host_keys.block_size = kEngineBlock;
-  host_keys.block_table = pool.table.data();
-  host_keys.block_table_stride = pool.max_blocks;
-  host_keys.max_blocks = pool.max_blocks;
-  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, d)), 0xFF);
-  host_keys.pool = key_bytes.data();
+  EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  EngineKeys keys(pool, fp8_keys, d);
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
       pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
       pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
-      std::vector<uint8_t> key(static_cast<size_t>(d) * 2);
-      from_float(kDt, ik[size_t(b)].data() + p * d, key.data(), static_cast<size_t>(d));
-      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
-                           p % kEngineBlock;
-      write_index_keys_cpu(host_keys, d, kDt, key.data(), d, &slot, 1);
+      keys.write(b, p, ik[size_t(b)].data() + p * d);
     }
     if (!len.active(b)) {
       paged.release(b);
@@ -738,19 +635,9 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
     const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
     paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
   }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, d, hkv);
-  kv.v = pool.rows(1, 0, d, hkv);
-  kv.block_table = pool.block_table();
-  const Buffer keys_dev = upload(device, key_bytes);
+  const EnginePagedKV kv = pool.kv(d, hkv);
   const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
-  const Buffer lens_dev = upload(device, lens32);
-  EnginePagedKV pkv = kv;
-  pkv.index_keys = host_keys;
-  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
-  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
-  pkv.seq_lens = lens_dev.as<int32_t>();
-  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 5;
+  const EnginePagedKV pkv = keys.pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 5);
 
   const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
   const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
@@ -846,17 +733,14 @@ void check_engine_prefill_refusals(Device device) {
   const SlotRows k = slot_rows(rng, {per_slot, per_slot}, int64_t{hkv} * d);
   const SlotRows v = slot_rows(rng, {per_slot, per_slot}, int64_t{hkv} * d);
   const SlotRows ik = slot_rows(rng, {per_slot, per_slot}, d);
-  Pool pool(device, batch, static_cast<int32_t>(per_slot / kEngineBlock) + 1, int64_t{hkv} * d, 2, rng);
+  EnginePool pool(device, batch, static_cast<int32_t>(per_slot / kEngineBlock) + 1, int64_t{hkv} * d, 2, rng);
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < prompt[size_t(b)] + n; ++p) {
       pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
       pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
     }
   }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, d, hkv);
-  kv.v = pool.rows(1, 0, d, hkv);
-  kv.block_table = pool.block_table();
+  const EnginePagedKV kv = pool.kv(d, hkv);
   const auto make = [&] {
     auto layer = std::make_unique<BlockSparseAttention>(device, kDt, cfg, batch, fused());
     for (int32_t b = 0; b < batch; ++b) {
@@ -865,8 +749,8 @@ void check_engine_prefill_refusals(Device device) {
     }
     return layer;
   };
-  const Buffer q = to_device(device, kDt, grid(rng, size_t{batch} * n * hq * d));
-  const Buffer iq = to_device(device, kDt, grid(rng, size_t{batch} * n * hkv * d));
+  const Buffer q = to_device(device, kDt, quarter_grid(rng, size_t{batch} * n * hq * d));
+  const Buffer iq = to_device(device, kDt, quarter_grid(rng, size_t{batch} * n * hkv * d));
   const Buffer index_k = to_device(device, kDt, token_major(ik, prompt, n, d));
   const size_t o_count = size_t{batch} * n * hq * d;
   Buffer o = poisoned(device, o_count);

@@ -22,40 +22,9 @@ namespace {
 
 constexpr DType kDtype = DType::kBF16;
 
-// Multiples of 1/4 in [-1, 1]: bf16 and fp32 hold them, and their products
-// and sums exactly, so the indexers score the same on every backend and a
-// tie breaks by the rule alone.
-std::vector<float> grid_values(std::mt19937_64& rng, size_t count) {
-  std::uniform_int_distribution<int> level(-4, 4);
-  std::vector<float> v(count);
-  for (float& x : v) x = static_cast<float>(level(rng)) / 4.0f;
-  return v;
-}
-
-Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
-  std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
-  if (!x.empty()) from_float(dtype, x.data(), bytes.data(), x.size());
-  if (bytes.empty()) bytes.resize(16);
-  return upload(device, bytes);
-}
-
-// A bf16 output of `count` values, NaN until written.
-Buffer poisoned(Device device, size_t count) {
-  Buffer o(device, std::max<size_t>(count, 8) * 2);
-  fill_bytes(o.data(), device, 0xFF, o.bytes());
-  return o;
-}
-
 // Decode twins fuse whenever they can: a multi-token step that the sparsity
 // gate sent token by token would select by the one-token rule instead.
 DispatchConfig fused_decode() { return always_fuse().without_performance_gates(); }
-
-std::vector<float> read_bf16(Device device, const Buffer& o, size_t count) {
-  const auto bytes = download<uint8_t>(device, o.data(), count * 2);
-  std::vector<float> x(count);
-  to_float(kDtype, bytes.data(), x.data(), count);
-  return x;
-}
 
 // One input of a layer's token struct, per (slot, token).
 struct Field {
@@ -72,7 +41,7 @@ struct Chunk {
 
   Chunk(int32_t batch_, int32_t n_, std::vector<Field> fields_, std::mt19937_64& rng)
       : batch(batch_), n(n_), fields(std::move(fields_)) {
-    for (const Field& f : fields) rows.push_back(grid_values(rng, static_cast<size_t>(int64_t{batch} * n * f.elems)));
+    for (const Field& f : fields) rows.push_back(quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * f.elems)));
   }
   const float* row(size_t f, int32_t b, int32_t t) const {
     return rows[f].data() + (int64_t{b} * n + t) * fields[f].elems;
@@ -262,8 +231,8 @@ struct Batch {
     v.slot.resize(static_cast<size_t>(batch));
     for (int32_t b = 0; b < batch; ++b) {
       const int64_t len = std::max<int64_t>(c.prompt[static_cast<size_t>(b)], 0);
-      prompt_k.push_back(grid_values(rng, static_cast<size_t>(len * k.heads * k.dim)));
-      prompt_v.push_back(grid_values(rng, static_cast<size_t>(len * v.heads * v.dim)));
+      prompt_k.push_back(quarter_grid(rng, static_cast<size_t>(len * k.heads * k.dim)));
+      prompt_v.push_back(quarter_grid(rng, static_cast<size_t>(len * v.heads * v.dim)));
       for (auto [rows, from] : {std::make_pair(&k, &prompt_k.back()), std::make_pair(&v, &prompt_v.back())}) {
         auto& dst = rows->slot[static_cast<size_t>(b)];
         dst.resize(static_cast<size_t>(len * rows->heads * rows->dim));

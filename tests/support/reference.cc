@@ -29,6 +29,33 @@ std::vector<float> as_float(DType dtype, const std::vector<uint8_t>& bytes) {
   return out;
 }
 
+std::vector<float> quarter_grid(std::mt19937_64& rng, size_t count) {
+  std::uniform_int_distribution<int> level(-4, 4);
+  std::vector<float> v(count);
+  for (float& x : v) x = static_cast<float>(level(rng)) / 4.0f;
+  return v;
+}
+
+Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
+  std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
+  if (!x.empty()) from_float(dtype, x.data(), bytes.data(), x.size());
+  if (bytes.empty()) bytes.resize(16);
+  return upload(device, bytes);
+}
+
+Buffer poisoned(Device device, size_t count) {
+  Buffer o(device, std::max<size_t>(count, 8) * 2);
+  fill_bytes(o.data(), device, 0xFF, o.bytes());
+  return o;
+}
+
+std::vector<float> read_bf16(Device device, const Buffer& o, size_t count) {
+  const auto bytes = download<uint8_t>(device, o.data(), count * 2);
+  std::vector<float> x(count);
+  to_float(DType::kBF16, bytes.data(), x.data(), count);
+  return x;
+}
+
 std::vector<std::vector<int64_t>> PagedProblem::token_rows() const {
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(num_requests()));
   for (int32_t r = 0; r < num_requests(); ++r) {

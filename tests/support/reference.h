@@ -13,6 +13,7 @@
 
 #include "sparsepage/decode.h"
 #include "sparsepage/mask_path.h"
+#include "sparsepage/memory.h"
 #include "sparsepage/page_table.h"
 
 namespace sparsepage::testing {
@@ -23,6 +24,17 @@ std::vector<uint8_t> random_values(DType dtype, size_t count, std::mt19937_64& r
 std::vector<uint8_t> nan_values(DType dtype, size_t count);
 /// Host bytes of `dtype` as float.
 std::vector<float> as_float(DType dtype, const std::vector<uint8_t>& bytes);
+
+/// `count` multiples of 1/4 in [-1, 1]: bf16 and fp32 hold them, and their
+/// products and sums exactly, so the indexers score the same on every
+/// backend and a tie breaks by the rule alone.
+std::vector<float> quarter_grid(std::mt19937_64& rng, size_t count);
+/// Host fp32 values as `dtype` on `device` (none: a 16-byte buffer never read).
+Buffer to_device(Device device, DType dtype, const std::vector<float>& x);
+/// A bf16 output of `count` values, NaN until written.
+Buffer poisoned(Device device, size_t count);
+/// The first `count` bf16 values of `o` as float.
+std::vector<float> read_bf16(Device device, const Buffer& o, size_t count);
 
 /// What a random paged problem looks like.
 struct ProblemSpec {

@@ -135,13 +135,6 @@ Widths widths_of(const ToyModelConfig& c) {
           static_cast<size_t>(is_static ? sa.num_kv_heads : a.num_kv_heads) * hd};
 }
 
-// Host fp32 -> the layer's dtype on its device.
-Buffer to_device(Device device, DType dtype, const std::vector<float>& x) {
-  std::vector<uint8_t> bytes(x.size() * dtype_size(dtype));
-  from_float(dtype, x.data(), bytes.data(), x.size());
-  return upload(device, bytes);
-}
-
 }  // namespace
 
 ToyModel::ToyModel(Device device, const ToyModelConfig& config, DispatchConfig dispatch)
