@@ -145,3 +145,49 @@ def test_a_chunk_off_the_block_grid_is_refused_by_name(rng):
                       f16(rng, n, B, H, 1, D), np.full((B, n, Hq, D), np.nan, np.float16))
     assert layer.kv_lens == [bs + 3] * B
     assert layer.last_prefill_positions() == []
+
+
+def test_torch_prefill_chunks_replayed_from_a_graph_equal_eager_chunks():
+    """A chunk of fixed shape captured once in a torch CUDA graph (block-sparse and the static
+    pattern) and replayed for each later chunk with fresh inputs in the same tensors: every replay
+    bit-equal to the same chunk run eagerly on a twin, the lengths advanced on the device."""
+    cuda = torch_cuda()
+    torch = cuda.torch
+    gen = torch.Generator().manual_seed(31)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.float16).cuda()  # noqa: E731
+    B, n, chunks = 2, 64, 5
+
+    c = block_config(cuda)
+    Hq, H, D = c["num_qo_heads"], c["num_kv_heads"], c["head_dim"]
+    block = [sp.BlockSparseAttention(sp.Device.cuda, sp.DType.f16, sp.BlockSparseConfig(**c), B, gates_off())
+             for _ in range(2)]
+    block_args = [rnd(B, n, Hq, D), rnd(B, n, H, D), rnd(n, B, H + 1, 1, D), rnd(n, B, H, 1, D)]
+    s = sp.StaticBlockSparseConfig()
+    s.num_qo_heads, s.num_kv_heads, s.head_dim, s.block_size, s.local_blocks, s.vert_stride = 8, 2, 128, 16, 2, 3
+    s.capacity_step = 512
+    static = [sp.StaticBlockSparseAttention(sp.Device.cuda, sp.DType.f16, s, B, gates_off()) for _ in range(2)]
+    static_args = [rnd(B, n, 8, 128), rnd(n, B, 2, 1, 128), rnd(n, B, 2, 1, 128)]
+
+    for (graphed, eager), args, heads, dim in ((block, block_args, Hq, D), (static, static_args, 8, 128)):
+        o_graph = torch.full((B, n, heads, dim), float("nan"), dtype=torch.float16, device="cuda")
+        o_eager = o_graph.clone()
+        for layer in (graphed, eager):
+            layer.reserve(n * chunks)
+        graphed.prefill(*args, o_graph, stream=cuda.stream())  # the first chunk sizes the buffers
+        eager.prefill(*args, o_eager, stream=cuda.stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed.prefill(*args, o_graph, stream=cuda.stream())
+        for chunk in range(1, chunks):
+            for a in args:
+                a.copy_(torch.randn(a.shape, generator=gen).to(a.dtype))
+            o_graph.fill_(float("nan"))
+            o_eager.fill_(float("nan"))
+            graph.replay()
+            eager.prefill(*args, o_eager, stream=cuda.stream())
+            torch.cuda.synchronize()
+            graphed.sync_live_len()
+            assert graphed.kv_lens == eager.kv_lens == [(chunk + 1) * n] * B, f"chunk {chunk}"
+            assert torch.equal(o_graph, o_eager) and not o_graph.isnan().any(), f"chunk {chunk}"
+        graphed.check_errors()
+        eager.check_errors()
