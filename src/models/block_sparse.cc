@@ -142,7 +142,7 @@ SparseLayer::CacheShape cache_shape(const BlockSparseConfig& c) {
 BlockSparseAttention::BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,
                                            DispatchConfig dispatch)
     : EngineLayerForms("BlockSparseAttention", device, dtype, batch, config.kv_storage,
-                  cache_shape(checked_config(config, batch)), config.capacity_step, dispatch),
+                       cache_shape(checked_config(config, batch)), config.capacity_step, dispatch),
       config_(config),
       prefill_indexer_(device),
       gqa_prefill_(device) {}

@@ -112,7 +112,7 @@ SparseLayer::CacheShape cache_shape(const DsaConfig& c) {
 
 DsaAttention::DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch, DispatchConfig dispatch)
     : EngineLayerForms("DsaAttention", device, dtype, batch, config.kv_storage,
-                  cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
+                       cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(checked_config(device, config, batch)),
       prefill_indexer_(device),
       mla_prefill_(device) {}

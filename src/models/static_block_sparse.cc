@@ -99,7 +99,7 @@ StaticBlockSparseAttention::StaticBlockSparseAttention(Device device, DType dtyp
                                                        const StaticBlockSparseConfig& config, int32_t batch,
                                                        DispatchConfig dispatch)
     : LayerForms("StaticBlockSparseAttention", device, dtype, batch, KVStorage::kLayerCache,
-                  cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
+                 cache_shape(checked_config(device, config, batch)), config.capacity_step, dispatch),
       config_(config),
       gqa_prefill_(device) {}
 

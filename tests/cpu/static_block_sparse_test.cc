@@ -150,7 +150,7 @@ TEST(StaticBlockSparse, AMultiTokenDecodeEqualsOneTokenSteps) {
   const auto prompt = testing::random_values(DType::kBF16, kBatch * kv_row * 40, rng);
   multi.append_tokens(prompt.data(), prompt.data(), 40);
   single.append_tokens(prompt.data(), prompt.data(), 40);
-  const auto q = testing::random_values(DType::kBF16, kBatch * kQLen * q_row, rng);  // [batch, q_len, heads, dim]
+  const auto q = testing::random_values(DType::kBF16, kBatch * kQLen * q_row, rng);   // [batch, q_len, heads, dim]
   const auto k = testing::random_values(DType::kBF16, kQLen * kBatch * kv_row, rng);  // [q_len, batch, ...]
   const auto v = testing::random_values(DType::kBF16, kQLen * kBatch * kv_row, rng);
   std::vector<uint8_t> o(kBatch * kQLen * q_row * 2, 0xFF), o_one(kBatch * q_row * 2);
