@@ -694,97 +694,136 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
   }
 }
 
+namespace {
+
+// The block-sparse chunk over engine-owned pools on one device: the
+// engine's K/V pools and index keys (bf16, or vLLM's FP8 blocks) through a
+// shuffled table, every unwritten row NaN, its lengths with the chunk (0:
+// free) under a looser bound, and the engine-paged twin over the same K/V
+// rows (the layer keeping the keys). The same seed gives the same data on
+// either device.
+struct BlockPools {
+  Device device;
+  int32_t batch, n, hq, hkv, d;
+  Lengths len;
+  std::unique_ptr<BlockSparseAttention> paged, pools;
+  std::unique_ptr<Pool> pool;
+  std::vector<uint8_t> key_bytes;
+  PagedIndexKeys host_keys;
+  Buffer keys_dev, lens_dev, q_dev, iq_dev, index_k;
+  EnginePagedKV kv, pkv;
+
+  BlockPools(Device dev, const BlockSparseConfig& cfg, const EnginePrefillCase& c, bool fp8_keys)
+      : device(dev),
+        batch(static_cast<int32_t>(c.prompt.size())),
+        n(c.num_tokens),
+        hq(cfg.num_qo_heads),
+        hkv(cfg.num_kv_heads),
+        d(cfg.head_dim),
+        len(c) {
+    std::mt19937_64 rng(c.seed);
+    const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
+    const SlotRows ik = slot_rows(rng, len.after, d);
+    const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+    const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+    BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
+    paged_cfg.kv_storage = KVStorage::kEnginePaged;
+    pools_cfg.kv_storage = KVStorage::kEnginePools;
+    paged = std::make_unique<BlockSparseAttention>(device, kDt, paged_cfg, batch, fused());
+    pools = std::make_unique<BlockSparseAttention>(device, kDt, pools_cfg, batch, fused());
+    pool = std::make_unique<Pool>(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+    host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+    host_keys.dtype = kDt;
+    host_keys.num_blocks = pool->num_blocks;
+    host_keys.block_size = kEngineBlock;
+    host_keys.block_table = pool->table.data();
+    host_keys.block_table_stride = pool->max_blocks;
+    host_keys.max_blocks = pool->max_blocks;
+    key_bytes.assign(static_cast<size_t>(pool->num_blocks * index_key_block_bytes(host_keys, d)), 0xFF);
+    host_keys.pool = key_bytes.data();
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+        pool->write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+        pool->write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+        std::vector<uint8_t> key(static_cast<size_t>(d) * 2);
+        from_float(kDt, ik[size_t(b)].data() + p * d, key.data(), static_cast<size_t>(d));
+        const int64_t slot =
+            int64_t{pool->table[size_t(int64_t{b} * pool->max_blocks + p / kEngineBlock)]} * kEngineBlock +
+            p % kEngineBlock;
+        write_index_keys_cpu(host_keys, d, kDt, key.data(), d, &slot, 1);
+      }
+      if (!len.active(b)) {
+        paged->release(b);
+        continue;
+      }
+      const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
+      paged->admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+    }
+    kv.k = pool->rows(0, 0, d, hkv);
+    kv.v = pool->rows(1, 0, d, hkv);
+    kv.block_table = pool->block_table();
+    keys_dev = upload(device, key_bytes);
+    const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+    lens_dev = upload(device, lens32);
+    pkv = kv;
+    pkv.index_keys = host_keys;
+    pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
+    pkv.index_keys.block_table = pool->table_dev.as<int32_t>();
+    pkv.seq_lens = lens_dev.as<int32_t>();
+    pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 5;
+    q_dev = to_device(device, kDt, q);
+    iq_dev = to_device(device, kDt, iq);
+    index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
+  }
+  size_t o_count() const { return static_cast<size_t>(int64_t{batch} * n * hq * d); }
+  // The pools form's tokens, writing o.
+  BlockSparseTokens tokens(Buffer& o) const {
+    BlockSparseTokens t;
+    t.q = q_dev.data();
+    t.index_q = iq_dev.data();
+    t.o = o.data();
+    return t;
+  }
+  // The pools chunk into a NaN-poisoned output (checked, no error flagged).
+  std::vector<float> run_pools() {
+    Buffer o = poisoned(device, o_count());
+    pools->prefill(tokens(o), pkv, n);
+    pools->check_errors();
+    return read_bf16(device, o, o_count());
+  }
+};
+
+}  // namespace
+
 void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c,
                                       bool fp8_keys) {
-  std::mt19937_64 rng(c.seed);
-  const auto batch = static_cast<int32_t>(c.prompt.size());
-  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
-  const Lengths len(c);
-  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
-  const SlotRows ik = slot_rows(rng, len.after, d);
-  const std::vector<float> q = grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-  const std::vector<float> iq = grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
-
-  BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
-  paged_cfg.kv_storage = KVStorage::kEnginePaged;
-  pools_cfg.kv_storage = KVStorage::kEnginePools;
-  BlockSparseAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
-  BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
-  Pool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
-  PagedIndexKeys host_keys;
-  host_keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-  host_keys.dtype = kDt;
-  host_keys.num_blocks = pool.num_blocks;
-  host_keys.block_size = kEngineBlock;
-  host_keys.block_table = pool.table.data();
-  host_keys.block_table_stride = pool.max_blocks;
-  host_keys.max_blocks = pool.max_blocks;
-  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host_keys, d)), 0xFF);
-  host_keys.pool = key_bytes.data();
-  for (int32_t b = 0; b < batch; ++b) {
-    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
-      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
-      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
-      std::vector<uint8_t> key(static_cast<size_t>(d) * 2);
-      from_float(kDt, ik[size_t(b)].data() + p * d, key.data(), static_cast<size_t>(d));
-      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
-                           p % kEngineBlock;
-      write_index_keys_cpu(host_keys, d, kDt, key.data(), d, &slot, 1);
-    }
-    if (!len.active(b)) {
-      paged.release(b);
-      continue;
-    }
-    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
-    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
-  }
-  EnginePagedKV kv;
-  kv.k = pool.rows(0, 0, d, hkv);
-  kv.v = pool.rows(1, 0, d, hkv);
-  kv.block_table = pool.block_table();
-  const Buffer keys_dev = upload(device, key_bytes);
-  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
-  const Buffer lens_dev = upload(device, lens32);
-  EnginePagedKV pkv = kv;
-  pkv.index_keys = host_keys;
-  pkv.index_keys.pool = const_cast<void*>(keys_dev.data());
-  pkv.index_keys.block_table = pool.table_dev.as<int32_t>();
-  pkv.seq_lens = lens_dev.as<int32_t>();
-  pkv.max_seq_len = *std::max_element(len.after.begin(), len.after.end()) + 5;
-
-  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
-  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
-  Buffer pools_o = poisoned(device, o_count);
-  BlockSparseTokens pt;
-  pt.q = q_dev.data();
-  pt.index_q = iq_dev.data();
-  pt.o = pools_o.data();
-  if (device == Device::kCuda) {  // the CUDA block scores read dense keys only
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, pkv, n); }, "reads dense index keys"));
-    return;
-  }
-  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
-  Buffer paged_o = poisoned(device, o_count);
-  BlockSparseTokens et = pt;
-  et.index_k = index_k.data();
-  et.o = paged_o.data();
-  paged.prefill(et, kv, n);
+  BlockPools s(device, cfg, c, fp8_keys);
+  const int32_t batch = s.batch, n = s.n, hq = s.hq, d = s.d;
+  const Lengths& len = s.len;
+  const size_t o_count = s.o_count();
+  Buffer paged_o = poisoned(device, o_count), pools_o = poisoned(device, o_count);
+  const BlockSparseTokens pt = s.tokens(pools_o);
+  BlockSparseTokens et = s.tokens(paged_o);
+  et.index_k = s.index_k.data();
+  s.paged->prefill(et, s.kv, n);
+  s.paged->check_errors();
 
   // A chunk off the block grid (the engine's lengths one longer) is refused by name, o untouched.
-  std::vector<int32_t> off = lens32;
+  std::vector<int32_t> off(len.after.begin(), len.after.end());
   for (int32_t& x : off) x = x > 0 ? x + 1 : 0;
   const Buffer off_dev = upload(device, off);
-  EnginePagedKV misaligned = pkv;
+  EnginePagedKV misaligned = s.pkv;
   misaligned.seq_lens = off_dev.as<int32_t>();
-  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, misaligned, n); }, "not a multiple of block_size"));
+  EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(pt, misaligned, n); }, "not a multiple of block_size"));
   const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
   EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }));
 
-  pools.prefill(pt, pkv, n);
-  pools.check_errors();
-  const auto positions = pools.last_prefill_positions();
+  s.pools->prefill(pt, s.pkv, n);
+  s.pools->check_errors();
+  const auto positions = s.pools->last_prefill_positions();
   ASSERT_EQ(positions.size(), size_t(batch) * size_t(n) * size_t(hq));
-  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  EXPECT_EQ(positions, s.paged->last_prefill_positions())
+      << "the pools form kept other positions than the engine-paged";
   const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
   const int64_t row = int64_t{hq} * d;
   for (int32_t b = 0; b < batch; ++b) {
@@ -799,12 +838,25 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
       EXPECT_LT(relative_l2(o, widen(slice(want, at, row))), 1e-3) << "slot " << b << " token " << t;
     }
   }
+  if (device == Device::kCuda) {  // the CPU twin over copies of the same pools
+    BlockPools twin(Device::kCpu, cfg, c, fp8_keys);
+    const std::vector<float> cpu = twin.run_pools();
+    EXPECT_EQ(positions, twin.pools->last_prefill_positions()) << "the CUDA pools form kept other positions";
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int32_t t = 0; t < n && len.active(b); ++t) {
+        const int64_t at = (int64_t{b} * n + t) * row;
+        EXPECT_LT(relative_l2(slice(got, at, row), widen(slice(cpu, at, row))), 1e-2) << "slot " << b << " token " << t;
+      }
+    }
+  }
 
-  // A key block id outside the pool that the block scores read is refused
-  // by the layer's name before o is written, in the first active slot or
-  // the last (after a free slot's rows and the other slots': the CPU scores
-  // once refused it mid-chunk, under the indexer's name, with those rows
-  // already written).
+  // A key block id outside the pool that the block scores read, in the
+  // first active slot or the last (after a free slot's rows and the other
+  // slots'). The CPU refuses it by the layer's name before o is written (a
+  // host table). CUDA judges it where it is read: flagged (check_errors()
+  // names it), the lists that needed it in the sparse regime select
+  // nothing (their rows zero), the dense-regime lists and the other slots
+  // keep their answers.
   std::vector<int32_t> actives;
   for (int32_t b = 0; b < batch; ++b)
     if (len.active(b)) actives.push_back(b);
@@ -812,21 +864,43 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
     const int64_t start = len.after[size_t(b)] - n, blocks = (n + cfg.block_size - 1) / cfg.block_size;
     const int64_t scored_end = std::max<int64_t>(0, start / cfg.block_size + blocks - cfg.local_blocks);
     if (scored_end == 0) continue;  // the scores read no key of this slot
-    std::vector<int32_t> bad_table = pool.table;
-    bad_table[size_t(int64_t{b} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+    std::vector<int32_t> bad_table = s.pool->table;
+    bad_table[size_t(int64_t{b} * s.pool->max_blocks)] = static_cast<int32_t>(s.pool->num_blocks);
     const Buffer bad_dev = upload(device, bad_table);
-    EnginePagedKV bad = pkv;
+    EnginePagedKV bad = s.pkv;
     bad.index_keys.block_table = bad_dev.as<int32_t>();
     Buffer bad_o = poisoned(device, o_count);
-    BlockSparseTokens bt = pt;
-    bt.o = bad_o.data();
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); },
-                                    "BlockSparseAttention::prefill(tokens, kv) (engine pools): slot " +
-                                        std::to_string(b) + "'s index-key table entry 0"));
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); }, "outside the index-key pool"));
-    const std::vector<float> kept = read_bf16(device, bad_o, o_count);
-    EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](float x) { return std::isnan(x); }))
-        << "a refused chunk wrote o (slot " << b << ")";
+    const BlockSparseTokens bt = s.tokens(bad_o);
+    if (device == Device::kCpu) {
+      EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(bt, bad, n); },
+                                      "BlockSparseAttention::prefill(tokens, kv) (engine pools): slot " +
+                                          std::to_string(b) + "'s index-key table entry 0"));
+      EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(bt, bad, n); }, "outside the index-key pool"));
+      const std::vector<float> kept = read_bf16(device, bad_o, o_count);
+      EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](float x) { return std::isnan(x); }))
+          << "a refused chunk wrote o (slot " << b << ")";
+      continue;
+    }
+    s.pools->prefill(bt, bad, n);
+    EXPECT_TRUE(throws_error_naming([&] { s.pools->check_errors(); }, "a key block id outside the index-key pool"));
+    EXPECT_NO_THROW(s.pools->check_errors()) << "check_errors() clears what it reported";
+    const std::vector<float> flagged = read_bf16(device, bad_o, o_count);
+    const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
+    for (int32_t x = 0; x < batch; ++x) {
+      for (int32_t t = 0; t < n && len.active(x); ++t) {
+        const int64_t at = (int64_t{x} * n + t) * row;
+        const int32_t i = t / cfg.block_size;
+        const int64_t end = start + std::min<int64_t>(int64_t{i + 1} * cfg.block_size, n);
+        const bool needed = start / cfg.block_size + i + 1 - cfg.local_blocks > 0;  // key block 0 is scored
+        const std::vector<float> o = slice(flagged, at, row);
+        if (x == b && needed && end > dense_len) {
+          EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float y) { return y == 0.0f; }))
+              << "slot " << x << " token " << t << " read a refused key block";
+        } else {
+          EXPECT_EQ(o, slice(got, at, row)) << "slot " << x << " token " << t;
+        }
+      }
+    }
   }
 }
 

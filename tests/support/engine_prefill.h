@@ -56,12 +56,15 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& config, cons
                                     bool fp8_rows);
 
 /// The block-sparse chunk over engine-owned pools (the engine's K/V rows
-/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths):
-/// on the CPU against the engine-paged prefill of the same chunk (the same
-/// positions, outputs within 1e-3, free slots zero), a chunk off the block
-/// grid refused by name before o is written, and a key block id outside
-/// the pool refused by name; on CUDA, refused by name (the CUDA block
-/// scores read dense keys only).
+/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths;
+/// every unwritten pool row NaN): against the engine-paged prefill of the
+/// same chunk (the same positions, outputs within 1e-3, free slots zero)
+/// and, on CUDA, the CPU twin over copies of the same pools (the same
+/// positions, outputs within 1e-2); a chunk off the block grid refused by
+/// name before o is written; a key block id outside the pool refused by
+/// name on the CPU, and on CUDA flagged where it is read (check_errors()
+/// names it) with the sparse-regime lists that needed it selecting nothing
+/// (zero rows) and every other row unchanged.
 void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c,
                                       bool fp8_keys);
 

@@ -105,10 +105,12 @@ class BlockSparseAttention : public SparseLayer {
   /// v null). The same selection and answer as prefill(tokens, num_tokens)
   /// over the layer's own cache, with the same refusals, and a table row
   /// too short for a slot (or, on the CPU, a block id outside the pool)
-  /// refused before anything changes. KVStorage::kEnginePools (the CPU
-  /// backend only; refused by name on CUDA): the engine's index keys
-  /// (kv.index_keys) and lengths with the chunk (kv.seq_lens, 0 for a free
-  /// slot; read back once), index_k null, nothing appended.
+  /// refused before anything changes. KVStorage::kEnginePools: the
+  /// engine's index keys (kv.index_keys, bf16 or FP8) and lengths with the
+  /// chunk (kv.seq_lens, 0 for a slot not in this call; read back once),
+  /// index_k null, nothing appended. A key block id outside the key pool
+  /// that the block scores read: refused by name on the CPU; on CUDA the
+  /// lists that needed it select nothing and check_errors() names it.
   void prefill(const BlockSparseTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
     prefill_chunk(to_step(tokens), kv, num_tokens, stream);
   }
