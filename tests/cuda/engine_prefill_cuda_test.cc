@@ -91,6 +91,24 @@ TEST(EnginePoolsPrefillCuda, BlockSparseOverFp8KeysMatchesTheEnginePagedPrefillA
   testing::check_engine_pools_block_prefill(Device::kCuda, wide, {{512, -1, 256}, 128, 12}, false);
 }
 
+// An engine step with one slot prefilling and the others decoding, over
+// engine pools: each request bit for bit as it is alone.
+TEST(EnginePoolsMixedStepCuda, BlockSparsePrefillBesideDecodesEqualsEachRequestAlone) {
+  SKIP_WITHOUT_CUDA();
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_block_step(Device::kCuda, block_config(), 192, 300, 100, fp8);
+  }
+}
+
+TEST(EnginePoolsMixedStepCuda, DsaPrefillBesideDecodesEqualsEachRequestAlone) {
+  SKIP_WITHOUT_CUDA();
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_dsa_step(Device::kCuda, pools_config(), 48, 100, 30, fp8);
+  }
+}
+
 TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_prefill_refusals(Device::kCuda);

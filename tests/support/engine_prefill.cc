@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -902,6 +903,266 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
       }
     }
   }
+}
+
+// ---------------------------------------------------------------- mixed steps
+
+namespace {
+
+// A slot's part in one engine step of the mixed-step scenario.
+enum class Part { kNone, kPrefill, kDecode };
+
+// The engine's schedule over three slots: slot 0 prefills two chunks of
+// `chunk` tokens then decodes; slot 1 decodes every step from its prompt;
+// slot 2 decodes from its prompt and leaves before the last step.
+struct Schedule {
+  static constexpr int32_t kBatch = 3, kSteps = 4;
+  int32_t chunk;
+  int64_t prompt1, prompt2;
+  Part part(int32_t step, int32_t slot) const {
+    if (slot == 0) return step < 2 ? Part::kPrefill : Part::kDecode;
+    if (slot == 2 && step == kSteps - 1) return Part::kNone;
+    return Part::kDecode;
+  }
+  // The slot's length with this step's tokens.
+  int64_t length(int32_t step, int32_t slot) const {
+    if (slot == 0) return step < 2 ? int64_t{chunk} * (step + 1) : 2 * int64_t{chunk} + (step - 1);
+    return (slot == 1 ? prompt1 : prompt2) + step + 1;
+  }
+  int64_t longest(int32_t slot) const {
+    int64_t m = 0;
+    for (int32_t s = 0; s < kSteps; ++s)
+      if (part(s, slot) != Part::kNone) m = std::max(m, length(s, slot));
+    return m;
+  }
+  int64_t bound() const { return std::max({longest(0), longest(1), longest(2)}) + 7; }
+};
+
+// Per-(slot, token) query-side inputs of a model: elements and dtype of each field.
+struct Field {
+  int64_t elems;
+  DType dtype;
+};
+
+// The layer calls a mixed step makes, for each model.
+struct BlockMixed {
+  BlockSparseConfig cfg;
+  std::vector<Field> fields() const {
+    return {{int64_t{cfg.num_qo_heads} * cfg.head_dim, kDt}, {int64_t{cfg.num_kv_heads} * cfg.head_dim, kDt}};
+  }
+  int64_t o_elems() const { return int64_t{cfg.num_qo_heads} * cfg.head_dim; }
+  int64_t row_elems() const { return int64_t{cfg.num_kv_heads} * cfg.head_dim; }  // K and V pools
+  int32_t num_pools() const { return 2; }
+  int32_t key_dim() const { return cfg.head_dim; }
+  std::unique_ptr<BlockSparseAttention> layer(Device device) const {
+    BlockSparseConfig c = cfg;
+    c.kv_storage = KVStorage::kEnginePools;
+    return std::make_unique<BlockSparseAttention>(device, kDt, c, Schedule::kBatch, fused());
+  }
+  EnginePagedKV kv(const Pool& pool) const {
+    EnginePagedKV kv;
+    kv.k = pool.rows(0, 0, cfg.head_dim, cfg.num_kv_heads);
+    kv.v = pool.rows(1, 0, cfg.head_dim, cfg.num_kv_heads);
+    kv.block_table = pool.block_table();
+    return kv;
+  }
+  static BlockSparseTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
+    BlockSparseTokens t;
+    t.q = in[0].data();
+    t.index_q = in[1].data();
+    t.o = o.data();
+    return t;
+  }
+  void prefill(BlockSparseAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv,
+               int32_t n) const {
+    l.prefill(tokens(in, o), kv, n);
+  }
+  void decode(BlockSparseAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv) const {
+    l.decode(tokens(in, o), kv);
+  }
+};
+
+struct DsaMixed {
+  DsaConfig cfg;
+  std::vector<Field> fields() const {
+    return {{int64_t{cfg.num_qo_heads} * cfg.latent_dim, kDt},
+            {int64_t{cfg.num_qo_heads} * cfg.rope_dim, kDt},
+            {int64_t{cfg.index_heads} * cfg.index_head_dim, kDt},
+            {cfg.index_heads, DType::kF32}};
+  }
+  int64_t o_elems() const { return int64_t{cfg.num_qo_heads} * cfg.latent_dim; }
+  int64_t row_elems() const { return int64_t{cfg.latent_dim} + cfg.rope_dim; }  // the MLA rows
+  int32_t num_pools() const { return 1; }
+  int32_t key_dim() const { return cfg.index_head_dim; }
+  std::unique_ptr<DsaAttention> layer(Device device) const {
+    DsaConfig c = cfg;
+    c.kv_storage = KVStorage::kEnginePools;
+    return std::make_unique<DsaAttention>(device, kDt, c, Schedule::kBatch, fused());
+  }
+  EnginePagedKV kv(const Pool& pool) const {
+    EnginePagedKV kv;
+    kv.k = pool.rows(0, 0, cfg.latent_dim, 1);
+    kv.v = kv.k;
+    kv.k_extra = pool.rows(0, cfg.latent_dim, cfg.rope_dim, 1);
+    kv.block_table = pool.block_table();
+    return kv;
+  }
+  static DsaTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
+    return DsaTokens{in[0].data(), in[1].data(), in[2].data(), in[3].as<float>(), nullptr, nullptr, o.data()};
+  }
+  void prefill(DsaAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv, int32_t n) const {
+    l.prefill(tokens(in, o), kv, n);
+  }
+  void decode(DsaAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv) const {
+    l.decode(tokens(in, o), kv);
+  }
+};
+
+template <class Model>
+void check_mixed(Device device, const Model& m, const Schedule& sched, bool fp8_keys, uint64_t seed) {
+  constexpr int32_t kB = Schedule::kBatch;
+  std::mt19937_64 rng(seed);
+  // The engine has written every row the scenario reaches (the layer reads
+  // only positions below each call's lengths); every other pool row is NaN.
+  std::vector<int64_t> longest;
+  for (int32_t b = 0; b < kB; ++b) longest.push_back(sched.longest(b));
+  const Lengths extent(EnginePrefillCase{longest, 0, 0});
+  Pool pool(device, kB, blocks_for(extent), m.row_elems(), m.num_pools(), rng);
+  const int32_t kd = m.key_dim();
+  PagedIndexKeys keys;
+  keys.format = fp8_keys ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  keys.dtype = kDt;
+  keys.num_blocks = pool.num_blocks;
+  keys.block_size = kEngineBlock;
+  keys.block_table = pool.table.data();
+  keys.block_table_stride = pool.max_blocks;
+  keys.max_blocks = pool.max_blocks;
+  std::vector<uint8_t> key_bytes(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(keys, kd)), 0xFF);
+  keys.pool = key_bytes.data();
+  for (int32_t b = 0; b < kB; ++b) {
+    for (int64_t p = 0; p < longest[size_t(b)]; ++p) {
+      for (int32_t i = 0; i < m.num_pools(); ++i) {
+        const std::vector<float> row = grid(rng, static_cast<size_t>(m.row_elems()));
+        pool.write(i, b, p, row.data());
+      }
+      const std::vector<float> key = grid(rng, static_cast<size_t>(kd));
+      std::vector<uint8_t> bytes(static_cast<size_t>(kd) * 2);
+      from_float(kDt, key.data(), bytes.data(), static_cast<size_t>(kd));
+      const int64_t slot = int64_t{pool.table[size_t(int64_t{b} * pool.max_blocks + p / kEngineBlock)]} * kEngineBlock +
+                           p % kEngineBlock;
+      write_index_keys_cpu(keys, kd, kDt, bytes.data(), kd, &slot, 1);
+    }
+  }
+  const Buffer keys_dev = upload(device, key_bytes);
+  EnginePagedKV kv = m.kv(pool);
+  kv.index_keys = keys;
+  kv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  kv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  kv.max_seq_len = sched.bound();  // one bound for every call, mixed or lone: the same plans
+  const auto snapshot = [&] {
+    std::vector<std::vector<uint8_t>> bytes;
+    for (const Buffer& b : pool.pools) bytes.push_back(download<uint8_t>(device, b.data(), b.bytes()));
+    bytes.push_back(download<uint8_t>(device, keys_dev.data(), keys_dev.bytes()));
+    return bytes;
+  };
+  const auto pools_before = snapshot();
+
+  // Each (step, slot)'s query-side inputs: chunk tokens for a prefill, one for a decode.
+  const std::vector<Field> fields = m.fields();
+  const auto tokens_of = [&](Part part) { return part == Part::kPrefill ? sched.chunk : 1; };
+  std::vector<std::vector<std::vector<float>>> inputs(size_t(Schedule::kSteps) * kB);
+  for (int32_t s = 0; s < Schedule::kSteps; ++s) {
+    for (int32_t b = 0; b < kB; ++b) {
+      const Part part = sched.part(s, b);
+      if (part == Part::kNone) continue;
+      for (const Field& f : fields) inputs[size_t(s * kB + b)].push_back(grid(rng, size_t(tokens_of(part) * f.elems)));
+    }
+  }
+  // One call's inputs and lengths for the slots in `in_call` (the others'
+  // rows NaN, their lengths 0), the output NaN-poisoned.
+  struct Call {
+    std::vector<Buffer> in;
+    Buffer lens, o;
+  };
+  const auto make_call = [&](int32_t s, Part part, const std::vector<uint8_t>& in_call) {
+    const int32_t t = tokens_of(part);
+    Call c;
+    for (size_t f = 0; f < fields.size(); ++f) {
+      std::vector<float> x(size_t(kB * t * fields[f].elems), std::numeric_limits<float>::quiet_NaN());
+      for (int32_t b = 0; b < kB; ++b) {
+        if (in_call[size_t(b)])
+          std::copy_n(inputs[size_t(s * kB + b)][f].begin(), t * fields[f].elems,
+                      x.begin() + int64_t{b} * t * fields[f].elems);
+      }
+      c.in.push_back(to_device(device, fields[f].dtype, x));
+    }
+    std::vector<int32_t> lens(kB, 0);
+    for (int32_t b = 0; b < kB; ++b) lens[size_t(b)] = in_call[size_t(b)] ? int32_t(sched.length(s, b)) : 0;
+    c.lens = upload(device, lens);
+    c.o = poisoned(device, size_t(kB * t * m.o_elems()));
+    return c;
+  };
+  const auto run = [&](auto& layer, Part part, Call& c) {
+    EnginePagedKV call_kv = kv;
+    call_kv.seq_lens = c.lens.template as<int32_t>();
+    if (part == Part::kPrefill) {
+      m.prefill(layer, c.in, c.o, call_kv, sched.chunk);
+    } else {
+      m.decode(layer, c.in, c.o, call_kv);
+    }
+    layer.check_errors();
+  };
+  const auto rows_of = [&](const Call& c, Part part, int32_t b) {
+    const int64_t row = int64_t{tokens_of(part)} * m.o_elems();
+    return slice(read_bf16(device, c.o, size_t(kB * row)), b * row, row);
+  };
+
+  auto mixed = m.layer(device), lone = m.layer(device);
+  for (int32_t s = 0; s < Schedule::kSteps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    for (const Part part : {Part::kPrefill, Part::kDecode}) {
+      std::vector<uint8_t> in_call(kB, 0);
+      for (int32_t b = 0; b < kB; ++b) in_call[size_t(b)] = sched.part(s, b) == part ? 1 : 0;
+      if (std::find(in_call.begin(), in_call.end(), 1) == in_call.end()) continue;
+      // The engine's step: one call over every slot in this part, the others' lengths 0.
+      Call c = make_call(s, part, in_call);
+      run(*mixed, part, c);
+      for (int32_t b = 0; b < kB; ++b) {
+        const std::vector<float> got = rows_of(c, part, b);
+        if (!in_call[size_t(b)]) {
+          EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }))
+              << "slot " << b << " is not in this call: its rows must be zero";
+          continue;
+        }
+        // The oracle: the same request alone in its call on a twin layer.
+        std::vector<uint8_t> alone(kB, 0);
+        alone[size_t(b)] = 1;
+        Call l = make_call(s, part, alone);
+        run(*lone, part, l);
+        const std::vector<float> want = rows_of(l, part, b);
+        ASSERT_FALSE(has_nan(got)) << "slot " << b;
+        ASSERT_FALSE(has_nan(want)) << "slot " << b;
+        EXPECT_FALSE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }))
+            << "slot " << b << " is in this call: its rows attend something";
+        EXPECT_EQ(got, want) << "slot " << b << (part == Part::kPrefill ? " (prefill)" : " (decode)")
+                             << ": the mixed step differs from the request run alone";
+      }
+    }
+  }
+  EXPECT_TRUE(snapshot() == pools_before) << "a call wrote the engine's pools";
+  EXPECT_EQ(mixed->kv_lens(), std::vector<int64_t>(size_t(kB), 0)) << "an engine-pools layer keeps no lengths";
+}
+
+}  // namespace
+
+void check_engine_pools_mixed_block_step(Device device, const BlockSparseConfig& config, int32_t chunk, int64_t prompt1,
+                                         int64_t prompt2, bool fp8_keys) {
+  check_mixed(device, BlockMixed{config}, Schedule{chunk, prompt1, prompt2}, fp8_keys, 41);
+}
+
+void check_engine_pools_mixed_dsa_step(Device device, const DsaConfig& config, int32_t chunk, int64_t prompt1,
+                                       int64_t prompt2, bool fp8_keys) {
+  check_mixed(device, DsaMixed{config}, Schedule{chunk, prompt1, prompt2}, fp8_keys, 43);
 }
 
 // ---------------------------------------------------------------- refusals

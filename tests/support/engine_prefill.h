@@ -68,6 +68,23 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& config, cons
 void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c,
                                       bool fp8_keys);
 
+/// A prefill chunk sharing an engine step with other sequences' decode
+/// tokens, over engine pools (KVStorage::kEnginePools): three slots, four
+/// steps. Slot 0 prefills two chunks of `chunk` tokens then decodes, slot 1
+/// decodes from a prompt of prompt1 tokens every step, slot 2 from prompt2
+/// and leaves before the last step. Each step is the engine's two calls,
+/// prefill_chunk with kv.seq_lens nonzero only for the prefilling slot and
+/// the decode with them nonzero only for the decoding ones (the other
+/// slots' query rows NaN). Every slot's rows must equal, bit for bit, the
+/// same request run alone in its call on a twin layer (one bound for
+/// every call); the rows of slots not in a call are zero; the engine's
+/// pools are unchanged and the layer keeps no lengths. Index keys bf16,
+/// or with fp8_keys vLLM's FP8 blocks; every unwritten pool row NaN.
+void check_engine_pools_mixed_block_step(Device device, const BlockSparseConfig& config, int32_t chunk, int64_t prompt1,
+                                         int64_t prompt2, bool fp8_keys);
+void check_engine_pools_mixed_dsa_step(Device device, const DsaConfig& config, int32_t chunk, int64_t prompt1,
+                                       int64_t prompt2, bool fp8_keys);
+
 /// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
 /// then a good chunk gives the answer a fresh twin gives): a misaligned
 /// chunk, num_tokens < 1, k / v passed or index_k missing, a table row
