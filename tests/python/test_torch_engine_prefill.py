@@ -1,5 +1,5 @@
 """Chunked prefill over an engine's pools from torch on the GPU: BlockSparseAttention.prefill_paged
-and DsaAttention.prefill_paged (KVStorage.ENGINE_PAGED) and DsaAttention.prefill_pools
+and DsaAttention.prefill_paged (KVStorage.ENGINE_PAGED) and both layers' prefill_pools
 (KVStorage.ENGINE_POOLS, index keys bf16 or vLLM's FP8 blocks), with torch CUDA tensors (bf16),
 each against the same call on the CPU backend over numpy copies of the same values (f16): the same
 kept positions (the values are multiples of 1/4 and the weights dyadic, so every indexer score is
@@ -246,3 +246,30 @@ def test_dsa_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
     got, positions = dsa_prefill_pools(Cuda(), c, keys, key_table, fp8)
     want, want_positions = dsa_prefill_pools(Cpu(), c, keys, key_table, fp8)
     c.check(got, want, positions, want_positions, 1)
+
+
+def block_prefill_pools(be, c, keys, key_table, fp8):
+    cfg = dict(BS, kv_storage=sp.KVStorage.ENGINE_POOLS)
+    layer = sp.BlockSparseAttention(be.device, be.dtype, sp.BlockSparseConfig(**cfg), c.B, gates_off())
+    q, iq = c.queries
+    o = be.nan_out((c.B, c.n, BS["num_qo_heads"], BS["head_dim"]))
+    lens = np.array(c.total, np.int32)  # with the chunk; 0 for a free slot
+    layer.prefill_pools(be.half(q), be.half(iq), o, be.half(c.pool), be.half(c.vpool), be.raw(c.table), be.raw(lens),
+                        max(c.total) + 5, be.raw(keys) if fp8 else be.half(keys), be.raw(key_table),
+                        stream=be.stream())
+    layer.check_errors(stream=be.stream())
+    assert layer.kv_lens == [0] * c.B, "an engine-pools layer keeps no lengths"
+    return be.get(o), layer.last_prefill_positions()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8-keys"])
+@pytest.mark.parametrize("prompts,n", [([64, None, 256], 100), ([0, 192], 128)])
+def test_block_sparse_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
+    """KVStorage.ENGINE_POOLS: the engine's index keys behind a table of their own, its lengths."""
+    rng = np.random.default_rng(19)
+    c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
+              [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
+    keys, key_table = index_cache(c, fp8, rng)
+    got, positions = block_prefill_pools(Cuda(), c, keys, key_table, fp8)
+    want, want_positions = block_prefill_pools(Cpu(), c, keys, key_table, fp8)
+    c.check(got, want, positions, want_positions, BS["num_qo_heads"])
