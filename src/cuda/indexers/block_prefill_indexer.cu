@@ -121,14 +121,14 @@ __device__ __forceinline__ void widen_block(T* tile, const unsigned char* raw) {
   }
 }
 
-/// Grid: (key-block ranges, lists); list = (b * query_blocks + i) * heads + h.
-/// Warp w owns query rows [w * kBlock / 4, (w + 1) * kBlock / 4) of the block
-/// (kMTiles m16 tiles) against every key of each key block.
 /// The scores' parameter: the dense kernels' own, or with the paged keys.
 template <KeySource Src>
 using ScoresArgs = std::conditional_t<Src == KeySource::kRows, BlockScoresArgs, PagedScoresArgs>;
 
-/// Src: the layer's rows (a.keys) or an engine's paged keys (a.paged).
+/// Grid: (key-block ranges, lists); list = (b * query_blocks + i) * heads + h.
+/// Warp w owns query rows [w * kBlock / 4, (w + 1) * kBlock / 4) of the block
+/// (kMTiles m16 tiles) against every key of each key block. Src: the
+/// layer's rows (a.keys) or an engine's paged keys (a.paged).
 template <typename T, int kBlock, KeySource Src>
 __global__ void __launch_bounds__(kScoreThreads) block_scores_kernel(const ScoresArgs<Src> a) {
   constexpr bool kPaged = Src != KeySource::kRows, kFp8 = Src == KeySource::kPagedFp8;
