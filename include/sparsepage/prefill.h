@@ -354,13 +354,17 @@ struct BlockPrefillIndexerParams {
   /// (the block-sparse layer's K allocation at head num_kv_heads, or a
   /// key-only cache).
   RowView index_keys;
-  /// kPaged (CPU only so far): the keys are an engine's paged pool instead
-  /// (`paged`, native or FP8 at head_dim 128; row b of its table for
-  /// sequence b), read as the block decode indexer reads them (FP8: e4m3 x
-  /// the key's scale); index_keys is unused. A block id outside the pool
-  /// that a scored key block needs is refused by name.
+  /// kPaged: the keys are an engine's paged pool instead (`paged`, native
+  /// or FP8 at head_dim 128; row b of its table for sequence b), read as the
+  /// block decode indexer reads them (FP8: e4m3 x the key's scale);
+  /// index_keys is unused. A block id outside the pool that a scored key
+  /// block needs is never read: the CPU refuses it by name; on CUDA the
+  /// lists that needed it select nothing (count 0: zero output) and `error`
+  /// gets kIndexErrorBlock (a sequence past chunk.kv_len likewise,
+  /// kIndexErrorLength).
   IndexKeyLayout key_layout = IndexKeyLayout::kDense;
   PagedIndexKeys paged;
+  int32_t* error = nullptr;       // kPaged on CUDA, may be null: the IndexKeyError word (device), or'ed into
   const void* q_index = nullptr;  // [batch, num_tokens, num_kv_heads, head_dim], packed
   /// Out: a kPerKvHead selection of width top_blocks + 1.
   int32_t* block_ids = nullptr;  // [batch, num_query_blocks, num_kv_heads, top_blocks + 1]

@@ -682,6 +682,41 @@ void bind_layers(nb::module_& m) {
           "max_blocks]. q and o [B, num_tokens, Hq, D], index_q [B, num_tokens, Hkv, D]. The same\n"
           "selection and answer as prefill over the layer's own cache, with its refusals, and a table\n"
           "row too short for a slot refused before anything changes.")
+      .def(
+          "prefill_pools",
+          [](BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
+             const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len, const In& index_cache,
+             const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+            const std::string op = "BlockSparseAttention.prefill_pools";
+            const auto& c = self.config();
+            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
+            const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
+            const int32_t n = step_q_len(op, q, "q", q_layout);
+            const StepArgs a(self, op);
+            BlockSparseTokens t;
+            t.q = a.in(q, "q", {B, n, Hq, D}, q_layout);
+            t.index_q = a.in(index_q, "index_q", {B, n, Hk, D}, "[batch, num_tokens, num_kv_heads, head_dim]");
+            t.o = a.out(o, {B, n, Hq, D}, "[batch, num_tokens, num_qo_heads, head_dim]");
+            EnginePagedKV kv = block_engine_kv(self, op, k_cache, v_cache, block_table);
+            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table, c.head_dim);
+            self.prefill(t, kv, n, step_stream(stream, self));
+          },
+          nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"), nb::arg("index_cache"),
+          nb::arg("index_block_table").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+          "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
+          "has written the chunk's K and V rows and index keys; the layer appends nothing and keeps\n"
+          "nothing. k_cache, v_cache, block_table, index_cache and index_block_table as decode_pools\n"
+          "takes them; seq_lens int32 [B] each slot's length with the chunk (0: a slot not in this call,\n"
+          "zero output), its chunk the last num_tokens = q.shape[1] positions, starting on a multiple of\n"
+          "block_size; max_seq_len a host bound on them. q and o [B, num_tokens, Hq, D], index_q [B,\n"
+          "num_tokens, Hkv, D]. The same selection and answer as prefill_paged over a layer that keeps\n"
+          "the same keys. The lengths are read back once (on the GPU this synchronizes; not capturable).\n"
+          "Refused by name before anything is written: a length other than 0 below num_tokens or above\n"
+          "max_seq_len, or past the table's row, a chunk off the block grid, and every slot free. A key\n"
+          "block id outside the pool that the block scores read: refused by name on the CPU; on the GPU\n"
+          "the sparse-regime query blocks that needed it attend nothing (zero output) and\n"
+          "check_errors() names it.")
       .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
   nb::class_<StaticBlockSparseConfig>(

@@ -715,8 +715,6 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
   REQUIRE(p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
           who + "q_index, block_ids and counts must be set");
   if (p.key_layout == IndexKeyLayout::kPaged) {
-    REQUIRE(device == Device::kCpu, who + "the CUDA block scores read dense index keys only (paged keys: the CPU "
-                                          "backend)");
     const std::string problem = paged_index_keys_problem(p.paged, p.head_dim);
     REQUIRE(problem.empty(), who + "paged: " + problem);
     REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
@@ -790,8 +788,16 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
   se.scores = scores_.as<float>();
   se.block_ids = p.block_ids;
   se.counts = p.counts;
-  if (p.key_layout == IndexKeyLayout::kPaged) {
-    detail::block_scores_cpu(sa, &p.paged);  // check_block_indexer: the CPU backend only
+  if (p.key_layout == IndexKeyLayout::kPaged && device_ == Device::kCpu) {
+    detail::block_scores_cpu(sa, &p.paged);
+  } else if (p.key_layout == IndexKeyLayout::kPaged) {
+    detail::PagedScoresArgs pa;
+    static_cast<detail::BlockScoresArgs&>(pa) = sa;
+    pa.paged = detail::paged_keys_view(p.paged, p.head_dim);
+    pa.fp8 = p.paged.format == IndexKeyFormat::kE4m3;
+    pa.error = p.error;
+    se.refuse_nan = true;  // the lists that needed a refused key block select nothing
+    detail::block_scores_paged_cuda(pa, stream);
   } else {
     launch(device_, +[](const detail::BlockScoresArgs& a) { detail::block_scores_cpu(a); }, detail::block_scores_cuda,
            sa, stream);

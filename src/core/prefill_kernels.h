@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/paged_keys.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/prefill.h"
 
@@ -101,11 +102,24 @@ struct BlockScoresArgs {
   int32_t key_blocks = 0;         // scores' row length: ceil(kv_len / block_size)
   float* scores = nullptr;
 };
-/// `paged` non-null (the CPU backend only): the keys are read from an
-/// engine's paged pool (prefill.h, BlockPrefillIndexerParams::paged), args.keys
-/// unused. Kept out of BlockScoresArgs, the CUDA kernel's parameter.
+/// The CUDA scores over an engine's paged keys instead of `keys` (row b of
+/// paged.table for sequence b): native rows of `dtype`, or with fp8 vLLM's
+/// FP8 blocks (e4m3 x the key's scale). A key block with a row in a block
+/// outside the pool is not read: it scores NaN and sets kIndexErrorBlock in
+/// *error; a sequence longer than chunk.kv_len is not scored and sets
+/// kIndexErrorLength (BlockSelectArgs::refuse_nan then refuses those
+/// lists). Its own type, so the dense kernels' parameter stays as it was.
+struct PagedScoresArgs : BlockScoresArgs {
+  PagedKeys paged{};
+  bool fp8 = false;
+  int32_t* error = nullptr;  // device, may be null: IndexKeyError bits (or'ed)
+};
+/// `paged` non-null (the CPU twin of the paged keys): the keys are read
+/// from an engine's paged pool (prefill.h, BlockPrefillIndexerParams::paged),
+/// args.keys unused; a block id outside the pool is refused by name.
 void block_scores_cpu(const BlockScoresArgs& args, const PagedIndexKeys* paged = nullptr);
 void block_scores_cuda(const BlockScoresArgs& args, void* stream);
+void block_scores_paged_cuda(const PagedScoresArgs& args, void* stream);
 
 /// The top blocks of each (sequence, query block, KV head) from the scores
 /// above: a kPerKvHead selection (prefill.h) of width top_blocks + 1.
@@ -116,6 +130,10 @@ struct BlockSelectArgs {
   const float* scores = nullptr;
   int32_t* block_ids = nullptr;  // out [batch, num_query_blocks, num_kv_heads, top_blocks + 1]
   int32_t* counts = nullptr;     // out [batch, num_query_blocks, num_kv_heads]
+  /// CUDA over paged keys: a list whose scored blocks include a NaN score (a
+  /// key block the scores refused), or whose sequence is longer than
+  /// chunk.kv_len, selects nothing (ids -1, count 0: zero output).
+  bool refuse_nan = false;
 };
 void block_select_cpu(const BlockSelectArgs& args);
 void block_select_cuda(const BlockSelectArgs& args, void* stream);

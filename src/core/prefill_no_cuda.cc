@@ -20,6 +20,7 @@ void mla_epilogue_cuda(const MlaEpilogueArgs&, void*) { no_cuda("sparse prefill 
 void lse_gather_cuda(const LseGatherArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void pass_lens_cuda(const PassLensArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void block_scores_cuda(const BlockScoresArgs&, void*) { no_cuda("BlockPrefillIndexer (Device::kCuda)"); }
+void block_scores_paged_cuda(const PagedScoresArgs&, void*) { no_cuda("BlockPrefillIndexer (Device::kCuda)"); }
 void block_select_cuda(const BlockSelectArgs&, void*) { no_cuda("BlockPrefillIndexer (Device::kCuda)"); }
 void static_blocks_cuda(const StaticBlocksArgs&, void*) { no_cuda("static_prefill_blocks (Device::kCuda)"); }
 

@@ -475,11 +475,6 @@ std::string BlockSparseAttention::pools_key_table_refusal(const PagedIndexKeys& 
 
 std::string BlockSparseAttention::prefill_refusal(int32_t num_tokens, const std::vector<int64_t>& lens) const {
   const int32_t bs = config_.block_size;
-  if (engine_pools() && device() == Device::kCuda) {
-    return "the CUDA block prefill indexer reads dense index keys, not an engine's paged ones (the CPU backend "
-           "reads them): prefill over the engine's pool with a KVStorage::kEnginePaged layer, or decode() token by "
-           "token";
-  }
   if (device() == Device::kCuda && (config_.head_dim != 128 || (bs != 64 && bs != 128))) {
     return "the CUDA prefill indexer scores 64- or 128-token blocks at head_dim 128, not " + std::to_string(bs) +
            "-token blocks at head_dim " + std::to_string(config_.head_dim);
@@ -523,6 +518,7 @@ void BlockSparseAttention::run_prefill(const StepTokens& tokens, int32_t first_s
     ip.key_layout = IndexKeyLayout::kPaged;
     ip.paged = engine_kv()->index_keys;
     ip.paged.block_table += int64_t{first_slot} * ip.paged.block_table_stride;
+    ip.error = index_error_word();  // CUDA: a key block outside the pool, flagged where it is read
   } else {
     ip.index_keys = slot_rows(cache().k_rows().value(), first_slot, engine_paged() ? 0 : heads);
   }

@@ -77,6 +77,22 @@ TEST(EnginePoolsPrefillCpu, BlockSparseOverBf16AndFp8KeysMatchesTheEnginePagedPr
   }
 }
 
+// An engine step with one slot prefilling and the others decoding, over
+// engine pools: each request as it is alone (support/engine_prefill.h).
+TEST(EnginePoolsMixedStepCpu, BlockSparsePrefillBesideDecodesEqualsEachRequestAlone) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_block_step(Device::kCpu, pools_block_config(), 48, 100, 40, fp8);
+  }
+}
+
+TEST(EnginePoolsMixedStepCpu, DsaPrefillBesideDecodesEqualsEachRequestAlone) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_dsa_step(Device::kCpu, pools_config(), 16, 50, 10, fp8);
+  }
+}
+
 TEST(EnginePrefillCpu, BadChunksAreRefusedByNameAndChangeNothing) {
   testing::check_engine_prefill_refusals(Device::kCpu);
 }

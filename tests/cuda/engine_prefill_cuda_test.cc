@@ -70,9 +70,43 @@ TEST(EnginePoolsPrefillCuda, DsaOverFp8KeysMatchesTheEnginePagedPrefill) {
   testing::check_engine_pools_dsa_prefill(Device::kCuda, pools_config(), {{100, -1, 10}, 24, 5}, true, true);
 }
 
-TEST(EnginePoolsPrefillCuda, BlockSparseIsRefusedByName) {
+// The pools form over 16-token engine blocks: dense, sparse with a free
+// slot, and a chunk of two query blocks crossing into the sparse regime.
+TEST(EnginePoolsPrefillCuda, BlockSparseOverBf16KeysMatchesTheEnginePagedPrefillAndTheCpu) {
   SKIP_WITHOUT_CUDA();
   testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{64, 128}, 64, 6}, false);
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{256, -1, 128}, 128, 7}, false);
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{192, 320}, 100, 8}, false);
+}
+
+TEST(EnginePoolsPrefillCuda, BlockSparseOverFp8KeysMatchesTheEnginePagedPrefillAndTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{64, 128}, 64, 9}, true);
+  testing::check_engine_pools_block_prefill(Device::kCuda, block_config(), {{256, -1, 128}, 128, 10}, true);
+  // 128-token blocks: the other score kernel shape.
+  BlockSparseConfig wide = block_config();
+  wide.block_size = 128;
+  wide.capacity_step = 512;
+  testing::check_engine_pools_block_prefill(Device::kCuda, wide, {{512, 640}, 128, 11}, true);
+  testing::check_engine_pools_block_prefill(Device::kCuda, wide, {{512, -1, 256}, 128, 12}, false);
+}
+
+// An engine step with one slot prefilling and the others decoding, over
+// engine pools: each request bit for bit as it is alone.
+TEST(EnginePoolsMixedStepCuda, BlockSparsePrefillBesideDecodesEqualsEachRequestAlone) {
+  SKIP_WITHOUT_CUDA();
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_block_step(Device::kCuda, block_config(), 192, 300, 100, fp8);
+  }
+}
+
+TEST(EnginePoolsMixedStepCuda, DsaPrefillBesideDecodesEqualsEachRequestAlone) {
+  SKIP_WITHOUT_CUDA();
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8 keys" : "bf16 keys");
+    testing::check_engine_pools_mixed_dsa_step(Device::kCuda, pools_config(), 48, 100, 30, fp8);
+  }
 }
 
 TEST(EnginePrefillCuda, BadChunksAreRefusedByNameAndChangeNothing) {

@@ -74,3 +74,62 @@ def test_prefill_paged_on_a_layer_cache_layer_is_refused_by_name(rng):
         own.prefill_paged(grid(rng, B, n, Hq, D), grid(rng, B, n, H, D), grid(rng, n, B, 1, 1, D),
                           np.zeros((B, n, Hq, D), np.float16), pool, pool.copy(), np.arange(4, dtype=np.int32)[None])
     assert own.kv_lens == [0]
+
+
+@pytest.mark.parametrize("prompts,n", [([16, None, 40], 16), ([0, 24], 24)])
+def test_prefill_pools_equals_prefill_paged(rng, prompts, n):
+    """KVStorage.ENGINE_POOLS: the engine also owns the index keys ([num_blocks, block_size, D] in the
+    layer's dtype, through the K/V table) and passes each slot's length with the chunk (0: a free
+    slot). The chunk keeps what an ENGINE_PAGED layer keeping the same keys keeps, with its answer;
+    the layer keeps no lengths; a chunk off the block grid and the call on another kv_storage are
+    refused by name before o is written."""
+    Hq, H, D = 8, 2, 16
+    B = len(prompts)
+    total = [0 if p is None else p + n for p in prompts]
+    keys = [grid(rng, t, H, D) for t in total]
+    vals = [grid(rng, t, H, D) for t in total]
+    index_keys = [grid(rng, t, D) for t in total]
+    paged = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config(sp.KVStorage.ENGINE_PAGED), B, gates_off())
+    pools = sp.BlockSparseAttention(sp.Device.cpu, sp.DType.f16, config(sp.KVStorage.ENGINE_POOLS), B, gates_off())
+    max_blocks = max(total) // ENGINE_BLOCK + 2
+    num_blocks = B * max_blocks + 3
+    table = rng.permutation(num_blocks).astype(np.int32)[: B * max_blocks].reshape(B, max_blocks).copy()
+    k_cache = np.full((num_blocks, ENGINE_BLOCK, H, D), np.nan, np.float16)
+    v_cache = np.full_like(k_cache, np.nan)
+    index_cache = np.full((num_blocks, ENGINE_BLOCK, D), np.nan, np.float16)
+    for b, t in enumerate(total):  # the engine writes the prompt's and the chunk's rows and index keys
+        pos = np.arange(t)
+        k_cache[table[b, pos // ENGINE_BLOCK], pos % ENGINE_BLOCK] = keys[b]
+        v_cache[table[b, pos // ENGINE_BLOCK], pos % ENGINE_BLOCK] = vals[b]
+        index_cache[table[b, pos // ENGINE_BLOCK], pos % ENGINE_BLOCK] = index_keys[b]
+        if prompts[b] is None:
+            paged.release(b)
+        elif prompts[b] > 0:
+            paged.admit(b, index_keys[b][: prompts[b]][None].copy())
+    index_k = np.zeros((n, B, 1, 1, D), np.float16)
+    for b, p in enumerate(prompts):
+        if p is not None:
+            index_k[:, b, 0, 0] = index_keys[b][p:]
+    q, iq = grid(rng, B, n, Hq, D), grid(rng, B, n, H, D)
+    o_paged, o_pools = np.full((B, n, Hq, D), np.nan, np.float16), np.full((B, n, Hq, D), np.nan, np.float16)
+    paged.prefill_paged(q, iq, index_k, o_paged, k_cache, v_cache, table)
+    lens = np.array(total, np.int32)
+    bound = max(total) + 5
+
+    off = np.where(lens > 0, lens + 1, 0).astype(np.int32)  # every chunk one position later: off the grid
+    with pytest.raises(sp.Error, match="not a multiple of block_size"):
+        pools.prefill_pools(q, iq, o_pools, k_cache, v_cache, table, off, bound, index_cache)
+    with pytest.raises(sp.Error, match="prefill_pools: the layer was made with another kv_storage"):
+        paged.prefill_pools(q, iq, o_pools, k_cache, v_cache, table, lens, bound, index_cache)
+    assert np.isnan(o_pools).all(), "a refused chunk wrote o"
+
+    pools.prefill_pools(q, iq, o_pools, k_cache, v_cache, table, lens, bound, index_cache)
+    pools.check_errors()
+    assert pools.kv_lens == [0] * B, "an engine-pools layer keeps no lengths"
+    positions = pools.last_prefill_positions()
+    assert positions == paged.last_prefill_positions()
+    for b in range(B):
+        if prompts[b] is None:
+            assert np.all(o_pools[b] == 0) and all(r == [] for r in positions[b * n * Hq:(b + 1) * n * Hq])
+    assert not np.isnan(o_pools).any()
+    np.testing.assert_allclose(o_pools.astype(np.float32), o_paged.astype(np.float32), rtol=1e-3, atol=1e-3)

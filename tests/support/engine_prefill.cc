@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -604,74 +605,115 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
   }
 }
 
+namespace {
+
+// The block-sparse chunk over engine-owned pools on one device: the
+// engine's K/V pools and index keys (bf16, or vLLM's FP8 blocks) through a
+// shuffled table, every unwritten row NaN, its lengths with the chunk (0:
+// free) under a looser bound, and the engine-paged twin over the same K/V
+// rows (the layer keeping the keys). The same seed gives the same data on
+// either device.
+struct BlockPools {
+  Device device;
+  int32_t batch, n, hq, hkv, d;
+  Lengths len;
+  std::unique_ptr<BlockSparseAttention> paged, pools;
+  std::unique_ptr<EnginePool> pool;
+  std::unique_ptr<EngineKeys> keys;
+  Buffer q_dev, iq_dev, index_k;
+  EnginePagedKV kv, pkv;
+
+  BlockPools(Device dev, const BlockSparseConfig& cfg, const EnginePrefillCase& c, bool fp8_keys)
+      : device(dev),
+        batch(static_cast<int32_t>(c.prompt.size())),
+        n(c.num_tokens),
+        hq(cfg.num_qo_heads),
+        hkv(cfg.num_kv_heads),
+        d(cfg.head_dim),
+        len(c) {
+    std::mt19937_64 rng(c.seed);
+    const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
+    const SlotRows ik = slot_rows(rng, len.after, d);
+    const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
+    const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+    BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
+    paged_cfg.kv_storage = KVStorage::kEnginePaged;
+    pools_cfg.kv_storage = KVStorage::kEnginePools;
+    paged = std::make_unique<BlockSparseAttention>(device, kDt, paged_cfg, batch, fused());
+    pools = std::make_unique<BlockSparseAttention>(device, kDt, pools_cfg, batch, fused());
+    pool = std::make_unique<EnginePool>(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+    keys = std::make_unique<EngineKeys>(*pool, fp8_keys, d);
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
+        pool->write(0, b, p, k[size_t(b)].data() + p * hkv * d);
+        pool->write(1, b, p, v[size_t(b)].data() + p * hkv * d);
+        keys->write(b, p, ik[size_t(b)].data() + p * d);
+      }
+      if (!len.active(b)) {
+        paged->release(b);
+        continue;
+      }
+      const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
+      paged->admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
+    }
+    kv.k = pool->rows(0, 0, d, hkv);
+    kv.v = pool->rows(1, 0, d, hkv);
+    kv.block_table = pool->block_table();
+    const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
+    pkv = keys->pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 5);
+    q_dev = to_device(device, kDt, q);
+    iq_dev = to_device(device, kDt, iq);
+    index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
+  }
+  size_t o_count() const { return static_cast<size_t>(int64_t{batch} * n * hq * d); }
+  // The pools form's tokens, writing o.
+  BlockSparseTokens tokens(Buffer& o) const {
+    BlockSparseTokens t;
+    t.q = q_dev.data();
+    t.index_q = iq_dev.data();
+    t.o = o.data();
+    return t;
+  }
+  // The pools chunk into a NaN-poisoned output (checked, no error flagged).
+  std::vector<float> run_pools() {
+    Buffer o = poisoned(device, o_count());
+    pools->prefill(tokens(o), pkv, n);
+    pools->check_errors();
+    return read_bf16(device, o, o_count());
+  }
+};
+
+}  // namespace
+
 void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c,
                                       bool fp8_keys) {
-  std::mt19937_64 rng(c.seed);
-  const auto batch = static_cast<int32_t>(c.prompt.size());
-  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
-  const Lengths len(c);
-  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
-  const SlotRows ik = slot_rows(rng, len.after, d);
-  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
-
-  BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
-  paged_cfg.kv_storage = KVStorage::kEnginePaged;
-  pools_cfg.kv_storage = KVStorage::kEnginePools;
-  BlockSparseAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
-  BlockSparseAttention pools(device, kDt, pools_cfg, batch, fused());
-  EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
-  EngineKeys keys(pool, fp8_keys, d);
-  for (int32_t b = 0; b < batch; ++b) {
-    for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
-      pool.write(0, b, p, k[size_t(b)].data() + p * hkv * d);
-      pool.write(1, b, p, v[size_t(b)].data() + p * hkv * d);
-      keys.write(b, p, ik[size_t(b)].data() + p * d);
-    }
-    if (!len.active(b)) {
-      paged.release(b);
-      continue;
-    }
-    const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
-    paged.admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
-  }
-  const EnginePagedKV kv = pool.kv(d, hkv);
-  const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
-  const EnginePagedKV pkv = keys.pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 5);
-
-  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
-  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
-  Buffer pools_o = poisoned(device, o_count);
-  BlockSparseTokens pt;
-  pt.q = q_dev.data();
-  pt.index_q = iq_dev.data();
-  pt.o = pools_o.data();
-  if (device == Device::kCuda) {  // the CUDA block scores read dense keys only
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, pkv, n); }, "reads dense index keys"));
-    return;
-  }
-  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
-  Buffer paged_o = poisoned(device, o_count);
-  BlockSparseTokens et = pt;
-  et.index_k = index_k.data();
-  et.o = paged_o.data();
-  paged.prefill(et, kv, n);
+  BlockPools s(device, cfg, c, fp8_keys);
+  const int32_t batch = s.batch, n = s.n, hq = s.hq, d = s.d;
+  const Lengths& len = s.len;
+  const size_t o_count = s.o_count();
+  Buffer paged_o = poisoned(device, o_count), pools_o = poisoned(device, o_count);
+  const BlockSparseTokens pt = s.tokens(pools_o);
+  BlockSparseTokens et = s.tokens(paged_o);
+  et.index_k = s.index_k.data();
+  s.paged->prefill(et, s.kv, n);
+  s.paged->check_errors();
 
   // A chunk off the block grid (the engine's lengths one longer) is refused by name, o untouched.
-  std::vector<int32_t> off = lens32;
+  std::vector<int32_t> off(len.after.begin(), len.after.end());
   for (int32_t& x : off) x = x > 0 ? x + 1 : 0;
   const Buffer off_dev = upload(device, off);
-  EnginePagedKV misaligned = pkv;
+  EnginePagedKV misaligned = s.pkv;
   misaligned.seq_lens = off_dev.as<int32_t>();
-  EXPECT_TRUE(throws_error_naming([&] { pools.prefill(pt, misaligned, n); }, "not a multiple of block_size"));
+  EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(pt, misaligned, n); }, "not a multiple of block_size"));
   const std::vector<float> untouched = read_bf16(device, pools_o, o_count);
   EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }));
 
-  pools.prefill(pt, pkv, n);
-  pools.check_errors();
-  const auto positions = pools.last_prefill_positions();
+  s.pools->prefill(pt, s.pkv, n);
+  s.pools->check_errors();
+  const auto positions = s.pools->last_prefill_positions();
   ASSERT_EQ(positions.size(), size_t(batch) * size_t(n) * size_t(hq));
-  EXPECT_EQ(positions, paged.last_prefill_positions()) << "the pools form kept other positions than the engine-paged";
+  EXPECT_EQ(positions, s.paged->last_prefill_positions())
+      << "the pools form kept other positions than the engine-paged";
   const std::vector<float> got = read_bf16(device, pools_o, o_count), want = read_bf16(device, paged_o, o_count);
   const int64_t row = int64_t{hq} * d;
   for (int32_t b = 0; b < batch; ++b) {
@@ -686,12 +728,25 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
       EXPECT_LT(relative_l2(o, widen(slice(want, at, row))), 1e-3) << "slot " << b << " token " << t;
     }
   }
+  if (device == Device::kCuda) {  // the CPU twin over copies of the same pools
+    BlockPools twin(Device::kCpu, cfg, c, fp8_keys);
+    const std::vector<float> cpu = twin.run_pools();
+    EXPECT_EQ(positions, twin.pools->last_prefill_positions()) << "the CUDA pools form kept other positions";
+    for (int32_t b = 0; b < batch; ++b) {
+      for (int32_t t = 0; t < n && len.active(b); ++t) {
+        const int64_t at = (int64_t{b} * n + t) * row;
+        EXPECT_LT(relative_l2(slice(got, at, row), widen(slice(cpu, at, row))), 1e-2) << "slot " << b << " token " << t;
+      }
+    }
+  }
 
-  // A key block id outside the pool that the block scores read is refused
-  // by the layer's name before o is written, in the first active slot or
-  // the last (after a free slot's rows and the other slots': the CPU scores
-  // once refused it mid-chunk, under the indexer's name, with those rows
-  // already written).
+  // A key block id outside the pool that the block scores read, in the
+  // first active slot or the last (after a free slot's rows and the other
+  // slots'). The CPU refuses it by the layer's name before o is written (a
+  // host table). CUDA judges it where it is read: flagged (check_errors()
+  // names it), the lists that needed it in the sparse regime select
+  // nothing (their rows zero), the dense-regime lists and the other slots
+  // keep their answers.
   std::vector<int32_t> actives;
   for (int32_t b = 0; b < batch; ++b)
     if (len.active(b)) actives.push_back(b);
@@ -699,22 +754,291 @@ void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& cf
     const int64_t start = len.after[size_t(b)] - n, blocks = (n + cfg.block_size - 1) / cfg.block_size;
     const int64_t scored_end = std::max<int64_t>(0, start / cfg.block_size + blocks - cfg.local_blocks);
     if (scored_end == 0) continue;  // the scores read no key of this slot
-    std::vector<int32_t> bad_table = pool.table;
-    bad_table[size_t(int64_t{b} * pool.max_blocks)] = static_cast<int32_t>(pool.num_blocks);
+    std::vector<int32_t> bad_table = s.pool->table;
+    bad_table[size_t(int64_t{b} * s.pool->max_blocks)] = static_cast<int32_t>(s.pool->num_blocks);
     const Buffer bad_dev = upload(device, bad_table);
-    EnginePagedKV bad = pkv;
+    EnginePagedKV bad = s.pkv;
     bad.index_keys.block_table = bad_dev.as<int32_t>();
     Buffer bad_o = poisoned(device, o_count);
-    BlockSparseTokens bt = pt;
-    bt.o = bad_o.data();
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); },
-                                    "BlockSparseAttention::prefill(tokens, kv) (engine pools): slot " +
-                                        std::to_string(b) + "'s index-key table entry 0"));
-    EXPECT_TRUE(throws_error_naming([&] { pools.prefill(bt, bad, n); }, "outside the index-key pool"));
-    const std::vector<float> kept = read_bf16(device, bad_o, o_count);
-    EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](float x) { return std::isnan(x); }))
-        << "a refused chunk wrote o (slot " << b << ")";
+    const BlockSparseTokens bt = s.tokens(bad_o);
+    if (device == Device::kCpu) {
+      EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(bt, bad, n); },
+                                      "BlockSparseAttention::prefill(tokens, kv) (engine pools): slot " +
+                                          std::to_string(b) + "'s index-key table entry 0"));
+      EXPECT_TRUE(throws_error_naming([&] { s.pools->prefill(bt, bad, n); }, "outside the index-key pool"));
+      const std::vector<float> kept = read_bf16(device, bad_o, o_count);
+      EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](float x) { return std::isnan(x); }))
+          << "a refused chunk wrote o (slot " << b << ")";
+      continue;
+    }
+    s.pools->prefill(bt, bad, n);
+    EXPECT_TRUE(throws_error_naming([&] { s.pools->check_errors(); }, "a key block id outside the index-key pool"));
+    EXPECT_NO_THROW(s.pools->check_errors()) << "check_errors() clears what it reported";
+    const std::vector<float> flagged = read_bf16(device, bad_o, o_count);
+    const int64_t dense_len = int64_t{2} * cfg.topk_blocks * cfg.block_size;
+    for (int32_t x = 0; x < batch; ++x) {
+      for (int32_t t = 0; t < n && len.active(x); ++t) {
+        const int64_t at = (int64_t{x} * n + t) * row;
+        const int32_t i = t / cfg.block_size;
+        const int64_t end = start + std::min<int64_t>(int64_t{i + 1} * cfg.block_size, n);
+        const bool needed = start / cfg.block_size + i + 1 - cfg.local_blocks > 0;  // key block 0 is scored
+        const std::vector<float> o = slice(flagged, at, row);
+        if (x == b && needed && end > dense_len) {
+          EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float y) { return y == 0.0f; }))
+              << "slot " << x << " token " << t << " read a refused key block";
+        } else {
+          EXPECT_EQ(o, slice(got, at, row)) << "slot " << x << " token " << t;
+        }
+      }
+    }
   }
+}
+
+// ---------------------------------------------------------------- mixed steps
+
+namespace {
+
+// A slot's part in one engine step of the mixed-step scenario.
+enum class Part { kNone, kPrefill, kDecode };
+
+// The engine's schedule over three slots: slot 0 prefills two chunks of
+// `chunk` tokens then decodes; slot 1 decodes every step from its prompt;
+// slot 2 decodes from its prompt and leaves before the last step.
+struct Schedule {
+  static constexpr int32_t kBatch = 3, kSteps = 4;
+  int32_t chunk;
+  int64_t prompt1, prompt2;
+  Part part(int32_t step, int32_t slot) const {
+    if (slot == 0) return step < 2 ? Part::kPrefill : Part::kDecode;
+    if (slot == 2 && step == kSteps - 1) return Part::kNone;
+    return Part::kDecode;
+  }
+  // The slot's length with this step's tokens.
+  int64_t length(int32_t step, int32_t slot) const {
+    if (slot == 0) return step < 2 ? int64_t{chunk} * (step + 1) : 2 * int64_t{chunk} + (step - 1);
+    return (slot == 1 ? prompt1 : prompt2) + step + 1;
+  }
+  int64_t longest(int32_t slot) const {
+    int64_t m = 0;
+    for (int32_t s = 0; s < kSteps; ++s)
+      if (part(s, slot) != Part::kNone) m = std::max(m, length(s, slot));
+    return m;
+  }
+  int64_t bound() const { return std::max({longest(0), longest(1), longest(2)}) + 7; }
+};
+
+// Per-(slot, token) query-side inputs of a model: elements and dtype of each field.
+struct Field {
+  int64_t elems;
+  DType dtype;
+};
+
+// The layer calls a mixed step makes, for each model.
+struct BlockMixed {
+  BlockSparseConfig cfg;
+  std::vector<Field> fields() const {
+    return {{int64_t{cfg.num_qo_heads} * cfg.head_dim, kDt}, {int64_t{cfg.num_kv_heads} * cfg.head_dim, kDt}};
+  }
+  int64_t o_elems() const { return int64_t{cfg.num_qo_heads} * cfg.head_dim; }
+  int64_t row_elems() const { return int64_t{cfg.num_kv_heads} * cfg.head_dim; }  // K and V pools
+  int32_t num_pools() const { return 2; }
+  int32_t key_dim() const { return cfg.head_dim; }
+  std::unique_ptr<BlockSparseAttention> layer(Device device) const {
+    BlockSparseConfig c = cfg;
+    c.kv_storage = KVStorage::kEnginePools;
+    return std::make_unique<BlockSparseAttention>(device, kDt, c, Schedule::kBatch, fused());
+  }
+  EnginePagedKV kv(const EnginePool& pool) const {
+    EnginePagedKV kv;
+    kv.k = pool.rows(0, 0, cfg.head_dim, cfg.num_kv_heads);
+    kv.v = pool.rows(1, 0, cfg.head_dim, cfg.num_kv_heads);
+    kv.block_table = pool.block_table();
+    return kv;
+  }
+  static BlockSparseTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
+    BlockSparseTokens t;
+    t.q = in[0].data();
+    t.index_q = in[1].data();
+    t.o = o.data();
+    return t;
+  }
+  void prefill(BlockSparseAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv,
+               int32_t n) const {
+    l.prefill(tokens(in, o), kv, n);
+  }
+  void decode(BlockSparseAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv) const {
+    l.decode(tokens(in, o), kv);
+  }
+};
+
+struct DsaMixed {
+  DsaConfig cfg;
+  std::vector<Field> fields() const {
+    return {{int64_t{cfg.num_qo_heads} * cfg.latent_dim, kDt},
+            {int64_t{cfg.num_qo_heads} * cfg.rope_dim, kDt},
+            {int64_t{cfg.index_heads} * cfg.index_head_dim, kDt},
+            {cfg.index_heads, DType::kF32}};
+  }
+  int64_t o_elems() const { return int64_t{cfg.num_qo_heads} * cfg.latent_dim; }
+  int64_t row_elems() const { return int64_t{cfg.latent_dim} + cfg.rope_dim; }  // the MLA rows
+  int32_t num_pools() const { return 1; }
+  int32_t key_dim() const { return cfg.index_head_dim; }
+  std::unique_ptr<DsaAttention> layer(Device device) const {
+    DsaConfig c = cfg;
+    c.kv_storage = KVStorage::kEnginePools;
+    return std::make_unique<DsaAttention>(device, kDt, c, Schedule::kBatch, fused());
+  }
+  EnginePagedKV kv(const EnginePool& pool) const {
+    EnginePagedKV kv;
+    kv.k = pool.rows(0, 0, cfg.latent_dim, 1);
+    kv.v = kv.k;
+    kv.k_extra = pool.rows(0, cfg.latent_dim, cfg.rope_dim, 1);
+    kv.block_table = pool.block_table();
+    return kv;
+  }
+  static DsaTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
+    return DsaTokens{in[0].data(), in[1].data(), in[2].data(), in[3].as<float>(), nullptr, nullptr, o.data()};
+  }
+  void prefill(DsaAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv, int32_t n) const {
+    l.prefill(tokens(in, o), kv, n);
+  }
+  void decode(DsaAttention& l, const std::vector<Buffer>& in, Buffer& o, const EnginePagedKV& kv) const {
+    l.decode(tokens(in, o), kv);
+  }
+};
+
+template <class Model>
+void check_mixed(Device device, const Model& m, const Schedule& sched, bool fp8_keys, uint64_t seed) {
+  constexpr int32_t kB = Schedule::kBatch;
+  std::mt19937_64 rng(seed);
+  // The engine has written every row the scenario reaches (the layer reads
+  // only positions below each call's lengths); every other pool row is NaN.
+  std::vector<int64_t> longest;
+  for (int32_t b = 0; b < kB; ++b) longest.push_back(sched.longest(b));
+  const Lengths extent(EnginePrefillCase{longest, 0, 0});
+  EnginePool pool(device, kB, blocks_for(extent), m.row_elems(), m.num_pools(), rng);
+  const int32_t kd = m.key_dim();
+  EngineKeys keys(pool, fp8_keys, kd);
+  for (int32_t b = 0; b < kB; ++b) {
+    for (int64_t p = 0; p < longest[size_t(b)]; ++p) {
+      for (int32_t i = 0; i < m.num_pools(); ++i) {
+        const std::vector<float> row = quarter_grid(rng, static_cast<size_t>(m.row_elems()));
+        pool.write(i, b, p, row.data());
+      }
+      const std::vector<float> key = quarter_grid(rng, static_cast<size_t>(kd));
+      keys.write(b, p, key.data());
+    }
+  }
+  const Buffer keys_dev = upload(device, keys.bytes);
+  EnginePagedKV kv = m.kv(pool);
+  kv.index_keys = keys.host;
+  kv.index_keys.pool = const_cast<void*>(keys_dev.data());
+  kv.index_keys.block_table = pool.table_dev.as<int32_t>();
+  kv.max_seq_len = sched.bound();  // one bound for every call, mixed or lone: the same plans
+  const auto snapshot = [&] {
+    std::vector<std::vector<uint8_t>> bytes;
+    for (const Buffer& b : pool.pools) bytes.push_back(download<uint8_t>(device, b.data(), b.bytes()));
+    bytes.push_back(download<uint8_t>(device, keys_dev.data(), keys_dev.bytes()));
+    return bytes;
+  };
+  const auto pools_before = snapshot();
+
+  // Each (step, slot)'s query-side inputs: chunk tokens for a prefill, one for a decode.
+  const std::vector<Field> fields = m.fields();
+  const auto tokens_of = [&](Part part) { return part == Part::kPrefill ? sched.chunk : 1; };
+  std::vector<std::vector<std::vector<float>>> inputs(size_t(Schedule::kSteps) * kB);
+  for (int32_t s = 0; s < Schedule::kSteps; ++s) {
+    for (int32_t b = 0; b < kB; ++b) {
+      const Part part = sched.part(s, b);
+      if (part == Part::kNone) continue;
+      for (const Field& f : fields) inputs[size_t(s * kB + b)].push_back(quarter_grid(rng, size_t(tokens_of(part) * f.elems)));
+    }
+  }
+  // One call's inputs and lengths for the slots in `in_call` (the others'
+  // rows NaN, their lengths 0), the output NaN-poisoned.
+  struct Call {
+    std::vector<Buffer> in;
+    Buffer lens, o;
+  };
+  const auto make_call = [&](int32_t s, Part part, const std::vector<uint8_t>& in_call) {
+    const int32_t t = tokens_of(part);
+    Call c;
+    for (size_t f = 0; f < fields.size(); ++f) {
+      std::vector<float> x(size_t(kB * t * fields[f].elems), std::numeric_limits<float>::quiet_NaN());
+      for (int32_t b = 0; b < kB; ++b) {
+        if (in_call[size_t(b)])
+          std::copy_n(inputs[size_t(s * kB + b)][f].begin(), t * fields[f].elems,
+                      x.begin() + int64_t{b} * t * fields[f].elems);
+      }
+      c.in.push_back(to_device(device, fields[f].dtype, x));
+    }
+    std::vector<int32_t> lens(kB, 0);
+    for (int32_t b = 0; b < kB; ++b) lens[size_t(b)] = in_call[size_t(b)] ? int32_t(sched.length(s, b)) : 0;
+    c.lens = upload(device, lens);
+    c.o = poisoned(device, size_t(kB * t * m.o_elems()));
+    return c;
+  };
+  const auto run = [&](auto& layer, Part part, Call& c) {
+    EnginePagedKV call_kv = kv;
+    call_kv.seq_lens = c.lens.template as<int32_t>();
+    if (part == Part::kPrefill) {
+      m.prefill(layer, c.in, c.o, call_kv, sched.chunk);
+    } else {
+      m.decode(layer, c.in, c.o, call_kv);
+    }
+    layer.check_errors();
+  };
+  const auto rows_of = [&](const Call& c, Part part, int32_t b) {
+    const int64_t row = int64_t{tokens_of(part)} * m.o_elems();
+    return slice(read_bf16(device, c.o, size_t(kB * row)), b * row, row);
+  };
+
+  auto mixed = m.layer(device), lone = m.layer(device);
+  for (int32_t s = 0; s < Schedule::kSteps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    for (const Part part : {Part::kPrefill, Part::kDecode}) {
+      std::vector<uint8_t> in_call(kB, 0);
+      for (int32_t b = 0; b < kB; ++b) in_call[size_t(b)] = sched.part(s, b) == part ? 1 : 0;
+      if (std::find(in_call.begin(), in_call.end(), 1) == in_call.end()) continue;
+      // The engine's step: one call over every slot in this part, the others' lengths 0.
+      Call c = make_call(s, part, in_call);
+      run(*mixed, part, c);
+      for (int32_t b = 0; b < kB; ++b) {
+        const std::vector<float> got = rows_of(c, part, b);
+        if (!in_call[size_t(b)]) {
+          EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }))
+              << "slot " << b << " is not in this call: its rows must be zero";
+          continue;
+        }
+        // The oracle: the same request alone in its call on a twin layer.
+        std::vector<uint8_t> alone(kB, 0);
+        alone[size_t(b)] = 1;
+        Call l = make_call(s, part, alone);
+        run(*lone, part, l);
+        const std::vector<float> want = rows_of(l, part, b);
+        ASSERT_FALSE(has_nan(got)) << "slot " << b;
+        ASSERT_FALSE(has_nan(want)) << "slot " << b;
+        EXPECT_FALSE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }))
+            << "slot " << b << " is in this call: its rows attend something";
+        EXPECT_EQ(got, want) << "slot " << b << (part == Part::kPrefill ? " (prefill)" : " (decode)")
+                             << ": the mixed step differs from the request run alone";
+      }
+    }
+  }
+  EXPECT_TRUE(snapshot() == pools_before) << "a call wrote the engine's pools";
+  EXPECT_EQ(mixed->kv_lens(), std::vector<int64_t>(size_t(kB), 0)) << "an engine-pools layer keeps no lengths";
+}
+
+}  // namespace
+
+void check_engine_pools_mixed_block_step(Device device, const BlockSparseConfig& config, int32_t chunk, int64_t prompt1,
+                                         int64_t prompt2, bool fp8_keys) {
+  check_mixed(device, BlockMixed{config}, Schedule{chunk, prompt1, prompt2}, fp8_keys, 41);
+}
+
+void check_engine_pools_mixed_dsa_step(Device device, const DsaConfig& config, int32_t chunk, int64_t prompt1,
+                                       int64_t prompt2, bool fp8_keys) {
+  check_mixed(device, DsaMixed{config}, Schedule{chunk, prompt1, prompt2}, fp8_keys, 43);
 }
 
 // ---------------------------------------------------------------- refusals

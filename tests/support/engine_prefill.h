@@ -56,14 +56,34 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& config, cons
                                     bool fp8_rows);
 
 /// The block-sparse chunk over engine-owned pools (the engine's K/V rows
-/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths):
-/// on the CPU against the engine-paged prefill of the same chunk (the same
-/// positions, outputs within 1e-3, free slots zero), a chunk off the block
-/// grid refused by name before o is written, and a key block id outside
-/// the pool refused by name; on CUDA, refused by name (the CUDA block
-/// scores read dense keys only).
+/// and index keys, bf16 or with fp8_keys vLLM's FP8 blocks, its lengths;
+/// every unwritten pool row NaN): against the engine-paged prefill of the
+/// same chunk (the same positions, outputs within 1e-3, free slots zero)
+/// and, on CUDA, the CPU twin over copies of the same pools (the same
+/// positions, outputs within 1e-2); a chunk off the block grid refused by
+/// name before o is written; a key block id outside the pool refused by
+/// name on the CPU, and on CUDA flagged where it is read (check_errors()
+/// names it) with the sparse-regime lists that needed it selecting nothing
+/// (zero rows) and every other row unchanged.
 void check_engine_pools_block_prefill(Device device, const BlockSparseConfig& config, const EnginePrefillCase& c,
                                       bool fp8_keys);
+
+/// A prefill chunk sharing an engine step with other sequences' decode
+/// tokens, over engine pools (KVStorage::kEnginePools): three slots, four
+/// steps. Slot 0 prefills two chunks of `chunk` tokens then decodes, slot 1
+/// decodes from a prompt of prompt1 tokens every step, slot 2 from prompt2
+/// and leaves before the last step. Each step is the engine's two calls,
+/// prefill_chunk with kv.seq_lens nonzero only for the prefilling slot and
+/// the decode with them nonzero only for the decoding ones (the other
+/// slots' query rows NaN). Every slot's rows must equal, bit for bit, the
+/// same request run alone in its call on a twin layer (one bound for
+/// every call); the rows of slots not in a call are zero; the engine's
+/// pools are unchanged and the layer keeps no lengths. Index keys bf16,
+/// or with fp8_keys vLLM's FP8 blocks; every unwritten pool row NaN.
+void check_engine_pools_mixed_block_step(Device device, const BlockSparseConfig& config, int32_t chunk, int64_t prompt1,
+                                         int64_t prompt2, bool fp8_keys);
+void check_engine_pools_mixed_dsa_step(Device device, const DsaConfig& config, int32_t chunk, int64_t prompt1,
+                                       int64_t prompt2, bool fp8_keys);
 
 /// Bad engine-paged chunks refused by name, the layer unchanged (lengths,
 /// then a good chunk gives the answer a fresh twin gives): a misaligned

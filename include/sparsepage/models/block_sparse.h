@@ -90,8 +90,11 @@ struct BlockSparseTokens {
 ///    on CUDA head_dim other than 128 or block_size other than 64 or 128
 ///    (the prefill indexer's block scores).
 ///  * over an engine's pools: the index keys are [batch, 1, 1, head_dim]
-///    per token (tokens.index_k, kEnginePaged); kEnginePools prefill runs
-///    on the CPU backend only (refused by name on CUDA).
+///    per token (tokens.index_k, kEnginePaged), or the engine's bf16 or FP8
+///    index-key pool (kEnginePools). A key block id outside the key pool
+///    that a prefill's block scores read is refused by name on the CPU; on
+///    CUDA the lists that needed it select nothing and check_errors() names
+///    it.
 class BlockSparseAttention : public EngineLayerForms<BlockSparseTokens> {
  public:
   BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,

@@ -18,8 +18,8 @@
 
 #include "core/cuda_hooks.h"
 #include "core/require.h"
+#include "cuda/indexers/paged_keys.cuh"
 #include "cuda/primitives/common.cuh"
-#include "cuda/primitives/fp8_convert.cuh"
 #include "cuda/primitives/radix_select.cuh"
 #include "models/block_sparse_kernels.h"
 
@@ -50,25 +50,9 @@ constexpr int kTopkThreads = 256;
 // shared memory; longer ones re-read their scores from global memory.
 constexpr int kSmemItems = 4096;
 
-// Where the score kernel reads the index keys.
-enum class KeySource : int {
-  kRows = 0,      // the layer's rows: sequence b's at keys + b * key_seq_stride, dim apart
-  kPaged = 1,     // an engine's pool of native rows, through its block table
-  kPagedFp8 = 2,  // an engine's pool of vLLM's FP8 blocks (index_keys.h), through its block table
-};
-
-// An engine's paged keys (KeySource::kPaged*): position p of sequence b at
-// slot p % block_size of block table[b * table_stride + p / block_size].
-struct PagedKeys {
-  const unsigned char* pool;  // the blocks
-  const int32_t* table;       // [batch, table_stride]
-  int64_t table_stride;
-  int64_t block_bytes;  // bytes between blocks
-  int64_t token_bytes;  // native: bytes between a block's tokens
-  int64_t num_blocks;   // ids outside [0, num_blocks) are never read: they refuse the sequence
-  int64_t max_len;      // max_blocks x block_size: a longer sequence is refused
-  int32_t block_size;
-};
+using detail::KeyRow;
+using detail::KeySource;
+using detail::PagedKeys;
 
 struct ScoreParams {
   const void* keys;        // kRows: sequence b's index key rows at keys + b * key_seq_stride, dim apart
@@ -94,13 +78,6 @@ struct TopkParams {
   int64_t max_kv_len;     // a kv_lens entry outside [0, max_kv_len]: no blocks, seq_lens -1
   int64_t max_table_len;  // paged keys: longer sequences are refused too (else INT64_MAX)
   int32_t* error;         // may be null: IndexKeyError bits of refused sequences
-};
-
-// One key row of the step: its bytes (null: past the block's live rows, or
-// in a refused block) and, for FP8 keys, its scale.
-struct KeyRow {
-  const unsigned char* ptr;
-  float scale;
 };
 
 // Fragment order. Lane (g, c) = (lane / 4, lane % 4) reads physical dims
@@ -163,30 +140,19 @@ __global__ void __launch_bounds__(kScoreThreads, 3) block_score_kernel(const __g
       const T* keys = static_cast<const T*>(p.keys) + int64_t{b} * p.key_seq_stride + int64_t{j} * p.block_size * p.dim;
       return {reinterpret_cast<const unsigned char*>(keys + int64_t{row} * p.dim), 1.0f};
     } else {
-      const int64_t pos = int64_t{j} * p.block_size + row;
-      const int64_t entry = pos / p.paged.block_size, slot = pos - entry * p.paged.block_size;
-      const int32_t id = __ldg(p.paged.table + int64_t{b} * p.paged.table_stride + entry);
-      if (id < 0 || id >= p.paged.num_blocks) {
-        refused = true;
-        return {nullptr, 0.0f};
-      }
-      const unsigned char* block = p.paged.pool + int64_t{id} * p.paged.block_bytes;
-      if constexpr (Src == KeySource::kPaged) return {block + slot * p.paged.token_bytes, 1.0f};
-      // The format's offsets (index_keys.h): the values at 128 slot, the scales after the block's values.
-      return {block + slot * 128,
-              __ldg(reinterpret_cast<const float*>(block + int64_t{p.paged.block_size} * 128) + slot)};
+      return detail::paged_key_row<Src>(p.paged, p.paged.table + int64_t{b} * p.paged.table_stride,
+                                        int64_t{j} * p.block_size + row, refused);
     }
   };
-  // Segment s of a row as T fragments: 16 bytes of native keys, or 8 e4m3
-  // values widened to T (exact), their scale applied to the products.
+  // Segment s of a row as T fragments: the layer's rows as they are, the
+  // engine's through the paged-key loader (FP8: 8 e4m3 values widened to T,
+  // exact, their scale applied to the products).
   const auto load = [&](const KeyRow& r, int s) -> uint4 {
-    if (r.ptr == nullptr) return make_uint4(0, 0, 0, 0);
-    if constexpr (Src == KeySource::kPagedFp8) {
-      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(r.ptr + s * 32 + c * 8));
-      const uint2 lo = cuda::e4m3x4_to<T>(raw.x), hi = cuda::e4m3x4_to<T>(raw.y);
-      return make_uint4(lo.x, lo.y, hi.x, hi.y);
-    } else {
+    if constexpr (Src == KeySource::kRows) {
+      if (r.ptr == nullptr) return make_uint4(0, 0, 0, 0);
       return __ldg(reinterpret_cast<const uint4*>(r.ptr + (s * 32 + c * 8) * int(sizeof(T))));
+    } else {
+      return detail::key_piece<T, Src>(r, s * 32 + c * 8);
     }
   };
   int t0 = warp * kStepTokens;
@@ -441,14 +407,7 @@ void block_indexer_cuda(const BlockIndexerArgs& a, void* stream) {
     REQUIRE(a.q_len == 1, "paged keys serve one-token steps; q_len = " + std::to_string(a.q_len));
     source = a.paged.format == IndexKeyFormat::kE4m3 ? KeySource::kPagedFp8 : KeySource::kPaged;
     max_table_len = int64_t{a.paged.max_blocks} * a.paged.block_size;
-    sp.paged = PagedKeys{static_cast<const unsigned char*>(a.paged.pool),
-                         a.paged.block_table,
-                         a.paged.block_table_stride,
-                         index_key_block_bytes(a.paged, a.head_dim),
-                         index_key_token_bytes(a.paged, a.head_dim),
-                         a.paged.num_blocks,
-                         max_table_len,
-                         a.paged.block_size};
+    sp.paged = detail::paged_keys_view(a.paged, a.head_dim);
   } else {
     // The index keys: their own key-only cache, or head num_kv_heads of the K allocation.
     const bool own_keys = a.index_keys != nullptr;

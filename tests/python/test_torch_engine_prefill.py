@@ -1,0 +1,275 @@
+"""Chunked prefill over an engine's pools from torch on the GPU: BlockSparseAttention.prefill_paged
+and DsaAttention.prefill_paged (KVStorage.ENGINE_PAGED) and both layers' prefill_pools
+(KVStorage.ENGINE_POOLS, index keys bf16 or vLLM's FP8 blocks), with torch CUDA tensors (bf16),
+each against the same call on the CPU backend over numpy copies of the same values (f16): the same
+kept positions (the values are multiples of 1/4 and the weights dyadic, so every indexer score is
+exact in either backend's order of summation), each (slot, token)'s output within bf16 rounding
+(relative L2 < 1e-2), no NaN although every pool row the engine has not written is NaN and every
+output starts NaN, free slots zero. Ragged batches with a free slot, chunks that reach the sparse
+regime. Runs on the GPU machine; skips without torch or a GPU."""
+
+import numpy as np
+import pytest
+
+import sparsepage as sp
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
+                                reason="needs a GPU and sparsepage built with CUDA")
+
+BLOCK = 16  # the engine's K/V (MLA) block size
+KEY_BLOCK = 32  # its index-key block size in the pools form (a table of their own)
+
+
+def gates_off():
+    c = sp.DispatchConfig.defaults()
+    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
+    return c
+
+
+class Cpu:
+    """The CPU backend over numpy copies: f16 holds the test's values exactly."""
+    device, dtype = sp.Device.cpu, sp.DType.f16
+
+    def half(self, a):
+        return np.ascontiguousarray(a, np.float16)
+
+    def f32(self, a):
+        return np.ascontiguousarray(a, np.float32)
+
+    def raw(self, a):  # int32 tables and lengths, uint8 FP8 blocks
+        return np.ascontiguousarray(a)
+
+    def nan_out(self, shape):
+        return np.full(shape, np.nan, np.float16)
+
+    def get(self, o):
+        return np.asarray(o, np.float32)
+
+    def stream(self):
+        return None
+
+
+class Cuda:
+    """torch CUDA tensors; the DSA layer's fused MLA prefill reads bf16 on the GPU."""
+    device, dtype = sp.Device.cuda, sp.DType.bf16
+
+    def half(self, a):
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).cuda()
+
+    def f32(self, a):
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).cuda()
+
+    def raw(self, a):
+        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    def nan_out(self, shape):
+        return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def get(self, o):
+        torch.cuda.synchronize()
+        return o.float().cpu().numpy()
+
+    def stream(self):
+        return torch.cuda.current_stream().cuda_stream
+
+
+def grid(rng, *shape):
+    """Multiples of 1/4 in [-1, 1] (float32): exact in f16, bf16 and e4m3 at a power-of-two scale."""
+    return rng.integers(-4, 5, size=shape).astype(np.float32) / 4
+
+
+def relative_l2(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+class Chunk:
+    """Each slot's rows (prompts[b] None: a free slot) for its prompt and the n chunk tokens after
+    it, the engine's pools behind a shuffled table of BLOCK-row blocks (NaN where unwritten), and
+    the chunk's queries."""
+
+    def __init__(self, rng, prompts, n, row_shape, key_dim, query_shapes):
+        self.prompts, self.n, self.B = prompts, n, len(prompts)
+        self.total = [0 if p is None else p + n for p in prompts]
+        self.rows = [grid(rng, t, *row_shape) for t in self.total]  # K/V or MLA rows per position
+        self.vals = [grid(rng, t, *row_shape) for t in self.total]
+        self.keys = [grid(rng, t, key_dim) for t in self.total]  # index keys
+        self.queries = [grid(rng, self.B, n, *s) for s in query_shapes]
+        self.max_blocks = max(self.total) // BLOCK + 2
+        num_blocks = self.B * self.max_blocks + 3
+        self.table = rng.permutation(num_blocks).astype(np.int32)[: self.B * self.max_blocks].reshape(
+            self.B, self.max_blocks)
+        self.pool = np.full((num_blocks, BLOCK) + tuple(row_shape), np.nan, np.float32)
+        self.vpool = np.full_like(self.pool, np.nan)
+        for b, t in enumerate(self.total):
+            pos = np.arange(t)
+            self.pool[self.table[b, pos // BLOCK], pos % BLOCK] = self.rows[b]
+            self.vpool[self.table[b, pos // BLOCK], pos % BLOCK] = self.vals[b]
+
+    def index_k(self):
+        """The chunk's index keys [n, B, 1, 1, key_dim], token-major (zeros for a free slot)."""
+        out = np.zeros((self.n, self.B, 1, 1, self.keys[0].shape[1]), np.float32)
+        for b, p in enumerate(self.prompts):
+            if p is not None:
+                out[:, b, 0, 0] = self.keys[b][p:]
+        return out
+
+    def admit(self, be, layer):
+        for b, p in enumerate(self.prompts):
+            if p is None:
+                layer.release(b)
+            elif p > 0:  # an engine-paged layer keeps the prompt's index keys (a new slot is empty)
+                layer.admit(b, be.half(self.keys[b][:p][None]))
+
+    def check(self, got, want, positions, want_positions, rows_per_token):
+        assert positions == want_positions, "the GPU kept other positions than the CPU"
+        for b in range(self.B):
+            for t in range(self.n):
+                if self.prompts[b] is None:
+                    assert np.all(got[b, t] == 0) and np.all(want[b, t] == 0), f"free slot {b} writes zeros"
+                    assert all(positions[(b * self.n + t) * rows_per_token + r] == [] for r in range(rows_per_token))
+                    continue
+                assert not np.isnan(got[b, t]).any(), (b, t)
+                assert relative_l2(got[b, t], want[b, t]) < 1e-2, (b, t)
+
+
+# ---- block-sparse over the engine's paged K/V pool (ENGINE_PAGED) ----
+
+# The GPU prefill indexer scores 64- or 128-token blocks at head_dim 128; top-2: dense up to 256.
+BS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=64, topk_blocks=2, local_blocks=1,
+          capacity_step=512, kv_storage=sp.KVStorage.ENGINE_PAGED)
+
+
+def block_prefill_paged(be, c):
+    layer = sp.BlockSparseAttention(be.device, be.dtype, sp.BlockSparseConfig(**BS), c.B, gates_off())
+    c.admit(be, layer)
+    q, iq = c.queries
+    o = be.nan_out((c.B, c.n, BS["num_qo_heads"], BS["head_dim"]))
+    layer.prefill_paged(be.half(q), be.half(iq), be.half(c.index_k()), o, be.half(c.pool), be.half(c.vpool),
+                        be.raw(c.table), stream=be.stream())
+    layer.check_errors(stream=be.stream())
+    assert layer.kv_lens == c.total
+    return be.get(o), layer.last_prefill_positions()
+
+
+@pytest.mark.parametrize("prompts,n", [([64, None, 256], 100), ([0, 192], 128)])
+def test_block_sparse_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
+    """The first case: a partial last query block, a free slot, and a slot past the dense regime
+    (256 tokens); the second: a whole prompt as one chunk beside a slot crossing into it."""
+    c = Chunk(np.random.default_rng(11), prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
+              [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
+    got, positions = block_prefill_paged(Cuda(), c)
+    want, want_positions = block_prefill_paged(Cpu(), c)
+    c.check(got, want, positions, want_positions, BS["num_qo_heads"])
+
+
+# ---- DSA over the engine's paged MLA pool (ENGINE_PAGED) and over its own pools (ENGINE_POOLS) ----
+
+H, L, R = 64, 512, 64  # the fused MLA prefill runs 64 query heads per CTA on the GPU
+
+
+def dsa_config(kv_storage, index_heads, index_head_dim):
+    return sp.DsaConfig(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=index_heads,
+                        index_head_dim=index_head_dim, index_topk=64, capacity_step=256, kv_storage=kv_storage)
+
+
+def dsa_chunk(rng, prompts, n, index_heads, index_head_dim):
+    c = Chunk(rng, prompts, n, (L + R,), index_head_dim, [(H, L), (H, R), (index_heads, index_head_dim)])
+    c.weights = (rng.integers(1, 5, size=(c.B, n, index_heads)) / 4).astype(np.float32)
+    return c
+
+
+def dsa_prefill_paged(be, c, cfg):
+    layer = sp.DsaAttention(be.device, be.dtype, cfg, c.B, gates_off())
+    c.admit(be, layer)
+    q, q_pe, iq = c.queries
+    o = be.nan_out((c.B, c.n, H, L))
+    layer.prefill_paged(be.half(q), be.half(q_pe), be.half(iq), be.f32(c.weights), be.half(c.index_k()), o,
+                        be.half(c.pool), be.raw(c.table), stream=be.stream())
+    layer.check_errors(stream=be.stream())
+    assert layer.kv_lens == c.total
+    return be.get(o), layer.last_prefill_positions()
+
+
+@pytest.mark.parametrize("prompts,n", [([100, None, 10], 24), ([0, 70], 48)])
+def test_dsa_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
+    """Windows below and past the top-k (64) in one chunk, a free slot, a whole prompt as one chunk."""
+    cfg = dsa_config(sp.KVStorage.ENGINE_PAGED, 8, 64)
+    c = dsa_chunk(np.random.default_rng(13), prompts, n, 8, 64)
+    got, positions = dsa_prefill_paged(Cuda(), c, cfg)
+    want, want_positions = dsa_prefill_paged(Cpu(), c, cfg)
+    c.check(got, want, positions, want_positions, 1)
+
+
+def index_cache(c, fp8, rng):
+    """The engine's index keys behind a table of their own (KEY_BLOCK-row blocks, shuffled): float32
+    values [blocks, KEY_BLOCK, dim] (NaN where unwritten), or with fp8 the uint8 [blocks, KEY_BLOCK,
+    132] FP8 blocks that write_index_keys writes (0xFF where unwritten)."""
+    dim = c.keys[0].shape[1]
+    rows = max(c.total) // KEY_BLOCK + 1
+    blocks = c.B * rows + 2
+    table = rng.permutation(blocks).astype(np.int32)[: c.B * rows].reshape(c.B, rows)
+    cache = np.full((blocks, KEY_BLOCK, dim + 4), 0xFF, np.uint8) if fp8 else np.full((blocks, KEY_BLOCK, dim), np.nan,
+                                                                                       np.float32)
+    for b, t in enumerate(c.total):
+        pos = np.arange(t)
+        if fp8:
+            slots = table[b, pos // KEY_BLOCK].astype(np.int64) * KEY_BLOCK + pos % KEY_BLOCK
+            sp.write_index_keys(cache, c.keys[b].astype(np.float16), slots)  # the engine's cache write
+        else:
+            cache[table[b, pos // KEY_BLOCK], pos % KEY_BLOCK] = c.keys[b]
+    return cache, table
+
+
+def dsa_prefill_pools(be, c, keys, key_table, fp8):
+    layer = sp.DsaAttention(be.device, be.dtype, dsa_config(sp.KVStorage.ENGINE_POOLS, 64, 128), c.B, gates_off())
+    q, q_pe, iq = c.queries
+    o = be.nan_out((c.B, c.n, H, L))
+    lens = np.array(c.total, np.int32)  # with the chunk; 0 for a free slot
+    layer.prefill_pools(be.half(q), be.half(q_pe), be.half(iq), be.f32(c.weights), o, be.half(c.pool),
+                        be.raw(c.table), be.raw(lens), max(c.total) + 3, be.raw(keys) if fp8 else be.half(keys),
+                        be.raw(key_table), stream=be.stream())
+    layer.check_errors(stream=be.stream())
+    assert layer.kv_lens == [0] * c.B, "an engine-pools layer keeps no lengths"
+    return be.get(o), layer.last_prefill_positions()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8-keys"])
+@pytest.mark.parametrize("prompts,n", [([100, 40, None], 24), ([None, 0, 90], 40)])
+def test_dsa_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
+    """The pools form at the indexer's production geometry (64 index heads x 128: the GPU scores FP8
+    keys only there); the lengths passed with the chunk."""
+    rng = np.random.default_rng(17)
+    c = dsa_chunk(rng, prompts, n, 64, 128)
+    keys, key_table = index_cache(c, fp8, rng)
+    got, positions = dsa_prefill_pools(Cuda(), c, keys, key_table, fp8)
+    want, want_positions = dsa_prefill_pools(Cpu(), c, keys, key_table, fp8)
+    c.check(got, want, positions, want_positions, 1)
+
+
+def block_prefill_pools(be, c, keys, key_table, fp8):
+    cfg = dict(BS, kv_storage=sp.KVStorage.ENGINE_POOLS)
+    layer = sp.BlockSparseAttention(be.device, be.dtype, sp.BlockSparseConfig(**cfg), c.B, gates_off())
+    q, iq = c.queries
+    o = be.nan_out((c.B, c.n, BS["num_qo_heads"], BS["head_dim"]))
+    lens = np.array(c.total, np.int32)  # with the chunk; 0 for a free slot
+    layer.prefill_pools(be.half(q), be.half(iq), o, be.half(c.pool), be.half(c.vpool), be.raw(c.table), be.raw(lens),
+                        max(c.total) + 5, be.raw(keys) if fp8 else be.half(keys), be.raw(key_table),
+                        stream=be.stream())
+    layer.check_errors(stream=be.stream())
+    assert layer.kv_lens == [0] * c.B, "an engine-pools layer keeps no lengths"
+    return be.get(o), layer.last_prefill_positions()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8-keys"])
+@pytest.mark.parametrize("prompts,n", [([64, None, 256], 100), ([0, 192], 128)])
+def test_block_sparse_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
+    """KVStorage.ENGINE_POOLS: the engine's index keys behind a table of their own, its lengths."""
+    rng = np.random.default_rng(19)
+    c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
+              [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
+    keys, key_table = index_cache(c, fp8, rng)
+    got, positions = block_prefill_pools(Cuda(), c, keys, key_table, fp8)
+    want, want_positions = block_prefill_pools(Cpu(), c, keys, key_table, fp8)
+    c.check(got, want, positions, want_positions, BS["num_qo_heads"])
