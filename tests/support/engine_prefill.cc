@@ -157,8 +157,8 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
   EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
   for (int32_t b = 0; b < batch; ++b) {
     if (!len.active(b)) {
-      for (SparseLayer* layer : {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine),
-                                 static_cast<SparseLayer*>(&twin)})
+      for (SparseLayer* layer :
+           {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine), static_cast<SparseLayer*>(&twin)})
         layer->release(b);
       continue;
     }
@@ -167,7 +167,8 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
     std::vector<float> own_k = head_major(k[size_t(b)], 0, l0, hkv, d);
     const std::vector<float> keys = head_major(ik[size_t(b)], 0, l0, 1, d);
     own_k.insert(own_k.end(), keys.begin(), keys.end());
-    const Buffer k_dev = to_device(device, kDt, own_k), v_dev = to_device(device, kDt, head_major(v[size_t(b)], 0, l0, hkv, d));
+    const Buffer k_dev = to_device(device, kDt, own_k),
+                 v_dev = to_device(device, kDt, head_major(v[size_t(b)], 0, l0, hkv, d));
     const Buffer ik_dev = to_device(device, kDt, keys);
     own.admit(b, k_dev.data(), v_dev.data(), l0);
     engine.admit(b, ik_dev.data(), nullptr, l0);
@@ -346,7 +347,8 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
       const float* r = mla[size_t(b)].data() + p * (dl + dr);
       own_k[size_t(b)].insert(own_k[size_t(b)].end(), r, r + dl);
-      own_k[size_t(b)].insert(own_k[size_t(b)].end(), ik[size_t(b)].begin() + p * id, ik[size_t(b)].begin() + (p + 1) * id);
+      own_k[size_t(b)].insert(own_k[size_t(b)].end(), ik[size_t(b)].begin() + p * id,
+                              ik[size_t(b)].begin() + (p + 1) * id);
       own_v[size_t(b)].insert(own_v[size_t(b)].end(), r + dl, r + dl + dr);
       if (!fp8) {
         pool.write(0, b, p, r);
@@ -359,8 +361,8 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   }
   for (int32_t b = 0; b < batch; ++b) {
     if (!len.active(b)) {
-      for (SparseLayer* layer : {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine),
-                                 static_cast<SparseLayer*>(&twin)})
+      for (SparseLayer* layer :
+           {static_cast<SparseLayer*>(&own), static_cast<SparseLayer*>(&engine), static_cast<SparseLayer*>(&twin)})
         layer->release(b);
       continue;
     }
@@ -381,11 +383,11 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   const Buffer v_chunk = to_device(device, kDt, token_major(own_v, len.before, n, dr));
   const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
   Buffer own_o = poisoned(device, o_count), engine_o = poisoned(device, o_count);
-  DsaTokens ot{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), k_chunk.data(), v_chunk.data(),
-               own_o.data()};
+  DsaTokens ot{q_dev.data(),   pe_dev.data(),  iq_dev.data(), w_dev.as<float>(),
+               k_chunk.data(), v_chunk.data(), own_o.data()};
   own.prefill(ot, n);
-  DsaTokens et{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, engine_o.data(),
-               index_k.data()};
+  DsaTokens et{q_dev.data(), pe_dev.data(), iq_dev.data(),   w_dev.as<float>(),
+               nullptr,      nullptr,       engine_o.data(), index_k.data()};
   engine.prefill(et, kv, n);
   engine.check_errors();
   EXPECT_EQ(engine.kv_lens(), own.kv_lens());
@@ -423,7 +425,8 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
           scores.push_back(s * scale);
         }
         softmax_weighted_sum(
-            scores, dl, [&](size_t j, int64_t i) { return double{read[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
+            scores, dl,
+            [&](size_t j, int64_t i) { return double{read[size_t(b)][size_t(int64_t{set[j]} * (dl + dr) + i)]}; },
             ref.data() + int64_t{head} * dl);
       }
       EXPECT_LT(relative_l2(o, ref), 1e-2) << "slot " << b << " token " << t << " vs fp64";
@@ -564,8 +567,7 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
         continue;
       }
       ASSERT_FALSE(has_nan(o)) << "slot " << b << " token " << t;
-      EXPECT_EQ(int64_t(positions[size_t(r)].size()),
-                std::min<int64_t>(cfg.index_topk, len.before[size_t(b)] + t + 1));
+      EXPECT_EQ(int64_t(positions[size_t(r)].size()), std::min<int64_t>(cfg.index_topk, len.before[size_t(b)] + t + 1));
       EXPECT_LT(relative_l2(o, widen(slice(want, r * q_row, q_row))), 1e-3) << "slot " << b << " token " << t;
     }
   }
@@ -951,7 +953,8 @@ void check_mixed(Device device, const Model& m, const Schedule& sched, bool fp8_
     for (int32_t b = 0; b < kB; ++b) {
       const Part part = sched.part(s, b);
       if (part == Part::kNone) continue;
-      for (const Field& f : fields) inputs[size_t(s * kB + b)].push_back(quarter_grid(rng, size_t(tokens_of(part) * f.elems)));
+      for (const Field& f : fields)
+        inputs[size_t(s * kB + b)].push_back(quarter_grid(rng, size_t(tokens_of(part) * f.elems)));
     }
   }
   // One call's inputs and lengths for the slots in `in_call` (the others'
