@@ -219,3 +219,14 @@ def fp8_keys_of(index_cache, blocks, slots):
     values = per_block[np.arange(len(slots))[:, None], np.asarray(slots)[:, None] * 128 + np.arange(128)]
     scales = per_block[:, index_cache.shape[1] * 128:].copy().view(np.float32)[np.arange(len(slots)), slots]
     return (e4m3_to_float(values) * scales[:, None]).astype(np.float16)
+
+
+def test_an_empty_key_write_is_a_no_op_whatever_its_strides():
+    """A free slot has no keys to write: a zero-row array is accepted whatever strides its producer
+    gave it (nothing is read), and the cache is left as it was."""
+    index_cache = np.full((2, BLOCK, 16), np.nan, np.float16)
+    empty = np.zeros((0, 32), np.float16)[:, ::2]  # shape (0, 16), a stride of two elements
+    sp.write_index_keys(index_cache, empty, np.zeros(0, np.int64))
+    assert np.isnan(index_cache).all()
+    with pytest.raises(sp.Error, match="keys must be contiguous"):  # a non-empty strided one is still refused
+        sp.write_index_keys(index_cache, np.zeros((1, 32), np.float16)[:, ::2], np.zeros(1, np.int64))
