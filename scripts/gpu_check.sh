@@ -46,7 +46,7 @@ if [[ $STAGES == *sanitize* ]]; then
   # order goes to shard i % SHARD_COUNT), with the tests that are slow only
   # for their size at their quick size (SPARSEPAGE_TEST_QUICK=1,
   # tests/cuda/cuda_test_util.h). SANITIZE_JOBS (tool, shard) pairs run at
-  # once on the one GPU (default 8), SHARDS picks shards and SANITIZE_TOOLS
+  # once on the one GPU (default 15), SHARDS picks shards and SANITIZE_TOOLS
   # the tools (default: all; a whole pass takes more than one ten-minute
   # call). Each pair has SANITIZE_TIMEOUT seconds (default 400) and prints
   # one line: rc, seconds, tests passed / failed, and the tool's summary;
@@ -57,7 +57,7 @@ if [[ $STAGES == *sanitize* ]]; then
   # again, and SANITIZE_BUDGET seconds (default: none) bound this call: no
   # pair starts after it and each pair's timeout ends with it ("not run" /
   # TIMEOUT pairs are run by the next call with the same SANITIZE_DIR).
-  shard_count=${SHARD_COUNT:-6}
+  shard_count=${SHARD_COUNT:-64}
   shards=${SHARDS:-$(seq -s ' ' 0 $((shard_count - 1)))}
   san_dir=${SANITIZE_DIR:-$OUT}
   mkdir -p "$san_dir"
@@ -90,7 +90,7 @@ if [[ $STAGES == *sanitize* ]]; then
     # shellcheck disable=SC2086
     sanitize_one $pair &
     running=$((running + 1))
-    if [ $running -ge "${SANITIZE_JOBS:-8}" ]; then wait -n; running=$((running - 1)); fi
+    if [ $running -ge "${SANITIZE_JOBS:-15}" ]; then wait -n; running=$((running - 1)); fi
   done
   wait
   clean=0 dirty=0 notrun=0
