@@ -428,6 +428,66 @@ EnginePagedKV pools_kv(EnginePagedKV kv, const SparseLayer& layer, const std::st
   return kv;
 }
 
+// ---- the forms over the layer's own cache: one token (prefill_token,
+// decode), q_len tokens (decode_multi) or a prefill chunk of n tokens ----
+
+enum class StepForm { kPrefillToken, kDecode, kDecodeMulti, kPrefill };
+
+constexpr const char* form_name(StepForm f) {
+  return f == StepForm::kPrefillToken  ? "prefill_token"
+         : f == StepForm::kDecode      ? "decode"
+         : f == StepForm::kDecodeMulti ? "decode_multi"
+                                       : "prefill";
+}
+
+// The tokens' count argument of a model's *_tokens check: null for one token.
+template <StepForm kForm>
+int32_t* token_count(int32_t* n) {
+  return kForm == StepForm::kDecodeMulti || kForm == StepForm::kPrefill ? n : nullptr;
+}
+
+// Runs the form: the decodes return their LayerStep, the prefills nothing.
+template <StepForm kForm, class Layer, class Tokens>
+auto run_form(Layer& self, const Tokens& t, int32_t n, const std::optional<uintptr_t>& stream) {
+  if constexpr (kForm == StepForm::kPrefillToken) {
+    self.prefill_token(t, step_stream(stream, self));
+  } else if constexpr (kForm == StepForm::kDecode) {
+    return self.decode(t, step_stream(stream, self));
+  } else if constexpr (kForm == StepForm::kDecodeMulti) {
+    return self.decode(t, n, step_stream(stream, self));
+  } else {
+    self.prefill(t, n, step_stream(stream, self));
+  }
+}
+
+template <StepForm kForm>
+auto block_step(BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+                const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("BlockSparseAttention.") + form_name(kForm);
+  const BlockSparseTokens t = block_tokens(self, op, q, index_q, k, v, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
+template <StepForm kForm>
+auto static_step(StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
+                 const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("StaticBlockSparseAttention.") + form_name(kForm);
+  const StaticBlockSparseTokens t = static_tokens(self, op, q, k, v, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
+template <StepForm kForm>
+auto dsa_step(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+              const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("DsaAttention.") + form_name(kForm);
+  const DsaTokens t =
+      dsa_tokens(self, op, q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
 // ---- the engine forms: *_paged (an engine's paged pool, the layer keeps
 // the index keys) and *_pools (everything in the engine's pools), each as a
 // one-token decode or (kChunk) a prefill chunk of n = q.shape[1] tokens ----
@@ -638,27 +698,14 @@ void bind_layers(nb::module_& m) {
       "layer owns its dense [B, H, Cap, D] cache (f16 or bf16). Step tensors: q [B, Hq, D], index_q\n"
       "[B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the index key), v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "prefill_token",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            self.prefill_token(block_tokens(self, "BlockSparseAttention.prefill_token", q, index_q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(), "Appends the token and attends causally to the whole window (dense).")
-      .def(
-          "decode",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            return self.decode(block_tokens(self, "BlockSparseAttention.decode", q, index_q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
-          "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
-          "same set on a decline. Returns a LayerStep.")
+      .def("prefill_token", &block_step<StepForm::kPrefillToken>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Appends the token and attends causally to the whole window (dense).")
+      .def("decode", &block_step<StepForm::kDecode>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
+           "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
+           "same set on a decline. Returns a LayerStep.")
       .def("decode_paged", &block_paged<false>, nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"),
            nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
            "Decode over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): appends the index key\n"
@@ -681,38 +728,21 @@ void bind_layers(nb::module_& m) {
            "index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable. A refused\n"
            "sequence (a length past max_seq_len, a key block outside the pool) selects nothing and\n"
            "check_errors() names it. Returns a LayerStep.")
-      .def(
-          "decode_multi",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t q_len = 0;
-            const BlockSparseTokens t =
-                block_tokens(self, "BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
-            return self.decode(t, q_len, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
-          "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
-          "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
-          "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
-          "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const BlockSparseTokens t = block_tokens(self, "BlockSparseAttention.prefill", q, index_q, k, v, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot, then the block\n"
-          "prefill indexer and the fused block prefill (each query block keeps what one multi-token\n"
-          "decode step of its tokens would; every block while it ends in the dense regime). Tensors as\n"
-          "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
-          "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
-          "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def("decode_multi", &block_step<StepForm::kDecodeMulti>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
+           "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
+           "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
+           "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
+           "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
+      .def("prefill", &block_step<StepForm::kPrefill>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot, then the block\n"
+           "prefill indexer and the fused block prefill (each query block keeps what one multi-token\n"
+           "decode step of its tokens would; every block while it ends in the dense regime). Tensors as\n"
+           "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
+           "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
+           "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
       .def("prefill_paged", &block_paged<true>, nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"),
            nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
            "Chunked prefill over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): the engine\n"
@@ -776,29 +806,16 @@ void bind_layers(nb::module_& m) {
       "to the mask path over the same set on any decline. The layer owns its dense [B, Hkv, Cap, D]\n"
       "cache (f16 or bf16). Step tensors: q [B, Hq, D], k and v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "decode",
-          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            return self.decode(static_tokens(self, "StaticBlockSparseAttention.decode", q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const StaticBlockSparseTokens t = static_tokens(self, "StaticBlockSparseAttention.prefill", q, k, v, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot and attends each query\n"
-          "head's pattern through the fused block prefill (the same sets and outputs as decoding the\n"
-          "tokens one by one). q and o [B, num_tokens, Hq, D]; k and v [num_tokens, B, Hkv, 1, D],\n"
-          "token-major. Refuses, before anything changes, a chunk whose start is not a multiple of\n"
-          "block_size.")
+      .def("decode", &static_step<StepForm::kDecode>, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
+      .def("prefill", &static_step<StepForm::kPrefill>, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot and attends each query\n"
+           "head's pattern through the fused block prefill (the same sets and outputs as decoding the\n"
+           "tokens one by one). q and o [B, num_tokens, Hq, D]; k and v [num_tokens, B, Hkv, 1, D],\n"
+           "token-major. Refuses, before anything changes, a chunk whose start is not a multiple of\n"
+           "block_size.")
       .def("last_blocks", &StaticBlockSparseAttention::last_blocks,
            "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).");
 
@@ -830,29 +847,14 @@ void bind_layers(nb::module_& m) {
       "except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope], q_index\n"
       "[B, index_heads, index_head_dim], index_weights [B, index_heads], k_cache_row\n"
       "[B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
-      .def(
-          "prefill_token",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            self.prefill_token(dsa_tokens(self, "DsaAttention.prefill_token", q_latent, q_pe, q_index, index_weights,
-                                          k_cache_row, k_pe, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends the token and attends to the whole window.")
-      .def(
-          "decode",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            return self.decode(dsa_tokens(self, "DsaAttention.decode", q_latent, q_pe, q_index, index_weights,
-                                          k_cache_row, k_pe, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token, runs the indexer, tries the fused path and falls back to the\n"
-          "mask path. Returns a LayerStep.")
+      .def("prefill_token", &dsa_step<StepForm::kPrefillToken>, nb::arg("q_latent"), nb::arg("q_pe"),
+           nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(), "Appends the token and attends to the whole window.")
+      .def("decode", &dsa_step<StepForm::kDecode>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token, runs the indexer, tries the fused path and falls back to the\n"
+           "mask path. Returns a LayerStep.")
       .def("decode_paged", &dsa_paged<false>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
            nb::arg("index_weights"), nb::arg("index_k"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"),
            nb::arg("stream").none() = nb::none(),
@@ -877,39 +879,23 @@ void bind_layers(nb::module_& m) {
            "values, then the fp32 scales; write_index_keys writes it) or bf16 [num_blocks, block_size,\n"
            "index_head_dim]; index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable.\n"
            "Returns a LayerStep.")
-      .def(
-          "decode_multi",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            int32_t q_len = 0;
-            const DsaTokens t = dsa_tokens(self, "DsaAttention.decode_multi", q_latent, q_pe, q_index, index_weights,
-                                           k_cache_row, k_pe, o, &q_len);
-            return self.decode(t, q_len, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
-          "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
-          "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
-          "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
-          "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
-          "one row per (sequence, token). Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const DsaTokens t = dsa_tokens(self, "DsaAttention.prefill", q_latent, q_pe, q_index, index_weights,
-                                           k_cache_row, k_pe, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q_latent.shape[1] tokens per active slot, then the DSA\n"
-          "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
-          "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
-          "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
-          "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def("decode_multi", &dsa_step<StepForm::kDecodeMulti>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
+           "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
+           "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
+           "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
+           "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
+           "one row per (sequence, token). Returns a LayerStep.")
+      .def("prefill", &dsa_step<StepForm::kPrefill>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q_latent.shape[1] tokens per active slot, then the DSA\n"
+           "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
+           "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
+           "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
+           "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
       .def("prefill_paged", &dsa_paged<true>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
            nb::arg("index_weights"), nb::arg("index_k"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"),
            nb::arg("stream").none() = nb::none(),
