@@ -445,15 +445,15 @@ Config gqa_config(GqaSetup& s) {
   };
   c.kernel = [&s] { return std::string(s.attention->kernel_name()); };
   // The list of (query block i, query head h) and the positions token t of it attends.
-  const auto list_of = [&s, nqb, g](int32_t t, int32_t h) {
+  const auto list_index = [&s, nqb, g](int32_t t, int32_t h) {
     const int32_t i = t / s.bs, kv = h / g;
-    const int64_t list = s.indexed ? int64_t{i} * s.hkv + kv : (int64_t{kv} * nqb + i) * g + h % g;
-    return download<int32_t>(s.device, s.ids.as<int32_t>() + list * s.width, static_cast<size_t>(s.width));
+    return s.indexed ? int64_t{i} * s.hkv + kv : (int64_t{kv} * nqb + i) * g + h % g;
   };
-  const auto count_of = [&s, nqb, g](int32_t t, int32_t h) {
-    const int32_t i = t / s.bs, kv = h / g;
-    const int64_t list = s.indexed ? int64_t{i} * s.hkv + kv : (int64_t{kv} * nqb + i) * g + h % g;
-    return download<int32_t>(s.device, s.counts.as<int32_t>() + list, 1)[0];
+  const auto list_of = [&s, list_index](int32_t t, int32_t h) {
+    return download<int32_t>(s.device, s.ids.as<int32_t>() + list_index(t, h) * s.width, static_cast<size_t>(s.width));
+  };
+  const auto count_of = [&s, list_index](int32_t t, int32_t h) {
+    return download<int32_t>(s.device, s.counts.as<int32_t>() + list_index(t, h), 1)[0];
   };
   c.check = [&s, list_of, count_of, g](int64_t kv_len) -> std::string {
     s.attention->check_errors();

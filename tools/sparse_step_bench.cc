@@ -105,6 +105,34 @@ void admit_random(SparseLayer& layer, Device device, int32_t slot, int64_t token
   layer.admit(slot, k.data(), vn > 0 ? v.data() : nullptr, tokens);
 }
 
+/// Appends `tokens` random prompt tokens to every one of `batch` slots, 4096
+/// at a time: K rows of `k_width` and V rows of `v_width` values per token.
+void append_random(SparseLayer& layer, Device device, size_t batch, size_t k_width, size_t v_width, int64_t tokens,
+                   uint64_t seed) {
+  const int64_t chunk = 4096;
+  Buffer k(device, batch * static_cast<size_t>(chunk) * k_width * 2);
+  Buffer v(device, batch * static_cast<size_t>(chunk) * v_width * 2);
+  for (int64_t at = 0; at < tokens; at += chunk) {
+    const int64_t n = std::min(chunk, tokens - at);
+    bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(batch * n * k_width),
+                       seed + static_cast<uint64_t>(2 * at));
+    bench::fill_random(device, DType::kBF16, v.data(), static_cast<int64_t>(batch * n * v_width),
+                       seed + static_cast<uint64_t>(2 * at + 1));
+    layer.append_tokens(k.data(), v.data(), n);
+  }
+}
+
+/// The hooks every arm has over its layer `s.layer` and output `s.o`, and
+/// (`slots`: the arms whose layer keeps its sequences) reserve and admit.
+template <class Setup>
+void layer_hooks(Arm& arm, Setup& s, Device device, bool slots) {
+  arm.output = [&s, device] { return read_bf16(device, s.o); };
+  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  if (!slots) return;
+  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
+  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
+}
+
 // ---- block-sparse ---------------------------------------------------------
 
 struct BlockSparseSetup {
@@ -126,18 +154,7 @@ Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, Dispatch
   s.o = Buffer(device, b * c.num_qo_heads * d * 2);
   Arm arm;
   arm.fill = [&s, device, b = static_cast<size_t>(batch), d](int64_t tokens, uint64_t seed) {
-    const auto& cfg = s.config;
-    const int64_t chunk = 4096;
-    Buffer k(device, b * (cfg.num_kv_heads + 1) * static_cast<size_t>(chunk) * d * 2);
-    Buffer v(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
-    for (int64_t at = 0; at < tokens; at += chunk) {
-      const int64_t n = std::min(chunk, tokens - at);
-      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * (cfg.num_kv_heads + 1) * n * d),
-                         seed + static_cast<uint64_t>(2 * at));
-      bench::fill_random(device, DType::kBF16, v.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
-                         seed + static_cast<uint64_t>(2 * at + 1));
-      s.layer->append_tokens(k.data(), v.data(), n);
-    }
+    append_random(*s.layer, device, b, (s.config.num_kv_heads + 1) * d, s.config.num_kv_heads * d, tokens, seed);
   };
   arm.step = [&s, q_len](void* stream) {
     const BlockSparseTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].data(),
@@ -145,10 +162,7 @@ Arm block_sparse_arm(BlockSparseSetup& s, Device device, int32_t batch, Dispatch
     const LayerStep r = s.layer->decode(t, q_len, stream);
     return std::make_pair(r.fused, r.sparse ? r.outcome.describe() : std::string("dense (below the sparse regime)"));
   };
-  arm.output = [&s, device] { return read_bf16(device, s.o); };
-  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
-  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
-  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
+  layer_hooks(arm, s, device, true);
   return arm;
 }
 
@@ -181,17 +195,7 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
   s.o = Buffer(device, b * h * c.latent_dim * 2);
   Arm arm;
   arm.fill = [&s, device, b = static_cast<size_t>(batch), row](int64_t tokens, uint64_t seed) {
-    const auto& cfg = s.config;
-    const int64_t chunk = 4096;
-    Buffer k(device, b * static_cast<size_t>(chunk) * row * 2);
-    Buffer pe(device, b * static_cast<size_t>(chunk) * cfg.rope_dim * 2);
-    for (int64_t at = 0; at < tokens; at += chunk) {
-      const int64_t n = std::min(chunk, tokens - at);
-      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * n * row), seed + 2 * at);
-      bench::fill_random(device, DType::kBF16, pe.data(), static_cast<int64_t>(b * n * cfg.rope_dim),
-                         seed + 2 * at + 1);
-      s.layer->append_tokens(k.data(), pe.data(), n);
-    }
+    append_random(*s.layer, device, b, row, s.config.rope_dim, tokens, seed);
   };
   arm.step = [&s, q_len](void* stream) {
     const DsaTokens t{s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.tokens[3].as<float>(),
@@ -199,10 +203,7 @@ Arm dsa_arm(DsaSetup& s, Device device, int32_t batch, DispatchConfig dispatch, 
     const LayerStep r = s.layer->decode(t, q_len, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
-  arm.output = [&s, device] { return read_bf16(device, s.o); };
-  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
-  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
-  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
+  layer_hooks(arm, s, device, true);
   return arm;
 }
 
@@ -292,6 +293,33 @@ ShuffledTable shuffled_block_table(const std::vector<int64_t>& lens, uint64_t se
   return t;
 }
 
+/// An engine's index-key pool in `pool` (vLLM's FP8 blocks, or bf16 rows of
+/// `dim`) of num_blocks blocks, every slot a random key written by the
+/// engine's write op (slot = row), in chunks of whole blocks.
+PagedIndexKeys random_index_keys(Device device, Buffer& pool, bool fp8, int64_t num_blocks, int32_t dim,
+                                 uint64_t seed) {
+  const int64_t rows = num_blocks * kPoolBlock;
+  const int64_t key_bytes = fp8 ? IndexKeyFp8::kTokenBytes : int64_t{dim} * 2;
+  pool = Buffer(device, static_cast<size_t>(rows * key_bytes));
+  PagedIndexKeys keys;
+  keys.format = fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
+  keys.pool = pool.data();
+  keys.num_blocks = num_blocks;
+  keys.block_size = kPoolBlock;
+  keys.dtype = DType::kBF16;
+  const int64_t chunk = int64_t{1} << 18;
+  Buffer src(device, static_cast<size_t>(chunk) * dim * 2);
+  std::vector<int64_t> slots(static_cast<size_t>(chunk));
+  for (int64_t at = 0; at < rows; at += chunk) {
+    const int64_t n = std::min(chunk, rows - at);
+    bench::fill_random(device, DType::kBF16, src.data(), n * dim, seed + 7 + static_cast<uint64_t>(at));
+    for (int64_t i = 0; i < n; ++i) slots[static_cast<size_t>(i)] = at + i;
+    const Buffer d_slots = upload(device, slots);
+    write_index_keys_cuda(keys, dim, DType::kBF16, src.data(), dim, d_slots.as<int64_t>(), n);
+  }
+  return keys;
+}
+
 void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
   const int32_t batch = static_cast<int32_t>(s.lens.size());
   const ShuffledTable table = shuffled_block_table(s.lens, seed);
@@ -301,18 +329,10 @@ void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
   const int64_t rows = num_blocks * kPoolBlock;
   p.row_bytes = s.fp8 ? MlaFp8Row::kBytes : 576 * 2;
   p.mla = Buffer(device, static_cast<size_t>(rows * p.row_bytes));
-  const int64_t key_bytes = s.fp8 ? IndexKeyFp8::kTokenBytes : 128 * 2;
-  p.keys = Buffer(device, static_cast<size_t>(rows * key_bytes));
-  PagedIndexKeys keys;
-  keys.format = s.fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-  keys.pool = p.keys.data();
-  keys.num_blocks = num_blocks;
-  keys.block_size = kPoolBlock;
-  keys.dtype = DType::kBF16;
-  // Random rows, quantized or copied in chunks of whole blocks (slot = row).
+  const PagedIndexKeys keys = random_index_keys(device, p.keys, s.fp8, num_blocks, 128, seed);
+  // Random rows, quantized or copied in chunks of whole blocks.
   const int64_t chunk = int64_t{1} << 18;
   Buffer src(device, static_cast<size_t>(chunk) * 576 * 2);
-  std::vector<int64_t> slots(static_cast<size_t>(chunk));
   for (int64_t at = 0; at < rows; at += chunk) {
     const int64_t n = std::min(chunk, rows - at);
     bench::fill_random(device, DType::kBF16, src.data(), n * 576, seed + static_cast<uint64_t>(at));
@@ -323,10 +343,6 @@ void build_pools(DsaPoolsSetup& s, Device device, DsaPools& p, uint64_t seed) {
       copy_bytes(static_cast<char*>(p.mla.data()) + at * p.row_bytes, device, src.data(), device,
                  static_cast<size_t>(n * p.row_bytes));
     }
-    bench::fill_random(device, DType::kBF16, src.data(), n * 128, seed + 7 + static_cast<uint64_t>(at));
-    for (int64_t i = 0; i < n; ++i) slots[static_cast<size_t>(i)] = at + i;
-    const Buffer d_slots = upload(device, slots);
-    write_index_keys_cuda(keys, 128, DType::kBF16, src.data(), 128, d_slots.as<int64_t>(), n);
   }
   p.table = upload(device, p.host_table);
   p.lens = upload(device, std::vector<int32_t>(s.lens.begin(), s.lens.end()));
@@ -377,8 +393,7 @@ Arm dsa_pools_arm(DsaPoolsSetup& s, Device device, const std::vector<int64_t>& l
     const LayerStep r = s.layer->decode(t, p.kv, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
-  arm.output = [&s, device] { return read_bf16(device, s.o); };
-  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  layer_hooks(arm, s, device, false);
   return arm;
 }
 
@@ -492,24 +507,7 @@ void build_block_pools(BlockPoolsSetup& s, Device device, BlockPools& p, uint64_
   p.v = Buffer(device, static_cast<size_t>(rows * row_elems * 2));
   bench::fill_random(device, DType::kBF16, p.k.data(), rows * row_elems, seed + 1);
   bench::fill_random(device, DType::kBF16, p.v.data(), rows * row_elems, seed + 2);
-  const int64_t key_bytes = s.fp8 ? IndexKeyFp8::kTokenBytes : int64_t{c.head_dim} * 2;
-  p.keys = Buffer(device, static_cast<size_t>(rows * key_bytes));
-  PagedIndexKeys keys;
-  keys.format = s.fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-  keys.pool = p.keys.data();
-  keys.num_blocks = num_blocks;
-  keys.block_size = kPoolBlock;
-  keys.dtype = DType::kBF16;
-  const int64_t chunk = int64_t{1} << 18;
-  Buffer src(device, static_cast<size_t>(chunk) * c.head_dim * 2);
-  std::vector<int64_t> slots(static_cast<size_t>(chunk));
-  for (int64_t at = 0; at < rows; at += chunk) {  // the engine's write op, slot = row
-    const int64_t n = std::min(chunk, rows - at);
-    bench::fill_random(device, DType::kBF16, src.data(), n * c.head_dim, seed + 7 + static_cast<uint64_t>(at));
-    for (int64_t i = 0; i < n; ++i) slots[static_cast<size_t>(i)] = at + i;
-    const Buffer d_slots = upload(device, slots);
-    write_index_keys_cuda(keys, c.head_dim, DType::kBF16, src.data(), c.head_dim, d_slots.as<int64_t>(), n);
-  }
+  const PagedIndexKeys keys = random_index_keys(device, p.keys, s.fp8, num_blocks, c.head_dim, seed);
   p.table = upload(device, p.host_table);
   p.lens = upload(device, std::vector<int32_t>(s.lens.begin(), s.lens.end()));
   EnginePagedKV& kv = p.kv;
@@ -548,8 +546,7 @@ Arm block_pools_arm(BlockPoolsSetup& s, Device device, const std::vector<int64_t
     const LayerStep r = s.layer->decode(t, p.kv, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
-  arm.output = [&s, device] { return read_bf16(device, s.o); };
-  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
+  layer_hooks(arm, s, device, false);
   return arm;
 }
 
@@ -617,28 +614,14 @@ Arm static_arm(StaticSetup& s, Device device, int32_t batch, DispatchConfig disp
   s.o = Buffer(device, b * c.num_qo_heads * d * 2);
   Arm arm;
   arm.fill = [&s, device, b, d](int64_t tokens, uint64_t seed) {
-    const auto& cfg = s.config;
-    const int64_t chunk = 4096;
-    Buffer k(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
-    Buffer v(device, b * cfg.num_kv_heads * static_cast<size_t>(chunk) * d * 2);
-    for (int64_t at = 0; at < tokens; at += chunk) {
-      const int64_t n = std::min(chunk, tokens - at);
-      bench::fill_random(device, DType::kBF16, k.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
-                         seed + static_cast<uint64_t>(2 * at));
-      bench::fill_random(device, DType::kBF16, v.data(), static_cast<int64_t>(b * cfg.num_kv_heads * n * d),
-                         seed + static_cast<uint64_t>(2 * at + 1));
-      s.layer->append_tokens(k.data(), v.data(), n);
-    }
+    append_random(*s.layer, device, b, s.config.num_kv_heads * d, s.config.num_kv_heads * d, tokens, seed);
   };
   arm.step = [&s](void* stream) {
     const LayerStep r =
         s.layer->decode({s.tokens[0].data(), s.tokens[1].data(), s.tokens[2].data(), s.o.data()}, stream);
     return std::make_pair(r.fused, r.outcome.describe());
   };
-  arm.output = [&s, device] { return read_bf16(device, s.o); };
-  arm.phase_events = [&s](void* a, void* b2) { s.layer->set_phase_events(a, b2); };
-  arm.reserve = [&s](int64_t n) { s.layer->reserve(n); };
-  arm.admit = [&s, device](int32_t slot, int64_t n, uint64_t seed) { admit_random(*s.layer, device, slot, n, seed); };
+  layer_hooks(arm, s, device, true);
   return arm;
 }
 

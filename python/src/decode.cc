@@ -566,27 +566,29 @@ const std::string kTryFusedDoc =
     "Tries the fused path; returns the SparseDecodeOutcome (counted in the stats).\n" + kDenseDoc;
 const std::string kMaskRunDoc = "Prepares (when counts or shapes change) and runs the mask path.\n" + kDenseDoc;
 
+// Binds an eager entry of the torch ops: paged_decode's arguments up to
+// block_size, every one positional, then `tail` (more arguments, the doc).
+template <class F, class... Tail>
+void def_positional(nb::module_& m, const char* name, F f, Tail... tail) {
+  m.def(name, f, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("indptr").none(),
+        nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"), nb::arg("scale"),
+        nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
+        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
+        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
+        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"), tail...);
+}
+
 }  // namespace
 
 void bind_decode(nb::module_& m) {
   // The torch ops' eager entries, every argument positional (keyword
   // matching costs microseconds a call there): over DLPack capsules, and over
   // tensors whose type publishes DLPack's C exchange table (torch >= 2.11).
-  m.def("_paged_decode_positional", &paged_decode, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("o"), nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"),
-        nb::arg("scale"), nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
-        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
-        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
-        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
-        nb::arg("upload_plan"), nb::arg("stream"), "Internal: paged_decode with positional arguments.");
-  m.def("_paged_decode_exchange", &paged_decode_exchange, nb::arg("plan"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("o"), nb::arg("indptr").none(), nb::arg("indices"), nb::arg("seq_lens").none(), nb::arg("page_size"),
-        nb::arg("scale"), nb::arg("first_page_offset").none(), nb::arg("lse").none(), nb::arg("q_extra").none(),
-        nb::arg("k_extra").none(), nb::arg("workspace").none(), nb::arg("num_pool_pages"),
-        nb::arg("request_row_stride"), nb::arg("window_len"), nb::arg("num_kv_heads"), nb::arg("skip_minus_one"),
-        nb::arg("block_table").none(), nb::arg("block_table_rows").none(), nb::arg("block_size"),
-        "Internal: paged_decode over tensors described through their type's DLPack exchange table, on its\n"
-        "current stream.");
+  def_positional(m, "_paged_decode_positional", &paged_decode, nb::arg("upload_plan"), nb::arg("stream"),
+                 "Internal: paged_decode with positional arguments.");
+  def_positional(m, "_paged_decode_exchange", &paged_decode_exchange,
+                 "Internal: paged_decode over tensors described through their type's DLPack exchange table, on its\n"
+                 "current stream.");
   m.def(
       "_has_exchange_api", [](nb::handle t) { return exchange_api_of(t) != nullptr; }, nb::arg("tensor"),
       "Internal: whether the tensor's type publishes DLPack's C exchange table (major version 1).");

@@ -192,23 +192,23 @@ PromptRows prompt_rows(const SparseLayer& layer, const std::string& op, const In
 }
 
 // ---- block-sparse step tensors ----
-// The queries and output of a step: one token (q_len null), or *q_len tokens
-// (a q_len dim after batch).
+// The queries and output of a step: one token (T = 0), or a chunk of T
+// tokens (a `tokens` dim after batch: q_len, or a prefill's num_tokens).
 BlockSparseTokens block_queries(const BlockSparseAttention& l, const StepArgs& a, const In& q, const In& index_q,
-                                const Out& o, const int32_t* q_len) {
+                                const Out& o, int64_t T, const std::string& tokens = "q_len") {
   const auto& c = l.config();
   const int64_t B = l.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
   BlockSparseTokens t;
-  if (q_len == nullptr) {
+  if (T == 0) {
     t.q = a.in(q, "q", {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
     t.index_q = a.in(index_q, "index_q", {B, Hk, D}, "[batch, num_kv_heads, head_dim]");
     t.o = a.out(o, {B, Hq, D}, "[batch, num_qo_heads, head_dim]");
     return t;
   }
-  const int64_t T = *q_len;
-  t.q = a.in(q, "q", {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]");
-  t.index_q = a.in(index_q, "index_q", {B, T, Hk, D}, "[batch, q_len, num_kv_heads, head_dim]");
-  t.o = a.out(o, {B, T, Hq, D}, "[batch, q_len, num_qo_heads, head_dim]");
+  const std::string q_layout = "[batch, " + tokens + ", num_qo_heads, head_dim]";
+  t.q = a.in(q, "q", {B, T, Hq, D}, q_layout.c_str());
+  t.index_q = a.in(index_q, "index_q", {B, T, Hk, D}, ("[batch, " + tokens + ", num_kv_heads, head_dim]").c_str());
+  t.o = a.out(o, {B, T, Hq, D}, q_layout.c_str());
   return t;
 }
 
@@ -217,14 +217,14 @@ BlockSparseTokens block_tokens(const BlockSparseAttention& l, const std::string&
   const int64_t B = l.batch(), Hk = l.config().num_kv_heads, D = l.config().head_dim;
   const StepArgs a(l, op);
   if (q_len == nullptr) {
-    BlockSparseTokens t = block_queries(l, a, q, index_q, o, nullptr);
+    BlockSparseTokens t = block_queries(l, a, q, index_q, o, 0);
     t.k = a.in(k, "k", {B, Hk + 1, 1, D}, "[batch, num_kv_heads + 1, 1, head_dim] (keys, then the index key)");
     t.v = a.in(v, "v", {B, Hk, 1, D}, "[batch, num_kv_heads, 1, head_dim]");
     return t;
   }
   *q_len = step_q_len(op, q, "q", "[batch, q_len, num_qo_heads, head_dim]");
   const int64_t T = *q_len;
-  BlockSparseTokens t = block_queries(l, a, q, index_q, o, q_len);
+  BlockSparseTokens t = block_queries(l, a, q, index_q, o, T);
   t.k = a.in(k, "k", {T, B, Hk + 1, 1, D},
              "[q_len, batch, num_kv_heads + 1, 1, head_dim] (token-major; keys, then the index key)");
   t.v = a.in(v, "v", {T, B, Hk, 1, D}, "[q_len, batch, num_kv_heads, 1, head_dim] (token-major)");
@@ -408,12 +408,12 @@ PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& tabl
   return k;
 }
 
-// The engine-pools fields every model's decode_pools shares: the lengths
-// (int32 [batch] on the layer's device, their host bound) and the index-key
-// pool with its table (default: the attention pool's).
-void pools_fields(EnginePagedKV& kv, const SparseLayer& layer, const std::string& op, const In& seq_lens,
-                  int64_t max_seq_len, const In& index_cache, const std::optional<In>& index_block_table,
-                  const In& block_table, int32_t index_dim) {
+// The engine-pools fields every model's *_pools call adds to its attention
+// pool `kv`: the lengths (int32 [batch] on the layer's device, their host
+// bound) and the index-key pool with its table (default: the attention pool's).
+EnginePagedKV pools_kv(EnginePagedKV kv, const SparseLayer& layer, const std::string& op, const In& seq_lens,
+                       int64_t max_seq_len, const In& index_cache, const std::optional<In>& index_block_table,
+                       const In& block_table, int32_t index_dim) {
   if (layer.kv_storage() != KVStorage::kEnginePools)
     throw Error(op + ": the layer was made with another kv_storage; the *_pools calls need KVStorage.ENGINE_POOLS");
   Tensor lens = describe(seq_lens, op, "seq_lens");
@@ -425,6 +425,146 @@ void pools_fields(EnginePagedKV& kv, const SparseLayer& layer, const std::string
   kv.max_seq_len = max_seq_len;
   kv.index_keys = index_pool(op, index_cache, index_block_table ? *index_block_table : block_table, layer.device(),
                              layer.batch(), index_dim);
+  return kv;
+}
+
+// ---- the forms over the layer's own cache: one token (prefill_token,
+// decode), q_len tokens (decode_multi) or a prefill chunk of n tokens ----
+
+enum class StepForm { kPrefillToken, kDecode, kDecodeMulti, kPrefill };
+
+constexpr const char* form_name(StepForm f) {
+  return f == StepForm::kPrefillToken  ? "prefill_token"
+         : f == StepForm::kDecode      ? "decode"
+         : f == StepForm::kDecodeMulti ? "decode_multi"
+                                       : "prefill";
+}
+
+// The tokens' count argument of a model's *_tokens check: null for one token.
+template <StepForm kForm>
+int32_t* token_count(int32_t* n) {
+  return kForm == StepForm::kDecodeMulti || kForm == StepForm::kPrefill ? n : nullptr;
+}
+
+// Runs the form: the decodes return their LayerStep, the prefills nothing.
+template <StepForm kForm, class Layer, class Tokens>
+auto run_form(Layer& self, const Tokens& t, int32_t n, const std::optional<uintptr_t>& stream) {
+  if constexpr (kForm == StepForm::kPrefillToken) {
+    self.prefill_token(t, step_stream(stream, self));
+  } else if constexpr (kForm == StepForm::kDecode) {
+    return self.decode(t, step_stream(stream, self));
+  } else if constexpr (kForm == StepForm::kDecodeMulti) {
+    return self.decode(t, n, step_stream(stream, self));
+  } else {
+    self.prefill(t, n, step_stream(stream, self));
+  }
+}
+
+template <StepForm kForm>
+auto block_step(BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
+                const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("BlockSparseAttention.") + form_name(kForm);
+  const BlockSparseTokens t = block_tokens(self, op, q, index_q, k, v, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
+template <StepForm kForm>
+auto static_step(StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
+                 const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("StaticBlockSparseAttention.") + form_name(kForm);
+  const StaticBlockSparseTokens t = static_tokens(self, op, q, k, v, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
+template <StepForm kForm>
+auto dsa_step(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+              const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
+  int32_t n = 0;
+  const std::string op = std::string("DsaAttention.") + form_name(kForm);
+  const DsaTokens t =
+      dsa_tokens(self, op, q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, o, token_count<kForm>(&n));
+  return run_form<kForm>(self, t, n, stream);
+}
+
+// ---- the engine forms: *_paged (an engine's paged pool, the layer keeps
+// the index keys) and *_pools (everything in the engine's pools), each as a
+// one-token decode or (kChunk) a prefill chunk of n = q.shape[1] tokens ----
+
+// The appended index keys of a *_paged step: one token's [batch, 1, 1, dim],
+// or a chunk's n tokens' token-major.
+const void* index_k_arg(const StepArgs& a, const In& index_k, int64_t batch, int64_t dim, const std::string& dim_name,
+                        int64_t n) {
+  if (n == 0) return a.in(index_k, "index_k", {batch, 1, 1, dim}, ("[batch, 1, 1, " + dim_name + "]").c_str());
+  return a.in(index_k, "index_k", {n, batch, 1, 1, dim},
+              ("[num_tokens, batch, 1, 1, " + dim_name + "] (token-major)").c_str());
+}
+
+// "<Layer>.decode_<form>" or "<Layer>.prefill_<form>".
+template <bool kChunk>
+std::string engine_op(const char* layer, const char* form) {
+  return std::string(layer) + (kChunk ? ".prefill_" : ".decode_") + form;
+}
+
+// Runs the step: decode returns its LayerStep, a prefill chunk nothing.
+template <bool kChunk, class Layer, class Tokens>
+auto engine_step(Layer& self, const Tokens& t, const EnginePagedKV& kv, int32_t n,
+                 const std::optional<uintptr_t>& stream) {
+  if constexpr (kChunk) {
+    self.prefill(t, kv, n, step_stream(stream, self));
+  } else {
+    return self.decode(t, kv, step_stream(stream, self));
+  }
+}
+
+template <bool kChunk>
+auto block_paged(BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
+                 const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
+  const std::string op = engine_op<kChunk>("BlockSparseAttention", "paged");
+  const int32_t n = kChunk ? step_q_len(op, q, "q", "[batch, num_tokens, num_qo_heads, head_dim]") : 0;
+  const StepArgs a(self, op);
+  BlockSparseTokens t = block_queries(self, a, q, index_q, o, n, "num_tokens");
+  t.index_k = index_k_arg(a, index_k, self.batch(), self.config().head_dim, "head_dim", n);
+  return engine_step<kChunk>(self, t, block_engine_kv(self, op, k_cache, v_cache, block_table), n, stream);
+}
+
+template <bool kChunk>
+auto block_pools(BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
+                 const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+                 const In& index_cache, const std::optional<In>& index_block_table,
+                 const std::optional<uintptr_t>& stream) {
+  const std::string op = engine_op<kChunk>("BlockSparseAttention", "pools");
+  const int32_t n = kChunk ? step_q_len(op, q, "q", "[batch, num_tokens, num_qo_heads, head_dim]") : 0;
+  const BlockSparseTokens t = block_queries(self, StepArgs(self, op), q, index_q, o, n, "num_tokens");
+  const EnginePagedKV kv = pools_kv(block_engine_kv(self, op, k_cache, v_cache, block_table), self, op, seq_lens,
+                                    max_seq_len, index_cache, index_block_table, block_table, self.config().head_dim);
+  return engine_step<kChunk>(self, t, kv, n, stream);
+}
+
+template <bool kChunk>
+auto dsa_paged(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+               const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
+               const std::optional<uintptr_t>& stream) {
+  const std::string op = engine_op<kChunk>("DsaAttention", "paged");
+  const int32_t n = kChunk ? step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]") : 0;
+  const StepArgs a(self, op);
+  DsaTokens t = dsa_queries(self, a, q_latent, q_pe, q_index, index_weights, o, n);
+  t.index_k = index_k_arg(a, index_k, self.batch(), self.config().index_head_dim, "index_head_dim", n);
+  return engine_step<kChunk>(self, t, dsa_engine_kv(self, op, kv_cache, block_table), n, stream);
+}
+
+template <bool kChunk>
+auto dsa_pools(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+               const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+               const In& index_cache, const std::optional<In>& index_block_table,
+               const std::optional<uintptr_t>& stream) {
+  const std::string op = engine_op<kChunk>("DsaAttention", "pools");
+  const int32_t n = kChunk ? step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]") : 0;
+  const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, n);
+  const EnginePagedKV kv = pools_kv(dsa_engine_kv(self, op, kv_cache, block_table), self, op, seq_lens, max_seq_len,
+                                    index_cache, index_block_table, block_table, self.config().index_head_dim);
+  return engine_step<kChunk>(self, t, kv, n, stream);
 }
 
 DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
@@ -558,165 +698,78 @@ void bind_layers(nb::module_& m) {
       "layer owns its dense [B, H, Cap, D] cache (f16 or bf16). Step tensors: q [B, Hq, D], index_q\n"
       "[B, Hkv, D], k [B, Hkv + 1, 1, D] (keys, then the index key), v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "prefill_token",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            self.prefill_token(block_tokens(self, "BlockSparseAttention.prefill_token", q, index_q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(), "Appends the token and attends causally to the whole window (dense).")
-      .def(
-          "decode",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            return self.decode(block_tokens(self, "BlockSparseAttention.decode", q, index_q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
-          "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
-          "same set on a decline. Returns a LayerStep.")
-      .def(
-          "decode_paged",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
-             const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
-            const std::string op = "BlockSparseAttention.decode_paged";
-            const StepArgs a(self, op);
-            BlockSparseTokens t = block_queries(self, a, q, index_q, o, nullptr);
-            t.index_k =
-                a.in(index_k, "index_k", {self.batch(), 1, 1, self.config().head_dim}, "[batch, 1, 1, head_dim]");
-            return self.decode(t, block_engine_kv(self, op, k_cache, v_cache, block_table), step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
-          "Decode over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): appends the index key\n"
-          "index_k [B, 1, 1, D], runs the indexer, and attends the kept blocks of k_cache / v_cache\n"
-          "[num_blocks, block_size, Hkv, D] in place through block_table int32 [B, max_blocks] (row b:\n"
-          "slot b's blocks). The engine has written this token's K and V at position kv_lens[b] (the\n"
-          "length before the call). No mask path: a step the dispatch would decline raises, and nothing\n"
-          "is appended.")
-      .def(
-          "decode_pools",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
-             const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len, const In& index_cache,
-             const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
-            const std::string op = "BlockSparseAttention.decode_pools";
-            const BlockSparseTokens t = block_queries(self, StepArgs(self, op), q, index_q, o, nullptr);
-            EnginePagedKV kv = block_engine_kv(self, op, k_cache, v_cache, block_table);
-            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
-                         self.config().head_dim);
-            return self.decode(t, kv, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"), nb::arg("index_cache"),
-          nb::arg("index_block_table").none() = nb::none(), nb::arg("stream").none() = nb::none(),
-          "The stateless block-sparse step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS):\n"
-          "the engine has written this step's K and V rows and index key; the layer keeps nothing per\n"
-          "sequence. k_cache / v_cache [num_blocks, block_size, Hkv, D] as decode_paged takes them;\n"
-          "seq_lens int32 [B] on the device, each slot's length with this step's token (0: an empty slot,\n"
-          "zero output); max_seq_len a host bound on them (reserve() it before capturing); index_cache the\n"
-          "engine's index keys: the layer's dtype [num_blocks, block_size, D], or uint8 [num_blocks,\n"
-          "block_size, 132] in vLLM's FP8 layout at D = 128 (write_index_keys writes either);\n"
-          "index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable. A refused\n"
-          "sequence (a length past max_seq_len, a key block outside the pool) selects nothing and\n"
-          "check_errors() names it. Returns a LayerStep.")
-      .def(
-          "decode_multi",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t q_len = 0;
-            const BlockSparseTokens t =
-                block_tokens(self, "BlockSparseAttention.decode_multi", q, index_q, k, v, o, &q_len);
-            return self.decode(t, q_len, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
-          "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
-          "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
-          "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
-          "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const BlockSparseTokens t = block_tokens(self, "BlockSparseAttention.prefill", q, index_q, k, v, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
-          nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot, then the block\n"
-          "prefill indexer and the fused block prefill (each query block keeps what one multi-token\n"
-          "decode step of its tokens would; every block while it ends in the dense regime). Tensors as\n"
-          "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
-          "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
-          "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
-      .def(
-          "prefill_paged",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const In& index_k, const Out& o,
-             const In& k_cache, const In& v_cache, const In& block_table, const std::optional<uintptr_t>& stream) {
-            const std::string op = "BlockSparseAttention.prefill_paged";
-            const auto& c = self.config();
-            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
-            const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
-            const int32_t n = step_q_len(op, q, "q", q_layout);
-            const StepArgs a(self, op);
-            BlockSparseTokens t;
-            t.q = a.in(q, "q", {B, n, Hq, D}, q_layout);
-            t.index_q = a.in(index_q, "index_q", {B, n, Hk, D}, "[batch, num_tokens, num_kv_heads, head_dim]");
-            t.index_k = a.in(index_k, "index_k", {n, B, 1, 1, D}, "[num_tokens, batch, 1, 1, head_dim] (token-major)");
-            t.o = a.out(o, {B, n, Hq, D}, "[batch, num_tokens, num_qo_heads, head_dim]");
-            self.prefill(t, block_engine_kv(self, op, k_cache, v_cache, block_table), n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): the engine\n"
-          "has written the chunk's K and V rows into k_cache / v_cache [num_blocks, block_size, Hkv, D]\n"
-          "at each active slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the\n"
-          "chunk's index keys index_k [num_tokens, B, 1, 1, D] (token-major), runs the block prefill\n"
-          "indexer and the fused block prefill reading the rows through block_table int32 [B,\n"
-          "max_blocks]. q and o [B, num_tokens, Hq, D], index_q [B, num_tokens, Hkv, D]. The same\n"
-          "selection and answer as prefill over the layer's own cache, with its refusals, and a table\n"
-          "row too short for a slot refused before anything changes.")
-      .def(
-          "prefill_pools",
-          [](BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
-             const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len, const In& index_cache,
-             const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
-            const std::string op = "BlockSparseAttention.prefill_pools";
-            const auto& c = self.config();
-            const int64_t B = self.batch(), Hq = c.num_qo_heads, Hk = c.num_kv_heads, D = c.head_dim;
-            const char* q_layout = "[batch, num_tokens, num_qo_heads, head_dim]";
-            const int32_t n = step_q_len(op, q, "q", q_layout);
-            const StepArgs a(self, op);
-            BlockSparseTokens t;
-            t.q = a.in(q, "q", {B, n, Hq, D}, q_layout);
-            t.index_q = a.in(index_q, "index_q", {B, n, Hk, D}, "[batch, num_tokens, num_kv_heads, head_dim]");
-            t.o = a.out(o, {B, n, Hq, D}, "[batch, num_tokens, num_qo_heads, head_dim]");
-            EnginePagedKV kv = block_engine_kv(self, op, k_cache, v_cache, block_table);
-            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table, c.head_dim);
-            self.prefill(t, kv, n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"), nb::arg("index_cache"),
-          nb::arg("index_block_table").none() = nb::none(), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
-          "has written the chunk's K and V rows and index keys; the layer appends nothing and keeps\n"
-          "nothing. k_cache, v_cache, block_table, index_cache and index_block_table as decode_pools\n"
-          "takes them; seq_lens int32 [B] each slot's length with the chunk (0: a slot not in this call,\n"
-          "zero output), its chunk the last num_tokens = q.shape[1] positions, starting on a multiple of\n"
-          "block_size; max_seq_len a host bound on them. q and o [B, num_tokens, Hq, D], index_q [B,\n"
-          "num_tokens, Hkv, D]. The same selection and answer as prefill_paged over a layer that keeps\n"
-          "the same keys. The lengths are read back once (on the GPU this synchronizes; not capturable).\n"
-          "Refused by name before anything is written: a length other than 0 below num_tokens or above\n"
-          "max_seq_len, or past the table's row, a chunk off the block grid, and every slot free. A key\n"
-          "block id outside the pool that the block scores read: refused by name on the CPU; on the GPU\n"
-          "the sparse-regime query blocks that needed it attend nothing (zero output) and\n"
-          "check_errors() names it.")
+      .def("prefill_token", &block_step<StepForm::kPrefillToken>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Appends the token and attends causally to the whole window (dense).")
+      .def("decode", &block_step<StepForm::kDecode>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token, runs the indexer (top-k blocks per KV head; every block for a\n"
+           "sequence in its dense regime) and attends the kept blocks: fused, or the block mask over the\n"
+           "same set on a decline. Returns a LayerStep.")
+      .def("decode_paged", &block_paged<false>, nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"),
+           nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
+           "Decode over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): appends the index key\n"
+           "index_k [B, 1, 1, D], runs the indexer, and attends the kept blocks of k_cache / v_cache\n"
+           "[num_blocks, block_size, Hkv, D] in place through block_table int32 [B, max_blocks] (row b:\n"
+           "slot b's blocks). The engine has written this token's K and V at position kv_lens[b] (the\n"
+           "length before the call). No mask path: a step the dispatch would decline raises, and nothing\n"
+           "is appended.")
+      .def("decode_pools", &block_pools<false>, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
+           nb::arg("v_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
+           nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(),
+           "The stateless block-sparse step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS):\n"
+           "the engine has written this step's K and V rows and index key; the layer keeps nothing per\n"
+           "sequence. k_cache / v_cache [num_blocks, block_size, Hkv, D] as decode_paged takes them;\n"
+           "seq_lens int32 [B] on the device, each slot's length with this step's token (0: an empty slot,\n"
+           "zero output); max_seq_len a host bound on them (reserve() it before capturing); index_cache the\n"
+           "engine's index keys: the layer's dtype [num_blocks, block_size, D], or uint8 [num_blocks,\n"
+           "block_size, 132] in vLLM's FP8 layout at D = 128 (write_index_keys writes either);\n"
+           "index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable. A refused\n"
+           "sequence (a length past max_seq_len, a key block outside the pool) selects nothing and\n"
+           "check_errors() names it. Returns a LayerStep.")
+      .def("decode_multi", &block_step<StepForm::kDecodeMulti>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "A multi-token step (speculative verification, MTP): appends q_len tokens per slot and attends\n"
+           "them, token t seeing the context up to its own position. q and o [B, q_len, Hq, D], index_q\n"
+           "[B, q_len, Hkv, D]; k [q_len, B, Hkv + 1, 1, D] and v [q_len, B, Hkv, 1, D], token-major.\n"
+           "q_len = q.shape[1], 1 .. 16 (on the GPU, q_len * Hkv <= 32). One selection serves the step;\n"
+           "when the policy declines, the step runs as q_len one-token decodes. Returns a LayerStep.")
+      .def("prefill", &block_step<StepForm::kPrefill>, nb::arg("q"), nb::arg("index_q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("o"), nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot, then the block\n"
+           "prefill indexer and the fused block prefill (each query block keeps what one multi-token\n"
+           "decode step of its tokens would; every block while it ends in the dense regime). Tensors as\n"
+           "decode_multi's, any num_tokens. Refuses, before anything changes, a chunk whose start is not\n"
+           "a multiple of block_size (and on the GPU head_dim other than 128, block_size other than 64\n"
+           "or 128). Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def("prefill_paged", &block_paged<true>, nb::arg("q"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("o"),
+           nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
+           "Chunked prefill over an engine's paged pool (kv_storage = KVStorage.ENGINE_PAGED): the engine\n"
+           "has written the chunk's K and V rows into k_cache / v_cache [num_blocks, block_size, Hkv, D]\n"
+           "at each active slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the\n"
+           "chunk's index keys index_k [num_tokens, B, 1, 1, D] (token-major), runs the block prefill\n"
+           "indexer and the fused block prefill reading the rows through block_table int32 [B,\n"
+           "max_blocks]. q and o [B, num_tokens, Hq, D], index_q [B, num_tokens, Hkv, D]. The same\n"
+           "selection and answer as prefill over the layer's own cache, with its refusals, and a table\n"
+           "row too short for a slot refused before anything changes.")
+      .def("prefill_pools", &block_pools<true>, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
+           nb::arg("v_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
+           nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
+           "has written the chunk's K and V rows and index keys; the layer appends nothing and keeps\n"
+           "nothing. k_cache, v_cache, block_table, index_cache and index_block_table as decode_pools\n"
+           "takes them; seq_lens int32 [B] each slot's length with the chunk (0: a slot not in this call,\n"
+           "zero output), its chunk the last num_tokens = q.shape[1] positions, starting on a multiple of\n"
+           "block_size; max_seq_len a host bound on them. q and o [B, num_tokens, Hq, D], index_q [B,\n"
+           "num_tokens, Hkv, D]. The same selection and answer as prefill_paged over a layer that keeps\n"
+           "the same keys. The lengths are read back once (on the GPU this synchronizes; not capturable).\n"
+           "Refused by name before anything is written: a length other than 0 below num_tokens or above\n"
+           "max_seq_len, or past the table's row, a chunk off the block grid, and every slot free. A key\n"
+           "block id outside the pool that the block scores read: refused by name on the CPU; on the GPU\n"
+           "the sparse-regime query blocks that needed it attend nothing (zero output) and\n"
+           "check_errors() names it.")
       .def("last_blocks", &BlockSparseAttention::last_blocks, "Kept blocks of the last step, per request (host copy).");
 
   nb::class_<StaticBlockSparseConfig>(
@@ -753,29 +806,16 @@ void bind_layers(nb::module_& m) {
       "to the mask path over the same set on any decline. The layer owns its dense [B, Hkv, Cap, D]\n"
       "cache (f16 or bf16). Step tensors: q [B, Hq, D], k and v [B, Hkv, 1, D], o [B, Hq, D];\n"
       "contiguous, on the layer's device.")
-      .def(
-          "decode",
-          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            return self.decode(static_tokens(self, "StaticBlockSparseAttention.decode", q, k, v, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](StaticBlockSparseAttention& self, const In& q, const In& k, const In& v, const Out& o,
-             const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const StaticBlockSparseTokens t = static_tokens(self, "StaticBlockSparseAttention.prefill", q, k, v, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot and attends each query\n"
-          "head's pattern through the fused block prefill (the same sets and outputs as decoding the\n"
-          "tokens one by one). q and o [B, num_tokens, Hq, D]; k and v [num_tokens, B, Hkv, 1, D],\n"
-          "token-major. Refuses, before anything changes, a chunk whose start is not a multiple of\n"
-          "block_size.")
+      .def("decode", &static_step<StepForm::kDecode>, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token and attends each query head's pattern. Returns a LayerStep.")
+      .def("prefill", &static_step<StepForm::kPrefill>, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q.shape[1] tokens per active slot and attends each query\n"
+           "head's pattern through the fused block prefill (the same sets and outputs as decoding the\n"
+           "tokens one by one). q and o [B, num_tokens, Hq, D]; k and v [num_tokens, B, Hkv, 1, D],\n"
+           "token-major. Refuses, before anything changes, a chunk whose start is not a multiple of\n"
+           "block_size.")
       .def("last_blocks", &StaticBlockSparseAttention::last_blocks,
            "Kept blocks of the last decode, per request r = b * num_qo_heads + h (host copy).");
 
@@ -807,162 +847,81 @@ void bind_layers(nb::module_& m) {
       "except the fp32 index weights): q_latent [B, H, latent], q_pe [B, H, rope], q_index\n"
       "[B, index_heads, index_head_dim], index_weights [B, index_heads], k_cache_row\n"
       "[B, 1, 1, latent + index_head_dim], k_pe [B, 1, 1, rope], o [B, H, latent].")
-      .def(
-          "prefill_token",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            self.prefill_token(dsa_tokens(self, "DsaAttention.prefill_token", q_latent, q_pe, q_index, index_weights,
-                                          k_cache_row, k_pe, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends the token and attends to the whole window.")
-      .def(
-          "decode",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            return self.decode(dsa_tokens(self, "DsaAttention.decode", q_latent, q_pe, q_index, index_weights,
-                                          k_cache_row, k_pe, o, nullptr),
-                               step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Appends each active slot's token, runs the indexer, tries the fused path and falls back to the\n"
-          "mask path. Returns a LayerStep.")
-      .def(
-          "decode_paged",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
-             const std::optional<uintptr_t>& stream) {
-            const std::string op = "DsaAttention.decode_paged";
-            const StepArgs a(self, op);
-            DsaTokens t = dsa_queries(self, a, q_latent, q_pe, q_index, index_weights, o, 0);
-            t.index_k = a.in(index_k, "index_k", {self.batch(), 1, 1, self.config().index_head_dim},
-                             "[batch, 1, 1, index_head_dim]");
-            return self.decode(t, dsa_engine_kv(self, op, kv_cache, block_table), step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
-          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
-          "Decode over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): appends the\n"
-          "indexer key index_k [B, 1, 1, index_head_dim], runs the indexer, and attends the kept\n"
-          "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
-          "row) in place through block_table int32 [B, max_blocks]. A uint8 kv_cache [num_blocks,\n"
-          "block_size, row_bytes >= 656] holds the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32\n"
-          "scales, 64 bf16 rope values; quantize_mla_fp8 writes them) for a bf16 layer of 512 + 64,\n"
-          "dequantized in the kernel. The engine has written this token's row at position kv_lens[b].\n"
-          "No mask path: a declined step raises, appending nothing.")
-      .def(
-          "decode_pools",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
-             const In& index_cache, const std::optional<In>& index_block_table,
-             const std::optional<uintptr_t>& stream) {
-            const std::string op = "DsaAttention.decode_pools";
-            const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, 0);
-            EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
-            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
-                         self.config().index_head_dim);
-            return self.decode(t, kv, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("o"),
-          nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
-          nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
-          nb::arg("stream").none() = nb::none(),
-          "The stateless DSA step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the\n"
-          "engine has written this step's MLA rows and index keys; the layer keeps nothing per sequence.\n"
-          "kv_cache as decode_paged takes it (bf16 rows or the 656-byte FP8 rows); seq_lens int32 [B] on\n"
-          "the device, each slot's length with this step's token (0: an empty slot, zero output);\n"
-          "max_seq_len a host bound on them (reserve() it before capturing); index_cache the engine's\n"
-          "index keys: uint8 [num_blocks, block_size, 132] in vLLM's FP8 layout (per block the e4m3\n"
-          "values, then the fp32 scales; write_index_keys writes it) or bf16 [num_blocks, block_size,\n"
-          "index_head_dim]; index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable.\n"
-          "Returns a LayerStep.")
-      .def(
-          "decode_multi",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            int32_t q_len = 0;
-            const DsaTokens t = dsa_tokens(self, "DsaAttention.decode_multi", q_latent, q_pe, q_index, index_weights,
-                                           k_cache_row, k_pe, o, &q_len);
-            return self.decode(t, q_len, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
-          "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
-          "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
-          "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
-          "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
-          "one row per (sequence, token). Returns a LayerStep.")
-      .def(
-          "prefill",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& k_cache_row, const In& k_pe, const Out& o, const std::optional<uintptr_t>& stream) {
-            int32_t n = 0;
-            const DsaTokens t = dsa_tokens(self, "DsaAttention.prefill", q_latent, q_pe, q_index, index_weights,
-                                           k_cache_row, k_pe, o, &n);
-            self.prefill(t, n, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"),
-          nb::arg("k_pe"), nb::arg("o"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill: appends num_tokens = q_latent.shape[1] tokens per active slot, then the DSA\n"
-          "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
-          "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
-          "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
-          "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
-      .def(
-          "prefill_paged",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const In& index_k, const Out& o, const In& kv_cache, const In& block_table,
-             const std::optional<uintptr_t>& stream) {
-            const std::string op = "DsaAttention.prefill_paged";
-            const int32_t n = step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]");
-            const StepArgs a(self, op);
-            DsaTokens t = dsa_queries(self, a, q_latent, q_pe, q_index, index_weights, o, n);
-            t.index_k = a.in(index_k, "index_k", {n, self.batch(), 1, 1, self.config().index_head_dim},
-                             "[num_tokens, batch, 1, 1, index_head_dim] (token-major)");
-            self.prefill(t, dsa_engine_kv(self, op, kv_cache, block_table), n, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("index_k"),
-          nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("stream").none() = nb::none(),
-          "Chunked prefill over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): the\n"
-          "engine has written the chunk's rows into kv_cache (as decode_paged takes it: bf16 rows\n"
-          "[num_blocks, block_size, latent_dim + rope_dim] or the 656-byte FP8 rows) at each active\n"
-          "slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the chunk's indexer keys\n"
-          "index_k [num_tokens, B, 1, 1, index_head_dim] (token-major), runs the DSA prefill indexer and\n"
-          "the fused MLA prefill reading the rows through block_table int32 [B, max_blocks]. Queries,\n"
-          "index_weights and o as prefill's, num_tokens = q_latent.shape[1]. The same selection and\n"
-          "answer as prefill over the layer's own cache, with its refusals, and a table row too short\n"
-          "for a slot refused before anything changes.")
-      .def(
-          "prefill_pools",
-          [](DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-             const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
-             const In& index_cache, const std::optional<In>& index_block_table,
-             const std::optional<uintptr_t>& stream) {
-            const std::string op = "DsaAttention.prefill_pools";
-            const int32_t n = step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]");
-            const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, n);
-            EnginePagedKV kv = dsa_engine_kv(self, op, kv_cache, block_table);
-            pools_fields(kv, self, op, seq_lens, max_seq_len, index_cache, index_block_table, block_table,
-                         self.config().index_head_dim);
-            self.prefill(t, kv, n, step_stream(stream, self));
-          },
-          nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"), nb::arg("index_weights"), nb::arg("o"),
-          nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
-          nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
-          nb::arg("stream").none() = nb::none(),
-          "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
-          "has written the chunk's MLA rows and index keys; the layer appends nothing and keeps nothing.\n"
-          "kv_cache, block_table, index_cache and index_block_table as decode_pools takes them; seq_lens\n"
-          "int32 [B] each slot's length with the chunk (0: a free slot, zero output), its chunk the last\n"
-          "num_tokens = q_latent.shape[1] positions; max_seq_len a host bound on them. Queries,\n"
-          "index_weights and o as prefill's. The same selection and answer as prefill_paged over a layer\n"
-          "that keeps the same keys. The lengths are read back once (on the GPU this synchronizes; not\n"
-          "capturable). Refused by name before anything is written: a length other than 0 below\n"
-          "num_tokens or above max_seq_len, or past the table's row, and every slot free. A key block id\n"
-          "outside the pool selects nothing for the tokens that needed it and check_errors() names it.");
+      .def("prefill_token", &dsa_step<StepForm::kPrefillToken>, nb::arg("q_latent"), nb::arg("q_pe"),
+           nb::arg("q_index"), nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(), "Appends the token and attends to the whole window.")
+      .def("decode", &dsa_step<StepForm::kDecode>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Appends each active slot's token, runs the indexer, tries the fused path and falls back to the\n"
+           "mask path. Returns a LayerStep.")
+      .def("decode_paged", &dsa_paged<false>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("index_k"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"),
+           nb::arg("stream").none() = nb::none(),
+           "Decode over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): appends the\n"
+           "indexer key index_k [B, 1, 1, index_head_dim], runs the indexer, and attends the kept\n"
+           "positions of kv_cache [num_blocks, block_size, latent_dim + rope_dim] (latent then rope in one\n"
+           "row) in place through block_table int32 [B, max_blocks]. A uint8 kv_cache [num_blocks,\n"
+           "block_size, row_bytes >= 656] holds the engines' FP8 MLA rows (512 e4m3 latent values, 4 fp32\n"
+           "scales, 64 bf16 rope values; quantize_mla_fp8 writes them) for a bf16 layer of 512 + 64,\n"
+           "dequantized in the kernel. The engine has written this token's row at position kv_lens[b].\n"
+           "No mask path: a declined step raises, appending nothing.")
+      .def("decode_pools", &dsa_pools<false>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"),
+           nb::arg("max_seq_len"), nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(),
+           "The stateless DSA step over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the\n"
+           "engine has written this step's MLA rows and index keys; the layer keeps nothing per sequence.\n"
+           "kv_cache as decode_paged takes it (bf16 rows or the 656-byte FP8 rows); seq_lens int32 [B] on\n"
+           "the device, each slot's length with this step's token (0: an empty slot, zero output);\n"
+           "max_seq_len a host bound on them (reserve() it before capturing); index_cache the engine's\n"
+           "index keys: uint8 [num_blocks, block_size, 132] in vLLM's FP8 layout (per block the e4m3\n"
+           "values, then the fp32 scales; write_index_keys writes it) or bf16 [num_blocks, block_size,\n"
+           "index_head_dim]; index_block_table int32 [B, max_blocks] (default: block_table). Graph-capturable.\n"
+           "Returns a LayerStep.")
+      .def("decode_multi", &dsa_step<StepForm::kDecodeMulti>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "A multi-token step (speculative verification, MTP) with one top-k per token, each token's\n"
+           "indexer limited to the context up to its own position. q_latent, q_pe and o [B, q_len, H,\n"
+           "dim], q_index [B, q_len, index_heads, index_head_dim], index_weights fp32 [B, q_len,\n"
+           "index_heads]; k_cache_row [q_len, B, 1, 1, latent + index_head_dim] and k_pe [q_len, B, 1, 1,\n"
+           "rope], token-major. q_len = q_latent.shape[1], 1 .. 16. last_selected_positions() then has\n"
+           "one row per (sequence, token). Returns a LayerStep.")
+      .def("prefill", &dsa_step<StepForm::kPrefill>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("k_cache_row"), nb::arg("k_pe"), nb::arg("o"),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill: appends num_tokens = q_latent.shape[1] tokens per active slot, then the DSA\n"
+           "prefill indexer (each token's top-k over its own causal window) and the fused MLA prefill:\n"
+           "the same sets and outputs as decoding the tokens one by one. Tensors as decode_multi's, any\n"
+           "num_tokens. Refuses, before anything changes, latent/rope other than 512/64 and, on the\n"
+           "GPU, f16. Graph-capturable for a fixed shape once run eagerly, with the slots all active.")
+      .def("prefill_paged", &dsa_paged<true>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("index_k"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill over an engine's paged MLA pool (kv_storage = KVStorage.ENGINE_PAGED): the\n"
+           "engine has written the chunk's rows into kv_cache (as decode_paged takes it: bf16 rows\n"
+           "[num_blocks, block_size, latent_dim + rope_dim] or the 656-byte FP8 rows) at each active\n"
+           "slot's positions kv_lens[b] .. kv_lens[b] + num_tokens - 1; appends the chunk's indexer keys\n"
+           "index_k [num_tokens, B, 1, 1, index_head_dim] (token-major), runs the DSA prefill indexer and\n"
+           "the fused MLA prefill reading the rows through block_table int32 [B, max_blocks]. Queries,\n"
+           "index_weights and o as prefill's, num_tokens = q_latent.shape[1]. The same selection and\n"
+           "answer as prefill over the layer's own cache, with its refusals, and a table row too short\n"
+           "for a slot refused before anything changes.")
+      .def("prefill_pools", &dsa_pools<true>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+           nb::arg("index_weights"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"),
+           nb::arg("max_seq_len"), nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(),
+           "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
+           "has written the chunk's MLA rows and index keys; the layer appends nothing and keeps nothing.\n"
+           "kv_cache, block_table, index_cache and index_block_table as decode_pools takes them; seq_lens\n"
+           "int32 [B] each slot's length with the chunk (0: a free slot, zero output), its chunk the last\n"
+           "num_tokens = q_latent.shape[1] positions; max_seq_len a host bound on them. Queries,\n"
+           "index_weights and o as prefill's. The same selection and answer as prefill_paged over a layer\n"
+           "that keeps the same keys. The lengths are read back once (on the GPU this synchronizes; not\n"
+           "capturable). Refused by name before anything is written: a length other than 0 below\n"
+           "num_tokens or above max_seq_len, or past the table's row, and every slot free. A key block id\n"
+           "outside the pool selects nothing for the tokens that needed it and check_errors() names it.");
 
   m.def(
       "select_top_blocks_cpu",

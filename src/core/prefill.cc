@@ -348,6 +348,19 @@ void MlaSparsePrefill::check_errors(void* stream) {
 
 namespace {
 
+// An indexer's keys in an engine's paged pool (both prefill indexers): a
+// valid pool of `dim`-wide keys in the queries' dtype (or FP8), whose table
+// reaches the chunk's kv_len.
+void check_paged_keys(const PagedIndexKeys& paged, int32_t dim, DType dtype, int64_t kv_len, const std::string& who) {
+  const std::string problem = paged_index_keys_problem(paged, dim);
+  REQUIRE(problem.empty(), who + "paged: " + problem);
+  REQUIRE(paged.format == IndexKeyFormat::kE4m3 || paged.dtype == dtype,
+          who + "paged holds " + dtype_name(paged.dtype) + " keys; the queries are " + dtype_name(dtype));
+  REQUIRE(kv_len <= int64_t{paged.max_blocks} * paged.block_size,
+          who + "chunk.kv_len = " + to_string(kv_len) + " positions are past the key table's " +
+              to_string(paged.max_blocks) + " blocks of " + to_string(paged.block_size));
+}
+
 void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   const std::string who = "DsaPrefillIndexer: ";
   check_chunk(p.chunk, who);
@@ -357,14 +370,7 @@ void check_dsa(const DsaPrefillIndexerParams& p, Device device) {
   REQUIRE(p.q_index != nullptr && p.weights != nullptr && p.positions != nullptr && p.counts != nullptr,
           who + "q_index, weights, positions and counts must be set");
   if (p.key_layout == IndexKeyLayout::kPaged) {
-    const std::string problem = paged_index_keys_problem(p.paged, p.index_head_dim);
-    REQUIRE(problem.empty(), who + "paged: " + problem);
-    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
-            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
-    const int64_t reach = int64_t{p.paged.max_blocks} * p.paged.block_size;
-    REQUIRE(p.chunk.kv_len <= reach, who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
-                                         " positions are past the key table's " + to_string(p.paged.max_blocks) +
-                                         " blocks of " + to_string(p.paged.block_size));
+    check_paged_keys(p.paged, p.index_head_dim, p.dtype, p.chunk.kv_len, who);
     return;
   }
   REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
@@ -715,13 +721,7 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
   REQUIRE(p.q_index != nullptr && p.block_ids != nullptr && p.counts != nullptr,
           who + "q_index, block_ids and counts must be set");
   if (p.key_layout == IndexKeyLayout::kPaged) {
-    const std::string problem = paged_index_keys_problem(p.paged, p.head_dim);
-    REQUIRE(problem.empty(), who + "paged: " + problem);
-    REQUIRE(p.paged.format == IndexKeyFormat::kE4m3 || p.paged.dtype == p.dtype,
-            who + "paged holds " + dtype_name(p.paged.dtype) + " keys; the queries are " + dtype_name(p.dtype));
-    REQUIRE(p.chunk.kv_len <= int64_t{p.paged.max_blocks} * p.paged.block_size,
-            who + "chunk.kv_len = " + to_string(p.chunk.kv_len) + " positions are past the key table's " +
-                to_string(p.paged.max_blocks) + " blocks of " + to_string(p.paged.block_size));
+    check_paged_keys(p.paged, p.head_dim, p.dtype, p.chunk.kv_len, who);
   } else {
     REQUIRE(p.key_layout == IndexKeyLayout::kDense, who + "key_layout is not an IndexKeyLayout value");
     REQUIRE(p.index_keys.data != nullptr, who + "index_keys.data must be set (dense keys)");

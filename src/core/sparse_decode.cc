@@ -93,6 +93,12 @@ int32_t machine_width(Device device) {
   return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// A decision as try_fused returns it: counted in the process's stats first.
+SparseDecodeOutcome counted(const SparseDecodeOutcome& outcome) {
+  record_outcome(outcome);
+  return outcome;
+}
+
 }  // namespace
 
 SparseDecoder::SparseDecoder(Device device, DispatchConfig config) : device_(device), config_(config) {
@@ -246,18 +252,14 @@ SparseDecodeOutcome SparseDecoder::launch(const DecodeParams& params, SparseDeco
   }
   outcome.chunks = static_cast<int64_t>(plan_.work.size());
   outcome.merge = plan_.needs_merge();
-  record_outcome(outcome);
-  return outcome;
+  return counted(outcome);
 }
 
 SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, const SparseSelection& selection,
                                              void* stream) {
   require_device(in);
   const SparseDecodeOutcome outcome = decide(in, selection);
-  if (!outcome.fused()) {
-    record_outcome(outcome);
-    return outcome;
-  }
+  if (!outcome.fused()) return counted(outcome);
   dump_selection_if_enabled(selection, "fused");
   if (!plan_stands(in, 0, 1) || selection.counts != planned_counts_) prepare(in, selection.counts, 0, 1, stream);
   DecodeParams p = base_params(in);
@@ -271,10 +273,7 @@ SparseDecodeOutcome SparseDecoder::try_fused(const SparseAttentionInputs& in, co
                                              void* stream) {
   require_device(in);
   const SparseDecodeOutcome outcome = decide(in, selection);
-  if (!outcome.fused()) {
-    record_outcome(outcome);
-    return outcome;
-  }
+  if (!outcome.fused()) return counted(outcome);
   return run_fused(in, selection, outcome, stream);
 }
 

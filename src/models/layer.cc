@@ -57,6 +57,13 @@ void check_table_on_host(const std::string& who, const BlockTable& t, const std:
     }
   }
 }
+
+// The pools are the caller's: a step or chunk over them forgets them when
+// it returns, thrown or not.
+struct ForgetPools {
+  const EnginePagedKV*& kv;
+  ~ForgetPools() { kv = nullptr; }
+};
 }  // namespace
 
 SparseLayer::SparseLayer(std::string name, Device device, DType dtype, int32_t batch, KVStorage storage,
@@ -278,10 +285,7 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
   cache_.reserve(cache_.live_len() + num_tokens);  // allocates only when the capacity must grow
   size_step_buffers(1);
   engine_kv_ = &kv;
-  struct Clear {  // the pools are the caller's: forget them when the chunk returns, thrown or not
-    const EnginePagedKV*& kv;
-    ~Clear() { kv = nullptr; }
-  } clear{engine_kv_};
+  const ForgetPools forget{engine_kv_};
   // tokens.index_k is [num_tokens, batch, 1, 1, dim]: the chunk's index keys, token-major.
   cache_.append_step_tokens(tokens.index_k, nullptr, num_tokens, stream);
   run_chunk(tokens, num_tokens, lens, cache_.active(), stream);
@@ -543,10 +547,7 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
   engine_lens_ = kv.seq_lens;
   engine_bound_ = kv.max_seq_len;
   engine_kv_ = &kv;
-  struct Clear {  // the pools are the caller's: forget them when the step returns, thrown or not
-    const EnginePagedKV*& kv;
-    ~Clear() { kv = nullptr; }
-  } clear{engine_kv_};
+  const ForgetPools forget{engine_kv_};
   SparseAttentionInputs in = engine_inputs(tokens, kv);
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine pools)");
