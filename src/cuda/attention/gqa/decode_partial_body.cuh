@@ -360,7 +360,9 @@ struct PartialCta {
   }
 
   /// The pipeline over this CTA's tokens: leaves each warp's softmax state
-  /// (m, l, acc) and every copy complete, so the stages are free.
+  /// (m, l, acc) and every copy complete, so the stages are free. This is
+  /// pipeline() below written out: through the call ptxas schedules these
+  /// kernels differently (compared in SASS), and that code was never timed.
   __device__ void gather_and_reduce() {
     m[0] = m[1] = neg_inf_f32();
     l[0] = l[1] = 0.f;
@@ -393,6 +395,43 @@ struct PartialCta {
       float s[2][4] = {};
       scores(t % kS, s);
       softmax_pv(t, s);
+    }
+    cp_async_wait<0>();
+  }
+
+  /// The pipeline of the CTAs built on this one (the FP8 and 64-row CTAs):
+  /// the softmax state cleared, Q and the first ids, `q_landed()`
+  /// once Q is in shared memory, then per tile `tile_math(t)` on the tile in
+  /// stage t % kS, with `issue(t)` starting tile t's row copies (each CTA
+  /// copies its own way). With kAsyncProxy the landed copies are fenced for
+  /// the tensor cores' async-proxy reads (wgmma) before the barrier that
+  /// publishes them.
+  template <bool kAsyncProxy, class QLanded, class Issue, class TileMath>
+  __device__ __forceinline__ void pipeline(QLanded&& q_landed, Issue&& issue, TileMath&& tile_math) {
+    m[0] = m[1] = neg_inf_f32();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const int num_tiles = (len + kTileRows - 1) / kTileRows;
+    load_q();
+    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) prefetch_ids(t);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    q_landed();
+#pragma unroll
+    for (int t = 0; t < kS - 1; ++t) {
+      if (t < num_tiles) issue(t);
+      cp_async_commit();
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<kS - 2>();
+      if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
+      __syncthreads();  // tile t landed; stage (t-1) % kS and its id slot are free
+      if (t + kS - 1 < num_tiles) issue(t + kS - 1);
+      if (t + 2 * kS - 2 < num_tiles) prefetch_ids(t + 2 * kS - 2);
+      cp_async_commit();
+      tile_math(t);
     }
     cp_async_wait<0>();
   }
