@@ -330,7 +330,13 @@ struct PartialCta {
     // zeroed once (zero_v_tail) and their accumulators are never stored.
     const T* vt = v_tile(tile % kS);
     const int pitch = v_pitch();
-    const int vrow = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    pv_k16(a, vt, warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), pitch);
+  }
+
+  /// acc += P V over one k16 step: `a` the P fragment of this warp's 16
+  /// query rows against 16 gathered rows, whose V rows in the tile vt
+  /// (row pitch `pitch` chunks) this lane's ldmatrix address starts at vrow.
+  __device__ __forceinline__ void pv_k16(const uint32_t (&a)[4], const T* vt, int vrow, int pitch) {
 #pragma unroll
     for (int nn = 0; nn < DV / 16; ++nn) {
       uint32_t b[4];

@@ -181,14 +181,7 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
       const uint32_t a[4] = {Tr::pack2(s[2 * ks][0], s[2 * ks][1]), Tr::pack2(s[2 * ks][2], s[2 * ks][3]),
                              Tr::pack2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                              Tr::pack2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-      const int vrow = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-      for (int nn = 0; nn < DV / 16; ++nn) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
-        mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
-        mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
-      }
+      this->pv_k16(a, vt, ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), pitch);
     }
   }
 
