@@ -279,35 +279,16 @@ struct PartialCta {
 #pragma unroll
       for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[j][e]);
     }
-    // Lazy rescaling: the accumulators stay relative to the base m until a
-    // row's tile max exceeds it by more than kRescaleLog2 (a factor of 256,
-    // harmless in fp32 and for the bf16/f16 P operand). After the first
-    // tiles the max rarely moves that much, so most tiles skip the DV/2
-    // multiplies of the rescale. The decision is warp-uniform. This is
-    // online_softmax_rebase (common.cuh) written out: through the call ptxas
-    // schedules this kernel's loop differently (same instructions, another
-    // order, compared in SASS), and that order was never timed.
-    constexpr float kRescaleLog2 = 8.f;
+    // Lazy rescaling (online_softmax_rebase): after the first tiles the max
+    // rarely moves by more than 2^8, so most tiles skip the DV/2 multiplies
+    // of the rescale.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
     }
-    const bool rescale =
-        __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
-    float alpha[2] = {1.f, 1.f}, base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (rescale) {
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        // A row that has seen only -inf keeps base 0, so exp2(-inf - 0) = 0
-        // and no (-inf) - (-inf) is ever formed.
-        alpha[i] = exp2f(m[i] - (m_new == neg_inf_f32() ? 0.f : m_new));
-        m[i] = m_new;
-        l[i] *= alpha[i];
-      }
-      base[i] = m[i] == neg_inf_f32() ? 0.f : m[i];
-    }
+    float alpha[2], base[2];
+    const bool rescale = online_softmax_rebase(tile_max, m, l, alpha, base);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
