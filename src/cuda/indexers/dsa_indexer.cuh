@@ -227,6 +227,23 @@ struct GroupWork {
   }
 };
 
+// After a grouped score CTA's last tile (every thread calls it): the rows
+// whose blocks the producers refused (bit tl of *refused_s) and the shared
+// histograms (hist_s, [kTokens, kBins]) into the group's global rows from
+// row0. The histograms are added only once the clear kernel has zeroed
+// them, and only for rows that are scored at all.
+__device__ __forceinline__ void publish_group(const IndexerParams& p, const GroupWork& work, int64_t row0, int ntok,
+                                              const uint32_t* refused_s, const int32_t* hist_s, int tid) {
+  __syncthreads();           // every scored position is in its row's shared histogram
+  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
+  if (tid < ntok && ((*refused_s >> tid) & 1u) != 0) atomicOr(&p.row_error[row0 + tid], kIndexErrorBlock);
+  for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
+    const int tl = i / kBins;
+    const int32_t v = hist_s[i];
+    if (v != 0 && work.window(p, tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
+  }
+}
+
 // A grouped score kernel's epilogue sums for chain c of one key tile:
 // d[32 u + 4 j + e] is head 8 j + 2 q4 + e of the chain's token u at the
 // thread's first row (position), d[32 u + 4 j + 2 + e] at its second. Each

@@ -269,14 +269,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
       if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
     }
   }
-  __syncthreads();           // every scored position is in its row's shared histogram
-  cuda::pdl_wait_primary();  // the clear kernel has zeroed the histograms and the row errors
-  if (tid < ntok && ((*refused_s >> tid) & 1u) != 0) atomicOr(&p.row_error[row0 + tid], kIndexErrorBlock);
-  for (int i = tid; i < ntok * kBins; i += kGroupThreads) {
-    const int tl = i / kBins;
-    const int32_t v = hist_s[i];
-    if (v != 0 && work.window(p, tl) > p.topk) atomicAdd(&p.hist[(row0 + tl) * kBins + i % kBins], v);
-  }
+  publish_group(p, work, row0, ntok, refused_s, hist_s, tid);
 #else
   __trap();  // warpgroup MMA and TMA exist on sm_90a only; the launcher refuses other GPUs first
 #endif

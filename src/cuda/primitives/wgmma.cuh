@@ -43,6 +43,18 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One shape's asm statement for element type T: SHAPE(TY) is the shape's
+// PTX with TY its operands' type, and the rest its asm operands. PTX names
+// the type in the instruction, so each type needs its own string literal.
+#define SP_WGMMA_TYPED(T, SHAPE, ...) \
+  do { \
+    if constexpr (ElemTraits<T>::kBF16) { \
+      asm volatile(SHAPE("bf16") : __VA_ARGS__); \
+    } else { \
+      asm volatile(SHAPE("f16") : __VA_ARGS__); \
+    } \
+  } while (0)
+
 #define SP_WGMMA_N32_OUTS \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
       "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
@@ -55,11 +67,7 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
 /// D[64x32] (+)= A[64x16] B[16x32]^T: A and B K-major (rows of 16 contiguous k).
 template <typename T>
 __device__ __forceinline__ void mma_m64n32k16(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N32("bf16") : SP_WGMMA_N32_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N32("f16") : SP_WGMMA_N32_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  }
+  SP_WGMMA_TYPED(T, SP_WGMMA_N32, SP_WGMMA_N32_OUTS : "l"(a), "l"(b), "r"(accumulate));
 }
 
 #define SP_WGMMA_N256_OUTS \
@@ -97,11 +105,7 @@ __device__ __forceinline__ void mma_m64n32k16(float (&d)[16], uint64_t a, uint64
 /// D[64x256] (+)= A[64x16] B[16x256]: A K-major, B MN-major (rows of contiguous n).
 template <typename T>
 __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N256("bf16") : SP_WGMMA_N256_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N256("f16") : SP_WGMMA_N256_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  }
+  SP_WGMMA_TYPED(T, SP_WGMMA_N256, SP_WGMMA_N256_OUTS : "l"(a), "l"(b), "r"(accumulate));
 }
 
 #define SP_WGMMA_N256_RS(TY) \
@@ -115,15 +119,8 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a, uint
 /// shared memory.
 template <typename T>
 __device__ __forceinline__ void mma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N256_RS("bf16")
-                 : SP_WGMMA_N256_OUTS
+  SP_WGMMA_TYPED(T, SP_WGMMA_N256_RS, SP_WGMMA_N256_OUTS
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N256_RS("f16")
-                 : SP_WGMMA_N256_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  }
 }
 
 /// How B's rows sit in shared memory for a shape that takes either:
@@ -152,11 +149,7 @@ enum class BMajor { kMN = 1, kK = 0 };
 /// whose layout they share.
 template <typename T, BMajor kB = BMajor::kMN>
 __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N128SS("bf16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
-  } else {
-    asm volatile(SP_WGMMA_N128SS("f16") : SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
-  }
+  SP_WGMMA_TYPED(T, SP_WGMMA_N128SS, SP_WGMMA_N128SS_OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(int(kB)));
 }
 
 // The multi-token CTA's shapes keep their accumulators as [n8 tile][4]
@@ -173,11 +166,7 @@ __device__ __forceinline__ void mma_m64n128k16(float* d, uint64_t a, uint64_t b,
 /// D[64x64] (+)= A[64x16] B[16x64]^T: A and B K-major, both in shared memory.
 template <typename T>
 __device__ __forceinline__ void mma_m64n64k16(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N64("bf16") : SP_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N64("f16") : SP_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
-  }
+  SP_WGMMA_TYPED(T, SP_WGMMA_N64, SP_WGMMA_N64_OUTS : "l"(a), "l"(b), "r"(accumulate));
 }
 
 /// The same over the accumulators as one array of 32 (the same registers in
@@ -198,15 +187,8 @@ __device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64
 /// m64n256k16's (whose layout they share).
 template <typename T>
 __device__ __forceinline__ void mma_m64n128k16_rs(float* d, const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  if constexpr (ElemTraits<T>::kBF16) {
-    asm volatile(SP_WGMMA_N128_RS("bf16")
-                 : SP_WGMMA_N128SS_OUTS
+  SP_WGMMA_TYPED(T, SP_WGMMA_N128_RS, SP_WGMMA_N128SS_OUTS
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(SP_WGMMA_N128_RS("f16")
-                 : SP_WGMMA_N128SS_OUTS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-  }
 }
 
 /// The same over [n8 tile][4] accumulators (the same registers in the same

@@ -17,6 +17,7 @@
 
 #include "cuda/merge/decode_merge.cuh"
 #include "cuda/primitives/common.cuh"
+#include "cuda/primitives/wgmma.cuh"
 #include "sparsepage/decode.h"
 #include "sparsepage/plan.h"
 

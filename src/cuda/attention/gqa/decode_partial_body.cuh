@@ -279,35 +279,16 @@ struct PartialCta {
 #pragma unroll
       for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[j][e]);
     }
-    // Lazy rescaling: the accumulators stay relative to the base m until a
-    // row's tile max exceeds it by more than kRescaleLog2 (a factor of 256,
-    // harmless in fp32 and for the bf16/f16 P operand). After the first
-    // tiles the max rarely moves that much, so most tiles skip the DV/2
-    // multiplies of the rescale. The decision is warp-uniform. This is
-    // online_softmax_rebase (common.cuh) written out: through the call ptxas
-    // schedules this kernel's loop differently (same instructions, another
-    // order, compared in SASS), and that order was never timed.
-    constexpr float kRescaleLog2 = 8.f;
+    // Lazy rescaling (online_softmax_rebase): after the first tiles the max
+    // rarely moves by more than 2^8, so most tiles skip the DV/2 multiplies
+    // of the rescale.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
       tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
     }
-    const bool rescale =
-        __any_sync(0xffffffffu, tile_max[0] > m[0] + kRescaleLog2 || tile_max[1] > m[1] + kRescaleLog2);
-    float alpha[2] = {1.f, 1.f}, base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (rescale) {
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        // A row that has seen only -inf keeps base 0, so exp2(-inf - 0) = 0
-        // and no (-inf) - (-inf) is ever formed.
-        alpha[i] = exp2f(m[i] - (m_new == neg_inf_f32() ? 0.f : m_new));
-        m[i] = m_new;
-        l[i] *= alpha[i];
-      }
-      base[i] = m[i] == neg_inf_f32() ? 0.f : m[i];
-    }
+    float alpha[2], base[2];
+    const bool rescale = online_softmax_rebase(tile_max, m, l, alpha, base);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -330,7 +311,13 @@ struct PartialCta {
     // zeroed once (zero_v_tail) and their accumulators are never stored.
     const T* vt = v_tile(tile % kS);
     const int pitch = v_pitch();
-    const int vrow = warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    pv_k16(a, vt, warp * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), pitch);
+  }
+
+  /// acc += P V over one k16 step: `a` the P fragment of this warp's 16
+  /// query rows against 16 gathered rows, whose V rows in the tile vt
+  /// (row pitch `pitch` chunks) this lane's ldmatrix address starts at vrow.
+  __device__ __forceinline__ void pv_k16(const uint32_t (&a)[4], const T* vt, int vrow, int pitch) {
 #pragma unroll
     for (int nn = 0; nn < DV / 16; ++nn) {
       uint32_t b[4];
@@ -360,7 +347,9 @@ struct PartialCta {
   }
 
   /// The pipeline over this CTA's tokens: leaves each warp's softmax state
-  /// (m, l, acc) and every copy complete, so the stages are free.
+  /// (m, l, acc) and every copy complete, so the stages are free. This is
+  /// pipeline() below written out: through the call ptxas schedules these
+  /// kernels differently (compared in SASS), and that code was never timed.
   __device__ void gather_and_reduce() {
     m[0] = m[1] = neg_inf_f32();
     l[0] = l[1] = 0.f;
@@ -393,6 +382,43 @@ struct PartialCta {
       float s[2][4] = {};
       scores(t % kS, s);
       softmax_pv(t, s);
+    }
+    cp_async_wait<0>();
+  }
+
+  /// The pipeline of the CTAs built on this one (the FP8 and 64-row CTAs):
+  /// the softmax state cleared, Q and the first ids, `q_landed()`
+  /// once Q is in shared memory, then per tile `tile_math(t)` on the tile in
+  /// stage t % kS, with `issue(t)` starting tile t's row copies (each CTA
+  /// copies its own way). With kAsyncProxy the landed copies are fenced for
+  /// the tensor cores' async-proxy reads (wgmma) before the barrier that
+  /// publishes them.
+  template <bool kAsyncProxy, class QLanded, class Issue, class TileMath>
+  __device__ __forceinline__ void pipeline(QLanded&& q_landed, Issue&& issue, TileMath&& tile_math) {
+    m[0] = m[1] = neg_inf_f32();
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const int num_tiles = (len + kTileRows - 1) / kTileRows;
+    load_q();
+    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) prefetch_ids(t);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    q_landed();
+#pragma unroll
+    for (int t = 0; t < kS - 1; ++t) {
+      if (t < num_tiles) issue(t);
+      cp_async_commit();
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<kS - 2>();
+      if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
+      __syncthreads();  // tile t landed; stage (t-1) % kS and its id slot are free
+      if (t + kS - 1 < num_tiles) issue(t + kS - 1);
+      if (t + 2 * kS - 2 < num_tiles) prefetch_ids(t + 2 * kS - 2);
+      cp_async_commit();
+      tile_math(t);
     }
     cp_async_wait<0>();
   }

@@ -109,43 +109,27 @@ struct PartialFp8Cta : PartialCta<T, 128, 128, Source> {
     __syncwarp();  // the warp's ldmatrix reads see the converted rows
   }
 
-  /// The base pipeline (decode_partial_body.cuh) with the conversion and the scales.
+  /// The base pipeline (PartialCta::pipeline) with the conversion and the scales.
   __device__ void run() {
-    this->m[0] = this->m[1] = neg_inf_f32();
-    this->l[0] = this->l[1] = 0.f;
+    this->template pipeline<false>(
+        [&] {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) this->acc[i][0] = this->acc[i][1] = this->acc[i][2] = this->acc[i][3] = 0.f;
-    const int num_tiles = (this->len + kTileRows - 1) / kTileRows;
-    this->load_q();
-    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) this->prefetch_ids(t);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+          for (int kk = 0; kk < 128 / 16; ++kk)
+            ldmatrix_x4(this->qf[kk],
+                        smem_u32(this->q_tile + swizzle(this->lane & 15, 2 * kk + (this->lane >> 4), 16)));
+        },
+        [&](int t) { issue_tile(t); },
+        [&](int t) {
+          convert(t % kS);
+          float s[2][4] = {};
+          this->scores(t % kS, s);
 #pragma unroll
-    for (int kk = 0; kk < 128 / 16; ++kk)
-      ldmatrix_x4(this->qf[kk], smem_u32(this->q_tile + swizzle(this->lane & 15, 2 * kk + (this->lane >> 4), 16)));
+          for (int j = 0; j < 2; ++j) {
 #pragma unroll
-    for (int t = 0; t < kS - 1; ++t) {
-      if (t < num_tiles) issue_tile(t);
-      cp_async_commit();
-    }
-    for (int t = 0; t < num_tiles; ++t) {
-      cp_async_wait<kS - 2>();
-      __syncthreads();  // tile t landed; stage (t-1) % kS and its id slot are free
-      if (t + kS - 1 < num_tiles) issue_tile(t + kS - 1);
-      if (t + 2 * kS - 2 < num_tiles) this->prefetch_ids(t + 2 * kS - 2);
-      cp_async_commit();
-      convert(t % kS);
-      float s[2][4] = {};
-      this->scores(t % kS, s);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
-      }
-      this->softmax_pv(t, s);
-    }
-    cp_async_wait<0>();
+            for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
+          }
+          this->softmax_pv(t, s);
+        });
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
 #pragma unroll

@@ -181,63 +181,22 @@ struct MultiTokenCta : PartialCta<T, DK, DV, Source, Config> {
       const uint32_t a[4] = {Tr::pack2(s[2 * ks][0], s[2 * ks][1]), Tr::pack2(s[2 * ks][2], s[2 * ks][3]),
                              Tr::pack2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                              Tr::pack2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-      const int vrow = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-      for (int nn = 0; nn < DV / 16; ++nn) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_u32(vt + swizzle(vrow, 2 * nn + (lane >> 4), pitch)));
-        mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
-        mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
-      }
+      this->pv_k16(a, vt, ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), pitch);
     }
-  }
-
-  /// The pipeline both 64-row CTAs run (the 16-row CTA's, decode_partial_body.cuh):
-  /// the softmax state cleared, Q and the first ids, `q_landed()` once Q is
-  /// in shared memory, then per tile `tile_math(t)` on the tile in stage t %
-  /// kS. With kAsyncProxy the landed copies are fenced for the tensor cores'
-  /// async-proxy reads (wgmma) before the barrier that publishes them.
-  template <bool kAsyncProxy, class QLanded, class TileMath>
-  __device__ void pipeline(QLanded&& q_landed, TileMath&& tile_math) {
-    m[0] = m[1] = neg_inf_f32();
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    const int num_tiles = (len + kTileRows - 1) / kTileRows;
-    this->load_q();
-    for (int t = 0; t < 2 * kS - 2 && t < num_tiles; ++t) this->prefetch_ids(t);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    q_landed();
-#pragma unroll
-    for (int t = 0; t < kS - 1; ++t) {
-      if (t < num_tiles) issue_tile(t);
-      cp_async_commit();
-    }
-    for (int t = 0; t < num_tiles; ++t) {
-      cp_async_wait<kS - 2>();
-      if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
-      __syncthreads();  // tile t landed; stage (t-1) % kS and its id slot are free
-      if (t + kS - 1 < num_tiles) issue_tile(t + kS - 1);
-      if (t + 2 * kS - 2 < num_tiles) this->prefetch_ids(t + 2 * kS - 2);
-      cp_async_commit();
-      tile_math(t);
-    }
-    cp_async_wait<0>();
   }
 
   __device__ void run() {
     static_assert(std::is_same_v<Config, MultiTileConfig<DK, DV>>,
                   "the mma.sync math (scores, pv, the Q fragments) reads the ldmatrix tile layout");
     this->zero_v_tail();  // ordered before the first P V by the prologue's barrier
-    pipeline<false>(
+    this->template pipeline<false>(
         [&] {  // this warp's 16 query rows of the 64, into registers
 #pragma unroll
           for (int kk = 0; kk < DK / 16; ++kk)
             ldmatrix_x4(this->qf[kk],
                         smem_u32(q_tile + swizzle(warp * 16 + (lane & 15), 2 * kk + (lane >> 4), kKChunks)));
         },
+        [&](int t) { issue_tile(t); },
         [&](int t) {
           float s[8][4] = {};
           scores(t % kS, s);

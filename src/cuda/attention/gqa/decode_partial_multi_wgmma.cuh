@@ -93,7 +93,7 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   /// and no Q fragments: Q stays in shared memory, where wgmma reads it. No
   /// zero_v_tail: this CTA runs only at dv = 128 (multi_token_cta_kind).
   __device__ void run() {
-    this->template pipeline<true>([] {},
+    this->template pipeline<true>([] {}, [&](int t) { this->issue_tile(t); },
                                   [&](int t) {
                                     float s[8][4];
                                     scores(t % kS, s);

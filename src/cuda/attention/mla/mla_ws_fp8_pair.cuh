@@ -164,10 +164,7 @@ struct MlaWsFp8PairCta : MlaWsFp8CtaBase<Source, MlaWsFp8PairTile> {
   }
 
   __device__ void run_producer() {
-    const int tiles = this->num_tiles();
-    for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
-    cp_async_commit();
-    cp_async_wait<0>();
+    const int tiles = this->prefetch_first_ids();
 #pragma unroll 1
     for (int u = 0; u < tiles; ++u) {
       // Groups in flight here: the rope of u - 1 and the ids of u + 1; the

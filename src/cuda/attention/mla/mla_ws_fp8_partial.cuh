@@ -108,6 +108,16 @@ struct MlaWsFp8CtaBase : MlaWsCta<__nv_bfloat16, Source, W> {
   __device__ void prefetch_ids(int tile) {
     this->src.prefetch(this->id_slot(tile), this->tok_begin + tile * L::kTokens, this->tile_tokens(tile), pt);
   }
+
+  /// The producer's start: the first two tiles' ids, landed for this thread.
+  /// Returns the number of tiles.
+  __device__ __forceinline__ int prefetch_first_ids() {
+    const int tiles = this->num_tiles();
+    for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
+    cp_async_commit();
+    cp_async_wait<0>();
+    return tiles;
+  }
 };
 
 template <class Source>
@@ -219,10 +229,7 @@ struct MlaWsFp8Cta : MlaWsFp8CtaBase<Source, MlaWsFp8Tile> {
   }
 
   __device__ void run_producer() {
-    const int tiles = this->num_tiles();
-    for (int u = 0; u < 2 && u < tiles; ++u) prefetch_ids(u);
-    cp_async_commit();
-    cp_async_wait<0>();
+    const int tiles = this->prefetch_first_ids();
     this->producer_sync(MlaWsBarrier::kFirstIdsVisible);
     // The ids are visible to the consumers through these (release) arrivals;
     // the converters' arrivals, after the same barrier, would publish them
