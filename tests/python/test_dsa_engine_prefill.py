@@ -6,10 +6,13 @@ also owns the index keys, in the layer's dtype, behind a table of their own, and
 lengths) against prefill_paged. Every pool row the engine has not written is NaN, and so is every
 output before the call. Ragged batches with a free slot; refused chunks change nothing."""
 
+import functools
+
 import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off, quarter_grid
 
 BLOCK = 16  # the engine's MLA block size
 KEY_BLOCK = 32  # its index-key block size (a table of their own)
@@ -21,15 +24,7 @@ def config(kv_storage):
                         capacity_step=64, kv_storage=kv_storage)
 
 
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
-
-
-def grid(rng, *shape):
-    """Multiples of 1/4: f16 holds them and their products exactly, so every form scores alike."""
-    return (rng.integers(-4, 5, size=shape) / 4).astype(np.float16)
+grid = functools.partial(quarter_grid, dtype=np.float16)  # f16 holds the values and their products exactly
 
 
 class Prompt:

@@ -12,72 +12,20 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import NumpyF16, TorchBf16, gates_off, quarter_grid
 
 BLOCK = 16  # the engine's block size, for both pools
 STEPS, B = 4, 3
 
 
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
-
-
-class NumpyCpu:
-    device, dtype = sp.Device.cpu, sp.DType.f16
-
-    def half(self, a):
-        return np.ascontiguousarray(a, np.float16)
-
-    def f32(self, a):
-        return np.ascontiguousarray(a, np.float32)
-
-    def raw(self, a):
-        return np.ascontiguousarray(a)
-
-    def nan_out(self, shape):
-        return np.full(shape, np.nan, np.float16)
-
-    def get(self, a):
-        return np.array(a, np.float32)
-
-
-class TorchCuda:
-    device, dtype = sp.Device.cuda, sp.DType.bf16
-
-    def __init__(self, torch):
-        self.torch = torch
-
-    def half(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(self.torch.bfloat16).cuda()
-
-    def f32(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a, np.float32)).cuda()
-
-    def raw(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
-
-    def nan_out(self, shape):
-        return self.torch.full(shape, float("nan"), dtype=self.torch.bfloat16, device="cuda")
-
-    def get(self, a):
-        self.torch.cuda.synchronize()
-        return a.float().cpu().numpy()
-
-
 @pytest.fixture(params=["numpy-cpu", "torch-cuda"])
 def backend(request):
     if request.param == "numpy-cpu":
-        return NumpyCpu()
+        return NumpyF16()
     torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); runs on the GPU machine")
     if not (torch.cuda.is_available() and sp.cuda_available()):
         pytest.skip("needs a GPU and sparsepage built with CUDA")
-    return TorchCuda(torch)
-
-
-def grid(rng, *shape):
-    """Multiples of 1/4 in [-1, 1]: exact in f16 and bf16, so every indexer score is exact."""
-    return rng.integers(-4, 5, size=shape).astype(np.float32) / 4
+    return TorchBf16(torch)
 
 
 class Schedule:
@@ -161,8 +109,8 @@ def test_a_prefill_chunk_beside_decodes_equals_each_request_alone(backend, model
     for b, t in enumerate(longest):
         pos = np.arange(t)
         for p in pools:
-            p[table[b, pos // BLOCK], pos % BLOCK] = grid(rng, t, *m.row_shape)
-        keys[table[b, pos // BLOCK], pos % BLOCK] = grid(rng, t, m.key_dim)
+            p[table[b, pos // BLOCK], pos % BLOCK] = quarter_grid(rng, t, *m.row_shape)
+        keys[table[b, pos // BLOCK], pos % BLOCK] = quarter_grid(rng, t, m.key_dim)
     dev_pools, dev_keys, dev_table = [backend.half(p) for p in pools], backend.half(keys), backend.raw(table)
     bound = max(longest) + 7  # one bound for every call, mixed or lone: the same plans
 
@@ -174,7 +122,7 @@ def test_a_prefill_chunk_beside_decodes_equals_each_request_alone(backend, model
         for b in range(B):
             part = sched.part(s, b)
             if part:
-                inputs[s, b] = [grid(rng, tokens(part), *f) for f in m.fields]
+                inputs[s, b] = [quarter_grid(rng, tokens(part), *f) for f in m.fields]
 
     def call(layer, s, part, in_call):
         """One call over the slots in in_call (the others' query rows NaN, lengths 0); its output."""

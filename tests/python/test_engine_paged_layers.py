@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off
 from reference import attend
 
 ENGINE_BLOCK = 16
-
-
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
 
 
 class Pool:

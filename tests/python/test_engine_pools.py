@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off
 
 BLOCK = 16
 
@@ -15,12 +16,6 @@ BLOCK = 16
 def config(storage):
     return sp.DsaConfig(num_qo_heads=4, latent_dim=32, rope_dim=8, index_heads=3, index_head_dim=16, index_topk=20,
                         capacity_step=64, kv_storage=storage)
-
-
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
 
 
 def test_dsa_over_engine_pools_equals_its_own_cache(rng):

@@ -4,10 +4,13 @@ place through a shuffled block table, every row the engine has not written is Na
 must keep what the same layer over its own cache keeps for the same prompt and give the same
 output; a chunk the layer refuses changes nothing."""
 
+import functools
+
 import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off, quarter_grid
 
 ENGINE_BLOCK = 16
 
@@ -17,15 +20,7 @@ def config(kv_storage):
                                 local_blocks=1, capacity_step=32, kv_storage=kv_storage)
 
 
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
-
-
-def grid(rng, *shape):
-    """Multiples of 1/4: f16 holds them and their products exactly, so both forms score alike."""
-    return (rng.integers(-4, 5, size=shape) / 4).astype(np.float16)
+grid = functools.partial(quarter_grid, dtype=np.float16)  # f16 holds the values and their products exactly
 
 
 @pytest.mark.parametrize("prompt,n", [(16, 24), (40, 16)])

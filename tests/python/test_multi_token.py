@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off
 from reference import attend
-
-
-def gates_off(enabled=True):
-    c = sp.DispatchConfig.defaults()
-    c.enabled = enabled
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
 
 
 class NumpyCpu:

@@ -10,6 +10,7 @@ values. Runs on the GPU machine; skips without torch or a GPU."""
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
@@ -18,12 +19,6 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_avail
 BLOCK = 16
 # The FP8 MLA kernel at 16 query heads: one head tile, so the one-CTA kernel (no CTA pair).
 FP8_MLA_KERNEL = "MLA FP8 (656-byte rows), wgmma, warp-specialized"
-
-
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
 
 
 def pool_and_table(batch, max_blocks, row_shape, gen):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import gates_off
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
@@ -29,12 +30,6 @@ MAX_LEN = 2048
 def config():
     return sp.DsaConfig(num_qo_heads=H, latent_dim=L, rope_dim=R, index_heads=IH, index_head_dim=ID, index_topk=TOPK,
                         capacity_step=256, kv_storage=sp.KVStorage.ENGINE_POOLS)
-
-
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
 
 
 class Engine:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
+from layer_backends import NumpyF16, TorchBf16, gates_off, quarter_grid
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
@@ -19,64 +20,6 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_avail
 
 BLOCK = 16  # the engine's K/V (MLA) block size
 KEY_BLOCK = 32  # its index-key block size in the pools form (a table of their own)
-
-
-def gates_off():
-    c = sp.DispatchConfig.defaults()
-    c.min_kv_tokens = c.min_kv_tokens_per_request = c.min_sparsity = 0
-    return c
-
-
-class Cpu:
-    """The CPU backend over numpy copies: f16 holds the test's values exactly."""
-    device, dtype = sp.Device.cpu, sp.DType.f16
-
-    def half(self, a):
-        return np.ascontiguousarray(a, np.float16)
-
-    def f32(self, a):
-        return np.ascontiguousarray(a, np.float32)
-
-    def raw(self, a):  # int32 tables and lengths, uint8 FP8 blocks
-        return np.ascontiguousarray(a)
-
-    def nan_out(self, shape):
-        return np.full(shape, np.nan, np.float16)
-
-    def get(self, o):
-        return np.asarray(o, np.float32)
-
-    def stream(self):
-        return None
-
-
-class Cuda:
-    """torch CUDA tensors; the DSA layer's fused MLA prefill reads bf16 on the GPU."""
-    device, dtype = sp.Device.cuda, sp.DType.bf16
-
-    def half(self, a):
-        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).cuda()
-
-    def f32(self, a):
-        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).cuda()
-
-    def raw(self, a):
-        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
-
-    def nan_out(self, shape):
-        return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
-    def get(self, o):
-        torch.cuda.synchronize()
-        return o.float().cpu().numpy()
-
-    def stream(self):
-        return torch.cuda.current_stream().cuda_stream
-
-
-def grid(rng, *shape):
-    """Multiples of 1/4 in [-1, 1] (float32): exact in f16, bf16 and e4m3 at a power-of-two scale."""
-    return rng.integers(-4, 5, size=shape).astype(np.float32) / 4
 
 
 def relative_l2(got, ref):
@@ -92,10 +35,10 @@ class Chunk:
     def __init__(self, rng, prompts, n, row_shape, key_dim, query_shapes):
         self.prompts, self.n, self.B = prompts, n, len(prompts)
         self.total = [0 if p is None else p + n for p in prompts]
-        self.rows = [grid(rng, t, *row_shape) for t in self.total]  # K/V or MLA rows per position
-        self.vals = [grid(rng, t, *row_shape) for t in self.total]
-        self.keys = [grid(rng, t, key_dim) for t in self.total]  # index keys
-        self.queries = [grid(rng, self.B, n, *s) for s in query_shapes]
+        self.rows = [quarter_grid(rng, t, *row_shape) for t in self.total]  # K/V or MLA rows per position
+        self.vals = [quarter_grid(rng, t, *row_shape) for t in self.total]
+        self.keys = [quarter_grid(rng, t, key_dim) for t in self.total]  # index keys
+        self.queries = [quarter_grid(rng, self.B, n, *s) for s in query_shapes]
         self.max_blocks = max(self.total) // BLOCK + 2
         num_blocks = self.B * self.max_blocks + 3
         self.table = rng.permutation(num_blocks).astype(np.int32)[: self.B * self.max_blocks].reshape(
@@ -159,8 +102,8 @@ def test_block_sparse_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
     (256 tokens); the second: a whole prompt as one chunk beside a slot crossing into it."""
     c = Chunk(np.random.default_rng(11), prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
               [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
-    got, positions = block_prefill_paged(Cuda(), c)
-    want, want_positions = block_prefill_paged(Cpu(), c)
+    got, positions = block_prefill_paged(TorchBf16(torch), c)
+    want, want_positions = block_prefill_paged(NumpyF16(), c)
     c.check(got, want, positions, want_positions, BS["num_qo_heads"])
 
 
@@ -197,8 +140,8 @@ def test_dsa_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
     """Windows below and past the top-k (64) in one chunk, a free slot, a whole prompt as one chunk."""
     cfg = dsa_config(sp.KVStorage.ENGINE_PAGED, 8, 64)
     c = dsa_chunk(np.random.default_rng(13), prompts, n, 8, 64)
-    got, positions = dsa_prefill_paged(Cuda(), c, cfg)
-    want, want_positions = dsa_prefill_paged(Cpu(), c, cfg)
+    got, positions = dsa_prefill_paged(TorchBf16(torch), c, cfg)
+    want, want_positions = dsa_prefill_paged(NumpyF16(), c, cfg)
     c.check(got, want, positions, want_positions, 1)
 
 
@@ -243,8 +186,8 @@ def test_dsa_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
     rng = np.random.default_rng(17)
     c = dsa_chunk(rng, prompts, n, 64, 128)
     keys, key_table = index_cache(c, fp8, rng)
-    got, positions = dsa_prefill_pools(Cuda(), c, keys, key_table, fp8)
-    want, want_positions = dsa_prefill_pools(Cpu(), c, keys, key_table, fp8)
+    got, positions = dsa_prefill_pools(TorchBf16(torch), c, keys, key_table, fp8)
+    want, want_positions = dsa_prefill_pools(NumpyF16(), c, keys, key_table, fp8)
     c.check(got, want, positions, want_positions, 1)
 
 
@@ -270,6 +213,6 @@ def test_block_sparse_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
     c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
               [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
     keys, key_table = index_cache(c, fp8, rng)
-    got, positions = block_prefill_pools(Cuda(), c, keys, key_table, fp8)
-    want, want_positions = block_prefill_pools(Cpu(), c, keys, key_table, fp8)
+    got, positions = block_prefill_pools(TorchBf16(torch), c, keys, key_table, fp8)
+    want, want_positions = block_prefill_pools(NumpyF16(), c, keys, key_table, fp8)
     c.check(got, want, positions, want_positions, BS["num_qo_heads"])
