@@ -658,9 +658,7 @@ struct BlockPools {
       const Buffer ik_dev = to_device(device, kDt, slice(ik[size_t(b)], 0, len.before[size_t(b)] * d));
       paged->admit(b, ik_dev.data(), nullptr, len.before[size_t(b)]);
     }
-    kv.k = pool->rows(0, 0, d, hkv);
-    kv.v = pool->rows(1, 0, d, hkv);
-    kv.block_table = pool->block_table();
+    kv = pool->kv(d, hkv);
     const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
     pkv = keys->pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 5);
     q_dev = to_device(device, kDt, q);
@@ -850,13 +848,7 @@ struct BlockMixed {
     c.kv_storage = KVStorage::kEnginePools;
     return std::make_unique<BlockSparseAttention>(device, kDt, c, Schedule::kBatch, fused());
   }
-  EnginePagedKV kv(const EnginePool& pool) const {
-    EnginePagedKV kv;
-    kv.k = pool.rows(0, 0, cfg.head_dim, cfg.num_kv_heads);
-    kv.v = pool.rows(1, 0, cfg.head_dim, cfg.num_kv_heads);
-    kv.block_table = pool.block_table();
-    return kv;
-  }
+  EnginePagedKV kv(const EnginePool& pool) const { return pool.kv(cfg.head_dim, cfg.num_kv_heads); }
   static BlockSparseTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
     BlockSparseTokens t;
     t.q = in[0].data();
@@ -890,14 +882,7 @@ struct DsaMixed {
     c.kv_storage = KVStorage::kEnginePools;
     return std::make_unique<DsaAttention>(device, kDt, c, Schedule::kBatch, fused());
   }
-  EnginePagedKV kv(const EnginePool& pool) const {
-    EnginePagedKV kv;
-    kv.k = pool.rows(0, 0, cfg.latent_dim, 1);
-    kv.v = kv.k;
-    kv.k_extra = pool.rows(0, cfg.latent_dim, cfg.rope_dim, 1);
-    kv.block_table = pool.block_table();
-    return kv;
-  }
+  EnginePagedKV kv(const EnginePool& pool) const { return pool.mla_kv(cfg.latent_dim, cfg.rope_dim, false); }
   static DsaTokens tokens(const std::vector<Buffer>& in, Buffer& o) {
     return DsaTokens{in[0].data(), in[1].data(), in[2].data(), in[3].as<float>(), nullptr, nullptr, o.data()};
   }
