@@ -1,7 +1,11 @@
 // sparse_prefill_bench: the time to prefill a prompt in chunks with the
 // sparse prefill (sparsepage/prefill.h), per layer kind:
 //   dsa          the DSA indexer over the chunk, then MLA attention over
-//                each token's top-k (DeepSeek-V3.2 geometry);
+//                each token's top-k (DeepSeek-V3.2 geometry), bf16 keys;
+//   dsa-fp8      the same with the indexer reading vLLM's FP8 index keys
+//                (the serving form) from a paged pool in shuffled block
+//                order, the attention over bf16 rows as FlashMLA's sparse
+//                prefill takes them;
 //   blocksparse  the block indexer (max-pooled block scores, top-k blocks per
 //                query block), then GQA over the kept blocks (64 heads over
 //                4 KV heads, blocks of 128);
@@ -15,7 +19,9 @@
 // bf16 peak, roughly). Before timing, each configuration's last chunk is
 // checked: sampled tokens' selections against the rule (structure, and the
 // indexer's kept set against the CPU rule), and their outputs against fp64
-// over what they attended. Dense attention of the same prompt is timed by
+// over what they attended. At the last chunk the selection and the
+// attention are also timed alone (each its own graph), to show where a
+// chunk's time goes. Dense attention of the same prompt is timed by
 // python/benchmarks/prefill_vs_dense.py (torch SDPA, FlashInfer).
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -26,6 +32,8 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -192,9 +200,16 @@ struct Config {
   std::function<double(int64_t kv_len)> flops;
   std::function<double(int64_t kv_len)> bytes;
   std::function<std::string()> kernel;
+  std::vector<std::pair<std::string, std::function<void(void*)>>> phases;  // the chunk's parts, timed alone
 };
 
 std::vector<int32_t> sample_tokens(int32_t n) { return {0, n / 2, n - 1}; }
+
+std::string format_ms(double us) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f ms", us / 1e3);
+  return text;
+}
 
 // ---- DSA: the indexer, then MLA over each token's top-k ---------------------------
 
@@ -204,12 +219,79 @@ struct DsaSetup {
   int64_t prompt = 0;
   int32_t chunk = 0, topk = 0;
   size_t index_budget = 0;
+  bool fp8_keys = false;  // dsa-fp8: the index keys also live quantized in a paged FP8 pool, which the indexer reads
   Buffer k_cache, rope, q, q_rope, q_index, weights, positions, counts, out, kv_lens;
+  Buffer key_pool, key_table, index_error;
+  std::vector<int32_t> host_table;
   std::unique_ptr<DsaPrefillIndexer> indexer;
   std::unique_ptr<MlaSparsePrefill> attention;
   DsaPrefillIndexerParams ip;
   MlaPrefillParams mp;
 };
+
+/// dsa-fp8: the chunk's context keys (the k_cache's index columns) written
+/// by the engine's write op into vLLM's FP8 indexer cache, 64-token blocks
+/// in shuffled order, and the indexer pointed at it.
+void fp8_index_keys(DsaSetup& s) {
+  constexpr int32_t kBlock = 64;
+  const Device dev = s.device;
+  const int32_t blocks = static_cast<int32_t>((s.prompt + kBlock - 1) / kBlock);
+  s.host_table.resize(static_cast<size_t>(blocks));
+  std::iota(s.host_table.begin(), s.host_table.end(), 0);
+  std::shuffle(s.host_table.begin(), s.host_table.end(), std::mt19937(31));
+  s.key_table = upload(dev, s.host_table);
+  s.key_pool = Buffer(dev, static_cast<size_t>(blocks) * kBlock * IndexKeyFp8::kTokenBytes);
+  s.index_error = Buffer(dev, 4);
+  fill_bytes(s.index_error.data(), dev, 0, 4);
+  PagedIndexKeys& keys = s.ip.paged;
+  keys.format = IndexKeyFormat::kE4m3;
+  keys.pool = s.key_pool.data();
+  keys.num_blocks = blocks;
+  keys.block_size = kBlock;
+  keys.block_table = s.key_table.as<int32_t>();
+  keys.block_table_stride = blocks;
+  keys.max_blocks = blocks;
+  std::vector<int64_t> slots(static_cast<size_t>(s.prompt));
+  for (int64_t p = 0; p < s.prompt; ++p)
+    slots[static_cast<size_t>(p)] = int64_t{s.host_table[static_cast<size_t>(p / kBlock)]} * kBlock + p % kBlock;
+  const Buffer d_slots = upload(dev, slots);
+  const void* src = static_cast<const char*>(s.k_cache.data()) + int64_t{s.kLatent} * 2;
+  const int64_t row = s.kLatent + s.kIndexDim;
+  if (dev == Device::kCuda) {
+    write_index_keys_cuda(keys, s.kIndexDim, DType::kBF16, src, row, d_slots.as<int64_t>(), s.prompt);
+  } else {
+    write_index_keys_cpu(keys, s.kIndexDim, DType::kBF16, src, row, d_slots.as<int64_t>(), s.prompt);
+  }
+  s.ip.key_layout = IndexKeyLayout::kPaged;
+  s.ip.error = s.index_error.as<int32_t>();
+}
+
+/// dsa-fp8's rule for token t (at position pos): the CPU twin over host
+/// copies of the FP8 pool, its table and the token's queries.
+std::vector<int32_t> fp8_rule(const DsaSetup& s, const DsaConfig& rule, int32_t t, int64_t pos) {
+  const PagedIndexKeys& dev_keys = s.ip.paged;
+  const auto pool = download<uint8_t>(s.device, dev_keys.pool, s.key_pool.bytes());
+  const size_t q_bytes = static_cast<size_t>(s.kIndexHeads) * s.kIndexDim * 2;
+  const auto q = download<uint8_t>(s.device, static_cast<const char*>(s.q_index.data()) + t * q_bytes, q_bytes);
+  const auto w = download<float>(s.device, s.weights.as<float>() + int64_t{t} * s.kIndexHeads, s.kIndexHeads);
+  const int32_t len = static_cast<int32_t>(pos + 1);
+  std::vector<int32_t> positions(static_cast<size_t>(s.topk)), count(1);
+  DsaIndexerArgs a;
+  a.dtype = DType::kBF16;
+  a.kv_lens = &len;
+  a.max_kv_len = len;
+  a.q_index = q.data();
+  a.weights = w.data();
+  a.positions = positions.data();
+  a.counts = count.data();
+  a.key_layout = IndexKeyLayout::kPaged;
+  a.paged = dev_keys;
+  a.paged.pool = const_cast<uint8_t*>(pool.data());
+  a.paged.block_table = s.host_table.data();
+  dsa_select_tokens_cpu(rule, 1, a);
+  positions.resize(static_cast<size_t>(std::max(0, count[0])));
+  return positions;
+}
 
 Config dsa_config(DsaSetup& s) {
   const Device dev = s.device;
@@ -238,6 +320,7 @@ Config dsa_config(DsaSetup& s) {
   ip.weights = s.weights.as<float>();
   ip.positions = s.positions.as<int32_t>();
   ip.counts = s.counts.as<int32_t>();
+  if (s.fp8_keys) fp8_index_keys(s);
   MlaPrefillParams& mp = s.mp;
   mp.chunk = ip.chunk;
   mp.num_heads = s.kHeads;
@@ -264,8 +347,12 @@ Config dsa_config(DsaSetup& s) {
     s.attention->run(s.mp, stream);
   };
   c.kernel = [&s] { return std::string(s.attention->kernel_name()); };
+  c.phases = {{"indexer", [&s](void* stream) { s.indexer->run(s.ip, stream); }},
+              {"attention", [&s](void* stream) { s.attention->run(s.mp, stream); }}};
   c.check = [&s](int64_t kv_len) -> std::string {
     s.attention->check_errors();
+    if (s.fp8_keys && download<int32_t>(s.device, s.index_error.data(), 1)[0] != 0)
+      return "the indexer flagged a length or block of the FP8 key pool";
     const int32_t n = s.chunk;
     for (int32_t t : sample_tokens(n)) {
       const int64_t pos = kv_len - n + t;
@@ -298,7 +385,8 @@ Config dsa_config(DsaSetup& s) {
         const auto q = read_floats(s.device, DType::kBF16, s.q_index.data(), int64_t{t} * s.kIndexHeads * s.kIndexDim,
                                    s.kIndexHeads * s.kIndexDim);
         const auto w = download<float>(s.device, s.weights.as<float>() + int64_t{t} * s.kIndexHeads, s.kIndexHeads);
-        const auto want = dsa_select_tokens_cpu(rule, 1, pos + 1, q.data(), w.data(), keys)[0];
+        const auto want = s.fp8_keys ? fp8_rule(s, rule, t, pos)
+                                     : dsa_select_tokens_cpu(rule, 1, pos + 1, q.data(), w.data(), keys)[0];
         const std::set<int32_t> got(pos_row.begin(), pos_row.begin() + count);
         int64_t common = 0;
         for (int32_t p : want) common += got.count(p);
@@ -444,6 +532,15 @@ Config gqa_config(GqaSetup& s) {
     s.attention->run(s.gp, stream);
   };
   c.kernel = [&s] { return std::string(s.attention->kernel_name()); };
+  c.phases = {{s.indexed ? "indexer" : "pattern",
+               [&s](void* stream) {
+                 if (s.indexed) {
+                   s.indexer->run(s.ip, stream);
+                 } else {
+                   static_prefill_blocks(s.device, s.sp, stream);
+                 }
+               }},
+              {"attention", [&s](void* stream) { s.attention->run(s.gp, stream); }}};
   // The list of (query block i, query head h) and the positions token t of it attends.
   const auto list_index = [&s, nqb, g](int32_t t, int32_t h) {
     const int32_t i = t / s.bs, kv = h / g;
@@ -580,7 +677,7 @@ Config gqa_config(GqaSetup& s) {
 int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"sparse_prefill_bench: time to prefill a prompt in chunks with sparse prefill"};
-  app.add_option("--kinds", opt.kinds, "dsa, blocksparse, static");
+  app.add_option("--kinds", opt.kinds, "dsa, dsa-fp8, blocksparse, static");
   app.add_option("--prompts", opt.prompts, "prompt lengths (tokens)");
   app.add_option("--chunks", opt.chunks, "chunk sizes (tokens)");
   app.add_option("--reps", opt.reps, "timed replays per chunk (median)");
@@ -599,8 +696,9 @@ int main(int argc, char** argv) {
   json results = json::array();
   int failures = 0;
   for (const std::string& kind : opt.kinds) {
-    if (kind != "dsa" && kind != "blocksparse" && kind != "static") {
-      std::fprintf(stderr, "unknown kind '%s' (dsa, blocksparse, static)\n", kind.c_str());
+    const bool is_dsa = kind == "dsa" || kind == "dsa-fp8";
+    if (!is_dsa && kind != "blocksparse" && kind != "static") {
+      std::fprintf(stderr, "unknown kind '%s' (dsa, dsa-fp8, blocksparse, static)\n", kind.c_str());
       return 2;
     }
     for (int64_t prompt : opt.prompts) {
@@ -609,8 +707,9 @@ int main(int argc, char** argv) {
         DsaSetup dsa;
         GqaSetup gqa;
         Config config;
-        if (kind == "dsa") {
+        if (is_dsa) {
           dsa.device = device;
+          dsa.fp8_keys = kind == "dsa-fp8";
           dsa.prompt = prompt;
           dsa.chunk = chunk;
           dsa.topk = opt.topk;
@@ -634,7 +733,7 @@ int main(int argc, char** argv) {
         timer.replay();
         const std::string problem = config.check(prompt);
         const std::string passes =
-            kind == "dsa" ? ", indexer " + std::to_string(dsa.indexer->rows_per_pass()) + " tokens per pass" : "";
+            is_dsa ? ", indexer " + std::to_string(dsa.indexer->rows_per_pass()) + " tokens per pass" : "";
         std::printf("%-11s prompt %7lld chunk %6d | %s%s | check: %s\n", kind.c_str(), static_cast<long long>(prompt),
                     chunk, config.kernel().c_str(), passes.c_str(), problem.empty() ? "ok" : problem.c_str());
         if (!problem.empty()) {
@@ -652,23 +751,36 @@ int main(int argc, char** argv) {
           bytes += b;
           chunks.push_back({{"kv_len", end}, {"us", us}, {"flops", f}, {"bytes", b}});
         }
+        // The parts of the last chunk (the longest context), each replayed alone.
+        config.place(prompt);
+        json phases = json::object();
+        std::string phase_line;
+        for (const auto& [name, run] : config.phases) {
+          ChunkTimer part(device, run);
+          const double us = part.median_us(opt.reps);
+          phases[name] = us;
+          phase_line += " " + name + " " + format_ms(us);
+        }
         const double flop_floor_us = flops / (opt.peak_tflops * 1e6);
         const double read_floor_us = read_gbs > 0 ? bytes / (read_gbs * 1e3) : 0.0;
         std::printf("%-11s prompt %7lld chunk %6d | %10.1f ms | %6.1f TFLOP/s | floors: FLOP %8.1f ms, read %8.1f ms\n",
                     kind.c_str(), static_cast<long long>(prompt), chunk, total_us / 1e3, flops / (total_us * 1e6),
                     flop_floor_us / 1e3, read_floor_us / 1e3);
+        std::printf("%-11s prompt %7lld chunk %6d | last chunk alone:%s\n", kind.c_str(),
+                    static_cast<long long>(prompt), chunk, phase_line.c_str());
         results.push_back({{"kind", kind},
                            {"prompt", prompt},
                            {"chunk", chunk},
                            {"device", facts.name},
                            {"kernel", config.kernel()},
-                           {"index_rows_per_pass", kind == "dsa" ? dsa.indexer->rows_per_pass() : 0},
+                           {"index_rows_per_pass", is_dsa ? dsa.indexer->rows_per_pass() : 0},
                            {"total_us", total_us},
                            {"flops", flops},
                            {"bytes", bytes},
                            {"flop_floor_us", flop_floor_us},
                            {"read_floor_us", read_floor_us},
                            {"read_gbs", read_gbs},
+                           {"last_chunk_phases_us", phases},
                            {"chunks", chunks}});
       }
     }
