@@ -57,7 +57,8 @@ def main() -> int:
         ax.plot(*series(floors, "flop"), ":", color="gray", label="FLOP floor of the selection")
         ax.plot(*series(floors, "read"), "--", color="gray", label="read floor of the selection")
         for arm, style in (("sdpa", "-."), ("flashinfer", (0, (3, 1, 1, 1)))):
-            theirs = [r for r in dense if r["kind"] == kind and r.get(arm + "_ms") is not None]
+            # dsa-fp8's dense arm is dsa's: the same prompt, attended densely.
+            theirs = [r for r in dense if r["kind"] == kind.split("-")[0] and r.get(arm + "_ms") is not None]
             for chunk in sorted({r["chunk"] for r in theirs if r["chunk"] != r["prompt"]}):
                 rows = [dict(r, ms=r[arm + "_ms"]) for r in theirs if r["chunk"] == chunk]
                 ax.plot(*series(rows, "ms"), linestyle=style, marker="x", label=f"dense ({arm}), chunks of {chunk}")

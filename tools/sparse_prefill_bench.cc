@@ -53,7 +53,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Options {
-  std::vector<std::string> kinds = {"dsa", "blocksparse", "static"};
+  std::vector<std::string> kinds = {"dsa", "dsa-fp8", "blocksparse", "static"};
   std::vector<int64_t> prompts = {8192, 32768, 131072};
   std::vector<int32_t> chunks = {2048, 16384};
   int32_t reps = 3;
