@@ -20,6 +20,10 @@ constexpr int32_t kMaxQueryBlockTokens = 256;
 void check_decode_params(const DecodeParams& params, const DecodePlan& plan, int32_t max_q_len);
 /// run_decode_cpu with q_len allowed up to max_q_len.
 void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace, int32_t max_q_len);
+/// Every check run_decode_cpu makes before it writes anything (it throws
+/// what that would throw), for callers that must refuse a set of decodes
+/// before any of them writes.
+void check_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace, int32_t max_q_len);
 /// run_decode_cuda with q_len allowed up to max_q_len.
 const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream,
                             int32_t max_q_len);

@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_hooks.h"
@@ -116,8 +117,10 @@ void check_prefill_table(const BlockTable& table, const PrefillChunk& c, std::in
   const std::string problem = block_table_problem(table, c.batch);
   REQUIRE(problem.empty(), who + problem);
   for (const RowView* v : views) {
-    REQUIRE(v->seq_stride == 0, who + "a view over a block-table pool has seq_stride 0 (the table places each "
-                                      "position), not " + to_string(v->seq_stride));
+    REQUIRE(v->seq_stride == 0, who +
+                                    "a view over a block-table pool has seq_stride 0 (the table places each "
+                                    "position), not " +
+                                    to_string(v->seq_stride));
   }
   if (c.kv_lens != nullptr && device == Device::kCuda) return;  // read on the device: past the table is flagged
   const int64_t reach = int64_t{table.max_blocks} * table.block_size;
@@ -313,10 +316,14 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
   const detail::TokenWindowsArgs w{p.chunk, windows};
   if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked first
   launch(device_, detail::token_windows_cpu, detail::token_windows_cuda, w, stream);
-  for (int32_t b = 0; b < s.batch; ++b) {
-    const DecodeParams d = mla_decode_params(p, b, windows, lse, table_rows_.as<int32_t>());
-    kernel_name_ = run_decode(device_, d, plan_, workspace_.data(), stream, kMaxQueryTokens);
+  std::vector<DecodeParams> launches;
+  for (int32_t b = 0; b < s.batch; ++b)
+    launches.push_back(mla_decode_params(p, b, windows, lse, table_rows_.as<int32_t>()));
+  if (device_ == Device::kCpu) {  // refused before anything is written
+    for (const DecodeParams& d : launches) detail::check_decode_cpu(d, plan_, workspace_.data(), kMaxQueryTokens);
   }
+  for (const DecodeParams& d : launches)
+    kernel_name_ = run_decode(device_, d, plan_, workspace_.data(), stream, kMaxQueryTokens);
   if (lse != nullptr) {
     const QueryStrides os = view_strides(p.qo_layout, p.out_strides, n, p.num_heads, kLatent);
     detail::MlaEpilogueArgs e;
@@ -617,6 +624,7 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
   launch(device_, detail::block_windows_cpu, detail::block_windows_cuda, w, stream);
   const bool per_kv = s.layout == BlockSelectionLayout::kPerKvHead;
   const int64_t width = s.width;
+  std::vector<std::pair<DecodeParams, Part*>> launches;
   for (int32_t b = 0; b < s.batch; ++b) {
     for (int32_t kv = 0; kv < (per_kv ? 1 : hkv); ++kv) {
       for (int part_index = 0; part_index < 2; ++part_index) {
@@ -675,10 +683,16 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
         }
         if (s.paged) address_by_table(d, p.block_table, table_rows_.as<int32_t>() + int64_t{b} * nqb + qb0);
-        kernel_name_ = run_decode(device_, d, part.plan, part.workspace.data(), stream, detail::kMaxQueryBlockTokens);
+        launches.emplace_back(d, &part);
       }
     }
   }
+  if (device_ == Device::kCpu) {  // refused before anything is written
+    for (const auto& [d, part] : launches)
+      detail::check_decode_cpu(d, part->plan, part->workspace.data(), detail::kMaxQueryBlockTokens);
+  }
+  for (const auto& [d, part] : launches)
+    kernel_name_ = run_decode(device_, d, part->plan, part->workspace.data(), stream, detail::kMaxQueryBlockTokens);
   if (!per_kv && p.lse != nullptr) {
     const detail::LseGatherArgs l{s.batch, hkv, n, g, staged_lse, p.lse};
     launch(device_, detail::lse_gather_cpu, detail::lse_gather_cuda, l, stream);
@@ -799,8 +813,9 @@ void BlockPrefillIndexer::run(const BlockPrefillIndexerParams& p, void* stream) 
     se.refuse_nan = true;  // the lists that needed a refused key block select nothing
     detail::block_scores_paged_cuda(pa, stream);
   } else {
-    launch(device_, +[](const detail::BlockScoresArgs& a) { detail::block_scores_cpu(a); }, detail::block_scores_cuda,
-           sa, stream);
+    launch(
+        device_, +[](const detail::BlockScoresArgs& a) { detail::block_scores_cpu(a); }, detail::block_scores_cuda, sa,
+        stream);
   }
   launch(device_, detail::block_select_cpu, detail::block_select_cuda, se, stream);
 }

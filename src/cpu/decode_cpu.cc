@@ -200,7 +200,7 @@ void run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspa
   detail::run_decode_cpu(p, plan, workspace, kMaxQueryTokens);
 }
 
-void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace, int32_t max_q_len) {
+void detail::check_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace, int32_t max_q_len) {
   check_decode_plan(plan);  // its fields are public; the loops below index with them
   detail::check_decode_params(p, plan, max_q_len);
   if (plan.workspace.total > 0 && workspace == nullptr) throw Error("decode: workspace is null");
@@ -228,6 +228,10 @@ void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void*
     }
   }
   check_indices_cpu(p, plan);
+}
+
+void detail::run_decode_cpu(const DecodeParams& p, const DecodePlan& plan, void* workspace, int32_t max_q_len) {
+  check_decode_cpu(p, plan, workspace, max_q_len);
   const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
   // K and V elements: one byte in the fp8 formats (the second stream stays dtype).
   const int64_t kv_size = p.kv_format == KvFormat::kNative ? esize : 1;
