@@ -89,4 +89,10 @@ namespace engine_forms {
 void fuzz(FuzzedDataProvider& in, int form);
 }  // namespace engine_forms
 
+namespace prefill_fuzz {
+/// Target 12 (tests/fuzz/prefill_fuzz.cc): MlaSparsePrefill and
+/// GqaBlockPrefill called directly, untouched or after one hostile edit.
+void fuzz(FuzzedDataProvider& in);
+}  // namespace prefill_fuzz
+
 }  // namespace sparsepage

@@ -4,7 +4,8 @@
 // window lengths with multi-token steps, the FP8 KV formats (packed or
 // strided o), step sequences of the three model layers with slots joining
 // and leaving and chunked prefill between the steps, and the layers' engine
-// forms with their prefill chunks (engine_forms_fuzz.cc). The last
+// forms with their prefill chunks (engine_forms_fuzz.cc), and the sparse
+// prefill's own entry points (prefill_fuzz.cc). The last
 // input byte picks the target (see LLVMFuzzerTestOneInput); the rest drives
 // its structure, and a seed taken from the input fills values, so short
 // inputs reach deep states. Shared helpers: fuzz_support.h.
@@ -1850,9 +1851,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   // The last input byte picks the target: below 243 as b % 9 (the first
   // nine targets, as the corpus was made for them), 243 .. 251 the layer
-  // step sequences (one model per value mod 3), 252 .. 255 the layers'
-  // engine forms (one form per value mod 3).
+  // step sequences (one model per value mod 3), 252 .. 254 the layers'
+  // engine forms (one form each), 255 the sparse prefill's entry points.
   const uint8_t target = in.ConsumeIntegral<uint8_t>();
+  if (target == 255) {
+    sparsepage::prefill_fuzz::fuzz(in);
+    return 0;
+  }
   if (target >= 252) {
     sparsepage::engine_forms::fuzz(in, (target - 252) % 3);
     return 0;
