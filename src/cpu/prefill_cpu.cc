@@ -149,8 +149,16 @@ void mla_max_logits_cpu(const MlaPrefillParams& p, const int32_t* windows) {
         throw Error("MlaSparsePrefill: index " + std::to_string(pos) + " is outside token " + std::to_string(row) +
                     "'s window");
       }
+      // The pool row of the position: through the engine's table (row b;
+      // the decode checked every entry it reaches), else the sequence's own.
+      const BlockTable& table = p.block_table;
+      const int64_t at = table.data == nullptr
+                             ? pos
+                             : int64_t{table.data[b * table.row_stride + pos / table.block_size]} * table.block_size +
+                                   pos % table.block_size;
+      const int64_t seq = table.data == nullptr ? b : 0;  // a pool's views have no sequence stride
       const auto* k_row = static_cast<const uint8_t*>(p.kv.data) +
-                          (b * p.kv.seq_stride + pos * p.kv.row_stride) * static_cast<int64_t>(kv_size);
+                          (seq * p.kv.seq_stride + at * p.kv.row_stride) * static_cast<int64_t>(kv_size);
       if (fp8) {
         float scales[4];
         std::memcpy(scales, k_row + 512, sizeof(scales));
@@ -160,7 +168,7 @@ void mla_max_logits_cpu(const MlaPrefillParams& p, const int32_t* windows) {
       }
       to_float(p.dtype,
                static_cast<const char*>(p.kv_rope.data) +
-                   (b * p.kv_rope.seq_stride + pos * p.kv_rope.row_stride) * static_cast<int64_t>(esize),
+                   (seq * p.kv_rope.seq_stride + at * p.kv_rope.row_stride) * static_cast<int64_t>(esize),
                kr.data(), 64);
       for (int32_t h = 0; h < heads; ++h) {
         to_float(p.dtype,

@@ -1,0 +1,130 @@
+// The sparse prefill's entry points as an engine calls them (CPU backend),
+// for what the fuzzer's prefill target found:
+// * a refused prefill writes nothing: every launch of a chunk is checked
+//   before the first one writes (a bad entry in a later sequence was
+//   refused after the earlier sequences' rows were written);
+// * max_logits over an engine's paged pool reads the rows through the
+//   table (it read pool row `position`, the wrong row).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "sparsepage/fp8.h"
+#include "sparsepage/prefill.h"
+#include "sparsepage/types.h"
+#include "support/prefill_problem.h"
+
+namespace sparsepage {
+namespace {
+
+TEST(PrefillApi, MlaEntryOfTheLastSequenceRefusesTheWholeChunk) {
+  testing::MlaPrefillSpec spec;
+  spec.batch = 2;
+  spec.num_tokens = 4;
+  spec.num_heads = 2;
+  spec.topk = 6;
+  spec.starts = {5, 9};
+  spec.pad_fraction = 0.0;
+  testing::MlaPrefillProblem pb = testing::make_mla_prefill_problem(spec);
+  const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_heads;
+  std::vector<uint16_t> out(rows * 512, 0xFFFF);
+  std::vector<float> lse(rows, -7.0f);
+  // Sequence 1's last token names the position after its own.
+  const size_t token = static_cast<size_t>(spec.batch) * spec.num_tokens - 1;
+  pb.indices[token * spec.topk] = pb.kv_lens[1];
+  MlaSparsePrefill prefill(Device::kCpu);
+  EXPECT_THROW(prefill.run(pb.host_params(out.data(), lse.data(), nullptr)), Error);
+  for (uint16_t v : out) ASSERT_EQ(v, 0xFFFF) << "a refused chunk wrote out";
+  for (float v : lse) ASSERT_EQ(v, -7.0f) << "a refused chunk wrote lse";
+}
+
+TEST(PrefillApi, BlockListOfTheLastSequenceRefusesTheWholeChunk) {
+  for (BlockSelectionLayout layout : {BlockSelectionLayout::kPerKvHead, BlockSelectionLayout::kPerQueryHead}) {
+    testing::GqaPrefillSpec spec;
+    spec.batch = 2;
+    spec.num_tokens = 20;
+    spec.block_size = 8;
+    spec.starts = {8, 16};
+    spec.layout = layout;
+    testing::GqaPrefillProblem pb = testing::make_gqa_prefill_problem(spec);
+    const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_qo_heads;
+    std::vector<uint16_t> out(rows * spec.head_dim, 0xFFFF);
+    std::vector<float> lse(rows, -7.0f);
+    // The last list (sequence 1's) names a negative block in its first entry, which it reads.
+    pb.block_ids[(pb.counts.size() - 1) * spec.width] = -5;
+    ASSERT_GT(pb.counts.back(), 0);
+    GqaBlockPrefill prefill(Device::kCpu);
+    EXPECT_THROW(prefill.run(pb.host_params(out.data(), lse.data())), Error);
+    for (uint16_t v : out) ASSERT_EQ(v, 0xFFFF) << "a refused chunk wrote o";
+    for (float v : lse) ASSERT_EQ(v, -7.0f) << "a refused chunk wrote lse";
+  }
+}
+
+TEST(PrefillApi, MlaOverAPagedPoolGivesTheDenseRunsBitsMaxLogitsIncluded) {
+  for (const bool fp8 : {false, true}) {
+    testing::MlaPrefillSpec spec;
+    spec.batch = 2;
+    spec.num_tokens = 5;
+    spec.num_heads = 2;
+    spec.topk = 7;
+    spec.starts = {6, 13};
+    spec.fp8 = fp8;
+    const testing::MlaPrefillProblem pb = testing::make_mla_prefill_problem(spec);
+    const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_heads;
+    const auto run = [&](const MlaPrefillParams& p, std::vector<uint16_t>& out, std::vector<float>& lse,
+                         std::vector<float>& max_logits) {
+      out.assign(rows * 512, 0xFFFF);
+      lse.assign(rows, std::numeric_limits<float>::quiet_NaN());
+      max_logits.assign(rows, std::numeric_limits<float>::quiet_NaN());
+      MlaPrefillParams q = p;
+      q.out = out.data();
+      q.lse = lse.data();
+      q.max_logits = max_logits.data();
+      MlaSparsePrefill prefill(Device::kCpu);
+      prefill.run(q);
+    };
+    std::vector<uint16_t> dense_out, paged_out;
+    std::vector<float> dense_lse, paged_lse, dense_max, paged_max;
+    run(pb.host_params(nullptr, nullptr, nullptr), dense_out, dense_lse, dense_max);
+    // The rows in blocks of 4, in reverse order; pool rows no position uses are NaN.
+    constexpr int32_t kBlock = 4;
+    const int32_t max_blocks = static_cast<int32_t>((pb.kv_len + kBlock - 1) / kBlock);
+    const int64_t num_blocks = int64_t{spec.batch} * max_blocks + 1;
+    std::vector<int32_t> table(static_cast<size_t>(spec.batch) * max_blocks);
+    std::iota(table.rbegin(), table.rend(), 1);
+    const size_t row_bytes = fp8 ? MlaFp8Row::kBytes : 576 * 2;
+    const std::vector<uint8_t>& dense = fp8 ? pb.kv_fp8 : pb.kv;
+    std::vector<uint8_t> pool(static_cast<size_t>(num_blocks) * kBlock * row_bytes, 0xFF);
+    for (int32_t b = 0; b < spec.batch; ++b) {
+      for (int64_t pos = 0; pos < pb.kv_lens[static_cast<size_t>(b)]; ++pos) {
+        const int64_t row = int64_t{table[static_cast<size_t>(b) * max_blocks + pos / kBlock]} * kBlock + pos % kBlock;
+        std::memcpy(pool.data() + row * row_bytes, dense.data() + (b * pb.capacity + pos) * row_bytes, row_bytes);
+      }
+    }
+    MlaPrefillParams p = pb.host_params(nullptr, nullptr, nullptr);
+    const int64_t pool_rows = num_blocks * kBlock;
+    if (fp8) {
+      const MlaFp8Views views = mla_fp8_views(pool.data(), pool_rows);
+      p.kv = views.k;
+      p.kv_rope = views.k_extra;
+    } else {
+      p.kv = {pool.data(), 576, 512, 0, 0, pool_rows};
+      p.kv_rope = {pool.data() + 512 * 2, 576, 64, 0, 0, pool_rows};
+    }
+    p.block_table = {table.data(), max_blocks, max_blocks, spec.batch, kBlock, num_blocks};
+    run(p, paged_out, paged_lse, paged_max);
+    EXPECT_EQ(paged_out, dense_out) << "fp8 " << fp8;
+    EXPECT_EQ(0, std::memcmp(paged_lse.data(), dense_lse.data(), rows * 4)) << "fp8 " << fp8;
+    EXPECT_EQ(0, std::memcmp(paged_max.data(), dense_max.data(), rows * 4)) << "fp8 " << fp8;
+    for (float m : paged_max) EXPECT_FALSE(std::isnan(m)) << "fp8 " << fp8;
+  }
+}
+
+}  // namespace
+}  // namespace sparsepage
