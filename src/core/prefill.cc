@@ -194,7 +194,7 @@ void check_mla(const MlaPrefillParams& p, Device device) {
   REQUIRE(p.index_token_stride >= 0 && p.index_seq_stride >= 0, who + "index strides must not be negative");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
   // Over a block table the capacity is the pool's rows, not positions.
-  REQUIRE(p.block_table.data != nullptr || p.kv.capacity == 0 || p.chunk.kv_len <= p.kv.capacity,
+  REQUIRE(p.block_table.data != nullptr || p.chunk.kv_len <= p.kv.capacity,
           who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
               " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
   check_prefill_table(p.block_table, p.chunk, {&p.kv, &p.kv_rope}, device, who);
@@ -741,7 +741,8 @@ void check_block_indexer(const BlockPrefillIndexerParams& p, Device device) {
     REQUIRE(p.index_keys.data != nullptr, who + "index_keys.data must be set (dense keys)");
     REQUIRE(p.index_keys.dim == p.head_dim, who + "index_keys.dim = " + to_string(p.index_keys.dim) +
                                                 " must equal head_dim = " + to_string(p.head_dim));
-    REQUIRE(p.index_keys.capacity == 0 || p.chunk.kv_len <= p.index_keys.capacity,
+    // A known capacity, 0 included (an empty view), bounds the positions read.
+    REQUIRE(p.chunk.kv_len <= p.index_keys.capacity,
             who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
                 " exceeds index_keys.capacity = " + to_string(p.index_keys.capacity));
   }

@@ -4,7 +4,9 @@
 //   before the first one writes (a bad entry in a later sequence was
 //   refused after the earlier sequences' rows were written);
 // * max_logits over an engine's paged pool reads the rows through the
-//   table (it read pool row `position`, the wrong row).
+//   table (it read pool row `position`, the wrong row);
+// * a key view of known capacity 0 (an empty cache) bounds the positions
+//   read like any other capacity (0 was taken as "unknown").
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "sparsepage/fp8.h"
@@ -124,6 +127,32 @@ TEST(PrefillApi, MlaOverAPagedPoolGivesTheDenseRunsBitsMaxLogitsIncluded) {
     EXPECT_EQ(0, std::memcmp(paged_max.data(), dense_max.data(), rows * 4)) << "fp8 " << fp8;
     for (float m : paged_max) EXPECT_FALSE(std::isnan(m)) << "fp8 " << fp8;
   }
+}
+
+TEST(PrefillApi, BlockIndexerRefusesKeysPastAnEmptyViewsCapacity) {
+  std::vector<uint16_t> keys(64 * 16), q(16);
+  std::vector<int32_t> ids(4, -7), counts(1, -7);
+  BlockPrefillIndexerParams p;
+  p.chunk = {1, 1, 1, nullptr};
+  p.num_kv_heads = 1;
+  p.head_dim = 16;
+  p.block_size = 1;
+  p.top_blocks = 2;
+  p.index_keys = RowView::dense(keys.data(), 1, 0, 16);  // capacity 0: no row may be read
+  p.q_index = q.data();
+  p.block_ids = ids.data();
+  p.counts = counts.data();
+  BlockPrefillIndexer indexer(Device::kCpu);
+  try {
+    indexer.run(p);
+    FAIL() << "keys past an empty view were read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("index_keys.capacity = 0"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(counts[0], -7);
+  p.index_keys.capacity = 1;  // the same call over one row runs
+  indexer.run(p);
+  EXPECT_EQ(counts[0], 1);
 }
 
 }  // namespace
