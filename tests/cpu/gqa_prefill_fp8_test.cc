@@ -188,6 +188,9 @@ TEST(GqaBlockPrefillFp8Cpu, RefusesBadFormatsByName) {
   EXPECT_TRUE(testing::throws_error_naming(run_cuda(good),
                                            "GqaBlockPrefill: kv_format e4m3 per head runs on CUDA at head dim 128 "
                                            "only (K and V 128, no second stream), not qk = 64"));
+  GqaPrefillParams f32 = good;
+  f32.dtype = DType::kF32;
+  EXPECT_TRUE(testing::throws_error_naming(run_cuda(f32), "dtype must be bf16 or f16 (or f32 on the CPU), not f32"));
   GqaPrefillSpec wide = specs()[0];
   wide.head_dim = 128;
   const auto pb128 = testing::make_gqa_fp8_problem(wide, true);
