@@ -263,7 +263,9 @@ struct DecodeParams : AttentionOperands {
   // what page ids name under kWindow and kBlockTable addressing (position =
   // page * page_size + slot); kPoolPages ids are not positions, so q_len > 1
   // is refused there by name. 1 .. kMaxQueryTokens; the MLA shape (512, 512,
-  // 64) takes q_len = 1 on CUDA (make each token a request, as DSA does).
+  // 64) takes q_len = 1 on CUDA (make each token a request, as DSA does),
+  // and KvFormat::kE4m3Mla rows on both backends; kE4m3PerHead rows run
+  // multi-token steps on the 16-row tiles (never the 64-row CTA).
   // lse is then [num_sequences, q_len, num_kv_heads, group_size].
   int32_t q_len = 1;
   QueryLayout qo_layout = QueryLayout::kPacked;

@@ -265,7 +265,15 @@ struct BlockPrefillSelection {
 /// chunk's start) is an error (CPU: thrown; CUDA: NaN rows and the error
 /// flag). A row with nothing to see gets o = 0, lse = -inf.
 struct GqaPrefillParams {
-  DType dtype = DType::kBF16;  // q, K, V and o: bf16 or f16
+  DType dtype = DType::kBF16;  // q and o, and K and V when kv_format is kNative: bf16 or f16
+  /// How K and V are stored, as DecodeParams::kv_format: kNative (`dtype`
+  /// rows) or KvFormat::kE4m3PerHead (vLLM's fp8 KV cache: e4m3 K and V,
+  /// K of KV head h is k * k_scale[h], V is v * v_scale[h]; k and v then
+  /// count bytes in their strides and dims). kE4m3Mla is the MLA rows'
+  /// format and is refused here. CUDA runs FP8 at head dim 128 only.
+  KvFormat kv_format = KvFormat::kNative;
+  const float* k_scale = nullptr;  // kE4m3PerHead: [num_kv_heads] fp32 (the run's device); null otherwise
+  const float* v_scale = nullptr;  // kE4m3PerHead: [num_kv_heads]
   PrefillChunk chunk;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
@@ -292,7 +300,8 @@ struct GqaPrefillParams {
 /// (query block, query head) over its KV head's rows. Over a block table
 /// (an engine's pool) the rows are read through the engine-input kernels,
 /// which keep every query row on the 16-row tiles (CUDA): the same answer,
-/// each gathered row read once per 16 query rows.
+/// each gathered row read once per 16 query rows. FP8 rows (kE4m3PerHead)
+/// run on the decode's e4m3 kernel, also a 16-row tile, dense or paged.
 class GqaBlockPrefill {
  public:
   explicit GqaBlockPrefill(Device device) : device_(device) {}
@@ -315,12 +324,13 @@ class GqaBlockPrefill {
     int32_t batch = 0, num_tokens = 0, num_qo_heads = 0, num_kv_heads = 0, block_size = 0, width = 0;
     int32_t dim_qk = 0, dim_v = 0;
     BlockSelectionLayout layout = BlockSelectionLayout::kPerKvHead;
+    KvFormat kv_format = KvFormat::kNative;
     bool lse = false;
     bool paged = false;  // rows through a block table
     bool operator==(const Shape& o) const {
       return batch == o.batch && num_tokens == o.num_tokens && num_qo_heads == o.num_qo_heads &&
              num_kv_heads == o.num_kv_heads && block_size == o.block_size && width == o.width && dim_qk == o.dim_qk &&
-             dim_v == o.dim_v && layout == o.layout && lse == o.lse && paged == o.paged;
+             dim_v == o.dim_v && layout == o.layout && kv_format == o.kv_format && lse == o.lse && paged == o.paged;
     }
   };
   static Shape shape_of(const GqaPrefillParams& params);
@@ -328,7 +338,10 @@ class GqaBlockPrefill {
   Shape shape_;
   bool prepared_ = false;
   Part parts_[2];
-  Buffer scratch_;  // int32 windows [batch, num_query_blocks], the alignment flag, fp32 lse staging
+  /// int32 windows [batch, num_query_blocks], the alignment flag, fp32 lse
+  /// staging, then (FP8 per-query-head lists) the fp32 scales expanded to
+  /// [2, num_kv_heads, group_size]: K's, then V's.
+  Buffer scratch_;
   Buffer table_rows_;  // paged: int32 [batch, num_query_blocks], each query block's table row (its sequence)
   const char* kernel_name_ = "";
 };

@@ -358,9 +358,11 @@ void detail::check_decode_params(const DecodeParams& p, const DecodePlan& plan, 
           "q_len = " + std::to_string(p.q_len) +
               " needs positions: kPoolPages page ids are not positions, so a "
               "multi-token step's causal limit cannot be applied (use kWindow or kBlockTable addressing)");
-  REQUIRE(p.q_len == 1 || p.kv_format == KvFormat::kNative,
+  // kE4m3PerHead runs on the 16-row tile, whose causal limit per query row
+  // is the bf16/f16 tile's own code; the MLA rows' kernels take one token.
+  REQUIRE(p.q_len == 1 || p.kv_format != KvFormat::kE4m3Mla,
           "q_len = " + std::to_string(p.q_len) + " with kv_format " + kv_format_name(p.kv_format) +
-              ": multi-token steps read bf16/f16 K and V (FP8 caches take one query token per request)");
+              ": the MLA rows take one query token per request (make each token a request, as the DSA layer does)");
   REQUIRE(p.q_len == 1 || !block_table || p.window_lens != nullptr || p.window_len > 0,
           "q_len = " + std::to_string(p.q_len) +
               " with block-table addressing needs each sequence's live length "

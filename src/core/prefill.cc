@@ -504,6 +504,37 @@ namespace {
 
 int32_t query_blocks(int32_t num_tokens, int32_t block_size) { return (num_tokens + block_size - 1) / block_size; }
 
+/// The decode's view of a prefill's streams and KV format, for its checks.
+DecodeParams gqa_stream_fields(const GqaPrefillParams& p) {
+  DecodeParams d;
+  d.dtype = p.dtype;
+  d.kv_format = p.kv_format;
+  d.k_scale = p.k_scale;
+  d.v_scale = p.v_scale;
+  d.q = p.q;
+  d.o = p.o;
+  d.k = p.k;
+  d.v = p.v;
+  return d;
+}
+
+/// The KV format by the decode's own checks: a KvFormat value with its
+/// scales (kv_format_problem), not the MLA rows' format, and on CUDA a
+/// layout the FP8 kernel reads (cuda_layout_problem: head dim 128, 16-byte
+/// pieces), refused before anything runs rather than at a later launch.
+void check_gqa_kv_format(const GqaPrefillParams& p, Device device, const std::string& who) {
+  REQUIRE(p.kv_format != KvFormat::kE4m3Mla,
+          who + "kv_format e4m3 mla is the MLA rows' format (MlaSparsePrefill reads it); GqaBlockPrefill takes "
+                "native or e4m3 per head");
+  const DecodeParams fields = gqa_stream_fields(p);
+  const std::string format = kv_format_problem(fields);
+  REQUIRE(format.empty(), who + format);
+  if (device == Device::kCuda && p.kv_format != KvFormat::kNative) {
+    const std::string layout = cuda_layout_problem(fields);
+    REQUIRE(layout.empty(), who + layout);
+  }
+}
+
 void check_gqa(const GqaPrefillParams& p, Device device) {
   const std::string who = "GqaBlockPrefill: ";
   check_chunk(p.chunk, who);
@@ -525,6 +556,7 @@ void check_gqa(const GqaPrefillParams& p, Device device) {
               p.selection.layout == BlockSelectionLayout::kPerQueryHead,
           who + "selection.layout is not a BlockSelectionLayout value");
   REQUIRE(std::isfinite(p.scale), who + "scale is not finite");
+  check_gqa_kv_format(p, device, who);
   check_block_starts(p.chunk, p.block_size, device, who);
   check_prefill_table(p.block_table, p.chunk, {&p.k, &p.v}, device, who);
 }
@@ -542,6 +574,29 @@ LaunchGeometry geometry(const GqaPrefillParams& p) {
   const int32_t g = p.num_qo_heads / p.num_kv_heads;
   if (p.selection.layout == BlockSelectionLayout::kPerKvHead) return {p.num_kv_heads, g, 1};
   return {g, 1, p.num_kv_heads};
+}
+
+/// Where GqaBlockPrefill's scratch keeps each thing (bytes): the query
+/// blocks' windows, the alignment flag, the staged lse of per-query-head
+/// lists, the expanded FP8 scales of per-query-head lists.
+struct GqaScratch {
+  size_t flag = 0, lse = 0, scales = 0, total = 0;
+};
+
+GqaScratch gqa_scratch(int32_t batch, int32_t num_tokens, int32_t block_size, int32_t num_qo_heads,
+                       BlockSelectionLayout layout, bool lse, bool fp8) {
+  const bool per_query_head = layout == BlockSelectionLayout::kPerQueryHead;
+  GqaScratch s;
+  s.flag = round_up(
+      static_cast<size_t>(batch) * static_cast<size_t>(query_blocks(num_tokens, block_size)) * sizeof(int32_t), 256);
+  s.lse = s.flag + 256;
+  const size_t lse_bytes = lse && per_query_head ? static_cast<size_t>(batch) * static_cast<size_t>(num_tokens) *
+                                                       static_cast<size_t>(num_qo_heads) * sizeof(float)
+                                                 : 0;
+  s.scales = s.lse + round_up(lse_bytes, 256);
+  const size_t scale_bytes = fp8 && per_query_head ? 2 * static_cast<size_t>(num_qo_heads) * sizeof(float) : 0;
+  s.total = s.scales + scale_bytes;
+  return s;
 }
 
 }  // namespace
@@ -563,6 +618,7 @@ GqaBlockPrefill::Shape GqaBlockPrefill::shape_of(const GqaPrefillParams& p) {
   s.dim_qk = p.k.dim;
   s.dim_v = p.v.dim;
   s.layout = p.selection.layout;
+  s.kv_format = p.kv_format;
   s.lse = p.lse != nullptr;
   s.paged = p.block_table.data != nullptr;
   return s;
@@ -586,9 +642,11 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
     // Planned for the lists' bound; the counts the selection writes are read
     // where the kernel runs (an early query block keeps few blocks).
     // Over a block table every query row runs on the 16-row tiles (the
-    // 64-row CTAs read the library's own tables only): plan for those.
-    const PlanShape shape = s.paged ? decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group * part.tokens, 1)
-                                    : decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
+    // 64-row CTAs read the library's own tables only), and so do FP8 rows
+    // (the e4m3 kernel is the 16-row tile): plan for those.
+    const bool row_tiles = s.paged || s.kv_format != KvFormat::kNative;
+    const PlanShape shape = row_tiles ? decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group * part.tokens, 1)
+                                      : decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
     part.plan = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), s.width * s.block_size), shape);
     part.workspace = Buffer(device_, std::max<size_t>(part.plan.workspace.total, 256));
     if (device_ == Device::kCuda) upload_plan_cuda(part.plan, part.workspace.data(), stream);
@@ -596,12 +654,9 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
     for (size_t r = 0; r < indptr.size(); ++r) indptr[r] = static_cast<int32_t>(r) * s.width;
     part.indptr = upload(device_, indptr);
   }
-  const size_t windows = static_cast<size_t>(s.batch) * static_cast<size_t>(query_blocks(s.num_tokens, s.block_size));
-  const bool staged_lse = s.lse && s.layout == BlockSelectionLayout::kPerQueryHead;
-  const size_t lse_bytes =
-      staged_lse ? static_cast<size_t>(s.batch) * static_cast<size_t>(s.num_tokens) * s.num_qo_heads * sizeof(float)
-                 : 0;
-  scratch_ = Buffer(device_, round_up(windows * sizeof(int32_t), 256) + 256 + lse_bytes);
+  const GqaScratch layout = gqa_scratch(s.batch, s.num_tokens, s.block_size, s.num_qo_heads, s.layout, s.lse,
+                                        s.kv_format != KvFormat::kNative);
+  scratch_ = Buffer(device_, layout.total);
   fill_bytes(scratch_.data(), device_, 0, scratch_.bytes());  // the alignment flag starts clear
   // Each query block is a launch sequence (per KV head and per query head alike).
   table_rows_ = s.paged ? table_row_map(device_, s.batch, query_blocks(s.num_tokens, s.block_size)) : Buffer();
@@ -616,13 +671,20 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
   const int32_t n = s.num_tokens, bs = s.block_size, nqb = query_blocks(n, bs);
   const int32_t hq = s.num_qo_heads, hkv = s.num_kv_heads, g = hq / hkv;
   const size_t esize = dtype_size(p.dtype);
+  const bool fp8 = s.kv_format != KvFormat::kNative;
+  const size_t kv_size = fp8 ? 1 : esize;  // FP8 rows count bytes
+  const GqaScratch layout = gqa_scratch(s.batch, n, bs, hq, s.layout, s.lse, fp8);
   auto* windows = scratch_.as<int32_t>();
-  const size_t windows_bytes = round_up(static_cast<size_t>(s.batch) * static_cast<size_t>(nqb) * sizeof(int32_t), 256);
-  auto* bad_chunk = reinterpret_cast<uint32_t*>(scratch_.as<char>() + windows_bytes);
-  float* staged_lse = reinterpret_cast<float*>(scratch_.as<char>() + windows_bytes + 256);
+  auto* bad_chunk = reinterpret_cast<uint32_t*>(scratch_.as<char>() + layout.flag);
+  float* staged_lse = reinterpret_cast<float*>(scratch_.as<char>() + layout.lse);
+  float* scales = reinterpret_cast<float*>(scratch_.as<char>() + layout.scales);
   const detail::BlockWindowsArgs w{p.chunk, bs, windows, bad_chunk};
   launch(device_, detail::block_windows_cpu, detail::block_windows_cuda, w, stream);
   const bool per_kv = s.layout == BlockSelectionLayout::kPerKvHead;
+  if (fp8 && !per_kv) {
+    const detail::ScaleExpandArgs e{hkv, g, p.k_scale, p.v_scale, scales};
+    launch(device_, detail::scale_expand_cpu, detail::scale_expand_cuda, e, stream);
+  }
   const int64_t width = s.width;
   std::vector<std::pair<DecodeParams, Part*>> launches;
   for (int32_t b = 0; b < s.batch; ++b) {
@@ -634,6 +696,7 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
         const int64_t t0 = int64_t{qb0} * bs;              // and first token
         DecodeParams d;
         d.dtype = p.dtype;
+        d.kv_format = p.kv_format;
         d.index_layout = IndexLayout::kCsr;
         d.indptr = part.indptr.as<int32_t>();
         d.page_size = bs;
@@ -658,9 +721,11 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.lse = p.lse != nullptr ? p.lse + (int64_t{b} * n + t0) * hq : nullptr;
           d.k = p.k;
           d.v = p.v;
-          d.k.data = offset_bytes(p.k.data, int64_t{b} * p.k.seq_stride, esize);
-          d.v.data = offset_bytes(p.v.data, int64_t{b} * p.v.seq_stride, esize);
+          d.k.data = offset_bytes(p.k.data, int64_t{b} * p.k.seq_stride, kv_size);
+          d.v.data = offset_bytes(p.v.data, int64_t{b} * p.v.seq_stride, kv_size);
           d.k.seq_stride = d.v.seq_stride = 0;  // every query block reads the sequence's rows
+          d.k_scale = p.k_scale;                // request (query block, KV head h) reads scale h
+          d.v_scale = p.v_scale;
         } else {
           // Requests (query block, query head of KV head kv), G = 1 over the KV head's rows.
           const int64_t lists = (int64_t{b} * hkv + kv) * nqb * g + int64_t{qb0} * g;
@@ -677,10 +742,15 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           d.o_strides = {int64_t{bs} * o_tok, p.v.dim, o_tok};
           // Staged [batch, hkv, tokens, g]: the launch's packed [blocks, tokens, g, 1].
           d.lse = p.lse != nullptr ? staged_lse + ((int64_t{b} * hkv + kv) * n + t0) * g : nullptr;
-          d.k = sequence_view(p.k, b, esize);
-          d.v = sequence_view(p.v, b, esize);
-          d.k.data = offset_bytes(d.k.data, int64_t{kv} * p.k.head_stride, esize);
-          d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, esize);
+          d.k = sequence_view(p.k, b, kv_size);
+          d.v = sequence_view(p.v, b, kv_size);
+          d.k.data = offset_bytes(d.k.data, int64_t{kv} * p.k.head_stride, kv_size);
+          d.v.data = offset_bytes(d.v.data, int64_t{kv} * p.v.head_stride, kv_size);
+          if (fp8) {
+            // Request (query block, query head j) reads scale j: KV head kv's, expanded g times.
+            d.k_scale = scales + int64_t{kv} * g;
+            d.v_scale = scales + (int64_t{hkv} + kv) * g;
+          }
         }
         if (s.paged) address_by_table(d, p.block_table, table_rows_.as<int32_t>() + int64_t{b} * nqb + qb0);
         launches.emplace_back(d, &part);
@@ -705,12 +775,11 @@ void GqaBlockPrefill::check_errors(void* stream) {
   for (Part& part : parts_) {
     if (part.query_blocks > 0) flags |= read_decode_error_flag(part.plan, part.workspace.data(), stream);
   }
-  const size_t windows_bytes =
-      round_up(static_cast<size_t>(shape_.batch) *
-                   static_cast<size_t>(query_blocks(shape_.num_tokens, shape_.block_size)) * sizeof(int32_t),
-               256);
-  const auto bad = download<uint32_t>(device_, scratch_.as<char>() + windows_bytes, 1);
-  fill_bytes(scratch_.as<char>() + windows_bytes, device_, 0, sizeof(uint32_t));
+  const size_t flag = gqa_scratch(shape_.batch, shape_.num_tokens, shape_.block_size, shape_.num_qo_heads,
+                                  shape_.layout, shape_.lse, shape_.kv_format != KvFormat::kNative)
+                          .flag;
+  const auto bad = download<uint32_t>(device_, scratch_.as<char>() + flag, 1);
+  fill_bytes(scratch_.as<char>() + flag, device_, 0, sizeof(uint32_t));
   REQUIRE(bad[0] == 0, "GqaBlockPrefill: a chunk did not start at a multiple of block_size (or its kv_lens entry "
                        "was below num_tokens): its tokens' o and lse are NaN");
   REQUIRE(flags == 0, "GqaBlockPrefill: a selected block named positions at or past its query block's end: those "

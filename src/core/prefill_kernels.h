@@ -78,6 +78,21 @@ struct LseGatherArgs {
 void lse_gather_cpu(const LseGatherArgs& args);
 void lse_gather_cuda(const LseGatherArgs& args, void* stream);
 
+/// The per-KV-head FP8 scales (KvFormat::kE4m3PerHead) for per-query-head
+/// GQA launches, whose requests are the query heads of one KV head (the
+/// decode indexes a scale by the request's "KV head", there its query head
+/// within the group): expanded[kv * group_size + g] = k_scale[kv], and
+/// V's after K's. Written on the device every run, so the scales may
+/// change between replays of a captured chunk.
+struct ScaleExpandArgs {
+  int32_t num_kv_heads = 0, group_size = 0;
+  const float* k_scale = nullptr;  // [num_kv_heads]
+  const float* v_scale = nullptr;  // [num_kv_heads]
+  float* expanded = nullptr;       // out [2, num_kv_heads, group_size]
+};
+void scale_expand_cpu(const ScaleExpandArgs& args);
+void scale_expand_cuda(const ScaleExpandArgs& args, void* stream);
+
 /// The DSA prefill indexer's passes: lens[b * passes + i] = L_b - num_tokens
 /// + min(num_tokens, (i + 1) * rows_per_pass), the window end of pass i's
 /// last token (what the decode indexer reads as the sequence length of a

@@ -18,6 +18,7 @@ void token_windows_cuda(const TokenWindowsArgs&, void*) { no_cuda("sparse prefil
 void block_windows_cuda(const BlockWindowsArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void mla_epilogue_cuda(const MlaEpilogueArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void lse_gather_cuda(const LseGatherArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
+void scale_expand_cuda(const ScaleExpandArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void pass_lens_cuda(const PassLensArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }
 void block_scores_cuda(const BlockScoresArgs&, void*) { no_cuda("BlockPrefillIndexer (Device::kCuda)"); }
 void block_scores_paged_cuda(const PagedScoresArgs&, void*) { no_cuda("BlockPrefillIndexer (Device::kCuda)"); }

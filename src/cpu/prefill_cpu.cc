@@ -124,6 +124,14 @@ void lse_gather_cpu(const LseGatherArgs& a) {
   }
 }
 
+void scale_expand_cpu(const ScaleExpandArgs& a) {
+  const int64_t per_stream = int64_t{a.num_kv_heads} * a.group_size;
+  for (int64_t i = 0; i < per_stream; ++i) {
+    a.expanded[i] = a.k_scale[i / a.group_size];
+    a.expanded[per_stream + i] = a.v_scale[i / a.group_size];
+  }
+}
+
 void mla_max_logits_cpu(const MlaPrefillParams& p, const int32_t* windows) {
   const int32_t n = p.chunk.num_tokens, heads = p.num_heads;
   const size_t esize = dtype_size(p.dtype);

@@ -1,6 +1,7 @@
 // Sparse prefill (sparsepage/prefill.h) on the GPU: MLA over per-token
 // selections (bf16 and FP8 rows) and GQA over key blocks against fp64 per
-// token with every unattended cache row NaN and against the CPU backend;
+// token with every unattended cache row NaN and against the CPU backend
+// (bf16/f16 rows, and e4m3 rows with per-KV-head scales);
 // the DSA, block and static selections against their CPU twins, exactly
 // (integer-valued index inputs, whose fp32 sums are exact in any order);
 // bad selections poisoning only their tokens and raising the error flag;
@@ -20,6 +21,7 @@
 #include "sparsepage/memory.h"
 #include "sparsepage/prefill.h"
 #include "support/expect_error.h"
+#include "support/gqa_prefill_fp8.h"
 #include "support/prefill_problem.h"
 #include "support/reference.h"
 
@@ -592,6 +594,149 @@ TEST(GqaBlockPrefillCuda, IndexerAndAttentionReplayFromAGraph) {
                 pb, ref,
                 testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, eager.out.data(), eager.out.bytes())),
                 download<float>(Device::kCuda, eager.lse.data(), eager.lse.bytes() / 4), 1e-2, 2e-2),
+            "");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---- GQA over blocks, FP8 K/V (e4m3 per KV head) ---------------------------------------
+
+/// Specs at head dim 128 (the FP8 kernel's): per-KV-head lists of 64- and
+/// 128-token blocks, per-query-head lists (32 heads over 8), f16.
+std::vector<GqaPrefillSpec> gqa_fp8_specs() {
+  std::vector<GqaPrefillSpec> specs = gqa_specs();
+  specs.pop_back();             // head dim 64: no FP8 kernel
+  GqaPrefillSpec f = specs[0];  // f16, four KV heads (every scale factor)
+  f.dtype = DType::kF16;
+  f.num_kv_heads = 4;
+  f.num_tokens = 150;
+  f.seed = 7;
+  specs.push_back(f);
+  return specs;
+}
+
+struct GqaFp8Device : GqaDevice {
+  Buffer k8, v8, k_scale, v_scale;
+  explicit GqaFp8Device(const testing::GqaFp8Problem& pb) : GqaDevice(pb.base) {
+    k8 = to_device(pb.k8);
+    v8 = to_device(pb.v8);
+    k_scale = to_device(pb.k_scale);
+    v_scale = to_device(pb.v_scale);
+  }
+  GqaPrefillParams params(const testing::GqaFp8Problem& pb) {
+    return pb.params(q.data(), k8.data(), v8.data(), k_scale.as<float>(), v_scale.as<float>(), ids.as<int32_t>(),
+                     counts.as<int32_t>(), kv_lens.as<int32_t>(), out.data(), lse.as<float>());
+  }
+  std::vector<float> out_values(DType dtype) const {
+    return testing::as_float(dtype, download<uint8_t>(Device::kCuda, out.data(), out.bytes()));
+  }
+  std::vector<float> lse_values() const { return download<float>(Device::kCuda, lse.data(), lse.bytes() / 4); }
+};
+
+/// The CPU backend's FP8 prefill of the same problem (outputs as fp32).
+void fp8_prefill_cpu(const testing::GqaFp8Problem& pb, std::vector<float>& out, std::vector<float>& lse) {
+  const GqaPrefillSpec& spec = pb.base.spec;
+  const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_qo_heads;
+  std::vector<uint8_t> o = testing::nan_values(spec.dtype, rows * spec.head_dim);
+  lse.assign(rows, std::numeric_limits<float>::quiet_NaN());
+  GqaBlockPrefill cpu(Device::kCpu);
+  cpu.run(pb.host_params(o.data(), lse.data()));
+  out = testing::as_float(spec.dtype, o);
+}
+
+// FP8 rows run on the 16-row tiles' e4m3 kernel (the 64-row multi-token CTA
+// reads bf16/f16 rows only): fp64 over the dequantized rows (every
+// unattended row e4m3 NaN, the outputs NaN first) and the CPU backend, for
+// power-of-two and amax / 448 scales.
+TEST(GqaBlockPrefillCuda, Fp8MatchesFp64AndTheCpuBackend) {
+  SKIP_WITHOUT_CUDA();
+  for (const GqaPrefillSpec& spec : gqa_fp8_specs()) {
+    for (bool pow2 : {true, false}) {
+      const auto pb = testing::make_gqa_fp8_problem(spec, pow2);
+      GqaFp8Device dev(pb);
+      GqaBlockPrefill prefill(Device::kCuda);
+      prefill.run(dev.params(pb));
+      EXPECT_NO_THROW(prefill.check_errors());
+      EXPECT_STREQ(prefill.kernel_name(), "16-row tiles, mma.sync, FP8 e4m3 K/V");
+      const auto out = dev.out_values(spec.dtype);
+      const auto lse = dev.lse_values();
+      const auto ref = testing::gqa_fp8_reference(pb);
+      EXPECT_EQ(testing::compare_gqa_prefill(pb.base, ref, out, lse, 1e-2, 2e-2), "")
+          << "seed " << spec.seed << (pow2 ? ", power-of-two scales" : ", amax / 448 scales");
+      std::vector<float> cpu_out, cpu_lse;
+      fp8_prefill_cpu(pb, cpu_out, cpu_lse);
+      EXPECT_LT(testing::relative_l2(out, std::vector<double>(cpu_out.begin(), cpu_out.end())), 1e-2)
+          << "seed " << spec.seed << ": against the CPU backend";
+      EXPECT_LT(testing::relative_l2(lse, std::vector<double>(cpu_lse.begin(), cpu_lse.end())), 1e-3)
+          << "seed " << spec.seed << ": lse against the CPU backend";
+    }
+  }
+}
+
+// The same rows in an engine's pool through a shuffled block table (the
+// engine-input e4m3 kernel): the dense FP8 prefill's answer, and fp64.
+TEST(GqaBlockPrefillCuda, Fp8ReadsAnEnginePoolThroughItsBlockTable) {
+  SKIP_WITHOUT_CUDA();
+  for (const GqaPrefillSpec& spec : gqa_fp8_specs()) {
+    const auto pb = testing::make_gqa_fp8_problem(spec, false);
+    const auto pool = testing::make_gqa_fp8_pool(pb, 16, spec.seed + 100);
+    GqaFp8Device dense(pb), paged(pb);
+    Buffer pool_k = to_device(pool.k), pool_v = to_device(pool.v), table = to_device(pool.table);
+    GqaBlockPrefill dense_prefill(Device::kCuda), paged_prefill(Device::kCuda);
+    dense_prefill.run(dense.params(pb));
+    paged_prefill.run(pool.paged(paged.params(pb), pool_k.data(), pool_v.data(), table.as<int32_t>(), spec.batch));
+    EXPECT_NO_THROW(paged_prefill.check_errors());
+    EXPECT_STREQ(paged_prefill.kernel_name(), "16-row tiles, mma.sync, FP8 e4m3 K/V");
+    const auto out = paged.out_values(spec.dtype);
+    const auto lse = paged.lse_values();
+    const auto dense_out = dense.out_values(spec.dtype);
+    EXPECT_LT(testing::relative_l2(out, std::vector<double>(dense_out.begin(), dense_out.end())), 1e-5)
+        << "seed " << spec.seed << ": against the dense FP8 prefill";
+    EXPECT_EQ(testing::compare_gqa_prefill(pb.base, testing::gqa_fp8_reference(pb), out, lse, 1e-2, 2e-2), "")
+        << "seed " << spec.seed;
+  }
+}
+
+// Per-query-head lists expand each KV head's scale on the device every run:
+// a captured chunk replayed after the scales changed uses the new scales.
+TEST(GqaBlockPrefillCuda, Fp8ReplaysFromAGraphWithTheScalesOfTheReplay) {
+  SKIP_WITHOUT_CUDA();
+  const GqaPrefillSpec spec = gqa_fp8_specs()[2];
+  ASSERT_EQ(spec.layout, BlockSelectionLayout::kPerQueryHead);
+  auto pb = testing::make_gqa_fp8_problem(spec, false);
+  GqaFp8Device dev(pb);
+  cudaStream_t stream;
+  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  GqaBlockPrefill prefill(Device::kCuda);
+  prefill.prepare(dev.params(pb), stream);
+  prefill.run(dev.params(pb), stream);  // once eagerly: first-launch attributes outside the capture
+  testing::cuda_ok(cudaStreamSynchronize(stream), "eager run");
+  cudaGraph_t graph;
+  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  prefill.run(dev.params(pb), stream);
+  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec;
+  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  // New scales (each head's doubled or halved), then the replay.
+  for (size_t h = 0; h < pb.k_scale.size(); ++h) {
+    pb.k_scale[h] *= h % 2 == 0 ? 2.0f : 0.5f;
+    pb.v_scale[h] *= h % 2 == 0 ? 0.5f : 2.0f;
+  }
+  for (size_t i = 0; i < pb.k_values.size(); ++i) {
+    const size_t h = (i / static_cast<size_t>(spec.head_dim * pb.base.capacity)) % pb.k_scale.size();
+    pb.k_values[i] *= h % 2 == 0 ? 2.0f : 0.5f;
+    pb.v_values[i] *= h % 2 == 0 ? 0.5f : 2.0f;
+  }
+  copy_bytes(dev.k_scale.data(), Device::kCuda, pb.k_scale.data(), Device::kCpu, pb.k_scale.size() * 4);
+  copy_bytes(dev.v_scale.data(), Device::kCuda, pb.v_scale.data(), Device::kCpu, pb.v_scale.size() * 4);
+  fill_bytes(dev.out.data(), Device::kCuda, 0xFF, dev.out.bytes());  // the replay must write it again
+  fill_bytes(dev.lse.data(), Device::kCuda, 0xFF, dev.lse.bytes());
+  testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  EXPECT_NO_THROW(prefill.check_errors(stream));
+  EXPECT_EQ(testing::compare_gqa_prefill(pb.base, testing::gqa_fp8_reference(pb), dev.out_values(spec.dtype),
+                                         dev.lse_values(), 1e-2, 2e-2),
             "");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -1,9 +1,10 @@
 // The sparse prefill's small kernels around the fused decode
 // (core/prefill_kernels.h): each query token's or query block's window, the
-// MLA epilogue (lse convention and attention sink), the lse of per-query-head
-// launches, and the DSA indexer's pass lengths. Each is one plain launch on
-// the caller's stream, grid-stride over its outputs: no allocation, no
-// synchronization, no host read, so a captured chunk replays them.
+// MLA epilogue (lse convention and attention sink), the lse and the FP8
+// scales of per-query-head launches, and the DSA indexer's pass lengths. Each
+// is one plain launch on the caller's stream, grid-stride over its outputs:
+// no allocation, no synchronization, no host read, so a captured chunk
+// replays them.
 #include <algorithm>
 
 #include "core/prefill_kernels.h"
@@ -83,6 +84,15 @@ __global__ void lse_gather_kernel(const LseGatherArgs a) {
   }
 }
 
+__global__ void scale_expand_kernel(const ScaleExpandArgs a) {
+  const int64_t per_stream = int64_t{a.num_kv_heads} * a.group_size;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < 2 * per_stream;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const bool v = i >= per_stream;
+    a.expanded[i] = (v ? a.v_scale : a.k_scale)[(v ? i - per_stream : i) / a.group_size];
+  }
+}
+
 __global__ void pass_lens_kernel(const PassLensArgs a) {
   const int64_t total = int64_t{a.chunk.batch} * a.passes;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
@@ -127,6 +137,12 @@ void mla_epilogue_cuda(const MlaEpilogueArgs& a, void* stream) {
 void lse_gather_cuda(const LseGatherArgs& a, void* stream) {
   const int64_t total = int64_t{a.batch} * a.num_tokens * a.num_kv_heads * a.group_size;
   lse_gather_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  SP_CUDA_CHECK_LAUNCH();
+}
+
+void scale_expand_cuda(const ScaleExpandArgs& a, void* stream) {
+  const int64_t total = 2 * int64_t{a.num_kv_heads} * a.group_size;
+  scale_expand_kernel<<<grid_for(total), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   SP_CUDA_CHECK_LAUNCH();
 }
 
