@@ -186,7 +186,11 @@ class SparseLayer {
   /// out of it (0), num_tokens, max_seq_len and every buffer kv and tokens
   /// point at, and keeps each replayed length in [num_tokens, max_seq_len]
   /// within its table rows (block-sparse: the chunk starting on a multiple
-  /// of block_size).
+  /// of block_size). The layer keeps the plans of one chunk shape: an
+  /// uncaptured chunk of another shape (another num_tokens or max_seq_len,
+  /// or every slot in the call where the capture had one out, or the
+  /// reverse) re-plans and frees what the captured chunk reads, so capture
+  /// it again before the next replay.
   void prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
