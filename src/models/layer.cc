@@ -420,8 +420,8 @@ void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const 
   } else {
     // The kernels take consecutive sequences each holding the chunk: with a
     // free slot in the batch, each active slot is a chunk of its own (one
-    // chunk shape, so the kernels' plans are made once).
-    // The free slots' o rows are zeroed on the stream (capturable).
+    // chunk shape, so the kernels' plans are made once). The free slots' o
+    // rows are zeroed on the stream, so this path is capturable too.
     const TokenBytes bytes = token_bytes();
     const auto n = static_cast<size_t>(num_tokens);
     for (int32_t b = 0; b < batch_; ++b) {
