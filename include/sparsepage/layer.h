@@ -169,11 +169,28 @@ class SparseLayer {
   /// An engine-pools layer appends nothing: the engine has written the
   /// chunk's rows and index keys (kv.index_keys) and passes each slot's
   /// length with the chunk in kv.seq_lens (0: a free slot, whose o rows are
-  /// zeroed; else at least num_tokens), which are read back once to shape
-  /// the chunk (so this form synchronizes on CUDA and is not captured);
-  /// tokens.index_k stays null. The prefill indexers read the keys through
-  /// kv.index_keys' table (native or FP8). A length outside [num_tokens,
-  /// max_seq_len] is refused by name.
+  /// zeroed; else at least num_tokens); tokens.index_k stays null. The
+  /// prefill indexers read the keys through kv.index_keys' table (native or
+  /// FP8). The chunk's shape (its active slots, its refusals, one launch or
+  /// one per active slot) is decided on the host: on kv.host_seq_lens, the
+  /// engine's host copy of the lengths, when given (nothing read back;
+  /// capturable), else on kv.seq_lens read back once (a stream sync,
+  /// refused by name while the stream is captured). A length outside
+  /// [num_tokens, max_seq_len] is refused by name (on the CPU, so is a host
+  /// copy that differs from kv.seq_lens). Capture: with kv.host_seq_lens, a
+  /// chunk can be captured in a CUDA graph after one eager chunk of the same
+  /// shape (num_tokens, max_seq_len, the same slots in the call) and
+  /// replayed for the next chunks. A replay keeps the slot set, refusals and
+  /// path decided at capture, and its kernels follow kv.seq_lens on the
+  /// device, so the engine keeps fixed the slots in the call (nonzero) and
+  /// out of it (0), num_tokens, max_seq_len and every buffer kv and tokens
+  /// point at, and keeps each replayed length in [num_tokens, max_seq_len]
+  /// within its table rows (block-sparse: the chunk starting on a multiple
+  /// of block_size). The layer keeps the plans of one chunk shape: an
+  /// uncaptured chunk of another shape (another num_tokens or max_seq_len,
+  /// or every slot in the call where the capture had one out, or the
+  /// reverse) re-plans and frees what the captured chunk reads, so capture
+  /// it again before the next replay.
   void prefill_chunk(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
   /// The one-token step over an engine's paged pool (engine-paged layers):
   /// no mask path, so a step the policy would decline is refused by name
@@ -291,7 +308,13 @@ class SparseLayer {
                  const std::vector<uint8_t>& active, void* stream);
   /// prefill_chunk over engine pools: the engine's lengths and keys, nothing appended.
   void pools_prefill(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream);
+  /// The lengths a pools chunk is decided on: kv.host_seq_lens (on the CPU
+  /// checked against kv.seq_lens), else kv.seq_lens read back (a stream
+  /// sync, refused by name while the stream is being captured).
+  std::vector<int64_t> pools_prefill_lens(const std::string& who, const EnginePagedKV& kv, void* stream) const;
   void refuse_on_engine_pools(const char* what) const;
+  /// Throws Error (`who`) when an engine-paged layer is given kv.host_seq_lens (a pools field).
+  void refuse_host_lens(const std::string& who, const EnginePagedKV& kv) const;
 
   std::string name_;
   Device device_;
@@ -383,8 +406,11 @@ class EngineLayerForms : public LayerForms<Tokens> {
   /// refusals. kEnginePaged: tokens.index_k holds the chunk's index keys
   /// (token-major) and the engine has written its rows at each active
   /// slot's positions kv_lens()[b] onwards. kEnginePools: the engine's keys
-  /// and lengths with the chunk (kv.seq_lens, 0 a slot not in this call;
-  /// read back once, so not capturable), nothing appended.
+  /// and lengths with the chunk (kv.seq_lens, 0 a slot not in this call),
+  /// nothing appended; decided on kv.host_seq_lens when the engine gives its
+  /// host copy (capturable after one eager chunk of the same shape, the
+  /// slot set and path fixed at capture), else on kv.seq_lens read back
+  /// once (not capturable).
   void prefill(const Tokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream = nullptr) {
     this->prefill_chunk(this->to_step(tokens), kv, num_tokens, stream);
   }

@@ -97,6 +97,13 @@ struct EnginePagedKV {
   /// Host bound on every seq_lens entry: sizes the step's grids and
   /// workspace (reserve() it before capturing).
   int64_t max_seq_len = 0;
+  /// KVStorage::kEnginePools prefill chunks only (decode steps ignore it):
+  /// the engine's host copy of seq_lens, int32 [batch] in host memory
+  /// (vLLM's and SGLang's seq_lens_cpu), or null. Given, the chunk decides
+  /// its active slots, refusals and path on it and reads nothing back, so
+  /// it can be captured in a CUDA graph; null, seq_lens is read back once
+  /// (a stream sync). The kernels read seq_lens either way.
+  const int32_t* host_seq_lens = nullptr;
   /// The indexer's keys in the engine's paged pool (index_keys.h: native or
   /// vLLM's FP8 layout, with their own block table).
   PagedIndexKeys index_keys;

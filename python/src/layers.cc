@@ -428,6 +428,20 @@ EnginePagedKV pools_kv(EnginePagedKV kv, const SparseLayer& layer, const std::st
   return kv;
 }
 
+// prefill_pools' host_seq_lens: the engine's host copy of seq_lens (a CPU
+// int32 array or a list, [batch]) copied into `host`, so the chunk is
+// decided without reading the device lengths back; None: null (read back).
+const int32_t* host_seq_lens_arg(nb::handle values, const SparseLayer& layer, const std::string& op,
+                                 std::vector<int32_t>& host) {
+  if (values.is_none()) return nullptr;
+  host = host_int32(values, op, "host_seq_lens");
+  if (host.size() != static_cast<size_t>(layer.batch())) {
+    throw Error(op + ": host_seq_lens holds " + std::to_string(host.size()) + " lengths for " +
+                std::to_string(layer.batch()) + " slots");
+  }
+  return host.data();
+}
+
 // ---- the forms over the layer's own cache: one token (prefill_token,
 // decode), q_len tokens (decode_multi) or a prefill chunk of n tokens ----
 
@@ -530,16 +544,27 @@ auto block_paged(BlockSparseAttention& self, const In& q, const In& index_q, con
 }
 
 template <bool kChunk>
-auto block_pools(BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
-                 const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
-                 const In& index_cache, const std::optional<In>& index_block_table,
-                 const std::optional<uintptr_t>& stream) {
+auto block_pools_with(BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
+                      const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+                      const In& index_cache, const std::optional<In>& index_block_table,
+                      const std::optional<uintptr_t>& stream, nb::handle host_seq_lens) {
   const std::string op = engine_op<kChunk>("BlockSparseAttention", "pools");
   const int32_t n = kChunk ? step_q_len(op, q, "q", "[batch, num_tokens, num_qo_heads, head_dim]") : 0;
   const BlockSparseTokens t = block_queries(self, StepArgs(self, op), q, index_q, o, n, "num_tokens");
-  const EnginePagedKV kv = pools_kv(block_engine_kv(self, op, k_cache, v_cache, block_table), self, op, seq_lens,
-                                    max_seq_len, index_cache, index_block_table, block_table, self.config().head_dim);
+  EnginePagedKV kv = pools_kv(block_engine_kv(self, op, k_cache, v_cache, block_table), self, op, seq_lens, max_seq_len,
+                              index_cache, index_block_table, block_table, self.config().head_dim);
+  std::vector<int32_t> host;
+  kv.host_seq_lens = host_seq_lens_arg(host_seq_lens, self, op, host);
   return engine_step<kChunk>(self, t, kv, n, stream);
+}
+
+// decode_pools: no host copy (the step decides nothing on the lengths).
+auto block_decode_pools(BlockSparseAttention& self, const In& q, const In& index_q, const Out& o, const In& k_cache,
+                        const In& v_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+                        const In& index_cache, const std::optional<In>& index_block_table,
+                        const std::optional<uintptr_t>& stream) {
+  return block_pools_with<false>(self, q, index_q, o, k_cache, v_cache, block_table, seq_lens, max_seq_len, index_cache,
+                                 index_block_table, stream, nb::none());
 }
 
 template <bool kChunk>
@@ -555,16 +580,26 @@ auto dsa_paged(DsaAttention& self, const In& q_latent, const In& q_pe, const In&
 }
 
 template <bool kChunk>
-auto dsa_pools(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
-               const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
-               const In& index_cache, const std::optional<In>& index_block_table,
-               const std::optional<uintptr_t>& stream) {
+auto dsa_pools_with(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index, const In& index_weights,
+                    const Out& o, const In& kv_cache, const In& block_table, const In& seq_lens, int64_t max_seq_len,
+                    const In& index_cache, const std::optional<In>& index_block_table,
+                    const std::optional<uintptr_t>& stream, nb::handle host_seq_lens) {
   const std::string op = engine_op<kChunk>("DsaAttention", "pools");
   const int32_t n = kChunk ? step_q_len(op, q_latent, "q_latent", "[batch, num_tokens, num_qo_heads, latent_dim]") : 0;
   const DsaTokens t = dsa_queries(self, StepArgs(self, op), q_latent, q_pe, q_index, index_weights, o, n);
-  const EnginePagedKV kv = pools_kv(dsa_engine_kv(self, op, kv_cache, block_table), self, op, seq_lens, max_seq_len,
-                                    index_cache, index_block_table, block_table, self.config().index_head_dim);
+  EnginePagedKV kv = pools_kv(dsa_engine_kv(self, op, kv_cache, block_table), self, op, seq_lens, max_seq_len,
+                              index_cache, index_block_table, block_table, self.config().index_head_dim);
+  std::vector<int32_t> host;
+  kv.host_seq_lens = host_seq_lens_arg(host_seq_lens, self, op, host);
   return engine_step<kChunk>(self, t, kv, n, stream);
+}
+
+auto dsa_decode_pools(DsaAttention& self, const In& q_latent, const In& q_pe, const In& q_index,
+                      const In& index_weights, const Out& o, const In& kv_cache, const In& block_table,
+                      const In& seq_lens, int64_t max_seq_len, const In& index_cache,
+                      const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+  return dsa_pools_with<false>(self, q_latent, q_pe, q_index, index_weights, o, kv_cache, block_table, seq_lens,
+                               max_seq_len, index_cache, index_block_table, stream, nb::none());
 }
 
 DispatchConfig dispatch_or_process(const std::optional<DispatchConfig>& d) {
@@ -714,7 +749,7 @@ void bind_layers(nb::module_& m) {
            "slot b's blocks). The engine has written this token's K and V at position kv_lens[b] (the\n"
            "length before the call). No mask path: a step the dispatch would decline raises, and nothing\n"
            "is appended.")
-      .def("decode_pools", &block_pools<false>, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
+      .def("decode_pools", &block_decode_pools, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
            nb::arg("v_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
            nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
            nb::arg("stream").none() = nb::none(),
@@ -753,10 +788,10 @@ void bind_layers(nb::module_& m) {
            "max_blocks]. q and o [B, num_tokens, Hq, D], index_q [B, num_tokens, Hkv, D]. The same\n"
            "selection and answer as prefill over the layer's own cache, with its refusals, and a table\n"
            "row too short for a slot refused before anything changes.")
-      .def("prefill_pools", &block_pools<true>, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
+      .def("prefill_pools", &block_pools_with<true>, nb::arg("q"), nb::arg("index_q"), nb::arg("o"), nb::arg("k_cache"),
            nb::arg("v_cache"), nb::arg("block_table"), nb::arg("seq_lens"), nb::arg("max_seq_len"),
            nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
-           nb::arg("stream").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(), nb::arg("host_seq_lens").none() = nb::none(),
            "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
            "has written the chunk's K and V rows and index keys; the layer appends nothing and keeps\n"
            "nothing. k_cache, v_cache, block_table, index_cache and index_block_table as decode_pools\n"
@@ -764,7 +799,10 @@ void bind_layers(nb::module_& m) {
            "zero output), its chunk the last num_tokens = q.shape[1] positions, starting on a multiple of\n"
            "block_size; max_seq_len a host bound on them. q and o [B, num_tokens, Hq, D], index_q [B,\n"
            "num_tokens, Hkv, D]. The same selection and answer as prefill_paged over a layer that keeps\n"
-           "the same keys. The lengths are read back once (on the GPU this synchronizes; not capturable).\n"
+           "the same keys. host_seq_lens: the engine's host copy of seq_lens (a CPU int32 array, as\n"
+           "vLLM's seq_lens_cpu); given, the chunk is decided on it and reads nothing back (graph-capturable\n"
+           "after one eager chunk of the same shape; a replay keeps the slots in the call); None: the\n"
+           "lengths are read back once (on the GPU this synchronizes; not capturable).\n"
            "Refused by name before anything is written: a length other than 0 below num_tokens or above\n"
            "max_seq_len, or past the table's row, a chunk off the block grid, and every slot free. A key\n"
            "block id outside the pool that the block scores read: refused by name on the CPU; on the GPU\n"
@@ -866,7 +904,7 @@ void bind_layers(nb::module_& m) {
            "scales, 64 bf16 rope values; quantize_mla_fp8 writes them) for a bf16 layer of 512 + 64,\n"
            "dequantized in the kernel. The engine has written this token's row at position kv_lens[b].\n"
            "No mask path: a declined step raises, appending nothing.")
-      .def("decode_pools", &dsa_pools<false>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+      .def("decode_pools", &dsa_decode_pools, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
            nb::arg("index_weights"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"),
            nb::arg("max_seq_len"), nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
            nb::arg("stream").none() = nb::none(),
@@ -908,18 +946,21 @@ void bind_layers(nb::module_& m) {
            "index_weights and o as prefill's, num_tokens = q_latent.shape[1]. The same selection and\n"
            "answer as prefill over the layer's own cache, with its refusals, and a table row too short\n"
            "for a slot refused before anything changes.")
-      .def("prefill_pools", &dsa_pools<true>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
+      .def("prefill_pools", &dsa_pools_with<true>, nb::arg("q_latent"), nb::arg("q_pe"), nb::arg("q_index"),
            nb::arg("index_weights"), nb::arg("o"), nb::arg("kv_cache"), nb::arg("block_table"), nb::arg("seq_lens"),
            nb::arg("max_seq_len"), nb::arg("index_cache"), nb::arg("index_block_table").none() = nb::none(),
-           nb::arg("stream").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(), nb::arg("host_seq_lens").none() = nb::none(),
            "Chunked prefill over an engine's own pools (kv_storage = KVStorage.ENGINE_POOLS): the engine\n"
            "has written the chunk's MLA rows and index keys; the layer appends nothing and keeps nothing.\n"
            "kv_cache, block_table, index_cache and index_block_table as decode_pools takes them; seq_lens\n"
            "int32 [B] each slot's length with the chunk (0: a free slot, zero output), its chunk the last\n"
            "num_tokens = q_latent.shape[1] positions; max_seq_len a host bound on them. Queries,\n"
            "index_weights and o as prefill's. The same selection and answer as prefill_paged over a layer\n"
-           "that keeps the same keys. The lengths are read back once (on the GPU this synchronizes; not\n"
-           "capturable). Refused by name before anything is written: a length other than 0 below\n"
+           "that keeps the same keys. host_seq_lens: the engine's host copy of seq_lens (a CPU int32\n"
+           "array, as vLLM's seq_lens_cpu); given, the chunk is decided on it and reads nothing back\n"
+           "(graph-capturable after one eager chunk of the same shape; a replay keeps the slots in the\n"
+           "call); None: the lengths are read back once (on the GPU this synchronizes; not capturable).\n"
+           "Refused by name before anything is written: a length other than 0 below\n"
            "num_tokens or above max_seq_len, or past the table's row, and every slot free. A key block id\n"
            "outside the pool selects nothing for the tokens that needed it and check_errors() names it.");
 

@@ -18,6 +18,9 @@ void cuda_copy(void* dst, bool dst_on_device, const void* src, bool src_on_devic
 void cuda_copy_2d(void* dst, bool dst_on_device, size_t dst_pitch, const void* src, bool src_on_device,
                   size_t src_pitch, size_t width, size_t height);
 void cuda_fill(void* dst, int value, size_t bytes);
+/// The same, queued on `stream` (a cudaStream_t; null: the default stream):
+/// no host wait, so it can be captured in a CUDA graph.
+void cuda_fill_async(void* dst, int value, size_t bytes, void* stream);
 /// Waits for the work queued on `stream` (a cudaStream_t; null: the default stream).
 void cuda_stream_sync(void* stream);
 /// Whether `stream` is being captured into a CUDA graph (work queued on it

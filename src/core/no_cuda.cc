@@ -19,6 +19,7 @@ void cuda_free(void*) noexcept {}
 void cuda_copy(void*, bool, const void*, bool, size_t) { no_cuda("copy_bytes"); }
 void cuda_copy_2d(void*, bool, size_t, const void*, bool, size_t, size_t, size_t) { no_cuda("copy_2d"); }
 void cuda_fill(void*, int, size_t) { no_cuda("fill_bytes"); }
+void cuda_fill_async(void*, int, size_t, void*) { no_cuda("cuda_fill_async"); }
 void cuda_stream_sync(void*) { no_cuda("stream synchronize"); }
 bool cuda_stream_capturing(void*) { return false; }
 void cuda_record_event(void* event, void*) {

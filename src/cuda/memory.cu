@@ -93,6 +93,12 @@ void cuda_fill(void* dst, int value, size_t bytes) {
   finish_device_work();
 }
 
+void cuda_fill_async(void* dst, int value, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  if (dst == nullptr) throw Error("cuda_fill_async: null pointer");
+  SP_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream)));
+}
+
 }  // namespace detail
 
 int32_t cuda_device_sm() {

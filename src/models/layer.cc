@@ -127,6 +127,12 @@ void SparseLayer::refuse_on_engine_pools(const char* what) const {
   }
 }
 
+void SparseLayer::refuse_host_lens(const std::string& who, const EnginePagedKV& kv) const {
+  if (kv.host_seq_lens != nullptr) {
+    throw Error(who + ": kv.host_seq_lens is for KVStorage::kEnginePools layers; this layer keeps its lengths itself");
+  }
+}
+
 void SparseLayer::append_tokens(const void* k, const void* v, int64_t tokens) {
   refuse_on_engine_pools("append_tokens");
   if (k == nullptr || (engine_paged() ? v != nullptr : v == nullptr)) {
@@ -266,6 +272,7 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
     pools_prefill(tokens, kv, num_tokens, stream);
     return;
   }
+  refuse_host_lens(who, kv);
   if (kv.block_table.row_of_sequence != nullptr) {
     throw Error(who + ": kv.block_table.row_of_sequence must be null: the prefill reads table row b for slot b");
   }
@@ -291,6 +298,33 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
   run_chunk(tokens, num_tokens, lens, cache_.active(), stream);
 }
 
+std::vector<int64_t> SparseLayer::pools_prefill_lens(const std::string& who, const EnginePagedKV& kv,
+                                                     void* stream) const {
+  const auto batch = static_cast<size_t>(batch_);
+  if (kv.host_seq_lens != nullptr) {
+    std::vector<int64_t> lens(kv.host_seq_lens, kv.host_seq_lens + batch);
+    // On the CPU the kernels' lengths are host memory too and nothing is
+    // replayed: a host copy that differs from them is the engine's mistake.
+    for (size_t b = 0; b < batch && device_ == Device::kCpu; ++b) {
+      if (kv.seq_lens[b] != kv.host_seq_lens[b]) {
+        throw Error(who + ": kv.host_seq_lens[" + std::to_string(b) + "] = " + std::to_string(kv.host_seq_lens[b]) +
+                    " differs from kv.seq_lens[" + std::to_string(b) + "] = " + std::to_string(kv.seq_lens[b]) +
+                    " (the host copy must hold the lengths the kernels read)");
+      }
+    }
+    return lens;
+  }
+  if (device_ == Device::kCuda) {
+    if (detail::cuda_stream_capturing(stream)) {
+      throw Error(who + ": the stream is being captured, and without kv.host_seq_lens the chunk reads kv.seq_lens back "
+                        "(a stream sync); pass the engine's host copy of the lengths to capture a chunk");
+    }
+    detail::cuda_stream_sync(stream);
+  }
+  const std::vector<int32_t> seq = download<int32_t>(device_, kv.seq_lens, batch);
+  return {seq.begin(), seq.end()};
+}
+
 void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& kv, int32_t num_tokens, void* stream) {
   const std::string who = name_ + "::prefill(tokens, kv) (engine pools)";
   if (num_tokens < 1) throw Error(who + ": num_tokens = " + std::to_string(num_tokens) + " must be at least 1");
@@ -304,17 +338,19 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
     throw Error(who + ": kv.block_table.row_of_sequence must be null: the prefill reads table row b for slot b");
   }
   // The chunk's shape (which slots hold it, whether the fused prefill takes
-  // it) is decided on the host: the lengths are read back once.
-  if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
-  const std::vector<int32_t> seq = download<int32_t>(device_, kv.seq_lens, static_cast<size_t>(batch_));
-  std::vector<int64_t> lens(seq.begin(), seq.end());
+  // it, one launch or one per slot) is decided on the host: on the engine's
+  // host copy of the lengths when it gives one (nothing read back, so the
+  // chunk can be captured; a captured chunk keeps these decisions), else on
+  // the device lengths read back once.
+  const std::vector<int64_t> lens = pools_prefill_lens(who, kv, stream);
+  const char* lens_name = kv.host_seq_lens != nullptr ? "kv.host_seq_lens" : "kv.seq_lens";
   std::vector<uint8_t> active(static_cast<size_t>(batch_), 0);
   const int64_t reach = int64_t{kv.block_table.max_blocks} * kv.block_table.block_size;
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t len = lens[size_t(b)];
     if (len == 0) continue;  // a free slot: its o rows are zeroed
     if (len < num_tokens || len > kv.max_seq_len) {
-      throw Error(who + ": kv.seq_lens[" + std::to_string(b) + "] = " + std::to_string(len) +
+      throw Error(who + ": " + lens_name + "[" + std::to_string(b) + "] = " + std::to_string(len) +
                   " must be 0 (a free slot) or lie in [num_tokens = " + std::to_string(num_tokens) +
                   ", max_seq_len = " + std::to_string(kv.max_seq_len) + "] (the chunk is each slot's last " +
                   std::to_string(num_tokens) + " positions)");
@@ -327,7 +363,7 @@ void SparseLayer::pools_prefill(const StepTokens& tokens, const EnginePagedKV& k
     active[size_t(b)] = 1;
   }
   if (std::find(active.begin(), active.end(), 1) == active.end()) {
-    throw Error(who + ": every slot is free (kv.seq_lens is 0 everywhere)");
+    throw Error(who + ": every slot is free (" + lens_name + " is 0 everywhere)");
   }
   // The chunk's lengths and pools while it runs (prefill_refusal reads the
   // pools too: a model may judge the engine's tables on the host); the last
@@ -384,14 +420,19 @@ void SparseLayer::run_chunk(const StepTokens& tokens, int32_t num_tokens, const 
   } else {
     // The kernels take consecutive sequences each holding the chunk: with a
     // free slot in the batch, each active slot is a chunk of its own (one
-    // chunk shape, so the kernels' plans are made once).
+    // chunk shape, so the kernels' plans are made once). The free slots' o
+    // rows are zeroed on the stream, so this path is capturable too.
     const TokenBytes bytes = token_bytes();
     const auto n = static_cast<size_t>(num_tokens);
-    if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);  // the zeroing below is synchronous
     for (int32_t b = 0; b < batch_; ++b) {
       const size_t first = static_cast<size_t>(b) * n;
       if (active[static_cast<size_t>(b)] == 0) {
-        fill_bytes(static_cast<char*>(tokens.o) + first * bytes.o, device_, 0, n * bytes.o);
+        void* rows = static_cast<char*>(tokens.o) + first * bytes.o;
+        if (device_ == Device::kCuda) {
+          detail::cuda_fill_async(rows, 0, n * bytes.o, stream);
+        } else {
+          fill_bytes(rows, device_, 0, n * bytes.o);
+        }
         continue;
       }
       const auto at = [&](const void* p, size_t row_bytes) -> const void* {
@@ -518,6 +559,7 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
   check_tokens(tokens, true);
   check_engine_kv(kv);
   if (engine_pools()) return pools_step(tokens, kv, stream);
+  refuse_host_lens(name_ + " (engine-paged)", kv);
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
   size_step_buffers(1);
   // Decided before anything changes: there is no mask path to fall back to.

@@ -120,6 +120,10 @@ TEST(LayerPrefillCpu, ChunksThroughFixedBuffers) {
   testing::check_dsa_prefill_replay(Device::kCpu, dsa_config(), {{0, 30, 64}, 8, 6}, 4, o, eager);
   testing::check_block_sparse_prefill_replay(Device::kCpu, block_config(), {{0, 16, 64}, 32, 7}, 4, o, eager);
   testing::check_static_prefill_replay(Device::kCpu, static_config(), {{0, 32, 16}, 16, 8}, 4, o, eager);
+  // A free slot: each active slot a chunk of its own, the free slot's rows zeroed every chunk.
+  testing::check_dsa_prefill_replay(Device::kCpu, dsa_config(), {{30, -1, 64}, 8, 9}, 3, o, eager);
+  testing::check_block_sparse_prefill_replay(Device::kCpu, block_config(), {{16, -1, 64}, 32, 10}, 3, o, eager);
+  testing::check_static_prefill_replay(Device::kCpu, static_config(), {{32, -1, 16}, 16, 11}, 3, o, eager);
 }
 
 TEST(LayerPrefillCpu, BadChunksAreRefusedByNameBeforeAnythingChanges) { testing::check_prefill_refusals(Device::kCpu); }

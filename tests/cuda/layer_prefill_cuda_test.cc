@@ -80,23 +80,36 @@ TEST(LayerPrefillCuda, StaticMatchesDecodeAndCpu) {
   testing::check_static_prefill(Device::kCuda, static_config(), {{64, -1, 256}, 65, 4}, gpu_oracles(true));
 }
 
+// A chunk runner whose second call is captured in a CUDA graph and
+// replayed for it and every later call.
+testing::ChunkRunner runner() {
+  auto graph = std::make_shared<testing::GraphRunner>();
+  return [graph](const std::function<void(void*)>& chunk) {
+    (*graph)([&](void* stream) {
+      chunk(stream);
+      return LayerStep{};
+    });
+  };
+}
+
 // The second chunk is captured in a CUDA graph and replayed for the rest,
 // its inputs rewritten in place, the slots' lengths growing on the device.
 TEST(LayerPrefillCuda, ChunksReplayFromACapturedGraph) {
   SKIP_WITHOUT_CUDA();
-  const auto runner = [] {
-    auto graph = std::make_shared<testing::GraphRunner>();
-    return [graph](const std::function<void(void*)>& chunk) {
-      (*graph)([&](void* stream) {
-        chunk(stream);
-        return LayerStep{};
-      });
-    };
-  };
   const PrefillOracles o = gpu_oracles(false);
   testing::check_dsa_prefill_replay(Device::kCuda, dsa_config(), {{0, 30, 64}, 32, 6}, 4, o, runner());
   testing::check_block_sparse_prefill_replay(Device::kCuda, block_config(), {{0, 64, 256}, 128, 7}, 4, o, runner());
   testing::check_static_prefill_replay(Device::kCuda, static_config(), {{0, 128, 64}, 64, 8}, 4, o, runner());
+}
+
+// The same with a free slot in the batch: one launch per active slot and
+// the free slot's rows zeroed on the stream, all inside the graph.
+TEST(LayerPrefillCuda, ChunksWithAFreeSlotReplayFromACapturedGraph) {
+  SKIP_WITHOUT_CUDA();
+  const PrefillOracles o = gpu_oracles(false);
+  testing::check_dsa_prefill_replay(Device::kCuda, dsa_config(), {{30, -1, 64}, 32, 9}, 3, o, runner());
+  testing::check_block_sparse_prefill_replay(Device::kCuda, block_config(), {{64, -1, 256}, 128, 10}, 3, o, runner());
+  testing::check_static_prefill_replay(Device::kCuda, static_config(), {{128, -1, 64}, 64, 11}, 3, o, runner());
 }
 
 TEST(LayerPrefillCuda, ToyModelGreedyTokensAfterAChunkedPrompt) {

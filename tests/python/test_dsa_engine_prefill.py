@@ -180,3 +180,15 @@ def test_prefill_pools_over_native_index_keys_equals_prefill_paged(rng, prompts,
     pools.check_errors()
     assert pools.kv_lens == [0] * p.B, "an engine-pools layer keeps no lengths"
     check_outputs(p, o_pools, o_paged, pools.last_prefill_positions(), paged.last_prefill_positions())
+
+    # The engine's host copy of the lengths (a list here): the same answer bit for bit; a copy past
+    # max_seq_len is refused by name (the device lengths are the same host memory on the CPU).
+    o_host = nan_o(p.B, n)
+    pools.prefill_pools(*p.queries(), o_host, kv_cache, table, lens, bound, index_cache, key_table,
+                        host_seq_lens=[int(x) for x in lens])
+    assert np.array_equal(o_host, o_pools, equal_nan=False)
+    far = lens.copy()
+    far[0] = bound + 1
+    with pytest.raises(sp.Error, match=rf"kv.host_seq_lens\[0\] = {bound + 1} must be 0 \(a free slot\) or lie in"):
+        pools.prefill_pools(*p.queries(), nan_o(p.B, n), kv_cache, table, far, bound, index_cache, key_table,
+                            host_seq_lens=far)

@@ -128,3 +128,19 @@ def test_prefill_pools_equals_prefill_paged(rng, prompts, n):
             assert np.all(o_pools[b] == 0) and all(r == [] for r in positions[b * n * Hq:(b + 1) * n * Hq])
     assert not np.isnan(o_pools).any()
     np.testing.assert_allclose(o_pools.astype(np.float32), o_paged.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+    # The engine's host copy of the lengths: the same answer bit for bit, decided without reading
+    # seq_lens back; a copy that differs from seq_lens or has the wrong length is refused by name.
+    o_host = np.full_like(o_pools, np.nan)
+    pools.prefill_pools(q, iq, o_host, k_cache, v_cache, table, lens, bound, index_cache, host_seq_lens=lens.copy())
+    assert np.array_equal(o_host, o_pools)
+    first = next(b for b in range(B) if total[b] > 0)
+    wrong = lens.copy()
+    wrong[first] += ENGINE_BLOCK
+    o_bad = np.full_like(o_pools, np.nan)
+    with pytest.raises(sp.Error, match=rf"kv.host_seq_lens\[{first}\] = {wrong[first]} differs from kv.seq_lens"):
+        pools.prefill_pools(q, iq, o_bad, k_cache, v_cache, table, lens, bound, index_cache, host_seq_lens=wrong)
+    with pytest.raises(sp.Error, match=rf"prefill_pools: host_seq_lens holds {B - 1} lengths for {B} slots"):
+        pools.prefill_pools(q, iq, o_bad, k_cache, v_cache, table, lens, bound, index_cache,
+                            host_seq_lens=lens[:-1].copy())
+    assert np.isnan(o_bad).all(), "a refused chunk wrote o"

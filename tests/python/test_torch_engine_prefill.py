@@ -6,7 +6,9 @@ kept positions (the values are multiples of 1/4 and the weights dyadic, so every
 exact in either backend's order of summation), each (slot, token)'s output within bf16 rounding
 (relative L2 < 1e-2), no NaN although every pool row the engine has not written is NaN and every
 output starts NaN, free slots zero. Ragged batches with a free slot, chunks that reach the sparse
-regime. Runs on the GPU machine; skips without torch or a GPU."""
+regime. And prefill_pools given the host copy of the lengths (host_seq_lens), captured in a torch
+CUDA graph and replayed bit for bit as the uncaptured call. Runs on the GPU machine; skips without
+torch or a GPU."""
 
 import numpy as np
 import pytest
@@ -216,3 +218,71 @@ def test_block_sparse_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
     got, positions = block_prefill_pools(TorchBf16(torch), c, keys, key_table, fp8)
     want, want_positions = block_prefill_pools(NumpyF16(), c, keys, key_table, fp8)
     c.check(got, want, positions, want_positions, BS["num_qo_heads"])
+
+
+def pools_graph_replay(layers, call):
+    """call(layer, o, stream, host) runs one prefill_pools chunk. graphed runs it eagerly (sizing its
+    buffers), then is captured with host_seq_lens given and replayed into a NaN-filled output; eager
+    runs it uncaptured, reading the lengths back. Returns both outputs."""
+    graphed, eager = layers
+    o_graph = call(graphed, None, torch.cuda.current_stream().cuda_stream, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(graphed, o_graph, torch.cuda.current_stream().cuda_stream, True)
+    o_graph.fill_(float("nan"))
+    graph.replay()
+    o_eager = call(eager, None, torch.cuda.current_stream().cuda_stream, False)
+    torch.cuda.synchronize()
+    graphed.check_errors()
+    eager.check_errors()
+    return o_graph, o_eager
+
+
+@pytest.mark.parametrize("prompts,n", [([64, None, 256], 128), ([0, 192], 64)])
+def test_block_sparse_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n):
+    """host_seq_lens (a CPU int32 tensor, as vLLM's seq_lens_cpu): the chunk is decided on it, so it
+    is captured in a torch CUDA graph; the replay equals the uncaptured call bit for bit."""
+    rng = np.random.default_rng(29)
+    be = TorchBf16(torch)
+    c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
+              [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
+    keys, key_table = index_cache(c, False, rng)
+    cfg = sp.BlockSparseConfig(**dict(BS, kv_storage=sp.KVStorage.ENGINE_POOLS))
+    layers = [sp.BlockSparseAttention(be.device, be.dtype, cfg, c.B, gates_off()) for _ in range(2)]
+    q, iq = be.half(c.queries[0]), be.half(c.queries[1])
+    pools = (be.half(c.pool), be.half(c.vpool), be.raw(c.table))
+    lens_cpu = torch.tensor(c.total, dtype=torch.int32)
+    lens, bound, index = lens_cpu.cuda(), max(c.total) + 5, (be.half(keys), be.raw(key_table))
+
+    def call(layer, o, stream, host):
+        o = be.nan_out((c.B, n, BS["num_qo_heads"], BS["head_dim"])) if o is None else o
+        layer.prefill_pools(q, iq, o, *pools, lens, bound, *index, stream=stream,
+                            host_seq_lens=lens_cpu if host else None)
+        return o
+
+    o_graph, o_eager = pools_graph_replay(layers, call)
+    assert not o_graph.isnan().any() and torch.equal(o_graph, o_eager)
+
+
+@pytest.mark.parametrize("prompts,n", [([100, 40, None], 24), ([10, 70], 32)])
+def test_dsa_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n):
+    """The DSA twin of the block-sparse graph test (bf16 index keys)."""
+    rng = np.random.default_rng(31)
+    be = TorchBf16(torch)
+    c = dsa_chunk(rng, prompts, n, 64, 128)
+    keys, key_table = index_cache(c, False, rng)
+    layers = [sp.DsaAttention(be.device, be.dtype, dsa_config(sp.KVStorage.ENGINE_POOLS, 64, 128), c.B, gates_off())
+              for _ in range(2)]
+    queries = [be.half(x) for x in c.queries] + [be.f32(c.weights)]
+    pools = (be.half(c.pool), be.raw(c.table))
+    lens_cpu = torch.tensor(c.total, dtype=torch.int32)
+    lens, bound, index = lens_cpu.cuda(), max(c.total) + 3, (be.half(keys), be.raw(key_table))
+
+    def call(layer, o, stream, host):
+        o = be.nan_out((c.B, n, H, L)) if o is None else o
+        layer.prefill_pools(*queries, o, *pools, lens, bound, *index, stream=stream,
+                            host_seq_lens=lens_cpu if host else None)
+        return o
+
+    o_graph, o_eager = pools_graph_replay(layers, call)
+    assert not o_graph.isnan().any() and torch.equal(o_graph, o_eager)

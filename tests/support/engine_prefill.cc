@@ -93,47 +93,6 @@ int32_t blocks_for(const Lengths& l) {
   return static_cast<int32_t>(*std::max_element(l.after.begin(), l.after.end()) / kEngineBlock + 2);
 }
 
-// The engine's index keys `dim` values wide (bf16 rows, or with fp8 vLLM's
-// FP8 blocks) in blocks of 16 through the pool's table, every unwritten byte
-// 0xFF (NaN), written on the host; then, with the engine's lengths, on the device.
-struct EngineKeys {
-  const EnginePool& pool;
-  int32_t dim;
-  PagedIndexKeys host;
-  std::vector<uint8_t> bytes;
-  Buffer keys_dev, lens_dev;
-
-  EngineKeys(const EnginePool& p, bool fp8, int32_t key_dim) : pool(p), dim(key_dim) {
-    host.format = fp8 ? IndexKeyFormat::kE4m3 : IndexKeyFormat::kNative;
-    host.dtype = kDt;
-    host.num_blocks = pool.num_blocks;
-    host.block_size = kEngineBlock;
-    host.block_table = pool.table.data();
-    host.block_table_stride = pool.max_blocks;
-    host.max_blocks = pool.max_blocks;
-    bytes.assign(static_cast<size_t>(pool.num_blocks * index_key_block_bytes(host, dim)), 0xFF);
-    host.pool = bytes.data();
-  }
-  // Slot b's key at position p (dim values).
-  void write(int32_t b, int64_t p, const float* key) {
-    std::vector<uint8_t> row(static_cast<size_t>(dim) * 2);
-    from_float(kDt, key, row.data(), static_cast<size_t>(dim));
-    const int64_t slot = pool.slot(b, p);
-    write_index_keys_cpu(host, dim, kDt, row.data(), dim, &slot, 1);
-  }
-  // `kv` for the pools form: the keys, and the lengths `lens` (with the chunk; 0 free) under `bound`.
-  EnginePagedKV pools_kv(EnginePagedKV kv, const std::vector<int32_t>& lens, int64_t bound) {
-    keys_dev = upload(pool.device, bytes);
-    lens_dev = upload(pool.device, lens);
-    kv.index_keys = host;
-    kv.index_keys.pool = const_cast<void*>(keys_dev.data());
-    kv.index_keys.block_table = pool.table_dev.as<int32_t>();
-    kv.seq_lens = lens_dev.as<int32_t>();
-    kv.max_seq_len = bound;
-    return kv;
-  }
-};
-
 }  // namespace
 
 // ---------------------------------------------------------------- block-sparse
