@@ -9,6 +9,8 @@
 //   blocksparse  the block indexer (max-pooled block scores, top-k blocks per
 //                query block), then GQA over the kept blocks (64 heads over
 //                4 KV heads, blocks of 128);
+//   blocksparse-fp8  the same over e4m3 K and V with per-KV-head scales
+//                (vLLM's fp8 KV cache);
 //   static       the static per-head pattern (Phi-3-small), then GQA.
 // Each chunk shape is captured once in a CUDA graph and replayed for every
 // chunk of the prompt (the chunk's position moves on the device), and the
@@ -53,7 +55,7 @@ using json = nlohmann::json;
 namespace {
 
 struct Options {
-  std::vector<std::string> kinds = {"dsa", "dsa-fp8", "blocksparse", "static"};
+  std::vector<std::string> kinds = {"dsa", "dsa-fp8", "blocksparse", "blocksparse-fp8", "static"};
   std::vector<int64_t> prompts = {8192, 32768, 131072};
   std::vector<int32_t> chunks = {2048, 16384};
   int32_t reps = 3;
@@ -439,16 +441,40 @@ Config dsa_config(DsaSetup& s) {
 
 // ---- GQA over blocks: block-sparse (indexer) and static (pattern) -----------------------
 
+// blocksparse-fp8's per-KV-head scales (powers of two, as vLLM's are often).
+constexpr float kKScale = 0.5f, kVScale = 0.25f;
+
+/// `count` random e4m3 bytes of magnitude 1/8 .. 15/8 (exponents 4-7, no
+/// NaN), either sign.
+Buffer random_e4m3(Device device, int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> bytes(static_cast<size_t>(count));
+  for (uint8_t& b : bytes) {
+    const uint64_t r = rng();
+    b = static_cast<uint8_t>((r & 0x80) | ((4 + ((r >> 8) & 3)) << 3) | ((r >> 16) & 7));
+  }
+  return upload(device, bytes);
+}
+
+/// e4m3 bytes [first, first + count) of `base` dequantized by `scale`.
+std::vector<float> read_e4m3(Device device, const void* base, int64_t first, int64_t count, float scale) {
+  const auto bytes = download<uint8_t>(device, static_cast<const char*>(base) + first, static_cast<size_t>(count));
+  std::vector<float> out(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) out[i] = e4m3_to_float(bytes[i]) * scale;
+  return out;
+}
+
 struct GqaSetup {
   Device device = Device::kCpu;
   bool indexed = false;  // blocksparse: the block indexer; static: the pattern
+  bool fp8 = false;      // K and V as e4m3 with per-KV-head scales
   int64_t prompt = 0;
   int32_t chunk = 0;
   int32_t hq = 0, hkv = 0, dim = 0, bs = 0;
   int32_t top_blocks = 16, local_blocks = 1;   // blocksparse
   int32_t static_local = 16, vert_stride = 8;  // static
   int32_t width = 0;
-  Buffer k, v, index_keys, q, q_index, ids, counts, out, kv_lens;
+  Buffer k, v, index_keys, q, q_index, ids, counts, out, kv_lens, k_scale, v_scale;
   std::unique_ptr<BlockPrefillIndexer> indexer;
   std::unique_ptr<GqaBlockPrefill> attention;
   BlockPrefillIndexerParams ip;
@@ -460,8 +486,15 @@ Config gqa_config(GqaSetup& s) {
   const Device dev = s.device;
   const int64_t tokens = s.chunk, d = s.dim;
   const int32_t nqb = (s.chunk + s.bs - 1) / s.bs, g = s.hq / s.hkv;
-  s.k = random_buffer(dev, DType::kBF16, int64_t{s.hkv} * s.prompt * d, 21);
-  s.v = random_buffer(dev, DType::kBF16, int64_t{s.hkv} * s.prompt * d, 22);
+  if (s.fp8) {
+    s.k = random_e4m3(dev, int64_t{s.hkv} * s.prompt * d, 21);
+    s.v = random_e4m3(dev, int64_t{s.hkv} * s.prompt * d, 22);
+    s.k_scale = upload(dev, std::vector<float>(static_cast<size_t>(s.hkv), kKScale));
+    s.v_scale = upload(dev, std::vector<float>(static_cast<size_t>(s.hkv), kVScale));
+  } else {
+    s.k = random_buffer(dev, DType::kBF16, int64_t{s.hkv} * s.prompt * d, 21);
+    s.v = random_buffer(dev, DType::kBF16, int64_t{s.hkv} * s.prompt * d, 22);
+  }
   s.q = random_buffer(dev, DType::kBF16, tokens * s.hq * d, 23);
   s.out = Buffer(dev, static_cast<size_t>(tokens) * s.hq * d * 2);
   s.kv_lens = Buffer(dev, 4);
@@ -509,8 +542,13 @@ Config gqa_config(GqaSetup& s) {
   gp.num_kv_heads = s.hkv;
   gp.block_size = s.bs;
   gp.q = s.q.data();
-  gp.k = RowView::dense(s.k.data(), s.hkv, s.prompt, s.dim);
+  gp.k = RowView::dense(s.k.data(), s.hkv, s.prompt, s.dim);  // e4m3: elements are bytes
   gp.v = RowView::dense(s.v.data(), s.hkv, s.prompt, s.dim);
+  if (s.fp8) {
+    gp.kv_format = KvFormat::kE4m3PerHead;
+    gp.k_scale = s.k_scale.as<float>();
+    gp.v_scale = s.v_scale.as<float>();
+  }
   gp.scale = 1.0f / std::sqrt(static_cast<float>(s.dim));
   gp.o = s.out.data();
   gp.selection = {s.indexed ? BlockSelectionLayout::kPerKvHead : BlockSelectionLayout::kPerQueryHead,
@@ -615,8 +653,10 @@ Config gqa_config(GqaSetup& s) {
         }
         // fp64 over the positions of its blocks up to its own (the KV head's rows read back once).
         const int64_t base = int64_t{h / g} * s.prompt;
-        const auto k_rows = read_floats(s.device, DType::kBF16, s.k.data(), base * s.dim, (pos + 1) * s.dim);
-        const auto v_rows = read_floats(s.device, DType::kBF16, s.v.data(), base * s.dim, (pos + 1) * s.dim);
+        const auto k_rows = s.fp8 ? read_e4m3(s.device, s.k.data(), base * s.dim, (pos + 1) * s.dim, kKScale)
+                                  : read_floats(s.device, DType::kBF16, s.k.data(), base * s.dim, (pos + 1) * s.dim);
+        const auto v_rows = s.fp8 ? read_e4m3(s.device, s.v.data(), base * s.dim, (pos + 1) * s.dim, kVScale)
+                                  : read_floats(s.device, DType::kBF16, s.v.data(), base * s.dim, (pos + 1) * s.dim);
         std::vector<std::vector<float>> keys, values;
         for (int32_t j : blocks) {
           for (int64_t p = int64_t{j} * s.bs; p < std::min<int64_t>((int64_t{j} + 1) * s.bs, pos + 1); ++p) {
@@ -664,8 +704,8 @@ Config gqa_config(GqaSetup& s) {
   };
   c.bytes = [&s](int64_t kv_len) {
     const double n = s.chunk;
-    double b = 2.0 * n * s.hq * s.dim * 2                                // queries, outputs
-               + 2.0 * static_cast<double>(kv_len) * s.hkv * s.dim * 2;  // every context row of K and V once
+    double b = 2.0 * n * s.hq * s.dim * 2                                                     // queries, outputs
+               + 2.0 * static_cast<double>(kv_len) * s.hkv * s.dim * (s.fp8 ? 1 : 2);         // every K and V row once
     if (s.indexed) b += 2.0 * static_cast<double>(kv_len) * s.dim + 2.0 * n * s.hkv * s.dim;  // index keys, queries
     return b;
   };
@@ -677,7 +717,7 @@ Config gqa_config(GqaSetup& s) {
 int main(int argc, char** argv) {
   Options opt;
   CLI::App app{"sparse_prefill_bench: time to prefill a prompt in chunks with sparse prefill"};
-  app.add_option("--kinds", opt.kinds, "dsa, dsa-fp8, blocksparse, static");
+  app.add_option("--kinds", opt.kinds, "dsa, dsa-fp8, blocksparse, blocksparse-fp8, static");
   app.add_option("--prompts", opt.prompts, "prompt lengths (tokens)");
   app.add_option("--chunks", opt.chunks, "chunk sizes (tokens)");
   app.add_option("--reps", opt.reps, "timed replays per chunk (median)");
@@ -697,8 +737,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   for (const std::string& kind : opt.kinds) {
     const bool is_dsa = kind == "dsa" || kind == "dsa-fp8";
-    if (!is_dsa && kind != "blocksparse" && kind != "static") {
-      std::fprintf(stderr, "unknown kind '%s' (dsa, dsa-fp8, blocksparse, static)\n", kind.c_str());
+    if (!is_dsa && kind != "blocksparse" && kind != "blocksparse-fp8" && kind != "static") {
+      std::fprintf(stderr, "unknown kind '%s' (dsa, dsa-fp8, blocksparse, blocksparse-fp8, static)\n", kind.c_str());
       return 2;
     }
     for (int64_t prompt : opt.prompts) {
@@ -717,7 +757,8 @@ int main(int argc, char** argv) {
           config = dsa_config(dsa);
         } else {
           gqa.device = device;
-          gqa.indexed = kind == "blocksparse";
+          gqa.indexed = kind == "blocksparse" || kind == "blocksparse-fp8";
+          gqa.fp8 = kind == "blocksparse-fp8";
           gqa.prompt = prompt;
           gqa.chunk = chunk;
           if (gqa.indexed) {  // MiniMax-style block sparse: 64 heads over 4, dim 128, blocks of 128, top 16
@@ -734,7 +775,7 @@ int main(int argc, char** argv) {
         const std::string problem = config.check(prompt);
         const std::string passes =
             is_dsa ? ", indexer " + std::to_string(dsa.indexer->rows_per_pass()) + " tokens per pass" : "";
-        std::printf("%-11s prompt %7lld chunk %6d | %s%s | check: %s\n", kind.c_str(), static_cast<long long>(prompt),
+        std::printf("%-15s prompt %7lld chunk %6d | %s%s | check: %s\n", kind.c_str(), static_cast<long long>(prompt),
                     chunk, config.kernel().c_str(), passes.c_str(), problem.empty() ? "ok" : problem.c_str());
         if (!problem.empty()) {
           ++failures;
@@ -763,10 +804,10 @@ int main(int argc, char** argv) {
         }
         const double flop_floor_us = flops / (opt.peak_tflops * 1e6);
         const double read_floor_us = read_gbs > 0 ? bytes / (read_gbs * 1e3) : 0.0;
-        std::printf("%-11s prompt %7lld chunk %6d | %10.1f ms | %6.1f TFLOP/s | floors: FLOP %8.1f ms, read %8.1f ms\n",
+        std::printf("%-15s prompt %7lld chunk %6d | %10.1f ms | %6.1f TFLOP/s | floors: FLOP %8.1f ms, read %8.1f ms\n",
                     kind.c_str(), static_cast<long long>(prompt), chunk, total_us / 1e3, flops / (total_us * 1e6),
                     flop_floor_us / 1e3, read_floor_us / 1e3);
-        std::printf("%-11s prompt %7lld chunk %6d | last chunk alone:%s\n", kind.c_str(),
+        std::printf("%-15s prompt %7lld chunk %6d | last chunk alone:%s\n", kind.c_str(),
                     static_cast<long long>(prompt), chunk, phase_line.c_str());
         results.push_back({{"kind", kind},
                            {"prompt", prompt},
