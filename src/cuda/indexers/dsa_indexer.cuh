@@ -16,6 +16,7 @@
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/radix_select.cuh"
+#include "cuda/primitives/wgmma.cuh"
 #include "sparsepage/index_keys.h"
 
 namespace sparsepage {
@@ -275,6 +276,37 @@ __device__ __forceinline__ void weighted_head_sums(const float (&d)[32 * kChainT
       part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
     }
   }
+}
+
+// The epilogue of a group kernel's tile from chain c on, each chain's
+// running while the later chains' MMAs do: wait for the chain's commit
+// group, release the stage at `empty_bar` after the last chain (this
+// thread's reads of it are done), then score each token at position t:
+// lane 4g writes the first row of group g, lane 4g + 1 the second
+// (scaled(sum, 0) and scaled(sum, 1): times the key's scale for FP8 keys);
+// rows that are absent or not scored (tlen 0: their window fits the top-k)
+// write nothing. t is taken by reference, as the kernels' lambdas once
+// captured it: by value, ptxas writes one compare the other way round and
+// the kernels' SASS changes.
+template <int c, int kChains, int kChainFloats, typename Scaled>
+__device__ __forceinline__ void score_chains(float (&d)[kChains][kChainFloats], const float* w_s, int q4,
+                                             uint32_t empty_bar, const int64_t& t, const int64_t* tlen,
+                                             const IndexerParams& p, int64_t row0, int32_t* hist_s, int lane,
+                                             Scaled scaled) {
+  constexpr int kChainTokens = kChainFloats / 32;
+  cuda::wgmma::wait<kChains - 1 - c>();
+  cuda::wgmma::pin(d[c]);
+  if (c == kChains - 1) cuda::mbar::arrive(empty_bar);
+  float part[kChainTokens][2];
+  weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
+#pragma unroll
+  for (int u = 0; u < kChainTokens; ++u) {
+    const int tl = c * kChainTokens + u;
+    const bool live = q4 < 2 && t < tlen[tl];
+    const float v = q4 == 1 ? scaled(part[u][1], 1) : scaled(part[u][0], 0);
+    record_score(p.scores + (row0 + tl) * p.pitch, hist_s + tl * kBins, t, v, live, lane);
+  }
+  if constexpr (c + 1 < kChains) score_chains<c + 1>(d, w_s, q4, empty_bar, t, tlen, p, row0, hist_s, lane, scaled);
 }
 
 // Exclusive prefix of x over the CTA's threads (kThreads, a multiple of 32),

@@ -30,7 +30,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda/cache/index_key_quant.cuh"
 #include "cuda/indexers/dsa_indexer.cuh"
@@ -247,26 +246,8 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
         }
         cuda::wgmma::commit();
       }
-      // Chain c's epilogue runs while the later chains' MMAs do.
-      const auto score_chain = [&](auto chain) {
-        constexpr int c = decltype(chain)::value;
-        cuda::wgmma::wait<kChains - 1 - c>();
-        cuda::wgmma::pin(d[c]);
-        if (c == kChains - 1) cuda::mbar::arrive(empty + 8 * s);  // this thread's reads of the stage are done
-        float part[kChainTokens][2];
-        weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
-        // Lane 4g writes the first row of group g, lane 4g + 1 the second,
-        // each times its key's scale.
-#pragma unroll
-        for (int u = 0; u < kChainTokens; ++u) {
-          const int tl = c * kChainTokens + u;
-          const bool live = q4 < 2 && t < tlen[tl];
-          const float v = q4 == 1 ? part[u][1] * ks1 : part[u][0] * ks0;
-          record_score(p.scores + (row0 + tl) * p.pitch, hist_s + tl * kBins, t, v, live, lane);
-        }
-      };
-      score_chain(std::integral_constant<int, 0>{});
-      if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
+      score_chains<0>(d, w_s, q4, empty + 8 * s, t, tlen, p, row0, hist_s, lane,
+                      [&](float sum, int second) { return sum * (second ? ks1 : ks0); });
     }
   }
   publish_group(p, work, row0, ntok, refused_s, hist_s, tid);
