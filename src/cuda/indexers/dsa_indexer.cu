@@ -375,14 +375,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
   const uint32_t empty = full + 8 * kGroupStages;                    // empty[s] at empty + 8 s
   uint32_t* refused_s = reinterpret_cast<uint32_t*>(gen + L::kFlags);
-  if (tid == 0) {
-    for (int s = 0; s < kGroupStages; ++s) {
-      cuda::mbar::init(full + 8 * s, 1);     // the producer's expect_tx; TMA completes the bytes
-      cuda::mbar::init(empty + 8 * s, 128);  // every thread of the warpgroup that scored the stage
-    }
-    cuda::mbar::init_fence();
-    *refused_s = 0;
-  }
+  init_group_barriers<kGroupStages>(tid, full, empty, refused_s);
   // The queries: row tl * 64 + h of two 64-column slabs (rows of absent
   // tokens zero), by cp.async; the weights; the histograms cleared.
   const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row

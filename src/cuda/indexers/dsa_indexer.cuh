@@ -278,6 +278,23 @@ __device__ __forceinline__ void weighted_head_sums(const float (&d)[32 * kChainT
   }
 }
 
+// A group kernel's barriers, by thread 0: per stage s, full[s] (at full +
+// 8 s) completes on the producer's arrival with the expected bytes (TMA,
+// and bulk copies, deliver them) and empty[s] (at empty + 8 s) on the 128
+// threads of the warpgroup that scored the stage; the refused-rows flags
+// cleared.
+template <int kStages>
+__device__ __forceinline__ void init_group_barriers(int tid, uint32_t full, uint32_t empty, uint32_t* refused_s) {
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cuda::mbar::init(full + 8 * s, 1);
+      cuda::mbar::init(empty + 8 * s, 128);
+    }
+    cuda::mbar::init_fence();
+    *refused_s = 0;
+  }
+}
+
 // The epilogue of a group kernel's tile from chain c on, each chain's
 // running while the later chains' MMAs do: wait for the chain's commit
 // group, release the stage at `empty_bar` after the last chain (this

@@ -174,14 +174,7 @@ __global__ void __launch_bounds__(kGroupThreads, Fp8Shape<kTokens>::kCtasPerSm)
   const int tid = threadIdx.x, lane = tid % 32;
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
   const uint32_t empty = full + 8 * kStages;                         // empty[s] at empty + 8 s
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      cuda::mbar::init(full + 8 * s, 1);     // the producer's expect_tx; TMA and the bulk copies complete the bytes
-      cuda::mbar::init(empty + 8 * s, 128);  // every thread of the warpgroup that scored the stage
-    }
-    cuda::mbar::init_fence();
-    *refused_s = 0;
-  }
+  init_group_barriers<kStages>(tid, full, empty, refused_s);
   for (int i = tid; i < kTokens * kBins; i += kGroupThreads) hist_s[i] = 0;
   __syncthreads();  // the barriers are initialised, the histograms cleared
 
