@@ -35,22 +35,6 @@ PlanShape cuda_machine(int32_t heads, int32_t fixed_chunk_tokens = 0) {
   return shape;
 }
 
-// The spec of `batch` sequences of q_len tokens with `heads` heads, topk
-// ids into num_blocks blocks and extra_topk into the extra cache; the rest
-// the defaults.
-MlaSparseSpec spec_of(int32_t batch, int32_t q_len, int32_t heads, int32_t topk, int32_t num_blocks, int32_t extra_topk,
-                      uint64_t seed) {
-  MlaSparseSpec spec;
-  spec.batch = batch;
-  spec.q_len = q_len;
-  spec.num_heads = heads;
-  spec.topk = topk;
-  spec.num_blocks = num_blocks;
-  spec.extra_topk = extra_topk;
-  spec.seed = seed;
-  return spec;
-}
-
 size_t queries(const MlaSparseProblem& pb) {
   return static_cast<size_t>(int64_t{pb.spec.batch} * pb.spec.q_len * pb.spec.num_heads);
 }
@@ -138,8 +122,8 @@ TEST(MlaSparseCuda, V32MatchesTheReferenceAndTheCpu) {
       {128, 1, 128, 0, true, true, 64},    // short rows split in two
   };
   for (const Case& c : cases) {
-    MlaSparseSpec spec = spec_of(3, c.q_len, c.heads, c.topk, std::max(8, c.topk / 32), c.extra_topk,
-                                 static_cast<uint64_t>(c.heads * 100 + c.q_len * 10 + c.topk));
+    MlaSparseSpec spec = testing::mla_sparse_spec(3, c.q_len, c.heads, c.topk, std::max(8, c.topk / 32), c.extra_topk,
+                                                  static_cast<uint64_t>(c.heads * 100 + c.q_len * 10 + c.topk));
     spec.topk_length = spec.extra_topk_length = c.lengths;
     spec.extra_block_size = 64;
     spec.sink = c.sink;
@@ -158,7 +142,7 @@ TEST(MlaSparseCuda, V32MatchesTheReferenceAndTheCpu) {
 
 TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec = spec_of(4, 2, 128, 512, 16, 192, 41);
+  MlaSparseSpec spec = testing::mla_sparse_spec(4, 2, 128, 512, 16, 192, 41);
   spec.extra_block_size = 64;
   spec.extra_num_blocks = 6;
   spec.topk_length = spec.extra_topk_length = true;
@@ -177,7 +161,7 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
 
 TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseProblem pb = testing::make_mla_sparse_problem(spec_of(2, 1, 128, 256, 8, 64, 43));
+  MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, 64, 43));
   const MlaRun none = run_gpu(pb);
   pb.sink.assign(128, -std::numeric_limits<float>::infinity());
   const MlaRun minus_inf = run_gpu(pb);
@@ -193,7 +177,7 @@ TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
 
 TEST(MlaSparseCuda, AnOutOfRangeIdIsFlaggedAndPoisonsOnlyItsQuery) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseProblem pb = testing::make_mla_sparse_problem(spec_of(3, 2, 64, 128, 4, 32, 47));
+  MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(3, 2, 64, 128, 4, 32, 47));
   pb.extra.indices[(1 * 2 + 1) * 32 + 5] =
       static_cast<int32_t>(pb.extra.slots());  // (b 1, t 1): one past the extra pool
   pb.relink();
@@ -209,7 +193,7 @@ TEST(MlaSparseCuda, AnOutOfRangeIdIsFlaggedAndPoisonsOnlyItsQuery) {
 
 TEST(MlaSparseCuda, ACapturedGraphFollowsNewIdsAndLengths) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec = spec_of(4, 2, 128, 1024, 40, 128, 53);
+  MlaSparseSpec spec = testing::mla_sparse_spec(4, 2, 128, 1024, 40, 128, 53);
   spec.topk_length = spec.extra_topk_length = true;
   spec.sink = true;
   MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
