@@ -327,26 +327,7 @@ TEST(IndexKeysCuda, BlocksNoSequenceOwnsChangeNothing) {
     s.block_size = 16;
     IndexKeysProblem pb = make_index_keys_problem(s);
     const IndexSelection clean = run_gpu(pb);
-    // Huge keys in every slot no live position uses (unowned blocks, and slots
-    // past each length): read, they would win every top-k.
-    std::vector<int64_t> slots;
-    for (int64_t blk = 0; blk < pb.num_blocks; ++blk) {
-      for (int32_t off = 0; off < s.block_size; ++off) {
-        bool live = false;
-        for (int32_t b = 0; b < pb.sequences; ++b) {
-          for (int64_t e = 0; e * s.block_size < s.kv_lens[size_t(b)]; ++e) {
-            live |= pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(e)] == blk &&
-                    e * s.block_size + off < s.kv_lens[size_t(b)];
-          }
-        }
-        if (!live) slots.push_back(blk * s.block_size + off);
-      }
-    }
-    std::vector<float> huge(slots.size() * size_t(s.dim), 3.0e4f);
-    std::vector<uint8_t> src(huge.size() * 2);
-    from_float(s.dtype, huge.data(), src.data(), huge.size());
-    write_index_keys_cpu(pb.paged(pb.storage.data(), nullptr), s.dim, s.dtype, src.data(), s.dim, slots.data(),
-                         int64_t(slots.size()));
+    testing::write_huge_unused_keys(pb);
     const IndexSelection poisoned = run_gpu(pb);
     EXPECT_EQ(poisoned.positions, clean.positions) << int(format);
     testing::expect_same_selection(pb, poisoned, testing::run_index_twin(pb), "poisoned");
