@@ -358,11 +358,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
   GroupWork work = group_work<kTokens, kGroupThreads>(p);
-  if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
-    cuda::pdl_wait_primary();
-    return;
-  }
-  work.read_rows<kTokens>(p);
+  if (!work.begin<kTokens>(p)) return;
   const int seq = work.seq, first = work.first, ntok = work.ntok;
   const int64_t len = work.window(p, ntok - 1);  // the group's longest window
   const int64_t tile0 = work.tile0, ntiles = work.ntiles;

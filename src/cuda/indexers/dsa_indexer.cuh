@@ -215,6 +215,18 @@ struct GroupWork {
     ntok = min(kTokens, p.q_len - first);
     seq_len = checked_seq_len(p, seq);
   }
+  // Whether the CTA has tiles to score (then its rows are read); one with
+  // none (the group's windows fit the top-k, or it is past the last run)
+  // only waits for the clear kernel before it exits.
+  template <int kTokens>
+  __device__ __forceinline__ bool begin(const IndexerParams& p) {
+    if (ntiles <= 0) {
+      cuda::pdl_wait_primary();
+      return false;
+    }
+    read_rows<kTokens>(p);
+    return true;
+  }
   // Token tl's causal window.
   __device__ __forceinline__ int64_t window(const IndexerParams& p, int tl) const {
     return token_window(seq_len, p.q_len, first + tl);
