@@ -36,7 +36,7 @@ class DenseKVCache {
                int32_t v_head_dim, int64_t capacity_step = 256);
 
   /// A copy owns a copy of the rows (device to device on CUDA): appending
-  /// to one never changes the other. Only `head_trimmed` views share rows.
+  /// to one never changes the other.
   DenseKVCache(const DenseKVCache& other);
   DenseKVCache& operator=(const DenseKVCache& other);
   DenseKVCache(DenseKVCache&&) noexcept = default;
@@ -102,14 +102,10 @@ class DenseKVCache {
   /// Where the rows live, as the kernels read them: `RowView::dense` over
   /// the `[batch, k_heads, capacity, k_head_dim]` (or V's) allocation, so
   /// row t of (sequence b, head h) is at `offset(b, h, t)`; the head stride
-  /// is the capacity, never the live length. A head-trimmed view gives the
-  /// same rows (its heads are the first ones). Nothing before the first
+  /// is the capacity, never the live length. Nothing before the first
   /// allocation. The view stays valid until the cache grows.
   std::optional<RowView> k_rows() const;
   std::optional<RowView> v_rows() const;
-
-  /// A read-only view of the first `heads` heads of K and V (sharing storage).
-  DenseKVCache head_trimmed(int32_t heads) const;
 
   /// The window `[B, H, live_len(), D]` as fp32 (on the host); a slot's rows
   /// past its own length are zero.
@@ -128,11 +124,10 @@ class DenseKVCache {
   /// Element type of the rows: the storage dtype.
   DType dtype() const;
   int32_t batch() const { return batch_; }
-  int32_t k_heads() const { return k_heads_; }  // heads of the allocation (also in a head-trimmed view)
+  int32_t k_heads() const { return k_heads_; }
   int32_t v_heads() const { return v_heads_; }
   int32_t k_head_dim() const { return k_head_dim_; }
   int32_t v_head_dim() const { return v_head_dim_; }
-  bool is_head_trimmed() const { return trimmed_heads_ >= 0; }
 
  private:
   struct Storage;
@@ -141,7 +136,6 @@ class DenseKVCache {
   void read_device_lens();
   void check_slot(int32_t slot, const char* who) const;
   void append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who);
-  DenseKVCache shallow_copy() const;  // shares storage_: for read-only views only
   Device device_;
   CacheMode mode_;
   int32_t batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_;
@@ -149,7 +143,6 @@ class DenseKVCache {
   int64_t capacity_ = 0;
   std::vector<int64_t> lens_;    // [batch] host copy of each slot's live length
   std::vector<uint8_t> active_;  // [batch] 1 active, 0 free
-  int32_t trimmed_heads_ = -1;   // >= 0 for a head-trimmed view
   std::shared_ptr<Storage> storage_;
 };
 

@@ -15,7 +15,7 @@ enum class OutcomeKind : int32_t {
   kKillSwitch,          // SPARSEPAGE_SPARSE_DECODE pins the dense path
   kBelowFloor,          // too few selected rows to beat the alternative kernel
   kBelowSparsity,       // live window not enough times the selected count
-  kNonRawCache,         // quantized, pool-backed or head-trimmed cache
+  kNonRawCache,         // quantized or pool-backed cache
   kUnsupportedHeadDim,  // no fused kernel for these head dims
   kNoDevice,            // the fused path needs a GPU the process does not have
   kUnsupportedLayout,   // dtype, alignment or row strides the fused kernel cannot read

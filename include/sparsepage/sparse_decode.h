@@ -30,7 +30,7 @@ struct SparseAttentionInputs : AttentionOperands {
   /// keeps checking positions against the window as it grows. Null:
   /// live_len for every sequence.
   const int32_t* live_lens = nullptr;
-  bool raw_cache = true;  // false for quantized, pool-backed or head-trimmed caches
+  bool raw_cache = true;  // false for quantized or pool-backed caches
   // A dense `[B, H, Cap, D]` cache's streams are `RowView::dense(data, H,
   // Cap, D)`; K may carry extra heads or columns.
   /// How K and V are stored (decode.h); the fp8 forms count K and V strides

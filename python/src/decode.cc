@@ -548,6 +548,25 @@ struct PyMaskPath {
   Buffer selection_buffer;
 };
 
+// A SparseDecoder or MaskPath method over a dense cache and a selection
+// (its arguments SP_DENSE_ARGS): the inputs described (and, with `runs_on`
+// naming the object, checked to live on its device), the selection built,
+// then run(self, inputs, selection, stream) with q's device current.
+template <class Self, class Run>
+auto dense_method(const char* op, const char* runs_on, Run run) {
+  return [op, runs_on, run](Self& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
+                            nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
+                            const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
+    Inputs r = make_inputs(op, q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra, raw_cache);
+    if (runs_on != nullptr && r.in.device != self.device)
+      throw Error(std::string(op) + ": " + runs_on + " runs on " + device_name(self.device) +
+                  " but the inputs live on " + device_name(r.in.device));
+    DeviceGuard guard(r.q);
+    return with_selection(op, r.in.device, positions, counts, self.selection_buffer, stream_ptr(stream),
+                          [&](const SparseSelection& s) { return run(self, r.in, s, stream_ptr(stream)); });
+  };
+}
+
 #define SP_DENSE_ARGS \
   nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("positions"), nb::arg("counts"), nb::kw_only(), \
       nb::arg("num_kv_heads"), nb::arg("live_len"), nb::arg("scale"), \
@@ -612,9 +631,7 @@ void bind_decode(nb::module_& m) {
       [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
         const Tensor ws = describe(workspace, "upload_plan", "workspace");
         workspace_of(ws, plan.workspace.total);
-        if (ws.device != Device::kCuda) return;  // the CPU backend reads the plan itself
-        DeviceGuard guard(ws);
-        upload_plan_cuda(plan, ws.data, stream_ptr(stream));
+        on_cuda_workspace(ws, [&] { upload_plan_cuda(plan, ws.data, stream_ptr(stream)); });
       },
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Copies the plan's work and merge lists into a CUDA workspace (asynchronously on `stream`).\n"
@@ -625,9 +642,7 @@ void bind_decode(nb::module_& m) {
       "read_decode_error_flag",
       [](const DecodePlan& plan, const Out& workspace, uintptr_t stream) {
         const Tensor ws = describe(workspace, "read_decode_error_flag", "workspace");
-        if (ws.device != Device::kCuda) return uint32_t{0};  // the CPU backend throws instead
-        DeviceGuard guard(ws);
-        return read_decode_error_flag(plan, ws.data, stream_ptr(stream));
+        return on_cuda_workspace(ws, [&] { return read_decode_error_flag(plan, ws.data, stream_ptr(stream)); });
       },
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Reads and clears the CUDA error flag (synchronizes). Nonzero: some page id was outside the pool\n"
@@ -710,35 +725,20 @@ void bind_decode(nb::module_& m) {
                               "its indices); on CUDA that copy waits for `stream`, so try_fused is not\n"
                               "graph-capturable: use paged_decode with a plan for captured steps.")
       .def(nb::init<Device, std::optional<DispatchConfig>>(), nb::arg("device"), nb::arg("config") = nb::none())
-      .def(
-          "try_fused",
-          [](PySparseDecoder& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
-             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
-             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
-            Inputs r = make_inputs("SparseDecoder.try_fused", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra,
-                                   k_extra, raw_cache);
-            if (r.in.device != self.device)
-              throw Error(std::string("SparseDecoder.try_fused: the decoder runs on ") + device_name(self.device) +
-                          " but the inputs live on " + device_name(r.in.device));
-            DeviceGuard guard(r.q);
-            return with_selection(
-                "SparseDecoder.try_fused", self.device, positions, counts, self.selection_buffer, stream_ptr(stream),
-                [&](const SparseSelection& s) { return self.decoder.try_fused(r.in, s, stream_ptr(stream)); });
-          },
-          SP_DENSE_ARGS, kTryFusedDoc.c_str())
-      .def(
-          "decide",
-          [](PySparseDecoder& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
-             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
-             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
-            Inputs r = make_inputs("SparseDecoder.decide", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra,
-                                   k_extra, raw_cache);
-            DeviceGuard guard(r.q);
-            return with_selection("SparseDecoder.decide", r.in.device, positions, counts, self.selection_buffer,
-                                  stream_ptr(stream),
-                                  [&](const SparseSelection& s) { return self.decoder.decide(r.in, s); });
-          },
-          SP_DENSE_ARGS, "The pure decision for these inputs, without running anything (not counted).")
+      .def("try_fused",
+           dense_method<PySparseDecoder>(
+               "SparseDecoder.try_fused", "the decoder",
+               [](PySparseDecoder& self, const SparseAttentionInputs& in, const SparseSelection& s, void* stream) {
+                 return self.decoder.try_fused(in, s, stream);
+               }),
+           SP_DENSE_ARGS, kTryFusedDoc.c_str())
+      .def("decide",
+           dense_method<PySparseDecoder>(
+               "SparseDecoder.decide", nullptr,
+               [](PySparseDecoder& self, const SparseAttentionInputs& in, const SparseSelection& s, void* /*stream*/) {
+                 return self.decoder.decide(in, s);
+               }),
+           SP_DENSE_ARGS, "The pure decision for these inputs, without running anything (not counted).")
       .def(
           "check_errors",
           [](PySparseDecoder& self, uintptr_t stream) { self.decoder.check_errors(stream_ptr(stream)); },
@@ -757,25 +757,14 @@ void bind_decode(nb::module_& m) {
                          "The mask path over a selection: an additive mask keeping exactly the selected positions,\n"
                          "then dense attention over the live window (duplicates count once).")
       .def(nb::init<Device>(), nb::arg("device"))
-      .def(
-          "run",
-          [](PyMaskPath& self, const In& q, const In& k, const In& v, const Out& o, const In& positions,
-             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
-             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
-            Inputs r = make_inputs("MaskPath.run", q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra,
-                                   raw_cache);
-            if (r.in.device != self.device)
-              throw Error(std::string("MaskPath.run: the path runs on ") + device_name(self.device) +
-                          " but the inputs live on " + device_name(r.in.device));
-            DeviceGuard guard(r.q);
-            with_selection("MaskPath.run", self.device, positions, counts, self.selection_buffer, stream_ptr(stream),
-                           [&](const SparseSelection& s) {
-                             self.path.prepare(r.in, s);
-                             self.path.run(r.in, s, stream_ptr(stream));
-                             return 0;
-                           });
-          },
-          SP_DENSE_ARGS, kMaskRunDoc.c_str())
+      .def("run",
+           dense_method<PyMaskPath>(
+               "MaskPath.run", "the path",
+               [](PyMaskPath& self, const SparseAttentionInputs& in, const SparseSelection& s, void* stream) {
+                 self.path.prepare(in, s);
+                 self.path.run(in, s, stream);
+               }),
+           SP_DENSE_ARGS, kMaskRunDoc.c_str())
       .def_prop_ro("transient_bytes", [](const PyMaskPath& self) { return self.path.transient_bytes(); });
 }
 

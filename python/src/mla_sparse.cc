@@ -223,9 +223,7 @@ void bind_mla_sparse(nb::module_& m) {
         if (static_cast<size_t>(ws.numel()) * (ws.dtype.bits / 8) < plan.workspace.total)
           ws.fail("holds fewer than the plan's " + std::to_string(plan.workspace.total) + " bytes");
         check_mla_sparse_plan(plan);
-        if (ws.device != Device::kCuda) return;  // the CPU backend reads the plan itself
-        DeviceGuard guard(ws);
-        upload_mla_sparse_plan_cuda(plan, ws.data, stream_ptr(stream));
+        on_cuda_workspace(ws, [&] { upload_mla_sparse_plan_cuda(plan, ws.data, stream_ptr(stream)); });
       },
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Copies the plan's lists into a CUDA workspace and synchronizes: once per plan, before capture.");
@@ -243,9 +241,7 @@ void bind_mla_sparse(nb::module_& m) {
       "read_mla_sparse_error_flag",
       [](const MlaSparsePlan& plan, nb::handle workspace, uintptr_t stream) {
         const Tensor ws = describe_handle(workspace, "read_mla_sparse_error_flag", "workspace");
-        if (ws.device != Device::kCuda) return uint32_t{0};  // the CPU backend raises instead
-        DeviceGuard guard(ws);
-        return read_mla_sparse_error_flag(plan, ws.data, stream_ptr(stream));
+        return on_cuda_workspace(ws, [&] { return read_mla_sparse_error_flag(plan, ws.data, stream_ptr(stream)); });
       },
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Reads and clears the CUDA error flag (synchronizes). Nonzero: an id lay outside its cache and\n"

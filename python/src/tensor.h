@@ -90,6 +90,16 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+/// f() with the workspace's CUDA device current, returning what it returns;
+/// for a CPU workspace nothing runs and the result is R{} (the CPU backends
+/// read their plans themselves and raise where CUDA flags an error).
+template <class F>
+auto on_cuda_workspace(const Tensor& ws, F f) -> decltype(f()) {
+  if (ws.device != Device::kCuda) return decltype(f())();
+  DeviceGuard guard(ws);
+  return f();
+}
+
 /// Host int32 values of a sequence argument given as a list or a CPU array.
 std::vector<int32_t> host_int32(nb::handle values, const std::string& op, const std::string& name);
 

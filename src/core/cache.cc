@@ -96,7 +96,6 @@ void DenseKVCache::read_device_lens() {
 }
 
 void DenseKVCache::check_slot(int32_t slot, const char* who) const {
-  if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
   if (slot < 0 || slot >= batch_) {
     throw Error(std::string(who) + ": slot = " + std::to_string(slot) +
                 " is outside [0, batch = " + std::to_string(batch_) + ")");
@@ -138,7 +137,6 @@ void DenseKVCache::release(int32_t slot, void* stream) {
 }
 
 void DenseKVCache::reserve(int64_t tokens) {
-  if (is_head_trimmed()) throw Error("DenseKVCache::reserve: a head-trimmed view is read-only");
   if (tokens < 0 || tokens > INT32_MAX) {
     throw Error("DenseKVCache::reserve: tokens = " + std::to_string(tokens) + " must lie in [0, 2^31 - 1]");
   }
@@ -156,7 +154,6 @@ void DenseKVCache::append_step_tokens(const void* k_new, const void* v_new, int3
 }
 
 void DenseKVCache::append_rows(const void* k_new, const void* v_new, int32_t tokens, void* stream, const char* who) {
-  if (is_head_trimmed()) throw Error(std::string(who) + ": a head-trimmed view is read-only");
   if (tokens < 1) throw Error(std::string(who) + ": tokens = " + std::to_string(tokens) + " must be at least 1");
   if (k_new == nullptr || (v_new == nullptr && v_heads_ > 0)) {
     throw Error(std::string(who) + ": k_new and v_new must not be null");
@@ -272,7 +269,6 @@ void DenseKVCache::grow_to(int64_t needed) {
 }
 
 void DenseKVCache::append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens) {
-  if (is_head_trimmed()) throw Error("DenseKVCache::append: a head-trimmed view is read-only");
   if (new_tokens < 0) throw Error("DenseKVCache::append: new_tokens = " + std::to_string(new_tokens) + " < 0");
   if (new_tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
     throw Error("DenseKVCache::append: k_new and v_new must not be null");
@@ -328,16 +324,6 @@ std::optional<RowView> DenseKVCache::v_rows() const {
   return RowView::dense(storage_->v.data(), v_heads_, capacity_, v_head_dim_);
 }
 
-DenseKVCache DenseKVCache::shallow_copy() const {
-  DenseKVCache view(device_, mode_, batch_, k_heads_, v_heads_, k_head_dim_, v_head_dim_, capacity_step_);
-  view.capacity_ = capacity_;
-  view.lens_ = lens_;
-  view.active_ = active_;
-  view.trimmed_heads_ = trimmed_heads_;
-  view.storage_ = storage_;
-  return view;
-}
-
 DenseKVCache::DenseKVCache(const DenseKVCache& other)
     : device_(other.device_),
       mode_(other.mode_),
@@ -350,7 +336,6 @@ DenseKVCache::DenseKVCache(const DenseKVCache& other)
       capacity_(other.capacity_),
       lens_(other.lens_),
       active_(other.active_),
-      trimmed_heads_(other.trimmed_heads_),
       storage_(std::make_shared<Storage>()) {
   // A copy owns its rows: appending to one never shows in the other.
   if (!other.storage_) return;  // a moved-from cache: nothing to copy
@@ -369,35 +354,24 @@ DenseKVCache& DenseKVCache::operator=(const DenseKVCache& other) {
   return *this;
 }
 
-DenseKVCache DenseKVCache::head_trimmed(int32_t heads) const {
-  if (heads < 1 || heads > std::min(k_heads_, v_heads_)) {
-    throw Error("DenseKVCache::head_trimmed: heads = " + std::to_string(heads) + " is outside [1, " +
-                std::to_string(std::min(k_heads_, v_heads_)) + "]");
-  }
-  DenseKVCache view = shallow_copy();  // a read-only view shares the rows
-  view.trimmed_heads_ = heads;
-  return view;
-}
-
 std::vector<float> DenseKVCache::dequantized_window(bool key) const {
   if (!key && v_heads_ == 0) return {};  // a key-only cache
   const int32_t heads = key ? k_heads_ : v_heads_;
   const int32_t dim = key ? k_head_dim_ : v_head_dim_;
-  const int32_t visible = is_head_trimmed() ? trimmed_heads_ : heads;
   const Buffer& data = key ? storage_->k : storage_->v;
   const size_t row_bytes = stored_row_bytes(mode_, dim);
   const int64_t window = live_len();
-  std::vector<float> out(static_cast<size_t>(batch_) * visible * static_cast<size_t>(window) * dim, 0.0f);
+  std::vector<float> out(static_cast<size_t>(batch_) * heads * static_cast<size_t>(window) * dim, 0.0f);
   if (window == 0) return out;
   // Bring the window to the host once (raw device caches), then convert.
   std::vector<uint8_t> host(static_cast<size_t>(batch_) * heads * static_cast<size_t>(capacity_) * row_bytes);
   copy_bytes(host.data(), Device::kCpu, data.data(), device_, host.size());
   for (int32_t b = 0; b < batch_; ++b) {
     const int64_t len = active_[static_cast<size_t>(b)] ? lens_[static_cast<size_t>(b)] : 0;
-    for (int32_t h = 0; h < visible; ++h) {
+    for (int32_t h = 0; h < heads; ++h) {
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
-        float* dst = &out[static_cast<size_t>(((int64_t{b} * visible + h) * window + t) * dim)];
+        float* dst = &out[static_cast<size_t>(((int64_t{b} * heads + h) * window + t) * dim)];
         const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
         to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
       }

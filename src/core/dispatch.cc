@@ -150,7 +150,7 @@ SparseDecodeOutcome decide_sparse_decode(const DispatchInput& in, const Dispatch
   }
   if (!in.raw_cache) {
     return decline(OutcomeKind::kNonRawCache, in,
-                   "the cache does not expose raw fp16/bf16 K/V rows (quantized, pool-backed or head-trimmed)");
+                   "the cache does not expose raw fp16/bf16 K/V rows (quantized or pool-backed)");
   }
   if (!in.head_dims_supported) {
     return decline(OutcomeKind::kUnsupportedHeadDim, in, "no fused kernel is built for these head dims");

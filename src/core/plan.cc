@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <string>
 
@@ -286,32 +287,42 @@ namespace {
 constexpr int64_t kPlanMagic = 0x5350504C414E0001;  // "SPPLAN", format version 1
 constexpr size_t kPlanHeaderWords = 20;
 
+// The header's scalar fields in word order (words 2 .. 15, after the magic
+// and the word count), named as deserialize_decode_plan's errors name them.
+template <class Owner, class Value>
+struct Field {
+  Value Owner::*member;
+  const char* name;
+};
+constexpr Field<DecodePlan, int32_t> kPlanFields[] = {{&DecodePlan::num_requests, "num_requests"},
+                                                      {&DecodePlan::group_size, "group_size"},
+                                                      {&DecodePlan::head_dim_v, "head_dim_v"},
+                                                      {&DecodePlan::chunk_tokens, "chunk_tokens"},
+                                                      {&DecodePlan::num_partials, "num_partials"},
+                                                      {&DecodePlan::uniform_chunks, "uniform_chunks"},
+                                                      {&DecodePlan::uniform_chunk_tokens, "uniform_chunk_tokens"}};
+constexpr Field<WorkspaceLayout, size_t> kWorkspaceFields[] = {
+    {&WorkspaceLayout::partial_o, "workspace.partial_o"},
+    {&WorkspaceLayout::partial_lse, "workspace.partial_lse"},
+    {&WorkspaceLayout::work_items, "workspace.work_items"},
+    {&WorkspaceLayout::merge_indptr, "workspace.merge_indptr"},
+    {&WorkspaceLayout::merge_requests, "workspace.merge_requests"},
+    {&WorkspaceLayout::error_flag, "workspace.error_flag"},
+    {&WorkspaceLayout::total, "workspace.total"}};
+static_assert(2 + std::size(kPlanFields) + std::size(kWorkspaceFields) + 4 == kPlanHeaderWords,
+              "the header: magic, word count, the fields, the four list lengths");
+
 }  // namespace
 
 std::vector<int64_t> serialize_decode_plan(const DecodePlan& plan) {
-  const WorkspaceLayout& ws = plan.workspace;
-  std::vector<int64_t> out = {kPlanMagic,
-                              0,  // the word count, filled in below
-                              plan.num_requests,
-                              plan.group_size,
-                              plan.head_dim_v,
-                              plan.chunk_tokens,
-                              plan.num_partials,
-                              plan.uniform_chunks,
-                              plan.uniform_chunk_tokens,
-                              static_cast<int64_t>(ws.partial_o),
-                              static_cast<int64_t>(ws.partial_lse),
-                              static_cast<int64_t>(ws.work_items),
-                              static_cast<int64_t>(ws.merge_indptr),
-                              static_cast<int64_t>(ws.merge_requests),
-                              static_cast<int64_t>(ws.error_flag),
-                              static_cast<int64_t>(ws.total),
-                              static_cast<int64_t>(plan.work.size()),
-                              static_cast<int64_t>(plan.merge_requests.size()),
-                              static_cast<int64_t>(plan.merge_indptr.size()),
-                              static_cast<int64_t>(plan.seq_lens.size())};
+  std::vector<int64_t> out;
   out.reserve(kPlanHeaderWords + 4 * plan.work.size() + plan.merge_requests.size() + plan.merge_indptr.size() +
               plan.seq_lens.size());
+  out.insert(out.end(), {kPlanMagic, 0});  // the word count, filled in below
+  for (const auto& f : kPlanFields) out.push_back(plan.*f.member);
+  for (const auto& f : kWorkspaceFields) out.push_back(static_cast<int64_t>(plan.workspace.*f.member));
+  for (const size_t n : {plan.work.size(), plan.merge_requests.size(), plan.merge_indptr.size(), plan.seq_lens.size()})
+    out.push_back(static_cast<int64_t>(n));
   for (const WorkItem& w : plan.work) out.insert(out.end(), {w.request, w.token_begin, w.token_end, w.partial});
   for (const auto* list : {&plan.merge_requests, &plan.merge_indptr, &plan.seq_lens})
     out.insert(out.end(), list->begin(), list->end());
@@ -339,22 +350,10 @@ DecodePlan deserialize_decode_plan(const int64_t* words, size_t count) {
     return static_cast<size_t>(words[i]);
   };
   DecodePlan plan;
-  plan.num_requests = int32_field(2, "num_requests");
-  plan.group_size = int32_field(3, "group_size");
-  plan.head_dim_v = int32_field(4, "head_dim_v");
-  plan.chunk_tokens = int32_field(5, "chunk_tokens");
-  plan.num_partials = int32_field(6, "num_partials");
-  plan.uniform_chunks = int32_field(7, "uniform_chunks");
-  plan.uniform_chunk_tokens = int32_field(8, "uniform_chunk_tokens");
+  size_t at = 2;
+  for (const auto& f : kPlanFields) plan.*f.member = int32_field(at++, f.name);
   if (plan.chunk_tokens < 0) fail("chunk_tokens = " + std::to_string(plan.chunk_tokens) + " is negative");
-  WorkspaceLayout& ws = plan.workspace;
-  ws.partial_o = size_field(9, "workspace.partial_o");
-  ws.partial_lse = size_field(10, "workspace.partial_lse");
-  ws.work_items = size_field(11, "workspace.work_items");
-  ws.merge_indptr = size_field(12, "workspace.merge_indptr");
-  ws.merge_requests = size_field(13, "workspace.merge_requests");
-  ws.error_flag = size_field(14, "workspace.error_flag");
-  ws.total = size_field(15, "workspace.total");
+  for (const auto& f : kWorkspaceFields) plan.workspace.*f.member = size_field(at++, f.name);
   // The lists' lengths, each checked against the words left before any is allocated.
   const size_t left = count - kPlanHeaderWords;
   const size_t n_work = size_field(16, "the work item count"), n_merge = size_field(17, "the merge_requests count"),
@@ -365,7 +364,7 @@ DecodePlan deserialize_decode_plan(const int64_t* words, size_t count) {
          std::to_string(n_indptr) + " merge entries, " + std::to_string(n_lens) + " seq_lens) do not fill the " +
          std::to_string(left) + " words after the header");
   }
-  size_t at = kPlanHeaderWords;
+  at = kPlanHeaderWords;
   const auto list = [&](size_t n, const char* name) {
     std::vector<int32_t> values(n);
     for (size_t i = 0; i < n; ++i, ++at) values[i] = int32_field(at, name);

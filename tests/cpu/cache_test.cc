@@ -70,13 +70,6 @@ TEST(DenseCache, RowsOnceAllocated) {
   raw.append(kv.data(), kv.data(), DType::kF16, 3);
   ASSERT_TRUE(raw.k_rows().has_value());
   EXPECT_EQ(raw.dtype(), DType::kF16);
-  // A head-trimmed view reads the same rows: its heads are the first ones.
-  const DenseKVCache trimmed = raw.head_trimmed(1);
-  ASSERT_TRUE(trimmed.k_rows().has_value());
-  EXPECT_EQ(trimmed.k_rows()->data, raw.k_rows()->data);
-  EXPECT_EQ(trimmed.k_rows()->seq_stride, raw.k_rows()->seq_stride);
-  EXPECT_EQ(trimmed.dequantized_window(true).size(), 3u * 8u);
-  EXPECT_THROW(raw.head_trimmed(3), Error);
 }
 
 TEST(DenseCache, RejectsBadInput) {

@@ -441,30 +441,7 @@ TEST(IndexKeysTwin, BlocksNoSequenceOwnsAndSlotsPastTheLengthChangeNothing) {
     s.spare_blocks = 6;
     IndexKeysProblem pb = make_index_keys_problem(s);
     const IndexSelection clean = testing::run_index_twin(pb);
-    // Keys far larger than any live one in every slot no live position uses:
-    // read, they would win every top-k.
-    std::vector<float> huge(static_cast<size_t>(s.dim), 3.0e4f);
-    std::vector<int64_t> slots;
-    std::vector<float> src;
-    for (int64_t blk = 0; blk < pb.num_blocks; ++blk) {
-      for (int32_t off = 0; off < s.block_size; ++off) {
-        bool live = false;
-        for (int32_t b = 0; b < pb.sequences; ++b) {
-          for (int64_t e = 0; e * s.block_size < s.kv_lens[size_t(b)]; ++e) {
-            live |= pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(e)] == blk &&
-                    e * s.block_size + off < s.kv_lens[size_t(b)];
-          }
-        }
-        if (live) continue;
-        slots.push_back(blk * s.block_size + off);
-        src.insert(src.end(), huge.begin(), huge.end());
-      }
-    }
-    ASSERT_GT(slots.size(), size_t(6 * s.block_size));
-    std::vector<uint8_t> bytes(src.size() * 2);
-    from_float(s.dtype, src.data(), bytes.data(), src.size());
-    write_index_keys_cpu(pb.paged(pb.storage.data(), nullptr), s.dim, s.dtype, bytes.data(), s.dim, slots.data(),
-                         int64_t(slots.size()));
+    ASSERT_GT(testing::write_huge_unused_keys(pb), int64_t{6} * s.block_size);
     const IndexSelection poisoned = testing::run_index_twin(pb);
     EXPECT_EQ(poisoned.positions, clean.positions) << int(format);
     EXPECT_EQ(poisoned.counts, clean.counts);

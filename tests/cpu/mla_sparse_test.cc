@@ -56,15 +56,11 @@ void expect_reference(const MlaSparseProblem& pb, const CpuRun& run, const std::
 TEST(MlaSparse, V32RowsMatchTheReference) {
   for (int32_t block_size : {1, 61, 64}) {
     for (int32_t fixed : {0, 32}) {  // one chunk per request, and forced splits
-      MlaSparseSpec spec;
-      spec.batch = 3;
-      spec.q_len = 2;
-      spec.num_heads = 16;
-      spec.topk = 96;  // not a multiple of 64
+      // topk 96: not a multiple of 64
+      MlaSparseSpec spec = testing::mla_sparse_spec(3, 2, 16, 96, 512 / block_size + 3, 0,
+                                                    static_cast<uint64_t>(10 + block_size + fixed));
       spec.block_size = block_size;
-      spec.num_blocks = 512 / block_size + 3;
       spec.topk_length = true;
-      spec.seed = 10 + block_size + fixed;
       const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
       expect_reference(pb, run_cpu(pb, fixed),
                        "block_size " + std::to_string(block_size) + ", fixed chunk " + std::to_string(fixed));
@@ -84,38 +80,26 @@ TEST(MlaSparse, PaddedRowsAndBlocksOnTheCpu) {
 
 TEST(MlaSparse, Model1RowsMatchTheReference) {
   for (int32_t block_size : {2, 64}) {
-    MlaSparseSpec spec;
+    MlaSparseSpec spec =
+        testing::mla_sparse_spec(3, 2, 16, 80, 256 / block_size + 2, 40, static_cast<uint64_t>(20 + block_size));
     spec.format = MlaCacheFormat::kModel1;
-    spec.batch = 3;
-    spec.q_len = 2;
-    spec.num_heads = 16;
-    spec.topk = 80;
     spec.block_size = block_size;
-    spec.num_blocks = 256 / block_size + 2;
     // FlashMLA's own MODEL1 blocks are padded to a multiple of 576 bytes.
     spec.block_pad = (576 - int64_t{block_size} * 584 % 576) % 576;
-    spec.topk_length = true;
-    spec.extra_topk = 40;
+    spec.topk_length = spec.extra_topk_length = true;
     spec.extra_block_size = 3;
     spec.extra_num_blocks = 30;
-    spec.extra_topk_length = true;
     spec.sink = true;
-    spec.seed = 20 + block_size;
     const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
     expect_reference(pb, run_cpu(pb, 32), "MODEL1, block_size " + std::to_string(block_size));
   }
 }
 
 TEST(MlaSparse, ExtraCacheAndSinkMatchTheReference) {
-  MlaSparseSpec spec;
-  spec.batch = 4;
-  spec.num_heads = 14;  // sinks of every kind (h % 7) on two heads each
-  spec.topk = 70;
-  spec.topk_length = true;
-  spec.extra_topk = 33;
-  spec.extra_topk_length = true;
+  // 14 heads: sinks of every kind (h % 7) on two heads each
+  MlaSparseSpec spec = testing::mla_sparse_spec(4, 1, 14, 70, 8, 33, 7);
+  spec.topk_length = spec.extra_topk_length = true;
   spec.sink = true;
-  spec.seed = 7;
   const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
   expect_reference(pb, run_cpu(pb), "extra cache and sink");
   expect_reference(pb, run_cpu(pb, 64), "extra cache and sink, split");
@@ -124,19 +108,10 @@ TEST(MlaSparse, ExtraCacheAndSinkMatchTheReference) {
 // Attending a main and an extra cache is attending one cache that holds both
 // sets of rows, with both sets of ids (FlashMLA's definition of the extra cache).
 TEST(MlaSparse, TheExtraCacheIsTheUnionOfBothSets) {
-  MlaSparseSpec spec;
-  spec.batch = 3;
-  spec.q_len = 2;
-  spec.num_heads = 8;
-  spec.topk = 64;
-  spec.block_size = 16;
-  spec.num_blocks = 12;
-  spec.extra_topk = 48;
-  spec.extra_block_size = 16;
+  MlaSparseSpec spec = testing::mla_sparse_spec(3, 2, 8, 64, 12, 48, 5);
+  spec.block_size = spec.extra_block_size = 16;
   spec.extra_num_blocks = 6;
-  spec.topk_length = true;
-  spec.extra_topk_length = true;
-  spec.seed = 5;
+  spec.topk_length = spec.extra_topk_length = true;
   const MlaSparseProblem two = testing::make_mla_sparse_problem(spec);
   const MlaSparseProblem one = testing::merge_into_one_cache(two);
   const CpuRun a = run_cpu(two), b = run_cpu(one);
@@ -168,12 +143,7 @@ TEST(MlaSparse, TheExtraCacheIsTheUnionOfBothSets) {
 // bit), a huge one drives o to 0, a sink equal to the query's lse halves o,
 // and lse never includes it.
 TEST(MlaSparse, TheSinkScalesOByItsShareOfTheDenominator) {
-  MlaSparseSpec spec;
-  spec.batch = 2;
-  spec.num_heads = 8;
-  spec.topk = 50;
-  spec.extra_topk = 20;
-  spec.seed = 9;
+  MlaSparseSpec spec = testing::mla_sparse_spec(2, 1, 8, 50, 8, 20, 9);
   MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
   const CpuRun none = run_cpu(pb);
   pb.sink.assign(8, -std::numeric_limits<float>::infinity());
@@ -198,14 +168,8 @@ TEST(MlaSparse, TheSinkScalesOByItsShareOfTheDenominator) {
 }
 
 TEST(MlaSparse, QueriesThatAttendNothingGiveZeroAndPlusInfinity) {
-  MlaSparseSpec spec;
-  spec.batch = 2;
-  spec.q_len = 2;
-  spec.num_heads = 4;
-  spec.topk = 16;
-  spec.extra_topk = 8;
+  MlaSparseSpec spec = testing::mla_sparse_spec(2, 2, 4, 16, 8, 8, 11);
   spec.sink = true;
-  spec.seed = 11;
   MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
   // Sequence 0: every id -1 in both caches; sequence 1, token 0: only -1 in the main cache.
   for (int32_t t = 0; t < 2; ++t) {
@@ -250,15 +214,9 @@ TEST(MlaSparse, Float32QueriesOnTheCpu) {
 }
 
 TEST(MlaSparse, BadArgumentsAreNamed) {
-  MlaSparseSpec spec;
-  spec.batch = 2;
-  spec.num_heads = 4;
-  spec.topk = 16;
-  spec.num_blocks = 4;
+  MlaSparseSpec spec = testing::mla_sparse_spec(2, 1, 4, 16, 4, 8, 17);
   spec.block_size = 8;
-  spec.extra_topk = 8;
   spec.topk_length = true;
-  spec.seed = 17;
   const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
   const MlaSparsePlan plan = make_mla_sparse_plan(pb.shape(), testing::mla_sparse_cpu_machine());
   std::vector<uint16_t> o(2 * 4 * 512);

@@ -188,24 +188,14 @@ TEST(BlockIndexerCuda, OneGraphServesAGrowingContext) {
   BlockProblem pb = make_problem(config, 2, 12000, 32);
   DeviceBlockIndexer dev(pb, 12000, config.topk_blocks + 1);
   dev.set_lens({4100, 4100});
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  detail::block_indexer_cuda(dev.args, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  testing::StreamGraph graph;
+  graph.capture([&](cudaStream_t s) { detail::block_indexer_cuda(dev.args, s); });
   for (const std::vector<int32_t>& lens :
        {std::vector<int32_t>{4100, 4100}, std::vector<int32_t>{4224, 4225}, std::vector<int32_t>{12000, 5555}}) {
     dev.set_lens(lens);
-    testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
-    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    graph.replay();
     expect_matches_cpu(pb, dev, lens, "graph replay");
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // The block mask reads the lengths on the device too: kept blocks inside the

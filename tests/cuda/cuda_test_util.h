@@ -54,6 +54,41 @@ inline void cuda_ok(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+/// A stream of its own and a CUDA graph captured on it (global mode: an
+/// allocation or a synchronize inside fails the capture), destroyed with it.
+class StreamGraph {
+ public:
+  StreamGraph() { cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
+  ~StreamGraph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+    cudaStreamDestroy(stream_);
+  }
+  StreamGraph(const StreamGraph&) = delete;
+  StreamGraph& operator=(const StreamGraph&) = delete;
+  cudaStream_t stream() const { return stream_; }
+  /// Captures what `enqueue(stream())` enqueues as the graph.
+  template <class Enqueue>
+  void capture(Enqueue&& enqueue, cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal) {
+    cuda_ok(cudaStreamBeginCapture(stream_, mode), "begin capture");
+    enqueue(stream_);
+    cuda_ok(cudaStreamEndCapture(stream_, &graph_), "end capture: the work did something a graph cannot hold");
+    cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+  }
+  /// Launches the graph on the stream.
+  void launch() { cuda_ok(cudaGraphLaunch(exec_, stream_), "replay"); }
+  /// Launches the graph and waits for it.
+  void replay() {
+    launch();
+    cuda_ok(cudaStreamSynchronize(stream_), "replay");
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 /// The plan shape the CUDA backend is tuned for (see docs in decode_partial.cuh).
 inline PlanShape cuda_plan_shape(int32_t group_size, int32_t head_dim_v, int32_t fixed_chunk_tokens = 0) {
   PlanShape shape;

@@ -137,21 +137,16 @@ TEST(DecodeCudaGraph, ReplayAfterChangingQueriesAndIndicesInPlace) {
   ASSERT_TRUE(plan.needs_merge()) << "the graph should hold the merge too";
   Buffer ws(Device::kCuda, plan.workspace.total);
 
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  StreamGraph graph;
+  cudaStream_t stream = graph.stream();
   upload_plan_cuda(plan, ws.data(), stream);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  run_decode_cuda(dp.params(first, o.data(), lse.as<float>()), plan, ws.data(), stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  graph.capture(
+      [&](cudaStream_t s) { run_decode_cuda(dp.params(first, o.data(), lse.as<float>()), plan, ws.data(), s); });
 
   auto replay_and_check = [&](const PagedProblem& pb) {
     fill_bytes(o.data(), Device::kCuda, 0xFF, o.bytes());
     fill_bytes(lse.data(), Device::kCuda, 0xFF, lse.bytes());
-    cuda_ok(cudaGraphLaunch(exec, stream), "launch");
-    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    graph.replay();
     DecodeOutput got;
     got.o = as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
     got.lse = download<float>(Device::kCuda, lse.data(), lse_count(pb));
@@ -165,9 +160,6 @@ TEST(DecodeCudaGraph, ReplayAfterChangingQueriesAndIndicesInPlace) {
   copy_bytes(dp.v.data(), Device::kCuda, second.v_pool.data(), Device::kCpu, second.v_pool.size());
   replay_and_check(second);
   EXPECT_EQ(read_decode_error_flag(plan, ws.data(), stream), 0u);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // A captured graph of back-to-back split launches (each partial kernel and
@@ -188,8 +180,8 @@ void expect_replays_equal_eager(int32_t group_size, std::vector<int32_t> seq_len
   ASSERT_TRUE(plan.needs_merge()) << what;
   Buffer ws(Device::kCuda, plan.workspace.total);
   fill_bytes(ws.data(), Device::kCuda, 0xFF, ws.bytes());  // stale partials must not matter
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  StreamGraph graph;
+  cudaStream_t stream = graph.stream();
   upload_plan_cuda(plan, ws.data(), stream);
   const DecodeParams params = dp.params(pb, o.data(), lse.as<float>());
 
@@ -212,26 +204,19 @@ void expect_replays_equal_eager(int32_t group_size, std::vector<int32_t> seq_len
   // Under the sanitizers (testing::quick_mode()) 10 replays of 4 launches:
   // still three back-to-back overlaps per replay, a 16th of the launches.
   const int kLaunchesPerGraph = quick_mode() ? 4 : 16, kReplays = quick_mode() ? 10 : 40;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  for (int i = 0; i < kLaunchesPerGraph; ++i) run_decode_cuda(params, plan, ws.data(), stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  graph.capture([&](cudaStream_t s) {
+    for (int i = 0; i < kLaunchesPerGraph; ++i) run_decode_cuda(params, plan, ws.data(), s);
+  });
   for (int replay = 0; replay < kReplays; ++replay) {
     // Poisoned before every other replay: each replay must write every output.
     if (replay % 2 == 0) {
       fill_bytes(o.data(), Device::kCuda, 0xFF, o_bytes);
       fill_bytes(lse.data(), Device::kCuda, 0xFF, lse_bytes);
     }
-    cuda_ok(cudaGraphLaunch(exec, stream), "replay");
-    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    graph.replay();
     ASSERT_TRUE(read() == eager) << what << ": replay " << replay << " differs from the eager launch";
   }
   EXPECT_EQ(read_decode_error_flag(plan, ws.data(), stream), 0u);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(DecodeCudaGraph, ManyReplaysOfSplitLaunchesEqualTheEagerLaunch) {

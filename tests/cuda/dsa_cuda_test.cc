@@ -388,29 +388,20 @@ TEST(DsaIndexerCuda, ReplaysFromAGraph) {
   SKIP_WITHOUT_CUDA();
   IndexerProblem pb = make_exact_problem({8, 64, 96, 2, 700, DType::kBF16, false}, 91);
   DeviceIndexer dev(pb, pb.kv_len);
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  testing::StreamGraph graph;
+  cudaStream_t stream = graph.stream();
   dev.set_lens({700, 700}, stream);
   dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);  // first use outside the capture
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  graph.capture([&](cudaStream_t s) { dsa_select_tokens_cuda(pb.config, 2, dev.args, s); });
   std::mt19937_64 rng(92);
   std::uniform_int_distribution<int> small(-4, 4);
   for (float& x : pb.q_index) x = float(small(rng));
   const auto q_new = bytes_of(pb.dtype, pb.q_index);
   copy_bytes(dev.q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
   dev.set_lens({700, 700}, stream);
-  testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
-  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  graph.replay();
   expect_same_sets(IndexerProblem::read_back(dev.positions, dev.counts, 2, 96, 700), pb.cpu(), pb.kv_len,
                    "graph replay");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // The live lengths are read on the device: the same arguments launched twice
@@ -448,20 +439,13 @@ TEST(DsaIndexerCuda, OneGraphServesAGrowingContext) {
   SKIP_WITHOUT_CUDA();
   const IndexerProblem pb = make_exact_problem({64, 128, 512, 2, 9000, DType::kBF16, false}, 94);
   DeviceIndexer dev(pb, pb.kv_len);
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  dev.set_lens({5000, 5000}, stream);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  dsa_select_tokens_cuda(pb.config, 2, dev.args, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  testing::StreamGraph graph;
+  dev.set_lens({5000, 5000}, graph.stream());
+  graph.capture([&](cudaStream_t s) { dsa_select_tokens_cuda(pb.config, 2, dev.args, s); });
   for (const std::vector<int32_t>& lens :
        {std::vector<int32_t>{5000, 5000}, std::vector<int32_t>{5001, 9000}, std::vector<int32_t>{8999, 300}}) {
-    dev.set_lens(lens, stream);
-    testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
-    testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+    dev.set_lens(lens, graph.stream());
+    graph.replay();
     const auto flat = download<int32_t>(Device::kCuda, dev.positions.data(), size_t(2 * 512));
     for (int32_t b = 0; b < 2; ++b) {
       const int64_t keep = std::min<int64_t>(512, lens[size_t(b)]);
@@ -470,9 +454,6 @@ TEST(DsaIndexerCuda, OneGraphServesAGrowingContext) {
                        "replay at length " + std::to_string(lens[size_t(b)]));
     }
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(DsaIndexerCuda, BadArgumentsAreNamed) {

@@ -327,26 +327,7 @@ TEST(IndexKeysCuda, BlocksNoSequenceOwnsChangeNothing) {
     s.block_size = 16;
     IndexKeysProblem pb = make_index_keys_problem(s);
     const IndexSelection clean = run_gpu(pb);
-    // Huge keys in every slot no live position uses (unowned blocks, and slots
-    // past each length): read, they would win every top-k.
-    std::vector<int64_t> slots;
-    for (int64_t blk = 0; blk < pb.num_blocks; ++blk) {
-      for (int32_t off = 0; off < s.block_size; ++off) {
-        bool live = false;
-        for (int32_t b = 0; b < pb.sequences; ++b) {
-          for (int64_t e = 0; e * s.block_size < s.kv_lens[size_t(b)]; ++e) {
-            live |= pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(e)] == blk &&
-                    e * s.block_size + off < s.kv_lens[size_t(b)];
-          }
-        }
-        if (!live) slots.push_back(blk * s.block_size + off);
-      }
-    }
-    std::vector<float> huge(slots.size() * size_t(s.dim), 3.0e4f);
-    std::vector<uint8_t> src(huge.size() * 2);
-    from_float(s.dtype, huge.data(), src.data(), huge.size());
-    write_index_keys_cpu(pb.paged(pb.storage.data(), nullptr), s.dim, s.dtype, src.data(), s.dim, slots.data(),
-                         int64_t(slots.size()));
+    testing::write_huge_unused_keys(pb);
     const IndexSelection poisoned = run_gpu(pb);
     EXPECT_EQ(poisoned.positions, clean.positions) << int(format);
     testing::expect_same_selection(pb, poisoned, testing::run_index_twin(pb), "poisoned");
@@ -436,8 +417,8 @@ TEST(IndexKeysCuda, GraphReplaysFollowTheLengths) {
     DeviceProblem dev(pb);
     Buffer new_keys(Device::kCuda, size_t(pb.sequences) * size_t(s.dim) * 2);
     Buffer new_slots(Device::kCuda, size_t(pb.sequences) * 8);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    testing::StreamGraph graph;
+    cudaStream_t stream = graph.stream();
     DsaIndexerArgs a = dev.args();
     const auto step = [&](cudaStream_t st) {
       write_index_keys_cuda(a.paged, s.dim, s.dtype, new_keys.data(), s.dim, new_slots.as<int64_t>(), pb.sequences,
@@ -475,29 +456,20 @@ TEST(IndexKeysCuda, GraphReplaysFollowTheLengths) {
     step(stream);  // first use outside the capture
     testing::cuda_ok(cudaStreamSynchronize(stream), "eager");
     testing::expect_same_selection(pb, dev.read(), testing::run_index_twin(pb), "eager step");
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-    step(stream);
-    testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-    testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    graph.capture(step);
     // Growth per replay: sequence 1 crosses the top-k (250 -> 257 .. ) and
     // block boundaries; sequence 2 stalls once (-1 slot) and sequence 0 grows.
     const std::vector<std::vector<int32_t>> growth = {{1, 1, 1}, {1, 1, 0}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1},
                                                       {1, 1, 1}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
     for (size_t r = 0; r < growth.size(); ++r) {
       prepare(growth[r]);
-      testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
-      testing::cuda_ok(cudaStreamSynchronize(stream), "replay sync");
+      graph.replay();
       testing::expect_same_selection(
           pb, dev.read(), testing::run_index_twin(pb),
           ("replay " + std::to_string(r) + " format " + std::to_string(int(format))).c_str());
       EXPECT_EQ(download<uint8_t>(Device::kCuda, dev.storage.data(), pb.storage.size()), pb.storage)
           << "the pool after replay " << r;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   }
 }
 
@@ -552,8 +524,8 @@ TEST(IndexKeysCuda, MixedLengthsInOneCallMatchTheTwinEagerAndReplayed) {
     s.seed = 500 + uint64_t(src.bound) + uint64_t(src.heads);
     IndexKeysProblem pb = make_index_keys_problem(s);
     DeviceProblem dev(pb);
-    cudaStream_t stream;
-    testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    testing::StreamGraph graph;
+    cudaStream_t stream = graph.stream();
     const auto set_step = [&](size_t i) {
       pb.spec.kv_lens = m.steps[i];
       copy_bytes(dev.lens.data(), Device::kCuda, m.steps[i].data(), Device::kCpu, m.steps[i].size() * 4);
@@ -575,23 +547,15 @@ TEST(IndexKeysCuda, MixedLengthsInOneCallMatchTheTwinEagerAndReplayed) {
       testing::expect_same_selection(pb, dev.read(), want[i], label("eager", i).c_str());
     }
     set_step(0);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-    dsa_select_tokens_cuda(pb.config, pb.sequences, a, stream);
-    testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-    testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    graph.capture([&](cudaStream_t st) { dsa_select_tokens_cuda(pb.config, pb.sequences, a, st); });
     for (int round = 0; round < (quick ? 1 : 2); ++round) {
       for (size_t i = 0; i < m.steps.size(); ++i) {
         set_step(i);
-        testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+        graph.launch();
         finish_or_abort(stream, 60, label("replayed", i));
         testing::expect_same_selection(pb, dev.read(), want[i], label("replayed", i).c_str());
       }
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   }
 }
 

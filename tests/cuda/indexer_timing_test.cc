@@ -64,23 +64,21 @@ void fill_random_bf16(void* dst, size_t bytes, uint64_t seed) {
 // once into a graph of n launches and replayed `reps` times.
 template <typename Launch>
 double median_us_per_launch(int n, Launch launch, int reps = 7) {
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  for (int i = 0; i < n; ++i) launch(i, stream);  // warm-up, outside the capture
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-  for (int i = 0; i < n; ++i) launch(i, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  testing::StreamGraph graph;
+  cudaStream_t stream = graph.stream();
+  const auto all = [&](cudaStream_t s) {
+    for (int i = 0; i < n; ++i) launch(i, s);
+  };
+  all(stream);  // warm-up, outside the capture
+  graph.capture(all);
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  testing::cuda_ok(cudaGraphLaunch(exec, stream), "warm replay");
+  graph.launch();  // warm replay
   std::vector<double> us;
   for (int r = 0; r < reps; ++r) {
     cudaEventRecord(start, stream);
-    testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    graph.launch();
     cudaEventRecord(stop, stream);
     testing::cuda_ok(cudaEventSynchronize(stop), "sync");
     float ms = 0;
@@ -90,9 +88,6 @@ double median_us_per_launch(int n, Launch launch, int reps = 7) {
   std::sort(us.begin(), us.end());
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
   return us[us.size() / 2];
 }
 
@@ -162,6 +157,40 @@ TEST(IndexerTiming, BlockIndexer) {
   }
 }
 
+// A DSA indexer call's buffers for `batch` sequences of q_len tokens at
+// context ctx (every length ctx): random bf16 index queries, uniform [0, 1)
+// weights, the outputs and the workspace; `args` points at them, the keys
+// left to the caller.
+struct DsaIndexerRun {
+  int32_t rows;  // (sequence, token) rows
+  Buffer q, w, lens, pos, counts, ws;
+  DsaIndexerArgs args;
+
+  DsaIndexerRun(const DsaConfig& c, int32_t batch, int64_t ctx, int32_t q_len)
+      : rows(batch * q_len),
+        q(Device::kCuda, size_t(rows) * c.index_heads * c.index_head_dim * 2),
+        lens(upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)))),
+        pos(Device::kCuda, size_t(rows) * c.index_topk * 4),
+        counts(Device::kCuda, size_t(rows) * 4),
+        ws(Device::kCuda, dsa_indexer_workspace_bytes(c, rows, ctx)) {
+    fill_random_bf16(q.data(), q.bytes(), 10);
+    std::vector<float> wv(size_t(rows) * c.index_heads);
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    for (float& x : wv) x = unit(rng);
+    w = upload(Device::kCuda, wv);
+    args.kv_lens = lens.as<int32_t>();
+    args.max_kv_len = ctx;
+    args.q_index = q.data();
+    args.weights = w.as<float>();
+    args.workspace = ws.data();
+    args.workspace_bytes = ws.bytes();
+    args.positions = pos.as<int32_t>();
+    args.counts = counts.as<int32_t>();
+    args.q_len = q_len;
+  }
+};
+
 TEST(IndexerTiming, DsaIndexer) {
   SKIP_WITHOUT_CUDA();
   if (!timing_enabled()) GTEST_SKIP() << "set SPARSEPAGE_INDEXER_TIMING to time the indexers";
@@ -177,7 +206,6 @@ TEST(IndexerTiming, DsaIndexer) {
   for (const auto& [batch, ctx, q_len] : std::vector<Shape>{
            {1, 32768, 1}, {8, 32768, 1}, {32, 32768, 1}, {1, 131072, 1}, {32, 32768, 2}, {32, 32768, 4}}) {
     if (!shape_selected(batch, ctx, q_len)) continue;
-    const int32_t rows = batch * q_len;  // (sequence, token) rows
     const size_t row = size_t(c.latent_dim + c.index_head_dim) * 2;
     const size_t index_bytes = size_t(batch) * size_t(ctx) * c.index_head_dim * 2;
     const int copies = int(std::clamp<size_t>(2 * kL2Bytes / index_bytes + 1, 1, 16));
@@ -186,27 +214,10 @@ TEST(IndexerTiming, DsaIndexer) {
       k.emplace_back(Device::kCuda, size_t(batch) * size_t(ctx) * row);
       fill_random_bf16(k.back().data(), k.back().bytes(), 9);
     }
-    Buffer q(Device::kCuda, size_t(rows) * c.index_heads * c.index_head_dim * 2);
-    fill_random_bf16(q.data(), q.bytes(), 10);
-    std::vector<float> wv(size_t(rows) * c.index_heads);
-    std::mt19937_64 rng(11);
-    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-    for (float& x : wv) x = unit(rng);
-    const Buffer w = upload(Device::kCuda, wv);
-    const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
-    Buffer pos(Device::kCuda, size_t(rows) * c.index_topk * 4), counts(Device::kCuda, size_t(rows) * 4);
-    Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, rows, ctx));
-    DsaIndexerArgs a;
+    DsaIndexerRun r(c, batch, ctx, q_len);
+    const int32_t rows = r.rows;
+    DsaIndexerArgs& a = r.args;
     a.capacity = ctx;
-    a.kv_lens = lens.as<int32_t>();
-    a.max_kv_len = ctx;
-    a.q_index = q.data();
-    a.weights = w.as<float>();
-    a.workspace = ws.data();
-    a.workspace_bytes = ws.bytes();
-    a.positions = pos.as<int32_t>();
-    a.counts = counts.as<int32_t>();
-    a.q_len = q_len;
     const auto run = [&](int i, cudaStream_t s) {
       DsaIndexerArgs x = a;
       x.k_cache = k[size_t(i % copies)].data();
@@ -218,8 +229,8 @@ TEST(IndexerTiming, DsaIndexer) {
                 "%.1f MB -> %.0f GB/s cold\n",
                 batch, static_cast<long long>(ctx), q_len, warm, cold, copies, double(index_bytes) / 1e6,
                 double(index_bytes) / cold / 1e3);
-    const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(rows));
-    const auto kept = download<int32_t>(Device::kCuda, pos.data(), size_t(rows) * c.index_topk);
+    const auto n = download<int32_t>(Device::kCuda, r.counts.data(), size_t(rows));
+    const auto kept = download<int32_t>(Device::kCuda, r.pos.data(), size_t(rows) * c.index_topk);
     for (int32_t b = 0; b < rows; ++b) {
       EXPECT_EQ(n[size_t(b)], c.index_topk);
       // Each row's positions: increasing, inside its window.
@@ -281,7 +292,8 @@ TEST(IndexerTiming, DsaIndexerPaged) {
                                                               {32, 131072, 1},
                                                               {32, 32768, 2}}) {
       if (!shape_selected(batch, ctx, q_len)) continue;
-      const int32_t rows = batch * q_len;
+      DsaIndexerRun r(c, batch, ctx, q_len);
+      const int32_t rows = r.rows;
       const int64_t blocks_per_seq = ctx / kBlock;
       const int64_t num_blocks = int64_t{batch} * blocks_per_seq;
       const size_t pool_bytes = size_t(num_blocks * kBlock * token_bytes);
@@ -300,28 +312,9 @@ TEST(IndexerTiming, DsaIndexerPaged) {
       std::iota(ids.begin(), ids.end(), 0);
       std::shuffle(ids.begin(), ids.end(), std::mt19937_64(13));
       const Buffer table = upload(Device::kCuda, ids);  // [batch, blocks_per_seq]
-      Buffer q(Device::kCuda, size_t(rows) * c.index_heads * c.index_head_dim * 2);
-      fill_random_bf16(q.data(), q.bytes(), 10);
-      std::vector<float> wv(size_t(rows) * c.index_heads);
-      std::mt19937_64 rng(11);
-      std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-      for (float& x : wv) x = unit(rng);
-      const Buffer w = upload(Device::kCuda, wv);
-      const Buffer lens = upload(Device::kCuda, std::vector<int32_t>(size_t(batch), int32_t(ctx)));
-      Buffer pos(Device::kCuda, size_t(rows) * c.index_topk * 4), counts(Device::kCuda, size_t(rows) * 4);
       Buffer err(Device::kCuda, 4);
       fill_bytes(err.data(), Device::kCuda, 0, 4);
-      Buffer ws(Device::kCuda, dsa_indexer_workspace_bytes(c, rows, ctx));
-      DsaIndexerArgs a;
-      a.kv_lens = lens.as<int32_t>();
-      a.max_kv_len = ctx;
-      a.q_index = q.data();
-      a.weights = w.as<float>();
-      a.workspace = ws.data();
-      a.workspace_bytes = ws.bytes();
-      a.positions = pos.as<int32_t>();
-      a.counts = counts.as<int32_t>();
-      a.q_len = q_len;
+      DsaIndexerArgs& a = r.args;
       a.error = err.as<int32_t>();
       a.key_layout = IndexKeyLayout::kPaged;
       a.paged.format = format;
@@ -343,7 +336,7 @@ TEST(IndexerTiming, DsaIndexerPaged) {
                   cold, copies, double(key_bytes) / 1e6, double(key_bytes) / cold / 1e3,
                   100.0 * double(key_bytes) / cold / 1e3 / (copy / 2));
       EXPECT_EQ(download<int32_t>(Device::kCuda, err.data(), 1)[0], 0);
-      const auto n = download<int32_t>(Device::kCuda, counts.data(), size_t(rows));
+      const auto n = download<int32_t>(Device::kCuda, r.counts.data(), size_t(rows));
       for (int32_t b = 0; b < rows; ++b) EXPECT_EQ(n[size_t(b)], c.index_topk) << "row " << b;
     }
   }

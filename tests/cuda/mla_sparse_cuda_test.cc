@@ -122,20 +122,11 @@ TEST(MlaSparseCuda, V32MatchesTheReferenceAndTheCpu) {
       {128, 1, 128, 0, true, true, 64},    // short rows split in two
   };
   for (const Case& c : cases) {
-    MlaSparseSpec spec;
-    spec.batch = 3;
-    spec.q_len = c.q_len;
-    spec.num_heads = c.heads;
-    spec.topk = c.topk;
-    spec.block_size = 64;
-    spec.num_blocks = std::max(8, c.topk / 32);
-    spec.topk_length = c.lengths;
-    spec.extra_topk = c.extra_topk;
+    MlaSparseSpec spec = testing::mla_sparse_spec(3, c.q_len, c.heads, c.topk, std::max(8, c.topk / 32), c.extra_topk,
+                                                  static_cast<uint64_t>(c.heads * 100 + c.q_len * 10 + c.topk));
+    spec.topk_length = spec.extra_topk_length = c.lengths;
     spec.extra_block_size = 64;
-    spec.extra_num_blocks = 4;
-    spec.extra_topk_length = c.lengths;
     spec.sink = c.sink;
-    spec.seed = static_cast<uint64_t>(c.heads * 100 + c.q_len * 10 + c.topk);
     const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
     const std::string what = "heads " + std::to_string(c.heads) + ", q_len " + std::to_string(c.q_len) + ", topk " +
                              std::to_string(c.topk) + ", extra " + std::to_string(c.extra_topk) + ", fixed chunk " +
@@ -151,18 +142,10 @@ TEST(MlaSparseCuda, V32MatchesTheReferenceAndTheCpu) {
 
 TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec;
-  spec.batch = 4;
-  spec.q_len = 2;
-  spec.num_heads = 128;
-  spec.topk = 512;
-  spec.block_size = 64;
-  spec.num_blocks = 16;
-  spec.extra_topk = 192;
+  MlaSparseSpec spec = testing::mla_sparse_spec(4, 2, 128, 512, 16, 192, 41);
   spec.extra_block_size = 64;
   spec.extra_num_blocks = 6;
   spec.topk_length = spec.extra_topk_length = true;
-  spec.seed = 41;
   const MlaSparseProblem two = testing::make_mla_sparse_problem(spec);
   const MlaSparseProblem one = testing::merge_into_one_cache(two);
   const MlaRun a = run_gpu(two), b = run_gpu(one);
@@ -178,13 +161,7 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
 
 TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec;
-  spec.batch = 2;
-  spec.num_heads = 128;
-  spec.topk = 256;
-  spec.extra_topk = 64;
-  spec.seed = 43;
-  MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
+  MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, 64, 43));
   const MlaRun none = run_gpu(pb);
   pb.sink.assign(128, -std::numeric_limits<float>::infinity());
   const MlaRun minus_inf = run_gpu(pb);
@@ -200,15 +177,7 @@ TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
 
 TEST(MlaSparseCuda, AnOutOfRangeIdIsFlaggedAndPoisonsOnlyItsQuery) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec;
-  spec.batch = 3;
-  spec.q_len = 2;
-  spec.num_heads = 64;
-  spec.topk = 128;
-  spec.num_blocks = 4;
-  spec.extra_topk = 32;
-  spec.seed = 47;
-  MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
+  MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(3, 2, 64, 128, 4, 32, 47));
   pb.extra.indices[(1 * 2 + 1) * 32 + 5] =
       static_cast<int32_t>(pb.extra.slots());  // (b 1, t 1): one past the extra pool
   pb.relink();
@@ -224,33 +193,21 @@ TEST(MlaSparseCuda, AnOutOfRangeIdIsFlaggedAndPoisonsOnlyItsQuery) {
 
 TEST(MlaSparseCuda, ACapturedGraphFollowsNewIdsAndLengths) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseSpec spec;
-  spec.batch = 4;
-  spec.q_len = 2;
-  spec.num_heads = 128;
-  spec.topk = 1024;
-  spec.num_blocks = 40;
-  spec.extra_topk = 128;
+  MlaSparseSpec spec = testing::mla_sparse_spec(4, 2, 128, 1024, 40, 128, 53);
   spec.topk_length = spec.extra_topk_length = true;
   spec.sink = true;
-  spec.seed = 53;
   MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
   DeviceMla d(pb);
   const MlaSparsePlan plan = make_mla_sparse_plan(pb.shape(), cuda_machine(spec.num_heads));
   Buffer o(Device::kCuda, queries(pb) * kMlaSparseHeadDimV * 2), lse(Device::kCuda, queries(pb) * sizeof(float));
   Buffer ws(Device::kCuda, plan.workspace.total);
-  cudaStream_t stream = nullptr;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  testing::StreamGraph graph;
+  cudaStream_t stream = graph.stream();
   upload_mla_sparse_plan_cuda(plan, ws.data(), stream);
   const MlaSparseParams params = d.params(pb, o.data(), lse.as<float>());
   run_mla_sparse_cuda(params, plan, ws.data(), stream);  // eager first: the launch-once setup outside capture
   testing::cuda_ok(cudaStreamSynchronize(stream), "eager");
-  cudaGraph_t graph = nullptr;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  run_mla_sparse_cuda(params, plan, ws.data(), stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  cudaGraphExec_t exec = nullptr;
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  graph.capture([&](cudaStream_t s) { run_mla_sparse_cuda(params, plan, ws.data(), s); });
   for (int step = 0; step < 3; ++step) {
     // New ids and lengths for the step, written where the graph reads them.
     MlaSparseSpec next = spec;
@@ -271,8 +228,7 @@ TEST(MlaSparseCuda, ACapturedGraphFollowsNewIdsAndLengths) {
       copy_bytes(dst->data(), Device::kCuda, src->data(), Device::kCuda, src->bytes());
     }
     fill_bytes(o.data(), Device::kCuda, 0xFF, o.bytes());
-    testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
-    testing::cuda_ok(cudaStreamSynchronize(stream), "replay");
+    graph.replay();
     const std::vector<float> got_o =
         testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
     const std::vector<float> got_lse = download<float>(Device::kCuda, lse.data(), queries(pb));
@@ -282,9 +238,6 @@ TEST(MlaSparseCuda, ACapturedGraphFollowsNewIdsAndLengths) {
     EXPECT_EQ(std::memcmp(eager.o.data(), got_o.data(), got_o.size() * sizeof(float)), 0) << "replay " << step;
   }
   EXPECT_EQ(read_mla_sparse_error_flag(plan, ws.data(), stream), 0u);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(MlaSparseCuda, WhatCudaCannotRunIsRefusedByName) {

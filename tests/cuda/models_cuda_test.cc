@@ -139,15 +139,13 @@ TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
   mask_in.o = t.o_mask.data();
   ASSERT_TRUE(decoder.try_fused(fused_in, t.selection).fused());  // plans and uploads outside capture
   mask.prepare(mask_in, t.selection);
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  decoder.try_fused(fused_in, t.selection, stream);
-  mask.run(mask_in, t.selection, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  testing::StreamGraph graph;
+  graph.capture(
+      [&](cudaStream_t s) {
+        decoder.try_fused(fused_in, t.selection, s);
+        mask.run(mask_in, t.selection, s);
+      },
+      cudaStreamCaptureModeThreadLocal);
   // New contents, same counts.
   const SparseSelection fresh =
       make_selection(Device::kCuda, {SmallDecode::positions(rng), SmallDecode::positions(rng)});
@@ -156,8 +154,7 @@ TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
   copy_bytes(t.q.data(), Device::kCuda, q_new.data(), Device::kCpu, q_new.size());
   fill_bytes(t.o_fused.data(), Device::kCuda, 0xFF, t.o_fused.bytes());
   fill_bytes(t.o_mask.data(), Device::kCuda, 0xFF, t.o_mask.bytes());
-  testing::cuda_ok(cudaGraphLaunch(exec, stream), "launch");
-  testing::cuda_ok(cudaStreamSynchronize(stream), "sync");
+  graph.replay();
   const auto from_graph = t.read(t.o_fused);
   const auto masked = t.read(t.o_mask);
   // The reference: the same inputs through the CPU backend.
@@ -177,9 +174,6 @@ TEST(SparseDecodeCuda, TryFusedAndMaskPathReplayFromAGraph) {
   const std::vector<double> ref(expected.begin(), expected.end());
   EXPECT_LT(testing::relative_l2(from_graph, ref), 1e-2);
   EXPECT_LT(testing::relative_l2(masked, ref), 1e-2);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // Unselected rows contribute nothing on the GPU mask path, whatever they

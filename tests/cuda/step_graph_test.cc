@@ -88,8 +88,8 @@ void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuff
   // The prefix was written on the legacy default stream, which a
   // non-blocking stream does not wait for.
   testing::cuda_ok(cudaDeviceSynchronize(), "prefix");
-  cudaStream_t stream;
-  testing::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  testing::StreamGraph graph;
+  cudaStream_t stream = graph.stream();
   std::mt19937_64 rng(2026);
   // One eager step first: the first step at a shape plans and sizes buffers.
   refill(g, is_f32, rng, stream);
@@ -98,18 +98,13 @@ void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuff
   step(eager, e, stream);
   ASSERT_EQ(read(g.o, stream), read(e.o, stream));
 
-  cudaGraph_t graph;
-  testing::cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  step(graphed, g, stream);
-  testing::cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture: the step did something a graph cannot hold");
-  cudaGraphExec_t exec;
-  testing::cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  graph.capture([&](cudaStream_t s) { step(graphed, g, s); });
 
   for (int s = 0; s < steps; ++s) {
     refill(g, is_f32, rng, stream);
     mirror(g, e, stream);
     fill_bytes(g.o.data(), Device::kCuda, 0xFF, g.o.bytes());  // NaN: an unwritten output fails
-    testing::cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    graph.launch();
     step(eager, e, stream);
     const auto got = read(g.o, stream);
     ASSERT_EQ(got, read(e.o, stream)) << "step " << s << " differs from the eager step";
@@ -118,9 +113,6 @@ void replay_against_eager(Layer& graphed, Layer& eager, StepBuffers& g, StepBuff
   }
   graphed.sync_live_len(stream);
   EXPECT_EQ(graphed.cache().live_len(), eager.cache().live_len()) << "the device length advanced once per replay";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 class StepGraph : public ::testing::TestWithParam<bool> {};  // true: fused path; false: kill switch

@@ -27,16 +27,9 @@ constexpr int32_t kKeyBlock = 32;  // its index-key blocks: another size, anothe
 constexpr int64_t kBound = 1280;   // the engine's max_seq_len
 
 BlockSparseConfig pools_config(KVStorage storage) {
-  BlockSparseConfig c;
-  c.num_qo_heads = 16;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;  // the FP8 key format's 128 values
-  c.block_size = 64;
-  c.topk_blocks = 4;
-  c.local_blocks = 2;
-  c.capacity_step = 256;
-  c.kv_storage = storage;
-  return c;
+  // {qo heads, kv heads, head dim (the FP8 key format's 128 values), block size, topk, local blocks,
+  // capacity step, storage}
+  return {16, 2, 128, 64, 4, 2, 256, storage};
 }
 
 // A free list of block ids, shuffled; released blocks go to the front so the

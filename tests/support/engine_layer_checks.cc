@@ -30,17 +30,8 @@ std::vector<uint8_t> host_bytes(Device device, const Buffer& b) {
 
 // ---------------------------------------------------------------- block-sparse
 
-const BlockSparseConfig kBlockConfig = [] {
-  BlockSparseConfig c;
-  c.num_qo_heads = 16;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;
-  c.block_size = 64;
-  c.topk_blocks = 4;
-  c.local_blocks = 2;
-  c.capacity_step = 256;
-  return c;
-}();
+// {qo heads, kv heads, head dim, block size, topk, local blocks, capacity step}
+const BlockSparseConfig kBlockConfig{16, 2, 128, 64, 4, 2, 256};
 
 BlockSparseConfig block_config(int32_t topk_blocks) {
   BlockSparseConfig c = kBlockConfig;

@@ -93,19 +93,58 @@ int32_t blocks_for(const Lengths& l) {
   return static_cast<int32_t>(*std::max_element(l.after.begin(), l.after.end()) / kEngineBlock + 2);
 }
 
+// A block-sparse chunk's data, drawn from the case's seed in this order: per
+// slot the engine's K and V rows and index keys, then the chunk's queries
+// and index queries ([batch, n, ...]); `rng` goes on to shuffle the pool's
+// table. On `device`: the queries, and the chunk's index keys token-major.
+struct BlockChunk {
+  Device device;
+  std::mt19937_64 rng;
+  int32_t batch, n, hq, hkv, d;
+  Lengths len;
+  SlotRows k, v, ik;
+  std::vector<float> q, iq;
+  Buffer q_dev, iq_dev, index_k;
+
+  BlockChunk(Device dev, const BlockSparseConfig& cfg, const EnginePrefillCase& c)
+      : device(dev),
+        rng(c.seed),
+        batch(static_cast<int32_t>(c.prompt.size())),
+        n(c.num_tokens),
+        hq(cfg.num_qo_heads),
+        hkv(cfg.num_kv_heads),
+        d(cfg.head_dim),
+        len(c),
+        k(slot_rows(rng, len.after, int64_t{hkv} * d)),
+        v(slot_rows(rng, len.after, int64_t{hkv} * d)),
+        ik(slot_rows(rng, len.after, d)),
+        q(quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d))),
+        iq(quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d))),
+        q_dev(to_device(device, kDt, q)),
+        iq_dev(to_device(device, kDt, iq)),
+        index_k(to_device(device, kDt, token_major(ik, len.before, n, d))) {}
+  size_t o_count() const { return static_cast<size_t>(int64_t{batch} * n * hq * d); }
+  // The chunk's tokens over an engine's pools, writing o (k and v null).
+  BlockSparseTokens tokens(Buffer& o, const void* index_key = nullptr) const {
+    BlockSparseTokens t;
+    t.q = q_dev.data();
+    t.index_q = iq_dev.data();
+    t.o = o.data();
+    t.index_k = index_key;
+    return t;
+  }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------- block-sparse
 
 void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cfg, const EnginePrefillCase& c) {
-  std::mt19937_64 rng(c.seed);
-  const auto batch = static_cast<int32_t>(c.prompt.size());
-  const int32_t n = c.num_tokens, hq = cfg.num_qo_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
-  const Lengths len(c);
-  const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
-  const SlotRows ik = slot_rows(rng, len.after, d);
-  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+  BlockChunk data(device, cfg, c);
+  const int32_t batch = data.batch, n = data.n, hq = data.hq, hkv = data.hkv, d = data.d;
+  const Lengths& len = data.len;
+  const SlotRows &k = data.k, &v = data.v, &ik = data.ik;
+  const std::vector<float>&q = data.q, &iq = data.iq;
 
   BlockSparseConfig own_cfg = cfg, engine_cfg = cfg;
   own_cfg.kv_storage = KVStorage::kLayerCache;
@@ -113,7 +152,7 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
   BlockSparseAttention own(device, kDt, own_cfg, batch, fused());
   BlockSparseAttention engine(device, kDt, engine_cfg, batch, fused());
   BlockSparseAttention twin(device, kDt, engine_cfg, batch, fused());  // the token-by-token oracle
-  EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, rng);
+  EnginePool pool(device, batch, blocks_for(len), int64_t{hkv} * d, 2, data.rng);
   for (int32_t b = 0; b < batch; ++b) {
     if (!len.active(b)) {
       for (SparseLayer* layer :
@@ -150,19 +189,12 @@ void check_engine_paged_block_prefill(Device device, const BlockSparseConfig& cf
       r.insert(r.end(), ik[size_t(b)].begin() + p * d, ik[size_t(b)].begin() + (p + 1) * d);
     }
   }
-  const size_t o_count = static_cast<size_t>(int64_t{batch} * n * hq * d);
-  const Buffer q_dev = to_device(device, kDt, q), iq_dev = to_device(device, kDt, iq);
+  const size_t o_count = data.o_count();
   const Buffer own_k = to_device(device, kDt, token_major(own_rows, len.before, n, int64_t{hkv + 1} * d));
   const Buffer own_v = to_device(device, kDt, token_major(v, len.before, n, int64_t{hkv} * d));
-  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
   Buffer own_o = poisoned(device, o_count), engine_o = poisoned(device, o_count);
-  own.prefill({q_dev.data(), iq_dev.data(), own_k.data(), own_v.data(), own_o.data()}, n);
-  BlockSparseTokens et;
-  et.q = q_dev.data();
-  et.index_q = iq_dev.data();
-  et.index_k = index_k.data();
-  et.o = engine_o.data();
-  engine.prefill(et, kv, n);
+  own.prefill({data.q_dev.data(), data.iq_dev.data(), own_k.data(), own_v.data(), own_o.data()}, n);
+  engine.prefill(data.tokens(engine_o, data.index_k.data()), kv, n);
   engine.check_errors();
   EXPECT_EQ(engine.kv_lens(), own.kv_lens());
   EXPECT_EQ(engine.kv_lens(), len.after);
@@ -272,23 +304,69 @@ void dequantize(Device device, const std::vector<uint8_t>& fp8, const float* row
   std::copy_n(row + MlaFp8Row::kLatent, MlaFp8Row::kRope, out + MlaFp8Row::kLatent);
 }
 
+// A DSA chunk's data, drawn from the case's seed in this order: per slot
+// the engine's MLA rows (latent then rope) and index keys, then the chunk's
+// queries, rope queries, index queries and weights ([batch, n, ...]); `rng`
+// goes on to shuffle the pool's table. On `device`: the queries, and the
+// chunk's index keys token-major.
+struct DsaChunk {
+  std::mt19937_64 rng;
+  int32_t batch, n, h, dl, dr, ih, id;
+  Lengths len;
+  SlotRows mla, ik;
+  int64_t q_row, pe_row, iq_row;
+  std::vector<float> q, q_pe, iq, w;
+  Buffer q_dev, pe_dev, iq_dev, w_dev, index_k;
+
+  DsaChunk(Device device, const DsaConfig& cfg, const EnginePrefillCase& c)
+      : rng(c.seed),
+        batch(static_cast<int32_t>(c.prompt.size())),
+        n(c.num_tokens),
+        h(cfg.num_qo_heads),
+        dl(cfg.latent_dim),
+        dr(cfg.rope_dim),
+        ih(cfg.index_heads),
+        id(cfg.index_head_dim),
+        len(c),
+        mla(slot_rows(rng, len.after, dl + dr)),
+        ik(slot_rows(rng, len.after, id)),
+        q_row(int64_t{h} * dl),
+        pe_row(int64_t{h} * dr),
+        iq_row(int64_t{ih} * id),
+        q(quarter_grid(rng, static_cast<size_t>(batch * n * q_row))),
+        q_pe(quarter_grid(rng, static_cast<size_t>(batch * n * pe_row))),
+        iq(quarter_grid(rng, static_cast<size_t>(batch * n * iq_row))),
+        w(quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * ih))),
+        q_dev(to_device(device, kDt, q)),
+        pe_dev(to_device(device, kDt, q_pe)),
+        iq_dev(to_device(device, kDt, iq)),
+        w_dev(to_device(device, DType::kF32, w)),
+        index_k(to_device(device, kDt, token_major(ik, len.before, n, id))) {}
+  size_t o_count() const { return static_cast<size_t>(batch * n * q_row); }
+  // The engine's pool of bf16 MLA rows, or (fp8) of the 656-byte FP8 rows
+  // with every byte 0xFF (e4m3, fp32 scale and bf16 rope NaN alike) until written.
+  EnginePool pool(Device device, bool fp8) {
+    EnginePool p(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
+    if (fp8) fill_bytes(p.pools[0].data(), device, 0xFF, p.pools[0].bytes());
+    return p;
+  }
+  // The chunk's tokens over an engine's pool, writing o (k_cache_row and k_pe null).
+  DsaTokens tokens(void* o, const void* index_key = nullptr) const {
+    return DsaTokens{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, o, index_key};
+  }
+};
+
 // The DSA checks over a bf16 pool or (fp8) the engines' 656-byte FP8 rows.
 // Over FP8 rows the own cache holds other values (the bf16 rows), so only
 // its positions are compared; the outputs are checked against fp64 over
 // the dequantized rows and the token-by-token decode over the same pool.
 void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8) {
-  std::mt19937_64 rng(c.seed);
-  const auto batch = static_cast<int32_t>(c.prompt.size());
-  const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
-  const int32_t ih = cfg.index_heads, id = cfg.index_head_dim;
-  const Lengths len(c);
-  const SlotRows mla = slot_rows(rng, len.after, dl + dr);  // the engine's rows: latent then rope
-  const SlotRows ik = slot_rows(rng, len.after, id);
-  const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
-  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(batch * n * q_row));
-  const std::vector<float> q_pe = quarter_grid(rng, static_cast<size_t>(batch * n * pe_row));
-  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(batch * n * iq_row));
-  const std::vector<float> w = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+  DsaChunk data(device, cfg, c);
+  const int32_t batch = data.batch, n = data.n, h = data.h, dl = data.dl, dr = data.dr, ih = data.ih, id = data.id;
+  const Lengths& len = data.len;
+  const SlotRows &mla = data.mla, &ik = data.ik;
+  const std::vector<float>&q = data.q, &q_pe = data.q_pe, &iq = data.iq, &w = data.w;
+  const int64_t q_row = data.q_row, pe_row = data.pe_row, iq_row = data.iq_row;
 
   DsaConfig own_cfg = cfg, engine_cfg = cfg;
   own_cfg.kv_storage = KVStorage::kLayerCache;
@@ -296,9 +374,7 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   DsaAttention own(device, kDt, own_cfg, batch, fused());
   DsaAttention engine(device, kDt, engine_cfg, batch, fused());
   DsaAttention twin(device, kDt, engine_cfg, batch, fused());
-  EnginePool pool(device, batch, blocks_for(len), fp8 ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
-  // Every byte 0xFF: e4m3, fp32 scale and bf16 rope NaN alike in rows the engine did not write.
-  if (fp8) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
+  EnginePool pool = data.pool(device, fp8);
   // The own cache's rows: K = latent then index key, V = rope.
   SlotRows own_k(static_cast<size_t>(batch)), own_v(static_cast<size_t>(batch));
   SlotRows read = mla;  // the values the attention reads: over FP8 rows, dequantized
@@ -335,19 +411,15 @@ void check_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillC
   }
   const EnginePagedKV kv = pool.mla_kv(dl, dr, fp8);
 
-  const size_t o_count = static_cast<size_t>(batch * n * q_row);
-  const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
-  const Buffer iq_dev = to_device(device, kDt, iq), w_dev = to_device(device, DType::kF32, w);
+  const size_t o_count = data.o_count();
   const Buffer k_chunk = to_device(device, kDt, token_major(own_k, len.before, n, dl + id));
   const Buffer v_chunk = to_device(device, kDt, token_major(own_v, len.before, n, dr));
-  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
   Buffer own_o = poisoned(device, o_count), engine_o = poisoned(device, o_count);
-  DsaTokens ot{q_dev.data(),   pe_dev.data(),  iq_dev.data(), w_dev.as<float>(),
-               k_chunk.data(), v_chunk.data(), own_o.data()};
+  DsaTokens ot = data.tokens(own_o.data());
+  ot.k_cache_row = k_chunk.data();
+  ot.k_pe = v_chunk.data();
   own.prefill(ot, n);
-  DsaTokens et{q_dev.data(), pe_dev.data(), iq_dev.data(),   w_dev.as<float>(),
-               nullptr,      nullptr,       engine_o.data(), index_k.data()};
-  engine.prefill(et, kv, n);
+  engine.prefill(data.tokens(engine_o.data(), data.index_k.data()), kv, n);
   engine.check_errors();
   EXPECT_EQ(engine.kv_lens(), own.kv_lens());
   EXPECT_EQ(engine.kv_lens(), len.after);
@@ -433,26 +505,18 @@ void check_engine_paged_dsa_prefill_fp8(Device device, const DsaConfig& cfg, con
 
 void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const EnginePrefillCase& c, bool fp8_keys,
                                     bool fp8_rows) {
-  std::mt19937_64 rng(c.seed);
-  const auto batch = static_cast<int32_t>(c.prompt.size());
-  const int32_t n = c.num_tokens, h = cfg.num_qo_heads, dl = cfg.latent_dim, dr = cfg.rope_dim;
-  const int32_t ih = cfg.index_heads, id = cfg.index_head_dim;
-  const Lengths len(c);
-  const SlotRows mla = slot_rows(rng, len.after, dl + dr);
-  const SlotRows ik = slot_rows(rng, len.after, id);
-  const int64_t q_row = int64_t{h} * dl, pe_row = int64_t{h} * dr, iq_row = int64_t{ih} * id;
-  const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(batch * n * q_row));
-  const std::vector<float> q_pe = quarter_grid(rng, static_cast<size_t>(batch * n * pe_row));
-  const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(batch * n * iq_row));
-  const std::vector<float> w = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * ih));
+  DsaChunk data(device, cfg, c);
+  const int32_t batch = data.batch, n = data.n, dl = data.dl, dr = data.dr, id = data.id;
+  const Lengths& len = data.len;
+  const SlotRows &mla = data.mla, &ik = data.ik;
+  const int64_t q_row = data.q_row;
 
   DsaConfig paged_cfg = cfg, pools_cfg = cfg;
   paged_cfg.kv_storage = KVStorage::kEnginePaged;
   pools_cfg.kv_storage = KVStorage::kEnginePools;
   DsaAttention paged(device, kDt, paged_cfg, batch, fused());  // the oracle: the layer keeps the keys
   DsaAttention pools(device, kDt, pools_cfg, batch, fused());
-  EnginePool pool(device, batch, blocks_for(len), fp8_rows ? MlaFp8Row::kBytes / 2 : dl + dr, 1, rng);
-  if (fp8_rows) fill_bytes(pool.pools[0].data(), device, 0xFF, pool.pools[0].bytes());
+  EnginePool pool = data.pool(device, fp8_rows);
   EngineKeys keys(pool, fp8_keys, id);
   for (int32_t b = 0; b < batch; ++b) {
     for (int64_t p = 0; p < len.after[size_t(b)]; ++p) {
@@ -476,19 +540,14 @@ void check_engine_pools_dsa_prefill(Device device, const DsaConfig& cfg, const E
   const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
   const EnginePagedKV pkv = keys.pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 3);
 
-  const size_t o_count = static_cast<size_t>(batch * n * q_row);
-  const Buffer q_dev = to_device(device, kDt, q), pe_dev = to_device(device, kDt, q_pe);
-  const Buffer iq_dev = to_device(device, kDt, iq), w_dev = to_device(device, DType::kF32, w);
-  const Buffer index_k = to_device(device, kDt, token_major(ik, len.before, n, id));
+  const size_t o_count = data.o_count();
   Buffer paged_o = poisoned(device, o_count), pools_o = poisoned(device, o_count);
-  paged.prefill(DsaTokens{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr,
-                          paged_o.data(), index_k.data()},
-                kv, n);
-  const DsaTokens pt{q_dev.data(), pe_dev.data(), iq_dev.data(), w_dev.as<float>(), nullptr, nullptr, pools_o.data()};
+  paged.prefill(data.tokens(paged_o.data(), data.index_k.data()), kv, n);
+  const DsaTokens pt = data.tokens(pools_o.data());
 
   // Refused by name, nothing written: a chunk with index_k, no lengths, a length below the chunk.
   DsaTokens with_key = pt;
-  with_key.index_k = index_k.data();
+  with_key.index_k = data.index_k.data();
   EXPECT_TRUE(throws_error_naming([&] { pools.prefill(with_key, pkv, n); }, "index_k must be null"));
   EnginePagedKV no_lens = pkv;
   no_lens.seq_lens = nullptr;
@@ -574,29 +633,14 @@ namespace {
 // free) under a looser bound, and the engine-paged twin over the same K/V
 // rows (the layer keeping the keys). The same seed gives the same data on
 // either device.
-struct BlockPools {
-  Device device;
-  int32_t batch, n, hq, hkv, d;
-  Lengths len;
+struct BlockPools : BlockChunk {
   std::unique_ptr<BlockSparseAttention> paged, pools;
   std::unique_ptr<EnginePool> pool;
   std::unique_ptr<EngineKeys> keys;
-  Buffer q_dev, iq_dev, index_k;
   EnginePagedKV kv, pkv;
 
   BlockPools(Device dev, const BlockSparseConfig& cfg, const EnginePrefillCase& c, bool fp8_keys)
-      : device(dev),
-        batch(static_cast<int32_t>(c.prompt.size())),
-        n(c.num_tokens),
-        hq(cfg.num_qo_heads),
-        hkv(cfg.num_kv_heads),
-        d(cfg.head_dim),
-        len(c) {
-    std::mt19937_64 rng(c.seed);
-    const SlotRows k = slot_rows(rng, len.after, int64_t{hkv} * d), v = slot_rows(rng, len.after, int64_t{hkv} * d);
-    const SlotRows ik = slot_rows(rng, len.after, d);
-    const std::vector<float> q = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hq * d));
-    const std::vector<float> iq = quarter_grid(rng, static_cast<size_t>(int64_t{batch} * n * hkv * d));
+      : BlockChunk(dev, cfg, c) {
     BlockSparseConfig paged_cfg = cfg, pools_cfg = cfg;
     paged_cfg.kv_storage = KVStorage::kEnginePaged;
     pools_cfg.kv_storage = KVStorage::kEnginePools;
@@ -620,18 +664,6 @@ struct BlockPools {
     kv = pool->kv(d, hkv);
     const std::vector<int32_t> lens32(len.after.begin(), len.after.end());
     pkv = keys->pools_kv(kv, lens32, *std::max_element(len.after.begin(), len.after.end()) + 5);
-    q_dev = to_device(device, kDt, q);
-    iq_dev = to_device(device, kDt, iq);
-    index_k = to_device(device, kDt, token_major(ik, len.before, n, d));
-  }
-  size_t o_count() const { return static_cast<size_t>(int64_t{batch} * n * hq * d); }
-  // The pools form's tokens, writing o.
-  BlockSparseTokens tokens(Buffer& o) const {
-    BlockSparseTokens t;
-    t.q = q_dev.data();
-    t.index_q = iq_dev.data();
-    t.o = o.data();
-    return t;
   }
   // The pools chunk into a NaN-poisoned output (checked, no error flagged).
   std::vector<float> run_pools() {

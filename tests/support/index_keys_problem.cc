@@ -253,6 +253,29 @@ MixedLengthSteps mixed_length_steps(int32_t topk, int32_t bound) {
   return m;
 }
 
+int64_t write_huge_unused_keys(IndexKeysProblem& pb) {
+  const IndexKeysSpec& s = pb.spec;
+  std::vector<int64_t> slots;
+  for (int64_t blk = 0; blk < pb.num_blocks; ++blk) {
+    for (int32_t off = 0; off < s.block_size; ++off) {
+      bool live = false;
+      for (int32_t b = 0; b < pb.sequences; ++b) {
+        for (int64_t e = 0; e * s.block_size < s.kv_lens[size_t(b)]; ++e) {
+          live |= pb.table[size_t(b) * size_t(pb.max_blocks) + size_t(e)] == blk &&
+                  e * s.block_size + off < s.kv_lens[size_t(b)];
+        }
+      }
+      if (!live) slots.push_back(blk * s.block_size + off);
+    }
+  }
+  const std::vector<float> huge(slots.size() * size_t(s.dim), 3.0e4f);
+  std::vector<uint8_t> bytes(huge.size() * 2);
+  from_float(s.dtype, huge.data(), bytes.data(), huge.size());
+  write_index_keys_cpu(pb.paged(pb.storage.data(), nullptr), s.dim, s.dtype, bytes.data(), s.dim, slots.data(),
+                       int64_t(slots.size()));
+  return int64_t(slots.size());
+}
+
 IndexSelection run_index_twin(const IndexKeysProblem& pb) {
   IndexSelection out;
   out.positions.assign(size_t(pb.rows()) * size_t(pb.spec.topk), 0x55555555);

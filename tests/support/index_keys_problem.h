@@ -92,6 +92,11 @@ struct IndexSelection {
   int32_t error = 0;
 };
 
+/// Writes keys far larger than any live one (3e4 in every value) into every
+/// pool slot no live position uses (unowned blocks, and slots past each
+/// length): read, they would win every top-k. Returns how many slots.
+int64_t write_huge_unused_keys(IndexKeysProblem& pb);
+
 /// The CPU twin on the problem (host pointers), outputs poisoned first.
 IndexSelection run_index_twin(const IndexKeysProblem& pb);
 /// The twin's scores.

@@ -57,6 +57,22 @@ struct MlaSparseProblem {
 
 MlaSparseProblem make_mla_sparse_problem(const MlaSparseSpec& spec);
 
+/// The spec of `batch` sequences of q_len tokens with `heads` heads, topk
+/// ids into num_blocks blocks and extra_topk into the extra cache; the rest
+/// the defaults.
+inline MlaSparseSpec mla_sparse_spec(int32_t batch, int32_t q_len, int32_t heads, int32_t topk, int32_t num_blocks,
+                                     int32_t extra_topk, uint64_t seed) {
+  MlaSparseSpec spec;
+  spec.batch = batch;
+  spec.q_len = q_len;
+  spec.num_heads = heads;
+  spec.topk = topk;
+  spec.num_blocks = num_blocks;
+  spec.extra_topk = extra_topk;
+  spec.seed = seed;
+  return spec;
+}
+
 /// o [batch, q_len, heads, 512] and lse [batch, q_len, heads] in fp64:
 /// softmax over every visible, non -1 id of both caches (scores q . k *
 /// scale, k the whole dequantized row, v its first 512 values), o scaled by

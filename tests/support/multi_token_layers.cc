@@ -203,15 +203,8 @@ void expect_matches_reference(const Scenario& s, const std::vector<float>& o,
 }  // namespace
 
 BlockSparseConfig small_block_sparse_config() {
-  BlockSparseConfig c;
-  c.num_qo_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.block_size = 32;
-  c.topk_blocks = 4;
-  c.local_blocks = 1;
-  c.capacity_step = 256;
-  return c;
+  // {qo heads, kv heads, head dim, block size, topk, local blocks, capacity step}
+  return {8, 2, 64, 32, 4, 1, 256};
 }
 
 void check_block_sparse_multi_token(Device device, const BlockSparseConfig& config, int32_t batch, int64_t prompt,
@@ -390,15 +383,8 @@ std::vector<double> dsa_rows_reference(const DsaScenario& s, int32_t b, int32_t 
 }  // namespace
 
 DsaConfig small_dsa_config() {
-  DsaConfig c;
-  c.num_qo_heads = 16;
-  c.latent_dim = 512;
-  c.rope_dim = 64;
-  c.index_heads = 8;
-  c.index_head_dim = 64;
-  c.index_topk = 64;
-  c.capacity_step = 256;
-  return c;
+  // {qo heads, latent dim, rope dim, index heads, index head dim, index topk, scale (0: the default), capacity step}
+  return {16, 512, 64, 8, 64, 64, 0.0f, 256};
 }
 
 void check_dsa_multi_token(Device device, const DsaConfig& config, int32_t batch, int64_t prompt, int32_t q_len,

@@ -34,13 +34,8 @@ struct BlockSparseConfig {
   int32_t topk_blocks = 16;
   int32_t local_blocks = 1;  // >= 1: the final block is always kept
   int64_t capacity_step = 4096;
-  /// Where the attention rows live. KVStorage::kEnginePaged: in an engine's
-  /// paged pool that each step reads in place through its block table (see
-  /// decode(tokens, kv)); the layer keeps only the index keys.
-  /// KVStorage::kEnginePools: the index keys too are the engine's
-  /// (EnginePagedKV::index_keys: rows of the layer's dtype, or vLLM's FP8
-  /// blocks at head_dim 128), and so are the lengths (EnginePagedKV::seq_lens);
-  /// the layer keeps nothing per sequence.
+  /// Where the attention rows live. kEnginePools' index keys are rows of
+  /// the layer's dtype, or vLLM's FP8 blocks at head_dim 128.
   KVStorage kv_storage = KVStorage::kLayerCache;
 
   /// The sparse regime: enough context that top-k leaves something out.
@@ -48,23 +43,15 @@ struct BlockSparseConfig {
   int32_t group_size() const { return num_qo_heads / num_kv_heads; }
 };
 
-/// One step's projected inputs, all on the layer's device, in its dtype.
-/// A one-token step: q [batch, num_qo_heads, head_dim], index_q [batch,
-/// num_kv_heads, head_dim], k [batch, num_kv_heads + 1, 1, head_dim]
-/// (attention keys, then the index key), v [batch, num_kv_heads, 1,
-/// head_dim], o [batch, num_qo_heads, head_dim]. Rows of free slots are
-/// not read (o's are zero). A multi-token step adds a q_len dim after batch
-/// to q, index_q and o, and takes q_len such k and v slices, token-major.
+/// One token's projected inputs, all on the layer's device, in its dtype
+/// (multi-token forms: LayerForms).
 struct BlockSparseTokens {
-  const void* q = nullptr;
-  const void* index_q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  void* o = nullptr;
-  /// KVStorage::kEnginePaged only, instead of k and v (which stay null: the
-  /// engine has written the token's K and V rows into its pool): the
-  /// token's index key [batch, 1, 1, head_dim]. Null for KVStorage::kEnginePools
-  /// (the engine has written the key into its index-key pool as well).
+  const void* q = nullptr;        // [batch, num_qo_heads, head_dim]
+  const void* index_q = nullptr;  // [batch, num_kv_heads, head_dim]
+  const void* k = nullptr;        // [batch, num_kv_heads + 1, 1, head_dim]: attention keys, then the index key
+  const void* v = nullptr;        // [batch, num_kv_heads, 1, head_dim]
+  void* o = nullptr;              // [batch, num_qo_heads, head_dim]
+  /// KVStorage::kEnginePaged only (k and v null): the index key [batch, 1, 1, head_dim].
   const void* index_k = nullptr;
 };
 
@@ -89,12 +76,10 @@ struct BlockSparseTokens {
 ///    tail goes by decode() or prefill_token()), block_size above 256, and
 ///    on CUDA head_dim other than 128 or block_size other than 64 or 128
 ///    (the prefill indexer's block scores).
-///  * over an engine's pools: the index keys are [batch, 1, 1, head_dim]
-///    per token (tokens.index_k, kEnginePaged), or the engine's bf16 or FP8
-///    index-key pool (kEnginePools). A key block id outside the key pool
-///    that a prefill's block scores read is refused by name on the CPU; on
-///    CUDA the lists that needed it select nothing and check_errors() names
-///    it.
+///  * over an engine's pools (EngineLayerForms): a key block id outside the
+///    key pool that a prefill's block scores read is refused by name on the
+///    CPU; on CUDA the lists that needed it select nothing and
+///    check_errors() names it.
 class BlockSparseAttention : public EngineLayerForms<BlockSparseTokens> {
  public:
   BlockSparseAttention(Device device, DType dtype, const BlockSparseConfig& config, int32_t batch,

@@ -46,20 +46,16 @@ struct DsaConfig {
   // rope_dim), the scale for unit-variance latent dot products (the tests').
   float scale = 0.0f;
   int64_t capacity_step = 4096;
-  /// Where the attention rows live. KVStorage::kEnginePaged: in an engine's
-  /// paged MLA pool (`[num_blocks, block_size, latent_dim + rope_dim]`, read
-  /// in place through its block table; see decode(tokens, kv)); the layer
-  /// keeps only the indexer's keys.
+  /// Where the attention rows live; an engine's pool is the paged MLA pool
+  /// `[num_blocks, block_size, latent_dim + rope_dim]`.
   KVStorage kv_storage = KVStorage::kLayerCache;
 };
 
 /// One step's inputs, in the layer's dtype except the fp32 index weights.
 /// Every pointer lives on the layer's device: host memory for the CPU
 /// backend, device memory for CUDA (16-byte aligned there, as the attention
-/// kernels read q, q_pe and o in 16-byte pieces). Rows of free slots are
-/// not read (o's are zero). A multi-token step adds a q_len dim after batch
-/// to the queries, weights and o, and takes q_len k_cache_row / k_pe slices,
-/// token-major.
+/// kernels read q, q_pe and o in 16-byte pieces). Multi-token forms:
+/// LayerForms.
 struct DsaTokens {
   const void* q_latent = nullptr;        // [batch, num_qo_heads, latent_dim] (absorbed queries)
   const void* q_pe = nullptr;            // [batch, num_qo_heads, rope_dim]
@@ -68,9 +64,8 @@ struct DsaTokens {
   const void* k_cache_row = nullptr;     // [batch, 1, 1, latent_dim + index_head_dim]: kv_latent then indexer key
   const void* k_pe = nullptr;            // [batch, 1, 1, rope_dim]
   void* o = nullptr;                     // [batch, num_qo_heads, latent_dim]
-  /// KVStorage::kEnginePaged only, instead of k_cache_row and k_pe (which
-  /// stay null: the engine has written the token's MLA row into its pool):
-  /// the token's indexer key [batch, 1, 1, index_head_dim].
+  /// KVStorage::kEnginePaged only (k_cache_row and k_pe null): the indexer
+  /// key [batch, 1, 1, index_head_dim].
   const void* index_k = nullptr;
 };
 
@@ -94,9 +89,7 @@ struct DsaTokens {
 ///  * over an engine's MLA pool: K = V = the latent columns and k_extra the
 ///    rope columns; with kv.kv_format = KvFormat::kE4m3Mla the pool holds
 ///    the engines' 656-byte FP8 rows (fp8.h; a bf16 layer), dequantized in
-///    the kernel. kEnginePaged takes the token's indexer key
-///    [batch, 1, 1, index_head_dim] in tokens.index_k (k_cache_row and k_pe
-///    null); kEnginePools reads the engine's index keys, native or FP8.
+///    the kernel. kEnginePools reads the engine's index keys, native or FP8.
 class DsaAttention : public EngineLayerForms<DsaTokens> {
  public:
   DsaAttention(Device device, DType dtype, const DsaConfig& config, int32_t batch,

@@ -50,7 +50,6 @@ struct StaticBlockSparseConfig {
 };
 
 /// One token's projected inputs, all on the layer's device, in its dtype.
-/// Rows of free slots are not read (o's are zero).
 struct StaticBlockSparseTokens {
   const void* q = nullptr;  // [batch, num_qo_heads, head_dim]
   const void* k = nullptr;  // [batch, num_kv_heads, 1, head_dim]
@@ -65,15 +64,14 @@ struct StaticBlockSparseTokens {
 /// run it keeps everything, and the dispatch's sparsity gate sends such
 /// steps to the mask path.
 ///
-/// Its prefill(tokens, num_tokens) (LayerForms) takes q and o as
-/// [batch, num_tokens, heads, head_dim] and k, v token-major ([num_tokens,
-/// batch, num_kv_heads, 1, head_dim]); each query block of the chunk keeps,
-/// per query head, the pattern's blocks (static_prefill_blocks) and the
-/// fused GQA block prefill attends them, each token up to its own position:
-/// the same sets and outputs as decoding the tokens one by one. Refused by
-/// name: a chunk whose start (some slot's length before it) is not a
-/// multiple of block_size (query blocks must be key blocks), and block_size
-/// above 256. A multi-token decode runs token by token (no fused form).
+/// Its prefill(tokens, num_tokens) (LayerForms): each query block of the
+/// chunk keeps, per query head, the pattern's blocks (static_prefill_blocks)
+/// and the fused GQA block prefill attends them, each token up to its own
+/// position: the same sets and outputs as decoding the tokens one by one.
+/// Refused by name: a chunk whose start (some slot's length before it) is
+/// not a multiple of block_size (query blocks must be key blocks), and
+/// block_size above 256. A multi-token decode runs token by token (no fused
+/// form).
 class StaticBlockSparseAttention : public LayerForms<StaticBlockSparseTokens> {
  public:
   StaticBlockSparseAttention(Device device, DType dtype, const StaticBlockSparseConfig& config, int32_t batch,

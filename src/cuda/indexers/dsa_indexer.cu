@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <limits>
 #include <string>
-#include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
 
@@ -359,11 +358,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   extern __shared__ __align__(16) unsigned char smem[];
   // Only the histogram adds wait for the clear kernel (see dsa_clear_kernel).
   GroupWork work = group_work<kTokens, kGroupThreads>(p);
-  if (work.ntiles <= 0) {  // nothing to score: the group's windows fit the top-k, or past the last run
-    cuda::pdl_wait_primary();
-    return;
-  }
-  work.read_rows<kTokens>(p);
+  if (!work.begin<kTokens>(p)) return;
   const int seq = work.seq, first = work.first, ntok = work.ntok;
   const int64_t len = work.window(p, ntok - 1);  // the group's longest window
   const int64_t tile0 = work.tile0, ntiles = work.ntiles;
@@ -376,14 +371,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
   const uint32_t full = base + static_cast<uint32_t>(L::kBarriers);  // full[s] at full + 8 s
   const uint32_t empty = full + 8 * kGroupStages;                    // empty[s] at empty + 8 s
   uint32_t* refused_s = reinterpret_cast<uint32_t*>(gen + L::kFlags);
-  if (tid == 0) {
-    for (int s = 0; s < kGroupStages; ++s) {
-      cuda::mbar::init(full + 8 * s, 1);     // the producer's expect_tx; TMA completes the bytes
-      cuda::mbar::init(empty + 8 * s, 128);  // every thread of the warpgroup that scored the stage
-    }
-    cuda::mbar::init_fence();
-    *refused_s = 0;
-  }
+  init_group_barriers<kGroupStages>(tid, full, empty, refused_s);
   // The queries: row tl * 64 + h of two 64-column slabs (rows of absent
   // tokens zero), by cp.async; the weights; the histograms cleared.
   const int64_t row0 = int64_t{seq} * p.q_len + first;  // the group's first (sequence, token) row
@@ -460,27 +448,7 @@ __global__ void __launch_bounds__(kGroupThreads, GroupShape<kTokens>::kCtasPerSm
         }
         cuda::wgmma::commit();
       }
-      // Chain c's epilogue runs while the later chains' MMAs do.
-      const auto score_chain = [&](auto chain) {
-        constexpr int c = decltype(chain)::value;
-        cuda::wgmma::wait<kChains - 1 - c>();
-        cuda::wgmma::pin(d[c]);
-        if (c == kChains - 1) cuda::mbar::arrive(empty + 8 * s);  // this thread's reads of the stage are done
-        float part[kChainTokens][2];
-        weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
-        // Lane 4g writes the first row of group g, lane 4g + 1 the second;
-        // rows that are absent or not scored (their window fits the top-k)
-        // write nothing.
-#pragma unroll
-        for (int u = 0; u < kChainTokens; ++u) {
-          const int tl = c * kChainTokens + u;
-          const bool live = q4 < 2 && t < tlen[tl];
-          const float v = q4 == 1 ? part[u][1] : part[u][0];
-          record_score(p.scores + (row0 + tl) * p.pitch, hist_s + tl * kBins, t, v, live, lane);
-        }
-      };
-      score_chain(std::integral_constant<int, 0>{});
-      if constexpr (kChains > 1) score_chain(std::integral_constant<int, 1>{});
+      score_chains<0>(d, w_s, q4, empty + 8 * s, t, tlen, p, row0, hist_s, lane, [](float sum, int) { return sum; });
     }
   }
   publish_group(p, work, row0, ntok, refused_s, hist_s, tid);

@@ -16,6 +16,7 @@
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/radix_select.cuh"
+#include "cuda/primitives/wgmma.cuh"
 #include "sparsepage/index_keys.h"
 
 namespace sparsepage {
@@ -214,6 +215,18 @@ struct GroupWork {
     ntok = min(kTokens, p.q_len - first);
     seq_len = checked_seq_len(p, seq);
   }
+  // Whether the CTA has tiles to score (then its rows are read); one with
+  // none (the group's windows fit the top-k, or it is past the last run)
+  // only waits for the clear kernel before it exits.
+  template <int kTokens>
+  __device__ __forceinline__ bool begin(const IndexerParams& p) {
+    if (ntiles <= 0) {
+      cuda::pdl_wait_primary();
+      return false;
+    }
+    read_rows<kTokens>(p);
+    return true;
+  }
   // Token tl's causal window.
   __device__ __forceinline__ int64_t window(const IndexerParams& p, int tl) const {
     return token_window(seq_len, p.q_len, first + tl);
@@ -275,6 +288,54 @@ __device__ __forceinline__ void weighted_head_sums(const float (&d)[32 * kChainT
       part[u][1] += __shfl_xor_sync(0xffffffffu, part[u][1], m);
     }
   }
+}
+
+// A group kernel's barriers, by thread 0: per stage s, full[s] (at full +
+// 8 s) completes on the producer's arrival with the expected bytes (TMA,
+// and bulk copies, deliver them) and empty[s] (at empty + 8 s) on the 128
+// threads of the warpgroup that scored the stage; the refused-rows flags
+// cleared.
+template <int kStages>
+__device__ __forceinline__ void init_group_barriers(int tid, uint32_t full, uint32_t empty, uint32_t* refused_s) {
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cuda::mbar::init(full + 8 * s, 1);
+      cuda::mbar::init(empty + 8 * s, 128);
+    }
+    cuda::mbar::init_fence();
+    *refused_s = 0;
+  }
+}
+
+// The epilogue of a group kernel's tile from chain c on, each chain's
+// running while the later chains' MMAs do: wait for the chain's commit
+// group, release the stage at `empty_bar` after the last chain (this
+// thread's reads of it are done), then score each token at position t:
+// lane 4g writes the first row of group g, lane 4g + 1 the second
+// (scaled(sum, 0) and scaled(sum, 1): times the key's scale for FP8 keys);
+// rows that are absent or not scored (tlen 0: their window fits the top-k)
+// write nothing. t is taken by reference, as the kernels' lambdas once
+// captured it: by value, ptxas writes one compare the other way round and
+// the kernels' SASS changes.
+template <int c, int kChains, int kChainFloats, typename Scaled>
+__device__ __forceinline__ void score_chains(float (&d)[kChains][kChainFloats], const float* w_s, int q4,
+                                             uint32_t empty_bar, const int64_t& t, const int64_t* tlen,
+                                             const IndexerParams& p, int64_t row0, int32_t* hist_s, int lane,
+                                             Scaled scaled) {
+  constexpr int kChainTokens = kChainFloats / 32;
+  cuda::wgmma::wait<kChains - 1 - c>();
+  cuda::wgmma::pin(d[c]);
+  if (c == kChains - 1) cuda::mbar::arrive(empty_bar);
+  float part[kChainTokens][2];
+  weighted_head_sums<kChainTokens>(d[c], w_s, c, q4, part);
+#pragma unroll
+  for (int u = 0; u < kChainTokens; ++u) {
+    const int tl = c * kChainTokens + u;
+    const bool live = q4 < 2 && t < tlen[tl];
+    const float v = q4 == 1 ? scaled(part[u][1], 1) : scaled(part[u][0], 0);
+    record_score(p.scores + (row0 + tl) * p.pitch, hist_s + tl * kBins, t, v, live, lane);
+  }
+  if constexpr (c + 1 < kChains) score_chains<c + 1>(d, w_s, q4, empty_bar, t, tlen, p, row0, hist_s, lane, scaled);
 }
 
 // Exclusive prefix of x over the CTA's threads (kThreads, a multiple of 32),
