@@ -62,7 +62,8 @@ struct PrefillChunk {
 /// makes the row weigh nothing when lse is used to merge).
 ///
 /// An entry of -1 is padding: skipped, never read. Any other entry outside
-/// [0, pos(b, t)] (a later position, a negative id) is an error: the CPU
+/// [0, pos(b, t)] (a later position, a negative id; with causal false,
+/// outside [0, L_b)) is an error: the CPU
 /// backend throws naming it; on CUDA that token's out and lse become NaN and
 /// MlaSparsePrefill::check_errors() reports it. (FlashMLA also skips ids >=
 /// s_kv; here they are errors, so a causality bug cannot pass silently.)
@@ -105,10 +106,16 @@ struct MlaPrefillParams {
   /// row_of_sequence must be null). Ids outside [0, num_blocks) are errors
   /// as entries outside a window are (CPU: thrown; CUDA: NaN and the flag).
   BlockTable block_table;
-  float scale = 0.0f;                    // softmax scale (sm_scale); must be finite
-  const float* attn_sink = nullptr;      // [num_heads] fp32, or null
-  void* out = nullptr;                   // [batch, num_tokens, num_heads, 512] (packed, or out_strides)
-  float* lse = nullptr;                  // [batch, num_tokens, num_heads] or null
+  float scale = 0.0f;  // softmax scale (sm_scale); must be finite
+  /// true: the chunk is each sequence's last num_tokens positions and token
+  /// t sees positions up to pos(b, t) (above). false: flash_mla_sparse_fwd's
+  /// visibility, where query tokens have no positions: every token may read
+  /// any position below its sequence's L_b (the entries alone decide), and
+  /// L_b may be below num_tokens.
+  bool causal = true;
+  const float* attn_sink = nullptr;  // [num_heads] fp32, or null
+  void* out = nullptr;               // [batch, num_tokens, num_heads, 512] (packed, or out_strides)
+  float* lse = nullptr;              // [batch, num_tokens, num_heads] or null
   /// [batch, num_tokens, num_heads] or null. The CPU backend computes it; on
   /// CUDA it is refused by name (the fused kernel's running maximum is lazy,
   /// within 2^8 of the true one, and an exact one needs a pass of its own).
@@ -135,6 +142,7 @@ class MlaSparsePrefill {
   /// The kernel the last CUDA run launched (as run_decode_cuda names it), or "cpu".
   const char* kernel_name() const { return kernel_name_; }
   size_t workspace_bytes() const { return workspace_.bytes() + scratch_.bytes(); }
+  Device device() const { return device_; }
 
  private:
   struct Shape {
@@ -151,9 +159,9 @@ class MlaSparsePrefill {
   Device device_;
   Shape shape_;
   bool prepared_ = false;
-  DecodePlan plan_;   // one sequence's tokens as requests
-  Buffer workspace_;  // the plan's workspace (CUDA)
-  Buffer scratch_;    // int32 windows [batch * num_tokens], then fp32 lse [batch * num_tokens * num_heads]
+  DecodePlan plan_;    // one sequence's tokens as requests
+  Buffer workspace_;   // the plan's workspace (CUDA)
+  Buffer scratch_;     // int32 windows [batch * num_tokens], then fp32 lse [batch * num_tokens * num_heads]
   Buffer table_rows_;  // paged: int32 [batch * num_tokens], each token's table row (its sequence)
   const char* kernel_name_ = "";
 };

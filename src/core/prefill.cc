@@ -34,11 +34,15 @@ int32_t machine_width(Device device) {
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-void check_chunk(const PrefillChunk& c, const std::string& who) {
+/// `causal`: the chunk is each sequence's last num_tokens positions, so
+/// every L_b holds them; otherwise (MlaPrefillParams::causal false) the
+/// tokens have no positions and an L_b of 0 up is fine.
+void check_chunk(const PrefillChunk& c, const std::string& who, bool causal = true) {
   REQUIRE(c.batch >= 1, who + "chunk.batch = " + to_string(c.batch) + " must be at least 1");
   REQUIRE(c.num_tokens >= 1, who + "chunk.num_tokens = " + to_string(c.num_tokens) + " must be at least 1");
-  REQUIRE(c.kv_len >= c.num_tokens, who + "chunk.kv_len = " + to_string(c.kv_len) + " must be at least num_tokens = " +
-                                        to_string(c.num_tokens) + " (the chunk is the last num_tokens positions)");
+  REQUIRE(c.kv_len >= (causal ? c.num_tokens : 0), who + "chunk.kv_len = " + to_string(c.kv_len) +
+                                                       " must be at least num_tokens = " + to_string(c.num_tokens) +
+                                                       " (the chunk is the last num_tokens positions)");
   REQUIRE(c.kv_len <= std::numeric_limits<int32_t>::max(),
           who + "chunk.kv_len = " + to_string(c.kv_len) + " does not fit int32 positions");
   REQUIRE(int64_t{c.batch} * c.num_tokens <= std::numeric_limits<int32_t>::max(),
@@ -47,14 +51,15 @@ void check_chunk(const PrefillChunk& c, const std::string& who) {
 
 /// The chunk's L_b on the host (CPU runs): kv_lens, or kv_len for all. Each
 /// is checked against the chunk.
-std::vector<int64_t> host_lengths(const PrefillChunk& c, const std::string& who) {
+std::vector<int64_t> host_lengths(const PrefillChunk& c, const std::string& who, bool causal = true) {
   std::vector<int64_t> lens(static_cast<size_t>(c.batch), c.kv_len);
   if (c.kv_lens != nullptr) {
+    const int64_t least = causal ? c.num_tokens : 0;
     for (int32_t b = 0; b < c.batch; ++b) {
       const int64_t len = c.kv_lens[b];
-      REQUIRE(len >= c.num_tokens && len <= c.kv_len, who + "chunk.kv_lens[" + to_string(b) + "] = " + to_string(len) +
-                                                          " must lie in [num_tokens = " + to_string(c.num_tokens) +
-                                                          ", kv_len = " + to_string(c.kv_len) + "]");
+      REQUIRE(len >= least && len <= c.kv_len, who + "chunk.kv_lens[" + to_string(b) + "] = " + to_string(len) +
+                                                   " must lie in [" + (causal ? "num_tokens = " : "") +
+                                                   to_string(least) + ", kv_len = " + to_string(c.kv_len) + "]");
       lens[static_cast<size_t>(b)] = len;
     }
   }
@@ -110,7 +115,7 @@ void check_block_starts(const PrefillChunk& c, int32_t block_size, Device device
 /// every position the host knows of, and the row views are the pool's
 /// (no per-sequence stride: the table places each position).
 void check_prefill_table(const BlockTable& table, const PrefillChunk& c, std::initializer_list<const RowView*> views,
-                         Device device, const std::string& who) {
+                         Device device, const std::string& who, bool causal = true) {
   if (table.data == nullptr) return;
   REQUIRE(table.row_of_sequence == nullptr,
           who + "block_table.row_of_sequence must be null: sequence b of a chunk reads table row b");
@@ -124,7 +129,7 @@ void check_prefill_table(const BlockTable& table, const PrefillChunk& c, std::in
   }
   if (c.kv_lens != nullptr && device == Device::kCuda) return;  // read on the device: past the table is flagged
   const int64_t reach = int64_t{table.max_blocks} * table.block_size;
-  const std::vector<int64_t> lens = host_lengths(c, who);
+  const std::vector<int64_t> lens = host_lengths(c, who, causal);
   for (int32_t b = 0; b < c.batch; ++b) {
     REQUIRE(lens[static_cast<size_t>(b)] <= reach,
             who + "sequence " + to_string(b) + " holds " + to_string(lens[static_cast<size_t>(b)]) +
@@ -173,7 +178,7 @@ constexpr int32_t kLatent = 512, kRope = 64;
 
 void check_mla(const MlaPrefillParams& p, Device device) {
   const std::string who = "MlaSparsePrefill: ";
-  check_chunk(p.chunk, who);
+  check_chunk(p.chunk, who, p.causal);
   check_dtype(p.dtype, device, who);
   REQUIRE(device != Device::kCuda || p.dtype == DType::kBF16,
           who + "the MLA kernel reads bf16 queries and rows on CUDA, not " + dtype_name(p.dtype));
@@ -197,7 +202,7 @@ void check_mla(const MlaPrefillParams& p, Device device) {
   REQUIRE(p.block_table.data != nullptr || p.chunk.kv_len <= p.kv.capacity,
           who + "chunk.kv_len = " + to_string(p.chunk.kv_len) +
               " positions exceed kv.capacity = " + to_string(p.kv.capacity) + " rows");
-  check_prefill_table(p.block_table, p.chunk, {&p.kv, &p.kv_rope}, device, who);
+  check_prefill_table(p.block_table, p.chunk, {&p.kv, &p.kv_rope}, device, who, p.causal);
   REQUIRE(device == Device::kCpu || p.max_logits == nullptr,
           who + "max_logits is computed by the CPU backend only: the fused MLA kernel's running maximum is lazy "
                 "(within 2^8 of the true one), so pass max_logits = null on CUDA");
@@ -313,8 +318,8 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
                : s.need_lse_scratch
                    ? reinterpret_cast<float*>(scratch_.as<char>() + round_up(tokens * sizeof(int32_t), 256))
                    : nullptr;
-  const detail::TokenWindowsArgs w{p.chunk, windows};
-  if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ");  // each L_b checked first
+  const detail::TokenWindowsArgs w{p.chunk, windows, p.causal};
+  if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ", p.causal);  // each L_b checked first
   launch(device_, detail::token_windows_cpu, detail::token_windows_cuda, w, stream);
   std::vector<DecodeParams> launches;
   for (int32_t b = 0; b < s.batch; ++b)

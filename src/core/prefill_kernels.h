@@ -31,7 +31,8 @@ void dsa_prefill_indexer_cpu(const DsaPrefillIndexerParams& params, const std::v
 /// a token is then refused).
 struct TokenWindowsArgs {
   PrefillChunk chunk;
-  int32_t* windows = nullptr;  // out [batch * num_tokens]
+  int32_t* windows = nullptr;  // out [batch * num_tokens]: pos(b, t) + 1, or L_b when not causal
+  bool causal = true;
 };
 void token_windows_cpu(const TokenWindowsArgs& args);
 void token_windows_cuda(const TokenWindowsArgs& args, void* stream);

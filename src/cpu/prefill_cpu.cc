@@ -70,8 +70,10 @@ void token_windows_cpu(const TokenWindowsArgs& a) {
   for (int32_t b = 0; b < a.chunk.batch; ++b) {
     const int64_t len = length_of(a.chunk, b);
     for (int32_t t = 0; t < a.chunk.num_tokens; ++t) {
-      a.windows[int64_t{b} * a.chunk.num_tokens + t] =
-          len < a.chunk.num_tokens ? 0 : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
+      a.windows[int64_t{b} * a.chunk.num_tokens + t] = !a.causal ? static_cast<int32_t>(len)
+                                                       : len < a.chunk.num_tokens
+                                                           ? 0
+                                                           : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
     }
   }
 }

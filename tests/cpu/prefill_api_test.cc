@@ -6,7 +6,9 @@
 // * max_logits over an engine's paged pool reads the rows through the
 //   table (it read pool row `position`, the wrong row);
 // * a key view of known capacity 0 (an empty cache) bounds the positions
-//   read like any other capacity (0 was taken as "unknown").
+//   read like any other capacity (0 was taken as "unknown");
+// * MlaPrefillParams::causal false (flash_mla_sparse_fwd's visibility): a
+//   token reads any row below its sequence's length.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -153,6 +155,41 @@ TEST(PrefillApi, BlockIndexerRefusesKeysPastAnEmptyViewsCapacity) {
   p.index_keys.capacity = 1;  // the same call over one row runs
   indexer.run(p);
   EXPECT_EQ(counts[0], 1);
+}
+
+TEST(PrefillApi, MlaWithoutTheCausalLimitReadsAnyRowBelowTheLength) {
+  testing::MlaPrefillSpec spec;
+  spec.num_tokens = 6;
+  spec.num_heads = 2;
+  spec.topk = 5;
+  spec.starts = {10};
+  spec.pad_fraction = 0.0;
+  testing::MlaPrefillProblem pb = testing::make_mla_prefill_problem(spec);
+  // Token 0 (position 10) takes a row the last token attends past its own position.
+  const int32_t n = spec.num_tokens, topk = spec.topk;
+  int32_t later = -1;
+  for (int32_t i = 0; i < topk; ++i) later = std::max(later, pb.indices[static_cast<size_t>((n - 1) * topk + i)]);
+  ASSERT_GT(later, 10);
+  pb.indices[0] = later;
+  const size_t rows = static_cast<size_t>(n) * spec.num_heads;
+  std::vector<uint16_t> out(rows * 512, 0xFFFF);
+  std::vector<float> lse(rows, -7.0f), max_logits(rows, -7.0f);
+  MlaSparsePrefill prefill(Device::kCpu);
+  MlaPrefillParams p = pb.host_params(out.data(), lse.data(), max_logits.data());
+  EXPECT_THROW(prefill.run(p), Error);  // causal: a later position
+  for (uint16_t v : out) ASSERT_EQ(v, 0xFFFF);
+  p.causal = false;
+  prefill.run(p);
+  std::vector<float> out_f(out.size());
+  to_float(DType::kBF16, out.data(), out_f.data(), out_f.size());
+  EXPECT_EQ(
+      testing::compare_mla_prefill(pb, testing::mla_prefill_reference(pb), out_f, lse, &max_logits, 1e-2, 1e-4, 1e-4),
+      "");
+  // Past the length is still refused, causal or not.
+  pb.indices[0] = static_cast<int32_t>(pb.kv_len);
+  p = pb.host_params(out.data(), lse.data(), nullptr);
+  p.causal = false;
+  EXPECT_THROW(prefill.run(p), Error);
 }
 
 }  // namespace

@@ -143,6 +143,36 @@ TEST(MlaPrefillCuda, MatchesFp64AndTheCpuBackend) {
   }
 }
 
+TEST(MlaPrefillCuda, WithoutTheCausalLimitAnyRowBelowTheLengthIsRead) {
+  SKIP_WITHOUT_HOPPER();
+  MlaPrefillSpec spec;
+  spec.num_tokens = 8;
+  spec.num_heads = 64;
+  spec.topk = 48;
+  spec.starts = {100};
+  spec.pad_fraction = 0.0;
+  auto pb = testing::make_mla_prefill_problem(spec);
+  // Each token's first entry: a row the last token attends past the token's own position.
+  const int32_t n = spec.num_tokens, topk = spec.topk;
+  int32_t later = -1;
+  for (int32_t i = 0; i < topk; ++i) later = std::max(later, pb.indices[static_cast<size_t>((n - 1) * topk + i)]);
+  ASSERT_GT(later, 100);
+  for (int32_t t = 0; t < n; ++t) pb.indices[static_cast<size_t>(t) * topk] = later;
+  MlaDevice dev(pb);
+  MlaPrefillParams p = dev.params(pb);
+  p.causal = false;
+  MlaSparsePrefill prefill(Device::kCuda);
+  prefill.run(p);
+  EXPECT_NO_THROW(prefill.check_errors());
+  const std::vector<float> out = dev.out_f(), lse = dev.lse_f();
+  EXPECT_EQ(testing::compare_mla_prefill(pb, testing::mla_prefill_reference(pb), out, lse, nullptr, 1e-2, 1e-2, 0.0),
+            "");
+  // The same inputs with the causal limit: the later rows are errors.
+  dev.poison();
+  prefill.run(dev.params(pb));
+  EXPECT_THROW(prefill.check_errors(), Error);
+}
+
 TEST(MlaPrefillCuda, EqualsTheDecodeRunOneTokenAtATime) {
   SKIP_WITHOUT_HOPPER();
   MlaPrefillSpec spec = mla_specs()[1];

@@ -28,7 +28,9 @@ __global__ void token_windows_kernel(const TokenWindowsArgs a) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t b = i / a.chunk.num_tokens, t = i % a.chunk.num_tokens;
     const int64_t len = length_of(a.chunk, b);
-    a.windows[i] = len < a.chunk.num_tokens ? 0 : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
+    a.windows[i] = !a.causal                  ? static_cast<int32_t>(len)
+                   : len < a.chunk.num_tokens ? 0
+                                              : static_cast<int32_t>(len - a.chunk.num_tokens + t + 1);
   }
 }
 
