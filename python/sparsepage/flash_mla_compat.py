@@ -1,4 +1,7 @@
-"""FlashMLA's sparse decode interface, run by sparsepage's kernels.
+"""FlashMLA's sparse decode and sparse prefill interfaces, run by sparsepage's kernels.
+
+The sparse prefill is :func:`flash_mla_sparse_fwd` (its docstring says where it differs);
+the rest of this text is about the decode.
 
 A FlashMLA user switches with one import::
 
@@ -127,7 +130,7 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
 
 _HEAD_DIM_V = 512
 
@@ -327,3 +330,72 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
                             _as_bytes(extra_k_cache, "extra_k_cache"), extra_indices_in_kvcache, extra_topk_length,
                             out, lse, meta.workspace, scale, stream, True)
     return out, (lse.transpose(1, 2) if _is_torch(lse) else np.swapaxes(lse, 1, 2))
+
+
+_PREFILLS: dict = {}  # one MlaSparsePrefill per device: its plan and workspace for the last shape
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None):
+    """FlashMLA's sparse prefill (``flash_mla_sparse_fwd``), run by sparsepage's MLA kernel.
+
+    ``q`` ``[s_q, h_q, 576]``, ``kv`` ``[s_kv, 1, 576]`` (bf16 on CUDA; the CPU backend also
+    takes float16 and float32, q and kv alike), ``indices`` ``[s_q, 1, topk]`` int32: token ``t``
+    attends the rows ``indices[t, 0, :topk_length[t]]`` (all ``topk`` without ``topk_length``
+    ``[s_q]``); an id that is negative or ``>= s_kv`` is skipped, as in FlashMLA, and an id
+    listed twice counts twice. There is no causal limit: the ids decide. ``sm_scale``
+    multiplies every ``q . k``; ``d_v`` must be 512 (V is a row's first 512 values).
+    ``attn_sink`` ``[h_q]`` float32 scales each head's output by ``exp(lse) / (exp(lse) +
+    exp(sink))`` (``-inf``: no effect; ``+inf``: out 0) and leaves lse and max_logits alone.
+
+    Returns ``(out, max_logits, lse)``: ``out`` ``[s_q, h_q, 512]`` in q's dtype; ``lse``
+    ``[s_q, h_q]`` float32, the natural log of ``sum_j exp(s_j)`` over the scaled scores
+    (``+inf`` for a token that attends nothing, whose out is 0); ``max_logits`` ``[s_q, h_q]``
+    float32, ``max_j s_j`` (``-inf`` then).
+
+    Where it differs from FlashMLA:
+
+    * On CUDA ``max_logits`` is None: the fused kernel keeps a lazy running maximum (within
+      2^8 of the true one), and an exact one needs a pass of its own. The CPU backend
+      returns it.
+    * Any ``h_q`` and ``topk`` run; ``topk_length`` entries are clamped to ``[0, topk]``.
+    * The ids are checked and copied once per call (ids out of range become -1), and the
+      object that plans is kept per device and re-plans when a shape changes, which
+      allocates and, on CUDA, synchronizes: the call is not captured in a CUDA graph. To
+      capture, hold a :class:`sparsepage.MlaSparsePrefill` and call
+      ``sparsepage._core.mla_sparse_prefill`` with ids already in range.
+    * It is plain Python around one binding call, not a torch custom op.
+    """
+    if d_v != _HEAD_DIM_V:
+        raise _core.Error(f"flash_mla_sparse_fwd: d_v = {d_v}; the MLA rows' values are 512 wide")
+    if q.ndim != 3 or kv.ndim != 3 or indices.ndim != 3:
+        raise _core.Error("flash_mla_sparse_fwd: q must be [s_q, h_q, 576], kv [s_kv, 1, 576] and indices "
+                          f"[s_q, 1, topk]; got {tuple(q.shape)}, {tuple(kv.shape)} and {tuple(indices.shape)}")
+    s_q, h_q, s_kv, topk = q.shape[0], q.shape[1], kv.shape[0], indices.shape[-1]
+    if _is_torch(q):
+        import torch
+
+        if indices.dtype != torch.int32:
+            raise _core.Error(f"flash_mla_sparse_fwd: indices has dtype {indices.dtype}, not int32")
+        ids = torch.where((indices >= 0) & (indices < s_kv), indices, torch.full_like(indices, -1))
+        lengths = None if topk_length is None else topk_length.clamp(0, topk).to(torch.int32)
+        out = torch.empty((s_q, h_q, _HEAD_DIM_V), dtype=q.dtype, device=q.device)
+        lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+        on_cuda = q.is_cuda
+        max_logits = None if on_cuda else torch.empty((s_q, h_q), dtype=torch.float32)
+        key = ("cuda", q.get_device()) if on_cuda else ("cpu", 0)
+        device = _core.Device.cuda if on_cuda else _core.Device.cpu
+    else:
+        indices = np.asarray(indices)
+        if indices.dtype != np.int32:
+            raise _core.Error(f"flash_mla_sparse_fwd: indices has dtype {indices.dtype}, not int32")
+        ids = np.where((indices >= 0) & (indices < s_kv), indices, -1).astype(np.int32)
+        lengths = None if topk_length is None else np.clip(np.asarray(topk_length), 0, topk).astype(np.int32)
+        out = np.empty((s_q, h_q, _HEAD_DIM_V), dtype=q.dtype)
+        lse = np.empty((s_q, h_q), dtype=np.float32)
+        max_logits = np.empty((s_q, h_q), dtype=np.float32)
+        key, device = ("cpu", 0), _core.Device.cpu
+    prefill = _PREFILLS.get(key)
+    if prefill is None:
+        prefill = _PREFILLS[key] = _core.MlaSparsePrefill(device)
+    _core.mla_sparse_prefill(prefill, q, kv, ids, float(sm_scale), attn_sink, lengths, out, lse, max_logits)
+    return out, max_logits, lse

@@ -1,5 +1,6 @@
 // Bindings of the FlashMLA-shaped sparse decode (sparsepage/mla_sparse.h):
-// its plan, the plan's upload, the launch and the error flag. Tensors come
+// its plan, the plan's upload, the launch and the error flag; and of the
+// sparse prefill in flash_mla_sparse_fwd's form (sparsepage/prefill.h). Tensors come
 // as torch tensors (described through DLPack's C exchange table where torch
 // publishes it), DLPack capsules or numpy arrays; FP8 caches as 8-bit
 // tensors (uint8, int8 or float8_e4m3fn bytes). sparsepage.flash_mla_compat
@@ -14,6 +15,7 @@
 #include "dlpack_exchange.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/mla_sparse.h"
+#include "sparsepage/prefill.h"
 #include "tensor.h"
 
 namespace sparsepage::py {
@@ -174,9 +176,112 @@ void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h
   }
 }
 
+/// flash_mla_sparse_fwd's call over MlaSparsePrefill: one sequence of s_q
+/// query tokens over s_kv rows, no causal limit (the ids decide).
+void mla_sparse_prefill(MlaSparsePrefill& prefill, nb::handle q_h, nb::handle kv_h, nb::handle ids_h, float scale,
+                        nb::handle sink_h, nb::handle len_h, nb::handle out_h, nb::handle lse_h, nb::handle max_h,
+                        uintptr_t stream, bool current_stream) {
+  const std::string op = "flash_mla_sparse_fwd";
+  const Tensor q = describe_handle(q_h, op, "q"), kv = describe_handle(kv_h, op, "kv"),
+               ids = describe_handle(ids_h, op, "indices"), out = describe_handle(out_h, op, "out"),
+               lse = describe_handle(lse_h, op, "lse");
+  const auto sink = describe_optional(sink_h, op, "attn_sink");
+  const auto lengths = describe_optional(len_h, op, "topk_length");
+  const auto max_logits = describe_optional(max_h, op, "max_logits");
+  const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
+  const Device device = common_device(op, {&q, &kv, &ids, &out, &lse, opt(sink), opt(lengths), opt(max_logits)});
+
+  q.require_ndim(3, "[s_q, h_q, 576]");
+  if (q.shape[2] != 576) q.fail("has d_qk " + std::to_string(q.shape[2]) + "; the sparse prefill takes 576 (512 + 64)");
+  require_last_dim_unit(q);
+  kv.require_ndim(3, "[s_kv, h_kv, 576]");
+  if (kv.shape[1] != 1) kv.fail("has " + std::to_string(kv.shape[1]) + " KV heads; sparse MLA has one (h_kv = 1)");
+  if (kv.shape[2] != 576) kv.fail("has d_qk " + std::to_string(kv.shape[2]) + "; q has 576");
+  if (kv.float_dtype() != q.float_dtype()) kv.fail("has dtype " + kv.dtype_str() + " but q has " + q.dtype_str());
+  require_last_dim_unit(kv);
+  const int64_t s_q = q.shape[0], h_q = q.shape[1], s_kv = kv.shape[0];
+  ids.require_int32();
+  ids.require_ndim(3, "[s_q, h_kv, topk]");
+  if (ids.shape[0] != s_q || ids.shape[1] != 1)
+    ids.fail("must be [s_q = " + std::to_string(s_q) + ", h_kv = 1, topk] int32, got " + ids.shape_str());
+  require_last_dim_unit(ids);
+
+  MlaPrefillParams p;
+  p.dtype = q.float_dtype();
+  p.causal = false;
+  p.chunk = {1, to_int32(s_q, op, "s_q"), s_kv, nullptr};
+  p.num_heads = to_int32(h_q, op, "h_q");
+  p.topk = to_int32(ids.shape[2], op, "topk");
+  p.q = q.data;
+  p.q_rope = static_cast<const char*>(q.data) + 512 * dtype_size(p.dtype);
+  p.qo_layout = QueryLayout::kStrided;
+  // Dims of extent 1 report any stride: give them the packed ones.
+  const int64_t head_stride = h_q > 1 ? q.strides[1] : 576;
+  const int64_t token_stride = s_q > 1 ? q.strides[0] : h_q * head_stride;
+  p.q_strides = p.q_rope_strides = {s_q * token_stride, head_stride, token_stride};  // {seq, head, token}
+  const int64_t row = s_kv > 1 ? kv.strides[0] : 576;
+  p.kv = {kv.data, row, 512, 0, 0, s_kv};
+  p.kv_rope = {static_cast<const char*>(kv.data) + 512 * dtype_size(p.dtype), row, 64, 0, 0, s_kv};
+  p.indices = static_cast<const int32_t*>(ids.data);
+  p.index_token_stride = s_q > 1 ? ids.strides[0] : p.topk;
+  if (lengths) {
+    lengths->require_int32();
+    require_vector(*lengths, s_q, "[s_q]");
+    p.topk_length = static_cast<const int32_t*>(lengths->data);
+  }
+  if (sink) {
+    sink->require_float32();
+    require_vector(*sink, h_q, "[h_q]");
+    p.attn_sink = static_cast<const float*>(sink->data);
+  }
+  p.scale = scale;
+  if (out.float_dtype() != p.dtype) out.fail("has dtype " + out.dtype_str() + " but q has " + q.dtype_str());
+  out.require_shape({s_q, h_q, 512}, "[s_q, h_q, 512]");
+  out.require_contiguous();
+  p.out_strides = {s_q * h_q * 512, 512, h_q * 512};
+  p.out = out.data;
+  lse.require_float32();
+  lse.require_shape({s_q, h_q}, "[s_q, h_q]");
+  lse.require_contiguous();
+  p.lse = static_cast<float*>(lse.data);
+  if (max_logits) {
+    max_logits->require_float32();
+    max_logits->require_shape({s_q, h_q}, "[s_q, h_q]");
+    max_logits->require_contiguous();
+    p.max_logits = static_cast<float*>(max_logits->data);
+  }
+  if (device != prefill.device()) {
+    q.fail(std::string("is on the ") + (device == Device::kCuda ? "GPU" : "CPU") +
+           " but the prefill object runs on the " + (prefill.device() == Device::kCuda ? "GPU" : "CPU"));
+  }
+  DeviceGuard guard(q);
+  if (device == Device::kCpu) {
+    nb::gil_scoped_release release;
+    prefill.run(p);
+  } else {
+    prefill.run(p, stream_ptr(stream_of(q, q_h, stream, current_stream)));
+  }
+}
+
 }  // namespace
 
 void bind_mla_sparse(nb::module_& m) {
+  nb::class_<MlaSparsePrefill>(m, "MlaSparsePrefill",
+                               "The sparse MLA prefill on one device (sparsepage/prefill.h): keeps its plan and\n"
+                               "workspace for the last shape (s_q, h_q, topk), re-planning when it changes.")
+      .def(nb::init<Device>(), nb::arg("device"))
+      .def_prop_ro("kernel_name", [](const MlaSparsePrefill& p) { return std::string(p.kernel_name()); })
+      .def(
+          "check_errors", [](MlaSparsePrefill& p, uintptr_t stream) { p.check_errors(stream_ptr(stream)); },
+          nb::arg("stream") = 0,
+          "CUDA: synchronizes and raises when the last run met an id outside [0, s_kv) other than -1\n"
+          "(its query's out and lse are NaN). The CPU raises in the run instead.");
+  m.def("mla_sparse_prefill", &mla_sparse_prefill, nb::arg("prefill"), nb::arg("q"), nb::arg("kv"), nb::arg("indices"),
+        nb::arg("scale"), nb::arg("attn_sink").none(), nb::arg("topk_length").none(), nb::arg("out"), nb::arg("lse"),
+        nb::arg("max_logits").none(), nb::arg("stream") = 0, nb::arg("current_stream") = true,
+        "The launch behind sparsepage.flash_mla_compat.flash_mla_sparse_fwd (its docstring has the\n"
+        "semantics): writes out [s_q, h_q, 512], lse [s_q, h_q] and, on the CPU, max_logits.");
+
   nb::class_<MlaSparsePlan>(m, "MlaSparsePlan",
                             "The split-KV plan of the FlashMLA-shaped sparse decode: both caches' chunks and the one\n"
                             "merge behind them, for fixed shapes (batch, seq_len_q, heads, topk, extra_topk).")
