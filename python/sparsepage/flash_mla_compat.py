@@ -124,6 +124,7 @@ Where it differs from FlashMLA:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -332,7 +333,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     return out, (lse.transpose(1, 2) if _is_torch(lse) else np.swapaxes(lse, 1, 2))
 
 
-_PREFILLS: dict = {}  # one MlaSparsePrefill per device: its plan and workspace for the last shape
+# One MlaSparsePrefill per (device, stream), or per thread on the CPU: its plan and
+# workspace for the last shape, never shared by calls that may run at once.
+_PREFILLS: dict = {}
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None):
@@ -359,7 +362,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
       returns it.
     * Any ``h_q`` and ``topk`` run; ``topk_length`` entries are clamped to ``[0, topk]``.
     * The ids are checked and copied once per call (ids out of range become -1), and the
-      object that plans is kept per device and re-plans when a shape changes, which
+      object that plans is kept per device and stream (on the CPU, per thread) and
+      re-plans when a shape changes, which
       allocates and, on CUDA, synchronizes: the call is not captured in a CUDA graph. To
       capture, hold a :class:`sparsepage.MlaSparsePrefill` and call
       ``sparsepage._core.mla_sparse_prefill`` with ids already in range.
@@ -382,7 +386,8 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
         lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
         on_cuda = q.is_cuda
         max_logits = None if on_cuda else torch.empty((s_q, h_q), dtype=torch.float32)
-        key = ("cuda", q.get_device()) if on_cuda else ("cpu", 0)
+        # One object per (device, stream): calls on different streams must not share a workspace.
+        key = ("cuda", q.get_device(), _torch_stream(q)) if on_cuda else ("cpu", threading.get_ident())
         device = _core.Device.cuda if on_cuda else _core.Device.cpu
     else:
         indices = np.asarray(indices)
@@ -393,7 +398,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
         out = np.empty((s_q, h_q, _HEAD_DIM_V), dtype=q.dtype)
         lse = np.empty((s_q, h_q), dtype=np.float32)
         max_logits = np.empty((s_q, h_q), dtype=np.float32)
-        key, device = ("cpu", 0), _core.Device.cpu
+        key, device = ("cpu", threading.get_ident()), _core.Device.cpu
     prefill = _PREFILLS.get(key)
     if prefill is None:
         prefill = _PREFILLS[key] = _core.MlaSparsePrefill(device)

@@ -31,7 +31,9 @@
 //   - an edit the call never reads (an entry past a token's count) changes
 //     nothing: the output is the untouched one's, bit for bit;
 //   - the object that refused a call runs the untouched call next and
-//     writes the same bits as a fresh object.
+//     writes the same bits as a fresh object; the MLA call without the
+//     causal limit (causal false) writes the same bits as with it, every
+//     entry being inside its token's reach.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -168,10 +170,9 @@ void fuzz_mla_paged(FuzzedDataProvider& in, const testing::MlaPrefillProblem& pb
     FUZZ_CHECK(got.untouched(), "MLA prefill over a paged pool: a refused call wrote its outputs");
   } else if (!got.same_bits(clean)) {
     const std::vector<float> lse = values(got.lse), mx = values(got.max_logits);
-    const std::string diff =
-        testing::compare_mla_prefill(pb, testing::mla_prefill_reference(pb),
-                                     testing::as_float(DType::kBF16, got.out.payload()), lse, want_max ? &mx : nullptr,
-                                     o_tolerance(DType::kBF16), 1e-3, 1e-3);
+    const std::string diff = testing::compare_mla_prefill(
+        pb, testing::mla_prefill_reference(pb), testing::as_float(DType::kBF16, got.out.payload()), lse,
+        want_max ? &mx : nullptr, o_tolerance(DType::kBF16), 1e-3, 1e-3);
     finding("MLA prefill over a paged pool: other bits than over the dense rows (against fp64: " +
             (diff.empty() ? std::string("within tolerance") : diff) + ")");
   }
@@ -280,6 +281,18 @@ void fuzz_mla(FuzzedDataProvider& in) {
   FUZZ_CHECK(again.same_bits(clean),
              "MLA prefill, edit " + std::to_string(edit) + ": a reused object wrote other bits than a fresh one");
   if (in.ConsumeBool()) fuzz_mla_paged(in, pb, clean, want_max);
+  // Without the causal limit (flash_mla_sparse_fwd's form) every entry here
+  // is still inside its token's reach: the same bits.
+  if (in.ConsumeBool()) {
+    MlaSparsePrefill open(Device::kCpu);
+    Outputs free_run(rows * 512 * 2, rows);
+    MlaPrefillParams o = pb.host_params(free_run.out.data(), Outputs::floats(free_run.lse), free_run.maxima(want_max));
+    o.causal = false;
+    FUZZ_CHECK(accepted([&] { open.run(o); }, "MlaSparsePrefill.run (causal false)"),
+               "MLA prefill without the causal limit: the untouched call was refused");
+    free_run.check_canaries("MLA prefill (causal false)");
+    FUZZ_CHECK(free_run.same_bits(clean), "MLA prefill without the causal limit: other bits than with it");
+  }
 }
 
 // ---- GQA over blocks ---------------------------------------------------------
