@@ -729,6 +729,15 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   const Device device = opt.cpu || !cuda_available() ? Device::kCpu : Device::kCuda;
   if (device == Device::kCpu && !opt.cpu) std::printf("no CUDA device: running on the CPU backend\n");
+  if (device == Device::kCpu) {  // the CPU backend prefills a 128K prompt in hours: small shapes unless asked
+    if (app.count("--prompts") == 0) opt.prompts = {1024};
+    if (app.count("--chunks") == 0) opt.chunks = {512};
+    if (app.count("--topk") == 0) opt.topk = 128;
+    if (app.count("--reps") == 0) opt.reps = 1;
+    std::printf("CPU backend: prompts of %lld tokens in chunks of %d, top-%d, %d rep(s) (--prompts, --chunks, --topk, "
+                "--reps to change)\n",
+                static_cast<long long>(opt.prompts.front()), opt.chunks.front(), opt.topk, opt.reps);
+  }
   const bench::DeviceFacts facts = bench::device_facts(device);
   const double read_gbs = device == Device::kCuda ? bench::measured_read_bandwidth_gbs(device, int64_t{2} << 30) : 0.0;
   std::printf("device: %s; measured read bandwidth %.0f GB/s; FLOP floor at %.0f TFLOP/s\n", facts.name.c_str(),
