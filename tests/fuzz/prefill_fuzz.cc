@@ -5,7 +5,9 @@
 //     rows, -1 padding, duplicates, per-token counts, an attention sink,
 //     tokens that select nothing, sequences of different lengths);
 //   - GqaBlockPrefill over block lists per query block, per KV head or per
-//     query head, in bf16, f16 or f32;
+//     query head, in bf16, f16 or f32, and over e4m3 K/V with per-KV-head
+//     power-of-two scales (dense or paged), which must write the native
+//     call's bits over the dequantized values;
 //   - DsaPrefillIndexer over dense keys or an engine's paged pool (native
 //     or vLLM's FP8 blocks, shuffled table), small integer values so that
 //     every score is exact: each token's kept set must be the decode
@@ -50,6 +52,7 @@
 #include "sparsepage/index_keys.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/prefill.h"
+#include "support/gqa_prefill_fp8.h"
 #include "support/prefill_problem.h"
 #include "support/reference.h"
 
@@ -297,6 +300,39 @@ void fuzz_mla(FuzzedDataProvider& in) {
 
 // ---- GQA over blocks ---------------------------------------------------------
 
+/// The same lists over e4m3 K/V with per-KV-head power-of-two scales
+/// (tests/support/gqa_prefill_fp8.h): the dequantized rows are exact in
+/// spec.dtype, so the FP8 prefill must write the bits of the native one
+/// over them, dense and through a shuffled paged pool, and refuse scales it
+/// is not given.
+void fuzz_gqa_fp8(FuzzedDataProvider& in, const testing::GqaPrefillSpec& spec) {
+  const testing::GqaFp8Problem pb = testing::make_gqa_fp8_problem(spec, true);
+  const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_qo_heads;
+  const size_t out_bytes = rows * spec.head_dim * dtype_size(spec.dtype);
+  Outputs native(out_bytes, rows), fp8(out_bytes, rows);
+  GqaBlockPrefill a(Device::kCpu), b(Device::kCpu);
+  FUZZ_CHECK(accepted([&] { a.run(pb.dequantized.host_params(native.out.data(), Outputs::floats(native.lse))); },
+                      "GqaBlockPrefill.run (dequantized)"),
+             "GQA prefill: the dequantized native call was refused");
+  GqaPrefillParams p = pb.host_params(fp8.out.data(), Outputs::floats(fp8.lse));
+  if (in.ConsumeBool()) {  // through an engine's pool
+    const testing::GqaFp8Pool pool =
+        testing::make_gqa_fp8_pool(pb, 1 << in.ConsumeIntegralInRange<int>(0, 4), in.ConsumeIntegral<uint32_t>());
+    p = pool.paged(p, pool.k.data(), pool.v.data(), pool.table.data(), spec.batch);
+    FUZZ_CHECK(accepted([&] { b.run(p); }, "GqaBlockPrefill.run (FP8, paged)"),
+               "GQA prefill over a paged FP8 pool: the untouched call was refused");
+  } else {
+    FUZZ_CHECK(accepted([&] { b.run(p); }, "GqaBlockPrefill.run (FP8)"), "GQA prefill over FP8 rows: refused");
+  }
+  fp8.check_canaries("GQA prefill (FP8)");
+  FUZZ_CHECK(fp8.same_bits(native), "GQA prefill over FP8 rows: other bits than the native call over their values");
+  Outputs missing(out_bytes, rows);
+  GqaPrefillParams q = pb.host_params(missing.out.data(), Outputs::floats(missing.lse));
+  q.v_scale = nullptr;
+  FUZZ_CHECK(!accepted([&] { b.run(q); }, "GqaBlockPrefill.run (FP8, no v_scale)") && missing.untouched(),
+             "GQA prefill over FP8 rows without v_scale: not refused, or refused after writing");
+}
+
 void fuzz_gqa(FuzzedDataProvider& in) {
   testing::GqaPrefillSpec spec;
   constexpr DType kTypes[] = {DType::kBF16, DType::kF16, DType::kF32};
@@ -395,6 +431,7 @@ void fuzz_gqa(FuzzedDataProvider& in) {
              "GQA prefill, edit " + std::to_string(edit) + ": the untouched call was refused after an edited one");
   FUZZ_CHECK(again.same_bits(clean),
              "GQA prefill, edit " + std::to_string(edit) + ": a reused object wrote other bits than a fresh one");
+  if (spec.dtype != DType::kF32 && in.ConsumeBool()) fuzz_gqa_fp8(in, spec);
 }
 
 // ---- the DSA prefill indexer -------------------------------------------------
