@@ -10,7 +10,6 @@
 #include <limits>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "core/cuda_hooks.h"
@@ -154,12 +153,26 @@ void address_by_table(DecodeParams& d, const BlockTable& table, const int32_t* r
   d.block_table.row_of_sequence = rows;
 }
 
-/// The fused decode on the backend's device; returns the kernel's name ("cpu" on the CPU).
-const char* run_decode(Device device, const DecodeParams& d, const DecodePlan& plan, void* workspace, void* stream,
-                       int32_t max_q_len) {
-  if (device == Device::kCuda) return detail::run_decode_cuda(d, plan, workspace, stream, max_q_len);
-  detail::run_decode_cpu(d, plan, workspace, max_q_len);
-  return "cpu";
+/// One decode launch of a prefill: its params, plan and workspace.
+struct Launch {
+  DecodeParams params;
+  const DecodePlan* plan;
+  void* workspace;
+};
+
+/// A prefill's decode launches on the backend's device, in order; returns
+/// the last kernel's name ("cpu" on the CPU). The CPU checks every launch
+/// before the first one writes, so a refused prefill writes nothing; on
+/// CUDA the kernels flag bad entries per request.
+const char* run_launches(Device device, const std::vector<Launch>& launches, void* stream, int32_t max_q_len) {
+  if (device == Device::kCpu) {
+    for (const Launch& l : launches) detail::check_decode_cpu(l.params, *l.plan, l.workspace, max_q_len);
+    for (const Launch& l : launches) detail::run_decode_cpu(l.params, *l.plan, l.workspace, max_q_len);
+    return "cpu";
+  }
+  const char* name = "";
+  for (const Launch& l : launches) name = detail::run_decode_cuda(l.params, *l.plan, l.workspace, stream, max_q_len);
+  return name;
 }
 
 /// One small prefill kernel on the backend's device.
@@ -321,14 +334,10 @@ void MlaSparsePrefill::run(const MlaPrefillParams& p, void* stream) {
   const detail::TokenWindowsArgs w{p.chunk, windows, p.causal};
   if (device_ == Device::kCpu) (void)host_lengths(p.chunk, "MlaSparsePrefill: ", p.causal);  // each L_b checked first
   launch(device_, detail::token_windows_cpu, detail::token_windows_cuda, w, stream);
-  std::vector<DecodeParams> launches;
+  std::vector<Launch> launches;
   for (int32_t b = 0; b < s.batch; ++b)
-    launches.push_back(mla_decode_params(p, b, windows, lse, table_rows_.as<int32_t>()));
-  if (device_ == Device::kCpu) {  // refused before anything is written
-    for (const DecodeParams& d : launches) detail::check_decode_cpu(d, plan_, workspace_.data(), kMaxQueryTokens);
-  }
-  for (const DecodeParams& d : launches)
-    kernel_name_ = run_decode(device_, d, plan_, workspace_.data(), stream, kMaxQueryTokens);
+    launches.push_back({mla_decode_params(p, b, windows, lse, table_rows_.as<int32_t>()), &plan_, workspace_.data()});
+  kernel_name_ = run_launches(device_, launches, stream, kMaxQueryTokens);
   if (lse != nullptr) {
     const QueryStrides os = view_strides(p.qo_layout, p.out_strides, n, p.num_heads, kLatent);
     detail::MlaEpilogueArgs e;
@@ -691,7 +700,7 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
     launch(device_, detail::scale_expand_cpu, detail::scale_expand_cuda, e, stream);
   }
   const int64_t width = s.width;
-  std::vector<std::pair<DecodeParams, Part*>> launches;
+  std::vector<Launch> launches;
   for (int32_t b = 0; b < s.batch; ++b) {
     for (int32_t kv = 0; kv < (per_kv ? 1 : hkv); ++kv) {
       for (int part_index = 0; part_index < 2; ++part_index) {
@@ -758,16 +767,11 @@ void GqaBlockPrefill::run(const GqaPrefillParams& p, void* stream) {
           }
         }
         if (s.paged) address_by_table(d, p.block_table, table_rows_.as<int32_t>() + int64_t{b} * nqb + qb0);
-        launches.emplace_back(d, &part);
+        launches.push_back({d, &part.plan, part.workspace.data()});
       }
     }
   }
-  if (device_ == Device::kCpu) {  // refused before anything is written
-    for (const auto& [d, part] : launches)
-      detail::check_decode_cpu(d, part->plan, part->workspace.data(), detail::kMaxQueryBlockTokens);
-  }
-  for (const auto& [d, part] : launches)
-    kernel_name_ = run_decode(device_, d, part->plan, part->workspace.data(), stream, detail::kMaxQueryBlockTokens);
+  kernel_name_ = run_launches(device_, launches, stream, detail::kMaxQueryBlockTokens);
   if (!per_kv && p.lse != nullptr) {
     const detail::LseGatherArgs l{s.batch, hkv, n, g, staged_lse, p.lse};
     launch(device_, detail::lse_gather_cpu, detail::lse_gather_cuda, l, stream);
