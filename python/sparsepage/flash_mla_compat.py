@@ -360,7 +360,9 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
     * On CUDA ``max_logits`` is None: the fused kernel keeps a lazy running maximum (within
       2^8 of the true one), and an exact one needs a pass of its own. The CPU backend
       returns it.
-    * Any ``h_q`` and ``topk`` run; ``topk_length`` entries are clamped to ``[0, topk]``.
+    * Any ``topk`` runs, and any ``h_q`` on the CPU (CUDA: multiples of 64, as the MLA
+      kernel's head tiles; FlashMLA: 64 or 128); ``topk_length`` entries are clamped to
+      ``[0, topk]``.
     * The ids are checked and copied once per call (ids out of range become -1), and the
       object that plans is kept per device and stream (on the CPU, per thread) and
       re-plans when a shape changes, which
