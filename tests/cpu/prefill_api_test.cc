@@ -97,32 +97,13 @@ TEST(PrefillApi, MlaOverAPagedPoolGivesTheDenseRunsBitsMaxLogitsIncluded) {
     std::vector<uint16_t> dense_out, paged_out;
     std::vector<float> dense_lse, paged_lse, dense_max, paged_max;
     run(pb.host_params(nullptr, nullptr, nullptr), dense_out, dense_lse, dense_max);
-    // The rows in blocks of 4, in reverse order; pool rows no position uses are NaN.
+    // The rows in blocks of 4, handed out in reverse order; pool rows no position uses are NaN.
     constexpr int32_t kBlock = 4;
     const int32_t max_blocks = static_cast<int32_t>((pb.kv_len + kBlock - 1) / kBlock);
-    const int64_t num_blocks = int64_t{spec.batch} * max_blocks + 1;
-    std::vector<int32_t> table(static_cast<size_t>(spec.batch) * max_blocks);
-    std::iota(table.rbegin(), table.rend(), 1);
-    const size_t row_bytes = fp8 ? MlaFp8Row::kBytes : 576 * 2;
-    const std::vector<uint8_t>& dense = fp8 ? pb.kv_fp8 : pb.kv;
-    std::vector<uint8_t> pool(static_cast<size_t>(num_blocks) * kBlock * row_bytes, 0xFF);
-    for (int32_t b = 0; b < spec.batch; ++b) {
-      for (int64_t pos = 0; pos < pb.kv_lens[static_cast<size_t>(b)]; ++pos) {
-        const int64_t row = int64_t{table[static_cast<size_t>(b) * max_blocks + pos / kBlock]} * kBlock + pos % kBlock;
-        std::memcpy(pool.data() + row * row_bytes, dense.data() + (b * pb.capacity + pos) * row_bytes, row_bytes);
-      }
-    }
-    MlaPrefillParams p = pb.host_params(nullptr, nullptr, nullptr);
-    const int64_t pool_rows = num_blocks * kBlock;
-    if (fp8) {
-      const MlaFp8Views views = mla_fp8_views(pool.data(), pool_rows);
-      p.kv = views.k;
-      p.kv_rope = views.k_extra;
-    } else {
-      p.kv = {pool.data(), 576, 512, 0, 0, pool_rows};
-      p.kv_rope = {pool.data() + 512 * 2, 576, 64, 0, 0, pool_rows};
-    }
-    p.block_table = {table.data(), max_blocks, max_blocks, spec.batch, kBlock, num_blocks};
+    std::vector<int32_t> order(static_cast<size_t>(spec.batch) * max_blocks + 1);
+    std::iota(order.rbegin(), order.rend(), 0);
+    const testing::MlaPrefillPool pool = testing::make_mla_prefill_pool(pb, kBlock, max_blocks, order);
+    const MlaPrefillParams p = pool.paged(pb.host_params(nullptr, nullptr, nullptr));
     run(p, paged_out, paged_lse, paged_max);
     EXPECT_EQ(paged_out, dense_out) << "fp8 " << fp8;
     EXPECT_EQ(0, std::memcmp(paged_lse.data(), dense_lse.data(), rows * 4)) << "fp8 " << fp8;

@@ -112,31 +112,15 @@ void fuzz_mla_paged(FuzzedDataProvider& in, const testing::MlaPrefillProblem& pb
   std::vector<int32_t> ids(static_cast<size_t>(spec.batch) * max_blocks + 2);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
-  const int64_t num_blocks = static_cast<int64_t>(ids.size());
-  std::vector<int32_t> table(static_cast<size_t>(spec.batch) * max_blocks, static_cast<int32_t>(num_blocks) + 5);
-  const size_t row_bytes = spec.fp8 ? MlaFp8Row::kBytes : 576 * 2;
-  const std::vector<uint8_t>& dense = spec.fp8 ? pb.kv_fp8 : pb.kv;
-  std::vector<uint8_t> pool(static_cast<size_t>(num_blocks) * bs * row_bytes, 0xFF);  // NaN rows
-  size_t next = 0;
-  for (int32_t b = 0; b < spec.batch; ++b) {
-    const int64_t len = pb.kv_lens[static_cast<size_t>(b)];
-    for (int64_t j = 0; j * bs < len; ++j) table[static_cast<size_t>(b) * max_blocks + j] = ids[next++];
-    for (int64_t pos = 0; pos < len; ++pos) {
-      const int64_t row = int64_t{table[static_cast<size_t>(b) * max_blocks + pos / bs]} * bs + pos % bs;
-      std::memcpy(pool.data() + row * row_bytes, dense.data() + (b * pb.capacity + pos) * row_bytes, row_bytes);
-    }
-  }
+  testing::MlaPrefillPool pool = testing::make_mla_prefill_pool(pb, bs, max_blocks, ids);
+  std::vector<int32_t>& table = pool.table;
+  const int64_t num_blocks = pool.num_blocks;
   // Which table entries an attended position reaches.
   std::vector<char> reached(table.size(), 0);
-  for (int32_t b = 0; b < spec.batch; ++b) {
-    for (int32_t t = 0; t < spec.num_tokens; ++t) {
-      const size_t row = static_cast<size_t>(b) * spec.num_tokens + t;
-      const int32_t n = spec.topk_length ? std::min(spec.topk, pb.topk_length[row]) : spec.topk;
-      for (int32_t i = 0; i < n; ++i) {
-        const int32_t pos = pb.indices[row * spec.topk + i];
-        if (pos >= 0) reached[static_cast<size_t>(b) * max_blocks + pos / bs] = 1;
-      }
-    }
+  const auto attended = testing::mla_prefill_attended(pb.host_params(nullptr, nullptr, nullptr));
+  for (size_t row = 0; row < attended.size(); ++row) {
+    const size_t b = row / static_cast<size_t>(spec.num_tokens);
+    for (int32_t pos : attended[row]) reached[b * static_cast<size_t>(max_blocks) + static_cast<size_t>(pos / bs)] = 1;
   }
   const int edit = in.ConsumeIntegralInRange<int>(0, 3);
   bool refused = false;
@@ -149,17 +133,7 @@ void fuzz_mla_paged(FuzzedDataProvider& in, const testing::MlaPrefillProblem& pb
   }
   const size_t rows = static_cast<size_t>(spec.batch) * spec.num_tokens * spec.num_heads;
   Outputs got(rows * 512 * 2, rows);
-  MlaPrefillParams p = pb.host_params(got.out.data(), Outputs::floats(got.lse), got.maxima(want_max));
-  const int64_t pool_rows = num_blocks * bs;
-  if (spec.fp8) {
-    const MlaFp8Views views = mla_fp8_views(pool.data(), pool_rows);
-    p.kv = views.k;
-    p.kv_rope = views.k_extra;
-  } else {
-    p.kv = {pool.data(), 576, 512, 0, 0, pool_rows};
-    p.kv_rope = {pool.data() + 512 * 2, 576, 64, 0, 0, pool_rows};
-  }
-  p.block_table = {table.data(), max_blocks, max_blocks, spec.batch, bs, num_blocks};
+  MlaPrefillParams p = pool.paged(pb.host_params(got.out.data(), Outputs::floats(got.lse), got.maxima(want_max)));
   if (edit == 1) {  // a table too narrow for the longest sequence
     p.block_table.max_blocks = static_cast<int32_t>((pb.kv_len - 1) / bs);
     refused = true;

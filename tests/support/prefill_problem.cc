@@ -146,6 +146,44 @@ MlaPrefillParams MlaPrefillProblem::host_params(void* out, float* lse, float* ma
                 lse, max_logits);
 }
 
+MlaPrefillPool make_mla_prefill_pool(const MlaPrefillProblem& pb, int32_t block_size, int32_t max_blocks,
+                                     const std::vector<int32_t>& block_ids) {
+  MlaPrefillPool pool;
+  pool.block_size = block_size;
+  pool.max_blocks = max_blocks;
+  pool.num_blocks = static_cast<int64_t>(block_ids.size());
+  const size_t row_bytes = pb.spec.fp8 ? MlaFp8Row::kBytes : kRow * 2;
+  const std::vector<uint8_t>& dense = pb.spec.fp8 ? pb.kv_fp8 : pb.kv;
+  pool.rows.assign(static_cast<size_t>(pool.num_blocks * block_size) * row_bytes, 0xFF);
+  pool.table.assign(static_cast<size_t>(pb.spec.batch) * max_blocks, static_cast<int32_t>(pool.num_blocks) + 5);
+  size_t next = 0;
+  for (int32_t b = 0; b < pb.spec.batch; ++b) {
+    const int64_t len = pb.kv_lens[static_cast<size_t>(b)];
+    int32_t* row = pool.table.data() + static_cast<size_t>(b) * max_blocks;
+    for (int64_t j = 0; j * block_size < len; ++j) row[j] = block_ids.at(next++);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const int64_t at = int64_t{row[pos / block_size]} * block_size + pos % block_size;
+      std::memcpy(pool.rows.data() + static_cast<size_t>(at) * row_bytes,
+                  dense.data() + static_cast<size_t>(b * pb.capacity + pos) * row_bytes, row_bytes);
+    }
+  }
+  return pool;
+}
+
+MlaPrefillParams MlaPrefillPool::paged(MlaPrefillParams p) const {
+  const int64_t pool_rows = num_blocks * block_size;
+  if (p.kv_format == KvFormat::kE4m3Mla) {
+    const MlaFp8Views views = mla_fp8_views(rows.data(), pool_rows);
+    p.kv = views.k;
+    p.kv_rope = views.k_extra;
+  } else {
+    p.kv = {rows.data(), kRow, kLatent, 0, 0, pool_rows};
+    p.kv_rope = {rows.data() + kLatent * 2, kRow, kRope, 0, 0, pool_rows};
+  }
+  p.block_table = {table.data(), max_blocks, max_blocks, p.chunk.batch, block_size, num_blocks};
+  return p;
+}
+
 namespace {
 
 /// Row `pos` of sequence b as the kernels see it: 512 latent then 64 rope values.

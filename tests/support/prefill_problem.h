@@ -83,6 +83,25 @@ void mla_token_by_token_cpu(const MlaPrefillProblem& pb, std::vector<float>& out
 /// host or null.
 std::vector<std::vector<int32_t>> mla_prefill_attended(const MlaPrefillParams& p);
 
+/// The problem's rows in an engine's paged pool (MlaPrefillParams::
+/// block_table): blocks of `block_size` rows handed to the sequences in the
+/// order of `block_ids` (a permutation of the pool's blocks, each sequence
+/// taking the blocks its rows need in turn), `max_blocks` table entries a
+/// sequence. Every pool row no position holds is 0xFF bytes (NaN in every
+/// field) and every table entry past a sequence's rows an id outside the
+/// pool.
+struct MlaPrefillPool {
+  int32_t block_size = 0, max_blocks = 0;
+  int64_t num_blocks = 0;
+  std::vector<uint8_t> rows;   // [num_blocks * block_size] rows in the problem's format
+  std::vector<int32_t> table;  // [batch, max_blocks]
+  /// `p` with kv, kv_rope and block_table moved onto this pool (host memory;
+  /// the table as it is when called).
+  MlaPrefillParams paged(MlaPrefillParams p) const;
+};
+MlaPrefillPool make_mla_prefill_pool(const MlaPrefillProblem& pb, int32_t block_size, int32_t max_blocks,
+                                     const std::vector<int32_t>& block_ids);
+
 // ---- GQA over blocks -------------------------------------------------------
 
 struct GqaPrefillSpec {
