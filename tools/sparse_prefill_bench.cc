@@ -196,13 +196,17 @@ double attention_error(const std::vector<float>& q, const std::vector<std::vecto
 
 /// One layer kind at one (prompt, chunk): how to run a chunk, move it, check it and count it.
 struct Config {
-  std::function<void(void*)> run;                    // the chunk: selection, then attention
+  /// The chunk's parts in order (the selection, then the attention); a
+  /// chunk runs them all, and each is also timed alone.
+  std::vector<std::pair<std::string, std::function<void(void*)>>> phases;
+  void run(void* stream) const {
+    for (const auto& phase : phases) phase.second(stream);
+  }
   std::function<void(int64_t kv_len)> place;         // the chunk ends at kv_len (written on the device)
   std::function<std::string(int64_t kv_len)> check;  // after a run at kv_len: "" or what is wrong
   std::function<double(int64_t kv_len)> flops;
   std::function<double(int64_t kv_len)> bytes;
   std::function<std::string()> kernel;
-  std::vector<std::pair<std::string, std::function<void(void*)>>> phases;  // the chunk's parts, timed alone
 };
 
 std::vector<int32_t> sample_tokens(int32_t n) { return {0, n / 2, n - 1}; }
@@ -344,10 +348,6 @@ Config dsa_config(DsaSetup& s) {
   c.place(s.prompt);
   s.indexer->prepare(s.ip);
   s.attention->prepare(s.mp);
-  c.run = [&s](void* stream) {
-    s.indexer->run(s.ip, stream);
-    s.attention->run(s.mp, stream);
-  };
   c.kernel = [&s] { return std::string(s.attention->kernel_name()); };
   c.phases = {{"indexer", [&s](void* stream) { s.indexer->run(s.ip, stream); }},
               {"attention", [&s](void* stream) { s.attention->run(s.mp, stream); }}};
@@ -561,14 +561,6 @@ Config gqa_config(GqaSetup& s) {
   c.place(s.prompt);
   if (s.indexed) s.indexer->prepare(s.ip);
   s.attention->prepare(s.gp);
-  c.run = [&s](void* stream) {
-    if (s.indexed) {
-      s.indexer->run(s.ip, stream);
-    } else {
-      static_prefill_blocks(s.device, s.sp, stream);
-    }
-    s.attention->run(s.gp, stream);
-  };
   c.kernel = [&s] { return std::string(s.attention->kernel_name()); };
   c.phases = {{s.indexed ? "indexer" : "pattern",
                [&s](void* stream) {
@@ -777,7 +769,7 @@ int main(int argc, char** argv) {
           }
           config = gqa_config(gqa);
         }
-        ChunkTimer timer(device, config.run);
+        ChunkTimer timer(device, [&config](void* stream) { config.run(stream); });
         // Correctness first, at the last chunk (the longest context).
         config.place(prompt);
         timer.replay();
