@@ -333,9 +333,23 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v: i
     return out, (lse.transpose(1, 2) if _is_torch(lse) else np.swapaxes(lse, 1, 2))
 
 
-# One MlaSparsePrefill per (device, stream), or per thread on the CPU: its plan and
-# workspace for the last shape, never shared by calls that may run at once.
+# One MlaSparsePrefill per (device, stream) on CUDA, or per thread on the CPU (held by the
+# thread, so it goes when the thread does): its plan and workspace for the last shape, never
+# shared by calls that may run at once.
 _PREFILLS: dict = {}
+_CPU_PREFILL = threading.local()
+
+
+def _prefill_for(key):
+    if key is None:
+        prefill = getattr(_CPU_PREFILL, "prefill", None)
+        if prefill is None:
+            prefill = _CPU_PREFILL.prefill = _core.MlaSparsePrefill(_core.Device.cpu)
+        return prefill
+    prefill = _PREFILLS.get(key)
+    if prefill is None:
+        prefill = _PREFILLS[key] = _core.MlaSparsePrefill(_core.Device.cuda)
+    return prefill
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None):
@@ -389,8 +403,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
         on_cuda = q.is_cuda
         max_logits = None if on_cuda else torch.empty((s_q, h_q), dtype=torch.float32)
         # One object per (device, stream): calls on different streams must not share a workspace.
-        key = ("cuda", q.get_device(), _torch_stream(q)) if on_cuda else ("cpu", threading.get_ident())
-        device = _core.Device.cuda if on_cuda else _core.Device.cpu
+        key = (q.get_device(), _torch_stream(q)) if on_cuda else None
     else:
         indices = np.asarray(indices)
         if indices.dtype != np.int32:
@@ -400,9 +413,6 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_s
         out = np.empty((s_q, h_q, _HEAD_DIM_V), dtype=q.dtype)
         lse = np.empty((s_q, h_q), dtype=np.float32)
         max_logits = np.empty((s_q, h_q), dtype=np.float32)
-        key, device = ("cpu", threading.get_ident()), _core.Device.cpu
-    prefill = _PREFILLS.get(key)
-    if prefill is None:
-        prefill = _PREFILLS[key] = _core.MlaSparsePrefill(device)
-    _core.mla_sparse_prefill(prefill, q, kv, ids, float(sm_scale), attn_sink, lengths, out, lse, max_logits)
+        key = None
+    _core.mla_sparse_prefill(_prefill_for(key), q, kv, ids, float(sm_scale), attn_sink, lengths, out, lse, max_logits)
     return out, max_logits, lse

@@ -115,6 +115,36 @@ def test_an_id_out_of_range_is_skipped_not_read(rng):
         assert np.array_equal(x, y)
 
 
+def test_threads_get_their_own_prefill_and_leave_none_behind(rng):
+    import threading
+
+    from sparsepage import flash_mla_compat
+
+    q, kv, ids, _, _ = problem(rng)
+    want = flash_mla_sparse_fwd(q, kv, ids, 0.05)
+    mine = flash_mla_compat._CPU_PREFILL.prefill
+    held_before = len(flash_mla_compat._PREFILLS)
+    results, objects = [None] * 3, [None] * 3
+    all_running = threading.Barrier(3)
+
+    def work(i):
+        results[i] = flash_mla_sparse_fwd(q, kv, ids, 0.05)
+        objects[i] = id(flash_mla_compat._CPU_PREFILL.prefill)
+        all_running.wait()  # the three threads' objects are alive at once: distinct ids mean distinct objects
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        for x, y in zip(got, want):
+            assert np.array_equal(x, y)
+    assert len(set(objects) | {id(mine)}) == 4  # one object per thread
+    assert flash_mla_compat._CPU_PREFILL.prefill is mine  # this thread keeps its own
+    assert len(flash_mla_compat._PREFILLS) == held_before  # the CPU's objects are held by their threads
+
+
 def test_bad_arguments_are_named(rng):
     q, kv, ids, _, _ = problem(rng)
     with pytest.raises(sp.Error, match="d_v"):
