@@ -309,7 +309,8 @@ struct GqaPrefillParams {
 /// (an engine's pool) the rows are read through the engine-input kernels,
 /// which keep every query row on the 16-row tiles (CUDA): the same answer,
 /// each gathered row read once per 16 query rows. FP8 rows (kE4m3PerHead)
-/// run on the decode's e4m3 kernel, also a 16-row tile, dense or paged.
+/// run on the 64-row CTA's e4m3 form where sm_90a code runs (dense), else
+/// on the decode's 16-row e4m3 tiles (paged, or other GPUs).
 class GqaBlockPrefill {
  public:
   explicit GqaBlockPrefill(Device device) : device_(device) {}

@@ -656,9 +656,8 @@ void GqaBlockPrefill::prepare(const GqaPrefillParams& p, void* stream) {
     // Planned for the lists' bound; the counts the selection writes are read
     // where the kernel runs (an early query block keeps few blocks).
     // Over a block table every query row runs on the 16-row tiles (the
-    // 64-row CTAs read the library's own tables only), and so do FP8 rows
-    // (the e4m3 kernel is the 16-row tile): plan for those.
-    const bool row_tiles = s.paged || s.kv_format != KvFormat::kNative;
+    // 64-row CTAs read the library's own tables only): plan for those.
+    const bool row_tiles = s.paged;
     const PlanShape shape = row_tiles ? decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group * part.tokens, 1)
                                       : decode_plan_shape(device_, s.dim_qk, s.dim_v, 0, geo.group, part.tokens);
     part.plan = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), s.width * s.block_size), shape);

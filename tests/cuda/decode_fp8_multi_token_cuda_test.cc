@@ -1,18 +1,23 @@
 // The decode's multi-token step over e4m3 K/V with per-KV-head scales
-// (KvFormat::kE4m3PerHead) on the GPU: the e4m3 16-row tile with each
-// query row's causal limit, split and merged, against the CPU backend, the
-// native step over the same values (power-of-two scales: exact in bf16) and
-// fp64 per token. Skips without a GPU.
+// (KvFormat::kE4m3PerHead) on the GPU, on both e4m3 CTAs: 64 query rows per
+// request (16 heads x 4 tokens) on the 64-row wgmma CTA where sm_90a code
+// runs, 16 rows (4 x 4) on the 16-row tile, each with every query row's
+// causal limit, split and merged; against the CPU backend, the native step
+// over the same values (power-of-two scales: exact in bf16) and fp64 per
+// token. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/plan.h"
 #include "sparsepage/types.h"
@@ -21,10 +26,9 @@
 namespace sparsepage {
 namespace {
 
-TEST(DecodeFp8MultiTokenCuda, MatchesTheCpuBackendTheNativeStepAndFp64) {
-  SKIP_WITHOUT_CUDA();
+void check_fp8_multi_token(int32_t g, const char* kernel) {
   const DType dtype = DType::kBF16;
-  const int32_t batch = 2, hkv = 2, g = 16, d = 128, q_len = 4, page = 16;
+  const int32_t batch = 2, hkv = 2, d = 128, q_len = 4, page = 16;
   const int64_t len = 1000;  // each sequence's live length; its last q_len positions are the step's tokens
   std::mt19937_64 rng(31);
   std::uniform_int_distribution<int> byte(0, 255);
@@ -108,7 +112,7 @@ TEST(DecodeFp8MultiTokenCuda, MatchesTheCpuBackendTheNativeStepAndFp64) {
     return r;
   };
   const Run gpu = step(Device::kCuda, true);
-  EXPECT_STREQ(gpu.kernel, "16-row tiles, mma.sync, FP8 e4m3 K/V");
+  EXPECT_STREQ(gpu.kernel, kernel);
   const Run cpu = step(Device::kCpu, true);
   const Run native = step(Device::kCuda, false);
   const auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
@@ -145,6 +149,18 @@ TEST(DecodeFp8MultiTokenCuda, MatchesTheCpuBackendTheNativeStepAndFp64) {
       }
     }
   }
+}
+
+TEST(DecodeFp8MultiTokenCuda, SixtyFourRowsMatchTheCpuBackendTheNativeStepAndFp64) {
+  SKIP_WITHOUT_CUDA();
+  const char* choice = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
+  const bool wgmma = (choice == nullptr || std::string(choice) != "mma") && cuda_sm90a_code_runs(cuda_device_sm());
+  check_fp8_multi_token(16, wgmma ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V" : "16-row tiles, mma.sync, FP8 e4m3 K/V");
+}
+
+TEST(DecodeFp8MultiTokenCuda, SixteenRowsMatchTheCpuBackendTheNativeStepAndFp64) {
+  SKIP_WITHOUT_CUDA();
+  check_fp8_multi_token(4, "16-row tiles, mma.sync, FP8 e4m3 K/V");
 }
 
 }  // namespace

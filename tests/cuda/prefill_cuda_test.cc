@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/prefill.h"
 #include "support/expect_error.h"
@@ -675,8 +676,8 @@ void fp8_prefill_cpu(const testing::GqaFp8Problem& pb, std::vector<float>& out, 
   out = testing::as_float(spec.dtype, o);
 }
 
-// FP8 rows run on the 16-row tiles' e4m3 kernel (the 64-row multi-token CTA
-// reads bf16/f16 rows only): fp64 over the dequantized rows (every
+// FP8 rows run on the 64-row CTA's e4m3 form where sm_90a code runs (else
+// on the 16-row e4m3 tiles): fp64 over the dequantized rows (every
 // unattended row e4m3 NaN, the outputs NaN first) and the CPU backend, for
 // power-of-two and amax / 448 scales.
 TEST(GqaBlockPrefillCuda, Fp8MatchesFp64AndTheCpuBackend) {
@@ -688,7 +689,9 @@ TEST(GqaBlockPrefillCuda, Fp8MatchesFp64AndTheCpuBackend) {
       GqaBlockPrefill prefill(Device::kCuda);
       prefill.run(dev.params(pb));
       EXPECT_NO_THROW(prefill.check_errors());
-      EXPECT_STREQ(prefill.kernel_name(), "16-row tiles, mma.sync, FP8 e4m3 K/V");
+      EXPECT_STREQ(prefill.kernel_name(), cuda_sm90a_code_runs(cuda_device_sm())
+                                              ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V"
+                                              : "16-row tiles, mma.sync, FP8 e4m3 K/V");
       const auto out = dev.out_values(spec.dtype);
       const auto lse = dev.lse_values();
       const auto ref = testing::gqa_fp8_reference(pb);
@@ -721,7 +724,9 @@ TEST(GqaBlockPrefillCuda, Fp8ReadsAnEnginePoolThroughItsBlockTable) {
     const auto out = paged.out_values(spec.dtype);
     const auto lse = paged.lse_values();
     const auto dense_out = dense.out_values(spec.dtype);
-    EXPECT_LT(testing::relative_l2(out, std::vector<double>(dense_out.begin(), dense_out.end())), 1e-5)
+    // Two CTAs where sm_90a code runs (the dense chunk on the 64-row one):
+    // their fp32 sums differ in order, so an output may round one unit apart.
+    EXPECT_LT(testing::relative_l2(out, std::vector<double>(dense_out.begin(), dense_out.end())), 2e-3)
         << "seed " << spec.seed << ": against the dense FP8 prefill";
     EXPECT_EQ(testing::compare_gqa_prefill(pb.base, testing::gqa_fp8_reference(pb), out, lse, 1e-2, 2e-2), "")
         << "seed " << spec.seed;

@@ -112,12 +112,19 @@ KernelChoice choose_kernel(const DecodeParams& params, const DecodePlan& plan) {
     c.kind = DecodeKernel::kClusterMerge;
     return c;
   }
-  if (params.kv_format != KvFormat::kNative) {
-    c.kind = DecodeKernel::kFp8;
-    return c;
-  }
   const int32_t extra = params.k_extra.data != nullptr ? params.k_extra.dim : 0;
   const cuda::TileShape shape = cuda::select_tile_shape(params.k.dim, params.v.dim, extra);
+  if (params.kv_format != KvFormat::kNative) {
+    c.kind = DecodeKernel::kFp8;
+    // e4m3-per-head rows of several query tokens take the 64-row wgmma CTA
+    // where the bf16 rows would (the library's own tables only).
+    if (params.kv_format == KvFormat::kE4m3PerHead && !uses_engine_inputs(params)) {
+      const auto multi =
+          cuda::multi_token_cta_kind(shape, params.k.dim, params.v.dim, extra, params.group_size, params.q_len);
+      if (multi == cuda::MultiTokenCtaKind::kWgmma) c.multi = multi;
+    }
+    return c;
+  }
   if (shape == cuda::TileShape::kMla) {
     c.kind = DecodeKernel::kMla;
     return c;
@@ -144,7 +151,10 @@ const char* kernel_name(const KernelChoice& c, const DecodeParams& params) {
   switch (c.kind) {
     case DecodeKernel::kClusterMerge: return "16-row tiles, mma.sync, cluster merge";
     case DecodeKernel::kFp8:
-      if (params.kv_format != KvFormat::kE4m3Mla) return "16-row tiles, mma.sync, FP8 e4m3 K/V";
+      if (params.kv_format != KvFormat::kE4m3Mla) {
+        return c.multi == cuda::MultiTokenCtaKind::kWgmma ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V"
+                                                          : "16-row tiles, mma.sync, FP8 e4m3 K/V";
+      }
       if (cuda::mla_fp8_runs_pairs(params.group_size, uses_engine_inputs(params)))
         return "MLA FP8 (656-byte rows), wgmma, warp-specialized, CTA pairs";
       return "MLA FP8 (656-byte rows), wgmma, warp-specialized";
@@ -317,8 +327,8 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
     return name;
   }
   if (choice.kind == DecodeKernel::kFp8) {
-    cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs, items,
-                             s);
+    cuda::launch_partial_fp8(p, params.kv_format, params.dtype, params.k_scale, params.v_scale, engine_inputs,
+                             choice.multi == cuda::MultiTokenCtaKind::kWgmma, items, s);
   } else if (engine_inputs) {
     cuda::launch_partial<cuda::EnginePagedSource>(p, shape, params.dtype, items, s);
   } else {

@@ -2,10 +2,12 @@
 // e4m3-per-head mma.sync kernel at head dim 128 for bf16 and f16 q, and two
 // MLA wgmma kernels for bf16 (the warp-specialized one and its CTA-pair form
 // for two head tiles), each for the library's CSR rows and the engines'
-// index forms: 8 kernels.
+// index forms; the e4m3-per-head 64-row wgmma CTA for bf16 and f16 q over
+// the library's CSR rows: 10 kernels.
 #include "cuda/attention/decode_fp8.h"
 
 #include "cuda/attention/gqa/decode_partial_fp8.cuh"
+#include "cuda/attention/gqa/decode_partial_multi_wgmma_fp8.cuh"
 #include "cuda/attention/launch_partial.cuh"
 #include "cuda/attention/mla/mla_ws_fp8_pair.cuh"
 #include "cuda/attention/mla/mla_ws_fp8_partial.cuh"
@@ -15,7 +17,21 @@ namespace cuda {
 namespace {
 
 template <typename T, class Source>
-void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, int32_t num_items, cudaStream_t stream) {
+void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, bool multi_token, int32_t num_items,
+                    cudaStream_t stream) {
+  if constexpr (std::is_same_v<Source, PagedSource>) {
+    if (multi_token) {  // 64 query rows per CTA, each gathered row read once for them
+      using Cta = MultiTokenWgmmaFp8Cta<T, Source>;
+      auto kernel = multi_token_wgmma_fp8_kernel<T, Source>;
+      configure_smem_once(kernel, Cta::kSmemBytes);
+      const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
+      if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");
+      launch_with_pdl(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), Cta::kSmemBytes, stream, p);
+      return;
+    }
+  } else if (multi_token) {
+    throw Error("decode: the FP8 64-row CTA reads the library's own tables only");
+  }
   using Cfg = TileConfig<128, 128, Source::kHasBias>;
   auto kernel = partial_fp8_kernel<T, Source>;
   configure_smem_once(kernel, Cfg::kSmemBytes);
@@ -67,7 +83,8 @@ bool mla_fp8_runs_pairs(int32_t group_size, bool engine_inputs) {
 }
 
 void launch_partial_fp8(const PartialParams<PagedTable>& params, KvFormat format, DType dtype, const float* k_scale,
-                        const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream) {
+                        const float* v_scale, bool engine_inputs, bool multi_token, int32_t num_items,
+                        cudaStream_t stream) {
   Fp8Params<PartialParams<PagedTable>> p;
   static_cast<PartialParams<PagedTable>&>(p) = params;
   p.k_scale = k_scale;
@@ -80,11 +97,11 @@ void launch_partial_fp8(const PartialParams<PagedTable>& params, KvFormat format
   }
   if (format == KvFormat::kE4m3PerHead) {
     if (dtype == DType::kBF16) {
-      if (engine_inputs) return launch_gqa_fp8<__nv_bfloat16, EnginePagedSource>(p, num_items, stream);
-      return launch_gqa_fp8<__nv_bfloat16, PagedSource>(p, num_items, stream);
+      if (engine_inputs) return launch_gqa_fp8<__nv_bfloat16, EnginePagedSource>(p, multi_token, num_items, stream);
+      return launch_gqa_fp8<__nv_bfloat16, PagedSource>(p, multi_token, num_items, stream);
     }
-    if (engine_inputs) return launch_gqa_fp8<__half, EnginePagedSource>(p, num_items, stream);
-    return launch_gqa_fp8<__half, PagedSource>(p, num_items, stream);
+    if (engine_inputs) return launch_gqa_fp8<__half, EnginePagedSource>(p, multi_token, num_items, stream);
+    return launch_gqa_fp8<__half, PagedSource>(p, multi_token, num_items, stream);
   }
   throw Error(std::string("decode: no fp8 kernel for kv_format ") + kv_format_name(format));
 }

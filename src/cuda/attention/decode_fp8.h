@@ -13,9 +13,13 @@ namespace cuda {
 
 /// Launches the partial kernel of `format` over the work items of `p` (K and
 /// V strides in bytes). `engine_inputs`: the engines' index forms
-/// (EnginePagedSource). Throws for a format or dtype without a kernel.
+/// (EnginePagedSource). `multi_token`: e4m3-per-head rows on the 64-row
+/// wgmma CTA (multi_token_cta_kind said kWgmma; the library's own tables
+/// only), else on the 16-row tiles. Throws for a format or dtype without a
+/// kernel.
 void launch_partial_fp8(const PartialParams<PagedTable>& p, KvFormat format, DType dtype, const float* k_scale,
-                        const float* v_scale, bool engine_inputs, int32_t num_items, cudaStream_t stream);
+                        const float* v_scale, bool engine_inputs, bool multi_token, int32_t num_items,
+                        cudaStream_t stream);
 
 /// Whether an FP8 MLA launch of `group_size` query heads per request runs
 /// the CTA-pair kernel (mla_ws_fp8_pair.cuh): two head tiles and a device
