@@ -155,7 +155,8 @@ TEST(DecodeFp8MultiTokenCuda, SixtyFourRowsMatchTheCpuBackendTheNativeStepAndFp6
   SKIP_WITHOUT_CUDA();
   const char* choice = std::getenv("SPARSEPAGE_MULTI_TOKEN_CTA");
   const bool wgmma = (choice == nullptr || std::string(choice) != "mma") && cuda_sm90a_code_runs(cuda_device_sm());
-  check_fp8_multi_token(16, wgmma ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V" : "16-row tiles, mma.sync, FP8 e4m3 K/V");
+  check_fp8_multi_token(16,
+                        wgmma ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V" : "16-row tiles, mma.sync, FP8 e4m3 K/V");
 }
 
 TEST(DecodeFp8MultiTokenCuda, SixteenRowsMatchTheCpuBackendTheNativeStepAndFp64) {

@@ -114,17 +114,17 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
   __device__ void run() {
     this->template pipeline<true>([] {}, [&](int t) { issue_tile(t); },
                                   [&](int t) {
-                                     convert(t % kS);
-                                     float s[8][4];
-                                     this->scores(t % kS, s);
+                                    convert(t % kS);
+                                    float s[8][4];
+                                    this->scores(t % kS, s);
 #pragma unroll
-                                     for (int j = 0; j < 8; ++j) {
+                                    for (int j = 0; j < 8; ++j) {
 #pragma unroll
-                                       for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
-                                     }
-                                     this->softmax(t, s);
-                                     this->pv(t, s);
-                                   });
+                                      for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
+                                    }
+                                    this->softmax(t, s);
+                                    this->pv(t, s);
+                                  });
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
 #pragma unroll
