@@ -689,9 +689,14 @@ TEST(GqaBlockPrefillCuda, Fp8MatchesFp64AndTheCpuBackend) {
       GqaBlockPrefill prefill(Device::kCuda);
       prefill.run(dev.params(pb));
       EXPECT_NO_THROW(prefill.check_errors());
-      EXPECT_STREQ(prefill.kernel_name(), cuda_sm90a_code_runs(cuda_device_sm())
-                                              ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V"
-                                              : "16-row tiles, mma.sync, FP8 e4m3 K/V");
+      // The name is the last launch's: the chunk's last query block, whose
+      // query rows (its tokens x the heads a list serves) pick the CTA.
+      const int32_t tail = spec.num_tokens % spec.block_size == 0 ? spec.block_size : spec.num_tokens % spec.block_size;
+      const int32_t heads =
+          spec.layout == BlockSelectionLayout::kPerQueryHead ? 1 : spec.num_qo_heads / spec.num_kv_heads;
+      const bool wgmma = cuda_sm90a_code_runs(cuda_device_sm()) && tail >= 2 && heads * tail > 16;
+      EXPECT_STREQ(prefill.kernel_name(),
+                   wgmma ? "64-row multi-token CTA, wgmma, FP8 e4m3 K/V" : "16-row tiles, mma.sync, FP8 e4m3 K/V");
       const auto out = dev.out_values(spec.dtype);
       const auto lse = dev.lse_values();
       const auto ref = testing::gqa_fp8_reference(pb);
@@ -725,8 +730,10 @@ TEST(GqaBlockPrefillCuda, Fp8ReadsAnEnginePoolThroughItsBlockTable) {
     const auto lse = paged.lse_values();
     const auto dense_out = dense.out_values(spec.dtype);
     // Two CTAs where sm_90a code runs (the dense chunk on the 64-row one):
-    // their fp32 sums differ in order, so an output may round one unit apart.
-    EXPECT_LT(testing::relative_l2(out, std::vector<double>(dense_out.begin(), dense_out.end())), 2e-3)
+    // their sums run in another order and their lazy softmax bases differ,
+    // so the rounded P and outputs differ (measured on the H200: relative L2
+    // up to 3.0e-3); each is checked against fp64 on its own.
+    EXPECT_LT(testing::relative_l2(out, std::vector<double>(dense_out.begin(), dense_out.end())), 1e-2)
         << "seed " << spec.seed << ": against the dense FP8 prefill";
     EXPECT_EQ(testing::compare_gqa_prefill(pb.base, testing::gqa_fp8_reference(pb), out, lse, 1e-2, 2e-2), "")
         << "seed " << spec.seed;
