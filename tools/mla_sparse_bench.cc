@@ -221,6 +221,7 @@ int main(int argc, char** argv) {
     Buffer o2(Device::kCuda, o.bytes());
     d.o = o2.data();
     d.o_strides = {int64_t{opt.q_len} * opt.heads * 512, 512, 0};
+    d.scale = p.scale;
     PlanShape dshape = machine;
     dshape.group_size = opt.heads;
     dshape.head_dim_v = 512;
