@@ -119,7 +119,7 @@ struct PartialCommon {
   int32_t num_items = 0;           // the list's items: the last of a request knows its planned count
   int32_t chunks_per_request = 1;  // uniform split: item i -> request i / chunks_per_request
   int32_t chunk_tokens = 0;
-  int32_t uniform_len = 0;  // tokens per request in the uniform split (an upper bound with live_lens)
+  int32_t uniform_len = 0;    // tokens per request in the uniform split (an upper bound with live_lens)
   bool balance_live = false;  // uniform split: chunks share the request's visible tokens (open_item)
 
   void* o = nullptr;             // [num_requests, group_size, dv], input dtype

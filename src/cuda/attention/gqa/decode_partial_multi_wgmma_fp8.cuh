@@ -17,7 +17,7 @@
 #pragma once
 
 #include "cuda/attention/gqa/decode_partial_multi_wgmma.cuh"
-#include "cuda/primitives/fp8_convert.cuh"
+#include "cuda/attention/gqa/fp8_kv_rows.cuh"
 
 namespace sparsepage {
 namespace cuda {
@@ -26,42 +26,31 @@ template <typename T, class Source>
 struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
   using Base = MultiTokenWgmmaCta<T, Source>;
   using Cfg = MultiWgmmaTileConfig;
+  using Rows = Fp8KvRows<T>;
   using Base::kS;
-  static constexpr int kRows = kTileRows / kWarps;  // 16 rows per warp
-  static constexpr int kRawRowBytes = 256;          // 128 K + 128 V bytes
-  static constexpr int kPieces = kRows * 16 / 32;   // 16-byte pieces per lane and tile
-  static_assert(kRows * kRawRowBytes * kWarps <= static_cast<int>(Cfg::kSlabBytes) * 2, "raw rows fit the K tile");
+  static_assert(Rows::kRows * kWarps == kTileRows, "each warp gathers 16 rows");
+  static_assert(Rows::kRawRowBytes * kTileRows <= static_cast<int>(Cfg::kSlabBytes) * 2, "raw rows fit the K tile");
 
-  const unsigned char* k8;  // this request's K and V rows (bytes)
-  const unsigned char* v8;
-  float k_scale, v_scale;
+  Rows fp8;
 
   __device__ MultiTokenWgmmaFp8Cta(const Fp8Params<typename Source::Params>& params, unsigned char* smem)
-      : Base(params, smem) {
-    const int64_t seq = this->request / params.num_kv_heads, head = this->request % params.num_kv_heads;
-    k8 = static_cast<const unsigned char*>(params.k) + seq * params.k_seq + head * params.k_head;
-    v8 = static_cast<const unsigned char*>(params.v) + seq * params.v_seq + head * params.v_head;
-    k_scale = params.k_scale[head];
-    v_scale = params.v_scale[head];
-  }
+      : Base(params, smem), fp8(params, this->request) {}
 
   __device__ unsigned char* raw_rows(int stage) const {
-    return reinterpret_cast<unsigned char*>(this->k_tile(stage)) + this->warp * kRows * kRawRowBytes;
+    return reinterpret_cast<unsigned char*>(this->k_tile(stage)) + this->warp * Rows::kRows * Rows::kRawRowBytes;
   }
 
   /// The raw copies of this warp's 16 rows of tile `tile` (lane l < 16
-  /// resolves row l, then the warp sweeps the rows' 8 K and 8 V pieces), and
-  /// the tile's late byte, as the bf16 CTA sets it.
+  /// resolves row l), and the tile's late byte, as the bf16 CTA sets it.
   __device__ void issue_tile(int tile) {
     const int32_t tok0 = this->tok_begin + tile * kTileRows;
-    const int row0 = this->warp * kRows;
-    const int lane = this->lane;
-    const unsigned char* k_row = k8;
-    const unsigned char* v_row = v8;
+    const int row0 = this->warp * Rows::kRows;
+    const unsigned char* k_row = fp8.k8;
+    const unsigned char* v_row = fp8.v8;
     int fill = 0;
-    int64_t resolved = kRejectedRow;
-    if (lane < kRows && row0 + lane < this->tile_tokens(tile)) {
-      const int64_t r = this->src.row(this->id_slot(tile), tok0, tok0 + row0 + lane, this->p);
+    int64_t resolved = kRejectedRow;  // lanes past the warp's rows are never late
+    if (this->lane < Rows::kRows && row0 + this->lane < this->tile_tokens(tile)) {
+      const int64_t r = this->src.row(this->id_slot(tile), tok0, tok0 + row0 + this->lane, this->p);
       resolved = r;
       this->bad |= r == kRejectedRow;  // a masked row (kMaskedRow) is just not read
       if (r >= 0) {
@@ -70,43 +59,18 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
         v_row += r * this->p.v_stride;
       }
     }
-    const uint32_t dst = smem_u32(raw_rows(tile % kS));
-#pragma unroll
-    for (int i = 0; i < kPieces; ++i) {
-      const int idx = i * 32 + lane;
-      const int lr = idx / 16, c = idx % 16;
-      const int n = __shfl_sync(0xffffffffu, fill, lr);
-      const auto* gk =
-          reinterpret_cast<const unsigned char*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(k_row), lr));
-      const auto* gv =
-          reinterpret_cast<const unsigned char*>(__shfl_sync(0xffffffffu, reinterpret_cast<long long>(v_row), lr));
-      cp_async_16_n(dst + lr * kRawRowBytes + c * 16, c < 8 ? gk + c * 16 : gv + (c - 8) * 16, n);
-    }
+    Rows::copy_raw(smem_u32(raw_rows(tile % kS)), k_row, v_row, fill, this->lane);
     const bool late = __any_sync(0xffffffffu, resolved >= this->src.live_len() - (this->p.q_len - 1));
-    if (lane == 0) this->late_bytes()[(tile % kS) * kWarps + this->warp] = late;
+    if (this->lane == 0) this->late_bytes()[(tile % kS) * kWarps + this->warp] = late;
   }
 
   /// Stage `stage`'s raw e4m3 rows -> its K and V slab tiles in T.
   __device__ void convert(int stage) {
-    const int lane = this->lane;
-    const unsigned char* raw = raw_rows(stage);
-    uint4 x[kPieces];
-#pragma unroll
-    for (int i = 0; i < kPieces; ++i) x[i] = *reinterpret_cast<const uint4*>(raw + (i * 32 + lane) * 16);
+    uint4 x[Rows::kPieces];
+    Rows::load_raw(raw_rows(stage), this->lane, x);
     __syncthreads();  // every warp holds its raw bytes before any converted byte lands on them
-    T* kt = this->k_tile(stage);
-    T* vt = this->v_tile(stage);
-#pragma unroll
-    for (int i = 0; i < kPieces; ++i) {
-      const int idx = i * 32 + lane;
-      const int row = this->warp * kRows + idx / 16, c = idx % 16;
-      const uint2 a = e4m3x4_to<T>(x[i].x), b = e4m3x4_to<T>(x[i].y);
-      const uint2 d = e4m3x4_to<T>(x[i].z), e = e4m3x4_to<T>(x[i].w);
-      T* tile = c < 8 ? kt : vt;
-      const int chunk = 2 * (c % 8);  // 16 raw bytes are two 16-byte chunks of T
-      *reinterpret_cast<uint4*>(tile + Cfg::tile_offset(row, chunk, 16)) = make_uint4(a.x, a.y, b.x, b.y);
-      *reinterpret_cast<uint4*>(tile + Cfg::tile_offset(row, chunk + 1, 16)) = make_uint4(d.x, d.y, e.x, e.y);
-    }
+    Rows::store(x, this->warp * Rows::kRows, this->lane, this->k_tile(stage), this->v_tile(stage),
+                [](int row, int chunk) { return Cfg::tile_offset(row, chunk, 16); });
     wgmma::fence_proxy_async();  // the converted tiles, for the MMAs' async-proxy reads
     __syncthreads();
   }
@@ -120,7 +84,7 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
 #pragma unroll
                                     for (int j = 0; j < 8; ++j) {
 #pragma unroll
-                                      for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
+                                      for (int e = 0; e < 4; ++e) s[j][e] *= fp8.k_scale;
                                     }
                                     this->softmax(t, s);
                                     this->pv(t, s);
@@ -128,7 +92,7 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) this->acc[i][e] *= v_scale;
+      for (int e = 0; e < 4; ++e) this->acc[i][e] *= fp8.v_scale;
     }
     this->finish();
   }
