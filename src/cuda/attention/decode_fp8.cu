@@ -22,7 +22,7 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, bool multi_to
   if constexpr (std::is_same_v<Source, PagedSource>) {
     if (multi_token) {  // 64 query rows per CTA, each gathered row read once for them
       using Cta = MultiTokenWgmmaFp8Cta<T, Source>;
-      auto kernel = multi_token_wgmma_fp8_kernel<T, Source>;
+      auto kernel = multi_token_wgmma_kernel<Cta>;
       configure_smem_once(kernel, Cta::kSmemBytes);
       const int64_t ctas = int64_t{num_items} * multi_token_ctas_per_item(p.group_size, p.q_len);
       if (ctas > INT32_MAX) throw Error("decode: too many work items for one launch");

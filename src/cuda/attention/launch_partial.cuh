@@ -125,7 +125,7 @@ template <class Source>
 int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
   if (kind == MultiTokenCtaKind::kWgmma) {
     using Cta = MultiTokenWgmmaCta<__nv_bfloat16, Source>;
-    return resident_ctas_once(multi_token_wgmma_kernel<__nv_bfloat16, Source>, kThreads, Cta::kSmemBytes);
+    return resident_ctas_once(multi_token_wgmma_kernel<Cta>, kThreads, Cta::kSmemBytes);
   }
   using Cta = MultiTokenCta<__nv_bfloat16, 128, 128, Source>;
   return resident_ctas_once(multi_token_kernel<__nv_bfloat16, 128, 128, Source>, kThreads, Cta::kSmemBytes);
@@ -343,7 +343,7 @@ void launch_multi_token(const typename Source::Params& p, MultiTokenCtaKind kind
   const dim3 grid(static_cast<unsigned>(ctas));
   if (kind == MultiTokenCtaKind::kWgmma) {
     using Cta = MultiTokenWgmmaCta<T, Source>;
-    auto kernel = multi_token_wgmma_kernel<T, Source>;
+    auto kernel = multi_token_wgmma_kernel<Cta>;
     configure_smem_once(kernel, Cta::kSmemBytes);
     launch_with_pdl(kernel, grid, dim3(kThreads), Cta::kSmemBytes, stream, p);
     return;

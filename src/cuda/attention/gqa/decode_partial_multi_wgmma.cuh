@@ -43,6 +43,7 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   using Cfg = MultiWgmmaTileConfig;
   using Tr = typename Base::Tr;
   using Params = typename Source::Params;
+  using KernelParams = Params;  // what multi_token_wgmma_kernel takes
   using Base::acc;
   using Base::kS;
   static_assert(kTileRows == 64 && kMultiRows == 64, "one m64 warpgroup tile of query rows and of gathered rows");
@@ -104,14 +105,17 @@ struct MultiTokenWgmmaCta : MultiTokenCta<T, 128, 128, Source, MultiWgmmaTileCon
   }
 };
 
-template <typename T, class Source>
+/// The entry of both 64-row wgmma CTAs: Cta is MultiTokenWgmmaCta (bf16 /
+/// f16 rows) or MultiTokenWgmmaFp8Cta (decode_partial_multi_wgmma_fp8.cuh);
+/// Cta::KernelParams is what its launch passes.
+template <class Cta>
 __global__ void __launch_bounds__(kThreads, 2)
-    multi_token_wgmma_kernel(const __grid_constant__ typename Source::Params params) {
+    multi_token_wgmma_kernel(const __grid_constant__ typename Cta::KernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait_primary();
   pdl_launch_dependents();
-  MultiTokenWgmmaCta<T, Source> cta(params, smem);
+  Cta cta(params, smem);
   cta.run();
 #else
   __trap();  // dispatch runs this kernel only where sm_90a code runs (multi_token_cta_kind)

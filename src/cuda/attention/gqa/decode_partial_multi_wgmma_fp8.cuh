@@ -31,9 +31,11 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
   static_assert(Rows::kRows * kWarps == kTileRows, "each warp gathers 16 rows");
   static_assert(Rows::kRawRowBytes * kTileRows <= static_cast<int>(Cfg::kSlabBytes) * 2, "raw rows fit the K tile");
 
+  using KernelParams = Fp8Params<typename Source::Params>;  // what multi_token_wgmma_kernel takes
+
   Rows fp8;
 
-  __device__ MultiTokenWgmmaFp8Cta(const Fp8Params<typename Source::Params>& params, unsigned char* smem)
+  __device__ MultiTokenWgmmaFp8Cta(const KernelParams& params, unsigned char* smem)
       : Base(params, smem), fp8(params, this->request) {}
 
   __device__ unsigned char* raw_rows(int stage) const {
@@ -97,20 +99,6 @@ struct MultiTokenWgmmaFp8Cta : MultiTokenWgmmaCta<T, Source> {
     this->finish();
   }
 };
-
-template <typename T, class Source>
-__global__ void __launch_bounds__(kThreads, 2)
-    multi_token_wgmma_fp8_kernel(const __grid_constant__ Fp8Params<typename Source::Params> params) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) unsigned char smem[];
-  pdl_wait_primary();
-  pdl_launch_dependents();
-  MultiTokenWgmmaFp8Cta<T, Source> cta(params, smem);
-  cta.run();
-#else
-  __trap();  // dispatch runs this kernel only where sm_90a code runs (multi_token_cta_kind)
-#endif
-}
 
 }  // namespace cuda
 }  // namespace sparsepage
