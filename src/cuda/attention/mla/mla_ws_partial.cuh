@@ -422,6 +422,9 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
     const int32_t tok0 = tok_begin + tile * L::kTokens;
     const int wrow = (wt / 32) * 16 + lane / 4;
     float tmax[2] = {neg_inf_f32(), neg_inf_f32()};
+    // Padding ids (-1) of this thread's eight keys: their rows were not read and weigh nothing.
+    uint32_t skip = 0;
+    if constexpr (Source::kMaySkip) skip = src.template skipped_pairs<4>(slot, tok0, wg * 32 + 2 * (lane & 3), n);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int key = wg * 32 + (i / 4) * 8 + 2 * (lane & 3) + (i & 1);
@@ -430,10 +433,7 @@ struct MlaWsCta : MlaCtaShare<T, Source> {
         const float b = src.bias(slot, key);
         x = b == neg_inf_f32() ? b : x + b * kLog2e;
       }
-      if (key >= n) x = neg_inf_f32();
-      if constexpr (Source::kMaySkip) {
-        if (src.skip_minus_one && key < n && src.skipped(slot, tok0, tok0 + key)) x = neg_inf_f32();
-      }
+      if (key >= n || ((skip >> (2 * (i / 4) + (i & 1))) & 1u)) x = neg_inf_f32();
       s[i] = x;
     }
 #pragma unroll
