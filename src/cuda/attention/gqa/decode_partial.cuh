@@ -15,6 +15,7 @@
 // mma.sync throughput), so the padding costs no time and keeps one code path.
 #pragma once
 
+#include "cuda/attention/padded_keys.h"
 #include "cuda/merge/decode_merge.cuh"
 #include "cuda/primitives/common.cuh"
 #include "cuda/primitives/wgmma.cuh"
@@ -390,30 +391,15 @@ struct PagedSourceT {
     return kEngineInputs && skip_minus_one && slot[page_of(token) - page_of(tok0)] == -1;
   }
   /// skipped() for the 2 kGroups keys first_key + 8 g + e (g < kGroups,
-  /// e < 2) of the tile at tok0 that hold `n` tokens, as bit 2 g + e: the
-  /// tile's page arithmetic done once, with the division only where
-  /// page_size is not a power of two. (The MLA softmax asks for its eight
-  /// keys in one call; per key, each call carried both paths of page_of.)
+  /// e < 2) of the tile at tok0 that holds `n` tokens, as bit 2 g + e
+  /// (padded_key_pairs): the tile's page arithmetic done once, with the
+  /// division only where page_size is not a power of two. (The MLA softmax
+  /// asks for its eight keys in one call; per key, each call carried both
+  /// paths of page_of.)
   template <int kGroups>
   __device__ uint32_t skipped_pairs(const int32_t* slot, int32_t tok0, int32_t first_key, int32_t n) const {
-    uint32_t bits = 0;
-    if (!(kEngineInputs && skip_minus_one)) return bits;
-    const int32_t pos0 = first_offset + tok0;
-    if (page_shift >= 0) {
-      const int32_t page0 = pos0 >> page_shift;
-#pragma unroll
-      for (int i = 0; i < 2 * kGroups; ++i) {
-        const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
-        if (key < n && slot[((pos0 + key) >> page_shift) - page0] == -1) bits |= 1u << i;
-      }
-    } else {
-      const int32_t page0 = pos0 / page_size;
-      for (int i = 0; i < 2 * kGroups; ++i) {
-        const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
-        if (key < n && slot[(pos0 + key) / page_size - page0] == -1) bits |= 1u << i;
-      }
-    }
-    return bits;
+    if (!(kEngineInputs && skip_minus_one)) return 0;
+    return padded_key_pairs<kGroups>(slot, first_offset + tok0, first_key, n, page_shift, page_size);
   }
   __device__ float bias(const int32_t*, int) const { return 0.f; }
 };

@@ -1,0 +1,51 @@
+// Which of a tile's keys are `-1` padding (IndexPadding::kMinusOneSkips), for
+// the MLA consumers' softmax (PagedSourceT::skipped_pairs). Host and device:
+// the CPU tests check it against the per-key lookup it replaces.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SP_PADDED_KEYS_FN __host__ __device__ __forceinline__
+#else
+#define SP_PADDED_KEYS_FN inline
+#endif
+#if defined(__CUDA_ARCH__)
+#define SP_PADDED_KEYS_UNROLL _Pragma("unroll")
+#else
+#define SP_PADDED_KEYS_UNROLL  // host compilers: no such pragma
+#endif
+
+namespace sparsepage {
+namespace cuda {
+
+/// The 2 kGroups keys first_key + 8 g + e (g < kGroups, e < 2) of a tile
+/// whose first token sits at position `pos0` of its page run (the request's
+/// first page offset + the tile's first token) and which holds `n` tokens:
+/// bit 2 g + e is set where the key's page id in `slot` (the tile's ids,
+/// from the page of pos0 on) is -1. Keys at or past n are never read.
+/// page_shift is log2(page_size), or -1 when page_size is not a power of
+/// two (then each key's page takes a division).
+template <int kGroups>
+SP_PADDED_KEYS_FN uint32_t padded_key_pairs(const int32_t* slot, int32_t pos0, int32_t first_key, int32_t n,
+                                            int32_t page_shift, int32_t page_size) {
+  uint32_t bits = 0;
+  if (page_shift >= 0) {
+    const int32_t page0 = pos0 >> page_shift;
+    SP_PADDED_KEYS_UNROLL
+    for (int i = 0; i < 2 * kGroups; ++i) {
+      const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
+      if (key < n && slot[((pos0 + key) >> page_shift) - page0] == -1) bits |= 1u << i;
+    }
+  } else {
+    const int32_t page0 = pos0 / page_size;
+    for (int i = 0; i < 2 * kGroups; ++i) {
+      const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
+      if (key < n && slot[(pos0 + key) / page_size - page0] == -1) bits |= 1u << i;
+    }
+  }
+  return bits;
+}
+
+}  // namespace cuda
+}  // namespace sparsepage
