@@ -29,22 +29,18 @@ namespace cuda {
 template <int kGroups>
 SP_PADDED_KEYS_FN uint32_t padded_key_pairs(const int32_t* slot, int32_t pos0, int32_t first_key, int32_t n,
                                             int32_t page_shift, int32_t page_size) {
-  uint32_t bits = 0;
-  if (page_shift >= 0) {
-    const int32_t page0 = pos0 >> page_shift;
+  const auto bits_over = [&](auto page_of) {
+    uint32_t bits = 0;
+    const int32_t page0 = page_of(pos0);
     SP_PADDED_KEYS_UNROLL
     for (int i = 0; i < 2 * kGroups; ++i) {
       const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
-      if (key < n && slot[((pos0 + key) >> page_shift) - page0] == -1) bits |= 1u << i;
+      if (key < n && slot[page_of(pos0 + key) - page0] == -1) bits |= 1u << i;
     }
-  } else {
-    const int32_t page0 = pos0 / page_size;
-    for (int i = 0; i < 2 * kGroups; ++i) {
-      const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
-      if (key < n && slot[(pos0 + key) / page_size - page0] == -1) bits |= 1u << i;
-    }
-  }
-  return bits;
+    return bits;
+  };
+  if (page_shift >= 0) return bits_over([page_shift](int32_t pos) { return pos >> page_shift; });
+  return bits_over([page_size](int32_t pos) { return pos / page_size; });
 }
 
 }  // namespace cuda
