@@ -25,10 +25,9 @@ void require_positive(int64_t value, const char* name) {
 // When the even share is within kWholeRequestShare of the longest request,
 // the requests alone nearly fill that grid, and splitting them would only
 // make a second wave of half-length items and a merge: each request then
-// stays one item. Measured on the H200 (docs/PERFORMANCE.md): 256 requests of
-// 4096 rows for 264 slots (97%) took 130.3-130.8 us as one chunk each against
-// 136.3-136.7 us split in two; 128 requests of 2048 (48%) lose as one chunk
-// each (41.7 against 39.9 us), so the rule stays near full.
+// stays one item. On the H200 a batch that fills 97% of the slots ran
+// faster as one chunk per request, one that fills 48% slower (the 2026-12-01
+// peers notebook), so the rule stays near full.
 // Never 0 (min_chunk_tokens = 0 over an empty batch would divide by it) and
 // never longer than the longest request needs, so it fits int32.
 constexpr double kWholeRequestShare = 0.9;

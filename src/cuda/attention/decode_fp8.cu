@@ -42,10 +42,9 @@ void launch_gqa_fp8(const Fp8Params<PartialParams<PagedTable>>& p, bool multi_to
 }
 
 /// Every item of two head tiles runs as a CTA pair when the device places
-/// the clusters. Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV
-/// caches"): since the FP8 CTAs take P from registers, the pairs win or tie
-/// at every batch from 1 to 128, the 128-token chunks of small batches
-/// included (batch 1: 15.5 against 16.0 us; batch 2 level).
+/// the clusters. Since the FP8 CTAs take P from registers, the pairs win or
+/// tie at every batch from 1 to 128 on the H200, the 128-token chunks of
+/// small batches included (docs/PERFORMANCE.md, "Tried and rejected").
 template <class Source>
 bool pairs_run(int32_t group_size) {
   if ((group_size + MlaTile::kHeads - 1) / MlaTile::kHeads != MlaWsFp8PairTile::kClusterCtas) return false;

@@ -84,11 +84,10 @@ Choice kernel_switch(const char* name, const char* const (&names)[N], const Choi
 /// own page tables (PagedSource): the wgmma one where sm_90a code runs and
 /// the dims are exactly 128 / 128 with no second stream, from 17 query rows
 /// (two 16-row tiles or more); the mma.sync one elsewhere, from 33 rows.
-/// Measured on the H200 (block-sparse step, batch 32, 32K, 16 heads per KV
-/// head; docs/PERFORMANCE.md): at 2 tokens (32 rows) the wgmma CTA against
-/// the 16-row tiles 140.7 against 171.3 us, where the mma.sync CTA had lost
-/// (183.1 against 172.7); at 4 tokens wgmma 153.8, mma.sync 160.5, 16-row
-/// tiles 242.7 (before the late-tile test both 64-row CTAs gained).
+/// On the H200 (block-sparse step, batch 32, 32K, 16 heads per KV head) the
+/// wgmma CTA beat the 16-row tiles from 2 tokens (32 rows), where the
+/// mma.sync CTA still lost to them; at 4 tokens both 64-row CTAs won
+/// (docs/PERFORMANCE.md, "Tried and rejected").
 enum class MultiTokenCtaKind { kRowTiles, kMma, kWgmma };
 
 /// SPARSEPAGE_MULTI_TOKEN_CTA (read once per process): unset or `auto`
@@ -136,12 +135,11 @@ int32_t multi_token_resident_ctas(MultiTokenCtaKind kind) {
 /// combine their states through distributed shared memory) when the request
 /// takes at most kClusterMergeCtas CTAs, and by the merge kernel
 /// (decode_merge.cuh, a second launch over fp32 partials in global memory)
-/// otherwise. Measured on the H200 (docs/PERFORMANCE.md, block-sparse
-/// geometry, random rows): clusters of 2 (batch 32 x 2048, 64 x 4096) ran
-/// 8% and 1.5% faster than the merge kernel, clusters of 8 (batch 8) 57-58%
-/// and of 16 (batch 1) 10% slower. (A cluster's CTAs must be placed in one
-/// GPC at once; that this is what costs the large clusters their time is our
-/// reading, not a profile.)
+/// otherwise. On the H200 (block-sparse geometry, random rows) clusters of
+/// 2 beat the merge kernel and clusters of 8 and 16 lost to it
+/// (docs/PERFORMANCE.md, "Tried and rejected"). A cluster's CTAs must be
+/// placed in one GPC at once; that this is what costs the large clusters
+/// their time is our reading, not a profile.
 constexpr int32_t kClusterMergeCtas = 2;
 
 /// Dynamic shared memory of the 128/128 cluster kernel's launches.

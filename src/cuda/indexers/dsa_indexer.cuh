@@ -39,7 +39,8 @@ constexpr int kGroupDim = 128;
 // Two consumer warpgroups take the tiles in turn, each fed by its own
 // producer warp through its own stages (tile i goes to warpgroup i % 2), so
 // a late copy for one warpgroup never holds back the other's. One producer
-// for both read the FP8 keys at ~2.4 TB/s; a producer each, ~3.4 TB/s.
+// for both read the FP8 keys markedly slower (docs/PERFORMANCE.md, "Tried
+// and rejected").
 constexpr int kGroupConsumers = 2;
 constexpr int kGroupThreads = kGroupConsumers * (128 + 32);
 

@@ -240,8 +240,8 @@ struct TileConfig {
   // Three stages keep two tiles of gathered rows in flight per CTA; the
   // 192+128 shape drops to two so that two CTAs still fit on an SM, and the
   // 256+256 shape runs one CTA per SM with three. Dense rows (the mask path)
-  // at 128+128 stream better from three CTAs of two stages per SM (measured
-  // on the H200: 4.3-4.5 TB/s against 3.3-3.9 at batch 8-32), while gathered
+  // at 128+128 stream better from three CTAs of two stages per SM (so it
+  // measured on the H200 at batch 8-32), while gathered
   // rows do better with three stages: each source gets its best shape, so
   // the benchmark's baseline is as fast as this kernel can make it.
   static constexpr bool kDense128 = kDenseRows && DK + DV == 256;

@@ -147,8 +147,8 @@ struct PartialCta {
     const int dq_chunks = p.dqk / 8;
     // A gathered row is read by one head tile per launch (by several only
     // past 16 query rows per KV head, whose CTAs run side by side): evict it
-    // first. Measured on the H200 at 16 query rows: 0.6-2.5% faster at batch
-    // 32-64, level at batch 1 (docs/PERFORMANCE.md).
+    // first (on the H200 at 16 query rows: faster at batch 32-64, level at
+    // batch 1; the 2026-12-01 GQA kernel notebook).
     const uint64_t policy = l2_evict_first_policy();
     // Shuffles stay out of divergent code (which would make them collective
     // calls): the second-stream case is its own uniform loop.

@@ -29,13 +29,12 @@
 // m64n256k16 (it asks for 154), so this CTA runs P V as two m64n128k16 per
 // k-step (MlaWsFp8Tile::kPvHalves).
 //
-// Measured on the H200 (docs/PERFORMANCE.md, "FP8 KV caches"), against the
-// earlier FP8 kernel (each thread dequantizing a row's quarter from
-// registers after P V, since deleted): 318-321 against 255 TFLOP/s at batch
-// 64, 328-331 against 262 at batch 128. On the way: one producer warpgroup (216 / 72 registers) measured
-// 301 and 310. Loading four blocks before any store beat two and one. An L2
-// prefetch of the next tile's rows, and copies split in two halves
-// (the first converted while the second lands), both measured slower.
+// It replaced an FP8 kernel in which each thread dequantized a row's
+// quarter from registers after P V. Measured and rejected on the way (the
+// figures are in docs/PERFORMANCE.md, "Tried and rejected"): one producer
+// warpgroup (216 / 72 registers), an L2 prefetch of the next tile's rows,
+// and copies split in two halves (the first converted while the second
+// lands). Loading four blocks before any store beat two and one.
 #pragma once
 
 #include "cuda/attention/mla/mla_ws_partial.cuh"
