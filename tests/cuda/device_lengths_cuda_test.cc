@@ -132,8 +132,8 @@ EngineSpec gqa_block_pages() {
 // length (SeqLensIndex::kPerSequence) is negative for one sequence once
 // turned other requests' outputs NaN. Sequence 2's four requests (8..11)
 // must be the only ones poisoned, for every out-of-range value, split over
-// the merge kernel, over clusters (SPARSEPAGE_GQA_MERGE's default takes
-// clusters of 2 for uniform splits in two) and unsplit.
+// the merge kernel, over clusters (the launch takes clusters of 2 for
+// uniform splits in two) and unsplit.
 TEST(DeviceLengthsCuda, APerSequenceLengthPoisonsOnlyItsSequence) {
   SKIP_WITHOUT_CUDA();
   const EngineProblem pb = make_engine_problem(gqa_block_pages(), 61);

@@ -1,8 +1,8 @@
 // The FP8 MLA kernels' numerics, exactly: each dequantized latent value
 // (e4m3 x its block's fp32 scale) is rounded to bf16 before the tensor
-// cores read it (mla_ws_fp8_partial.cuh, mla_ws_fp8_pair.cuh and
-// mla_fp8_partial.cuh all convert with e4m3x8_to_bf16_scaled; FlashMLA's
-// FP8 decode, too, feeds its MMAs bf16). So each kernel is checked twice
+// cores read it (mla_ws_fp8_partial.cuh and mla_ws_fp8_pair.cuh both
+// convert with e4m3x8_to_bf16_scaled; FlashMLA's FP8 decode, too, feeds
+// its MMAs bf16). So each kernel is checked twice
 // against fp64:
 //   1. against the attention over the rounded values (the kernels' own
 //      arithmetic), at the tolerances the bf16 MLA path meets: per head o
@@ -11,8 +11,9 @@
 //      the CPU backend computes), element by element within the bound
 //      derived in docs/RELIABILITY.md ("FP8 MLA rounding",
 //      support/fp8_problem.h's mla_rounding_bound).
-// All three kernels (CTA pairs, one warp-specialized CTA, classic) run, as
-// the kernel switches pick them, with and without splits. Outputs and the
+// Both kernels run, with and without splits: the CTA pairs at 128 heads
+// (two head tiles per item, where the device places the clusters) and the
+// one-CTA kernel at 16 heads (one head tile); each case names its kernel. Outputs and the
 // workspace are poisoned (NaN); pool rows no token reads are NaN.
 #include <gtest/gtest.h>
 
@@ -83,8 +84,6 @@ testing::PagedProblem mla_problem(int32_t heads, std::vector<int32_t> lens, uint
   return testing::make_problem(spec, rng);
 }
 
-// Which kernel runs is the process's switches' choice (SPARSEPAGE_MLA_KERNEL,
-// SPARSEPAGE_MLA_FP8_PAIRS); ctest runs this suite once per kernel.
 TEST(Fp8MlaRounding, MatchesTheRoundedDequantizationAndStaysWithinTheBoundOfTheExactOne) {
   SKIP_WITHOUT_CUDA();
   if (!cuda_arch_problem(cuda_device_sm(), 512, 512, 64).empty()) GTEST_SKIP() << "no MLA kernel for this GPU";
