@@ -4,8 +4,11 @@
 # A venv, because the machine's python3 may be externally managed (PEP 668)
 # and because nothing here should touch the system's site-packages.
 # Idempotent: an existing .venv with everything pinned installed is left alone.
-# torch is not installed here (it is large); the torch tests skip without it.
-# With --plots it also installs matplotlib, which scripts/plot_steps.py needs.
+# torch is not installed by default (its wheels bring the CUDA libraries,
+# about 4.5 GB); the torch tests skip without it. Options (any order):
+#   --torch  also torch, at the version the GPU machine has, so the torch
+#            tests run on CPU tensors (.ci/run's torch part);
+#   --plots  also matplotlib, which scripts/plot_steps.py needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -15,7 +18,13 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 reqs=(scikit-build-core==0.11.6 nanobind==2.9.2 pytest==8.4.2 numpy==2.3.5)
-[ "${1:-}" = "--plots" ] && reqs+=(matplotlib==3.10.7)
+for arg in "$@"; do
+  case "$arg" in
+    --torch) reqs+=(torch==2.11.0) ;;
+    --plots) reqs+=(matplotlib==3.10.7) ;;
+    *) echo "install-python-deps: unknown option '$arg' (--torch, --plots)" >&2; exit 2 ;;
+  esac
+done
 if ! "$venv/bin/python" -m pip show --quiet "${reqs[@]%%==*}" >/dev/null 2>&1 ||
    ! "$venv/bin/python" - "${reqs[@]}" <<'PY'
 import sys

@@ -4,7 +4,8 @@
 # skip, saying so, when no GPU is present. Then builds the Python package into
 # .venv (scripts/install-python-deps.sh) and runs its pytest suite
 # (tests/python): the numpy tests run everywhere; the torch tests skip, saying
-# so, where torch is not installed (CI installs none: it is too large).
+# so, where torch is not installed (this command installs none: it is large;
+# .ci/run's torch part installs it and runs them on CPU tensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh

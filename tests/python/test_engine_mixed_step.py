@@ -22,7 +22,7 @@ STEPS, B = 4, 3
 def backend(request):
     if request.param == "numpy-cpu":
         return NumpyF16()
-    torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); runs on the GPU machine")
+    torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
     if not (torch.cuda.is_available() and sp.cuda_available()):
         pytest.skip("needs a GPU and sparsepage built with CUDA")
     return TorchBf16(torch)

@@ -6,7 +6,7 @@ attention sink (no effect at -inf, out = 0 at +inf, the exact factor otherwise),
 attend nothing (out 0, lse +inf), lse's [b, h_q, s_q] layout, and bad arguments named.
 Every pool byte no attended id reaches is 0xFF (NaN in every field).
 
-The numpy tests run everywhere (CI has no torch); the torch tests skip without torch, the
+The numpy tests run everywhere (without torch); the torch tests skip without torch, the
 CUDA tests without a GPU."""
 
 import math
@@ -311,10 +311,10 @@ def test_metadata_accepts_the_older_interfaces_arguments():
 
 try:
     import torch
-except ImportError:  # CI: the numpy tests above still run
+except ImportError:  # without torch the numpy tests above still run
     torch = None
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (CI installs none); the torch tests "
-                                 "run on the GPU machine")
+needs_torch = pytest.mark.skipif(torch is None,
+                                 reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
 has_gpu = torch is not None and torch.cuda.is_available() and sp.cuda_available()
 cuda_only = pytest.mark.skipif(not has_gpu, reason="needs torch, a GPU and sparsepage built with CUDA")
 

@@ -5,7 +5,7 @@ a length past topk, clamped), no causal limit (a token may read any row, s_q abo
 attention sink, tokens that attend nothing (out 0, lse +inf, max_logits -inf), and bad arguments
 named. Every kv row no token attends is NaN.
 
-The numpy tests run everywhere (CI has no torch); the torch tests skip without torch, the CUDA
+The numpy tests run everywhere (without torch); the torch tests skip without torch, the CUDA
 test without a GPU."""
 
 import numpy as np

@@ -11,7 +11,7 @@ import pytest
 
 import sparsepage as sp
 
-torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); this runs on the GPU machine")
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "python", "examples", "tensor_parallel.py")
 

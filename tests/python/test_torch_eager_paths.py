@@ -7,7 +7,7 @@ import pytest
 
 import sparsepage as sp
 
-torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
 ops = pytest.importorskip("sparsepage.torch_ops")
 
 has_gpu = torch.cuda.is_available() and sp.cuda_available()

@@ -11,7 +11,7 @@ import pytest
 import sparsepage as sp
 from reference import attend
 
-torch = pytest.importorskip("torch", reason="torch is not installed (CI installs none); these tests run on the GPU machine")
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
                                 reason="needs a GPU and sparsepage built with CUDA")
 
