@@ -14,10 +14,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import graphed, time_ms
 
 from sparsepage import torch_ops as ops
-
-from cuda_timing import graphed, time_ms
 
 H, LAT, ROPE, TOPK, IH, ID = 128, 512, 64, 2048, 64, 128
 

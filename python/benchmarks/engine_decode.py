@@ -24,10 +24,9 @@ Usage: python3 python/benchmarks/engine_decode.py [--batches 1,8,32] [--context 
 import argparse
 
 import torch
+from cuda_timing import graphed, time_ms
 
 from sparsepage import torch_ops as ops
-
-from cuda_timing import graphed, time_ms
 
 H, LAT, ROPE, TOPK, BS = 128, 512, 64, 2048, 64
 

@@ -20,10 +20,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import graphed, time_ms
 
 import sparsepage as sp
-
-from cuda_timing import graphed, time_ms
 
 BF = torch.bfloat16
 

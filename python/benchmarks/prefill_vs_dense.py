@@ -25,6 +25,7 @@ Usage: python3 python/benchmarks/prefill_vs_dense.py [--prompts 8192,32768,13107
 """
 
 import argparse
+import functools
 import json
 import sys
 
@@ -95,7 +96,7 @@ def main():
                         for end in range(chunk, prompt + 1, chunk):
                             ks, vs = k[:, :, :end], v[:, :, :end]
                             if arm == "sdpa":
-                                fn = lambda: sdpa_chunk(q, ks, vs, chunk, end)  # noqa: E731
+                                fn = functools.partial(sdpa_chunk, q, ks, vs, chunk, end)
                             else:
                                 qf = q[0].transpose(0, 1).contiguous()            # [chunk, H, d]
                                 kf = ks[0].transpose(0, 1).contiguous()           # [end, Hkv, d]

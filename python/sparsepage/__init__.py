@@ -17,9 +17,9 @@ lse values are natural logarithms of the summed exponentials of the scaled
 scores; an empty request gives ``o = 0`` and ``lse = -inf``.
 """
 
+from . import engine  # noqa: F401
 from ._core import *  # noqa: F401,F403
 from ._core import Error, built_with_cuda, cuda_available  # noqa: F401
-from . import engine  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -118,8 +118,11 @@ def test_block_sparse_over_engine_pools_equals_the_engine_paged_layer(rng, fp8_k
     B, H, D, max_blocks, key_block = 3, 2, 32, 12, 32
     if fp8_keys:
         D = 128  # vLLM's FP8 index keys hold 128 values
-    cfg = lambda s: sp.BlockSparseConfig(num_qo_heads=4, num_kv_heads=H, head_dim=D, block_size=16, topk_blocks=2,
-                                         local_blocks=1, capacity_step=64, kv_storage=s)
+
+    def cfg(s):
+        return sp.BlockSparseConfig(num_qo_heads=4, num_kv_heads=H, head_dim=D, block_size=16, topk_blocks=2,
+                                    local_blocks=1, capacity_step=64, kv_storage=s)
+
     lens = np.array([0, 40, 150], np.int32)  # free, dense regime (<= 64), sparse
     num_blocks = B * max_blocks + 2
     table = rng.permutation(num_blocks).astype(np.int32)[: B * max_blocks].reshape(B, max_blocks).copy()

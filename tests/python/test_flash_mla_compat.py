@@ -9,7 +9,6 @@ Every pool byte no attended id reaches is 0xFF (NaN in every field).
 The numpy tests run everywhere (without torch); the torch tests skip without torch, the
 CUDA tests without a GPU."""
 
-import math
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
-from reference import attend
 
 
 def fused_and_mask(dispatch_on):

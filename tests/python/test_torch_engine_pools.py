@@ -12,7 +12,6 @@ kept position 1300 where the CPU kept 547: a near-tie at the cut that the FP8 te
 CPU twin round differently, which moved that slot's output by 1e-1 relative L2 since the two rows'
 attention weights differ.) Runs on the GPU machine; skips without torch or a GPU."""
 
-import numpy as np
 import pytest
 
 import sparsepage as sp
