@@ -199,9 +199,22 @@ class SparseLayer {
   LayerStep step(const StepTokens& tokens, const EnginePagedKV& kv, void* stream);
 
   // ---- the model's hooks ----
-  /// Throws Error naming what is missing or wrong in `tokens` (before
-  /// anything changes). `engine`: an engine-paged step.
-  virtual void check_tokens(const StepTokens& tokens, bool engine) const = 0;
+  /// The model's names for the StepTokens pointers it takes (null: an input
+  /// it has none of), for the skeleton's refusals of a step's tokens.
+  struct TokenNames {
+    const char* tokens;  // the model's token struct, e.g. "BlockSparseTokens"
+    const char* q = "q";
+    const char* q_extra = nullptr;
+    const char* index_q = nullptr;
+    const char* index_weights = nullptr;
+    const char* k = "k";
+    const char* v = "v";
+    const char* o = "o";
+    /// Engine forms (EngineLayerForms): over an engine's pool k and v are
+    /// null and index_k is set (engine-paged) or null too (engine pools).
+    bool engine_forms = false;
+  };
+  virtual TokenNames token_names() const = 0;
   virtual TokenBytes token_bytes() const = 0;
   /// The most query tokens a fused step takes (1: no multi-token steps).
   virtual int32_t max_query_tokens() const { return 1; }
@@ -291,6 +304,9 @@ class SparseLayer {
   void size_step_buffers(int32_t q_len);
   void select_step(const StepTokens& tokens, int32_t q_len, void* stream);  // after the append, between the events
   bool any_sparse(int32_t q_len) const;  // an active slot's first step token is in its sparse regime
+  /// Throws Error naming what is missing or wrong in `tokens` by the model's
+  /// token_names() (before anything changes). `engine`: over an engine's pool.
+  void check_tokens(const StepTokens& tokens, bool engine) const;
   LayerStep fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep token_by_token(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,

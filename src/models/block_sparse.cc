@@ -166,30 +166,11 @@ StepTokens BlockSparseAttention::to_step(const BlockSparseTokens& t) const {
   return s;
 }
 
-void BlockSparseAttention::check_tokens(const StepTokens& t, bool engine) const {
-  if (engine && engine_pools()) {
-    if (t.q == nullptr || t.index_q == nullptr || t.o == nullptr) {
-      throw Error("BlockSparseAttention (engine pools): q, index_q and o must be set");
-    }
-    if (t.k != nullptr || t.v != nullptr || t.index_k != nullptr) {
-      throw Error("BlockSparseAttention (engine pools): k, v and index_k must be null (the engine writes the token's "
-                  "K and V rows and its index key into its pools)");
-    }
-    return;
-  }
-  if (engine) {
-    if (t.q == nullptr || t.index_q == nullptr || t.index_k == nullptr || t.o == nullptr) {
-      throw Error("BlockSparseAttention (engine-paged): q, index_q, index_k and o must be set");
-    }
-    if (t.k != nullptr || t.v != nullptr) {
-      throw Error("BlockSparseAttention (engine-paged): k and v must be null (the engine writes the token's rows "
-                  "into its pool; pass the index key as index_k)");
-    }
-    return;
-  }
-  if (t.q == nullptr || t.index_q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
-    throw Error("BlockSparseAttention: every BlockSparseTokens pointer (q, index_q, k, v, o) must be set");
-  }
+SparseLayer::TokenNames BlockSparseAttention::token_names() const {
+  TokenNames n{"BlockSparseTokens"};
+  n.index_q = "index_q";
+  n.engine_forms = true;
+  return n;
 }
 
 SparseLayer::TokenBytes BlockSparseAttention::token_bytes() const {

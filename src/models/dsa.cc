@@ -130,35 +130,16 @@ StepTokens DsaAttention::to_step(const DsaTokens& t) const {
   return s;
 }
 
-// Every input is checked before the cache changes, so a bad call appends nothing.
-void DsaAttention::check_tokens(const StepTokens& t, bool engine) const {
-  if (engine && engine_pools()) {
-    if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr ||
-        t.o == nullptr) {
-      throw Error("DsaAttention (engine pools): q_latent, q_pe, q_index, index_weights and o must be set");
-    }
-    if (t.k != nullptr || t.v != nullptr || t.index_k != nullptr) {
-      throw Error("DsaAttention (engine pools): k_cache_row, k_pe and index_k must be null (the engine writes the "
-                  "token's MLA row and index key into its pools)");
-    }
-    return;
-  }
-  if (engine) {
-    if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr ||
-        t.index_k == nullptr || t.o == nullptr) {
-      throw Error("DsaAttention (engine-paged): q_latent, q_pe, q_index, index_weights, index_k and o must be set");
-    }
-    if (t.k != nullptr || t.v != nullptr) {
-      throw Error("DsaAttention (engine-paged): k_cache_row and k_pe must be null (the engine writes the token's "
-                  "MLA row into its pool; pass the indexer key as index_k)");
-    }
-    return;
-  }
-  if (t.q == nullptr || t.q_extra == nullptr || t.index_q == nullptr || t.index_weights == nullptr || t.k == nullptr ||
-      t.v == nullptr || t.o == nullptr) {
-    throw Error("DsaAttention: every DsaTokens pointer (q_latent, q_pe, q_index, index_weights, k_cache_row, k_pe, "
-                "o) must be set");
-  }
+SparseLayer::TokenNames DsaAttention::token_names() const {
+  TokenNames n{"DsaTokens"};
+  n.q = "q_latent";
+  n.q_extra = "q_pe";
+  n.index_q = "q_index";
+  n.index_weights = "index_weights";
+  n.k = "k_cache_row";
+  n.v = "k_pe";
+  n.engine_forms = true;
+  return n;
 }
 
 SparseLayer::TokenBytes DsaAttention::token_bytes() const {

@@ -177,6 +177,49 @@ void SparseLayer::select_step(const StepTokens& tokens, int32_t q_len, void* str
   last_q_len_ = q_len;
 }
 
+void SparseLayer::check_tokens(const StepTokens& t, bool engine) const {
+  const TokenNames n = token_names();
+  struct Input {
+    const void* given;
+    const char* name;  // null: the model has no such input
+  };
+  const Input q{t.q, n.q}, q_extra{t.q_extra, n.q_extra}, index_q{t.index_q, n.index_q},
+      weights{t.index_weights, n.index_weights}, k{t.k, n.k}, v{t.v, n.v}, index_k{t.index_k, "index_k"}, o{t.o, n.o};
+  engine = engine && n.engine_forms;
+  const bool pools = engine && engine_pools();
+  std::vector<Input> set = {q, q_extra, index_q, weights, k, v, o}, unset;
+  if (pools) {
+    set = {q, q_extra, index_q, weights, o};
+    unset = {k, v, index_k};
+  } else if (engine) {
+    set = {q, q_extra, index_q, weights, index_k, o};
+    unset = {k, v};
+  }
+  // "a, b and c" (own cache: "(a, b, c)") of the model's inputs in `inputs`.
+  auto names = [](const std::vector<Input>& inputs, const char* last_separator) {
+    std::vector<const char*> named;
+    for (const Input& i : inputs)
+      if (i.name != nullptr) named.push_back(i.name);
+    std::string out;
+    for (size_t i = 0; i < named.size(); ++i)
+      out += (i == 0 ? "" : i + 1 == named.size() ? last_separator : ", ") + std::string(named[i]);
+    return out;
+  };
+  auto any = [](const std::vector<Input>& inputs, bool given) {
+    return std::any_of(inputs.begin(), inputs.end(),
+                       [&](const Input& i) { return i.name != nullptr && (i.given != nullptr) == given; });
+  };
+  const std::string who = name_ + (pools ? " (engine pools)" : engine ? " (engine-paged)" : "");
+  if (any(set, false)) {
+    throw Error(engine ? who + ": " + names(set, " and ") + " must be set"
+                       : who + ": every " + n.tokens + " pointer (" + names(set, ", ") + ") must be set");
+  }
+  if (any(unset, true)) {
+    throw Error(who + ": " + names(unset, " and ") + " must be null (the engine writes the token's rows " +
+                (pools ? "and its index key into its pools)" : "into its pool; pass the index key as index_k)"));
+  }
+}
+
 bool SparseLayer::any_sparse(int32_t q_len) const {
   for (size_t b = 0; b < kv_lens().size(); ++b)
     if (cache_.active()[b] && sparse_at(kv_lens()[b] - (q_len - 1))) return true;

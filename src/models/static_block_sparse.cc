@@ -118,11 +118,7 @@ StepTokens StaticBlockSparseAttention::to_step(const StaticBlockSparseTokens& t)
   return s;
 }
 
-void StaticBlockSparseAttention::check_tokens(const StepTokens& t, bool /*engine*/) const {
-  if (t.q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
-    throw Error("StaticBlockSparseAttention: every StaticBlockSparseTokens pointer (q, k, v, o) must be set");
-  }
-}
+SparseLayer::TokenNames StaticBlockSparseAttention::token_names() const { return {"StaticBlockSparseTokens"}; }
 
 SparseLayer::TokenBytes StaticBlockSparseAttention::token_bytes() const {
   const size_t row = static_cast<size_t>(config_.head_dim) * dtype_size(dtype());

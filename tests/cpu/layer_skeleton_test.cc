@@ -38,11 +38,7 @@ class WindowAttention : public LayerForms<WindowTokens> {
     return {t.q, nullptr, nullptr, nullptr, t.k, t.v, nullptr, t.o};
   }
   int32_t requests() const { return batch() * kKvHeads; }
-  void check_tokens(const StepTokens& t, bool) const override {
-    if (t.q == nullptr || t.k == nullptr || t.v == nullptr || t.o == nullptr) {
-      throw Error("WindowAttention: q, k, v and o must be set");
-    }
-  }
+  TokenNames token_names() const override { return {"WindowTokens"}; }
   TokenBytes token_bytes() const override {
     TokenBytes b;
     b.q = b.o = size_t{kQoHeads} * kDim * 2;

@@ -100,7 +100,7 @@ class DsaAttention : public EngineLayerForms<DsaTokens> {
  private:
   StepTokens to_step(const DsaTokens& t) const override;
   std::string query_tokens_refusal(int32_t q_len) const override;
-  void check_tokens(const StepTokens& tokens, bool engine) const override;
+  TokenNames token_names() const override;
   TokenBytes token_bytes() const override;
   int32_t max_query_tokens() const override { return kMaxQueryTokens; }
   SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const override;

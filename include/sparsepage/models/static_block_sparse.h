@@ -88,7 +88,7 @@ class StaticBlockSparseAttention : public LayerForms<StaticBlockSparseTokens> {
 
  private:
   StepTokens to_step(const StaticBlockSparseTokens& t) const override;
-  void check_tokens(const StepTokens& tokens, bool engine) const override;
+  TokenNames token_names() const override;
   TokenBytes token_bytes() const override;
   SparseAttentionInputs attention_inputs(const StepTokens& tokens, int32_t q_len) const override;
   void size_selection(int64_t capacity, int32_t q_len) override;
