@@ -660,9 +660,6 @@ void bind_decode(nb::module_& m) {
         const std::string op = "masked_decode";
         Inputs r = make_inputs(op, q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra, true);
         MaskedDecodeParams p = masked_params(r.in);
-        if (num_kv_heads < 1 || r.in.num_qo_heads % num_kv_heads != 0)
-          throw Error(op + ": num_qo_heads = " + std::to_string(r.in.num_qo_heads) +
-                      " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads));
         const auto mask = describe(mask_in, op, "mask");
         if (mask) {
           if (mask->device != r.in.device) mask->fail("lives on another device than q");

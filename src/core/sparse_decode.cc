@@ -29,13 +29,18 @@ DecodeParams stream_fields(const SparseAttentionInputs& in) {
   return p;
 }
 
+// Before anything divides by num_kv_heads.
+void check_heads(const SparseAttentionInputs& in) {
+  REQUIRE(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
+          "num_qo_heads = " + std::to_string(in.num_qo_heads) +
+              " must be a positive multiple of num_kv_heads = " + std::to_string(in.num_kv_heads));
+}
+
 void check_inputs(const SparseAttentionInputs& in) {
   REQUIRE(in.dtype == DType::kF32 || in.dtype == DType::kF16 || in.dtype == DType::kBF16,
           "dtype " + std::to_string(static_cast<int32_t>(in.dtype)) + " is not a DType");
   REQUIRE(in.batch >= 1, "batch = " + std::to_string(in.batch) + " must be at least 1");
-  REQUIRE(in.num_kv_heads >= 1 && in.num_qo_heads >= 1 && in.num_qo_heads % in.num_kv_heads == 0,
-          "num_qo_heads = " + std::to_string(in.num_qo_heads) +
-              " must be a positive multiple of num_kv_heads = " + std::to_string(in.num_kv_heads));
+  check_heads(in);
   const int64_t requests = int64_t{in.batch} * in.num_kv_heads;
   REQUIRE(requests <= std::numeric_limits<int32_t>::max(),
           "batch * num_kv_heads = " + std::to_string(requests) + " exceeds 2^31 - 1 requests");
@@ -331,6 +336,7 @@ void SparseDecoder::check_errors(void* stream) {
 }
 
 MaskedDecodeParams masked_params(const SparseAttentionInputs& in) {
+  check_heads(in);
   REQUIRE(in.q_len == 1, "the mask path takes one query token per sequence (q_len = " + std::to_string(in.q_len) +
                              "); a multi-token step runs on the fused path");
   REQUIRE(in.block_table.data == nullptr,

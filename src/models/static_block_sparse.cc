@@ -52,16 +52,30 @@ int32_t StaticBlockSparseConfig::head_sliding_step() const {
   return std::max(1, num_qo_heads > 0 ? vert_stride / num_qo_heads : 1);
 }
 
+namespace {
+// The rule divides by block_size and vert_stride: a config a layer would
+// refuse is refused here too, by name, rather than dividing by zero.
+detail::StaticPattern checked_pattern(const StaticBlockSparseConfig& c, const char* who) {
+  if (c.num_qo_heads < 1 || c.block_size < 1 || c.local_blocks < 1 || c.vert_stride < 1) {
+    throw Error(std::string("StaticBlockSparseConfig::") + who +
+                ": num_qo_heads, block_size, local_blocks and vert_stride must be at least 1 (got " +
+                std::to_string(c.num_qo_heads) + ", " + std::to_string(c.block_size) + ", " +
+                std::to_string(c.local_blocks) + ", " + std::to_string(c.vert_stride) + ")");
+  }
+  return detail::pattern_of(c);
+}
+}  // namespace
+
 bool StaticBlockSparseConfig::keeps(int32_t head, int64_t query_block, int64_t key_block) const {
-  return detail::static_block_kept(detail::pattern_of(*this), head, query_block, key_block);
+  return detail::static_block_kept(checked_pattern(*this, "keeps"), head, query_block, key_block);
 }
 
 int64_t StaticBlockSparseConfig::kept_blocks(int32_t head, int64_t kv_len) const {
-  return detail::static_kept_blocks(detail::pattern_of(*this), head, kv_len).count();
+  return detail::static_kept_blocks(checked_pattern(*this, "kept_blocks"), head, kv_len).count();
 }
 
 int64_t StaticBlockSparseConfig::kept_tokens(int32_t head, int64_t kv_len) const {
-  return detail::static_kept_tokens(detail::pattern_of(*this), head, kv_len);
+  return detail::static_kept_tokens(checked_pattern(*this, "kept_tokens"), head, kv_len);
 }
 
 namespace {

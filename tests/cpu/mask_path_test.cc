@@ -6,10 +6,13 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "sparsepage/cache.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/sparse_decode.h"
+#include "support/expect_error.h"
 #include "support/quantized_rows.h"
 #include "support/reference.h"
 
@@ -409,6 +412,22 @@ TEST(MaskPath, InputsConvertWithEveryOperand) {
   EXPECT_EQ(m.live_len, 40);
   EXPECT_EQ(m.live_lens, in.live_lens);
   EXPECT_EQ(m.mask, nullptr);
+}
+
+// The conversion divides by num_kv_heads: a head count of 0 (or one that
+// does not divide num_qo_heads) is refused by name, not a division trap.
+TEST(MaskPath, BadHeadCountsAreRefusedBeforeTheyDivide) {
+  SparseAttentionInputs in;
+  in.batch = 1;
+  in.live_len = 8;
+  for (const auto& heads : {std::pair<int32_t, int32_t>{8, 0}, {8, -2}, {8, 3}, {0, 2}}) {
+    in.num_qo_heads = heads.first;
+    in.num_kv_heads = heads.second;
+    EXPECT_TRUE(testing::throws_error_naming(
+        [&] { (void)masked_params(in); },
+        "num_qo_heads = " + std::to_string(heads.first) +
+            " must be a positive multiple of num_kv_heads = " + std::to_string(heads.second)));
+  }
 }
 
 }  // namespace

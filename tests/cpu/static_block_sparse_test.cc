@@ -122,6 +122,23 @@ TEST(StaticBlockSparse, RefusesBadConfigurationsByName) {
                                            "batch = 0"));
 }
 
+// The rule's own entry points divide by block_size and vert_stride: a config
+// no layer would take is refused there by name too (vert_stride 0 was a
+// division trap), and group_size() of zero KV heads is 0, not a trap.
+TEST(StaticBlockSparse, TheRuleRefusesAConfigThatWouldDivideByZero) {
+  for (int field = 0; field < 4; ++field) {
+    StaticBlockSparseConfig c = kSmall;
+    (field == 0 ? c.vert_stride : field == 1 ? c.block_size : field == 2 ? c.local_blocks : c.num_qo_heads) = 0;
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)c.keeps(0, 3, 1); }, "StaticBlockSparseConfig::keeps: "));
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)c.kept_tokens(0, 100); }, "must be at least 1"));
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)c.kept_blocks(0, 100); }, "kept_blocks"));
+  }
+  StaticBlockSparseConfig c = kSmall;
+  c.num_kv_heads = 0;
+  EXPECT_EQ(c.group_size(), 0);
+  EXPECT_EQ(kSmall.group_size(), kSmall.num_qo_heads / kSmall.num_kv_heads);
+}
+
 TEST(StaticBlockSparse, ABadDecodeAppendsNothing) {
   StaticBlockSparseAttention layer(Device::kCpu, DType::kBF16, kSmall, 1, testing::always_fuse());
   std::mt19937_64 rng(5);

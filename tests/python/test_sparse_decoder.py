@@ -111,6 +111,9 @@ def test_entry_point_errors_name_the_argument(rng):
         dec.try_fused(q, k, v, o, np.concatenate(picks), [12, 12, 12, 11], num_kv_heads=2, live_len=80, scale=0.25)
     with pytest.raises(sp.Error, match=r"^sparse decode: num_qo_heads = 8 must be a positive multiple of num_kv_heads = 3$"):
         dec.try_fused(q, k, v, o, np.concatenate(picks)[:36], [12, 12, 12], num_kv_heads=3, live_len=80, scale=0.25)
+    for heads in (0, 3):  # a head count of 0 once reached a division by zero (a crash, not an error)
+        with pytest.raises(sp.Error, match=rf"num_qo_heads = 8 must be a positive multiple of num_kv_heads = {heads}$"):
+            sp.masked_decode(q, k, v, o, num_kv_heads=heads, live_len=80, scale=0.25)
     # A live window longer than the cache tensors hold: the core refuses it by the rows' capacity.
     for fn in (lambda: dec.try_fused(q, k, v, o, np.concatenate(picks), [12] * 4, num_kv_heads=2, live_len=97,
                                      scale=0.25),

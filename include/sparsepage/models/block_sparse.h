@@ -40,7 +40,7 @@ struct BlockSparseConfig {
 
   /// The sparse regime: enough context that top-k leaves something out.
   bool sparse_regime(int64_t kv_len) const { return kv_len > int64_t{2} * topk_blocks * block_size; }
-  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  int32_t group_size() const { return num_kv_heads > 0 ? num_qo_heads / num_kv_heads : 0; }  // 0: invalid
 };
 
 /// One token's projected inputs, all on the layer's device, in its dtype

@@ -40,7 +40,7 @@ struct StaticBlockSparseConfig {
   int32_t vert_stride = 8;    // >= 1
   int64_t capacity_step = 4096;
 
-  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  int32_t group_size() const { return num_kv_heads > 0 ? num_qo_heads / num_kv_heads : 0; }  // 0: invalid
   int32_t head_sliding_step() const;
   /// The rule: whether query head `head` in query block `query_block` keeps key block `key_block`.
   bool keeps(int32_t head, int64_t query_block, int64_t key_block) const;
