@@ -59,24 +59,4 @@ bool dump_selection_if_enabled(const SparseSelection& selection, const char* lab
 /// Whether SPARSEPAGE_DUMP_SELECTION is on (read once per process).
 bool dump_selection_enabled();
 
-/// Block ids to token rows. Request r selects `block_counts[r]` blocks
-/// (concatenated in `block_ids`, int32 on the selection's device); block b of
-/// request r covers rows row_base[r] + b * block_size + j for
-/// j < block_size, clipped to the live window [0, live_lens[r]).
-///
-/// Precondition that keeps the count a host fact: every listed block must be
-/// a full block inside the live window, except that when live_lens[r] is not a
-/// multiple of block_size the request's *last* entry must be the final,
-/// partial block (docs/DESIGN.md: the block-sparse layer appends it). Row counts are then
-/// block_counts[r] * block_size - (block_size - live_lens[r] % block_size).
-/// A block past the window, or a partial block that is not last, is an error
-/// (CPU: thrown; CUDA: the offending rows are written as -1, which the
-/// decode rejects like any index outside the pool).
-/// One O(selected) pass on the selection's device; on CUDA it runs on
-/// `stream` (a cudaStream_t, after the work already queued there, e.g. the
-/// top-k that wrote `block_ids`) and returns once the rows are written.
-SparseSelection selection_from_blocks(const Buffer& block_ids, const std::vector<int32_t>& block_counts,
-                                      int32_t block_size, const std::vector<int64_t>& row_base,
-                                      const std::vector<int64_t>& live_lens, void* stream = nullptr);
-
 }  // namespace sparsepage

@@ -82,12 +82,6 @@ namespace sparsepage::detail {
 void gather_rows_cuda(const int32_t* rows, const int32_t* offsets, int32_t num_requests, int64_t max_rows, DType dtype,
                       const RowView& pool, int64_t num_pool_rows, void* dst, void* stream);
 
-/// Device half of selection_from_blocks (src/cuda/indexers/selection.cu). All arrays
-/// are device arrays; offending rows are written as -1.
-void selection_from_blocks_cuda(const int32_t* block_ids, const int32_t* block_offsets, const int32_t* row_offsets,
-                                const int64_t* row_base, const int64_t* live_lens, int32_t num_requests,
-                                int32_t block_size, int32_t* rows_out, void* stream);
-
 }  // namespace sparsepage::detail
 
 namespace sparsepage::detail {

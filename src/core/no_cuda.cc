@@ -54,10 +54,6 @@ namespace sparsepage::detail {
 void gather_rows_cuda(const int32_t*, const int32_t*, int32_t, int64_t, DType, const RowView&, int64_t, void*, void*) {
   throw Error("gather_rows(Device::kCuda): sparsepage was built without CUDA");
 }
-void selection_from_blocks_cuda(const int32_t*, const int32_t*, const int32_t*, const int64_t*, const int64_t*, int32_t,
-                                int32_t, int32_t*, void*) {
-  throw Error("selection_from_blocks(Device::kCuda): sparsepage was built without CUDA");
-}
 }  // namespace sparsepage::detail
 
 namespace sparsepage::detail {

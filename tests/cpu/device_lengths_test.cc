@@ -3,7 +3,7 @@
 // its bound before anything is read (docs/RELIABILITY.md, "what is checked
 // where"), and an accepted length reads exactly its own rows. Also the
 // smaller holes found next to them: a dense view of an empty cache, a
-// key-only cache's append, null indices, selection_from_blocks' order.
+// key-only cache's append, null indices.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -376,14 +376,6 @@ TEST(DeviceLengths, NullIndicesAreNamedUnlessThereAreNone) {
   p.index_seq_stride = 1000;  // never multiplied into a null pointer
   EXPECT_NO_THROW(run_decode_cpu(p, plan, ws.data()));
   EXPECT_TRUE(std::isinf(w.lse[3]) && w.lse[3] < 0);
-}
-
-// Host block ids are judged before the output is allocated: counts that
-// name 2^30 rows behind one id outside the window are refused by that id.
-TEST(DeviceLengths, SelectionFromBlocksJudgesIdsBeforeAllocating) {
-  const Buffer ids = upload(Device::kCpu, std::vector<int32_t>{5});
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {1}, 1 << 30, {0}, {int64_t{1} << 30}); },
-                                  "names block 5 outside its live window"));
 }
 
 }  // namespace

@@ -330,18 +330,6 @@ TEST(HostileHelpers, PageTableBuildersNameTheirArguments) {
   EXPECT_TRUE(throws_error_naming([&] { check_page_table(u, &pages, 4); }, "indices[1] = 9"));
 }
 
-TEST(HostileHelpers, SelectionFromBlocksNamesBadCounts) {
-  const Buffer ids = upload(Device::kCpu, std::vector<int32_t>{0, 1});
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {-1}, 4, {0}, {8}); }, "negative count"));
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {3}, 4, {0}, {12}); }, "block_ids holds 2"));
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(ids, {2}, 0, {0}, {8}); }, "block_size = 0"));
-  const Buffer partial_first = upload(Device::kCpu, std::vector<int32_t>{1, 0});
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(partial_first, {2}, 4, {0}, {5}); },
-                                  "(the partial final block) before its last entry"));
-  const Buffer past = upload(Device::kCpu, std::vector<int32_t>{0, 7});
-  EXPECT_TRUE(throws_error_naming([&] { selection_from_blocks(past, {2}, 4, {0}, {8}); }, "names block 7 outside"));
-}
-
 // Beyond the list: an outcome kind outside the enum indexed the per-kind
 // counters out of bounds.
 TEST(HostileHelpers, RecordOutcomeRefusesKindsOutsideTheEnum) {

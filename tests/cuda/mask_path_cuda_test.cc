@@ -240,35 +240,5 @@ TEST(GatherRowsCuda, MatchesHostGather) {
   }
 }
 
-TEST(SelectionFromBlocksCuda, MatchesHostPass) {
-  SKIP_WITHOUT_CUDA();
-  const int32_t block_size = 16;
-  // Request 0: live 100 (partial final block 6, listed last); request 1: live 64 (no partial);
-  // request 2: no blocks.
-  const std::vector<int32_t> ids = {3, 0, 5, 6, 2, 1, 3};
-  const std::vector<int32_t> counts = {4, 3, 0};
-  const std::vector<int64_t> row_base = {1000, 5000, 0}, live = {100, 64, 10};
-  Buffer host_ids = upload(Device::kCpu, ids), dev_ids = upload(Device::kCuda, ids);
-  const SparseSelection want = selection_from_blocks(host_ids, counts, block_size, row_base, live);
-  const SparseSelection got = selection_from_blocks(dev_ids, counts, block_size, row_base, live);
-  EXPECT_EQ(got.counts, want.counts);
-  EXPECT_EQ(got.materialize(), want.materialize());
-
-  // Request 0 (live 96, no partial block): block 7 lies past the window, block 0 is fine.
-  // Request 1 (live 100): the partial block 6 is listed first, so neither entry
-  // is the partial last block the row count assumed: every row is rejected.
-  const std::vector<int32_t> bad_ids = {7, 0, 6, 1};
-  Buffer dev_bad = upload(Device::kCuda, bad_ids);
-  const SparseSelection bad = selection_from_blocks(dev_bad, {2, 2}, block_size, {0, 0}, {96, 100});
-  const auto rows = bad.materialize();
-  ASSERT_EQ(rows[0].size(), 32u);
-  ASSERT_EQ(rows[1].size(), 20u);
-  for (int32_t i = 0; i < block_size; ++i) {
-    EXPECT_EQ(rows[0][static_cast<size_t>(i)], -1);
-    EXPECT_EQ(rows[0][static_cast<size_t>(block_size + i)], i);
-  }
-  for (int32_t row : rows[1]) EXPECT_EQ(row, -1);
-}
-
 }  // namespace
 }  // namespace sparsepage::testing

@@ -746,8 +746,8 @@ void fuzz_caches(FuzzedDataProvider& in) {
   }
 }
 
-// ---- dispatch, block selections and the gather path -----------------------
-void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
+// ---- dispatch and the gather path -------------------------------------------
+void fuzz_dispatch_gather(FuzzedDataProvider& in) {
   // The policy is a pure function of counts that may come from the environment.
   DispatchInput d;
   d.num_requests = in.ConsumeIntegral<int64_t>();
@@ -768,35 +768,6 @@ void fuzz_dispatch_blocks_gather(FuzzedDataProvider& in) {
   const std::string text = in.ConsumeRandomLengthString(24);
   (void)parse_count(text.c_str(), 7);
   (void)parse_enable_switch(text.c_str());
-
-  // Block ids to rows: accepted selections must match the definition.
-  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 4);
-  const int32_t block_size = in.ConsumeIntegralInRange<int32_t>(-1, 9);
-  std::vector<int32_t> counts, ids;
-  std::vector<int64_t> bases, lives;
-  for (size_t r = 0; r < n; ++r) {
-    counts.push_back(in.ConsumeIntegralInRange<int32_t>(-1, 5));
-    bases.push_back(in.ConsumeIntegralInRange<int64_t>(-2, 1000));
-    lives.push_back(in.ConsumeIntegralInRange<int64_t>(-1, 60));
-    for (int32_t i = 0; i < std::max(counts.back(), 0); ++i) ids.push_back(in.ConsumeIntegralInRange<int32_t>(-1, 8));
-  }
-  if (in.ConsumeBool() && !ids.empty()) ids.pop_back();
-  const Buffer block_ids = upload(Device::kCpu, ids);
-  SparseSelection sel;
-  if (accepted([&] { sel = selection_from_blocks(block_ids, counts, block_size, bases, lives); },
-               "selection_from_blocks")) {
-    const auto rows = sel.materialize();
-    size_t at = 0;
-    for (size_t r = 0; r < n; ++r) {
-      std::vector<int32_t> expected;
-      for (int32_t i = 0; i < counts[r]; ++i, ++at) {
-        for (int64_t j = 0; j < block_size && int64_t{ids[at]} * block_size + j < lives[r]; ++j) {
-          expected.push_back(static_cast<int32_t>(bases[r] + int64_t{ids[at]} * block_size + j));
-        }
-      }
-      FUZZ_CHECK(rows[r] == expected, "selection_from_blocks rows differ from the definition");
-    }
-  }
 
   // The gather path over a small pool: rows outside it come back NaN.
   const int32_t dim = in.ConsumeIntegralInRange<int32_t>(1, 6);
@@ -1875,7 +1846,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 2: sparsepage::fuzz_decode(in); break;
     case 3: sparsepage::fuzz_selection_paths(in); break;
     case 4: sparsepage::fuzz_caches(in); break;
-    default: sparsepage::fuzz_dispatch_blocks_gather(in); break;
+    default: sparsepage::fuzz_dispatch_gather(in); break;
   }
   return 0;
 }

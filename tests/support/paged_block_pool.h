@@ -44,7 +44,7 @@ class PagedBlockPool {
   /// Block-granular page table for requests (seq, head) with the given
   /// selected block ids (indices into each sequence's block table) — no
   /// expansion to tokens: page_size = block_size. The final partial block
-  /// must be last when selected, as for selection_from_blocks. Returns the
+  /// must be last when selected. Returns the
   /// structure and the host indices (pool pages) to upload.
   std::pair<PageTableStructure, std::vector<int32_t>> block_page_table(
       const std::vector<int32_t>& seqs, const std::vector<int32_t>& heads,
