@@ -1,6 +1,6 @@
-"""What the layer tests share: the dispatch gates opened, and the two places a test can hold its
-step tensors (numpy on the CPU backend in f16, torch CUDA tensors in bf16) behind one interface,
-so one test body runs on either backend."""
+"""What the layer tests share: the dispatch gates opened, and the places a test can hold its step
+tensors (numpy or torch CPU tensors on the CPU backend in f16, torch CUDA tensors in bf16) behind
+one interface, so one test body runs on any of them."""
 
 import numpy as np
 
@@ -39,6 +39,33 @@ class NumpyF16:
 
     def get(self, a):
         return np.array(a, np.float32)  # a copy: the output buffer may be reused
+
+    def stream(self):
+        return None
+
+
+class TorchF16:
+    """torch CPU tensors in f16 on the CPU backend (the bindings take them through DLPack): NumpyF16's
+    values and dtypes as torch tensors, copies of the test's arrays as TorchBf16's are."""
+    device, dtype = sp.Device.cpu, sp.DType.f16
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def half(self, a):
+        return self.torch.from_numpy(np.array(a, np.float16))
+
+    def f32(self, a):
+        return self.torch.from_numpy(np.array(a, np.float32))
+
+    def raw(self, a):
+        return self.torch.from_numpy(np.array(a))
+
+    def nan_out(self, shape):
+        return self.torch.full(shape, float("nan"), dtype=self.torch.float16)
+
+    def get(self, a):
+        return a.float().numpy().copy()
 
     def stream(self):
         return None

@@ -5,24 +5,27 @@ slot 0 prefills two chunks then decodes, slot 1 decodes every step, slot 2 decod
 Every participating slot's rows must equal, bit for bit, the same request alone in its call on a
 twin layer (one max_seq_len for every call), and attend something; the rows of slots not in a call
 are zero; the other slots' query rows are NaN in every call; the pools are unchanged. Both layers,
-on the CPU backend with numpy arrays (f16) and on the GPU with torch CUDA tensors (bf16; skipped,
-saying so, without torch or a GPU)."""
+on the CPU backend with numpy arrays and with torch CPU tensors (f16; the latter skipped, saying so,
+without torch), and on the GPU with torch CUDA tensors (bf16; skipped, saying so, without torch or
+a GPU)."""
 
 import numpy as np
 import pytest
 
 import sparsepage as sp
-from layer_backends import NumpyF16, TorchBf16, gates_off, quarter_grid
+from layer_backends import NumpyF16, TorchBf16, TorchF16, gates_off, quarter_grid
 
 BLOCK = 16  # the engine's block size, for both pools
 STEPS, B = 4, 3
 
 
-@pytest.fixture(params=["numpy-cpu", "torch-cuda"])
+@pytest.fixture(params=["numpy-cpu", "torch-cpu", "torch-cuda"])
 def backend(request):
     if request.param == "numpy-cpu":
         return NumpyF16()
     torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
+    if request.param == "torch-cpu":
+        return TorchF16(torch)
     if not (torch.cuda.is_available() and sp.cuda_available()):
         pytest.skip("needs a GPU and sparsepage built with CUDA")
     return TorchBf16(torch)

@@ -1,5 +1,5 @@
 """Chunked prefill from Python: prefill() of the block-sparse, static and DSA layers, on the CPU
-backend with numpy arrays and on the GPU with torch CUDA tensors.
+backend with numpy arrays and with torch CPU tensors, and on the GPU with torch CUDA tensors.
 
 Each chunk is compared, per (slot, token, head), with an fp64 reference over the positions the
 layer reports it attended (last_prefill_positions), every row taken from the arrays the test
@@ -11,12 +11,12 @@ import pytest
 
 import sparsepage as sp
 from reference import attend
-from test_multi_token import NumpyCpu, gates_off, relative_l2, torch_cuda
+from test_multi_token import BACKENDS, NumpyCpu, gates_off, relative_l2, torch_cuda
 
 
-@pytest.fixture(params=["numpy-cpu", "torch-cuda"])
+@pytest.fixture(params=list(BACKENDS))
 def backend(request):
-    return NumpyCpu() if request.param == "numpy-cpu" else torch_cuda()
+    return BACKENDS[request.param]()
 
 
 def f16(rng, *shape):

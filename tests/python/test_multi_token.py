@@ -1,5 +1,6 @@
 """Multi-token steps from Python (speculative verification, MTP): decode_multi of the block-sparse
-and DSA layers, on the CPU backend with numpy arrays and on the GPU with torch CUDA tensors.
+and DSA layers, on the CPU backend with numpy arrays and with torch CPU tensors, and on the GPU with
+torch CUDA tensors.
 
 Each fused step is compared, per (sequence, token, head), with an fp64 reference over the rows
 the layer reports it kept, limited to the token's own causal window, with every row taken from
@@ -31,6 +32,26 @@ class NumpyCpu:
         return 0
 
 
+class TorchCpu:
+    """torch CPU tensors on the CPU backend (the bindings take them through DLPack)."""
+    device = sp.Device.cpu
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def put(self, a):
+        return self.torch.from_numpy(np.array(a))
+
+    def get(self, a):
+        return a.numpy()
+
+    def poisoned(self, shape):
+        return self.torch.full(shape, float("nan"), dtype=self.torch.float16)
+
+    def stream(self):
+        return 0
+
+
 class TorchCuda:
     device = sp.Device.cuda
 
@@ -51,6 +72,11 @@ class TorchCuda:
         return self.torch.cuda.current_stream().cuda_stream
 
 
+def torch_cpu():
+    return TorchCpu(pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh "
+                                                        "--torch installs it)"))
+
+
 def torch_cuda():
     torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
     if not (torch.cuda.is_available() and sp.cuda_available()):
@@ -58,9 +84,12 @@ def torch_cuda():
     return TorchCuda(torch)
 
 
-@pytest.fixture(params=["numpy-cpu", "torch-cuda"])
+BACKENDS = {"numpy-cpu": NumpyCpu, "torch-cpu": torch_cpu, "torch-cuda": torch_cuda}
+
+
+@pytest.fixture(params=list(BACKENDS))
 def backend(request):
-    return NumpyCpu() if request.param == "numpy-cpu" else torch_cuda()
+    return BACKENDS[request.param]()
 
 
 def f16(rng, *shape):

@@ -4,8 +4,8 @@ topk] slot ids (-1 skipped, topk_length) and with positions plus a block table; 
 over [num_blocks, block_size, num_kv_heads, head_dim] caches (block sizes 16, 32, 64, GQA); q
 as a slice of a packed QKV tensor and o as a column slice; the merge op over two launches'
 states; graph capture with lengths that change on the device; torch.compile; the CUDA error
-semantics of a bad id; bad inputs with the exact error. Unused pool rows are NaN. CI has no
-torch, so this file skips there; it runs on the GPU machine."""
+semantics of a bad id; bad inputs with the exact error. Unused pool rows are NaN. The CPU cases
+run wherever torch is installed (CI's torch part), the CUDA ones on the GPU machine."""
 
 import math
 
@@ -180,30 +180,38 @@ def test_merge_op_combines_two_launches_into_one(device):
     torch.testing.assert_close(merged_lse, lse_all, atol=1e-3, rtol=1e-3)
 
 
-@cuda_only
-def test_graph_replays_with_lengths_that_change_on_the_device():
+@pytest.mark.parametrize("device", DEVICES)
+def test_replays_follow_lengths_that_change_on_the_device(device):
+    """One decoder, its plan made once, run while the lengths change in place in their device tensor:
+    on CUDA one captured graph replayed, on the CPU the same call repeated (no re-plan either way)."""
     g = torch.Generator().manual_seed(25)
-    c = paged_kv_case("cuda", 32, g)
+    c = paged_kv_case(device, 32, g)
     Hq, D = c["Hkv"] * c["G"], c["D"]
-    dec = ops.PagedKVDecoder(c["S"], Hq, c["Hkv"], D, max_blocks=c["max_blocks"], block_size=32, device="cuda")
-    o = torch.empty(c["S"], Hq, D, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(c["S"], Hq, device="cuda")
+    dec = ops.PagedKVDecoder(c["S"], Hq, c["Hkv"], D, max_blocks=c["max_blocks"], block_size=32, device=device)
+    o = torch.empty(c["S"], Hq, D, dtype=c["dtype"], device=device)
+    lse = torch.empty(c["S"], Hq, device=device)
     lens = c["lens"].clone()
     run = lambda: dec(c["q"], c["k"], c["v"], c["tables"], lens, scale=0.1, o=o, lse=lse)  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    replay = run
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        replay = graph.replay
+    else:
+        run()  # as the CUDA warm-up: the lengths then change under a decoder that has run
     for step in range(3):  # the sequences grow (or shrink) on the device; no re-plan, no re-capture
         new = torch.clamp(c["lens"] - 7 * step, min=0)
         lens.copy_(new)
         o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay()
+        if device == "cuda":
+            torch.cuda.synchronize()
         bs = c["block_size"]
         c2 = dict(c, slots=[c["tables"][b].long().cpu()[torch.arange(int(new[b])) // bs] * bs +
                             torch.arange(int(new[b])) % bs for b in range(c["S"])])
@@ -227,21 +235,27 @@ def test_torch_compile_traces_the_engine_decoders(device):
         torch.testing.assert_close(torch.compile(step, fullgraph=True)(c["q"]), eager)
 
 
-@cuda_only
-def test_a_bad_slot_id_poisons_its_token_and_sets_the_flag():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_slot_id_poisons_its_token_on_cuda_and_is_refused_on_the_cpu(device):
+    """On CUDA the kernel poisons the bad id's token and sets the flag; the CPU refuses the call by
+    name, before writing o."""
     g = torch.Generator().manual_seed(27)
     T, H, topk, nb, bs = 3, 64, 64, 20, 64
-    _, q_lat, q_pe = mla_inputs("cuda", T, H, g)
-    kv = torch.randn(nb, bs, 576, generator=g).bfloat16().cuda()
+    _, q_lat, q_pe = mla_inputs(device, T, H, g)
+    kv = torch.randn(nb, bs, 576, generator=g).bfloat16()
     slots = torch.randint(0, nb * bs, (T, topk), generator=g, dtype=torch.int32)
     slots[1, 5] = -2  # -1 is padding, -2 is not
-    dec = ops.MlaSparseDecoder(T, topk, H, device="cuda")
-    o, _ = dec(q_lat, q_pe, kv, slots.cuda(), scale=0.05)
-    assert sp.read_decode_error_flag(dec.plan.plan, dec.workspace) != 0
-    assert torch.isnan(o[1]).all() and not torch.isnan(o[0]).any() and not torch.isnan(o[2]).any()
+    if device == "cuda":
+        kv = kv.cuda()
+        dec = ops.MlaSparseDecoder(T, topk, H, device="cuda")
+        o, _ = dec(q_lat, q_pe, kv, slots.cuda(), scale=0.05)
+        assert sp.read_decode_error_flag(dec.plan.plan, dec.workspace) != 0
+        assert torch.isnan(o[1]).all() and not torch.isnan(o[0]).any() and not torch.isnan(o[2]).any()
+    o_cpu = torch.full((T, H, 512), float("nan"))
     with pytest.raises(sp.Error, match=r"^decode: indices\[69\] = -2 is outside the pool \[0, 1280\)$"):
         ops.MlaSparseDecoder(T, topk, H, device="cpu")(q_lat.cpu().float(), q_pe.cpu().float(), kv.cpu().float(),
-                                                       slots, scale=0.05)
+                                                       slots, scale=0.05, o=o_cpu)
+    assert o_cpu.isnan().all(), "a refused call wrote o"
 
 
 def test_bad_engine_inputs_raise_the_exact_error():

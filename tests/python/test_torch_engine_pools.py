@@ -10,7 +10,9 @@ the head weights dyadic, so every indexer score is exact in either backend's ord
 the selections must be equal, ties included. (With random ones, one of this run's 24 selections
 kept position 1300 where the CPU kept 547: a near-tie at the cut that the FP8 tensor cores and the
 CPU twin round differently, which moved that slot's output by 1e-1 relative L2 since the two rows'
-attention weights differ.) Runs on the GPU machine; skips without torch or a GPU."""
+attention weights differ.) That case runs on the GPU machine (skipped without a GPU). Wherever torch
+is installed, the same schedule also runs on the CPU backend with CPU tensors, eagerly, each step
+against a fresh CPU layer's (the same kept positions, the same bits). Skips without torch."""
 
 import pytest
 
@@ -18,8 +20,8 @@ import sparsepage as sp
 from layer_backends import gates_off
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
-                                reason="needs a GPU and sparsepage built with CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
+                                                                reason="needs a GPU and sparsepage built with CUDA"))]
 
 BLOCK = 64  # vLLM's block size for both pools
 H, L, R, IH, ID, TOPK = 16, 512, 64, 64, 128, 256
@@ -34,36 +36,40 @@ def config():
 class Engine:
     """The engine's side: pools, block tables, lengths, and its cache writes."""
 
-    def __init__(self, batch, gen):
+    def __init__(self, batch, gen, device="cuda"):
+        self.device = device
         max_blocks = MAX_LEN // BLOCK
         self.num_blocks = batch * max_blocks + 5
         ids = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
-        self.table = ids[: batch * max_blocks].reshape(batch, max_blocks).cuda()
-        self.kv = torch.full((self.num_blocks, BLOCK, 656), 0xFF, dtype=torch.uint8, device="cuda")
-        self.keys = torch.full((self.num_blocks, BLOCK, ID + 4), 0xFF, dtype=torch.uint8, device="cuda")
-        self.lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        self.table = ids[: batch * max_blocks].reshape(batch, max_blocks).to(device)
+        self.kv = torch.full((self.num_blocks, BLOCK, 656), 0xFF, dtype=torch.uint8, device=device)
+        self.keys = torch.full((self.num_blocks, BLOCK, ID + 4), 0xFF, dtype=torch.uint8, device=device)
+        self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.gen = gen
+
+    def stream(self):
+        return torch.cuda.current_stream().cuda_stream if self.device == "cuda" else 0
 
     def slots(self, b, first, n):
         pos = torch.arange(first, first + n)
-        return (self.table[b].cpu()[pos // BLOCK].to(torch.int64) * BLOCK + pos % BLOCK).cuda()
+        return (self.table[b].cpu()[pos // BLOCK].to(torch.int64) * BLOCK + pos % BLOCK).to(self.device)
 
     def write(self, b, first, n):
         """n new tokens of sequence b at positions first..: MLA rows and index keys."""
-        rows = torch.randn(n, L + R, generator=self.gen).to(torch.bfloat16).cuda()
-        keys = torch.randint(-3, 4, (n, ID), generator=self.gen).to(torch.bfloat16).cuda()  # exact in e4m3
+        rows = torch.randn(n, L + R, generator=self.gen).to(torch.bfloat16).to(self.device)
+        keys = torch.randint(-3, 4, (n, ID), generator=self.gen).to(torch.bfloat16).to(self.device)  # exact in e4m3
         slots = self.slots(b, first, n)
-        staged = torch.empty(n, 656, dtype=torch.uint8, device="cuda")
-        sp.quantize_mla_fp8(rows, staged, torch.cuda.current_stream().cuda_stream)
+        staged = torch.empty(n, 656, dtype=torch.uint8, device=self.device)
+        sp.quantize_mla_fp8(rows, staged, self.stream())
         self.kv.view(-1, 656)[slots] = staged
         sp.write_index_keys(self.keys, keys, slots)
 
 
-def queries(batch, gen):
-    return (torch.randn(batch, H, L, generator=gen).to(torch.bfloat16).cuda(),
-            torch.randn(batch, H, R, generator=gen).to(torch.bfloat16).cuda(),
-            torch.randint(-3, 4, (batch, IH, ID), generator=gen).to(torch.bfloat16).cuda(),
-            torch.randint(1, 5, (batch, IH), generator=gen).float().cuda() / 4)
+def queries(batch, gen, device="cuda"):
+    return (torch.randn(batch, H, L, generator=gen).to(torch.bfloat16).to(device),
+            torch.randn(batch, H, R, generator=gen).to(torch.bfloat16).to(device),
+            torch.randint(-3, 4, (batch, IH, ID), generator=gen).to(torch.bfloat16).to(device),
+            torch.randint(1, 5, (batch, IH), generator=gen).float().to(device) / 4)
 
 
 def rel_l2(a, b):
@@ -81,19 +87,23 @@ def cpu_step(eng, q, o_shape):
     return o, layer.last_selected_positions()
 
 
-def test_fp8_pools_step_replayed_from_one_graph_follows_a_changing_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_pools_step_replayed_from_one_graph_follows_a_changing_batch(device):
+    """On the CPU backend (CPU tensors, no graph) the one layer steps eagerly while the batch changes,
+    and each step must equal, bit for bit, a fresh layer's step over the same pools."""
+    cuda = device == "cuda"
     gen = torch.Generator().manual_seed(11)
     B = 4
-    eng = Engine(B, gen)
+    eng = Engine(B, gen, device)
     start = [0, 150, 700, 1300]  # a free slot, one inside the top-k, two past it
     for b, n in enumerate(start):
         if n:
             eng.write(b, 0, n)
     eng.lens.copy_(torch.tensor(start, dtype=torch.int32))
-    layer = sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, config(), B, gates_off())
+    layer = sp.DsaAttention(sp.Device.cuda if cuda else sp.Device.cpu, sp.DType.bf16, config(), B, gates_off())
     layer.reserve(MAX_LEN)
-    q = queries(B, gen)
-    o_graph = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+    q = queries(B, gen, device)
+    o_graph = torch.full((B, H, L), float("nan"), dtype=torch.bfloat16, device=device)
     o_eager = torch.full_like(o_graph, float("nan"))
 
     def step(out):
@@ -101,17 +111,22 @@ def test_fp8_pools_step_replayed_from_one_graph_follows_a_changing_batch():
 
     s = step(o_eager)  # eager first: plans and sizes everything the capture reuses
     assert s.fused, s.outcome.describe()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(o_graph)
+    if cuda:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(o_graph)
 
     def check(lens):
         o_graph.fill_(float("nan"))
-        graph.replay()
+        if cuda:
+            graph.replay()
+        else:
+            assert step(o_graph).fused
         o_eager.fill_(float("nan"))
         step(o_eager)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         layer.check_errors()
         assert not torch.isnan(o_graph).any(), "a replay left an output unwritten or read a poisoned row"
         assert torch.equal(o_graph, o_eager), "the replay differs from an eager step on the same inputs"
@@ -120,6 +135,8 @@ def test_fp8_pools_step_replayed_from_one_graph_follows_a_changing_batch():
                 assert torch.all(o_graph[b] == 0), f"free slot {b} must write zeros"
         ref, ref_sel = cpu_step(eng, q, (B, H, L))
         sel = layer.last_selected_positions()
+        if not cuda:
+            assert torch.equal(o_graph, ref), "the layer's step differs from a fresh layer's on the same inputs"
         for b, n in enumerate(lens):
             assert sorted(sel[b]) == sorted(ref_sel[b]), f"slot {b} (length {n}): the kept positions differ"
             if n:
@@ -144,6 +161,6 @@ def test_fp8_pools_step_replayed_from_one_graph_follows_a_changing_batch():
             eng.write(0, 0, 90)
             lens[0] = 90
         eng.lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        for t, fresh in zip(q, queries(B, gen)):
+        for t, fresh in zip(q, queries(B, gen, device)):
             t.copy_(fresh)
         check(lens)

@@ -1,5 +1,5 @@
-"""Chunked prefill over an engine's pools from torch on the GPU: BlockSparseAttention.prefill_paged
-and DsaAttention.prefill_paged (KVStorage.ENGINE_PAGED) and both layers' prefill_pools
+"""Chunked prefill over an engine's pools from torch: BlockSparseAttention.prefill_paged and
+DsaAttention.prefill_paged (KVStorage.ENGINE_PAGED) and both layers' prefill_pools
 (KVStorage.ENGINE_POOLS, index keys bf16 or vLLM's FP8 blocks), with torch CUDA tensors (bf16),
 each against the same call on the CPU backend over numpy copies of the same values (f16): the same
 kept positions (the values are multiples of 1/4 and the weights dyadic, so every indexer score is
@@ -7,21 +7,29 @@ exact in either backend's order of summation), each (slot, token)'s output withi
 (relative L2 < 1e-2), no NaN although every pool row the engine has not written is NaN and every
 output starts NaN, free slots zero. Ragged batches with a free slot, chunks that reach the sparse
 regime. And prefill_pools given the host copy of the lengths (host_seq_lens), captured in a torch
-CUDA graph and replayed bit for bit as the uncaptured call. Runs on the GPU machine; skips without
-torch or a GPU."""
+CUDA graph and replayed bit for bit as the uncaptured call. The CUDA cases run on the GPU machine.
+Wherever torch is installed the same calls also run with torch CPU tensors (f16) on the CPU
+backend, against the numpy run bit for bit besides the checks above, and host_seq_lens (no graph
+there) must give the chunk that reads the lengths, bit for bit. Skips without torch."""
 
 import numpy as np
 import pytest
 
 import sparsepage as sp
-from layer_backends import NumpyF16, TorchBf16, gates_off, quarter_grid
+from layer_backends import NumpyF16, TorchBf16, TorchF16, gates_off, quarter_grid
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
-                                reason="needs a GPU and sparsepage built with CUDA")
+cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
+                               reason="needs a GPU and sparsepage built with CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 
 BLOCK = 16  # the engine's K/V (MLA) block size
 KEY_BLOCK = 32  # its index-key block size in the pools form (a table of their own)
+
+
+def torch_backend(device):
+    """torch CUDA tensors (bf16), or torch CPU tensors (f16) on the CPU backend."""
+    return TorchBf16(torch) if device == "cuda" else TorchF16(torch)
 
 
 def relative_l2(got, ref):
@@ -67,8 +75,12 @@ class Chunk:
             elif p > 0:  # an engine-paged layer keeps the prompt's index keys (a new slot is empty)
                 layer.admit(b, be.half(self.keys[b][:p][None]))
 
-    def check(self, got, want, positions, want_positions, rows_per_token):
-        assert positions == want_positions, "the GPU kept other positions than the CPU"
+    def check(self, got, want, positions, want_positions, rows_per_token, exact=False):
+        """got: torch tensors' run, want: numpy's on the CPU backend; exact: the same bits (both f16 on
+        the CPU backend)."""
+        assert positions == want_positions, "the torch tensors' run kept other positions than the numpy run"
+        if exact:
+            np.testing.assert_array_equal(got, want)
         for b in range(self.B):
             for t in range(self.n):
                 if self.prompts[b] is None:
@@ -98,15 +110,16 @@ def block_prefill_paged(be, c):
     return be.get(o), layer.last_prefill_positions()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prompts,n", [([64, None, 256], 100), ([0, 192], 128)])
-def test_block_sparse_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
+def test_block_sparse_prefill_paged_from_torch_equals_numpy_on_the_cpu(prompts, n, device):
     """The first case: a partial last query block, a free slot, and a slot past the dense regime
     (256 tokens); the second: a whole prompt as one chunk beside a slot crossing into it."""
     c = Chunk(np.random.default_rng(11), prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
               [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
-    got, positions = block_prefill_paged(TorchBf16(torch), c)
+    got, positions = block_prefill_paged(torch_backend(device), c)
     want, want_positions = block_prefill_paged(NumpyF16(), c)
-    c.check(got, want, positions, want_positions, BS["num_qo_heads"])
+    c.check(got, want, positions, want_positions, BS["num_qo_heads"], exact=device == "cpu")
 
 
 # ---- DSA over the engine's paged MLA pool (ENGINE_PAGED) and over its own pools (ENGINE_POOLS) ----
@@ -137,14 +150,15 @@ def dsa_prefill_paged(be, c, cfg):
     return be.get(o), layer.last_prefill_positions()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prompts,n", [([100, None, 10], 24), ([0, 70], 48)])
-def test_dsa_prefill_paged_on_the_gpu_equals_the_cpu(prompts, n):
+def test_dsa_prefill_paged_from_torch_equals_numpy_on_the_cpu(prompts, n, device):
     """Windows below and past the top-k (64) in one chunk, a free slot, a whole prompt as one chunk."""
     cfg = dsa_config(sp.KVStorage.ENGINE_PAGED, 8, 64)
     c = dsa_chunk(np.random.default_rng(13), prompts, n, 8, 64)
-    got, positions = dsa_prefill_paged(TorchBf16(torch), c, cfg)
+    got, positions = dsa_prefill_paged(torch_backend(device), c, cfg)
     want, want_positions = dsa_prefill_paged(NumpyF16(), c, cfg)
-    c.check(got, want, positions, want_positions, 1)
+    c.check(got, want, positions, want_positions, 1, exact=device == "cpu")
 
 
 def index_cache(c, fp8, rng):
@@ -180,17 +194,18 @@ def dsa_prefill_pools(be, c, keys, key_table, fp8):
     return be.get(o), layer.last_prefill_positions()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8-keys"])
 @pytest.mark.parametrize("prompts,n", [([100, 40, None], 24), ([None, 0, 90], 40)])
-def test_dsa_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
+def test_dsa_prefill_pools_from_torch_equals_numpy_on_the_cpu(prompts, n, fp8, device):
     """The pools form at the indexer's production geometry (64 index heads x 128: the GPU scores FP8
     keys only there); the lengths passed with the chunk."""
     rng = np.random.default_rng(17)
     c = dsa_chunk(rng, prompts, n, 64, 128)
     keys, key_table = index_cache(c, fp8, rng)
-    got, positions = dsa_prefill_pools(TorchBf16(torch), c, keys, key_table, fp8)
+    got, positions = dsa_prefill_pools(torch_backend(device), c, keys, key_table, fp8)
     want, want_positions = dsa_prefill_pools(NumpyF16(), c, keys, key_table, fp8)
-    c.check(got, want, positions, want_positions, 1)
+    c.check(got, want, positions, want_positions, 1, exact=device == "cpu")
 
 
 def block_prefill_pools(be, c, keys, key_table, fp8):
@@ -207,24 +222,35 @@ def block_prefill_pools(be, c, keys, key_table, fp8):
     return be.get(o), layer.last_prefill_positions()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-keys", "fp8-keys"])
 @pytest.mark.parametrize("prompts,n", [([64, None, 256], 100), ([0, 192], 128)])
-def test_block_sparse_prefill_pools_on_the_gpu_equals_the_cpu(prompts, n, fp8):
+def test_block_sparse_prefill_pools_from_torch_equals_numpy_on_the_cpu(prompts, n, fp8, device):
     """KVStorage.ENGINE_POOLS: the engine's index keys behind a table of their own, its lengths."""
     rng = np.random.default_rng(19)
     c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
               [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
     keys, key_table = index_cache(c, fp8, rng)
-    got, positions = block_prefill_pools(TorchBf16(torch), c, keys, key_table, fp8)
+    got, positions = block_prefill_pools(torch_backend(device), c, keys, key_table, fp8)
     want, want_positions = block_prefill_pools(NumpyF16(), c, keys, key_table, fp8)
-    c.check(got, want, positions, want_positions, BS["num_qo_heads"])
+    c.check(got, want, positions, want_positions, BS["num_qo_heads"], exact=device == "cpu")
 
 
-def pools_graph_replay(layers, call):
+def pools_graph_replay(layers, call, device):
     """call(layer, o, stream, host) runs one prefill_pools chunk. graphed runs it eagerly (sizing its
     buffers), then is captured with host_seq_lens given and replayed into a NaN-filled output; eager
-    runs it uncaptured, reading the lengths back. Returns both outputs."""
+    runs it uncaptured, reading the lengths back. Returns both outputs. On the CPU backend (no graph)
+    graphed runs the chunk eagerly twice with host_seq_lens given, the second time into a NaN-filled
+    output."""
     graphed, eager = layers
+    if device == "cpu":
+        o_host = call(graphed, None, None, True)
+        o_host.fill_(float("nan"))
+        call(graphed, o_host, None, True)
+        o_eager = call(eager, None, None, False)
+        graphed.check_errors()
+        eager.check_errors()
+        return o_host, o_eager
     o_graph = call(graphed, None, torch.cuda.current_stream().cuda_stream, True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -238,12 +264,14 @@ def pools_graph_replay(layers, call):
     return o_graph, o_eager
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prompts,n", [([64, None, 256], 128), ([0, 192], 64)])
-def test_block_sparse_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n):
+def test_block_sparse_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n, device):
     """host_seq_lens (a CPU int32 tensor, as vLLM's seq_lens_cpu): the chunk is decided on it, so it
-    is captured in a torch CUDA graph; the replay equals the uncaptured call bit for bit."""
+    is captured in a torch CUDA graph; the replay equals the uncaptured call bit for bit. On the CPU
+    backend the chunk decided on it equals the one that reads the lengths, bit for bit."""
     rng = np.random.default_rng(29)
-    be = TorchBf16(torch)
+    be = torch_backend(device)
     c = Chunk(rng, prompts, n, (BS["num_kv_heads"], BS["head_dim"]), BS["head_dim"],
               [(BS["num_qo_heads"], BS["head_dim"]), (BS["num_kv_heads"], BS["head_dim"])])
     keys, key_table = index_cache(c, False, rng)
@@ -252,7 +280,7 @@ def test_block_sparse_prefill_pools_with_host_lengths_replays_from_a_torch_graph
     q, iq = be.half(c.queries[0]), be.half(c.queries[1])
     pools = (be.half(c.pool), be.half(c.vpool), be.raw(c.table))
     lens_cpu = torch.tensor(c.total, dtype=torch.int32)
-    lens, bound, index = lens_cpu.cuda(), max(c.total) + 5, (be.half(keys), be.raw(key_table))
+    lens, bound, index = lens_cpu.to(device), max(c.total) + 5, (be.half(keys), be.raw(key_table))
 
     def call(layer, o, stream, host):
         o = be.nan_out((c.B, n, BS["num_qo_heads"], BS["head_dim"])) if o is None else o
@@ -260,15 +288,16 @@ def test_block_sparse_prefill_pools_with_host_lengths_replays_from_a_torch_graph
                             host_seq_lens=lens_cpu if host else None)
         return o
 
-    o_graph, o_eager = pools_graph_replay(layers, call)
+    o_graph, o_eager = pools_graph_replay(layers, call, device)
     assert not o_graph.isnan().any() and torch.equal(o_graph, o_eager)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prompts,n", [([100, 40, None], 24), ([10, 70], 32)])
-def test_dsa_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n):
-    """The DSA twin of the block-sparse graph test (bf16 index keys)."""
+def test_dsa_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts, n, device):
+    """The DSA twin of the block-sparse graph test (bf16 index keys; f16 on the CPU backend)."""
     rng = np.random.default_rng(31)
-    be = TorchBf16(torch)
+    be = torch_backend(device)
     c = dsa_chunk(rng, prompts, n, 64, 128)
     keys, key_table = index_cache(c, False, rng)
     layers = [sp.DsaAttention(be.device, be.dtype, dsa_config(sp.KVStorage.ENGINE_POOLS, 64, 128), c.B, gates_off())
@@ -276,7 +305,7 @@ def test_dsa_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts,
     queries = [be.half(x) for x in c.queries] + [be.f32(c.weights)]
     pools = (be.half(c.pool), be.raw(c.table))
     lens_cpu = torch.tensor(c.total, dtype=torch.int32)
-    lens, bound, index = lens_cpu.cuda(), max(c.total) + 3, (be.half(keys), be.raw(key_table))
+    lens, bound, index = lens_cpu.to(device), max(c.total) + 3, (be.half(keys), be.raw(key_table))
 
     def call(layer, o, stream, host):
         o = be.nan_out((c.B, n, H, L)) if o is None else o
@@ -284,5 +313,5 @@ def test_dsa_prefill_pools_with_host_lengths_replays_from_a_torch_graph(prompts,
                             host_seq_lens=lens_cpu if host else None)
         return o
 
-    o_graph, o_eager = pools_graph_replay(layers, call)
+    o_graph, o_eager = pools_graph_replay(layers, call, device)
     assert not o_graph.isnan().any() and torch.equal(o_graph, o_eager)

@@ -1,6 +1,6 @@
 """torch tensors through the bindings and the torch custom ops: CPU tensors when torch is
-installed, CUDA tensors when a GPU and a CUDA build of sparsepage are present. CI has no
-torch (too large), so this file skips there; it runs on the GPU machine (torch 2.11)."""
+installed (CI's torch part), CUDA tensors when a GPU and a CUDA build of sparsepage are present
+(the GPU machine, torch 2.11)."""
 
 import numpy as np
 import pytest
@@ -218,18 +218,29 @@ def open_dispatch(enabled=True):
     return c
 
 
-@cuda_only
-def test_sparse_decoder_on_cuda_tensors():
+def sp_device(device):
+    return sp.Device.cuda if device == "cuda" else sp.Device.cpu
+
+
+def current_stream(device):
+    return torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_decoder_on_torch_tensors(device):
+    """SparseDecoder's fused path against fp64 over each request's picks, and the mask path over the
+    same picks against it: bf16 CUDA tensors, or fp32 CPU tensors (the CPU backend's fp32 path)."""
     g = torch.Generator().manual_seed(7)
+    dtype = dtype_for(device)
     B, Hq, Hkv, cap, L, D = 2, 16, 2, 512, 400, 128
-    k = torch.randn(B, Hkv, cap, D, generator=g).bfloat16().cuda()
-    v = torch.randn(B, Hkv, cap, D, generator=g).bfloat16().cuda()
-    q = torch.randn(B, Hq, D, generator=g).bfloat16().cuda()
+    k = torch.randn(B, Hkv, cap, D, generator=g).to(dtype).to(device)
+    v = torch.randn(B, Hkv, cap, D, generator=g).to(dtype).to(device)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype).to(device)
     picks = [torch.randperm(L, generator=g)[:100].sort().values.int() for _ in range(B * Hkv)]
-    positions = torch.cat(picks).cuda()
-    o = torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dec = sp.SparseDecoder(sp.Device.cuda, open_dispatch())
-    stream = torch.cuda.current_stream().cuda_stream
+    positions = torch.cat(picks).to(device)
+    o = torch.full((B, Hq, D), float("nan"), dtype=dtype, device=device)
+    dec = sp.SparseDecoder(sp_device(device), open_dispatch())
+    stream = current_stream(device)
     out = dec.try_fused(q, k, v, o, positions, [100] * 4, num_kv_heads=Hkv, live_len=L, scale=D ** -0.5,
                         stream=stream)
     assert out.fused, out.describe()
@@ -238,37 +249,43 @@ def test_sparse_decoder_on_cuda_tensors():
     for r, p in enumerate(picks):
         b, h = divmod(r, Hkv)
         ref, _ = attend(np64(q[b, h * G:(h + 1) * G]), np64(k[b, h, p.long()]), np64(v[b, h, p.long()]), D ** -0.5)
-        np.testing.assert_allclose(np64(o[b, h * G:(h + 1) * G]), ref, atol=2e-2, rtol=2e-2)
+        np.testing.assert_allclose(np64(o[b, h * G:(h + 1) * G]), ref, atol=tol(dtype), rtol=tol(dtype))
     o_mask = torch.empty_like(o)
-    sp.MaskPath(sp.Device.cuda).run(q, k, v, o_mask, positions, [100] * 4, num_kv_heads=Hkv, live_len=L,
-                                    scale=D ** -0.5, stream=stream)
-    torch.testing.assert_close(o_mask, o, atol=2e-2, rtol=2e-2)
+    sp.MaskPath(sp_device(device)).run(q, k, v, o_mask, positions, [100] * 4, num_kv_heads=Hkv, live_len=L,
+                                       scale=D ** -0.5, stream=stream)
+    torch.testing.assert_close(o_mask, o, atol=tol(dtype), rtol=tol(dtype))
 
 
-@cuda_only
-def test_layers_on_cuda_fused_equals_mask_path():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_fused_equal_the_mask_path(device):
+    """Each layer with the dispatch open (fused) and shut (mask path), stepped on the same inputs past
+    its dense regime: the outputs agree within the cache dtype's rounding (bf16 CUDA tensors; f16 CPU
+    tensors, the layers' caches being f16 or bf16)."""
     g = torch.Generator().manual_seed(11)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = current_stream(device)
+    dtype, sdtype = (torch.bfloat16, sp.DType.bf16) if device == "cuda" else (torch.float16, sp.DType.f16)
+    close = dict(atol=2e-2, rtol=2e-2) if device == "cuda" else dict(atol=4e-3, rtol=4e-3)
     bs_cfg = sp.BlockSparseConfig(num_qo_heads=16, num_kv_heads=2, head_dim=128, block_size=16, topk_blocks=2,
                                   capacity_step=256)
-    layers = [sp.BlockSparseAttention(sp.Device.cuda, sp.DType.bf16, bs_cfg, 1, open_dispatch(on)) for on in (True, False)]
+    layers = [sp.BlockSparseAttention(sp_device(device), sdtype, bs_cfg, 1, open_dispatch(on)) for on in (True, False)]
     for _ in range(80):
-        args = [torch.randn(*s, generator=g).bfloat16().cuda() for s in ((1, 16, 128), (1, 2, 128), (1, 3, 1, 128), (1, 2, 1, 128))]
-        outs = [torch.empty(1, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in layers]
+        args = [torch.randn(*s, generator=g).to(dtype).to(device) for s in ((1, 16, 128), (1, 2, 128), (1, 3, 1, 128),
+                                                                             (1, 2, 1, 128))]
+        outs = [torch.empty(1, 16, 128, dtype=dtype, device=device) for _ in layers]
         steps = [layer.decode(*args, o, stream=stream) for layer, o in zip(layers, outs)]
     assert steps[0].sparse and steps[0].fused and not steps[1].fused
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], **close)
 
     dsa_cfg = sp.DsaConfig(num_qo_heads=16, index_heads=4, index_head_dim=64, index_topk=64, capacity_step=256)
-    layers = [sp.DsaAttention(sp.Device.cuda, sp.DType.bf16, dsa_cfg, 2, open_dispatch(on)) for on in (True, False)]
+    layers = [sp.DsaAttention(sp_device(device), sdtype, dsa_cfg, 2, open_dispatch(on)) for on in (True, False)]
     for _ in range(90):
-        args = [torch.randn(*s, generator=g).bfloat16().cuda() for s in ((2, 16, 512), (2, 16, 64), (2, 4, 64))]
-        args.append(torch.rand(2, 4, generator=g).cuda())
-        args += [torch.randn(*s, generator=g).bfloat16().cuda() for s in ((2, 1, 1, 576), (2, 1, 1, 64))]
-        outs = [torch.empty(2, 16, 512, dtype=torch.bfloat16, device="cuda") for _ in layers]
+        args = [torch.randn(*s, generator=g).to(dtype).to(device) for s in ((2, 16, 512), (2, 16, 64), (2, 4, 64))]
+        args.append(torch.rand(2, 4, generator=g).to(device))
+        args += [torch.randn(*s, generator=g).to(dtype).to(device) for s in ((2, 1, 1, 576), (2, 1, 1, 64))]
+        outs = [torch.empty(2, 16, 512, dtype=dtype, device=device) for _ in layers]
         steps = [layer.decode(*args, o, stream=stream) for layer, o in zip(layers, outs)]
     assert steps[0].sparse and steps[0].fused and not steps[1].fused, steps[0].outcome.describe()
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], **close)
 
 
 @cuda_only

@@ -1,9 +1,10 @@
 """The static per-query-head pattern layer (Phi-3-small's geometry: 32 query heads over 8 KV heads,
-head dim 128, blocks of 64, 16 local blocks, vertical stride 8) with torch CUDA tensors. Each query
+head dim 128, blocks of 64, 16 local blocks, vertical stride 8) with torch tensors. Each query
 head attends exactly its pattern's tokens (checked against the rule), the output matches fp64
-over those tokens and the mask path over the same set, and a step captured in a torch CUDA graph
-and replayed while the context grows equals an eager twin bit for bit. Runs on the GPU machine;
-skips without torch or a GPU."""
+over those tokens and the mask path over the same set (CPU tensors on the CPU backend wherever
+torch is installed, CUDA tensors on the GPU machine), and a step captured in a torch CUDA graph
+and replayed while the context grows equals an eager twin bit for bit (the GPU machine only).
+Skips without torch."""
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ import sparsepage as sp
 from reference import attend
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
-                                reason="needs a GPU and sparsepage built with CUDA")
+cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and sp.cuda_available()),
+                               reason="needs a GPU and sparsepage built with CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 
 PHI3 = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=64, local_blocks=16, vert_stride=8,
             capacity_step=1024)
@@ -26,24 +28,29 @@ def dispatch(enabled=True):
     return c
 
 
-def stream():
-    return torch.cuda.current_stream().cuda_stream
+def stream(device="cuda"):
+    return torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prompt", [2047, 2048 + 63])  # the new token ends a block, and lands mid-block
-def test_static_layer_on_cuda_attends_each_heads_pattern(prompt):
+def test_static_layer_attends_each_heads_pattern(device, prompt):
+    """bf16 CUDA tensors, or f16 CPU tensors on the CPU backend."""
     gen = torch.Generator().manual_seed(prompt)
     c = sp.StaticBlockSparseConfig(**PHI3)
     B, Hq, H, D = 2, c.num_qo_heads, c.num_kv_heads, c.head_dim
-    rnd = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).cuda()  # noqa: E731
-    fused, masked = (sp.StaticBlockSparseAttention(sp.Device.cuda, sp.DType.bf16, c, B, dispatch(on)) for on in (True, False))
+    dtype, sdtype = (torch.bfloat16, sp.DType.bf16) if device == "cuda" else (torch.float16, sp.DType.f16)
+    sdevice = sp.Device.cuda if device == "cuda" else sp.Device.cpu
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(device)  # noqa: E731
+    fused, masked = (sp.StaticBlockSparseAttention(sdevice, sdtype, c, B, dispatch(on)) for on in (True, False))
     keys, vals = rnd(B, H, prompt, D), rnd(B, H, prompt, D)
     for layer in (fused, masked):
         layer.append_tokens(keys, vals)
     q, k, v = rnd(B, Hq, D), rnd(B, H, 1, D), rnd(B, H, 1, D)
-    outs = [torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    steps = [layer.decode(q, k, v, o, stream()) for layer, o in zip((fused, masked), outs)]
-    torch.cuda.synchronize()
+    outs = [torch.full((B, Hq, D), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    steps = [layer.decode(q, k, v, o, stream(device)) for layer, o in zip((fused, masked), outs)]
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert steps[0].fused and not steps[1].fused, steps[0].outcome.reason
     kv_len = prompt + 1
     assert fused.kv_len == masked.kv_len == kv_len
@@ -66,6 +73,7 @@ def test_static_layer_on_cuda_attends_each_heads_pattern(prompt):
     assert positions[0] != positions[1], "the query heads of one KV head keep different blocks"
 
 
+@cuda_only
 def test_static_layer_step_replayed_from_a_graph_equals_eager_steps():
     gen = torch.Generator().manual_seed(3)
     c = sp.StaticBlockSparseConfig(**PHI3)
