@@ -47,8 +47,7 @@ class DenseKVCache {
   /// new_tokens, k_head_dim]` and `v_new` `[B, v_heads, new_tokens,
   /// v_head_dim]`, contiguous, in `input_dtype`, on the cache's device; the
   /// rows of free slots are skipped. input_dtype must be the storage dtype.
-  /// Read the rows back through `k_rows()`/`v_rows()` or
-  /// `dequantized_window`. Synchronous.
+  /// Read the rows back through `k_rows()`/`v_rows()`. Synchronous.
   void append(const void* k_new, const void* v_new, DType input_dtype, int64_t new_tokens);
 
   /// Starts a request in slot `slot`: its prompt's `tokens` rows (`k_new`
@@ -107,10 +106,6 @@ class DenseKVCache {
   std::optional<RowView> k_rows() const;
   std::optional<RowView> v_rows() const;
 
-  /// The window `[B, H, live_len(), D]` as fp32 (on the host); a slot's rows
-  /// past its own length are zero.
-  std::vector<float> dequantized_window(bool key) const;
-
   CacheMode mode() const { return mode_; }
   Device device() const { return device_; }
   /// The longest live length over the active slots (0 when none is active):
@@ -144,21 +139,6 @@ class DenseKVCache {
   std::vector<int64_t> lens_;    // [batch] host copy of each slot's live length
   std::vector<uint8_t> active_;  // [batch] 1 active, 0 free
   std::shared_ptr<Storage> storage_;
-};
-
-/// Head folding: with `num_qo_heads` query heads over `num_kv_heads` KV heads
-/// (query head i belongs to KV head i / group_size), request r = b * num_kv_heads + h
-/// owns the query heads h * group_size .. (h + 1) * group_size - 1 of
-/// sequence b, so `[B, Hq, 1, D]` queries are `[B * Hkv, group_size, D]` by
-/// reshape. Throws when num_qo_heads is not a multiple of num_kv_heads.
-struct HeadFolding {
-  int32_t batch = 0;
-  int32_t num_qo_heads = 0;
-  int32_t num_kv_heads = 0;
-  static HeadFolding make(int32_t batch, int32_t num_qo_heads, int32_t num_kv_heads);
-  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
-  int32_t num_requests() const { return batch * num_kv_heads; }
-  int32_t request(int32_t b, int32_t kv_head) const { return b * num_kv_heads + kv_head; }
 };
 
 }  // namespace sparsepage

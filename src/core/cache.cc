@@ -354,43 +354,4 @@ DenseKVCache& DenseKVCache::operator=(const DenseKVCache& other) {
   return *this;
 }
 
-std::vector<float> DenseKVCache::dequantized_window(bool key) const {
-  if (!key && v_heads_ == 0) return {};  // a key-only cache
-  const int32_t heads = key ? k_heads_ : v_heads_;
-  const int32_t dim = key ? k_head_dim_ : v_head_dim_;
-  const Buffer& data = key ? storage_->k : storage_->v;
-  const size_t row_bytes = stored_row_bytes(mode_, dim);
-  const int64_t window = live_len();
-  std::vector<float> out(static_cast<size_t>(batch_) * heads * static_cast<size_t>(window) * dim, 0.0f);
-  if (window == 0) return out;
-  // Bring the window to the host once (raw device caches), then convert.
-  std::vector<uint8_t> host(static_cast<size_t>(batch_) * heads * static_cast<size_t>(capacity_) * row_bytes);
-  copy_bytes(host.data(), Device::kCpu, data.data(), device_, host.size());
-  for (int32_t b = 0; b < batch_; ++b) {
-    const int64_t len = active_[static_cast<size_t>(b)] ? lens_[static_cast<size_t>(b)] : 0;
-    for (int32_t h = 0; h < heads; ++h) {
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (int64_t{b} * heads + h) * capacity_ + t;
-        float* dst = &out[static_cast<size_t>(((int64_t{b} * heads + h) * window + t) * dim)];
-        const uint8_t* src = host.data() + static_cast<size_t>(slot) * row_bytes;
-        to_float(storage_dtype(mode_), src, dst, static_cast<size_t>(dim));
-      }
-    }
-  }
-  return out;
-}
-
-HeadFolding HeadFolding::make(int32_t batch, int32_t num_qo_heads, int32_t num_kv_heads) {
-  if (batch < 0 || num_qo_heads < 1 || num_kv_heads < 1 || num_qo_heads % num_kv_heads != 0) {
-    throw Error("HeadFolding: num_qo_heads = " + std::to_string(num_qo_heads) +
-                " must be a positive multiple of num_kv_heads = " + std::to_string(num_kv_heads) + " (batch " +
-                std::to_string(batch) + ")");
-  }
-  if (int64_t{batch} * num_kv_heads > std::numeric_limits<int32_t>::max()) {
-    throw Error("HeadFolding: batch * num_kv_heads = " + std::to_string(int64_t{batch} * num_kv_heads) +
-                " exceeds 2^31 - 1 requests");
-  }
-  return {batch, num_qo_heads, num_kv_heads};
-}
-
 }  // namespace sparsepage

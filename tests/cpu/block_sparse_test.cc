@@ -53,8 +53,8 @@ TEST(BlockSparse, BelowTheSparseRegimeAttendsEverything) {
       EXPECT_FALSE(layer.decode(tok).sparse);
     }
   }
-  const auto keys = layer.cache().dequantized_window(true);   // [1, 3, 100, 64]
-  const auto vals = layer.cache().dequantized_window(false);  // [1, 2, 100, 64]
+  const auto keys = testing::cache_window(layer.cache(), true);   // [1, 3, 100, 64]
+  const auto vals = testing::cache_window(layer.cache(), false);  // [1, 2, 100, 64]
   const auto qf = testing::as_float(DType::kBF16, q);
   std::vector<double> ref;
   for (int h = 0; h < 8; ++h) {

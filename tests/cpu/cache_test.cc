@@ -25,7 +25,7 @@ TEST(DenseCache, GrowsInStepsAndKeepsRows) {
   EXPECT_EQ(cache.live_len(), 37);
   EXPECT_EQ(cache.capacity(), 48);
   // Token t of (b, h) came from the update that covered t.
-  const auto window = cache.dequantized_window(true);
+  const auto window = testing::cache_window(cache, true);
   int64_t start = 0;
   for (size_t u = 0; u < ks.size(); ++u) {
     const auto src = testing::as_float(DType::kBF16, ks[u]);
@@ -114,15 +114,6 @@ TEST(Layout, RowViewProblemNamesOverlappingRows) {
   EXPECT_NE(row_view_problem({&x, 64, 128, 0, 0}, "k", 1, 1, 8, 2).find("row_stride"), std::string::npos);
   EXPECT_NE(row_view_problem({nullptr, 128, 128, 0, 0}, "q", 1, 1, 8, 2).find("q.data is null"), std::string::npos);
   EXPECT_NE(row_view_problem({&x, 1 << 30, 128, 0, 0}, "k", 1, 1, int64_t{1} << 33, 2).find("2^62"), std::string::npos);
-}
-
-TEST(Layout, HeadFoldingReshapesQueries) {
-  const HeadFolding f = HeadFolding::make(3, 64, 4);
-  EXPECT_EQ(f.group_size(), 16);
-  EXPECT_EQ(f.num_requests(), 12);
-  EXPECT_EQ(f.request(2, 3), 11);
-  EXPECT_THROW(HeadFolding::make(1, 64, 5), Error);
-  EXPECT_THROW(HeadFolding::make(1, 0, 1), Error);
 }
 
 TEST(PagedPool, BlockTablesAndBlockGranularPages) {

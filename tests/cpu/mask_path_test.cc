@@ -67,8 +67,8 @@ std::vector<float> run_masked(const MaskedDecodeParams& p, std::vector<float>* l
 
 // fp64 masked attention over the window, straight from the definition.
 std::vector<double> reference_masked(const DenseSetup& s) {
-  const auto k = s.cache.dequantized_window(true);   // [B, 3, L, D]
-  const auto v = s.cache.dequantized_window(false);  // [B, 2, L, D]
+  const auto k = testing::cache_window(s.cache, true);   // [B, 3, L, D]
+  const auto v = testing::cache_window(s.cache, false);  // [B, 2, L, D]
   const auto q = testing::as_float(DType::kBF16, s.q);
   std::vector<double> out;
   for (int32_t r = 0; r < s.batch * s.kv_heads; ++r) {

@@ -20,6 +20,7 @@
 #include "sparsepage/sparse_decode.h"
 #include "support/expect_error.h"
 #include "support/paged_block_pool.h"
+#include "support/reference.h"
 
 namespace sparsepage {
 namespace {
@@ -363,7 +364,7 @@ TEST(SecondGuards, AnAssignedCacheOwnsItsRows) {
   b.append(one.data(), one.data(), DType::kBF16, 1);
   a = b;
   b.append(two.data(), two.data(), DType::kBF16, 1);
-  const std::vector<float> mine = a.dequantized_window(true);
+  const std::vector<float> mine = testing::cache_window(a, true);
   ASSERT_EQ(a.live_len(), 1);
   EXPECT_EQ(mine, (std::vector<float>{1.0f, 2.0f}));
   const auto* rows = static_cast<const uint16_t*>(a.k_rows().value().data);

@@ -300,7 +300,7 @@ TEST(MultiTokenAppendCuda, SourcesOffTheSixteenByteGridAppendTheSameRows) {
   cpu.append_token(k.data(), v.data(), nullptr);
   EXPECT_EQ(download<int32_t>(Device::kCuda, gpu.device_live_lens(), kBatch), (std::vector<int32_t>{1, 1}));
   for (bool key : {true, false})
-    EXPECT_EQ(gpu.dequantized_window(key), cpu.dequantized_window(key)) << (key ? "K" : "V");
+    EXPECT_EQ(testing::cache_window(gpu, key), testing::cache_window(cpu, key)) << (key ? "K" : "V");
   // Off the 4-byte grid: refused by name, nothing appended.
   EXPECT_TRUE(testing::throws_error_naming(
       [&] { gpu.append_token(static_cast<const char*>(kd.data()) + 2, vd.data(), nullptr); },

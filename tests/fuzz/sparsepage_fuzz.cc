@@ -701,7 +701,7 @@ void fuzz_caches(FuzzedDataProvider& in) {
       copy_len.push_back(shadow[0].size());
     }
   }
-  const std::vector<float> window = cache->dequantized_window(true);
+  const std::vector<float> window = testing::cache_window(*cache, true);
   const int64_t live = cache->live_len();
   for (size_t bh = 0; bh < shadow.size(); ++bh) {
     for (int64_t i = 0; i < live * dk; ++i) {
@@ -711,7 +711,7 @@ void fuzz_caches(FuzzedDataProvider& in) {
     }
   }
   for (size_t c = 0; c < copies.size(); ++c) {
-    const std::vector<float> w = copies[c].dequantized_window(true);
+    const std::vector<float> w = testing::cache_window(copies[c], true);
     const size_t len = copy_len[c];
     for (size_t i = 0; i < len; ++i) {
       FUZZ_CHECK(w[i] == bf16_to_float(shadow[0][i]), "a copied cache changed when the original appended");

@@ -311,7 +311,7 @@ std::string step_append_mismatch(Device device, int32_t k_dim, int32_t v_dim) {
     if (len != total) return "device live length " + std::to_string(len) + ", expected " + std::to_string(total);
   }
   for (bool key : {true, false}) {
-    const std::vector<float> a = stepped.dequantized_window(key), one = single.dequantized_window(key);
+    const std::vector<float> a = cache_window(stepped, key), one = cache_window(single, key);
     if (a.size() != one.size() || std::memcmp(a.data(), one.data(), a.size() * sizeof(float)) != 0) {
       return std::string(key ? "K" : "V") + " window differs from the single-token appends";
     }

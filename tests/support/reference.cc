@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 
 namespace sparsepage::testing {
@@ -26,6 +27,31 @@ std::vector<uint8_t> nan_values(DType dtype, size_t count) {
 std::vector<float> as_float(DType dtype, const std::vector<uint8_t>& bytes) {
   std::vector<float> out(bytes.size() / dtype_size(dtype));
   to_float(dtype, bytes.data(), out.data(), out.size());
+  return out;
+}
+
+std::vector<float> cache_window(const DenseKVCache& cache, bool key) {
+  const int32_t heads = key ? cache.k_heads() : cache.v_heads();
+  const int32_t dim = key ? cache.k_head_dim() : cache.v_head_dim();
+  if (!key && heads == 0) return {};  // a key-only cache
+  const int64_t window = cache.live_len();
+  std::vector<float> out(static_cast<size_t>(cache.batch()) * heads * static_cast<size_t>(window) * dim, 0.0f);
+  const std::optional<RowView> rows = key ? cache.k_rows() : cache.v_rows();
+  if (window == 0 || !rows) return out;
+  // The allocation [batch, heads, capacity, row_stride] to the host once, then each live row converted.
+  const size_t elem = dtype_size(cache.dtype());
+  std::vector<uint8_t> host(static_cast<size_t>(cache.batch() * rows->seq_stride) * elem);
+  copy_bytes(host.data(), Device::kCpu, rows->data, cache.device(), host.size());
+  for (int32_t b = 0; b < cache.batch(); ++b) {
+    const int64_t len = cache.active()[static_cast<size_t>(b)] ? cache.live_lens()[static_cast<size_t>(b)] : 0;
+    for (int32_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < len; ++t) {
+        const uint8_t* src = host.data() + static_cast<size_t>(rows->offset(b, h, t)) * elem;
+        to_float(cache.dtype(), src, &out[static_cast<size_t>(((int64_t{b} * heads + h) * window + t) * dim)],
+                 static_cast<size_t>(dim));
+      }
+    }
+  }
   return out;
 }
 

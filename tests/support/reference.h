@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/cache.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/mask_path.h"
 #include "sparsepage/memory.h"
@@ -24,6 +25,10 @@ std::vector<uint8_t> random_values(DType dtype, size_t count, std::mt19937_64& r
 std::vector<uint8_t> nan_values(DType dtype, size_t count);
 /// Host bytes of `dtype` as float.
 std::vector<float> as_float(DType dtype, const std::vector<uint8_t>& bytes);
+/// A cache's live window `[B, H, live_len(), D]` of K (key) or V rows as
+/// fp32 on the host; a slot's rows past its own length (a free slot's all)
+/// are zero, and a key-only cache's V window is empty.
+std::vector<float> cache_window(const DenseKVCache& cache, bool key);
 
 /// `count` multiples of 1/4 in [-1, 1]: bf16 and fp32 hold them, and their
 /// products and sums exactly, so the indexers score the same on every
