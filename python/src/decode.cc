@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <memory>
 
-#include "cpu/attention_cpu.h"
 #include "dlpack_exchange.h"
 #include "sparsepage/sparse_decode.h"
 #include "tensor.h"
@@ -370,52 +369,6 @@ void paged_decode_exchange(const DecodePlan& plan, nb::handle q, nb::handle k, n
                    skip_minus_one, block_size, false, reinterpret_cast<uintptr_t>(stream));
 }
 
-void merge_states(const In& o_in, const In& lse_in, const Out& o_out_in, const OptOut& lse_out_in) {
-  const std::string op = "merge_states";
-  const Tensor o = describe(o_in, op, "o"), lse = describe(lse_in, op, "lse"), o_out = describe(o_out_in, op, "o_out");
-  const auto lse_out = describe(lse_out_in, op, "lse_out");
-  const Device device = common_device(op, {&o, &lse, &o_out, lse_out ? &*lse_out : nullptr});
-  if (device != Device::kCpu)
-    throw NotImplemented(op + ": the library has no CUDA merge entry point yet; on CUDA use "
-                              "sparsepage.torch_ops.merge_states (torch math) or merge on the host");
-  if (o.ndim() < 2) o.fail("must be [num_states, ..., head_dim], got shape " + o.shape_str());
-  lse.require_float32();
-  for (const Tensor* t : {&o, &lse, &o_out}) t->require_contiguous();
-  if (lse.ndim() != o.ndim() - 1) lse.fail("must be o's shape without its last dim, got " + lse.shape_str());
-  for (int i = 0; i < lse.ndim(); ++i)
-    if (lse.shape[i] != o.shape[i]) lse.fail("must be o's shape without its last dim, got " + lse.shape_str());
-  if (o_out.ndim() != o.ndim() - 1) o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
-  for (int i = 0; i < o_out.ndim(); ++i)
-    if (o_out.shape[i] != o.shape[i + 1])
-      o_out.fail("must be o's shape without its first dim, got " + o_out.shape_str());
-  const DType in_dtype = o.float_dtype(), out_dtype = o_out.float_dtype();
-  if (lse_out) {
-    lse_out->require_float32();
-    lse_out->require_contiguous();
-    if (lse_out->ndim() != lse.ndim() - 1) lse_out->fail("must be lse's shape without its first dim");
-    for (int i = 0; i < lse_out->ndim(); ++i)
-      if (lse_out->shape[i] != lse.shape[i + 1]) lse_out->fail("must be lse's shape without its first dim");
-  }
-  const int64_t parts = o.shape[0], dim = o.shape[o.ndim() - 1];
-  const int64_t rows = parts == 0 ? 0 : lse.numel() / parts;
-  std::vector<float> o_f(static_cast<size_t>(o.numel()));
-  to_float(in_dtype, o.data, o_f.data(), o_f.size());
-  std::vector<const float*> o_parts, lse_parts;
-  for (int64_t s = 0; s < parts; ++s) {
-    o_parts.push_back(o_f.data() + s * rows * dim);
-    lse_parts.push_back(static_cast<const float*>(lse.data) + s * rows);
-  }
-  std::vector<float> out(static_cast<size_t>(rows * dim)), out_lse(static_cast<size_t>(rows));
-  if (parts > 0) {
-    cpu::merge_states(o_parts, lse_parts, to_int32(rows, op, "rows"), to_int32(dim, op, "head_dim"), out.data(),
-                      out_lse.data());
-  } else {  // no state at all: the empty merge
-    std::fill(out_lse.begin(), out_lse.end(), -std::numeric_limits<float>::infinity());
-  }
-  from_float(out_dtype, out.data(), o_out.data, out.size());
-  if (lse_out) std::copy(out_lse.begin(), out_lse.end(), static_cast<float*>(lse_out->data));
-}
-
 // ---- dense caches: the mask path and the sparse decode entry point --------
 
 struct Inputs {
@@ -647,10 +600,6 @@ void bind_decode(nb::module_& m) {
       nb::arg("plan"), nb::arg("workspace"), nb::arg("stream") = 0,
       "Reads and clears the CUDA error flag (synchronizes). Nonzero: some page id was outside the pool\n"
       "and that request's output is NaN. Always 0 on the CPU, whose backend raises instead.");
-
-  m.def("_merge_states", &merge_states, nb::arg("o"), nb::arg("lse"), nb::arg("o_out"), nb::arg("lse_out") = nb::none(),
-        "Internal: the library's CPU merge (the tests' oracle for sparsepage.torch_ops.merge_states, the\n"
-        "public merge): o [S, ..., D] and fp32 lse [S, ...] merged into o_out [..., D] and lse_out [...].");
 
   m.def(
       "masked_decode",

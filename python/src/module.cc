@@ -171,16 +171,6 @@ void bind_page_table(nb::module_& m) {
     return v;
   };
   m.def(
-      "validate_page_table",
-      [indices_of](const PageTableStructure& table, nb::handle indices, int64_t num_pool_pages) {
-        auto v = indices_of(indices, "validate_page_table");
-        const std::string problem = page_table_problem(table, v ? &*v : nullptr, num_pool_pages);
-        return problem.empty() ? std::optional<std::string>() : std::optional<std::string>(problem);
-      },
-      nb::arg("table"), nb::arg("indices") = nb::none(), nb::arg("num_pool_pages") = 0,
-      "The first invariant `table` breaks, or None. With host `indices` and num_pool_pages > 0\n"
-      "it also checks every page id lies in [0, num_pool_pages).");
-  m.def(
       "check_page_table",
       [indices_of](const PageTableStructure& table, nb::handle indices, int64_t num_pool_pages) {
         auto v = indices_of(indices, "check_page_table");
@@ -314,21 +304,6 @@ void bind_dispatch(nb::module_& m) {
   m.def("process_dispatch_config", &process_dispatch_config, nb::rv_policy::copy,
         "The process-wide configuration, read from the environment once.");
 
-  nb::class_<DispatchInput>(m, "DispatchInput", "The facts a decision is made from.")
-      .def(nb::init<>())
-      .def_rw("num_requests", &DispatchInput::num_requests)
-      .def_rw("selected_rows", &DispatchInput::selected_rows)
-      .def_rw("live_len", &DispatchInput::live_len)
-      .def_rw("raw_cache", &DispatchInput::raw_cache)
-      .def_rw("arch_problem", &DispatchInput::arch_problem)
-      .def_rw("head_dims_supported", &DispatchInput::head_dims_supported)
-      .def_rw("device_available", &DispatchInput::device_available)
-      .def_rw("layout_supported", &DispatchInput::layout_supported)
-      .def_rw("chunks", &DispatchInput::chunks)
-      .def_rw("merge", &DispatchInput::merge);
-  m.def("decide_sparse_decode", &decide_sparse_decode, nb::arg("input"), nb::arg("config"),
-        "The pure dispatch decision.");
-
   nb::class_<DispatchStats>(m, "DispatchStats", "Running totals of outcomes.")
       .def_ro("fused", &DispatchStats::fused)
       .def_ro("fallbacks", &DispatchStats::fallbacks)
@@ -345,9 +320,6 @@ void bind_dispatch(nb::module_& m) {
   m.def("dispatch_stats", &dispatch_stats, "Running totals of the outcomes recorded in this process.");
   m.def("reset_dispatch_stats", &reset_dispatch_stats,
         "Zeroes the totals and re-arms the once-per-kind announcements.");
-  m.def("outcome_kind_name", &outcome_kind_name);
-  m.def("parse_enable_switch",
-        [](std::optional<std::string> v) { return parse_enable_switch(v ? v->c_str() : nullptr); });
 }
 
 }  // namespace

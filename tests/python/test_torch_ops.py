@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sparsepage as sp
-from reference import attend
+from reference import attend, merge
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
 ops = pytest.importorskip("sparsepage.torch_ops")
@@ -118,11 +118,10 @@ def test_merge_states_op(device):
     lse[1] = float("-inf")
     lse[:, 2, 3] = float("-inf")
     merged, merged_lse = ops.merge_states(o.to(device), lse.to(device))
-    ref_o = np.empty((4, 5, 64), np.float32)
-    ref_lse = np.empty((4, 5), np.float32)
-    sp._core._merge_states(o.numpy(), lse.numpy(), ref_o, ref_lse)
-    np.testing.assert_allclose(merged.cpu().numpy(), ref_o, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(merged_lse.cpu().numpy(), ref_lse, rtol=1e-6)
+    ref_o, ref_lse = merge(o.numpy().reshape(3, 20, 64), lse.numpy().reshape(3, 20))  # fp64
+    np.testing.assert_allclose(merged.cpu().numpy().reshape(20, 64), ref_o, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(merged_lse.cpu().numpy().reshape(20), ref_lse, rtol=1e-6)
+    assert (merged[2, 3] == 0).all() and merged_lse[2, 3] == float("-inf"), "a row no state saw"
     a, la = ops.merge_state(o[0].to(device), lse[0].to(device), o[2].to(device), lse[2].to(device))
     b, lb = ops.merge_states(o[[0, 2]].to(device), lse[[0, 2]].to(device))
     torch.testing.assert_close(a, b)
