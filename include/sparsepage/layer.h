@@ -307,6 +307,9 @@ class SparseLayer {
   /// Throws Error naming what is missing or wrong in `tokens` by the model's
   /// token_names() (before anything changes). `engine`: over an engine's pool.
   void check_tokens(const StepTokens& tokens, bool engine) const;
+  /// An engine form's tokens and pool views: the model's (check_engine_kv),
+  /// then the block table's rows and the index keys every model reads alike.
+  void check_engine_inputs(const StepTokens& tokens, const EnginePagedKV& kv) const;
   LayerStep fused_tokens(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep token_by_token(const StepTokens& tokens, int32_t q_len, void* stream);
   LayerStep finish(LayerStep step, SparseDecoder& decoder, const SparseAttentionInputs& in,

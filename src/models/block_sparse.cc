@@ -383,28 +383,6 @@ void BlockSparseAttention::check_engine_kv(const EnginePagedKV& kv) const {
   if (kv.k_extra.data != nullptr) {
     throw Error("BlockSparseAttention (engine-paged): kv.k_extra must be empty (the layer has one K stream)");
   }
-  if (kv.block_table.num_rows < batch()) {
-    throw Error("BlockSparseAttention (engine-paged): the block table has " + std::to_string(kv.block_table.num_rows) +
-                " rows for " + std::to_string(batch()) + " slots");
-  }
-  if (!engine_pools()) {
-    if (kv.index_keys.pool != nullptr || kv.seq_lens != nullptr) {
-      throw Error("BlockSparseAttention (engine-paged): kv.index_keys and kv.seq_lens are for KVStorage::kEnginePools "
-                  "layers; this layer keeps its index keys and lengths itself");
-    }
-    return;
-  }
-  const std::string problem = paged_index_keys_problem(kv.index_keys, config_.head_dim);
-  if (!problem.empty()) throw Error("BlockSparseAttention (engine pools): kv.index_keys: " + problem);
-  if (kv.index_keys.format == IndexKeyFormat::kNative && kv.index_keys.dtype != dtype()) {
-    throw Error(std::string("BlockSparseAttention (engine pools): kv.index_keys holds ") +
-                dtype_name(kv.index_keys.dtype) + " keys; the layer's index queries are " + dtype_name(dtype()));
-  }
-  if (int64_t{kv.index_keys.max_blocks} * kv.index_keys.block_size < kv.max_seq_len) {
-    throw Error("BlockSparseAttention (engine pools): kv.index_keys' table holds " +
-                std::to_string(kv.index_keys.max_blocks) + " blocks of " + std::to_string(kv.index_keys.block_size) +
-                " positions, fewer than max_seq_len = " + std::to_string(kv.max_seq_len));
-  }
 }
 
 void BlockSparseAttention::check_selection_errors(void* stream) {

@@ -429,27 +429,6 @@ void DsaAttention::check_engine_kv(const EnginePagedKV& kv) const {
                 " (rope) wide; the layer needs latent_dim " + std::to_string(config_.latent_dim) + " and rope_dim " +
                 std::to_string(config_.rope_dim));
   }
-  if (kv.block_table.num_rows < batch()) {
-    throw Error("DsaAttention (engine-paged): the block table has " + std::to_string(kv.block_table.num_rows) +
-                " rows for " + std::to_string(batch()) + " slots");
-  }
-  if (engine_pools()) {
-    const std::string problem = paged_index_keys_problem(kv.index_keys, config_.index_head_dim);
-    if (!problem.empty()) throw Error("DsaAttention (engine pools): kv.index_keys: " + problem);
-    // What the indexer would refuse later, named here (before the step changes anything).
-    if (kv.index_keys.format == IndexKeyFormat::kNative && kv.index_keys.dtype != dtype()) {
-      throw Error(std::string("DsaAttention (engine pools): kv.index_keys holds ") + dtype_name(kv.index_keys.dtype) +
-                  " keys; the layer's index queries are " + dtype_name(dtype()));
-    }
-    if (int64_t{kv.index_keys.max_blocks} * kv.index_keys.block_size < kv.max_seq_len) {
-      throw Error("DsaAttention (engine pools): kv.index_keys' table holds " +
-                  std::to_string(kv.index_keys.max_blocks) + " blocks of " + std::to_string(kv.index_keys.block_size) +
-                  " positions, fewer than max_seq_len = " + std::to_string(kv.max_seq_len));
-    }
-  } else if (kv.index_keys.pool != nullptr || kv.seq_lens != nullptr) {
-    throw Error("DsaAttention (engine-paged): kv.index_keys and kv.seq_lens are for KVStorage::kEnginePools layers; "
-                "this layer keeps its index keys and lengths itself");
-  }
 }
 
 void DsaAttention::check_selection_errors(void* stream) {

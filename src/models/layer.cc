@@ -220,6 +220,36 @@ void SparseLayer::check_tokens(const StepTokens& t, bool engine) const {
   }
 }
 
+void SparseLayer::check_engine_inputs(const StepTokens& tokens, const EnginePagedKV& kv) const {
+  check_tokens(tokens, true);
+  check_engine_kv(kv);
+  if (kv.block_table.num_rows < batch()) {
+    throw Error(name_ + " (engine-paged): the block table has " + std::to_string(kv.block_table.num_rows) +
+                " rows for " + std::to_string(batch()) + " slots");
+  }
+  if (!engine_pools()) {
+    if (kv.index_keys.pool != nullptr || kv.seq_lens != nullptr) {
+      throw Error(name_ + " (engine-paged): kv.index_keys and kv.seq_lens are for KVStorage::kEnginePools layers; "
+                          "this layer keeps its index keys and lengths itself");
+    }
+    return;
+  }
+  // The engine's index keys, as wide as the keys the layer would keep (its
+  // key-only cache's rows); what the indexer would refuse later, named here.
+  const std::string who = name_ + " (engine pools): kv.index_keys";
+  const std::string problem = paged_index_keys_problem(kv.index_keys, cache_.k_head_dim());
+  if (!problem.empty()) throw Error(who + ": " + problem);
+  if (kv.index_keys.format == IndexKeyFormat::kNative && kv.index_keys.dtype != dtype_) {
+    throw Error(who + " holds " + dtype_name(kv.index_keys.dtype) + " keys; the layer's index queries are " +
+                dtype_name(dtype_));
+  }
+  if (int64_t{kv.index_keys.max_blocks} * kv.index_keys.block_size < kv.max_seq_len) {
+    throw Error(who + "' table holds " + std::to_string(kv.index_keys.max_blocks) + " blocks of " +
+                std::to_string(kv.index_keys.block_size) +
+                " positions, fewer than max_seq_len = " + std::to_string(kv.max_seq_len));
+  }
+}
+
 bool SparseLayer::any_sparse(int32_t q_len) const {
   for (size_t b = 0; b < kv_lens().size(); ++b)
     if (cache_.active()[b] && sparse_at(kv_lens()[b] - (q_len - 1))) return true;
@@ -309,8 +339,7 @@ void SparseLayer::prefill_chunk(const StepTokens& tokens, const EnginePagedKV& k
   if (!engine_paged()) {
     throw Error(who + ": the layer keeps its own cache; prefill(tokens, num_tokens) reads it");
   }
-  check_tokens(tokens, true);
-  check_engine_kv(kv);
+  check_engine_inputs(tokens, kv);
   if (engine_pools()) {
     pools_prefill(tokens, kv, num_tokens, stream);
     return;
@@ -599,8 +628,7 @@ LayerStep SparseLayer::step(const StepTokens& tokens, const EnginePagedKV& kv, v
     throw Error(name_ + "::decode(tokens, kv): the layer keeps its own cache; construct it with kv_storage = "
                         "KVStorage::kEnginePaged to read an engine's pool");
   }
-  check_tokens(tokens, true);
-  check_engine_kv(kv);
+  check_engine_inputs(tokens, kv);
   if (engine_pools()) return pools_step(tokens, kv, stream);
   refuse_host_lens(name_ + " (engine-paged)", kv);
   cache_.reserve(cache_.live_len() + 1);  // allocates only when the capacity must grow
