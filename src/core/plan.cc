@@ -188,6 +188,7 @@ void check_decode_plan(const DecodePlan& plan) {
   // length; a request with one item writes directly (partial -1), one with
   // several writes distinct partial slots.
   std::vector<int32_t> partial_owner(static_cast<size_t>(plan.num_partials), -1);
+  std::vector<int64_t> partials_of(static_cast<size_t>(requests), 0);
   size_t i = 0;
   for (int32_t r = 0; r < requests; ++r) {
     const int64_t len = plan.seq_lens[static_cast<size_t>(r)];
@@ -207,7 +208,10 @@ void check_decode_plan(const DecodePlan& plan) {
         fail("work[" + std::to_string(i) + "] has partial slot " + std::to_string(w.partial) + " (of " +
              std::to_string(plan.num_partials) + "), out of range or already used");
       }
-      if (w.partial >= 0) partial_owner[static_cast<size_t>(w.partial)] = r;
+      if (w.partial >= 0) {
+        partial_owner[static_cast<size_t>(w.partial)] = r;
+        ++partials_of[static_cast<size_t>(r)];
+      }
     }
     const size_t items = i - first;
     if (items == 0 || covered != len) {
@@ -245,8 +249,14 @@ void check_decode_plan(const DecodePlan& plan) {
                           plan.merge_indptr.front() != 0 || plan.merge_indptr.back() != plan.num_partials)) {
     fail("merge_indptr must have merge_requests + 1 entries from 0 to num_partials");
   }
+  std::vector<uint8_t> merged(static_cast<size_t>(requests), 0);
   for (size_t m = 0; m < plan.merge_requests.size(); ++m) {
     const int32_t r = plan.merge_requests[m];
+    if (r < 0 || r >= requests || merged[static_cast<size_t>(r)] != 0) {
+      fail("merge_requests[" + std::to_string(m) + "] = " + std::to_string(r) +
+           " is out of range or names a request already merged");
+    }
+    merged[static_cast<size_t>(r)] = 1;
     if (plan.merge_indptr[m + 1] < plan.merge_indptr[m]) fail("merge_indptr decreases at " + std::to_string(m));
     // Slots past num_partials are never looked up (a later entry may decrease back to it).
     if (plan.merge_indptr[m] < 0 || plan.merge_indptr[m + 1] > plan.num_partials)
@@ -257,6 +267,11 @@ void check_decode_plan(const DecodePlan& plan) {
         fail("merge slot " + std::to_string(slot) + " is listed for request " + std::to_string(r) +
              " but belongs to another");
       }
+    }
+    if (plan.merge_indptr[m + 1] - plan.merge_indptr[m] != partials_of[static_cast<size_t>(r)]) {
+      fail("merge entry " + std::to_string(m) + " lists " +
+           std::to_string(plan.merge_indptr[m + 1] - plan.merge_indptr[m]) + " slots for request " + std::to_string(r) +
+           ", which has " + std::to_string(partials_of[static_cast<size_t>(r)]) + " partials");
     }
   }
   // Workspace: each region in order, none past the next or past the total.

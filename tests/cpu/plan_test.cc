@@ -6,6 +6,7 @@
 
 #include "sparsepage/plan.h"
 #include "sparsepage/types.h"
+#include "support/expect_error.h"
 
 namespace sparsepage {
 namespace {
@@ -293,6 +294,39 @@ TEST(PlanAsData, AMergeListPastTheSlotsIsNamedNotRead) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("lies outside [0, num_partials"), std::string::npos) << e.what();
   }
+}
+
+// A forged blob once passed the checks with a split request's partials
+// listed as two merge entries (each slot its own, so slot by slot nothing
+// was amiss) and merged it wrongly. Each merge entry must list all of its
+// request's partials, and a request only once.
+TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
+  PlanShape shape;
+  shape.group_size = 2;
+  shape.head_dim_v = 8;
+  shape.num_sms = 3;
+  shape.fixed_chunk_tokens = 64;
+  const DecodePlan base = make_decode_plan({200, 0, 130, 64}, shape);
+  ASSERT_FALSE(base.merge_requests.empty());
+  const int32_t first_slots = base.merge_indptr[1] - base.merge_indptr[0];
+  ASSERT_GE(first_slots, 2);
+  DecodePlan split = base;  // request merge_requests[0]'s slots as two entries
+  split.merge_requests.insert(split.merge_requests.begin(), base.merge_requests[0]);
+  split.merge_indptr.insert(split.merge_indptr.begin() + 1, first_slots / 2);
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_decode_plan(split); }, "merge entry 0 lists"));
+  DecodePlan twice = split;  // both entries listing all its slots: the second names a merged request
+  twice.merge_indptr[1] = first_slots;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_decode_plan(twice); }, "names a request already merged"));
+  DecodePlan shrunk = base;  // one entry listing fewer slots than the request has partials
+  shrunk.merge_indptr[1] -= 1;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_decode_plan(shrunk); }, "partials"));
+  DecodePlan stray = base;  // an entry for a request that does not exist
+  stray.merge_requests[0] = 99;
+  EXPECT_TRUE(
+      testing::throws_error_naming([&] { check_decode_plan(stray); }, "merge_requests[0] = 99 is out of range"));
+  EXPECT_NO_THROW(check_decode_plan(base));
+  const std::vector<int64_t> words = serialize_decode_plan(base);
+  EXPECT_NO_THROW(check_decode_plan(deserialize_decode_plan(words.data(), words.size())));
 }
 
 }  // namespace
