@@ -58,7 +58,8 @@ class DenseKVCache {
   /// Waits for the work queued on `stream` first (a replayed step may still
   /// read the slot) and takes the other slots' lengths from the device (so
   /// replayed steps need no sync_live_len() first), then copies
-  /// synchronously: not a step.
+  /// synchronously: not a step. A slot still holding a request (active,
+  /// length > 0) is refused by name: release() it first.
   void admit(int32_t slot, const void* k_new, const void* v_new, int64_t tokens, void* stream = nullptr);
   /// Ends the request in slot `slot`: length 0, inactive. Later steps skip
   /// it until it is admitted again. Waits for `stream` first, like admit().

@@ -89,7 +89,8 @@ class SparseLayer {
   /// heads, tokens, dim], v likewise; the same forms as append_tokens for
   /// one sequence), whose prefill ran elsewhere. The slot's length becomes
   /// `tokens` and later steps extend it. Waits for `stream` first; not a
-  /// step (engines admit between steps).
+  /// step (engines admit between steps). A slot still holding a request is
+  /// refused by name (release() it first).
   void admit(int32_t slot, const void* k, const void* v, int64_t tokens, void* stream = nullptr);
   /// Ends the request in slot `slot`: later steps skip it (its output rows
   /// are zero) until admit() reuses it.

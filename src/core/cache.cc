@@ -110,9 +110,15 @@ void DenseKVCache::admit(int32_t slot, const void* k_new, const void* v_new, int
   if (tokens > 0 && (k_new == nullptr || (v_new == nullptr && v_heads_ > 0))) {
     throw Error("DenseKVCache::admit: k_new and v_new must not be null");
   }
-  grow_to(tokens);  // may throw: nothing has changed yet
   if (device_ == Device::kCuda) detail::cuda_stream_sync(stream);
-  read_device_lens();  // replayed steps advanced the other slots on the device only
+  read_device_lens();  // replayed steps advanced the slots on the device only
+  // A slot still holding a request is released first: admitting over it
+  // would drop that request's rows without a word.
+  if (active_[static_cast<size_t>(slot)] != 0 && lens_[static_cast<size_t>(slot)] > 0) {
+    throw Error("DenseKVCache::admit: slot " + std::to_string(slot) + " holds a running request of " +
+                std::to_string(lens_[static_cast<size_t>(slot)]) + " tokens; release it first");
+  }
+  grow_to(tokens);  // may throw: nothing has changed yet
   const auto write = [&](const void* src, Buffer& dst, int32_t heads, int32_t dim) {
     if (tokens == 0 || heads == 0) return;
     const size_t row_bytes = stored_row_bytes(mode_, dim);

@@ -92,8 +92,28 @@ TEST(LayerRefusals, StaticSelectionSurvivesTheCacheGrowing) {
   EXPECT_EQ(layer.last_blocks(), blocks) << "the last step's blocks changed when the cache grew";
   EXPECT_EQ(layer.last_selected_positions(), positions) << "the last step's positions changed when the cache grew";
   const auto row = testing::random_values(DType::kBF16, kv * 100, rng);
+  layer.release(1);
   layer.admit(1, row.data(), row.data(), 100);  // grows again
   EXPECT_EQ(layer.last_selected_positions(), positions);
+}
+
+// admit() over a slot that still holds a request would drop that request's
+// rows without a word: it is refused by name and changes nothing; an
+// active slot of length 0 (a fresh layer's) and a released one take it.
+TEST(LayerRefusals, AdmitOverARunningRequestIsRefused) {
+  const StaticBlockSparseConfig config{4, 2, 8, 2, 1, 2, 4};
+  StaticBlockSparseAttention layer(Device::kCpu, DType::kBF16, config, 3);
+  std::mt19937_64 rng(9);
+  const size_t kv = size_t(config.num_kv_heads) * config.head_dim;
+  const auto rows = testing::random_values(DType::kBF16, kv * 20, rng);
+  layer.admit(0, rows.data(), rows.data(), 5);  // a fresh slot: active, empty
+  layer.admit(1, rows.data(), rows.data(), 7);
+  EXPECT_TRUE(testing::throws_error_naming([&] { layer.admit(1, rows.data(), rows.data(), 3); },
+                                           "slot 1 holds a running request of 7 tokens; release it first"));
+  EXPECT_EQ(layer.kv_lens(), (std::vector<int64_t>{5, 7, 0}));
+  layer.release(1);
+  layer.admit(1, rows.data(), rows.data(), 3);
+  EXPECT_EQ(layer.kv_lens(), (std::vector<int64_t>{5, 3, 0}));
 }
 
 }  // namespace

@@ -1480,7 +1480,7 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
     const int op = in.ConsumeIntegralInRange<int>(0, 15);
     switch (op) {
       case 0:
-      case 1: {  // admit a new request (over an active one too: it starts anew)
+      case 1: {  // admit a new request (over a running one: refused, then released and admitted)
         const int32_t slot = in.ConsumeIntegralInRange<int32_t>(0, batch - 1);
         const int64_t n = in.ConsumeIntegralInRange<int64_t>(0, 12);
         Request& r = slots[static_cast<size_t>(slot)];
@@ -1490,6 +1490,13 @@ void fuzz_layer_steps(FuzzedDataProvider& in, Model model) {
         const DenseKVCache& c = layer->cache();
         const auto k = testing::random_values(spec.dtype, static_cast<size_t>(c.k_heads() * n * c.k_head_dim()), rng);
         const auto v = testing::random_values(spec.dtype, static_cast<size_t>(c.v_heads() * n * c.v_head_dim()), rng);
+        if (c.active()[static_cast<size_t>(slot)] != 0 && c.live_lens()[static_cast<size_t>(slot)] > 0) {
+          FUZZ_CHECK(!accepted([&] { layer->admit(slot, k.data(), v.data(), n); }, "admit over a running request"),
+                     "admit over a running request was accepted");
+          r.lone.reset();
+          layer->release(slot);
+          twin->release(slot);
+        }
         layer->admit(slot, k.data(), v.data(), n);
         twin->admit(slot, k.data(), v.data(), n);
         r.lone = make_layer(spec, 1);
