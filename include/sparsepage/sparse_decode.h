@@ -205,7 +205,9 @@ class MaskPath {
   /// call when the counts or shapes change. Not capturable.
   void prepare(const SparseAttentionInputs& in, const SparseSelection& selection);
   /// Builds the mask and runs the masked decode: capturable after prepare.
-  /// Throws if the counts or shapes differ from what prepare() saw.
+  /// Throws if the counts or shapes differ from what prepare() saw, and on
+  /// the CPU, as the fused path does, for a position outside its request's
+  /// window [0, live_len) (on CUDA the mask builder skips such a position).
   void run(const SparseAttentionInputs& in, const SparseSelection& selection, void* stream = nullptr);
   /// Device bytes held (mask, offsets, workspace).
   size_t transient_bytes() const { return mask_.bytes() + offsets_.bytes() + workspace_.bytes(); }

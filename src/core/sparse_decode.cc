@@ -422,6 +422,21 @@ void MaskPath::run(const SparseAttentionInputs& in, const SparseSelection& selec
               in.v.dim == prepared_dim_v_ && offsets_.bytes() == (static_cast<size_t>(requests) + 1) * 4,
           "MaskPath::run with counts or shapes other than prepare() saw; call prepare() again");
   check_inputs(in, selection);
+  if (device_ == Device::kCpu) {
+    // As the fused path refuses them: a position outside its window is an
+    // error, not a row the mask quietly leaves out (the positions are host
+    // memory here; on CUDA the mask builder skips them).
+    const std::vector<int32_t> offsets = selection.offsets();
+    const int32_t* positions = selection.indices.as<int32_t>();
+    for (int64_t r = 0; r < requests; ++r) {
+      for (int32_t i = offsets[static_cast<size_t>(r)]; i < offsets[static_cast<size_t>(r) + 1]; ++i) {
+        REQUIRE(positions[i] >= 0 && positions[i] < in.live_len,
+                "MaskPath::run: positions[" + std::to_string(i) + "] = " + std::to_string(positions[i]) +
+                    " is outside request " + std::to_string(r) + "'s window of " + std::to_string(in.live_len) +
+                    " tokens");
+      }
+    }
+  }
   build_selection_mask(device_, selection.indices.as<int32_t>(), offsets_.as<int32_t>(), static_cast<int32_t>(requests),
                        in.live_len, mask_.as<float>(), stream);
   MaskedDecodeParams m = masked_params(in);

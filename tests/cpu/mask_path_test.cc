@@ -342,6 +342,42 @@ TEST(MaskPath, FusedAndMaskPathAgreeWhenUnselectedRowsHoldNaN) {
   for (size_t i = 0; i < out_rows; ++i) EXPECT_NEAR(fused_lse[i], mask_lse[i], 1e-4) << i;
 }
 
+// A position outside its window: the fused path refuses it, and so does
+// the mask path on the CPU (it once left the position out and answered),
+// whichever path the dispatch picks; o is left as it was.
+TEST(MaskPath, APositionOutsideItsWindowIsRefusedAsTheFusedPathRefusesIt) {
+  const int32_t dim = 8;
+  const int64_t live = 80, cap = 96;
+  std::mt19937_64 rng(132);
+  const std::vector<uint8_t> k = testing::random_values(DType::kBF16, size_t(cap) * dim, rng);
+  const std::vector<uint8_t> q = testing::random_values(DType::kBF16, size_t(2) * dim, rng);
+  SparseAttentionInputs in;
+  in.device = Device::kCpu;
+  in.dtype = DType::kBF16;
+  in.batch = 1;
+  in.num_qo_heads = 2;
+  in.num_kv_heads = 1;
+  in.live_len = live;
+  in.k = in.v = RowView::dense(k.data(), 1, cap, dim);
+  in.q = q.data();
+  in.scale = 0.3f;
+  std::vector<uint8_t> o = testing::nan_values(DType::kBF16, size_t(2) * dim);
+  in.o = o.data();
+  for (const int32_t bad : {int32_t{80}, int32_t{-5}, int32_t{1000000}}) {
+    const SparseSelection sel = make_selection(Device::kCpu, {{3, 7, bad}});
+    DispatchConfig config;
+    config.min_sparsity = 0;
+    SparseDecoder decoder(Device::kCpu, config);
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)decoder.try_fused(in, sel); }, "outside"));
+    MaskPath mask_path(Device::kCpu);
+    mask_path.prepare(in, sel);
+    EXPECT_TRUE(testing::throws_error_naming(
+        [&] { mask_path.run(in, sel); },
+        "positions[2] = " + std::to_string(bad) + " is outside request 0's window of 80 tokens"));
+    for (float x : testing::as_float(DType::kBF16, o)) EXPECT_TRUE(std::isnan(x)) << "a refused call wrote o";
+  }
+}
+
 TEST(MaskPath, BadParamsAreNamed) {
   std::mt19937_64 rng(25);
   const DenseSetup s(rng);
