@@ -80,20 +80,8 @@ def mla_decode_slots(q_latent, q_pe, kv_cache, slot_ids, *, scale: float, topk_l
 
     Returns ``(o, lse)``.
     """
-    if _is_cuda(q_latent):
-        from . import torch_ops
-
-        dec = torch_ops.MlaSparseDecoder(q_latent.shape[0], slot_ids.shape[-1], q_latent.shape[1],
-                                         device=q_latent.device, latent_dim=latent_dim,
-                                         rope_dim=kv_cache.shape[-1] - latent_dim)
-        return dec(q_latent, q_pe, kv_cache, slot_ids, scale=scale, topk_length=topk_length, o=o, lse=lse)
-    if o is None:
-        o = _empty_like_shape(q_latent, (q_latent.shape[0], q_latent.shape[1], latent_dim))
-    plan = _core.make_decode_plan([slot_ids.shape[-1]] * q_latent.shape[0], cpu_plan_shape(q_latent.shape[1], latent_dim))
-    latent = kv_cache[..., :latent_dim]
-    _core._paged_decode(plan, q_latent, latent, latent, o, None, slot_ids, topk_length, page_size=1, scale=scale,
-                       lse=lse, q_extra=q_pe, k_extra=kv_cache[..., latent_dim:], skip_minus_one=True)
-    return o, lse
+    return _mla_decode(q_latent, q_pe, kv_cache, slot_ids, scale=scale, topk_length=topk_length, o=o, lse=lse,
+                       latent_dim=latent_dim)
 
 
 def mla_decode_positions(q_latent, q_pe, kv_cache, positions, block_table, token_to_request=None, *, scale: float,
@@ -108,23 +96,31 @@ def mla_decode_positions(q_latent, q_pe, kv_cache, positions, block_table, token
     on the CPU and gives that token NaN plus the error flag on CUDA. Other arguments as
     :func:`mla_decode_slots`.
     """
-    block_size = kv_cache.shape[1]
+    return _mla_decode(q_latent, q_pe, kv_cache, positions, scale=scale, topk_length=topk_length, o=o, lse=lse,
+                       latent_dim=latent_dim, block_table=block_table, token_to_request=token_to_request)
+
+
+def _mla_decode(q_latent, q_pe, kv_cache, ids, *, scale, topk_length, o, lse, latent_dim, block_table=None,
+                token_to_request=None):
+    """Both MLA entries: ``ids`` are slot ids, or (``block_table`` given) positions resolved through it."""
+    block_size = 0 if block_table is None else kv_cache.shape[1]
     if _is_cuda(q_latent):
         from . import torch_ops
 
-        dec = torch_ops.MlaSparseDecoder(q_latent.shape[0], positions.shape[-1], q_latent.shape[1],
+        dec = torch_ops.MlaSparseDecoder(q_latent.shape[0], ids.shape[-1], q_latent.shape[1],
                                          device=q_latent.device, latent_dim=latent_dim,
                                          rope_dim=kv_cache.shape[-1] - latent_dim)
-        return dec.from_positions(q_latent, q_pe, kv_cache, positions, block_table, scale=scale,
+        if block_table is None:
+            return dec(q_latent, q_pe, kv_cache, ids, scale=scale, topk_length=topk_length, o=o, lse=lse)
+        return dec.from_positions(q_latent, q_pe, kv_cache, ids, block_table, scale=scale,
                                   token_to_request=token_to_request, topk_length=topk_length, o=o, lse=lse)
     if o is None:
         o = _empty_like_shape(q_latent, (q_latent.shape[0], q_latent.shape[1], latent_dim))
-    plan = _core.make_decode_plan([positions.shape[-1]] * q_latent.shape[0],
-                                  cpu_plan_shape(q_latent.shape[1], latent_dim))
+    plan = _core.make_decode_plan([ids.shape[-1]] * q_latent.shape[0], cpu_plan_shape(q_latent.shape[1], latent_dim))
     latent = kv_cache[..., :latent_dim]
-    _core._paged_decode(plan, q_latent, latent, latent, o, None, positions, topk_length, page_size=1, scale=scale,
-                       lse=lse, q_extra=q_pe, k_extra=kv_cache[..., latent_dim:], skip_minus_one=True,
-                       block_table=block_table, block_table_rows=token_to_request, block_size=block_size)
+    _core._paged_decode(plan, q_latent, latent, latent, o, None, ids, topk_length, page_size=1, scale=scale,
+                        lse=lse, q_extra=q_pe, k_extra=kv_cache[..., latent_dim:], skip_minus_one=True,
+                        block_table=block_table, block_table_rows=token_to_request, block_size=block_size)
     return o, lse
 
 

@@ -26,13 +26,6 @@ namespace {
 using OptIn = std::optional<In>;
 using OptOut = std::optional<Out>;
 
-size_t tensor_bytes(const Tensor& t) { return static_cast<size_t>(t.numel()) * ((t.dtype.bits + 7) / 8); }
-
-void require_same_dtype(DType expected, const Tensor& t) {
-  if (t.float_dtype() != expected)
-    t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but q has " + dtype_name(expected));
-}
-
 // The dense-cache entry points (SparseDecoder, the mask path) take packed q
 // and o: SparseAttentionInputs has no q / o strides.
 void require_dense_qo(const Tensor& t) {
@@ -47,10 +40,10 @@ void require_dense_qo(const Tensor& t) {
 // extent 1 gets its packed stride (torch reports any stride there).
 QueryStrides query_strides_of(const Tensor& t, const char* layout) {
   t.require_ndim(3, layout);
-  if (t.shape[2] > 1 && t.strides[2] != 1) t.fail("must have unit stride in its last dim (the head's values)");
+  t.require_unit_stride_last("the head's values");
   QueryStrides s;
-  s.head_stride = t.shape[1] == 1 ? t.shape[2] : t.strides[1];
-  s.seq_stride = t.shape[0] == 1 ? t.shape[1] * s.head_stride : t.strides[0];
+  s.head_stride = t.stride_or(1, t.shape[2]);
+  s.seq_stride = t.stride_or(0, t.shape[1] * s.head_stride);
   if (s.seq_stride < 0 || s.head_stride < 0) t.fail("has a negative stride");
   return s;
 }
@@ -73,18 +66,10 @@ RowView pool_of_heads(const Tensor& t, int32_t num_kv_heads, int64_t* num_rows) 
   return pool;
 }
 
-void require_index_array(const Tensor& t, const char* layout) {
-  t.require_int32();
-  t.require_ndim(1, layout);
-  t.require_contiguous();
-}
-
-// Bytes of a caller-provided workspace, checked against what is needed.
+// A caller-provided workspace checked against what is needed, or null.
 void* workspace_of(const std::optional<Tensor>& ws, size_t needed) {
   if (!ws) return nullptr;
-  ws->require_contiguous();
-  if (tensor_bytes(*ws) < needed)
-    ws->fail("holds " + std::to_string(tensor_bytes(*ws)) + " bytes; the plan needs " + std::to_string(needed));
+  ws->require_workspace(needed);
   return ws->data;
 }
 
@@ -121,14 +106,13 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
   const Tensor &q = in.q, &k = in.k, &v = in.v, &o = in.o, &indices = in.indices;
   const auto &indptr = in.indptr, &seq_lens = in.seq_lens, &fpo = in.fpo, &lse = in.lse, &q_extra = in.q_extra,
              &k_extra = in.k_extra, &ws = in.ws, &table = in.table, &table_rows = in.table_rows;
-  const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
-  const Device device = common_device(op, {&q, &k, &v, &o, &indices, opt(indptr), opt(seq_lens), opt(fpo), opt(lse),
-                                           opt(q_extra), opt(k_extra), opt(ws), opt(table), opt(table_rows)});
+  const Device device =
+      common_device(op, {q, k, v, o, indices, indptr, seq_lens, fpo, lse, q_extra, k_extra, ws, table, table_rows});
 
   if (num_kv_heads < 1) throw Error(op + ": num_kv_heads = " + std::to_string(num_kv_heads) + " must be at least 1");
   const char* q_layout = "[num_sequences, num_kv_heads * group_size, head_dim_qk]";
   const DType dtype = q.float_dtype();
-  for (const Tensor* t : {&k, &v, &o}) require_same_dtype(dtype, *t);
+  for (const Tensor* t : {&k, &v, &o}) t->require_same_dtype(q);
 
   DecodeParams p;
   p.dtype = dtype;
@@ -152,9 +136,8 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
   // Page ids: a CSR table (indptr given) or an index matrix (indptr None).
   indices.require_int32();
   if (indptr) {
-    require_index_array(*indptr, "[num_requests + 1]");
-    require_index_array(indices, "[num_pages]");
-    indptr->require_shape({p.num_requests + 1}, "[num_requests + 1]");
+    indptr->require_int32_array({p.num_requests + 1}, "[num_requests + 1]");
+    indices.require_int32_vector("[num_pages]");
     p.indptr = static_cast<const int32_t*>(indptr->data);
     p.num_indices = indices.shape[0];
   } else {
@@ -164,7 +147,7 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
                    "when indptr is None, got shape " +
                    indices.shape_str());
     const int last = indices.ndim() - 1;
-    if (indices.shape[last] > 1 && indices.strides[last] != 1) indices.fail("must have unit stride in its last dim");
+    indices.require_unit_stride_last();
     if (indices.shape[0] != sequences)
       indices.fail("has " + std::to_string(indices.shape[0]) + " rows but q has " + std::to_string(sequences) +
                    " sequences");
@@ -172,15 +155,15 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
       indices.fail("must be [num_sequences, num_kv_heads = " + std::to_string(num_kv_heads) + ", width], got " +
                    indices.shape_str());
     p.index_width = to_int32(indices.shape[last], op, "indices' width");
-    p.index_seq_stride = sequences > 1 ? indices.strides[0] : 0;
-    p.index_head_stride = indices.ndim() == 3 && num_kv_heads > 1 ? indices.strides[1] : 0;
+    p.index_seq_stride = indices.stride_or(0, 0);
+    p.index_head_stride = indices.ndim() == 3 ? indices.stride_or(1, 0) : 0;
     // The span the matrix covers, in elements.
     p.num_indices = (sequences - 1) * p.index_seq_stride + (num_kv_heads - 1) * p.index_head_stride + p.index_width;
   }
   p.indices = static_cast<const int32_t*>(indices.data);
   if (skip_minus_one) p.padding = IndexPadding::kMinusOneSkips;
   if (seq_lens) {
-    require_index_array(*seq_lens, "[num_requests] or [num_sequences]");
+    seq_lens->require_int32_vector("[num_requests] or [num_sequences]");
     if (seq_lens->shape[0] == p.num_requests) {
       p.seq_lens_index = SeqLensIndex::kPerRequest;
     } else if (seq_lens->shape[0] == sequences) {
@@ -192,14 +175,13 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
     p.seq_lens = static_cast<const int32_t*>(seq_lens->data);
   }
   if (fpo) {
-    require_index_array(*fpo, "[num_requests]");
-    fpo->require_shape({p.num_requests}, "[num_requests]");
+    fpo->require_int32_array({p.num_requests}, "[num_requests]");
     p.first_page_offset = static_cast<const int32_t*>(fpo->data);
   }
   if (q_extra || k_extra) {
     if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
-    require_same_dtype(dtype, *q_extra);
-    require_same_dtype(dtype, *k_extra);
+    q_extra->require_same_dtype(q);
+    k_extra->require_same_dtype(q);
     p.k_extra = pool_of_heads(*k_extra, num_kv_heads, &e_rows);
     q_extra->require_shape({q.shape[0], q.shape[1], p.k_extra.dim},
                            "[num_sequences, num_qo_heads, k_extra's row width]");
@@ -238,15 +220,9 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
   p.window_len = window_len;
   if (table) {
     // Block-table mode: ids are positions of each sequence, resolved through the table.
-    table->require_int32();
-    table->require_ndim(2, "[num_rows, max_blocks]");
-    if (table->shape[1] > 1 && table->strides[1] != 1) table->fail("must have unit stride in its last dim");
+    p.block_table = block_table_of(*table, "[num_rows, max_blocks]");
     if (block_size < 1) throw Error(op + ": block_table needs block_size >= 1 (pool rows per block)");
     p.addressing = PageAddressing::kBlockTable;
-    p.block_table.data = static_cast<const int32_t*>(table->data);
-    p.block_table.num_rows = to_int32(table->shape[0], op, "block_table's rows");
-    p.block_table.max_blocks = to_int32(table->shape[1], op, "block_table's width");
-    p.block_table.row_stride = table->shape[0] > 1 ? table->strides[0] : table->shape[1];
     p.block_table.block_size = block_size;
     const int64_t blocks = rows / block_size;
     if (num_pool_pages > blocks)
@@ -254,8 +230,7 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
                   std::to_string(block_size) + " rows exceed the pools' " + std::to_string(rows) + " rows");
     p.block_table.num_blocks = num_pool_pages >= 0 ? num_pool_pages : blocks;
     if (table_rows) {
-      require_index_array(*table_rows, "[num_sequences]");
-      table_rows->require_shape({sequences}, "[num_sequences]");
+      table_rows->require_int32_array({sequences}, "[num_sequences]");
       p.block_table.row_of_sequence = static_cast<const int32_t*>(table_rows->data);
     }
   } else if (table_rows) {
@@ -337,16 +312,8 @@ void paged_decode_exchange(const DecodePlan& plan, nb::handle q, nb::handle k, n
     throw Error(op + ": q's type publishes no DLPack exchange table (__dlpack_c_exchange_api__); pass DLPack "
                      "capsules to paged_decode instead");
   }
-  const auto one = [&](nb::handle h, const char* name) {
-    if (exchange_api_of(h) != api) {
-      throw Error(op + ": " + name + " is not a tensor of q's type (the exchange entry takes one tensor type)");
-    }
-    return describe_exchange(api, h, op, name);
-  };
-  const auto maybe = [&](nb::handle h, const char* name) -> std::optional<Tensor> {
-    if (h.is_none()) return std::nullopt;
-    return one(h, name);
-  };
+  const auto one = [&](nb::handle h, const char* name) { return describe_handle(h, op, name, api); };
+  const auto maybe = [&](nb::handle h, const char* name) { return describe_optional_handle(h, op, name, api); };
   const DecodeTensors in{one(q, "q"),
                          one(k, "k"),
                          one(v, "v"),
@@ -361,10 +328,7 @@ void paged_decode_exchange(const DecodePlan& plan, nb::handle q, nb::handle k, n
                          maybe(workspace, "workspace"),
                          maybe(block_table, "block_table"),
                          maybe(block_table_rows, "block_table_rows")};
-  void* stream = nullptr;
-  if (in.q.device == Device::kCuda && api->current_work_stream(2, in.q.device_id, &stream) != 0) {
-    nb::raise_python_error();
-  }
+  void* stream = current_work_stream(api, in.q, nullptr);
   run_paged_decode(plan, op, in, page_size, scale, num_pool_pages, request_row_stride, window_len, num_kv_heads,
                    skip_minus_one, block_size, false, reinterpret_cast<uintptr_t>(stream));
 }
@@ -387,14 +351,13 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
   const auto k_extra = describe(k_extra_in, op, "k_extra");
   Inputs r{{}, q};
   SparseAttentionInputs& in = r.in;
-  in.device = common_device(
-      op, {&q, &k, &v, &o, lse ? &*lse : nullptr, q_extra ? &*q_extra : nullptr, k_extra ? &*k_extra : nullptr});
+  in.device = common_device(op, {q, k, v, o, lse, q_extra, k_extra});
   q.require_ndim(3, "[batch, num_qo_heads, head_dim_qk]");
   o.require_ndim(3, "[batch, num_qo_heads, head_dim_v]");
   require_dense_qo(q);
   require_dense_qo(o);
   in.dtype = q.float_dtype();
-  for (const Tensor* t : {&k, &v, &o}) require_same_dtype(in.dtype, *t);
+  for (const Tensor* t : {&k, &v, &o}) t->require_same_dtype(q);
   int32_t kb = 0, vb = 0;
   in.k = dense_of(k, &kb);
   in.v = dense_of(v, &vb);
@@ -418,8 +381,8 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
   if (q_extra || k_extra) {
     if (!q_extra || !k_extra) throw Error(op + ": q_extra and k_extra must both be given or both be None");
     require_dense_qo(*q_extra);
-    require_same_dtype(in.dtype, *q_extra);
-    require_same_dtype(in.dtype, *k_extra);
+    q_extra->require_same_dtype(q);
+    k_extra->require_same_dtype(q);
     int32_t eb = 0;
     in.k_extra = dense_of(*k_extra, &eb);
     if (eb != in.batch) k_extra->fail("has batch " + std::to_string(eb) + " but q has " + std::to_string(in.batch));
@@ -430,9 +393,7 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
     in.q_extra = q_extra->data;
   }
   if (lse) {
-    lse->require_float32();
-    lse->require_contiguous();
-    lse->require_shape({q.shape[0], q.shape[1]}, "[batch, num_qo_heads]");
+    lse->require_float32_array({q.shape[0], q.shape[1]}, "[batch, num_qo_heads]");
     in.lse = static_cast<float*>(lse->data);
   }
   in.live_len = live_len;
@@ -449,9 +410,8 @@ Inputs make_inputs(const std::string& op, const In& q_in, const In& k_in, const 
 SparseSelection make_selection_from(const std::string& op, Device device, const In& positions_in, nb::handle counts_in,
                                     Buffer& buffer, void* stream) {
   const Tensor positions = describe(positions_in, op, "positions");
-  require_index_array(positions, "[total selected] (requests concatenated)");
-  if (positions.device != device)
-    positions.fail(std::string("lives on ") + device_name(positions.device) + ", the inputs on " + device_name(device));
+  positions.require_int32_vector("[total selected] (requests concatenated)");
+  positions.require_device(device, "the inputs");
   SparseSelection selection;
   selection.counts = host_int32(counts_in, op, "counts");
   int64_t total = 0;
@@ -511,9 +471,7 @@ auto dense_method(const char* op, const char* runs_on, Run run) {
                             nb::handle counts, int32_t num_kv_heads, int64_t live_len, float scale, const OptOut& lse,
                             const OptIn& q_extra, const OptIn& k_extra, bool raw_cache, uintptr_t stream) {
     Inputs r = make_inputs(op, q, k, v, o, num_kv_heads, live_len, scale, lse, q_extra, k_extra, raw_cache);
-    if (runs_on != nullptr && r.in.device != self.device)
-      throw Error(std::string(op) + ": " + runs_on + " runs on " + device_name(self.device) +
-                  " but the inputs live on " + device_name(r.in.device));
+    if (runs_on != nullptr) r.q.require_device(self.device, runs_on);
     DeviceGuard guard(r.q);
     return with_selection(op, r.in.device, positions, counts, self.selection_buffer, stream_ptr(stream),
                           [&](const SparseSelection& s) { return run(self, r.in, s, stream_ptr(stream)); });
@@ -611,10 +569,9 @@ void bind_decode(nb::module_& m) {
         MaskedDecodeParams p = masked_params(r.in);
         const auto mask = describe(mask_in, op, "mask");
         if (mask) {
-          if (mask->device != r.in.device) mask->fail("lives on another device than q");
-          mask->require_float32();
-          mask->require_contiguous();
-          mask->require_shape({int64_t{r.in.batch} * num_kv_heads, live_len}, "[batch * num_kv_heads, live_len]");
+          mask->require_device(r.in.device, "q");
+          mask->require_float32_array({int64_t{r.in.batch} * num_kv_heads, live_len},
+                                      "[batch * num_kv_heads, live_len]");
           p.mask = static_cast<const float*>(mask->data);
         }
         check_masked_decode_params(p);
@@ -646,14 +603,12 @@ void bind_decode(nb::module_& m) {
         const std::string op = "build_selection_mask";
         const Tensor positions = describe(positions_in, op, "positions"), offsets = describe(offsets_in, op, "offsets"),
                      mask = describe(mask_in, op, "mask");
-        const Device device = common_device(op, {&positions, &offsets, &mask});
-        require_index_array(positions, "[total selected]");
-        require_index_array(offsets, "[num_requests + 1]");
-        mask.require_float32();
-        mask.require_contiguous();
+        const Device device = common_device(op, {positions, offsets, mask});
+        positions.require_int32_vector("[total selected]");
+        offsets.require_int32_vector("[num_requests + 1]");
         const int64_t requests = offsets.shape[0] - 1;
         if (requests < 0) offsets.fail("must hold num_requests + 1 entries");
-        mask.require_shape({requests, live_len}, "[num_requests, live_len]");
+        mask.require_float32_array({requests, live_len}, "[num_requests, live_len]");
         DeviceGuard guard(mask);
         build_selection_mask(device, static_cast<const int32_t*>(positions.data),
                              static_cast<const int32_t*>(offsets.data), to_int32(requests, op, "num_requests"),

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "tensor.h"
@@ -67,5 +68,19 @@ const dlpack_abi::ExchangeApi* exchange_api_of(nb::handle obj);
 /// `obj` described through `api` (one C call): as `describe` gives it.
 Tensor describe_exchange(const dlpack_abi::ExchangeApi* api, nb::handle obj, const std::string& op,
                          const std::string& name);
+
+/// A tensor argument passed as a Python object: described through its type's
+/// exchange table when it publishes one, else as a DLPack tensor (a capsule,
+/// a numpy array). With `same_as_q` (q's table) it must be a tensor of q's
+/// type. The optional form gives nullopt for None.
+Tensor describe_handle(nb::handle h, const std::string& op, const std::string& name,
+                       const dlpack_abi::ExchangeApi* same_as_q = nullptr);
+std::optional<Tensor> describe_optional_handle(nb::handle h, const std::string& op, const std::string& name,
+                                               const dlpack_abi::ExchangeApi* same_as_q = nullptr);
+
+/// The producer's current stream for the CUDA tensor `t`, through its type's
+/// table `api` (torch's current stream); `fallback` for a CPU tensor or where
+/// the table (null: none) cannot tell.
+void* current_work_stream(const dlpack_abi::ExchangeApi* api, const Tensor& t, void* fallback);
 
 }  // namespace sparsepage::py

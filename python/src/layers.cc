@@ -18,17 +18,18 @@
 namespace sparsepage::py {
 namespace {
 
-// A tensor argument on the layer's device.
-void require_layer_device(const Tensor& t, Device device) {
-  if (t.device != device)
-    t.fail(std::string("lives on ") + device_name(t.device) + " but the layer on " + device_name(device));
-}
-
 // A data argument: on the layer's device, in the layer's dtype.
 void require_layer_data(const Tensor& t, Device device, DType dtype) {
-  require_layer_device(t, device);
+  t.require_device(device, "the layer");
   if (t.float_dtype() != dtype)
     t.fail(std::string("has dtype ") + dtype_name(t.float_dtype()) + " but the layer stores " + dtype_name(dtype));
+}
+
+// A paged pool's blocks back to back: [num_blocks, block_size, ...] with
+// each block's rows one after another (rows collapse over (block, slot)).
+void require_whole_blocks(const Tensor& t) {
+  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
+    t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
 }
 
 // The step arguments of one call `op` on layer `l`: each on the layer's
@@ -53,11 +54,9 @@ struct StepArgs {
 // The fp32 index weights of a step: on the layer's device, contiguous, of `shape`.
 const float* weights_arg(const std::string& op, const In& a, Device device, std::initializer_list<int64_t> shape,
                          const char* layout) {
-  Tensor w = describe(a, op, "index_weights");
-  if (w.device != device) w.fail("lives on another device than the layer");
-  w.require_float32();
-  w.require_shape(shape, layout);
-  w.require_contiguous();
+  const Tensor w = describe(a, op, "index_weights");
+  w.require_device(device, "the layer");
+  w.require_float32_array(shape, layout);
   return static_cast<const float*>(w.data);
 }
 
@@ -70,11 +69,9 @@ int32_t step_q_len(const std::string& op, const In& q, const char* name, const c
 
 std::vector<float> host_floats(const std::string& op, const In& a, const char* name,
                                std::initializer_list<int64_t> shape, const char* layout) {
-  Tensor t = describe(a, op, name);
+  const Tensor t = describe(a, op, name);
   if (t.device != Device::kCpu) t.fail("must be a host array");
-  t.require_float32();
-  t.require_shape(shape, layout);
-  t.require_contiguous();
+  t.require_float32_array(shape, layout);
   const float* p = static_cast<const float*>(t.data);
   return std::vector<float>(p, p + t.numel());
 }
@@ -97,42 +94,32 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
     t.fail("has " + std::to_string(t.shape[2]) + " heads; the layer has " + std::to_string(heads) + " " + layout);
   if (t.shape[last] != width)
     t.fail("rows are " + std::to_string(t.shape[last]) + " wide, expected " + std::to_string(width) + " " + layout);
-  if (t.shape[last] > 1 && t.strides[last] != 1) t.fail("must have unit stride in its last dim");
-  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1]) {
-    t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
-  }
+  t.require_unit_stride_last();
+  require_whole_blocks(t);
   RowView v;
   v.data = t.data;
   v.row_stride = t.strides[1];
   v.dim = dim;
   v.head_stride = heads > 1 ? t.strides[2] : 0;
   v.capacity = t.shape[0] * t.shape[1];
-  *block_size = to_int32(t.shape[1], op, std::string(name) + "'s block size");
+  *block_size = t.extent_int32(1, "block size");
   return v;
 }
 
 // A block table: int32 [batch, max_blocks] on the layer's device, unit stride in its last dim.
-Tensor table_arg(const std::string& op, const In& a, const char* name, Device device, int32_t batch) {
-  Tensor t = describe(a, op, name);
-  require_layer_device(t, device);
-  t.require_int32();
-  t.require_ndim(2, "[batch, max_blocks]");
+BlockTable table_arg(const std::string& op, const In& a, const char* name, Device device, int32_t batch) {
+  const Tensor t = describe(a, op, name);
+  t.require_device(device, "the layer");
+  BlockTable b = block_table_of(t, "[batch, max_blocks]");
   if (t.shape[0] != batch)
     t.fail("has " + std::to_string(t.shape[0]) + " rows; the layer's batch is " + std::to_string(batch));
-  if (t.shape[1] > 1 && t.strides[1] != 1) t.fail("must have unit stride in its last dim");
-  return t;
+  return b;
 }
-int64_t table_row_stride(const Tensor& t) { return t.shape[0] > 1 ? t.strides[0] : t.shape[1]; }
 
 // The engine's block table of its attention pool.
 BlockTable engine_table(const std::string& op, const In& a, Device device, int32_t batch, int32_t block_size,
                         int64_t num_blocks) {
-  const Tensor t = table_arg(op, a, "block_table", device, batch);
-  BlockTable b;
-  b.data = static_cast<const int32_t*>(t.data);
-  b.num_rows = batch;
-  b.max_blocks = to_int32(t.shape[1], op, "block_table's width");
-  b.row_stride = table_row_stride(t);
+  BlockTable b = table_arg(op, a, "block_table", device, batch);
   b.block_size = block_size;
   b.num_blocks = num_blocks;
   return b;
@@ -322,7 +309,7 @@ DsaTokens dsa_tokens(const DsaAttention& l, const std::string& op, const In& q_l
 // row the 656-byte format (fp8.h) and row_bytes >= 656 apart.
 EnginePagedKV dsa_fp8_kv(const DsaAttention& l, Tensor& t, const std::string& op, const In& block_table) {
   const char* layout = "[num_blocks, block_size, row_bytes] uint8 (656-byte FP8 MLA rows)";
-  require_layer_device(t, l.device());
+  t.require_device(l.device(), "the layer");
   if (t.dtype.bits != 8 || t.dtype.lanes != 1) t.fail("has dtype " + t.dtype_str() + "; an FP8 pool is uint8");
   if (l.dtype() != DType::kBF16) t.fail("holds FP8 MLA rows, whose rope is bf16: the layer must be bf16");
   if (l.config().latent_dim != MlaFp8Row::kLatent || l.config().rope_dim != MlaFp8Row::kRope)
@@ -331,9 +318,8 @@ EnginePagedKV dsa_fp8_kv(const DsaAttention& l, Tensor& t, const std::string& op
   t.require_ndim(3, layout);
   if (t.shape[2] < MlaFp8Row::kBytes)
     t.fail("rows are " + std::to_string(t.shape[2]) + " bytes, fewer than the format's 656; expected " + layout);
-  if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
-  if (t.shape[0] > 1 && t.strides[0] != t.shape[1] * t.strides[1])
-    t.fail("must hold each block's rows one after another (stride of dim 0 = block_size * stride of dim 1)");
+  t.require_unit_stride_last();
+  require_whole_blocks(t);
   const MlaFp8Views views = mla_fp8_views(t.data, t.shape[0] * t.shape[1], t.strides[1]);
   EnginePagedKV kv;
   kv.k = views.k;
@@ -368,7 +354,7 @@ EnginePagedKV dsa_engine_kv(const DsaAttention& l, const std::string& op, const 
 // block_size, dim], with its block table.
 PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device device, int32_t dim) {
   Tensor t = describe(cache, op, "index_cache");
-  require_layer_device(t, device);
+  t.require_device(device, "the layer");
   t.require_ndim(3, "[num_blocks, block_size, bytes or index_head_dim]");
   PagedIndexKeys k;
   k.pool = t.data;
@@ -390,7 +376,7 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
     k.dtype = t.float_dtype();
     if (t.shape[2] != dim)
       t.fail("rows are " + std::to_string(t.shape[2]) + " wide; the layer's index_head_dim is " + std::to_string(dim));
-    if (t.strides[2] != 1) t.fail("must have unit stride in its last dim");
+    t.require_unit_stride_last();
     const int64_t e = static_cast<int64_t>(dtype_size(k.dtype));
     k.token_stride_bytes = t.strides[1] * e;
     k.block_stride_bytes = t.strides[0] * e;
@@ -401,10 +387,10 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
 PagedIndexKeys index_pool(const std::string& op, const In& cache, const In& table, Device device, int32_t batch,
                           int32_t dim) {
   PagedIndexKeys k = index_cache_pool(op, cache, device, dim);
-  const Tensor tb = table_arg(op, table, "index_block_table", device, batch);
-  k.block_table = static_cast<const int32_t*>(tb.data);
-  k.block_table_stride = table_row_stride(tb);
-  k.max_blocks = to_int32(tb.shape[1], op, "index_block_table's width");
+  const BlockTable tb = table_arg(op, table, "index_block_table", device, batch);
+  k.block_table = tb.data;
+  k.block_table_stride = tb.row_stride;
+  k.max_blocks = tb.max_blocks;
   return k;
 }
 
@@ -416,11 +402,9 @@ EnginePagedKV pools_kv(EnginePagedKV kv, const SparseLayer& layer, const std::st
                        const In& block_table, int32_t index_dim) {
   if (layer.kv_storage() != KVStorage::kEnginePools)
     throw Error(op + ": the layer was made with another kv_storage; the *_pools calls need KVStorage.ENGINE_POOLS");
-  Tensor lens = describe(seq_lens, op, "seq_lens");
-  require_layer_device(lens, layer.device());
-  lens.require_int32();
-  lens.require_shape({layer.batch()}, "[batch]");
-  lens.require_contiguous();
+  const Tensor lens = describe(seq_lens, op, "seq_lens");
+  lens.require_device(layer.device(), "the layer");
+  lens.require_int32_array({layer.batch()}, "[batch]");
   kv.seq_lens = static_cast<const int32_t*>(lens.data);
   kv.max_seq_len = max_seq_len;
   kv.index_keys = index_pool(op, index_cache, index_block_table ? *index_block_table : block_table, layer.device(),
@@ -1021,7 +1005,7 @@ void bind_layers(nb::module_& m) {
         }
         sl.require_shape({k.shape[0]}, "[num_tokens]");
         sl.require_contiguous();
-        if (common_device(op, {&c, &k, &sl}) == Device::kCuda) {
+        if (common_device(op, {c, k, sl}) == Device::kCuda) {
           DeviceGuard guard(c);
           void* st = stream ? stream_ptr(*stream) : torch_current_stream();
           write_index_keys_cuda(pool, dim, k.float_dtype(), k.data, k.shape[1], static_cast<const int64_t*>(sl.data),
@@ -1050,7 +1034,7 @@ void bind_layers(nb::module_& m) {
                      q = describe(q_index, op, "q_index"), w = describe(weights, op, "weights"),
                      ws = describe(workspace, op, "workspace"), p = describe(positions, op, "positions"),
                      c = describe(counts, op, "counts");
-        if (common_device(op, {&k, &l, &q, &w, &ws, &p, &c}) != Device::kCuda)
+        if (common_device(op, {k, l, q, w, ws, p, c}) != Device::kCuda)
           throw Error(op + ": every tensor must be a CUDA tensor (use dsa_select_tokens_cpu on the host)");
         k.require_ndim(4, "[batch, 1, capacity, latent_dim + index_head_dim]");
         k.require_contiguous();
@@ -1059,19 +1043,15 @@ void bind_layers(nb::module_& m) {
         w.require_float32();
         w.require_contiguous();
         ws.require_contiguous();
-        for (const Tensor* t : {&l, &p, &c}) {
-          t->require_int32();
-          t->require_contiguous();
-        }
         DsaIndexerArgs a;
         a.dtype = k.float_dtype();
-        if (q.float_dtype() != a.dtype) q.fail("must have k_cache's dtype");
+        q.require_same_dtype(k);
         const int32_t batch = to_int32(q.shape[0], op, "q_index.shape[0]");
         if (k.shape[0] != batch)
           k.fail("has batch " + std::to_string(k.shape[0]) + " but q_index " + std::to_string(batch));
-        l.require_shape({batch}, "[batch]");
-        c.require_shape({batch}, "[batch]");
-        p.require_shape({batch, config.index_topk}, "[batch, index_topk]");
+        l.require_int32_array({batch}, "[batch]");
+        c.require_int32_array({batch}, "[batch]");
+        p.require_int32_array({batch, config.index_topk}, "[batch, index_topk]");
         a.k_cache = k.data;
         a.capacity = k.shape[2];
         a.kv_lens = static_cast<const int32_t*>(l.data);
@@ -1079,7 +1059,7 @@ void bind_layers(nb::module_& m) {
         a.q_index = q.data;
         a.weights = static_cast<const float*>(w.data);
         a.workspace = ws.data;
-        a.workspace_bytes = static_cast<size_t>(ws.numel()) * (ws.dtype.bits / 8);
+        a.workspace_bytes = ws.nbytes();
         a.positions = static_cast<int32_t*>(p.data);
         a.counts = static_cast<int32_t*>(c.data);
         DeviceGuard guard(k);

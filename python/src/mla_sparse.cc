@@ -23,28 +23,6 @@ namespace {
 
 constexpr uint8_t kDLFloat8E4m3fn = 10;  // DLPack's code for float8_e4m3fn
 
-Tensor describe_handle(nb::handle h, const std::string& op, const std::string& name) {
-  if (const dlpack_abi::ExchangeApi* api = exchange_api_of(h)) return describe_exchange(api, h, op, name);
-  In array;
-  if (!nb::try_cast(h, array)) throw Error(op + ": " + name + " is not a tensor (no DLPack export)");
-  return describe(array, op, name);
-}
-
-std::optional<Tensor> describe_optional(nb::handle h, const std::string& op, const std::string& name) {
-  if (h.is_none()) return std::nullopt;
-  return describe_handle(h, op, name);
-}
-
-void require_last_dim_unit(const Tensor& t) {
-  if (t.shape.back() > 1 && t.strides.back() != 1) t.fail("must have unit stride in its last dim");
-}
-
-void require_vector(const Tensor& t, int64_t n, const char* layout) {
-  t.require_ndim(1, layout);
-  if (t.shape[0] != n) t.fail("must have shape (" + std::to_string(n) + ",) " + layout + ", got " + t.shape_str());
-  if (n > 1 && t.strides[0] != 1) t.fail("must be contiguous");
-}
-
 // A paged FP8 cache [num_blocks, block_size, (1,) bytes] and its slot ids
 // [batch, q_len, topk] as an MlaSparseCache (byte strides from the tensor).
 MlaSparseCache cache_of(const Tensor& k, const Tensor& ids, const std::optional<Tensor>& lengths, MlaCacheFormat format,
@@ -63,14 +41,14 @@ MlaSparseCache cache_of(const Tensor& k, const Tensor& ids, const std::optional<
   if (k.shape.back() != row_bytes)
     k.fail("has " + std::to_string(k.shape.back()) + " bytes per token, but a " + mla_cache_format_name(format) +
            " cache (d_qk " + std::to_string(mla_head_dim_qk(format)) + ") has " + std::to_string(row_bytes));
-  require_last_dim_unit(k);
+  k.require_unit_stride_last();
   MlaSparseCache c;
   c.data = k.data;
   c.num_blocks = k.shape[0];
-  c.block_size = to_int32(k.shape[1], k.op, k.name + "'s page_block_size");
+  c.block_size = k.extent_int32(1, "page_block_size");
   c.block_stride = k.strides[0];
   // A block of one token has no second row to step to: its rows are its blocks.
-  c.row_stride = c.block_size > 1 ? k.strides[1] : k.strides[0];
+  c.row_stride = k.stride_or(1, k.strides[0]);
   if (format == MlaCacheFormat::kModel1 && c.block_size > 1 && k.strides[1] != row_bytes)
     k.fail("must keep each block's bytes together (stride(1) = " + std::to_string(row_bytes) + ", got " +
            std::to_string(k.strides[1]) + "): a MODEL1 block is laid out as a whole");
@@ -80,26 +58,22 @@ MlaSparseCache cache_of(const Tensor& k, const Tensor& ids, const std::optional<
   if (ids.ndim() != 3 || ids.shape[0] != batch || ids.shape[1] != q_len)
     ids.fail("must be [batch = " + std::to_string(batch) + ", seq_len_q = " + std::to_string(q_len) +
              ", topk] int32, got " + ids.shape_str());
-  require_last_dim_unit(ids);
+  ids.require_unit_stride_last();
   c.indices = static_cast<const int32_t*>(ids.data);
-  c.topk = to_int32(ids.shape[2], ids.op, ids.name + "'s topk");
+  c.topk = ids.extent_int32(2, "topk");
   c.index_batch_stride = ids.strides[0];
   c.index_token_stride = ids.strides[1];
   if (lengths) {
-    lengths->require_int32();
-    require_vector(*lengths, batch, "[batch]");
+    lengths->require_int32_array({batch}, "[batch]");
     c.topk_length = static_cast<const int32_t*>(lengths->data);
   }
   return c;
 }
 
-uintptr_t stream_of(const Tensor& q, nb::handle q_handle, uintptr_t stream, bool use_current) {
-  if (!use_current || q.device != Device::kCuda) return stream;
-  const dlpack_abi::ExchangeApi* api = exchange_api_of(q_handle);
-  if (api == nullptr || api->current_work_stream == nullptr) return stream;
-  void* current = nullptr;
-  if (api->current_work_stream(2, q.device_id, &current) != 0) nb::raise_python_error();
-  return reinterpret_cast<uintptr_t>(current);
+// The launch's stream: q's type's current stream (use_current), else `stream`.
+void* stream_of(const Tensor& q, nb::handle q_handle, uintptr_t stream, bool use_current) {
+  if (!use_current) return stream_ptr(stream);
+  return current_work_stream(exchange_api_of(q_handle), q, stream_ptr(stream));
 }
 
 void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h, nb::handle ids_h, nb::handle len_h,
@@ -110,18 +84,16 @@ void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h
   const Tensor q = describe_handle(q_h, op, "q"), k = describe_handle(k_h, op, "k_cache"),
                ids = describe_handle(ids_h, op, "indices"), o = describe_handle(o_h, op, "out"),
                ws = describe_handle(ws_h, op, "workspace");
-  const auto lengths = describe_optional(len_h, op, "topk_length");
-  const auto sink = describe_optional(sink_h, op, "attn_sink");
-  const auto extra_k = describe_optional(extra_k_h, op, "extra_k_cache");
-  const auto extra_ids = describe_optional(extra_ids_h, op, "extra_indices_in_kvcache");
-  const auto extra_lengths = describe_optional(extra_len_h, op, "extra_topk_length");
-  const auto lse = describe_optional(lse_h, op, "lse");
-  const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
-  const Device device = common_device(
-      op, {&q, &k, &ids, &o, &ws, opt(lengths), opt(sink), opt(extra_k), opt(extra_ids), opt(extra_lengths), opt(lse)});
+  const auto lengths = describe_optional_handle(len_h, op, "topk_length");
+  const auto sink = describe_optional_handle(sink_h, op, "attn_sink");
+  const auto extra_k = describe_optional_handle(extra_k_h, op, "extra_k_cache");
+  const auto extra_ids = describe_optional_handle(extra_ids_h, op, "extra_indices_in_kvcache");
+  const auto extra_lengths = describe_optional_handle(extra_len_h, op, "extra_topk_length");
+  const auto lse = describe_optional_handle(lse_h, op, "lse");
+  const Device device = common_device(op, {q, k, ids, o, ws, lengths, sink, extra_k, extra_ids, extra_lengths, lse});
 
   q.require_ndim(4, "[batch, seq_len_q, num_heads_q, head_dim]");
-  require_last_dim_unit(q);
+  q.require_unit_stride_last();
   MlaSparseParams p;
   const int64_t dqk = q.shape[3];
   if (dqk == 576) {
@@ -137,8 +109,8 @@ void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h
   p.num_heads = to_int32(q.shape[2], op, "num_heads_q");
   p.q = q.data;
   // Dims of extent 1 report any stride: give them the ones the folding expects.
-  p.q_head_stride = p.num_heads > 1 ? q.strides[2] : p.q_len > 1 ? q.strides[1] : dqk;
-  p.q_token_stride = p.q_len > 1 ? q.strides[1] : int64_t{p.num_heads} * p.q_head_stride;
+  p.q_head_stride = q.stride_or(2, q.stride_or(1, dqk));
+  p.q_token_stride = q.stride_or(1, int64_t{p.num_heads} * p.q_head_stride);
   p.q_batch_stride = q.strides[0];
   p.cache = cache_of(k, ids, lengths, p.format, p.batch, p.q_len);
   if (extra_k || extra_ids || extra_lengths) {
@@ -147,32 +119,27 @@ void mla_sparse_decode(const MlaSparsePlan& plan, nb::handle q_h, nb::handle k_h
     p.extra = cache_of(*extra_k, *extra_ids, extra_lengths, p.format, p.batch, p.q_len);
   }
   if (sink) {
-    sink->require_float32();
-    require_vector(*sink, p.num_heads, "[num_heads_q]");
+    sink->require_float32_array({p.num_heads}, "[num_heads_q]");
     p.attn_sink = static_cast<const float*>(sink->data);
   }
-  if (o.float_dtype() != p.dtype) o.fail("has dtype " + o.dtype_str() + " but q has " + q.dtype_str());
+  o.require_same_dtype(q);
   o.require_shape({q.shape[0], q.shape[1], q.shape[2], kMlaSparseHeadDimV}, "[batch, seq_len_q, num_heads_q, 512]");
   o.require_contiguous();
   p.o = o.data;
   if (lse) {
-    lse->require_float32();
-    lse->require_shape({q.shape[0], q.shape[1], q.shape[2]}, "[batch, seq_len_q, num_heads_q]");
-    lse->require_contiguous();
+    lse->require_float32_array({q.shape[0], q.shape[1], q.shape[2]}, "[batch, seq_len_q, num_heads_q]");
     p.lse = static_cast<float*>(lse->data);
   }
   p.scale = scale;
   if (ws.dtype.bits != 8) ws.fail("must be a uint8 tensor");
-  ws.require_contiguous();
-  if (static_cast<size_t>(ws.numel()) < plan.workspace.total)
-    ws.fail("holds " + std::to_string(ws.numel()) + " bytes; the plan needs " + std::to_string(plan.workspace.total));
+  ws.require_workspace(plan.workspace.total);
 
   DeviceGuard guard(q);
   if (device == Device::kCpu) {
     nb::gil_scoped_release release;
     run_mla_sparse_cpu(p, plan, ws.data);
   } else {
-    run_mla_sparse_cuda(p, plan, ws.data, stream_ptr(stream_of(q, q_h, stream, current_stream)));
+    run_mla_sparse_cuda(p, plan, ws.data, stream_of(q, q_h, stream, current_stream));
   }
 }
 
@@ -185,26 +152,25 @@ void mla_sparse_prefill(MlaSparsePrefill& prefill, nb::handle q_h, nb::handle kv
   const Tensor q = describe_handle(q_h, op, "q"), kv = describe_handle(kv_h, op, "kv"),
                ids = describe_handle(ids_h, op, "indices"), out = describe_handle(out_h, op, "out"),
                lse = describe_handle(lse_h, op, "lse");
-  const auto sink = describe_optional(sink_h, op, "attn_sink");
-  const auto lengths = describe_optional(len_h, op, "topk_length");
-  const auto max_logits = describe_optional(max_h, op, "max_logits");
-  const auto opt = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
-  const Device device = common_device(op, {&q, &kv, &ids, &out, &lse, opt(sink), opt(lengths), opt(max_logits)});
+  const auto sink = describe_optional_handle(sink_h, op, "attn_sink");
+  const auto lengths = describe_optional_handle(len_h, op, "topk_length");
+  const auto max_logits = describe_optional_handle(max_h, op, "max_logits");
+  const Device device = common_device(op, {q, kv, ids, out, lse, sink, lengths, max_logits});
 
   q.require_ndim(3, "[s_q, h_q, 576]");
   if (q.shape[2] != 576) q.fail("has d_qk " + std::to_string(q.shape[2]) + "; the sparse prefill takes 576 (512 + 64)");
-  require_last_dim_unit(q);
+  q.require_unit_stride_last();
   kv.require_ndim(3, "[s_kv, h_kv, 576]");
   if (kv.shape[1] != 1) kv.fail("has " + std::to_string(kv.shape[1]) + " KV heads; sparse MLA has one (h_kv = 1)");
   if (kv.shape[2] != 576) kv.fail("has d_qk " + std::to_string(kv.shape[2]) + "; q has 576");
-  if (kv.float_dtype() != q.float_dtype()) kv.fail("has dtype " + kv.dtype_str() + " but q has " + q.dtype_str());
-  require_last_dim_unit(kv);
+  kv.require_same_dtype(q);
+  kv.require_unit_stride_last();
   const int64_t s_q = q.shape[0], h_q = q.shape[1], s_kv = kv.shape[0];
   ids.require_int32();
   ids.require_ndim(3, "[s_q, h_kv, topk]");
   if (ids.shape[0] != s_q || ids.shape[1] != 1)
     ids.fail("must be [s_q = " + std::to_string(s_q) + ", h_kv = 1, topk] int32, got " + ids.shape_str());
-  require_last_dim_unit(ids);
+  ids.require_unit_stride_last();
 
   MlaPrefillParams p;
   p.dtype = q.float_dtype();
@@ -216,50 +182,41 @@ void mla_sparse_prefill(MlaSparsePrefill& prefill, nb::handle q_h, nb::handle kv
   p.q_rope = static_cast<const char*>(q.data) + 512 * dtype_size(p.dtype);
   p.qo_layout = QueryLayout::kStrided;
   // Dims of extent 1 report any stride: give them the packed ones.
-  const int64_t head_stride = h_q > 1 ? q.strides[1] : 576;
-  const int64_t token_stride = s_q > 1 ? q.strides[0] : h_q * head_stride;
+  const int64_t head_stride = q.stride_or(1, 576);
+  const int64_t token_stride = q.stride_or(0, h_q * head_stride);
   p.q_strides = p.q_rope_strides = {s_q * token_stride, head_stride, token_stride};  // {seq, head, token}
-  const int64_t row = s_kv > 1 ? kv.strides[0] : 576;
+  const int64_t row = kv.stride_or(0, 576);
   p.kv = {kv.data, row, 512, 0, 0, s_kv};
   p.kv_rope = {static_cast<const char*>(kv.data) + 512 * dtype_size(p.dtype), row, 64, 0, 0, s_kv};
   p.indices = static_cast<const int32_t*>(ids.data);
-  p.index_token_stride = s_q > 1 ? ids.strides[0] : p.topk;
+  p.index_token_stride = ids.stride_or(0, p.topk);
   if (lengths) {
-    lengths->require_int32();
-    require_vector(*lengths, s_q, "[s_q]");
+    lengths->require_int32_array({s_q}, "[s_q]");
     p.topk_length = static_cast<const int32_t*>(lengths->data);
   }
   if (sink) {
-    sink->require_float32();
-    require_vector(*sink, h_q, "[h_q]");
+    sink->require_float32_array({h_q}, "[h_q]");
     p.attn_sink = static_cast<const float*>(sink->data);
   }
   p.scale = scale;
-  if (out.float_dtype() != p.dtype) out.fail("has dtype " + out.dtype_str() + " but q has " + q.dtype_str());
+  out.require_same_dtype(q);
   out.require_shape({s_q, h_q, 512}, "[s_q, h_q, 512]");
   out.require_contiguous();
   p.out_strides = {s_q * h_q * 512, 512, h_q * 512};
   p.out = out.data;
-  lse.require_float32();
-  lse.require_shape({s_q, h_q}, "[s_q, h_q]");
-  lse.require_contiguous();
+  lse.require_float32_array({s_q, h_q}, "[s_q, h_q]");
   p.lse = static_cast<float*>(lse.data);
   if (max_logits) {
-    max_logits->require_float32();
-    max_logits->require_shape({s_q, h_q}, "[s_q, h_q]");
-    max_logits->require_contiguous();
+    max_logits->require_float32_array({s_q, h_q}, "[s_q, h_q]");
     p.max_logits = static_cast<float*>(max_logits->data);
   }
-  if (device != prefill.device()) {
-    q.fail(std::string("is on the ") + (device == Device::kCuda ? "GPU" : "CPU") +
-           " but the prefill object runs on the " + (prefill.device() == Device::kCuda ? "GPU" : "CPU"));
-  }
+  q.require_device(prefill.device(), "the prefill object");
   DeviceGuard guard(q);
   if (device == Device::kCpu) {
     nb::gil_scoped_release release;
     prefill.run(p);
   } else {
-    prefill.run(p, stream_ptr(stream_of(q, q_h, stream, current_stream)));
+    prefill.run(p, stream_of(q, q_h, stream, current_stream));
   }
 }
 
@@ -324,9 +281,7 @@ void bind_mla_sparse(nb::module_& m) {
       "upload_mla_sparse_plan",
       [](const MlaSparsePlan& plan, nb::handle workspace, uintptr_t stream) {
         const Tensor ws = describe_handle(workspace, "upload_mla_sparse_plan", "workspace");
-        ws.require_contiguous();
-        if (static_cast<size_t>(ws.numel()) * (ws.dtype.bits / 8) < plan.workspace.total)
-          ws.fail("holds fewer than the plan's " + std::to_string(plan.workspace.total) + " bytes");
+        ws.require_workspace(plan.workspace.total);
         check_mla_sparse_plan(plan);
         on_cuda_workspace(ws, [&] { upload_mla_sparse_plan_cuda(plan, ws.data, stream_ptr(stream)); });
       },

@@ -114,12 +114,12 @@ void bind_page_table(nb::module_& m) {
       [](const In& src, const Out& dst, uintptr_t stream) {
         const std::string op = "quantize_mla_fp8";
         const Tensor s = describe(src, op, "src"), d = describe(dst, op, "dst");
-        const Device device = common_device(op, {&s, &d});
+        const Device device = common_device(op, {s, d});
         if (s.float_dtype() != DType::kBF16) s.fail("has dtype " + s.dtype_str() + "; the format's source is bfloat16");
         s.require_ndim(2, "[rows, 576] (512 latent then 64 rope values)");
         if (s.shape[1] != MlaFp8Row::kLatent + MlaFp8Row::kRope)
           s.fail("rows are " + std::to_string(s.shape[1]) + " values wide, not 576");
-        if (s.strides[1] != 1) s.fail("must have unit stride in its last dim");
+        s.require_unit_stride_last();
         if (d.dtype.code != static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) || d.dtype.bits != 8)
           d.fail("has dtype " + d.dtype_str() + "; FP8 rows are uint8");
         d.require_ndim(2, "[rows, row_bytes >= 656]");
@@ -127,9 +127,9 @@ void bind_page_table(nb::module_& m) {
           d.fail("has " + std::to_string(d.shape[0]) + " rows; src has " + std::to_string(s.shape[0]));
         if (d.shape[1] < MlaFp8Row::kBytes)
           d.fail("rows are " + std::to_string(d.shape[1]) + " bytes, fewer than the format's 656");
-        if (d.strides[1] != 1) d.fail("must have unit stride in its last dim");
-        const int64_t src_stride = s.shape[0] > 1 ? s.strides[0] : s.shape[1];
-        const int64_t dst_stride = d.shape[0] > 1 ? d.strides[0] : d.shape[1];
+        d.require_unit_stride_last();
+        const int64_t src_stride = s.stride_or(0, s.shape[1]);
+        const int64_t dst_stride = d.stride_or(0, d.shape[1]);
         if (device == Device::kCuda) {
           DeviceGuard guard(d);
           quantize_mla_fp8_cuda(DType::kBF16, s.data, s.shape[0], src_stride, d.data, dst_stride, stream_ptr(stream));

@@ -17,6 +17,13 @@ namespace {
 constexpr int kDLCPU = 1;
 constexpr int kDLCUDA = 2;
 
+Device device_of(int32_t dlpack_device_type, const std::string& op, const std::string& name) {
+  if (dlpack_device_type == kDLCPU) return Device::kCpu;
+  if (dlpack_device_type == kDLCUDA) return Device::kCuda;
+  throw Error(op + ": " + name + " lives on DLPack device type " + std::to_string(dlpack_device_type) +
+              "; sparsepage reads CPU and CUDA memory");
+}
+
 template <typename A>
 Tensor describe_any(const A& a, const std::string& op, const std::string& name) {
   Tensor t;
@@ -25,14 +32,7 @@ Tensor describe_any(const A& a, const std::string& op, const std::string& name) 
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.dtype = a.dtype();
   t.device_id = a.device_id();
-  if (a.device_type() == kDLCPU) {
-    t.device = Device::kCpu;
-  } else if (a.device_type() == kDLCUDA) {
-    t.device = Device::kCuda;
-  } else {
-    throw Error(op + ": " + name + " lives on DLPack device type " + std::to_string(a.device_type()) +
-                "; sparsepage reads CPU and CUDA memory");
-  }
+  t.device = device_of(a.device_type(), op, name);
   for (size_t i = 0; i < a.ndim(); ++i) {
     t.shape.push_back(static_cast<int64_t>(a.shape(i)));
     t.strides.push_back(a.stride(i));
@@ -47,6 +47,8 @@ int64_t Tensor::numel() const {
   for (int64_t s : shape) n *= s;
   return n;
 }
+
+size_t Tensor::nbytes() const { return static_cast<size_t>(numel()) * dtype.bits * dtype.lanes / 8; }
 
 bool Tensor::contiguous() const {
   if (numel() == 0) return true;  // nothing to read: its strides are whatever the producer chose
@@ -83,6 +85,13 @@ std::string Tensor::dtype_str() const {
 
 void Tensor::fail(const std::string& what) const { throw Error(op + ": " + name + " " + what); }
 
+int32_t Tensor::extent_int32(int i, const char* what) const {
+  const int64_t n = shape[static_cast<size_t>(i)];
+  if (n < std::numeric_limits<int32_t>::min() || n > std::numeric_limits<int32_t>::max())
+    return to_int32(n, op, name + "'s " + what);  // throws
+  return static_cast<int32_t>(n);
+}
+
 DType Tensor::float_dtype() const {
   using nb::dlpack::dtype_code;
   if (dtype.lanes == 1) {
@@ -93,12 +102,28 @@ DType Tensor::float_dtype() const {
   fail("has dtype " + dtype_str() + "; expected float32, float16 or bfloat16");
 }
 
+void Tensor::require_same_dtype(const Tensor& ref) const {
+  const DType expected = ref.float_dtype(), own = float_dtype();
+  if (own != expected)
+    fail(std::string("has dtype ") + dtype_name(own) + " but " + ref.name + " has " + dtype_name(expected));
+}
+
 void Tensor::require_ndim(int n, const char* layout) const {
   if (ndim() != n) fail("must be " + std::to_string(n) + "-D " + layout + ", got shape " + shape_str());
 }
 
 void Tensor::require_contiguous(const char* why) const {
   if (!contiguous()) fail(std::string("must be contiguous") + (why ? why : ""));
+}
+
+void Tensor::require_unit_stride_last(const char* what) const {
+  if (ndim() > 0 && shape.back() > 1 && strides.back() != 1)
+    fail(std::string("must have unit stride in its last dim") + (what ? std::string(" (") + what + ")" : ""));
+}
+
+void Tensor::require_device(Device expected, const char* owner) const {
+  if (device != expected)
+    fail(std::string("lives on ") + device_name(device) + " but " + owner + " on " + device_name(expected));
 }
 
 void Tensor::require_int32() const {
@@ -126,6 +151,29 @@ void Tensor::require_shape(std::initializer_list<int64_t> expected, const char* 
   if (expected.size() == 1) s << ",";
   s << ")";
   fail("must have shape " + s.str() + " " + layout + ", got " + shape_str());
+}
+
+void Tensor::require_int32_array(std::initializer_list<int64_t> expected, const char* layout) const {
+  require_int32();
+  require_shape(expected, layout);
+  require_contiguous();
+}
+
+void Tensor::require_int32_vector(const char* layout) const {
+  require_int32();
+  require_ndim(1, layout);
+  require_contiguous();
+}
+
+void Tensor::require_float32_array(std::initializer_list<int64_t> expected, const char* layout) const {
+  require_float32();
+  require_shape(expected, layout);
+  require_contiguous();
+}
+
+void Tensor::require_workspace(size_t needed) const {
+  require_contiguous();
+  if (nbytes() < needed) fail("holds " + std::to_string(nbytes()) + " bytes; the plan needs " + std::to_string(needed));
 }
 
 Tensor describe(const In& a, const std::string& op, const std::string& name) { return describe_any(a, op, name); }
@@ -190,20 +238,38 @@ Tensor describe_exchange(const dlpack_abi::ExchangeApi* api, nb::handle obj, con
   }
   const int32_t device_type = dl.device.device_type;
   if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);  // the tensor itself stays alive
-  if (device_type == kDLCPU) {
-    t.device = Device::kCpu;
-  } else if (device_type == kDLCUDA) {
-    t.device = Device::kCuda;
-  } else {
-    throw Error(op + ": " + name + " lives on DLPack device type " + std::to_string(device_type) +
-                "; sparsepage reads CPU and CUDA memory");
-  }
+  t.device = device_of(device_type, op, name);
   return t;
 }
 
-Device common_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
+Tensor describe_handle(nb::handle h, const std::string& op, const std::string& name,
+                       const dlpack_abi::ExchangeApi* same_as_q) {
+  const dlpack_abi::ExchangeApi* api = exchange_api_of(h);
+  if (same_as_q != nullptr && api != same_as_q)
+    throw Error(op + ": " + name + " is not a tensor of q's type (the exchange entry takes one tensor type)");
+  if (api != nullptr) return describe_exchange(api, h, op, name);
+  In array;
+  if (!nb::try_cast(h, array)) throw Error(op + ": " + name + " is not a tensor (no DLPack export)");
+  return describe(array, op, name);
+}
+
+std::optional<Tensor> describe_optional_handle(nb::handle h, const std::string& op, const std::string& name,
+                                               const dlpack_abi::ExchangeApi* same_as_q) {
+  if (h.is_none()) return std::nullopt;
+  return describe_handle(h, op, name, same_as_q);
+}
+
+void* current_work_stream(const dlpack_abi::ExchangeApi* api, const Tensor& t, void* fallback) {
+  if (t.device != Device::kCuda || api == nullptr || api->current_work_stream == nullptr) return fallback;
+  void* stream = nullptr;
+  if (api->current_work_stream(kDLCUDA, t.device_id, &stream) != 0) nb::raise_python_error();
+  return stream;
+}
+
+Device common_device(const std::string& op, std::initializer_list<TensorArg> tensors) {
   const Tensor* first = nullptr;
-  for (const Tensor* t : tensors) {
+  for (const TensorArg& arg : tensors) {
+    const Tensor* t = arg.tensor;
     if (t == nullptr) continue;
     if (first == nullptr) {
       first = t;
@@ -218,10 +284,22 @@ Device common_device(const std::string& op, std::initializer_list<const Tensor*>
   return first->device;
 }
 
+BlockTable block_table_of(const Tensor& t, const char* layout) {
+  t.require_int32();
+  t.require_ndim(2, layout);
+  t.require_unit_stride_last();
+  BlockTable b;
+  b.data = static_cast<const int32_t*>(t.data);
+  b.num_rows = t.extent_int32(0, "rows");
+  b.max_blocks = t.extent_int32(1, "width");
+  b.row_stride = t.stride_or(0, t.shape[1]);
+  return b;
+}
+
 RowView pool_of(const Tensor& t, int64_t* num_rows) {
   if (t.ndim() < 2) t.fail("must be a pool of rows (at least 2-D, rows last), got shape " + t.shape_str());
   const int last = t.ndim() - 1;
-  if (t.shape[last] > 1 && t.strides[last] != 1) t.fail("must have unit stride in its last dim (the row)");
+  t.require_unit_stride_last("the row");
   // The leading dims must address rows uniformly: row r at r * row_stride.
   int64_t row_stride = t.strides[last - 1];
   int64_t expected = row_stride;
@@ -237,22 +315,22 @@ RowView pool_of(const Tensor& t, int64_t* num_rows) {
   RowView pool;
   pool.data = t.data;
   pool.row_stride = row_stride;
-  pool.dim = to_int32(t.shape[last], t.op, t.name + "'s row width");
+  pool.dim = t.extent_int32(last, "row width");
   if (num_rows) *num_rows = rows;
   return pool;
 }
 
 RowView dense_of(const Tensor& t, int32_t* batch) {
   t.require_ndim(4, "[batch, heads, capacity, head_dim]");
-  if (t.shape[3] > 1 && t.strides[3] != 1) t.fail("must have unit stride in its last dim");
+  t.require_unit_stride_last();
   // Any strides over batch, heads and positions: RowView carries all three
   // (a dim of size 1 has no second entry to reach, so its stride is moot).
   RowView s;
   s.data = t.data;
-  s.seq_stride = t.shape[0] > 1 ? t.strides[0] : 0;
-  s.head_stride = t.shape[1] > 1 ? t.strides[1] : 0;
-  s.row_stride = t.shape[2] > 1 ? t.strides[2] : t.shape[3];
-  s.dim = to_int32(t.shape[3], t.op, t.name + "'s head_dim");
+  s.seq_stride = t.stride_or(0, 0);
+  s.head_stride = t.stride_or(1, 0);
+  s.row_stride = t.stride_or(2, t.shape[3]);
+  s.dim = t.extent_int32(3, "head_dim");
   s.capacity = t.shape[2];
   for (const int64_t stride : {s.seq_stride, s.head_stride, s.row_stride}) {
     if (stride < 0) t.fail("has a negative stride");
@@ -260,7 +338,7 @@ RowView dense_of(const Tensor& t, int32_t* batch) {
   const std::string problem =
       row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2], dtype_size(t.float_dtype()));
   if (!problem.empty()) throw Error(t.op + ": " + problem);
-  if (batch) *batch = to_int32(t.shape[0], t.op, t.name + "'s batch");
+  if (batch) *batch = t.extent_int32(0, "batch");
   return s;
 }
 

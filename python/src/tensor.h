@@ -43,18 +43,42 @@ struct Tensor {
 
   int ndim() const { return static_cast<int>(shape.size()); }
   int64_t numel() const;
+  /// Bytes of its elements (numel times the element size).
+  size_t nbytes() const;
   bool contiguous() const;
   std::string shape_str() const;
   std::string dtype_str() const;
   [[noreturn]] void fail(const std::string& what) const;
 
+  /// The stride of dim `i`, or `packed` where that dim has extent 0 or 1:
+  /// it reaches no second entry, so producers report any stride there.
+  int64_t stride_or(int i, int64_t packed) const { return shape[i] > 1 ? strides[i] : packed; }
+  /// The extent of dim `i` as int32; an error naming "<name>'s <what>" when
+  /// it does not fit (the message is built only then).
+  int32_t extent_int32(int i, const char* what) const;
+
   /// The float dtype (f32, f16, bf16); anything else is an error.
   DType float_dtype() const;
+  /// The same float dtype as `ref` (e.g. k, v and o as q).
+  void require_same_dtype(const Tensor& ref) const;
   void require_ndim(int n, const char* layout) const;
   void require_contiguous(const char* why = nullptr) const;
+  /// Unit stride in the last dim (where it has more than one entry); `what`
+  /// names that dim in the message, e.g. "the row".
+  void require_unit_stride_last(const char* what = nullptr) const;
   void require_int32() const;
   void require_float32() const;
   void require_shape(std::initializer_list<int64_t> expected, const char* layout) const;
+  /// Living on `expected`, the device of `owner` (e.g. "the layer", "q").
+  void require_device(Device expected, const char* owner) const;
+
+  /// Plain arrays the library indexes directly: the dtype, then the shape,
+  /// then contiguity. The vector form takes any length.
+  void require_int32_array(std::initializer_list<int64_t> expected, const char* layout) const;
+  void require_int32_vector(const char* layout) const;
+  void require_float32_array(std::initializer_list<int64_t> expected, const char* layout) const;
+  /// A workspace: contiguous, holding at least `needed` bytes.
+  void require_workspace(size_t needed) const;
 };
 
 Tensor describe(const In& a, const std::string& op, const std::string& name);
@@ -62,8 +86,21 @@ Tensor describe(const Out& a, const std::string& op, const std::string& name);
 std::optional<Tensor> describe(const std::optional<In>& a, const std::string& op, const std::string& name);
 std::optional<Tensor> describe(const std::optional<Out>& a, const std::string& op, const std::string& name);
 
+/// A tensor argument or an optional one (None: skipped), as common_device
+/// takes them; implicit, so a call lists the arguments themselves.
+struct TensorArg {
+  TensorArg(const Tensor& t) : tensor(&t) {}
+  TensorArg(const std::optional<Tensor>& t) : tensor(t ? &*t : nullptr) {}
+  const Tensor* tensor;
+};
+
 /// The device every tensor lives on; an error when they differ.
-Device common_device(const std::string& op, std::initializer_list<const Tensor*> tensors);
+Device common_device(const std::string& op, std::initializer_list<TensorArg> tensors);
+
+/// A block table: int32 [rows, max_blocks] (`layout`) with unit stride in its
+/// last dim, as the library's BlockTable; block_size, num_blocks and
+/// row_of_sequence are the caller's.
+BlockTable block_table_of(const Tensor& t, const char* layout);
 
 /// A pool of rows from a tensor whose last dim is the row (stride 1) and
 /// whose leading dims collapse into one row index with a uniform stride
