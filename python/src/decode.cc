@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "core/cuda_hooks.h"
 #include "dlpack_exchange.h"
 #include "sparsepage/sparse_decode.h"
 #include "tensor.h"
@@ -209,13 +210,16 @@ void run_paged_decode(const DecodePlan& plan, const std::string& op, const Decod
     if (num_kv_heads != 1 || table)
       throw Error(op + ": window mode (request_row_stride > 0) takes num_kv_heads = 1 and no block_table");
     p.addressing = PageAddressing::kWindow;
-    p.k.seq_stride = request_row_stride * p.k.row_stride;
-    p.v.seq_stride = request_row_stride * p.v.row_stride;
-    if (p.k_extra.data) p.k_extra.seq_stride = request_row_stride * p.k_extra.row_stride;
-    if (int64_t{p.num_requests} * request_row_stride > rows)
-      throw Error(op + ": window mode needs num_requests * request_row_stride = " +
-                  std::to_string(int64_t{p.num_requests} * request_row_stride) + " rows but the pools hold " +
-                  std::to_string(rows));
+    // Compared by division: num_requests * request_row_stride may not fit int64.
+    if (p.num_requests > 0 && request_row_stride > rows / p.num_requests)
+      throw Error(op + ": window mode needs num_requests * request_row_stride = " + std::to_string(p.num_requests) +
+                  " * " + std::to_string(request_row_stride) + " rows but the pools hold " + std::to_string(rows));
+    // Each request's window stays within its own request_row_stride rows
+    // (the core refuses a window_len past this capacity, even for one request).
+    for (RowView* view : {&p.k, &p.v, &p.k_extra}) {
+      view->seq_stride = request_row_stride * view->row_stride;
+      view->capacity = request_row_stride;
+    }
   }
   p.window_len = window_len;
   if (table) {
@@ -610,6 +614,15 @@ void bind_decode(nb::module_& m) {
         if (requests < 0) offsets.fail("must hold num_requests + 1 entries");
         mask.require_float32_array({requests, live_len}, "[num_requests, live_len]");
         DeviceGuard guard(mask);
+        // The positions the offsets reach must exist: the last offset is
+        // read on the host (on CUDA after the stream's work: this call
+        // synchronizes), so a count past the array is refused, not read.
+        int32_t last = 0;
+        if (device == Device::kCuda) detail::cuda_stream_sync(stream_ptr(stream));
+        copy_bytes(&last, Device::kCpu, static_cast<const int32_t*>(offsets.data) + requests, device, sizeof(last));
+        if (last > positions.shape[0])
+          offsets.fail("ends at " + std::to_string(last) + " but positions holds " +
+                       std::to_string(positions.shape[0]) + " entries");
         build_selection_mask(device, static_cast<const int32_t*>(positions.data),
                              static_cast<const int32_t*>(offsets.data), to_int32(requests, op, "num_requests"),
                              live_len, static_cast<float*>(mask.data), stream_ptr(stream));

@@ -95,6 +95,7 @@ RowView engine_pool(const std::string& op, const In& a, const char* name, Device
   if (t.shape[last] != width)
     t.fail("rows are " + std::to_string(t.shape[last]) + " wide, expected " + std::to_string(width) + " " + layout);
   t.require_unit_stride_last();
+  if (t.shape[1] < 1) t.fail("has blocks of " + std::to_string(t.shape[1]) + " rows; a block holds at least one");
   require_whole_blocks(t);
   RowView v;
   v.data = t.data;
@@ -366,20 +367,32 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
       t.fail("holds " + std::to_string(t.shape[2]) + " bytes per token; vLLM's FP8 index keys take 132");
     }
     k.format = IndexKeyFormat::kE4m3;
-    if (t.shape[0] > 1 &&
-        !(t.strides[2] == 1 && t.strides[1] == t.shape[2] && t.strides[0] == t.shape[1] * t.shape[2])) {
-      t.fail("must be contiguous within each block (its values, then its scales)");
+    // vLLM's blocks are packed: a block's bytes in order (its values, then
+    // its scales), one block after another. Judged whatever the block count
+    // (a one-block view may still be transposed or reversed).
+    const int64_t block_bytes = t.shape[1] * t.shape[2];
+    if (t.stride_or(2, 1) != 1 || t.stride_or(1, t.shape[2]) != t.shape[2] ||
+        t.stride_or(0, block_bytes) != block_bytes) {
+      t.fail("must be packed: each block's bytes in order (its values, then its scales), blocks one after another");
     }
-    k.block_stride_bytes = t.strides[0];
+    k.block_stride_bytes = block_bytes;
   } else {
     k.format = IndexKeyFormat::kNative;
     k.dtype = t.float_dtype();
     if (t.shape[2] != dim)
       t.fail("rows are " + std::to_string(t.shape[2]) + " wide; the layer's index_head_dim is " + std::to_string(dim));
     t.require_unit_stride_last();
+    // Rows of a block, and blocks, must not alias: a stride of 0 (an
+    // expanded view) or below, or one shorter than what it steps over, is
+    // refused (the core reads a block stride of 0 as "packed").
+    const int64_t token = t.stride_or(1, dim), block = t.stride_or(0, t.shape[1] * token);
+    if (token < dim || block < t.shape[1] * token)
+      t.fail("has strides (" + std::to_string(t.strides[0]) + ", " + std::to_string(t.strides[1]) +
+             ") that make its rows or blocks overlap; each row must start at least index_head_dim elements after "
+             "the last, each block after the last block's rows");
     const int64_t e = static_cast<int64_t>(dtype_size(k.dtype));
-    k.token_stride_bytes = t.strides[1] * e;
-    k.block_stride_bytes = t.strides[0] * e;
+    k.token_stride_bytes = token * e;
+    k.block_stride_bytes = block * e;
   }
   return k;
 }
