@@ -10,8 +10,8 @@
 
 #include <optional>
 #include <string>
-#include <thread>
 
+#include "cpu/parallel.h"
 #include "dlpack_exchange.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/mla_sparse.h"
@@ -266,7 +266,7 @@ void bind_mla_sparse(nb::module_& m) {
           machine.items_per_sm = launch.ctas_per_sm;
           machine.ctas_per_item = launch.ctas_per_item;
         } else {
-          machine.num_sms = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+          machine.num_sms = cpu::hardware_threads();
           machine.chunk_granule = 16;  // the CPU loop has no token tile
         }
         machine.fixed_chunk_tokens = fixed_chunk_tokens;

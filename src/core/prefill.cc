@@ -9,13 +9,13 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/cuda_hooks.h"
 #include "core/decode_limits.h"
 #include "core/prefill_kernels.h"
 #include "core/require.h"
+#include "cpu/parallel.h"
 #include "models/dsa_kernels.h"
 #include "sparsepage/models/dsa.h"
 
@@ -28,7 +28,7 @@ using std::to_string;
 
 int32_t machine_width(Device device) {
   if (device == Device::kCuda) return cuda_multiprocessor_count();
-  return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  return cpu::hardware_threads();
 }
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

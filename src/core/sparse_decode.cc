@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "core/cuda_hooks.h"
 #include "core/require.h"
+#include "cpu/parallel.h"
 #include "sparsepage/cache.h"
 #include "sparsepage/detail/cuda_introspection.h"
 
@@ -95,7 +95,7 @@ std::string cuda_layout_problem_of(const SparseAttentionInputs& in) { return cud
 
 int32_t machine_width(Device device) {
   if (device == Device::kCuda) return cuda_multiprocessor_count();
-  return static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  return cpu::hardware_threads();
 }
 
 // A decision as try_fused returns it: counted in the process's stats first.

@@ -3,10 +3,10 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <thread>
 
 #include "core/cuda_hooks.h"
 #include "core/require.h"
+#include "cpu/parallel.h"
 #include "cpu/plan_runner.h"
 #include "sparsepage/mask_path.h"
 
@@ -69,7 +69,7 @@ void run_masked_decode_cpu(const MaskedDecodeParams& p) {
   PlanShape shape;
   shape.group_size = p.group_size;
   shape.head_dim_v = p.v.dim;
-  shape.num_sms = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  shape.num_sms = cpu::hardware_threads();
   shape.min_chunk_tokens = 512;
   const DecodePlan plan = make_decode_plan(
       std::vector<int32_t>(static_cast<size_t>(num_requests), static_cast<int32_t>(p.live_len)), shape);

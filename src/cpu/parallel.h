@@ -12,11 +12,19 @@
 
 namespace sparsepage::cpu {
 
+/// The machine's hardware threads (at least 1), read once per process:
+/// std::thread::hardware_concurrency reads sysfs on every call, which was
+/// two file opens per CPU decode call.
+inline int32_t hardware_threads() {
+  static const int32_t threads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  return threads;
+}
+
 /// Runs body(i) for i in [0, count). The first exception a worker throws is
 /// rethrown here after every thread has joined, so nothing escapes a thread.
 template <typename Body>
 void parallel_for(int64_t count, Body&& body) {
-  const int64_t threads = std::min<int64_t>(count, std::max<unsigned>(1, std::thread::hardware_concurrency()));
+  const int64_t threads = std::min<int64_t>(count, hardware_threads());
   if (threads <= 1) {
     for (int64_t i = 0; i < count; ++i) body(i);
     return;
