@@ -139,6 +139,9 @@ def paged_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale: float
     """
     batch, num_qo_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_kv_heads < 1 or block_size < 1:
+        raise _core.Error(f"paged_kv_decode: k_cache {tuple(k_cache.shape)} must have at least one KV head and blocks "
+                          "of at least one row [num_blocks, block_size, num_kv_heads, head_dim]")
     if num_qo_heads % num_kv_heads:
         raise _core.Error(f"paged_kv_decode: num_qo_heads = {num_qo_heads} is not a multiple of "
                           f"num_kv_heads = {num_kv_heads}")

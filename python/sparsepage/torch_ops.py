@@ -317,6 +317,9 @@ class MlaSparseDecoder:
 
     def __init__(self, num_tokens: int, topk: int, num_heads: int, *, device, latent_dim: int = 512,
                  rope_dim: int = 64):
+        if min(num_tokens, topk, num_heads, latent_dim, rope_dim) < 1:
+            raise _core.Error(f"MlaSparseDecoder: num_tokens = {num_tokens}, topk = {topk}, num_heads = {num_heads}, "
+                              f"latent_dim = {latent_dim} and rope_dim = {rope_dim} must be at least 1")
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
         self.plan = DecodePlan([topk] * num_tokens, group_size=num_heads, head_dim_qk=latent_dim,
                                head_dim_v=latent_dim, head_dim_extra=rope_dim, device=device)
@@ -369,6 +372,10 @@ class PagedKVDecoder:
 
     def __init__(self, num_seqs: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_blocks: int,
                  block_size: int, device, head_dim_v: Optional[int] = None):
+        if min(num_seqs, num_qo_heads, num_kv_heads, head_dim, max_blocks, block_size) < 1:
+            raise _core.Error(f"PagedKVDecoder: num_seqs = {num_seqs}, num_qo_heads = {num_qo_heads}, num_kv_heads = "
+                              f"{num_kv_heads}, head_dim = {head_dim}, max_blocks = {max_blocks} and block_size = "
+                              f"{block_size} must be at least 1")
         if num_qo_heads % num_kv_heads:
             raise _core.Error(f"PagedKVDecoder: num_qo_heads = {num_qo_heads} is not a multiple of "
                               f"num_kv_heads = {num_kv_heads}")

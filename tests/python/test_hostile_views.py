@@ -80,3 +80,21 @@ def test_window_mode_stays_inside_each_requests_rows():
     o, _ = ops.paged_decode(plan, q, pool, pool, None, idx, None, page_size=1, scale=0.3,
                             workspace=plan.new_workspace(), request_row_stride=4, window_len=4)
     assert torch.isfinite(o).all()
+
+
+def test_decoders_refuse_sizes_of_zero_by_name():
+    torch = pytest.importorskip("torch", reason="torch is not installed (scripts/install-python-deps.sh --torch installs it)")
+    from sparsepage import engine
+    from sparsepage import torch_ops as ops
+
+    with pytest.raises(sp.Error, match="num_kv_heads = 0, .* must be at least 1"):  # was ZeroDivisionError
+        ops.PagedKVDecoder(1, 8, 0, 16, max_blocks=4, block_size=16, device="cpu")
+    with pytest.raises(sp.Error, match="block_size = 0 must be at least 1"):  # was accepted
+        ops.PagedKVDecoder(1, 8, 2, 16, max_blocks=4, block_size=0, device="cpu")
+    with pytest.raises(sp.Error, match="rope_dim = -64 must be at least 1"):  # was accepted
+        ops.MlaSparseDecoder(4, 8, 16, device="cpu", rope_dim=-64)
+    q = torch.zeros(1, 8, 16, dtype=torch.float16)
+    cache = torch.zeros(4, 16, 0, 16, dtype=torch.float16)
+    with pytest.raises(sp.Error, match="at least one KV head"):  # was ZeroDivisionError
+        engine.paged_kv_decode(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), scale=0.25)
