@@ -664,10 +664,19 @@ LayerStep SparseLayer::pools_step(const StepTokens& tokens, const EnginePagedKV&
   SparseAttentionInputs in = engine_inputs(tokens, kv);
   const PagedSelection shape = selection(1);
   const SparseDecodeOutcome decided = decoder_.require_fused(in, shape, name_ + " (engine pools)");
-  if (device_ == Device::kCpu) {  // as the engine-paged step: the table judged before the selection is written
-    // A length outside [0, max_seq_len] is the indexer's to refuse and flag, as on CUDA.
+  if (device_ == Device::kCpu) {  // as the engine-paged step: judged before the selection is written
+    // The lengths are host memory here: one outside [0, max_seq_len] is
+    // named (on CUDA the indexer refuses that row and check_errors() names
+    // it; on the CPU the decode would refuse the row's mark instead).
     std::vector<int64_t> lens(static_cast<size_t>(batch_));
-    for (int32_t b = 0; b < batch_; ++b) lens[size_t(b)] = kv.seq_lens[b] <= kv.max_seq_len ? kv.seq_lens[b] : 0;
+    for (int32_t b = 0; b < batch_; ++b) {
+      if (kv.seq_lens[b] < 0 || kv.seq_lens[b] > kv.max_seq_len) {
+        throw Error(name_ + " (engine pools): kv.seq_lens[" + std::to_string(b) +
+                    "] = " + std::to_string(kv.seq_lens[b]) +
+                    " lies outside [0, max_seq_len = " + std::to_string(kv.max_seq_len) + "]");
+      }
+      lens[size_t(b)] = kv.seq_lens[b];
+    }
     check_table_on_host(name_ + " (engine pools)", kv.block_table, lens, std::vector<uint8_t>(size_t(batch_), 1));
   }
   select_step(tokens, 1, stream);  // nothing appended: the engine wrote its rows
