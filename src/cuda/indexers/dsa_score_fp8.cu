@@ -78,9 +78,7 @@ struct Fp8Layout {
                 "the CTAs per SM the grid is sized for fit its shared memory");
 };
 
-__device__ __forceinline__ void named_barrier(NamedBarrier id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
-}
+using cuda::named_barrier;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The group's queries into the swizzled slab (row r = tl * 64 + h; rows of

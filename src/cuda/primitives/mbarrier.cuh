@@ -9,6 +9,14 @@
 namespace sparsepage {
 namespace cuda {
 
+/// Every thread of `threads` (whole warps) meets at named barrier `id`
+/// (bar.sync; id 0 is __syncthreads' and sm_90 has 16). `Id` is the
+/// kernel's enum naming its barriers.
+template <typename Id>
+__device__ __forceinline__ void named_barrier(Id id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
+}
+
 namespace mbar {
 __device__ __forceinline__ void init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

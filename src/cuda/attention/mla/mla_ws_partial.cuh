@@ -165,11 +165,6 @@ enum class MlaWsBarrier : int {
 };
 static_assert(static_cast<int>(MlaWsBarrier::kOwnRowsConverted) < 16, "sm_90 has 16 named barriers");
 
-/// Every thread of `threads` (whole warps) meets at named barrier `id`.
-__device__ __forceinline__ void named_barrier(MlaWsBarrier id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
-}
-
 /// One 16-byte gathered latent copy with a 256-byte L2 prefetch hint (the
 /// latent half of a row is 1024 contiguous bytes); src_bytes 0 zero-fills.
 /// Measured against plain copies and the hint plus an evict-last policy:
