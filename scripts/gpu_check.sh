@@ -3,7 +3,8 @@
 # build), run the GPU tests, run them under compute-sanitizer (memcheck,
 # racecheck, synccheck, initcheck; in shards, SHARDS / SHARD_COUNT below),
 # benchmark, and print a short table last. Full logs go to $OUT.
-#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: soak multitoken peers dispatch sweep sass profile)
+#   STAGES="tests sanitize steps bench kernel dsa" (the default; also: soak multitoken peers dispatch sweep sass
+#   profile ab; ab: the same-run A/B against another commit's programs, see its stage below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -11,7 +12,7 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: soak multitoken peers dispatch sweep sass profile
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: soak multitoken peers dispatch sweep sass profile ab
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
@@ -216,6 +217,35 @@ if [[ $STAGES == *dispatch* ]]; then
       --json "$OUT/floor_topk$topk.json" > "$OUT/floor_topk$topk.log" 2>&1
     echo "floor topk $topk: $(grep -A1 '^context' "$OUT/floor_topk$topk.log" | tail -1 | cut -c1-120)"
   done
+fi
+if [[ " $STAGES " == *" ab "* ]]; then
+  # The same-run A/B against another commit: AB_DIR (default build-ab, made
+  # on the development machine by scripts/ab_build.sh BASE and carried with
+  # the call) holds the base's programs. AB_RUNS lists the runs, one a line:
+  # a program name and its arguments (e.g. "sparse_step_bench --layers dsa
+  # --batches 1 32 --contexts 32768"). Each run alternates base and head,
+  # base first, AB_ROUNDS times (default 2); logs $OUT/ab_<run>_<side>_<round>.log.
+  ab_dir=${AB_DIR:-build-ab}
+  if [ ! -d "$ab_dir/tools" ] || [ -z "${AB_RUNS:-}" ]; then
+    failed=1; note "ab: needs $ab_dir/tools (scripts/ab_build.sh BASE) and AB_RUNS"
+  else
+    note "ab: base $(cat "$ab_dir/base.txt" 2>/dev/null || echo '?') against this tree"
+    run=0
+    while IFS= read -r line; do
+      [ -n "${line// }" ] || continue
+      run=$((run + 1))
+      read -r tool args <<< "$line"
+      for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in base head; do
+          bin="$BUILD/tools/$tool"; [ "$side" = base ] && bin="$ab_dir/tools/$tool"
+          # shellcheck disable=SC2086  # the run's arguments split as written
+          "$bin" $args > "$OUT/ab_${run}_${side}_${round}.log" 2>&1; rc=$?
+          [ $rc -eq 0 ] || failed=1
+          note "ab run $run ($tool) $side round $round: rc=$rc (log ab_${run}_${side}_${round}.log)"
+        done
+      done
+    done <<< "$AB_RUNS"
+  fi
 fi
 if [[ $STAGES == *sass* ]]; then
   cuobjdump -sass -fun '_ZN10sparsepage4cuda14partial_kernelI13__nv_bfloat16Li128ELi128ENS0_11PagedSourceEEEvNS0_13PartialParamsE' \
