@@ -221,6 +221,7 @@ class DsaPrefillIndexer {
       : device_(device), budget_(workspace_budget) {}
   void prepare(const DsaPrefillIndexerParams& params, void* stream = nullptr);
   void run(const DsaPrefillIndexerParams& params, void* stream = nullptr);
+  Device device() const { return device_; }
   /// Tokens per CUDA pass (0 before prepare).
   int32_t rows_per_pass() const { return rows_per_pass_; }
   size_t workspace_bytes() const { return workspace_.bytes() + lens_.bytes(); }

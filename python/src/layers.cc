@@ -13,6 +13,7 @@
 #include "sparsepage/models/block_sparse.h"
 #include "sparsepage/models/dsa.h"
 #include "sparsepage/models/static_block_sparse.h"
+#include "sparsepage/prefill.h"
 #include "tensor.h"
 
 namespace sparsepage::py {
@@ -619,6 +620,73 @@ nb::class_<Layer, SparseLayer> layer_class(nb::module_& m, const char* name, con
   return c;
 }
 
+// DsaPrefillIndexer.run: a chunk's tokens (the last num_tokens of each
+// sequence's positions) each keep their top-k over their own causal window,
+// from dense keys (the layer's K allocation) or an engine's index-key pool.
+void dsa_prefill_run(DsaPrefillIndexer& self, const In& q_index, const In& weights, const Out& positions,
+                     const Out& counts, int64_t kv_len, const std::optional<In>& kv_lens,
+                     const std::optional<In>& k_cache, int32_t key_column, const std::optional<In>& index_cache,
+                     const std::optional<In>& index_block_table, const std::optional<uintptr_t>& stream) {
+  const std::string op = "DsaPrefillIndexer.run";
+  const Tensor q = describe(q_index, op, "q_index"), w = describe(weights, op, "weights"),
+               pos = describe(positions, op, "positions"), cnt = describe(counts, op, "counts");
+  const auto lens = describe(kv_lens, op, "kv_lens");
+  const auto dense = describe(k_cache, op, "k_cache");
+  const Device device = common_device(op, {q, w, pos, cnt, lens, dense});
+  q.require_device(self.device(), "the indexer");
+  q.require_ndim(4, "[batch, num_tokens, index_heads, index_head_dim]");
+  q.require_contiguous();
+  DsaPrefillIndexerParams p;
+  p.dtype = q.float_dtype();
+  const int32_t batch = q.extent_int32(0, "batch"), tokens = q.extent_int32(1, "num_tokens");
+  p.index_heads = q.extent_int32(2, "index_heads");
+  p.index_head_dim = q.extent_int32(3, "index_head_dim");
+  w.require_float32_array({batch, tokens, p.index_heads}, "[batch, num_tokens, index_heads]");
+  pos.require_int32();
+  pos.require_ndim(3, "[batch, num_tokens, topk]");
+  if (pos.shape[0] != batch || pos.shape[1] != tokens)
+    pos.fail("must be [batch = " + std::to_string(batch) + ", num_tokens = " + std::to_string(tokens) +
+             ", topk], got " + pos.shape_str());
+  pos.require_contiguous();
+  p.topk = pos.extent_int32(2, "topk");
+  cnt.require_int32_array({batch, tokens}, "[batch, num_tokens]");
+  p.chunk = {batch, tokens, kv_len, nullptr};
+  if (lens) {
+    lens->require_int32_array({batch}, "[batch]");
+    p.chunk.kv_lens = static_cast<const int32_t*>(lens->data);
+  }
+  if (dense.has_value() == index_cache.has_value())
+    throw Error(op + ": give the keys either dense (k_cache) or paged (index_cache with index_block_table)");
+  if (dense) {
+    if (index_block_table) throw Error(op + ": index_block_table goes with index_cache, not k_cache");
+    dense->require_ndim(3, "[batch, capacity, key_column + index_head_dim]");
+    dense->require_same_dtype(q);
+    dense->require_contiguous();
+    if (dense->shape[0] != batch || key_column < 0 || dense->shape[2] != int64_t{key_column} + p.index_head_dim)
+      dense->fail("must be [batch = " + std::to_string(batch) + ", capacity, key_column + index_head_dim = " +
+                  std::to_string(int64_t{key_column} + p.index_head_dim) + "], got " + dense->shape_str());
+    p.key_layout = IndexKeyLayout::kDense;
+    p.k_cache = dense->data;
+    p.key_column = key_column;
+    p.capacity = dense->shape[1];
+  } else {
+    if (!index_block_table) throw Error(op + ": index_cache needs its index_block_table");
+    p.key_layout = IndexKeyLayout::kPaged;
+    p.paged = index_pool(op, *index_cache, *index_block_table, device, batch, p.index_head_dim);
+  }
+  p.q_index = q.data;
+  p.weights = static_cast<const float*>(w.data);
+  p.positions = static_cast<int32_t*>(pos.data);
+  p.counts = static_cast<int32_t*>(cnt.data);
+  DeviceGuard guard(q);
+  if (device == Device::kCpu) {
+    nb::gil_scoped_release release;
+    self.run(p);
+  } else {
+    self.run(p, stream ? stream_ptr(*stream) : torch_current_stream());
+  }
+}
+
 }  // namespace
 
 void bind_layers(nb::module_& m) {
@@ -978,6 +1046,30 @@ void bind_layers(nb::module_& m) {
       "The block-sparse indexer on the host: int32 [batch * num_kv_heads, blocks_per_request] block ids\n"
       "(top-k by max-pooled index scores, then the final block). index_q fp32 [B, Hkv, D], index_keys\n"
       "fp32 [B, kv_len, D].");
+
+  nb::class_<DsaPrefillIndexer>(
+      m, "DsaPrefillIndexer",
+      "The DSA lightning indexer over a prefill chunk (sparsepage/prefill.h), what an engine runs before\n"
+      "the sparse MLA prefill: each of a sequence's num_tokens query tokens, the last num_tokens of its\n"
+      "L_b positions, keeps its top-k positions over its own causal window (every position while the\n"
+      "window holds topk or fewer). Keeps its workspace for the last chunk shape (re-planned when it\n"
+      "changes); a run of a prepared shape allocates and reads back nothing (capturable on CUDA).")
+      .def(nb::init<Device, size_t>(), nb::arg("device"), nb::arg("workspace_budget") = size_t{512} << 20)
+      .def_prop_ro("rows_per_pass", &DsaPrefillIndexer::rows_per_pass, "Tokens per CUDA pass (0 before a run).")
+      .def("run", &dsa_prefill_run, nb::arg("q_index"), nb::arg("weights"), nb::arg("positions"), nb::arg("counts"),
+           nb::kw_only(), nb::arg("kv_len"), nb::arg("kv_lens").none() = nb::none(),
+           nb::arg("k_cache").none() = nb::none(), nb::arg("key_column") = 0,
+           nb::arg("index_cache").none() = nb::none(), nb::arg("index_block_table").none() = nb::none(),
+           nb::arg("stream").none() = nb::none(),
+           "q_index [batch, num_tokens, index_heads, index_head_dim] (bf16 / f16; fp32 on the CPU too),\n"
+           "weights fp32 [batch, num_tokens, index_heads]; writes positions int32 [batch, num_tokens, topk]\n"
+           "(each token's kept positions increasing, then -1) and counts int32 [batch, num_tokens]\n"
+           "(min(topk, its window)). kv_len: the host bound of every L_b; kv_lens: int32 [batch] L_b on\n"
+           "the device (None: kv_len for all), each at least num_tokens. The keys: dense k_cache [batch,\n"
+           "capacity, key_column + index_head_dim] (the key in the last index_head_dim columns), or an\n"
+           "engine's index_cache [num_blocks, block_size, index_head_dim] in q's dtype or uint8 [num_blocks,\n"
+           "block_size, 132] (vLLM's FP8 blocks) with index_block_table int32 [batch, max_blocks]. CUDA\n"
+           "runs on `stream`, else torch's current stream.");
 
   m.def(
       "dsa_select_tokens_cpu",
