@@ -315,6 +315,7 @@ struct GqaPrefillParams {
 class GqaBlockPrefill {
  public:
   explicit GqaBlockPrefill(Device device) : device_(device) {}
+  Device device() const { return device_; }
   void prepare(const GqaPrefillParams& params, void* stream = nullptr);
   void run(const GqaPrefillParams& params, void* stream = nullptr);
   /// As MlaSparsePrefill::check_errors, and a chunk whose start is not a

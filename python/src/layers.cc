@@ -7,6 +7,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "sparsepage/fp8.h"
 #include "sparsepage/index_keys.h"
 #include "sparsepage/layer.h"
@@ -687,6 +690,119 @@ void dsa_prefill_run(DsaPrefillIndexer& self, const In& q_index, const In& weigh
   }
 }
 
+// GqaBlockPrefill.run: a chunk's query blocks attend their kept key blocks,
+// each token up to its own position, over dense K/V or an engine's pool.
+void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
+                     const In& ids_in, const In& counts_in, int32_t block_size, float scale, int64_t kv_len,
+                     const std::optional<In>& kv_lens_in, const std::optional<In>& table_in,
+                     const std::optional<Out>& lse_in, const std::optional<uintptr_t>& stream) {
+  const std::string op = "GqaBlockPrefill.run";
+  const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
+               o = describe(o_in, op, "o"), ids = describe(ids_in, op, "block_ids"),
+               counts = describe(counts_in, op, "counts");
+  const auto kv_lens = describe(kv_lens_in, op, "kv_lens");
+  const auto table = describe(table_in, op, "block_table");
+  const auto lse = describe(lse_in, op, "lse");
+  const Device device = common_device(op, {q, k, v, o, ids, counts, kv_lens, table, lse});
+  q.require_device(self.device(), "the prefill object");
+  for (const Tensor* t : {&k, &v}) {
+    if (t->dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt))
+      t->fail("holds bytes: e4m3 K/V are not bound in Python yet (the C++ GqaBlockPrefill takes them)");
+  }
+  q.require_ndim(4, "[batch, num_tokens, num_qo_heads, head_dim]");
+  q.require_contiguous();
+  GqaPrefillParams p;
+  p.dtype = q.float_dtype();
+  k.require_same_dtype(q);
+  v.require_same_dtype(q);
+  const int32_t batch = q.extent_int32(0, "batch"), tokens = q.extent_int32(1, "num_tokens");
+  p.num_qo_heads = q.extent_int32(2, "num_qo_heads");
+  p.block_size = block_size;
+  if (table) {  // an engine's pool [num_blocks, block_size, num_kv_heads, head_dim]
+    for (const Tensor* t : {&k, &v}) {
+      t->require_ndim(4, "[num_blocks, block_size, num_kv_heads, head_dim]");
+      t->require_unit_stride_last();
+      if (t->shape[1] < 1) t->fail("has blocks of " + std::to_string(t->shape[1]) + " rows");
+      require_whole_blocks(*t);
+    }
+    if (k.shape[0] != v.shape[0] || k.shape[1] != v.shape[1] || k.shape[2] != v.shape[2])
+      throw Error(op + ": k and v must have the same num_blocks, block_size and num_kv_heads");
+    p.num_kv_heads = k.extent_int32(2, "num_kv_heads");
+    const auto pool = [](const Tensor& t) {
+      RowView r;
+      r.data = t.data;
+      r.row_stride = t.stride_or(1, t.shape[2] * t.shape[3]);
+      r.head_stride = t.shape[2] > 1 ? t.strides[2] : 0;
+      r.dim = t.extent_int32(3, "head_dim");
+      r.capacity = t.shape[0] * t.shape[1];
+      return r;
+    };
+    p.k = pool(k);
+    p.v = pool(v);
+    p.block_table = block_table_of(*table, "[batch, max_blocks]");
+    p.block_table.block_size = k.extent_int32(1, "block size");
+    p.block_table.num_blocks = k.shape[0];
+  } else {  // dense [batch, num_kv_heads, capacity, head_dim]
+    int32_t kb = 0, vb = 0;
+    p.k = dense_of(k, &kb);
+    p.v = dense_of(v, &vb);
+    if (kb != batch || vb != batch || k.shape[1] != v.shape[1])
+      throw Error(op + ": k and v must be [batch = " + std::to_string(batch) + ", num_kv_heads, capacity, head_dim]");
+    p.num_kv_heads = k.extent_int32(1, "num_kv_heads");
+  }
+  o.require_same_dtype(q);
+  o.require_shape({batch, tokens, p.num_qo_heads, p.v.dim}, "[batch, num_tokens, num_qo_heads, head_dim_v]");
+  o.require_contiguous();
+  // The selection (BlockSelectionLayout): per KV head [batch, num_query_blocks, num_kv_heads, width]
+  // (4-D), or per query head [batch, num_kv_heads, num_query_blocks, group_size, width] (5-D); counts
+  // without the width.
+  ids.require_int32();
+  ids.require_contiguous();
+  if (ids.ndim() != 4 && ids.ndim() != 5)
+    ids.fail("must be [batch, num_query_blocks, num_kv_heads, width] (a list per KV head) or [batch, "
+             "num_kv_heads, num_query_blocks, group_size, width] (per query head), got " +
+             ids.shape_str());
+  p.selection.layout = ids.ndim() == 4 ? BlockSelectionLayout::kPerKvHead : BlockSelectionLayout::kPerQueryHead;
+  const int64_t query_blocks = block_size > 0 ? (int64_t{tokens} + block_size - 1) / block_size : 0;
+  const int64_t group = p.num_kv_heads > 0 ? p.num_qo_heads / p.num_kv_heads : 0;
+  const std::vector<int64_t> want = ids.ndim() == 4 ? std::vector<int64_t>{batch, query_blocks, p.num_kv_heads}
+                                                    : std::vector<int64_t>{batch, p.num_kv_heads, query_blocks, group};
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (ids.shape[i] != want[i])
+      ids.fail(std::string("must be ") +
+               (ids.ndim() == 4 ? "[batch, num_query_blocks, num_kv_heads, width]"
+                                : "[batch, num_kv_heads, num_query_blocks, group_size, width]") +
+               " (num_query_blocks = ceil(num_tokens / block_size) = " + std::to_string(query_blocks) + "), got " +
+               ids.shape_str());
+  }
+  p.selection.width = ids.extent_int32(ids.ndim() - 1, "width");
+  counts.require_int32();
+  counts.require_contiguous();
+  if (counts.ndim() != ids.ndim() - 1 || !std::equal(want.begin(), want.end(), counts.shape.begin()))
+    counts.fail("must be block_ids' shape without its width, got " + counts.shape_str());
+  p.selection.block_ids = static_cast<const int32_t*>(ids.data);
+  p.selection.counts = static_cast<const int32_t*>(counts.data);
+  p.chunk = {batch, tokens, kv_len, nullptr};
+  if (kv_lens) {
+    kv_lens->require_int32_array({batch}, "[batch]");
+    p.chunk.kv_lens = static_cast<const int32_t*>(kv_lens->data);
+  }
+  if (lse) {
+    lse->require_float32_array({batch, tokens, p.num_qo_heads}, "[batch, num_tokens, num_qo_heads]");
+    p.lse = static_cast<float*>(lse->data);
+  }
+  p.q = q.data;
+  p.o = o.data;
+  p.scale = scale;
+  DeviceGuard guard(q);
+  if (device == Device::kCpu) {
+    nb::gil_scoped_release release;
+    self.run(p);
+  } else {
+    self.run(p, stream ? stream_ptr(*stream) : torch_current_stream());
+  }
+}
+
 }  // namespace
 
 void bind_layers(nb::module_& m) {
@@ -1070,6 +1186,33 @@ void bind_layers(nb::module_& m) {
            "engine's index_cache [num_blocks, block_size, index_head_dim] in q's dtype or uint8 [num_blocks,\n"
            "block_size, 132] (vLLM's FP8 blocks) with index_block_table int32 [batch, max_blocks]. CUDA\n"
            "runs on `stream`, else torch's current stream.");
+
+  nb::class_<GqaBlockPrefill>(
+      m, "GqaBlockPrefill",
+      "The GQA block prefill (sparsepage/prefill.h), block-sparse attention over a prefill chunk as\n"
+      "FlashInfer's BSR attention runs it: each query block of block_size tokens attends its kept key\n"
+      "blocks, each token up to its own position, reading a gathered row once per query block. Keeps\n"
+      "its plans for the last chunk shape (re-planned when it changes).")
+      .def(nb::init<Device>(), nb::arg("device"))
+      .def_prop_ro("kernel_name", [](const GqaBlockPrefill& p) { return std::string(p.kernel_name()); })
+      .def(
+          "check_errors", [](GqaBlockPrefill& p, uintptr_t stream) { p.check_errors(stream_ptr(stream)); },
+          nb::arg("stream") = 0,
+          "CUDA: synchronizes and raises naming what the last run flagged (a listed block at or past its\n"
+          "query block's end, a chunk start off the block grid). The CPU raises in the run instead.")
+      .def("run", &gqa_prefill_run, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("block_ids"),
+           nb::arg("counts"), nb::kw_only(), nb::arg("block_size"), nb::arg("scale"), nb::arg("kv_len"),
+           nb::arg("kv_lens").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
+           nb::arg("lse").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+           "q [batch, num_tokens, num_qo_heads, head_dim], o likewise (head_dim of v), bf16 / f16 (fp32 on\n"
+           "the CPU too); the chunk is the last num_tokens of each sequence's L_b positions (kv_len: the\n"
+           "host bound; kv_lens: int32 [batch] on the device, or None for kv_len), starting on a multiple\n"
+           "of block_size. K and V dense [batch, num_kv_heads, capacity, head_dim], or an engine's pool\n"
+           "[num_blocks, block_size, num_kv_heads, head_dim] with block_table int32 [batch, max_blocks].\n"
+           "block_ids int32 [batch, num_query_blocks, num_kv_heads, width] (one list per KV head) or\n"
+           "[batch, num_kv_heads, num_query_blocks, group_size, width] (one per query head): absolute key\n"
+           "block ids, full blocks once, the query block's own block last; counts (their shape without\n"
+           "width) the positions each list covers. lse fp32 [batch, num_tokens, num_qo_heads] if given.");
 
   m.def(
       "dsa_select_tokens_cpu",
