@@ -623,6 +623,20 @@ nb::class_<Layer, SparseLayer> layer_class(nb::module_& m, const char* name, con
   return c;
 }
 
+// A prefill object's run on q's device: the GIL released on the CPU, on
+// `stream` (else torch's current stream) on CUDA.
+template <class Prefill, class Params>
+void run_prefill_op(Prefill& self, const Params& p, Device device, const Tensor& q,
+                    const std::optional<uintptr_t>& stream) {
+  DeviceGuard guard(q);
+  if (device == Device::kCpu) {
+    nb::gil_scoped_release release;
+    self.run(p);
+  } else {
+    self.run(p, stream ? stream_ptr(*stream) : torch_current_stream());
+  }
+}
+
 // DsaPrefillIndexer.run: a chunk's tokens (the last num_tokens of each
 // sequence's positions) each keep their top-k over their own causal window,
 // from dense keys (the layer's K allocation) or an engine's index-key pool.
@@ -681,13 +695,7 @@ void dsa_prefill_run(DsaPrefillIndexer& self, const In& q_index, const In& weigh
   p.weights = static_cast<const float*>(w.data);
   p.positions = static_cast<int32_t*>(pos.data);
   p.counts = static_cast<int32_t*>(cnt.data);
-  DeviceGuard guard(q);
-  if (device == Device::kCpu) {
-    nb::gil_scoped_release release;
-    self.run(p);
-  } else {
-    self.run(p, stream ? stream_ptr(*stream) : torch_current_stream());
-  }
+  run_prefill_op(self, p, device, q, stream);
 }
 
 // GqaBlockPrefill.run: a chunk's query blocks attend their kept key blocks,
@@ -794,13 +802,7 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
   p.q = q.data;
   p.o = o.data;
   p.scale = scale;
-  DeviceGuard guard(q);
-  if (device == Device::kCpu) {
-    nb::gil_scoped_release release;
-    self.run(p);
-  } else {
-    self.run(p, stream ? stream_ptr(*stream) : torch_current_stream());
-  }
+  run_prefill_op(self, p, device, q, stream);
 }
 
 }  // namespace
