@@ -12,6 +12,7 @@
 
 #include "core/prefill_kernels.h"
 #include "cpu/dot.h"
+#include "cpu/paged_keys.h"
 #include "cpu/parallel.h"
 #include "models/static_block_pattern.h"
 #include "sparsepage/index_keys.h"
@@ -41,19 +42,8 @@ void paged_keys_cpu(const PagedIndexKeys& k, size_t d, int32_t b, int64_t count,
   }
   const auto dim = static_cast<int32_t>(d);
   const int64_t token_bytes = index_key_token_bytes(k, dim), block_bytes = index_key_block_bytes(k, dim);
-  for (int64_t t = 0; t < count; ++t) {
-    const char* block = static_cast<const char*>(k.pool) + table[t / k.block_size] * block_bytes;
-    const auto slot = static_cast<int32_t>(t % k.block_size);
-    float* row = out + t * static_cast<int64_t>(d);
-    if (k.format == IndexKeyFormat::kNative) {
-      to_float(k.dtype, block + slot * token_bytes, row, d);
-      continue;
-    }
-    float scale;
-    std::memcpy(&scale, block + IndexKeyFp8::scale_offset(k.block_size, slot), sizeof(float));
-    const auto* values = reinterpret_cast<const uint8_t*>(block + IndexKeyFp8::value_offset(k.block_size, slot));
-    for (size_t i = 0; i < d; ++i) row[i] = e4m3_to_float(values[i]) * scale;
-  }
+  for (int64_t t = 0; t < count; ++t)
+    cpu::paged_key_row(k, block_bytes, token_bytes, d, table, t, out + t * int64_t(d));
 }
 
 /// (score descending, then id ascending), NaN ranking with -inf: the order

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -10,6 +9,7 @@
 #include "core/cuda_hooks.h"
 #include "core/decode_limits.h"
 #include "cpu/dot.h"
+#include "cpu/paged_keys.h"
 #include "cpu/parallel.h"
 #include "models/block_sparse_kernels.h"
 #include "models/kept_blocks.h"
@@ -321,7 +321,6 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
   const int64_t dense_len = int64_t{2} * config_.topk_blocks * config_.block_size;
   const int64_t token_bytes = index_key_token_bytes(keys, config_.head_dim);
   const int64_t block_bytes = index_key_block_bytes(keys, config_.head_dim);
-  const bool fp8 = keys.format == IndexKeyFormat::kE4m3;
   std::vector<float> q(static_cast<size_t>(batch()) * heads * d);
   to_float(dtype(), tokens.index_q, q.data(), q.size());
   int32_t* covered = seq_lens_.as<int32_t>();
@@ -352,18 +351,7 @@ void BlockSparseAttention::select_pools_cpu(const StepTokens& tokens) {
         continue;
       }
       const auto key_row = [&](int32_t /*one*/, int64_t t, float* out) {
-        const char* row = static_cast<const char*>(keys.pool) + table[t / keys.block_size] * block_bytes;
-        const int64_t slot = t % keys.block_size;
-        if (!fp8) {
-          to_float(keys.dtype, row + slot * token_bytes, out, d);
-          return;
-        }
-        float scale;
-        std::memcpy(&scale, row + IndexKeyFp8::scale_offset(keys.block_size, static_cast<int32_t>(slot)),
-                    sizeof(float));
-        const auto* values = reinterpret_cast<const uint8_t*>(
-            row + IndexKeyFp8::value_offset(keys.block_size, static_cast<int32_t>(slot)));
-        for (size_t i = 0; i < d; ++i) out[i] = e4m3_to_float(values[i]) * scale;
+        cpu::paged_key_row(keys, block_bytes, token_bytes, d, table, t, out);
       };
       kept = top_blocks_cpu(config_, 1, len, q.data() + static_cast<size_t>(b) * heads * d, key_row);
     }
