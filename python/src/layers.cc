@@ -623,6 +623,22 @@ nb::class_<Layer, SparseLayer> layer_class(nb::module_& m, const char* name, con
   return c;
 }
 
+// A dense [batch, heads, capacity, head_dim] allocation of e4m3 bytes as
+// the row view the fp8 formats take (strides and dims count bytes).
+RowView dense_bytes_of(const Tensor& t) {
+  t.require_unit_stride_last();
+  RowView s;
+  s.data = t.data;
+  s.seq_stride = t.stride_or(0, 0);
+  s.head_stride = t.stride_or(1, 0);
+  s.row_stride = t.stride_or(2, t.shape[3]);
+  s.dim = t.extent_int32(3, "head_dim");
+  s.capacity = t.shape[2];
+  const std::string problem = row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2], 1);
+  if (!problem.empty()) throw Error(t.op + ": " + problem);
+  return s;
+}
+
 // A prefill object's run on q's device: the GIL released on the CPU, on
 // `stream` (else torch's current stream) on CUDA.
 template <class Prefill, class Params>
@@ -703,7 +719,8 @@ void dsa_prefill_run(DsaPrefillIndexer& self, const In& q_index, const In& weigh
 void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, const In& v_in, const Out& o_in,
                      const In& ids_in, const In& counts_in, int32_t block_size, float scale, int64_t kv_len,
                      const std::optional<In>& kv_lens_in, const std::optional<In>& table_in,
-                     const std::optional<Out>& lse_in, const std::optional<uintptr_t>& stream) {
+                     const std::optional<Out>& lse_in, const std::optional<In>& k_scale_in,
+                     const std::optional<In>& v_scale_in, const std::optional<uintptr_t>& stream) {
   const std::string op = "GqaBlockPrefill.run";
   const Tensor q = describe(q_in, op, "q"), k = describe(k_in, op, "k"), v = describe(v_in, op, "v"),
                o = describe(o_in, op, "o"), ids = describe(ids_in, op, "block_ids"),
@@ -711,18 +728,27 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
   const auto kv_lens = describe(kv_lens_in, op, "kv_lens");
   const auto table = describe(table_in, op, "block_table");
   const auto lse = describe(lse_in, op, "lse");
-  const Device device = common_device(op, {q, k, v, o, ids, counts, kv_lens, table, lse});
+  const auto k_scale = describe(k_scale_in, op, "k_scale"), v_scale = describe(v_scale_in, op, "v_scale");
+  const Device device = common_device(op, {q, k, v, o, ids, counts, kv_lens, table, lse, k_scale, v_scale});
   q.require_device(self.device(), "the prefill object");
-  for (const Tensor* t : {&k, &v}) {
-    if (t->dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt))
-      t->fail("holds bytes: e4m3 K/V are not bound in Python yet (the C++ GqaBlockPrefill takes them)");
-  }
   q.require_ndim(4, "[batch, num_tokens, num_qo_heads, head_dim]");
   q.require_contiguous();
   GqaPrefillParams p;
   p.dtype = q.float_dtype();
-  k.require_same_dtype(q);
-  v.require_same_dtype(q);
+  // uint8 K and V: vLLM's fp8 KV cache (e4m3, one fp32 scale per KV head); views then count bytes.
+  const auto is_bytes = [](const Tensor& t) {
+    return t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && t.dtype.bits == 8;
+  };
+  const bool fp8 = is_bytes(k);
+  if (is_bytes(v) != fp8) throw Error(op + ": k and v must both be e4m3 bytes (uint8) or both q's dtype");
+  if (fp8) {
+    if (!k_scale || !v_scale) throw Error(op + ": e4m3 K/V (uint8) need k_scale and v_scale");
+    p.kv_format = KvFormat::kE4m3PerHead;
+  } else {
+    if (k_scale || v_scale) throw Error(op + ": k_scale and v_scale go with e4m3 K/V (uint8); these rows are native");
+    k.require_same_dtype(q);
+    v.require_same_dtype(q);
+  }
   const int32_t batch = q.extent_int32(0, "batch"), tokens = q.extent_int32(1, "num_tokens");
   p.num_qo_heads = q.extent_int32(2, "num_qo_heads");
   p.block_size = block_size;
@@ -751,12 +777,22 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
     p.block_table.block_size = k.extent_int32(1, "block size");
     p.block_table.num_blocks = k.shape[0];
   } else {  // dense [batch, num_kv_heads, capacity, head_dim]
-    int32_t kb = 0, vb = 0;
-    p.k = dense_of(k, &kb);
-    p.v = dense_of(v, &vb);
-    if (kb != batch || vb != batch || k.shape[1] != v.shape[1])
-      throw Error(op + ": k and v must be [batch = " + std::to_string(batch) + ", num_kv_heads, capacity, head_dim]");
+    for (const Tensor* t : {&k, &v}) {
+      t->require_ndim(4, "[batch, num_kv_heads, capacity, head_dim]");
+      if (t->shape[0] != batch || t->shape[1] != k.shape[1])
+        t->fail("must be [batch = " + std::to_string(batch) + ", num_kv_heads, capacity, head_dim], got " +
+                t->shape_str());
+    }
+    int32_t unused = 0;
+    p.k = fp8 ? dense_bytes_of(k) : dense_of(k, &unused);
+    p.v = fp8 ? dense_bytes_of(v) : dense_of(v, &unused);
     p.num_kv_heads = k.extent_int32(1, "num_kv_heads");
+  }
+  if (fp8) {
+    k_scale->require_float32_array({p.num_kv_heads}, "[num_kv_heads]");
+    v_scale->require_float32_array({p.num_kv_heads}, "[num_kv_heads]");
+    p.k_scale = static_cast<const float*>(k_scale->data);
+    p.v_scale = static_cast<const float*>(v_scale->data);
   }
   o.require_same_dtype(q);
   o.require_shape({batch, tokens, p.num_qo_heads, p.v.dim}, "[batch, num_tokens, num_qo_heads, head_dim_v]");
@@ -1205,7 +1241,8 @@ void bind_layers(nb::module_& m) {
       .def("run", &gqa_prefill_run, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("block_ids"),
            nb::arg("counts"), nb::kw_only(), nb::arg("block_size"), nb::arg("scale"), nb::arg("kv_len"),
            nb::arg("kv_lens").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
-           nb::arg("lse").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+           nb::arg("lse").none() = nb::none(), nb::arg("k_scale").none() = nb::none(),
+           nb::arg("v_scale").none() = nb::none(), nb::arg("stream").none() = nb::none(),
            "q [batch, num_tokens, num_qo_heads, head_dim], o likewise (head_dim of v), bf16 / f16 (fp32 on\n"
            "the CPU too); the chunk is the last num_tokens of each sequence's L_b positions (kv_len: the\n"
            "host bound; kv_lens: int32 [batch] on the device, or None for kv_len), starting on a multiple\n"
@@ -1214,7 +1251,9 @@ void bind_layers(nb::module_& m) {
            "block_ids int32 [batch, num_query_blocks, num_kv_heads, width] (one list per KV head) or\n"
            "[batch, num_kv_heads, num_query_blocks, group_size, width] (one per query head): absolute key\n"
            "block ids, full blocks once, the query block's own block last; counts (their shape without\n"
-           "width) the positions each list covers. lse fp32 [batch, num_tokens, num_qo_heads] if given.");
+           "width) the positions each list covers. lse fp32 [batch, num_tokens, num_qo_heads] if given.\n"
+           "K and V as uint8 are vLLM's fp8 KV cache (e4m3, K of KV head h read as k * k_scale[h], V as\n"
+           "v * v_scale[h]; k_scale and v_scale fp32 [num_kv_heads]; CUDA at head_dim 128).");
 
   m.def(
       "dsa_select_tokens_cpu",

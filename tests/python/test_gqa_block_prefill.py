@@ -96,8 +96,13 @@ def test_bad_calls_are_refused_by_name(rng):
     ids, counts = selection(rng, lens, tokens, False)
     run = sp.GqaBlockPrefill(sp.Device.cpu).run
     kw = dict(block_size=BS, scale=0.3, kv_len=24)
-    with pytest.raises(sp.Error, match="e4m3 K/V are not bound in Python yet"):
-        run(q, keys.view(np.uint8), keys.view(np.uint8), o, ids, counts, **kw)
+    bytes_ = np.zeros((1, HKV, 24, D), np.uint8)
+    with pytest.raises(sp.Error, match="e4m3 K/V \\(uint8\\) need k_scale and v_scale"):
+        run(q, bytes_, bytes_, o, ids, counts, **kw)
+    with pytest.raises(sp.Error, match="k and v must both be e4m3 bytes"):
+        run(q, bytes_, keys, o, ids, counts, **kw)
+    with pytest.raises(sp.Error, match="k_scale and v_scale go with e4m3 K/V"):
+        run(q, keys, keys, o, ids, counts, k_scale=np.ones(HKV, np.float32), v_scale=np.ones(HKV, np.float32), **kw)
     with pytest.raises(sp.Error, match=r"block_ids must be \[batch, num_query_blocks, num_kv_heads, width\]"):
         run(q, keys, keys, o, ids[:, :, :1], counts[:, :, :1], **kw)
     with pytest.raises(sp.Error, match="counts must be block_ids' shape without its width"):
@@ -106,3 +111,57 @@ def test_bad_calls_are_refused_by_name(rng):
         run(q, keys, keys, o[:, :4], ids, counts, **kw)
     with pytest.raises(sp.Error, match="block"):  # a chunk start off the block grid (L_b - num_tokens = 17)
         run(q, keys, keys, o, ids, counts, block_size=BS, scale=0.3, kv_len=25)
+
+
+def e4m3_to_float(b):
+    b = np.asarray(b, np.uint8).astype(np.int32)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    mag = np.where(exp == 0, np.ldexp(man / 8.0, -6), np.ldexp(1.0 + man / 8.0, exp - 7))
+    return np.where((exp == 0xF) & (man == 7), np.nan, sign * mag)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "pool"])
+def test_e4m3_rows_give_the_native_call_bits_over_the_dequantized_values(rng, paged):
+    """vLLM's fp8 KV cache: e4m3 K and V with one power-of-two scale per KV head. Dequantized into f16
+    (exact), the native call over those values must give the same bits."""
+    lens, tokens, scale = [45, 29], 13, 0.3
+    batch, cap = len(lens), 48
+    codes = lambda: rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (batch, HKV, cap, D)).astype(np.uint8)  # noqa: E731
+    k8, v8 = codes(), codes()
+    k_scale = (2.0 ** rng.integers(-6, -2, HKV)).astype(np.float32)
+    v_scale = (2.0 ** rng.integers(-6, -2, HKV)).astype(np.float32)
+    keys = (e4m3_to_float(k8) * k_scale[None, :, None, None]).astype(np.float16)
+    vals = (e4m3_to_float(v8) * v_scale[None, :, None, None]).astype(np.float16)
+    q = rng.standard_normal((batch, tokens, HQ, D)).astype(np.float16)
+    ids, counts = selection(rng, lens, tokens, False)
+    kw = dict(block_size=BS, scale=scale, kv_len=max(lens), kv_lens=np.array(lens, np.int32))
+    outs = []
+    for fp8 in (False, True):
+        k, v = (k8, v8) if fp8 else (keys, vals)
+        extra = dict(k_scale=k_scale, v_scale=v_scale) if fp8 else {}
+        o = np.full((batch, tokens, HQ, D), np.nan, np.float16)
+        lse = np.full((batch, tokens, HQ), np.nan, np.float32)
+        if paged:
+            max_blocks = cap // BS
+            table = np.arange(batch * max_blocks, dtype=np.int32)[::-1].reshape(batch, max_blocks).copy()
+            k_pool = np.zeros((batch * max_blocks, BS, HKV, D), k.dtype)
+            v_pool = np.zeros_like(k_pool)
+            for b in range(batch):
+                for p in range(cap):
+                    k_pool[table[b, p // BS], p % BS] = k[b, :, p]
+                    v_pool[table[b, p // BS], p % BS] = v[b, :, p]
+            sp.GqaBlockPrefill(sp.Device.cpu).run(q, k_pool, v_pool, o, ids, counts, block_table=table, lse=lse,
+                                                  **kw, **extra)
+        else:
+            sp.GqaBlockPrefill(sp.Device.cpu).run(q, k, v, o, ids, counts, lse=lse, **kw, **extra)
+        outs.append((o, lse))
+    (o_native, lse_native), (o_fp8, lse_fp8) = outs
+    assert np.isfinite(o_fp8).all()
+    np.testing.assert_array_equal(o_fp8.view(np.uint16), o_native.view(np.uint16))
+    np.testing.assert_array_equal(lse_fp8, lse_native)
+    swapped = dict(k_scale=v_scale, v_scale=k_scale)  # scales swapped: a different answer
+    if not np.array_equal(k_scale, v_scale):
+        o = np.full_like(o_fp8, np.nan)
+        sp.GqaBlockPrefill(sp.Device.cpu).run(q, k8, v8, o, ids, counts, **kw, **swapped)
+        assert not np.array_equal(o.view(np.uint16), o_fp8.view(np.uint16))
