@@ -623,22 +623,6 @@ nb::class_<Layer, SparseLayer> layer_class(nb::module_& m, const char* name, con
   return c;
 }
 
-// A dense [batch, heads, capacity, head_dim] allocation of e4m3 bytes as
-// the row view the fp8 formats take (strides and dims count bytes).
-RowView dense_bytes_of(const Tensor& t) {
-  t.require_unit_stride_last();
-  RowView s;
-  s.data = t.data;
-  s.seq_stride = t.stride_or(0, 0);
-  s.head_stride = t.stride_or(1, 0);
-  s.row_stride = t.stride_or(2, t.shape[3]);
-  s.dim = t.extent_int32(3, "head_dim");
-  s.capacity = t.shape[2];
-  const std::string problem = row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2], 1);
-  if (!problem.empty()) throw Error(t.op + ": " + problem);
-  return s;
-}
-
 // A prefill object's run on q's device: the GIL released on the CPU, on
 // `stream` (else torch's current stream) on CUDA.
 template <class Prefill, class Params>
@@ -784,8 +768,8 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
                 t->shape_str());
     }
     int32_t unused = 0;
-    p.k = fp8 ? dense_bytes_of(k) : dense_of(k, &unused);
-    p.v = fp8 ? dense_bytes_of(v) : dense_of(v, &unused);
+    p.k = dense_of(k, &unused, fp8 ? 1 : 0);
+    p.v = dense_of(v, &unused, fp8 ? 1 : 0);
     p.num_kv_heads = k.extent_int32(1, "num_kv_heads");
   }
   if (fp8) {

@@ -320,7 +320,7 @@ RowView pool_of(const Tensor& t, int64_t* num_rows) {
   return pool;
 }
 
-RowView dense_of(const Tensor& t, int32_t* batch) {
+RowView dense_of(const Tensor& t, int32_t* batch, size_t element_size) {
   t.require_ndim(4, "[batch, heads, capacity, head_dim]");
   t.require_unit_stride_last();
   // Any strides over batch, heads and positions: RowView carries all three
@@ -335,8 +335,8 @@ RowView dense_of(const Tensor& t, int32_t* batch) {
   for (const int64_t stride : {s.seq_stride, s.head_stride, s.row_stride}) {
     if (stride < 0) t.fail("has a negative stride");
   }
-  const std::string problem =
-      row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2], dtype_size(t.float_dtype()));
+  const std::string problem = row_view_problem(s, t.name.c_str(), t.shape[0], t.shape[1], t.shape[2],
+                                               element_size > 0 ? element_size : dtype_size(t.float_dtype()));
   if (!problem.empty()) throw Error(t.op + ": " + problem);
   if (batch) *batch = t.extent_int32(0, "batch");
   return s;

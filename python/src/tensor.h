@@ -112,7 +112,8 @@ RowView pool_of(const Tensor& t, int64_t* num_rows);
 /// its first three dims (a whole allocation, or a slice of one: the last dim
 /// may be a slice of wider rows); rows must not overlap. `batch` receives
 /// the leading dim.
-RowView dense_of(const Tensor& t, int32_t* batch);
+/// `element_size` 0: the float dtype's; 1 for e4m3 bytes (the fp8 formats' views count bytes).
+RowView dense_of(const Tensor& t, int32_t* batch, size_t element_size = 0);
 
 /// Makes the tensor's CUDA device current for the lifetime of the guard
 /// (no-op on the CPU).
