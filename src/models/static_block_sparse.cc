@@ -66,16 +66,34 @@ detail::StaticPattern checked_pattern(const StaticBlockSparseConfig& c, const ch
 }
 }  // namespace
 
+namespace {
+// The rule's pattern for query head `head`, refused by name outside
+// [0, num_qo_heads): the arithmetic would answer for a head that is not there.
+detail::StaticPattern checked_head(const StaticBlockSparseConfig& c, const char* who, int32_t head) {
+  const detail::StaticPattern pattern = checked_pattern(c, who);
+  if (head < 0 || head >= c.num_qo_heads) {
+    throw Error(std::string("StaticBlockSparseConfig::") + who + ": head = " + std::to_string(head) +
+                " lies outside [0, num_qo_heads = " + std::to_string(c.num_qo_heads) + ")");
+  }
+  return pattern;
+}
+}  // namespace
+
 bool StaticBlockSparseConfig::keeps(int32_t head, int64_t query_block, int64_t key_block) const {
-  return detail::static_block_kept(checked_pattern(*this, "keeps"), head, query_block, key_block);
+  const detail::StaticPattern pattern = checked_head(*this, "keeps", head);
+  if (query_block < 0 || key_block < 0) {
+    throw Error("StaticBlockSparseConfig::keeps: query_block = " + std::to_string(query_block) +
+                " and key_block = " + std::to_string(key_block) + " must not be negative");
+  }
+  return detail::static_block_kept(pattern, head, query_block, key_block);
 }
 
 int64_t StaticBlockSparseConfig::kept_blocks(int32_t head, int64_t kv_len) const {
-  return detail::static_kept_blocks(checked_pattern(*this, "kept_blocks"), head, kv_len).count();
+  return detail::static_kept_blocks(checked_head(*this, "kept_blocks", head), head, kv_len).count();
 }
 
 int64_t StaticBlockSparseConfig::kept_tokens(int32_t head, int64_t kv_len) const {
-  return detail::static_kept_tokens(checked_pattern(*this, "kept_tokens"), head, kv_len);
+  return detail::static_kept_tokens(checked_head(*this, "kept_tokens", head), head, kv_len);
 }
 
 namespace {

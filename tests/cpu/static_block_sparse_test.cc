@@ -133,6 +133,16 @@ TEST(StaticBlockSparse, TheRuleRefusesAConfigThatWouldDivideByZero) {
     EXPECT_TRUE(testing::throws_error_naming([&] { (void)c.kept_tokens(0, 100); }, "must be at least 1"));
     EXPECT_TRUE(testing::throws_error_naming([&] { (void)c.kept_blocks(0, 100); }, "kept_blocks"));
   }
+  // A head outside [0, num_qo_heads) or a negative block is refused by name:
+  // the arithmetic alone would answer for it.
+  for (int32_t head : {-1, kSmall.num_qo_heads}) {
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)kSmall.keeps(head, 3, 1); }, "keeps: head = "));
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)kSmall.kept_blocks(head, 100); }, "lies outside [0, "));
+    EXPECT_TRUE(testing::throws_error_naming([&] { (void)kSmall.kept_tokens(head, 100); }, "kept_tokens: head"));
+  }
+  EXPECT_TRUE(testing::throws_error_naming([&] { (void)kSmall.keeps(0, -1, 0); }, "must not be negative"));
+  EXPECT_TRUE(testing::throws_error_naming([&] { (void)kSmall.keeps(0, 3, -2); }, "key_block = -2"));
+  EXPECT_NO_THROW((void)kSmall.keeps(kSmall.num_qo_heads - 1, 3, 1));
   StaticBlockSparseConfig c = kSmall;
   c.num_kv_heads = 0;
   EXPECT_EQ(c.group_size(), 0);

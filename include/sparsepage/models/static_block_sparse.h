@@ -42,7 +42,8 @@ struct StaticBlockSparseConfig {
 
   int32_t group_size() const { return num_kv_heads > 0 ? num_qo_heads / num_kv_heads : 0; }  // 0: invalid
   int32_t head_sliding_step() const;
-  /// The rule: whether query head `head` in query block `query_block` keeps key block `key_block`.
+  /// The rule: whether query head `head` in query block `query_block` keeps key block `key_block`
+  /// (a head outside [0, num_qo_heads) or a negative block is refused by name, here and below).
   bool keeps(int32_t head, int64_t query_block, int64_t key_block) const;
   /// Key blocks / tokens query head `head` attends at decode with `kv_len` tokens in the cache.
   int64_t kept_blocks(int32_t head, int64_t kv_len) const;
