@@ -77,6 +77,34 @@ size_t checked_bytes(size_t a, size_t b, const char* what) {
   return a * b;
 }
 
+// The workspace a plan's counts need: fp32 partials, then the device copies
+// of the lists, then the error flag, each region 256-byte aligned. A plan
+// from make_decode_plan has exactly this layout; a blob must too.
+WorkspaceLayout workspace_layout(const DecodePlan& plan) {
+  constexpr size_t kAlign = 256;
+  WorkspaceLayout ws;
+  auto take = [&](size_t bytes) {
+    const size_t offset = ws.total;
+    ws.total = static_cast<size_t>(round_up(static_cast<int64_t>(offset + bytes), kAlign));
+    return offset;
+  };
+  const size_t rows =
+      checked_bytes(static_cast<size_t>(plan.num_partials), static_cast<size_t>(plan.group_size), "partial rows");
+  const size_t partial_o_bytes = checked_bytes(
+      checked_bytes(rows, static_cast<size_t>(plan.head_dim_v), "partial outputs"), sizeof(float), "partial outputs");
+  if (partial_o_bytes > (size_t{1} << 56)) {
+    throw Error("plan: the partial outputs need " + std::to_string(partial_o_bytes) +
+                " bytes of workspace; group_size * head_dim_v is too large for this many chunks");
+  }
+  ws.partial_o = take(partial_o_bytes);
+  ws.partial_lse = take(rows * sizeof(float));
+  ws.work_items = take(plan.work.size() * sizeof(WorkItem));
+  ws.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
+  ws.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
+  ws.error_flag = take(2 * sizeof(uint32_t));  // DecodeErrors: kinds, first request
+  return ws;
+}
+
 }  // namespace
 
 UniformSplit make_uniform_split(int64_t requests, int64_t tokens, const PlanShape& shape) {
@@ -150,27 +178,7 @@ DecodePlan make_decode_plan(const std::vector<int32_t>& seq_lens, const PlanShap
     plan.uniform_chunk_tokens = plan.work[0].token_end;  // the first chunk is a whole one
   }
 
-  // Workspace: fp32 partials, then the device copies of the lists, then the flag.
-  constexpr size_t kAlign = 256;
-  auto take = [&](size_t bytes) {
-    const size_t offset = plan.workspace.total;
-    plan.workspace.total = static_cast<size_t>(round_up(static_cast<int64_t>(offset + bytes), kAlign));
-    return offset;
-  };
-  const size_t rows =
-      checked_bytes(static_cast<size_t>(plan.num_partials), static_cast<size_t>(shape.group_size), "partial rows");
-  const size_t partial_o_bytes = checked_bytes(
-      checked_bytes(rows, static_cast<size_t>(shape.head_dim_v), "partial outputs"), sizeof(float), "partial outputs");
-  if (partial_o_bytes > (size_t{1} << 56)) {
-    throw Error("plan: the partial outputs need " + std::to_string(partial_o_bytes) +
-                " bytes of workspace; group_size * head_dim_v is too large for this many chunks");
-  }
-  plan.workspace.partial_o = take(partial_o_bytes);
-  plan.workspace.partial_lse = take(rows * sizeof(float));
-  plan.workspace.work_items = take(plan.work.size() * sizeof(WorkItem));
-  plan.workspace.merge_indptr = take(plan.merge_indptr.size() * sizeof(int32_t));
-  plan.workspace.merge_requests = take(plan.merge_requests.size() * sizeof(int32_t));
-  plan.workspace.error_flag = take(2 * sizeof(uint32_t));  // DecodeErrors: kinds, first request
+  plan.workspace = workspace_layout(plan);
   return plan;
 }
 
@@ -390,10 +398,25 @@ DecodePlan deserialize_decode_plan(const int64_t* words, size_t count) {
   plan.merge_requests = list(n_merge, "a merge_requests entry");
   plan.merge_indptr = list(n_indptr, "a merge_indptr entry");
   plan.seq_lens = list(n_lens, "a seq_lens entry");
+  // Each partial slot belongs to one work item: more slots than items would
+  // only size a workspace nothing writes (and the check's slot table).
+  if (static_cast<size_t>(plan.num_partials) > n_work)
+    fail("num_partials = " + std::to_string(plan.num_partials) + " exceeds the " + std::to_string(n_work) +
+         " work items (each slot belongs to one)");
+  WorkspaceLayout need;
   try {
     check_decode_plan(plan);
+    need = workspace_layout(plan);
   } catch (const Error& e) {
     fail(e.what());
+  }
+  // The layout is a function of the counts: a blob cannot ask for more.
+  const WorkspaceLayout& got = plan.workspace;
+  if (got.partial_o != need.partial_o || got.partial_lse != need.partial_lse || got.work_items != need.work_items ||
+      got.merge_indptr != need.merge_indptr || got.merge_requests != need.merge_requests ||
+      got.error_flag != need.error_flag || got.total != need.total) {
+    fail("the workspace layout (workspace.total = " + std::to_string(got.total) +
+         ") is not the one the plan's partials and lists need (" + std::to_string(need.total) + " bytes)");
   }
   return plan;
 }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -330,4 +331,25 @@ TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
 }
 
 }  // namespace
+// A forged blob once asked for an 8 GiB workspace (refused by the
+// allocator, not by name): the layout is a function of the plan's counts,
+// and no more partial slots than work items may be claimed.
+TEST(PlanAsData, ABlobAsksForNoMoreWorkspaceThanItsCountsNeed) {
+  const DecodePlan base = sample_plans()[0];
+  ASSERT_GT(base.num_partials, 0);
+  const std::vector<int64_t> good = serialize_decode_plan(base);
+  EXPECT_EQ(deserialize_decode_plan(good.data(), good.size()).workspace.total, base.workspace.total);
+  // Header words 6 and 15: num_partials and workspace.total (the format's order).
+  ASSERT_EQ(good[6], base.num_partials);
+  ASSERT_EQ(good[15], static_cast<int64_t>(base.workspace.total));
+  std::vector<int64_t> big = good;
+  big[15] = int64_t{8} << 30;
+  EXPECT_TRUE(testing::throws_error_naming([&] { (void)deserialize_decode_plan(big.data(), big.size()); },
+                                           "workspace.total = 8589934592) is not the one"));
+  std::vector<int64_t> slots = good;
+  slots[6] = std::numeric_limits<int32_t>::max();
+  EXPECT_TRUE(testing::throws_error_naming([&] { (void)deserialize_decode_plan(slots.data(), slots.size()); },
+                                           "num_partials = 2147483647 exceeds the"));
+}
+
 }  // namespace sparsepage
