@@ -4,7 +4,8 @@
 # racecheck, synccheck, initcheck; in shards, SHARDS / SHARD_COUNT below),
 # benchmark, and print a short table last. Full logs go to $OUT.
 #   STAGES="tests sanitize steps bench kernel dsa" (the default; also: soak multitoken peers dispatch sweep sass
-#   profile ab; ab: the same-run A/B against another commit's programs, see its stage below)
+#   profile ab pytest; ab: the same-run A/B against another commit's programs; pytest: tests/python on the
+#   built extension; see their stages below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
@@ -12,10 +13,12 @@ RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
 BUILD=${BUILD_DIR:-build-cuda}
-STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: soak multitoken peers dispatch sweep sass profile ab
+STAGES=${STAGES:-"tests sanitize steps bench kernel dsa"}  # also: soak multitoken peers dispatch sweep sass profile ab pytest
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
+# A build shipped from the development machine (scripts/ship.sh) comes compressed.
+find "$BUILD" -name '*.xz' -exec xz -d -f {} + 2>/dev/null
 if [ ! -x "$BUILD/tests/cuda/sparsepage_cuda_tests" ]; then
   gtest=/usr/src/googletest; [ -d .deps/googletest ] && gtest=$PWD/.deps/googletest
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSEPAGE_CUDA=ON \
@@ -245,6 +248,24 @@ if [[ " $STAGES " == *" ab "* ]]; then
         done
       done
     done <<< "$AB_RUNS"
+  fi
+fi
+if [[ " $STAGES " == *" pytest "* ]]; then
+  # tests/python (numpy and torch suites, CUDA tensors where a GPU is
+  # present) over BUILD's extension for this python3 (configure BUILD with
+  # -DSPARSEPAGE_PYTHON=ON and that interpreter), beside this tree's
+  # package sources. PYTEST_TIMEOUT seconds (default 300).
+  abi=$(python3 -c 'import sys; print(f"cpython-{sys.version_info[0]}{sys.version_info[1]}")')
+  so=$(ls "$BUILD"/python/_core."$abi"-*.so 2>/dev/null | head -1)
+  if [ -z "$so" ]; then
+    failed=1; note "pytest: $BUILD/python holds no _core.$abi extension for this python3"
+  else
+    site=$(mktemp -d); cp -r python/sparsepage "$site/"; cp "$so" "$site/sparsepage/"
+    PYTHONPATH=$site timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rs tests/python \
+      > "$OUT/pytest.log" 2>&1; rc=$?
+    [ $rc -eq 0 ] || failed=1
+    note "pytest ($(basename "$so")): rc=$rc, $(tail -1 "$OUT/pytest.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
   fi
 fi
 if [[ $STAGES == *sass* ]]; then
