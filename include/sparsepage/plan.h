@@ -119,8 +119,11 @@ std::vector<int64_t> serialize_decode_plan(const DecodePlan& plan);
 /// Rebuilds the plan serialize_decode_plan wrote. Throws sparsepage::Error
 /// naming what is wrong with `words` (another format or version, a count
 /// that disagrees with the words given, a truncated or padded blob, a field
-/// outside its range) before it allocates, then runs check_decode_plan on
-/// the result, so an edited blob is refused like an edited plan.
+/// outside its range, more partial slots than work items) before it
+/// allocates, then runs check_decode_plan on the result, so an edited blob
+/// is refused like an edited plan. Its workspace layout must also be the
+/// one make_decode_plan gives for its counts: a blob asks for no more
+/// workspace than its work needs.
 DecodePlan deserialize_decode_plan(const int64_t* words, size_t count);
 
 }  // namespace sparsepage
