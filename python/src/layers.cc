@@ -365,7 +365,7 @@ PagedIndexKeys index_cache_pool(const std::string& op, const In& cache, Device d
   k.pool = t.data;
   k.num_blocks = t.shape[0];
   k.block_size = to_int32(t.shape[1], op, "index_cache's block size");
-  const bool fp8 = t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && t.dtype.bits == 8;
+  const bool fp8 = t.is_uint8();
   if (fp8) {
     if (t.shape[2] != IndexKeyFp8::kTokenBytes) {
       t.fail("holds " + std::to_string(t.shape[2]) + " bytes per token; vLLM's FP8 index keys take 132");
@@ -720,11 +720,8 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
   GqaPrefillParams p;
   p.dtype = q.float_dtype();
   // uint8 K and V: vLLM's fp8 KV cache (e4m3, one fp32 scale per KV head); views then count bytes.
-  const auto is_bytes = [](const Tensor& t) {
-    return t.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && t.dtype.bits == 8;
-  };
-  const bool fp8 = is_bytes(k);
-  if (is_bytes(v) != fp8) throw Error(op + ": k and v must both be e4m3 bytes (uint8) or both q's dtype");
+  const bool fp8 = k.is_uint8();
+  if (v.is_uint8() != fp8) throw Error(op + ": k and v must both be e4m3 bytes (uint8) or both q's dtype");
   if (fp8) {
     if (!k_scale || !v_scale) throw Error(op + ": e4m3 K/V (uint8) need k_scale and v_scale");
     p.kv_format = KvFormat::kE4m3PerHead;
@@ -767,9 +764,8 @@ void gqa_prefill_run(GqaBlockPrefill& self, const In& q_in, const In& k_in, cons
         t->fail("must be [batch = " + std::to_string(batch) + ", num_kv_heads, capacity, head_dim], got " +
                 t->shape_str());
     }
-    int32_t unused = 0;
-    p.k = dense_of(k, &unused, fp8 ? 1 : 0);
-    p.v = dense_of(v, &unused, fp8 ? 1 : 0);
+    p.k = dense_of(k, nullptr, fp8 ? 1 : 0);
+    p.v = dense_of(v, nullptr, fp8 ? 1 : 0);
     p.num_kv_heads = k.extent_int32(1, "num_kv_heads");
   }
   if (fp8) {

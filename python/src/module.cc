@@ -120,8 +120,7 @@ void bind_page_table(nb::module_& m) {
         if (s.shape[1] != MlaFp8Row::kLatent + MlaFp8Row::kRope)
           s.fail("rows are " + std::to_string(s.shape[1]) + " values wide, not 576");
         s.require_unit_stride_last();
-        if (d.dtype.code != static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) || d.dtype.bits != 8)
-          d.fail("has dtype " + d.dtype_str() + "; FP8 rows are uint8");
+        if (!d.is_uint8()) d.fail("has dtype " + d.dtype_str() + "; FP8 rows are uint8");
         d.require_ndim(2, "[rows, row_bytes >= 656]");
         if (d.shape[0] != s.shape[0])
           d.fail("has " + std::to_string(d.shape[0]) + " rows; src has " + std::to_string(s.shape[0]));

@@ -59,6 +59,8 @@ struct Tensor {
 
   /// The float dtype (f32, f16, bf16); anything else is an error.
   DType float_dtype() const;
+  /// Whether it holds uint8 elements (an FP8 format passed as its bytes).
+  bool is_uint8() const { return dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && dtype.bits == 8; }
   /// The same float dtype as `ref` (e.g. k, v and o as q).
   void require_same_dtype(const Tensor& ref) const;
   void require_ndim(int n, const char* layout) const;

@@ -411,12 +411,10 @@ DecodePlan deserialize_decode_plan(const int64_t* words, size_t count) {
     fail(e.what());
   }
   // The layout is a function of the counts: a blob cannot ask for more.
-  const WorkspaceLayout& got = plan.workspace;
-  if (got.partial_o != need.partial_o || got.partial_lse != need.partial_lse || got.work_items != need.work_items ||
-      got.merge_indptr != need.merge_indptr || got.merge_requests != need.merge_requests ||
-      got.error_flag != need.error_flag || got.total != need.total) {
-    fail("the workspace layout (workspace.total = " + std::to_string(got.total) +
-         ") is not the one the plan's partials and lists need (" + std::to_string(need.total) + " bytes)");
+  for (const auto& f : kWorkspaceFields) {
+    if (plan.workspace.*f.member != need.*f.member)
+      fail("the workspace layout (workspace.total = " + std::to_string(plan.workspace.total) +
+           ") is not the one the plan's partials and lists need (" + std::to_string(need.total) + " bytes)");
   }
   return plan;
 }

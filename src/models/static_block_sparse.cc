@@ -64,9 +64,7 @@ detail::StaticPattern checked_pattern(const StaticBlockSparseConfig& c, const ch
   }
   return detail::pattern_of(c);
 }
-}  // namespace
 
-namespace {
 // The rule's pattern for query head `head`, refused by name outside
 // [0, num_qo_heads): the arithmetic would answer for a head that is not there.
 detail::StaticPattern checked_head(const StaticBlockSparseConfig& c, const char* who, int32_t head) {
