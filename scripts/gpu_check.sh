@@ -8,7 +8,9 @@
 #   built extension; see their stages below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# Logs are written to LOGS and packed into $OUT/gpu-logs.tar.gz at the end.
+# Logs are written to LOGS and packed into one archive in $OUT at the end: gpu-logs.tar.gz, or
+# gpu-logs-<name of LOGS>.tar.gz when LOGS is set, so that calls run side by side (e.g. the GPU
+# suite beside the pytest stage) keep their own (a device call returns only a few files).
 RESULTS=${OUT:-/tmp/sparsepage-gpu}
 OUT=${LOGS:-/tmp/sparsepage-gpu-logs}
 mkdir -p "$OUT" "$RESULTS"
@@ -286,6 +288,6 @@ if [[ $STAGES == *profile* ]]; then
     grep -E "^  [a-z].*\(|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Theoretical Occ" "$OUT/ncu_b$batch.log" | head -30
   done
 fi
-tar czf "$RESULTS/gpu-logs.tar.gz" -C "$OUT" . 2>/dev/null
+tar czf "$RESULTS/gpu-logs${LOGS:+-$(basename "$LOGS")}.tar.gz" -C "$OUT" . 2>/dev/null
 echo; echo "==== summary"; printf '%s\n' "${summary[@]}"
 exit $failed
