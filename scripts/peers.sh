@@ -129,7 +129,7 @@ run() {
       # Ours over the engines' 656-byte FP8 rows, beside FlashMLA's FP8 sparse decode.
       ours --geometry dsa --selection random --rows 2048 --contexts 131072 --batch "$b" --fused-only --kv-dtype fp8 \
         --json "$out/ours_mla_fp8_${b}.json"
-      # The same FP8 shape through FlashMLA's interface (sparsepage/mla_sparse.h: partials, then a merge that always runs).
+      # The same FP8 shape through FlashMLA's interface (sparsepage/mla_sparse.h).
       if [ -x "$here/mla_sparse_bench" ]; then
         echo "== ours mla_sparse_bench --batch $b" >> "$log"
         "$here/mla_sparse_bench" --batch "$b" --topk 2048 --context 131072 --heads 128 --q-len 1 \

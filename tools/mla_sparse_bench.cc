@@ -3,11 +3,12 @@
 // FlashMLA: 656-byte V3.2 rows, random distinct slot ids per query (top-k of
 // the context), a pool per sequence when batch > 1 (every selected byte
 // distinct), graph replays rotating among enough selections that their rows
-// exceed 2x the L2. Two arms over the same cache and ids: `compat` (both
-// partial launches and the merge that always runs, with the sink when
-// asked) and `decode` (the fused FP8 decode on its own plan, which writes
-// unsplit requests directly: what the always-running merge costs). Both are
-// checked against each other and for NaN before they are timed.
+// exceed 2x the L2. Two arms over the same cache and ids: `compat` (with an
+// extra cache both partial launches and the merge; without one the fused
+// decode on its own plan and the epilogue that gives FlashMLA's lse and
+// the sink) and `decode` (the fused FP8 decode on its own plan alone: what
+// the interface adds to it). Both are checked against each other and for
+// NaN before they are timed.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -291,8 +292,9 @@ int main(int argc, char** argv) {
                        {"decode_tflops", main_flops / (decode_us * 1e6)}});
   }
   std::printf("times: median of %d CUDA-graph replays, per launch (each replay rotates among the selections, so\n"
-              "their rows exceed 2x the L2: cold); compat = both caches' partial kernels + the merge (+ sink),\n"
-              "decode = the fused FP8 decode on its own plan over the main cache\n",
+              "their rows exceed 2x the L2: cold); compat = FlashMLA's interface (with an extra cache: both\n"
+              "caches' partial kernels + the merge; without: the decode on its own plan + the lse/sink epilogue),\n"
+              "decode = the fused FP8 decode on its own plan over the main cache alone\n",
               opt.reps);
   if (!opt.json_path.empty()) std::ofstream(opt.json_path) << results.dump(2) << "\n";
   return exit_code;

@@ -103,23 +103,34 @@ struct MlaSparseShape {
   int32_t extra_topk = 0;  // 0: no extra cache
 };
 
-/// The split-KV plan of both caches and the one merge behind them.
-/// Requests are r = b * q_len + t. Every work item of either sub-plan writes
-/// an fp32 partial slot; request r's slots, merge_indptr[r] ..
-/// merge_indptr[r + 1], hold its main chunks and then its extra chunks, so
-/// the merge (which also applies the sink) runs for every request. The sub-
-/// plans share one workspace (`workspace`); their own merge lists are empty,
-/// so run_decode_cuda launches their partial kernels alone.
+/// The split-KV plan of both caches. Requests are r = b * q_len + t. Two
+/// forms, chosen by the shape:
+/// * With an extra cache (extra_topk > 0), every work item of either sub-
+///   plan writes an fp32 partial slot; request r's slots, merge_indptr[r] ..
+///   merge_indptr[r + 1], hold its main chunks and then its extra chunks, so
+///   the merge (which also applies the sink) runs for every request. The
+///   sub-plans share one workspace (`workspace`); their own merge lists are
+///   empty, so run_decode_cuda launches their partial kernels alone.
+/// * Without one (extra_topk == 0), `main` is the decode's own plan: a
+///   request it does not split writes o and lse directly, a split one merges
+///   its own partials (main's merge lists); the plan's merge lists are
+///   empty, `extra` has no items, and a last pass over the rows gives
+///   FlashMLA's lse of +inf to rows that attended nothing and applies the
+///   sink. `workspace` is main's, with `lse_scratch` (one float per request
+///   and head, for a sink without an lse) after it.
 struct MlaSparsePlan {
   MlaSparseShape shape;
   DecodePlan main;                      // items over `cache`
   DecodePlan extra;                     // items over `extra` (no requests without one)
-  std::vector<int32_t> merge_indptr;    // [num_requests + 1]
-  std::vector<int32_t> merge_requests;  // [num_requests]: 0 .. num_requests - 1
+  std::vector<int32_t> merge_indptr;    // [num_requests + 1]; empty in the direct form
+  std::vector<int32_t> merge_requests;  // [num_requests]: 0 .. num_requests - 1; empty in the direct form
   int32_t num_partials = 0;
   int32_t max_partials = 0;   // most slots of one request
   WorkspaceLayout workspace;  // partials, both work lists, the merge lists, the error flag
+  size_t lse_scratch = 0;     // direct form: float [num_requests * num_heads] at this offset
 
+  /// Whether this is the direct form (no extra cache).
+  bool direct() const { return shape.extra_topk == 0; }
   int32_t num_requests() const { return shape.batch * shape.q_len; }
 };
 
@@ -152,7 +163,8 @@ void run_mla_sparse_cpu(const MlaSparseParams& params, const MlaSparsePlan& plan
 
 /// CUDA backend. Upload copies the plan's lists into the workspace
 /// (synchronizes; do it once per plan, before any graph capture). Run then
-/// launches each cache's partial kernel and the merge on `stream`: no
+/// launches on `stream` each cache's partial kernel and the merge, or
+/// (without an extra cache) the decode on its own plan and the epilogue: no
 /// allocation, synchronization or host read, so it can be captured. An id
 /// outside its cache (or a topk_length past topk, read as topk) is never
 /// read: an out-of-range id makes that query's output NaN and sets the

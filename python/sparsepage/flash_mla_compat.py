@@ -99,10 +99,12 @@ Returns ``(out, lse)``
     ``sum_j exp(s_j)`` over the scaled scores of both caches' attended tokens, without the
     sink; ``+inf`` for a query that attends nothing, whose ``out`` is 0.
 
-How it runs: each cache's tokens are split-KV partials of sparsepage's fused FP8 MLA
-decode (each (sequence, token) one request of ``h_q`` heads, the ids read in place as
-slot ids, ``-1`` skipped); one merge, which always runs, combines every partial of a
-query by lse and applies the sink (``sparsepage/mla_sparse.h``).
+How it runs: sparsepage's fused FP8 MLA decode (each (sequence, token) one request of
+``h_q`` heads, the ids read in place as slot ids, ``-1`` skipped). With an extra cache
+each cache's tokens are split-KV partials and one merge combines every partial of a query
+by lse and applies the sink; without one the decode runs on its own plan (a query it does
+not split writes its output directly) and a last pass gives empty queries their ``+inf``
+and applies the sink (``sparsepage/mla_sparse.h``).
 
 Where it differs from FlashMLA:
 

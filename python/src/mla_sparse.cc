@@ -246,6 +246,8 @@ void bind_mla_sparse(nb::module_& m) {
       .def_prop_ro("num_requests", &MlaSparsePlan::num_requests)
       .def_ro("num_partials", &MlaSparsePlan::num_partials)
       .def_ro("max_partials", &MlaSparsePlan::max_partials)
+      .def_prop_ro("direct", &MlaSparsePlan::direct,
+                   "True without an extra cache: the decode's own plan (unsplit queries write out directly)")
       .def_prop_ro("main_items", [](const MlaSparsePlan& p) { return p.main.work.size(); })
       .def_prop_ro("extra_items", [](const MlaSparsePlan& p) { return p.extra.work.size(); })
       .def("__repr__", [](const MlaSparsePlan& p) {

@@ -1,7 +1,9 @@
 // The FlashMLA-shaped sparse decode (mla_sparse.h): its plan, its checks,
-// and the CUDA run, which is the fused decode's FP8 MLA partial kernel once
-// per cache (run_decode_cuda over a sub-plan whose items all write partial
-// slots) and one merge with the sink (src/cuda/merge/mla_sparse_merge.cu).
+// and the CUDA run. With an extra cache it is the fused decode's FP8 MLA
+// partial kernel once per cache (run_decode_cuda over a sub-plan whose items
+// all write partial slots) and one merge with the sink
+// (src/cuda/merge/mla_sparse_merge.cu); without one, the fused decode on its
+// own plan and the MLA prefill's epilogue (lse convention, sink).
 // The CPU twin is src/cpu/mla_sparse_cpu.cc.
 #include "sparsepage/mla_sparse.h"
 
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "core/cuda_hooks.h"
+#include "core/prefill_kernels.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
 #include "sparsepage/fp8.h"
@@ -22,6 +25,14 @@ namespace sparsepage {
 namespace {
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// The most chunks the decode plan splits one request into (1 when it splits none).
+int32_t most_chunks(const DecodePlan& plan) {
+  int32_t most = plan.work.empty() ? 0 : 1;
+  for (size_t i = 0; i + 1 < plan.merge_indptr.size(); ++i)
+    most = std::max(most, plan.merge_indptr[i + 1] - plan.merge_indptr[i]);
+  return most;
+}
 
 const char* cache_name(const MlaSparseParams& p, const MlaSparseCache& c) { return &c == &p.extra ? "extra" : "cache"; }
 
@@ -133,12 +144,20 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
   MlaSparsePlan plan;
   plan.shape = shape;
   plan.main = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), shape.topk), ps);
-  if (shape.extra_topk > 0) {
-    plan.extra = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), shape.extra_topk), ps);
-  } else {
+  if (plan.direct()) {
+    // The decode's own plan, its workspace, then the lse scratch.
     plan.extra.group_size = shape.num_heads;
     plan.extra.head_dim_v = kMlaSparseHeadDimV;
+    plan.num_partials = plan.main.num_partials;
+    plan.max_partials = most_chunks(plan.main);
+    plan.workspace = plan.main.workspace;
+    const long double scratch = static_cast<long double>(requests) * shape.num_heads * sizeof(float);
+    if (scratch >= static_cast<long double>(int64_t{1} << 56)) fail("the workspace would exceed 2^56 bytes");
+    plan.lse_scratch = static_cast<size_t>(round_up(static_cast<int64_t>(plan.workspace.total), 256));
+    plan.workspace.total = plan.lse_scratch + static_cast<size_t>(round_up(static_cast<int64_t>(scratch), 256));
+    return plan;
   }
+  plan.extra = make_decode_plan(std::vector<int32_t>(static_cast<size_t>(requests), shape.extra_topk), ps);
   // Slots: request r's main chunks, then its extra chunks, contiguous, so
   // one merge range per request covers both caches.
   plan.merge_indptr.assign(1, 0);
@@ -188,6 +207,47 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
   return plan;
 }
 
+namespace {
+
+// check_mla_sparse_plan's direct form: main is a decode plan of its own for
+// every request's topk ids, extra and the plan's merge lists are empty, and
+// the workspace is main's with the lse scratch after it.
+void check_direct_plan(const MlaSparsePlan& plan, int64_t requests) {
+  const auto fail = [](const std::string& message) { throw Error("mla_sparse plan: " + message); };
+  const MlaSparseShape& s = plan.shape;
+  const DecodePlan& m = plan.main;
+  try {
+    check_decode_plan(m);
+  } catch (const Error& e) {
+    fail(std::string("main: ") + e.what());
+  }
+  if (m.num_requests != requests || m.seq_lens.size() != static_cast<size_t>(requests))
+    fail("main has " + std::to_string(m.num_requests) + " requests, expected " + std::to_string(requests));
+  for (size_t r = 0; r < m.seq_lens.size(); ++r)
+    if (m.seq_lens[r] != s.topk) fail("main.seq_lens[" + std::to_string(r) + "] is not " + std::to_string(s.topk));
+  if (m.group_size != s.num_heads || m.head_dim_v != kMlaSparseHeadDimV)
+    fail("main is made for group_size " + std::to_string(m.group_size) + " and head_dim_v " +
+         std::to_string(m.head_dim_v) + ", not " + std::to_string(s.num_heads) + " and 512");
+  if (!plan.extra.work.empty() || plan.extra.num_requests != 0)
+    fail("extra has items but the shape has no extra cache (extra_topk = 0)");
+  if (!plan.merge_indptr.empty() || !plan.merge_requests.empty())
+    fail("without an extra cache the merge lists are main's own; the plan's must be empty");
+  if (plan.num_partials != m.num_partials || plan.max_partials != most_chunks(m))
+    fail("num_partials = " + std::to_string(plan.num_partials) +
+         " and max_partials = " + std::to_string(plan.max_partials) + " disagree with main's " +
+         std::to_string(m.num_partials) + " and " + std::to_string(most_chunks(m)));
+  const WorkspaceLayout &ws = plan.workspace, &mw = m.workspace;
+  if (ws.partial_o != mw.partial_o || ws.partial_lse != mw.partial_lse || ws.work_items != mw.work_items ||
+      ws.merge_indptr != mw.merge_indptr || ws.merge_requests != mw.merge_requests || ws.error_flag != mw.error_flag)
+    fail("the workspace's regions disagree with main's");
+  const size_t bytes = static_cast<size_t>(requests) * static_cast<size_t>(s.num_heads) * sizeof(float);
+  if (plan.lse_scratch < mw.total || plan.lse_scratch > ws.total || bytes > ws.total - plan.lse_scratch)
+    fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " overlaps main's workspace (" +
+         std::to_string(mw.total) + " bytes) or runs past workspace.total = " + std::to_string(ws.total));
+}
+
+}  // namespace
+
 void check_mla_sparse_plan(const MlaSparsePlan& plan) {
   const auto fail = [](const std::string& message) { throw Error("mla_sparse plan: " + message); };
   const MlaSparseShape& s = plan.shape;
@@ -195,6 +255,12 @@ void check_mla_sparse_plan(const MlaSparsePlan& plan) {
     fail("the shape's batch, q_len, num_heads, topk must be at least 1 and extra_topk not negative");
   const int64_t requests = int64_t{s.batch} * s.q_len;
   if (requests > std::numeric_limits<int32_t>::max()) fail("batch * q_len does not fit in int32");
+  if (plan.direct()) {
+    check_direct_plan(plan, requests);
+    return;
+  }
+  if (plan.lse_scratch != 0)
+    fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " with an extra cache (0: none)");
   if (plan.merge_indptr.size() != static_cast<size_t>(requests) + 1 ||
       plan.merge_requests.size() != static_cast<size_t>(requests))
     fail("merge_indptr must have num_requests + 1 entries and merge_requests num_requests");
@@ -334,6 +400,7 @@ void upload_mla_sparse_plan_cuda(const MlaSparsePlan& plan, void* workspace, voi
   // Each sub-plan copies its work list and clears the error flag; the merge
   // lists are the plan's own.
   upload_plan_cuda(plan.main, workspace, stream);
+  if (plan.direct()) return;  // main's own merge lists went with it
   if (!plan.extra.work.empty()) upload_plan_cuda(plan.extra, workspace, stream);
   auto* base = static_cast<unsigned char*>(workspace);
   copy_bytes(base + plan.workspace.merge_indptr, Device::kCuda, plan.merge_indptr.data(), Device::kCpu,
@@ -346,9 +413,35 @@ void run_mla_sparse_cuda(const MlaSparseParams& p, const MlaSparsePlan& plan, vo
   require_ok(mla_sparse_problem(p, plan));
   require_ok(cuda_mla_sparse_problem(p));
   if (workspace == nullptr) throw Error("mla_sparse: workspace is null");
+  auto* base = static_cast<unsigned char*>(workspace);
+  if (plan.direct()) {
+    // The decode writes o and its lse (-inf where nothing was attended); the
+    // epilogue turns that lse into FlashMLA's +inf and applies the sink.
+    DecodeParams d = cache_decode_params(p, p.cache);
+    float* lse = p.lse != nullptr         ? p.lse
+                 : p.attn_sink != nullptr ? reinterpret_cast<float*>(base + plan.lse_scratch)
+                                          : nullptr;
+    d.lse = lse;
+    run_decode_cuda(d, plan.main, workspace, stream);
+    if (lse == nullptr) return;
+    detail::MlaEpilogueArgs e;
+    e.dtype = p.dtype;
+    e.batch = p.batch;
+    e.num_tokens = p.q_len;
+    e.num_heads = p.num_heads;
+    e.dim = kMlaSparseHeadDimV;
+    e.lse_in = lse;
+    e.lse_out = p.lse;
+    e.sink = p.attn_sink;
+    e.out = p.o;
+    e.out_head = kMlaSparseHeadDimV;
+    e.out_token = int64_t{p.num_heads} * kMlaSparseHeadDimV;
+    e.out_seq = int64_t{p.q_len} * e.out_token;
+    detail::mla_epilogue_cuda(e, stream);
+    return;
+  }
   run_decode_cuda(cache_decode_params(p, p.cache), plan.main, workspace, stream);
   if (p.extra.data != nullptr) run_decode_cuda(cache_decode_params(p, p.extra), plan.extra, workspace, stream);
-  auto* base = static_cast<unsigned char*>(workspace);
   detail::MergePartialsArgs m;
   m.dtype = p.dtype;
   m.partial_o = reinterpret_cast<const float*>(base + plan.workspace.partial_o);

@@ -95,15 +95,17 @@ void run_mla_sparse_cpu(const MlaSparseParams& p, const MlaSparsePlan& plan, voi
 
   const int32_t dqk = mla_head_dim_qk(p.format), dv = kMlaSparseHeadDimV, heads = p.num_heads;
   const size_t esize = dtype_size(p.dtype);
-  auto* base = static_cast<char*>(workspace);
-  auto* partial_o = reinterpret_cast<float*>(base + plan.workspace.partial_o);
-  auto* partial_lse = reinterpret_cast<float*>(base + plan.workspace.partial_lse);
-
+  // Each work item's state, then per request the merge of its items (the
+  // extra cache's after the main cache's) and the finalize: the same sums
+  // whichever form the plan has (mla_sparse.h).
   std::vector<ItemRef> items;
   items.reserve(plan.main.work.size() + plan.extra.work.size());
   for (const WorkItem& w : plan.main.work) items.push_back({&w, &p.cache});
   if (has_extra)
     for (const WorkItem& w : plan.extra.work) items.push_back({&w, &p.extra});
+  std::vector<std::vector<size_t>> of_request(static_cast<size_t>(plan.num_requests()));
+  for (size_t k = 0; k < items.size(); ++k) of_request[static_cast<size_t>(items[k].item->request)].push_back(k);
+  std::vector<cpu::ChunkState> states(items.size());
 
   cpu::parallel_for(static_cast<int64_t>(items.size()), [&](int64_t k) {
     const WorkItem& w = *items[static_cast<size_t>(k)].item;
@@ -129,18 +131,14 @@ void run_mla_sparse_cpu(const MlaSparseParams& p, const MlaSparsePlan& plan, voi
     };
     auto bias = [&](int64_t i) { return ids[i] == -1 ? kNegInf : 0.0f; };
     const int64_t end = std::max<int64_t>(w.token_begin, std::min<int64_t>(w.token_end, visible(c, b)));
-    const cpu::ChunkState state = cpu::attend_chunk(query, w.token_begin, end, rows, bias);
-    const size_t slot = static_cast<size_t>(w.partial) * static_cast<size_t>(heads);
-    std::copy(state.o.begin(), state.o.end(), partial_o + slot * dv);
-    std::copy(state.lse.begin(), state.lse.end(), partial_lse + slot);
+    states[static_cast<size_t>(k)] = cpu::attend_chunk(query, w.token_begin, end, rows, bias);
   });
 
   cpu::parallel_for(plan.num_requests(), [&](int64_t r) {
     std::vector<const float*> o_parts, lse_parts;
-    for (int32_t s = plan.merge_indptr[static_cast<size_t>(r)]; s < plan.merge_indptr[static_cast<size_t>(r) + 1];
-         ++s) {
-      o_parts.push_back(partial_o + static_cast<size_t>(s) * heads * dv);
-      lse_parts.push_back(partial_lse + static_cast<size_t>(s) * heads);
+    for (size_t k : of_request[static_cast<size_t>(r)]) {
+      o_parts.push_back(states[k].o.data());
+      lse_parts.push_back(states[k].lse.data());
     }
     std::vector<float> o(static_cast<size_t>(heads) * dv), lse(static_cast<size_t>(heads));
     cpu::merge_states(o_parts, lse_parts, heads, dv, o.data(), lse.data());

@@ -320,6 +320,10 @@ TEST(MlaSparse, WhatCudaCannotRunIsNamed) {
   p.cache.block_stride = 64 * 664;
   EXPECT_NE(cuda_mla_sparse_problem(p).find("cache.row_stride = 664 must be a multiple of 16 bytes on CUDA"),
             std::string::npos);
+  // The epilogue scales o in 16-byte pieces: the decode's own layout check already asks for that.
+  p = pb.host_params(o.data() + 2, lse.data());  // 4-byte aligned, not 16
+  EXPECT_NE(cuda_mla_sparse_problem(p).find("o must be 16-byte aligned on CUDA"), std::string::npos)
+      << cuda_mla_sparse_problem(p);
 }
 
 TEST(MlaSparse, EditedPlansAreRefused) {
@@ -345,6 +349,47 @@ TEST(MlaSparse, EditedPlansAreRefused) {
         make_mla_sparse_plan({1, 1, 8, 0, 0}, testing::mla_sparse_cpu_machine());
       },
       "topk = 0 must be at least 1"));
+}
+
+TEST(MlaSparse, WithoutAnExtraCacheThePlanIsTheDecodesOwn) {
+  // 100 ids in chunks of 32: every request split, merged by main's own lists.
+  const MlaSparsePlan plan = make_mla_sparse_plan({3, 2, 8, 100, 0}, testing::mla_sparse_cpu_machine(32));
+  EXPECT_NO_THROW(check_mla_sparse_plan(plan));
+  EXPECT_TRUE(plan.direct());
+  EXPECT_TRUE(plan.merge_indptr.empty() && plan.merge_requests.empty() && plan.extra.work.empty());
+  EXPECT_EQ(plan.main.merge_requests.size(), 6u);
+  EXPECT_EQ(plan.max_partials, 4);
+  EXPECT_GE(plan.lse_scratch, plan.main.workspace.total);
+  EXPECT_GE(plan.workspace.total, plan.lse_scratch + 6 * 8 * sizeof(float));
+  // 16 ids in chunks of 32: no request split, every item writes o directly.
+  const MlaSparsePlan whole = make_mla_sparse_plan({3, 2, 8, 16, 0}, testing::mla_sparse_cpu_machine(32));
+  EXPECT_NO_THROW(check_mla_sparse_plan(whole));
+  EXPECT_EQ(whole.num_partials, 0);
+  for (const WorkItem& w : whole.main.work) EXPECT_LT(w.partial, 0);
+
+  MlaSparsePlan bad = plan;
+  bad.merge_indptr = {0};
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "the plan's must be empty"));
+  bad = plan;
+  bad.lse_scratch = plan.main.workspace.total - 256;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "overlaps main's workspace"));
+  bad = plan;
+  bad.workspace.total -= 256;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "runs past workspace.total"));
+  bad = plan;
+  bad.max_partials = 6;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "disagree with main's"));
+  bad = plan;
+  bad.main.work[1].token_begin += 1;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "main: "));
+  bad = plan;
+  bad.main.seq_lens[0] = 99;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "main"));
+  // A plan with an extra cache keeps no scratch.
+  MlaSparsePlan with_extra = make_mla_sparse_plan({3, 2, 8, 100, 40}, testing::mla_sparse_cpu_machine(32));
+  with_extra.lse_scratch = 256;
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(with_extra); },
+                                           "lse_scratch = 256 with an extra cache"));
 }
 
 }  // namespace
