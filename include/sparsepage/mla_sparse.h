@@ -2,10 +2,12 @@
 // decode takes (docs/DESIGN.md: FlashMLA-shaped sparse decode): queries
 // [batch, q_len, heads, d_qk], a cache of FP8 rows addressed by slot ids
 // (block * block_size + offset, -1 for none), an optional second cache with
-// its own ids, an optional attention sink per head. Each cache's tokens are
-// split-KV partials of the fused MLA decode; one merge combines both caches'
-// partials by lse and applies the sink. CPU backend: every format; CUDA: the
-// 656-byte rows (kV32).
+// its own ids, an optional attention sink per head. The fused MLA decode
+// runs it: with an extra cache each cache's tokens are split-KV partials and
+// one merge combines both caches' partials by lse and applies the sink;
+// without one the decode runs on its own plan and an epilogue applies the
+// sink (MlaSparsePlan). CPU backend: every format; CUDA: the 656-byte rows
+// (kV32).
 #pragma once
 
 #include <cstdint>
@@ -158,7 +160,8 @@ std::string cuda_mla_sparse_problem(const MlaSparseParams& params);
 
 /// CPU backend: every format, fp32 scores and fp64 softmax sums. Checks
 /// every id it will read (and every topk_length) before anything runs and
-/// throws naming the first bad one. `workspace`: plan.workspace.total bytes.
+/// throws naming the first bad one. `workspace`: plan.workspace.total bytes
+/// (checked for null, not used: the twin keeps each item's state on the heap).
 void run_mla_sparse_cpu(const MlaSparseParams& params, const MlaSparsePlan& plan, void* workspace);
 
 /// CUDA backend. Upload copies the plan's lists into the workspace
@@ -166,9 +169,9 @@ void run_mla_sparse_cpu(const MlaSparseParams& params, const MlaSparsePlan& plan
 /// launches on `stream` each cache's partial kernel and the merge, or
 /// (without an extra cache) the decode on its own plan and the epilogue: no
 /// allocation, synchronization or host read, so it can be captured. An id
-/// outside its cache (or a topk_length past topk, read as topk) is never
-/// read: an out-of-range id makes that query's output NaN and sets the
-/// error flag (read_mla_sparse_error_flag).
+/// outside its cache is never read: it makes that query's output NaN and
+/// sets the error flag (read_mla_sparse_error_flag), as a topk_length past
+/// topk does (the CPU backend throws for both, naming them).
 void upload_mla_sparse_plan_cuda(const MlaSparsePlan& plan, void* workspace, void* stream = nullptr);
 void run_mla_sparse_cuda(const MlaSparseParams& params, const MlaSparsePlan& plan, void* workspace,
                          void* stream = nullptr);

@@ -240,8 +240,9 @@ void bind_mla_sparse(nb::module_& m) {
         "semantics): writes out [s_q, h_q, 512], lse [s_q, h_q] and, on the CPU, max_logits.");
 
   nb::class_<MlaSparsePlan>(m, "MlaSparsePlan",
-                            "The split-KV plan of the FlashMLA-shaped sparse decode: both caches' chunks and the one\n"
-                            "merge behind them, for fixed shapes (batch, seq_len_q, heads, topk, extra_topk).")
+                            "The split-KV plan of the FlashMLA-shaped sparse decode for fixed shapes (batch,\n"
+                            "seq_len_q, heads, topk, extra_topk): with an extra cache both caches' chunks and one\n"
+                            "merge behind them; without one the decode's own plan (see `direct`).")
       .def_prop_ro("workspace_bytes", [](const MlaSparsePlan& p) { return p.workspace.total; })
       .def_prop_ro("num_requests", &MlaSparsePlan::num_requests)
       .def_ro("num_partials", &MlaSparsePlan::num_partials)

@@ -200,7 +200,7 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
   ws.work_items = main_work;
   ws.merge_indptr = take(static_cast<long double>(plan.merge_indptr.size()) * sizeof(int32_t));
   ws.merge_requests = take(static_cast<long double>(plan.merge_requests.size()) * sizeof(int32_t));
-  ws.error_flag = take(sizeof(uint32_t));
+  ws.error_flag = take(2 * sizeof(uint32_t));  // DecodeErrors: kinds, first request
   plan.main.workspace = ws;
   plan.extra.workspace = ws;
   plan.extra.workspace.work_items = extra_work;
@@ -241,6 +241,8 @@ void check_direct_plan(const MlaSparsePlan& plan, int64_t requests) {
       ws.merge_indptr != mw.merge_indptr || ws.merge_requests != mw.merge_requests || ws.error_flag != mw.error_flag)
     fail("the workspace's regions disagree with main's");
   const size_t bytes = static_cast<size_t>(requests) * static_cast<size_t>(s.num_heads) * sizeof(float);
+  if (plan.lse_scratch % 256 != 0)
+    fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " is not a multiple of 256 bytes");
   if (plan.lse_scratch < mw.total || plan.lse_scratch > ws.total || bytes > ws.total - plan.lse_scratch)
     fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " overlaps main's workspace (" +
          std::to_string(mw.total) + " bytes) or runs past workspace.total = " + std::to_string(ws.total));
@@ -322,7 +324,7 @@ void check_mla_sparse_plan(const MlaSparsePlan& plan) {
                                {plan.extra.workspace.work_items, plan.extra.work.size() * sizeof(WorkItem)},
                                {ws.merge_indptr, plan.merge_indptr.size() * sizeof(int32_t)},
                                {ws.merge_requests, plan.merge_requests.size() * sizeof(int32_t)},
-                               {ws.error_flag, sizeof(uint32_t)}};
+                               {ws.error_flag, 2 * sizeof(uint32_t)}};
   size_t previous_end = 0;
   for (const auto& region : regions) {
     if (region[0] < previous_end || region[0] > ws.total || region[1] > ws.total - region[0])
@@ -418,6 +420,12 @@ void run_mla_sparse_cuda(const MlaSparseParams& p, const MlaSparsePlan& plan, vo
     // The decode writes o and its lse (-inf where nothing was attended); the
     // epilogue turns that lse into FlashMLA's +inf and applies the sink.
     DecodeParams d = cache_decode_params(p, p.cache);
+    const size_t scratch_bytes = static_cast<size_t>(plan.num_requests()) * p.num_heads * sizeof(float);
+    if (p.lse == nullptr && p.attn_sink != nullptr &&
+        (plan.lse_scratch % 256 != 0 || plan.lse_scratch > plan.workspace.total ||
+         scratch_bytes > plan.workspace.total - plan.lse_scratch))
+      throw Error("mla_sparse: the plan's lse_scratch = " + std::to_string(plan.lse_scratch) +
+                  " is not a 256-byte aligned region inside workspace.total = " + std::to_string(plan.workspace.total));
     float* lse = p.lse != nullptr         ? p.lse
                  : p.attn_sink != nullptr ? reinterpret_cast<float*>(base + plan.lse_scratch)
                                           : nullptr;

@@ -1,9 +1,9 @@
 // The CPU twin of the FlashMLA-shaped sparse decode (mla_sparse.h): the same
-// plan, each work item of either cache attending its chunk into its partial
-// slot (the one attention loop, attention_cpu.h, over rows dequantized to
-// fp32 as they are read), then per request the merge of all its slots and
-// the finalize (the sink, FlashMLA's lse of an empty row), as the CUDA merge
-// does. Both formats, any block stride.
+// plan, either form, each work item of either cache attending its chunk (the
+// one attention loop, attention_cpu.h, over rows dequantized to fp32 as they
+// are read), then per request the merge of its items and the finalize (the
+// sink, FlashMLA's lse of an empty row), as the CUDA merge or epilogue does.
+// Both formats, any block stride.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

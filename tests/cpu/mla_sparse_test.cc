@@ -377,6 +377,9 @@ TEST(MlaSparse, WithoutAnExtraCacheThePlanIsTheDecodesOwn) {
   bad.workspace.total -= 256;
   EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "runs past workspace.total"));
   bad = plan;
+  bad.lse_scratch += 4;  // a float's alignment, not the region's
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "is not a multiple of 256 bytes"));
+  bad = plan;
   bad.max_partials = 6;
   EXPECT_TRUE(testing::throws_error_naming([&] { check_mla_sparse_plan(bad); }, "disagree with main's"));
   bad = plan;

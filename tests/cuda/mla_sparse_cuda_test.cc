@@ -77,15 +77,16 @@ struct MlaRun {
   uint32_t error_flag = 0;
 };
 
-// Outputs and workspace poisoned (0xFF: NaN), the plan uploaded, one launch.
-MlaRun run_gpu(const MlaSparseProblem& pb, int32_t fixed_chunk_tokens = 0) {
+// Outputs and workspace poisoned (0xFF: NaN), the plan uploaded, one launch
+// (with_lse false: no lse array passed, the lse read back stays poison).
+MlaRun run_gpu(const MlaSparseProblem& pb, int32_t fixed_chunk_tokens = 0, bool with_lse = true) {
   const DeviceMla d(pb);
   const MlaSparsePlan plan = make_mla_sparse_plan(pb.shape(), cuda_machine(pb.spec.num_heads, fixed_chunk_tokens));
   Buffer o(Device::kCuda, queries(pb) * kMlaSparseHeadDimV * 2), lse(Device::kCuda, queries(pb) * sizeof(float));
   Buffer ws(Device::kCuda, plan.workspace.total);
   for (Buffer* b : {&o, &lse, &ws}) fill_bytes(b->data(), Device::kCuda, 0xFF, b->bytes());
   upload_mla_sparse_plan_cuda(plan, ws.data());
-  run_mla_sparse_cuda(d.params(pb, o.data(), lse.as<float>()), plan, ws.data());
+  run_mla_sparse_cuda(d.params(pb, o.data(), with_lse ? lse.as<float>() : nullptr), plan, ws.data());
   testing::cuda_ok(cudaDeviceSynchronize(), "mla_sparse");
   MlaRun run;
   run.o = testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
@@ -161,17 +162,37 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
 
 TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
   SKIP_WITHOUT_CUDA();
-  MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, 64, 43));
-  const MlaRun none = run_gpu(pb);
-  pb.sink.assign(128, -std::numeric_limits<float>::infinity());
-  const MlaRun minus_inf = run_gpu(pb);
-  EXPECT_EQ(std::memcmp(none.o.data(), minus_inf.o.data(), none.o.size() * sizeof(float)), 0);
-  EXPECT_EQ(std::memcmp(none.lse.data(), minus_inf.lse.data(), none.lse.size() * sizeof(float)), 0);
-  for (float huge : {1e4f, std::numeric_limits<float>::infinity()}) {
-    pb.sink.assign(128, huge);
-    const MlaRun zero = run_gpu(pb);
-    for (float x : zero.o) ASSERT_EQ(x, 0.0f) << "sink " << huge;
-    EXPECT_EQ(std::memcmp(none.lse.data(), zero.lse.data(), none.lse.size() * sizeof(float)), 0);
+  for (int32_t extra_topk : {64, 0}) {  // the merge applies the sink; without an extra cache, the epilogue
+    MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, extra_topk, 43));
+    const MlaRun none = run_gpu(pb);
+    pb.sink.assign(128, -std::numeric_limits<float>::infinity());
+    const MlaRun minus_inf = run_gpu(pb);
+    EXPECT_EQ(std::memcmp(none.o.data(), minus_inf.o.data(), none.o.size() * sizeof(float)), 0) << extra_topk;
+    EXPECT_EQ(std::memcmp(none.lse.data(), minus_inf.lse.data(), none.lse.size() * sizeof(float)), 0) << extra_topk;
+    for (float huge : {1e4f, std::numeric_limits<float>::infinity()}) {
+      pb.sink.assign(128, huge);
+      const MlaRun zero = run_gpu(pb);
+      for (float x : zero.o) ASSERT_EQ(x, 0.0f) << "sink " << huge << ", extra_topk " << extra_topk;
+      EXPECT_EQ(std::memcmp(none.lse.data(), zero.lse.data(), none.lse.size() * sizeof(float)), 0) << extra_topk;
+    }
+  }
+}
+
+TEST(MlaSparseCuda, ASinkWithoutAnLseArrayScalesTheSame) {
+  SKIP_WITHOUT_CUDA();
+  // Without an extra cache the sink's factor needs each row's lse: with no
+  // lse array it comes from the plan's scratch (lse_scratch). Unsplit and
+  // split requests, against the same run with an lse array, bit for bit.
+  for (int32_t fixed : {0, 64}) {
+    MlaSparseSpec spec = testing::mla_sparse_spec(3, 2, 64, 256, 16, 0, static_cast<uint64_t>(59 + fixed));
+    spec.sink = spec.topk_length = true;
+    const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
+    const MlaRun with = run_gpu(pb, fixed), without = run_gpu(pb, fixed, false);
+    ASSERT_EQ(with.o.size(), without.o.size());
+    EXPECT_EQ(std::memcmp(with.o.data(), without.o.data(), with.o.size() * sizeof(float)), 0) << "fixed " << fixed;
+    EXPECT_EQ(without.error_flag, 0u);
+    const testing::MlaSparseReference ref = testing::mla_sparse_reference(pb);
+    EXPECT_EQ(testing::compare_mla_sparse(pb, ref, with.o, with.lse, 1e-2, 1e-3), "") << "fixed " << fixed;
   }
 }
 
