@@ -209,6 +209,20 @@ MlaSparsePlan make_mla_sparse_plan(const MlaSparseShape& shape, const PlanShape&
 
 namespace {
 
+// Why the direct form's lse scratch is not a 256-byte aligned region of
+// num_requests * num_heads floats after main's workspace and inside the
+// plan's, or "" (the plan check and the run that uses it both ask).
+std::string lse_scratch_problem(const MlaSparsePlan& plan) {
+  const size_t at = plan.lse_scratch, total = plan.workspace.total, after = plan.main.workspace.total;
+  const size_t bytes =
+      static_cast<size_t>(plan.num_requests()) * static_cast<size_t>(plan.shape.num_heads) * sizeof(float);
+  if (at % 256 != 0) return "lse_scratch = " + std::to_string(at) + " is not a multiple of 256 bytes";
+  if (at < after || at > total || bytes > total - at)
+    return "lse_scratch = " + std::to_string(at) + " overlaps main's workspace (" + std::to_string(after) +
+           " bytes) or runs past workspace.total = " + std::to_string(total);
+  return {};
+}
+
 // check_mla_sparse_plan's direct form: main is a decode plan of its own for
 // every request's topk ids, extra and the plan's merge lists are empty, and
 // the workspace is main's with the lse scratch after it.
@@ -240,12 +254,8 @@ void check_direct_plan(const MlaSparsePlan& plan, int64_t requests) {
   if (ws.partial_o != mw.partial_o || ws.partial_lse != mw.partial_lse || ws.work_items != mw.work_items ||
       ws.merge_indptr != mw.merge_indptr || ws.merge_requests != mw.merge_requests || ws.error_flag != mw.error_flag)
     fail("the workspace's regions disagree with main's");
-  const size_t bytes = static_cast<size_t>(requests) * static_cast<size_t>(s.num_heads) * sizeof(float);
-  if (plan.lse_scratch % 256 != 0)
-    fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " is not a multiple of 256 bytes");
-  if (plan.lse_scratch < mw.total || plan.lse_scratch > ws.total || bytes > ws.total - plan.lse_scratch)
-    fail("lse_scratch = " + std::to_string(plan.lse_scratch) + " overlaps main's workspace (" +
-         std::to_string(mw.total) + " bytes) or runs past workspace.total = " + std::to_string(ws.total));
+  const std::string scratch = lse_scratch_problem(plan);
+  if (!scratch.empty()) fail(scratch);
 }
 
 }  // namespace
@@ -420,12 +430,7 @@ void run_mla_sparse_cuda(const MlaSparseParams& p, const MlaSparsePlan& plan, vo
     // The decode writes o and its lse (-inf where nothing was attended); the
     // epilogue turns that lse into FlashMLA's +inf and applies the sink.
     DecodeParams d = cache_decode_params(p, p.cache);
-    const size_t scratch_bytes = static_cast<size_t>(plan.num_requests()) * p.num_heads * sizeof(float);
-    if (p.lse == nullptr && p.attn_sink != nullptr &&
-        (plan.lse_scratch % 256 != 0 || plan.lse_scratch > plan.workspace.total ||
-         scratch_bytes > plan.workspace.total - plan.lse_scratch))
-      throw Error("mla_sparse: the plan's lse_scratch = " + std::to_string(plan.lse_scratch) +
-                  " is not a 256-byte aligned region inside workspace.total = " + std::to_string(plan.workspace.total));
+    if (p.lse == nullptr && p.attn_sink != nullptr) require_ok(lse_scratch_problem(plan));
     float* lse = p.lse != nullptr         ? p.lse
                  : p.attn_sink != nullptr ? reinterpret_cast<float*>(base + plan.lse_scratch)
                                           : nullptr;
