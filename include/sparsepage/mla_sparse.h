@@ -5,8 +5,8 @@
 // its own ids, an optional attention sink per head. The fused MLA decode
 // runs it: with an extra cache each cache's tokens are split-KV partials and
 // one merge combines both caches' partials by lse and applies the sink;
-// without one the decode runs on its own plan and an epilogue applies the
-// sink (MlaSparsePlan). CPU backend: every format; CUDA: the 656-byte rows
+// without one the decode runs on its own plan, and its merge or an epilogue
+// applies the sink (MlaSparsePlan). CPU backend: every format; CUDA: the 656-byte rows
 // (kV32).
 #pragma once
 
@@ -116,10 +116,11 @@ struct MlaSparseShape {
 /// * Without one (extra_topk == 0), `main` is the decode's own plan: a
 ///   request it does not split writes o and lse directly, a split one merges
 ///   its own partials (main's merge lists); the plan's merge lists are
-///   empty, `extra` has no items, and a last pass over the rows gives
-///   FlashMLA's lse of +inf to rows that attended nothing and applies the
-///   sink. `workspace` is main's, with `lse_scratch` (one float per request
-///   and head, for a sink without an lse) after it.
+///   empty and `extra` has no items. FlashMLA's lse of +inf for rows that
+///   attended nothing, and the sink, come from main's merge when it splits
+///   every request, else from a last pass over the rows. `workspace` is
+///   main's, with `lse_scratch` (one float per request and head, for that
+///   pass's sink without an lse) after it.
 struct MlaSparsePlan {
   MlaSparseShape shape;
   DecodePlan main;                      // items over `cache`
@@ -167,7 +168,8 @@ void run_mla_sparse_cpu(const MlaSparseParams& params, const MlaSparsePlan& plan
 /// CUDA backend. Upload copies the plan's lists into the workspace
 /// (synchronizes; do it once per plan, before any graph capture). Run then
 /// launches on `stream` each cache's partial kernel and the merge, or
-/// (without an extra cache) the decode on its own plan and the epilogue: no
+/// (without an extra cache) the decode on its own plan and, unless its merge
+/// finished every row, the epilogue: no
 /// allocation, synchronization or host read, so it can be captured. An id
 /// outside its cache is never read: it makes that query's output NaN and
 /// sets the error flag (read_mla_sparse_error_flag), as a topk_length past

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "sparsepage/decode.h"
 
@@ -24,8 +25,20 @@ void run_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* wo
 /// what that would throw), for callers that must refuse a set of decodes
 /// before any of them writes.
 void check_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* workspace, int32_t max_q_len);
-/// run_decode_cuda with q_len allowed up to max_q_len.
+/// How the merge finishes the rows of split requests. The FlashMLA-shaped
+/// decode (mla_sparse.h) passes its attention sink (one more logit per head
+/// in each row's softmax denominator, adding no value) and FlashMLA's lse for
+/// a row that attended nothing (+inf); the defaults are the decode's own.
+/// Rows of unsplit requests are written by the partial kernel, which knows
+/// neither.
+struct MergeFinish {
+  const float* sink = nullptr;  // [group_size] or null
+  float empty_lse = -std::numeric_limits<float>::infinity();
+};
+
+/// run_decode_cuda with q_len allowed up to max_q_len, its split requests
+/// finished as `finish` says.
 const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream,
-                            int32_t max_q_len);
+                            int32_t max_q_len, const MergeFinish& finish = {});
 
 }  // namespace sparsepage::detail

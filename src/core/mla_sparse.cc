@@ -3,7 +3,8 @@
 // partial kernel once per cache (run_decode_cuda over a sub-plan whose items
 // all write partial slots) and one merge with the sink
 // (src/cuda/merge/mla_sparse_merge.cu); without one, the fused decode on its
-// own plan and the MLA prefill's epilogue (lse convention, sink).
+// own plan, finished (lse convention, sink) by its merge when that covers
+// every request, else by the MLA prefill's epilogue.
 // The CPU twin is src/cpu/mla_sparse_cpu.cc.
 #include "sparsepage/mla_sparse.h"
 
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "core/cuda_hooks.h"
+#include "core/decode_limits.h"
 #include "core/prefill_kernels.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
@@ -427,9 +429,21 @@ void run_mla_sparse_cuda(const MlaSparseParams& p, const MlaSparsePlan& plan, vo
   if (workspace == nullptr) throw Error("mla_sparse: workspace is null");
   auto* base = static_cast<unsigned char*>(workspace);
   if (plan.direct()) {
-    // The decode writes o and its lse (-inf where nothing was attended); the
-    // epilogue turns that lse into FlashMLA's +inf and applies the sink.
     DecodeParams d = cache_decode_params(p, p.cache);
+    if (plan.main.merge_requests.size() == static_cast<size_t>(plan.main.num_requests)) {
+      // Every request is split (small batches), so the decode's own merge
+      // writes every row: it takes the sink and FlashMLA's +inf lse, and no
+      // epilogue runs.
+      d.lse = p.lse;
+      detail::MergeFinish finish;
+      finish.sink = p.attn_sink;
+      finish.empty_lse = std::numeric_limits<float>::infinity();
+      detail::run_decode_cuda(d, plan.main, workspace, stream, kMaxQueryTokens, finish);
+      return;
+    }
+    // Otherwise the decode writes o and its lse (-inf where nothing was
+    // attended), and the epilogue turns that lse into FlashMLA's +inf and
+    // applies the sink to every row.
     if (p.lse == nullptr && p.attn_sink != nullptr) require_ok(lse_scratch_problem(plan));
     float* lse = p.lse != nullptr         ? p.lse
                  : p.attn_sink != nullptr ? reinterpret_cast<float*>(base + plan.lse_scratch)

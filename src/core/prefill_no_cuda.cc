@@ -11,7 +11,7 @@ namespace {
 [[noreturn]] void no_cuda(const char* what) { throw Error(std::string(what) + ": sparsepage was built without CUDA"); }
 }  // namespace
 
-const char* run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*, int32_t) {
+const char* run_decode_cuda(const DecodeParams&, const DecodePlan&, void*, void*, int32_t, const MergeFinish&) {
   no_cuda("run_decode_cuda");
 }
 void token_windows_cuda(const TokenWindowsArgs&, void*) { no_cuda("sparse prefill (Device::kCuda)"); }

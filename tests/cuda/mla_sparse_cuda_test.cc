@@ -160,33 +160,56 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
   EXPECT_EQ(testing::compare_mla_sparse(two, testing::mla_sparse_reference(two), a.o, a.lse, 1e-2, 1e-3), "");
 }
 
+// Which kernel finishes the rows without an extra cache: the decode's own
+// merge when every request is split (mla_sparse.cc), else the epilogue.
+// The tests below take both, and check that they did.
+bool merge_finishes_every_row(const MlaSparseProblem& pb, int32_t fixed_chunk_tokens) {
+  const MlaSparsePlan plan = make_mla_sparse_plan(pb.shape(), cuda_machine(pb.spec.num_heads, fixed_chunk_tokens));
+  return plan.direct() && plan.main.merge_requests.size() == static_cast<size_t>(plan.main.num_requests);
+}
+
 TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
   SKIP_WITHOUT_CUDA();
-  for (int32_t extra_topk : {64, 0}) {  // the merge applies the sink; without an extra cache, the epilogue
-    MlaSparseProblem pb = testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, extra_topk, 43));
-    const MlaRun none = run_gpu(pb);
-    pb.sink.assign(128, -std::numeric_limits<float>::infinity());
-    const MlaRun minus_inf = run_gpu(pb);
-    EXPECT_EQ(std::memcmp(none.o.data(), minus_inf.o.data(), none.o.size() * sizeof(float)), 0) << extra_topk;
-    EXPECT_EQ(std::memcmp(none.lse.data(), minus_inf.lse.data(), none.lse.size() * sizeof(float)), 0) << extra_topk;
-    for (float huge : {1e4f, std::numeric_limits<float>::infinity()}) {
-      pb.sink.assign(128, huge);
-      const MlaRun zero = run_gpu(pb);
-      for (float x : zero.o) ASSERT_EQ(x, 0.0f) << "sink " << huge << ", extra_topk " << extra_topk;
-      EXPECT_EQ(std::memcmp(none.lse.data(), zero.lse.data(), none.lse.size() * sizeof(float)), 0) << extra_topk;
+  // With an extra cache the plan's merge applies the sink; without one, the
+  // decode's merge (every request split: chunks of 64) or the epilogue (none
+  // split: one chunk of up to 4096 rows).
+  for (int32_t extra_topk : {64, 0}) {
+    for (int32_t fixed : {64, 4096}) {
+      const std::string what = "extra_topk " + std::to_string(extra_topk) + ", fixed chunk " + std::to_string(fixed);
+      MlaSparseProblem pb =
+          testing::make_mla_sparse_problem(testing::mla_sparse_spec(2, 1, 128, 256, 8, extra_topk, 43));
+      if (extra_topk == 0) {
+        ASSERT_EQ(merge_finishes_every_row(pb, fixed), fixed == 64) << what;
+      }
+      const MlaRun none = run_gpu(pb, fixed);
+      pb.sink.assign(128, -std::numeric_limits<float>::infinity());
+      const MlaRun minus_inf = run_gpu(pb, fixed);
+      EXPECT_EQ(std::memcmp(none.o.data(), minus_inf.o.data(), none.o.size() * sizeof(float)), 0) << what;
+      EXPECT_EQ(std::memcmp(none.lse.data(), minus_inf.lse.data(), none.lse.size() * sizeof(float)), 0) << what;
+      for (float huge : {1e4f, std::numeric_limits<float>::infinity()}) {
+        pb.sink.assign(128, huge);
+        const MlaRun zero = run_gpu(pb, fixed);
+        for (float x : zero.o) ASSERT_EQ(x, 0.0f) << "sink " << huge << ", " << what;
+        EXPECT_EQ(std::memcmp(none.lse.data(), zero.lse.data(), none.lse.size() * sizeof(float)), 0) << what;
+      }
     }
   }
 }
 
 TEST(MlaSparseCuda, ASinkWithoutAnLseArrayScalesTheSame) {
   SKIP_WITHOUT_CUDA();
-  // Without an extra cache the sink's factor needs each row's lse: with no
-  // lse array it comes from the plan's scratch (lse_scratch). Unsplit and
-  // split requests, against the same run with an lse array, bit for bit.
-  for (int32_t fixed : {0, 64}) {
+  // Without an extra cache the epilogue's sink factor needs each row's
+  // lse: with no lse array it comes from the plan's scratch (lse_scratch);
+  // the decode's merge needs none. Requests all split (the merge), none
+  // split and the plan's own choice, against the same run with an lse
+  // array, bit for bit.
+  for (int32_t fixed : {0, 64, 4096}) {
     MlaSparseSpec spec = testing::mla_sparse_spec(3, 2, 64, 256, 16, 0, static_cast<uint64_t>(59 + fixed));
     spec.sink = spec.topk_length = true;
     const MlaSparseProblem pb = testing::make_mla_sparse_problem(spec);
+    if (fixed != 0) {
+      ASSERT_EQ(merge_finishes_every_row(pb, fixed), fixed == 64) << "fixed " << fixed;
+    }
     const MlaRun with = run_gpu(pb, fixed), without = run_gpu(pb, fixed, false);
     ASSERT_EQ(with.o.size(), without.o.size());
     EXPECT_EQ(std::memcmp(with.o.data(), without.o.data(), with.o.size() * sizeof(float)), 0) << "fixed " << fixed;

@@ -38,7 +38,7 @@ int32_t page_shift_of(int32_t page_size) {
 
 template <typename T>
 void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan& plan, void* workspace,
-               cudaStream_t stream) {
+               const detail::MergeFinish& finish, cudaStream_t stream) {
   cuda::MergeParams m;
   m.partial_o = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_o));
   m.partial_lse = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_lse));
@@ -60,6 +60,8 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   m.o_head = qo.o.head_stride;
   m.o = params.o;
   m.lse = params.lse;
+  m.sink = finish.sink;
+  m.empty_lse = finish.empty_lse;
   cuda::launch_merge<T>(m, max_partials, static_cast<int32_t>(plan.merge_requests.size()), stream);
 }
 
@@ -230,7 +232,7 @@ const char* run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, 
 }
 
 const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan& plan, void* workspace, void* stream,
-                                    int32_t max_q_len) {
+                                    int32_t max_q_len, const MergeFinish& finish) {
   detail::check_decode_params(params, plan, max_q_len);
   cuda::check_stream_layout("run_decode_cuda", params.dtype, params.q, params.q_extra, params.k, params.v,
                             params.k_extra, params.o);
@@ -310,7 +312,10 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
   const bool engine_inputs = uses_engine_inputs(params);
   const auto items = static_cast<int32_t>(plan.work.size());
   if (choice.kind == DecodeKernel::kClusterMerge) {
-    // Split requests merge inside their clusters: one launch, no partials.
+    // Split requests merge inside their clusters: one launch, no partials
+    // (and no sink: only the MLA shape, which never clusters, passes one).
+    if (finish.sink != nullptr || finish.empty_lse != detail::MergeFinish{}.empty_lse)
+      throw Error("run_decode_cuda: a merge finish (sink, empty lse) reached the cluster-merge kernel");
     const int32_t cluster = choice.cluster;
     const bool bf16 = params.dtype == DType::kBF16;
     if (engine_inputs) {
@@ -336,9 +341,9 @@ const char* detail::run_decode_cuda(const DecodeParams& params, const DecodePlan
   }
   if (plan.needs_merge()) {
     if (params.dtype == DType::kBF16)
-      run_merge<__nv_bfloat16>(params, qo, plan, workspace, s);
+      run_merge<__nv_bfloat16>(params, qo, plan, workspace, finish, s);
     else
-      run_merge<__half>(params, qo, plan, workspace, s);
+      run_merge<__half>(params, qo, plan, workspace, finish, s);
   }
   return name;
 }

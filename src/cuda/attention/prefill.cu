@@ -52,6 +52,7 @@ __global__ void block_windows_kernel(const BlockWindowsArgs a) {
 template <typename T>
 __global__ void mla_epilogue_kernel(const MlaEpilogueArgs a) {
   using Tr = cuda::ElemTraits<T>;
+  cuda::pdl_wait_primary();  // launched behind the decode or the prefill's attention (PDL): their rows are complete
   const int lane = threadIdx.x % 32;
   const int64_t rows = int64_t{a.batch} * a.num_tokens * a.num_heads;
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
@@ -129,9 +130,9 @@ void mla_epilogue_cuda(const MlaEpilogueArgs& a, void* stream) {
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, 132 * 16)));
   auto s = static_cast<cudaStream_t>(stream);
   if (a.dtype == DType::kBF16) {
-    mla_epilogue_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(a);
+    cuda::launch_with_pdl(mla_epilogue_kernel<__nv_bfloat16>, dim3(blocks), dim3(kThreads), 0, s, a);
   } else {
-    mla_epilogue_kernel<__half><<<blocks, kThreads, 0, s>>>(a);
+    cuda::launch_with_pdl(mla_epilogue_kernel<__half>, dim3(blocks), dim3(kThreads), 0, s, a);
   }
   SP_CUDA_CHECK_LAUNCH();
 }
