@@ -4,9 +4,12 @@
 # build or tests, and no peer source ever enters this repository: the peer
 # drivers (peers-bench, ours, kept outside the repo) are copied to PEERS_DIR,
 # the peers' sources are fetched there at pinned commits and extracted with
-# `git archive`, and everything is built there.
+# `git archive`, and everything is built there. Our two DSA drivers
+# (vllm_dsa_step_bench, vllm_dsa_prefill_bench) are kept in this repository,
+# tools/peers/, and built by tools/peers/build.sh against that same copy.
 #
-#   scripts/peers.sh prepare        sources + build of the peer drivers in $PEERS_DIR (any machine with nvcc 13)
+#   scripts/peers.sh prepare        sources + build of the peer drivers in $PEERS_DIR (any machine with nvcc 13):
+#                                   peers-bench's three, then tools/peers/build.sh's two DSA drivers
 #   scripts/peers.sh ship DIR       copies the peer binaries, our kernel bench and this script to DIR/peers/
 #                                   (with DSA_OURS=1 also our step bench, for the DSA comparison)
 #   DIR/peers/peers.sh run          on the GPU machine: peers and ours, cold, then the table (logs under $OUT)
@@ -78,6 +81,8 @@ prepare() {
     echo "$commit" > "$tp/$name/.commit"
   done
   (cd "$dir/peers-bench" && ./build.sh -j "${JOBS:-2}")
+  # Our DSA drivers (tools/peers/), built against the copy just prepared.
+  PEERS_DIR="$dir" "$repo/tools/peers/build.sh" -j "${JOBS:-2}"
 }
 
 ship() {
@@ -144,8 +149,8 @@ run() {
           peer "$bin/vllm_dsa_step_bench" --configs "$b:$ctx" --rotate
           if [ -n "${DSA_OURS:-}" ]; then
             local step=${OURS_STEP_BENCH:-$here/sparse_step_bench}
-            echo "== ours step --layers dsa --batches $b --contexts $ctx" >> "$log"
-            "$step" --layers dsa --batches "$b" --contexts "$ctx" --json "$out/ours_dsa_${b}_${ctx}.json" >> "$log" 2>&1 \
+            echo "== ours step --layers dsa --pools fp8 --batches $b --contexts $ctx" >> "$log"
+            "$step" --layers dsa --pools fp8 --batches "$b" --contexts "$ctx" --json "$out/ours_dsa_${b}_${ctx}.json" >> "$log" 2>&1 \
               || { echo "   failed ($?): ours step dsa $b $ctx" | tee -a "$log"; rc=1; }
           fi
         done
@@ -224,8 +229,9 @@ if not os.environ.get("SKIP_DSA"):
                      peer("dg_paged_mqa_logits_metadata", b, ctx), peer("flashmla_sched_meta", b, ctx), ours_step(b, ctx)]
             print(f"| {b} | {ctx} | " + " | ".join(f(x, 1) for x in cells) + " |")
     print("top-k: vLLM's cooperative_topk up to 32 rows, above that what its persistent_topk launches on an H200")
-    print("(FilteredTopK). Ours (DSA_OURS=1): sparse_step_bench's fused DSA step from a graph, which also appends")
-    print("the token and reads bf16 index keys and a bf16 MLA cache; vLLM's step here leaves out its cache writes.")
+    print("(FilteredTopK). Ours (DSA_OURS=1): sparse_step_bench's fused DSA step over engine-owned FP8 pools (656-byte")
+    print("MLA rows, vLLM's FP8 index keys) from a graph, which also appends the token; vLLM's step here leaves out")
+    print("its cache writes.")
 if not os.environ.get("SKIP_DSA_PREFILL"):
     print("\nDSA prefill kernels (cold): a chunk of T query tokens ending a context of CTX keys (causal), 64 x 128 FP8")
     print("index heads / 128 MLA heads, top-2048; TFLOP/s over the causal (query, key) pairs for the logits")
@@ -248,5 +254,5 @@ case "${1:-}" in
   prepare) prepare ;;
   ship) shift; ship "$@" ;;
   run) run ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac
