@@ -230,8 +230,8 @@ if not os.environ.get("SKIP_DSA"):
             print(f"| {b} | {ctx} | " + " | ".join(f(x, 1) for x in cells) + " |")
     print("top-k: vLLM's cooperative_topk up to 32 rows, above that what its persistent_topk launches on an H200")
     print("(FilteredTopK). Ours (DSA_OURS=1): sparse_step_bench's fused DSA step over engine-owned FP8 pools (656-byte")
-    print("MLA rows, vLLM's FP8 index keys) from a graph, which also appends the token; vLLM's step here leaves out")
-    print("its cache writes.")
+    print("MLA rows, vLLM's FP8 index keys) from a graph, per layer (its plan is made once per shape, on the host).")
+    print("Neither side writes the cache. Compare ours with vLLM's per-layer column: its metadata runs once per step.")
 if not os.environ.get("SKIP_DSA_PREFILL"):
     print("\nDSA prefill kernels (cold): a chunk of T query tokens ending a context of CTX keys (causal), 64 x 128 FP8")
     print("index heads / 128 MLA heads, top-2048; TFLOP/s over the causal (query, key) pairs for the logits")
