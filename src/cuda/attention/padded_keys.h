@@ -22,25 +22,37 @@ namespace cuda {
 /// The 2 kGroups keys first_key + 8 g + e (g < kGroups, e < 2) of a tile
 /// whose first token sits at position `pos0` of its page run (the request's
 /// first page offset + the tile's first token) and which holds `n` tokens:
-/// bit 2 g + e is set where the key's page id in `slot` (the tile's ids,
-/// from the page of pos0 on) is -1. Keys at or past n are never read.
-/// page_shift is log2(page_size), or -1 when page_size is not a power of
-/// two (then each key's page takes a division).
+/// bit 2 g + e is set where the key is below n and its page id in `slot`
+/// (the tile's ids, from the page of pos0 on) is -1. page_shift is
+/// log2(page_size), or -1 when page_size is not a power of two (then each
+/// key's page takes a division).
+///
+/// Every key's id is loaded, below n or not, so the loads carry no branch
+/// and issue together on the consumers' path between S and the softmax;
+/// the n test then clears the bits of keys past the tile. `slot` must hold
+/// the page of every key below 64 (the kernels' id slots hold 64 ids, one
+/// tile's pages at most; entries past the tile's pages are stale, never
+/// out of bounds).
 template <int kGroups>
 SP_PADDED_KEYS_FN uint32_t padded_key_pairs(const int32_t* slot, int32_t pos0, int32_t first_key, int32_t n,
                                             int32_t page_shift, int32_t page_size) {
-  const auto bits_over = [&](auto page_of) {
+  const auto bits_over = [&](auto page_index) {
     uint32_t bits = 0;
-    const int32_t page0 = page_of(pos0);
     SP_PADDED_KEYS_UNROLL
     for (int i = 0; i < 2 * kGroups; ++i) {
       const int32_t key = first_key + 8 * (i >> 1) + (i & 1);
-      if (key < n && slot[page_of(pos0 + key) - page0] == -1) bits |= 1u << i;
+      const bool padded = slot[page_index(key)] == -1;
+      bits |= static_cast<uint32_t>(padded && key < n) << i;
     }
     return bits;
   };
-  if (page_shift >= 0) return bits_over([page_shift](int32_t pos) { return pos >> page_shift; });
-  return bits_over([page_size](int32_t pos) { return pos / page_size; });
+  if (page_shift == 0) return bits_over([](int32_t key) { return key; });  // token ids: page = key
+  if (page_shift > 0) {
+    const int32_t page0 = pos0 >> page_shift;
+    return bits_over([=](int32_t key) { return ((pos0 + key) >> page_shift) - page0; });
+  }
+  const int32_t page0 = pos0 / page_size;
+  return bits_over([=](int32_t key) { return (pos0 + key) / page_size - page0; });
 }
 
 }  // namespace cuda
