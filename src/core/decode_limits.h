@@ -32,7 +32,7 @@ void check_decode_cpu(const DecodeParams& params, const DecodePlan& plan, void* 
 /// Rows of unsplit requests are written by the partial kernel, which knows
 /// neither.
 struct MergeFinish {
-  const float* sink = nullptr;  // [group_size] or null
+  const float* sink = nullptr;  // [query heads of a request] or null, indexed by the head within its request
   float empty_lse = -std::numeric_limits<float>::infinity();
 };
 

@@ -20,6 +20,7 @@
 #include "core/prefill_kernels.h"
 #include "core/require.h"
 #include "sparsepage/decode.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/fp8.h"
 #include "sparsepage/memory.h"
 
@@ -408,6 +409,12 @@ std::string cuda_mla_sparse_problem(const MlaSparseParams& p) {
   return cuda_arch_problem(cuda_device_sm(), MlaFp8Row::kLatent, MlaFp8Row::kLatent, MlaFp8Row::kRope);
 }
 
+bool merge_writes_every_row(const DecodePlan& plan) {
+  if (plan.merge_requests.size() != static_cast<size_t>(plan.num_requests)) return false;
+  if (plan.uniform_chunks > 0) return plan.uniform_chunks > 1;  // uniform: one chunk writes o directly
+  return std::all_of(plan.work.begin(), plan.work.end(), [](const WorkItem& w) { return w.partial >= 0; });
+}
+
 void upload_mla_sparse_plan_cuda(const MlaSparsePlan& plan, void* workspace, void* stream) {
   check_mla_sparse_plan(plan);
   if (workspace == nullptr) throw Error("mla_sparse: workspace is null");
@@ -430,11 +437,10 @@ void run_mla_sparse_cuda(const MlaSparseParams& p, const MlaSparsePlan& plan, vo
   auto* base = static_cast<unsigned char*>(workspace);
   if (plan.direct()) {
     DecodeParams d = cache_decode_params(p, p.cache);
-    if (plan.main.merge_requests.size() == static_cast<size_t>(plan.main.num_requests)) {
+    if (merge_writes_every_row(plan.main)) {
       // Every request is split (small batches), so the decode's own merge
       // writes every row: it takes the sink and FlashMLA's +inf lse, and no
       // epilogue runs.
-      d.lse = p.lse;
       detail::MergeFinish finish;
       finish.sink = p.attn_sink;
       finish.empty_lse = std::numeric_limits<float>::infinity();

@@ -276,6 +276,12 @@ void check_decode_plan(const DecodePlan& plan) {
              " but belongs to another");
       }
     }
+    // A request without partial slots writes its output directly; a merge
+    // entry for it would overwrite that output with an empty merge.
+    if (partials_of[static_cast<size_t>(r)] == 0) {
+      fail("merge entry " + std::to_string(m) + " names request " + std::to_string(r) +
+           ", which has no partial slots (its items write the output directly)");
+    }
     if (plan.merge_indptr[m + 1] - plan.merge_indptr[m] != partials_of[static_cast<size_t>(r)]) {
       fail("merge entry " + std::to_string(m) + " lists " +
            std::to_string(plan.merge_indptr[m + 1] - plan.merge_indptr[m]) + " slots for request " + std::to_string(r) +

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/memory.h"
 #include "sparsepage/mla_sparse.h"
 #include "support/expect_error.h"
@@ -366,6 +367,17 @@ TEST(MlaSparse, WithoutAnExtraCacheThePlanIsTheDecodesOwn) {
   EXPECT_NO_THROW(check_mla_sparse_plan(whole));
   EXPECT_EQ(whole.num_partials, 0);
   for (const WorkItem& w : whole.main.work) EXPECT_LT(w.partial, 0);
+  // On CUDA the first is finished by the decode's own merge, the second by
+  // the epilogue; so is a plan that splits some requests and not others.
+  EXPECT_TRUE(merge_writes_every_row(plan.main));
+  EXPECT_FALSE(merge_writes_every_row(whole.main));
+  PlanShape mixed_shape;
+  mixed_shape.group_size = 8;
+  mixed_shape.head_dim_v = kMlaSparseHeadDimV;
+  mixed_shape.fixed_chunk_tokens = 32;
+  const DecodePlan mixed = make_decode_plan({100, 16}, mixed_shape);
+  ASSERT_EQ(mixed.merge_requests.size(), 1u);
+  EXPECT_FALSE(merge_writes_every_row(mixed));
 
   MlaSparsePlan bad = plan;
   bad.merge_indptr = {0};

@@ -331,6 +331,25 @@ TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
 }
 
 }  // namespace
+// A request with no partial slots writes its output directly; a merge
+// entry naming it (zero slots, so the slot count agreed) would overwrite
+// that output with an empty merge.
+TEST(PlanAsData, AMergeEntryForAnUnsplitRequestIsRefused) {
+  PlanShape shape;
+  shape.group_size = 2;
+  shape.head_dim_v = 8;
+  shape.num_sms = 3;
+  shape.fixed_chunk_tokens = 64;
+  const DecodePlan base = make_decode_plan({256, 64}, shape);  // request 0 split in 4, request 1 not
+  ASSERT_EQ(base.merge_requests, std::vector<int32_t>{0});
+  DecodePlan forged = base;
+  forged.merge_requests.push_back(1);
+  forged.merge_indptr.push_back(forged.merge_indptr.back());
+  EXPECT_TRUE(testing::throws_error_naming([&] { check_decode_plan(forged); },
+                                           "merge entry 1 names request 1, which has no partial slots"));
+  EXPECT_NO_THROW(check_decode_plan(base));
+}
+
 // A forged blob once asked for an 8 GiB workspace (refused by the
 // allocator, not by name): the layout is a function of the plan's counts,
 // and no more partial slots than work items may be claimed.

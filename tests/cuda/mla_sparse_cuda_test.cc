@@ -8,6 +8,7 @@
 // name. Outputs and workspace start NaN; cache bytes no id reaches are NaN.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "sparsepage/detail/cuda_introspection.h"
 #include "sparsepage/mla_sparse.h"
 #include "support/expect_error.h"
 #include "support/mla_sparse_problem.h"
@@ -75,6 +77,7 @@ struct DeviceMla {
 struct MlaRun {
   std::vector<float> o, lse;
   uint32_t error_flag = 0;
+  std::vector<uint32_t> lse_scratch;  // direct form, no lse array: the workspace's scratch rows as left
 };
 
 // Outputs and workspace poisoned (0xFF: NaN), the plan uploaded, one launch
@@ -92,6 +95,10 @@ MlaRun run_gpu(const MlaSparseProblem& pb, int32_t fixed_chunk_tokens = 0, bool 
   run.o = testing::as_float(DType::kBF16, download<uint8_t>(Device::kCuda, o.data(), o.bytes()));
   run.lse = download<float>(Device::kCuda, lse.data(), queries(pb));
   run.error_flag = read_mla_sparse_error_flag(plan, ws.data());
+  if (plan.direct() && !with_lse) {
+    run.lse_scratch =
+        download<uint32_t>(Device::kCuda, static_cast<unsigned char*>(ws.data()) + plan.lse_scratch, queries(pb));
+  }
   return run;
 }
 
@@ -161,11 +168,13 @@ TEST(MlaSparseCuda, TheExtraCacheIsTheUnionOfBothSets) {
 }
 
 // Which kernel finishes the rows without an extra cache: the decode's own
-// merge when every request is split (mla_sparse.cc), else the epilogue.
-// The tests below take both, and check that they did.
+// merge when every request is split, else the epilogue
+// (merge_writes_every_row). The tests below take both; the sink test
+// without an lse array also sees which ran (only the epilogue writes the
+// lse scratch).
 bool merge_finishes_every_row(const MlaSparseProblem& pb, int32_t fixed_chunk_tokens) {
   const MlaSparsePlan plan = make_mla_sparse_plan(pb.shape(), cuda_machine(pb.spec.num_heads, fixed_chunk_tokens));
-  return plan.direct() && plan.main.merge_requests.size() == static_cast<size_t>(plan.main.num_requests);
+  return plan.direct() && merge_writes_every_row(plan.main);
 }
 
 TEST(MlaSparseCuda, TheSinksLimitsBitForBit) {
@@ -212,6 +221,15 @@ TEST(MlaSparseCuda, ASinkWithoutAnLseArrayScalesTheSame) {
     }
     const MlaRun with = run_gpu(pb, fixed), without = run_gpu(pb, fixed, false);
     ASSERT_EQ(with.o.size(), without.o.size());
+    // The scratch was poisoned (0xFF) with the workspace: the merge form
+    // leaves it so, the epilogue form fills it with the rows' lse.
+    if (fixed != 0) {
+      const bool untouched = std::all_of(without.lse_scratch.begin(), without.lse_scratch.end(),
+                                         [](uint32_t w) { return w == 0xFFFFFFFFu; });
+      const bool all_written = std::none_of(without.lse_scratch.begin(), without.lse_scratch.end(),
+                                            [](uint32_t w) { return w == 0xFFFFFFFFu; });
+      EXPECT_TRUE(fixed == 64 ? untouched : all_written) << "fixed " << fixed;
+    }
     EXPECT_EQ(std::memcmp(with.o.data(), without.o.data(), with.o.size() * sizeof(float)), 0) << "fixed " << fixed;
     EXPECT_EQ(without.error_flag, 0u);
     const testing::MlaSparseReference ref = testing::mla_sparse_reference(pb);

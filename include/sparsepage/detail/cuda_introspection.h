@@ -40,5 +40,11 @@ int32_t cuda_merge_cluster_size(const DecodeParams& params, const DecodePlan& pl
 /// multi-token CTA, wgmma"); the kernel switch SPARSEPAGE_MULTI_TOKEN_CTA is
 /// taken into account.
 const char* cuda_decode_kernel_name(const DecodeParams& params, const DecodePlan& plan);
+/// How run_mla_sparse_cuda finishes a direct-form plan (mla_sparse.h): true
+/// when the decode's own merge writes every row of `main` (every request has
+/// a merge entry and no work item writes the output directly), so the merge
+/// applies the sink and FlashMLA's +inf lse and no epilogue runs; false when
+/// the epilogue kernel does that over every row.
+bool merge_writes_every_row(const DecodePlan& main);
 
 }  // namespace sparsepage

@@ -29,10 +29,11 @@ namespace cuda {
 ///
 /// Every key's id is loaded, below n or not, so the loads carry no branch
 /// and issue together on the consumers' path between S and the softmax;
-/// the n test then clears the bits of keys past the tile. `slot` must hold
-/// the page of every key below 64 (the kernels' id slots hold 64 ids, one
-/// tile's pages at most; entries past the tile's pages are stale, never
-/// out of bounds).
+/// the n test then clears the bits of keys past the tile. Precondition:
+/// first_key + 8 (kGroups - 1) + 1 < 64 (the MLA consumers pass at most
+/// 38 with kGroups 4), and `slot` holds 64 ids (the kernels' id slots), so
+/// every key's page index is below 64; entries past the tile's pages are
+/// stale, never out of bounds.
 template <int kGroups>
 SP_PADDED_KEYS_FN uint32_t padded_key_pairs(const int32_t* slot, int32_t pos0, int32_t first_key, int32_t n,
                                             int32_t page_shift, int32_t page_size) {

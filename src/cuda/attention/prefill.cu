@@ -52,7 +52,11 @@ __global__ void block_windows_kernel(const BlockWindowsArgs a) {
 template <typename T>
 __global__ void mla_epilogue_kernel(const MlaEpilogueArgs a) {
   using Tr = cuda::ElemTraits<T>;
-  cuda::pdl_wait_primary();  // launched behind the decode or the prefill's attention (PDL): their rows are complete
+  // Launched behind the decode or the prefill's attention with PDL: once
+  // the wait returns the previous grid is complete, and so is everything
+  // before it, because every PDL-launched kernel of the library waits the
+  // same way at entry, in every CTA, before it reads or writes.
+  cuda::pdl_wait_primary();
   const int lane = threadIdx.x % 32;
   const int64_t rows = int64_t{a.batch} * a.num_tokens * a.num_heads;
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
