@@ -73,12 +73,12 @@ MK=$PB/build/Makefile.dsa
   echo "	g++ -O2 -c \$< -o \$@"
   for d in step prefill; do
     src=$here/vllm_dsa_${d}_bench.cu
-    echo "build/dsa_${d}_dg.o: $src"
+    echo "build/dsa_${d}_dg.o: $src $here/dsa_peers_common.h"
     echo "	\$(NVCC) \$(DG_FLAGS) -c \$< -o \$@"
-    echo "build/dsa_${d}_main.o: $src src/peers_common.cuh"
+    echo "build/dsa_${d}_main.o: $src $here/dsa_peers_common.h src/peers_common.cuh"
     echo "	\$(NVCC) \$(FM_FLAGS) -c \$< -o \$@"
   done
-  echo "build/dsa_step_topk.o: $here/vllm_dsa_step_bench.cu"
+  echo "build/dsa_step_topk.o: $here/vllm_dsa_step_bench.cu $here/dsa_peers_common.h"
   echo "	\$(NVCC) \$(TOPK_FLAGS) -c \$< -o \$@"
   objs=""; for u in $STEP_FM; do objs="$objs $(fm_obj "$u")"; done
   echo "bin/vllm_dsa_step_bench: build/dsa_step_main.o build/dsa_step_dg.o build/dsa_step_topk.o build/glibc_compat.o$objs"

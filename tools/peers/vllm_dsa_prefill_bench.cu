@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "dsa_peers_common.h"
+
 namespace dsa_prefill {
 constexpr int kHeads = 64, kDim = 128;
 constexpr int kBlockQ = 128 / kHeads;  // 2 queries per tile (block_qh 128 / 64 heads)
@@ -37,9 +39,8 @@ struct MqaLogitsPlan {
   float* logits = nullptr;
 };
 // q e4m3 [T][64][128], kv e4m3 [CTX][128], scales fp32 [align(CTX, 4)], weights fp32 [T][64]
-void make_mqa_logits_plan(MqaLogitsPlan* p, const void* q, const void* kv, const float* kv_scales,
-                          const float* weights, int seq_len, int seq_len_kv, const int* ks, const int* ke,
-                          float* logits, int stride);
+void make_mqa_logits_plan(MqaLogitsPlan* p, const void* q, const void* kv, const float* kv_scales, const float* weights,
+                          int seq_len, int seq_len_kv, const int* ks, const int* ke, float* logits, int stride);
 void mqa_logits(const MqaLogitsPlan& p, cudaStream_t s);
 }  // namespace dsa_prefill
 
@@ -49,60 +50,16 @@ void mqa_logits(const MqaLogitsPlan& p, cudaStream_t s);
 //   sm90_fp8_mqa_logits<heads 64, head_dim 128, not compressed (max_seqlen_k = 0), block_q 2,
 //       block_kv 256, 3 q stages, 3 kv stages, SMs (132), 128 TMA threads, 512 math threads,
 //       float logits>, grid = SMs, PDL on.
-#include <cudaTypedefs.h>
-
-#include <cstdio>
-#include <cstdlib>
-
 #include <deep_gemm/impls/sm90_fp8_mqa_logits.cuh>
 
 namespace dsa_prefill {
 namespace {
-#define DG_CK(...)                                                                              \
-  do {                                                                                          \
-    cudaError_t e_ = (__VA_ARGS__);                                                             \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "CUDA error '%s' at %s:%d: %s\n", #__VA_ARGS__, __FILE__, __LINE__,       \
-              cudaGetErrorString(e_));                                                          \
-      exit(2);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {  // driver entry point: no -lcuda needed
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (!fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    DG_CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || !p) {
-      fprintf(stderr, "cuTensorMapEncodeTiled not available from the driver\n");
-      exit(2);
-    }
-    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }
-  return fn;
-}
-
-// DeepGEMM's make_tma_2d_desc: inner box = swizzle width when swizzled, strides in elements
-// encoded in bytes, L2 promotion 256B, no OOB fill.
+// DeepGEMM's make_tma_2d_desc: [outer][inner] with the outer stride in elements.
 CUtensorMap tma_2d(CUtensorMapDataType dt, int elem, const void* ptr, uint64_t inner, uint64_t outer,
                    uint32_t box_inner, uint32_t box_outer, uint64_t outer_stride, int swizzle) {
-  if (swizzle) box_inner = uint32_t(swizzle / elem);
-  cuuint64_t dims[2] = {inner, outer}, strides[1] = {outer_stride * uint64_t(elem)};
-  cuuint32_t box[2] = {box_inner, box_outer}, estr[2] = {1, 1};
-  CUtensorMapSwizzle sw = swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
-                          : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                          : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
-                                          : CU_TENSOR_MAP_SWIZZLE_NONE;
-  CUtensorMap m;
-  CUresult r = encode_tiled()(&m, dt, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", int(r));
-    exit(2);
-  }
-  return m;
+  const uint64_t dims[2] = {inner, outer}, strides[1] = {outer_stride};
+  uint32_t box[2] = {box_inner, box_outer};
+  return dsa_peers::tma_desc(dt, elem, ptr, 2, dims, strides, box, swizzle);
 }
 
 constexpr int kQStages = 3, kKVStages = 3, kTmaThreads = 128, kMathThreads = 512;
@@ -114,17 +71,16 @@ constexpr int smem_bytes() {  // as DeepGEMM's host sums it
 }
 }  // namespace
 
-void make_mqa_logits_plan(MqaLogitsPlan* p, const void* q, const void* kv, const float* kv_scales,
-                          const float* weights, int seq_len, int seq_len_kv, const int* ks, const int* ke,
-                          float* logits, int stride) {
-  p->q = tma_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, q, kDim, uint64_t(seq_len) * kHeads, kDim, kBlockQ * kHeads,
-                kDim, kDim);
+void make_mqa_logits_plan(MqaLogitsPlan* p, const void* q, const void* kv, const float* kv_scales, const float* weights,
+                          int seq_len, int seq_len_kv, const int* ks, const int* ke, float* logits, int stride) {
+  p->q =
+      tma_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, q, kDim, uint64_t(seq_len) * kHeads, kDim, kBlockQ * kHeads, kDim, kDim);
   p->kv = tma_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, kv, kDim, uint64_t(seq_len_kv), kDim, kBlockKV, kDim, kDim);
   // scales: one row of align(seq_len_kv, 4) floats (get_tma_aligned_size), outer stride 0
-  p->kv_scales = tma_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kv_scales, uint64_t((seq_len_kv + 3) / 4 * 4), 1,
-                        kBlockKV, 1, 0, 0);
-  p->weights = tma_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, weights, kHeads, uint64_t(seq_len), kHeads, kBlockQ,
-                      kHeads, 0);
+  p->kv_scales =
+      tma_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kv_scales, uint64_t((seq_len_kv + 3) / 4 * 4), 1, kBlockKV, 1, 0, 0);
+  p->weights =
+      tma_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, weights, kHeads, uint64_t(seq_len), kHeads, kBlockQ, kHeads, 0);
   p->seq_len = seq_len;
   p->seq_len_kv = seq_len_kv;
   p->stride = stride;
@@ -132,20 +88,12 @@ void make_mqa_logits_plan(MqaLogitsPlan* p, const void* q, const void* kv, const
   p->ke = ke;
   p->logits = logits;
   p->smem = smem_bytes();
-  DG_CK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p->smem));
+  DSA_CK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p->smem));
 }
 
 void mqa_logits(const MqaLogitsPlan& p, cudaStream_t s) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(kDgSms);
-  c.blockDim = dim3(kTmaThreads + kMathThreads);
-  c.dynamicSmemBytes = size_t(p.smem);
-  c.stream = s;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  c.attrs = attr;
-  c.numAttrs = 1;
+  cudaLaunchConfig_t c = dsa_peers::pdl_launch_config(dim3(kDgSms), dim3(kTmaThreads + kMathThreads), p.smem, s, attr);
   uint32_t seq_len = uint32_t(p.seq_len), seq_len_kv = uint32_t(p.seq_len_kv), max_seqlen_k = 0,
            stride = uint32_t(p.stride);
   uint32_t* ks = reinterpret_cast<uint32_t*>(const_cast<int*>(p.ks));
@@ -153,7 +101,7 @@ void mqa_logits(const MqaLogitsPlan& p, cudaStream_t s) {
   float* logits = p.logits;
   CUtensorMap q = p.q, kv = p.kv, sc = p.kv_scales, w = p.weights;
   void* args[] = {&seq_len, &seq_len_kv, &max_seqlen_k, &stride, &ks, &ke, &logits, &q, &kv, &sc, &w};
-  DG_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kKernel), args));
+  DSA_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kKernel), args));
 }
 }  // namespace dsa_prefill
 
@@ -221,24 +169,10 @@ __global__ void count_nonfinite_bf16_kernel(const __nv_bfloat16* p, size_t n, un
   if (c) atomicAdd(out, c);
 }
 
-template <typename T>
-T* dalloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
-template <typename T>
-std::vector<T> to_host(const T* d, size_t n) {
-  std::vector<T> h(n);
-  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-unsigned grid_for(size_t threads) { return unsigned(std::min<size_t>((threads + 255) / 256, 1u << 30)); }
-float e4m3_to_float(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  memcpy(&v, &b, 1);
-  return float(v);
-}
+using dsa_peers::dalloc;
+using dsa_peers::e4m3_to_float;
+using dsa_peers::grid_for;
+using dsa_peers::to_host;
 int copies_for(const peers::Options& opt, const peers::DeviceInfo& dev, double bytes_per_copy) {
   if (!opt.rotate) return 1;
   return std::max(1, std::min(64, int(std::ceil(peers::cold_target_bytes(opt, dev) / bytes_per_copy))));
@@ -254,8 +188,8 @@ unsigned long long device_count(std::function<void(unsigned long long*)> launch)
   return n;
 }
 
-void fill_row(peers::Row& row, const peers::Options& opt, const char* lib, const char* kernel, int T, int CTX,
-              int hq, int dqk, int dv, int L, int P) {
+void fill_row(peers::Row& row, const peers::Options& opt, const char* lib, const char* kernel, int T, int CTX, int hq,
+              int dqk, int dv, int L, int P) {
   row.lib = lib;
   row.kernel = kernel;
   row.mode = opt.rotate ? "cold" : "warm";
@@ -298,7 +232,8 @@ void run_logits(const peers::Options& opt, const peers::DeviceInfo& dev, cudaStr
     c[i].k = dalloc<uint8_t>(size_t(CTX) * kDim);
     c[i].ks = dalloc<float>(ctx4);
     CK(cudaMemset(c[i].ks, 0, size_t(ctx4) * 4));
-    fill_e4m3_kernel<<<grid_for(size_t(T) * kHeads * kDim), 256, 0, s>>>(c[i].q, size_t(T) * kHeads * kDim, sd + 1, 448.f);
+    fill_e4m3_kernel<<<grid_for(size_t(T) * kHeads * kDim), 256, 0, s>>>(c[i].q, size_t(T) * kHeads * kDim, sd + 1,
+                                                                           448.f);
     fill_f32_kernel<<<grid_for(size_t(T) * kHeads), 256, 0, s>>>(c[i].w, size_t(T) * kHeads, sd + 2, 1.f);
     fill_keys_kernel<<<grid_for(size_t(CTX) * 32), 256, 0, s>>>(c[i].k, c[i].ks, size_t(CTX), sd + 3);
     CK(cudaGetLastError());
@@ -317,7 +252,7 @@ void run_logits(const peers::Options& opt, const peers::DeviceInfo& dev, cudaStr
     const std::vector<uint8_t> k = to_host(c[i].k, size_t(CTX) * kDim);
     const std::vector<float> sc = to_host(c[i].ks, size_t(CTX));
     std::mt19937 rng(uint32_t(opt.seed + i));
-    double num = 0, den = 0, mx = 0, mref = 0;
+    dsa_peers::ErrorSum err;
     for (int t : peers::sample_requests(T, opt.check_all)) {
       const std::vector<uint8_t> q = to_host(c[i].q + size_t(t) * kHeads * kDim, size_t(kHeads) * kDim);
       const std::vector<float> w = to_host(c[i].w + size_t(t) * kHeads, size_t(kHeads));
@@ -334,18 +269,15 @@ void run_logits(const peers::Options& opt, const peers::DeviceInfo& dev, cudaStr
           acc += std::max(dot, 0.0) * w[h];
         }
         acc *= sc[j];
-        double e = double(row[j]) - acc;
-        if (!std::isfinite(e)) e = 1e30;
-        num += e * e, den += acc * acc;
-        mx = std::max(mx, std::fabs(e)), mref = std::max(mref, std::fabs(acc));
+        err.add(row[j], acc);
       }
     }
-    r.rel_l2 = std::sqrt(num / std::max(den, 1e-30));
-    r.max_abs = mx;
-    r.max_ref = mref;
+    r.rel_l2 = err.rel_l2();
+    r.max_abs = err.max_abs;
+    r.max_ref = err.max_ref;
     // 2e-3: Hopper accumulates FP8 WGMMA products with fewer than fp32's mantissa bits; a layout
     // or scale mistake gives errors of order 1.
-    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && mref > 0;
+    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && err.max_ref > 0;
     if (!r.ok) r.why = "logits: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
     return r;
   };
@@ -468,22 +400,18 @@ void run_sparse_fwd(const peers::Options& opt, const peers::DeviceInfo& dev, cud
     r.nonfinite = (long long)device_count([&](unsigned long long* n) {
       count_nonfinite_bf16_kernel<<<1024, 256, 0, s>>>(out, size_t(T) * H * D_V, n);
     });
-    double num = 0, den = 0, mx = 0, mref = 0;
+    dsa_peers::ErrorSum err;
     for (size_t k = 0; k < reqs.size(); ++k) {
       const std::vector<uint16_t> o =
           to_host(reinterpret_cast<const uint16_t*>(out) + size_t(reqs[k]) * H * D_V, size_t(H) * D_V);
       for (int e = 0; e < H * D_V; ++e) {
-        const float f = ref[k * size_t(H) * D_V + e];
-        double d = double(peers::bf16_to_float_host(o[e])) - f;
-        if (!std::isfinite(d)) d = 1e30;
-        num += d * d, den += double(f) * f;
-        mx = std::max(mx, std::fabs(d)), mref = std::max(mref, double(std::fabs(f)));
+        err.add(peers::bf16_to_float_host(o[e]), ref[k * size_t(H) * D_V + e]);
       }
     }
-    r.rel_l2 = std::sqrt(num / std::max(den, 1e-30));
-    r.max_abs = mx;
-    r.max_ref = mref;
-    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-2 && mref > 1e-3;
+    r.rel_l2 = err.rel_l2();
+    r.max_abs = err.max_abs;
+    r.max_ref = err.max_ref;
+    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-2 && err.max_ref > 1e-3;
     if (!r.ok) r.why = "sparse_fwd: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
     return r;
   };
@@ -525,14 +453,13 @@ int main(int argc, char** argv) {
   if (opt.kernels.empty()) opt.kernels = "logits,sfwd";
   const auto configs = peers::parse_configs(opt.configs, 32768);
   peers::DeviceInfo dev = peers::device_info();
-  REQUIRE(dev.cc_major == 9 && dev.cc_minor == 0, "built for sm_90a, found sm_%d%d (%s)", dev.cc_major,
-          dev.cc_minor, dev.name.c_str());
+  REQUIRE(dev.cc_major == 9 && dev.cc_minor == 0, "built for sm_90a, found sm_%d%d (%s)", dev.cc_major, dev.cc_minor,
+          dev.name.c_str());
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::string ks = "," + opt.kernels + ",";
   for (auto [T, CTX] : configs) {
-    REQUIRE(T >= 1 && CTX >= T && CTX - T + 1 >= TOPK, "T=%d CTX=%d: every query must see >= %d keys", T, CTX,
-            TOPK);
+    REQUIRE(T >= 1 && CTX >= T && CTX - T + 1 >= TOPK, "T=%d CTX=%d: every query must see >= %d keys", T, CTX, TOPK);
     if (ks.find(",logits,") != std::string::npos) run_logits(opt, dev, stream, T, CTX);
     if (ks.find(",sfwd,") != std::string::npos) run_sparse_fwd(opt, dev, stream, T, CTX);
   }

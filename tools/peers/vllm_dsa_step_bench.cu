@@ -40,12 +40,14 @@
 
 #include <cstdint>
 
+#include "dsa_peers_common.h"
+
 // ------------------------------------------------------------------ interface between the parts
 namespace dsa {
 constexpr int kIndexHeads = 64, kIndexDim = 128, kBlock = 64, kTopK = 2048;
-constexpr int kIndexRowBytes = kIndexDim + 4;                // 132: 128 e4m3 + one fp32 scale
-constexpr int kIndexBlockBytes = kBlock * kIndexRowBytes;    // 8448: 64 key rows, then 64 scales
-constexpr int kSplitKV = 256;                                // DeepGEMM's split_kv (paged logits)
+constexpr int kIndexRowBytes = kIndexDim + 4;              // 132: 128 e4m3 + one fp32 scale
+constexpr int kIndexBlockBytes = kBlock * kIndexRowBytes;  // 8448: 64 key rows, then 64 scales
+constexpr int kSplitKV = 256;                              // DeepGEMM's split_kv (paged logits)
 constexpr int kDgSms = 132;  // H200/H100 SXM SM count, compiled into DeepGEMM's schedule (see below)
 
 // One fp8_paged_mqa_logits launch: TMA descriptors over one set of buffers.
@@ -59,17 +61,15 @@ struct PagedLogitsPlan {
 };
 // q: e4m3 [batch][64][128]; kv_cache: num_blocks x 8448 bytes; weights: fp32 [batch][64]
 void make_paged_logits_plan(PagedLogitsPlan* p, const void* q, const void* kv_cache, int num_blocks,
-                            const float* weights, int batch, const int* context_lens, float* logits,
-                            int logits_stride, const int* block_table, int block_table_stride,
-                            const int* schedule);
+                            const float* weights, int batch, const int* context_lens, float* logits, int logits_stride,
+                            const int* block_table, int block_table_stride, const int* schedule);
 void paged_logits(const PagedLogitsPlan& p, cudaStream_t s);
 void paged_logits_metadata(const int* context_lens, int* schedule, int batch, cudaStream_t s);
 
 // vLLM top-2048: rows <= 32 -> cooperative_topk, else FilteredTopK. tie_ws: rows x 2048 x 8 bytes.
-void vllm_cooperative_topk(const float* logits, int stride, const int* lengths, int* out, void* tie_ws,
-                           int rows, cudaStream_t s);
-void vllm_filtered_topk(const float* logits, int stride, const int* lengths, int* out, int rows,
-                        cudaStream_t s);
+void vllm_cooperative_topk(const float* logits, int stride, const int* lengths, int* out, void* tie_ws, int rows,
+                           cudaStream_t s);
+void vllm_filtered_topk(const float* logits, int stride, const int* lengths, int* out, int rows, cudaStream_t s);
 }  // namespace dsa
 
 #if defined(VLLM_DSA_PART_DEEPGEMM)
@@ -83,77 +83,19 @@ void vllm_filtered_topk(const float* logits, int stride, const int* lengths, int
 // kNumSMs is a template parameter of the schedule and the logits grid must match it, so both
 // are fixed at 132 (H200 / H100 SXM). On a card with another SM count the kernels stay correct
 // (the grid is simply 132 CTAs), only the schedule is not the one DeepGEMM would pick there.
-#include <cudaTypedefs.h>
-
-#include <cstdio>
-#include <cstdlib>
-
 #include <deep_gemm/impls/sm90_fp8_paged_mqa_logits.cuh>
 #include <deep_gemm/scheduler/sm90_paged_mqa_logits.cuh>
 
 namespace dsa {
 namespace {
 
-#define DG_CK(...)                                                                              \
-  do {                                                                                          \
-    cudaError_t e_ = (__VA_ARGS__);                                                             \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "CUDA error '%s' at %s:%d: %s\n", #__VA_ARGS__, __FILE__, __LINE__,       \
-              cudaGetErrorString(e_));                                                          \
-      exit(2);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point: no -lcuda at link time.
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (!fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    DG_CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || !p) {
-      fprintf(stderr, "cuTensorMapEncodeTiled not available from the driver\n");
-      exit(2);
-    }
-    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }
-  return fn;
-}
-
-CUtensorMapSwizzle swizzle_of(int bytes) {
-  switch (bytes) {
-    case 32: return CU_TENSOR_MAP_SWIZZLE_32B;
-    case 64: return CU_TENSOR_MAP_SWIZZLE_64B;
-    case 128: return CU_TENSOR_MAP_SWIZZLE_128B;
-    default: return CU_TENSOR_MAP_SWIZZLE_NONE;
-  }
-}
-
-// DeepGEMM's make_tma_{2,3}d_desc: with swizzling the inner box is the swizzle width; strides
-// are given in elements and encoded in bytes; L2 promotion 256B, no OOB fill.
-CUtensorMap tma_desc(CUtensorMapDataType dt, int elem, const void* ptr, int rank, const uint64_t* dims,
-                     const uint64_t* strides_elems, uint32_t* box, int swizzle) {
-  if (swizzle) box[0] = uint32_t(swizzle / elem);
-  cuuint64_t gdims[3], gstrides[2];
-  cuuint32_t boxd[3], estr[3] = {1, 1, 1};
-  for (int i = 0; i < rank; ++i) gdims[i] = dims[i], boxd[i] = box[i];
-  for (int i = 0; i + 1 < rank; ++i) gstrides[i] = strides_elems[i] * uint64_t(elem);
-  CUtensorMap m;
-  CUresult r = encode_tiled()(&m, dt, cuuint32_t(rank), const_cast<void*>(ptr), gdims, gstrides, boxd, estr,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle_of(swizzle),
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", int(r));
-    exit(2);
-  }
-  return m;
-}
+using dsa_peers::tma_desc;
 
 constexpr int kQStages = 3, kKVStages = 3, kTmaThreads = 128;
 constexpr int kMathThreads = (kSplitKV / 64) * 128;  // 512
 constexpr auto kPagedKernel =
-    &deep_gemm::sm90_fp8_paged_mqa_logits<1, kIndexHeads, kIndexDim, kBlock, true, false, kQStages, kKVStages,
-                                          kSplitKV, kTmaThreads, kMathThreads, float>;
+    &deep_gemm::sm90_fp8_paged_mqa_logits<1, kIndexHeads, kIndexDim, kBlock, true, false, kQStages, kKVStages, kSplitKV,
+                                          kTmaThreads, kMathThreads, float>;
 
 constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
 
@@ -170,33 +112,21 @@ constexpr int paged_smem_bytes() {
   return q_pipe + wgs * kv_pipe + wgs * 2 * 8 + 4;
 }
 
-// DeepGEMM launches with programmatic stream serialization (PDL) on; so do we.
-cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, int smem, cudaStream_t s, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = grid;
-  c.blockDim = block;
-  c.dynamicSmemBytes = size_t(smem);
-  c.stream = s;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  c.attrs = attr;
-  c.numAttrs = 1;
-  return c;
-}
+// DeepGEMM launches with programmatic stream serialization (PDL) on; so do we (pdl_launch_config).
 
 template <uint32_t kAlignedBatch>
 void launch_metadata(const int* context_lens, int* schedule, int batch, cudaStream_t s) {
   auto kernel = &deep_gemm::sched::sm90_paged_mqa_logits_metadata<kAlignedBatch, kSplitKV, kDgSms, false>;
   const int smem = int(kAlignedBatch * sizeof(int));
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t c = launch_config(dim3(1), dim3(32), smem, s, attr);
+  cudaLaunchConfig_t c = dsa_peers::pdl_launch_config(dim3(1), dim3(32), smem, s, attr);
   uint32_t b = uint32_t(batch), next_n = 1;
   bool ctx2d = true;
   const uint32_t* lens = reinterpret_cast<const uint32_t*>(context_lens);
   const uint32_t* indices = nullptr;
   uint32_t* meta = reinterpret_cast<uint32_t*>(schedule);
   void* args[] = {&b, &next_n, &ctx2d, &lens, &indices, &meta};
-  DG_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kernel), args));
+  DSA_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kernel), args));
 }
 
 }  // namespace
@@ -214,9 +144,8 @@ void paged_logits_metadata(const int* context_lens, int* schedule, int batch, cu
 }
 
 void make_paged_logits_plan(PagedLogitsPlan* p, const void* q, const void* kv_cache, int num_blocks,
-                            const float* weights, int batch, const int* context_lens, float* logits,
-                            int logits_stride, const int* block_table, int block_table_stride,
-                            const int* schedule) {
+                            const float* weights, int batch, const int* context_lens, float* logits, int logits_stride,
+                            const int* block_table, int block_table_stride, const int* schedule) {
   // The views DeepGEMM derives from vLLM's [num_blocks, 64, 1, 132] uint8 cache: keys
   // [num_blocks, 64, 128] e4m3 with block stride 8448, scales [num_blocks, 64] fp32 starting at
   // byte 64 x 128 with block stride 8448 / 4.
@@ -258,12 +187,12 @@ void make_paged_logits_plan(PagedLogitsPlan* p, const void* q, const void* kv_ca
     fprintf(stderr, "paged logits: stride %d not a multiple of %d\n", logits_stride, kSplitKV);
     exit(3);
   }
-  DG_CK(cudaFuncSetAttribute(kPagedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p->smem));
+  DSA_CK(cudaFuncSetAttribute(kPagedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p->smem));
 }
 
 void paged_logits(const PagedLogitsPlan& p, cudaStream_t s) {
   cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t c = launch_config(dim3(kDgSms), dim3(kTmaThreads + kMathThreads), p.smem, s, attr);
+  cudaLaunchConfig_t c = dsa_peers::pdl_launch_config(dim3(kDgSms), dim3(kTmaThreads + kMathThreads), p.smem, s, attr);
   uint32_t batch = uint32_t(p.batch), stride = uint32_t(p.logits_stride), bts = uint32_t(p.block_table_stride);
   const uint32_t* lens = reinterpret_cast<const uint32_t*>(p.context_lens);
   float* logits = p.logits;
@@ -272,7 +201,7 @@ void paged_logits(const PagedLogitsPlan& p, cudaStream_t s) {
   const uint32_t* sched = reinterpret_cast<const uint32_t*>(p.schedule);
   CUtensorMap q = p.q, kv = p.kv, sc = p.kv_scales, w = p.weights;
   void* args[] = {&batch, &stride, &bts, &lens, &logits, &bt, &indices, &sched, &q, &kv, &sc, &w};
-  DG_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kPagedKernel), args));
+  DSA_CK(cudaLaunchKernelExC(&c, reinterpret_cast<const void*>(kPagedKernel), args));
 }
 
 }  // namespace dsa
@@ -322,8 +251,8 @@ void launch_cluster(vllm::cooperative::CooperativeTopKParams<kTopK>& params, siz
 }
 }  // namespace
 
-void vllm_cooperative_topk(const float* logits, int stride, const int* lengths, int* out, void* tie_ws,
-                           int rows, cudaStream_t s) {
+void vllm_cooperative_topk(const float* logits, int stride, const int* lengths, int* out, void* tie_ws, int rows,
+                           cudaStream_t s) {
   if (rows > 32 || stride % 4 != 0) {
     fprintf(stderr, "cooperative_topk: rows %d (<= 32) stride %d (multiple of 4)\n", rows, stride);
     exit(3);
@@ -343,7 +272,7 @@ void vllm_cooperative_topk(const float* logits, int stride, const int* lengths, 
 
 void vllm_filtered_topk(const float* logits, int stride, const int* lengths, int* out, int rows, cudaStream_t s) {
   topk_check(vllm::FilteredTopKRaggedTransform<float, int32_t, kTopK>(logits, out, lengths, uint32_t(rows),
-                                                                       uint32_t(kTopK), uint32_t(stride), s),
+                                                                      uint32_t(kTopK), uint32_t(stride), s),
              "FilteredTopK launch");
 }
 
@@ -478,38 +407,23 @@ __global__ void count_nonfinite_f32_kernel(const float* p, int rows, size_t stri
 }
 
 // ---------------------------------------------------------------- host helpers
-float e4m3_to_float(uint8_t b) {
-  __nv_fp8_e4m3 v;
-  memcpy(&v, &b, 1);
-  return float(v);
-}
-
-template <typename T>
-T* dalloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
-template <typename T>
-std::vector<T> to_host(const T* d, size_t n) {
-  std::vector<T> h(n);
-  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-unsigned grid_for(size_t threads) { return unsigned(std::min<size_t>((threads + 255) / 256, 1u << 30)); }
+using dsa_peers::dalloc;
+using dsa_peers::e4m3_to_float;
+using dsa_peers::grid_for;
+using dsa_peers::to_host;
 
 // ---------------------------------------------------------------- one configuration
 // A "world" is everything one layer of one step reads: index keys, MLA rows, block table, the
 // layer's queries and weights, and its own logits / top-k / slots buffers. Cold mode rotates the
 // launches of a graph over P worlds so that what they read exceeds ~2.5x the L2.
 struct World {
-  uint8_t* q_index;        // e4m3 [B][64][128]
-  float* weights;          // [B][64]
-  __nv_bfloat16* q_mla;    // [B][128][576]
-  int* block_table;        // [B][S / 64] global block ids (index keys and MLA rows share them)
-  float* logits;           // [B][stride]
-  int* topk;               // [B][2048] positions in the request's context
-  int* slots;              // [B][2048] global slot ids
+  uint8_t* q_index;      // e4m3 [B][64][128]
+  float* weights;        // [B][64]
+  __nv_bfloat16* q_mla;  // [B][128][576]
+  int* block_table;      // [B][S / 64] global block ids (index keys and MLA rows share them)
+  float* logits;         // [B][stride]
+  int* topk;             // [B][2048] positions in the request's context
+  int* slots;            // [B][2048] global slot ids
   dsa::PagedLogitsPlan plan;
 };
 
@@ -524,7 +438,7 @@ struct Bench {
   int* dg_sched = nullptr;         // [kDgSms + 1][2]
   void* tie_ws = nullptr;
   std::vector<World> w;
-  std::vector<std::vector<int>> h_bt;  // per world, host copy of the block table
+  std::vector<std::vector<int> > h_bt;  // per world, host copy of the block table
   // FlashMLA decode
   DecodingSchedMeta* fm_sched = nullptr;
   int* fm_splits = nullptr;
@@ -608,9 +522,11 @@ void Bench::setup() {
   const size_t nblocks = size_t(P) * B * nbps;
   index_cache = dalloc<uint8_t>(nblocks * kIndexBlockBytes);
   mla_cache = dalloc<uint8_t>(nblocks * kBlock * MLA_ROW);
-  fill_index_cache_kernel<<<grid_for(nblocks * kBlock * 32), 256, 0, s>>>(index_cache, nblocks * kBlock, opt.seed * 11 + 1);
+  fill_index_cache_kernel<<<grid_for(nblocks * kBlock * 32), 256, 0, s>>>(index_cache, nblocks * kBlock,
+                                                                            opt.seed * 11 + 1);
   CK(cudaGetLastError());
-  fill_mla_cache_kernel<<<grid_for(nblocks * kBlock * 32), 256, 0, s>>>(mla_cache, nblocks * kBlock, opt.seed * 11 + 2);
+  fill_mla_cache_kernel<<<grid_for(nblocks * kBlock * 32), 256, 0, s>>>(mla_cache, nblocks * kBlock,
+                                                                          opt.seed * 11 + 2);
   CK(cudaGetLastError());
 
   std::vector<int> h_ctx(B, S);
@@ -632,8 +548,10 @@ void Bench::setup() {
     x.topk = dalloc<int>(size_t(B) * kTopK);
     x.slots = dalloc<int>(size_t(B) * kTopK);
     const uint64_t sd = opt.seed * 17 + uint64_t(i) * 7919;
-    fill_e4m3_kernel<<<grid_for(size_t(B) * kIndexHeads * kIndexDim), 256, 0, s>>>(x.q_index, size_t(B) * kIndexHeads * kIndexDim, sd + 1, 448.f);
-    fill_f32_kernel<<<grid_for(size_t(B) * kIndexHeads), 256, 0, s>>>(x.weights, size_t(B) * kIndexHeads, sd + 2, 1.f);
+    fill_e4m3_kernel<<<grid_for(size_t(B) * kIndexHeads * kIndexDim), 256, 0, s>>>(
+        x.q_index, size_t(B) * kIndexHeads * kIndexDim, sd + 1, 448.f);
+    fill_f32_kernel<<<grid_for(size_t(B) * kIndexHeads), 256, 0, s>>>(x.weights, size_t(B) * kIndexHeads, sd + 2,
+                                                                        1.f);
     peers::fill_uniform_bf16(x.q_mla, size_t(B) * H * D_QK, sd + 3, 6.f, s);
     // This world's blocks, in a random order (an allocator's blocks are not contiguous).
     std::vector<int>& bt = h_bt[i];
@@ -641,8 +559,8 @@ void Bench::setup() {
     std::iota(bt.begin(), bt.end(), i * B * nbps);
     std::shuffle(bt.begin(), bt.end(), rng);
     CK(cudaMemcpy(x.block_table, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
-    dsa::make_paged_logits_plan(&x.plan, x.q_index, index_cache, int(nblocks), x.weights, B, ctx_lens, x.logits,
-                                stride, x.block_table, nbps, dg_sched);
+    dsa::make_paged_logits_plan(&x.plan, x.q_index, index_cache, int(nblocks), x.weights, B, ctx_lens, x.logits, stride,
+                                x.block_table, nbps, dg_sched);
   }
 
   // FlashMLA sparse FP8 decode: split-KV schedule over 64-row blocks of the 2048 selected rows,
@@ -748,7 +666,7 @@ peers::CheckResult Bench::check_logits(int i) {
   const std::vector<uint8_t> q = to_host(w[i].q_index, size_t(B) * kIndexHeads * kIndexDim);
   const std::vector<float> wt = to_host(w[i].weights, size_t(B) * kIndexHeads);
   std::mt19937 rng(uint32_t(opt.seed + i));
-  double num = 0, den = 0, mx = 0, mref = 0;
+  dsa_peers::ErrorSum err;
   std::vector<uint8_t> blk(kIndexBlockBytes);
   for (int b : peers::sample_requests(B, opt.check_all)) {
     std::vector<int> pos;
@@ -757,7 +675,8 @@ peers::CheckResult Bench::check_logits(int i) {
     const std::vector<float> row = to_host(w[i].logits + size_t(b) * stride, size_t(S));
     for (int t : pos) {
       const int block = h_bt[i][size_t(b) * nbps + t / kBlock];
-      CK(cudaMemcpy(blk.data(), index_cache + size_t(block) * kIndexBlockBytes, kIndexBlockBytes, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(blk.data(), index_cache + size_t(block) * kIndexBlockBytes, kIndexBlockBytes,
+                    cudaMemcpyDeviceToHost));
       float scale;
       memcpy(&scale, blk.data() + kBlock * kIndexDim + (t % kBlock) * 4, 4);
       double acc = 0;
@@ -769,18 +688,15 @@ peers::CheckResult Bench::check_logits(int i) {
         acc += std::max(dot, 0.0) * wt[size_t(b) * kIndexHeads + h];
       }
       acc *= scale;
-      double e = double(row[t]) - acc;
-      if (!std::isfinite(e)) e = 1e30;
-      num += e * e, den += acc * acc;
-      mx = std::max(mx, std::fabs(e)), mref = std::max(mref, std::fabs(acc));
+      err.add(row[t], acc);
     }
   }
-  r.rel_l2 = std::sqrt(num / std::max(den, 1e-30));
-  r.max_abs = mx;
-  r.max_ref = mref;
+  r.rel_l2 = err.rel_l2();
+  r.max_abs = err.max_abs;
+  r.max_ref = err.max_ref;
   // 2e-3: Hopper accumulates FP8 WGMMA products with fewer than fp32's mantissa bits; a layout
   // or scale mistake gives errors of order 1.
-  r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && mref > 0;
+  r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && err.max_ref > 0;
   if (!r.ok) r.why = "logits: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
   return r;
 }
@@ -841,7 +757,8 @@ peers::CheckResult Bench::check_decode(int i) {
   std::vector<int> h_id(size_t(B) * kTopK);
   std::iota(h_id.begin(), h_id.end(), 0);
   CK(cudaMemcpy(ident, h_id.data(), h_id.size() * 4, cudaMemcpyHostToDevice));
-  gather_dequant_kernel<<<grid_for(size_t(B) * kTopK * 32), 256, 0, s>>>(mla_cache, w[i].slots, dq, size_t(B) * kTopK);
+  gather_dequant_kernel<<<grid_for(size_t(B) * kTopK * 32), 256, 0, s>>>(mla_cache, w[i].slots, dq,
+                                                                           size_t(B) * kTopK);
   CK(cudaGetLastError());
   CK(cudaStreamSynchronize(s));
   peers::RefProblem rp;
@@ -913,22 +830,26 @@ void Bench::run() {
   const bool coop = B <= 32;
   auto chk_layer = [&](int i) { return all_of({check_logits(i), check_topk(i), check_slots(i), check_decode(i)}); };
   std::vector<Piece> pieces = {
-      {"vllm", "dsa_step", [&](int i) { meta(); layer(i % P); }, H, D_QK, D_V,
-       b_idx + 2 * b_log + b_slots + b_mla, f_log + f_mla, &c_all, chk_layer},
+      {"vllm", "dsa_step",
+       [&](int i) {
+         meta();
+         layer(i % P);
+       },
+       H, D_QK, D_V, b_idx + 2 * b_log + b_slots + b_mla, f_log + f_mla, &c_all, chk_layer},
       {"vllm", "dsa_layer", [&](int i) { layer(i % P); }, H, D_QK, D_V, b_idx + 2 * b_log + b_slots + b_mla,
        f_log + f_mla, &c_all, chk_layer},
-      {"deepgemm", "dg_fp8_paged_mqa_logits", [&](int i) { logits(i % P); }, kIndexHeads, kIndexDim, 0,
-       b_idx + b_log, f_log, &c_log, [&](int i) { return check_logits(i); }},
-      {"vllm", coop ? "vllm_cooperative_topk" : "vllm_filtered_topk", [&](int i) { topk(i % P); }, 0, 0, 0, b_log,
-       0, &c_top, [&](int i) { return check_topk(i); }},
+      {"deepgemm", "dg_fp8_paged_mqa_logits", [&](int i) { logits(i % P); }, kIndexHeads, kIndexDim, 0, b_idx + b_log,
+       f_log, &c_log, [&](int i) { return check_logits(i); }},
+      {"vllm", coop ? "vllm_cooperative_topk" : "vllm_filtered_topk", [&](int i) { topk(i % P); }, 0, 0, 0, b_log, 0,
+       &c_top, [&](int i) { return check_topk(i); }},
       {"ours", "slots_ours", [&](int i) { slots(i % P); }, 0, 0, 0, b_slots, 0, &c_slot,
        [&](int i) { return check_slots(i); }},
       {"flashmla", "flashmla_sparse_decode_fp8", [&](int i) { decode(i % P); }, H, D_QK, D_V, b_mla, f_mla, &c_dec,
        [&](int i) { return check_decode(i); }},
       {"deepgemm", "dg_paged_mqa_logits_metadata", [&](int) { dsa::paged_logits_metadata(ctx_lens, dg_sched, B, s); },
        0, 0, 0, 0, 0, &c_all, nullptr},
-      {"flashmla", "flashmla_sched_meta", [&](int) { smxx::decode::run_get_decoding_sched_meta_kernel(sp); }, 0, 0,
-       0, 0, 0, &c_all, nullptr},
+      {"flashmla", "flashmla_sched_meta", [&](int) { smxx::decode::run_get_decoding_sched_meta_kernel(sp); }, 0, 0, 0,
+       0, 0, &c_all, nullptr},
   };
   for (const Piece& pc : pieces) {
     peers::Row row;
@@ -977,8 +898,8 @@ void Bench::run() {
     row.bytes = pc.bytes;
     row.flops = pc.flops;
     char notes[256];
-    snprintf(notes, sizeof(notes), "worlds=%d world_MB=%.0f topk=%s max_model_len=%d logits_stride=%d dg_sms=%d %s",
-             P, (double(B) * S * (dsa::kIndexRowBytes + MLA_ROW)) / 1e6,
+    snprintf(notes, sizeof(notes), "worlds=%d world_MB=%.0f topk=%s max_model_len=%d logits_stride=%d dg_sms=%d %s", P,
+             (double(B) * S * (dsa::kIndexRowBytes + MLA_ROW)) / 1e6,
              coop ? (B <= 8 ? "cooperative_cs8" : "cooperative_cs4") : "filtered", S, stride, dsa::kDgSms,
              opt.eager ? "timing=eager" : "timing=graph");
     row.notes = notes;
@@ -1009,8 +930,8 @@ int main(int argc, char** argv) {
   if (opt.configs.empty()) opt.configs = "1:8192,8:32768,64:131072";
   const auto configs = peers::parse_configs(opt.configs, 32768);
   peers::DeviceInfo dev = peers::device_info();
-  REQUIRE(dev.cc_major == 9 && dev.cc_minor == 0, "built for sm_90a, found sm_%d%d (%s)", dev.cc_major,
-          dev.cc_minor, dev.name.c_str());
+  REQUIRE(dev.cc_major == 9 && dev.cc_minor == 0, "built for sm_90a, found sm_%d%d (%s)", dev.cc_major, dev.cc_minor,
+          dev.name.c_str());
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (auto [B, S] : configs) {
