@@ -75,7 +75,7 @@ MK=$PB/build/Makefile.dsa
     src=$here/vllm_dsa_${d}_bench.cu
     echo "build/dsa_${d}_dg.o: $src $here/dsa_peers_common.h"
     echo "	\$(NVCC) \$(DG_FLAGS) -c \$< -o \$@"
-    echo "build/dsa_${d}_main.o: $src $here/dsa_peers_common.h src/peers_common.cuh"
+    echo "build/dsa_${d}_main.o: $src $here/dsa_peers_common.h $here/dsa_peers_device.cuh src/peers_common.cuh"
     echo "	\$(NVCC) \$(FM_FLAGS) -c \$< -o \$@"
   done
   echo "build/dsa_step_topk.o: $here/vllm_dsa_step_bench.cu $here/dsa_peers_common.h"

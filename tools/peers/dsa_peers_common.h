@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #define DSA_CK(...) \
@@ -125,6 +126,19 @@ struct ErrorSum {
   }
   double rel_l2() const { return std::sqrt(num / std::max(den, 1e-30)); }
 };
+
+/// Fills a check's error fields (peers_common.cuh's CheckResult) from `err`
+/// and passes it only when no output was non-finite, rel_l2 < bound, and
+/// the references were not all near zero (max_ref > min_ref, so an all-zero
+/// reference cannot make any output pass).
+template <class Check>
+void judge(Check& r, const ErrorSum& err, double bound, double min_ref, const char* what) {
+  r.rel_l2 = err.rel_l2();
+  r.max_abs = err.max_abs;
+  r.max_ref = err.max_ref;
+  r.ok = r.nonfinite == 0 && r.rel_l2 < bound && err.max_ref > min_ref;
+  if (!r.ok) r.why = std::string(what) + ": nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
+}
 
 /// Blocks of 256 threads for a grid-stride loop over `threads` items.
 inline unsigned grid_for(size_t threads) { return unsigned(std::min<size_t>((threads + 255) / 256, 1u << 30)); }

@@ -113,6 +113,7 @@ void mqa_logits(const MqaLogitsPlan& p, cudaStream_t s) {
 #include "sm90/prefill/sparse/phase1.h"
 
 #include "peers_common.cuh"
+#include "dsa_peers_device.cuh"
 
 namespace {
 using bf16 = cutlass::bfloat16_t;
@@ -121,37 +122,19 @@ using dsa_prefill::kHeads;
 constexpr int H = 128, D_QK = 576, D_V = 512, TOPK = 2048;
 constexpr float LOG2E = 1.44269504f;
 
-__device__ inline float hash_uniform(uint64_t seed, uint64_t i) {  // [-1, 1)
-  uint64_t h = peers::splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
-  return float(h >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-__device__ inline uint8_t to_e4m3(float x) {
-  __nv_fp8_e4m3 v(x);
-  return *reinterpret_cast<uint8_t*>(&v);
-}
+using dsa_peers::fill_e4m3_kernel;
+using dsa_peers::fill_f32_kernel;
+
 // Keys as vLLM's indexer cache holds them (gathered contiguous): e4m3 values and a power-of-two
 // (ue8m0) fp32 scale per key. One warp per key.
 __global__ void fill_keys_kernel(uint8_t* k, float* scales, size_t n, uint64_t seed) {
-  size_t t = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32;
-  int lane = threadIdx.x % 32;
+  const size_t t = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   if (t >= n) return;
-  float v[4], amax = 0.f;
-  for (int i = 0; i < 4; ++i) {
-    v[i] = hash_uniform(seed, t * kDim + lane * 4 + i) * 3.f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  float scale = exp2f(ceilf(log2f(fmaxf(amax, 1e-10f) / 448.f)));
-  for (int i = 0; i < 4; ++i) k[t * kDim + lane * 4 + i] = to_e4m3(v[i] / scale);
+  uint8_t bytes[4];
+  const float scale = dsa_peers::warp_fp8_key(seed, t, bytes);
+  for (int i = 0; i < 4; ++i) k[t * kDim + lane * 4 + i] = bytes[i];
   if (lane == 0) scales[t] = scale;
-}
-__global__ void fill_e4m3_kernel(uint8_t* p, size_t n, uint64_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = to_e4m3(hash_uniform(seed, i) * amp);
-}
-__global__ void fill_f32_kernel(float* p, size_t n, uint64_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = hash_uniform(seed, i) * amp;
 }
 // Valid logits of row i are columns [0, len0 + i); count the non-finite ones.
 __global__ void count_nonfinite_causal_kernel(const float* p, int rows, size_t stride, int len0,
@@ -272,13 +255,9 @@ void run_logits(const peers::Options& opt, const peers::DeviceInfo& dev, cudaStr
         err.add(row[j], acc);
       }
     }
-    r.rel_l2 = err.rel_l2();
-    r.max_abs = err.max_abs;
-    r.max_ref = err.max_ref;
     // 2e-3: Hopper accumulates FP8 WGMMA products with fewer than fp32's mantissa bits; a layout
     // or scale mistake gives errors of order 1.
-    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && err.max_ref > 0;
-    if (!r.ok) r.why = "logits: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
+    dsa_peers::judge(r, err, 2e-3, 0.0, "logits");
     return r;
   };
 
@@ -408,11 +387,7 @@ void run_sparse_fwd(const peers::Options& opt, const peers::DeviceInfo& dev, cud
         err.add(peers::bf16_to_float_host(o[e]), ref[k * size_t(H) * D_V + e]);
       }
     }
-    r.rel_l2 = err.rel_l2();
-    r.max_abs = err.max_abs;
-    r.max_ref = err.max_ref;
-    r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-2 && err.max_ref > 1e-3;
-    if (!r.ok) r.why = "sparse_fwd: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
+    dsa_peers::judge(r, err, 2e-2, 1e-3, "sparse_fwd");
     return r;
   };
 

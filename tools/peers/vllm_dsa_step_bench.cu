@@ -288,6 +288,7 @@ void vllm_filtered_topk(const float* logits, int stride, const int* lengths, int
 #include "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.h"
 
 #include "peers_common.cuh"
+#include "dsa_peers_device.cuh"
 
 namespace {
 using bf16 = cutlass::bfloat16_t;
@@ -301,43 +302,24 @@ using dsa::kIndexHeads;
 using dsa::kTopK;
 
 // ---------------------------------------------------------------- random data (ours)
-__device__ inline float hash_uniform(uint64_t seed, uint64_t i) {  // [-1, 1)
-  uint64_t h = peers::splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
-  return float(h >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-__device__ inline uint8_t to_e4m3(float x) {
-  __nv_fp8_e4m3 v(x);  // saturating round-to-nearest
-  return *reinterpret_cast<uint8_t*>(&v);
-}
+using dsa_peers::fill_e4m3_kernel;
+using dsa_peers::fill_f32_kernel;
+using dsa_peers::hash_uniform;
+using dsa_peers::to_e4m3;
 
 // Index keys in vLLM's paged layout: per block 64 rows of 128 e4m3, then 64 fp32 scales; per
 // token the scale is a power of two (ue8m0, as vLLM's indexer_k_quant_and_cache with
 // scale_fmt "ue8m0"): scale = 2^ceil(log2(amax / 448)). One warp per token.
 __global__ void fill_index_cache_kernel(uint8_t* cache, size_t ntok, uint64_t seed) {
-  size_t tok = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32;
-  int lane = threadIdx.x % 32;
+  const size_t tok = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   if (tok >= ntok) return;
-  float v[4], amax = 0.f;
-  for (int i = 0; i < 4; ++i) {
-    v[i] = hash_uniform(seed, tok * kIndexDim + lane * 4 + i) * 3.f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  float scale = exp2f(ceilf(log2f(fmaxf(amax, 1e-10f) / 448.f)));
+  uint8_t bytes[4];
+  const float scale = dsa_peers::warp_fp8_key(seed, tok, bytes);
   uint8_t* blk = cache + (tok / kBlock) * size_t(kIndexBlockBytes);
-  int row = int(tok % kBlock);
-  for (int i = 0; i < 4; ++i) blk[row * kIndexDim + lane * 4 + i] = to_e4m3(v[i] / scale);
+  const int row = int(tok % kBlock);
+  for (int i = 0; i < 4; ++i) blk[row * kIndexDim + lane * 4 + i] = bytes[i];
   if (lane == 0) reinterpret_cast<float*>(blk + kBlock * kIndexDim)[row] = scale;
-}
-
-// FP8 e4m3 values spread over the format's range (index queries).
-__global__ void fill_e4m3_kernel(uint8_t* p, size_t n, uint64_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = to_e4m3(hash_uniform(seed, i) * amp);
-}
-__global__ void fill_f32_kernel(float* p, size_t n, uint64_t seed, float amp) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = hash_uniform(seed, i) * amp;
 }
 
 // MLA rows in DeepSeek-V3.2's FP8 format (FlashMLA's tests/quant.py): per 128-wide tile of the
@@ -691,13 +673,9 @@ peers::CheckResult Bench::check_logits(int i) {
       err.add(row[t], acc);
     }
   }
-  r.rel_l2 = err.rel_l2();
-  r.max_abs = err.max_abs;
-  r.max_ref = err.max_ref;
   // 2e-3: Hopper accumulates FP8 WGMMA products with fewer than fp32's mantissa bits; a layout
   // or scale mistake gives errors of order 1.
-  r.ok = r.nonfinite == 0 && r.rel_l2 < 2e-3 && err.max_ref > 0;
-  if (!r.ok) r.why = "logits: nonfinite=" + std::to_string(r.nonfinite) + " rel_l2=" + std::to_string(r.rel_l2);
+  dsa_peers::judge(r, err, 2e-3, 0.0, "logits");
   return r;
 }
 
