@@ -25,7 +25,8 @@
 #   DSA_BATCHES   (default "1 8 32 64"), DSA_CONTEXTS (default "8192 32768 131072"): vLLM's
 #                 DeepSeek-V3.2 decode step (DeepGEMM indexer logits, vLLM top-k, FlashMLA FP8
 #                 sparse decode) and its pieces; SKIP_DSA=1 leaves them out; DSA_OURS=1 also runs
-#                 our DSA step (sparse_step_bench, shipped from BUILD_DIR) on the same shapes
+#                 our DSA step over FP8 engine pools (sparse_step_bench --pools fp8, shipped from
+#                 BUILD_DIR) on the same shapes
 #   DSA_PREFILL_CONFIGS  chunk:context list for the DSA prefill kernels (DeepGEMM fp8_mqa_logits,
 #                 FlashMLA sparse fwd; default "4096:32768 8192:32768 16384:32768 4096:131072");
 #                 SKIP_DSA_PREFILL=1 leaves them out
@@ -254,5 +255,5 @@ case "${1:-}" in
   prepare) prepare ;;
   ship) shift; ship "$@" ;;
   run) run ;;
-  *) sed -n '2,31p' "$0"; exit 2 ;;
+  *) sed -n '2,32p' "$0"; exit 2 ;;
 esac
