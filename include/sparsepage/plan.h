@@ -3,6 +3,7 @@
 // which is what makes `run` capturable in a CUDA graph.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -73,6 +74,13 @@ struct DecodePlan {
   int32_t uniform_chunks = 0;
   int32_t uniform_chunk_tokens = 0;
   bool needs_merge() const { return !merge_requests.empty(); }
+  /// The most partial slots one merged request has (0 when none is merged).
+  int32_t most_merged_partials() const {
+    if (uniform_chunks > 1) return uniform_chunks;
+    int32_t most = 0;
+    for (size_t i = 0; i + 1 < merge_indptr.size(); ++i) most = std::max(most, merge_indptr[i + 1] - merge_indptr[i]);
+    return most;
+  }
   WorkspaceLayout workspace;
   /// Per-request counts the plan was made for. The CPU backend checks the
   /// table's seq_lens against them; the CUDA backend cannot read a device

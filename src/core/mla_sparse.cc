@@ -30,12 +30,7 @@ namespace {
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // The most chunks the decode plan splits one request into (1 when it splits none).
-int32_t most_chunks(const DecodePlan& plan) {
-  int32_t most = plan.work.empty() ? 0 : 1;
-  for (size_t i = 0; i + 1 < plan.merge_indptr.size(); ++i)
-    most = std::max(most, plan.merge_indptr[i + 1] - plan.merge_indptr[i]);
-  return most;
-}
+int32_t most_chunks(const DecodePlan& plan) { return std::max(plan.work.empty() ? 0 : 1, plan.most_merged_partials()); }
 
 const char* cache_name(const MlaSparseParams& p, const MlaSparseCache& c) { return &c == &p.extra ? "extra" : "cache"; }
 

@@ -297,16 +297,23 @@ TEST(PlanAsData, AMergeListPastTheSlotsIsNamedNotRead) {
   }
 }
 
-// A forged blob once passed the checks with a split request's partials
-// listed as two merge entries (each slot its own, so slot by slot nothing
-// was amiss) and merged it wrongly. Each merge entry must list all of its
-// request's partials, and a request only once.
-TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
+// A small machine cutting every request into chunks of 64 tokens: the
+// merge lists' tests below edit the plans it gives.
+PlanShape chunks_of_64() {
   PlanShape shape;
   shape.group_size = 2;
   shape.head_dim_v = 8;
   shape.num_sms = 3;
   shape.fixed_chunk_tokens = 64;
+  return shape;
+}
+
+// A forged blob once passed the checks with a split request's partials
+// listed as two merge entries (each slot its own, so slot by slot nothing
+// was amiss) and merged it wrongly. Each merge entry must list all of its
+// request's partials, and a request only once.
+TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
+  const PlanShape shape = chunks_of_64();
   const DecodePlan base = make_decode_plan({200, 0, 130, 64}, shape);
   ASSERT_FALSE(base.merge_requests.empty());
   const int32_t first_slots = base.merge_indptr[1] - base.merge_indptr[0];
@@ -335,11 +342,7 @@ TEST(PlanAsData, ARequestsPartialsMergeAsOneEntry) {
 // entry naming it (zero slots, so the slot count agreed) would overwrite
 // that output with an empty merge.
 TEST(PlanAsData, AMergeEntryForAnUnsplitRequestIsRefused) {
-  PlanShape shape;
-  shape.group_size = 2;
-  shape.head_dim_v = 8;
-  shape.num_sms = 3;
-  shape.fixed_chunk_tokens = 64;
+  const PlanShape shape = chunks_of_64();
   const DecodePlan base = make_decode_plan({256, 64}, shape);  // request 0 split in 4, request 1 not
   ASSERT_EQ(base.merge_requests, std::vector<int32_t>{0});
   DecodePlan forged = base;

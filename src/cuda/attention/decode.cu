@@ -44,11 +44,6 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   m.partial_lse = reinterpret_cast<const float*>(at(workspace, plan.workspace.partial_lse));
   m.merge_indptr = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_indptr));
   m.merge_requests = reinterpret_cast<const int32_t*>(at(workspace, plan.workspace.merge_requests));
-  int32_t max_partials = plan.uniform_chunks;
-  if (max_partials <= 0) {
-    for (size_t i = 0; i + 1 < plan.merge_indptr.size(); ++i)
-      max_partials = std::max(max_partials, plan.merge_indptr[i + 1] - plan.merge_indptr[i]);
-  }
   m.group_size = params.group_size * params.q_len;
   m.heads = params.group_size;
   m.q_len = params.q_len;
@@ -62,7 +57,7 @@ void run_merge(const DecodeParams& params, const QoStrides& qo, const DecodePlan
   m.lse = params.lse;
   m.sink = finish.sink;
   m.empty_lse = finish.empty_lse;
-  cuda::launch_merge<T>(m, max_partials, static_cast<int32_t>(plan.merge_requests.size()), stream);
+  cuda::launch_merge<T>(m, plan.most_merged_partials(), static_cast<int32_t>(plan.merge_requests.size()), stream);
 }
 
 /// Whether the launch reads the engines' index forms (decode.h), which take
